@@ -1,0 +1,30 @@
+# The two commands: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+STAMP   = $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test venv clean bench
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@# Real engines: installed when the platform has them; tests skip cleanly where it has not.
+	-$(PY) -m pip install -q -e '.[mooncake,nixl]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(VENV)/bin/pdstate demo
+
+bench: $(STAMP)
+	$(VENV)/bin/pdstate bench --quick
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

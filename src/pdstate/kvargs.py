@@ -1,0 +1,206 @@
+"""``KVArgs`` and ``setup_state_kv_args``: what a worker advertises about its memory.
+
+Components are matched between prefill and decode **by position**, so their order is part of the
+wire contract. For a DSV4 target the order is upstream's:
+
+1. ``SWA``        = ``target.get_state_buf_infos()`` (always);
+2. ``SWA_RING``   = ``target.get_unified_swa_ring_buf_infos()`` (unified mode);
+3. ``C128_STATE`` = ``target.get_c128_state_buf_infos()`` (any C128 layer);
+4. the draft's ``SWA`` (paged) or ``SWA_RING`` (unified) component, last, after the five checks of
+   ``check_draft_pair`` — only when both pools are DSV4 pools.
+
+The five checks are written once, over ``PoolFacts``, so the handshake can re-run them on the
+facts a peer reports about its own pair and refuse with the very same error.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pdstate.errors import (
+    DraftNotSWAOnly,
+    PagedSWAGeometryMismatch,
+    SWAIndexMappingNotShared,
+    SWARingGeometryMismatch,
+    UnifiedKVModeMismatch,
+)
+from pdstate.pools.allocator import MappingIdentity
+from pdstate.pools.dsv4 import DeepSeekV4TokenToKVPool
+
+
+class StateType(str, enum.Enum):
+    MAMBA = "mamba"
+    SWA = "swa"
+    NSA = "nsa"
+    SWA_RING = "swa_ring"
+    C128_STATE = "c128_state"
+
+
+@dataclass
+class KVArgs:
+    """Every field a worker advertises (upstream names). Pointers are host addresses."""
+
+    engine_rank: int = 0
+    kv_data_ptrs: list[int] = field(default_factory=list)
+    kv_data_lens: list[int] = field(default_factory=list)
+    kv_item_lens: list[int] = field(default_factory=list)
+    aux_data_ptrs: list[int] = field(default_factory=list)
+    aux_data_lens: list[int] = field(default_factory=list)
+    aux_item_lens: list[int] = field(default_factory=list)
+    state_types: list[StateType] = field(default_factory=list)
+    state_data_ptrs: list[list[int]] = field(default_factory=list)
+    state_data_lens: list[list[int]] = field(default_factory=list)
+    state_item_lens: list[list[int]] = field(default_factory=list)
+    state_dim_per_tensor: list[list[int]] = field(default_factory=list)
+    state_layer_ids: list[list[int]] = field(default_factory=list)
+    is_hybrid_mla_backend: bool = False
+    page_size: int = 0
+    kv_cache_dtype: str = ""
+    ib_device: str | None = None
+    gpu_id: int = 0
+    pp_rank: int = 0
+    prefill_start_layer: int = 0
+    prefill_end_layer: int | None = None
+    mla_compression_ratios: list[int] = field(default_factory=list)
+    total_kv_layers: int | None = None
+
+    @property
+    def num_components(self) -> int:
+        return len(self.state_types)
+
+
+def append_state_component(
+    kv_args: KVArgs,
+    state_type: StateType,
+    ptrs: list[int],
+    lens: list[int],
+    item_lens: list[int],
+    dim_per_tensor: list[int] | None = None,
+    layer_ids: list[int] | None = None,
+) -> None:
+    """Append one component; the four lists stay parallel."""
+    if not (len(ptrs) == len(lens) == len(item_lens)):
+        raise ValueError(
+            f"state component {state_type.value}: {len(ptrs)} pointers, {len(lens)} lengths, "
+            f"{len(item_lens)} item lengths"
+        )
+    kv_args.state_types.append(state_type)
+    kv_args.state_data_ptrs.append(list(ptrs))
+    kv_args.state_data_lens.append(list(lens))
+    kv_args.state_item_lens.append(list(item_lens))
+    kv_args.state_dim_per_tensor.append(list(dim_per_tensor or []))
+    kv_args.state_layer_ids.append(list(layer_ids or []))
+
+
+@dataclass(frozen=True)
+class PoolFacts:
+    """What the five target/draft checks read from one pool."""
+
+    compression_ratios: tuple[int, ...]
+    unified_kv: bool
+    ring_geometry: tuple[int, int, int] | None
+    paged_geometry: tuple[int, int]
+    mapping_identity: MappingIdentity | None
+
+    @classmethod
+    def of(cls, pool: DeepSeekV4TokenToKVPool) -> "PoolFacts":
+        return cls(
+            tuple(pool.compression_ratios),
+            pool._unified_kv,
+            pool.ring_geometry,
+            pool.paged_geometry,
+            pool.mapping_identity,
+        )
+
+
+def check_draft_pair(
+    target: PoolFacts, draft: PoolFacts, mapping_shared: Callable[[], bool]
+) -> None:
+    """The five upstream checks, in upstream order; raises the upstream error, else returns.
+
+    ``mapping_shared`` is consulted only in paged mode, after the mode and ratio checks, exactly
+    where upstream evaluates ``target.full_to_swa_index_mapping is draft.full_to_swa_index_mapping``.
+    """
+    if not draft.compression_ratios or any(r != 0 for r in draft.compression_ratios):
+        raise DraftNotSWAOnly()
+    if target.unified_kv != draft.unified_kv:
+        raise UnifiedKVModeMismatch()
+    if target.unified_kv:
+        if target.ring_geometry != draft.ring_geometry:
+            raise SWARingGeometryMismatch.build(target.ring_geometry, draft.ring_geometry)
+        return
+    if not mapping_shared():
+        raise SWAIndexMappingNotShared()
+    if target.paged_geometry != draft.paged_geometry:
+        raise PagedSWAGeometryMismatch.build(target.paged_geometry, draft.paged_geometry)
+
+
+def identities_shared(target: PoolFacts, draft: PoolFacts) -> bool:
+    """Cross-process form of the identity check: both pools recorded the same mapping identity.
+
+    A draft that never registered a mapping reports ``None`` and is treated as not shared.
+    """
+    return target.mapping_identity is not None and target.mapping_identity == draft.mapping_identity
+
+
+def setup_state_kv_args(
+    kv_args: KVArgs,
+    token_to_kv_pool: DeepSeekV4TokenToKVPool,
+    draft_token_to_kv_pool: object | None = None,
+    total_kv_layers: int | None = None,
+    req_to_token_pool: object | None = None,
+) -> KVArgs:
+    """Fill the state fields of ``kv_args`` from a DSV4 target (and draft) pool.
+
+    Raises the upstream ``RuntimeError`` subclasses of ``pdstate.errors`` when the draft cannot be
+    transferred alongside the target. A draft that is ``None`` or not a DSV4 pool is skipped.
+    """
+    if not isinstance(token_to_kv_pool, DeepSeekV4TokenToKVPool):
+        raise TypeError(f"pdstate handles DSV4 pools; got {type(token_to_kv_pool).__name__}")
+    target = token_to_kv_pool
+    kv_args.state_types = []
+    kv_args.state_data_ptrs, kv_args.state_data_lens, kv_args.state_item_lens = [], [], []
+    kv_args.state_dim_per_tensor, kv_args.state_layer_ids = [], []
+    kv_args.is_hybrid_mla_backend = False
+    if total_kv_layers is not None:
+        kv_args.total_kv_layers = total_kv_layers
+
+    append_state_component(kv_args, StateType.SWA, *target.get_state_buf_infos())
+    if target._unified_kv:
+        ring = target.get_unified_swa_ring_buf_infos()
+        if ring[0]:
+            append_state_component(kv_args, StateType.SWA_RING, *ring)
+    if target.c128_states:
+        append_state_component(kv_args, StateType.C128_STATE, *target.get_c128_state_buf_infos())
+
+    draft = draft_token_to_kv_pool
+    if isinstance(draft, DeepSeekV4TokenToKVPool):
+        check_draft_pair(
+            PoolFacts.of(target),
+            PoolFacts.of(draft),
+            lambda: target.full_to_swa_index_mapping is draft.full_to_swa_index_mapping,
+        )
+        if target._unified_kv:
+            infos, state_type = draft.get_unified_swa_ring_buf_infos(), StateType.SWA_RING
+        else:
+            infos, state_type = draft.get_state_buf_infos(), StateType.SWA
+        if infos[0]:
+            append_state_component(kv_args, state_type, *infos)
+    return kv_args
+
+
+def fill_kv_args(
+    token_to_kv_pool: DeepSeekV4TokenToKVPool,
+    draft_token_to_kv_pool: object | None = None,
+) -> KVArgs:
+    """A complete ``KVArgs`` for a worker: main KV channel, page size, dtype, then state components."""
+    kv_args = KVArgs()
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = token_to_kv_pool.get_contiguous_buf_infos()
+    kv_args.page_size = token_to_kv_pool.page_size
+    kv_args.kv_cache_dtype = str(token_to_kv_pool.dtype).replace("torch.", "")
+    kv_args.mla_compression_ratios = list(token_to_kv_pool.compression_ratios)
+    kv_args.prefill_start_layer = token_to_kv_pool._stage_start
+    kv_args.prefill_end_layer = token_to_kv_pool._stage_end
+    return setup_state_kv_args(kv_args, token_to_kv_pool, draft_token_to_kv_pool)

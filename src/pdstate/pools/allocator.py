@@ -1,0 +1,212 @@
+"""The SWA allocator, owner of ``full_to_swa_index_mapping``, and the request-slot pool.
+
+``full_to_swa_index_mapping`` is an int64 tensor of ``size_full + page_size + 1`` entries: entry
+``i`` is the SWA slot of full slot ``i``, ``0`` means unmapped, and the last entry is the constant
+``-1`` so that looking up ``-1`` yields ``-1``. Allocation is page-coherent (full page ``P`` maps to
+SWA page ``Q`` with equal in-page offsets), page 0 is the padding page and is never handed out, and
+the tensor is only ever updated in place.
+
+The allocator tags its mapping with a random nonce. A pool records a ``MappingIdentity`` (nonce,
+data pointer, numel, dtype) when a mapping is registered, so two pools report equal identities iff
+they registered the very same tensor object: a clone has another pointer and no nonce; a ``[:]``
+view shares the pointer but is another object without the nonce.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdstate.errors import AllocationError
+
+_NONCE_ATTR = "_pdstate_mapping_nonce"
+
+
+@dataclass(frozen=True)
+class MappingIdentity:
+    nonce: str
+    data_ptr: int
+    numel: int
+    dtype: str
+
+    @classmethod
+    def of(cls, mapping: torch.Tensor) -> "MappingIdentity":
+        """Identity of ``mapping``; tags an untagged tensor object with a fresh nonce first."""
+        nonce = getattr(mapping, _NONCE_ATTR, None)
+        if nonce is None:
+            nonce = secrets.token_hex(8)
+            setattr(mapping, _NONCE_ATTR, nonce)
+        return cls(nonce, mapping.data_ptr(), mapping.numel(), str(mapping.dtype).replace("torch.", ""))
+
+    def as_dict(self) -> dict:
+        return {"nonce": self.nonce, "data_ptr": self.data_ptr, "numel": self.numel, "dtype": self.dtype}
+
+
+def new_mapping(size_full: int, page_size: int, device: str = "cpu") -> torch.Tensor:
+    """A fresh, tagged, all-unmapped mapping with the ``-1`` sentinel."""
+    mapping = torch.cat(
+        [torch.zeros(size_full + page_size, dtype=torch.int64, device=device),
+         torch.tensor([-1], dtype=torch.int64, device=device)]
+    )
+    setattr(mapping, _NONCE_ATTR, secrets.token_hex(8))
+    return mapping
+
+
+class _PagePool:
+    """Free list of page ids ``1..num_pages`` (page 0 reserved), lowest ids handed out first."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._free = list(range(num_pages, 0, -1))  # a stack: pop() yields the lowest id
+        self._used: set[int] = set()
+
+    def available(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise AllocationError(f"out of pages: asked for {n}, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(n)]
+        self._used.update(pages)
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        bad = [p for p in pages if p not in self._used]
+        if bad:
+            raise AllocationError(f"freeing pages that are not allocated: {bad[:8]}")
+        self._used.difference_update(pages)
+        self._free.extend(pages)
+        self._free.sort(reverse=True)
+
+
+class SWATokenToKVPoolAllocator:
+    """Full-pool and SWA-pool page allocators sharing one ``full_to_swa_index_mapping``.
+
+    ``alloc(n)`` maps every page of the request; ``alloc_swa_tail(n, window)`` (decode side) maps
+    only the pages of the last ``window`` tokens and leaves the rest of the request unmapped.
+    ``free(locs)`` returns full pages and their SWA pages and resets their mapping entries to 0.
+    """
+
+    def __init__(
+        self,
+        size_full: int,
+        size_swa: int,
+        page_size: int,
+        device: str = "cpu",
+        kvcache: object | None = None,
+    ) -> None:
+        if page_size <= 0 or size_full % page_size or size_swa % page_size:
+            raise AllocationError(
+                f"size_full={size_full} and size_swa={size_swa} must be multiples of page_size={page_size}"
+            )
+        self.size_full = size_full
+        self.size_swa = size_swa
+        self.page_size = page_size
+        self.device = device
+        self._full = _PagePool(size_full // page_size)
+        self._swa = _PagePool(size_swa // page_size)
+        self.full_to_swa_index_mapping = new_mapping(size_full, page_size, device)
+        self._swa_page_of: dict[int, int] = {}
+        if kvcache is not None:
+            kvcache.register_mapping(self.full_to_swa_index_mapping)
+
+    # -- sizes --------------------------------------------------------------------------------
+    def full_available_size(self) -> int:
+        return self._full.available() * self.page_size
+
+    def swa_available_size(self) -> int:
+        return self._swa.available() * self.page_size
+
+    def available_size(self) -> int:
+        return min(self.full_available_size(), self.swa_available_size())
+
+    # -- allocation ---------------------------------------------------------------------------
+    def _pages_for(self, num_tokens: int) -> int:
+        if num_tokens <= 0:
+            raise AllocationError(f"num_tokens must be positive, got {num_tokens}")
+        return -(-num_tokens // self.page_size)
+
+    def _locs(self, pages: list[int], num_tokens: int) -> torch.Tensor:
+        ps = self.page_size
+        p = torch.tensor(pages, dtype=torch.int64)
+        return (p[:, None] * ps + torch.arange(ps, dtype=torch.int64)[None, :]).reshape(-1)[:num_tokens]
+
+    def _map(self, full_pages: list[int], swa_pages: list[int]) -> None:
+        ps = self.page_size
+        offs = torch.arange(ps, dtype=torch.int64)
+        fp = torch.tensor(full_pages, dtype=torch.int64)
+        sp = torch.tensor(swa_pages, dtype=torch.int64)
+        self.full_to_swa_index_mapping[(fp[:, None] * ps + offs).reshape(-1)] = (sp[:, None] * ps + offs).reshape(-1)
+        self._swa_page_of.update(zip(full_pages, swa_pages))
+
+    def alloc(self, num_tokens: int) -> torch.Tensor:
+        """Full slots for ``num_tokens``, every page mapped to a fresh SWA page."""
+        n = self._pages_for(num_tokens)
+        if n > self._swa.available():
+            raise AllocationError(f"out of SWA pages: asked for {n}, {self._swa.available()} free")
+        full = self._full.alloc(n)
+        self._map(full, self._swa.alloc(n))
+        return self._locs(full, num_tokens)
+
+    def swa_tail_pages(self, num_tokens: int, window: int) -> int:
+        """Pages covering ``[page_floor(max(0, n - window)), n)``: the SWA tail of a request."""
+        start = max(0, num_tokens - window) // self.page_size * self.page_size
+        return -(-(num_tokens - start) // self.page_size)
+
+    def alloc_swa_tail(self, num_tokens: int, window: int) -> torch.Tensor:
+        """Full slots for ``num_tokens``; SWA pages only for the last-``window`` tail pages."""
+        n = self._pages_for(num_tokens)
+        tail = self.swa_tail_pages(num_tokens, window)
+        if tail > self._swa.available():
+            raise AllocationError(f"out of SWA pages: asked for {tail}, {self._swa.available()} free")
+        full = self._full.alloc(n)
+        ps = self.page_size
+        head = torch.tensor(full[: n - tail], dtype=torch.int64)
+        if head.numel():
+            self.full_to_swa_index_mapping[(head[:, None] * ps + torch.arange(ps)).reshape(-1)] = 0
+        self._map(full[n - tail :], self._swa.alloc(tail))
+        return self._locs(full, num_tokens)
+
+    def free(self, locs: torch.Tensor | np.ndarray) -> None:
+        """Free the pages holding ``locs`` (and their SWA pages); mapping entries back to 0."""
+        locs_t = torch.as_tensor(np.asarray(locs), dtype=torch.int64)
+        if locs_t.numel() == 0:
+            return
+        pages = sorted(set((locs_t // self.page_size).tolist()))
+        self._full.free(pages)
+        swa = [self._swa_page_of.pop(p) for p in pages if p in self._swa_page_of]
+        if swa:
+            self._swa.free(swa)
+        ps = self.page_size
+        fp = torch.tensor(pages, dtype=torch.int64)
+        self.full_to_swa_index_mapping[(fp[:, None] * ps + torch.arange(ps)).reshape(-1)] = 0
+
+    def translate(self, locs: torch.Tensor) -> torch.Tensor:
+        return self.full_to_swa_index_mapping[locs]
+
+
+class ReqToTokenPool:
+    """Request slots (``req_pool_idx``) and each slot's row of full-slot locations."""
+
+    def __init__(self, num_req_slots: int, max_context_len: int) -> None:
+        self.num_req_slots = num_req_slots
+        self.req_to_token = torch.zeros((num_req_slots, max_context_len), dtype=torch.int64)
+        self._free = list(range(num_req_slots - 1, -1, -1))
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise AllocationError("out of request slots")
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.num_req_slots:
+            raise AllocationError(f"request slot {slot} is not allocated")
+        self.req_to_token[slot].zero_()
+        self._free.append(slot)
+        self._free.sort(reverse=True)
