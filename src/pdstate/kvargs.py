@@ -145,6 +145,37 @@ def identities_shared(target: PoolFacts, draft: PoolFacts) -> bool:
     return target.mapping_identity is not None and target.mapping_identity == draft.mapping_identity
 
 
+def state_components(
+    target: DeepSeekV4TokenToKVPool, draft: object | None, *, check: bool = True
+) -> list[tuple[StateType, tuple[list[int], list[int], list[int]]]]:
+    """The ordered state components of a target (+ draft), each ``(type, (ptrs, lens, items))``.
+
+    With ``check`` (the upstream behaviour) the five draft checks run before the draft component
+    is appended; without it, the components are only described (used to report a broken pair).
+    """
+    comps = [(StateType.SWA, target.get_state_buf_infos())]
+    if target._unified_kv:
+        ring = target.get_unified_swa_ring_buf_infos()
+        if ring[0]:
+            comps.append((StateType.SWA_RING, ring))
+    if target.c128_states:
+        comps.append((StateType.C128_STATE, target.get_c128_state_buf_infos()))
+    if isinstance(draft, DeepSeekV4TokenToKVPool):
+        if check:
+            check_draft_pair(
+                PoolFacts.of(target),
+                PoolFacts.of(draft),
+                lambda: target.full_to_swa_index_mapping is draft.full_to_swa_index_mapping,
+            )
+        if draft._unified_kv:
+            infos, state_type = draft.get_unified_swa_ring_buf_infos(), StateType.SWA_RING
+        else:
+            infos, state_type = draft.get_state_buf_infos(), StateType.SWA
+        if infos[0]:
+            comps.append((state_type, infos))
+    return comps
+
+
 def setup_state_kv_args(
     kv_args: KVArgs,
     token_to_kv_pool: DeepSeekV4TokenToKVPool,
@@ -155,39 +186,20 @@ def setup_state_kv_args(
     """Fill the state fields of ``kv_args`` from a DSV4 target (and draft) pool.
 
     Raises the upstream ``RuntimeError`` subclasses of ``pdstate.errors`` when the draft cannot be
-    transferred alongside the target. A draft that is ``None`` or not a DSV4 pool is skipped.
+    transferred alongside the target; ``kv_args`` is left untouched then. A draft that is ``None``
+    or not a DSV4 pool is skipped silently.
     """
     if not isinstance(token_to_kv_pool, DeepSeekV4TokenToKVPool):
         raise TypeError(f"pdstate handles DSV4 pools; got {type(token_to_kv_pool).__name__}")
-    target = token_to_kv_pool
+    comps = state_components(token_to_kv_pool, draft_token_to_kv_pool)
     kv_args.state_types = []
     kv_args.state_data_ptrs, kv_args.state_data_lens, kv_args.state_item_lens = [], [], []
     kv_args.state_dim_per_tensor, kv_args.state_layer_ids = [], []
     kv_args.is_hybrid_mla_backend = False
     if total_kv_layers is not None:
         kv_args.total_kv_layers = total_kv_layers
-
-    append_state_component(kv_args, StateType.SWA, *target.get_state_buf_infos())
-    if target._unified_kv:
-        ring = target.get_unified_swa_ring_buf_infos()
-        if ring[0]:
-            append_state_component(kv_args, StateType.SWA_RING, *ring)
-    if target.c128_states:
-        append_state_component(kv_args, StateType.C128_STATE, *target.get_c128_state_buf_infos())
-
-    draft = draft_token_to_kv_pool
-    if isinstance(draft, DeepSeekV4TokenToKVPool):
-        check_draft_pair(
-            PoolFacts.of(target),
-            PoolFacts.of(draft),
-            lambda: target.full_to_swa_index_mapping is draft.full_to_swa_index_mapping,
-        )
-        if target._unified_kv:
-            infos, state_type = draft.get_unified_swa_ring_buf_infos(), StateType.SWA_RING
-        else:
-            infos, state_type = draft.get_state_buf_infos(), StateType.SWA
-        if infos[0]:
-            append_state_component(kv_args, state_type, *infos)
+    for state_type, infos in comps:
+        append_state_component(kv_args, state_type, *infos)
     return kv_args
 
 

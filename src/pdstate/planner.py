@@ -49,3 +49,146 @@ class TransferPlan:
         for i in range(0, len(self), max_descriptors):
             sl = slice(i, i + max_descriptors)
             yield TransferPlan(self.src[sl], self.dst[sl], self.length[sl], int(self.length[sl].sum()))
+
+
+# --- planning ---------------------------------------------------------------------------------
+
+from pdstate.errors import (  # noqa: E402  (kept below the data type engines import alone)
+    IndexCountMismatch,
+    IndexOutOfRange,
+    ItemLengthMismatch,
+    PaddingPageIndex,
+)
+
+# Channels addressed by allocator page ids, where id 0 is the reserved padding page.
+PAGE_ADDRESSED = frozenset({"main_kv", "swa"})
+
+
+@dataclass(frozen=True)
+class Channel:
+    """One index space: the main KV channel or one state component, with its buffers."""
+
+    name: str  # "main_kv" or the component's state type
+    ptrs: np.ndarray  # uint64
+    lens: np.ndarray  # uint64, registered bytes per buffer
+    items: np.ndarray  # uint64, bytes per index per buffer
+
+
+def _u64(xs) -> np.ndarray:
+    return np.asarray(xs, dtype=np.uint64)
+
+
+def channels_of(desc) -> list[Channel]:
+    """Main KV, then every state component in order, from a ``KVArgs`` or ``wire.KVDesc``."""
+    chans = [Channel("main_kv", _u64(desc.kv_data_ptrs), _u64(desc.kv_data_lens), _u64(desc.kv_item_lens))]
+    for st, p, n, i in zip(desc.state_types, desc.state_data_ptrs, desc.state_data_lens, desc.state_item_lens):
+        chans.append(Channel(getattr(st, "value", st), _u64(p), _u64(n), _u64(i)))
+    return chans
+
+
+def _check_indices(side: str, label: str, chan: Channel, idx: np.ndarray) -> None:
+    if idx.size == 0:
+        return
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < 0:
+        raise IndexOutOfRange(f"{label}: {side} index {lo} is negative")
+    if chan.name in PAGE_ADDRESSED and lo == 0:
+        raise PaddingPageIndex(f"{label}: {side} index 0 is the reserved padding page")
+    if chan.items.size:
+        # index * item + item <= data_len for every buffer of the channel
+        capacity = chan.lens // np.maximum(chan.items, 1)
+        worst = int(capacity.min())
+        if hi >= worst:
+            j = int(np.argmin(capacity))
+            raise IndexOutOfRange(
+                f"{label}: {side} index {hi} is past buffer {j} "
+                f"({int(chan.lens[j])} bytes = {worst} items of {int(chan.items[j])} bytes)"
+            )
+    if np.unique(idx).size != idx.size:
+        raise IndexOutOfRange(f"{label}: {side} indices contain duplicates")
+
+
+def runs(src_idx: np.ndarray, dst_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Maximal runs where both lists advance by +1: ``(src_starts, dst_starts, lengths)``."""
+    n = src_idx.size
+    if n == 0:
+        e = np.empty(0, dtype=np.int64)
+        return e, e, e
+    brk = np.flatnonzero((np.diff(src_idx) != 1) | (np.diff(dst_idx) != 1)) + 1
+    starts = np.concatenate(([0], brk))
+    lengths = np.diff(np.concatenate((starts, [n])))
+    return src_idx[starts], dst_idx[starts], lengths
+
+
+def plan_channel(
+    label: str, src: Channel, dst: Channel, src_idx: np.ndarray, dst_idx: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Descriptors for one channel, buffer-major; every check runs before anything is built."""
+    if src.items.size != dst.items.size:
+        raise ItemLengthMismatch(f"{label}: prefill has {src.items.size} buffers, decode has {dst.items.size}")
+    if not np.array_equal(src.items, dst.items):
+        j = int(np.flatnonzero(src.items != dst.items)[0])
+        raise ItemLengthMismatch(
+            f"{label}: buffer {j} item length differs: prefill={int(src.items[j])}, decode={int(dst.items[j])}"
+        )
+    if src_idx.size != dst_idx.size:
+        raise IndexCountMismatch(f"{label}: index count mismatch: prefill={src_idx.size}, decode={dst_idx.size}")
+    _check_indices("prefill", label, src, src_idx)
+    _check_indices("decode", label, dst, dst_idx)
+    s0, d0, n = runs(src_idx, dst_idx)
+    if n.size == 0 or src.items.size == 0:
+        e = np.empty(0, dtype=np.uint64)
+        return e, e, e
+    items = src.items[:, None]
+    s_addr = src.ptrs[:, None] + s0.astype(np.uint64)[None, :] * items
+    d_addr = dst.ptrs[:, None] + d0.astype(np.uint64)[None, :] * items
+    length = n.astype(np.uint64)[None, :] * items
+    return s_addr.ravel(), d_addr.ravel(), length.ravel()
+
+
+def plan_request(src_desc, dst_desc, src_lists, dst_lists) -> TransferPlan:
+    """Plan one request: ``*_lists[0]`` are main-KV page ids, then one list per state component.
+
+    Raises before anything reaches an engine: ``ItemLengthMismatch`` (component count or item
+    lengths differ), ``IndexCountMismatch`` (strictly, for every channel), ``IndexOutOfRange``
+    (negative, past a registered buffer, duplicated), ``PaddingPageIndex`` (page 0 of a
+    page-addressed channel).
+    """
+    src_chans, dst_chans = channels_of(src_desc), channels_of(dst_desc)
+    src_types = [c.name for c in src_chans]
+    dst_types = [c.name for c in dst_chans]
+    if src_types != dst_types:
+        raise ItemLengthMismatch(f"channels differ: prefill={src_types}, decode={dst_types}")
+    if not (len(src_lists) == len(dst_lists) == len(src_chans)):
+        raise IndexCountMismatch(
+            f"index lists: prefill sent {len(src_lists)}, decode sent {len(dst_lists)}, "
+            f"layout has {len(src_chans)} channels"
+        )
+    parts = []
+    for c, (sc, dc, si, di) in enumerate(zip(src_chans, dst_chans, src_lists, dst_lists)):
+        label = "main KV" if c == 0 else f"component {c - 1} ({sc.name})"
+        parts.append(plan_channel(label, sc, dc, np.asarray(si, dtype=np.int64), np.asarray(di, dtype=np.int64)))
+    if not parts:
+        return TransferPlan.empty()
+    return TransferPlan.from_arrays(*(np.concatenate([p[k] for p in parts]) for k in range(3)))
+
+
+def plan_request_loop(src_desc, dst_desc, src_lists, dst_lists) -> list[tuple[int, int, int]]:
+    """Baseline: upstream's shape of planning, a Python loop per run and per buffer (no checks).
+
+    Kept for the benchmark and as the reference the property tests compare against.
+    """
+    out = []
+    for sc, dc, si, di in zip(channels_of(src_desc), channels_of(dst_desc), src_lists, dst_lists):
+        si, di = [int(x) for x in si], [int(x) for x in di]
+        groups, i = [], 0
+        while i < len(si):
+            j = i
+            while j + 1 < len(si) and si[j + 1] == si[j] + 1 and di[j + 1] == di[j] + 1:
+                j += 1
+            groups.append((si[i], di[i], j - i + 1))
+            i = j + 1
+        for sp, dp, item in zip(sc.ptrs.tolist(), dc.ptrs.tolist(), sc.items.tolist()):
+            for s, d, n in groups:
+                out.append((sp + s * item, dp + d * item, n * item))
+    return out

@@ -1,0 +1,113 @@
+"""Compatibility of two workers' layout reports, with the same errors on both sides.
+
+``check_peer(ours, theirs, our_role)`` raises, in this order and stopping at the first failure:
+1. what the peer would raise about its own target/draft pair: the five upstream checks re-run on
+   the reported facts, the mapping check comparing recorded mapping identities (e.g. a peer whose
+   draft has its own mapping -> ``SWAIndexMappingNotShared``);
+2. the upstream cross-side sentences: ``PageSizeMismatch``, then ``KVCacheDtypeMismatch``;
+3. ``LayoutMismatch`` naming the first differing factor (in ``layout.FACTOR_NAMES`` order) with
+   both values, prefill's first.
+
+``check_descriptors`` then vets the peer's registered buffers against ours before any request.
+Everything here is pure: the handshake calls it, and so do ``/v1/compat/check`` and
+``pdstate check``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+from pdstate.errors import DescriptorMismatch, KVCacheDtypeMismatch, LayoutMismatch, PageSizeMismatch
+from pdstate.kvargs import check_draft_pair, identities_shared
+from pdstate.layout import ErrorInfo, LayoutReport, diff
+
+Role = Literal["prefill", "decode"]
+
+# Plausibility bound for one registered range (a whole host's memory is far below this).
+MAX_REGION_BYTES = 1 << 44
+
+
+def check_own_pair(report: LayoutReport) -> None:
+    """Re-run the five upstream checks on a report's target/draft facts."""
+    if report.draft is None:
+        return
+    t, d = report.target.to_facts(), report.draft.to_facts()
+    check_draft_pair(t, d, lambda: identities_shared(t, d))
+
+
+def check_peer(ours: LayoutReport, theirs: LayoutReport, our_role: Role) -> None:
+    check_own_pair(theirs)
+    prefill, decode = (ours, theirs) if our_role == "prefill" else (theirs, ours)
+    if prefill.page_size != decode.page_size:
+        raise PageSizeMismatch.build(prefill.page_size, decode.page_size)
+    if prefill.kv_dtype != decode.kv_dtype:
+        raise KVCacheDtypeMismatch.build(prefill.kv_dtype, decode.kv_dtype)
+    for name, p_val, d_val in diff(prefill, decode):
+        raise LayoutMismatch.build(name, p_val, d_val)
+
+
+def compat_errors(ours: LayoutReport, theirs: LayoutReport, our_role: Role) -> list[ErrorInfo]:
+    """Every reason the pair cannot work, for an operator's preflight (first one is what the
+    handshake raises). Empty when compatible."""
+    errors: list[ErrorInfo] = []
+    try:
+        check_own_pair(theirs)
+    except RuntimeError as exc:
+        errors.append(ErrorInfo.of(exc))
+    try:
+        check_own_pair(ours)
+    except RuntimeError as exc:
+        errors.append(ErrorInfo.of(exc))
+    prefill, decode = (ours, theirs) if our_role == "prefill" else (theirs, ours)
+    for name, p_val, d_val in diff(prefill, decode):
+        if name == "page_size":
+            errors.append(ErrorInfo.of(PageSizeMismatch.build(p_val, d_val)))
+        elif name == "kv_dtype":
+            errors.append(ErrorInfo.of(KVCacheDtypeMismatch.build(p_val, d_val)))
+        else:
+            errors.append(ErrorInfo.of(LayoutMismatch.build(name, p_val, d_val)))
+    return errors
+
+
+def check_ranges(label: str, ptrs: Sequence[int], lens: Sequence[int], items: Sequence[int]) -> None:
+    """Each range is plausible (positive, whole items, bounded) and no two ranges overlap."""
+    if not (len(ptrs) == len(lens) == len(items)):
+        raise DescriptorMismatch(f"{label}: {len(ptrs)} pointers, {len(lens)} lengths, {len(items)} item lengths")
+    for i, (p, n, it) in enumerate(zip(ptrs, lens, items)):
+        if p <= 0 or n <= 0 or it <= 0 or n > MAX_REGION_BYTES or p + n >= 1 << 64 or it > n:
+            raise DescriptorMismatch(f"{label}[{i}]: implausible range ptr={p:#x} len={n} item_len={it}")
+
+
+def check_no_overlap(ranges: Sequence[tuple[int, int, str]]) -> None:
+    ordered = sorted(ranges)
+    for (p0, n0, l0), (p1, n1, l1) in zip(ordered, ordered[1:]):
+        if p0 + n0 > p1:
+            raise DescriptorMismatch(f"registered ranges overlap: {l0} [{p0:#x}, +{n0}) and {l1} [{p1:#x}, +{n1})")
+
+
+def check_descriptors(ours, theirs) -> None:
+    """The peer's ``KVArgs``-like descriptors pair with ours buffer by buffer.
+
+    Both arguments expose ``kv_data_ptrs/lens/item_lens`` and per-component ``state_types``,
+    ``state_data_ptrs/lens``, ``state_item_lens``.
+    """
+    check_ranges("main KV", theirs.kv_data_ptrs, theirs.kv_data_lens, theirs.kv_item_lens)
+    if list(theirs.kv_item_lens) != list(ours.kv_item_lens):
+        raise DescriptorMismatch(
+            f"main KV item lengths differ: ours={list(ours.kv_item_lens)}, peer={list(theirs.kv_item_lens)}"
+        )
+    our_types = [getattr(t, "value", t) for t in ours.state_types]
+    their_types = [getattr(t, "value", t) for t in theirs.state_types]
+    if our_types != their_types:
+        raise DescriptorMismatch(f"state components differ: ours={our_types}, peer={their_types}")
+    ranges = [(p, n, f"main KV[{i}]") for i, (p, n) in enumerate(zip(theirs.kv_data_ptrs, theirs.kv_data_lens))]
+    for c, st in enumerate(their_types):
+        label = f"component {c} ({st})"
+        check_ranges(label, theirs.state_data_ptrs[c], theirs.state_data_lens[c], theirs.state_item_lens[c])
+        if list(theirs.state_item_lens[c]) != list(ours.state_item_lens[c]):
+            raise DescriptorMismatch(
+                f"{label} item lengths differ: ours={list(ours.state_item_lens[c])}, "
+                f"peer={list(theirs.state_item_lens[c])}"
+            )
+        ranges += [(p, n, f"{label}[{i}]") for i, (p, n) in enumerate(zip(theirs.state_data_ptrs[c], theirs.state_data_lens[c]))]
+    check_no_overlap(ranges)

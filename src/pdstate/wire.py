@@ -1,0 +1,273 @@
+"""The control protocol's messages, their msgpack codec, version and size limits.
+
+Every frame is one msgpack map ``{"v": version, "kind": str, "body": bin, "auth": bin?}``; the
+envelope is decoded first, then the body (itself a msgpack map) is validated by the pydantic model
+registered for ``kind``. The auth tag, when a shared token is configured, is HMAC-SHA256 over
+``v || kind || body`` and is compared in constant time. Index lists travel as packed
+little-endian integers (``PackedIndices``), never as msgpack arrays of ints.
+
+Version log (bump ``PROTOCOL_VERSION`` and add a golden vector in ``proto/vectors/`` for any
+change of a message's fields):
+- 1: Register, Accept, Reject, Heartbeat, TransferRequest, TransferDone, Abort, Busy, Error.
+"""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import hmac
+from typing import Annotated, Any, ClassVar, Literal
+
+import msgpack
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from pdstate.errors import AuthError, ProtocolError, VersionMismatch
+from pdstate.layout import ErrorInfo, LayoutReport
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 8 * 1024 * 1024
+MAX_INDICES = 1 << 22  # per list: far above any 1M-token request in pages or window rows
+MAX_BUFFERS = 4096  # per component / main KV
+MAX_COMPONENTS = 16
+U64 = Annotated[int, Field(ge=0, lt=1 << 64)]
+I63 = Annotated[int, Field(ge=0, lt=1 << 63)]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
+    KIND: ClassVar[str]
+
+
+class PackedIndices(BaseModel):
+    """A packed little-endian int32/int64 index array."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    dtype: Literal["<i4", "<i8"]
+    data: bytes
+
+    @field_validator("data")
+    @classmethod
+    def _whole_items(cls, v: bytes, info) -> bytes:
+        size = 4 if info.data.get("dtype") == "<i4" else 8
+        if len(v) % size:
+            raise ValueError(f"{len(v)} bytes is not a whole number of {size}-byte indices")
+        if len(v) // size > MAX_INDICES:
+            raise ValueError(f"{len(v) // size} indices exceed the limit of {MAX_INDICES}")
+        return v
+
+    @classmethod
+    def pack(cls, arr) -> "PackedIndices":
+        a = np.asarray(arr, dtype=np.int64)
+        if a.size and a.min() >= -(1 << 31) and a.max() < (1 << 31):
+            return cls(dtype="<i4", data=a.astype("<i4").tobytes())
+        return cls(dtype="<i8", data=a.astype("<i8").tobytes())
+
+    def unpack(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype=self.dtype).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.data) // (4 if self.dtype == "<i4" else 8)
+
+
+class ComponentDesc(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    state_type: str
+    ptrs: list[U64] = Field(max_length=MAX_BUFFERS)
+    lens: list[U64] = Field(max_length=MAX_BUFFERS)
+    item_lens: list[U64] = Field(max_length=MAX_BUFFERS)
+
+
+class KVDesc(BaseModel):
+    """A side's registered buffers (its ``KVArgs`` without Python objects)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kv_data_ptrs: list[U64] = Field(max_length=MAX_BUFFERS)
+    kv_data_lens: list[U64] = Field(max_length=MAX_BUFFERS)
+    kv_item_lens: list[U64] = Field(max_length=MAX_BUFFERS)
+    components: list[ComponentDesc] = Field(max_length=MAX_COMPONENTS)
+
+    @classmethod
+    def of(cls, kv_args) -> "KVDesc":
+        return cls(
+            kv_data_ptrs=kv_args.kv_data_ptrs,
+            kv_data_lens=kv_args.kv_data_lens,
+            kv_item_lens=kv_args.kv_item_lens,
+            components=[
+                ComponentDesc(state_type=getattr(t, "value", t), ptrs=p, lens=n, item_lens=i)
+                for t, p, n, i in zip(
+                    kv_args.state_types, kv_args.state_data_ptrs, kv_args.state_data_lens, kv_args.state_item_lens
+                )
+            ],
+        )
+
+    # the attribute names ``compat.check_descriptors`` reads
+    @property
+    def state_types(self) -> list[str]:
+        return [c.state_type for c in self.components]
+
+    @property
+    def state_data_ptrs(self) -> list[list[int]]:
+        return [c.ptrs for c in self.components]
+
+    @property
+    def state_data_lens(self) -> list[list[int]]:
+        return [c.lens for c in self.components]
+
+    @property
+    def state_item_lens(self) -> list[list[int]]:
+        return [c.item_lens for c in self.components]
+
+
+class EngineDesc(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str = Field(max_length=32)
+    endpoint: dict[str, Any]
+
+
+class Register(Message):
+    KIND: ClassVar[str] = "register"
+    worker_id: str = Field(max_length=128)
+    incarnation: str = Field(max_length=64)
+    role: Literal["decode"]
+    report: LayoutReport
+    kv: KVDesc | None
+    engine: EngineDesc
+
+
+class Accept(Message):
+    KIND: ClassVar[str] = "accept"
+    worker_id: str = Field(max_length=128)
+    incarnation: str = Field(max_length=64)
+    report: LayoutReport
+    heartbeat_interval_s: float = Field(gt=0)
+    peer_timeout_s: float = Field(gt=0)
+
+
+class Reject(Message):
+    KIND: ClassVar[str] = "reject"
+    worker_id: str = Field(max_length=128)
+    error: ErrorInfo
+
+
+class Heartbeat(Message):
+    KIND: ClassVar[str] = "heartbeat"
+    worker_id: str = Field(max_length=128)
+    incarnation: str = Field(max_length=64)
+    seq: I63
+
+
+class TransferRequest(Message):
+    KIND: ClassVar[str] = "transfer_request"
+    room: I63
+    seq_len: Annotated[int, Field(ge=1, le=1 << 24)]
+    dst_kv_pages: PackedIndices
+    dst_state_indices: list[PackedIndices] = Field(max_length=MAX_COMPONENTS)
+    deadline_s: float = Field(gt=0, le=3600)
+
+
+class TransferDone(Message):
+    KIND: ClassVar[str] = "transfer_done"
+    room: I63
+    status: Literal["success", "failed"]
+    bytes: U64 = 0
+    descriptors: U64 = 0
+    digest: builtins.bytes | None = None
+    error: ErrorInfo | None = None
+
+
+class Abort(Message):
+    KIND: ClassVar[str] = "abort"
+    room: I63
+    reason: str = Field(max_length=1024)
+
+
+class Busy(Message):
+    KIND: ClassVar[str] = "busy"
+    room: I63
+    in_flight: int
+    limit: int
+
+
+class Error(Message):
+    """A frame could not be processed; sent back to its sender when it can be addressed."""
+
+    KIND: ClassVar[str] = "error"
+    error: ErrorInfo
+    room: I63 | None = None
+
+
+MESSAGES: dict[str, type[Message]] = {
+    m.KIND: m for m in (Register, Accept, Reject, Heartbeat, TransferRequest, TransferDone, Abort, Busy, Error)
+}
+
+
+def _tag(token: bytes, v: int, kind: str, body: bytes) -> bytes:
+    return hmac.new(token, b"%d|%s|" % (v, kind.encode()) + body, hashlib.sha256).digest()
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def encode(msg: Message, token: bytes | None = None) -> bytes:
+    body = msgpack.packb(_plain(msg.model_dump(mode="python")), use_bin_type=True)
+    env: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": msg.KIND, "body": body}
+    if token:
+        env["auth"] = _tag(token, PROTOCOL_VERSION, msg.KIND, body)
+    return msgpack.packb(env, use_bin_type=True)
+
+
+def decode(frame: bytes, token: bytes | None = None, max_frame_bytes: int = MAX_FRAME_BYTES) -> Message:
+    """Decode and validate one frame. Raises ``ProtocolError`` (``VersionMismatch``) or ``AuthError``.
+
+    Order: size, envelope, version, auth, kind, body. A side configured with a token refuses a
+    frame without one.
+    """
+    if len(frame) > max_frame_bytes:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the limit of {max_frame_bytes} bytes")
+    try:
+        env = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_bin_len=max_frame_bytes)
+    except Exception as exc:
+        raise ProtocolError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(env, dict):
+        raise ProtocolError(f"frame is a msgpack {type(env).__name__}, expected a map envelope")
+    v, kind, body = env.get("v"), env.get("kind"), env.get("body")
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ProtocolError("envelope has no integer protocol version 'v'")
+    if v != PROTOCOL_VERSION:
+        raise VersionMismatch(f"protocol version mismatch: peer speaks v{v}, this worker speaks v{PROTOCOL_VERSION}")
+    if not isinstance(kind, str) or not isinstance(body, bytes):
+        raise ProtocolError("envelope needs a string 'kind' and a binary 'body'")
+    if token:
+        tag = env.get("auth")
+        if not isinstance(tag, bytes):
+            raise AuthError(f"{kind} frame carries no auth tag, but this worker requires one")
+        if not hmac.compare_digest(tag, _tag(token, v, kind, body)):
+            raise AuthError(f"{kind} frame carries a wrong auth tag")
+    cls = MESSAGES.get(kind)
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {kind[:64]!r}; known: {sorted(MESSAGES)}")
+    try:
+        fields = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise ProtocolError(f"undecodable {kind} body: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(fields, dict):
+        raise ProtocolError(f"{kind} body is a msgpack {type(fields).__name__}, expected a map")
+    try:
+        return cls.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"]) or "<body>"
+        raise ProtocolError(f"invalid {kind}: {loc}: {first['msg']} ({exc.error_count()} error(s))") from exc
+
+
+def json_schemas() -> dict[str, dict]:
+    """JSON Schema of every message, keyed by kind (exported to ``proto/schema``)."""
+    return {kind: cls.model_json_schema() for kind, cls in MESSAGES.items()}
