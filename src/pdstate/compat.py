@@ -17,7 +17,13 @@ from __future__ import annotations
 
 from typing import Literal, Sequence
 
-from pdstate.errors import DescriptorMismatch, KVCacheDtypeMismatch, LayoutMismatch, PageSizeMismatch
+from pdstate.errors import (
+    DescriptorMismatch,
+    DraftMappingMissing,
+    KVCacheDtypeMismatch,
+    LayoutMismatch,
+    PageSizeMismatch,
+)
 from pdstate.kvargs import check_draft_pair, identities_shared
 from pdstate.layout import ErrorInfo, LayoutReport, diff
 
@@ -32,7 +38,15 @@ def check_own_pair(report: LayoutReport) -> None:
     if report.draft is None:
         return
     t, d = report.target.to_facts(), report.draft.to_facts()
-    check_draft_pair(t, d, lambda: identities_shared(t, d))
+
+    def mapping_shared() -> bool:
+        # In process, reading a pool's unregistered mapping raises ``DraftMappingMissing``
+        # before the identity comparison; the peer would have raised exactly that.
+        if t.mapping_identity is None or d.mapping_identity is None:
+            raise DraftMappingMissing()
+        return identities_shared(t, d)
+
+    check_draft_pair(t, d, mapping_shared)
 
 
 def check_peer(ours: LayoutReport, theirs: LayoutReport, our_role: Role) -> None:

@@ -48,7 +48,7 @@ class PrefillHandshake:
     def receive(self, msg: Register) -> Accept | Reject:
         try:
             self.validate(msg)
-        except (RuntimeError, ValueError) as exc:
+        except (RuntimeError, ValueError, EngineError) as exc:  # EngineError is not a RuntimeError
             return Reject(worker_id=self.local.worker_id, error=ErrorInfo.of(exc))
         return Accept(
             worker_id=self.local.worker_id,

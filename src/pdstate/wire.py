@@ -227,7 +227,7 @@ def encode(msg: Message, token: bytes | None = None) -> bytes:
 def decode(frame: bytes, token: bytes | None = None, max_frame_bytes: int = MAX_FRAME_BYTES) -> Message:
     """Decode and validate one frame. Raises ``ProtocolError`` (``VersionMismatch``) or ``AuthError``.
 
-    Order: size, envelope, version, auth, kind, body. A side configured with a token refuses a
+    Order: size, envelope, auth, version, kind, body. A side configured with a token refuses a
     frame without one.
     """
     if len(frame) > max_frame_bytes:
@@ -241,16 +241,17 @@ def decode(frame: bytes, token: bytes | None = None, max_frame_bytes: int = MAX_
     v, kind, body = env.get("v"), env.get("kind"), env.get("body")
     if not isinstance(v, int) or isinstance(v, bool):
         raise ProtocolError("envelope has no integer protocol version 'v'")
-    if v != PROTOCOL_VERSION:
-        raise VersionMismatch(f"protocol version mismatch: peer speaks v{v}, this worker speaks v{PROTOCOL_VERSION}")
     if not isinstance(kind, str) or not isinstance(body, bytes):
         raise ProtocolError("envelope needs a string 'kind' and a binary 'body'")
     if token:
+        # Auth before version (PROTOCOL.md): an unauthenticated sender learns nothing else.
         tag = env.get("auth")
         if not isinstance(tag, bytes):
-            raise AuthError(f"{kind} frame carries no auth tag, but this worker requires one")
+            raise AuthError(f"{kind[:64]} frame carries no auth tag, but this worker requires one")
         if not hmac.compare_digest(tag, _tag(token, v, kind, body)):
-            raise AuthError(f"{kind} frame carries a wrong auth tag")
+            raise AuthError(f"{kind[:64]} frame carries a wrong auth tag")
+    if v != PROTOCOL_VERSION:
+        raise VersionMismatch(f"protocol version mismatch: peer speaks v{v}, this worker speaks v{PROTOCOL_VERSION}")
     cls = MESSAGES.get(kind)
     if cls is None:
         raise ProtocolError(f"unknown message kind {kind[:64]!r}; known: {sorted(MESSAGES)}")

@@ -1,0 +1,469 @@
+"""The transfer-engine contract, the checks every engine shares, and the engine registry.
+
+Model (RDMA-style one-sided writes). The DECODE side owns the destination memory: it ``start()``s
+an engine, ``register()``s its regions and publishes ``endpoint()``, a msgpack-serialisable dict
+(str/int/bytes/lists only). The PREFILL side ``start()``s its own engine, ``register()``s its
+source regions, ``connect(endpoint)`` returns a peer id, and ``submit(peer_id, plan)`` writes
+``plan.length[i]`` bytes from local address ``plan.src[i]`` to remote address ``plan.dst[i]``,
+where remote addresses are the decode process's own virtual addresses as it registered them.
+
+Contract of every engine (the suite in ``tests/engines`` runs unchanged over all of them):
+
+* Constructors only store configuration; ``start()`` does IO and creates the native agent.
+  ``close()`` releases everything and is idempotent; ``with engine:`` starts and closes.
+* ``submit`` validates EVERY descriptor before moving any byte: ``src`` must lie inside a local
+  registered region and ``dst`` inside one of the peer's published regions, otherwise
+  ``DescriptorOutOfRange`` names the first bad descriptor's index and address and nothing is
+  written. Zero-length descriptors are checked, then dropped. An empty plan completes at once.
+* ``poll(handle)`` returns True once the transfer is done and raises ``EngineError`` if it
+  failed (every later poll/wait raises the same error). ``wait(handle, timeout_s)`` blocks until
+  done or raises: ``TransferTimedOut`` ("... timed out ...") past the deadline, else the failure.
+  A failure the native library reports while posting (e.g. NIXL's remote-disconnect) is raised
+  by ``submit`` itself; callers treat an ``EngineError`` from submit, poll or wait alike. Bytes
+  of a failed transfer may be partly written.
+* Public methods are serialised by one lock per engine, so a control thread may ``connect``
+  while a worker thread submits and waits. ``wait`` holds the lock only while it polls, never
+  while it sleeps; a transfer in flight on a native thread does not hold it.
+* Endpoint fields shared by all engines: ``engine`` (the engine name), ``engine_id`` (random per
+  ``start()``), ``regions`` (list of ``{"name", "base_ptr", "nbytes"}``). Engines add their own.
+
+Engines implement the underscored hooks (``_start``, ``_register``, ``_endpoint_fields``,
+``_connect``, ``_disconnect``, ``_submit``, ``_poll``, ``_close``); the public methods here do
+the lifecycle checks and the plan validation once, so an adapter only maps a checked plan onto
+its native API.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import secrets
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from enum import Enum
+from types import ModuleType
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence, TypeVar
+
+import numpy as np
+
+from pdstate.engines.errors import (
+    DescriptorOutOfRange,
+    EngineError,
+    EngineStateError,
+    EngineUnavailable,
+    InvalidEndpoint,
+    TransferTimedOut,
+    UnknownPeer,
+)
+from pdstate.planner import TransferPlan
+from pdstate.pools.memory import Region
+
+_U64 = np.uint64
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _locked(method: _F) -> _F:
+    @functools.wraps(method)
+    def wrapper(self: "TransferEngine", *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class TransferStatus(Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class TransferHandle:
+    """One submitted plan. ``native`` is the engine's private state (cleared when finished)."""
+
+    __slots__ = ("peer_id", "num_descriptors", "total_bytes", "status", "error", "native")
+
+    def __init__(self, peer_id: str, num_descriptors: int, total_bytes: int) -> None:
+        self.peer_id = peer_id
+        self.num_descriptors = num_descriptors
+        self.total_bytes = total_bytes
+        self.status = TransferStatus.PENDING
+        self.error: EngineError | None = None
+        self.native: Any = None
+
+    def finish(self) -> None:
+        self.status, self.native = TransferStatus.DONE, None
+
+    def fail(self, error: EngineError) -> None:
+        self.status, self.error, self.native = TransferStatus.FAILED, error, None
+
+    def __repr__(self) -> str:
+        return (f"TransferHandle(peer_id={self.peer_id!r}, num_descriptors={self.num_descriptors}, "
+                f"total_bytes={self.total_bytes}, status={self.status.value})")
+
+
+@dataclass(frozen=True)
+class RegionTable:
+    """Registered regions sorted by base address, for vectorised address -> region lookup."""
+
+    names: tuple[str, ...] = ()
+    base: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=_U64))
+    nbytes: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=_U64))
+
+    @classmethod
+    def build(cls, regions: Iterable[Region]) -> "RegionTable":
+        """Sort and check: every region non-empty, no two overlapping (else ``EngineError``)."""
+        regs = sorted(regions, key=lambda r: int(r.base_ptr))
+        for r in regs:
+            if int(r.nbytes) <= 0 or int(r.base_ptr) <= 0:
+                raise EngineError(f"region {r.name!r} at 0x{int(r.base_ptr):x} has no bytes to register")
+        for a, b in zip(regs, regs[1:]):
+            if int(a.base_ptr) + int(a.nbytes) > int(b.base_ptr):
+                raise EngineError(f"regions {a.name!r} and {b.name!r} overlap at 0x{int(b.base_ptr):x}")
+        return cls(
+            tuple(r.name for r in regs),
+            np.array([int(r.base_ptr) for r in regs], dtype=_U64),
+            np.array([int(r.nbytes) for r in regs], dtype=_U64),
+        )
+
+    @property
+    def regions(self) -> list[Region]:
+        return [Region(n, int(b), int(s)) for n, b, s in zip(self.names, self.base, self.nbytes)]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def locate(self, addrs: np.ndarray, lengths: np.ndarray, what: str) -> np.ndarray:
+        """Index of the region holding each ``[addr, addr + length)``.
+
+        Raises ``DescriptorOutOfRange`` naming the first descriptor that fits in no region.
+        """
+        n = addrs.shape[0]
+        if n == 0:
+            return np.empty(0, dtype=np.intp)
+        if len(self) == 0:
+            ok = np.zeros(n, dtype=bool)
+            idx = np.zeros(n, dtype=np.intp)
+        else:
+            idx = np.searchsorted(self.base, addrs, side="right").astype(np.intp) - 1
+            safe = np.maximum(idx, 0)
+            base, size = self.base[safe], self.nbytes[safe]
+            # unsigned arithmetic: every subtraction is guarded by the comparison before it
+            with np.errstate(over="ignore"):
+                offset = addrs - base
+                ok = (idx >= 0) & (addrs >= base) & (offset <= size)
+                ok &= lengths <= size - np.minimum(offset, size)
+        if not ok.all():
+            i = int(np.argmin(ok))
+            addr, length = int(addrs[i]), int(lengths[i])
+            raise DescriptorOutOfRange(
+                f"descriptor {i}: {what} address 0x{addr:x} (+{length} bytes) is outside every "
+                f"registered {what} region; nothing was transferred",
+                index=i,
+                address=addr,
+            )
+        return idx
+
+    def to_wire(self) -> list[dict]:
+        return [{"name": r.name, "base_ptr": r.base_ptr, "nbytes": r.nbytes} for r in self.regions]
+
+    @classmethod
+    def from_wire(cls, items: Any) -> "RegionTable":
+        try:
+            return cls.build(Region(str(d["name"]), int(d["base_ptr"]), int(d["nbytes"])) for d in items)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidEndpoint(f"endpoint regions are malformed: {exc!r}") from exc
+
+
+def check_plan(plan: TransferPlan, local: RegionTable, remote: RegionTable) -> tuple[np.ndarray, np.ndarray]:
+    """Validate every descriptor; returns the (src, dst) region index of each."""
+    src, dst, length = plan.src, plan.dst, plan.length
+    if not (src.shape == dst.shape == length.shape) or src.ndim != 1:
+        raise EngineError(f"plan arrays must be 1-D and equal length: {src.shape} {dst.shape} {length.shape}")
+    if not (src.dtype == dst.dtype == length.dtype == _U64):
+        raise EngineError("plan arrays must be uint64 (build plans with TransferPlan.from_arrays)")
+    return local.locate(src, length, "src"), remote.locate(dst, length, "dst")
+
+
+def drop_empty(plan: TransferPlan) -> TransferPlan:
+    """The plan without its zero-length descriptors (native engines reject or mishandle them)."""
+    keep = plan.length != 0
+    if keep.all():
+        return plan
+    return TransferPlan(plan.src[keep], plan.dst[keep], plan.length[keep], plan.total_bytes)
+
+
+def import_native(module: str, engine: str, extra: str) -> ModuleType:
+    """Import an optional native package, or raise ``EngineUnavailable`` naming the extra."""
+    try:
+        return importlib.import_module(module)
+    except (ImportError, OSError) as exc:
+        raise EngineUnavailable(
+            f"transfer engine {engine!r} is not available ({module} failed to import: {exc}); "
+            f"install it with: pip install 'pdstate[{extra}]'"
+        ) from exc
+
+
+@dataclass
+class Peer:
+    """A connected peer: its published regions, the endpoint it came from, native state."""
+
+    peer_id: str
+    endpoint: Mapping[str, Any]
+    regions: RegionTable
+    native: Any = None
+
+
+class _Lifecycle(Enum):
+    NEW = "new"
+    STARTED = "started"
+    CLOSED = "closed"
+
+
+class TransferEngine(ABC):
+    """Base of every engine; see the module docstring for the contract."""
+
+    name: ClassVar[str]
+    #: endpoint keys this engine needs besides the shared ``engine``/``engine_id``/``regions``
+    endpoint_keys: ClassVar[tuple[str, ...]] = ()
+    #: whether ``submit(..., notify=msg)`` and ``notifications()`` work
+    supports_notify: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._lifecycle = _Lifecycle.NEW
+        self._engine_id = ""
+        self._local = RegionTable()
+        self._peers: dict[str, Peer] = {}
+
+    # --- availability (registry) -------------------------------------------------------------
+
+    @classmethod
+    def check_available(cls) -> None:
+        """Raise ``EngineUnavailable`` if the native package is missing. Pure-Python: no-op."""
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    @_locked
+    def start(self) -> None:
+        """Create the native agent. Raises ``EngineError`` if it cannot be created."""
+        if self._lifecycle is not _Lifecycle.NEW:
+            raise EngineStateError(f"{self.name} engine: start() called twice or after close()")
+        self._engine_id = secrets.token_hex(8)
+        self._start()
+        self._lifecycle = _Lifecycle.STARTED
+
+    @_locked
+    def close(self) -> None:
+        """Release every native resource. Idempotent; safe before ``start()``."""
+        if self._lifecycle is _Lifecycle.STARTED:
+            try:
+                self._close()
+            finally:
+                self._peers.clear()
+        self._lifecycle = _Lifecycle.CLOSED
+
+    def __enter__(self) -> "TransferEngine":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _require_started(self, op: str) -> None:
+        if self._lifecycle is not _Lifecycle.STARTED:
+            state = "not started" if self._lifecycle is _Lifecycle.NEW else "closed"
+            raise EngineStateError(f"{self.name} engine: {op}() called while {state}")
+
+    # --- both sides ------------------------------------------------------------------------------
+
+    @_locked
+    def register(self, regions: Sequence[Region]) -> None:
+        """Add regions (source on prefill, destination on decode). Regions must not overlap."""
+        self._require_started("register")
+        table = RegionTable.build([*self._local.regions, *regions])
+        self._register(list(regions))
+        self._local = table
+
+    @property
+    def regions(self) -> list[Region]:
+        return self._local.regions
+
+    # --- decode side ---------------------------------------------------------------------------
+
+    @_locked
+    def endpoint(self) -> dict:
+        """What a prefill engine needs to ``connect``: a msgpack-serialisable dict."""
+        self._require_started("endpoint")
+        fields = self._endpoint_fields()
+        return {"engine": self.name, "engine_id": self._engine_id, "regions": self._local.to_wire(), **fields}
+
+    # --- prefill side --------------------------------------------------------------------------
+
+    @_locked
+    def connect(self, endpoint: Mapping[str, Any]) -> str:
+        """Connect to a decode engine's endpoint; returns the peer id for ``submit``.
+
+        Connecting again to the same engine returns the same id (re-reading its regions).
+        Raises ``InvalidEndpoint`` for a malformed/foreign endpoint, ``EngineError`` if the peer
+        cannot be reached.
+        """
+        self._require_started("connect")
+        if not isinstance(endpoint, Mapping) or endpoint.get("engine") != self.name:
+            got = endpoint.get("engine") if isinstance(endpoint, Mapping) else type(endpoint).__name__
+            raise InvalidEndpoint(f"{self.name} engine cannot connect to an endpoint of engine {got!r}")
+        missing = [k for k in ("engine_id", "regions", *self.endpoint_keys) if k not in endpoint]
+        if missing:
+            raise InvalidEndpoint(f"{self.name} endpoint is missing {', '.join(missing)}")
+        peer_id = f"{self.name}:{endpoint['engine_id']}"
+        old = self._peers.pop(peer_id, None)
+        if old is not None:
+            self._disconnect(old)
+        peer = Peer(peer_id, dict(endpoint), RegionTable.from_wire(endpoint["regions"]))
+        self._connect(peer)
+        self._peers[peer_id] = peer
+        return peer_id
+
+    @_locked
+    def submit(self, peer_id: str, plan: TransferPlan, notify: bytes = b"") -> TransferHandle:
+        """Validate the whole plan, then start writing it to the peer.
+
+        ``notify``: a message the peer reads from its ``notifications()`` once the plan has
+        landed; only engines with ``supports_notify`` accept a non-empty one.
+        """
+        self._require_started("submit")
+        peer = self._peer(peer_id)
+        if notify and not self.supports_notify:
+            raise EngineError(f"{self.name} engine cannot deliver completion notifications")
+        check_plan(plan, self._local, peer.regions)
+        handle = TransferHandle(peer_id, len(plan), plan.total_bytes)
+        plan = drop_empty(plan)
+        if len(plan) == 0:
+            if notify:
+                self._notify(peer, bytes(notify))
+            handle.finish()
+            return handle
+        self._submit(peer, plan, handle, bytes(notify))
+        return handle
+
+    @_locked
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """Decode side: ``(sender, message)`` for each notification received since last call."""
+        self._require_started("notifications")
+        if not self.supports_notify:
+            raise EngineError(f"{self.name} engine cannot deliver completion notifications")
+        return self._notifications()
+
+    @_locked
+    def poll(self, handle: TransferHandle) -> bool:
+        """True when done; False while in flight; raises the transfer's ``EngineError``."""
+        if handle.status is TransferStatus.PENDING:
+            self._require_started("poll")
+            self._poll(handle)
+        if handle.status is TransferStatus.FAILED:
+            assert handle.error is not None
+            raise handle.error
+        return handle.status is TransferStatus.DONE
+
+    def wait(self, handle: TransferHandle, timeout_s: float) -> None:
+        """Block until done; raises ``TransferTimedOut`` after ``timeout_s``, or the failure."""
+        deadline = time.monotonic() + timeout_s
+        if handle.status is TransferStatus.PENDING:
+            self._require_started("wait")
+            self._wait(handle, deadline)
+        if self.poll(handle):
+            return
+        raise TransferTimedOut(
+            f"{self.name} transfer to {handle.peer_id} timed out after {timeout_s:g} s "
+            f"({handle.num_descriptors} descriptors, {handle.total_bytes} bytes)"
+        )
+
+    def _peer(self, peer_id: str) -> Peer:
+        try:
+            return self._peers[peer_id]
+        except KeyError:
+            raise UnknownPeer(f"{self.name} engine has no peer {peer_id!r}: connect() first") from None
+
+    # --- hooks ---------------------------------------------------------------------------------
+
+    @abstractmethod
+    def _start(self) -> None: ...
+
+    def _register(self, regions: list[Region]) -> None:
+        """Register with the native agent (regions already checked for overlap)."""
+
+    def _endpoint_fields(self) -> dict:
+        return {}
+
+    @abstractmethod
+    def _connect(self, peer: Peer) -> None: ...
+
+    def _disconnect(self, peer: Peer) -> None:
+        """Release a peer's native state (reconnect or close)."""
+
+    @abstractmethod
+    def _submit(self, peer: Peer, plan: TransferPlan, handle: TransferHandle, notify: bytes) -> None:
+        """Start moving a checked, non-empty plan (then deliver ``notify`` if non-empty); may
+        finish or fail the handle at once."""
+
+    def _notify(self, peer: Peer, message: bytes) -> None:
+        """Deliver a notification without data (empty plan); engines with ``supports_notify``."""
+        raise NotImplementedError
+
+    def _notifications(self) -> list[tuple[str, bytes]]:
+        raise NotImplementedError
+
+    def _poll(self, handle: TransferHandle) -> None:
+        """Advance a pending handle: call ``handle.finish()`` or ``handle.fail(err)`` when known."""
+
+    def _wait(self, handle: TransferHandle, deadline: float) -> None:
+        """Poll until the handle leaves PENDING or the monotonic deadline passes."""
+        pause_s = 20e-6
+        while handle.status is TransferStatus.PENDING:
+            with self._lock:
+                self._require_started("wait")  # another thread may have closed the engine
+                self._poll(handle)
+            remaining_s = deadline - time.monotonic()
+            if handle.status is not TransferStatus.PENDING or remaining_s <= 0:
+                return
+            time.sleep(min(pause_s, remaining_s))
+            pause_s = min(pause_s * 2, 1e-3)
+
+    def _close(self) -> None:
+        for peer in list(self._peers.values()):
+            self._disconnect(peer)
+
+
+# --- registry ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    module: str
+    class_name: str
+    extra: str | None  # the pip extra that provides the native package, if any
+
+
+ENGINES: Mapping[str, EngineEntry] = {
+    "shm": EngineEntry("pdstate.engines.shm", "ShmEngine", None),
+    "loopback": EngineEntry("pdstate.engines.loopback", "LoopbackEngine", None),
+    "mooncake": EngineEntry("pdstate.engines.mooncake", "MooncakeEngine", "mooncake"),
+    "nixl": EngineEntry("pdstate.engines.nixl", "NixlEngine", "nixl"),
+}
+
+
+def engine_class(name: str) -> type[TransferEngine]:
+    """The engine class for ``name``; imports its native package now (``EngineUnavailable``)."""
+    try:
+        entry = ENGINES[name]
+    except KeyError:
+        raise EngineError(f"unknown transfer engine {name!r}; known engines: {', '.join(ENGINES)}") from None
+    cls = getattr(importlib.import_module(entry.module), entry.class_name)
+    cls.check_available()
+    return cls
+
+
+def create_engine(name: str, **options: Any) -> TransferEngine:
+    """Construct (not start) engine ``name`` with ``options``; see each engine's constructor."""
+    return engine_class(name)(**options)

@@ -1,0 +1,234 @@
+"""Mooncake Transfer Engine adapter (``pip install 'pdstate[mooncake]'``).
+
+Each engine creates one ``mooncake.engine.TransferEngine`` initialised with ``P2PHANDSHAKE``
+metadata (no etcd): ``initialize(host, "P2PHANDSHAKE", protocol, device_name)`` with protocol
+"tcp" (default; works on one host) or "rdma" (``device_name`` picks the NICs, comma-separated).
+The session id a peer dials is ``f"{host}:{get_rpc_port()}"``, so ``host`` must be an address
+the peer can reach.
+
+Endpoint::
+
+    {"engine": "mooncake", "engine_id": str, "session_id": "host:port",
+     "regions": [{"name": str, "base_ptr": int, "nbytes": int}]}
+
+Submission. A plan is cut into batches of at most ``max_batch_descriptors`` (2048) and written
+with ``batch_transfer_sync_write`` on ONE worker thread, batch after batch (the native call
+releases the GIL). Why not ``batch_transfer_async_write``: its ``get_batch_transfer_status``
+spins until the batch ends (it is not a poll), and batches in flight at once count against the
+same per-peer queue. ``poll``/``wait`` look at the worker's future.
+
+Traps (measured, see ``shared/reference/engines_measured.md``):
+
+* The TCP initiator queues about 2048 transfers per peer; a bigger batch is rejected (-1) and
+  the rejection POISONS the engine: every later transfer to that peer returns -1 until a new
+  engine is created. Hence the 2048 cap and the single worker. The native limit can be raised
+  with ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` (e.g. 32768, set before the first engine is
+  created; 65536 is silently ignored); a bigger batch gains nothing, cost is per descriptor.
+* ``MC_TRANSFER_TIMEOUT`` (seconds, min 5, default 30) bounds a native sync write; a write to a
+  peer that stops answering mid-transfer blocks the worker that long. ``wait`` still returns
+  at its own deadline; ``close`` waits up to ``close_timeout_s`` for the worker and otherwise
+  leaves the native engine alive (never freed under a running call).
+* Every failure is one native code (-1 mostly; ``send_probe`` returns e.g. -102 for a refused
+  connection). Messages name the operation, the peer, the batch and the code.
+* Mooncake logs (glog) to stderr; that is expected.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Callable
+
+from pdstate.engines.base import Peer, TransferEngine, TransferHandle, import_native
+from pdstate.engines.errors import EngineError, NativeEngineError
+from pdstate.planner import TransferPlan
+from pdstate.pools.memory import Region
+
+NATIVE_MODULE = "mooncake.engine"
+MAX_BATCH_DESCRIPTORS = 2048
+
+# native engines whose worker did not stop in time: kept referenced so they are never freed
+# while a native call may still be running on them
+_ABANDONED: list[Any] = []
+
+
+class _Worker:
+    """One thread running native calls in submission order; each call gets a ``Future``."""
+
+    def __init__(self, thread_name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args = item
+            if self._closing:
+                future.set_exception(EngineError("mooncake engine closed before the transfer ran"))
+                continue
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to whoever polls the future
+                future.set_exception(exc)
+
+    def stop(self, timeout_s: float) -> bool:
+        """Fail queued calls, let the running one end; True if the thread ended in time."""
+        self._closing = True
+        self._queue.put(None)
+        if self._thread.ident is not None:
+            self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+
+class MooncakeEngine(TransferEngine):
+    """``MooncakeEngine(host="127.0.0.1", protocol="tcp", device_name="", ...)``.
+
+    ``max_batch_descriptors``: batch cap (keep <= 2048 unless the native queue was raised).
+    ``probe_on_connect``: ``connect`` sends a JSON-RPC probe so a bogus or dead session fails
+    there, within ``connect_timeout_s``. ``close_timeout_s``: how long ``close`` waits for a
+    native call in flight.
+    """
+
+    name = "mooncake"
+    endpoint_keys = ("session_id",)
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device_name: str = "",
+        max_batch_descriptors: int = MAX_BATCH_DESCRIPTORS,
+        probe_on_connect: bool = True,
+        connect_timeout_s: float = 10.0,
+        close_timeout_s: float = 10.0,
+    ) -> None:
+        super().__init__()
+        if max_batch_descriptors < 1:
+            raise ValueError(f"max_batch_descriptors must be >= 1, got {max_batch_descriptors}")
+        self.host = host
+        self.protocol = protocol
+        self.device_name = device_name
+        self.max_batch_descriptors = max_batch_descriptors
+        self.probe_on_connect = probe_on_connect
+        self.connect_timeout_s = connect_timeout_s
+        self.close_timeout_s = close_timeout_s
+        self._native: Any = None
+        self._worker: _Worker | None = None
+        self._registered_ptrs: list[int] = []
+        self.session_id = ""
+
+    @classmethod
+    def check_available(cls) -> None:
+        import_native(NATIVE_MODULE, cls.name, "mooncake")
+
+    @staticmethod
+    def _check(rc: int, what: str) -> None:
+        """The one place native return codes become errors."""
+        if rc != 0:
+            raise NativeEngineError(f"mooncake {what} failed: code {rc}", code=rc)
+
+    def _start(self) -> None:
+        native = import_native(NATIVE_MODULE, self.name, "mooncake").TransferEngine()
+        self._check(
+            native.initialize(self.host, "P2PHANDSHAKE", self.protocol, self.device_name),
+            f"initialize(host={self.host!r}, protocol={self.protocol!r}, device={self.device_name!r})",
+        )
+        self._native = native
+        self.session_id = f"{self.host}:{native.get_rpc_port()}"
+        self._worker = _Worker(f"pdstate-mooncake-{self.session_id}")
+        self._worker.start()
+
+    def _register(self, regions: list[Region]) -> None:
+        for r in regions:
+            self._check(self._native.register_memory(r.base_ptr, r.nbytes),
+                        f"register_memory(region {r.name!r} at 0x{r.base_ptr:x}, {r.nbytes} bytes)")
+            self._registered_ptrs.append(r.base_ptr)
+
+    def _endpoint_fields(self) -> dict:
+        return {"session_id": self.session_id}
+
+    def _connect(self, peer: Peer) -> None:
+        session_id = str(peer.endpoint["session_id"])
+        peer.native = session_id
+        if not self.probe_on_connect:
+            return
+        assert self._worker is not None
+        future = self._worker.call(self._native.send_probe, session_id)
+        try:
+            rc = future.result(timeout=self.connect_timeout_s)
+        except FutureTimeout as exc:
+            raise EngineError(
+                f"mooncake connect to {session_id}: send_probe timed out after {self.connect_timeout_s:g} s"
+            ) from exc
+        self._check(rc, f"send_probe to {session_id} (connect)")
+
+    def _submit(self, peer: Peer, plan: TransferPlan, handle: TransferHandle, notify: bytes) -> None:
+        assert self._worker is not None
+        handle.native = self._worker.call(self._write, peer.native, plan)
+
+    def _write(self, session_id: str, plan: TransferPlan) -> None:
+        """Runs on the worker: one sync batch per chunk, stopping at the first failure."""
+        num_chunks = -(-len(plan) // self.max_batch_descriptors)
+        write = self._native.batch_transfer_sync_write
+        for k, chunk in enumerate(plan.chunks(self.max_batch_descriptors)):
+            rc = write(session_id, chunk.src.tolist(), chunk.dst.tolist(), chunk.length.tolist())
+            if rc < 0:
+                first = k * self.max_batch_descriptors
+                raise NativeEngineError(
+                    f"mooncake batch_transfer_sync_write to {session_id} failed on chunk "
+                    f"{k + 1} of {num_chunks} (descriptors {first}..{first + len(chunk) - 1}, "
+                    f"{chunk.total_bytes} bytes): code {rc}",
+                    code=rc,
+                )
+
+    def _poll(self, handle: TransferHandle) -> None:
+        if handle.native.done():
+            self._settle(handle)
+
+    def _wait(self, handle: TransferHandle, deadline: float) -> None:
+        try:
+            handle.native.exception(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            return
+        self._settle(handle)
+
+    @staticmethod
+    def _settle(handle: TransferHandle) -> None:
+        exc = handle.native.exception()
+        if exc is None:
+            handle.finish()
+        elif isinstance(exc, EngineError):
+            handle.fail(exc)
+        else:
+            error = NativeEngineError(f"mooncake transfer to {handle.peer_id} raised {exc!r}")
+            error.__cause__ = exc
+            handle.fail(error)
+
+    def _close(self) -> None:
+        stopped = self._worker.stop(self.close_timeout_s) if self._worker is not None else True
+        native, self._native, self._worker = self._native, None, None
+        if native is None:
+            return
+        if not stopped:
+            _ABANDONED.append(native)  # a native call is still running on it: never free it
+            return
+        for ptr in self._registered_ptrs:
+            native.unregister_memory(ptr)  # best effort: the engine is dropped right after
+        self._registered_ptrs.clear()
+        del native

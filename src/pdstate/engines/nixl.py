@@ -1,0 +1,215 @@
+"""NIXL adapter, UCX backend, DRAM to DRAM (``pip install 'pdstate[nixl]'``).
+
+Each engine owns one ``nixl_agent`` named ``agent_name`` (default ``pdstate-<pid>-<engine_id>``,
+unique per start). Regions are registered as ``Nx3`` uint64 rows ``(addr, len, 0)`` of type
+"DRAM". The decode endpoint carries the agent metadata (``get_agent_metadata()``, taken when
+``endpoint()`` is called, so register first); ``connect`` loads it with ``add_remote_agent``.
+``submit`` builds both descriptor lists from the plan's columns and posts one WRITE with
+``initialize_xfer`` + ``transfer``; ``poll`` maps ``check_xfer_state``: "DONE" -> done,
+"PROC" -> in flight, "ERR" -> ``NativeEngineError``. On one host UCX picks ``cma``
+(``process_vm_writev``): one kernel copy, about 4.5 us per descriptor.
+
+Completion notifications: ``submit(peer, plan, notify=b"...")`` passes the message as the
+NIXL notification of the transfer; the decode side reads it with ``notifications()``
+(``get_new_notifs``), as ``(prefill agent name, message)`` pairs.
+
+Endpoint::
+
+    {"engine": "nixl", "engine_id": str, "agent_name": str, "metadata": bytes,
+     "regions": [{"name": str, "base_ptr": int, "nbytes": int}]}
+
+Traps (measured on this box):
+
+* EXIT SEGFAULT. A process that created a UCX agent dies with SIGSEGV (rc 139) at interpreter
+  exit, even after ``close()``: the backtrace ends in ``rtnl_tc_unregister`` of the
+  ``libnl-route`` bundled with UCX's InfiniBand module, run by ``_dl_fini`` while the system
+  ``libnl-route`` (pulled in by the system libibverbs) is loaded too. Work-arounds: pass
+  ``ucx_env=UCX_ENV_WITHOUT_IB`` (``UCX_MODULES=^ib``: UCX does not load its IB modules; fine on
+  hosts without RDMA NICs, which use cma/tcp anyway), or end the process with ``os._exit``
+  after ``close()``. UCX reads its settings only from the environment, and only when the first
+  agent of the process is created, hence ``ucx_env`` is applied to ``os.environ`` in ``start``
+  (the caller, an edge, decides it).
+* ``UCX_TLS=posix,sysv,self`` fails to create the backend (NIXL asks for peer-failure handling,
+  which the shared-memory transports lack).
+* The agent is not thread-safe in its default sync mode; the engine's lock (``base.py``)
+  serialises every call into it.
+* A peer that went away fails the next transfer at once with ``NIXL_ERR_REMOTE_DISCONNECT``.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from pdstate.engines.base import Peer, TransferEngine, TransferHandle, import_native
+from pdstate.engines.errors import EngineError, InvalidEndpoint, NativeEngineError
+from pdstate.planner import TransferPlan
+from pdstate.pools.memory import Region
+
+NATIVE_MODULE = "nixl_cu12._api"
+UCX_ENV_WITHOUT_IB: Mapping[str, str] = {"UCX_MODULES": "^ib"}
+MEM_TYPE = "DRAM"
+
+
+@contextmanager
+def _native_call(what: str) -> Iterator[None]:
+    """The one place NIXL's exceptions (``nixl*Error``, RuntimeError, ...) become engine errors."""
+    try:
+        yield
+    except EngineError:
+        raise
+    except Exception as exc:
+        raise NativeEngineError(f"nixl {what} failed: {type(exc).__name__}: {exc}", code=str(exc)) from exc
+
+
+def _rows(addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """NIXL descriptor rows ``(addr, len, device 0)``, Nx3 uint64."""
+    rows = np.zeros((addrs.shape[0], 3), dtype=np.uint64)
+    rows[:, 0] = addrs
+    rows[:, 1] = lengths
+    return rows
+
+
+class NixlEngine(TransferEngine):
+    """``NixlEngine(agent_name=None, backends=("UCX",), ucx_env=None, num_threads=0)``.
+
+    ``ucx_env``: variables set in ``os.environ`` just before the agent is created, e.g.
+    ``UCX_ENV_WITHOUT_IB`` (see the exit-segfault trap). ``num_threads``: UCX backend threads
+    (0: NIXL's default).
+    """
+
+    name = "nixl"
+    endpoint_keys = ("agent_name", "metadata")
+    supports_notify = True
+
+    def __init__(
+        self,
+        agent_name: str | None = None,
+        backends: Sequence[str] = ("UCX",),
+        ucx_env: Mapping[str, str] | None = None,
+        num_threads: int = 0,
+    ) -> None:
+        super().__init__()
+        self.agent_name = agent_name
+        self.backends = tuple(backends)
+        self.ucx_env = dict(ucx_env or {})
+        self.num_threads = num_threads
+        self._agent: Any = None
+        self._reg_dlists: list[Any] = []
+        self._inflight: dict[TransferHandle, Any] = {}  # handle -> native xfer handle (until settled)
+
+    @classmethod
+    def check_available(cls) -> None:
+        import_native(NATIVE_MODULE, cls.name, "nixl")
+
+    def _start(self) -> None:
+        api = import_native(NATIVE_MODULE, self.name, "nixl")
+        if self.agent_name is None:
+            self.agent_name = f"pdstate-{os.getpid()}-{self._engine_id}"
+        os.environ.update(self.ucx_env)
+        with _native_call(f"agent creation ({self.agent_name}, backends {list(self.backends)})"):
+            config = api.nixl_agent_config(backends=list(self.backends), num_threads=self.num_threads)
+            agent = api.nixl_agent(self.agent_name, config)
+        missing = [b for b in self.backends if b not in agent.backends]
+        if missing:
+            raise NativeEngineError(
+                f"nixl agent {self.agent_name}: backend(s) {missing} could not be created"
+            )
+        self._agent = agent
+
+    def _register(self, regions: list[Region]) -> None:
+        addrs = np.array([r.base_ptr for r in regions], dtype=np.uint64)
+        lengths = np.array([r.nbytes for r in regions], dtype=np.uint64)
+        with _native_call(f"register_memory ({', '.join(r.name for r in regions)})"):
+            self._reg_dlists.append(self._agent.register_memory(_rows(addrs, lengths), MEM_TYPE))
+
+    def _endpoint_fields(self) -> dict:
+        with _native_call("get_agent_metadata"):
+            metadata = bytes(self._agent.get_agent_metadata())
+        return {"agent_name": self.agent_name, "metadata": metadata}
+
+    def _connect(self, peer: Peer) -> None:
+        expected = str(peer.endpoint["agent_name"])
+        with _native_call(f"add_remote_agent ({expected})"):
+            name = self._agent.add_remote_agent(bytes(peer.endpoint["metadata"]))
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name != expected:
+            raise InvalidEndpoint(f"nixl endpoint names agent {expected!r} but its metadata is {name!r}")
+        peer.native = name
+
+    def _disconnect(self, peer: Peer) -> None:
+        if peer.native is not None:
+            with _native_call(f"remove_remote_agent ({peer.native})"):
+                self._agent.remove_remote_agent(peer.native)
+            peer.native = None
+
+    def _submit(self, peer: Peer, plan: TransferPlan, handle: TransferHandle, notify: bytes) -> None:
+        what = f"WRITE of {len(plan)} descriptors to {peer.native}"
+        with _native_call(what):
+            local = self._agent.get_xfer_descs(_rows(plan.src, plan.length), MEM_TYPE)
+            remote = self._agent.get_xfer_descs(_rows(plan.dst, plan.length), MEM_TYPE)
+            xfer = self._agent.initialize_xfer("WRITE", local, remote, peer.native, notify)
+        try:
+            with _native_call(what):
+                state = self._agent.transfer(xfer)
+        except EngineError:
+            self._release(xfer)
+            raise
+        handle.native = xfer
+        self._inflight[handle] = xfer
+        self._settle(handle, state)
+
+    def _poll(self, handle: TransferHandle) -> None:
+        with _native_call(f"check_xfer_state ({handle.peer_id})"):
+            state = self._agent.check_xfer_state(handle.native)
+        self._settle(handle, state)
+
+    def _settle(self, handle: TransferHandle, state: str) -> None:
+        if state == "PROC":
+            return
+        xfer = self._inflight.pop(handle)
+        self._release(xfer)
+        if state == "DONE":
+            handle.finish()
+        else:
+            handle.fail(NativeEngineError(
+                f"nixl WRITE of {handle.num_descriptors} descriptors ({handle.total_bytes} bytes) "
+                f"to {handle.peer_id} ended in state {state!r}", code=state))
+
+    def _release(self, xfer: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(xfer)
+        except Exception:  # releasing is best effort; the transfer's own state was reported
+            pass
+
+    def _notify(self, peer: Peer, message: bytes) -> None:
+        with _native_call(f"send_notif to {peer.native}"):
+            self._agent.send_notif(peer.native, message)
+
+    def _notifications(self) -> list[tuple[str, bytes]]:
+        with _native_call("get_new_notifs"):
+            notifs = self._agent.get_new_notifs()
+        return [(str(sender), bytes(m)) for sender, msgs in notifs.items() for m in msgs]
+
+    def _close(self) -> None:
+        agent = self._agent
+        if agent is None:
+            return
+        for xfer in self._inflight.values():
+            self._release(xfer)  # aborts a transfer still in flight
+        self._inflight.clear()
+        for peer in list(self._peers.values()):
+            try:
+                self._disconnect(peer)
+            except EngineError:
+                pass  # closing anyway
+        for dlist in self._reg_dlists:
+            try:
+                agent.deregister_memory(dlist)
+            except Exception:
+                pass
+        self._reg_dlists.clear()
+        self._agent = None

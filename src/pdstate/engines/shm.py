@@ -1,0 +1,195 @@
+"""Same-host shared-memory engine (the embedded default): one CPU copy, no native agent.
+
+The decode side's destination regions must live in shared file mappings (``SharedMemory``
+segments under ``/dev/shm``). ``endpoint()`` finds, in ``/proc/self/maps``, the file and file
+offset behind every registered region and publishes them; a region that is not a shared file
+mapping (e.g. ``PrivateMemory``) is an ``EngineError`` there. The prefill side maps each file
+``MAP_SHARED`` in ``connect`` (pre-populating its page tables), translates remote addresses to its
+own mapping with numpy (``searchsorted`` over region bases) and copies every descriptor with
+``ctypes.memmove``. Submission is synchronous: the returned handle is already done.
+
+Endpoint::
+
+    {"engine": "shm", "engine_id": str, "boot_id": str, "owner_pid": int,
+     "regions": [{"name": str, "base_ptr": int, "nbytes": int, "path": str, "file_offset": int}]}
+
+Limits, by design: both processes must share a kernel (``boot_id``) and a ``/dev/shm``
+(same IPC/mount namespace), else ``connect`` raises. A decode process that crashes cannot be
+observed here (writes land in the orphaned file); peer liveness is the control channel's job.
+If the owner truncates a segment while it is mapped here, a write into it raises SIGBUS.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pdstate.engines.base import Peer, TransferEngine, TransferHandle
+from pdstate.engines.errors import EngineError, InvalidEndpoint
+from pdstate.planner import TransferPlan
+
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+MAPS_PATH = "/proc/self/maps"
+
+
+@dataclass(frozen=True)
+class _Mapping:
+    start: int
+    end: int
+    shared: bool
+    file_offset: int
+    path: str
+
+
+def _read_maps(maps_path: str = MAPS_PATH) -> list[_Mapping]:
+    out = []
+    with open(maps_path) as f:
+        for line in f:
+            parts = line.rstrip("\n").split(maxsplit=5)
+            if len(parts) < 6 or not parts[5].startswith("/"):
+                continue  # anonymous, [heap], [stack], ...
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            out.append(_Mapping(lo, hi, parts[1][3] == "s", int(parts[2], 16), parts[5]))
+    return out
+
+
+def shared_file_of(base_ptr: int, nbytes: int, maps: list[_Mapping]) -> tuple[str, int]:
+    """``(path, file_offset)`` of the shared file mapping(s) covering ``[base_ptr, +nbytes)``.
+
+    Raises ``EngineError`` if the range is not entirely one MAP_SHARED mapping of a live file
+    (the kernel may split one mmap into several adjacent entries; those are followed).
+    """
+    end_ptr = base_ptr + nbytes
+    first = next((m for m in maps if m.start <= base_ptr < m.end), None)
+    if first is None or not first.shared:
+        raise EngineError(
+            f"shm engine: 0x{base_ptr:x} (+{nbytes} bytes) is not in a shared file mapping; "
+            "decode regions must be SharedMemory segments"
+        )
+    if first.path.endswith(" (deleted)"):
+        raise EngineError(f"shm engine: segment file {first.path} was unlinked; the peer cannot map it")
+    cursor, expect_offset = first.end, first.file_offset + (first.end - first.start)
+    while cursor < end_ptr:
+        nxt = next((m for m in maps if m.start == cursor), None)
+        if nxt is None or not nxt.shared or nxt.path != first.path or nxt.file_offset != expect_offset:
+            raise EngineError(
+                f"shm engine: 0x{base_ptr:x} (+{nbytes} bytes) runs past the shared mapping of {first.path}"
+            )
+        cursor, expect_offset = nxt.end, nxt.file_offset + (nxt.end - nxt.start)
+    return first.path, first.file_offset + (base_ptr - first.start)
+
+
+def _read_boot_id() -> str:
+    try:
+        with open(BOOT_ID_PATH) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+@dataclass
+class _ShmPeer:
+    maps: list[mmap.mmap]
+    mapped_base: np.ndarray  # uint64: this process's address of each remote region (table order)
+
+
+class ShmEngine(TransferEngine):
+    """Shared-memory writes within one host.
+
+    ``ShmEngine(populate=True)``: ``populate`` pre-faults this process's page tables for every
+    mapped segment at ``connect`` (first-touch faults otherwise slow the first transfer).
+    """
+
+    name = "shm"
+    endpoint_keys = ("boot_id",)
+
+    def __init__(self, populate: bool = True) -> None:
+        super().__init__()
+        self.populate = populate
+        self._boot_id = ""
+
+    def _start(self) -> None:
+        self._boot_id = _read_boot_id()
+
+    # decode side: publish the files behind the registered regions
+    def _endpoint_fields(self) -> dict:
+        maps = _read_maps()
+        regions = []
+        for r in self._local.regions:
+            path, file_offset = shared_file_of(r.base_ptr, r.nbytes, maps)
+            regions.append({"name": r.name, "base_ptr": r.base_ptr, "nbytes": r.nbytes,
+                            "path": path, "file_offset": file_offset})
+        return {"boot_id": self._boot_id, "owner_pid": os.getpid(), "regions": regions}
+
+    # prefill side: map the peer's files
+    def _connect(self, peer: Peer) -> None:
+        theirs = str(peer.endpoint["boot_id"])
+        if theirs and self._boot_id and theirs != self._boot_id:
+            raise InvalidEndpoint(
+                f"shm engine: peer {peer.peer_id} runs under another kernel (boot id {theirs}); "
+                "shared memory needs both sides on one host"
+            )
+        by_base: dict[int, Any] = {int(d["base_ptr"]): d for d in peer.endpoint["regions"]}
+        files: dict[str, tuple[mmap.mmap, int]] = {}
+        mapped = np.empty(len(peer.regions), dtype=np.uint64)
+        try:
+            for i, region in enumerate(peer.regions.regions):
+                d = by_base[region.base_ptr]
+                path, file_offset = str(d["path"]), int(d["file_offset"])
+                if path not in files:
+                    files[path] = self._map(path)
+                mm, addr = files[path]
+                if file_offset + region.nbytes > len(mm):
+                    raise EngineError(
+                        f"shm connect to {peer.peer_id}: region {region.name!r} needs "
+                        f"{file_offset + region.nbytes} bytes of {path}, which has {len(mm)}"
+                    )
+                mapped[i] = addr + file_offset
+        except (KeyError, TypeError, ValueError) as exc:
+            self._unmap([mm for mm, _ in files.values()])
+            raise InvalidEndpoint(f"shm endpoint regions are malformed: {exc!r}") from exc
+        except OSError as exc:
+            self._unmap([mm for mm, _ in files.values()])
+            raise EngineError(f"shm connect to {peer.peer_id}: cannot map segment: {exc}") from exc
+        except BaseException:
+            self._unmap([mm for mm, _ in files.values()])
+            raise
+        peer.native = _ShmPeer([mm for mm, _ in files.values()], mapped)
+
+    def _map(self, path: str) -> tuple[mmap.mmap, int]:
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if self.populate else 0)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                raise EngineError(f"shm engine: segment {path} is empty")
+            mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        # the temporary ctypes view is dropped at once, so mm.close() stays possible
+        return mm, ctypes.addressof(ctypes.c_char.from_buffer(mm))
+
+    @staticmethod
+    def _unmap(maps: list[mmap.mmap]) -> None:
+        for mm in maps:
+            mm.close()
+
+    def _disconnect(self, peer: Peer) -> None:
+        if peer.native is not None:
+            self._unmap(peer.native.maps)
+            peer.native = None
+
+    def _submit(self, peer: Peer, plan: TransferPlan, handle: TransferHandle, notify: bytes) -> None:
+        native: _ShmPeer = peer.native
+        table = peer.regions
+        idx = np.searchsorted(table.base, plan.dst, side="right") - 1
+        local_dst = native.mapped_base[idx] + (plan.dst - table.base[idx])
+        memmove = ctypes.memmove
+        for d, s, n in zip(local_dst.tolist(), plan.src.tolist(), plan.length.tolist()):
+            memmove(d, s, n)
+        handle.finish()

@@ -1,0 +1,1 @@
+"""Composition: pools + engine + control channel -> ``PrefillWorker`` and ``DecodeWorker``."""

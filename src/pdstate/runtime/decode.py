@@ -1,0 +1,379 @@
+"""The decode worker: registers with one prefill, then asks it for requests' state.
+
+The control thread owns the DEALER socket, the allocator and every request record. Other threads
+call ``submit``/``transfer``; commands reach the control thread through a queue and an inproc
+wake-up socket. A request is marked SUCCESS only after ``TransferDone`` arrived *and* the bytes
+that landed verified against the room's deterministic content.
+
+Pages of a request that failed while the prefill may still be writing into them (deadline, abort)
+are quarantined until the prefill reports the room finished or is declared gone, so a late write
+can never land in another request's pages.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections import deque
+import secrets
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import zmq
+
+from pdstate import wire
+from pdstate.engines.base import create_engine
+from pdstate.errors import AllocationError, AuthError, PdStateError, ProtocolError, error_from_wire
+from pdstate.handshake import DecodeHandshake, PeerState, RequestState, advance
+from pdstate.layout import ErrorInfo
+from pdstate.runtime import requests as rq
+from pdstate.runtime import synth
+from pdstate.runtime.common import LocalCheckFailed, Stats, WorkerOptions, build_side, local_side, log, new_incarnation, now
+from pdstate.runtime.control import ControlClient
+
+
+@dataclass
+class TransferResult:
+    room: int
+    status: str  # "success" | "failed"
+    seq_len: int
+    bytes: int = 0
+    descriptors: int = 0
+    seconds: float = 0.0
+    verified: bool = False
+    error: ErrorInfo | None = None
+
+    def as_dict(self) -> dict:
+        return {"room": self.room, "status": self.status, "seq_len": self.seq_len, "bytes": self.bytes,
+                "descriptors": self.descriptors, "seconds": self.seconds, "verified": self.verified,
+                "error": None if self.error is None else self.error.model_dump()}
+
+
+@dataclass
+class Request:
+    room: int
+    seq_len: int
+    future: Future
+    deadline: float
+    started: float = field(default_factory=now)
+    state: RequestState = RequestState.BOOTSTRAPPING
+    alloc: rq.Allocation | None = None
+    resend_at: float | None = None
+    message: wire.TransferRequest | None = None
+    result: TransferResult | None = None
+
+
+class DecodeWorker:
+    def __init__(self, opts: WorkerOptions) -> None:
+        self.opts = opts
+        self.worker_id = opts.worker_id or f"decode-{secrets.token_hex(3)}"
+        self.incarnation = new_incarnation()
+        self.stats = Stats()
+        self.requests: dict[int, Request] = {}
+        self.finished: dict[int, TransferResult] = {}
+        self.quarantine: dict[int, rq.Allocation] = {}
+        self.peer_state = PeerState.PENDING
+        self.peer_error: ErrorInfo | None = None
+        self.prefill_incarnation: str | None = None
+        self.handshake_s: float | None = None
+        self.local_error: BaseException | None = None
+        self._accepted = threading.Event()
+        self._answered = threading.Event()
+        self._stop = threading.Event()
+        self._commands: queue.Queue = queue.Queue()
+        self._waiting: deque[Request] = deque()
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> "DecodeWorker":
+        self.pools, self.report, self.kv_args, self.local_error = build_side(self.opts)
+        if self.local_error is not None and self.opts.local_checks:
+            raise LocalCheckFailed(str(self.local_error)) from self.local_error
+        self.engine = create_engine(self.opts.engine, **self.opts.engine_options)
+        self.engine.start()
+        self.engine.register(self.pools.memory.regions())
+        self.local = local_side(self.opts, self.worker_id, self.incarnation, self.report, self.kv_args, self.engine.endpoint())
+        self.handshake = DecodeHandshake(self.local)
+        self.ctx = zmq.Context.instance()
+        self.client = ControlClient(self.ctx, self.opts.peer, f"{self.worker_id}/{self.incarnation}".encode(), self.opts.token)
+        self._wake_addr = f"inproc://pdstate-decode-wake-{id(self)}"
+        self._wake_pull = self.ctx.socket(zmq.PULL)
+        self._wake_pull.bind(self._wake_addr)
+        self._thread = threading.Thread(target=self._control_loop, name="pdstate-decode-control", daemon=True)
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Block until the handshake is answered; raises the refusal, or ``TimeoutError``."""
+        if not self._answered.wait(timeout_s):
+            raise TimeoutError(f"no handshake answer from {self.opts.peer} within {timeout_s:.1f} s")
+        if self.peer_state != PeerState.ACCEPTED:
+            raise error_from_wire(self.peer_error.type, self.peer_error.message)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        try:
+            self.engine.close()
+        finally:
+            self.pools.close()
+
+    def __enter__(self) -> "DecodeWorker":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def ready(self) -> bool:
+        return self.peer_state == PeerState.ACCEPTED
+
+    # -- API for other threads ----------------------------------------------------------------
+    def submit(self, seq_len: int, room: int | None = None, deadline_s: float | None = None) -> Future:
+        fut: Future = Future()
+        room = room if room is not None else secrets.randbits(63)
+        self._commands.put(("submit", room, seq_len, deadline_s or self.opts.request_deadline_s, fut))
+        self._wake()
+        return fut
+
+    def transfer(self, seq_len: int, room: int | None = None, deadline_s: float | None = None) -> TransferResult:
+        d = deadline_s or self.opts.request_deadline_s
+        return self.submit(seq_len, room, d).result(timeout=d + self.opts.peer_timeout_s + 5)
+
+    def reregister(self) -> None:
+        self._commands.put(("reregister",))
+        self._wake()
+
+    def free_counts(self) -> dict[str, int]:
+        return rq.free_counts(self.pools)
+
+    def _wake(self) -> None:
+        s = self.ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 100)
+        s.connect(self._wake_addr)
+        s.send(b"", flags=zmq.NOBLOCK)
+        s.close()
+
+    # -- control thread -----------------------------------------------------------------------
+    def _control_loop(self) -> None:
+        self.client.open()
+        poller = zmq.Poller()
+        poller.register(self.client.sock, zmq.POLLIN)
+        poller.register(self._wake_pull, zmq.POLLIN)
+        self._send_register()
+        next_hb = now() + self.opts.heartbeat_interval_s
+        self._last_heard = now()
+        tick_ms = max(5, int(self.opts.heartbeat_interval_s * 1000 / 4))
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(tick_ms))
+                if self._wake_pull in events:
+                    while True:
+                        try:
+                            self._wake_pull.recv(flags=zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                while True:
+                    try:
+                        cmd = self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    self._on_command(cmd)
+                if self.client.sock in events:
+                    for _ in range(256):
+                        try:
+                            frame = self.client.sock.recv(flags=zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_frame(frame)
+                t = now()
+                if t >= next_hb:
+                    next_hb = t + self.opts.heartbeat_interval_s
+                    self._heartbeat(t)
+                self._timers(t)
+        finally:
+            for req in list(self.requests.values()):
+                self._finish(req, "failed", error=ErrorInfo(type="TransferFailed", message="decode shutting down"))
+            self.client.close()
+            self._wake_pull.close(0)
+
+    def _send_register(self) -> None:
+        self._register_sent = now()
+        self.client.send(self.handshake.register_message())
+
+    def _heartbeat(self, t: float) -> None:
+        if self.peer_state == PeerState.ACCEPTED:
+            self.client.send(wire.Heartbeat(worker_id=self.worker_id, incarnation=self.incarnation, seq=int(t * 1000)))
+            if t - self._last_heard > self.opts.peer_timeout_s:
+                self._peer_gone(f"prefill gone: no heartbeat for {self.opts.peer_timeout_s:.1f} s")
+        elif self.peer_state in (PeerState.PENDING, PeerState.GONE):
+            self._send_register()  # (re)register until answered; a rejected decode waits to be asked
+
+    def _peer_gone(self, reason: str) -> None:
+        log.warning("%s", reason)
+        self.peer_state = PeerState.GONE
+        self._accepted.clear()
+        for alloc in self.quarantine.values():  # the old prefill can no longer write into them
+            rq.free(self.pools, alloc)
+        self.quarantine.clear()
+        for req in list(self.requests.values()):
+            self._finish(req, "failed", error=ErrorInfo(type="PeerGone", message=reason))
+
+    def _on_command(self, cmd) -> None:
+        if cmd[0] == "reregister":
+            self.peer_state = PeerState.PENDING
+            self._send_register()
+            return
+        _, room, seq_len, deadline_s, fut = cmd
+        if room in self.requests:
+            fut.set_exception(ValueError(f"room {room} is already in flight"))
+            return
+        req = Request(room, seq_len, fut, now() + deadline_s)
+        self.requests[room] = req
+        if self.peer_state != PeerState.ACCEPTED:
+            reason = "prefill not connected" if self.peer_error is None else f"handshake refused: {self.peer_error.message}"
+            self._finish(req, "failed", error=ErrorInfo(type="PeerGone", message=reason))
+            return
+        if seq_len > rq.capacity_tokens(self.pools):
+            err = AllocationError(f"seq_len {seq_len} exceeds the decode pool of {rq.capacity_tokens(self.pools)} tokens")
+            self._finish(req, "failed", error=ErrorInfo.of(err))
+            return
+        self._waiting.append(req)
+        self._admit()
+
+    def _admit(self) -> None:
+        """Allocate waiting requests in arrival order while the pools have room, and send them."""
+        while self._waiting:
+            req = self._waiting[0]
+            if req.state.terminal:
+                self._waiting.popleft()
+                continue
+            try:
+                req.alloc = rq.allocate(self.pools, rq.channel_names(self.kv_args), req.seq_len)
+            except AllocationError:
+                return  # wait for a finished request to free pages (or for the deadline)
+            except PdStateError as exc:
+                self._waiting.popleft()
+                self._finish(req, "failed", error=ErrorInfo.of(exc))
+                continue
+            self._waiting.popleft()
+            req.message = wire.TransferRequest(
+                room=req.room, seq_len=req.seq_len,
+                dst_kv_pages=wire.PackedIndices.pack(req.alloc.lists[0]),
+                dst_state_indices=[wire.PackedIndices.pack(x) for x in req.alloc.lists[1:]],
+                deadline_s=max(0.001, req.deadline - now()),
+            )
+            req.state = advance(req.state, RequestState.WAITING_FOR_INPUT)
+            self.client.send(req.message)
+
+    def _on_frame(self, frame: bytes) -> None:
+        try:
+            msg = wire.decode(frame, self.opts.token)
+        except (ProtocolError, AuthError) as exc:
+            self.stats.protocol_errors += 1
+            log.warning("bad frame from prefill: %s", exc)
+            return
+        self._last_heard = now()
+        if isinstance(msg, (wire.Accept, wire.Reject)):
+            self._on_handshake(msg)
+        elif isinstance(msg, wire.Heartbeat):
+            if self.prefill_incarnation is not None and msg.incarnation != self.prefill_incarnation:
+                self._peer_gone(f"prefill restarted (incarnation {self.prefill_incarnation} -> {msg.incarnation})")
+                self._send_register()
+        elif isinstance(msg, wire.TransferDone):
+            self._on_done(msg)
+        elif isinstance(msg, wire.Busy):
+            req = self.requests.get(msg.room)
+            if req is not None:
+                self.stats.transfers["busy"] += 1
+                req.resend_at = now() + 0.002
+        elif isinstance(msg, wire.Error):
+            if msg.room is not None and msg.room in self.requests:
+                self._finish(self.requests[msg.room], "failed", error=msg.error)
+            elif "not registered" in msg.error.message:
+                if self.peer_state == PeerState.ACCEPTED:
+                    self._peer_gone("prefill forgot this decode (restarted or timed it out)")
+                self._send_register()
+            else:
+                log.warning("prefill reported: %s: %s", msg.error.type, msg.error.message)
+
+    def _on_handshake(self, msg) -> None:
+        try:
+            accept = self.handshake.receive(msg)
+        except (RuntimeError, ValueError) as exc:
+            self.peer_state, self.peer_error = PeerState.REJECTED, ErrorInfo.of(exc)
+            self.stats.handshakes["rejected"] += 1
+            log.error("handshake refused: %s: %s", type(exc).__name__, exc)
+            if isinstance(msg, wire.Accept):  # we refuse the prefill: it records the same error
+                self.client.send(wire.Reject(worker_id=self.worker_id, error=self.peer_error))
+            self._answered.set()
+            return
+        self.peer_state, self.peer_error = PeerState.ACCEPTED, None
+        self.prefill_incarnation = accept.incarnation
+        self.handshake_s = now() - self._register_sent
+        self.stats.handshakes["accepted"] += 1
+        self._accepted.set()
+        self._answered.set()
+        log.info("accepted by prefill %s in %.2f ms", accept.worker_id, self.handshake_s * 1e3)
+
+    def _on_done(self, msg: wire.TransferDone) -> None:
+        if msg.room in self.quarantine:
+            rq.free(self.pools, self.quarantine.pop(msg.room))
+            self._admit()
+            return
+        req = self.requests.get(msg.room)
+        if req is None:
+            log.debug("late transfer_done for room %s ignored", msg.room)
+            return
+        if msg.status != "success":
+            self._finish(req, "failed", error=msg.error or ErrorInfo(type="TransferFailed", message="prefill reported failure"))
+            return
+        req.state = advance(req.state, RequestState.TRANSFERRING)
+        problem = synth.verify_destination(self.kv_args, req.room, req.alloc.lists)
+        if problem is None and msg.digest != synth.plan_digest(req.room, req.alloc.lists, self.kv_args):
+            problem = "digest of the request's logical layout differs from the prefill's"
+        if problem is not None:
+            self._finish(req, "failed", error=ErrorInfo(type="TransferFailed", message=f"verification failed: {problem}"))
+            return
+        self._finish(req, "success", nbytes=msg.bytes, descriptors=msg.descriptors, verified=True)
+
+    def _finish(self, req: Request, status: str, error: ErrorInfo | None = None, nbytes: int = 0,
+                descriptors: int = 0, verified: bool = False, quarantine: bool = False) -> None:
+        if req.state.terminal:
+            return
+        req.state = RequestState.SUCCESS if status == "success" else RequestState.FAILED
+        self.requests.pop(req.room, None)
+        if req.alloc is not None:
+            if quarantine:
+                self.quarantine[req.room] = req.alloc
+            else:
+                rq.free(self.pools, req.alloc)
+        seconds = now() - req.started
+        res = TransferResult(req.room, status, req.seq_len, nbytes, descriptors, seconds, verified, error)
+        if status == "success":
+            self.stats.transfers["success"] += 1
+            self.stats.bytes += nbytes
+            self.stats.latencies_s.append(seconds)
+        else:
+            self.stats.fail(error.message if error else "failed")
+        self.finished[req.room] = res
+        if len(self.finished) > 10000:
+            self.finished.pop(next(iter(self.finished)))
+        if not req.future.done():
+            req.future.set_result(res)
+        if req.alloc is not None and not quarantine:
+            self._admit()
+
+    def _timers(self, t: float) -> None:
+        for req in list(self.requests.values()):
+            if t > req.deadline:
+                in_flight = req.state == RequestState.WAITING_FOR_INPUT
+                if in_flight:
+                    self.client.send(wire.Abort(room=req.room, reason="deadline exceeded on decode"))
+                self._finish(req, "failed", error=ErrorInfo(type="TransferFailed", message="deadline exceeded"),
+                             quarantine=in_flight)
+            elif req.resend_at is not None and t >= req.resend_at and req.message is not None:
+                req.resend_at = None
+                self.client.send(req.message)

@@ -1,0 +1,83 @@
+"""Per-request allocation on one side, and the index lists it yields for every channel.
+
+Both sides allocate the request's full pages and only the SWA tail (the window's pages) — the
+prefill keeps no SWA state beyond the window either — plus a request slot that addresses the
+unified ring rows and the C128 state slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdstate import indices
+from pdstate.errors import AllocationError
+from pdstate.presets import WorkerPools
+
+
+@dataclass
+class Allocation:
+    req_slot: int
+    locs: torch.Tensor
+    lists: list[np.ndarray]
+    freed: bool = False
+
+
+def channel_names(desc) -> list[str]:
+    return ["main_kv"] + [getattr(t, "value", t) for t in desc.state_types]
+
+
+def capacity_tokens(pools: WorkerPools) -> int:
+    return pools.allocator.size_full
+
+
+def allocate(pools: WorkerPools, names: list[str], seq_len: int) -> Allocation:
+    """Allocate a request of ``seq_len`` prompt tokens; raises ``AllocationError`` when full."""
+    target, alloc = pools.target, pools.allocator
+    slot = pools.req_to_token.alloc()
+    try:
+        locs = alloc.alloc_swa_tail(seq_len, target.sliding_window)
+    except AllocationError:
+        pools.req_to_token.free(slot)
+        raise
+    pools.req_to_token.req_to_token[slot, :seq_len] = locs
+    try:
+        lists = [_list_for(name, pools, slot, locs, seq_len) for name in names]
+    except Exception:
+        alloc.free(locs)
+        pools.req_to_token.free(slot)
+        raise
+    return Allocation(slot, locs, lists)
+
+
+def _list_for(name: str, pools: WorkerPools, slot: int, locs: torch.Tensor, seq_len: int) -> np.ndarray:
+    t = pools.target
+    if name == "main_kv":
+        return indices.main_kv_page_indices(locs, seq_len, t.page_size)
+    if name == "swa":
+        return indices.swa_page_indices(locs, seq_len, t.sliding_window, t.page_size, pools.allocator.full_to_swa_index_mapping)
+    if name == "swa_ring":
+        return indices.swa_ring_rows(slot, seq_len, t.unified_swa_window, t.unified_swa_ring_size)
+    if name == "c128_state":
+        return indices.c128_state_indices(slot, seq_len, t.online_c128, t.c128_ring_size)
+    raise ValueError(f"no index rule for state component {name!r}")
+
+
+def free(pools: WorkerPools, a: Allocation) -> bool:
+    """Free exactly once; returns False when it was already freed."""
+    if a.freed:
+        return False
+    a.freed = True
+    pools.allocator.free(a.locs)
+    pools.req_to_token.free(a.req_slot)
+    return True
+
+
+def free_counts(pools: WorkerPools) -> dict[str, int]:
+    return {
+        "full_tokens": pools.allocator.full_available_size(),
+        "swa_tokens": pools.allocator.swa_available_size(),
+        "req_slots": pools.req_to_token.available_size(),
+    }

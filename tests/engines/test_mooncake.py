@@ -1,0 +1,92 @@
+"""Mooncake specifics: bogus sessions fail fast, native codes become messages naming the chunk."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from pdstate.engines import EngineError, NativeEngineError
+from pdstate.engines.mooncake import MooncakeEngine
+from pdstate.planner import TransferPlan
+from pdstate.pools.memory import BufferSpec, PrivateMemory
+from tests.engines.conftest import require_engine
+
+pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(30)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _available() -> None:
+    require_engine("mooncake")
+
+
+@pytest.fixture
+def rig() -> Iterator:
+    """Both sides in this process (Mooncake talks TCP to itself just the same)."""
+    memory = PrivateMemory()
+    (src,) = memory.allocate("src", [BufferSpec("b", (1 << 20,), torch.uint8)])
+    (dst,) = memory.allocate("dst", [BufferSpec("b", (1 << 20,), torch.uint8)])
+    src_region, dst_region = memory.regions()
+    made: list[MooncakeEngine] = []
+
+    def make(**options) -> MooncakeEngine:
+        made.append(MooncakeEngine(host="127.0.0.1", **options))
+        made[-1].start()
+        return made[-1]
+
+    decode = make()
+    decode.register([dst_region])
+    yield make, decode, src_region, dst_region
+    for e in made:
+        e.close()
+
+
+def _bogus(endpoint: dict) -> dict:
+    return {**endpoint, "session_id": "127.0.0.1:1"}
+
+
+def test_bogus_session_fails_at_connect(rig) -> None:
+    make, decode, src_region, _ = rig
+    prefill = make()
+    started = time.monotonic()
+    with pytest.raises(NativeEngineError, match=r"^mooncake send_probe to 127.0.0.1:1 \(connect\) failed: code -\d+$"):
+        prefill.connect(_bogus(decode.endpoint()))
+    assert time.monotonic() - started < 5.0
+
+
+def test_failed_batch_names_peer_chunk_and_code(rig) -> None:
+    make, decode, src_region, dst_region = rig
+    prefill = make(probe_on_connect=False, max_batch_descriptors=1000)
+    prefill.register([src_region])
+    peer = prefill.connect(_bogus(decode.endpoint()))  # no probe: the failure comes from the write
+    n = 2500
+    offsets = np.arange(n, dtype=np.uint64) * 64
+    plan = TransferPlan.from_arrays(src_region.base_ptr + offsets, dst_region.base_ptr + offsets, np.full(n, 64))
+    handle = prefill.submit(peer, plan)
+    with pytest.raises(NativeEngineError) as info:
+        prefill.wait(handle, 10.0)
+    assert str(info.value) == (
+        "mooncake batch_transfer_sync_write to 127.0.0.1:1 failed on chunk 1 of 3 "
+        f"(descriptors 0..999, 64000 bytes): code {info.value.code}"
+    )
+    assert info.value.code < 0
+
+
+def test_closed_engine_fails_queued_work_and_refuses_more(rig) -> None:
+    make, decode, src_region, dst_region = rig
+    prefill = make()
+    prefill.register([src_region])
+    peer = prefill.connect(decode.endpoint())
+    plan = TransferPlan.from_arrays([src_region.base_ptr], [dst_region.base_ptr], [4096])
+    prefill.wait(prefill.submit(peer, plan), 10.0)
+    prefill.close()
+    with pytest.raises(EngineError, match="called while closed"):
+        prefill.submit(peer, plan)
+
+
+def test_batch_cap_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_batch_descriptors must be >= 1"):
+        MooncakeEngine(max_batch_descriptors=0)

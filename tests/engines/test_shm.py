@@ -1,0 +1,122 @@
+"""shm engine specifics: what a decode may register, what connect refuses, /proc maps parsing."""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from pdstate.engines import EngineError, InvalidEndpoint
+from pdstate.engines.shm import ShmEngine, _Mapping, shared_file_of
+from pdstate.planner import TransferPlan
+from pdstate.pools.memory import BufferSpec, PrivateMemory, Region, SharedMemory
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def engines() -> Iterator:
+    made: list[ShmEngine] = []
+
+    def make() -> ShmEngine:
+        made.append(ShmEngine())
+        made[-1].start()
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.close()
+
+
+@pytest.fixture
+def shm() -> Iterator[SharedMemory]:
+    with SharedMemory() as memory:
+        yield memory
+
+
+def test_decode_with_private_memory_is_refused_at_endpoint(engines) -> None:
+    memory = PrivateMemory()
+    memory.allocate("dst", [BufferSpec("b", (1 << 20,), torch.uint8)])
+    decode = engines()
+    decode.register(memory.regions())
+    with pytest.raises(EngineError, match=r"is not in a shared file mapping; decode regions must be SharedMemory"):
+        decode.endpoint()
+
+
+def test_a_region_inside_a_segment_publishes_its_file_offset_and_receives(engines, shm) -> None:
+    (arena,) = shm.allocate("dst", [BufferSpec("b", (64 << 10,), torch.uint8)])
+    arena.fill_(0xA5)
+    seg = shm.segments[0]
+    inner = Region("inner", seg.base_ptr + 8192, 4096)
+    decode = engines()
+    decode.register([inner])
+    (published,) = decode.endpoint()["regions"]
+    assert published == {"name": "inner", "base_ptr": inner.base_ptr, "nbytes": 4096,
+                         "path": seg.path, "file_offset": 8192}
+
+    src = torch.arange(4096, dtype=torch.int64).remainder(253).to(torch.uint8)
+    prefill = engines()
+    prefill.register([Region("src", src.data_ptr(), 4096)])
+    peer = prefill.connect(decode.endpoint())
+    plan = TransferPlan.from_arrays([src.data_ptr() + 10], [inner.base_ptr + 4000], [96])
+    prefill.wait(prefill.submit(peer, plan), 1.0)
+    want = np.full(64 << 10, 0xA5, dtype=np.uint8)
+    want[8192 + 4000 : 8192 + 4096] = src.numpy()[10:106]
+    assert np.array_equal(arena.numpy(), want)
+
+
+def test_connect_refuses_another_kernel(engines, shm) -> None:
+    shm.allocate("dst", [BufferSpec("b", (4096,), torch.uint8)])
+    decode = engines()
+    decode.register(shm.regions())
+    with pytest.raises(InvalidEndpoint, match="runs under another kernel"):
+        engines().connect({**decode.endpoint(), "boot_id": "00000000-other-host"})
+
+
+def test_connect_to_an_unlinked_segment_fails(engines, shm) -> None:
+    shm.allocate("dst", [BufferSpec("b", (4096,), torch.uint8)])
+    decode = engines()
+    decode.register(shm.regions())
+    endpoint = decode.endpoint()
+    os.unlink(shm.segments[0].path)
+    with pytest.raises(EngineError, match="cannot map segment"):
+        engines().connect(endpoint)
+
+
+def test_connect_refuses_a_region_longer_than_its_file(engines, shm) -> None:
+    shm.allocate("dst", [BufferSpec("b", (4096,), torch.uint8)])
+    decode = engines()
+    decode.register(shm.regions())
+    endpoint = decode.endpoint()
+    endpoint["regions"][0]["file_offset"] = 4096
+    with pytest.raises(EngineError, match="needs 8192 bytes of"):
+        engines().connect(endpoint)
+
+
+def _maps(*rows: tuple[int, int, bool, int, str]) -> list[_Mapping]:
+    return [_Mapping(*r) for r in rows]
+
+
+def test_shared_file_of_follows_split_mappings() -> None:
+    maps = _maps((0x1000, 0x3000, True, 0, "/dev/shm/a"), (0x3000, 0x5000, True, 0x2000, "/dev/shm/a"))
+    assert shared_file_of(0x2000, 0x2800, maps) == ("/dev/shm/a", 0x1000)
+
+
+@pytest.mark.parametrize(
+    "maps,match",
+    [
+        (_maps((0x1000, 0x3000, True, 0, "/dev/shm/a")), "runs past the shared mapping"),
+        (_maps((0x1000, 0x3000, True, 0, "/dev/shm/a"), (0x3000, 0x5000, True, 0x9000, "/dev/shm/a")),
+         "runs past the shared mapping"),
+        (_maps((0x1000, 0x5000, False, 0, "/usr/lib/x.so")), "not in a shared file mapping"),
+        (_maps((0x1000, 0x5000, True, 0, "/dev/shm/a (deleted)")), "was unlinked"),
+        (_maps(), "not in a shared file mapping"),
+    ],
+    ids=["too-short", "offset-gap", "private", "deleted", "unmapped"],
+)
+def test_shared_file_of_refuses(maps, match) -> None:
+    with pytest.raises(EngineError, match=match):
+        shared_file_of(0x2000, 0x2800, maps)

@@ -1,0 +1,285 @@
+"""``compat``: a peer's report checked against ours, with the errors the peer itself would raise.
+
+Reports come from real pools (``presets.build_worker_pools`` + ``layout.build_report``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from pdstate import compat, errors as e
+from pdstate.layout import LayoutReport, build_report
+from pdstate.pools.dsv4 import DeepSeekV4TokenToKVPool
+from pdstate.presets import PoolSettings, build_worker_pools, pool_kwargs, preset
+
+TINY = preset("tiny")
+_KEEP = []
+
+MAPPING = "DSV4 target and draft pools must share the SWA index mapping"
+SWA_ONLY = "DSV4 draft state transfer expects SWA-only NextN layers"
+UNIFIED = "DSV4 target and draft pools must use the same unified-KV mode"
+MISSING = "'DeepSeekV4TokenToKVPool' object has no attribute 'full_to_swa_index_mapping'"
+
+
+@functools.lru_cache(maxsize=None)
+def report_of(settings: PoolSettings) -> LayoutReport:
+    pools = build_worker_pools(settings)
+    _KEEP.append(pools)
+    return build_report(pools.target, pools.draft)[0]
+
+
+def tiny(**changes) -> LayoutReport:
+    return report_of(TINY.with_(**changes))
+
+
+@functools.lru_cache(maxsize=None)
+def report_with_compressed_draft() -> LayoutReport:
+    """A draft with a C4 layer, wired to the target's mapping (presets only build SWA-only drafts)."""
+    pools = build_worker_pools(TINY.with_(draft_enabled=False))
+    kw = {**pool_kwargs(TINY, draft=True), "compression_ratios": [4], "c4_size": 256, "c4_state_pool_size": 64}
+    draft = DeepSeekV4TokenToKVPool(**kw, name="draft")
+    draft.register_mapping(pools.allocator.full_to_swa_index_mapping)
+    _KEEP.append((pools, draft))
+    return build_report(pools.target, draft)[0]
+
+
+def raises(exc_type, message, ours, theirs, role):
+    with pytest.raises(exc_type) as info:
+        compat.check_peer(ours, theirs, role)
+    assert type(info.value) is exc_type
+    assert str(info.value) == message
+    return info.value
+
+
+def test_equal_layouts_pass_both_ways():
+    a, b = tiny(), report_of(TINY.with_(full_tokens=2048, num_req_slots=9))
+    compat.check_peer(a, b, "prefill")
+    compat.check_peer(a, b, "decode")
+    assert compat.compat_errors(a, b, "prefill") == []
+
+
+# --- the peer's own target/draft pair: the five upstream checks on reported facts ---------------
+
+
+@pytest.mark.parametrize("how", ["own", "clone", "view"])
+def test_peer_draft_without_the_shared_mapping(how):
+    peer = tiny(draft_mapping=how)
+    for role in ("prefill", "decode"):
+        raises(e.SWAIndexMappingNotShared, MAPPING, tiny(), peer, role)
+    # exactly what the peer raised locally
+    assert (peer.local_check.error.type, peer.local_check.error.message) == ("SWAIndexMappingNotShared", MAPPING)
+
+
+def test_peer_draft_that_never_registered_a_mapping():
+    peer = tiny(draft_mapping="none")
+    err = raises(e.DraftMappingMissing, MISSING, tiny(), peer, "prefill")
+    assert isinstance(err, AttributeError) and isinstance(err, RuntimeError)
+    assert (peer.local_check.error.type, peer.local_check.error.message) == ("DraftMappingMissing", MISSING)
+
+
+def test_peer_draft_with_compressed_layers():
+    peer = report_with_compressed_draft()
+    raises(e.DraftNotSWAOnly, SWA_ONLY, tiny(), peer, "prefill")
+    assert peer.local_check.error.message == SWA_ONLY
+
+
+def test_peer_draft_with_empty_ratios():
+    r = tiny()
+    peer = r.model_copy(update={"draft": r.draft.model_copy(update={"compression_ratios": ()})})
+    raises(e.DraftNotSWAOnly, SWA_ONLY, tiny(), peer, "prefill")
+
+
+def test_peer_with_unified_mismatch_between_target_and_draft():
+    peer = tiny(draft_unified_kv=True)
+    raises(e.UnifiedKVModeMismatch, UNIFIED, tiny(), peer, "prefill")
+
+
+def test_peer_with_ring_geometry_mismatch():
+    peer = tiny(unified_kv=True, draft_sliding_window=64)
+    raises(
+        e.SWARingGeometryMismatch,
+        "DSV4 target and draft pools must share SWA ring geometry: target=(128, 131, 655), draft=(64, 67, 335)",
+        tiny(unified_kv=True),
+        peer,
+        "prefill",
+    )
+
+
+def test_unified_branch_does_not_consult_the_mapping():
+    # a unified pair with an unshared mapping but equal ring geometry is fine, as upstream
+    peer = tiny(unified_kv=True, draft_mapping="clone")
+    compat.check_peer(tiny(unified_kv=True), peer, "prefill")
+
+
+@pytest.mark.parametrize(
+    "changes,tuples",
+    [
+        (dict(draft_page_size=512), "target=(256, 128), draft=(512, 128)"),
+        (dict(draft_sliding_window=64), "target=(256, 128), draft=(256, 64)"),
+    ],
+)
+def test_peer_with_paged_geometry_mismatch(changes, tuples):
+    raises(
+        e.PagedSWAGeometryMismatch,
+        f"DSV4 target and draft pools must share paged SWA geometry: {tuples}",
+        tiny(),
+        tiny(**changes),
+        "decode",
+    )
+
+
+def test_own_pair_checks_come_before_cross_side_checks():
+    # the peer's broken pair wins over a page-size difference
+    peer = tiny(draft_mapping="clone", page_size=128, swa_page_size=128)
+    raises(e.SWAIndexMappingNotShared, MAPPING, tiny(), peer, "prefill")
+
+
+def test_our_own_pair_is_not_rechecked_by_check_peer():
+    compat.check_peer(tiny(draft_mapping="clone"), tiny(), "prefill")
+
+
+def test_draftless_peer_skips_the_pair_checks():
+    compat.check_own_pair(tiny(draft_enabled=False))
+
+
+# --- cross-side sentences ------------------------------------------------------------------------
+
+
+PAGE = (
+    "Page size mismatch: prefill server has page_size=256, but decode server has page_size=128. "
+    "Both servers must use the same --page-size value."
+)
+
+
+def test_page_size_sentence_names_prefill_first_whichever_side_checks():
+    p, d = tiny(), tiny(page_size=128, swa_page_size=128)
+    raises(e.PageSizeMismatch, PAGE, p, d, "prefill")
+    raises(e.PageSizeMismatch, PAGE, d, p, "decode")
+
+
+def test_kv_dtype_sentence():
+    p, d = tiny(), tiny(kv_dtype="float8_e5m2")
+    message = (
+        "KV cache dtype mismatch: prefill server has kv_cache_dtype=float8_e4m3fn, but decode server has "
+        "kv_cache_dtype=float8_e5m2. Both servers must use the same --kv-cache-dtype value."
+    )
+    raises(e.KVCacheDtypeMismatch, message, p, d, "prefill")
+    raises(e.KVCacheDtypeMismatch, message, d, p, "decode")
+
+
+def test_page_size_before_kv_dtype():
+    p, d = tiny(), tiny(page_size=128, swa_page_size=128, kv_dtype="float8_e5m2")
+    raises(e.PageSizeMismatch, PAGE, p, d, "prefill")
+
+
+def layout_sentence(factor, p, d):
+    return (
+        f"DSV4 layout mismatch on {factor}: prefill server has {factor}={p!r}, but decode server has "
+        f"{factor}={d!r}. Both servers must build the same state layout."
+    )
+
+
+def test_speculative_on_one_side_names_c4_ring():
+    p, d = tiny(), tiny(speculative_num_draft_tokens=None)
+    message = (
+        "DSV4 layout mismatch on c4_ring: prefill server has c4_ring=16, but decode server has c4_ring=8. "
+        "Both servers must build the same state layout."
+    )
+    raises(e.LayoutMismatch, message, p, d, "prefill")
+    raises(e.LayoutMismatch, message, d, p, "decode")
+
+
+def test_unified_on_one_side_names_layout():
+    raises(e.LayoutMismatch, layout_sentence("layout", "paged", "unified"), tiny(), tiny(unified_kv=True), "prefill")
+    raises(e.LayoutMismatch, layout_sentence("layout", "unified", "paged"), tiny(), tiny(unified_kv=True), "decode")
+
+
+def test_window_mismatch():
+    raises(e.LayoutMismatch, layout_sentence("sliding_window", 128, 64), tiny(), tiny(sliding_window=64), "prefill")
+
+
+def test_state_dtype_mismatch():
+    raises(
+        e.LayoutMismatch,
+        layout_sentence("c4_state_dtype", "float32", "bfloat16"),
+        tiny(),
+        tiny(state_dtype="bfloat16"),
+        "prefill",
+    )
+
+
+def test_draft_on_one_side_names_draft():
+    p, d = tiny(), tiny(draft_enabled=False)
+    err = raises(e.LayoutMismatch, layout_sentence("draft", p.factor("draft"), None), p, d, "prefill")
+    assert "decode server has draft=None" in str(err)
+    raises(e.LayoutMismatch, layout_sentence("draft", None, p.factor("draft")), d, p, "prefill")
+
+
+def test_online_c128_names_c128_ring():
+    raises(
+        e.LayoutMismatch,
+        layout_sentence("c128_ring", 256, 1),
+        tiny(),
+        tiny(online_c128=True, online_c128_mtp=True),
+        "prefill",
+    )
+
+
+def test_layout_mismatch_is_a_runtime_error():
+    assert issubclass(e.LayoutMismatch, RuntimeError)
+    assert issubclass(e.PageSizeMismatch, e.CrossSideMismatch)
+
+
+# --- compat_errors lists every reason ----------------------------------------------------------
+
+
+def test_compat_errors_lists_all_in_order():
+    ours = tiny(draft_mapping="own")
+    theirs = tiny(draft_mapping="clone", page_size=128, swa_page_size=128, kv_dtype="float8_e5m2",
+                  speculative_num_draft_tokens=None)
+    errs = compat.compat_errors(ours, theirs, "decode")  # we are the decode; they are the prefill
+    assert [x.type for x in errs[:4]] == [
+        "SWAIndexMappingNotShared",  # theirs
+        "SWAIndexMappingNotShared",  # ours
+        "PageSizeMismatch",
+        "KVCacheDtypeMismatch",
+    ]
+    assert errs[2].message == (
+        "Page size mismatch: prefill server has page_size=128, but decode server has page_size=256. "
+        "Both servers must use the same --page-size value."
+    )
+    layout_names = [x.message.split(":")[0].removeprefix("DSV4 layout mismatch on ") for x in errs[4:]]
+    assert layout_names == ["c4_ring", "c128_ring", "draft", "main_kv_item_lens", "components"]
+    assert all(x.type == "LayoutMismatch" for x in errs[4:])
+    # the first one is what the handshake raises
+    with pytest.raises(e.SWAIndexMappingNotShared):
+        compat.check_peer(ours, theirs, "decode")
+
+
+# --- descriptor sanity -------------------------------------------------------------------------
+
+
+def test_check_ranges_refuses_implausible_ranges():
+    compat.check_ranges("main KV", [4096], [8192], [4096])
+    cases = [
+        ([0], [10], [1], "main KV[0]: implausible range ptr=0x0 len=10 item_len=1"),
+        ([4096], [0], [1], "main KV[0]: implausible range ptr=0x1000 len=0 item_len=1"),
+        ([4096], [10], [0], "main KV[0]: implausible range ptr=0x1000 len=10 item_len=0"),
+        ([4096], [10], [11], "main KV[0]: implausible range ptr=0x1000 len=10 item_len=11"),
+        ([4096], [(1 << 44) + 1], [1], f"main KV[0]: implausible range ptr=0x1000 len={(1 << 44) + 1} item_len=1"),
+        ([(1 << 64) - 16], [16], [1], "main KV[0]: implausible range ptr=0xfffffffffffffff0 len=16 item_len=1"),
+        ([4096, 1], [1, 2], [1], "main KV: 2 pointers, 2 lengths, 1 item lengths"),
+    ]
+    for ptrs, lens, items, message in cases:
+        with pytest.raises(e.DescriptorMismatch) as info:
+            compat.check_ranges("main KV", ptrs, lens, items)
+        assert str(info.value) == message
+
+
+def test_check_no_overlap():
+    compat.check_no_overlap([(0x1000, 0x100, "a"), (0x1100, 0x100, "b")])  # touching is fine
+    with pytest.raises(e.DescriptorMismatch) as info:
+        compat.check_no_overlap([(0x1100, 0x100, "b"), (0x1000, 0x101, "a")])
+    assert str(info.value) == "registered ranges overlap: a [0x1000, +257) and b [0x1100, +256)"

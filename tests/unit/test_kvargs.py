@@ -1,0 +1,398 @@
+"""``setup_state_kv_args``: the five target/draft checks, their order, and what each branch ignores."""
+
+import pytest
+import torch
+
+from pdstate.errors import (
+    DraftMappingMissing,
+    DraftNotSWAOnly,
+    PagedSWAGeometryMismatch,
+    SWAIndexMappingNotShared,
+    SWARingGeometryMismatch,
+    UnifiedKVModeMismatch,
+)
+from pdstate.kvargs import (
+    KVArgs,
+    PoolFacts,
+    StateType,
+    append_state_component,
+    check_draft_pair,
+    fill_kv_args,
+    identities_shared,
+    setup_state_kv_args,
+)
+from pdstate.pools import DeepSeekV4TokenToKVPool, SWATokenToKVPoolAllocator
+
+RATIO_MSG = "DSV4 draft state transfer expects SWA-only NextN layers"
+MODE_MSG = "DSV4 target and draft pools must use the same unified-KV mode"
+MAPPING_MSG = "DSV4 target and draft pools must share the SWA index mapping"
+MISSING_MSG = "'DeepSeekV4TokenToKVPool' object has no attribute 'full_to_swa_index_mapping'"
+
+
+def _kw(**over):
+    kw = dict(
+        max_num_reqs=4, swa_size=512, c4_size=256, c128_size=8, c4_state_pool_size=64,
+        c128_state_pool_size=1280, page_size=256, swa_page_size=256, dtype="float8_e4m3fn",
+        c4_state_dtype="float32", c128_state_dtype="float32", qk_nope_head_dim=448,
+        qk_rope_head_dim=64, indexer_head_dim=128, layer_num=3, device="cpu", enable_memory_saver=False,
+        compression_ratios=[0, 4, 128], sliding_window=128, online_mtp_max_draft_tokens=4, num_req_slots=5,
+        unified_kv=False, speculative_num_draft_tokens=4,
+    )
+    kw.update(over)
+    return kw
+
+
+def target(**over) -> DeepSeekV4TokenToKVPool:
+    return DeepSeekV4TokenToKVPool(**_kw(**over))
+
+
+def draft(ratios=(0,), **over) -> DeepSeekV4TokenToKVPool:
+    base = dict(c4_size=0, c128_size=0, c4_state_pool_size=0, c128_state_pool_size=0,
+                layer_num=len(ratios), compression_ratios=list(ratios))
+    base.update(over)
+    return DeepSeekV4TokenToKVPool(**_kw(**base))
+
+
+def wire(t, d, how: str) -> SWATokenToKVPoolAllocator:
+    """Give ``t`` an allocator and wire ``d``'s mapping as ``how`` says."""
+    a = SWATokenToKVPoolAllocator(1024, 512, t.page_size, kvcache=t)
+    a.alloc(2 * t.page_size)
+    m = a.full_to_swa_index_mapping
+    if how == "shared":
+        d.register_mapping(m)
+    elif how == "own":
+        SWATokenToKVPoolAllocator(1024, 512, t.page_size, kvcache=d)
+    elif how == "identity":
+        ident = torch.arange(m.numel(), dtype=torch.int64)
+        ident[-1] = -1
+        d.register_mapping(ident)
+    elif how == "clone":
+        d.register_mapping(m.clone())
+    elif how == "view":
+        d.register_mapping(m[:])
+    else:
+        assert how == "none"
+    return a
+
+
+def run(t, d):
+    return setup_state_kv_args(KVArgs(), t, d)
+
+
+def raises(t, d, cls, msg):
+    with pytest.raises(cls) as info:
+        run(t, d)
+    assert type(info.value) is cls
+    assert str(info.value) == msg
+    assert isinstance(info.value, RuntimeError)
+    return info.value
+
+
+# --- 1. ratio check comes first ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ratios", [(), (4,), (128,), (0, 4), (0, 0, 128)])
+@pytest.mark.parametrize("how", ["shared", "own", "none", "clone"])
+def test_ratio_check_first_in_paged(ratios, how):
+    t = target()
+    d = draft(ratios)
+    wire(t, d, how)
+    raises(t, d, DraftNotSWAOnly, RATIO_MSG)
+
+
+@pytest.mark.parametrize("ratios", [(), (4,), (0, 128)])
+def test_ratio_check_before_mode_check(ratios):
+    t = target(unified_kv=True)
+    d = draft(ratios, unified_kv=False)  # also a mode mismatch, and no mapping at all
+    raises(t, d, DraftNotSWAOnly, RATIO_MSG)
+    t = target(unified_kv=False)
+    d = draft(ratios, unified_kv=True, sliding_window=64)
+    raises(t, d, DraftNotSWAOnly, RATIO_MSG)
+
+
+def test_ratio_check_reads_the_full_ratio_list_not_the_stage():
+    # the draft's stage holds only a 0 layer, but its ratio list has a 4: upstream refuses
+    t = target()
+    d = draft((0, 4), layer_num=1)
+    assert d.stage_ratios == [0]
+    wire(t, d, "shared")
+    raises(t, d, DraftNotSWAOnly, RATIO_MSG)
+
+
+# --- 2. mode check before mapping / geometry ----------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["shared", "own", "none", "clone"])
+@pytest.mark.parametrize("target_unified", [False, True])
+def test_mode_check_before_mapping_and_geometry(how, target_unified):
+    t = target(unified_kv=target_unified)
+    d = draft(unified_kv=not target_unified, page_size=512, sliding_window=64)
+    wire(t, d, how)
+    raises(t, d, UnifiedKVModeMismatch, MODE_MSG)
+
+
+# --- 3. unified: ring geometry only, the mapping is never looked at -------------------------------
+
+
+@pytest.mark.parametrize("how", ["shared", "own", "identity", "none", "clone", "view"])
+def test_unified_ignores_the_mapping(how):
+    t = target(unified_kv=True)
+    d = draft(unified_kv=True)
+    wire(t, d, how)
+    kv = run(t, d)
+    assert kv.state_types == [StateType.SWA, StateType.SWA_RING, StateType.C128_STATE, StateType.SWA_RING]
+    ptrs, lens, items = kv.state_data_ptrs[-1], kv.state_data_lens[-1], kv.state_item_lens[-1]
+    assert ptrs == [d.unified_kv_buffers[0].data_ptr()] and lens == [670720] and items == [1024]
+
+
+def test_unified_ignores_a_missing_target_mapping_too():
+    t, d = target(unified_kv=True), draft(unified_kv=True)
+    assert run(t, d).num_components == 4
+
+
+def test_unified_ignores_page_size_and_swa_sizes():
+    t = target(unified_kv=True)
+    d = draft(unified_kv=True, page_size=512, swa_page_size=128, swa_size=4096)
+    assert run(t, d).state_types[-1] == StateType.SWA_RING
+
+
+@pytest.mark.parametrize(
+    "over,draft_geom",
+    [
+        (dict(sliding_window=64), "(64, 67, 335)"),
+        (dict(speculative_num_draft_tokens=2), "(128, 129, 645)"),
+        (dict(speculative_num_draft_tokens=None), "(128, 128, 640)"),
+        (dict(num_req_slots=4), "(128, 131, 524)"),
+    ],
+)
+@pytest.mark.parametrize("how", ["shared", "none", "own"])
+def test_unified_ring_geometry_mismatch(over, draft_geom, how):
+    t = target(unified_kv=True)
+    d = draft(unified_kv=True, **over)
+    wire(t, d, how)
+    raises(t, d, SWARingGeometryMismatch,
+           f"DSV4 target and draft pools must share SWA ring geometry: target=(128, 131, 655), draft={draft_geom}")
+
+
+# --- 4/5. paged: mapping identity, then geometry -------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["own", "identity", "clone", "view"])
+def test_paged_mapping_not_shared(how):
+    t, d = target(), draft()
+    wire(t, d, how)
+    raises(t, d, SWAIndexMappingNotShared, MAPPING_MSG)
+
+
+def test_paged_missing_draft_mapping_is_an_attribute_error():
+    t, d = target(), draft()
+    wire(t, d, "none")
+    with pytest.raises(AttributeError) as info:
+        run(t, d)
+    assert isinstance(info.value, DraftMappingMissing)
+    assert str(info.value) == MISSING_MSG
+
+
+@pytest.mark.parametrize("how", ["own", "clone", "view", "identity"])
+@pytest.mark.parametrize("over", [dict(page_size=512), dict(sliding_window=64), dict(page_size=128, sliding_window=256)])
+def test_paged_mapping_check_before_geometry_check(how, over):
+    t = target()
+    d = draft(**over)
+    wire(t, d, how)
+    raises(t, d, SWAIndexMappingNotShared, MAPPING_MSG)
+
+
+def test_paged_missing_mapping_before_geometry_check():
+    t, d = target(), draft(page_size=512)
+    wire(t, d, "none")
+    with pytest.raises(DraftMappingMissing):
+        run(t, d)
+
+
+@pytest.mark.parametrize(
+    "over,draft_geom",
+    [
+        (dict(page_size=512), "(512, 128)"),
+        (dict(sliding_window=64), "(256, 64)"),
+        (dict(page_size=128, sliding_window=256), "(128, 256)"),
+    ],
+)
+def test_paged_geometry_mismatch_with_shared_mapping(over, draft_geom):
+    t, d = target(), draft(**over)
+    wire(t, d, "shared")
+    raises(t, d, PagedSWAGeometryMismatch,
+           f"DSV4 target and draft pools must share paged SWA geometry: target=(256, 128), draft={draft_geom}")
+
+
+@pytest.mark.parametrize(
+    "over", [dict(swa_page_size=128), dict(num_req_slots=9), dict(swa_size=1024), dict(speculative_num_draft_tokens=None)]
+)
+def test_paged_ignores_what_upstream_does_not_compare(over):
+    t, d = target(), draft(**over)
+    wire(t, d, "shared")
+    kv = run(t, d)
+    assert kv.state_types == [StateType.SWA, StateType.C128_STATE, StateType.SWA]
+    assert kv.state_data_ptrs[-1] == [d.swa_kv_buffers[0].data_ptr()]
+    assert kv.state_item_lens[-1] == [d.swa_kv_buffers[0][0].nbytes]
+
+
+def test_paged_happy_components_exact():
+    t, d = target(), draft()
+    wire(t, d, "shared")
+    kv = run(t, d)
+    assert kv.state_types == [StateType.SWA, StateType.C128_STATE, StateType.SWA]
+    assert kv.state_data_lens == [[449280, 449280, 449280, 688128, 172032], [6815744], [449280]]
+    assert kv.state_item_lens == [[149760, 149760, 149760, 131072, 32768], [524288], [149760]]
+    swa = t.swa_kv_buffers + t.c4_attn_states + t.c4_indexer_states
+    assert kv.state_data_ptrs == [[x.data_ptr() for x in swa], [t.c128_states[0].data_ptr()],
+                                  [d.swa_kv_buffers[0].data_ptr()]]
+
+
+def test_draft_with_two_layers_sends_both():
+    t, d = target(), draft((0, 0))
+    wire(t, d, "shared")
+    kv = run(t, d)
+    assert kv.state_data_ptrs[-1] == [x.data_ptr() for x in d.swa_kv_buffers]
+    assert len(kv.state_data_ptrs[-1]) == 2
+
+
+# --- skipped drafts -------------------------------------------------------------------------------
+
+
+class _NotAPool:
+    compression_ratios = [4]  # would fail every check if it were looked at
+    _unified_kv = True
+
+
+@pytest.mark.parametrize("d", [None, object(), _NotAPool(), "draft"])
+@pytest.mark.parametrize("unified", [False, True])
+def test_non_dsv4_or_missing_draft_is_skipped(d, unified):
+    t = target(unified_kv=unified)
+    kv = run(t, d)
+    want = [StateType.SWA] + ([StateType.SWA_RING] if unified else []) + [StateType.C128_STATE]
+    assert kv.state_types == want
+
+
+def test_target_must_be_a_dsv4_pool():
+    with pytest.raises(TypeError):
+        setup_state_kv_args(KVArgs(), object())
+
+
+# --- field reset ----------------------------------------------------------------------------------
+
+
+def test_fields_are_reset_not_appended():
+    t, d = target(), draft()
+    wire(t, d, "shared")
+    kv = KVArgs()
+    kv.state_types = [StateType.MAMBA]
+    kv.state_data_ptrs, kv.state_data_lens, kv.state_item_lens = [[1]], [[2]], [[3]]
+    kv.state_dim_per_tensor, kv.state_layer_ids = [[9]], [[9]]
+    kv.is_hybrid_mla_backend = True
+    out = setup_state_kv_args(kv, t, d, total_kv_layers=3)
+    assert out is kv
+    assert kv.state_types == [StateType.SWA, StateType.C128_STATE, StateType.SWA]
+    assert kv.state_dim_per_tensor == [[], [], []] and kv.state_layer_ids == [[], [], []]
+    assert kv.is_hybrid_mla_backend is False
+    assert kv.total_kv_layers == 3
+    # running twice gives the same result
+    again = setup_state_kv_args(KVArgs(), t, d)
+    assert again.state_data_ptrs == kv.state_data_ptrs and again.state_item_lens == kv.state_item_lens
+
+
+def test_state_type_values():
+    assert [s.value for s in StateType] == ["mamba", "swa", "nsa", "swa_ring", "c128_state"]
+    assert StateType.SWA == "swa"
+
+
+def test_append_component_keeps_lists_parallel():
+    kv = KVArgs()
+    with pytest.raises(ValueError):
+        append_state_component(kv, StateType.SWA, [1, 2], [3], [4, 5])
+    assert kv.state_types == []
+
+
+def test_no_c128_layer_no_c128_component():
+    t = target(compression_ratios=[0, 4], layer_num=2)
+    d = draft()
+    wire(t, d, "shared")
+    assert run(t, d).state_types == [StateType.SWA, StateType.SWA]
+    # a PP stage without C128 layers, even though the model has some
+    t = target(compression_ratios=[0, 4, 128], layer_num=2)
+    assert run(t, None).state_types == [StateType.SWA]
+
+
+def test_unified_without_c4_layers_still_sends_an_empty_swa_component_first():
+    t = target(unified_kv=True, compression_ratios=[0, 128], layer_num=2)
+    kv = run(t, None)
+    assert kv.state_types == [StateType.SWA, StateType.SWA_RING, StateType.C128_STATE]
+    assert kv.state_data_ptrs[0] == [] and kv.state_item_lens[0] == []
+
+
+# --- the checks over reported facts (cross-process form) ------------------------------------------
+
+
+def _facts(pool):
+    return PoolFacts.of(pool)
+
+
+def test_mapping_predicate_consulted_only_where_upstream_evaluates_it():
+    calls = []
+
+    def shared():
+        calls.append(1)
+        return True
+
+    t_p, t_u = target(), target(unified_kv=True)
+    # ratio refusal: not consulted
+    with pytest.raises(DraftNotSWAOnly):
+        check_draft_pair(_facts(t_p), _facts(draft((4,))), shared)
+    # mode refusal: not consulted
+    with pytest.raises(UnifiedKVModeMismatch):
+        check_draft_pair(_facts(t_p), _facts(draft(unified_kv=True)), shared)
+    # unified branch: never consulted, pass or fail
+    check_draft_pair(_facts(t_u), _facts(draft(unified_kv=True)), shared)
+    with pytest.raises(SWARingGeometryMismatch):
+        check_draft_pair(_facts(t_u), _facts(draft(unified_kv=True, sliding_window=64)), shared)
+    assert calls == []
+    # paged: consulted exactly once, before the geometry comparison
+    with pytest.raises(SWAIndexMappingNotShared):
+        check_draft_pair(_facts(t_p), _facts(draft(page_size=512)), lambda: calls.append(2) or False)
+    with pytest.raises(PagedSWAGeometryMismatch):
+        check_draft_pair(_facts(t_p), _facts(draft(page_size=512)), shared)
+    assert calls == [2, 1]
+
+
+def test_identities_shared_over_reported_facts():
+    t, d_shared, d_clone, d_none = target(), draft(), draft(), draft()
+    a = wire(t, d_shared, "shared")
+    d_clone.register_mapping(a.full_to_swa_index_mapping.clone())
+    assert identities_shared(_facts(t), _facts(d_shared))
+    assert not identities_shared(_facts(t), _facts(d_clone))
+    assert not identities_shared(_facts(t), _facts(d_none))
+    assert not identities_shared(_facts(draft()), _facts(d_none))  # both None: not shared
+    check_draft_pair(_facts(t), _facts(d_shared), lambda: identities_shared(_facts(t), _facts(d_shared)))
+    with pytest.raises(SWAIndexMappingNotShared):
+        check_draft_pair(_facts(t), _facts(d_clone), lambda: identities_shared(_facts(t), _facts(d_clone)))
+
+
+def test_pool_facts_fields():
+    t = target(unified_kv=True)
+    f = PoolFacts.of(t)
+    assert f.compression_ratios == (0, 4, 128)
+    assert f.unified_kv is True
+    assert f.ring_geometry == (128, 131, 655)
+    assert f.paged_geometry == (256, 128)
+    assert f.mapping_identity is None
+
+
+def test_fill_kv_args_main_channel_then_states():
+    t, d = target(), draft()
+    wire(t, d, "shared")
+    kv = fill_kv_args(t, d)
+    assert kv.kv_data_lens == [187200, 42240, 8640] and kv.kv_item_lens == [37440, 8448, 1728]
+    assert kv.kv_data_ptrs == [t.c4_kv_buffers[0].data_ptr(), t.c4_indexer_buffers[0].data_ptr(),
+                               t.c128_kv_buffers[0].data_ptr()]
+    assert kv.page_size == 256 and kv.kv_cache_dtype == "float8_e4m3fn"
+    assert kv.mla_compression_ratios == [0, 4, 128]
+    assert kv.state_types == [StateType.SWA, StateType.C128_STATE, StateType.SWA]
