@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdstate import cli_ops
 
     cli_ops.add_commands(sub)
+    cli_ops.add_bench(sub)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

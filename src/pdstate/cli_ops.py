@@ -55,3 +55,39 @@ def add_commands(sub) -> None:
     c.add_argument("configs", nargs="+", metavar="CONFIG")
     c.add_argument("--set", action="append", default=[], metavar="section.key=value")
     c.set_defaults(func=cmd_check)
+
+
+def cmd_bench(args) -> int:
+    import json
+    from pathlib import Path
+
+    from pdstate import bench
+
+    say = (lambda *a: None) if args.json else (lambda m: print(m, flush=True))
+    r = bench.run_bench(args.quick, args.engines.split(","), args.modes.split(","), progress=say)
+    files = bench.write_outputs(r, Path(args.out))
+    s = bench.summary(r)
+    if not args.json:
+        print()
+        print(f"{'path':<34} {'tokens':>7} {'GB/s median':>12} {'[min..max]':>16}")
+        for path, per_len in sorted(r["paths"].items()):
+            for n, v in per_len.items():
+                g = v.get("gbps")
+                if g:
+                    print(f"{path:<34} {n:>7} {g['median']:>12.2f} {g['min']:>7.2f}..{g['max']:<7.2f}")
+        print()
+        for k, v in s.items():
+            print(f"{k}: {v}")
+        print("wrote " + ", ".join(str(f) for f in files))
+    print(json.dumps(s))
+    return 0
+
+
+def add_bench(sub) -> None:
+    b = sub.add_parser("bench", help="measure pdstate against the in-process ceiling and the raw engines")
+    b.add_argument("--json", action="store_true", help="last line: one JSON object with the ratios")
+    b.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")
+    b.add_argument("--quick", action="store_true", help="fewer runs (about 5 minutes here)")
+    b.add_argument("--engines", default="shm,mooncake,nixl")
+    b.add_argument("--modes", default="paged,unified")
+    b.set_defaults(func=cmd_bench)
