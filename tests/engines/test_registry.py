@@ -16,7 +16,7 @@ from pdstate.engines import (
     create_engine,
     engine_class,
 )
-from pdstate.engines.base import RegionTable
+from pdstate.engines.regions import RegionTable
 from pdstate.engines.shm import ShmEngine
 from pdstate.pools.memory import Region
 
