@@ -32,7 +32,11 @@ def run_demo(engine: str, mode: str, preset: str, requests: int, tokens: list[in
     cap = settings.full_tokens // max(1, concurrency)
     lengths = tokens or [n for n in DEMO_LENGTHS if n <= cap] or [min(DEMO_LENGTHS)]
     batch = [lengths[i % len(lengths)] for i in range(requests)]
-    base = dict(pool=settings, engine=engine, token=token, max_inflight=max(64, concurrency))
+    # One host: NIXL's UCX must not load its InfiniBand module here (it crashes at exit without
+    # RDMA hardware); Mooncake runs over loopback TCP.
+    engine_options = {"nixl": {"ucx_env": {"UCX_MODULES": "^ib"}}, "mooncake": {"host": "127.0.0.1"}}.get(engine, {})
+    base = dict(pool=settings, engine=engine, engine_options=engine_options, token=token,
+                max_inflight=max(64, concurrency))
     prefill = WorkerProcess(WorkerOptions(role="prefill", worker_id="prefill-0", **base))
     decode = None
     try:

@@ -227,7 +227,28 @@ _WIRE_TYPES: dict[str, type[BaseException]] = {
 }
 
 
+def _wire_class(type_name: str) -> type[BaseException] | None:
+    """A known class by name: the table above, or any subclass of ``PdStateError`` (engines'
+    error classes included, once their module is imported)."""
+    cls = _WIRE_TYPES.get(type_name)
+    if cls is not None:
+        return cls
+    stack = [PdStateError, RuntimeError]
+    while stack:
+        c = stack.pop()
+        if c.__name__ == type_name and c.__module__.startswith("pdstate"):
+            return c
+        stack.extend(c.__subclasses__())
+    return None
+
+
 def error_from_wire(type_name: str, message: str) -> BaseException:
-    """Rebuild an error a peer reported: the same class where known, else ``RuntimeError``."""
-    cls = _WIRE_TYPES.get(type_name, RuntimeError)
-    return cls(message)
+    """Rebuild an error a peer reported: the same class where known, else ``RuntimeError``.
+
+    Classes whose constructor does not take a single message fall back to ``RuntimeError``.
+    """
+    cls = _wire_class(type_name) or RuntimeError
+    try:
+        return cls(message)
+    except TypeError:
+        return RuntimeError(f"{type_name}: {message}")
