@@ -8,14 +8,13 @@ import torch
 from pdstate.kvargs import KVArgs, setup_state_kv_args
 from pdstate.pools import DeepSeekV4TokenToKVPool, SWATokenToKVPoolAllocator
 from pdstate.pools.allocator import new_mapping
-from tests.conftest import SHARED
+from tests.conftest import CONFORMANCE_JSON, SHARED
 
-_DATA = SHARED / "conformance" / "setup_state_kv_args.json"
+_DATA = CONFORMANCE_JSON
 _CASES = []
-if _DATA.exists():
-    for variant in json.loads(_DATA.read_text())["variants"]:
-        for case in variant["cases"]:
-            _CASES.append(pytest.param(variant["variant"], case, id=f"{variant['variant']}:{case['name']}"))
+for variant in json.loads(_DATA.read_text())["variants"]:
+    for case in variant["cases"]:
+        _CASES.append(pytest.param(variant["variant"], case, id=f"{variant['variant']}:{case['name']}"))
 
 _VARIANT_FLAGS = {
     "offline_c128": dict(online_c128=False, online_c128_mtp=False),
@@ -117,6 +116,12 @@ def test_upstream_outcome(variant, case):
 
 
 def test_cases_present():
-    if not _DATA.exists():
-        pytest.skip("no conformance data")
     assert len(_CASES) >= 20
+
+
+def test_vendored_copy_matches_shared():
+    shared = SHARED / "conformance" / "setup_state_kv_args.json"
+    if not shared.exists():
+        pytest.skip(f"{shared} not present; the vendored copy is used alone")
+    assert json.loads(shared.read_text()) == json.loads(_DATA.read_text()), (
+        "tests/conformance/data/setup_state_kv_args.json differs from shared/conformance: copy it again")
