@@ -1,4 +1,5 @@
-"""Operator commands: ``check`` (offline preflight of config files)."""
+"""Operator commands: ``check`` (offline preflight of config files), ``serve`` and ``probe``
+(implemented in ``pdstate.serve``)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,10 @@ def add_commands(sub) -> None:
     c.add_argument("configs", nargs="+", metavar="CONFIG")
     c.add_argument("--set", action="append", default=[], metavar="section.key=value")
     c.set_defaults(func=cmd_check)
+
+    from pdstate import serve  # serve + probe (light to import: torch loads inside cmd_serve)
+
+    serve.add_commands(sub)
 
 
 def cmd_bench(args) -> int:

@@ -86,7 +86,10 @@ class AuthSection(_Section):
 
     def secret(self) -> bytes | None:
         if self.token_file:
-            return Path(self.token_file).read_text().strip().encode() or None
+            try:
+                return Path(self.token_file).read_text().strip().encode() or None
+            except OSError as exc:
+                raise ConfigError(f"auth.token_file: cannot read {self.token_file}: {exc.strerror or exc}") from None
         return self.token.encode() or None
 
 
@@ -113,7 +116,8 @@ class WorkerConfig(_Section):
     def worker_options(self) -> WorkerOptions:
         engine_options: dict[str, Any] = {}
         if self.transfer.engine == "mooncake":
-            engine_options = self.transfer.mooncake.model_dump()
+            m = self.transfer.mooncake  # MooncakeEngine names the NIC list ``device_name``
+            engine_options = {"host": m.host, "protocol": m.protocol, "device_name": m.device}
         return WorkerOptions(
             role=self.role,
             pool=self.pool_settings(),
@@ -158,6 +162,7 @@ def load_config(
 ) -> WorkerConfig:
     """Load, merge and validate; raises ``ConfigError`` naming the offending key."""
     tree: dict = {}
+    origins: dict[str, str] = {}  # dotted key -> where its value came from, for error messages
     if path is not None:
         try:
             tree = tomllib.loads(Path(path).read_text())
@@ -170,19 +175,23 @@ def load_config(
         if key.startswith(ENV_PREFIX) and key not in ("PDSTATE_SHARED",):
             dotted = key[len(ENV_PREFIX):].lower().replace("__", ".")
             _set_path(tree, dotted, _scalar(env[key]), f"environment {key}")
+            origins[dotted] = f"environment {key}"
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
         k, v = item.split("=", 1)
         _set_path(tree, k.strip(), _scalar(v.strip()), f"--set {item}")
+        origins[".".join(p for p in k.strip().split(".") if p)] = f"--set {item}"
     try:
         cfg = WorkerConfig.model_validate(tree)
     except ValidationError as exc:
         msgs = []
         for e in exc.errors():
             loc = ".".join(str(p) for p in e["loc"]) or "<root>"
-            msgs.append(f"{loc}: {e['msg']}")
+            where = f" (from {origins[loc]})" if loc in origins else (f" (in {path})" if path is not None else "")
+            msgs.append(f"{loc}: {e['msg']}{where}")
         raise ConfigError("invalid configuration: " + "; ".join(msgs)) from None
     if cfg.preset not in PRESETS:
-        raise ConfigError(f"preset: unknown preset {cfg.preset!r}; choose one of {sorted(PRESETS)}")
+        where = f" (from {origins['preset']})" if "preset" in origins else (f" (in {path})" if path is not None else "")
+        raise ConfigError(f"preset: unknown preset {cfg.preset!r}; choose one of {sorted(PRESETS)}{where}")
     return cfg

@@ -1,0 +1,200 @@
+"""The HTTP app over a fake status source (no worker, no sockets): shapes, status codes, auth, metrics."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import warnings
+
+import pytest
+
+with warnings.catch_warnings():  # starlette nags about httpx vs httpx2 on import; not our concern
+    warnings.simplefilter("ignore")
+    from fastapi.testclient import TestClient
+
+from pdstate.api import Readiness, create_app, route_paths
+from pdstate.layout import ErrorInfo, build_report
+from pdstate.presets import build_worker_pools, preset
+from pdstate.runtime.common import Stats
+from pdstate.wire import PROTOCOL_VERSION
+
+MAPPING_ERROR = "DSV4 target and draft pools must share the SWA index mapping"
+
+
+def report_for(**changes):
+    pools = build_worker_pools(preset("tiny").with_(**changes))
+    try:
+        return build_report(pools.target, pools.draft)[0]
+    finally:
+        pools.close()
+
+
+@pytest.fixture(scope="module")
+def good_report():
+    return report_for()
+
+
+@pytest.fixture(scope="module")
+def own_report():
+    return report_for(draft_mapping="own")
+
+
+@dataclass
+class FakeSource:
+    role: str
+    report: object
+    worker_id: str = "w-0"
+    incarnation: str = "inc"
+    engine: str = "shm"
+    control: str = "tcp://127.0.0.1:5601"
+    stats: Stats = field(default_factory=Stats)
+    ready: Readiness = field(default_factory=lambda: Readiness(True))
+    peer_list: list = field(default_factory=list)
+    finished: dict = field(default_factory=dict)
+    submitted: list = field(default_factory=list)
+    reregistered: int = 0
+
+    def readiness(self):
+        return self.ready
+
+    def local_check(self):
+        return self.report.local_check.ok, self.report.local_check.error
+
+    def peers(self):
+        return self.peer_list
+
+    def in_flight(self):
+        return 0
+
+    def free_counts(self):
+        return {"full_tokens": 1024}
+
+    def result_timeout_s(self):
+        return 5.0
+
+    def submit(self, tokens, room):
+        room = 7 if room is None else room
+        res = {"room": room, "status": "success", "seq_len": tokens, "bytes": tokens * 10, "descriptors": 3,
+               "seconds": 0.01, "verified": True, "error": None}
+        self.finished[room] = res
+        self.submitted.append((tokens, room))
+        self.stats.transfers["success"] += 1
+        self.stats.bytes += res["bytes"]
+        self.stats.latencies_s.append(0.01)
+        f: Future = Future()
+        f.set_result(res)
+        return f
+
+    def lookup(self, room):
+        return self.finished.get(room)
+
+    def reregister(self):
+        self.reregistered += 1
+
+
+def client(source, token=None):
+    return TestClient(create_app(source, token=token))
+
+
+def test_health_and_ready(good_report):
+    src = FakeSource("prefill", good_report)
+    c = client(src)
+    assert c.get("/healthz").json() == {"status": "ok"}
+    assert c.get("/readyz").json() == {"ready": True, "reason": None, "check": None, "error": None}
+    err = ErrorInfo(type="SWAIndexMappingNotShared", message=MAPPING_ERROR)
+    src.ready = Readiness(False, MAPPING_ERROR, "handshake", err)
+    r = c.get("/readyz")
+    assert r.status_code == 503
+    assert r.json() == {"ready": False, "reason": MAPPING_ERROR, "check": "handshake", "error": err.model_dump()}
+
+
+def test_compat_document(own_report):
+    src = FakeSource("decode", own_report, peer_list=[
+        {"id": "tcp://p:5601", "state": "rejected", "error": {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR}}])
+    doc = client(src).get("/v1/compat").json()
+    assert doc["role"] == "decode" and doc["protocol_version"] == PROTOCOL_VERSION
+    assert doc["fingerprint"] == own_report.fingerprint
+    assert doc["layout"]["page_size"] == 256 and doc["layout"]["kv_dtype"] == "float8_e4m3fn"
+    assert list(doc["layout"])[2:] == [n for n, _ in own_report.factors]
+    assert doc["local_check"] == {"ok": False, "error": {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR}}
+    assert doc["peers"][0]["state"] == "rejected" and doc["peers"][0]["error"]["message"] == MAPPING_ERROR
+    assert doc["report"]["fingerprint"] == own_report.fingerprint
+
+
+def test_compat_check(good_report, own_report):
+    prefill = client(FakeSource("prefill", good_report))
+    good = client(FakeSource("decode", good_report)).get("/v1/compat").json()
+    own = client(FakeSource("decode", own_report)).get("/v1/compat").json()
+    assert prefill.post("/v1/compat/check", json=good).json()["compatible"] is True
+    v = prefill.post("/v1/compat/check", json=own).json()
+    assert v["compatible"] is False and v["errors"][0] == {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR}
+    other = dict(good, engine="mooncake", protocol_version=PROTOCOL_VERSION + 1)
+    types = [e["type"] for e in prefill.post("/v1/compat/check", json=other).json()["errors"]]
+    assert types == ["VersionMismatch", "EngineError"]
+    msgs = [e["message"] for e in prefill.post("/v1/compat/check", json=other).json()["errors"]]
+    assert msgs[1] == "transfer engine mismatch: prefill server uses 'shm', but decode server uses 'mooncake'"
+    unified = client(FakeSource("decode", report_for(unified_kv=True))).get("/v1/compat").json()
+    e = prefill.post("/v1/compat/check", json=unified).json()["errors"][0]
+    assert e["type"] == "LayoutMismatch" and e["message"].startswith(
+        "DSV4 layout mismatch on layout: prefill server has layout='paged', but decode server has layout='unified'.")
+
+
+def test_transfers_and_auth(good_report):
+    src = FakeSource("decode", good_report)
+    c = client(src, token=b"tok")
+    assert c.post("/v1/transfers", json={"tokens": 5}).status_code == 401
+    assert c.post("/v1/transfers", json={"tokens": 5}, headers={"Authorization": "Bearer tok2"}).status_code == 401
+    assert c.post("/v1/transfers", json={"tokens": 5}, headers={"Authorization": "Basic tok"}).status_code == 401
+    assert c.post("/v1/handshake").status_code == 401
+    h = {"Authorization": "Bearer tok"}
+    r = c.post("/v1/transfers", json={"tokens": 5, "room": 11}, headers=h)
+    assert r.status_code == 200 and r.json()["room"] == 11 and r.json()["status"] == "success"
+    assert c.get("/v1/transfers/11").json() == r.json()
+    assert c.get("/v1/transfers/12").status_code == 404
+    assert c.post("/v1/transfers", json={"tokens": 5, "room": 11}, headers=h).status_code == 409
+    assert c.post("/v1/transfers", json={"tokens": 5, "room": -1}, headers=h).status_code == 422
+    assert c.post("/v1/transfers", json={"tokens": 5, "extra": 1}, headers=h).status_code == 422
+    assert c.post("/v1/handshake", headers=h).status_code == 202 and src.reregistered == 1
+    src.ready = Readiness(False, "waiting", "peer")
+    r = c.post("/v1/transfers", json={"tokens": 5}, headers=h)
+    assert r.status_code == 503 and r.json()["detail"] == "waiting"
+    # without a configured token the endpoints are open
+    src.ready = Readiness(True)
+    assert client(src).post("/v1/transfers", json={"tokens": 5}).status_code == 200
+
+
+def test_prefill_has_no_transfers(good_report):
+    c = client(FakeSource("prefill", good_report))
+    assert c.post("/v1/transfers", json={"tokens": 5}).status_code == 409
+    assert c.get("/v1/transfers/1").status_code == 409
+    assert c.post("/v1/handshake").status_code == 409
+
+
+def test_metrics_are_per_app(good_report):
+    a, b = FakeSource("decode", good_report), FakeSource("decode", good_report)
+    ca, cb = client(a), client(b)
+    for _ in range(3):
+        ca.post("/v1/transfers", json={"tokens": 4, "room": _})
+    ta, tb = ca.get("/metrics").text, cb.get("/metrics").text
+    assert 'pdstate_transfers_total{outcome="success"} 3.0' in ta
+    assert 'pdstate_transfers_total{outcome="success"} 0.0' in tb
+    assert "pdstate_transfer_bytes_total 120.0" in ta
+    assert 'pdstate_transfer_latency_seconds_bucket{le="0.01"} 3.0' in ta
+    assert "pdstate_transfer_latency_seconds_count 3.0" in ta
+    # histogram stays cumulative across scrapes
+    ca.post("/v1/transfers", json={"tokens": 4, "room": 99})
+    assert "pdstate_transfer_latency_seconds_count 4.0" in ca.get("/metrics").text
+    for name in ("pdstate_handshakes_total", "pdstate_transfers_in_flight", "pdstate_engine_errors_total",
+                 "pdstate_protocol_errors_total", "pdstate_ready 1.0", "pdstate_worker_info"):
+        assert name in ta
+
+
+def test_openapi(good_report):
+    c = client(FakeSource("decode", good_report))
+    assert c.get("/docs").status_code == 200
+    schema = c.get("/openapi.json").json()
+    assert {"/healthz", "/readyz", "/v1/compat", "/v1/compat/check", "/v1/transfers", "/v1/transfers/{room}",
+            "/v1/handshake", "/metrics"} <= set(schema["paths"])
+    assert "CompatDocument" in schema["components"]["schemas"]
+    assert route_paths(create_app(None)) >= {"/healthz", "/readyz"}

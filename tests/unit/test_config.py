@@ -1,0 +1,149 @@
+"""Worker configuration: TOML file < PDSTATE_* environment < --set; strict errors naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdstate.config import load_config
+from pdstate.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def toml(tmp_path):
+    def write(text: str) -> Path:
+        p = tmp_path / "worker.toml"
+        p.write_text(text)
+        return p
+    return write
+
+
+BASE = """
+role = "decode"
+preset = "tiny"
+[http]
+port = 9000
+[control]
+peer = "tcp://10.0.0.1:5601"
+peer_timeout_s = 7.5
+"""
+
+
+def test_file_values(toml):
+    cfg = load_config(toml(BASE), environ={})
+    assert cfg.role == "decode" and cfg.http.port == 9000 and cfg.http.host == "127.0.0.1"
+    assert cfg.control.peer == "tcp://10.0.0.1:5601" and cfg.control.peer_timeout_s == 7.5
+    assert cfg.transfer.engine == "shm" and cfg.checks.local is True and cfg.draft.mapping == "shared"
+
+
+def test_environment_overrides_file_and_set_overrides_environment(toml):
+    path = toml(BASE)
+    env = {"PDSTATE_HTTP__PORT": "9100", "PDSTATE_CONTROL__PEER_TIMEOUT_S": "2", "PDSTATE_DRAFT__MAPPING": "own"}
+    cfg = load_config(path, environ=env)
+    assert cfg.http.port == 9100 and cfg.control.peer_timeout_s == 2.0 and cfg.draft.mapping == "own"
+    cfg = load_config(path, ["http.port=9200", "draft.mapping=shared"], environ=env)
+    assert cfg.http.port == 9200 and cfg.draft.mapping == "shared"
+    assert cfg.control.peer_timeout_s == 2.0  # untouched by --set: the environment still wins over the file
+
+
+def test_values_parse_as_toml_scalars(toml):
+    cfg = load_config(toml(BASE), ["checks.local=false", "pool.unified_kv=true", 'transfer.engine="mooncake"',
+                                   "transfer.mooncake.protocol=rdma", "worker_id=decode-7"], environ={})
+    assert cfg.checks.local is False and cfg.pool.unified_kv is True
+    assert cfg.transfer.engine == "mooncake" and cfg.transfer.mooncake.protocol == "rdma"
+    assert cfg.worker_id == "decode-7"
+
+
+def test_nested_environment_key(toml):
+    cfg = load_config(toml(BASE), environ={"PDSTATE_TRANSFER__MOONCAKE__HOST": "10.1.2.3", "PDSTATE_AUTH__TOKEN": "t"})
+    assert cfg.transfer.mooncake.host == "10.1.2.3"
+    assert cfg.auth.secret() == b"t"
+
+
+def test_mooncake_options_reach_the_engine_constructor(toml):
+    import inspect
+
+    from pdstate.engines.mooncake import MooncakeEngine
+
+    cfg = load_config(toml(BASE), ["transfer.engine=mooncake", "transfer.mooncake.device=mlx5_0"], environ={})
+    opts = cfg.worker_options().engine_options
+    assert opts == {"host": "127.0.0.1", "protocol": "tcp", "device_name": "mlx5_0"}
+    assert set(opts) <= set(inspect.signature(MooncakeEngine.__init__).parameters)
+
+
+def test_token_file(toml, tmp_path):
+    secret = tmp_path / "token"
+    secret.write_text("from-file\n")
+    cfg = load_config(toml(BASE), [f'auth.token_file="{secret}"'], environ={})
+    assert cfg.auth.secret() == b"from-file"
+    assert load_config(toml(BASE), environ={}).auth.secret() is None
+    missing = load_config(toml(BASE), [f'auth.token_file="{tmp_path / "absent"}"'], environ={})
+    with pytest.raises(ConfigError, match=r"^auth\.token_file: cannot read .*absent: No such file or directory$"):
+        missing.worker_options()
+
+
+def test_unknown_key_is_named(toml):
+    with pytest.raises(ConfigError, match=r"pool\.bogus: Extra inputs are not permitted \(from --set pool\.bogus=1\)"):
+        load_config(toml(BASE), ["pool.bogus=1"], environ={})
+    with pytest.raises(ConfigError, match=r"http\.colour: Extra inputs are not permitted \(in "):
+        load_config(toml(BASE.replace("port = 9000", "port = 9000\ncolour = 1")), environ={})
+    with pytest.raises(ConfigError, match=r"nosuch: Extra inputs are not permitted \(from environment PDSTATE_NOSUCH\)"):
+        load_config(toml(BASE), environ={"PDSTATE_NOSUCH": "1"})
+
+
+def test_wrong_type_is_named(toml):
+    with pytest.raises(ConfigError, match=r"http\.port: .*valid integer.*\(from environment PDSTATE_HTTP__PORT\)"):
+        load_config(toml(BASE), environ={"PDSTATE_HTTP__PORT": "eighty"})
+    with pytest.raises(ConfigError, match=r"http\.port: Input should be less than 65536"):
+        load_config(toml(BASE), ["http.port=70000"], environ={})
+    with pytest.raises(ConfigError, match=r"draft\.mapping: Input should be 'shared', 'own' or 'clone'"):
+        load_config(toml(BASE), ["draft.mapping=borrowed"], environ={})
+    with pytest.raises(ConfigError, match=r"transfer\.engine: Input should be"):
+        load_config(toml(BASE), ["transfer.engine=carrier-pigeon"], environ={})
+    with pytest.raises(ConfigError, match=r"role: Input should be 'prefill' or 'decode'"):
+        load_config(toml(BASE), ["role=router"], environ={})
+
+
+def test_bad_preset_is_named(toml):
+    with pytest.raises(ConfigError, match=r"^preset: unknown preset 'huge'; choose one of \['dsv4-flash', 'tiny'\] \(from --set preset=huge\)$"):
+        load_config(toml(BASE), ["preset=huge"], environ={})
+
+
+def test_missing_role_file_errors_and_bad_set_syntax(toml, tmp_path):
+    with pytest.raises(ConfigError, match=r"^invalid configuration: role: Field required"):
+        load_config(None, environ={})
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "absent.toml", environ={})
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(toml("role = "), environ={})
+    with pytest.raises(ConfigError, match=r"expected section\.key=value"):
+        load_config(toml(BASE), ["http.port"], environ={})
+    with pytest.raises(ConfigError, match=r"http\.port: http is not a section|port: http\.port"):
+        load_config(toml(BASE), ["http=1", "http.port=2"], environ={})
+
+
+def test_pdstate_shared_is_not_a_key(toml):
+    assert load_config(toml(BASE), environ={"PDSTATE_SHARED": "/somewhere"}).role == "decode"
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_service_configs_load_as_shipped(role):
+    cfg = load_config(REPO / "services" / role / "config.toml", environ={})
+    assert cfg.role == role and cfg.preset == "tiny" and cfg.transfer.engine == "shm"
+    assert cfg.http.host == "127.0.0.1" and cfg.http.port == {"prefill": 8101, "decode": 8102}[role]
+    opts = cfg.worker_options()
+    assert opts.role == role and opts.local_checks is True and opts.token is None
+    if role == "prefill":
+        assert cfg.control.bind == "tcp://127.0.0.1:5601"
+    else:
+        assert cfg.control.peer == "tcp://127.0.0.1:5601"
+
+
+def test_service_configs_pair():
+    p = load_config(REPO / "services" / "prefill" / "config.toml", environ={})
+    d = load_config(REPO / "services" / "decode" / "config.toml", environ={})
+    assert p.control.bind == d.control.peer
+    assert p.pool_settings() == d.pool_settings() and p.transfer.engine == d.transfer.engine
