@@ -1,0 +1,72 @@
+"""The synthetic prefill content and the decode's verification: exact when right, loud when not."""
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from pdstate.kvargs import fill_kv_args
+from pdstate.planner import plan_request
+from pdstate.presets import build_worker_pools, preset
+from pdstate.runtime import requests as rq
+from pdstate.runtime import synth
+
+
+@pytest.fixture(scope="module")
+def pair():
+    s = preset("tiny")
+    src, dst = build_worker_pools(s), build_worker_pools(s)
+    skv, dkv = fill_kv_args(src.target, src.draft), fill_kv_args(dst.target, dst.draft)
+    yield src, dst, skv, dkv
+
+
+def _transfer(pair, seq_len, room):
+    src, dst, skv, dkv = pair
+    a = rq.allocate(src, rq.channel_names(skv), seq_len)
+    b = rq.allocate(dst, rq.channel_names(dkv), seq_len)
+    synth.fill_source(skv, room, a.lists)
+    plan = plan_request(skv, dkv, a.lists, b.lists)
+    for s, d, n in zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist()):
+        ctypes.memmove(d, s, n)
+    return a, b, plan
+
+
+@pytest.mark.parametrize("seq_len", [1, 100, 255, 256, 257, 1000])
+def test_exact_copy_verifies(pair, seq_len):
+    src, dst, skv, dkv = pair
+    a, b, _ = _transfer(pair, seq_len, room=42)
+    try:
+        assert synth.verify_destination(dkv, 42, b.lists) is None
+        # another room's content is stale content: refused
+        assert "holds other content" in synth.verify_destination(dkv, 43, b.lists)
+    finally:
+        rq.free(src, a), rq.free(dst, b)
+
+
+@pytest.mark.parametrize("damage", ["one_word", "shift", "half_item"])
+def test_damage_is_detected(pair, damage):
+    src, dst, skv, dkv = pair
+    a, b, plan = _transfer(pair, 1000, room=7)
+    try:
+        # damage the first descriptor's destination (main KV, buffer 0)
+        d, n = int(plan.dst[0]), int(plan.length[0])
+        item_words = dkv.kv_item_lens[0] // 8
+        words = synth.words_view(d, n)[:item_words]  # the first item
+        if damage == "one_word":
+            words[item_words // 2] ^= 1
+        elif damage == "shift":
+            words[1:] = words[:-1].copy()
+        else:
+            words[: item_words // 2] = 0
+        problem = synth.verify_destination(dkv, 7, b.lists)
+        assert problem is not None and problem.startswith("channel 0 (main_kv) buffer 0: item 0")
+    finally:
+        rq.free(src, a), rq.free(dst, b)
+
+
+def test_bases_differ_per_room_channel_buffer_position():
+    a = synth.item_bases(1, 0, 0, 4)
+    assert len(set(a.tolist())) == 4
+    assert not np.array_equal(a, synth.item_bases(2, 0, 0, 4))
+    assert not np.array_equal(a, synth.item_bases(1, 1, 0, 4))
+    assert not np.array_equal(a, synth.item_bases(1, 0, 1, 4))
