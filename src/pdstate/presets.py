@@ -47,6 +47,9 @@ class PoolSettings:
     online_c128_mtp: bool = False
     draft_enabled: bool = True
     draft_layers: int = 1
+    # None: ``draft_layers`` SWA-only layers (upstream NextN). A tuple with a non-zero ratio
+    # reproduces the upstream "draft is not SWA-only" misconfiguration on purpose.
+    draft_compression_ratios: tuple[int, ...] | None = None
     draft_mapping: DraftMapping = "shared"
     draft_sliding_window: int | None = None
     draft_page_size: int | None = None
@@ -126,9 +129,10 @@ def pool_kwargs(s: PoolSettings, *, draft: bool = False) -> dict:
     )
     if draft:
         dspec = spec if s.draft_speculative_num_draft_tokens == "same" else s.draft_speculative_num_draft_tokens
+        ratios = [0] * s.draft_layers if s.draft_compression_ratios is None else list(s.draft_compression_ratios)
         kw.update(
             c4_size=0, c128_size=0, c4_state_pool_size=0, c128_state_pool_size=0,
-            layer_num=s.draft_layers, compression_ratios=[0] * s.draft_layers, start_layer=0,
+            layer_num=len(ratios), compression_ratios=ratios, start_layer=0,
             sliding_window=s.draft_sliding_window or s.sliding_window,
             page_size=s.draft_page_size or s.page_size,
             unified_kv=s.unified_kv if s.draft_unified_kv is None else s.draft_unified_kv,

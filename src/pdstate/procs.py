@@ -1,27 +1,47 @@
-"""Worker processes for ``pdstate demo`` and ``pdstate bench``: spawn, talk JSON lines, reap.
+"""Worker processes for ``pdstate demo``, ``pdstate bench`` and the integration tests.
 
 ``python -m pdstate.procs`` runs one worker from a JSON description on stdin's first line.
-A prefill prints ``{"event": "listening", "endpoint": ...}`` and serves until stdin closes.
-A decode prints ``{"event": "ready", "handshake_ms": ...}`` (or ``{"event": "refused", ...}``),
-then runs each ``{"cmd": "run", "lengths": [...], "concurrency": N}`` line it reads, printing one
-``{"event": "result", ...}`` per request and ``{"event": "batch_done"}``; EOF ends it.
+A prefill prints ``{"event": "listening", "endpoint": ...}`` and serves until stdin closes; it
+answers ``stats`` / ``{"cmd": "stats"}`` with ``{"event": "stats", ...}`` and ``peers`` /
+``{"cmd": "peers"}`` with ``{"event": "peers", "peers": [...]}`` (what it recorded about every
+decode that registered: id, incarnation, state, error).
+A decode prints ``{"event": "ready", "handshake_ms": ...}`` (or ``{"event": "refused", "type",
+"message"}`` and exits 3), then runs each ``{"cmd": "run", "lengths": [...], "concurrency": N}``
+line it reads, printing one ``{"event": "result", ...}`` per request and ``{"event":
+"batch_done"}``; ``{"cmd": "stats"}`` prints its peer state, stats and free counts. EOF ends it.
+A worker whose own target/draft pair fails ``setup_state_kv_args`` (with ``local_checks``) prints
+``pdstate <role>: <ErrorType>: <upstream message>`` on stderr and exits 2.
+
+``WorkerProcess(opts)`` spawns ``python -m pdstate.procs`` (``launcher="subprocess"``, the
+default). ``launcher="fork"`` forks the worker from a ``multiprocessing`` fork server that has
+already imported the runtime (and torch), so a worker starts in milliseconds instead of seconds;
+it is a separate process all the same (own pid, own memory, talks to its peer over TCP). Either
+way the worker's stderr is drained continuously (a full pipe would block the worker) and kept for
+``stderr_text()``.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import queue
-import threading
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections import deque
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from pdstate.presets import PoolSettings
-from pdstate.runtime.common import WorkerOptions
+from pdstate.runtime.common import LocalCheckFailed, WorkerOptions
+
+Emit = Callable[[dict], None]
+
+EXIT_LOCAL_CHECK = 2
+EXIT_REFUSED = 3
 
 
 def options_to_json(opts: WorkerOptions) -> str:
@@ -33,31 +53,60 @@ def options_to_json(opts: WorkerOptions) -> str:
 def options_from_json(text: str) -> WorkerOptions:
     d = json.loads(text)
     pool = d.pop("pool")
-    pool["compression_ratios"] = tuple(pool["compression_ratios"])
+    for key, value in pool.items():
+        if isinstance(value, list):  # JSON arrays back to the tuples PoolSettings holds
+            pool[key] = tuple(value)
     d["token"] = d["token"].encode() if d.get("token") else None
     return WorkerOptions(pool=PoolSettings(**pool), **d)
 
 
-def _emit(obj: dict) -> None:
+def _emit_stdout(obj: dict) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
 
 
-def _run_prefill(opts: WorkerOptions) -> int:
+def _commands(lines: Iterable[str], emit: Emit):
+    """Yield each command line as a dict; plain ``stats``/``peers`` are accepted too."""
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("stats", "peers"):
+            yield {"cmd": line}
+            continue
+        try:
+            cmd = json.loads(line)
+            if not isinstance(cmd, dict):
+                raise ValueError("a command is a JSON object")
+        except ValueError as exc:
+            emit({"event": "error", "message": f"bad command line {line[:80]!r}: {exc}"})
+            continue
+        yield cmd
+
+
+def _stats_dict(stats) -> dict:
+    return asdict(stats) | {"latencies_s": []}
+
+
+def _run_prefill(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> int:
     from pdstate.runtime.prefill import PrefillWorker
 
     w = PrefillWorker(opts).start()
-    _emit({"event": "listening", "endpoint": w.endpoint, "pid": os.getpid()})
+    emit({"event": "listening", "endpoint": w.endpoint, "pid": os.getpid()})
     try:
-        for line in sys.stdin:
-            if line.strip() == "stats":
-                _emit({"event": "stats", "stats": asdict(w.stats) | {"latencies_s": []}, "free": w.free_counts()})
+        for cmd in _commands(lines, emit):
+            if cmd.get("cmd") == "stats":
+                emit({"event": "stats", "stats": _stats_dict(w.stats), "free": w.free_counts()})
+            elif cmd.get("cmd") == "peers":
+                emit({"event": "peers", "peers": w.peer_states()})
+            else:
+                emit({"event": "error", "message": f"unknown prefill command {cmd.get('cmd')!r}"})
     finally:
         w.stop()
     return 0
 
 
-def _run_decode(opts: WorkerOptions) -> int:
+def _run_decode(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> int:
     from pdstate.runtime.decode import DecodeWorker
 
     w = DecodeWorker(opts).start()
@@ -65,11 +114,10 @@ def _run_decode(opts: WorkerOptions) -> int:
         try:
             w.wait_ready(timeout_s=opts.peer_timeout_s * 4)
         except Exception as exc:
-            _emit({"event": "refused", "type": type(exc).__name__, "message": str(exc)})
-            return 3
-        _emit({"event": "ready", "handshake_ms": w.handshake_s * 1e3, "free": w.free_counts()})
-        for line in sys.stdin:
-            cmd = json.loads(line)
+            emit({"event": "refused", "type": type(exc).__name__, "message": str(exc)})
+            return EXIT_REFUSED
+        emit({"event": "ready", "handshake_ms": w.handshake_s * 1e3, "free": w.free_counts(), "pid": os.getpid()})
+        for cmd in _commands(lines, emit):
             if cmd.get("cmd") == "run":
                 pending: deque = deque(cmd["lengths"])
                 inflight = []
@@ -77,40 +125,185 @@ def _run_decode(opts: WorkerOptions) -> int:
                     while pending and len(inflight) < cmd.get("concurrency", 1):
                         inflight.append(w.submit(pending.popleft()))
                     fut = inflight.pop(0)
-                    _emit({"event": "result", **fut.result().as_dict()})
-                _emit({"event": "batch_done", "free": w.free_counts()})
+                    emit({"event": "result", **fut.result().as_dict()})
+                emit({"event": "batch_done", "free": w.free_counts()})
+            elif cmd.get("cmd") == "stats":
+                emit({"event": "stats", "peer_state": w.peer_state.value,
+                      "peer_error": None if w.peer_error is None else w.peer_error.model_dump(),
+                      "stats": _stats_dict(w.stats), "free": w.free_counts()})
+            else:
+                emit({"event": "error", "message": f"unknown decode command {cmd.get('cmd')!r}"})
     finally:
         w.stop()
     return 0
 
 
+def serve(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> int:
+    """Run one worker until ``lines`` ends; returns the exit status."""
+    try:
+        return _run_prefill(opts, lines, emit) if opts.role == "prefill" else _run_decode(opts, lines, emit)
+    except LocalCheckFailed as exc:
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        print(f"pdstate {opts.role}: {type(cause).__name__}: {cause}", file=sys.stderr, flush=True)
+        return EXIT_LOCAL_CHECK
+
+
 def main() -> int:
     opts = options_from_json(sys.stdin.readline())
-    return _run_prefill(opts) if opts.role == "prefill" else _run_decode(opts)
+    return serve(opts, sys.stdin, _emit_stdout)
+
+
+# --- fork-server launcher --------------------------------------------------------------------
+
+_FORK_PRELOAD = ["pdstate.procs", "pdstate.runtime.prefill", "pdstate.runtime.decode"]
+_fork_ctx = None
+_fork_lock = threading.Lock()
+
+
+def _fork_context():
+    global _fork_ctx
+    with _fork_lock:
+        if _fork_ctx is None:
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(_FORK_PRELOAD)  # no effect if this process's server already runs
+            _fork_ctx = ctx
+        return _fork_ctx
+
+
+def _forked_main(opts_json: str, cmd_conn, event_conn, log_path: str) -> None:
+    """Child of the fork server: stdout/stderr go to ``log_path``; commands and events travel
+    over two one-way pipes (closing the command pipe is the child's EOF)."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    rc = 1
+    try:
+        def lines():
+            while True:
+                try:
+                    yield cmd_conn.recv_bytes().decode()
+                except (EOFError, OSError):
+                    return
+
+        def emit(obj: dict) -> None:
+            event_conn.send_bytes(json.dumps(obj).encode())
+
+        rc = serve(options_from_json(opts_json), lines(), emit)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
 
 
 class WorkerProcess:
-    """A worker in a child process, driven over its stdin/stdout JSON lines."""
+    """A worker in a child process, driven by JSON command lines; its events are JSON objects."""
 
-    def __init__(self, opts: WorkerOptions, env: dict[str, str] | None = None) -> None:
+    def __init__(self, opts: WorkerOptions, env: dict[str, str] | None = None, launcher: str = "subprocess") -> None:
         self.opts = opts
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdstate.procs"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
-            env={**os.environ, **(env or {})},
-        )
+        self.launcher = launcher
         self._lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        self.send(options_to_json(opts))
+        self._stderr: deque[str] = deque(maxlen=5000)
+        self._stderr_final: str | None = None
+        self._closed = False
+        if launcher == "subprocess":
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pdstate.procs"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+                env={**os.environ, **(env or {})},
+            )
+            self._stderr_pump = threading.Thread(target=self._pump_stderr, daemon=True)
+            self._stderr_pump.start()
+            threading.Thread(target=self._pump_stdout, daemon=True).start()
+            self.send(options_to_json(opts))
+        elif launcher == "fork":
+            if env:
+                raise ValueError("launcher='fork' cannot change the environment; use launcher='subprocess'")
+            ctx = _fork_context()
+            fd, self._log_path = tempfile.mkstemp(prefix=f"pdstate-{opts.role}-", suffix=".log")
+            os.close(fd)
+            cmd_r, self._cmd_w = ctx.Pipe(duplex=False)
+            self._event_r, event_w = ctx.Pipe(duplex=False)
+            self.proc = ctx.Process(target=_forked_main, args=(options_to_json(opts), cmd_r, event_w, self._log_path),
+                                    name=f"pdstate-{opts.role}", daemon=False)
+            self.proc.start()
+            cmd_r.close()
+            event_w.close()
+            threading.Thread(target=self._pump_events, daemon=True).start()
+        else:
+            raise ValueError(f"launcher must be 'subprocess' or 'fork'; got {launcher!r}")
 
-    def send(self, line: str) -> None:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def _pump(self) -> None:
+    # -- plumbing ------------------------------------------------------------------------------
+    def _pump_stdout(self) -> None:
         for line in self.proc.stdout:
             self._lines.put(line)
         self._lines.put(None)
+
+    def _pump_stderr(self) -> None:
+        for line in self.proc.stderr:
+            self._stderr.append(line)
+
+    def _pump_events(self) -> None:
+        while True:
+            try:
+                data = self._event_r.recv_bytes()
+            except (EOFError, OSError):
+                break
+            self._lines.put(data.decode())
+        self._lines.put(None)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode if self.launcher == "subprocess" else self.proc.exitcode
+
+    def send(self, line: str) -> None:
+        if self.launcher == "subprocess":
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        else:
+            self._cmd_w.send_bytes(line.encode())
+
+    def command(self, cmd: dict, event: str, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Send ``cmd`` and return the next event named ``event`` (other events are skipped)."""
+        self.send(json.dumps(cmd))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ev = self.read_event(max(0.0, deadline - time.monotonic()))
+            if ev.get("event") == event:
+                return ev
+
+    def stderr_text(self) -> str:
+        if self._stderr_final is not None:
+            return self._stderr_final
+        if self.launcher == "subprocess":
+            return "".join(self._stderr)
+        try:
+            with open(self._log_path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def wait(self, timeout_s: float) -> int:
+        """The exit status once the worker exited; ``TimeoutError`` if it is still running."""
+        if self.launcher == "subprocess":
+            try:
+                rc = self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"{self.opts.role} worker still running after {timeout_s:.0f} s") from None
+            self._stderr_pump.join(timeout=5)
+            return rc
+        self.proc.join(timeout_s)
+        if self.proc.exitcode is None:
+            raise TimeoutError(f"{self.opts.role} worker still running after {timeout_s:.0f} s")
+        return self.proc.exitcode
 
     def read_event(self, timeout_s: float = 60.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
@@ -120,22 +313,49 @@ class WorkerProcess:
             except queue.Empty:
                 raise TimeoutError(f"{self.opts.role} worker said nothing for {timeout_s:.0f} s") from None
             if line is None:
-                err = self.proc.stderr.read()
-                raise RuntimeError(f"{self.opts.role} worker exited ({self.proc.wait()}): {err.strip()[-2000:]}")
+                self._lines.put(None)  # every later read sees the exit too
+                try:
+                    rc: int | str = self.wait(10)
+                except TimeoutError:
+                    rc = "still running"
+                raise RuntimeError(f"{self.opts.role} worker exited ({rc}): {self.stderr_text().strip()[-2000:]}")
             line = line.strip()
             if line.startswith("{"):
                 return json.loads(line)
 
     def close(self, timeout_s: float = 20.0) -> int:
-        try:
-            self.proc.stdin.close()
-        except (BrokenPipeError, OSError):
-            pass
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        """End the worker (EOF on its commands; killed after ``timeout_s``); returns its status."""
+        if self.launcher == "subprocess":
+            try:
+                self.proc.stdin.close()
+            except (BrokenPipeError, OSError):
+                pass
+            try:
+                rc = self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                rc = self.proc.wait()
+            self._stderr_pump.join(timeout=5)
+            return rc
+        if not self._closed:
+            self._closed = True
+            self._cmd_w.close()
+            self.proc.join(timeout_s)
+            if self.proc.exitcode is None:
+                self.proc.kill()
+                self.proc.join(10)
+            self._stderr_final = self.stderr_text()
+            try:
+                os.unlink(self._log_path)
+            except OSError:
+                pass
+        return self.proc.exitcode
+
+    def __enter__(self) -> "WorkerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 if __name__ == "__main__":

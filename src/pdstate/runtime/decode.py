@@ -12,6 +12,7 @@ can never land in another request's pages.
 
 from __future__ import annotations
 
+import os
 import queue
 from collections import deque
 import secrets
@@ -83,6 +84,8 @@ class DecodeWorker:
         self._commands: queue.Queue = queue.Queue()
         self._waiting: deque[Request] = deque()
         self._thread: threading.Thread | None = None
+        self._wake_lock = threading.Lock()
+        self._wake_r = self._wake_w = -1
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "DecodeWorker":
@@ -96,9 +99,12 @@ class DecodeWorker:
         self.handshake = DecodeHandshake(self.local)
         self.ctx = zmq.Context.instance()
         self.client = ControlClient(self.ctx, self.opts.peer, f"{self.worker_id}/{self.incarnation}".encode(), self.opts.token)
-        self._wake_addr = f"inproc://pdstate-decode-wake-{id(self)}"
-        self._wake_pull = self.ctx.socket(zmq.PULL)
-        self._wake_pull.bind(self._wake_addr)
+        # Wake-ups from other threads: a non-blocking pipe the control thread polls. (A fresh
+        # inproc PUSH socket per wake-up raced with the loop closing its end at stop(), raising
+        # zmq.Again, and churned through the context's socket limit under many submits.)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._thread = threading.Thread(target=self._control_loop, name="pdstate-decode-control", daemon=True)
         self._thread.start()
         return self
@@ -115,6 +121,9 @@ class DecodeWorker:
         self._wake()
         if self._thread is not None:
             self._thread.join(timeout=10)
+            with self._wake_lock:
+                os.close(self._wake_w)
+                self._wake_w = -1
         try:
             self.engine.close()
         finally:
@@ -150,18 +159,20 @@ class DecodeWorker:
         return rq.free_counts(self.pools)
 
     def _wake(self) -> None:
-        s = self.ctx.socket(zmq.PUSH)
-        s.setsockopt(zmq.LINGER, 100)
-        s.connect(self._wake_addr)
-        s.send(b"", flags=zmq.NOBLOCK)
-        s.close()
+        with self._wake_lock:
+            if self._wake_w < 0:
+                return  # stopped
+            try:
+                os.write(self._wake_w, b"\0")
+            except (BlockingIOError, BrokenPipeError):
+                pass  # a wake-up is already pending (pipe full), or the loop has ended
 
     # -- control thread -----------------------------------------------------------------------
     def _control_loop(self) -> None:
         self.client.open()
         poller = zmq.Poller()
         poller.register(self.client.sock, zmq.POLLIN)
-        poller.register(self._wake_pull, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         self._send_register()
         next_hb = now() + self.opts.heartbeat_interval_s
         self._last_heard = now()
@@ -169,12 +180,12 @@ class DecodeWorker:
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(tick_ms))
-                if self._wake_pull in events:
-                    while True:
-                        try:
-                            self._wake_pull.recv(flags=zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
+                if self._wake_r in events:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
                 while True:
                     try:
                         cmd = self._commands.get_nowait()
@@ -197,7 +208,7 @@ class DecodeWorker:
             for req in list(self.requests.values()):
                 self._finish(req, "failed", error=ErrorInfo(type="TransferFailed", message="decode shutting down"))
             self.client.close()
-            self._wake_pull.close(0)
+            os.close(self._wake_r)
 
     def _send_register(self) -> None:
         self._register_sent = now()
@@ -274,6 +285,10 @@ class DecodeWorker:
         except (ProtocolError, AuthError) as exc:
             self.stats.protocol_errors += 1
             log.warning("bad frame from prefill: %s", exc)
+            if isinstance(exc, AuthError) and self.peer_state == PeerState.PENDING:
+                # The answer to our register cannot be authenticated: the tokens differ (or one
+                # side has none). Waiting longer cannot help; refuse like a Reject would.
+                self._refused(ErrorInfo.of(exc))
             return
         self._last_heard = now()
         if isinstance(msg, (wire.Accept, wire.Reject)):
@@ -296,8 +311,18 @@ class DecodeWorker:
                 if self.peer_state == PeerState.ACCEPTED:
                     self._peer_gone("prefill forgot this decode (restarted or timed it out)")
                 self._send_register()
+            elif self.peer_state == PeerState.PENDING:
+                # Only a register is outstanding: the prefill could not take it (auth, version,
+                # malformed) and answered with an error instead of accept/reject.
+                self._refused(msg.error)
             else:
                 log.warning("prefill reported: %s: %s", msg.error.type, msg.error.message)
+
+    def _refused(self, error: ErrorInfo) -> None:
+        self.peer_state, self.peer_error = PeerState.REJECTED, error
+        self.stats.handshakes["rejected"] += 1
+        log.error("handshake refused: %s: %s", error.type, error.message)
+        self._answered.set()
 
     def _on_handshake(self, msg) -> None:
         try:

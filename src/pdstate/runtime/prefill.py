@@ -80,7 +80,7 @@ class PrefillWorker:
         self.ctx = zmq.Context.instance()
         self.server = ControlServer(self.ctx, self.opts.bind, self.opts.token)
         self.endpoint = self.server.open()
-        self._results_addr = f"inproc://pdstate-prefill-results-{id(self)}"
+        self._results_addr = f"inproc://pdstate-prefill-results-{id(self)}-{self.incarnation}"  # unique: ids are reused
         self._results_pull = self.ctx.socket(zmq.PULL)
         self._results_pull.bind(self._results_addr)
         for target, name in ((self._control_loop, "pdstate-prefill-control"), (self._transfer_loop, "pdstate-prefill-transfer")):
@@ -142,6 +142,8 @@ class PrefillWorker:
                             break
                         if len(got) == 2:
                             self._on_frame(got[0], got[1])
+                        else:
+                            self._on_bad_multipart(got)
                 self._timers()
         finally:
             for job in list(self.jobs.values()):
@@ -172,7 +174,22 @@ class PrefillWorker:
             err = ProtocolError(f"a prefill worker does not accept {msg.KIND} messages")
             self.server.send(identity, wire.Error(error=ErrorInfo.of(err)))
             return
-        handler(identity, msg)
+        try:
+            handler(identity, msg)
+        except Exception as exc:  # a frame that slipped past validation must not kill the loop
+            self.stats.protocol_errors += 1
+            log.exception("could not handle %s from %r", msg.KIND, identity[:64])
+            room = getattr(msg, "room", None)
+            err = ProtocolError(f"could not handle {msg.KIND}: {type(exc).__name__}: {exc}")
+            self.server.send(identity, wire.Error(error=ErrorInfo.of(err), room=room))
+
+    def _on_bad_multipart(self, parts: list[bytes]) -> None:
+        """A DEALER sent a multipart message: one frame per message is the protocol."""
+        self.stats.protocol_errors += 1
+        log.warning("bad message from %r: %d frames, expected 1", parts[0][:64] if parts else b"", len(parts) - 1)
+        if len(parts) >= 1:
+            err = ProtocolError(f"expected one frame per message, got {len(parts) - 1}")
+            self.server.send(parts[0], wire.Error(error=ErrorInfo.of(err)))
 
     def _on_register(self, identity: bytes, msg: wire.Register) -> None:
         for other in [p for p in self.peers.values() if p.worker_id == msg.worker_id and p.identity != identity]:
