@@ -120,3 +120,40 @@ def test_shared_file_of_follows_split_mappings() -> None:
 def test_shared_file_of_refuses(maps, match) -> None:
     with pytest.raises(EngineError, match=match):
         shared_file_of(0x2000, 0x2800, maps)
+
+
+def _forged_endpoint(engine_id: str, path: str, nbytes: int) -> dict:
+    return {"engine": "shm", "engine_id": engine_id, "boot_id": "", "owner_pid": os.getpid(),
+            "regions": [{"name": "r", "base_ptr": 1 << 40, "nbytes": nbytes, "path": path, "file_offset": 0}]}
+
+
+def test_connect_refuses_to_map_a_file_outside_the_segment_directory(engines, tmp_path) -> None:
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"\x00" * 4096)
+    prefill = engines()
+    with pytest.raises(InvalidEndpoint, match=r"only pdstate-\* segments in /dev/shm are mapped"):
+        prefill.connect(_forged_endpoint("forged1", str(victim), 4096))
+    assert victim.read_bytes() == b"\x00" * 4096
+
+
+def test_connect_refuses_symlinks_and_shared_permission_segments(engines) -> None:
+    target = f"/dev/shm/pdstate-{os.getpid()}-deadbeef-target"
+    link = f"/dev/shm/pdstate-{os.getpid()}-deadbeef-link"
+    loose = f"/dev/shm/pdstate-{os.getpid()}-deadbeef-loose"
+    try:
+        with open(target, "wb") as f:
+            f.write(b"\x00" * 4096)
+        os.chmod(target, 0o600)
+        os.symlink(target, link)
+        with open(loose, "wb") as f:
+            f.write(b"\x00" * 4096)
+        os.chmod(loose, 0o666)
+        prefill = engines()
+        with pytest.raises(EngineError):
+            prefill.connect(_forged_endpoint("forged2", link, 4096))
+        with pytest.raises(InvalidEndpoint, match=r"is not a private regular file of this user \(uid \d+, mode 666\)"):
+            prefill.connect(_forged_endpoint("forged3", loose, 4096))
+    finally:
+        for p in (link, target, loose):
+            if os.path.lexists(p):
+                os.unlink(p)

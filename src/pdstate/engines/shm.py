@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,8 @@ import numpy as np
 from pdstate.engines.base import Peer, TransferEngine, TransferHandle
 from pdstate.engines.errors import EngineError, InvalidEndpoint
 from pdstate.planner import TransferPlan
+from pdstate.pools.memory import SEGMENT_NAME_RE as SEGMENT_NAME
+from pdstate.pools.memory import SEGMENT_PREFIX, SHM_DIR
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 MAPS_PATH = "/proc/self/maps"
@@ -108,9 +111,10 @@ class ShmEngine(TransferEngine):
     name = "shm"
     endpoint_keys = ("boot_id",)
 
-    def __init__(self, populate: bool = True) -> None:
+    def __init__(self, populate: bool = True, segment_dir: str = str(SHM_DIR)) -> None:
         super().__init__()
         self.populate = populate
+        self.segment_dir = segment_dir
         self._boot_id = ""
 
     def _start(self) -> None:
@@ -161,9 +165,31 @@ class ShmEngine(TransferEngine):
             raise
         peer.native = _ShmPeer([mm for mm, _ in files.values()], mapped)
 
+    def _checked_open(self, path: str) -> int:
+        """Open a peer-named segment only if it is one of ours: a regular ``pdstate-*`` file directly
+        in ``segment_dir``, not a symlink, owned by this user and not accessible to others.
+
+        The endpoint arrives over the control channel; without this check a forged endpoint could
+        make the prefill map, and then write into, any file it can open.
+        """
+        real_dir = os.path.realpath(self.segment_dir)
+        if os.path.dirname(path) not in (self.segment_dir, real_dir) or not SEGMENT_NAME.match(os.path.basename(path)):
+            raise InvalidEndpoint(
+                f"shm endpoint names {path!r}: only {SEGMENT_PREFIX}-* segments in {self.segment_dir} are mapped"
+            )
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            os.close(fd)
+            raise InvalidEndpoint(
+                f"shm segment {path} is not a private regular file of this user "
+                f"(uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})"
+            )
+        return fd
+
     def _map(self, path: str) -> tuple[mmap.mmap, int]:
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if self.populate else 0)
-        fd = os.open(path, os.O_RDWR)
+        fd = self._checked_open(path)
         try:
             size = os.fstat(fd).st_size
             if size == 0:

@@ -26,7 +26,7 @@ import torch
 SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "pdstate"
 ALIGN_BYTES = 4096
-_SEGMENT_RE = re.compile(rf"^{SEGMENT_PREFIX}-(\d+)-[0-9a-f]+-[\w.-]+$")
+SEGMENT_NAME_RE = re.compile(rf"^{SEGMENT_PREFIX}-(\d+)-[0-9a-f]+-[\w.-]+$")
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ def sweep_stale_segments(directory: Path | str = SHM_DIR) -> list[str]:
         return removed
     uid = os.getuid()
     for entry in d.iterdir():
-        m = _SEGMENT_RE.match(entry.name)
+        m = SEGMENT_NAME_RE.match(entry.name)
         if not m:
             continue
         try:
