@@ -130,6 +130,8 @@ def examples() -> dict[str, wire.Message]:
             descriptors=12,
             digest=hashlib.blake2b(b"pdstate golden vector", digest_size=16).digest(),
             error=None,
+            compute_s=0.0125,
+            copy_s=0.00375,
         ),
         wire.Abort(room=7, reason="decode cancelled the request"),
         wire.Busy(room=8, in_flight=64, limit=64),

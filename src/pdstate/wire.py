@@ -9,6 +9,9 @@ little-endian integers (``PackedIndices``), never as msgpack arrays of ints.
 Version log (bump ``PROTOCOL_VERSION`` and add a golden vector in ``proto/vectors/`` for any
 change of a message's fields):
 - 1: Register, Accept, Reject, Heartbeat, TransferRequest, TransferDone, Abort, Busy, Error.
+  (Before the first release, v1 gained ``TransferDone.compute_s`` and ``TransferDone.copy_s``:
+  the prefill's time computing the request's state and moving it, so the decode can split a
+  request's latency; both default to 0.)
 """
 
 from __future__ import annotations
@@ -174,6 +177,8 @@ class TransferDone(Message):
     descriptors: U64 = 0
     digest: builtins.bytes | None = None
     error: ErrorInfo | None = None
+    compute_s: float = Field(0.0, ge=0)
+    copy_s: float = Field(0.0, ge=0)
 
 
 class Abort(Message):
