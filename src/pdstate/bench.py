@@ -8,7 +8,10 @@ interleaved round-robin in one process run (these machines are shared; ratios, n
 - ``raw_<engine>``: the native engine (Mooncake, NIXL) writing the same descriptor list between
   two of its own agents, with no pdstate code in the loop;
 - ``pdstate_<engine>``: a real prefill and decode process pair, from ``TransferRequest`` sent to
-  ``TransferDone`` received and verified (decode-side wall time per request).
+  ``TransferDone`` received and verified (decode-side wall time per request), less the time the
+  prefill spent synthesising the request's state (``TransferDone.compute_s``: the stand-in for the
+  model's prefill compute, which precedes any transfer in a real deployment). The same time with
+  the synthetic compute included is kept as ``pdstate_<engine>_incl_compute``.
 
 Plus planner timings (fully fragmented and fully contiguous 128k-token requests against the
 per-run Python loop) and control costs (handshake round trip, an empty-ish request).
@@ -211,13 +214,18 @@ def run_bench(quick: bool, engines: list[str], modes: list[str], progress=print)
             for e, (_, run, _) in pairs.items():
                 variants[f"pdstate_{e}"] = (lambda r=run: r(n))
             times: dict[str, list[float]] = {k: [] for k in variants}
+            times.update({f"pdstate_{e}_incl_compute": [] for e in pairs})
             for k, fn in variants.items():
                 fn()  # warm-up
             for _ in range(runs):
                 for k, fn in variants.items():  # interleaved
                     t0 = time.perf_counter()
                     out = fn()
-                    dt = out["seconds"] if isinstance(out, dict) else time.perf_counter() - t0
+                    if isinstance(out, dict):
+                        times[f"{k}_incl_compute"].append(out["seconds"])
+                        dt = out["seconds"] - out.get("compute_s", 0.0)
+                    else:
+                        dt = time.perf_counter() - t0
                     times[k].append(dt)
             for k, ts in times.items():
                 gbps = [plan.total_bytes / t / 1e9 for t in ts]
