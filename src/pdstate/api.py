@@ -36,7 +36,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from fastapi import Depends, FastAPI, HTTPException
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -163,6 +164,8 @@ class TransferOut(BaseModel):
     seconds: float = 0.0
     verified: bool = False
     error: ErrorModel | None = None
+    compute_s: float = Field(0.0, description="prefill: time synthesising the request's state")
+    copy_s: float = Field(0.0, description="prefill: time the engine took to move it")
 
 
 class Accepted(BaseModel):
@@ -215,7 +218,9 @@ def check_documents(ours: CompatDocument, theirs: CompatDocument) -> list[ErrorI
 
 class _Collector:
     """Reads the worker's counters at scrape time. The latency histogram is folded in
-    incrementally: ``stats.latencies_s`` is append-only, so each scrape only bins the new tail."""
+    incrementally: each scrape only bins what was appended since the last one. The worker keeps
+    a bounded window (``runtime.common.RecentLatencies``: ``since(seen)`` and ``total``); a plain
+    list (tests' fakes) is read by position."""
 
     def __init__(self, source: StatusSource) -> None:
         self.source = source
@@ -228,14 +233,18 @@ class _Collector:
         src = self.source
         stats = src.stats
         lat = stats.latencies_s
-        n = len(lat)
-        if n < self._seen:  # the worker trimmed its list: count what is there from now on
-            self._seen = n
-        for v in itertools.islice(lat, self._seen, n):
+        if hasattr(lat, "since"):
+            # values beyond the window (more than its size between two scrapes) are not binned
+            new, self._seen = lat.since(self._seen)
+        else:
+            n = len(lat)
+            if n < self._seen:  # the list was trimmed: count what is there from now on
+                self._seen = n
+            new, self._seen = list(itertools.islice(lat, self._seen, n)), n
+        for v in new:
             self._bins[bisect.bisect_left(LATENCY_BUCKETS_S, v)] += 1
             self._sum += v
             self._count += 1
-        self._seen = n
 
         info = GaugeMetricFamily("pdstate_worker_info", "Worker identity (value 1)",
                                  labels=["role", "worker_id", "engine", "protocol_version", "fingerprint"])
@@ -314,6 +323,15 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
     registry.register(_Collector(source))
     app.state.source = source
     app.state.registry = registry
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """422 naming where and what, without echoing the input: FastAPI's default handler
+        reflects it, and a body such as ``Infinity`` (valid for Python's JSON parser, not for its
+        encoder) then turned the 422 into a 500 (found by the HTTP fuzz test)."""
+        detail = [{"loc": [p if isinstance(p, (int, str)) else str(p) for p in e.get("loc", ())],
+                   "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))} for e in exc.errors()]
+        return JSONResponse(status_code=422, content={"detail": detail})
 
     @app.get("/healthz", response_model=Health, tags=["health"])
     async def healthz() -> Health:

@@ -2,13 +2,16 @@
 
 ``python -m pdstate.procs`` runs one worker from a JSON description on stdin's first line.
 A prefill prints ``{"event": "listening", "endpoint": ...}`` and serves until stdin closes; it
-answers ``stats`` / ``{"cmd": "stats"}`` with ``{"event": "stats", ...}`` and ``peers`` /
+answers ``stats`` / ``{"cmd": "stats"}`` with ``{"event": "stats", ...}``, ``peers`` /
 ``{"cmd": "peers"}`` with ``{"event": "peers", "peers": [...]}`` (what it recorded about every
-decode that registered: id, incarnation, state, error).
+decode that registered: id, incarnation, state, error) and ``{"cmd": "requests"}`` with
+``{"event": "requests", "in_flight": [...], "finished": [...]}`` (its request records);
+``{"cmd": "fault", "delay_before_copy_s": S}`` sets the fault-injection delay of later copies.
 A decode prints ``{"event": "ready", "handshake_ms": ...}`` (or ``{"event": "refused", "type",
-"message"}`` and exits 3), then runs each ``{"cmd": "run", "lengths": [...], "concurrency": N}``
-line it reads, printing one ``{"event": "result", ...}`` per request and ``{"event":
-"batch_done"}``; ``{"cmd": "stats"}`` prints its peer state, stats and free counts. EOF ends it.
+"message"}`` and exits 3), then runs each ``{"cmd": "run", "lengths": [...], "concurrency": N,
+"deadline_s": S?}`` line it reads, printing one ``{"event": "result", ...}`` per request and
+``{"event": "batch_done"}``; ``{"cmd": "stats"}`` prints its peer state, stats, free counts and
+request bookkeeping (in flight, quarantined). EOF ends it.
 A worker whose own target/draft pair fails ``setup_state_kv_args`` (with ``local_checks``) prints
 ``pdstate <role>: <ErrorType>: <upstream message>`` on stderr and exits 2.
 
@@ -85,7 +88,7 @@ def _commands(lines: Iterable[str], emit: Emit):
 
 
 def _stats_dict(stats) -> dict:
-    return asdict(stats) | {"latencies_s": []}
+    return stats.as_dict()
 
 
 def _run_prefill(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> int:
@@ -99,6 +102,12 @@ def _run_prefill(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> int:
                 emit({"event": "stats", "stats": _stats_dict(w.stats), "free": w.free_counts()})
             elif cmd.get("cmd") == "peers":
                 emit({"event": "peers", "peers": w.peer_states()})
+            elif cmd.get("cmd") == "fault":  # test knob: {"cmd": "fault", "delay_before_copy_s": S}
+                w.fault_delay_before_copy_s = float(cmd.get("delay_before_copy_s", 0.0))
+                emit({"event": "fault", "delay_before_copy_s": w.fault_delay_before_copy_s})
+            elif cmd.get("cmd") == "requests":
+                emit({"event": "requests", "in_flight": w.jobs_snapshot(), "finished": w.finished_records(),
+                      "free": w.free_counts(), "peak_in_flight": w.peak_in_flight})
             else:
                 emit({"event": "error", "message": f"unknown prefill command {cmd.get('cmd')!r}"})
     finally:
@@ -121,14 +130,15 @@ def _run_decode(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> int:
             if cmd.get("cmd") == "run":
                 pending: deque = deque(cmd["lengths"])
                 inflight = []
+                deadline_s = cmd.get("deadline_s")
                 while pending or inflight:
                     while pending and len(inflight) < cmd.get("concurrency", 1):
-                        inflight.append(w.submit(pending.popleft()))
+                        inflight.append(w.submit(pending.popleft(), deadline_s=deadline_s))
                     fut = inflight.pop(0)
                     emit({"event": "result", **fut.result().as_dict()})
                 emit({"event": "batch_done", "free": w.free_counts()})
             elif cmd.get("cmd") == "stats":
-                emit({"event": "stats", "peer_state": w.peer_state.value,
+                emit({"event": "stats", **w.snapshot(),
                       "peer_error": None if w.peer_error is None else w.peer_error.model_dump(),
                       "stats": _stats_dict(w.stats), "free": w.free_counts()})
             else:

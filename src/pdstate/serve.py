@@ -130,15 +130,18 @@ class WorkerStatus:
             self._futures[outer] = (room or 0, tokens)
 
         def relay(f: Future) -> None:
-            exc = f.exception()
-            with self._lock:  # drain() may have completed ``outer`` already
+            from pdstate.runtime.common import settle
+
+            if f.cancelled():
+                exc: BaseException | None = RuntimeError(f"transfer of room {room} was cancelled")
+            else:
+                exc = f.exception()
+            with self._lock:  # drain() may have completed ``outer`` already, its caller cancelled it
                 self._futures.pop(outer, None)
-                if outer.done():
-                    return
                 if exc is not None:
-                    outer.set_exception(exc)
+                    settle(outer, exc=exc)
                 else:
-                    outer.set_result(f.result().as_dict())
+                    settle(outer, f.result().as_dict())
 
         inner.add_done_callback(relay)
         return outer
@@ -173,9 +176,10 @@ class WorkerStatus:
             self.worker.stop()
         finally:
             with self._lock:
+                from pdstate.runtime.common import settle
+
                 for f, (room, tokens) in self._futures.items():
-                    if not f.done():
-                        f.set_result(self._failed(room, tokens, f"{self.role} shutting down"))
+                    settle(f, self._failed(room, tokens, f"{self.role} shutting down"))
                 self._futures.clear()
 
 

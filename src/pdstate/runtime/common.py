@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
+from collections import deque
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from pdstate import wire
 from pdstate.errors import DraftMappingMissing
@@ -33,10 +36,48 @@ class WorkerOptions:
     request_deadline_s: float = 30.0
     max_inflight: int = 64
     local_checks: bool = True
+    # Test knob (fault injection), never set by the config file: the prefill's transfer thread
+    # waits this long after computing a request's state and before the engine copy, so a test can
+    # kill or freeze a process while requests are TRANSFERRING. The wait ends early when the
+    # request is cancelled (peer gone, abort, re-registration, shutdown).
+    fault_delay_before_copy_s: float = 0.0
 
 
 class LocalCheckFailed(RuntimeError):
     """Raised at start when the worker's own target/draft pair fails ``setup_state_kv_args``."""
+
+
+LATENCY_WINDOW = 4096
+MAX_FAILURE_REASONS = 256
+
+
+class RecentLatencies(deque):
+    """The latest ``maxlen`` latencies (seconds), plus ``total``: how many were ever appended.
+
+    A bounded deque, so a long-running worker's memory stays flat. ``since(seen)`` returns, under
+    a lock, the values appended after the first ``seen`` ones (at most ``maxlen`` of them) and the
+    new total, so a reader on another thread (the metrics scrape) never double-counts or misses
+    values that are still in the window.
+    """
+
+    def __init__(self, iterable: Iterable[float] = (), maxlen: int | None = LATENCY_WINDOW) -> None:
+        super().__init__(iterable, maxlen)
+        self._lock = threading.Lock()
+        self.total = len(self)
+
+    def append(self, value: float) -> None:
+        with self._lock:
+            super().append(value)
+            self.total += 1
+
+    def since(self, seen: int) -> tuple[list[float], int]:
+        with self._lock:
+            total = self.total
+            new = min(max(0, total - seen), len(self))
+            return (list(self)[len(self) - new:] if new else []), total
+
+    def __reduce__(self):  # copy/deepcopy/pickle (e.g. ``dataclasses.asdict``): no lock inside
+        return (type(self), (list(self), self.maxlen))
 
 
 @dataclass
@@ -46,13 +87,40 @@ class Stats:
     bytes: int = 0
     engine_errors: int = 0
     protocol_errors: int = 0
-    latencies_s: list[float] = field(default_factory=list)
+    latencies_s: RecentLatencies = field(default_factory=RecentLatencies)
     failure_reasons: dict[str, int] = field(default_factory=dict)
 
     def fail(self, reason: str) -> None:
         self.transfers["failed"] += 1
         key = reason.split(":")[0][:80]
+        if key not in self.failure_reasons and len(self.failure_reasons) >= MAX_FAILURE_REASONS:
+            key = "other"  # hostile peers must not grow this map without bound
         self.failure_reasons[key] = self.failure_reasons.get(key, 0) + 1
+
+    def as_dict(self) -> dict:
+        """A JSON-ready copy of the counters (latencies summarised, not listed)."""
+        return {
+            "handshakes": dict(self.handshakes), "transfers": dict(self.transfers), "bytes": self.bytes,
+            "engine_errors": self.engine_errors, "protocol_errors": self.protocol_errors,
+            "latencies_s": [], "latency_count": self.latencies_s.total,
+            "failure_reasons": dict(self.failure_reasons),
+        }
+
+
+def settle(fut: Future, result: Any = None, exc: BaseException | None = None) -> bool:
+    """Complete ``fut`` unless it is already done or its caller cancelled it (even concurrently,
+    between a ``done()`` check and the call): never raises ``InvalidStateError`` into the worker's
+    control thread. Returns whether this call completed it."""
+    if fut.done():
+        return False
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        return False
+    return True
 
 
 def new_incarnation() -> str:

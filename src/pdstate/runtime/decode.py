@@ -7,7 +7,9 @@ that landed verified against the room's deterministic content.
 
 Pages of a request that failed while the prefill may still be writing into them (deadline, abort)
 are quarantined until the prefill reports the room finished or is declared gone, so a late write
-can never land in another request's pages.
+can never land in another request's pages. ("Gone" may be a frozen prefill that comes back: the
+pages are reused only after a new handshake, and the prefill copies every request sent after that
+handshake after every request sent before it; see ``runtime.prefill``.)
 """
 
 from __future__ import annotations
@@ -24,13 +26,16 @@ import zmq
 
 from pdstate import wire
 from pdstate.engines.base import create_engine
-from pdstate.errors import AllocationError, AuthError, PdStateError, ProtocolError, error_from_wire
+from pdstate.errors import AllocationError, AuthError, PdStateError, ProtocolError, VersionMismatch, error_from_wire
 from pdstate.handshake import DecodeHandshake, PeerState, RequestState, advance
 from pdstate.layout import ErrorInfo
 from pdstate.runtime import requests as rq
 from pdstate.runtime import synth
-from pdstate.runtime.common import LocalCheckFailed, Stats, WorkerOptions, build_side, local_side, log, new_incarnation, now
+from pdstate.runtime.common import LocalCheckFailed, Stats, WorkerOptions, build_side, local_side, log, new_incarnation, now, settle
 from pdstate.runtime.control import ControlClient
+
+MAX_FINISHED = 10000  # results kept for ``/v1/transfers/{room}`` (oldest dropped first)
+BUSY_BACKOFF_S = (0.002, 0.1)  # first and longest wait before re-sending a request answered Busy
 
 
 @dataclass
@@ -43,11 +48,14 @@ class TransferResult:
     seconds: float = 0.0
     verified: bool = False
     error: ErrorInfo | None = None
+    compute_s: float = 0.0  # the prefill's (synthesised) compute, from its TransferDone
+    copy_s: float = 0.0  # the prefill's engine copy, from its TransferDone
 
     def as_dict(self) -> dict:
         return {"room": self.room, "status": self.status, "seq_len": self.seq_len, "bytes": self.bytes,
                 "descriptors": self.descriptors, "seconds": self.seconds, "verified": self.verified,
-                "error": None if self.error is None else self.error.model_dump()}
+                "error": None if self.error is None else self.error.model_dump(),
+                "compute_s": self.compute_s, "copy_s": self.copy_s}
 
 
 @dataclass
@@ -59,7 +67,8 @@ class Request:
     started: float = field(default_factory=now)
     state: RequestState = RequestState.BOOTSTRAPPING
     alloc: rq.Allocation | None = None
-    resend_at: float | None = None
+    resend_at: float | None = None  # set while the prefill answered Busy: it holds nothing of ours
+    busy_count: int = 0
     message: wire.TransferRequest | None = None
     result: TransferResult | None = None
 
@@ -73,6 +82,7 @@ class DecodeWorker:
         self.requests: dict[int, Request] = {}
         self.finished: dict[int, TransferResult] = {}
         self.quarantine: dict[int, rq.Allocation] = {}
+        self.peak_in_flight = 0  # most requests entered and not finished at once
         self.peer_state = PeerState.PENDING
         self.peer_error: ErrorInfo | None = None
         self.prefill_incarnation: str | None = None
@@ -89,13 +99,24 @@ class DecodeWorker:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "DecodeWorker":
-        self.pools, self.report, self.kv_args, self.local_error = build_side(self.opts)
-        if self.local_error is not None and self.opts.local_checks:
-            raise LocalCheckFailed(str(self.local_error)) from self.local_error
-        self.engine = create_engine(self.opts.engine, **self.opts.engine_options)
-        self.engine.start()
-        self.engine.register(self.pools.memory.regions())
-        self.local = local_side(self.opts, self.worker_id, self.incarnation, self.report, self.kv_args, self.engine.endpoint())
+        """Build pools (sweeping stale shm segments first), engine and control client, then start
+        the control thread (which sends the register).
+
+        Raises ``LocalCheckFailed`` (own pair refused, with ``local_checks``) or ``EngineError``;
+        whatever was built before the failure is released first (no segment outlives it).
+        """
+        try:
+            self.pools, self.report, self.kv_args, self.local_error = build_side(self.opts)
+            if self.local_error is not None and self.opts.local_checks:
+                raise LocalCheckFailed(str(self.local_error)) from self.local_error
+            self.engine = create_engine(self.opts.engine, **self.opts.engine_options)
+            self.engine.start()
+            self.engine.register(self.pools.memory.regions())
+            endpoint = self.engine.endpoint()
+        except BaseException:
+            self._release()
+            raise
+        self.local = local_side(self.opts, self.worker_id, self.incarnation, self.report, self.kv_args, endpoint)
         self.handshake = DecodeHandshake(self.local)
         self.ctx = zmq.Context.instance()
         self.client = ControlClient(self.ctx, self.opts.peer, f"{self.worker_id}/{self.incarnation}".encode(), self.opts.token)
@@ -108,6 +129,16 @@ class DecodeWorker:
         self._thread = threading.Thread(target=self._control_loop, name="pdstate-decode-control", daemon=True)
         self._thread.start()
         return self
+
+    def _release(self) -> None:
+        """Close what a failed ``start`` built: the engine, then the pools (shm segments)."""
+        for name in ("engine", "pools"):
+            obj = getattr(self, name, None)
+            if obj is not None:
+                try:
+                    obj.close()
+                except Exception:  # keep releasing the rest; the start error is what matters
+                    log.warning("closing %s after a failed start", name, exc_info=True)
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         """Block until the handshake is answered; raises the refusal, or ``TimeoutError``."""
@@ -158,6 +189,12 @@ class DecodeWorker:
     def free_counts(self) -> dict[str, int]:
         return rq.free_counts(self.pools)
 
+    def snapshot(self) -> dict:
+        """Peer state and request bookkeeping, for status commands (read from any thread)."""
+        return {"peer_state": self.peer_state.value, "prefill_incarnation": self.prefill_incarnation,
+                "in_flight": len(self.requests), "waiting": len(self._waiting), "quarantined": len(self.quarantine),
+                "peak_in_flight": self.peak_in_flight}
+
     def _wake(self) -> None:
         with self._wake_lock:
             if self._wake_w < 0:
@@ -191,24 +228,33 @@ class DecodeWorker:
                         cmd = self._commands.get_nowait()
                     except queue.Empty:
                         break
-                    self._on_command(cmd)
+                    self._guarded(self._on_command, cmd)
                 if self.client.sock in events:
                     for _ in range(256):
                         try:
                             frame = self.client.sock.recv(flags=zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._on_frame(frame)
+                        self._guarded(self._on_frame, frame)
                 t = now()
                 if t >= next_hb:
                     next_hb = t + self.opts.heartbeat_interval_s
-                    self._heartbeat(t)
-                self._timers(t)
+                    self._guarded(self._heartbeat, t)
+                self._guarded(self._timers, t)
         finally:
             for req in list(self.requests.values()):
                 self._finish(req, "failed", error=ErrorInfo(type="TransferFailed", message="decode shutting down"))
             self.client.close()
             os.close(self._wake_r)
+
+    def _guarded(self, handler, arg) -> None:
+        """Run one handler; a bug in it is logged and counted, and never ends the control loop
+        (which would leave every request of this decode waiting forever)."""
+        try:
+            handler(arg)
+        except Exception:
+            self.stats.protocol_errors += 1
+            log.exception("decode control loop: %s failed", handler.__name__)
 
     def _send_register(self) -> None:
         self._register_sent = now()
@@ -239,10 +285,11 @@ class DecodeWorker:
             return
         _, room, seq_len, deadline_s, fut = cmd
         if room in self.requests:
-            fut.set_exception(ValueError(f"room {room} is already in flight"))
+            settle(fut, exc=ValueError(f"room {room} is already in flight"))
             return
         req = Request(room, seq_len, fut, now() + deadline_s)
         self.requests[room] = req
+        self.peak_in_flight = max(self.peak_in_flight, len(self.requests))
         if self.peer_state != PeerState.ACCEPTED:
             reason = "prefill not connected" if self.peer_error is None else f"handshake refused: {self.peer_error.message}"
             self._finish(req, "failed", error=ErrorInfo(type="PeerGone", message=reason))
@@ -285,9 +332,10 @@ class DecodeWorker:
         except (ProtocolError, AuthError) as exc:
             self.stats.protocol_errors += 1
             log.warning("bad frame from prefill: %s", exc)
-            if isinstance(exc, AuthError) and self.peer_state == PeerState.PENDING:
-                # The answer to our register cannot be authenticated: the tokens differ (or one
-                # side has none). Waiting longer cannot help; refuse like a Reject would.
+            if isinstance(exc, (AuthError, VersionMismatch)) and self.peer_state == PeerState.PENDING:
+                # The answer to our register cannot be authenticated (the tokens differ, or one
+                # side has none) or is in another protocol version. Waiting longer cannot help;
+                # refuse like a Reject would.
                 self._refused(ErrorInfo.of(exc))
             return
         self._last_heard = now()
@@ -301,9 +349,12 @@ class DecodeWorker:
             self._on_done(msg)
         elif isinstance(msg, wire.Busy):
             req = self.requests.get(msg.room)
-            if req is not None:
+            if req is not None and req.resend_at is None:
+                # exponential backoff: a full prefill is not hammered by every waiting request
                 self.stats.transfers["busy"] += 1
-                req.resend_at = now() + 0.002
+                first, longest = BUSY_BACKOFF_S
+                req.resend_at = now() + min(longest, first * (2 ** min(req.busy_count, 16)))
+                req.busy_count += 1
         elif isinstance(msg, wire.Error):
             if msg.room is not None and msg.room in self.requests:
                 self._finish(self.requests[msg.room], "failed", error=msg.error)
@@ -327,7 +378,7 @@ class DecodeWorker:
     def _on_handshake(self, msg) -> None:
         try:
             accept = self.handshake.receive(msg)
-        except (RuntimeError, ValueError) as exc:
+        except Exception as exc:  # any refusal: upstream RuntimeErrors, VersionMismatch, EngineError, ...
             self.peer_state, self.peer_error = PeerState.REJECTED, ErrorInfo.of(exc)
             self.stats.handshakes["rejected"] += 1
             log.error("handshake refused: %s: %s", type(exc).__name__, exc)
@@ -362,10 +413,12 @@ class DecodeWorker:
         if problem is not None:
             self._finish(req, "failed", error=ErrorInfo(type="TransferFailed", message=f"verification failed: {problem}"))
             return
-        self._finish(req, "success", nbytes=msg.bytes, descriptors=msg.descriptors, verified=True)
+        self._finish(req, "success", nbytes=msg.bytes, descriptors=msg.descriptors, verified=True,
+                     compute_s=msg.compute_s, copy_s=msg.copy_s)
 
     def _finish(self, req: Request, status: str, error: ErrorInfo | None = None, nbytes: int = 0,
-                descriptors: int = 0, verified: bool = False, quarantine: bool = False) -> None:
+                descriptors: int = 0, verified: bool = False, quarantine: bool = False,
+                compute_s: float = 0.0, copy_s: float = 0.0) -> None:
         if req.state.terminal:
             return
         req.state = RequestState.SUCCESS if status == "success" else RequestState.FAILED
@@ -376,29 +429,32 @@ class DecodeWorker:
             else:
                 rq.free(self.pools, req.alloc)
         seconds = now() - req.started
-        res = TransferResult(req.room, status, req.seq_len, nbytes, descriptors, seconds, verified, error)
+        res = TransferResult(req.room, status, req.seq_len, nbytes, descriptors, seconds, verified, error,
+                             compute_s, copy_s)
         if status == "success":
             self.stats.transfers["success"] += 1
             self.stats.bytes += nbytes
             self.stats.latencies_s.append(seconds)
         else:
             self.stats.fail(error.message if error else "failed")
+        self.finished.pop(req.room, None)
         self.finished[req.room] = res
-        if len(self.finished) > 10000:
+        while len(self.finished) > MAX_FINISHED:
             self.finished.pop(next(iter(self.finished)))
-        if not req.future.done():
-            req.future.set_result(res)
+        settle(req.future, res)  # its caller may have cancelled it
         if req.alloc is not None and not quarantine:
             self._admit()
 
     def _timers(self, t: float) -> None:
         for req in list(self.requests.values()):
             if t > req.deadline:
-                in_flight = req.state == RequestState.WAITING_FOR_INPUT
+                # sent, and not bounced with Busy: the prefill may be writing into its pages
+                in_flight = req.state == RequestState.WAITING_FOR_INPUT and req.resend_at is None
                 if in_flight:
                     self.client.send(wire.Abort(room=req.room, reason="deadline exceeded on decode"))
                 self._finish(req, "failed", error=ErrorInfo(type="TransferFailed", message="deadline exceeded"),
                              quarantine=in_flight)
             elif req.resend_at is not None and t >= req.resend_at and req.message is not None:
                 req.resend_at = None
+                req.message = req.message.model_copy(update={"deadline_s": max(0.001, req.deadline - t)})
                 self.client.send(req.message)

@@ -2,21 +2,34 @@
 
 Threads: the control thread owns the socket, the allocator and every request record; one transfer
 thread runs the (synthesised) prefill compute and the engine copy, and hands results back over an
-inproc socket. Every request that entered ends SUCCESS or FAILED, its pages freed exactly once.
+inproc socket. Every request that entered ends SUCCESS or FAILED, its pages freed exactly once,
+and leaves a record in ``finished`` (bounded) with its reason.
+
+Ordering, which the decode relies on when it reuses pages of requests it gave up on: there is ONE
+transfer thread and it finishes a job's engine transfer (or gets the engine's failure) before it
+starts the next. So every write for a request the decode sent before a re-handshake lands before
+any write for a request it sends after, and a late write can only land in pages that a later
+request's own copy overwrites before that request is verified. (An engine whose ``wait`` gives up
+while its native transfer still runs must itself keep later transfers behind it, as the Mooncake
+adapter's single worker does.)
+
+A cancelled job (peer gone, abort, re-registration, shutdown) never reports success: if its copy
+already ran, the decode is not going to verify it, so both sides record FAILED with the reason.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import numpy as np
+import msgpack
 import zmq
 
 from pdstate import wire
 from pdstate.engines.base import create_engine
-from pdstate.errors import AllocationError, AuthError, PdStateError, ProtocolError
+from pdstate.errors import AllocationError, AuthError, EngineError, PdStateError, PeerGone, ProtocolError, VersionMismatch
 from pdstate.handshake import PeerState, PrefillHandshake, RequestState, advance
 from pdstate.layout import ErrorInfo
 from pdstate.planner import TransferPlan, plan_request
@@ -24,6 +37,9 @@ from pdstate.runtime import requests as rq
 from pdstate.runtime import synth
 from pdstate.runtime.common import LocalCheckFailed, Stats, WorkerOptions, build_side, local_side, log, new_incarnation, now
 from pdstate.runtime.control import ControlServer
+
+MAX_FINISHED = 10000  # terminal records kept for inspection (oldest dropped first)
+MAX_IDLE_PEERS = 256  # rejected/gone peer records kept (accepted ones are always kept)
 
 
 @dataclass
@@ -46,9 +62,23 @@ class Job:
     alloc: rq.Allocation
     plan: TransferPlan
     deadline: float
+    worker_id: str = ""
     state: RequestState = RequestState.BOOTSTRAPPING
-    cancelled: str | None = None  # the reason, once cancelled
+    cancelled: ErrorInfo | None = None  # why, once cancelled
+    cancel_event: threading.Event = field(default_factory=threading.Event)
     started: float = field(default_factory=now)
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """What the transfer thread reports for a job (through the inproc socket)."""
+
+    peer: bytes
+    room: int
+    error: ErrorInfo | None
+    engine_failed: bool  # the error came from the transfer engine (any ``EngineError``)
+    compute_s: float
+    copy_s: float
 
 
 class PrefillWorker:
@@ -59,15 +89,41 @@ class PrefillWorker:
         self.stats = Stats()
         self.peers: dict[bytes, Peer] = {}
         self.jobs: dict[tuple[bytes, int], Job] = {}
+        self.finished: OrderedDict[tuple[bytes, int], dict] = OrderedDict()
+        self.peak_in_flight = 0  # most jobs held at once (bounded by ``max_inflight``)
         self.local_error: BaseException | None = None
         self.endpoint = ""
+        # test knob (see ``WorkerOptions.fault_delay_before_copy_s``); a test may change it live
+        self.fault_delay_before_copy_s = opts.fault_delay_before_copy_s
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._queue: queue.Queue[Job | None] = queue.Queue()
+        # Makes "not cancelled? then TRANSFERRING" (transfer thread) and "cancel; still queued?"
+        # (control thread) atomic, so a queued job can be failed at once, before its turn.
+        self._claim = threading.Lock()
         self._threads: list[threading.Thread] = []
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "PrefillWorker":
+        """Build pools, engine and control socket, then start the threads.
+
+        Raises ``LocalCheckFailed`` (own pair refused, with ``local_checks``), ``EngineError`` or
+        ``zmq.ZMQError`` (bind); whatever was built before the failure is released first.
+        """
+        try:
+            self._build()
+        except BaseException:
+            self._release()
+            raise
+        for target, name in ((self._control_loop, "pdstate-prefill-control"), (self._transfer_loop, "pdstate-prefill-transfer")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        self._ready.set()
+        log.info("prefill %s listening on %s (engine %s)", self.worker_id, self.endpoint, self.opts.engine)
+        return self
+
+    def _build(self) -> None:
         self.pools, self.report, self.kv_args, self.local_error = build_side(self.opts)
         if self.local_error is not None and self.opts.local_checks:
             raise LocalCheckFailed(str(self.local_error)) from self.local_error
@@ -82,18 +138,31 @@ class PrefillWorker:
         self.endpoint = self.server.open()
         self._results_addr = f"inproc://pdstate-prefill-results-{id(self)}-{self.incarnation}"  # unique: ids are reused
         self._results_pull = self.ctx.socket(zmq.PULL)
+        self._results_pull.setsockopt(zmq.LINGER, 0)
         self._results_pull.bind(self._results_addr)
-        for target, name in ((self._control_loop, "pdstate-prefill-control"), (self._transfer_loop, "pdstate-prefill-transfer")):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
-        self._ready.set()
-        log.info("prefill %s listening on %s (engine %s)", self.worker_id, self.endpoint, self.opts.engine)
-        return self
+
+    def _release(self) -> None:
+        """Close what ``_build`` got to (a failed start): sockets, engine, pools (shm segments)."""
+        pull = getattr(self, "_results_pull", None)
+        if pull is not None:
+            pull.close(0)
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.close()
+        self.endpoint = ""
+        for name in ("engine", "pools"):
+            obj = getattr(self, name, None)
+            if obj is not None:
+                try:
+                    obj.close()
+                except Exception:  # keep releasing the rest; the start error is what matters
+                    log.warning("closing %s after a failed start", name, exc_info=True)
 
     def stop(self) -> None:
         self._stop.set()
         self._queue.put(None)
+        for job in list(self.jobs.values()):  # wake a transfer thread waiting in a fault delay
+            job.cancel_event.set()
         for t in self._threads:
             t.join(timeout=10)
         try:
@@ -118,6 +187,18 @@ class PrefillWorker:
     def free_counts(self) -> dict[str, int]:
         return rq.free_counts(self.pools)
 
+    def jobs_snapshot(self) -> list[dict]:
+        """The requests in flight: room, decode worker id, lifecycle state, cancellation."""
+        return [
+            {"room": j.room, "peer": j.worker_id, "state": j.state.value,
+             "cancelled": None if j.cancelled is None else j.cancelled.message}
+            for j in list(self.jobs.values())
+        ]
+
+    def finished_records(self) -> list[dict]:
+        """Terminal records, oldest first (at most ``MAX_FINISHED``)."""
+        return list(self.finished.values())
+
     # -- control thread -----------------------------------------------------------------------
     def _control_loop(self) -> None:
         poller = zmq.Poller()
@@ -133,7 +214,7 @@ class PrefillWorker:
                             key = self._results_pull.recv_pyobj(flags=zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._finish_job(*key)
+                        self._guarded(self._finish_job, key)
                 if self.server.sock in events:
                     for _ in range(256):
                         try:
@@ -141,22 +222,36 @@ class PrefillWorker:
                         except zmq.Again:
                             break
                         if len(got) == 2:
-                            self._on_frame(got[0], got[1])
+                            self._guarded(self._on_frame, got[0], got[1])
                         else:
-                            self._on_bad_multipart(got)
-                self._timers()
+                            self._guarded(self._on_bad_multipart, got)
+                self._guarded(self._timers)
         finally:
             for job in list(self.jobs.values()):
-                job.cancelled = "prefill shutting down"
-                self._fail(job, "prefill shutting down")
+                self._cancel(job, "prefill shutting down")
+                self._fail(job, job.cancelled)
             self.server.close()
             self._results_pull.close(0)
+
+    def _guarded(self, handler, *args) -> None:
+        """Run one step of the loop; a bug in it is logged, never the end of the control thread."""
+        try:
+            handler(*args)
+        except Exception:
+            log.exception("prefill control loop: %s failed", handler.__name__)
 
     def _on_frame(self, identity: bytes, frame: bytes) -> None:
         try:
             msg = wire.decode(frame, self.opts.token)
         except (ProtocolError, AuthError) as exc:
             self.stats.protocol_errors += 1
+            if isinstance(exc, VersionMismatch) and _envelope_kind(frame) == wire.Register.KIND:
+                # A decode speaking another protocol version: refuse its handshake (PROTOCOL.md),
+                # naming both versions, so it raises VersionMismatch and stays down, not ready.
+                self.stats.handshakes["rejected"] += 1
+                log.error("rejected a register from %r: %s", identity[:64], exc)
+                self.server.send(identity, wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(exc)))
+                return
             log.warning("bad frame from %r: %s", identity[:64], exc)
             self.server.send(identity, wire.Error(error=ErrorInfo.of(exc)))
             return
@@ -195,6 +290,11 @@ class PrefillWorker:
         for other in [p for p in self.peers.values() if p.worker_id == msg.worker_id and p.identity != identity]:
             self._drop_peer(other, f"decode {msg.worker_id} re-registered with incarnation {msg.incarnation}")
             del self.peers[other.identity]
+        # The same incarnation registering again (it declared us gone, or was asked to) has
+        # forgotten what it sent before: end those requests now rather than copy into its pages.
+        for (ident, _), job in list(self.jobs.items()):
+            if ident == identity:
+                self._cancel(job, f"decode {msg.worker_id} registered again; its earlier requests were abandoned")
         answer = self.handshake.receive(msg)
         peer = Peer(identity, msg.worker_id, msg.incarnation, PeerState.PENDING, last_seen=now())
         if isinstance(answer, wire.Accept):
@@ -213,8 +313,18 @@ class PrefillWorker:
         old = self.peers.get(identity)
         if old is not None and old.incarnation != msg.incarnation:
             self._drop_peer(old, "decode re-registered")
-        self.peers[identity] = peer
+        self.peers.pop(identity, None)
+        self.peers[identity] = peer  # (re)inserted last: the pruning below drops the oldest
+        self._prune_peers()
         self.server.send(identity, answer)
+
+    def _prune_peers(self) -> None:
+        """Keep every accepted peer and the latest ``MAX_IDLE_PEERS`` others (rejected, gone):
+        a stream of bad registrations must not grow the table without bound."""
+        idle = [ident for ident, p in self.peers.items() if p.state != PeerState.ACCEPTED]
+        for ident in idle[: max(0, len(idle) - MAX_IDLE_PEERS)]:
+            if not any(k[0] == ident for k in self.jobs):
+                del self.peers[ident]
 
     def _on_peer_reject(self, identity: bytes, msg: wire.Reject) -> None:
         """The decode refused our own report (e.g. this prefill's draft has its own mapping)."""
@@ -244,71 +354,108 @@ class PrefillWorker:
             self.server.send(identity, wire.Error(error=ErrorInfo.of(ProtocolError(f"room {msg.room} is already in flight")), room=msg.room))
             return
         if len(self.jobs) >= self.opts.max_inflight:
-            self.stats.transfers["busy"] += 1
-            self.server.send(identity, wire.Busy(room=msg.room, in_flight=len(self.jobs), limit=self.opts.max_inflight))
+            self._busy(identity, msg.room)
             return
         names = rq.channel_names(self.kv_args)
         if msg.seq_len > rq.capacity_tokens(self.pools):
-            self._refuse(identity, msg.room, AllocationError(f"seq_len {msg.seq_len} exceeds the prefill pool of {rq.capacity_tokens(self.pools)} tokens"))
+            self._refuse(identity, peer, msg.room, AllocationError(f"seq_len {msg.seq_len} exceeds the prefill pool of {rq.capacity_tokens(self.pools)} tokens"))
             return
         try:
             alloc = rq.allocate(self.pools, names, msg.seq_len)
         except AllocationError:
-            self.stats.transfers["busy"] += 1
-            self.server.send(identity, wire.Busy(room=msg.room, in_flight=len(self.jobs), limit=self.opts.max_inflight))
+            self._busy(identity, msg.room)
             return
         except PdStateError as exc:
-            self._refuse(identity, msg.room, exc)
+            self._refuse(identity, peer, msg.room, exc)
             return
         try:
             dst_lists = [msg.dst_kv_pages.unpack()] + [p.unpack() for p in msg.dst_state_indices]
             plan = plan_request(self.kv_args, peer.kv, alloc.lists, dst_lists)
         except PdStateError as exc:
             rq.free(self.pools, alloc)
-            self._refuse(identity, msg.room, exc)
+            self._refuse(identity, peer, msg.room, exc)
             return
-        job = Job(identity, msg.room, msg.seq_len, alloc, plan, now() + msg.deadline_s)
+        job = Job(identity, msg.room, msg.seq_len, alloc, plan, now() + msg.deadline_s, worker_id=peer.worker_id)
         job.state = advance(job.state, RequestState.WAITING_FOR_INPUT)
         self.jobs[key] = job
+        self.peak_in_flight = max(self.peak_in_flight, len(self.jobs))
         self._queue.put(job)
 
-    def _refuse(self, identity: bytes, room: int, exc: BaseException) -> None:
-        self.stats.fail(str(exc))
-        self.server.send(identity, wire.TransferDone(room=room, status="failed", error=ErrorInfo.of(exc)))
+    def _busy(self, identity: bytes, room: int) -> None:
+        """Full (in-flight limit or pool): the decode retries later; nothing is queued here."""
+        self.stats.transfers["busy"] += 1
+        self.server.send(identity, wire.Busy(room=room, in_flight=len(self.jobs), limit=self.opts.max_inflight))
+
+    def _refuse(self, identity: bytes, peer: Peer, room: int, exc: BaseException) -> None:
+        """A request that entered but cannot be planned: FAILED at once with the exact error."""
+        info = ErrorInfo.of(exc)
+        self.stats.fail(info.message)
+        self._record(identity, peer.worker_id, room, "failed", info, 0.0)
+        self.server.send(identity, wire.TransferDone(room=room, status="failed", error=info))
+
+    def _record(self, identity: bytes, worker_id: str, room: int, status: str, error: ErrorInfo | None,
+                seconds: float) -> None:
+        self.finished[(identity, room)] = {
+            "room": room, "peer": worker_id, "status": status, "seconds": seconds,
+            "error": None if error is None else error.model_dump()}
+        while len(self.finished) > MAX_FINISHED:
+            self.finished.popitem(last=False)
 
     def _on_abort(self, identity: bytes, msg: wire.Abort) -> None:
         job = self.jobs.get((identity, msg.room))
         if job is None:
-            log.debug("abort for unknown room %s ignored", msg.room)
+            # Finished already (its TransferDone is on its way), or never got here (e.g. it was
+            # answered Busy). Say so: the decode holds the room's pages until it hears the room
+            # is over on this side, and a second TransferDone for a finished room is ignored.
+            log.debug("abort for room %s that is not in flight", msg.room)
+            err = ErrorInfo(type="TransferFailed", message=f"room {msg.room} is not in flight here (abort: {msg.reason[:200]})")
+            self.server.send(identity, wire.TransferDone(room=msg.room, status="failed", error=err))
             return
         self._cancel(job, f"aborted by decode: {msg.reason}")
 
-    def _finish_job(self, identity: bytes, room: int, error: ErrorInfo | None, seconds: float) -> None:
-        job = self.jobs.get((identity, room))
+    def _finish_job(self, out: JobOutcome) -> None:
+        job = self.jobs.get((out.peer, out.room))
         if job is None:
             return
-        if error is not None:
-            self.stats.engine_errors += error.type.startswith("Engine")
-            self._fail(job, error.message, error)
+        if out.error is not None:
+            self.stats.engine_errors += out.engine_failed
+            self._fail(job, out.error.message, out.error)
+            return
+        if job.cancelled is not None:
+            # The copy ran, but the request was given up meanwhile: the decode will not verify
+            # it, so it must not count as a success here either.
+            self._fail(job, job.cancelled.message, job.cancelled)
             return
         job.state = advance(job.state, RequestState.SUCCESS)
+        seconds = now() - job.started
         self.stats.transfers["success"] += 1
         self.stats.bytes += job.plan.total_bytes
-        self.stats.latencies_s.append(seconds)
-        del self.jobs[(identity, room)]
+        self.stats.latencies_s.append(out.copy_s)
+        del self.jobs[(out.peer, out.room)]
         rq.free(self.pools, job.alloc)
-        digest = synth.plan_digest(room, job.alloc.lists, self.kv_args)
-        self.server.send(identity, wire.TransferDone(
-            room=room, status="success", bytes=job.plan.total_bytes, descriptors=len(job.plan), digest=digest))
+        self._record(job.peer, job.worker_id, job.room, "success", None, seconds)
+        digest = synth.plan_digest(job.room, job.alloc.lists, self.kv_args)
+        self.server.send(job.peer, wire.TransferDone(
+            room=job.room, status="success", bytes=job.plan.total_bytes, descriptors=len(job.plan), digest=digest,
+            compute_s=out.compute_s, copy_s=out.copy_s))
 
-    def _cancel(self, job: Job, reason: str) -> None:
-        """Ask the transfer thread to end ``job``: it owns every queued job until it reports back,
-        so no byte can move after the decode was told the request failed."""
-        if job.cancelled is None:
-            job.cancelled = reason
+    def _cancel(self, job: Job, reason: str, error_type: str = "TransferFailed") -> None:
+        """End ``job``. Still queued: it fails now (the transfer thread will skip it). Already
+        TRANSFERRING: the transfer thread owns it until it reports back, so no byte can move
+        after the decode was told the request failed; its fault delay, if any, ends at once."""
+        with self._claim:
+            if job.cancelled is not None:
+                return
+            job.cancelled = ErrorInfo(type=error_type, message=reason)
+            queued = job.state == RequestState.WAITING_FOR_INPUT
+        job.cancel_event.set()
+        if queued:
+            self._fail(job, job.cancelled)
 
-    def _fail(self, job: Job, reason: str, error: ErrorInfo | None = None) -> None:
+    def _fail(self, job: Job, reason: str | ErrorInfo, error: ErrorInfo | None = None) -> None:
         """Terminal failure (called with the transfer thread's report, or at shutdown)."""
+        if isinstance(reason, ErrorInfo):
+            reason, error = reason.message, reason
         if job.state.terminal:
             return
         job.state = RequestState.FAILED
@@ -316,13 +463,14 @@ class PrefillWorker:
         rq.free(self.pools, job.alloc)
         self.stats.fail(reason)
         info = error or ErrorInfo(type="TransferFailed", message=reason)
+        self._record(job.peer, job.worker_id, job.room, "failed", info, now() - job.started)
         self.server.send(job.peer, wire.TransferDone(room=job.room, status="failed", error=info))
 
     def _drop_peer(self, peer: Peer, reason: str) -> None:
         peer.state = PeerState.GONE
         for (ident, _), job in list(self.jobs.items()):
             if ident == peer.identity:
-                self._cancel(job, f"peer gone: {reason}")
+                self._cancel(job, f"peer gone: {reason}", PeerGone.__name__)
 
     def _timers(self) -> None:
         t = now()
@@ -337,26 +485,53 @@ class PrefillWorker:
     # -- transfer thread ----------------------------------------------------------------------
     def _transfer_loop(self) -> None:
         push = self.ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
         push.connect(self._results_addr)
         try:
             while True:
                 job = self._queue.get()
                 if job is None or self._stop.is_set():
                     return
-                error, t0 = None, now()
-                if job.cancelled is not None:
-                    error = ErrorInfo(type="TransferFailed", message=job.cancelled)
-                else:
-                    try:
-                        job.state = advance(job.state, RequestState.TRANSFERRING)
-                        synth.fill_source(self.kv_args, job.room, job.alloc.lists)
-                        peer = self.peers.get(job.peer)
-                        if peer is None or peer.engine_peer is None:
-                            raise PdStateError("peer gone before the transfer started")
-                        handle = self.engine.submit(peer.engine_peer, job.plan)
-                        self.engine.wait(handle, max(0.001, job.deadline - now()))
-                    except Exception as exc:  # engine failures of every kind end the request
-                        error = ErrorInfo.of(exc)
-                push.send_pyobj((job.peer, job.room, error, now() - t0))
+                push.send_pyobj(self._run_job(job))
         finally:
             push.close(0)
+
+    def _run_job(self, job: Job) -> JobOutcome:
+        """Compute the request's state and copy it; never raises (every failure is reported)."""
+        compute_s = copy_s = 0.0
+        error, engine_failed = None, False
+        with self._claim:
+            if job.cancelled is None:
+                job.state = advance(job.state, RequestState.TRANSFERRING)
+            else:
+                error = job.cancelled  # failed already by the control thread (or failing now)
+        if error is None:
+            try:
+                t0 = now()
+                synth.fill_source(self.kv_args, job.room, job.alloc.lists)
+                compute_s = now() - t0
+                delay_s = self.fault_delay_before_copy_s
+                if delay_s > 0:
+                    job.cancel_event.wait(delay_s)
+                if job.cancelled is not None:
+                    return JobOutcome(job.peer, job.room, job.cancelled, False, compute_s, 0.0)
+                peer = self.peers.get(job.peer)
+                if peer is None or peer.engine_peer is None:
+                    raise PeerGone("peer gone before the transfer started")
+                t1 = now()
+                handle = self.engine.submit(peer.engine_peer, job.plan)
+                self.engine.wait(handle, max(0.001, job.deadline - now()))
+                copy_s = now() - t1
+            except Exception as exc:  # engine failures of every kind end the request
+                error, engine_failed = ErrorInfo.of(exc), isinstance(exc, EngineError)
+        return JobOutcome(job.peer, job.room, error, engine_failed, compute_s, copy_s)
+
+
+def _envelope_kind(frame: bytes) -> str | None:
+    """The ``kind`` of a frame whose envelope decoded (used after a version mismatch)."""
+    try:
+        env = msgpack.unpackb(frame, raw=False, max_bin_len=wire.MAX_FRAME_BYTES)
+    except Exception:
+        return None
+    kind = env.get("kind") if isinstance(env, dict) else None
+    return kind if isinstance(kind, str) else None

@@ -1,0 +1,326 @@
+"""Faults with real worker processes: a peer killed or frozen mid-transfer, a prefill restarted, an
+engine failing one request, a Mooncake session torn down.
+
+In every case: each request that entered ends SUCCESS or FAILED with a specific reason on both
+sides (the killed side's records die with it) within the heartbeat timeout; nothing reports
+success unless its bytes verified; the survivor's pools return to their starting free counts
+(including the decode's quarantine); the survivor serves new, verified requests after the peer
+returns (a new handshake; the old incarnation's requests failed).
+
+Requests are held in TRANSFERRING by the prefill's fault-injection delay
+(``WorkerOptions.fault_delay_before_copy_s``); the tests wait for that state by polling the
+prefill's records, never by sleeping.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from pdstate.engines.loopback import ScriptedFailure
+from pdstate.runtime.decode import DecodeWorker
+from pdstate.runtime.prefill import PrefillWorker
+from tests.integration.helpers import (
+    assert_all_verified,
+    first_event,
+    options,
+    peer_record,
+    require_engine,
+    run_batch,
+    wait_until,
+)
+from tests.reliability.support import (
+    DETECT_SLACK_S,
+    FAULT,
+    LONG_DELAY_S,
+    PEER_TIMEOUT_S,
+    ROOMY,
+    collect_batch,
+    decode_stats,
+    kill,
+    leaked,
+    prefill_requests,
+    segments,
+    set_fault_delay,
+    start_batch,
+    tally,
+    wait_decode,
+    wait_prefill_settled,
+    wait_transferring,
+)
+
+LENGTHS = [300, 129, 1000, 256]
+AFTER = [100, 257, 640, 1000]
+
+
+def _specific(rec: dict, etype: str, prefix: str) -> None:
+    """A failure with the expected type and reason (a result event or a prefill record)."""
+    assert rec["status"] == "failed", rec
+    assert not rec.get("verified", False), rec
+    assert rec["error"]["type"] == etype and rec["error"]["message"].startswith(prefix), rec["error"]
+
+
+def _ready(d) -> dict:
+    ev = first_event(d)
+    assert ev["event"] == "ready", ev
+    return ev
+
+
+def test_decode_killed_mid_transfer(workers):
+    p, ep = workers.prefill(ROOMY, fault_delay_before_copy_s=LONG_DELAY_S, **FAULT)
+    p_free = prefill_requests(p)["free"]
+    d = workers.decode(ep, ROOMY, worker_id="victim", **FAULT)
+    _ready(d)
+    old_incarnation = peer_record(p, "victim")["incarnation"]
+    start_batch(d, LENGTHS, concurrency=len(LENGTHS))
+    wait_transferring(p, "victim", jobs=len(LENGTHS))
+    t_kill = kill(d)
+
+    records, free = wait_prefill_settled(p, "victim", len(LENGTHS), timeout_s=PEER_TIMEOUT_S + 10)
+    detect_s = time.monotonic() - t_kill
+    for rec in records:
+        _specific(rec, "PeerGone", f"peer gone: no heartbeat for {PEER_TIMEOUT_S:.1f} s")
+    assert free == p_free, "the prefill leaked pages of the dead decode's requests"
+    assert detect_s <= PEER_TIMEOUT_S + DETECT_SLACK_S, detect_s
+    assert d.wait(10) == -signal.SIGKILL
+
+    set_fault_delay(p, 0.0)
+    d2 = workers.decode(ep, ROOMY, worker_id="victim", **FAULT)
+    ready = _ready(d2)
+    assert segments(d.pid) == [], "a new decode must remove the crashed decode's stale segments"
+    rec = peer_record(p, "victim", "accepted")
+    assert rec["incarnation"] != old_incarnation
+    results, done = run_batch(d2, AFTER, concurrency=2)
+    assert_all_verified(results, AFTER)
+    assert done["free"] == ready["free"]
+    assert prefill_requests(p)["free"] == p_free
+    tally("decode SIGKILL mid-transfer (shm)", records + results, leaked(p_free, free), detect_s,
+          "prefill: PeerGone; new incarnation served")
+
+
+def test_prefill_killed_mid_transfer_and_restarted_after_timeout(workers):
+    # 1. Quarantine: requests whose decode deadline passes while the prefill is frozen keep their
+    #    pages quarantined (the prefill might still write); the prefill's death releases them.
+    #    The timeout is longer here so the deadline surely falls between the freeze and the
+    #    decode declaring the prefill gone, however slowly this machine polls.
+    timeout_s = 2.0
+    timers = {**FAULT, "peer_timeout_s": timeout_s}
+    p1, ep = workers.prefill(ROOMY, fault_delay_before_copy_s=LONG_DELAY_S, **timers)
+    d = workers.decode(ep, ROOMY, worker_id="survivor", **timers)
+    free0 = _ready(d)["free"]
+    inc1 = decode_stats(d)["prefill_incarnation"]
+    t_submit = time.monotonic()
+    start_batch(d, [300, 200, 129], concurrency=3, deadline_s=1.0)
+    wait_transferring(p1, "survivor", jobs=3)
+    t_stop = kill(p1, signal.SIGSTOP)  # it can no longer answer the decode's aborts
+    assert t_stop - t_submit < 1.0, "too slow to freeze the prefill before the deadline"
+    quarantined, done_q, _ = collect_batch(d)
+    for r in quarantined:
+        _specific(r, "TransferFailed", "deadline exceeded")
+    assert leaked(free0, done_q["free"]) > 0, "deadline-failed requests in flight must stay quarantined"
+    kill(p1)
+    wait_decode(d, "the quarantine released", lambda s: s["free"] == free0 and s["quarantined"] == 0,
+                timeout_s + 10)
+    detect_q = time.monotonic() - t_stop  # the prefill fell silent when it was frozen
+    assert detect_q <= timeout_s + DETECT_SLACK_S, detect_q
+    tally("decode quarantine, prefill dies", quarantined, 0, detect_q,
+          f"pages held until the prefill is gone ({timeout_s:.0f} s timeout)")
+
+    # 2. A prefill killed with requests in flight: the decode fails them all at the timeout.
+    p2, ep2 = workers.prefill(ROOMY, bind=ep, fault_delay_before_copy_s=LONG_DELAY_S, **timers)
+    assert ep2 == ep
+    s = wait_decode(d, "a handshake with the restarted prefill", lambda s: s["peer_state"] == "accepted")
+    inc2 = s["prefill_incarnation"]
+    assert inc2 != inc1
+    start_batch(d, LENGTHS, concurrency=len(LENGTHS))
+    wait_transferring(p2, "survivor", jobs=len(LENGTHS))
+    t_kill = kill(p2)
+    results, done, t_done = collect_batch(d)
+    detect_s = t_done - t_kill
+    for r in results:
+        _specific(r, "PeerGone", f"prefill gone: no heartbeat for {timeout_s:.1f} s")
+    assert done["free"] == free0
+    assert detect_s <= timeout_s + DETECT_SLACK_S, detect_s
+
+    # 3. The same endpoint comes back: a new handshake, verified transfers, nothing leaked.
+    p3, _ = workers.prefill(ROOMY, bind=ep, **timers)
+    p_free = prefill_requests(p3)["free"]
+    s = wait_decode(d, "a handshake with the third prefill", lambda s: s["peer_state"] == "accepted")
+    assert s["prefill_incarnation"] not in (inc1, inc2)
+    after, done = run_batch(d, AFTER, concurrency=2)
+    assert_all_verified(after, AFTER)
+    assert done["free"] == free0 and prefill_requests(p3)["free"] == p_free
+    tally("prefill SIGKILL mid-transfer", results + after, leaked(free0, done["free"]), detect_s,
+          f"decode: PeerGone ({timeout_s:.0f} s timeout); same endpoint re-handshaken")
+
+
+def test_prefill_restarted_while_decode_runs(workers):
+    """A quick restart on the same endpoint, before the heartbeat timeout: the new prefill does not
+    know the decode, says so, and the decode re-registers at once."""
+    slow = {**FAULT, "peer_timeout_s": 5.0}
+    p1, ep = workers.prefill(ROOMY, fault_delay_before_copy_s=LONG_DELAY_S, **slow)
+    d = workers.decode(ep, ROOMY, worker_id="runner", **slow)
+    free0 = _ready(d)["free"]
+    inc1 = decode_stats(d)["prefill_incarnation"]
+    start_batch(d, LENGTHS, concurrency=len(LENGTHS))
+    wait_transferring(p1, "runner", jobs=len(LENGTHS))
+    t_kill = kill(p1)
+    p2, _ = workers.prefill(ROOMY, bind=ep, **slow)
+    p_free = prefill_requests(p2)["free"]
+    results, done, t_done = collect_batch(d)
+    detect_s = t_done - t_kill
+    for r in results:
+        _specific(r, "PeerGone", "prefill forgot this decode (restarted or timed it out)")
+    assert done["free"] == free0
+    assert detect_s < 5.0, detect_s  # well before the 5 s heartbeat timeout
+    s = wait_decode(d, "a handshake with the new prefill", lambda s: s["peer_state"] == "accepted")
+    assert s["prefill_incarnation"] != inc1
+    after, done = run_batch(d, AFTER, concurrency=2)
+    assert_all_verified(after, AFTER)
+    assert done["free"] == free0 and prefill_requests(p2)["free"] == p_free
+    assert peer_record(p2, "runner")["state"] == "accepted"
+    tally("prefill restarted (same endpoint)", results + after, leaked(free0, done["free"]), detect_s,
+          "decode: 'prefill forgot this decode'")
+
+
+def test_prefill_frozen_past_timeout_then_thawed(workers):
+    p, ep = workers.prefill(ROOMY, fault_delay_before_copy_s=LONG_DELAY_S, **FAULT)
+    p_free = prefill_requests(p)["free"]
+    d = workers.decode(ep, ROOMY, worker_id="patient", **FAULT)
+    free0 = _ready(d)["free"]
+    inc = decode_stats(d)["prefill_incarnation"]
+    lengths = LENGTHS[:3]
+    start_batch(d, lengths, concurrency=len(lengths))
+    wait_transferring(p, "patient", jobs=len(lengths))
+    t_stop = kill(p, signal.SIGSTOP)
+    try:
+        results, done, t_done = collect_batch(d)
+        detect_s = t_done - t_stop
+        for r in results:
+            _specific(r, "PeerGone", f"prefill gone: no heartbeat for {PEER_TIMEOUT_S:.1f} s")
+        assert done["free"] == free0
+        assert detect_s <= PEER_TIMEOUT_S + DETECT_SLACK_S, detect_s
+    finally:
+        kill(p, signal.SIGCONT)
+    # thawed: the prefill ends the abandoned requests (the decode registered again), and the
+    # decode is accepted again by the same incarnation
+    records, free = wait_prefill_settled(p, "patient", len(lengths), timeout_s=10)
+    for rec in records:
+        assert rec["status"] == "failed" and rec["error"]["type"] in ("TransferFailed", "PeerGone"), rec
+        assert ("registered again" in rec["error"]["message"] or rec["error"]["message"].startswith("peer gone")), rec
+    assert {r["room"] for r in records} == {r["room"] for r in results}
+    assert free == p_free
+    s = wait_decode(d, "the decode accepted again", lambda s: s["peer_state"] == "accepted")
+    assert s["prefill_incarnation"] == inc
+    set_fault_delay(p, 0.0)
+    after, done = run_batch(d, AFTER, concurrency=2)
+    assert_all_verified(after, AFTER)
+    assert done["free"] == free0 and prefill_requests(p)["free"] == p_free
+    tally("prefill SIGSTOP > timeout, SIGCONT", results + after, leaked(free0, done["free"]), detect_s,
+          "both sides failed the frozen requests")
+
+
+def test_decode_frozen_past_timeout_then_thawed(workers):
+    p, ep = workers.prefill(ROOMY, fault_delay_before_copy_s=LONG_DELAY_S, **FAULT)
+    p_free = prefill_requests(p)["free"]
+    d = workers.decode(ep, ROOMY, worker_id="sleeper", **FAULT)
+    free0 = _ready(d)["free"]
+    lengths = LENGTHS[:3]
+    start_batch(d, lengths, concurrency=len(lengths))
+    wait_transferring(p, "sleeper", jobs=len(lengths))
+    t_stop = kill(d, signal.SIGSTOP)
+    try:
+        records, free = wait_prefill_settled(p, "sleeper", len(lengths), timeout_s=PEER_TIMEOUT_S + 10)
+        detect_s = time.monotonic() - t_stop
+        for rec in records:
+            _specific(rec, "PeerGone", f"peer gone: no heartbeat for {PEER_TIMEOUT_S:.1f} s")
+        assert free == p_free
+        assert detect_s <= PEER_TIMEOUT_S + DETECT_SLACK_S, detect_s
+        assert peer_record(p, "sleeper")["state"] == "gone"
+    finally:
+        kill(d, signal.SIGCONT)
+    results, done, _ = collect_batch(d)
+    for r in results:  # the prefill's reason, or the decode's own (it heard nothing while frozen)
+        assert r["status"] == "failed" and r["error"]["type"] == "PeerGone", r
+    assert {r["room"] for r in results} == {r["room"] for r in records}
+    assert done["free"] == free0
+    wait_decode(d, "the thawed decode accepted again", lambda s: s["peer_state"] == "accepted")
+    peer_record(p, "sleeper", "accepted")
+    set_fault_delay(p, 0.0)
+    after, done = run_batch(d, AFTER, concurrency=2)
+    assert_all_verified(after, AFTER)
+    assert done["free"] == free0 and prefill_requests(p)["free"] == p_free
+    tally("decode SIGSTOP > timeout, SIGCONT", records + after, leaked(p_free, free), detect_s,
+          "prefill: PeerGone; decode re-registers")
+
+
+def test_engine_failure_on_one_request_in_process():
+    """The loopback engine (in-process only) fails the 2nd copy after writing part of it, and
+    times out another: those requests fail with the engine's words on both sides; the others
+    verify; engine errors are counted by class (``TransferTimedOut`` is an ``EngineError``)."""
+    fail = ScriptedFailure(nth_submit=2, after_bytes=4096, message="scripted loopback failure: link down")
+    po = options("prefill", ROOMY, "loopback", engine_options={"failures": [fail]}, **FAULT)
+    with PrefillWorker(po) as p, DecodeWorker(options("decode", ROOMY, "loopback", peer=p.endpoint, **FAULT)) as d:
+        d.wait_ready(10)
+        free_d, free_p = d.free_counts(), p.free_counts()
+        results = [d.transfer(n, deadline_s=10) for n in (300, 300, 1000)]
+        assert [r.status for r in results] == ["success", "failed", "success"]
+        assert results[0].verified and results[2].verified and not results[1].verified
+        assert results[1].error.model_dump() == {"type": "EngineError", "message": fail.message}
+        rec = [f for f in p.finished_records() if f["room"] == results[1].room]
+        assert rec and rec[0]["status"] == "failed" and rec[0]["error"] == results[1].error.model_dump()
+        assert p.stats.engine_errors == 1
+        # an engine timeout: the copy takes longer than the request's deadline
+        p.engine.delay_s = 2.0
+        t0 = time.monotonic()
+        late = d.transfer(300, deadline_s=0.3)
+        assert late.status == "failed" and not late.verified
+        assert late.error.message == "deadline exceeded" or late.error.type == "TransferTimedOut", late.error
+        wait_until("the prefill's record of the timed-out copy",
+                   lambda: [f for f in p.finished_records() if f["room"] == late.room], 5)
+        rec = [f for f in p.finished_records() if f["room"] == late.room][0]
+        assert rec["error"]["type"] == "TransferTimedOut" and "timed out" in rec["error"]["message"], rec
+        assert p.stats.engine_errors == 2  # counted by exception class, not by type-name prefix
+        wait_until("the decode's quarantine released", lambda: d.free_counts() == free_d and not d.quarantine, 5)
+        detect_s = time.monotonic() - t0
+        p.engine.delay_s = 0.0
+        ok = d.transfer(640, deadline_s=10)
+        assert ok.status == "success" and ok.verified
+        assert d.free_counts() == free_d and p.free_counts() == free_p
+        outs = [r.as_dict() for r in results + [late, ok]]
+    tally("engine failure injected (loopback)", outs, 0, detect_s, "EngineError + TransferTimedOut")
+
+
+@pytest.mark.mooncake
+def test_mooncake_session_torn_down(workers):
+    """The decode's Mooncake session dies (process killed) while the prefill is about to write
+    into it: the write fails in the engine, the request fails with the engine's code on the
+    prefill, counted as an engine error; a new decode session is served."""
+    require_engine("mooncake")
+    p, ep = workers.prefill(ROOMY, engine="mooncake", fault_delay_before_copy_s=0.8, **FAULT)
+    p_free = prefill_requests(p)["free"]
+    d = workers.decode(ep, ROOMY, engine="mooncake", worker_id="mc-victim", **FAULT)
+    _ready(d)
+    start_batch(d, [300, 300], concurrency=2)
+    wait_transferring(p, "mc-victim", jobs=2)
+    t_kill = kill(d)
+    records, free = wait_prefill_settled(p, "mc-victim", 2, timeout_s=PEER_TIMEOUT_S + 15)
+    detect_s = time.monotonic() - t_kill
+    engine_failures = [r for r in records if r["error"]["type"] == "NativeEngineError"]
+    assert engine_failures, records
+    assert "mooncake batch_transfer_sync_write" in engine_failures[0]["error"]["message"]
+    for r in records:
+        assert r["status"] == "failed" and r["error"]["type"] in ("NativeEngineError", "PeerGone"), r
+    assert free == p_free
+    stats = p.command({"cmd": "stats"}, "stats")["stats"]
+    assert stats["engine_errors"] == len(engine_failures)
+    set_fault_delay(p, 0.0)
+    d2 = workers.decode(ep, ROOMY, engine="mooncake", worker_id="mc-victim", **FAULT)
+    ready = _ready(d2)
+    after, done = run_batch(d2, AFTER, concurrency=2)
+    assert_all_verified(after, AFTER)
+    assert done["free"] == ready["free"] and prefill_requests(p)["free"] == p_free
+    tally("mooncake session torn down", records + after, leaked(p_free, free), detect_s,
+          f"{len(engine_failures)} NativeEngineError")
