@@ -67,7 +67,9 @@ def cmd_bench(args) -> int:
     from pathlib import Path
 
     from pdstate import bench
+    from pdstate.runtime.common import tune_interpreter
 
+    tune_interpreter()
     say = (lambda *a: None) if args.json else (lambda m: print(m, flush=True))
     r = bench.run_bench(args.quick, args.engines.split(","), args.modes.split(","), progress=say)
     files = bench.write_outputs(r, Path(args.out))

@@ -159,6 +159,9 @@ def serve(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> int:
 
 
 def main() -> int:
+    from pdstate.runtime.common import tune_interpreter
+
+    tune_interpreter()
     opts = options_from_json(sys.stdin.readline())
     return serve(opts, sys.stdin, _emit_stdout)
 

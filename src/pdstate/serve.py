@@ -215,6 +215,9 @@ def _emit(obj: dict) -> None:
 
 
 def cmd_serve(args) -> int:
+    from pdstate.runtime.common import tune_interpreter
+
+    tune_interpreter()
     from pdstate.config import load_config
 
     cfg = load_config(args.config, args.set)  # ConfigError -> exit 2 in cli.main

@@ -123,6 +123,18 @@ def settle(fut: Future, result: Any = None, exc: BaseException | None = None) ->
     return True
 
 
+# A worker runs a control thread and a transfer thread that hand work to each other; with the
+# interpreter's default 5 ms switch interval a hand-off can wait that long behind a thread holding
+# the GIL in a numpy loop. The edges (procs, serve, bench) call this once at start.
+CONTROL_SWITCH_INTERVAL_S = 0.0005
+
+
+def tune_interpreter() -> None:
+    import sys
+
+    sys.setswitchinterval(CONTROL_SWITCH_INTERVAL_S)
+
+
 def new_incarnation() -> str:
     return secrets.token_hex(8)
 

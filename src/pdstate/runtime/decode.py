@@ -186,6 +186,14 @@ class DecodeWorker:
         self._commands.put(("reregister",))
         self._wake()
 
+    def rehandshake(self, timeout_s: float = 30.0) -> float:
+        """Register again and wait for the answer; returns the handshake's seconds (or raises the
+        refusal). Used by operators after fixing a prefill, and by the benchmark."""
+        self._answered.clear()
+        self.reregister()
+        self.wait_ready(timeout_s)
+        return self.handshake_s
+
     def free_counts(self) -> dict[str, int]:
         return rq.free_counts(self.pools)
 
