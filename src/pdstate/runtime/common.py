@@ -189,3 +189,47 @@ def error_info(exc: BaseException) -> ErrorInfo:
 
 
 now = time.monotonic
+
+
+class WorkerBase:
+    """What both workers share: their side (pools, report, KVArgs, engine), its release, ``with``.
+
+    Subclasses set ``self.opts`` and implement ``start()`` / ``stop()``.
+    """
+
+    opts: WorkerOptions
+
+    def _open_side(self) -> None:
+        """Pools, report and local check, then the engine with the pools' regions registered.
+
+        Raises ``LocalCheckFailed`` when this side's own pair is refused and ``local_checks`` is on.
+        """
+        from pdstate.engines.base import create_engine
+
+        self.pools, self.report, self.kv_args, self.local_error = build_side(self.opts)
+        if self.local_error is not None and self.opts.local_checks:
+            raise LocalCheckFailed(str(self.local_error)) from self.local_error
+        self.engine = create_engine(self.opts.engine, **self.opts.engine_options)
+        self.engine.start()
+        self.engine.register(self.pools.memory.regions())
+
+    def _close_side(self) -> None:
+        """Close the engine, then the pools (removing shm segments); tolerant of a partial start."""
+        for name in ("engine", "pools"):
+            obj = getattr(self, name, None)
+            if obj is not None:
+                try:
+                    obj.close()
+                except Exception:  # keep releasing the rest; the first error is what matters
+                    log.warning("closing %s failed", name, exc_info=True)
+
+    def free_counts(self) -> dict[str, int]:
+        from pdstate.runtime import requests as rq
+
+        return rq.free_counts(self.pools)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

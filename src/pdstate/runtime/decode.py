@@ -25,13 +25,12 @@ from dataclasses import dataclass, field
 import zmq
 
 from pdstate import wire
-from pdstate.engines.base import create_engine
 from pdstate.errors import AllocationError, AuthError, PdStateError, ProtocolError, VersionMismatch, error_from_wire
 from pdstate.handshake import DecodeHandshake, PeerState, RequestState, advance
 from pdstate.layout import ErrorInfo
 from pdstate.runtime import requests as rq
 from pdstate.runtime import synth
-from pdstate.runtime.common import LocalCheckFailed, Stats, WorkerOptions, build_side, local_side, log, new_incarnation, now, settle
+from pdstate.runtime.common import Stats, WorkerBase, WorkerOptions, local_side, log, new_incarnation, now, settle
 from pdstate.runtime.control import ControlClient
 
 MAX_FINISHED = 10000  # results kept for ``/v1/transfers/{room}`` (oldest dropped first)
@@ -73,7 +72,7 @@ class Request:
     result: TransferResult | None = None
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerBase):
     def __init__(self, opts: WorkerOptions) -> None:
         self.opts = opts
         self.worker_id = opts.worker_id or f"decode-{secrets.token_hex(3)}"
@@ -106,15 +105,10 @@ class DecodeWorker:
         whatever was built before the failure is released first (no segment outlives it).
         """
         try:
-            self.pools, self.report, self.kv_args, self.local_error = build_side(self.opts)
-            if self.local_error is not None and self.opts.local_checks:
-                raise LocalCheckFailed(str(self.local_error)) from self.local_error
-            self.engine = create_engine(self.opts.engine, **self.opts.engine_options)
-            self.engine.start()
-            self.engine.register(self.pools.memory.regions())
+            self._open_side()
             endpoint = self.engine.endpoint()
         except BaseException:
-            self._release()
+            self._close_side()
             raise
         self.local = local_side(self.opts, self.worker_id, self.incarnation, self.report, self.kv_args, endpoint)
         self.handshake = DecodeHandshake(self.local)
@@ -129,16 +123,6 @@ class DecodeWorker:
         self._thread = threading.Thread(target=self._control_loop, name="pdstate-decode-control", daemon=True)
         self._thread.start()
         return self
-
-    def _release(self) -> None:
-        """Close what a failed ``start`` built: the engine, then the pools (shm segments)."""
-        for name in ("engine", "pools"):
-            obj = getattr(self, name, None)
-            if obj is not None:
-                try:
-                    obj.close()
-                except Exception:  # keep releasing the rest; the start error is what matters
-                    log.warning("closing %s after a failed start", name, exc_info=True)
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         """Block until the handshake is answered; raises the refusal, or ``TimeoutError``."""
@@ -155,16 +139,7 @@ class DecodeWorker:
             with self._wake_lock:
                 os.close(self._wake_w)
                 self._wake_w = -1
-        try:
-            self.engine.close()
-        finally:
-            self.pools.close()
-
-    def __enter__(self) -> "DecodeWorker":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        self._close_side()
 
     @property
     def ready(self) -> bool:
@@ -193,9 +168,6 @@ class DecodeWorker:
         self.reregister()
         self.wait_ready(timeout_s)
         return self.handshake_s
-
-    def free_counts(self) -> dict[str, int]:
-        return rq.free_counts(self.pools)
 
     def snapshot(self) -> dict:
         """Peer state and request bookkeeping, for status commands (read from any thread)."""

@@ -28,14 +28,13 @@ import msgpack
 import zmq
 
 from pdstate import wire
-from pdstate.engines.base import create_engine
 from pdstate.errors import AllocationError, AuthError, EngineError, PdStateError, PeerGone, ProtocolError, VersionMismatch
 from pdstate.handshake import PeerState, PrefillHandshake, RequestState, advance
 from pdstate.layout import ErrorInfo
 from pdstate.planner import TransferPlan, plan_request
 from pdstate.runtime import requests as rq
 from pdstate.runtime import synth
-from pdstate.runtime.common import LocalCheckFailed, Stats, WorkerOptions, build_side, local_side, log, new_incarnation, now
+from pdstate.runtime.common import Stats, WorkerBase, WorkerOptions, local_side, log, new_incarnation, now
 from pdstate.runtime.control import ControlServer
 
 MAX_FINISHED = 10000  # terminal records kept for inspection (oldest dropped first)
@@ -81,7 +80,7 @@ class JobOutcome:
     copy_s: float
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerBase):
     def __init__(self, opts: WorkerOptions) -> None:
         self.opts = opts
         self.worker_id = opts.worker_id or "prefill"
@@ -114,6 +113,7 @@ class PrefillWorker:
             self._build()
         except BaseException:
             self._release()
+            self._close_side()
             raise
         for target, name in ((self._control_loop, "pdstate-prefill-control"), (self._transfer_loop, "pdstate-prefill-transfer")):
             t = threading.Thread(target=target, name=name, daemon=True)
@@ -124,12 +124,7 @@ class PrefillWorker:
         return self
 
     def _build(self) -> None:
-        self.pools, self.report, self.kv_args, self.local_error = build_side(self.opts)
-        if self.local_error is not None and self.opts.local_checks:
-            raise LocalCheckFailed(str(self.local_error)) from self.local_error
-        self.engine = create_engine(self.opts.engine, **self.opts.engine_options)
-        self.engine.start()
-        self.engine.register(self.pools.memory.regions())
+        self._open_side()
         # The prefill initiates every write: the decode never addresses it, so it publishes no regions.
         self.local = local_side(self.opts, self.worker_id, self.incarnation, self.report, self.kv_args, {})
         self.handshake = PrefillHandshake(self.local)
@@ -142,7 +137,7 @@ class PrefillWorker:
         self._results_pull.bind(self._results_addr)
 
     def _release(self) -> None:
-        """Close what ``_build`` got to (a failed start): sockets, engine, pools (shm segments)."""
+        """Close the sockets ``_build`` got to (a failed start)."""
         pull = getattr(self, "_results_pull", None)
         if pull is not None:
             pull.close(0)
@@ -150,13 +145,6 @@ class PrefillWorker:
         if server is not None:
             server.close()
         self.endpoint = ""
-        for name in ("engine", "pools"):
-            obj = getattr(self, name, None)
-            if obj is not None:
-                try:
-                    obj.close()
-                except Exception:  # keep releasing the rest; the start error is what matters
-                    log.warning("closing %s after a failed start", name, exc_info=True)
 
     def stop(self) -> None:
         self._stop.set()
@@ -165,16 +153,7 @@ class PrefillWorker:
             job.cancel_event.set()
         for t in self._threads:
             t.join(timeout=10)
-        try:
-            self.engine.close()
-        finally:
-            self.pools.close()
-
-    def __enter__(self) -> "PrefillWorker":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        self._close_side()
 
     # -- status (read by the API) -------------------------------------------------------------
     def peer_states(self) -> list[dict]:
@@ -183,9 +162,6 @@ class PrefillWorker:
              "error": None if p.error is None else p.error.model_dump()}
             for p in list(self.peers.values())
         ]
-
-    def free_counts(self) -> dict[str, int]:
-        return rq.free_counts(self.pools)
 
     def jobs_snapshot(self) -> list[dict]:
         """The requests in flight: room, decode worker id, lifecycle state, cancellation."""
