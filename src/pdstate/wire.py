@@ -277,3 +277,13 @@ def decode(frame: bytes, token: bytes | None = None, max_frame_bytes: int = MAX_
 def json_schemas() -> dict[str, dict]:
     """JSON Schema of every message, keyed by kind (exported to ``proto/schema``)."""
     return {kind: cls.model_json_schema() for kind, cls in MESSAGES.items()}
+
+
+def envelope_kind(frame: bytes) -> str | None:
+    """The ``kind`` of a frame whose envelope decoded (used after a version mismatch)."""
+    try:
+        env = msgpack.unpackb(frame, raw=False, max_bin_len=MAX_FRAME_BYTES)
+    except Exception:
+        return None
+    kind = env.get("kind") if isinstance(env, dict) else None
+    return kind if isinstance(kind, str) else None

@@ -22,9 +22,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
-import msgpack
 import zmq
 
 from pdstate import wire
@@ -35,49 +33,11 @@ from pdstate.planner import TransferPlan, plan_request
 from pdstate.runtime import requests as rq
 from pdstate.runtime import synth
 from pdstate.runtime.common import Stats, WorkerBase, WorkerOptions, local_side, log, new_incarnation, now
+from pdstate.runtime.records import Job, JobOutcome, Peer
 from pdstate.runtime.control import ControlServer
 
 MAX_FINISHED = 10000  # terminal records kept for inspection (oldest dropped first)
 MAX_IDLE_PEERS = 256  # rejected/gone peer records kept (accepted ones are always kept)
-
-
-@dataclass
-class Peer:
-    identity: bytes
-    worker_id: str
-    incarnation: str
-    state: PeerState
-    error: ErrorInfo | None = None
-    kv: wire.KVDesc | None = None
-    engine_peer: str | None = None
-    last_seen: float = 0.0
-
-
-@dataclass
-class Job:
-    peer: bytes
-    room: int
-    seq_len: int
-    alloc: rq.Allocation
-    plan: TransferPlan
-    deadline: float
-    worker_id: str = ""
-    state: RequestState = RequestState.BOOTSTRAPPING
-    cancelled: ErrorInfo | None = None  # why, once cancelled
-    cancel_event: threading.Event = field(default_factory=threading.Event)
-    started: float = field(default_factory=now)
-
-
-@dataclass(frozen=True)
-class JobOutcome:
-    """What the transfer thread reports for a job (through the inproc socket)."""
-
-    peer: bytes
-    room: int
-    error: ErrorInfo | None
-    engine_failed: bool  # the error came from the transfer engine (any ``EngineError``)
-    compute_s: float
-    copy_s: float
 
 
 class PrefillWorker(WorkerBase):
@@ -221,7 +181,7 @@ class PrefillWorker(WorkerBase):
             msg = wire.decode(frame, self.opts.token)
         except (ProtocolError, AuthError) as exc:
             self.stats.protocol_errors += 1
-            if isinstance(exc, VersionMismatch) and _envelope_kind(frame) == wire.Register.KIND:
+            if isinstance(exc, VersionMismatch) and wire.envelope_kind(frame) == wire.Register.KIND:
                 # A decode speaking another protocol version: refuse its handshake (PROTOCOL.md),
                 # naming both versions, so it raises VersionMismatch and stays down, not ready.
                 self.stats.handshakes["rejected"] += 1
@@ -501,13 +461,3 @@ class PrefillWorker(WorkerBase):
             except Exception as exc:  # engine failures of every kind end the request
                 error, engine_failed = ErrorInfo.of(exc), isinstance(exc, EngineError)
         return JobOutcome(job.peer, job.room, error, engine_failed, compute_s, copy_s)
-
-
-def _envelope_kind(frame: bytes) -> str | None:
-    """The ``kind`` of a frame whose envelope decoded (used after a version mismatch)."""
-    try:
-        env = msgpack.unpackb(frame, raw=False, max_bin_len=wire.MAX_FRAME_BYTES)
-    except Exception:
-        return None
-    kind = env.get("kind") if isinstance(env, dict) else None
-    return kind if isinstance(kind, str) else None
