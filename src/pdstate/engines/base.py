@@ -237,6 +237,23 @@ class TransferEngine(ABC):
         return peer_id
 
     @_locked
+    def disconnect(self, peer_id: str) -> bool:
+        """Release one peer's native state (shm mappings, remote agent metadata).
+
+        The caller must no longer wait on transfers to it; a later ``submit`` to the id raises
+        ``UnknownPeer``. Returns False for an id that is not connected.
+        """
+        peer = self._peers.pop(peer_id, None)
+        if peer is None:
+            return False
+        self._disconnect(peer)
+        return True
+
+    @property
+    def num_peers(self) -> int:
+        return len(self._peers)
+
+    @_locked
     def submit(self, peer_id: str, plan: TransferPlan, notify: bytes = b"") -> TransferHandle:
         """Validate the whole plan, then start writing it to the peer.
 

@@ -60,6 +60,7 @@ class PrefillWorker(WorkerBase):
         # Makes "not cancelled? then TRANSFERRING" (transfer thread) and "cancel; still queued?"
         # (control thread) atomic, so a queued job can be failed at once, before its turn.
         self._claim = threading.Lock()
+        self._detached: set[str] = set()  # engine peers of gone decodes, released when idle
         self._threads: list[threading.Thread] = []
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -311,7 +312,8 @@ class PrefillWorker(WorkerBase):
             rq.free(self.pools, alloc)
             self._refuse(identity, peer, msg.room, exc)
             return
-        job = Job(identity, msg.room, msg.seq_len, alloc, plan, now() + msg.deadline_s, worker_id=peer.worker_id)
+        job = Job(identity, msg.room, msg.seq_len, alloc, plan, now() + msg.deadline_s, worker_id=peer.worker_id,
+                  engine_peer=peer.engine_peer)
         job.state = advance(job.state, RequestState.WAITING_FOR_INPUT)
         self.jobs[key] = job
         self.peak_in_flight = max(self.peak_in_flight, len(self.jobs))
@@ -404,12 +406,32 @@ class PrefillWorker(WorkerBase):
 
     def _drop_peer(self, peer: Peer, reason: str) -> None:
         peer.state = PeerState.GONE
+        if peer.engine_peer is not None:
+            self._detached.add(peer.engine_peer)
         for (ident, _), job in list(self.jobs.items()):
             if ident == peer.identity:
                 self._cancel(job, f"peer gone: {reason}", PeerGone.__name__)
 
+    def _detach_engine_peers(self) -> None:
+        """Release the engine state (shm mappings, remote agents) of gone peers once no job can
+        still use it and no accepted peer reconnected to the same engine."""
+        if not self._detached:
+            return
+        in_use = {p.engine_peer for p in self.peers.values() if p.state == PeerState.ACCEPTED}
+        busy = {job.engine_peer for job in self.jobs.values()}
+        for eid in list(self._detached):
+            if eid in in_use:
+                self._detached.discard(eid)  # the same decode engine came back: keep it
+            elif eid not in busy:
+                self._detached.discard(eid)
+                try:
+                    self.engine.disconnect(eid)
+                except Exception:
+                    log.warning("releasing engine peer %s failed", eid, exc_info=True)
+
     def _timers(self) -> None:
         t = now()
+        self._detach_engine_peers()
         for peer in list(self.peers.values()):
             if peer.state == PeerState.ACCEPTED and t - peer.last_seen > self.opts.peer_timeout_s:
                 log.warning("decode %s gone: no message for %.1f s", peer.worker_id, t - peer.last_seen)

@@ -34,6 +34,7 @@ class Job:
     plan: TransferPlan
     deadline: float
     worker_id: str = ""
+    engine_peer: str | None = None  # the engine peer its copy targets (kept until the job ends)
     state: RequestState = RequestState.BOOTSTRAPPING
     cancelled: ErrorInfo | None = None  # why, once cancelled
     cancel_event: threading.Event = field(default_factory=threading.Event)
