@@ -206,8 +206,14 @@ def setup_state_kv_args(
 def fill_kv_args(
     token_to_kv_pool: DeepSeekV4TokenToKVPool,
     draft_token_to_kv_pool: object | None = None,
+    *,
+    check: bool = True,
 ) -> KVArgs:
-    """A complete ``KVArgs`` for a worker: main KV channel, page size, dtype, then state components."""
+    """A complete ``KVArgs`` for a worker: main KV channel, page size, dtype, then state components.
+
+    ``check=False`` describes the components without the five draft checks (a worker configured
+    not to verify its own pair still registers its buffers, as upstream would have).
+    """
     kv_args = KVArgs()
     kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = token_to_kv_pool.get_contiguous_buf_infos()
     kv_args.page_size = token_to_kv_pool.page_size
@@ -215,4 +221,8 @@ def fill_kv_args(
     kv_args.mla_compression_ratios = list(token_to_kv_pool.compression_ratios)
     kv_args.prefill_start_layer = token_to_kv_pool._stage_start
     kv_args.prefill_end_layer = token_to_kv_pool._stage_end
-    return setup_state_kv_args(kv_args, token_to_kv_pool, draft_token_to_kv_pool)
+    if check:
+        return setup_state_kv_args(kv_args, token_to_kv_pool, draft_token_to_kv_pool)
+    for state_type, infos in state_components(token_to_kv_pool, draft_token_to_kv_pool, check=False):
+        append_state_component(kv_args, state_type, *infos)
+    return kv_args

@@ -12,26 +12,14 @@ import pytest
 from pdstate import compat, errors as e
 from pdstate.layout import LayoutReport, build_report
 from pdstate.pools.dsv4 import DeepSeekV4TokenToKVPool
-from pdstate.presets import PoolSettings, build_worker_pools, pool_kwargs, preset
+from pdstate.presets import build_worker_pools, pool_kwargs
+from tests.unit.reports import TINY, _KEEP, report_of, tiny
 
-TINY = preset("tiny")
-_KEEP = []
 
 MAPPING = "DSV4 target and draft pools must share the SWA index mapping"
 SWA_ONLY = "DSV4 draft state transfer expects SWA-only NextN layers"
 UNIFIED = "DSV4 target and draft pools must use the same unified-KV mode"
 MISSING = "'DeepSeekV4TokenToKVPool' object has no attribute 'full_to_swa_index_mapping'"
-
-
-@functools.lru_cache(maxsize=None)
-def report_of(settings: PoolSettings) -> LayoutReport:
-    pools = build_worker_pools(settings)
-    _KEEP.append(pools)
-    return build_report(pools.target, pools.draft)[0]
-
-
-def tiny(**changes) -> LayoutReport:
-    return report_of(TINY.with_(**changes))
 
 
 @functools.lru_cache(maxsize=None)

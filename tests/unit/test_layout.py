@@ -2,29 +2,15 @@
 
 from __future__ import annotations
 
-import functools
-
 import msgpack
 import pytest
 
 from pdstate import layout
 from pdstate.layout import FACTOR_NAMES, LayoutReport, build_report, diff, fingerprint
 from pdstate.pools.dsv4 import DeepSeekV4TokenToKVPool
-from pdstate.presets import PoolSettings, build_worker_pools, pool_kwargs, preset
+from pdstate.presets import build_worker_pools, pool_kwargs
+from tests.unit.reports import TINY, _KEEP, tiny
 
-TINY = preset("tiny")
-_KEEP = []  # pools stay alive for the whole session (reports hold their pointers)
-
-
-@functools.lru_cache(maxsize=None)
-def report_of(settings: PoolSettings) -> LayoutReport:
-    pools = build_worker_pools(settings)
-    _KEEP.append(pools)
-    return build_report(pools.target, pools.draft)[0]
-
-
-def tiny(**changes) -> LayoutReport:
-    return report_of(TINY.with_(**changes))
 
 
 def report_with_target_kwargs(**kw) -> LayoutReport:

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from pdstate import wire
-from pdstate.errors import DraftMappingMissing
+from pdstate.errors import error_from_wire
+from pdstate.kvargs import fill_kv_args
 from pdstate.handshake import LocalSide
 from pdstate.layout import ErrorInfo, LayoutReport, build_report
 from pdstate.pools.memory import PrivateMemory, SharedMemory, sweep_stale_segments
-from pdstate.presets import PoolSettings, WorkerPools, build_worker_pools
+from pdstate.presets import PoolSettings, build_worker_pools
 
 log = logging.getLogger("pdstate")
 
@@ -154,21 +155,9 @@ def build_side(opts: WorkerOptions):
     report, kv_args = build_report(pools.target, pools.draft)
     err = None
     if not report.local_check.ok:
-        from pdstate.errors import error_from_wire
-
         err = error_from_wire(report.local_check.error.type, report.local_check.error.message)
-        if isinstance(err, DraftMappingMissing):
-            err = DraftMappingMissing(report.local_check.error.message)
-    if kv_args is None and not opts.local_checks:
-        # A side that does not verify its own pair still registers its buffers (as upstream
-        # would have, had it not checked): describe them without the checks.
-        from pdstate.kvargs import KVArgs, append_state_component, state_components
-
-        kv_args = KVArgs()
-        kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = pools.target.get_contiguous_buf_infos()
-        kv_args.page_size = pools.target.page_size
-        for st, infos in state_components(pools.target, pools.draft, check=False):
-            append_state_component(kv_args, st, *infos)
+        if kv_args is None and not opts.local_checks:
+            kv_args = fill_kv_args(pools.target, pools.draft, check=False)
     return pools, report, kv_args, err
 
 
