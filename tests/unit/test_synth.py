@@ -70,3 +70,33 @@ def test_bases_differ_per_room_channel_buffer_position():
     assert not np.array_equal(a, synth.item_bases(2, 0, 0, 4))
     assert not np.array_equal(a, synth.item_bases(1, 1, 0, 4))
     assert not np.array_equal(a, synth.item_bases(1, 0, 1, 4))
+
+
+def test_channel_bases_match_the_per_buffer_definition():
+    for room in (0, 1, 2**63 - 1, 123456789):
+        m = synth.channel_bases(room, 3, 5, 7)
+        assert m.shape == (5, 7)
+        for j in range(5):
+            assert np.array_equal(m[j], synth.item_bases(room, 3, j, 7)), (room, j)
+
+
+def test_damage_deep_in_a_request_is_located():
+    src, dst, skv, dkv = pair_ = _pair_tiny()
+    a, b, _ = _transfer(pair_, 1000, room=9)
+    try:
+        idx = b.lists[0]
+        assert idx.size >= 2 and len(dkv.kv_data_ptrs) >= 3
+        item = dkv.kv_item_lens[2]
+        words = synth.words_view(dkv.kv_data_ptrs[2] + int(idx[1]) * item, item)
+        words[-1] += np.uint64(1)  # the last word of item 1 of buffer 2
+        assert synth.verify_destination(dkv, 9, b.lists) == (
+            f"channel 0 (main_kv) buffer 2: item 1 (index {int(idx[1])}) "
+            "holds other content (stale, misplaced or partially written)")
+    finally:
+        rq.free(src, a), rq.free(dst, b)
+
+
+def _pair_tiny():
+    s = preset("tiny")
+    src, dst = build_worker_pools(s), build_worker_pools(s)
+    return src, dst, fill_kv_args(src.target, src.draft), fill_kv_args(dst.target, dst.draft)

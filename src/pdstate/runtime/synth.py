@@ -38,8 +38,17 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def item_bases(room: int, channel: int, buffer: int, count: int) -> np.ndarray:
+    """The base words of items ``0..count-1`` of one buffer (the per-buffer definition)."""
     seed = np.uint64(((room * _GOLDEN) ^ (channel << 48) ^ (buffer << 32)) & _MASK)
     return _mix(seed + np.arange(count, dtype=np.uint64) * np.uint64(_GOLDEN))
+
+
+def channel_bases(room: int, channel: int, buffers: int, count: int) -> np.ndarray:
+    """``[buffers, count]`` base words of one channel, in one vectorised pass (a per-buffer call
+    cost ~20 us of numpy overhead, 3 ms over a ``dsv4-flash`` request's 148 buffers)."""
+    j = np.arange(buffers, dtype=np.uint64)
+    seeds = (np.uint64((room * _GOLDEN) & _MASK) ^ np.uint64(channel << 48)) ^ (j << np.uint64(32))
+    return _mix(seeds[:, None] + np.arange(count, dtype=np.uint64)[None, :] * np.uint64(_GOLDEN))
 
 
 def words_view(ptr: int, nbytes: int) -> np.ndarray:
@@ -76,37 +85,48 @@ def _runs(idx: np.ndarray) -> list[tuple[int, int, int]]:
     return list(zip(pos.tolist(), idx[pos].tolist(), lengths.tolist()))
 
 
-def _buffers(desc, lists):
+def _channels(desc, room: int, lists):
+    """Per channel with indices: ``(channel no., name, idx, runs, bases [buffers, items],
+    item matrices)``."""
     for c, (chan, idx) in enumerate(zip(channels_of(desc), lists)):
         if idx.size == 0:
             continue
-        runs = _runs(idx)
-        for j, (ptr, n, item) in enumerate(zip(chan.ptrs.tolist(), chan.lens.tolist(), chan.items.tolist())):
-            yield c, chan.name, j, idx, runs, _items(ptr, n, item)
+        mats = [_items(ptr, n, item) for ptr, n, item in zip(chan.ptrs.tolist(), chan.lens.tolist(), chan.items.tolist())]
+        yield c, chan.name, idx, _runs(idx), channel_bases(room, c, len(mats), idx.size), mats
 
 
 def fill_source(desc, room: int, lists: list[np.ndarray]) -> None:
     """Write the deterministic content of ``room`` into the items the lists address."""
-    for c, _, j, idx, runs, m in _buffers(desc, lists):
-        base = item_bases(room, c, j, idx.size)[:, None]
-        ramp = _ramp(m.shape[1])
-        for p, s, n in runs:
-            np.add(base[p : p + n], ramp, out=m[s : s + n])
+    for _, _, idx, runs, bases, mats in _channels(desc, room, lists):
+        for j, m in enumerate(mats):
+            base = bases[j, :, None]
+            ramp = _ramp(m.shape[1])
+            for p, s, n in runs:
+                np.add(base[p : p + n], ramp, out=m[s : s + n])
 
 
 def verify_destination(desc, room: int, lists: list[np.ndarray]) -> str | None:
-    """``None`` when every addressed item holds the room's content; else what differs first."""
-    for c, name, j, idx, runs, m in _buffers(desc, lists):
-        bases = item_bases(room, c, j, idx.size)
-        w = m.shape[1]
-        sums = bases * np.uint64(w) + np.uint64(w * (w - 1) // 2 & _MASK)
-        for p, s, n in runs:
-            rows = m[s : s + n]
-            bad = (rows[:, 0] != bases[p : p + n]) | (rows.sum(axis=1, dtype=np.uint64) != sums[p : p + n])
-            if bad.any():
-                k = p + int(np.flatnonzero(bad)[0])
-                return (f"channel {c} ({name}) buffer {j}: item {k} (index {int(idx[k])}) "
-                        "holds other content (stale, misplaced or partially written)")
+    """``None`` when every addressed item holds the room's content; else what differs first.
+
+    One read pass: per buffer and run of indices, the first words and the row sums go into
+    per-channel arrays that are compared with the expected values at once."""
+    for c, name, idx, runs, bases, mats in _channels(desc, room, lists):
+        firsts = np.empty_like(bases)
+        sums = np.empty_like(bases)
+        widths = np.empty(len(mats), dtype=np.uint64)
+        for j, m in enumerate(mats):
+            widths[j] = m.shape[1]
+            f, sm, col0 = firsts[j], sums[j], m[:, 0]
+            for p, s, n in runs:
+                f[p : p + n] = col0[s : s + n]
+                np.add.reduce(m[s : s + n], axis=1, out=sm[p : p + n])
+        w = widths[:, None]
+        expected = bases * w + ((w * (w - np.uint64(1))) // np.uint64(2))
+        bad = (firsts != bases) | (sums != expected)
+        if bad.any():
+            j, k = (int(x[0]) for x in np.nonzero(bad))
+            return (f"channel {c} ({name}) buffer {j}: item {k} (index {int(idx[k])}) "
+                    "holds other content (stale, misplaced or partially written)")
     return None
 
 
