@@ -166,6 +166,8 @@ class TransferOut(BaseModel):
     error: ErrorModel | None = None
     compute_s: float = Field(0.0, description="prefill: time synthesising the request's state")
     copy_s: float = Field(0.0, description="prefill: time the engine took to move it")
+    transfer_s: float = Field(0.0, description="decode: TransferRequest sent -> TransferDone received and verified")
+    verify_s: float = Field(0.0, description="decode: time checking the bytes that landed")
 
 
 class Accepted(BaseModel):

@@ -53,6 +53,7 @@ class DraftSection(_Section):
 
 class ChecksSection(_Section):
     local: bool = True
+    verify: Literal["full", "sample"] = "full"
 
 
 class ControlSection(_Section):
@@ -132,6 +133,7 @@ class WorkerConfig(_Section):
             request_deadline_s=self.control.request_deadline_s,
             max_inflight=self.control.max_inflight,
             local_checks=self.checks.local,
+            verify=self.checks.verify,
         )
 
 

@@ -172,10 +172,13 @@ class SWATokenToKVPoolAllocator:
 
     def free(self, locs: torch.Tensor | np.ndarray) -> None:
         """Free the pages holding ``locs`` (and their SWA pages); mapping entries back to 0."""
-        locs_t = torch.as_tensor(np.asarray(locs), dtype=torch.int64)
-        if locs_t.numel() == 0:
+        arr = locs.numpy() if isinstance(locs, torch.Tensor) else np.asarray(locs, dtype=np.int64)
+        if arr.size == 0:
             return
-        pages = sorted(set((locs_t // self.page_size).tolist()))
+        # the distinct pages, cheaply: a request's slots come page by page, so dropping repeats of
+        # the previous page leaves one entry per page before the (now small) sort
+        p = arr // self.page_size
+        pages = np.unique(p[np.concatenate(([True], p[1:] != p[:-1]))]).tolist()
         self._full.free(pages)
         swa = [self._swa_page_of.pop(p) for p in pages if p in self._swa_page_of]
         if swa:

@@ -37,6 +37,10 @@ class WorkerOptions:
     request_deadline_s: float = 30.0
     max_inflight: int = 64
     local_checks: bool = True
+    # decode: how the bytes that landed are checked against the room's synthetic content:
+    # "full" reads every byte (one pass over the request), "sample" the first and last word of
+    # every item (O(items)); see ``runtime.synth``
+    verify: str = "full"
     # Test knob (fault injection), never set by the config file: the prefill's transfer thread
     # waits this long after computing a request's state and before the engine copy, so a test can
     # kill or freeze a process while requests are TRANSFERRING. The wait ends early when the
@@ -201,6 +205,7 @@ class WorkerBase:
         self.engine = create_engine(self.opts.engine, **self.opts.engine_options)
         self.engine.start()
         self.engine.register(self.pools.memory.regions())
+        self._spans = [(r.base_ptr, r.nbytes) for r in self.pools.memory.regions()]
 
     def _close_side(self) -> None:
         """Close the engine, then the pools (removing shm segments); tolerant of a partial start."""

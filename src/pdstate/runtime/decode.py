@@ -49,12 +49,15 @@ class TransferResult:
     error: ErrorInfo | None = None
     compute_s: float = 0.0  # the prefill's (synthesised) compute, from its TransferDone
     copy_s: float = 0.0  # the prefill's engine copy, from its TransferDone
+    transfer_s: float = 0.0  # TransferRequest sent -> TransferDone received and verified
+    verify_s: float = 0.0  # this decode's check of the bytes that landed
 
     def as_dict(self) -> dict:
         return {"room": self.room, "status": self.status, "seq_len": self.seq_len, "bytes": self.bytes,
                 "descriptors": self.descriptors, "seconds": self.seconds, "verified": self.verified,
                 "error": None if self.error is None else self.error.model_dump(),
-                "compute_s": self.compute_s, "copy_s": self.copy_s}
+                "compute_s": self.compute_s, "copy_s": self.copy_s, "transfer_s": self.transfer_s,
+                "verify_s": self.verify_s}
 
 
 @dataclass
@@ -69,6 +72,7 @@ class Request:
     resend_at: float | None = None  # set while the prefill answered Busy: it holds nothing of ours
     busy_count: int = 0
     message: wire.TransferRequest | None = None
+    sent_at: float | None = None  # first send of the TransferRequest
     result: TransferResult | None = None
 
 
@@ -304,6 +308,7 @@ class DecodeWorker(WorkerBase):
                 deadline_s=max(0.001, req.deadline - now()),
             )
             req.state = advance(req.state, RequestState.WAITING_FOR_INPUT)
+            req.sent_at = now()
             self.client.send(req.message)
 
     def _on_frame(self, frame: bytes) -> None:
@@ -387,30 +392,32 @@ class DecodeWorker(WorkerBase):
             self._finish(req, "failed", error=msg.error or ErrorInfo(type="TransferFailed", message="prefill reported failure"))
             return
         req.state = advance(req.state, RequestState.TRANSFERRING)
-        problem = synth.verify_destination(self.kv_args, req.room, req.alloc.lists)
+        t0 = now()
+        if self.opts.verify == "sample":
+            problem = synth.verify_sample(self.kv_args, req.room, req.alloc.lists, self._spans)
+        else:
+            problem = synth.verify_destination(self.kv_args, req.room, req.alloc.lists)
         if problem is None and msg.digest != synth.plan_digest(req.room, req.alloc.lists, self.kv_args):
             problem = "digest of the request's logical layout differs from the prefill's"
+        t1 = now()
         if problem is not None:
             self._finish(req, "failed", error=ErrorInfo(type="TransferFailed", message=f"verification failed: {problem}"))
             return
         self._finish(req, "success", nbytes=msg.bytes, descriptors=msg.descriptors, verified=True,
-                     compute_s=msg.compute_s, copy_s=msg.copy_s)
+                     compute_s=msg.compute_s, copy_s=msg.copy_s, verify_s=t1 - t0,
+                     transfer_s=t1 - (req.sent_at if req.sent_at is not None else req.started))
 
     def _finish(self, req: Request, status: str, error: ErrorInfo | None = None, nbytes: int = 0,
                 descriptors: int = 0, verified: bool = False, quarantine: bool = False,
-                compute_s: float = 0.0, copy_s: float = 0.0) -> None:
+                compute_s: float = 0.0, copy_s: float = 0.0, verify_s: float = 0.0,
+                transfer_s: float = 0.0) -> None:
         if req.state.terminal:
             return
         req.state = RequestState.SUCCESS if status == "success" else RequestState.FAILED
         self.requests.pop(req.room, None)
-        if req.alloc is not None:
-            if quarantine:
-                self.quarantine[req.room] = req.alloc
-            else:
-                rq.free(self.pools, req.alloc)
         seconds = now() - req.started
         res = TransferResult(req.room, status, req.seq_len, nbytes, descriptors, seconds, verified, error,
-                             compute_s, copy_s)
+                             compute_s, copy_s, transfer_s, verify_s)
         if status == "success":
             self.stats.transfers["success"] += 1
             self.stats.bytes += nbytes
@@ -421,6 +428,11 @@ class DecodeWorker(WorkerBase):
         self.finished[req.room] = res
         while len(self.finished) > MAX_FINISHED:
             self.finished.pop(next(iter(self.finished)))
+        if req.alloc is not None:
+            if quarantine:
+                self.quarantine[req.room] = req.alloc
+            else:
+                rq.free(self.pools, req.alloc)  # before settling: a caller sees its pages back
         settle(req.future, res)  # its caller may have cancelled it
         if req.alloc is not None and not quarantine:
             self._admit()

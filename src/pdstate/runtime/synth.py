@@ -130,6 +130,45 @@ def verify_destination(desc, room: int, lists: list[np.ndarray]) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=64)
+def _span_words(base: int, nbytes: int) -> np.ndarray:
+    return words_view(base, nbytes - nbytes % 8)
+
+
+def verify_sample(desc, room: int, lists: list[np.ndarray], spans: list[tuple[int, int]]) -> str | None:
+    """Like ``verify_destination``, reading only the first and the last word of every addressed
+    item: a wrong, shifted or stale item, or a descriptor cut short, still fails; damage strictly
+    inside an item does not. One gather per channel and memory span (O(items), not O(bytes)).
+
+    ``spans``: the ``(base_ptr, nbytes)`` of the memory regions the buffers live in.
+    """
+    span_base = np.array(sorted(b for b, _ in spans), dtype=np.uint64)
+    span_len = dict(spans)
+    for c, (chan, idx) in enumerate(zip(channels_of(desc), lists)):
+        if idx.size == 0 or chan.ptrs.size == 0:
+            continue
+        bases = channel_bases(room, c, chan.ptrs.size, idx.size)
+        first = chan.ptrs[:, None] + idx.astype(np.uint64)[None, :] * chan.items[:, None]
+        last = first + (chan.items[:, None] - np.uint64(8))
+        got_first, got_last = np.empty_like(bases), np.empty_like(bases)
+        which = np.searchsorted(span_base, chan.ptrs, side="right") - 1
+        for k in np.unique(which).tolist():
+            base = int(span_base[k])
+            words = _span_words(base, span_len[base])
+            rows = which == k
+            if int(last[rows].max()) + 8 > base + words.size * 8 or int(chan.ptrs[rows].min()) < base:
+                raise ValueError(f"channel {c} ({chan.name}): buffers outside the given spans")
+            got_first[rows] = words[(first[rows] - np.uint64(base)) // np.uint64(8)]
+            got_last[rows] = words[(last[rows] - np.uint64(base)) // np.uint64(8)]
+        w = (chan.items // np.uint64(8))[:, None]
+        bad = (got_first != bases) | (got_last != bases + (w - np.uint64(1)))
+        if bad.any():
+            j, k = (int(x[0]) for x in np.nonzero(bad))
+            return (f"channel {c} ({chan.name}) buffer {j}: item {k} (index {int(idx[k])}) "
+                    "holds other content (stale, misplaced or partially written)")
+    return None
+
+
 def plan_digest(room: int, lists: list[np.ndarray], desc) -> bytes:
     """Digest of the logical content of a request (room, per-channel item counts, buffer counts)."""
     h = hashlib.blake2b(digest_size=16)
