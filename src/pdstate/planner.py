@@ -86,25 +86,49 @@ def channels_of(desc) -> list[Channel]:
     return chans
 
 
-def _check_indices(side: str, label: str, chan: Channel, idx: np.ndarray) -> None:
+@dataclass(frozen=True)
+class _Bounds:
+    """What index checks need of one side's channel, computed once per pair of layouts."""
+
+    name: str
+    worst: int  # items the smallest buffer holds (every index must be below it)
+    worst_buffer: int
+    worst_len: int
+    worst_item: int
+    page_addressed: bool
+
+    @classmethod
+    def of(cls, chan: Channel) -> "_Bounds":
+        if chan.items.size == 0:
+            return cls(chan.name, -1, 0, 0, 0, chan.name in PAGE_ADDRESSED)
+        capacity = chan.lens // np.maximum(chan.items, 1)
+        j = int(np.argmin(capacity))
+        return cls(chan.name, int(capacity[j]), j, int(chan.lens[j]), int(chan.items[j]), chan.name in PAGE_ADDRESSED)
+
+
+SMALL_LIST = 64  # below this many indices, checks and runs are plain Python (numpy costs ~us per call)
+
+
+def _check_indices(side: str, label: str, b: _Bounds, idx: np.ndarray, small: list[int] | None) -> None:
     if idx.size == 0:
         return
-    lo, hi = int(idx.min()), int(idx.max())
+    if small is not None:
+        lo, hi, distinct = min(small), max(small), len(set(small))
+    else:
+        lo, hi, distinct = int(idx.min()), int(idx.max()), -1
     if lo < 0:
         raise IndexOutOfRange(f"{label}: {side} index {lo} is negative")
-    if chan.name in PAGE_ADDRESSED and lo == 0:
+    if b.page_addressed and lo == 0:
         raise PaddingPageIndex(f"{label}: {side} index 0 is the reserved padding page")
-    if chan.items.size:
+    if b.worst >= 0 and hi >= b.worst:
         # index * item + item <= data_len for every buffer of the channel
-        capacity = chan.lens // np.maximum(chan.items, 1)
-        worst = int(capacity.min())
-        if hi >= worst:
-            j = int(np.argmin(capacity))
-            raise IndexOutOfRange(
-                f"{label}: {side} index {hi} is past buffer {j} "
-                f"({int(chan.lens[j])} bytes = {worst} items of {int(chan.items[j])} bytes)"
-            )
-    if np.unique(idx).size != idx.size:
+        raise IndexOutOfRange(
+            f"{label}: {side} index {hi} is past buffer {b.worst_buffer} "
+            f"({b.worst_len} bytes = {b.worst} items of {b.worst_item} bytes)"
+        )
+    if distinct < 0:
+        distinct = np.unique(idx).size
+    if distinct != idx.size:
         raise IndexOutOfRange(f"{label}: {side} indices contain duplicates")
 
 
@@ -120,25 +144,87 @@ def runs(src_idx: np.ndarray, dst_idx: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return src_idx[starts], dst_idx[starts], lengths
 
 
-def plan_channel(
-    label: str, src: Channel, dst: Channel, src_idx: np.ndarray, dst_idx: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Descriptors for one channel, buffer-major; every check runs before anything is built."""
+def _runs_small(si: list[int], di: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    s0, d0, ln = [si[0]], [di[0]], [1]
+    for k in range(1, len(si)):
+        if si[k] == si[k - 1] + 1 and di[k] == di[k - 1] + 1:
+            ln[-1] += 1
+        else:
+            s0.append(si[k]), d0.append(di[k]), ln.append(1)
+    return np.array(s0, dtype=np.int64), np.array(d0, dtype=np.int64), np.array(ln, dtype=np.int64)
+
+
+def _static_error(label: str, src: Channel, dst: Channel) -> Exception | None:
     if src.items.size != dst.items.size:
-        raise ItemLengthMismatch(f"{label}: prefill has {src.items.size} buffers, decode has {dst.items.size}")
+        return ItemLengthMismatch(f"{label}: prefill has {src.items.size} buffers, decode has {dst.items.size}")
     if not np.array_equal(src.items, dst.items):
         j = int(np.flatnonzero(src.items != dst.items)[0])
-        raise ItemLengthMismatch(
+        return ItemLengthMismatch(
             f"{label}: buffer {j} item length differs: prefill={int(src.items[j])}, decode={int(dst.items[j])}"
         )
-    if src_idx.size != dst_idx.size:
-        raise IndexCountMismatch(f"{label}: index count mismatch: prefill={src_idx.size}, decode={dst_idx.size}")
-    _check_indices("prefill", label, src, src_idx)
-    _check_indices("decode", label, dst, dst_idx)
-    s0, d0, n = runs(src_idx, dst_idx)
-    if n.size == 0 or src.items.size == 0:
+    return None
+
+
+class PairPlanner:
+    """Plans requests between one prefill layout and one decode layout.
+
+    Everything that depends only on the two layouts (channel order, item lengths, buffer
+    capacities) is worked out once here, so a worker keeps one per accepted peer and a request
+    pays only for its own indices. ``plan`` raises exactly what ``plan_request`` documents.
+    """
+
+    def __init__(self, src_desc, dst_desc) -> None:
+        self.src_chans, self.dst_chans = channels_of(src_desc), channels_of(dst_desc)
+        src_types = [c.name for c in self.src_chans]
+        dst_types = [c.name for c in self.dst_chans]
+        self.channel_error = None
+        if src_types != dst_types:
+            self.channel_error = ItemLengthMismatch(f"channels differ: prefill={src_types}, decode={dst_types}")
+            return
+        self.labels = ["main KV" if c == 0 else f"component {c - 1} ({sc.name})" for c, sc in enumerate(self.src_chans)]
+        self.static = [_static_error(lb, sc, dc) for lb, sc, dc in zip(self.labels, self.src_chans, self.dst_chans)]
+        self.src_bounds = [_Bounds.of(c) for c in self.src_chans]
+        self.dst_bounds = [_Bounds.of(c) for c in self.dst_chans]
+
+    def plan(self, src_lists, dst_lists) -> TransferPlan:
+        if self.channel_error is not None:
+            raise type(self.channel_error)(str(self.channel_error))
+        if not (len(src_lists) == len(dst_lists) == len(self.src_chans)):
+            raise IndexCountMismatch(
+                f"index lists: prefill sent {len(src_lists)}, decode sent {len(dst_lists)}, "
+                f"layout has {len(self.src_chans)} channels"
+            )
+        parts = []
+        for c in range(len(self.src_chans)):
+            si = np.asarray(src_lists[c], dtype=np.int64)
+            di = np.asarray(dst_lists[c], dtype=np.int64)
+            parts.append(self._channel(c, si, di))
+        if not parts:
+            return TransferPlan.empty()
+        return TransferPlan.from_arrays(*(np.concatenate([p[k] for p in parts]) for k in range(3)))
+
+    def _channel(self, c: int, si: np.ndarray, di: np.ndarray):
+        return plan_channel(self.labels[c], self.src_chans[c], self.dst_chans[c], si, di,
+                            (self.static[c], self.src_bounds[c], self.dst_bounds[c]))
+
+
+def plan_channel(label: str, src: Channel, dst: Channel, si: np.ndarray, di: np.ndarray, known=None):
+    """Descriptors for one channel, buffer-major; every check runs before anything is built.
+
+    ``known``: ``(static error, src bounds, dst bounds)`` worked out earlier for this pair."""
+    static, sb, db = known if known is not None else (_static_error(label, src, dst), _Bounds.of(src), _Bounds.of(dst))
+    if static is not None:
+        raise type(static)(str(static))
+    if si.size != di.size:
+        raise IndexCountMismatch(f"{label}: index count mismatch: prefill={si.size}, decode={di.size}")
+    small = si.size <= SMALL_LIST
+    sl, dl = (si.tolist(), di.tolist()) if small else (None, None)
+    _check_indices("prefill", label, sb, si, sl)
+    _check_indices("decode", label, db, di, dl)
+    if si.size == 0 or src.items.size == 0:
         e = np.empty(0, dtype=np.uint64)
         return e, e, e
+    s0, d0, n = _runs_small(sl, dl) if small else runs(si, di)
     items = src.items[:, None]
     s_addr = src.ptrs[:, None] + s0.astype(np.uint64)[None, :] * items
     d_addr = dst.ptrs[:, None] + d0.astype(np.uint64)[None, :] * items
@@ -152,25 +238,10 @@ def plan_request(src_desc, dst_desc, src_lists, dst_lists) -> TransferPlan:
     Raises before anything reaches an engine: ``ItemLengthMismatch`` (component count or item
     lengths differ), ``IndexCountMismatch`` (strictly, for every channel), ``IndexOutOfRange``
     (negative, past a registered buffer, duplicated), ``PaddingPageIndex`` (page 0 of a
-    page-addressed channel).
+    page-addressed channel). A worker planning many requests for one peer keeps a
+    ``PairPlanner`` instead.
     """
-    src_chans, dst_chans = channels_of(src_desc), channels_of(dst_desc)
-    src_types = [c.name for c in src_chans]
-    dst_types = [c.name for c in dst_chans]
-    if src_types != dst_types:
-        raise ItemLengthMismatch(f"channels differ: prefill={src_types}, decode={dst_types}")
-    if not (len(src_lists) == len(dst_lists) == len(src_chans)):
-        raise IndexCountMismatch(
-            f"index lists: prefill sent {len(src_lists)}, decode sent {len(dst_lists)}, "
-            f"layout has {len(src_chans)} channels"
-        )
-    parts = []
-    for c, (sc, dc, si, di) in enumerate(zip(src_chans, dst_chans, src_lists, dst_lists)):
-        label = "main KV" if c == 0 else f"component {c - 1} ({sc.name})"
-        parts.append(plan_channel(label, sc, dc, np.asarray(si, dtype=np.int64), np.asarray(di, dtype=np.int64)))
-    if not parts:
-        return TransferPlan.empty()
-    return TransferPlan.from_arrays(*(np.concatenate([p[k] for p in parts]) for k in range(3)))
+    return PairPlanner(src_desc, dst_desc).plan(src_lists, dst_lists)
 
 
 def plan_request_loop(src_desc, dst_desc, src_lists, dst_lists) -> list[tuple[int, int, int]]:

@@ -425,3 +425,16 @@ def test_req_to_token_pool_slots():
     with pytest.raises(AllocationError):
         r.free(7)
     assert r.alloc() == slots[1]
+
+
+def test_req_to_token_write_then_free_leaves_the_row_zero():
+    r = ReqToTokenPool(2, 1024)
+    s = r.alloc()
+    r.write(s, torch.arange(300, 600, dtype=torch.int64))
+    assert r.req_to_token[s, :300].tolist() == list(range(300, 600)) and int(r.req_to_token[s, 300:].abs().sum()) == 0
+    r.free(s)
+    assert int(r.req_to_token.abs().sum()) == 0
+    s2 = r.alloc()
+    r.req_to_token[s2, 1000] = 7  # a direct write past anything write() set is cleared too
+    r.free(s2)
+    assert int(r.req_to_token.abs().sum()) == 0

@@ -109,6 +109,10 @@ class SWATokenToKVPoolAllocator:
         self._full = _PagePool(size_full // page_size)
         self._swa = _PagePool(size_swa // page_size)
         self.full_to_swa_index_mapping = new_mapping(size_full, page_size, device)
+        # Page-row view of the mapping (host memory): row p holds the entries of full page p, so
+        # mapping or clearing a request's pages is one row-indexed numpy assignment.
+        self._rows = self.full_to_swa_index_mapping.numpy()[: size_full + page_size].reshape(-1, page_size)
+        self._ramp = np.arange(page_size, dtype=np.int64)
         self._swa_page_of: dict[int, int] = {}
         if kvcache is not None:
             kvcache.register_mapping(self.full_to_swa_index_mapping)
@@ -130,16 +134,13 @@ class SWATokenToKVPoolAllocator:
         return -(-num_tokens // self.page_size)
 
     def _locs(self, pages: list[int], num_tokens: int) -> torch.Tensor:
-        ps = self.page_size
-        p = torch.tensor(pages, dtype=torch.int64)
-        return (p[:, None] * ps + torch.arange(ps, dtype=torch.int64)[None, :]).reshape(-1)[:num_tokens]
+        p = np.array(pages, dtype=np.int64)
+        return torch.from_numpy((p[:, None] * self.page_size + self._ramp).reshape(-1)[:num_tokens])
 
     def _map(self, full_pages: list[int], swa_pages: list[int]) -> None:
-        ps = self.page_size
-        offs = torch.arange(ps, dtype=torch.int64)
-        fp = torch.tensor(full_pages, dtype=torch.int64)
-        sp = torch.tensor(swa_pages, dtype=torch.int64)
-        self.full_to_swa_index_mapping[(fp[:, None] * ps + offs).reshape(-1)] = (sp[:, None] * ps + offs).reshape(-1)
+        if full_pages:
+            sp = np.array(swa_pages, dtype=np.int64)
+            self._rows[full_pages] = sp[:, None] * self.page_size + self._ramp
         self._swa_page_of.update(zip(full_pages, swa_pages))
 
     def alloc(self, num_tokens: int) -> torch.Tensor:
@@ -163,10 +164,8 @@ class SWATokenToKVPoolAllocator:
         if tail > self._swa.available():
             raise AllocationError(f"out of SWA pages: asked for {tail}, {self._swa.available()} free")
         full = self._full.alloc(n)
-        ps = self.page_size
-        head = torch.tensor(full[: n - tail], dtype=torch.int64)
-        if head.numel():
-            self.full_to_swa_index_mapping[(head[:, None] * ps + torch.arange(ps)).reshape(-1)] = 0
+        if n > tail:
+            self._rows[full[: n - tail]] = 0
         self._map(full[n - tail :], self._swa.alloc(tail))
         return self._locs(full, num_tokens)
 
@@ -183,9 +182,7 @@ class SWATokenToKVPoolAllocator:
         swa = [self._swa_page_of.pop(p) for p in pages if p in self._swa_page_of]
         if swa:
             self._swa.free(swa)
-        ps = self.page_size
-        fp = torch.tensor(pages, dtype=torch.int64)
-        self.full_to_swa_index_mapping[(fp[:, None] * ps + torch.arange(ps)).reshape(-1)] = 0
+        self._rows[pages] = 0
 
     def translate(self, locs: torch.Tensor) -> torch.Tensor:
         return self.full_to_swa_index_mapping[locs]
@@ -198,6 +195,16 @@ class ReqToTokenPool:
         self.num_req_slots = num_req_slots
         self.req_to_token = torch.zeros((num_req_slots, max_context_len), dtype=torch.int64)
         self._free = list(range(num_req_slots - 1, -1, -1))
+        # per slot, how many leading entries may be non-zero: the whole row once handed out (a
+        # caller may write it directly), only what ``write`` set when it wrote the row
+        self._written = [0] * num_req_slots
+
+    def write(self, slot: int, locs: torch.Tensor) -> None:
+        """``req_to_token[slot, :len(locs)] = locs`` on a row fresh from ``alloc`` (zero beyond
+        ``locs``), so that ``free`` clears only those entries."""
+        n = int(locs.shape[0])
+        self.req_to_token[slot, :n] = locs
+        self._written[slot] = n
 
     def available_size(self) -> int:
         return len(self._free)
@@ -205,11 +212,14 @@ class ReqToTokenPool:
     def alloc(self) -> int:
         if not self._free:
             raise AllocationError("out of request slots")
-        return self._free.pop()
+        slot = self._free.pop()
+        self._written[slot] = self.req_to_token.shape[1]
+        return slot
 
     def free(self, slot: int) -> None:
         if slot in self._free or not 0 <= slot < self.num_req_slots:
             raise AllocationError(f"request slot {slot} is not allocated")
-        self.req_to_token[slot].zero_()
+        self.req_to_token[slot, : self._written[slot]].zero_()
+        self._written[slot] = 0
         self._free.append(slot)
         self._free.sort(reverse=True)

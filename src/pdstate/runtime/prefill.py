@@ -29,7 +29,7 @@ from pdstate import wire
 from pdstate.errors import AllocationError, AuthError, EngineError, PdStateError, PeerGone, ProtocolError, VersionMismatch
 from pdstate.handshake import PeerState, PrefillHandshake, RequestState, advance
 from pdstate.layout import ErrorInfo
-from pdstate.planner import TransferPlan, plan_request
+from pdstate.planner import PairPlanner
 from pdstate.runtime import requests as rq
 from pdstate.runtime import synth
 from pdstate.runtime.common import Stats, WorkerBase, WorkerOptions, local_side, log, new_incarnation, now
@@ -241,6 +241,7 @@ class PrefillWorker(WorkerBase):
                 answer = wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(exc))
         if isinstance(answer, wire.Accept):
             peer.state, peer.kv = PeerState.ACCEPTED, msg.kv
+            peer.planner = PairPlanner(self.kv_args, msg.kv)
             self.stats.handshakes["accepted"] += 1
             log.info("accepted decode %s (%s)", msg.worker_id, msg.incarnation)
         else:
@@ -307,7 +308,7 @@ class PrefillWorker(WorkerBase):
             return
         try:
             dst_lists = [msg.dst_kv_pages.unpack()] + [p.unpack() for p in msg.dst_state_indices]
-            plan = plan_request(self.kv_args, peer.kv, alloc.lists, dst_lists)
+            plan = peer.planner.plan(alloc.lists, dst_lists)
         except PdStateError as exc:
             rq.free(self.pools, alloc)
             self._refuse(identity, peer, msg.room, exc)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdstate import wire
 from pdstate.handshake import PeerState, RequestState
@@ -23,6 +24,7 @@ class Peer:
     kv: wire.KVDesc | None = None
     engine_peer: str | None = None
     last_seen: float = 0.0
+    planner: Any = None  # ``planner.PairPlanner`` for (this prefill, the peer's layout), once accepted
 
 
 @dataclass

@@ -42,7 +42,7 @@ def allocate(pools: WorkerPools, names: list[str], seq_len: int) -> Allocation:
     except AllocationError:
         pools.req_to_token.free(slot)
         raise
-    pools.req_to_token.req_to_token[slot, :seq_len] = locs
+    pools.req_to_token.write(slot, locs)
     try:
         lists = [_list_for(name, pools, slot, locs, seq_len) for name in names]
     except Exception:
