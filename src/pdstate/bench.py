@@ -145,11 +145,12 @@ def _raw_engine(name: str):
     return setup, close
 
 
-def _pdstate_pair(engine: str, mode: str):
+def _pdstate_pair(engine: str, mode: str, preset_name: str = "dsv4-flash"):
+    """A prefill and a decode process; returns ``(handshake_ms, run(n, verify) -> result, close)``."""
     from pdstate.procs import WorkerProcess
     from pdstate.runtime.common import WorkerOptions
 
-    s = _settings(mode)
+    s = _settings(mode) if preset_name == "dsv4-flash" else preset(preset_name)
     prefill = WorkerProcess(WorkerOptions(role="prefill", pool=s, engine=engine, worker_id="bench-prefill"))
     ep = prefill.read_event(180)["endpoint"]
     decode = WorkerProcess(WorkerOptions(role="decode", pool=s, engine=engine, peer=ep, worker_id="bench-decode"))
@@ -159,8 +160,8 @@ def _pdstate_pair(engine: str, mode: str):
         decode.close()
         raise RuntimeError(f"{engine}: handshake refused: {ev}")
 
-    def run(n: int) -> dict:
-        decode.send(json.dumps({"cmd": "run", "lengths": [n], "concurrency": 1}))
+    def run(n: int, verify: str = "sample") -> dict:
+        decode.send(json.dumps({"cmd": "run", "lengths": [n], "concurrency": 1, "verify": verify}))
         res = decode.read_event(300)
         done = decode.read_event(60)
         assert done["event"] == "batch_done"
@@ -174,10 +175,76 @@ def _pdstate_pair(engine: str, mode: str):
     return ev["handshake_ms"], run, close
 
 
+def _phase(mode: str, engine: str, src: _Side, dst: _Side, lengths, runs: int, results: dict, progress) -> None:
+    """One engine's variants, interleaved per length, next to the ceiling measured in the same
+    phase (only this phase's processes and agents are alive: an idle NIXL agent busy-polls a
+    core, which would tax every other variant on a 2-core machine)."""
+    raw = None
+    if engine in ("mooncake", "nixl"):
+        setup, raw_close = _raw_engine(engine)
+        raw = (setup(src, dst), raw_close)
+    progress(f"[{mode}:{engine}] starting a pdstate pair ...")
+    try:
+        hs, run, close = _pdstate_pair(engine, mode)
+    except BaseException:
+        if raw is not None:
+            raw[1]()
+        raise
+    results.setdefault("handshake_ms", {})[f"{mode}:{engine}"] = hs
+    try:
+        for n in lengths:
+            plan, a, b = _plan_for(src, dst, n)
+            variants: dict[str, Callable[[], object]] = {
+                "ceiling_memmove": lambda: _memmove_loop(plan),
+                "ceiling_gather_scatter": _gather_scatter(src, dst, a, b),
+            }
+            if raw is not None:
+                variants[f"raw_{engine}"] = lambda: raw[0](plan)
+            variants[f"pdstate_{engine}"] = lambda: run(n, "sample")
+            variants[f"pdstate_{engine}_full_verify"] = lambda: run(n, "full")
+            times: dict[str, list[float]] = {k: [] for k in variants}
+            extra: dict[str, list[float]] = {}
+            for fn in variants.values():
+                fn()  # warm-up
+            for _ in range(runs):
+                for k, fn in variants.items():  # interleaved
+                    t0 = time.perf_counter()
+                    out = fn()
+                    if isinstance(out, dict):
+                        # request sent -> TransferDone received and verified, less the prefill's
+                        # synthetic compute (the model's prefill, which precedes any transfer)
+                        dt = out["transfer_s"] - out["compute_s"]
+                        for part in ("transfer_s", "copy_s", "verify_s"):
+                            extra.setdefault(f"{k}:{part}", []).append(out[part])
+                    else:
+                        dt = time.perf_counter() - t0
+                    times[k].append(dt)
+            ceiling = min(statistics.median(times["ceiling_memmove"]), statistics.median(times["ceiling_gather_scatter"]))
+            row = results["paths"]
+            for k, ts in times.items():
+                row.setdefault(f"{mode}:{engine}:{k}", {})[str(n)] = {
+                    "bytes": plan.total_bytes, "descriptors": len(plan), "seconds": _median_range(ts),
+                    "gbps": _median_range([plan.total_bytes / t / 1e9 for t in ts])}
+            row.setdefault(f"{mode}:{engine}:ceiling", {})[str(n)] = {
+                "bytes": plan.total_bytes, "descriptors": len(plan), "seconds": {"median": ceiling},
+                "gbps": {"median": plan.total_bytes / ceiling / 1e9}}
+            for k, ts in extra.items():
+                results.setdefault("parts", {}).setdefault(f"{mode}:{engine}:{k}", {})[str(n)] = _median_range(ts)
+            progress(f"[{mode}:{engine}] {n:>6} tokens: {plan.total_bytes / 1e6:8.1f} MB, {len(plan)} descriptors: "
+                     + ", ".join(f"{k} {plan.total_bytes / statistics.median(v) / 1e9:.2f}" for k, v in times.items())
+                     + " GB/s")
+            rq.free(src.pools, a)
+            rq.free(dst.pools, b)
+    finally:
+        close()
+        if raw is not None:
+            raw[1]()
+
+
 def run_bench(quick: bool, engines: list[str], modes: list[str], progress=print) -> dict:
     from pdstate.engines.base import EngineUnavailable, engine_class
 
-    runs = 5
+    runs = 5 if quick else 9
     lengths = LENGTHS
     available = []
     for e in engines:
@@ -186,79 +253,31 @@ def run_bench(quick: bool, engines: list[str], modes: list[str], progress=print)
             available.append(e)
         except (EngineUnavailable, AttributeError, ImportError) as exc:
             progress(f"skipping {e}: {exc}")
-    results: dict = {"lengths": list(lengths), "runs": runs, "paths": {}, "modes": modes}
+    results: dict = {"lengths": list(lengths), "runs": runs, "paths": {}, "modes": modes, "engines": available}
     progress("planner ...")
     results["planner"] = bench_planner(runs)
     for mode in modes:
         progress(f"[{mode}] building in-process pools ...")
         src, dst = _Side(mode), _Side(mode)
-        raws = {}
         for e in available:
-            if e in ("mooncake", "nixl") and mode == "paged":
-                setup, close = _raw_engine(e)
-                raws[e] = (setup(src, dst), close)
-        pairs = {}
-        for e in available:
-            if mode == "paged" or e == "shm":
-                progress(f"[{mode}] starting pdstate pair on {e} ...")
-                pairs[e] = _pdstate_pair(e, mode)
-        for n in lengths:
-            plan, a, b = _plan_for(src, dst, n)
-            gs = _gather_scatter(src, dst, a, b)
-            variants: dict[str, Callable[[], object]] = {
-                "ceiling_memmove": lambda: _memmove_loop(plan),
-                "ceiling_gather_scatter": gs,
-            }
-            for e, (run, _) in raws.items():
-                variants[f"raw_{e}"] = (lambda r=run: r(plan))
-            for e, (_, run, _) in pairs.items():
-                variants[f"pdstate_{e}"] = (lambda r=run: r(n))
-            times: dict[str, list[float]] = {k: [] for k in variants}
-            times.update({f"pdstate_{e}_incl_compute": [] for e in pairs})
-            for k, fn in variants.items():
-                fn()  # warm-up
-            for _ in range(runs):
-                for k, fn in variants.items():  # interleaved
-                    t0 = time.perf_counter()
-                    out = fn()
-                    if isinstance(out, dict):
-                        times[f"{k}_incl_compute"].append(out["seconds"])
-                        dt = out["seconds"] - out.get("compute_s", 0.0)
-                    else:
-                        dt = time.perf_counter() - t0
-                    times[k].append(dt)
-            for k, ts in times.items():
-                gbps = [plan.total_bytes / t / 1e9 for t in ts]
-                results["paths"].setdefault(f"{mode}:{k}", {})[str(n)] = {
-                    "bytes": plan.total_bytes, "descriptors": len(plan), "seconds": _median_range(ts),
-                    "gbps": _median_range(gbps)}
-            ceil = max(statistics.median(times["ceiling_memmove"]), 1e-12)
-            ceil_gs = max(statistics.median(times["ceiling_gather_scatter"]), 1e-12)
-            results["paths"].setdefault(f"{mode}:ceiling", {})[str(n)] = {
-                "bytes": plan.total_bytes, "seconds_median": min(ceil, ceil_gs),
-                "gbps_median": plan.total_bytes / min(ceil, ceil_gs) / 1e9}
-            progress(f"[{mode}] {n:>6} tokens: {plan.total_bytes / 1e6:8.1f} MB, {len(plan)} descriptors: " + ", ".join(
-                f"{k} {plan.total_bytes / statistics.median(v) / 1e9:.2f} GB/s" for k, v in times.items()))
-            rq.free(src.pools, a)
-            rq.free(dst.pools, b)
-        results.setdefault("handshake_ms", {})
-        for e, (hs, _, close) in pairs.items():
-            results["handshake_ms"][f"{mode}:{e}"] = hs
-            close()
-        for _, close in raws.values():
-            close()
+            if mode == "paged" or e == "shm":  # the native engines' rows: paged only
+                _phase(mode, e, src, dst, lengths, runs, results, progress)
+        del src, dst
+    progress("control ...")
     results["control"] = bench_control(runs * 4)
     results["ratios"] = ratios(results)
     return results
 
 
 def bench_control(runs: int) -> dict:
-    """Handshake round trips and a minimal request, in-process workers on loopback.
+    """Handshake round trips and the control path of a minimal request.
 
-    Handshakes are measured on the ``dsv4-flash`` layout (the decode re-registers; the prefill
-    re-validates the whole report and descriptors each time) and, as a first contact, with fresh
-    ``tiny`` decodes. The control overhead is a 1-token request on ``tiny`` (one page and the
-    state slots) less the prefill's synthetic compute.
+    Handshakes are measured in-process on the ``dsv4-flash`` layout (the decode re-registers; the
+    prefill re-validates the whole report and descriptors each time) and, as a first contact,
+    with fresh ``tiny`` decodes. The control overhead is measured between two worker processes
+    on a 1-token ``tiny`` request: request sent -> TransferDone received and verified, less the
+    time spent on the request's bytes (the prefill's synthetic compute and engine copy, the
+    decode's verification), i.e. what messages, allocation, planning and hand-offs add.
     """
     from pdstate.runtime.common import WorkerOptions
     from pdstate.runtime.decode import DecodeWorker
@@ -278,54 +297,69 @@ def bench_control(runs: int) -> dict:
         p.stop()
     tiny = preset("tiny")
     p = PrefillWorker(WorkerOptions(role="prefill", pool=tiny, engine="shm")).start()
-    first, overhead, overhead_total = [], [], []
+    first = []
     try:
         for i in range(5):
             d = DecodeWorker(WorkerOptions(role="decode", pool=tiny, engine="shm", peer=p.endpoint,
                                            worker_id=f"hs-{i}")).start()
             d.wait_ready(30)
             first.append(d.handshake_s * 1e3)
-            if i == 0:
-                d.transfer(1)
-                for _ in range(runs):
-                    r = d.transfer(1)
-                    overhead_total.append(r.seconds * 1e3)
-                    overhead.append((r.seconds - r.compute_s - r.copy_s) * 1e3)
             d.stop()
     finally:
         p.stop()
     out["first_handshake_tiny_ms"] = _median_range(first)
-    out["request_1_token_ms"] = _median_range(overhead_total)
+    _, run, close = _pdstate_pair("shm", "paged", preset_name="tiny")
+    overhead, total, parts = [], [], {"compute_s": [], "copy_s": [], "verify_s": []}
+    try:
+        for _ in range(3):
+            run(1)
+        for _ in range(runs * 5):
+            r = run(1, "sample")
+            total.append(r["transfer_s"] * 1e3)
+            overhead.append((r["transfer_s"] - r["compute_s"] - r["copy_s"] - r["verify_s"]) * 1e3)
+            for k in parts:
+                parts[k].append(r[k] * 1e3)
+    finally:
+        close()
+    out["request_1_token_ms"] = _median_range(total)
     out["control_overhead_ms"] = _median_range(overhead)
+    out["request_1_token_parts_ms"] = {k: _median_range(v) for k, v in parts.items()}
     return out
 
 
 def ratios(r: dict) -> dict:
+    """Per length: ceiling / pdstate (shm), raw engine / pdstate (native engines), each within its
+    own phase; the keys without ``_by_length`` are the 32k-token values."""
     out: dict = {}
     paths = r["paths"]
 
     def med(path: str, n: int) -> float | None:
         v = paths.get(path, {}).get(str(n))
-        return None if v is None else v.get("seconds", {}).get("median", v.get("seconds_median"))
+        return None if v is None else v["seconds"]["median"]
 
     for n in r["lengths"]:
-        c = med("paged:ceiling", n)
-        for e in ("shm", "mooncake", "nixl"):
-            pd = med(f"paged:pdstate_{e}", n)
-            if e == "shm" and pd and c:
-                out.setdefault("shm_vs_ceiling_by_length", {})[str(n)] = c / pd
-            raw = med(f"paged:raw_{e}", n)
-            if pd and raw:
-                out.setdefault(f"{e}_vs_raw_by_length", {})[str(n)] = raw / pd
-    for key in ("shm_vs_ceiling", "mooncake_vs_raw", "nixl_vs_raw"):
-        out[key] = out.get(f"{key}_by_length", {}).get("32768")
+        for mode in r["modes"]:
+            sfx = "" if mode == "paged" else f"_{mode}"
+            c = med(f"{mode}:shm:ceiling", n)
+            for variant, key in (("pdstate_shm", "shm_vs_ceiling"), ("pdstate_shm_full_verify", "shm_full_verify_vs_ceiling")):
+                pd = med(f"{mode}:shm:{variant}", n)
+                if pd and c:
+                    out.setdefault(f"{key}{sfx}_by_length", {})[str(n)] = c / pd
+        for e in ("mooncake", "nixl"):
+            raw = med(f"paged:{e}:raw_{e}", n)
+            for variant, key in ((f"pdstate_{e}", f"{e}_vs_raw"), (f"pdstate_{e}_full_verify", f"{e}_full_verify_vs_raw")):
+                pd = med(f"paged:{e}:{variant}", n)
+                if pd and raw:
+                    out.setdefault(f"{key}_by_length", {})[str(n)] = raw / pd
+    for key in [k[: -len("_by_length")] for k in list(out)]:
+        out[key] = out[f"{key}_by_length"].get("32768")
     return out
 
 
 def summary(r: dict) -> dict:
     return {
         "ratios": {k: r["ratios"].get(k) for k in ("shm_vs_ceiling", "mooncake_vs_raw", "nixl_vs_raw")}
-        | {k: v for k, v in r["ratios"].items() if k.endswith("_by_length")},
+        | {k: v for k, v in r["ratios"].items() if k not in ("shm_vs_ceiling", "mooncake_vs_raw", "nixl_vs_raw")},
         "plan_fragmented_128k_ms": r["planner"]["fragmented_ms"],
         "plan_contiguous_128k_ms": r["planner"]["contiguous_ms"],
         "plan_speedup_vs_loop": r["planner"]["loop_fragmented_ms"] / r["planner"]["fragmented_ms"],

@@ -76,12 +76,12 @@ def cmd_bench(args) -> int:
     s = bench.summary(r)
     if not args.json:
         print()
-        print(f"{'path':<34} {'tokens':>7} {'GB/s median':>12} {'[min..max]':>16}")
+        print(f"{'path':<44} {'tokens':>7} {'GB/s median':>12} {'[min..max]':>16}")
         for path, per_len in sorted(r["paths"].items()):
             for n, v in per_len.items():
-                g = v.get("gbps")
-                if g:
-                    print(f"{path:<34} {n:>7} {g['median']:>12.2f} {g['min']:>7.2f}..{g['max']:<7.2f}")
+                g = v["gbps"]
+                span = f"{g['min']:>7.2f}..{g['max']:<7.2f}" if "min" in g else ""
+                print(f"{path:<44} {n:>7} {g['median']:>12.2f} {span}")
         print()
         for k, v in s.items():
             print(f"{k}: {v}")

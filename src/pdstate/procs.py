@@ -9,7 +9,7 @@ decode that registered: id, incarnation, state, error) and ``{"cmd": "requests"}
 ``{"cmd": "fault", "delay_before_copy_s": S}`` sets the fault-injection delay of later copies.
 A decode prints ``{"event": "ready", "handshake_ms": ...}`` (or ``{"event": "refused", "type",
 "message"}`` and exits 3), then runs each ``{"cmd": "run", "lengths": [...], "concurrency": N,
-"deadline_s": S?}`` line it reads, printing one ``{"event": "result", ...}`` per request and
+"deadline_s": S?, "verify": "full"|"sample"?}`` line it reads, printing one ``{"event": "result", ...}`` per request and
 ``{"event": "batch_done"}``; ``{"cmd": "stats"}`` prints its peer state, stats, free counts and
 request bookkeeping (in flight, quarantined). EOF ends it.
 A worker whose own target/draft pair fails ``setup_state_kv_args`` (with ``local_checks``) prints
@@ -133,7 +133,7 @@ def _run_decode(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> int:
                 deadline_s = cmd.get("deadline_s")
                 while pending or inflight:
                     while pending and len(inflight) < cmd.get("concurrency", 1):
-                        inflight.append(w.submit(pending.popleft(), deadline_s=deadline_s))
+                        inflight.append(w.submit(pending.popleft(), deadline_s=deadline_s, verify=cmd.get("verify")))
                     fut = inflight.pop(0)
                     emit({"event": "result", **fut.result().as_dict()})
                 emit({"event": "batch_done", "free": w.free_counts()})

@@ -73,6 +73,7 @@ class Request:
     busy_count: int = 0
     message: wire.TransferRequest | None = None
     sent_at: float | None = None  # first send of the TransferRequest
+    verify: str = "full"
     result: TransferResult | None = None
 
 
@@ -150,10 +151,15 @@ class DecodeWorker(WorkerBase):
         return self.peer_state == PeerState.ACCEPTED
 
     # -- API for other threads ----------------------------------------------------------------
-    def submit(self, seq_len: int, room: int | None = None, deadline_s: float | None = None) -> Future:
+    def submit(self, seq_len: int, room: int | None = None, deadline_s: float | None = None,
+               verify: str | None = None) -> Future:
+        """Ask for one request's state; ``verify`` ("full" | "sample") overrides ``opts.verify``."""
+        if verify not in (None, "full", "sample"):
+            raise ValueError(f"verify must be 'full' or 'sample', not {verify!r}")
         fut: Future = Future()
         room = room if room is not None else secrets.randbits(63)
-        self._commands.put(("submit", room, seq_len, deadline_s or self.opts.request_deadline_s, fut))
+        self._commands.put(("submit", room, seq_len, deadline_s or self.opts.request_deadline_s, fut,
+                            verify or self.opts.verify))
         self._wake()
         return fut
 
@@ -267,11 +273,11 @@ class DecodeWorker(WorkerBase):
             self.peer_state = PeerState.PENDING
             self._send_register()
             return
-        _, room, seq_len, deadline_s, fut = cmd
+        _, room, seq_len, deadline_s, fut, verify = cmd
         if room in self.requests:
             settle(fut, exc=ValueError(f"room {room} is already in flight"))
             return
-        req = Request(room, seq_len, fut, now() + deadline_s)
+        req = Request(room, seq_len, fut, now() + deadline_s, verify=verify)
         self.requests[room] = req
         self.peak_in_flight = max(self.peak_in_flight, len(self.requests))
         if self.peer_state != PeerState.ACCEPTED:
@@ -393,7 +399,7 @@ class DecodeWorker(WorkerBase):
             return
         req.state = advance(req.state, RequestState.TRANSFERRING)
         t0 = now()
-        if self.opts.verify == "sample":
+        if req.verify == "sample":
             problem = synth.verify_sample(self.kv_args, req.room, req.alloc.lists, self._spans)
         else:
             problem = synth.verify_destination(self.kv_args, req.room, req.alloc.lists)
