@@ -34,6 +34,8 @@ from pdstate.presets import build_worker_pools, preset
 from pdstate.runtime import requests as rq
 
 LENGTHS = (2048, 8192, 32768, 131072)
+# same-host engine settings (NIXL: no UCX IB modules, see engines/nixl.py; Mooncake on loopback)
+ENGINE_OPTIONS = {"nixl": {"ucx_env": {"UCX_MODULES": "^ib"}}, "mooncake": {"host": "127.0.0.1"}}
 CAPACITY = 131072 + 4 * 256
 
 
@@ -41,13 +43,15 @@ def _median_range(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def _settings(mode: str):
+def _settings(mode: str, preset_name: str = "dsv4-flash"):
+    if preset_name != "dsv4-flash":
+        return preset(preset_name).with_(unified_kv=(mode == "unified"))
     return preset("dsv4-flash").with_(unified_kv=(mode == "unified"), full_tokens=CAPACITY, max_num_reqs=2)
 
 
 class _Side:
-    def __init__(self, mode: str) -> None:
-        self.pools = build_worker_pools(_settings(mode))
+    def __init__(self, mode: str, preset_name: str = "dsv4-flash") -> None:
+        self.pools = build_worker_pools(_settings(mode, preset_name))
         _, self.kv = build_report(self.pools.target, self.pools.draft)
         for t in self.pools.target.buffers.values():
             t.view(-1)[:] = 0  # first touch outside any timing
@@ -121,23 +125,56 @@ def bench_planner(runs: int) -> dict:
 
 
 def _raw_engine(name: str):
-    """Two native agents in this process writing a plan; returns ``(setup(src, dst), run(plan))``."""
+    """Two native agents in this process; returns ``(setup(src, dst) -> prepare, close)`` where
+    ``prepare(plan)`` turns a plan into the native call's own arguments (outside any timing) and
+    returns ``run()``: the native API alone writing them, no pdstate code in the loop."""
     from pdstate.engines.base import create_engine
+    from pdstate.engines.mooncake import MAX_BATCH_DESCRIPTORS
 
-    opts = {"mooncake": {"host": "127.0.0.1"}, "nixl": {}}[name]
+    opts = ENGINE_OPTIONS[name]
     dst_eng = create_engine(name, **opts)
     src_eng = create_engine(name, **opts)
 
-    def setup(src: _Side, dst: _Side) -> Callable[[TransferPlan], None]:
+    def setup(src: _Side, dst: _Side) -> Callable[[TransferPlan], Callable[[], None]]:
         dst_eng.start()
         dst_eng.register(dst.pools.memory.regions())
         src_eng.start()
         src_eng.register(src.pools.memory.regions())
-        peer = src_eng.connect(dst_eng.endpoint())
+        src_eng.connect(dst_eng.endpoint())  # the agents' own handshake (metadata, sessions)
+        if name == "mooncake":
+            native, session = src_eng._native, dst_eng.session_id
 
-        def run(plan: TransferPlan) -> None:
-            src_eng.wait(src_eng.submit(peer, plan), 120)
-        return run
+            def prepare(plan: TransferPlan) -> Callable[[], None]:
+                batches = [(c.src.tolist(), c.dst.tolist(), c.length.tolist()) for c in plan.chunks(MAX_BATCH_DESCRIPTORS)]
+
+                def run() -> None:
+                    for s_, d_, n_ in batches:
+                        rc = native.batch_transfer_sync_write(session, s_, d_, n_)
+                        if rc < 0:
+                            raise RuntimeError(f"raw mooncake write failed: {rc}")
+                return run
+            return prepare
+
+        agent, remote_name = src_eng._agent, dst_eng.agent_name
+
+        def prepare_nixl(plan: TransferPlan) -> Callable[[], None]:
+            def rows(addr):
+                r = np.zeros((len(plan), 3), dtype=np.uint64)
+                r[:, 0], r[:, 1] = addr, plan.length
+                return r
+            local = agent.get_xfer_descs(rows(plan.src), "DRAM")
+            remote = agent.get_xfer_descs(rows(plan.dst), "DRAM")
+
+            def run() -> None:
+                x = agent.initialize_xfer("WRITE", local, remote, remote_name)
+                state = agent.transfer(x)
+                while state == "PROC":
+                    state = agent.check_xfer_state(x)
+                agent.release_xfer_handle(x)
+                if state != "DONE":
+                    raise RuntimeError(f"raw nixl write ended in {state}")
+            return run
+        return prepare_nixl
 
     def close() -> None:
         for e in (src_eng, dst_eng):
@@ -150,10 +187,12 @@ def _pdstate_pair(engine: str, mode: str, preset_name: str = "dsv4-flash"):
     from pdstate.procs import WorkerProcess
     from pdstate.runtime.common import WorkerOptions
 
-    s = _settings(mode) if preset_name == "dsv4-flash" else preset(preset_name)
-    prefill = WorkerProcess(WorkerOptions(role="prefill", pool=s, engine=engine, worker_id="bench-prefill"))
+    s = _settings(mode, preset_name)
+    eo = ENGINE_OPTIONS.get(engine, {})
+    prefill = WorkerProcess(WorkerOptions(role="prefill", pool=s, engine=engine, engine_options=eo, worker_id="bench-prefill"))
     ep = prefill.read_event(180)["endpoint"]
-    decode = WorkerProcess(WorkerOptions(role="decode", pool=s, engine=engine, peer=ep, worker_id="bench-decode"))
+    decode = WorkerProcess(WorkerOptions(role="decode", pool=s, engine=engine, engine_options=eo, peer=ep,
+                                         worker_id="bench-decode"))
     ev = decode.read_event(180)
     if ev["event"] != "ready":
         prefill.close()
@@ -175,7 +214,8 @@ def _pdstate_pair(engine: str, mode: str, preset_name: str = "dsv4-flash"):
     return ev["handshake_ms"], run, close
 
 
-def _phase(mode: str, engine: str, src: _Side, dst: _Side, lengths, runs: int, results: dict, progress) -> None:
+def _phase(mode: str, engine: str, src: _Side, dst: _Side, lengths, runs: int, results: dict, progress,
+           preset_name: str = "dsv4-flash") -> None:
     """One engine's variants, interleaved per length, next to the ceiling measured in the same
     phase (only this phase's processes and agents are alive: an idle NIXL agent busy-polls a
     core, which would tax every other variant on a 2-core machine)."""
@@ -185,7 +225,7 @@ def _phase(mode: str, engine: str, src: _Side, dst: _Side, lengths, runs: int, r
         raw = (setup(src, dst), raw_close)
     progress(f"[{mode}:{engine}] starting a pdstate pair ...")
     try:
-        hs, run, close = _pdstate_pair(engine, mode)
+        hs, run, close = _pdstate_pair(engine, mode, preset_name)
     except BaseException:
         if raw is not None:
             raw[1]()
@@ -199,7 +239,7 @@ def _phase(mode: str, engine: str, src: _Side, dst: _Side, lengths, runs: int, r
                 "ceiling_gather_scatter": _gather_scatter(src, dst, a, b),
             }
             if raw is not None:
-                variants[f"raw_{engine}"] = lambda: raw[0](plan)
+                variants[f"raw_{engine}"] = raw[0](plan)
             variants[f"pdstate_{engine}"] = lambda: run(n, "sample")
             variants[f"pdstate_{engine}_full_verify"] = lambda: run(n, "full")
             times: dict[str, list[float]] = {k: [] for k in variants}

@@ -155,3 +155,40 @@ def test_demo_json(tmp_path):
     assert summary["requests"] == 4 and summary["verified"] == summary["requests"] and summary["failed"] == 0
     assert summary["bytes"] > 0 and summary["seconds"] > 0 and summary["gbps"] > 0 and summary["handshake_ms"] > 0
     assert np.isfinite(summary["gbps"])
+
+
+def test_small_requests_run_on_the_control_thread_only_while_the_transfer_thread_is_idle():
+    """shm is synchronous: a request of at most ``inline_max_bytes`` is copied on the prefill's
+    control thread (two thread hand-offs saved), but never while a bigger one is queued or
+    copying, so copies stay one at a time and in order."""
+    import threading
+
+    from tests.integration.helpers import wait_until
+
+    one_token = 1_334_784  # bytes of a 1-token tiny request (target + draft)
+    roomy = TINY.with_(swa_tokens=1024)  # SWA pages for both requests at once
+    with PrefillWorker(options("prefill", roomy, "shm", inline_max_bytes=one_token)) as p, \
+            DecodeWorker(options("decode", roomy, "shm", peer=p.endpoint)) as d:
+        d.wait_ready(10)
+        r = d.transfer(1)
+        assert r.verified and r.bytes == one_token and p.jobs_inline == 1
+
+        release, order = threading.Event(), []
+        submit = p.engine.submit
+
+        def gated(peer, plan, *a, **k):  # hold the big copy until the small request is in
+            if plan.total_bytes > one_token:
+                assert release.wait(10)
+            order.append(plan.total_bytes)
+            return submit(peer, plan, *a, **k)
+
+        p.engine.submit = gated
+        big = d.submit(300)
+        wait_until("the big request copying", lambda: any(j.state.value == "transferring" for j in p.jobs.values()))
+        small = d.submit(1)
+        wait_until("the small request queued", lambda: len(p.jobs) == 2)
+        assert not small.done() and p.jobs_inline == 1  # not run inline past the busy thread
+        release.set()
+        assert big.result(10).verified and small.result(10).verified
+        assert order == [max(order), one_token] and p.jobs_inline == 1
+        assert d.transfer(1).verified and p.jobs_inline == 2  # idle again: inline again

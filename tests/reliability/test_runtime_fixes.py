@@ -81,11 +81,11 @@ def test_cancelled_futures_never_kill_the_control_thread():
         # (a) a second submit of the same room whose caller already cancelled it
         dup: Future = Future()
         dup.cancel()
-        d._commands.put(("submit", 4242, 300, 5.0, dup))
+        d._commands.put(("submit", 4242, 300, 5.0, dup, "full"))
         # (b) a new request whose caller cancels it before it finishes
         gone: Future = Future()
         gone.cancel()
-        d._commands.put(("submit", 4343, 300, 5.0, gone))
+        d._commands.put(("submit", 4343, 300, 5.0, gone, "full"))
         d._wake()
         p.fault_delay_before_copy_s = 0.0
         for job in list(p.jobs.values()):

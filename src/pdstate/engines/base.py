@@ -140,6 +140,9 @@ class TransferEngine(ABC):
     endpoint_keys: ClassVar[tuple[str, ...]] = ()
     #: whether ``submit(..., notify=msg)`` and ``notifications()`` work
     supports_notify: ClassVar[bool] = False
+    #: whether ``submit`` finishes the copy itself, in the caller's thread, without waiting on a
+    #: peer or a network (so a small copy may run on a worker's control thread)
+    synchronous: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._lock = threading.RLock()

@@ -143,6 +143,7 @@ class ShmEngine(TransferEngine):
 
     name = "shm"
     endpoint_keys = ("boot_id",)
+    synchronous = True
 
     def __init__(self, populate: bool | str = "background", segment_dir: str = str(SHM_DIR)) -> None:
         super().__init__()

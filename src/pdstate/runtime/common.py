@@ -41,6 +41,10 @@ class WorkerOptions:
     # "full" reads every byte (one pass over the request), "sample" the first and last word of
     # every item (O(items)); see ``runtime.synth``
     verify: str = "full"
+    # prefill: a request of at most this many bytes, on a synchronous engine (shm), is computed and
+    # copied on the control thread when the transfer thread is idle: two thread hand-offs saved on
+    # the smallest requests, at most a millisecond or two of the control loop (0: never)
+    inline_max_bytes: int = 2 << 20
     # Test knob (fault injection), never set by the config file: the prefill's transfer thread
     # waits this long after computing a request's state and before the engine copy, so a test can
     # kill or freeze a process while requests are TRANSFERRING. The wait ends early when the

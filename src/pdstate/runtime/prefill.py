@@ -7,9 +7,11 @@ and leaves a record in ``finished`` (bounded) with its reason.
 
 Ordering, which the decode relies on when it reuses pages of requests it gave up on: there is ONE
 transfer thread and it finishes a job's engine transfer (or gets the engine's failure) before it
-starts the next. So every write for a request the decode sent before a re-handshake lands before
-any write for a request it sends after, and a late write can only land in pages that a later
-request's own copy overwrites before that request is verified. (An engine whose ``wait`` gives up
+starts the next. (A small request on a synchronous engine runs on the control thread instead,
+but only while the transfer thread has nothing queued or running, so copies stay one at a time.)
+So every write for a request the decode sent before a re-handshake lands before any write for a
+request it sends after, and a late write can only land in pages that a later request's own copy
+overwrites before that request is verified. (An engine whose ``wait`` gives up
 while its native transfer still runs must itself keep later transfers behind it, as the Mooncake
 adapter's single worker does.)
 
@@ -61,6 +63,8 @@ class PrefillWorker(WorkerBase):
         # (control thread) atomic, so a queued job can be failed at once, before its turn.
         self._claim = threading.Lock()
         self._detached: set[str] = set()  # engine peers of gone decodes, released when idle
+        self.jobs_inline = 0  # jobs run on the control thread (see ``_inline``)
+        self._queued = 0  # jobs handed to the transfer thread and not yet reported (under _claim)
         self._threads: list[threading.Thread] = []
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -318,7 +322,21 @@ class PrefillWorker(WorkerBase):
         job.state = advance(job.state, RequestState.WAITING_FOR_INPUT)
         self.jobs[key] = job
         self.peak_in_flight = max(self.peak_in_flight, len(self.jobs))
+        if self._inline(plan.total_bytes):
+            # Nothing is queued or copying, so running it here keeps the one-copy-at-a-time order
+            # (only this thread hands out jobs); the engine cannot block on a peer.
+            self.jobs_inline += 1
+            self._finish_job(self._run_job(job))
+            return
+        with self._claim:
+            self._queued += 1
         self._queue.put(job)
+
+    def _inline(self, nbytes: int) -> bool:
+        if not (self.engine.synchronous and nbytes <= self.opts.inline_max_bytes and self.fault_delay_before_copy_s <= 0):
+            return False
+        with self._claim:
+            return self._queued == 0
 
     def _busy(self, identity: bytes, room: int) -> None:
         """Full (in-flight limit or pool): the decode retries later; nothing is queued here."""
@@ -451,7 +469,10 @@ class PrefillWorker(WorkerBase):
                 job = self._queue.get()
                 if job is None or self._stop.is_set():
                     return
-                push.send_pyobj(self._run_job(job))
+                out = self._run_job(job)
+                with self._claim:
+                    self._queued -= 1
+                push.send_pyobj(out)
         finally:
             push.close(0)
 

@@ -1,0 +1,56 @@
+"""The benchmark's own plumbing: a phase on a small layout yields every variant, and the ratios are
+what the issue defines (ceiling / pdstate for shm, raw / pdstate for native engines, per phase)."""
+
+from __future__ import annotations
+
+from pdstate import bench
+
+
+def _row(seconds: float) -> dict:
+    return {"seconds": {"median": seconds}}
+
+
+def test_ratios_are_taken_within_each_phase():
+    r = {"lengths": [2048, 32768], "modes": ["paged"], "paths": {
+        "paged:shm:ceiling": {"2048": _row(1.0), "32768": _row(4.0)},
+        "paged:shm:pdstate_shm": {"2048": _row(2.0), "32768": _row(5.0)},
+        "paged:shm:pdstate_shm_full_verify": {"2048": _row(4.0), "32768": _row(8.0)},
+        "paged:mooncake:raw_mooncake": {"32768": _row(9.0)},
+        "paged:mooncake:pdstate_mooncake": {"32768": _row(10.0)},
+    }}
+    out = bench.ratios(r)
+    assert out["shm_vs_ceiling_by_length"] == {"2048": 0.5, "32768": 0.8}
+    assert out["shm_vs_ceiling"] == 0.8 and out["shm_full_verify_vs_ceiling"] == 0.5
+    assert out["mooncake_vs_raw"] == 0.9 and "nixl_vs_raw" not in out
+
+
+def test_a_phase_on_tiny_measures_every_variant_and_verifies():
+    src, dst = bench._Side("paged", "tiny"), bench._Side("paged", "tiny")
+    results: dict = {"paths": {}, "lengths": [300], "modes": ["paged"]}
+    lines: list[str] = []
+    bench._phase("paged", "shm", src, dst, [300], 2, results, lines.append, preset_name="tiny")
+    names = {k.split(":", 2)[2] for k in results["paths"]}
+    assert names == {"ceiling", "ceiling_memmove", "ceiling_gather_scatter", "pdstate_shm", "pdstate_shm_full_verify"}
+    row = results["paths"]["paged:shm:pdstate_shm"]["300"]
+    assert row["seconds"]["n"] == 2 and row["bytes"] > 0 and row["gbps"]["median"] > 0
+    assert results["parts"]["paged:shm:pdstate_shm:verify_s"]["300"]["median"] > 0
+    assert 0 < bench.ratios(results)["shm_vs_ceiling_by_length"]["300"] < 5
+    assert any("300 tokens" in line for line in lines)
+    assert src.pools.allocator.full_available_size() == dst.pools.allocator.full_available_size()
+
+
+def test_summary_carries_the_keys_the_issue_names():
+    r = {"ratios": {"shm_vs_ceiling": 0.8, "shm_vs_ceiling_by_length": {"32768": 0.8}},
+         "planner": {"fragmented_ms": 1.0, "contiguous_ms": 0.5, "loop_fragmented_ms": 20.0,
+                     "descriptors_contiguous": 148, "descriptors_fragmented": 31830},
+         "control": {"handshake_ms": {"median": 7.0}, "control_overhead_ms": {"median": 0.9},
+                     "request_1_token_ms": {"median": 2.0}, "first_handshake_flash_ms": 4.0}}
+    s = bench.summary(r)
+    assert set(s["ratios"]) >= {"shm_vs_ceiling", "mooncake_vs_raw", "nixl_vs_raw"}
+    assert s["ratios"]["mooncake_vs_raw"] is None  # an engine that did not run is null, not absent
+    assert s["plan_speedup_vs_loop"] == 20.0
+    assert {k: s[k] for k in ("plan_fragmented_128k_ms", "plan_contiguous_128k_ms", "handshake_ms_p50",
+                              "control_overhead_ms_p50")} == {"plan_fragmented_128k_ms": 1.0,
+                                                               "plan_contiguous_128k_ms": 0.5,
+                                                               "handshake_ms_p50": 7.0,
+                                                               "control_overhead_ms_p50": 0.9}
