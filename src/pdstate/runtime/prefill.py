@@ -64,6 +64,7 @@ class PrefillWorker(WorkerBase):
         self._claim = threading.Lock()
         self._detached: set[str] = set()  # engine peers of gone decodes, released when idle
         self.jobs_inline = 0  # jobs run on the control thread (see ``_inline``)
+        self._freeing = threading.Lock()  # held from a success's TransferDone until its pages are free
         self._queued = 0  # jobs handed to the transfer thread and not yet reported (under _claim)
         self._threads: list[threading.Thread] = []
 
@@ -121,6 +122,10 @@ class PrefillWorker(WorkerBase):
         self._close_side()
 
     # -- status (read by the API) -------------------------------------------------------------
+    def free_counts(self) -> dict[str, int]:
+        with self._freeing:
+            return super().free_counts()
+
     def peer_states(self) -> list[dict]:
         return [
             {"id": p.worker_id, "incarnation": p.incarnation, "state": p.state.value,
@@ -389,12 +394,16 @@ class PrefillWorker(WorkerBase):
         self.stats.bytes += job.plan.total_bytes
         self.stats.latencies_s.append(out.copy_s)
         del self.jobs[(out.peer, out.room)]
-        rq.free(self.pools, job.alloc)
         self._record(job.peer, job.worker_id, job.room, "success", None, seconds)
         digest = synth.plan_digest(job.room, job.alloc.lists, self.kv_args)
-        self.server.send(job.peer, wire.TransferDone(
-            room=job.room, status="success", bytes=job.plan.total_bytes, descriptors=len(job.plan), digest=digest,
-            compute_s=out.compute_s, copy_s=out.copy_s))
+        with self._freeing:
+            # The decode waits on this message, not on our pages: they are freed after it is on
+            # its way. ``free_counts`` takes this lock, so whoever has seen the TransferDone
+            # (the decode, a test, an operator) also sees the pages back.
+            self.server.send(job.peer, wire.TransferDone(
+                room=job.room, status="success", bytes=job.plan.total_bytes, descriptors=len(job.plan),
+                digest=digest, compute_s=out.compute_s, copy_s=out.copy_s))
+            rq.free(self.pools, job.alloc)
 
     def _cancel(self, job: Job, reason: str, error_type: str = "TransferFailed") -> None:
         """End ``job``. Still queued: it fails now (the transfer thread will skip it). Already
