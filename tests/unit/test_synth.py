@@ -117,22 +117,24 @@ def test_sampled_verification_passes_exact_copies_and_refuses_stale_rooms(pair, 
         rq.free(src, a), rq.free(dst, b)
 
 
-@pytest.mark.parametrize("where", ["first", "last", "middle"])
-def test_sampled_verification_reads_both_ends_of_every_item(where):
+@pytest.mark.parametrize("where", ["first", "last_of_run", "last_inside_run", "middle"])
+def test_sampled_verification_reads_every_first_word_and_the_end_of_every_run(where):
     src, dst, skv, dkv = pair_ = _pair_tiny()
     a, b, _ = _transfer(pair_, 1000, room=5)
     try:
         idx = b.lists[0]
+        assert idx.size >= 3 and np.all(np.diff(idx) == 1), idx  # one run of pages
+        k = idx.size - 1 if where == "last_of_run" else 1
         item = dkv.kv_item_lens[2]
-        words = synth.words_view(dkv.kv_data_ptrs[2] + int(idx[1]) * item, item)
-        pos = {"first": 0, "last": -1, "middle": words.size // 2}[where]
+        words = synth.words_view(dkv.kv_data_ptrs[2] + int(idx[k]) * item, item)
+        pos = {"first": 0, "last_of_run": -1, "last_inside_run": -1, "middle": words.size // 2}[where]
         words[pos] += np.uint64(1)
         got = synth.verify_sample(dkv, 5, b.lists, _spans(dst))
-        if where == "middle":  # what sampling gives up; the full pass still sees it
+        if where in ("middle", "last_inside_run"):  # what sampling gives up; the full pass sees it
             assert got is None
             assert synth.verify_destination(dkv, 5, b.lists) is not None
         else:
-            assert got == (f"channel 0 (main_kv) buffer 2: item 1 (index {int(idx[1])}) "
+            assert got == (f"channel 0 (main_kv) buffer 2: item {k} (index {int(idx[k])}) "
                            "holds other content (stale, misplaced or partially written)")
     finally:
         rq.free(src, a), rq.free(dst, b)

@@ -38,8 +38,8 @@ class WorkerOptions:
     max_inflight: int = 64
     local_checks: bool = True
     # decode: how the bytes that landed are checked against the room's synthetic content:
-    # "full" reads every byte (one pass over the request), "sample" the first and last word of
-    # every item (O(items)); see ``runtime.synth``
+    # "full" reads every byte (one pass over the request), "sample" the first word of every item
+    # and the last of every run of items (O(items)); see ``runtime.synth``
     verify: str = "full"
     # prefill: a request of at most this many bytes, on a synchronous engine (shm), is computed and
     # copied on the control thread when the transfer thread is idle: two thread hand-offs saved on
