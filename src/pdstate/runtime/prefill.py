@@ -1,8 +1,8 @@
 """The prefill worker: serves any number of decode workers over one ROUTER socket.
 
 Threads: the control thread owns the socket, the allocator and every request record; one transfer
-thread runs the (synthesised) prefill compute and the engine copy, and hands results back over an
-inproc socket. Every request that entered ends SUCCESS or FAILED, its pages freed exactly once,
+thread (``runtime.transfer.TransferRunner``) runs the (synthesised) prefill compute and the engine
+copy, and hands results back over an inproc socket. Every request that entered ends SUCCESS or FAILED, its pages freed exactly once,
 and leaves a record in ``finished`` (bounded) with its reason.
 
 Ordering, which the decode relies on when it reuses pages of requests it gave up on: there is ONE
@@ -21,14 +21,13 @@ already ran, the decode is not going to verify it, so both sides record FAILED w
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections import OrderedDict
 
 import zmq
 
 from pdstate import wire
-from pdstate.errors import AllocationError, AuthError, EngineError, PdStateError, PeerGone, ProtocolError, VersionMismatch
+from pdstate.errors import AllocationError, AuthError, PdStateError, PeerGone, ProtocolError, VersionMismatch
 from pdstate.handshake import PeerState, PrefillHandshake, RequestState, advance
 from pdstate.layout import ErrorInfo
 from pdstate.planner import PairPlanner
@@ -37,6 +36,7 @@ from pdstate.runtime import synth
 from pdstate.runtime.common import Stats, WorkerBase, WorkerOptions, local_side, log, new_incarnation, now
 from pdstate.runtime.records import Job, JobOutcome, Peer
 from pdstate.runtime.control import ControlServer
+from pdstate.runtime.transfer import TransferRunner
 
 MAX_FINISHED = 10000  # terminal records kept for inspection (oldest dropped first)
 MAX_IDLE_PEERS = 256  # rejected/gone peer records kept (accepted ones are always kept)
@@ -58,14 +58,12 @@ class PrefillWorker(WorkerBase):
         self.fault_delay_before_copy_s = opts.fault_delay_before_copy_s
         self._stop = threading.Event()
         self._ready = threading.Event()
-        self._queue: queue.Queue[Job | None] = queue.Queue()
         # Makes "not cancelled? then TRANSFERRING" (transfer thread) and "cancel; still queued?"
         # (control thread) atomic, so a queued job can be failed at once, before its turn.
-        self._claim = threading.Lock()
+        self.claim = threading.Lock()
         self._detached: set[str] = set()  # engine peers of gone decodes, released when idle
         self.jobs_inline = 0  # jobs run on the control thread (see ``_inline``)
         self._freeing = threading.Lock()  # held from a success's TransferDone until its pages are free
-        self._queued = 0  # jobs handed to the transfer thread and not yet reported (under _claim)
         self._threads: list[threading.Thread] = []
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -81,7 +79,7 @@ class PrefillWorker(WorkerBase):
             self._release()
             self._close_side()
             raise
-        for target, name in ((self._control_loop, "pdstate-prefill-control"), (self._transfer_loop, "pdstate-prefill-transfer")):
+        for target, name in ((self._control_loop, "pdstate-prefill-control"), (self.runner.thread_main, "pdstate-prefill-transfer")):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -101,6 +99,7 @@ class PrefillWorker(WorkerBase):
         self._results_pull = self.ctx.socket(zmq.PULL)
         self._results_pull.setsockopt(zmq.LINGER, 0)
         self._results_pull.bind(self._results_addr)
+        self.runner = TransferRunner(self, self._results_addr)
 
     def _release(self) -> None:
         """Close the sockets ``_build`` got to (a failed start)."""
@@ -114,7 +113,8 @@ class PrefillWorker(WorkerBase):
 
     def stop(self) -> None:
         self._stop.set()
-        self._queue.put(None)
+        if getattr(self, "runner", None) is not None:
+            self.runner.stop()
         for job in list(self.jobs.values()):  # wake a transfer thread waiting in a fault delay
             job.cancel_event.set()
         for t in self._threads:
@@ -331,17 +331,14 @@ class PrefillWorker(WorkerBase):
             # Nothing is queued or copying, so running it here keeps the one-copy-at-a-time order
             # (only this thread hands out jobs); the engine cannot block on a peer.
             self.jobs_inline += 1
-            self._finish_job(self._run_job(job))
+            self._finish_job(self.runner.run(job))
             return
-        with self._claim:
-            self._queued += 1
-        self._queue.put(job)
+        self.runner.submit(job)
 
     def _inline(self, nbytes: int) -> bool:
         if not (self.engine.synchronous and nbytes <= self.opts.inline_max_bytes and self.fault_delay_before_copy_s <= 0):
             return False
-        with self._claim:
-            return self._queued == 0
+        return self.runner.idle()
 
     def _busy(self, identity: bytes, room: int) -> None:
         """Full (in-flight limit or pool): the decode retries later; nothing is queued here."""
@@ -409,7 +406,7 @@ class PrefillWorker(WorkerBase):
         """End ``job``. Still queued: it fails now (the transfer thread will skip it). Already
         TRANSFERRING: the transfer thread owns it until it reports back, so no byte can move
         after the decode was told the request failed; its fault delay, if any, ends at once."""
-        with self._claim:
+        with self.claim:
             if job.cancelled is not None:
                 return
             job.cancelled = ErrorInfo(type=error_type, message=reason)
@@ -467,50 +464,3 @@ class PrefillWorker(WorkerBase):
         for job in list(self.jobs.values()):
             if t > job.deadline and job.state != RequestState.TRANSFERRING:
                 self._cancel(job, "deadline exceeded before the transfer started")
-
-    # -- transfer thread ----------------------------------------------------------------------
-    def _transfer_loop(self) -> None:
-        push = self.ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.connect(self._results_addr)
-        try:
-            while True:
-                job = self._queue.get()
-                if job is None or self._stop.is_set():
-                    return
-                out = self._run_job(job)
-                with self._claim:
-                    self._queued -= 1
-                push.send_pyobj(out)
-        finally:
-            push.close(0)
-
-    def _run_job(self, job: Job) -> JobOutcome:
-        """Compute the request's state and copy it; never raises (every failure is reported)."""
-        compute_s = copy_s = 0.0
-        error, engine_failed = None, False
-        with self._claim:
-            if job.cancelled is None:
-                job.state = advance(job.state, RequestState.TRANSFERRING)
-            else:
-                error = job.cancelled  # failed already by the control thread (or failing now)
-        if error is None:
-            try:
-                t0 = now()
-                synth.fill_source(self.kv_args, job.room, job.alloc.lists)
-                compute_s = now() - t0
-                delay_s = self.fault_delay_before_copy_s
-                if delay_s > 0:
-                    job.cancel_event.wait(delay_s)
-                if job.cancelled is not None:
-                    return JobOutcome(job.peer, job.room, job.cancelled, False, compute_s, 0.0)
-                peer = self.peers.get(job.peer)
-                if peer is None or peer.engine_peer is None:
-                    raise PeerGone("peer gone before the transfer started")
-                t1 = now()
-                handle = self.engine.submit(peer.engine_peer, job.plan)
-                self.engine.wait(handle, max(0.001, job.deadline - now()))
-                copy_s = now() - t1
-            except Exception as exc:  # engine failures of every kind end the request
-                error, engine_failed = ErrorInfo.of(exc), isinstance(exc, EngineError)
-        return JobOutcome(job.peer, job.room, error, engine_failed, compute_s, copy_s)

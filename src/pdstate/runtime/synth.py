@@ -77,20 +77,24 @@ def _ramp(words: int) -> np.ndarray:
     return np.arange(words, dtype=np.uint64)
 
 
-_CHANNELS: dict[int, tuple[object, list]] = {}
+_CHANNELS: dict[int, tuple[object, list, dict]] = {}
+
+
+def _cached(desc) -> tuple[object, list, dict]:
+    """``(desc, channels_of(desc), per-spans sample layouts)``, kept per descriptor object (a
+    worker's own ``KVArgs`` lives as long as the worker; the reference held here keeps its id
+    from being reused while the entry exists)."""
+    hit = _CHANNELS.get(id(desc))
+    if hit is not None and hit[0] is desc:
+        return hit
+    if len(_CHANNELS) >= 64:
+        _CHANNELS.pop(next(iter(_CHANNELS)))
+    hit = _CHANNELS[id(desc)] = (desc, channels_of(desc), {})
+    return hit
 
 
 def _channels_of(desc) -> list:
-    """``channels_of(desc)``, kept per descriptor object (a worker's own ``KVArgs`` lives as long as
-    the worker; the reference held here keeps its id from being reused)."""
-    hit = _CHANNELS.get(id(desc))
-    if hit is not None and hit[0] is desc:
-        return hit[1]
-    chans = channels_of(desc)
-    if len(_CHANNELS) >= 64:
-        _CHANNELS.pop(next(iter(_CHANNELS)))
-    _CHANNELS[id(desc)] = (desc, chans)
-    return chans
+    return _cached(desc)[1]
 
 
 def _runs(idx: np.ndarray) -> list[tuple[int, int, int]]:
@@ -151,37 +155,53 @@ def _span_words(base: int, nbytes: int) -> np.ndarray:
     return words_view(base, nbytes - nbytes % 8)
 
 
+def _sample_layout(desc, spans: tuple[tuple[int, int], ...]) -> list:
+    """Per channel: the word view of the span holding all its buffers, each buffer's first word
+    in that view, and its item length in words (``None`` for a channel outside every span)."""
+    _, chans, layouts = _cached(desc)
+    if spans in layouts:
+        return layouts[spans]
+    out = []
+    for chan in chans:
+        ends = chan.ptrs + chan.lens
+        home = [(b, n) for b, n in spans if chan.ptrs.size and int(chan.ptrs.min()) >= b and int(ends.max()) <= b + n]
+        if not home or np.any(chan.ptrs % np.uint64(8)) or np.any(chan.items % np.uint64(8)):
+            out.append(None)
+            continue
+        base, nbytes = home[0]
+        out.append((_span_words(base, nbytes), (chan.ptrs - np.uint64(base)) // np.uint64(8),
+                    (chan.items // np.uint64(8))[:, None]))
+    layouts[spans] = out
+    return out
+
+
 def verify_sample(desc, room: int, lists: list[np.ndarray], spans: list[tuple[int, int]]) -> str | None:
     """Like ``verify_destination``, reading only the first word of every addressed item and the
     last word of every run of consecutive items (the end of each copy that wrote them): a wrong,
     shifted or stale item, or a copy cut short, still fails; damage strictly inside an item does
-    not. One gather per channel and memory span: O(items) reads, not O(bytes) (on 4 KiB pages
-    each read is a TLB and cache miss, so fewer reads is what makes it cheap).
+    not. Two gathers per channel: O(items) reads, not O(bytes) (on 4 KiB pages each read is a
+    TLB and cache miss, so fewer reads is what makes it cheap).
 
     ``spans``: the ``(base_ptr, nbytes)`` of the memory regions the buffers live in.
     """
-    span_base = np.array(sorted(b for b, _ in spans), dtype=np.uint64)
-    span_len = dict(spans)
-    for c, (chan, idx) in enumerate(zip(_channels_of(desc), lists)):
+    chans = _channels_of(desc)
+    layout = _sample_layout(desc, tuple(sorted(spans)))
+    for c, (chan, idx, lay) in enumerate(zip(chans, lists, layout)):
         if idx.size == 0 or chan.ptrs.size == 0:
             continue
+        if lay is None:
+            raise ValueError(f"channel {c} ({chan.name}): buffers outside the given spans")
+        words, off, iw = lay
         bases = channel_bases(room, c, chan.ptrs.size, idx.size)
-        run_ends = np.flatnonzero(np.diff(idx) != 1).tolist() + [idx.size - 1]  # positions in idx
-        first = chan.ptrs[:, None] + idx.astype(np.uint64)[None, :] * chan.items[:, None]
-        last = first[:, run_ends] + (chan.items[:, None] - np.uint64(8))
-        got_first, got_last = np.empty_like(bases), np.empty_like(last)
-        which = np.searchsorted(span_base, chan.ptrs, side="right") - 1
-        for k in np.unique(which).tolist():
-            base = int(span_base[k])
-            words = _span_words(base, span_len[base])
-            rows = which == k
-            if int(last[rows].max()) + 8 > base + words.size * 8 or int(chan.ptrs[rows].min()) < base:
-                raise ValueError(f"channel {c} ({chan.name}): buffers outside the given spans")
-            got_first[rows] = words[(first[rows] - np.uint64(base)) // np.uint64(8)]
-            got_last[rows] = words[(last[rows] - np.uint64(base)) // np.uint64(8)]
-        w = (chan.items // np.uint64(8))[:, None]
-        bad = got_first != bases
-        bad[:, run_ends] |= got_last != bases[:, run_ends] + (w - np.uint64(1))
+        pos = off[:, None] + idx.astype(np.uint64)[None, :] * iw  # first word of every item
+        if idx.size <= 64:
+            il = idx.tolist()
+            ends = [k for k in range(len(il) - 1) if il[k + 1] != il[k] + 1] + [len(il) - 1]
+        else:
+            ends = np.append(np.flatnonzero(np.diff(idx) != 1), idx.size - 1)
+        bad = words[pos] != bases
+        last = iw - np.uint64(1)
+        bad[:, ends] |= words[pos[:, ends] + last] != bases[:, ends] + last
         if bad.any():
             j, k = (int(x[0]) for x in np.nonzero(bad))
             return (f"channel {c} ({chan.name}) buffer {j}: item {k} (index {int(idx[k])}) "
