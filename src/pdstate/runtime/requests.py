@@ -44,7 +44,11 @@ def allocate(pools: WorkerPools, names: list[str], seq_len: int) -> Allocation:
         raise
     pools.req_to_token.write(slot, locs)
     try:
-        lists = [_list_for(name, pools, slot, locs, seq_len) for name in names]
+        by_name: dict[str, np.ndarray] = {}  # the draft's SWA channel shares the target's list
+        for name in names:
+            if name not in by_name:
+                by_name[name] = _list_for(name, pools, slot, locs, seq_len)
+        lists = [by_name[name] for name in names]
     except Exception:
         alloc.free(locs)
         pools.req_to_token.free(slot)
