@@ -192,6 +192,10 @@ def _forked_main(opts_json: str, cmd_conn, event_conn, log_path: str) -> None:
     os.close(fd)
     rc = 1
     try:
+        from pdstate.runtime.common import tune_interpreter
+
+        tune_interpreter()  # as ``main`` does for a subprocess worker
+
         def lines():
             while True:
                 try:

@@ -34,6 +34,12 @@ Traps (measured on this box):
 * The agent is not thread-safe in its default sync mode; the engine's lock (``base.py``)
   serialises every call into it.
 * A peer that went away fails the next transfer at once with ``NIXL_ERR_REMOTE_DISCONNECT``.
+* IDLE CPU. Each agent's progress thread (NIXL's default, ``enable_prog_thread=True``) keeps a
+  core busy even with nothing to move: two idle agents used 5.9 s of CPU in 3 s (nixl-cu12
+  1.5.1, UCX over cma/tcp; ``UCX_TLS`` did not change it). Without the progress thread a
+  transfer between two agents stalled (the target must progress too), so it stays on: budget a
+  core per agent, and on a small host do not measure other work while NIXL agents live
+  (``pdstate bench`` runs each engine in its own phase for this reason).
 """
 
 from __future__ import annotations
