@@ -366,11 +366,29 @@ def _rows(p: TransferPlan):
     return list(zip(p.src.tolist(), p.dst.tolist(), p.length.tolist()))
 
 
+PATHS = pytest.mark.parametrize("small_list", [planner.SMALL_LIST, -1], ids=["python", "numpy"])
+
+
+class _Path:
+    """Plan through the plain-Python small-request path (the default limit) or force numpy."""
+
+    def __init__(self, small_list: int) -> None:
+        self.small_list = small_list
+
+    def __enter__(self):
+        self.saved, planner.SMALL_LIST = planner.SMALL_LIST, self.small_list
+
+    def __exit__(self, *exc):
+        planner.SMALL_LIST = self.saved
+
+
+@PATHS
 @_PROPS
-@given(requests())
-def test_plan_covers_exactly_the_reference_bytes(req):
+@given(req=requests())
+def test_plan_covers_exactly_the_reference_bytes(small_list, req):
     src, dst, si, di = req
-    p = plan_request(src, dst, si, di)
+    with _Path(small_list):
+        p = plan_request(src, dst, si, di)
     ref = reference(src, dst, si, di)
     assert byte_ranges(_rows(p)) == byte_ranges(ref)
     assert byte_map(_rows(p)) == byte_map(ref)
@@ -378,18 +396,57 @@ def test_plan_covers_exactly_the_reference_bytes(req):
     assert len(p) <= len(ref)
 
 
+@PATHS
 @_PROPS
-@given(requests(contiguous=True))
-def test_a_contiguous_list_gives_one_descriptor_per_buffer(req):
+@given(req=requests(contiguous=True))
+def test_a_contiguous_list_gives_one_descriptor_per_buffer(small_list, req):
     src, dst, si, di = req
-    p = plan_request(src, dst, si, di)
+    with _Path(small_list):
+        p = plan_request(src, dst, si, di)
     expected = sum(c.items.size for c, lst in zip(planner.channels_of(src), si) if len(lst))
     assert len(p) == expected
     assert byte_ranges(_rows(p)) == byte_ranges(reference(src, dst, si, di))
 
 
+@PATHS
 @_PROPS
-@given(requests())
-def test_the_loop_baseline_gives_the_same_descriptors_in_the_same_order(req):
+@given(req=requests())
+def test_the_loop_baseline_gives_the_same_descriptors_in_the_same_order(small_list, req):
     src, dst, si, di = req
-    assert plan_request_loop(src, dst, si, di) == _rows(plan_request(src, dst, si, di))
+    with _Path(small_list):
+        assert plan_request_loop(src, dst, si, di) == _rows(plan_request(src, dst, si, di))
+
+
+def _outcome(fn):
+    try:
+        return _rows(fn())
+    except Exception as exc:  # the same class and text on both paths
+        return (type(exc).__name__, str(exc))
+
+
+@_PROPS
+@given(req=requests(), data=st.data())
+def test_python_and_numpy_paths_agree_on_plans_and_refusals(req, data):
+    src, dst, si, di = req
+    si, di = [list(x) for x in si], [list(x) for x in di]
+    c = data.draw(st.integers(0, len(si) - 1))
+    damage = data.draw(st.sampled_from(["none", "negative", "past_end", "duplicate", "zero", "count"]))
+    if damage != "none" and si[c]:
+        k = data.draw(st.integers(0, len(si[c]) - 1))
+        side = data.draw(st.sampled_from([si, di]))
+        if damage == "negative":
+            side[c][k] = -1
+        elif damage == "past_end":
+            side[c][k] = 10_000
+        elif damage == "duplicate":
+            side[c].append(side[c][k])
+            (di if side is si else si)[c].append(10_001)
+        elif damage == "zero":
+            side[c][k] = 0
+        else:
+            side[c].pop(k)
+    with _Path(planner.SMALL_LIST):
+        small = _outcome(lambda: plan_request(src, dst, si, di))
+    with _Path(-1):
+        big = _outcome(lambda: plan_request(src, dst, si, di))
+    assert small == big
