@@ -63,6 +63,7 @@ class ControlSection(_Section):
     peer_timeout_s: float = Field(5.0, gt=0)
     request_deadline_s: float = Field(30.0, gt=0)
     max_inflight: int = Field(64, gt=0)
+    inline_max_bytes: int = Field(2 << 20, ge=0)
 
 
 class HttpSection(_Section):
@@ -132,6 +133,7 @@ class WorkerConfig(_Section):
             peer_timeout_s=self.control.peer_timeout_s,
             request_deadline_s=self.control.request_deadline_s,
             max_inflight=self.control.max_inflight,
+            inline_max_bytes=self.control.inline_max_bytes,
             local_checks=self.checks.local,
             verify=self.checks.verify,
         )
