@@ -219,9 +219,11 @@ class TransferEngine(ABC):
     def connect(self, endpoint: Mapping[str, Any]) -> str:
         """Connect to a decode engine's endpoint; returns the peer id for ``submit``.
 
-        Connecting again to the same engine returns the same id (re-reading its regions).
-        Raises ``InvalidEndpoint`` for a malformed/foreign endpoint, ``EngineError`` if the peer
-        cannot be reached.
+        Connecting again to the same engine returns the same id: with an identical endpoint the
+        existing connection is kept as it is (a decode that registers again, the common case: no
+        re-mapping, no new native session); with a changed one its regions are read again and
+        the native state rebuilt. Raises ``InvalidEndpoint`` for a malformed/foreign endpoint,
+        ``EngineError`` if the peer cannot be reached.
         """
         self._require_started("connect")
         if not isinstance(endpoint, Mapping) or endpoint.get("engine") != self.name:
@@ -231,6 +233,9 @@ class TransferEngine(ABC):
         if missing:
             raise InvalidEndpoint(f"{self.name} endpoint is missing {', '.join(missing)}")
         peer_id = f"{self.name}:{endpoint['engine_id']}"
+        current = self._peers.get(peer_id)
+        if current is not None and current.endpoint == dict(endpoint):
+            return peer_id
         old = self._peers.pop(peer_id, None)
         if old is not None:
             self._disconnect(old)
