@@ -11,7 +11,9 @@ change of a message's fields):
 - 1: Register, Accept, Reject, Heartbeat, TransferRequest, TransferDone, Abort, Busy, Error.
   (Before the first release, v1 gained ``TransferDone.compute_s`` and ``TransferDone.copy_s``:
   the prefill's time computing the request's state and moving it, so the decode can split a
-  request's latency; both default to 0.)
+  request's latency; both default to 0. It also came to accept ``TransferRequest.seq_len`` 0,
+  an empty transfer: no pages or state move; the control path alone, for probes and for
+  measuring it.)
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ class Heartbeat(Message):
 class TransferRequest(Message):
     KIND: ClassVar[str] = "transfer_request"
     room: I63
-    seq_len: Annotated[int, Field(ge=1, le=1 << 24)]
+    seq_len: Annotated[int, Field(ge=0, le=1 << 24)]  # 0: an empty transfer (the control path alone)
     dst_kv_pages: PackedIndices
     dst_state_indices: list[PackedIndices] = Field(max_length=MAX_COMPONENTS)
     deadline_s: float = Field(gt=0, le=3600)

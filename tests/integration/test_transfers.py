@@ -39,9 +39,10 @@ from tests.integration.helpers import (
     run_batch,
 )
 
-# shorter than the window, exactly the window / one C128 group, C128 +1, page -1, one page,
-# page +1, three C128 groups, across many pages (tiny: page 256, window 128, 1024 tokens)
-LENGTHS = [100, 128, 129, 255, 256, 257, 384, 1000]
+# empty (the control path alone: nothing may change), shorter than the window, exactly the window
+# / one C128 group, C128 +1, page -1, one page, page +1, three C128 groups, across many pages
+# (tiny: page 256, window 128, 1024 tokens)
+LENGTHS = [0, 100, 128, 129, 255, 256, 257, 384, 1000]
 
 
 @pytest.fixture
@@ -105,7 +106,9 @@ def test_transfers_land_exactly_in_target_and_draft(engine, mode, draft, decode_
             problem = compare_images(regions, expected)
             assert problem is None, f"{seq_len} tokens: {problem}"
             for i in draft_regions:  # the draft really received this request's window
-                assert (expected[i] != SENTINEL).any()
+                assert (expected[i] != SENTINEL).any() == (seq_len > 0)
+            if seq_len == 0:
+                assert res.bytes == 0 and res.descriptors == 0
             assert d.free_counts() == free_d and p.free_counts() == free_p, f"pages leaked after {seq_len} tokens"
         assert len([1 for pools, _, _ in decode_allocations if pools is d.pools]) == len(LENGTHS)
         assert d.stats.transfers["failed"] == 0 and p.stats.transfers["failed"] == 0

@@ -44,7 +44,8 @@ def test_summary_carries_the_keys_the_issue_names():
          "planner": {"fragmented_ms": 1.0, "contiguous_ms": 0.5, "loop_fragmented_ms": 20.0,
                      "descriptors_contiguous": 148, "descriptors_fragmented": 31830},
          "control": {"handshake_ms": {"median": 7.0}, "control_overhead_ms": {"median": 0.9},
-                     "request_1_token_ms": {"median": 2.0}, "first_handshake_flash_ms": 4.0}}
+                     "request_1_token_ms": {"median": 2.0}, "request_1_token_overhead_ms": {"median": 1.1},
+                     "first_handshake_flash_ms": 4.0}}
     s = bench.summary(r)
     assert set(s["ratios"]) >= {"shm_vs_ceiling", "mooncake_vs_raw", "nixl_vs_raw"}
     assert s["ratios"]["mooncake_vs_raw"] is None  # an engine that did not run is null, not absent

@@ -580,3 +580,12 @@ def mutated_bodies(draw):
 @given(mutated_bodies())
 def test_decode_of_mutated_bodies_only_raises_protocol_errors(data):
     _decode_only_raises_protocol_errors(data)
+
+
+def test_seq_len_zero_is_an_empty_transfer_and_negative_is_refused():
+    body = body_of("transfer_request") | {"seq_len": 0}
+    assert wire.decode(frame("transfer_request", body)).seq_len == 0
+    refused(frame("transfer_request", body | {"seq_len": -1}), ProtocolError,
+            "invalid transfer_request: seq_len: Input should be greater than or equal to 0 (1 error(s))")
+    refused(frame("transfer_request", body | {"seq_len": (1 << 24) + 1}), ProtocolError,
+            "invalid transfer_request: seq_len: Input should be less than or equal to 16777216 (1 error(s))")

@@ -156,6 +156,8 @@ class DecodeWorker(WorkerBase):
         """Ask for one request's state; ``verify`` ("full" | "sample") overrides ``opts.verify``."""
         if verify not in (None, "full", "sample"):
             raise ValueError(f"verify must be 'full' or 'sample', not {verify!r}")
+        if seq_len < 0:
+            raise ValueError(f"seq_len must not be negative, got {seq_len} (0: an empty transfer)")
         fut: Future = Future()
         room = room if room is not None else secrets.randbits(63)
         self._commands.put(("submit", room, seq_len, deadline_s or self.opts.request_deadline_s, fut,

@@ -34,11 +34,15 @@ def capacity_tokens(pools: WorkerPools) -> int:
 
 
 def allocate(pools: WorkerPools, names: list[str], seq_len: int) -> Allocation:
-    """Allocate a request of ``seq_len`` prompt tokens; raises ``AllocationError`` when full."""
+    """Allocate a request of ``seq_len`` prompt tokens (0: an empty transfer, a request slot alone);
+    raises ``AllocationError`` when full."""
     target, alloc = pools.target, pools.allocator
+    if seq_len < 0:
+        raise AllocationError(f"seq_len must not be negative, got {seq_len}")
     slot = pools.req_to_token.alloc()
     try:
-        locs = alloc.alloc_swa_tail(seq_len, target.sliding_window)
+        # seq_len 0, an empty transfer: a request slot and no pages (every index list is empty)
+        locs = alloc.alloc_swa_tail(seq_len, target.sliding_window) if seq_len else torch.empty(0, dtype=torch.int64)
     except AllocationError:
         pools.req_to_token.free(slot)
         raise
