@@ -151,7 +151,8 @@ class CompatVerdict(BaseModel):
 
 class TransferIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    tokens: int = Field(gt=0, description="prompt length (seq_len) of the synthetic request")
+    tokens: int = Field(ge=0, description="prompt length (seq_len) of the synthetic request; 0: an empty transfer "
+                                        "(no bytes move: the control path alone, a cheap end-to-end probe)")
     room: int | None = Field(None, ge=0, lt=1 << 63, description="63-bit request id; random when omitted")
 
 

@@ -251,7 +251,10 @@ def test_transfers(cluster, http):
     assert http.post(f"{d}/v1/transfers", json=body, headers=auth).status_code == 409  # room used
     r2 = http.post(f"{d}/v1/transfers", json={"tokens": 1000}, headers=auth).json()  # random room
     assert r2["status"] == "success" and r2["verified"] and r2["room"] != 4242
-    assert http.post(f"{d}/v1/transfers", json={"tokens": 0}, headers=auth).status_code == 422
+    r0 = http.post(f"{d}/v1/transfers", json={"tokens": 0}, headers=auth).json()  # an empty transfer
+    assert r0["status"] == "success" and r0["verified"] and r0["bytes"] == 0 and r0["descriptors"] == 0
+    assert r0["transfer_s"] > 0 and r0["copy_s"] >= 0
+    assert http.post(f"{d}/v1/transfers", json={"tokens": -1}, headers=auth).status_code == 422
     assert http.post(f"{p}/v1/transfers", json=body, headers=auth).status_code == 409  # not on a prefill
     assert http.get(f"{p}/v1/transfers/4242").status_code == 409
 
@@ -263,9 +266,9 @@ def test_transfers(cluster, http):
 
     # the prefill counts a transfer when the engine finished; the decode after verifying it
     for url in (d, p):
-        wait_for(lambda: metric(url, 'pdstate_transfers_total{outcome="success"}') == 2, 10, f"{url} success count")
-        assert metric(url, "pdstate_transfer_bytes_total") == res["bytes"] + r2["bytes"]
-        assert metric(url, "pdstate_transfer_latency_seconds_count") == 2
+        wait_for(lambda: metric(url, 'pdstate_transfers_total{outcome="success"}') == 3, 10, f"{url} success count")
+        assert metric(url, "pdstate_transfer_bytes_total") == res["bytes"] + r2["bytes"]  # (+0: the empty one)
+        assert metric(url, "pdstate_transfer_latency_seconds_count") == 3
         assert metric(url, 'pdstate_transfers_total{outcome="failed"}') == 0
         assert metric(url, "pdstate_transfers_in_flight") == 0
         assert metric(url, "pdstate_engine_errors_total") == 0
