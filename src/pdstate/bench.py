@@ -371,10 +371,62 @@ def bench_control(runs: int) -> dict:
     finally:
         close()
     out["control_overhead_ms"] = _median_range(empty)
+    out["zmq_round_trip_ms"] = zmq_round_trip(runs * 5)
     out["request_1_token_ms"] = _median_range(total)
     out["request_1_token_overhead_ms"] = _median_range(rest)
     out["request_1_token_parts_ms"] = {k: _median_range(v) for k, v in parts.items()}
     return out
+
+
+_ECHO_SERVER = """
+import sys, zmq
+ctx = zmq.Context(); r = ctx.socket(zmq.ROUTER); r.setsockopt(zmq.LINGER, 0)
+print(r.bind_to_random_port("tcp://127.0.0.1"), flush=True)
+poller = zmq.Poller(); poller.register(r, zmq.POLLIN)
+while True:
+    if dict(poller.poll(250)):
+        ident, m = r.recv_multipart()
+        if m == b"stop":
+            break
+        r.send_multipart([ident, m])
+"""
+
+
+def zmq_round_trip(runs: int) -> dict:
+    """The floor under any control message exchange here: a bare ZeroMQ DEALER/ROUTER echo of a
+    200-byte message between this process and another, each side sleeping in a poller between
+    messages as the workers do (on a VM, waking a sleeping thread is most of the cost)."""
+    import subprocess
+    import sys
+
+    import zmq
+
+    proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER], stdout=subprocess.PIPE, text=True)
+    ctx = zmq.Context.instance()
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    try:
+        d.connect(f"tcp://127.0.0.1:{int(proc.stdout.readline())}")
+        poller = zmq.Poller()
+        poller.register(d, zmq.POLLIN)
+        xs = []
+        for i in range(runs + 10):
+            t0 = time.perf_counter()
+            d.send(b"x" * 200)
+            if not dict(poller.poll(5000)):
+                raise RuntimeError("no echo from the ZeroMQ echo process within 5 s")
+            d.recv()
+            if i >= 10:
+                xs.append((time.perf_counter() - t0) * 1e3)
+            time.sleep(0.001)  # idle between requests, as a worker is
+        d.send(b"stop")
+    finally:
+        d.close(0)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return _median_range(xs)
 
 
 def ratios(r: dict) -> dict:
@@ -417,6 +469,7 @@ def summary(r: dict) -> dict:
         "control_overhead_ms_p50": r["control"]["control_overhead_ms"]["median"],
         "request_1_token_ms_p50": r["control"]["request_1_token_ms"]["median"],
         "request_1_token_overhead_ms_p50": r["control"]["request_1_token_overhead_ms"]["median"],
+        "zmq_round_trip_ms_p50": r["control"].get("zmq_round_trip_ms", {}).get("median"),
         "first_handshake_flash_ms": r["control"]["first_handshake_flash_ms"],
         "descriptors_contiguous_128k": r["planner"]["descriptors_contiguous"],
         "descriptors_fragmented_128k": r["planner"]["descriptors_fragmented"],

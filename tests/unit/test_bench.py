@@ -55,3 +55,8 @@ def test_summary_carries_the_keys_the_issue_names():
                                                                "plan_contiguous_128k_ms": 0.5,
                                                                "handshake_ms_p50": 7.0,
                                                                "control_overhead_ms_p50": 0.9}
+
+
+def test_zmq_round_trip_baseline_runs_between_two_processes():
+    r = bench.zmq_round_trip(20)
+    assert r["n"] == 20 and 0 < r["min"] <= r["median"] <= r["max"] < 1000
