@@ -187,7 +187,7 @@ def test_small_requests_run_on_the_control_thread_only_while_the_transfer_thread
 
         p.engine.submit = gated
         big = d.submit(300)
-        wait_until("the big request copying", lambda: any(j.state.value == "transferring" for j in p.jobs.values()))
+        wait_until("the big request copying", lambda: any(j.state.value == "transferring" for j in list(p.jobs.values())))
         small = d.submit(1)
         wait_until("the small request queued", lambda: len(p.jobs) == 2)
         assert not small.done() and p.jobs_inline == 1  # not run inline past the busy thread
