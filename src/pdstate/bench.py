@@ -476,6 +476,10 @@ def summary(r: dict) -> dict:
     }
 
 
+COLORS = {("paged", "shm"): "tab:blue", ("unified", "shm"): "tab:cyan", ("paged", "mooncake"): "tab:green",
+          ("paged", "nixl"): "tab:red"}
+
+
 def write_outputs(r: dict, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / "bench.json"]
@@ -487,11 +491,17 @@ def write_outputs(r: dict, out_dir: Path) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return written
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5))
     for path, per_len in sorted(r["paths"].items()):
-        xs = [int(n) for n in per_len]
-        ys = [v["gbps"]["median"] if "gbps" in v else v["gbps_median"] for v in per_len.values()]
-        ax.plot(xs, ys, marker="o", label=path)
+        mode, engine, variant = path.split(":", 2)
+        if variant in ("ceiling_memmove", "ceiling_gather_scatter") or (variant == "ceiling" and engine != "shm"):
+            continue  # one ceiling per mode (the shm phase's); the phases' others are in bench.json
+        pts = sorted((int(n), v["gbps"]["median"]) for n, v in per_len.items())
+        style = "--" if variant.endswith("full_verify") else (":" if variant.startswith("raw") else "-")
+        label = f"{mode}: {'ceiling (in-process copy)' if variant == 'ceiling' else variant}"
+        color = ("black" if mode == "paged" else "grey") if variant == "ceiling" else COLORS.get(
+            (mode, engine), "tab:purple")
+        ax.plot([x for x, _ in pts], [y for _, y in pts], style, color=color, marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("request length (tokens)")
     ax.set_ylabel("GB/s (median)")

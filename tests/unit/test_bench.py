@@ -60,3 +60,19 @@ def test_summary_carries_the_keys_the_issue_names():
 def test_zmq_round_trip_baseline_runs_between_two_processes():
     r = bench.zmq_round_trip(20)
     assert r["n"] == 20 and 0 < r["min"] <= r["median"] <= r["max"] < 1000
+
+
+def test_outputs_json_and_a_plot_where_matplotlib_is_installed(tmp_path):
+    import json
+
+    r = {"paths": {"paged:shm:ceiling": {"8192": {"gbps": {"median": 5.0}}, "2048": {"gbps": {"median": 4.0}}},
+                   "paged:shm:pdstate_shm": {"2048": {"gbps": {"median": 2.0}, "seconds": {"median": 1.0}}},
+                   "paged:mooncake:ceiling": {"2048": {"gbps": {"median": 4.0}}}}}
+    try:
+        import matplotlib  # noqa: F401
+        expected = {"bench.json", "bench.png"}
+    except ImportError:
+        expected = {"bench.json"}
+    files = bench.write_outputs(r, tmp_path / "out")
+    assert {f.name for f in files} == expected
+    assert json.loads((tmp_path / "out" / "bench.json").read_text()) == r
