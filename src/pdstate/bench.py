@@ -25,7 +25,6 @@ request).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import statistics
 import time
@@ -34,19 +33,21 @@ from typing import Callable
 
 import numpy as np
 
+from pdstate.bench_baselines import (  # noqa: F401  (zmq_round_trip: part of this module's surface)
+    ENGINE_OPTIONS,
+    gather_scatter,
+    median_range,
+    memmove_loop,
+    raw_engine,
+    zmq_round_trip,
+)
 from pdstate.layout import build_report
 from pdstate.planner import TransferPlan, plan_request, plan_request_loop
 from pdstate.presets import build_worker_pools, preset
 from pdstate.runtime import requests as rq
 
 LENGTHS = (2048, 8192, 32768, 131072)
-# same-host engine settings (NIXL: no UCX IB modules, see engines/nixl.py; Mooncake on loopback)
-ENGINE_OPTIONS = {"nixl": {"ucx_env": {"UCX_MODULES": "^ib"}}, "mooncake": {"host": "127.0.0.1"}}
 CAPACITY = 131072 + 4 * 256
-
-
-def _median_range(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
 def _settings(mode: str, preset_name: str = "dsv4-flash"):
@@ -67,31 +68,6 @@ def _plan_for(src: _Side, dst: _Side, n: int) -> tuple[TransferPlan, rq.Allocati
     a = rq.allocate(src.pools, rq.channel_names(src.kv), n)
     b = rq.allocate(dst.pools, rq.channel_names(dst.kv), n)
     return plan_request(src.kv, dst.kv, a.lists, b.lists), a, b
-
-
-def _memmove_loop(plan: TransferPlan) -> None:
-    mv = ctypes.memmove
-    for s, d, n in zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist()):
-        mv(d, s, n)
-
-
-def _gather_scatter(src: _Side, dst: _Side, a: rq.Allocation, b: rq.Allocation) -> Callable[[], None]:
-    from pdstate.planner import channels_of
-    from pdstate.runtime.synth import _item_matrix
-
-    ops = []
-    for sc, dc, si, di in zip(channels_of(src.kv), channels_of(dst.kv), a.lists, b.lists):
-        if si.size == 0:
-            continue
-        for j in range(len(sc.ptrs)):
-            item = int(sc.items[j])
-            ops.append((_item_matrix(int(sc.ptrs[j]), int(sc.lens[j]), item),
-                        _item_matrix(int(dc.ptrs[j]), int(dc.lens[j]), item), si, di))
-
-    def run() -> None:
-        for sm, dm, si, di in ops:
-            dm[di] = sm[si]
-    return run
 
 
 def _timeit(fn: Callable[[], object], runs: int) -> list[float]:
@@ -128,64 +104,6 @@ def bench_planner(runs: int) -> dict:
         "descriptors_contiguous": len(plan_c),
         "buffers": len(side.kv.kv_data_ptrs) + sum(len(p) for p in side.kv.state_data_ptrs),
     }
-
-
-def _raw_engine(name: str):
-    """Two native agents in this process; returns ``(setup(src, dst) -> prepare, close)`` where
-    ``prepare(plan)`` turns a plan into the native call's own arguments (outside any timing) and
-    returns ``run()``: the native API alone writing them, no pdstate code in the loop."""
-    from pdstate.engines.base import create_engine
-    from pdstate.engines.mooncake import MAX_BATCH_DESCRIPTORS
-
-    opts = ENGINE_OPTIONS[name]
-    dst_eng = create_engine(name, **opts)
-    src_eng = create_engine(name, **opts)
-
-    def setup(src: _Side, dst: _Side) -> Callable[[TransferPlan], Callable[[], None]]:
-        dst_eng.start()
-        dst_eng.register(dst.pools.memory.regions())
-        src_eng.start()
-        src_eng.register(src.pools.memory.regions())
-        src_eng.connect(dst_eng.endpoint())  # the agents' own handshake (metadata, sessions)
-        if name == "mooncake":
-            native, session = src_eng._native, dst_eng.session_id
-
-            def prepare(plan: TransferPlan) -> Callable[[], None]:
-                batches = [(c.src.tolist(), c.dst.tolist(), c.length.tolist()) for c in plan.chunks(MAX_BATCH_DESCRIPTORS)]
-
-                def run() -> None:
-                    for s_, d_, n_ in batches:
-                        rc = native.batch_transfer_sync_write(session, s_, d_, n_)
-                        if rc < 0:
-                            raise RuntimeError(f"raw mooncake write failed: {rc}")
-                return run
-            return prepare
-
-        agent, remote_name = src_eng._agent, dst_eng.agent_name
-
-        def prepare_nixl(plan: TransferPlan) -> Callable[[], None]:
-            def rows(addr):
-                r = np.zeros((len(plan), 3), dtype=np.uint64)
-                r[:, 0], r[:, 1] = addr, plan.length
-                return r
-            local = agent.get_xfer_descs(rows(plan.src), "DRAM")
-            remote = agent.get_xfer_descs(rows(plan.dst), "DRAM")
-
-            def run() -> None:
-                x = agent.initialize_xfer("WRITE", local, remote, remote_name)
-                state = agent.transfer(x)
-                while state == "PROC":
-                    state = agent.check_xfer_state(x)
-                agent.release_xfer_handle(x)
-                if state != "DONE":
-                    raise RuntimeError(f"raw nixl write ended in {state}")
-            return run
-        return prepare_nixl
-
-    def close() -> None:
-        for e in (src_eng, dst_eng):
-            e.close()
-    return setup, close
 
 
 def _pdstate_pair(engine: str, mode: str, preset_name: str = "dsv4-flash"):
@@ -227,7 +145,7 @@ def _phase(mode: str, engine: str, src: _Side, dst: _Side, lengths, runs: int, r
     core, which would tax every other variant on a 2-core machine)."""
     raw = None
     if engine in ("mooncake", "nixl"):
-        setup, raw_close = _raw_engine(engine)
+        setup, raw_close = raw_engine(engine)
         raw = (setup(src, dst), raw_close)
     progress(f"[{mode}:{engine}] starting a pdstate pair ...")
     try:
@@ -241,8 +159,8 @@ def _phase(mode: str, engine: str, src: _Side, dst: _Side, lengths, runs: int, r
         for n in lengths:
             plan, a, b = _plan_for(src, dst, n)
             variants: dict[str, Callable[[], object]] = {
-                "ceiling_memmove": lambda: _memmove_loop(plan),
-                "ceiling_gather_scatter": _gather_scatter(src, dst, a, b),
+                "ceiling_memmove": lambda: memmove_loop(plan),
+                "ceiling_gather_scatter": gather_scatter(src, dst, a, b),
             }
             if raw is not None:
                 variants[f"raw_{engine}"] = raw[0](plan)
@@ -269,13 +187,13 @@ def _phase(mode: str, engine: str, src: _Side, dst: _Side, lengths, runs: int, r
             row = results["paths"]
             for k, ts in times.items():
                 row.setdefault(f"{mode}:{engine}:{k}", {})[str(n)] = {
-                    "bytes": plan.total_bytes, "descriptors": len(plan), "seconds": _median_range(ts),
-                    "gbps": _median_range([plan.total_bytes / t / 1e9 for t in ts])}
+                    "bytes": plan.total_bytes, "descriptors": len(plan), "seconds": median_range(ts),
+                    "gbps": median_range([plan.total_bytes / t / 1e9 for t in ts])}
             row.setdefault(f"{mode}:{engine}:ceiling", {})[str(n)] = {
                 "bytes": plan.total_bytes, "descriptors": len(plan), "seconds": {"median": ceiling},
                 "gbps": {"median": plan.total_bytes / ceiling / 1e9}}
             for k, ts in extra.items():
-                results.setdefault("parts", {}).setdefault(f"{mode}:{engine}:{k}", {})[str(n)] = _median_range(ts)
+                results.setdefault("parts", {}).setdefault(f"{mode}:{engine}:{k}", {})[str(n)] = median_range(ts)
             progress(f"[{mode}:{engine}] {n:>6} tokens: {plan.total_bytes / 1e6:8.1f} MB, {len(plan)} descriptors: "
                      + ", ".join(f"{k} {plan.total_bytes / statistics.median(v) / 1e9:.2f}" for k, v in times.items())
                      + " GB/s")
@@ -338,7 +256,7 @@ def bench_control(runs: int) -> dict:
         d.wait_ready(60)
         out["first_handshake_flash_ms"] = d.handshake_s * 1e3
         hs = [d.rehandshake(30) * 1e3 for _ in range(runs)]
-        out["handshake_ms"] = _median_range(hs)
+        out["handshake_ms"] = median_range(hs)
         d.stop()
     finally:
         p.stop()
@@ -354,7 +272,7 @@ def bench_control(runs: int) -> dict:
             d.stop()
     finally:
         p.stop()
-    out["first_handshake_tiny_ms"] = _median_range(first)
+    out["first_handshake_tiny_ms"] = median_range(first)
     _, run, close = _pdstate_pair("shm", "paged", preset_name="tiny")
     empty, total, rest = [], [], []
     parts: dict[str, list[float]] = {"compute_s": [], "copy_s": [], "verify_s": []}
@@ -370,63 +288,12 @@ def bench_control(runs: int) -> dict:
                 parts[k].append(r[k] * 1e3)
     finally:
         close()
-    out["control_overhead_ms"] = _median_range(empty)
+    out["control_overhead_ms"] = median_range(empty)
     out["zmq_round_trip_ms"] = zmq_round_trip(runs * 5)
-    out["request_1_token_ms"] = _median_range(total)
-    out["request_1_token_overhead_ms"] = _median_range(rest)
-    out["request_1_token_parts_ms"] = {k: _median_range(v) for k, v in parts.items()}
+    out["request_1_token_ms"] = median_range(total)
+    out["request_1_token_overhead_ms"] = median_range(rest)
+    out["request_1_token_parts_ms"] = {k: median_range(v) for k, v in parts.items()}
     return out
-
-
-_ECHO_SERVER = """
-import sys, zmq
-ctx = zmq.Context(); r = ctx.socket(zmq.ROUTER); r.setsockopt(zmq.LINGER, 0)
-print(r.bind_to_random_port("tcp://127.0.0.1"), flush=True)
-poller = zmq.Poller(); poller.register(r, zmq.POLLIN)
-while True:
-    if dict(poller.poll(250)):
-        ident, m = r.recv_multipart()
-        if m == b"stop":
-            break
-        r.send_multipart([ident, m])
-"""
-
-
-def zmq_round_trip(runs: int) -> dict:
-    """The floor under any control message exchange here: a bare ZeroMQ DEALER/ROUTER echo of a
-    200-byte message between this process and another, each side sleeping in a poller between
-    messages as the workers do (on a VM, waking a sleeping thread is most of the cost)."""
-    import subprocess
-    import sys
-
-    import zmq
-
-    proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER], stdout=subprocess.PIPE, text=True)
-    ctx = zmq.Context.instance()
-    d = ctx.socket(zmq.DEALER)
-    d.setsockopt(zmq.LINGER, 0)
-    try:
-        d.connect(f"tcp://127.0.0.1:{int(proc.stdout.readline())}")
-        poller = zmq.Poller()
-        poller.register(d, zmq.POLLIN)
-        xs = []
-        for i in range(runs + 10):
-            t0 = time.perf_counter()
-            d.send(b"x" * 200)
-            if not dict(poller.poll(5000)):
-                raise RuntimeError("no echo from the ZeroMQ echo process within 5 s")
-            d.recv()
-            if i >= 10:
-                xs.append((time.perf_counter() - t0) * 1e3)
-            time.sleep(0.001)  # idle between requests, as a worker is
-        d.send(b"stop")
-    finally:
-        d.close(0)
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return _median_range(xs)
 
 
 def ratios(r: dict) -> dict:

@@ -1,0 +1,157 @@
+"""The baselines ``pdstate bench`` measures pdstate against, kept apart from the benchmark's driver:
+the in-process copy of a plan's regions (per-run ``memmove``, numpy gather/scatter), the native
+engines writing the same descriptors with nothing of pdstate in the loop, and a bare ZeroMQ round
+trip between two processes (the floor under any control message exchange).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+
+from pdstate.planner import TransferPlan
+
+# same-host engine settings (NIXL: no UCX IB modules, see engines/nixl.py; Mooncake on loopback)
+ENGINE_OPTIONS = {"nixl": {"ucx_env": {"UCX_MODULES": "^ib"}}, "mooncake": {"host": "127.0.0.1"}}
+
+
+def median_range(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def memmove_loop(plan: TransferPlan) -> None:
+    mv = ctypes.memmove
+    for s, d, n in zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist()):
+        mv(d, s, n)
+
+
+def gather_scatter(src, dst, a, b) -> Callable[[], None]:
+    from pdstate.planner import channels_of
+    from pdstate.runtime.synth import _item_matrix
+
+    ops = []
+    for sc, dc, si, di in zip(channels_of(src.kv), channels_of(dst.kv), a.lists, b.lists):
+        if si.size == 0:
+            continue
+        for j in range(len(sc.ptrs)):
+            item = int(sc.items[j])
+            ops.append((_item_matrix(int(sc.ptrs[j]), int(sc.lens[j]), item),
+                        _item_matrix(int(dc.ptrs[j]), int(dc.lens[j]), item), si, di))
+
+    def run() -> None:
+        for sm, dm, si, di in ops:
+            dm[di] = sm[si]
+    return run
+
+
+def raw_engine(name: str):
+    """Two native agents in this process; returns ``(setup(src, dst) -> prepare, close)`` where
+    ``prepare(plan)`` turns a plan into the native call's own arguments (outside any timing) and
+    returns ``run()``: the native API alone writing them, no pdstate code in the loop."""
+    from pdstate.engines.base import create_engine
+    from pdstate.engines.mooncake import MAX_BATCH_DESCRIPTORS
+
+    opts = ENGINE_OPTIONS[name]
+    dst_eng = create_engine(name, **opts)
+    src_eng = create_engine(name, **opts)
+
+    def setup(src, dst) -> Callable[[TransferPlan], Callable[[], None]]:
+        dst_eng.start()
+        dst_eng.register(dst.pools.memory.regions())
+        src_eng.start()
+        src_eng.register(src.pools.memory.regions())
+        src_eng.connect(dst_eng.endpoint())  # the agents' own handshake (metadata, sessions)
+        if name == "mooncake":
+            native, session = src_eng._native, dst_eng.session_id
+
+            def prepare(plan: TransferPlan) -> Callable[[], None]:
+                batches = [(c.src.tolist(), c.dst.tolist(), c.length.tolist()) for c in plan.chunks(MAX_BATCH_DESCRIPTORS)]
+
+                def run() -> None:
+                    for s_, d_, n_ in batches:
+                        rc = native.batch_transfer_sync_write(session, s_, d_, n_)
+                        if rc < 0:
+                            raise RuntimeError(f"raw mooncake write failed: {rc}")
+                return run
+            return prepare
+
+        agent, remote_name = src_eng._agent, dst_eng.agent_name
+
+        def prepare_nixl(plan: TransferPlan) -> Callable[[], None]:
+            def rows(addr):
+                r = np.zeros((len(plan), 3), dtype=np.uint64)
+                r[:, 0], r[:, 1] = addr, plan.length
+                return r
+            local = agent.get_xfer_descs(rows(plan.src), "DRAM")
+            remote = agent.get_xfer_descs(rows(plan.dst), "DRAM")
+
+            def run() -> None:
+                x = agent.initialize_xfer("WRITE", local, remote, remote_name)
+                state = agent.transfer(x)
+                while state == "PROC":
+                    state = agent.check_xfer_state(x)
+                agent.release_xfer_handle(x)
+                if state != "DONE":
+                    raise RuntimeError(f"raw nixl write ended in {state}")
+            return run
+        return prepare_nixl
+
+    def close() -> None:
+        for e in (src_eng, dst_eng):
+            e.close()
+    return setup, close
+
+
+_ECHO_SERVER = """
+import sys, zmq
+ctx = zmq.Context(); r = ctx.socket(zmq.ROUTER); r.setsockopt(zmq.LINGER, 0)
+print(r.bind_to_random_port("tcp://127.0.0.1"), flush=True)
+poller = zmq.Poller(); poller.register(r, zmq.POLLIN)
+while True:
+    if dict(poller.poll(250)):
+        ident, m = r.recv_multipart()
+        if m == b"stop":
+            break
+        r.send_multipart([ident, m])
+"""
+
+
+def zmq_round_trip(runs: int) -> dict:
+    """The floor under any control message exchange here: a bare ZeroMQ DEALER/ROUTER echo of a
+    200-byte message between this process and another, each side sleeping in a poller between
+    messages as the workers do (on a VM, waking a sleeping thread is most of the cost)."""
+    import subprocess
+    import sys
+
+    import zmq
+
+    proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER], stdout=subprocess.PIPE, text=True)
+    ctx = zmq.Context.instance()
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    try:
+        d.connect(f"tcp://127.0.0.1:{int(proc.stdout.readline())}")
+        poller = zmq.Poller()
+        poller.register(d, zmq.POLLIN)
+        xs = []
+        for i in range(runs + 10):
+            t0 = time.perf_counter()
+            d.send(b"x" * 200)
+            if not dict(poller.poll(5000)):
+                raise RuntimeError("no echo from the ZeroMQ echo process within 5 s")
+            d.recv()
+            if i >= 10:
+                xs.append((time.perf_counter() - t0) * 1e3)
+            time.sleep(0.001)  # idle between requests, as a worker is
+        d.send(b"stop")
+    finally:
+        d.close(0)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return median_range(xs)
