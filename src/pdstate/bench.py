@@ -5,8 +5,9 @@ interleaved round-robin in one process run (these machines are shared; ratios, n
 
 - ``ceiling``: an in-process copy of exactly the regions a request moves (same page ids, same
   descriptors), the best of a per-run ``memmove`` loop and a vectorised numpy gather/scatter;
-- ``raw_<engine>``: the native engine (Mooncake, NIXL) writing the same descriptor list between
-  two of its own agents, with no pdstate code in the loop;
+- ``raw_<engine>``: the native engine (Mooncake, NIXL) writing the same pages and buffers from an
+  agent in this process into the pdstate decode worker's registered memory (its own endpoint:
+  the same destination process and path as pdstate's), with no pdstate code in the loop;
 - ``pdstate_<engine>``: a real prefill and decode process pair, from ``TransferRequest`` sent to
   ``TransferDone`` received and verified (the decode's ``transfer_s``), less the time the prefill
   spent synthesising the request's state (``TransferDone.compute_s``: the stand-in for the
@@ -132,9 +133,18 @@ def _pdstate_pair(engine: str, mode: str, preset_name: str = "dsv4-flash"):
             raise RuntimeError(f"{engine}: request of {n} tokens failed: {res['error']}")
         return res
 
+    def describe() -> tuple:
+        """The decode's KVArgs (``wire.KVDesc``) and engine endpoint, from its register message."""
+        from pdstate import wire
+
+        decode.send(json.dumps({"cmd": "describe"}))
+        reg = wire.decode(bytes.fromhex(decode.read_event(60)["register"]))
+        return reg.kv, dict(reg.engine.endpoint)
+
     def close() -> None:
         decode.close()
         prefill.close()
+    run.describe = describe
     return ev["handshake_ms"], run, close
 
 
@@ -143,27 +153,27 @@ def _phase(mode: str, engine: str, src: _Side, dst: _Side, lengths, runs: int, r
     """One engine's variants, interleaved per length, next to the ceiling measured in the same
     phase (only this phase's processes and agents are alive: an idle NIXL agent busy-polls a
     core, which would tax every other variant on a 2-core machine)."""
-    raw = None
-    if engine in ("mooncake", "nixl"):
-        setup, raw_close = raw_engine(engine)
-        raw = (setup(src, dst), raw_close)
     progress(f"[{mode}:{engine}] starting a pdstate pair ...")
-    try:
-        hs, run, close = _pdstate_pair(engine, mode, preset_name)
-    except BaseException:
-        if raw is not None:
-            raw[1]()
-        raise
+    hs, run, close = _pdstate_pair(engine, mode, preset_name)
     results.setdefault("handshake_ms", {})[f"{mode}:{engine}"] = hs
+    raw, decode_kv = None, None
     try:
+        if engine in ("mooncake", "nixl"):
+            decode_kv, endpoint = run.describe()
+            setup, raw_close = raw_engine(engine)
+            try:
+                raw = (setup(src, endpoint), raw_close)
+            except BaseException:
+                raw_close()
+                raise
         for n in lengths:
             plan, a, b = _plan_for(src, dst, n)
             variants: dict[str, Callable[[], object]] = {
                 "ceiling_memmove": lambda: memmove_loop(plan),
                 "ceiling_gather_scatter": gather_scatter(src, dst, a, b),
             }
-            if raw is not None:
-                variants[f"raw_{engine}"] = raw[0](plan)
+            if raw is not None:  # the same pages and buffers, in the decode worker's memory
+                variants[f"raw_{engine}"] = raw[0](plan_request(src.kv, decode_kv, a.lists, b.lists))
             variants[f"pdstate_{engine}"] = lambda: run(n, "sample")
             variants[f"pdstate_{engine}_full_verify"] = lambda: run(n, "full")
             times: dict[str, list[float]] = {k: [] for k in variants}

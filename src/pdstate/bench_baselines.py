@@ -49,24 +49,22 @@ def gather_scatter(src, dst, a, b) -> Callable[[], None]:
 
 
 def raw_engine(name: str):
-    """Two native agents in this process; returns ``(setup(src, dst) -> prepare, close)`` where
-    ``prepare(plan)`` turns a plan into the native call's own arguments (outside any timing) and
-    returns ``run()``: the native API alone writing them, no pdstate code in the loop."""
+    """A native agent in this process writing into another process's registered memory: returns
+    ``(setup(src, endpoint) -> prepare, close)``; ``endpoint`` is the destination engine's (the
+    pdstate decode worker's own, so raw and pdstate write into the same process over the same
+    path). ``prepare(plan)`` turns a plan into the native call's own arguments (outside any
+    timing) and returns ``run()``: the native API alone writing them, no pdstate code in the loop."""
     from pdstate.engines.base import create_engine
     from pdstate.engines.mooncake import MAX_BATCH_DESCRIPTORS
 
-    opts = ENGINE_OPTIONS[name]
-    dst_eng = create_engine(name, **opts)
-    src_eng = create_engine(name, **opts)
+    src_eng = create_engine(name, **ENGINE_OPTIONS[name])
 
-    def setup(src, dst) -> Callable[[TransferPlan], Callable[[], None]]:
-        dst_eng.start()
-        dst_eng.register(dst.pools.memory.regions())
+    def setup(src, endpoint: dict) -> Callable[[TransferPlan], Callable[[], None]]:
         src_eng.start()
         src_eng.register(src.pools.memory.regions())
-        src_eng.connect(dst_eng.endpoint())  # the agents' own handshake (metadata, sessions)
+        src_eng.connect(endpoint)  # the agents' own handshake (metadata, sessions)
         if name == "mooncake":
-            native, session = src_eng._native, dst_eng.session_id
+            native, session = src_eng._native, str(endpoint["session_id"])
 
             def prepare(plan: TransferPlan) -> Callable[[], None]:
                 batches = [(c.src.tolist(), c.dst.tolist(), c.length.tolist()) for c in plan.chunks(MAX_BATCH_DESCRIPTORS)]
@@ -79,7 +77,7 @@ def raw_engine(name: str):
                 return run
             return prepare
 
-        agent, remote_name = src_eng._agent, dst_eng.agent_name
+        agent, remote_name = src_eng._agent, str(endpoint["agent_name"])
 
         def prepare_nixl(plan: TransferPlan) -> Callable[[], None]:
             def rows(addr):
@@ -101,8 +99,7 @@ def raw_engine(name: str):
         return prepare_nixl
 
     def close() -> None:
-        for e in (src_eng, dst_eng):
-            e.close()
+        src_eng.close()
     return setup, close
 
 

@@ -11,7 +11,9 @@ A decode prints ``{"event": "ready", "handshake_ms": ...}`` (or ``{"event": "ref
 "message"}`` and exits 3), then runs each ``{"cmd": "run", "lengths": [...], "concurrency": N,
 "deadline_s": S?, "verify": "full"|"sample"?}`` line it reads, printing one ``{"event": "result", ...}`` per request and
 ``{"event": "batch_done"}``; ``{"cmd": "stats"}`` prints its peer state, stats, free counts and
-request bookkeeping (in flight, quarantined). EOF ends it.
+request bookkeeping (in flight, quarantined); ``{"cmd": "describe"}`` prints ``{"event":
+"describe", "register": hex}``, its encoded register message (layout, KVArgs, engine endpoint:
+what a raw engine needs to write into it). EOF ends it.
 A worker whose own target/draft pair fails ``setup_state_kv_args`` (with ``local_checks``) prints
 ``pdstate <role>: <ErrorType>: <upstream message>`` on stderr and exits 2.
 
@@ -137,6 +139,10 @@ def _run_decode(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> int:
                     fut = inflight.pop(0)
                     emit({"event": "result", **fut.result().as_dict()})
                 emit({"event": "batch_done", "free": w.free_counts()})
+            elif cmd.get("cmd") == "describe":  # this decode's register message: layout, KVArgs, endpoint
+                from pdstate import wire
+
+                emit({"event": "describe", "register": wire.encode(w.handshake.register_message(), w.opts.token).hex()})
             elif cmd.get("cmd") == "stats":
                 emit({"event": "stats", **w.snapshot(),
                       "peer_error": None if w.peer_error is None else w.peer_error.model_dump(),

@@ -3,6 +3,8 @@ what the issue defines (ceiling / pdstate for shm, raw / pdstate for native engi
 
 from __future__ import annotations
 
+import pytest
+
 from pdstate import bench
 
 
@@ -76,3 +78,19 @@ def test_outputs_json_and_a_plot_where_matplotlib_is_installed(tmp_path):
     files = bench.write_outputs(r, tmp_path / "out")
     assert {f.name for f in files} == expected
     assert json.loads((tmp_path / "out" / "bench.json").read_text()) == r
+
+
+@pytest.mark.mooncake
+def test_a_native_engine_phase_writes_raw_into_the_decode_worker():
+    from pdstate.engines.base import EngineUnavailable, engine_class
+
+    try:
+        engine_class("mooncake").check_available()
+    except EngineUnavailable as exc:
+        pytest.skip(str(exc))
+    src, dst = bench._Side("paged", "tiny"), bench._Side("paged", "tiny")
+    results: dict = {"paths": {}, "lengths": [300], "modes": ["paged"]}
+    bench._phase("paged", "mooncake", src, dst, [300], 2, results, lambda m: None, preset_name="tiny")
+    raw = results["paths"]["paged:mooncake:raw_mooncake"]["300"]
+    assert raw["seconds"]["n"] == 2 and raw["bytes"] == results["paths"]["paged:mooncake:pdstate_mooncake"]["300"]["bytes"]
+    assert 0 < bench.ratios(results)["mooncake_vs_raw_by_length"]["300"] < 20
