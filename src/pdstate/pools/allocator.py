@@ -194,6 +194,7 @@ class ReqToTokenPool:
     def __init__(self, num_req_slots: int, max_context_len: int) -> None:
         self.num_req_slots = num_req_slots
         self.req_to_token = torch.zeros((num_req_slots, max_context_len), dtype=torch.int64)
+        self._rows = self.req_to_token.numpy()  # the same memory, for cheap row writes and clears
         self._free = list(range(num_req_slots - 1, -1, -1))
         # per slot, how many leading entries may be non-zero: the whole row once handed out (a
         # caller may write it directly), only what ``write`` set when it wrote the row
@@ -203,7 +204,7 @@ class ReqToTokenPool:
         """``req_to_token[slot, :len(locs)] = locs`` on a row fresh from ``alloc`` (zero beyond
         ``locs``), so that ``free`` clears only those entries."""
         n = int(locs.shape[0])
-        self.req_to_token[slot, :n] = locs
+        self._rows[slot, :n] = locs.numpy() if isinstance(locs, torch.Tensor) else locs
         self._written[slot] = n
 
     def available_size(self) -> int:
@@ -219,7 +220,7 @@ class ReqToTokenPool:
     def free(self, slot: int) -> None:
         if slot in self._free or not 0 <= slot < self.num_req_slots:
             raise AllocationError(f"request slot {slot} is not allocated")
-        self.req_to_token[slot, : self._written[slot]].zero_()
+        self._rows[slot, : self._written[slot]] = 0
         self._written[slot] = 0
         self._free.append(slot)
         self._free.sort(reverse=True)
