@@ -144,14 +144,29 @@ def runs(src_idx: np.ndarray, dst_idx: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return src_idx[starts], dst_idx[starts], lengths
 
 
-def _runs_small(si: list[int], di: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    s0, d0, ln = [si[0]], [di[0]], [1]
-    for k in range(1, len(si)):
-        if si[k] == si[k - 1] + 1 and di[k] == di[k - 1] + 1:
-            ln[-1] += 1
+def _run_list(sl: list[int], dl: list[int]) -> list[list[int]]:
+    """``[src start, dst start, length]`` of each maximal run, in plain Python (``runs`` for short lists)."""
+    out = [[sl[0], dl[0], 1]]
+    for s, d in zip(sl[1:], dl[1:]):
+        r = out[-1]
+        if s == r[0] + r[2] and d == r[1] + r[2]:
+            r[2] += 1
         else:
-            s0.append(si[k]), d0.append(di[k]), ln.append(1)
-    return np.array(s0, dtype=np.int64), np.array(d0, dtype=np.int64), np.array(ln, dtype=np.int64)
+            out.append([s, d, 1])
+    return out
+
+
+def _checked(label: str, si: np.ndarray, di: np.ndarray, static, sb: _Bounds, db: _Bounds):
+    """Every refusal of one channel, in order; returns the lists as Python ints when short
+    (``None, None`` otherwise) for the checks and runs that follow."""
+    if static is not None:
+        raise type(static)(str(static))
+    if si.size != di.size:
+        raise IndexCountMismatch(f"{label}: index count mismatch: prefill={si.size}, decode={di.size}")
+    sl, dl = (si.tolist(), di.tolist()) if si.size <= SMALL_LIST else (None, None)
+    _check_indices("prefill", label, sb, si, sl)
+    _check_indices("decode", label, db, di, dl)
+    return sl, dl
 
 
 def _static_error(label: str, src: Channel, dst: Channel) -> Exception | None:
@@ -199,7 +214,9 @@ class PairPlanner:
         arrays = [(np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)) for a, b in zip(src_lists, dst_lists)]
         if all(si.size <= SMALL_LIST for si, _ in arrays):
             return self._plan_small(arrays)
-        parts = [self._channel(c, si, di) for c, (si, di) in enumerate(arrays)]
+        parts = [plan_channel(self.labels[c], self.src_chans[c], self.dst_chans[c], si, di,
+                              (self.static[c], self.src_bounds[c], self.dst_bounds[c]))
+                 for c, (si, di) in enumerate(arrays)]
         if not parts:
             return TransferPlan.empty()
         return TransferPlan.from_arrays(*(np.concatenate([p[k] for p in parts]) for k in range(3)))
@@ -209,23 +226,10 @@ class PairPlanner:
         request's planning is otherwise ~30 numpy calls of a few microseconds each)."""
         src_a, dst_a, len_a = [], [], []
         for c, (si, di) in enumerate(arrays):
-            label = self.labels[c]
-            if self.static[c] is not None:
-                raise type(self.static[c])(str(self.static[c]))
-            if si.size != di.size:
-                raise IndexCountMismatch(f"{label}: index count mismatch: prefill={si.size}, decode={di.size}")
-            sl, dl = si.tolist(), di.tolist()
-            _check_indices("prefill", label, self.src_bounds[c], si, sl)
-            _check_indices("decode", label, self.dst_bounds[c], di, dl)
+            sl, dl = _checked(self.labels[c], si, di, self.static[c], self.src_bounds[c], self.dst_bounds[c])
             if not sl:
                 continue
-            runs_ = [[sl[0], dl[0], 1]]
-            for k in range(1, len(sl)):
-                r = runs_[-1]
-                if sl[k] == r[0] + r[2] and dl[k] == r[1] + r[2]:
-                    r[2] += 1
-                else:
-                    runs_.append([sl[k], dl[k], 1])
+            runs_ = _run_list(sl, dl)
             for sp, dp, item in zip(*self.py[c]):  # buffer-major
                 for s0, d0, n in runs_:
                     src_a.append(sp + s0 * item)
@@ -236,28 +240,19 @@ class PairPlanner:
         return TransferPlan.from_arrays(np.array(src_a, dtype=np.uint64), np.array(dst_a, dtype=np.uint64),
                                         np.array(len_a, dtype=np.uint64))
 
-    def _channel(self, c: int, si: np.ndarray, di: np.ndarray):
-        return plan_channel(self.labels[c], self.src_chans[c], self.dst_chans[c], si, di,
-                            (self.static[c], self.src_bounds[c], self.dst_bounds[c]))
-
-
 def plan_channel(label: str, src: Channel, dst: Channel, si: np.ndarray, di: np.ndarray, known=None):
     """Descriptors for one channel, buffer-major; every check runs before anything is built.
 
     ``known``: ``(static error, src bounds, dst bounds)`` worked out earlier for this pair."""
     static, sb, db = known if known is not None else (_static_error(label, src, dst), _Bounds.of(src), _Bounds.of(dst))
-    if static is not None:
-        raise type(static)(str(static))
-    if si.size != di.size:
-        raise IndexCountMismatch(f"{label}: index count mismatch: prefill={si.size}, decode={di.size}")
-    small = si.size <= SMALL_LIST
-    sl, dl = (si.tolist(), di.tolist()) if small else (None, None)
-    _check_indices("prefill", label, sb, si, sl)
-    _check_indices("decode", label, db, di, dl)
+    sl, dl = _checked(label, si, di, static, sb, db)
     if si.size == 0 or src.items.size == 0:
         e = np.empty(0, dtype=np.uint64)
         return e, e, e
-    s0, d0, n = _runs_small(sl, dl) if small else runs(si, di)
+    if sl is not None:
+        s0, d0, n = (np.array(col, dtype=np.int64) for col in zip(*_run_list(sl, dl)))
+    else:
+        s0, d0, n = runs(si, di)
     items = src.items[:, None]
     s_addr = src.ptrs[:, None] + s0.astype(np.uint64)[None, :] * items
     d_addr = dst.ptrs[:, None] + d0.astype(np.uint64)[None, :] * items
