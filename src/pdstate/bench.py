@@ -30,7 +30,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -107,8 +107,15 @@ def bench_planner(runs: int) -> dict:
     }
 
 
-def _pdstate_pair(engine: str, mode: str, preset_name: str = "dsv4-flash"):
-    """A prefill and a decode process; returns ``(handshake_ms, run(n, verify) -> result, close)``."""
+class _Pair(NamedTuple):
+    handshake_ms: float
+    run: Callable[..., dict]  # run(n, verify="sample") -> the decode's result for one request
+    describe: Callable[[], tuple]  # () -> (the decode's wire.KVDesc, its engine endpoint)
+    close: Callable[[], None]
+
+
+def _pdstate_pair(engine: str, mode: str, preset_name: str = "dsv4-flash") -> _Pair:
+    """A prefill and a decode process, the decode registered."""
     from pdstate.procs import WorkerProcess
     from pdstate.runtime.common import WorkerOptions
 
@@ -144,8 +151,7 @@ def _pdstate_pair(engine: str, mode: str, preset_name: str = "dsv4-flash"):
     def close() -> None:
         decode.close()
         prefill.close()
-    run.describe = describe
-    return ev["handshake_ms"], run, close
+    return _Pair(ev["handshake_ms"], run, describe, close)
 
 
 def _phase(mode: str, engine: str, src: _Side, dst: _Side, lengths, runs: int, results: dict, progress,
@@ -154,12 +160,12 @@ def _phase(mode: str, engine: str, src: _Side, dst: _Side, lengths, runs: int, r
     phase (only this phase's processes and agents are alive: an idle NIXL agent busy-polls a
     core, which would tax every other variant on a 2-core machine)."""
     progress(f"[{mode}:{engine}] starting a pdstate pair ...")
-    hs, run, close = _pdstate_pair(engine, mode, preset_name)
+    hs, run, describe, close = _pdstate_pair(engine, mode, preset_name)
     results.setdefault("handshake_ms", {})[f"{mode}:{engine}"] = hs
     raw, decode_kv = None, None
     try:
         if engine in ("mooncake", "nixl"):
-            decode_kv, endpoint = run.describe()
+            decode_kv, endpoint = describe()
             setup, raw_close = raw_engine(engine)
             try:
                 raw = (setup(src, endpoint), raw_close)
@@ -283,7 +289,7 @@ def bench_control(runs: int) -> dict:
     finally:
         p.stop()
     out["first_handshake_tiny_ms"] = median_range(first)
-    _, run, close = _pdstate_pair("shm", "paged", preset_name="tiny")
+    _, run, _, close = _pdstate_pair("shm", "paged", preset_name="tiny")
     empty, total, rest = [], [], []
     parts: dict[str, list[float]] = {"compute_s": [], "copy_s": [], "verify_s": []}
     try:
