@@ -115,6 +115,13 @@ def _channels(desc, room: int, lists):
         yield c, chan.name, idx, _runs(idx), channel_bases(room, c, len(mats), idx.size), mats
 
 
+def _first_mismatch(c: int, name: str, idx: np.ndarray, bad: np.ndarray) -> str:
+    """What ``bad`` (``[buffers, items]``) says first, as the verification's message."""
+    j, k = (int(x[0]) for x in np.nonzero(bad))
+    return (f"channel {c} ({name}) buffer {j}: item {k} (index {int(idx[k])}) "
+            "holds other content (stale, misplaced or partially written)")
+
+
 def fill_source(desc, room: int, lists: list[np.ndarray]) -> None:
     """Write the deterministic content of ``room`` into the items the lists address."""
     for _, _, idx, runs, bases, mats in _channels(desc, room, lists):
@@ -144,9 +151,7 @@ def verify_destination(desc, room: int, lists: list[np.ndarray]) -> str | None:
         expected = bases * w + ((w * (w - np.uint64(1))) // np.uint64(2))
         bad = (firsts != bases) | (sums != expected)
         if bad.any():
-            j, k = (int(x[0]) for x in np.nonzero(bad))
-            return (f"channel {c} ({name}) buffer {j}: item {k} (index {int(idx[k])}) "
-                    "holds other content (stale, misplaced or partially written)")
+            return _first_mismatch(c, name, idx, bad)
     return None
 
 
@@ -203,9 +208,7 @@ def verify_sample(desc, room: int, lists: list[np.ndarray], spans: list[tuple[in
         last = iw - np.uint64(1)
         bad[:, ends] |= words[pos[:, ends] + last] != bases[:, ends] + last
         if bad.any():
-            j, k = (int(x[0]) for x in np.nonzero(bad))
-            return (f"channel {c} ({chan.name}) buffer {j}: item {k} (index {int(idx[k])}) "
-                    "holds other content (stale, misplaced or partially written)")
+            return _first_mismatch(c, chan.name, idx, bad)
     return None
 
 
