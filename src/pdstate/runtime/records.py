@@ -1,8 +1,10 @@
-"""The prefill worker's records: decode peers, queued jobs and what the transfer thread reports."""
+"""The workers' records. Prefill: decode peers, queued jobs and what the transfer thread reports.
+Decode: its requests and their results."""
 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,3 +55,44 @@ class JobOutcome:
     engine_failed: bool  # the error came from the transfer engine (any ``EngineError``)
     compute_s: float
     copy_s: float
+
+
+# -- decode -------------------------------------------------------------------------------------
+@dataclass
+class TransferResult:
+    room: int
+    status: str  # "success" | "failed"
+    seq_len: int
+    bytes: int = 0
+    descriptors: int = 0
+    seconds: float = 0.0
+    verified: bool = False
+    error: ErrorInfo | None = None
+    compute_s: float = 0.0  # the prefill's (synthesised) compute, from its TransferDone
+    copy_s: float = 0.0  # the prefill's engine copy, from its TransferDone
+    transfer_s: float = 0.0  # TransferRequest sent -> TransferDone received and verified
+    verify_s: float = 0.0  # this decode's check of the bytes that landed
+
+    def as_dict(self) -> dict:
+        return {"room": self.room, "status": self.status, "seq_len": self.seq_len, "bytes": self.bytes,
+                "descriptors": self.descriptors, "seconds": self.seconds, "verified": self.verified,
+                "error": None if self.error is None else self.error.model_dump(),
+                "compute_s": self.compute_s, "copy_s": self.copy_s, "transfer_s": self.transfer_s,
+                "verify_s": self.verify_s}
+
+
+@dataclass
+class Request:
+    room: int
+    seq_len: int
+    future: Future
+    deadline: float
+    started: float = field(default_factory=now)
+    state: RequestState = RequestState.BOOTSTRAPPING
+    alloc: rq.Allocation | None = None
+    resend_at: float | None = None  # set while the prefill answered Busy: it holds nothing of ours
+    busy_count: int = 0
+    message: wire.TransferRequest | None = None
+    sent_at: float | None = None  # first send of the TransferRequest
+    verify: str = "full"
+    result: TransferResult | None = None
