@@ -2,8 +2,9 @@
 
 Threads: the control thread owns the socket, the allocator and every request record; one transfer
 thread (``runtime.transfer.TransferRunner``) runs the (synthesised) prefill compute and the engine
-copy, and hands results back over an inproc socket. Every request that entered ends SUCCESS or FAILED, its pages freed exactly once,
-and leaves a record in ``finished`` (bounded) with its reason.
+copy, and hands results back over an inproc socket. Every request that entered ends SUCCESS or
+FAILED, its pages freed exactly once, and leaves a record in ``finished`` (bounded) with its
+reason.
 
 Ordering, which the decode relies on when it reuses pages of requests it gave up on: there is ONE
 transfer thread and it finishes a job's engine transfer (or gets the engine's failure) before it
@@ -249,8 +250,7 @@ class PrefillWorker(WorkerBase):
             except PdStateError as exc:
                 answer = wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(exc))
         if isinstance(answer, wire.Accept):
-            peer.state, peer.kv = PeerState.ACCEPTED, msg.kv
-            peer.planner = PairPlanner(self.kv_args, msg.kv)
+            peer.state, peer.planner = PeerState.ACCEPTED, PairPlanner(self.kv_args, msg.kv)
             self.stats.handshakes["accepted"] += 1
             log.info("accepted decode %s (%s)", msg.worker_id, msg.incarnation)
         else:

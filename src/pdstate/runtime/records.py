@@ -6,12 +6,11 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 from pdstate import wire
 from pdstate.handshake import PeerState, RequestState
 from pdstate.layout import ErrorInfo
-from pdstate.planner import TransferPlan
+from pdstate.planner import PairPlanner, TransferPlan
 from pdstate.runtime import requests as rq
 from pdstate.runtime.common import now
 
@@ -23,10 +22,9 @@ class Peer:
     incarnation: str
     state: PeerState
     error: ErrorInfo | None = None
-    kv: wire.KVDesc | None = None
     engine_peer: str | None = None
     last_seen: float = 0.0
-    planner: Any = None  # ``planner.PairPlanner`` for (this prefill, the peer's layout), once accepted
+    planner: PairPlanner | None = None  # (this prefill's layout, the peer's), once accepted
 
 
 @dataclass
