@@ -28,9 +28,11 @@ from typing import Any
 
 import msgpack
 
-from pdstate import errors, wire
-from pdstate.layout import ErrorInfo, LayoutReport, MappingIdentityModel, build_report
-from pdstate.presets import build_worker_pools, preset
+from pdstate import errors
+from pdstate.pools.presets import build_worker_pools, preset
+from pdstate.pools.reporting import build_report
+from pdstate.protocol import wire
+from pdstate.protocol.report import ErrorInfo, LayoutReport, MappingIdentityModel
 
 REPO = Path(__file__).resolve().parents[1]
 PROTO = REPO / "proto"
@@ -53,7 +55,11 @@ def _fixed_identity(report: LayoutReport, nonce: str) -> LayoutReport:
             return facts
         mi = facts.mapping_identity
         return facts.model_copy(
-            update={"mapping_identity": MappingIdentityModel(nonce=nonce, data_ptr=FIXED_MAPPING_PTR, numel=mi.numel, dtype=mi.dtype)}
+            update={
+                "mapping_identity": MappingIdentityModel(
+                    nonce=nonce, data_ptr=FIXED_MAPPING_PTR, numel=mi.numel, dtype=mi.dtype
+                )
+            }
         )
 
     return report.model_copy(update={"target": fix(report.target), "draft": fix(report.draft)})

@@ -1,3 +1,194 @@
-"""pdstate: disaggregated prefill/decode state transfer for DeepSeek-V4 target + draft pools."""
+"""pdstate: disaggregated prefill/decode state transfer for DeepSeek-V4 target + draft pools.
+
+The public API is ``__all__`` below; everything else is internal and may move. Names are imported
+on first use (PEP 562), so ``import pdstate.protocol`` stays torch-free: the pool model (torch) is
+loaded only when a pool name is asked for.
+
+Layers, each importing only those below it (a test enforces this)::
+
+    cli, devtools        the command line; demo, worker processes, bench
+    service              configuration, HTTP API, status, server, probe, preflight
+    runtime              workers: options, control loop, prefill, decode, synthetic content
+    transfer             TransferPlan, the descriptor planner, the engines (shm, Mooncake, NIXL)
+    pools                the DSV4 memory model: allocator, pools, kvargs, indices, presets, reports
+    protocol             facts, reports, compat, wire, handshake, lifecycles (no torch)
+    errors               the exception tree, one root: PdStateError
+
+Version notes of the public API:
+- 0.1.0: first listed ``__all__`` (names unchanged from the modules they were imported from).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+_ERRORS = (
+    "PdStateError",
+    "DSV4StateError",
+    "DraftNotSWAOnly",
+    "UnifiedKVModeMismatch",
+    "SWAIndexMappingNotShared",
+    "SWARingGeometryMismatch",
+    "PagedSWAGeometryMismatch",
+    "DraftMappingMissing",
+    "CrossSideMismatch",
+    "PageSizeMismatch",
+    "KVCacheDtypeMismatch",
+    "LayoutMismatch",
+    "DescriptorMismatch",
+    "PoolConfigError",
+    "AllocationError",
+    "IndexRefused",
+    "PaddingPageIndex",
+    "IndexCountMismatch",
+    "IndexOutOfRange",
+    "ItemLengthMismatch",
+    "ProtocolError",
+    "VersionMismatch",
+    "AuthError",
+    "NotRegistered",
+    "EngineError",
+    "EngineUnavailable",
+    "TransferFailed",
+    "PeerGone",
+    "ConfigError",
+    "LocalCheckFailed",
+    "error_from_wire",
+)
+
+# public name -> module that defines it
+_WHERE: dict[str, str] = {
+    **{name: "pdstate.errors" for name in _ERRORS},
+    "StateType": "pdstate.protocol.facts",
+    "KVArgs": "pdstate.protocol.facts",
+    "PoolFacts": "pdstate.protocol.facts",
+    "MappingIdentity": "pdstate.protocol.facts",
+    "LayoutReport": "pdstate.protocol.report",
+    "ErrorInfo": "pdstate.protocol.report",
+    "check_peer": "pdstate.protocol.compat",
+    "compat_errors": "pdstate.protocol.compat",
+    "PROTOCOL_VERSION": "pdstate.protocol.wire",
+    "DeepSeekV4TokenToKVPool": "pdstate.pools.dsv4",
+    "SWATokenToKVPoolAllocator": "pdstate.pools.allocator",
+    "ReqToTokenPool": "pdstate.pools.allocator",
+    "setup_state_kv_args": "pdstate.pools.kvargs",
+    "fill_kv_args": "pdstate.pools.kvargs",
+    "build_report": "pdstate.pools.reporting",
+    "TransferPlan": "pdstate.transfer.plan",
+    "create_engine": "pdstate.transfer.engines.base",
+}
+
+__all__ = [
+    "__version__",
+    "PdStateError",
+    "DSV4StateError",
+    "DraftNotSWAOnly",
+    "UnifiedKVModeMismatch",
+    "SWAIndexMappingNotShared",
+    "SWARingGeometryMismatch",
+    "PagedSWAGeometryMismatch",
+    "DraftMappingMissing",
+    "CrossSideMismatch",
+    "PageSizeMismatch",
+    "KVCacheDtypeMismatch",
+    "LayoutMismatch",
+    "DescriptorMismatch",
+    "PoolConfigError",
+    "AllocationError",
+    "IndexRefused",
+    "PaddingPageIndex",
+    "IndexCountMismatch",
+    "IndexOutOfRange",
+    "ItemLengthMismatch",
+    "ProtocolError",
+    "VersionMismatch",
+    "AuthError",
+    "NotRegistered",
+    "EngineError",
+    "EngineUnavailable",
+    "TransferFailed",
+    "PeerGone",
+    "ConfigError",
+    "LocalCheckFailed",
+    "error_from_wire",
+    "StateType",
+    "KVArgs",
+    "PoolFacts",
+    "MappingIdentity",
+    "LayoutReport",
+    "ErrorInfo",
+    "check_peer",
+    "compat_errors",
+    "PROTOCOL_VERSION",
+    "DeepSeekV4TokenToKVPool",
+    "SWATokenToKVPoolAllocator",
+    "ReqToTokenPool",
+    "setup_state_kv_args",
+    "fill_kv_args",
+    "build_report",
+    "TransferPlan",
+    "create_engine",
+]
+assert set(__all__) == {"__version__", *_WHERE}
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pdstate' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
+    from pdstate.errors import (
+        AllocationError,
+        AuthError,
+        ConfigError,
+        CrossSideMismatch,
+        DescriptorMismatch,
+        DraftMappingMissing,
+        DraftNotSWAOnly,
+        DSV4StateError,
+        EngineError,
+        EngineUnavailable,
+        IndexCountMismatch,
+        IndexOutOfRange,
+        IndexRefused,
+        ItemLengthMismatch,
+        KVCacheDtypeMismatch,
+        LayoutMismatch,
+        LocalCheckFailed,
+        NotRegistered,
+        PaddingPageIndex,
+        PagedSWAGeometryMismatch,
+        PageSizeMismatch,
+        PdStateError,
+        PeerGone,
+        PoolConfigError,
+        ProtocolError,
+        SWAIndexMappingNotShared,
+        SWARingGeometryMismatch,
+        TransferFailed,
+        UnifiedKVModeMismatch,
+        VersionMismatch,
+        error_from_wire,
+    )
+    from pdstate.pools.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator
+    from pdstate.pools.dsv4 import DeepSeekV4TokenToKVPool
+    from pdstate.pools.kvargs import fill_kv_args, setup_state_kv_args
+    from pdstate.pools.reporting import build_report
+    from pdstate.protocol.compat import check_peer, compat_errors
+    from pdstate.protocol.facts import KVArgs, MappingIdentity, PoolFacts, StateType
+    from pdstate.protocol.report import ErrorInfo, LayoutReport
+    from pdstate.protocol.wire import PROTOCOL_VERSION
+    from pdstate.transfer.engines.base import create_engine
+    from pdstate.transfer.plan import TransferPlan

@@ -21,11 +21,20 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GB"
 
 
-def run_demo(engine: str, mode: str, preset: str, requests: int, tokens: list[int] | None,
-             concurrency: int, draft: bool, progress, token: bytes | None = None) -> dict:
+def run_demo(
+    engine: str,
+    mode: str,
+    preset: str,
+    requests: int,
+    tokens: list[int] | None,
+    concurrency: int,
+    draft: bool,
+    progress,
+    token: bytes | None = None,
+) -> dict:
     """Spawn a prefill and a decode process, handshake, run the batch; returns the summary."""
-    from pdstate.presets import preset as get_preset
-    from pdstate.procs import WorkerProcess
+    from pdstate.devtools.processes import WorkerProcess
+    from pdstate.pools.presets import preset as get_preset
     from pdstate.runtime.common import WorkerOptions
 
     settings = get_preset(preset).with_(unified_kv=(mode == "unified"), draft_enabled=draft)
@@ -35,8 +44,9 @@ def run_demo(engine: str, mode: str, preset: str, requests: int, tokens: list[in
     # One host: NIXL's UCX must not load its InfiniBand module here (it crashes at exit without
     # RDMA hardware); Mooncake runs over loopback TCP.
     engine_options = {"nixl": {"ucx_env": {"UCX_MODULES": "^ib"}}, "mooncake": {"host": "127.0.0.1"}}.get(engine, {})
-    base = dict(pool=settings, engine=engine, engine_options=engine_options, token=token,
-                max_inflight=max(64, concurrency))
+    base = dict(
+        pool=settings, engine=engine, engine_options=engine_options, token=token, max_inflight=max(64, concurrency)
+    )
     prefill = WorkerProcess(WorkerOptions(role="prefill", worker_id="prefill-0", **base))
     decode = None
     try:
@@ -63,11 +73,20 @@ def run_demo(engine: str, mode: str, preset: str, requests: int, tokens: list[in
     verified = sum(1 for r in results if r["status"] == "success" and r["verified"])
     nbytes = sum(r["bytes"] for r in results)
     return {
-        "engine": engine, "mode": mode, "preset": preset, "draft": draft, "requests": len(batch),
-        "verified": verified, "failed": len(results) - verified, "bytes": nbytes, "seconds": seconds,
-        "gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0, "handshake_ms": handshake_ms,
+        "engine": engine,
+        "mode": mode,
+        "preset": preset,
+        "draft": draft,
+        "requests": len(batch),
+        "verified": verified,
+        "failed": len(results) - verified,
+        "bytes": nbytes,
+        "seconds": seconds,
+        "gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+        "handshake_ms": handshake_ms,
         "descriptors": sum(r["descriptors"] for r in results),
-        "leaked": free_before != free_after, "worker_exit_codes": rcs,
+        "leaked": free_before != free_after,
+        "worker_exit_codes": rcs,
         "errors": sorted({r["error"]["message"] for r in results if r.get("error")})[:5],
     }
 
@@ -79,25 +98,38 @@ def cmd_demo(args) -> int:
         if args.json:
             return
         mark = "ok" if ev["verified"] else f"FAILED ({ev['error']['message'] if ev['error'] else '?'})"
-        print(f"  [{done:>4}/{total}] room {ev['room'] % 10**6:06d}  {ev['seq_len']:>6} tokens  "
-              f"{_fmt_bytes(ev['bytes']):>10}  {ev['seconds'] * 1e3:7.1f} ms  {mark}", flush=True)
+        print(
+            f"  [{done:>4}/{total}] room {ev['room'] % 10**6:06d}  {ev['seq_len']:>6} tokens  "
+            f"{_fmt_bytes(ev['bytes']):>10}  {ev['seconds'] * 1e3:7.1f} ms  {mark}",
+            flush=True,
+        )
 
     if not args.json:
-        print(f"pdstate demo: preset {args.preset}, {args.mode} mode, draft {'on' if not args.no_draft else 'off'}, "
-              f"engine {args.engine}, {args.requests} requests")
+        print(
+            f"pdstate demo: preset {args.preset}, {args.mode} mode, draft {'on' if not args.no_draft else 'off'}, "
+            f"engine {args.engine}, {args.requests} requests"
+        )
     try:
-        s = run_demo(args.engine, args.mode, args.preset, args.requests, tokens, args.concurrency,
-                     not args.no_draft, progress)
+        s = run_demo(
+            args.engine, args.mode, args.preset, args.requests, tokens, args.concurrency, not args.no_draft, progress
+        )
     except Exception as exc:
         print(f"demo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(s))
     else:
-        rows = [("requests", s["requests"]), ("verified", s["verified"]), ("failed", s["failed"]),
-                ("bytes", _fmt_bytes(s["bytes"])), ("descriptors", s["descriptors"]),
-                ("seconds", f"{s['seconds']:.3f}"), ("GB/s", f"{s['gbps']:.2f}"),
-                ("handshake ms", f"{s['handshake_ms']:.2f}"), ("leaked pages", "yes" if s["leaked"] else "none")]
+        rows = [
+            ("requests", s["requests"]),
+            ("verified", s["verified"]),
+            ("failed", s["failed"]),
+            ("bytes", _fmt_bytes(s["bytes"])),
+            ("descriptors", s["descriptors"]),
+            ("seconds", f"{s['seconds']:.3f}"),
+            ("GB/s", f"{s['gbps']:.2f}"),
+            ("handshake ms", f"{s['handshake_ms']:.2f}"),
+            ("leaked pages", "yes" if s["leaked"] else "none"),
+        ]
         print()
         print("+" + "-" * 16 + "+" + "-" * 16 + "+")
         for k, v in rows:
@@ -123,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--json", action="store_true", help="print one JSON summary object")
     d.set_defaults(func=cmd_demo)
 
-    from pdstate import cli_ops
+    from pdstate.service import preflight as cli_ops
 
     cli_ops.add_commands(sub)
     cli_ops.add_bench(sub)

@@ -1,24 +1,41 @@
-"""Exception hierarchy.
+"""The whole exception tree, one root: ``PdStateError``.
 
-Every error a user can meet is a class named for what went wrong. Classes that mirror an upstream
-failure subclass the upstream type (``RuntimeError``) so existing ``except`` clauses still catch
-them, and build the upstream sentence once, character for character: users grep for it.
+Every error a user can meet is a class named for what went wrong, defined here and nowhere else.
+Classes that mirror an upstream failure keep upstream's name and sentence (built once, character
+for character: users grep for it) and take upstream's type as a mixin base (``RuntimeError``,
+``AttributeError``, ``ValueError``, ...), so existing ``except`` clauses still catch them.
 
-``error_from_wire(type_name, message)`` rebuilds an error received from a peer, so the rejected
-side raises the same class with the same message as the side that refused it.
+On the wire an error travels as its class name and message. ``error_from_wire(type_name,
+message)`` is the one way to rebuild it: the same class where the name is in ``WIRE_TYPES`` (every
+class of this module, so it does not depend on which modules happen to be imported), else a plain
+``RemoteError`` that keeps the name. Protocol meaning is carried by the type (``NotRegistered``),
+never by the text.
 """
 
 from __future__ import annotations
 
+import enum
+import sys
+
+
+class ExitCode(enum.IntEnum):
+    """Every ``pdstate`` command's exit status (README lists them)."""
+
+    OK = 0
+    FAILED = 1  # the command ran and its answer is "no": a check found problems, a transfer failed
+    CONFIG = 2  # bad arguments or configuration (argparse's own usage errors are 2 as well)
+    LOCAL_CHECK = 3  # the worker's own target/draft pair fails setup_state_kv_args
+    REFUSED = 4  # the peer refused the handshake
+
 
 class PdStateError(Exception):
-    """Base class of errors defined by pdstate that have no upstream counterpart."""
+    """The root: every error pdstate raises on purpose is an instance of this class."""
 
 
 # --- the five upstream target/draft checks (setup_state_kv_args) -------------------------------
 
 
-class DSV4StateError(RuntimeError):
+class DSV4StateError(PdStateError, RuntimeError):
     """Base of the upstream ``setup_state_kv_args`` refusals (all ``RuntimeError`` upstream)."""
 
     def __init__(self, message: str | None = None) -> None:
@@ -57,10 +74,9 @@ class SWARingGeometryMismatch(DSV4StateError):
     """Unified mode: ``(window, ring_size, ring_pages)`` differ between target and draft."""
 
     @staticmethod
-    def build(target: tuple, draft: tuple) -> "SWARingGeometryMismatch":
+    def build(target: tuple, draft: tuple) -> SWARingGeometryMismatch:
         return SWARingGeometryMismatch(
-            "DSV4 target and draft pools must share SWA ring geometry: "
-            f"target={tuple(target)}, draft={tuple(draft)}"
+            f"DSV4 target and draft pools must share SWA ring geometry: target={tuple(target)}, draft={tuple(draft)}"
         )
 
 
@@ -68,10 +84,9 @@ class PagedSWAGeometryMismatch(DSV4StateError):
     """Paged mode: ``(page_size, sliding_window)`` differ between target and draft."""
 
     @staticmethod
-    def build(target: tuple, draft: tuple) -> "PagedSWAGeometryMismatch":
+    def build(target: tuple, draft: tuple) -> PagedSWAGeometryMismatch:
         return PagedSWAGeometryMismatch(
-            "DSV4 target and draft pools must share paged SWA geometry: "
-            f"target={tuple(target)}, draft={tuple(draft)}"
+            f"DSV4 target and draft pools must share paged SWA geometry: target={tuple(target)}, draft={tuple(draft)}"
         )
 
 
@@ -86,13 +101,13 @@ class DraftMappingMissing(DSV4StateError, AttributeError):
 # --- upstream cross-side sentences -----------------------------------------------------------
 
 
-class CrossSideMismatch(RuntimeError):
+class CrossSideMismatch(PdStateError, RuntimeError):
     """Base of the refusals that compare the prefill side with the decode side."""
 
 
 class PageSizeMismatch(CrossSideMismatch):
     @staticmethod
-    def build(prefill: object, decode: object) -> "PageSizeMismatch":
+    def build(prefill: object, decode: object) -> PageSizeMismatch:
         return PageSizeMismatch(
             f"Page size mismatch: prefill server has page_size={prefill}, but decode server has "
             f"page_size={decode}. Both servers must use the same --page-size value."
@@ -101,7 +116,7 @@ class PageSizeMismatch(CrossSideMismatch):
 
 class KVCacheDtypeMismatch(CrossSideMismatch):
     @staticmethod
-    def build(prefill: object, decode: object) -> "KVCacheDtypeMismatch":
+    def build(prefill: object, decode: object) -> KVCacheDtypeMismatch:
         return KVCacheDtypeMismatch(
             f"KV cache dtype mismatch: prefill server has kv_cache_dtype={prefill}, but decode "
             f"server has kv_cache_dtype={decode}. Both servers must use the same "
@@ -113,7 +128,7 @@ class LayoutMismatch(CrossSideMismatch):
     """Any other layout factor differs; the message names the factor and both values."""
 
     @staticmethod
-    def build(factor: str, prefill: object, decode: object) -> "LayoutMismatch":
+    def build(factor: str, prefill: object, decode: object) -> LayoutMismatch:
         return LayoutMismatch(
             f"DSV4 layout mismatch on {factor}: prefill server has {factor}={prefill!r}, but "
             f"decode server has {factor}={decode!r}. Both servers must build the same state layout."
@@ -127,11 +142,11 @@ class DescriptorMismatch(CrossSideMismatch):
 # --- pool construction ------------------------------------------------------------------------
 
 
-class PoolConfigError(ValueError, PdStateError):
+class PoolConfigError(PdStateError, ValueError):
     """A pool cannot be built with these arguments."""
 
 
-class OnlineC128MTPUnsupported(AssertionError, PdStateError):
+class OnlineC128MTPUnsupported(PdStateError, AssertionError):
     """Upstream asserts this when online C128 meets speculative decoding without the MTP option."""
 
     def __init__(self) -> None:
@@ -145,23 +160,23 @@ class AllocationError(PdStateError):
 # --- per-request checks -----------------------------------------------------------------------
 
 
-class IndexError_(PdStateError):
-    """Base for refused index lists. (Named with a trailing underscore: not the builtin.)"""
+class IndexRefused(PdStateError):
+    """Base for refused index lists (not the builtin ``IndexError``)."""
 
 
-class PaddingPageIndex(IndexError_):
+class PaddingPageIndex(IndexRefused):
     """A sliding-window slot maps to 0: the transfer would silently copy the padding page."""
 
 
-class IndexCountMismatch(IndexError_):
+class IndexCountMismatch(IndexRefused):
     """Prefill and decode index lists of one component have different lengths."""
 
 
-class IndexOutOfRange(IndexError_):
+class IndexOutOfRange(IndexRefused):
     """An index is negative or addresses past the end of its registered buffer."""
 
 
-class ItemLengthMismatch(IndexError_):
+class ItemLengthMismatch(IndexRefused):
     """A buffer's item length differs between the two sides."""
 
 
@@ -173,7 +188,23 @@ class ProtocolError(PdStateError):
 
 
 class VersionMismatch(ProtocolError):
-    pass
+    """The peer speaks another protocol version."""
+
+
+class NotRegistered(ProtocolError):
+    """A heartbeat or request came from a peer this worker has not accepted (or has forgotten):
+    the sender should register again."""
+
+    def __init__(self, message: str = "not registered: send a register message first") -> None:
+        super().__init__(message)
+
+
+class IllegalTransition(PdStateError, RuntimeError):
+    """A lifecycle move that its transition table does not allow (a bug, never a peer's doing)."""
+
+
+class LocalCheckFailed(PdStateError, RuntimeError):
+    """Raised at start when the worker's own target/draft pair fails ``setup_state_kv_args``."""
 
 
 class AuthError(PdStateError):
@@ -188,6 +219,39 @@ class EngineUnavailable(EngineError, ImportError):
     """An optional engine package is not installed; the message names the extra."""
 
 
+class EngineStateError(EngineError):
+    """A method was called in the wrong lifecycle state (before ``start()``, after ``close()``)."""
+
+
+class DescriptorOutOfRange(EngineError):
+    """A plan descriptor addresses bytes outside every registered region; nothing was moved."""
+
+    def __init__(self, message: str, index: int | None = None, address: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
+        self.address = address
+
+
+class InvalidEndpoint(EngineError):
+    """A peer endpoint is malformed, for another engine, or unusable from this host."""
+
+
+class UnknownPeer(EngineError):
+    """``submit`` named a peer id that ``connect`` never returned (or that was closed)."""
+
+
+class TransferTimedOut(EngineError):
+    """``wait`` ran past its deadline; the message says "timed out"."""
+
+
+class NativeEngineError(EngineError):
+    """The native library reported a failure: the message names the operation, peer and code."""
+
+    def __init__(self, message: str, code: int | str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class TransferFailed(PdStateError):
     """A request ended FAILED; ``reason`` says why."""
 
@@ -196,59 +260,43 @@ class PeerGone(PdStateError):
     """The peer stopped answering heartbeats or restarted with a new incarnation."""
 
 
-class ConfigError(ValueError, PdStateError):
+class ConfigError(PdStateError, ValueError):
     """The worker configuration is invalid; the message names the key."""
 
 
-_WIRE_TYPES: dict[str, type[BaseException]] = {
-    cls.__name__: cls
-    for cls in (
-        DraftNotSWAOnly,
-        UnifiedKVModeMismatch,
-        SWAIndexMappingNotShared,
-        SWARingGeometryMismatch,
-        PagedSWAGeometryMismatch,
-        DraftMappingMissing,
-        PageSizeMismatch,
-        KVCacheDtypeMismatch,
-        LayoutMismatch,
-        DescriptorMismatch,
-        ProtocolError,
-        VersionMismatch,
-        AuthError,
-        EngineError,
-        TransferFailed,
-        PeerGone,
-        PaddingPageIndex,
-        IndexCountMismatch,
-        IndexOutOfRange,
-        ItemLengthMismatch,
-    )
-}
+class ProbeError(PdStateError):
+    """``pdstate probe`` could not reach a worker or read its answer."""
 
 
-def _wire_class(type_name: str) -> type[BaseException] | None:
-    """A known class by name: the table above, or any subclass of ``PdStateError`` (engines'
-    error classes included, once their module is imported)."""
-    cls = _WIRE_TYPES.get(type_name)
+class RemoteError(PdStateError, RuntimeError):
+    """A peer reported an error whose class this version does not know; ``type_name`` keeps it."""
+
+    def __init__(self, message: str, type_name: str = "RemoteError") -> None:
+        super().__init__(message)
+        self.type_name = type_name
+
+
+def _classes() -> dict[str, type[BaseException]]:
+    module = sys.modules[__name__]
+    return {
+        name: obj
+        for name, obj in vars(module).items()
+        if isinstance(obj, type) and issubclass(obj, PdStateError) and obj.__module__ == __name__
+    }
+
+
+# Every class defined above, by name: the wire's error kinds (complete at import of this module).
+WIRE_TYPES: dict[str, type[BaseException]] = _classes()
+
+
+def error_from_wire(type_name: str, message: str) -> PdStateError:
+    """Rebuild an error a peer reported: the same class with the same message where the name is
+    known, else ``RemoteError`` keeping the name (also for a class whose constructor does not take
+    a single message)."""
+    cls = WIRE_TYPES.get(type_name)
     if cls is not None:
-        return cls
-    stack = [PdStateError, RuntimeError]
-    while stack:
-        c = stack.pop()
-        if c.__name__ == type_name and c.__module__.startswith("pdstate"):
-            return c
-        stack.extend(c.__subclasses__())
-    return None
-
-
-def error_from_wire(type_name: str, message: str) -> BaseException:
-    """Rebuild an error a peer reported: the same class where known, else ``RuntimeError``.
-
-    Classes whose constructor does not take a single message fall back to ``RuntimeError``.
-    """
-    cls = _wire_class(type_name) or RuntimeError
-    try:
-        return cls(message)
-    except TypeError:
-        return RuntimeError(f"{type_name}: {message}")
+        try:
+            return cls(message)
+        except TypeError:
+            pass
+    return RemoteError(message, type_name)

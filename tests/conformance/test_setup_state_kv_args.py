@@ -5,9 +5,8 @@ import json
 import pytest
 import torch
 
-from pdstate.kvargs import KVArgs, setup_state_kv_args
 from pdstate.pools import DeepSeekV4TokenToKVPool, SWATokenToKVPoolAllocator
-from pdstate.pools.allocator import new_mapping
+from pdstate.pools.kvargs import KVArgs, setup_state_kv_args
 from tests.conftest import CONFORMANCE_JSON, SHARED
 
 _DATA = CONFORMANCE_JSON
@@ -111,7 +110,11 @@ def test_upstream_outcome(variant, case):
     demo = case["translate_demo"]
     idx = torch.tensor(demo["full_indices"])
     assert target.translate_loc_from_full_to_swa(idx).tolist() == demo["target.translate_loc_from_full_to_swa"]
-    if "draft.translate_loc_from_full_to_swa" in demo and draft is not None and hasattr(draft, "translate_loc_from_full_to_swa"):
+    if (
+        "draft.translate_loc_from_full_to_swa" in demo
+        and draft is not None
+        and hasattr(draft, "translate_loc_from_full_to_swa")
+    ):
         assert draft.translate_loc_from_full_to_swa(idx).tolist() == demo["draft.translate_loc_from_full_to_swa"]
 
 
@@ -124,4 +127,5 @@ def test_vendored_copy_matches_shared():
     if not shared.exists():
         pytest.skip(f"{shared} not present; the vendored copy is used alone")
     assert json.loads(shared.read_text()) == json.loads(_DATA.read_text()), (
-        "tests/conformance/data/setup_state_kv_args.json differs from shared/conformance: copy it again")
+        "tests/conformance/data/setup_state_kv_args.json differs from shared/conformance: copy it again"
+    )

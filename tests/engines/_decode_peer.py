@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdstate.engines import create_engine
 from pdstate.pools.memory import BufferSpec, PrivateMemory, Region, SharedMemory
+from pdstate.transfer.engines import create_engine
 
 SENTINEL = 0xA5
 DST_SIZES = (12 << 20, 1 << 20)  # two destination regions, bytes
@@ -67,8 +67,12 @@ def serve(conn: Any, engine_name: str, options: dict[str, Any]) -> None:
         while conn.poll(CHILD_IDLE_TIMEOUT_S):
             cmd = conn.recv()
             try:
-                result = {"read": state.read, "reset": state.reset,
-                          "notifications": state.notifications, "stop": state.stop}[cmd]()
+                result = {
+                    "read": state.read,
+                    "reset": state.reset,
+                    "notifications": state.notifications,
+                    "stop": state.stop,
+                }[cmd]()
             except Exception as exc:  # reported to the test, which raises it
                 conn.send(("error", f"{type(exc).__name__}: {exc}"))
                 continue
@@ -95,8 +99,9 @@ class RemoteDecode:
     def __init__(self, engine_name: str, options: dict[str, Any]) -> None:
         ctx = _context()
         self._conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=serve, args=(child_conn, engine_name, options), daemon=True,
-                                   name=f"decode-{engine_name}")
+        self.process = ctx.Process(
+            target=serve, args=(child_conn, engine_name, options), daemon=True, name=f"decode-{engine_name}"
+        )
         self.process.start()
         child_conn.close()
         self.endpoint, regions = self._recv(START_TIMEOUT_S)

@@ -9,17 +9,18 @@ engines live for the module; tests that close or break an engine use ``Pair``/``
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from pdstate.engines import EngineUnavailable, TransferEngine, create_engine, engine_class
-from pdstate.planner import TransferPlan
 from pdstate.pools.memory import BufferSpec, PrivateMemory, Region
+from pdstate.transfer.engines import EngineUnavailable, TransferEngine, create_engine, engine_class
+from pdstate.transfer.plan import TransferPlan
 from tests.engines._decode_peer import SENTINEL, LocalDecode, RemoteDecode
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -91,7 +92,7 @@ class Descs:
     length: np.ndarray
 
     @classmethod
-    def of(cls, rows: list[tuple[int, int, int, int, int]]) -> "Descs":
+    def of(cls, rows: list[tuple[int, int, int, int, int]]) -> Descs:
         cols = np.array(rows, dtype=np.int64).reshape(-1, 5).T
         return cls(*cols)
 

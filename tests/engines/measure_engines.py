@@ -28,9 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-from pdstate.engines import EngineUnavailable, create_engine, engine_class  # noqa: E402
-from pdstate.planner import TransferPlan  # noqa: E402
-from pdstate.pools.memory import BufferSpec, PrivateMemory, SharedMemory  # noqa: E402
+from pdstate.pools.memory import BufferSpec, PrivateMemory, SharedMemory
+from pdstate.transfer.engines import EngineUnavailable, create_engine, engine_class
+from pdstate.transfer.plan import TransferPlan
 
 OPTIONS = {"shm": {}, "mooncake": {"host": "127.0.0.1"}, "nixl": {"ucx_env": {"UCX_MODULES": "^ib"}}}
 
@@ -91,8 +91,10 @@ def main() -> None:
 
     def scatter(page_bytes: int) -> tuple[np.ndarray, np.ndarray]:
         n = payload // page_bytes
-        return (rng.choice(pool_bytes // page_bytes, n, replace=False),
-                rng.choice(pool_bytes // page_bytes, n, replace=False))
+        return (
+            rng.choice(pool_bytes // page_bytes, n, replace=False),
+            rng.choice(pool_bytes // page_bytes, n, replace=False),
+        )
 
     print(f"payload {args.payload_mib} MiB, pools {args.pool_mib} MiB, median of {args.runs}")
     contig = timed(lambda: ctypes.memmove(local_dst.data_ptr(), src.data_ptr(), payload), args.runs)
@@ -102,16 +104,21 @@ def main() -> None:
         page_bytes = kib << 10
         s_pages, d_pages = scatter(page_bytes)
         plans[kib] = (s_pages, d_pages)
-        pairs = list(zip((src.data_ptr() + s_pages * page_bytes).tolist(),
-                         (local_dst.data_ptr() + d_pages * page_bytes).tolist()))
+        pairs = list(
+            zip(
+                (src.data_ptr() + s_pages * page_bytes).tolist(), (local_dst.data_ptr() + d_pages * page_bytes).tolist()
+            )
+        )
 
         def copy_pages(pairs=pairs, page_bytes=page_bytes) -> None:
             for s, d in pairs:
                 ctypes.memmove(d, s, page_bytes)
 
         t = timed(copy_pages, args.runs)
-        print(f"  baseline memmove per page, {kib:3d} KiB x {len(pairs):5d}, same process {gbps(t)}"
-              f"  ({t / len(pairs) * 1e6:.2f} us/desc)")
+        print(
+            f"  baseline memmove per page, {kib:3d} KiB x {len(pairs):5d}, same process {gbps(t)}"
+            f"  ({t / len(pairs) * 1e6:.2f} us/desc)"
+        )
 
     ctx = mp.get_context("spawn")
     for name in args.engines.split(","):
@@ -138,8 +145,10 @@ def main() -> None:
             t = timed(lambda: eng.wait(eng.submit(peer, plan), 60.0), args.runs)
             conn.send((d_pages, page_bytes))
             ok = conn.recv() == _digest(src, s_pages, page_bytes)
-            print(f"  {name:8s} {kib:3d} KiB x {len(s_pages):5d} scattered pages        {gbps(t)}"
-                  f"  ({t / len(s_pages) * 1e6:.2f} us/desc){'' if ok else '  DIGEST MISMATCH'}")
+            print(
+                f"  {name:8s} {kib:3d} KiB x {len(s_pages):5d} scattered pages        {gbps(t)}"
+                f"  ({t / len(s_pages) * 1e6:.2f} us/desc){'' if ok else '  DIGEST MISMATCH'}"
+            )
         eng.close()
         conn.send(None)
         proc.join(30)

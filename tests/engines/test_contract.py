@@ -12,7 +12,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from pdstate.engines import (
+from pdstate.transfer.engines import (
     DescriptorOutOfRange,
     EngineError,
     EngineStateError,
@@ -21,7 +21,7 @@ from pdstate.engines import (
     UnknownPeer,
     create_engine,
 )
-from pdstate.planner import TransferPlan
+from pdstate.transfer.plan import TransferPlan
 from tests.engines._decode_peer import DST_SIZES
 from tests.engines.conftest import DETECTS_PEER_LOSS, ENGINE_OPTIONS, SRC_SIZES, Descs, Pair
 
@@ -81,12 +81,14 @@ def test_scattered_descriptors_land_exact_bytes(pair: Pair) -> None:
 
 def test_descriptors_at_region_edges(pair: Pair) -> None:
     last = [n - 1 for n in DST_SIZES]
-    d = Descs.of([
-        (0, 0, 0, 0, 1),                      # first byte of region 0
-        (1, SRC_SIZES[1] - 3, 0, last[0] - 2, 3),  # last bytes of region 0, from the end of src 1
-        (0, 17, 1, 0, 4096),                  # start of region 1
-        (1, 0, 1, last[1], 1),                # last byte of region 1
-    ])
+    d = Descs.of(
+        [
+            (0, 0, 0, 0, 1),  # first byte of region 0
+            (1, SRC_SIZES[1] - 3, 0, last[0] - 2, 3),  # last bytes of region 0, from the end of src 1
+            (0, 17, 1, 0, 4096),  # start of region 1
+            (1, 0, 1, last[1], 1),  # last byte of region 1
+        ]
+    )
     pair.transfer(d)
     pair.assert_destination(pair.expected(d))
 

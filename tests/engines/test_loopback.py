@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
 
-from pdstate.engines import EngineError, TransferTimedOut
-from pdstate.engines.loopback import LoopbackEngine, ScriptedFailure
-from pdstate.planner import TransferPlan
 from pdstate.pools.memory import BufferSpec, PrivateMemory
+from pdstate.transfer.engines import EngineError, TransferTimedOut
+from pdstate.transfer.engines.loopback import LoopbackEngine, ScriptedFailure
+from pdstate.transfer.plan import TransferPlan
 
 pytestmark = pytest.mark.timeout(30)
 SENTINEL = 0xA5

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
 
-from pdstate.engines import EngineError, NativeEngineError
-from pdstate.engines.mooncake import MooncakeEngine
-from pdstate.planner import TransferPlan
 from pdstate.pools.memory import BufferSpec, PrivateMemory
+from pdstate.transfer.engines import EngineError, NativeEngineError
+from pdstate.transfer.engines.mooncake import MooncakeEngine
+from pdstate.transfer.plan import TransferPlan
 from tests.engines.conftest import require_engine
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(30)]

@@ -6,14 +6,14 @@ import os
 import subprocess
 import sys
 import textwrap
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from pdstate.engines import InvalidEndpoint, NativeEngineError
-from pdstate.engines.nixl import UCX_ENV_WITHOUT_IB, NixlEngine
 from pdstate.pools.memory import BufferSpec, PrivateMemory
+from pdstate.transfer.engines import InvalidEndpoint, NativeEngineError
+from pdstate.transfer.engines.nixl import UCX_ENV_WITHOUT_IB, NixlEngine
 from tests.engines.conftest import REPO_ROOT, require_engine
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(60)]
@@ -65,7 +65,7 @@ def test_process_exits_cleanly_with_the_ucx_work_around() -> None:
     script = textwrap.dedent(
         """
         import torch
-        from pdstate.engines.nixl import UCX_ENV_WITHOUT_IB, NixlEngine
+        from pdstate.transfer.engines.nixl import UCX_ENV_WITHOUT_IB, NixlEngine
         from pdstate.pools.memory import Region
         buf = torch.zeros(4096, dtype=torch.uint8)
         engine = NixlEngine(ucx_env=UCX_ENV_WITHOUT_IB)
@@ -77,7 +77,8 @@ def test_process_exits_cleanly_with_the_ucx_work_around() -> None:
         """
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}  # the engine must set it
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=50)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=50
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.splitlines()[-1] == "closed"  # NIXL logs to stdout too

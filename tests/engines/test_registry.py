@@ -7,7 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from pdstate.engines import (
+from pdstate.pools.memory import Region
+from pdstate.transfer.engines import (
     ENGINES,
     DescriptorOutOfRange,
     EngineError,
@@ -16,9 +17,8 @@ from pdstate.engines import (
     create_engine,
     engine_class,
 )
-from pdstate.engines.regions import RegionTable
-from pdstate.engines.shm import ShmEngine
-from pdstate.pools.memory import Region
+from pdstate.transfer.engines.regions import RegionTable
+from pdstate.transfer.engines.shm import ShmEngine
 
 
 def test_registry_names() -> None:
@@ -26,7 +26,9 @@ def test_registry_names() -> None:
 
 
 def test_unknown_engine_lists_the_known_ones() -> None:
-    with pytest.raises(EngineError, match="^unknown transfer engine 'rdma'; known engines: shm, loopback, mooncake, nixl$"):
+    with pytest.raises(
+        EngineError, match="^unknown transfer engine 'rdma'; known engines: shm, loopback, mooncake, nixl$"
+    ):
         create_engine("rdma")
 
 

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
 
-from pdstate.engines import EngineError, InvalidEndpoint
-from pdstate.engines.shm import ShmEngine, _Mapping, shared_file_of
-from pdstate.planner import TransferPlan
 from pdstate.pools.memory import BufferSpec, PrivateMemory, Region, SharedMemory
+from pdstate.transfer.engines import EngineError, InvalidEndpoint
+from pdstate.transfer.engines.shm import ShmEngine, _Mapping, shared_file_of
+from pdstate.transfer.plan import TransferPlan
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -54,8 +54,13 @@ def test_a_region_inside_a_segment_publishes_its_file_offset_and_receives(engine
     decode = engines()
     decode.register([inner])
     (published,) = decode.endpoint()["regions"]
-    assert published == {"name": "inner", "base_ptr": inner.base_ptr, "nbytes": 4096,
-                         "path": seg.path, "file_offset": 8192}
+    assert published == {
+        "name": "inner",
+        "base_ptr": inner.base_ptr,
+        "nbytes": 4096,
+        "path": seg.path,
+        "file_offset": 8192,
+    }
 
     src = torch.arange(4096, dtype=torch.int64).remainder(253).to(torch.uint8)
     prefill = engines()
@@ -109,8 +114,10 @@ def test_shared_file_of_follows_split_mappings() -> None:
     "maps,match",
     [
         (_maps((0x1000, 0x3000, True, 0, "/dev/shm/a")), "runs past the shared mapping"),
-        (_maps((0x1000, 0x3000, True, 0, "/dev/shm/a"), (0x3000, 0x5000, True, 0x9000, "/dev/shm/a")),
-         "runs past the shared mapping"),
+        (
+            _maps((0x1000, 0x3000, True, 0, "/dev/shm/a"), (0x3000, 0x5000, True, 0x9000, "/dev/shm/a")),
+            "runs past the shared mapping",
+        ),
         (_maps((0x1000, 0x5000, False, 0, "/usr/lib/x.so")), "not in a shared file mapping"),
         (_maps((0x1000, 0x5000, True, 0, "/dev/shm/a (deleted)")), "was unlinked"),
         (_maps(), "not in a shared file mapping"),
@@ -123,8 +130,13 @@ def test_shared_file_of_refuses(maps, match) -> None:
 
 
 def _forged_endpoint(engine_id: str, path: str, nbytes: int) -> dict:
-    return {"engine": "shm", "engine_id": engine_id, "boot_id": "", "owner_pid": os.getpid(),
-            "regions": [{"name": "r", "base_ptr": 1 << 40, "nbytes": nbytes, "path": path, "file_offset": 0}]}
+    return {
+        "engine": "shm",
+        "engine_id": engine_id,
+        "boot_id": "",
+        "owner_pid": os.getpid(),
+        "regions": [{"name": "r", "base_ptr": 1 << 40, "nbytes": nbytes, "path": path, "file_offset": 0}],
+    }
 
 
 def test_connect_refuses_to_map_a_file_outside_the_segment_directory(engines, tmp_path) -> None:

@@ -3,7 +3,7 @@
 Worker processes are real processes on 127.0.0.1 (port 0). Most tests start them with
 ``launcher="fork"`` (forked from a fork server that already imported torch and the runtime, so a
 worker starts in a fraction of a second on this small machine); the tests that are about the
-``python -m pdstate.procs`` entry point itself (exit status and stderr of a failed local check, the
+``python -m pdstate.devtools.processes`` entry point itself (exit status and stderr of a failed local check, the
 ``pdstate demo`` command) use real ``subprocess`` launches.
 """
 
@@ -12,19 +12,20 @@ from __future__ import annotations
 import ctypes
 import json
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
 
-from pdstate.engines.base import create_engine
+from pdstate.devtools.processes import WorkerProcess
 from pdstate.errors import EngineUnavailable
-from pdstate.planner import channels_of
 from pdstate.pools.memory import Region
-from pdstate.presets import PoolSettings, preset
-from pdstate.procs import WorkerProcess
+from pdstate.pools.presets import PoolSettings, preset
 from pdstate.runtime import synth
 from pdstate.runtime.common import WorkerOptions
+from pdstate.transfer.engines.base import create_engine
+from pdstate.transfer.planner import channels_of
 
 TINY = preset("tiny")
 SENTINEL = 0xA5
@@ -124,7 +125,9 @@ def peer_record(prefill: WorkerProcess, worker_id: str, state: str | None = None
     return wait_until(f"the prefill's record of {worker_id} ({state or 'decided'})", probe, timeout_s)
 
 
-def run_batch(decode: WorkerProcess, lengths: list[int], concurrency: int = 1, timeout_s: float = 60.0) -> tuple[list[dict], dict]:
+def run_batch(
+    decode: WorkerProcess, lengths: list[int], concurrency: int = 1, timeout_s: float = 60.0
+) -> tuple[list[dict], dict]:
     """Run ``lengths`` on a ready decode process; returns ``(results, batch_done event)``."""
     decode.send(json.dumps({"cmd": "run", "lengths": lengths, "concurrency": concurrency}))
     results = []
@@ -170,7 +173,9 @@ def expected_images(regions: list[Region], desc, room: int, lists: list[np.ndarr
             assert int(idx.max()) * item + item <= n, f"{chan.name}[{j}]: index past the buffer"
             k = int(np.searchsorted(bases, ptr, side="right")) - 1
             r = order[max(k, 0)]
-            assert k >= 0 and ptr + n <= regions[r].base_ptr + regions[r].nbytes, f"{chan.name}[{j}] outside every region"
+            assert k >= 0 and ptr + n <= regions[r].base_ptr + regions[r].nbytes, (
+                f"{chan.name}[{j}] outside every region"
+            )
             words = synth.item_bases(room, c, j, idx.size)[:, None] + np.arange(item // 8, dtype=np.uint64)
             offsets = (ptr - regions[r].base_ptr + idx * item)[:, None] + np.arange(item)
             assert not owner[r][offsets].any(), f"{chan.name}[{j}]: destination items overlap another's"
@@ -186,6 +191,8 @@ def compare_images(regions: list[Region], expected: list[np.ndarray]) -> str | N
         if not np.array_equal(got, exp):
             off = int(np.flatnonzero(got != exp)[0])
             where = "outside the request's destination" if exp[off] == SENTINEL else "inside the destination"
-            return (f"region {r.name}: byte {off} is {got[off]:#04x}, expected {exp[off]:#04x} ({where}); "
-                    f"{int((got != exp).sum())} bytes differ")
+            return (
+                f"region {r.name}: byte {off} is {got[off]:#04x}, expected {exp[off]:#04x} ({where}); "
+                f"{int((got != exp).sum())} bytes differ"
+            )
     return None

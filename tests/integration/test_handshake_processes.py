@@ -16,59 +16,108 @@ import msgpack
 import pytest
 import zmq
 
-from pdstate import wire
-from pdstate.layout import build_report
-from pdstate.presets import build_worker_pools
-from pdstate.procs import EXIT_LOCAL_CHECK, EXIT_REFUSED
+from pdstate.devtools.processes import EXIT_LOCAL_CHECK, EXIT_REFUSED
+from pdstate.pools.presets import build_worker_pools
+from pdstate.pools.reporting import build_report
+from pdstate.protocol import wire
 from tests.integration.helpers import TINY, assert_all_verified, first_event, peer_record, run_batch
 
 SEED_ERROR = "DSV4 target and draft pools must share the SWA index mapping"
 
 # (id, decode pool changes, error type, exact upstream text)
 DRAFT_ERRORS = [
-    ("draft-not-swa-only", dict(draft_compression_ratios=(4,)),
-     "DraftNotSWAOnly", "DSV4 draft state transfer expects SWA-only NextN layers"),
-    ("draft-no-layers", dict(draft_layers=0),
-     "DraftNotSWAOnly", "DSV4 draft state transfer expects SWA-only NextN layers"),
-    ("unified-vs-paged-draft", dict(draft_unified_kv=True),
-     "UnifiedKVModeMismatch", "DSV4 target and draft pools must use the same unified-KV mode"),
-    ("ring-geometry", dict(unified_kv=True, draft_sliding_window=64),
-     "SWARingGeometryMismatch",
-     "DSV4 target and draft pools must share SWA ring geometry: target=(128, 131, 655), draft=(64, 67, 335)"),
+    (
+        "draft-not-swa-only",
+        dict(draft_compression_ratios=(4,)),
+        "DraftNotSWAOnly",
+        "DSV4 draft state transfer expects SWA-only NextN layers",
+    ),
+    (
+        "draft-no-layers",
+        dict(draft_layers=0),
+        "DraftNotSWAOnly",
+        "DSV4 draft state transfer expects SWA-only NextN layers",
+    ),
+    (
+        "unified-vs-paged-draft",
+        dict(draft_unified_kv=True),
+        "UnifiedKVModeMismatch",
+        "DSV4 target and draft pools must use the same unified-KV mode",
+    ),
+    (
+        "ring-geometry",
+        dict(unified_kv=True, draft_sliding_window=64),
+        "SWARingGeometryMismatch",
+        "DSV4 target and draft pools must share SWA ring geometry: target=(128, 131, 655), draft=(64, 67, 335)",
+    ),
     ("mapping-own", dict(draft_mapping="own"), "SWAIndexMappingNotShared", SEED_ERROR),
     ("mapping-clone", dict(draft_mapping="clone"), "SWAIndexMappingNotShared", SEED_ERROR),
     ("mapping-view", dict(draft_mapping="view"), "SWAIndexMappingNotShared", SEED_ERROR),
-    ("paged-geometry-page", dict(draft_page_size=512),
-     "PagedSWAGeometryMismatch",
-     "DSV4 target and draft pools must share paged SWA geometry: target=(256, 128), draft=(512, 128)"),
-    ("paged-geometry-window", dict(draft_sliding_window=64),
-     "PagedSWAGeometryMismatch",
-     "DSV4 target and draft pools must share paged SWA geometry: target=(256, 128), draft=(256, 64)"),
+    (
+        "paged-geometry-page",
+        dict(draft_page_size=512),
+        "PagedSWAGeometryMismatch",
+        "DSV4 target and draft pools must share paged SWA geometry: target=(256, 128), draft=(512, 128)",
+    ),
+    (
+        "paged-geometry-window",
+        dict(draft_sliding_window=64),
+        "PagedSWAGeometryMismatch",
+        "DSV4 target and draft pools must share paged SWA geometry: target=(256, 128), draft=(256, 64)",
+    ),
 ]
 
 _LAYOUT = "Both servers must build the same state layout."
 CROSS_SIDE = [
-    ("page-size", dict(page_size=512), "PageSizeMismatch",
-     "Page size mismatch: prefill server has page_size=256, but decode server has page_size=512. "
-     "Both servers must use the same --page-size value."),
-    ("kv-dtype", dict(kv_dtype="float8_e5m2"), "KVCacheDtypeMismatch",
-     "KV cache dtype mismatch: prefill server has kv_cache_dtype=float8_e4m3fn, but decode server has "
-     "kv_cache_dtype=float8_e5m2. Both servers must use the same --kv-cache-dtype value."),
-    ("speculative-one-side", dict(speculative_num_draft_tokens=None), "LayoutMismatch",
-     f"DSV4 layout mismatch on c4_ring: prefill server has c4_ring=16, but decode server has c4_ring=8. {_LAYOUT}"),
-    ("unified-vs-paged", dict(unified_kv=True), "LayoutMismatch",
-     "DSV4 layout mismatch on layout: prefill server has layout='paged', but decode server has "
-     f"layout='unified'. {_LAYOUT}"),
-    ("window", dict(sliding_window=64), "LayoutMismatch",
-     "DSV4 layout mismatch on sliding_window: prefill server has sliding_window=128, but decode server "
-     f"has sliding_window=64. {_LAYOUT}"),
-    ("state-dtype", dict(state_dtype="bfloat16"), "LayoutMismatch",
-     "DSV4 layout mismatch on c4_state_dtype: prefill server has c4_state_dtype='float32', but decode "
-     f"server has c4_state_dtype='bfloat16'. {_LAYOUT}"),
-    ("draft-one-side", dict(draft_enabled=False), "LayoutMismatch",
-     "DSV4 layout mismatch on draft: prefill server has draft={'layers': 1, 'layout': 'paged', "
-     "'page_size': 256, 'swa_page_size': 256, 'sliding_window': 128, 'ring_size': None}, but decode "
-     f"server has draft=None. {_LAYOUT}"),
+    (
+        "page-size",
+        dict(page_size=512),
+        "PageSizeMismatch",
+        "Page size mismatch: prefill server has page_size=256, but decode server has page_size=512. "
+        "Both servers must use the same --page-size value.",
+    ),
+    (
+        "kv-dtype",
+        dict(kv_dtype="float8_e5m2"),
+        "KVCacheDtypeMismatch",
+        "KV cache dtype mismatch: prefill server has kv_cache_dtype=float8_e4m3fn, but decode server has "
+        "kv_cache_dtype=float8_e5m2. Both servers must use the same --kv-cache-dtype value.",
+    ),
+    (
+        "speculative-one-side",
+        dict(speculative_num_draft_tokens=None),
+        "LayoutMismatch",
+        f"DSV4 layout mismatch on c4_ring: prefill server has c4_ring=16, but decode server has c4_ring=8. {_LAYOUT}",
+    ),
+    (
+        "unified-vs-paged",
+        dict(unified_kv=True),
+        "LayoutMismatch",
+        "DSV4 layout mismatch on layout: prefill server has layout='paged', but decode server has "
+        f"layout='unified'. {_LAYOUT}",
+    ),
+    (
+        "window",
+        dict(sliding_window=64),
+        "LayoutMismatch",
+        "DSV4 layout mismatch on sliding_window: prefill server has sliding_window=128, but decode server "
+        f"has sliding_window=64. {_LAYOUT}",
+    ),
+    (
+        "state-dtype",
+        dict(state_dtype="bfloat16"),
+        "LayoutMismatch",
+        "DSV4 layout mismatch on c4_state_dtype: prefill server has c4_state_dtype='float32', but decode "
+        f"server has c4_state_dtype='bfloat16'. {_LAYOUT}",
+    ),
+    (
+        "draft-one-side",
+        dict(draft_enabled=False),
+        "LayoutMismatch",
+        "DSV4 layout mismatch on draft: prefill server has draft={'layers': 1, 'layout': 'paged', "
+        "'page_size': 256, 'swa_page_size': 256, 'sliding_window': 128, 'ring_size': None}, but decode "
+        f"server has draft=None. {_LAYOUT}",
+    ),
 ]
 
 
@@ -87,7 +136,7 @@ def _assert_refused_both_sides(prefill_proc, decode_proc, worker_id: str, etype:
 
 
 def test_matching_pair_is_accepted_over_python_m(workers):
-    """The plain ``python -m pdstate.procs`` entry point on both sides: accepted, then served."""
+    """The plain ``python -m pdstate.devtools.processes`` entry point on both sides: accepted, then served."""
     p, ep = workers.prefill(launcher="subprocess")
     d = workers.decode(ep, launcher="subprocess", worker_id="decode-match")
     ev = first_event(d, 60)
@@ -144,17 +193,23 @@ def test_good_decode_is_served_while_a_bad_one_is_refused(prefill, workers):
 
 
 def test_local_check_failure_exits_nonzero_with_upstream_message(workers):
-    """A real ``python -m pdstate.procs`` decode whose own pair is wrong never starts."""
+    """A real ``python -m pdstate.devtools.processes`` decode whose own pair is wrong never starts."""
     d = workers.decode("tcp://127.0.0.1:9", TINY.with_(draft_mapping="own"), launcher="subprocess")
     assert d.wait(60) == EXIT_LOCAL_CHECK
     assert f"SWAIndexMappingNotShared: {SEED_ERROR}" in d.stderr_text()
 
 
-@pytest.mark.parametrize("role, changes, text", [
-    ("prefill", dict(draft_page_size=512),
-     "DSV4 target and draft pools must share paged SWA geometry: target=(256, 128), draft=(512, 128)"),
-    ("decode", dict(draft_compression_ratios=(0, 128)), "DSV4 draft state transfer expects SWA-only NextN layers"),
-])
+@pytest.mark.parametrize(
+    "role, changes, text",
+    [
+        (
+            "prefill",
+            dict(draft_page_size=512),
+            "DSV4 target and draft pools must share paged SWA geometry: target=(256, 128), draft=(512, 128)",
+        ),
+        ("decode", dict(draft_compression_ratios=(0, 128)), "DSV4 draft state transfer expects SWA-only NextN layers"),
+    ],
+)
 def test_local_check_failure_forked_worker(workers, role, changes, text):
     w = workers.spawn(role, TINY.with_(**changes), peer="tcp://127.0.0.1:9" if role == "decode" else "")
     assert w.wait(30) == EXIT_LOCAL_CHECK
@@ -197,8 +252,14 @@ def _good_report_and_kv():
 
 def _register_fields(report, kv) -> dict:
     """A schema-valid register of a good tiny decode, as the plain map a raw frame carries."""
-    msg = wire.Register(worker_id="raw", incarnation="0", role="decode", report=report, kv=kv,
-                        engine=wire.EngineDesc(name="shm", endpoint={}))
+    msg = wire.Register(
+        worker_id="raw",
+        incarnation="0",
+        role="decode",
+        report=report,
+        kv=kv,
+        engine=wire.EngineDesc(name="shm", endpoint={}),
+    )
     return msgpack.unpackb(msgpack.unpackb(wire.encode(msg))["body"])
 
 
@@ -217,34 +278,89 @@ def _bad_frames() -> list[tuple[str, list[bytes], str, str]]:
         ("random-bytes", [random.Random(7).randbytes(300)], "error", "undecodable frame"),
         ("msgpack-scalar", [msgpack.packb(42)], "error", "expected a map envelope"),
         ("truncated-msgpack", [hb[:-3]], "error", "undecodable frame"),
-        ("wrong-version", [_env("heartbeat", {"worker_id": "x", "incarnation": "0", "seq": 1}, v=99)],
-         "error", "peer speaks v99, this worker speaks v1"),
+        (
+            "wrong-version",
+            [_env("heartbeat", {"worker_id": "x", "incarnation": "0", "seq": 1}, v=99)],
+            "error",
+            "peer speaks v99, this worker speaks v1",
+        ),
         ("unknown-kind", [_env("frobnicate", {})], "error", "unknown message kind 'frobnicate'"),
         ("body-not-a-map", [_env("heartbeat", [1, 2, 3])], "error", "expected a map"),
         ("envelope-missing-body", [msgpack.packb({"v": 1, "kind": "heartbeat"})], "error", "binary 'body'"),
-        ("wrong-field-types", [_env("heartbeat", {"worker_id": 5, "incarnation": "0", "seq": "x"})],
-         "error", "invalid heartbeat"),
+        (
+            "wrong-field-types",
+            [_env("heartbeat", {"worker_id": 5, "incarnation": "0", "seq": "x"})],
+            "error",
+            "invalid heartbeat",
+        ),
         ("missing-fields", [_env("transfer_request", {"room": 1})], "error", "invalid transfer_request"),
         ("oversized-frame", [b"\x00" * (wire.MAX_FRAME_BYTES + 1)], "error", "exceeds the limit"),
         ("two-frames", [hb, hb], "error", "expected one frame per message, got 2"),
         ("wrong-direction", [wire.encode(accept)], "error", "does not accept accept messages"),
-        ("request-before-register", [wire.encode(wire.TransferRequest(
-            room=5, seq_len=100, dst_kv_pages=wire.PackedIndices.pack([1]), dst_state_indices=[], deadline_s=5))],
-         "error", "not registered"),
+        (
+            "request-before-register",
+            [
+                wire.encode(
+                    wire.TransferRequest(
+                        room=5,
+                        seq_len=100,
+                        dst_kv_pages=wire.PackedIndices.pack([1]),
+                        dst_state_indices=[],
+                        deadline_s=5,
+                    )
+                )
+            ],
+            "error",
+            "not registered",
+        ),
         ("heartbeat-before-register", [hb], "error", "not registered"),
-        ("register-too-many-pointers", [_env("register", _with_kv(reg, kv_data_ptrs=[4096] * n))],
-         "error", "kv.kv_data_ptrs"),
-        ("register-negative-pointer", [_env("register", _with_kv(reg, kv_data_ptrs=[-1] * len(reg["kv"]["kv_data_ptrs"])))],
-         "error", "kv.kv_data_ptrs"),
-        ("register-uneven-lists", [_env("register", _with_kv(reg, kv_data_lens=reg["kv"]["kv_data_lens"][:-1]))],
-         "reject", "pointers"),
-        ("register-absurd-lengths", [_env("register", _with_kv(reg, kv_data_lens=[1 << 62] * len(reg["kv"]["kv_data_lens"])))],
-         "reject", "implausible range"),
-        ("register-overlapping-ranges", [_env("register", _with_kv(reg, kv_data_ptrs=[1 << 20] * len(reg["kv"]["kv_data_ptrs"])))],
-         "reject", "overlap"),
-        ("register-bad-endpoint", [_env("register", {**reg, "engine": {"name": "shm", "endpoint": {
-            "engine": "shm", "engine_id": "x", "boot_id": "", "regions": [{"bogus": 1}]}}})],
-         "reject", "malformed"),
+        (
+            "register-too-many-pointers",
+            [_env("register", _with_kv(reg, kv_data_ptrs=[4096] * n))],
+            "error",
+            "kv.kv_data_ptrs",
+        ),
+        (
+            "register-negative-pointer",
+            [_env("register", _with_kv(reg, kv_data_ptrs=[-1] * len(reg["kv"]["kv_data_ptrs"])))],
+            "error",
+            "kv.kv_data_ptrs",
+        ),
+        (
+            "register-uneven-lists",
+            [_env("register", _with_kv(reg, kv_data_lens=reg["kv"]["kv_data_lens"][:-1]))],
+            "reject",
+            "pointers",
+        ),
+        (
+            "register-absurd-lengths",
+            [_env("register", _with_kv(reg, kv_data_lens=[1 << 62] * len(reg["kv"]["kv_data_lens"])))],
+            "reject",
+            "implausible range",
+        ),
+        (
+            "register-overlapping-ranges",
+            [_env("register", _with_kv(reg, kv_data_ptrs=[1 << 20] * len(reg["kv"]["kv_data_ptrs"])))],
+            "reject",
+            "overlap",
+        ),
+        (
+            "register-bad-endpoint",
+            [
+                _env(
+                    "register",
+                    {
+                        **reg,
+                        "engine": {
+                            "name": "shm",
+                            "endpoint": {"engine": "shm", "engine_id": "x", "boot_id": "", "regions": [{"bogus": 1}]},
+                        },
+                    },
+                )
+            ],
+            "reject",
+            "malformed",
+        ),
     ]
 
 
@@ -257,7 +373,13 @@ def test_bad_control_input_gets_clear_errors_and_never_wedges_the_prefill(prefil
             reply = dealer.ask(*frames)
             assert reply.KIND == kind, (case, reply)
             assert text in reply.error.message, (case, reply.error)
-            assert reply.error.type in ("ProtocolError", "VersionMismatch", "DescriptorMismatch", "InvalidEndpoint"), (case, reply.error)
+            assert reply.error.type in (
+                "ProtocolError",
+                "NotRegistered",
+                "VersionMismatch",
+                "DescriptorMismatch",
+                "InvalidEndpoint",
+            ), (case, reply.error)
     finally:
         dealer.close()
     # A frame far over ZMQ's own size cap drops that connection at the transport: no reply can

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdstate.wire import PROTOCOL_VERSION
+from pdstate.protocol.wire import PROTOCOL_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 SERVICES = REPO / "services"
@@ -69,8 +69,9 @@ class Service:
         for o in overrides:
             cmd += ["--set", o]
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=_env(env), cwd=REPO)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(env), cwd=REPO
+        )
         self.events: queue.Queue = queue.Queue()
         self.stderr: list[str] = []
         self.listening: dict | None = None
@@ -95,7 +96,9 @@ class Service:
             try:
                 ev = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"{self.role}: no {name!r} event in {timeout_s:.0f} s; stderr: {self.err()[-2000:]}")
+                raise AssertionError(
+                    f"{self.role}: no {name!r} event in {timeout_s:.0f} s; stderr: {self.err()[-2000:]}"
+                ) from None
             if ev is None:
                 raise AssertionError(f"{self.role} exited ({self.proc.wait()}) before {name!r}: {self.err()[-2000:]}")
             if ev.get("event") == name:
@@ -188,7 +191,12 @@ def test_listening_line(cluster):
 
 def test_readyz_and_compat(cluster, http):
     p, d = cluster["prefill"].url, cluster["decode"].url
-    assert wait_for(lambda: ready(http, p), 20, "prefill ready") == {"ready": True, "reason": None, "check": None, "error": None}
+    assert wait_for(lambda: ready(http, p), 20, "prefill ready") == {
+        "ready": True,
+        "reason": None,
+        "check": None,
+        "error": None,
+    }
     assert wait_for(lambda: ready(http, d), 20, "decode ready")["ready"] is True
     pd, dd = http.get(f"{p}/v1/compat").json(), http.get(f"{d}/v1/compat").json()
     assert pd["role"] == "prefill" and dd["role"] == "decode"
@@ -198,8 +206,14 @@ def test_readyz_and_compat(cluster, http):
     assert dd["layout"]["compression_ratios"] == [0, 4, 128] and dd["layout"]["layout"] == "paged"
     assert pd["local_check"] == dd["local_check"] == {"ok": True, "error": None}
     assert pd["engine"] == dd["engine"] == "shm"
-    assert dd["peers"] == [{"id": cluster["prefill"].wait_listening()["control"], "state": "accepted",
-                            "error": None, "incarnation": pd["incarnation"]}]
+    assert dd["peers"] == [
+        {
+            "id": cluster["prefill"].wait_listening()["control"],
+            "state": "accepted",
+            "error": None,
+            "incarnation": pd["incarnation"],
+        }
+    ]
     mine = [x for x in pd["peers"] if x["id"] == dd["worker_id"]]
     assert mine and mine[0]["state"] == "accepted" and mine[0]["incarnation"] == dd["incarnation"]
 
@@ -221,9 +235,13 @@ def test_compat_check(cluster, http):
     bad = json.loads(json.dumps(dd))
     bad["report"]["page_size"] = 64
     v = http.post(f"{p}/v1/compat/check", json=bad).json()
-    assert v["compatible"] is False and v["errors"][0] == {"type": "PageSizeMismatch", "message": (
-        "Page size mismatch: prefill server has page_size=256, but decode server has page_size=64. "
-        "Both servers must use the same --page-size value.")}
+    assert v["compatible"] is False and v["errors"][0] == {
+        "type": "PageSizeMismatch",
+        "message": (
+            "Page size mismatch: prefill server has page_size=256, but decode server has page_size=64. "
+            "Both servers must use the same --page-size value."
+        ),
+    }
     # two prefills do not pair; a malformed document is a 422
     v = http.post(f"{p}/v1/compat/check", json=pd).json()
     assert v["compatible"] is False and v["errors"][0]["type"] == "RoleMismatch"
@@ -244,8 +262,10 @@ def test_transfers(cluster, http):
     res = r.json()
     assert res["room"] == 4242 and res["status"] == "success" and res["verified"] is True and res["error"] is None
     assert res["seq_len"] == 300 and res["bytes"] > 0 and res["seconds"] > 0
-    print(f"\ntransfer of 300 tokens via HTTP: {res['bytes']} B, worker {res['seconds'] * 1e3:.1f} ms, "
-          f"HTTP round trip {http_s * 1e3:.1f} ms")
+    print(
+        f"\ntransfer of 300 tokens via HTTP: {res['bytes']} B, worker {res['seconds'] * 1e3:.1f} ms, "
+        f"HTTP round trip {http_s * 1e3:.1f} ms"
+    )
     assert http.get(f"{d}/v1/transfers/4242").json() == res
     assert http.get(f"{d}/v1/transfers/4243").status_code == 404
     assert http.post(f"{d}/v1/transfers", json=body, headers=auth).status_code == 409  # room used
@@ -283,14 +303,18 @@ def test_own_mapping_decode_is_not_ready(cluster, http):
     def refused():
         r = http.get(f"{o}/readyz")
         return r.status_code == 503 and r.json()
+
     body = wait_for(refused, 10, "own-mapping decode 503")
     assert body["ready"] is False and body["reason"] == MAPPING_ERROR
     assert body["error"] == {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR}
     doc = http.get(f"{o}/v1/compat").json()
     assert doc["local_check"] == {"ok": False, "error": {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR}}
     # the prefill refused it with the same class and text, and the decode recorded that refusal
-    peer = wait_for(lambda: [x for x in http.get(f"{o}/v1/compat").json()["peers"] if x["state"] == "rejected"],
-                    10, "own-mapping decode rejected")[0]
+    peer = wait_for(
+        lambda: [x for x in http.get(f"{o}/v1/compat").json()["peers"] if x["state"] == "rejected"],
+        10,
+        "own-mapping decode rejected",
+    )[0]
     assert peer["error"] == {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR}
     theirs = [x for x in http.get(f"{p}/v1/compat").json()["peers"] if x["id"] == doc["worker_id"]]
     assert theirs and theirs[0]["state"] == "rejected" and theirs[0]["error"]["message"] == MAPPING_ERROR
@@ -299,8 +323,11 @@ def test_own_mapping_decode_is_not_ready(cluster, http):
     # asked to register again, it is refused again (and stays up, not ready)
     assert http.post(f"{o}/v1/handshake").status_code == 401
     assert http.post(f"{o}/v1/handshake", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 202
-    wait_for(lambda: 'pdstate_handshakes_total{outcome="rejected"} 2.0' in http.get(f"{o}/metrics").text,
-             10, "a second refusal")
+    wait_for(
+        lambda: 'pdstate_handshakes_total{outcome="rejected"} 2.0' in http.get(f"{o}/metrics").text,
+        10,
+        "a second refusal",
+    )
     assert http.get(f"{o}/readyz").json()["reason"] == MAPPING_ERROR
 
 
@@ -322,8 +349,9 @@ def test_probe_cli(cluster):
     assert r.returncode == 1
     assert f"NOT READY: {MAPPING_ERROR}" in r.stdout
     assert f"SWAIndexMappingNotShared: {MAPPING_ERROR}" in r.stdout and "pair: INCOMPATIBLE" in r.stdout
-    r = subprocess.run(_pdstate() + ["probe", "--json", "http://127.0.0.1:9"], capture_output=True, text=True,
-                       timeout=60, env=_env())
+    r = subprocess.run(
+        _pdstate() + ["probe", "--json", "http://127.0.0.1:9"], capture_output=True, text=True, timeout=60, env=_env()
+    )
     assert r.returncode == 1 and "unreachable" in json.loads(r.stdout)["workers"][0]
 
 
@@ -331,7 +359,15 @@ def test_openapi_docs(cluster, http):
     d = cluster["decode"].url
     assert http.get(f"{d}/docs").status_code == 200
     paths = http.get(f"{d}/openapi.json").json()["paths"]
-    for path in ("/healthz", "/readyz", "/v1/compat", "/v1/compat/check", "/v1/transfers", "/v1/transfers/{room}", "/metrics"):
+    for path in (
+        "/healthz",
+        "/readyz",
+        "/v1/compat",
+        "/v1/compat/check",
+        "/v1/transfers",
+        "/v1/transfers/{room}",
+        "/metrics",
+    ):
         assert path in paths
 
 
@@ -345,8 +381,9 @@ def test_sigterm_fails_in_flight_and_releases_shared_memory(cluster, http):
         out: dict = {}
 
         def post():
-            out["r"] = http.post(f"{d}/v1/transfers", json={"tokens": 200},
-                                 headers={"Authorization": f"Bearer {TOKEN}"})
+            out["r"] = http.post(
+                f"{d}/v1/transfers", json={"tokens": 200}, headers={"Authorization": f"Bearer {TOKEN}"}
+            )
 
         t = threading.Thread(target=post)
         t.start()
@@ -354,6 +391,7 @@ def test_sigterm_fails_in_flight_and_releases_shared_memory(cluster, http):
         def in_flight():
             text = http.get(f"{d}/metrics").text
             return "pdstate_transfers_in_flight 1.0" in text
+
         wait_for(in_flight, 3, "a transfer in flight")
         decode.proc.send_signal(signal.SIGTERM)
         t.join(20)
@@ -370,5 +408,7 @@ def test_sigterm_fails_in_flight_and_releases_shared_memory(cluster, http):
     assert own.wait(20) == 0 and segments(own.pid) == []
     prefill.proc.send_signal(signal.SIGTERM)
     assert prefill.wait(20) == 0, prefill.err()[-2000:]
-    print(f"\nserve startup to 'listening': prefill {prefill.startup_s:.2f} s "
-          f"(self-reported {prefill.listening['startup_s']:.2f} s), decode {decode.startup_s:.2f} s")
+    print(
+        f"\nserve startup to 'listening': prefill {prefill.startup_s:.2f} s "
+        f"(self-reported {prefill.listening['startup_s']:.2f} s), decode {decode.startup_s:.2f} s"
+    )

@@ -80,8 +80,10 @@ def _expected_count(name: str, seq_len: int, window: int, page: int) -> int:
 def test_transfers_land_exactly_in_target_and_draft(engine, mode, draft, decode_allocations):
     require_engine(engine)
     s = TINY.with_(unified_kv=(mode == "unified"), draft_enabled=draft)
-    with PrefillWorker(options("prefill", s, engine)) as p, \
-            DecodeWorker(options("decode", s, engine, peer=p.endpoint)) as d:
+    with (
+        PrefillWorker(options("prefill", s, engine)) as p,
+        DecodeWorker(options("decode", s, engine, peer=p.endpoint)) as d,
+    ):
         d.wait_ready(15)
         regions = d.pools.memory.regions()
         names = rq.channel_names(d.kv_args)
@@ -146,8 +148,13 @@ def test_process_pair_batch_verified_without_leaks(workers, engine, mode, draft)
 def test_demo_json(tmp_path):
     exe = Path(sys.executable).parent / "pdstate"  # the console script of this environment
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "pdstate.cli"]
-    out = subprocess.run([*cmd, "demo", "--json", "--preset", "tiny", "--requests", "4"],
-                         capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    out = subprocess.run(
+        [*cmd, "demo", "--json", "--preset", "tiny", "--requests", "4"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [line for line in out.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, out.stdout
@@ -170,8 +177,10 @@ def test_small_requests_run_on_the_control_thread_only_while_the_transfer_thread
 
     one_token = 1_334_784  # bytes of a 1-token tiny request (target + draft)
     roomy = TINY.with_(swa_tokens=1024)  # SWA pages for both requests at once
-    with PrefillWorker(options("prefill", roomy, "shm", inline_max_bytes=one_token)) as p, \
-            DecodeWorker(options("decode", roomy, "shm", peer=p.endpoint)) as d:
+    with (
+        PrefillWorker(options("prefill", roomy, "shm", inline_max_bytes=one_token)) as p,
+        DecodeWorker(options("decode", roomy, "shm", peer=p.endpoint)) as d,
+    ):
         d.wait_ready(10)
         r = d.transfer(1)
         assert r.verified and r.bytes == one_token and p.jobs_inline == 1
@@ -187,7 +196,9 @@ def test_small_requests_run_on_the_control_thread_only_while_the_transfer_thread
 
         p.engine.submit = gated
         big = d.submit(300)
-        wait_until("the big request copying", lambda: any(j.state.value == "transferring" for j in list(p.jobs.values())))
+        wait_until(
+            "the big request copying", lambda: any(j.state.value == "transferring" for j in list(p.jobs.values()))
+        )
         small = d.submit(1)
         wait_until("the small request queued", lambda: len(p.jobs) == 2)
         assert not small.done() and p.jobs_inline == 1  # not run inline past the busy thread

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdstate.procs import WorkerProcess
+from pdstate.devtools.processes import WorkerProcess
 from tests.integration.helpers import TINY, wait_until
 
 # The tiny preset with room for a few requests in flight at once (tiny holds ~one 1000-token one).
@@ -58,10 +58,21 @@ class Summary:
 
     def table(self) -> str:
         head = ("scenario", "requests", "succeeded", "failed w/ reason", "lost", "leaked", "time to detect", "note")
-        body = [(r.scenario, str(r.requests), str(r.succeeded), str(r.failed_with_reason), str(r.lost),
-                 str(r.leaked), "-" if r.detect_s is None else f"{r.detect_s:.2f} s", r.note) for r in self.rows]
+        body = [
+            (
+                r.scenario,
+                str(r.requests),
+                str(r.succeeded),
+                str(r.failed_with_reason),
+                str(r.lost),
+                str(r.leaked),
+                "-" if r.detect_s is None else f"{r.detect_s:.2f} s",
+                r.note,
+            )
+            for r in self.rows
+        ]
         widths = [max(len(x) for x in col) for col in zip(head, *body)]
-        fmt = "  ".join("{:<%d}" % w for w in widths)
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
         lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
         lines += [fmt.format(*b) for b in body]
         return "\n".join(lines)
@@ -70,17 +81,20 @@ class Summary:
 SUMMARY = Summary()
 
 
-def tally(scenario: str, outcomes: list[dict], leaked: int = 0, detect_s: float | None = None,
-          note: str = "") -> Row:
+def tally(scenario: str, outcomes: list[dict], leaked: int = 0, detect_s: float | None = None, note: str = "") -> Row:
     """Count request outcomes (dicts with ``status`` and ``error``) into a summary row.
 
     A request is *lost* unless it ended ``success`` (verified, where the record says) or
     ``failed`` with an error that has a type and a message."""
     ok = [o for o in outcomes if o["status"] == "success" and o.get("verified", True)]
-    failed = [o for o in outcomes if o["status"] == "failed" and o.get("error") and o["error"].get("type")
-              and o["error"].get("message")]
-    row = Row(scenario, len(outcomes), len(ok), len(failed), len(outcomes) - len(ok) - len(failed), leaked,
-              detect_s, note)
+    failed = [
+        o
+        for o in outcomes
+        if o["status"] == "failed" and o.get("error") and o["error"].get("type") and o["error"].get("message")
+    ]
+    row = Row(
+        scenario, len(outcomes), len(ok), len(failed), len(outcomes) - len(ok) - len(failed), leaked, detect_s, note
+    )
     return SUMMARY.add(row)
 
 

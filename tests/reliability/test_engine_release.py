@@ -2,7 +2,7 @@
 
 import time
 
-from pdstate.presets import preset
+from pdstate.pools.presets import preset
 from pdstate.runtime.common import WorkerOptions
 from pdstate.runtime.decode import DecodeWorker
 from pdstate.runtime.prefill import PrefillWorker

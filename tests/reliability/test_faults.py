@@ -19,9 +19,9 @@ import time
 
 import pytest
 
-from pdstate.engines.loopback import ScriptedFailure
 from pdstate.runtime.decode import DecodeWorker
 from pdstate.runtime.prefill import PrefillWorker
+from pdstate.transfer.engines.loopback import ScriptedFailure
 from tests.integration.helpers import (
     assert_all_verified,
     first_event,
@@ -96,8 +96,13 @@ def test_decode_killed_mid_transfer(workers):
     assert_all_verified(results, AFTER)
     assert done["free"] == ready["free"]
     assert prefill_requests(p)["free"] == p_free
-    tally("decode SIGKILL mid-transfer (shm)", records + results, leaked(p_free, free), detect_s,
-          "prefill: PeerGone; new incarnation served")
+    tally(
+        "decode SIGKILL mid-transfer (shm)",
+        records + results,
+        leaked(p_free, free),
+        detect_s,
+        "prefill: PeerGone; new incarnation served",
+    )
 
 
 def test_prefill_killed_mid_transfer_and_restarted_after_timeout(workers):
@@ -121,12 +126,16 @@ def test_prefill_killed_mid_transfer_and_restarted_after_timeout(workers):
         _specific(r, "TransferFailed", "deadline exceeded")
     assert leaked(free0, done_q["free"]) > 0, "deadline-failed requests in flight must stay quarantined"
     kill(p1)
-    wait_decode(d, "the quarantine released", lambda s: s["free"] == free0 and s["quarantined"] == 0,
-                timeout_s + 10)
+    wait_decode(d, "the quarantine released", lambda s: s["free"] == free0 and s["quarantined"] == 0, timeout_s + 10)
     detect_q = time.monotonic() - t_stop  # the prefill fell silent when it was frozen
     assert detect_q <= timeout_s + DETECT_SLACK_S, detect_q
-    tally("decode quarantine, prefill dies", quarantined, 0, detect_q,
-          f"pages held until the prefill is gone ({timeout_s:.0f} s timeout)")
+    tally(
+        "decode quarantine, prefill dies",
+        quarantined,
+        0,
+        detect_q,
+        f"pages held until the prefill is gone ({timeout_s:.0f} s timeout)",
+    )
 
     # 2. A prefill killed with requests in flight: the decode fails them all at the timeout.
     p2, ep2 = workers.prefill(ROOMY, bind=ep, fault_delay_before_copy_s=LONG_DELAY_S, **timers)
@@ -152,8 +161,13 @@ def test_prefill_killed_mid_transfer_and_restarted_after_timeout(workers):
     after, done = run_batch(d, AFTER, concurrency=2)
     assert_all_verified(after, AFTER)
     assert done["free"] == free0 and prefill_requests(p3)["free"] == p_free
-    tally("prefill SIGKILL mid-transfer", results + after, leaked(free0, done["free"]), detect_s,
-          f"decode: PeerGone ({timeout_s:.0f} s timeout); same endpoint re-handshaken")
+    tally(
+        "prefill SIGKILL mid-transfer",
+        results + after,
+        leaked(free0, done["free"]),
+        detect_s,
+        f"decode: PeerGone ({timeout_s:.0f} s timeout); same endpoint re-handshaken",
+    )
 
 
 def test_prefill_restarted_while_decode_runs(workers):
@@ -181,8 +195,13 @@ def test_prefill_restarted_while_decode_runs(workers):
     assert_all_verified(after, AFTER)
     assert done["free"] == free0 and prefill_requests(p2)["free"] == p_free
     assert peer_record(p2, "runner")["state"] == "accepted"
-    tally("prefill restarted (same endpoint)", results + after, leaked(free0, done["free"]), detect_s,
-          "decode: 'prefill forgot this decode'")
+    tally(
+        "prefill restarted (same endpoint)",
+        results + after,
+        leaked(free0, done["free"]),
+        detect_s,
+        "decode: 'prefill forgot this decode'",
+    )
 
 
 def test_prefill_frozen_past_timeout_then_thawed(workers):
@@ -209,7 +228,7 @@ def test_prefill_frozen_past_timeout_then_thawed(workers):
     records, free = wait_prefill_settled(p, "patient", len(lengths), timeout_s=10)
     for rec in records:
         assert rec["status"] == "failed" and rec["error"]["type"] in ("TransferFailed", "PeerGone"), rec
-        assert ("registered again" in rec["error"]["message"] or rec["error"]["message"].startswith("peer gone")), rec
+        assert "registered again" in rec["error"]["message"] or rec["error"]["message"].startswith("peer gone"), rec
     assert {r["room"] for r in records} == {r["room"] for r in results}
     assert free == p_free
     s = wait_decode(d, "the decode accepted again", lambda s: s["peer_state"] == "accepted")
@@ -218,8 +237,13 @@ def test_prefill_frozen_past_timeout_then_thawed(workers):
     after, done = run_batch(d, AFTER, concurrency=2)
     assert_all_verified(after, AFTER)
     assert done["free"] == free0 and prefill_requests(p)["free"] == p_free
-    tally("prefill SIGSTOP > timeout, SIGCONT", results + after, leaked(free0, done["free"]), detect_s,
-          "both sides failed the frozen requests")
+    tally(
+        "prefill SIGSTOP > timeout, SIGCONT",
+        results + after,
+        leaked(free0, done["free"]),
+        detect_s,
+        "both sides failed the frozen requests",
+    )
 
 
 def test_decode_frozen_past_timeout_then_thawed(workers):
@@ -252,8 +276,13 @@ def test_decode_frozen_past_timeout_then_thawed(workers):
     after, done = run_batch(d, AFTER, concurrency=2)
     assert_all_verified(after, AFTER)
     assert done["free"] == free0 and prefill_requests(p)["free"] == p_free
-    tally("decode SIGSTOP > timeout, SIGCONT", records + after, leaked(p_free, free), detect_s,
-          "prefill: PeerGone; decode re-registers")
+    tally(
+        "decode SIGSTOP > timeout, SIGCONT",
+        records + after,
+        leaked(p_free, free),
+        detect_s,
+        "prefill: PeerGone; decode re-registers",
+    )
 
 
 def test_engine_failure_on_one_request_in_process():
@@ -278,8 +307,11 @@ def test_engine_failure_on_one_request_in_process():
         late = d.transfer(300, deadline_s=0.3)
         assert late.status == "failed" and not late.verified
         assert late.error.message == "deadline exceeded" or late.error.type == "TransferTimedOut", late.error
-        wait_until("the prefill's record of the timed-out copy",
-                   lambda: [f for f in p.finished_records() if f["room"] == late.room], 5)
+        wait_until(
+            "the prefill's record of the timed-out copy",
+            lambda: [f for f in p.finished_records() if f["room"] == late.room],
+            5,
+        )
         rec = [f for f in p.finished_records() if f["room"] == late.room][0]
         assert rec["error"]["type"] == "TransferTimedOut" and "timed out" in rec["error"]["message"], rec
         assert p.stats.engine_errors == 2  # counted by exception class, not by type-name prefix
@@ -322,5 +354,10 @@ def test_mooncake_session_torn_down(workers):
     after, done = run_batch(d2, AFTER, concurrency=2)
     assert_all_verified(after, AFTER)
     assert done["free"] == ready["free"] and prefill_requests(p)["free"] == p_free
-    tally("mooncake session torn down", records + after, leaked(p_free, free), detect_s,
-          f"{len(engine_failures)} NativeEngineError")
+    tally(
+        "mooncake session torn down",
+        records + after,
+        leaked(p_free, free),
+        detect_s,
+        f"{len(engine_failures)} NativeEngineError",
+    )

@@ -27,15 +27,15 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdstate import wire
-from pdstate.engines.base import create_engine
-from pdstate.layout import build_report
-from pdstate.planner import channels_of
 from pdstate.pools.memory import SharedMemory
-from pdstate.presets import build_worker_pools
+from pdstate.pools.presets import build_worker_pools
+from pdstate.pools.reporting import build_report
+from pdstate.protocol import wire
 from pdstate.runtime import requests as rq
 from pdstate.runtime.decode import DecodeWorker
 from pdstate.runtime.prefill import PrefillWorker
+from pdstate.transfer.engines.base import create_engine
+from pdstate.transfer.planner import channels_of
 from tests.integration.helpers import (
     SENTINEL,
     TINY,
@@ -51,9 +51,12 @@ from tests.reliability.support import FAULT, ROOMY, leaked, prefill_requests, ta
 
 FUZZ_EXAMPLES = 300
 FUZZ_EXAMPLES_SLOW = 6000
-_FUZZ = dict(deadline=None, derandomize=False, database=None,
-             suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                    HealthCheck.data_too_large])
+_FUZZ = dict(
+    deadline=None,
+    derandomize=False,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+)
 
 
 # --- raw control clients ------------------------------------------------------------------------
@@ -105,15 +108,25 @@ class FakeDecode:
         self.engine = create_engine("shm")
         self.engine.start()
         self.engine.register(self.memory.regions())
-        self.register = wire.Register(worker_id=worker_id, incarnation=secrets.token_hex(8), role="decode",
-                                      report=report, kv=wire.KVDesc.of(self.kv_args),
-                                      engine=wire.EngineDesc(name="shm", endpoint=self.engine.endpoint()))
+        self.register = wire.Register(
+            worker_id=worker_id,
+            incarnation=secrets.token_hex(8),
+            role="decode",
+            report=report,
+            kv=wire.KVDesc.of(self.kv_args),
+            engine=wire.EngineDesc(name="shm", endpoint=self.engine.endpoint()),
+        )
 
     def request(self, room: int, seq_len: int) -> wire.TransferRequest:
         a = rq.allocate(self.pools, rq.channel_names(self.kv_args), seq_len)
         rq.free(self.pools, a)
-        return wire.TransferRequest(room=room, seq_len=seq_len, dst_kv_pages=wire.PackedIndices.pack(a.lists[0]),
-                                    dst_state_indices=[wire.PackedIndices.pack(x) for x in a.lists[1:]], deadline_s=5)
+        return wire.TransferRequest(
+            room=room,
+            seq_len=seq_len,
+            dst_kv_pages=wire.PackedIndices.pack(a.lists[0]),
+            dst_state_indices=[wire.PackedIndices.pack(x) for x in a.lists[1:]],
+            deadline_s=5,
+        )
 
     def close(self) -> None:
         self.engine.close()
@@ -139,11 +152,18 @@ def _seeds(fake: FakeDecode) -> list[wire.Message]:
 # --- strategies ---------------------------------------------------------------------------------
 
 _scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=40), st.binary(max_size=64),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=40),
+    st.binary(max_size=64),
 )
-_values = st.recursive(_scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=10), inner, max_size=5)), max_leaves=20)
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=10), inner, max_size=5)),
+    max_leaves=20,
+)
 _packed_strategy = st.builds(
     lambda dtype, ints: {"dtype": dtype, "data": np.asarray(ints, dtype=np.int64).astype(dtype).tobytes()},
     st.sampled_from(["<i4", "<i8"]),
@@ -162,13 +182,13 @@ def _mutate_bytes(data, frame: bytes) -> bytes:
         if op == "flip":
             b[i] ^= data.draw(st.integers(1, 255))
         elif op == "delete":
-            del b[i: i + data.draw(st.integers(1, 16))]
+            del b[i : i + data.draw(st.integers(1, 16))]
         elif op == "insert":
             b[i:i] = data.draw(st.binary(min_size=1, max_size=16))
         elif op == "truncate":
             del b[i:]
         else:
-            b[i:i] = b[i: i + data.draw(st.integers(1, 32))]
+            b[i:i] = b[i : i + data.draw(st.integers(1, 32))]
     return bytes(b)
 
 
@@ -177,7 +197,11 @@ def _mutate_fields(data, fields: dict) -> dict:
     keys = sorted(out)
     for k in data.draw(st.lists(st.sampled_from(keys), min_size=1, max_size=3, unique=True), label="fields"):
         if k in ("dst_kv_pages",) or (k == "dst_state_indices" and data.draw(st.booleans())):
-            out[k] = data.draw(_packed_strategy) if k == "dst_kv_pages" else data.draw(st.lists(_packed_strategy, max_size=5))
+            out[k] = (
+                data.draw(_packed_strategy)
+                if k == "dst_kv_pages"
+                else data.draw(st.lists(_packed_strategy, max_size=5))
+            )
         else:
             out[k] = data.draw(_values, label=k)
     if data.draw(st.booleans(), label="extra key"):
@@ -192,8 +216,10 @@ def _envelope(kind, body, v=wire.PROTOCOL_VERSION) -> bytes:
 def _index_list(data, expected: int) -> wire.PackedIndices:
     """Mostly near-valid: about the right count, small indices, sometimes negative, 0 or huge."""
     n = data.draw(st.one_of(st.just(expected), st.integers(0, expected + 3)), label="count")
-    xs = data.draw(st.lists(st.one_of(st.integers(1, 12), st.integers(-2, 0), st.integers(13, 1 << 40)),
-                            min_size=n, max_size=n), label="indices")
+    xs = data.draw(
+        st.lists(st.one_of(st.integers(1, 12), st.integers(-2, 0), st.integers(13, 1 << 40)), min_size=n, max_size=n),
+        label="indices",
+    )
     return wire.PackedIndices.pack(xs)
 
 
@@ -211,14 +237,21 @@ def _draw_request(data, fake: FakeDecode) -> bytes:
         lists[i] = _index_list(data, counts[i])
     if data.draw(st.integers(0, 9), label="drop or add a list") == 0:
         lists = lists[:-1] if data.draw(st.booleans()) else lists + [_index_list(data, 1)]
-    msg = wire.TransferRequest(room=data.draw(st.integers(0, (1 << 63) - 1)), seq_len=seq_len,
-                               dst_kv_pages=lists[0], dst_state_indices=lists[1:], deadline_s=5)
+    msg = wire.TransferRequest(
+        room=data.draw(st.integers(0, (1 << 63) - 1)),
+        seq_len=seq_len,
+        dst_kv_pages=lists[0],
+        dst_state_indices=lists[1:],
+        deadline_s=5,
+    )
     return wire.encode(msg)
 
 
 def _draw_frames(data, seeds: list[wire.Message], fake: FakeDecode) -> list[bytes]:
-    how = data.draw(st.sampled_from(["random", "bytes", "fields", "envelope", "multipart", "request", "request",
-                                     "seed"]), label="how")
+    how = data.draw(
+        st.sampled_from(["random", "bytes", "fields", "envelope", "multipart", "request", "request", "seed"]),
+        label="how",
+    )
     if how == "request":
         return [_draw_request(data, fake)]
     seed = data.draw(st.sampled_from(seeds), label="seed")
@@ -310,10 +343,18 @@ def _control_fuzz_then_serve(workers, examples: int) -> None:
     results, done = run_batch(d, lengths, concurrency=2)
     assert_all_verified(results, lengths)
     assert done["free"] == ev["free"] and prefill_requests(p)["free"] == free0
-    tally("control-socket fuzz", results, leaked(free0, r["free"]), None,
-          f"{sent} fuzz messages in {took:.1f} s; replies " + ", ".join(f"{k} {v}" for k, v in sorted(Dealer.seen.items())))
-    print(f"\ncontrol fuzz: {sent} messages, protocol errors +{after['protocol_errors'] - before['protocol_errors']}, "
-          f"replies {dict(sorted(Dealer.seen.items()))}")
+    tally(
+        "control-socket fuzz",
+        results,
+        leaked(free0, r["free"]),
+        None,
+        f"{sent} fuzz messages in {took:.1f} s; replies "
+        + ", ".join(f"{k} {v}" for k, v in sorted(Dealer.seen.items())),
+    )
+    print(
+        f"\ncontrol fuzz: {sent} messages, protocol errors +{after['protocol_errors'] - before['protocol_errors']}, "
+        f"replies {dict(sorted(Dealer.seen.items()))}"
+    )
 
 
 def test_control_socket_fuzz(workers):
@@ -338,12 +379,14 @@ def _http_fuzz(examples: int) -> None:
         warnings.simplefilter("ignore")
         from fastapi.testclient import TestClient
 
-    from pdstate.api import create_app
-    from pdstate.config import WorkerConfig
-    from pdstate.serve import WorkerStatus
+    from pdstate.service.api import create_app
+    from pdstate.service.config import WorkerConfig
+    from pdstate.service.server import WorkerStatus
 
-    with PrefillWorker(options("prefill", ROOMY, "shm", **FAULT)) as p, \
-            DecodeWorker(options("decode", ROOMY, "shm", peer=p.endpoint, **FAULT)) as d:
+    with (
+        PrefillWorker(options("prefill", ROOMY, "shm", **FAULT)) as p,
+        DecodeWorker(options("decode", ROOMY, "shm", peer=p.endpoint, **FAULT)) as d,
+    ):
         d.wait_ready(10)
         free_d, free_p = d.free_counts(), p.free_counts()
         cfg = WorkerConfig.model_validate({"role": "decode", "control": {"peer": p.endpoint}})
@@ -351,8 +394,13 @@ def _http_fuzz(examples: int) -> None:
         client = TestClient(create_app(source, token=TOKEN.encode()), raise_server_exceptions=False)
         doc = client.get("/v1/compat").json()
         statuses: dict[int, int] = {}
-        auths = [{}, {"Authorization": f"Bearer {TOKEN}"}, {"Authorization": "Bearer wrong"},
-                 {"Authorization": "Basic Zm9vOmJhcg=="}, {"Authorization": "Bearer"}]
+        auths = [
+            {},
+            {"Authorization": f"Bearer {TOKEN}"},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": "Basic Zm9vOmJhcg=="},
+            {"Authorization": "Bearer"},
+        ]
 
         def mutate_doc(data, node, depth=0):
             if isinstance(node, dict) and node and depth < 6 and data.draw(st.booleans()):
@@ -360,49 +408,78 @@ def _http_fuzz(examples: int) -> None:
                 return {**node, k: mutate_doc(data, node[k], depth + 1)}
             if isinstance(node, list) and node and depth < 6 and data.draw(st.booleans()):
                 i = data.draw(st.integers(0, len(node) - 1))
-                return node[:i] + [mutate_doc(data, node[i], depth + 1)] + node[i + 1:]
-            return data.draw(st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=20),
-                                                    st.floats()),
-                                          lambda s: st.lists(s, max_size=3) | st.dictionaries(st.text(max_size=6), s, max_size=3),
-                                          max_leaves=8))
+                return node[:i] + [mutate_doc(data, node[i], depth + 1)] + node[i + 1 :]
+            return data.draw(
+                st.recursive(
+                    st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=20), st.floats()),
+                    lambda s: st.lists(s, max_size=3) | st.dictionaries(st.text(max_size=6), s, max_size=3),
+                    max_leaves=8,
+                )
+            )
 
         def post_json(method, path, body, headers):
             # json.dumps writes Infinity/NaN (as Python's and many clients' encoders do)
-            return client.request(method, path, content=json.dumps(body).encode(),
-                                  headers={**headers, "Content-Type": "application/json"})
+            return client.request(
+                method, path, content=json.dumps(body).encode(), headers={**headers, "Content-Type": "application/json"}
+            )
 
         @settings(max_examples=examples, **_FUZZ)
         @given(st.data())
         def fuzz(data):
-            route = data.draw(st.sampled_from([
-                ("POST", "/v1/transfers"), ("POST", "/v1/compat/check"), ("POST", "/v1/handshake"),
-                ("GET", "/v1/transfers/{x}"), ("GET", "/readyz"), ("GET", "/metrics"), ("DELETE", "/v1/transfers"),
-            ]), label="route")
+            route = data.draw(
+                st.sampled_from(
+                    [
+                        ("POST", "/v1/transfers"),
+                        ("POST", "/v1/compat/check"),
+                        ("POST", "/v1/handshake"),
+                        ("GET", "/v1/transfers/{x}"),
+                        ("GET", "/readyz"),
+                        ("GET", "/metrics"),
+                        ("DELETE", "/v1/transfers"),
+                    ]
+                ),
+                label="route",
+            )
             method, path = route
             if "{x}" in path:
-                path = path.replace("{x}", data.draw(st.one_of(
-                    st.integers(-(1 << 70), 1 << 70).map(str), st.text(alphabet="abc%/.-0123456789", max_size=20))))
+                path = path.replace(
+                    "{x}",
+                    data.draw(
+                        st.one_of(
+                            st.integers(-(1 << 70), 1 << 70).map(str),
+                            st.text(alphabet="abc%/.-0123456789", max_size=20),
+                        )
+                    ),
+                )
             headers = data.draw(st.sampled_from(auths), label="auth")
             kind = data.draw(st.sampled_from(["json", "mutated", "raw"]), label="body")
             if path == "/v1/transfers" and kind == "mutated":
-                body = {"tokens": data.draw(st.integers(-5, 3000)), "room": data.draw(st.none() | st.integers(-2, 1 << 64))}
+                body = {
+                    "tokens": data.draw(st.integers(-5, 3000)),
+                    "room": data.draw(st.none() | st.integers(-2, 1 << 64)),
+                }
                 if data.draw(st.booleans()):
                     body[data.draw(st.sampled_from(["tokens", "room", "x"]))] = data.draw(_json)
                 r = post_json(method, path, body, headers)
             elif path == "/v1/compat/check" and kind == "mutated":
                 r = post_json(method, path, mutate_doc(data, doc), headers)
             elif kind == "raw":
-                r = client.request(method, path, content=data.draw(st.binary(max_size=200)),
-                                   headers={**headers, "Content-Type": "application/json"})
+                r = client.request(
+                    method,
+                    path,
+                    content=data.draw(st.binary(max_size=200)),
+                    headers={**headers, "Content-Type": "application/json"},
+                )
             else:
                 r = post_json(method, path, data.draw(_json), headers)
             statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
             assert r.status_code in _ALLOWED, (method, path, r.status_code, r.text[:300])
 
-        _json = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70),
-                                       st.floats(), st.text(max_size=20)),
-                             lambda s: st.lists(s, max_size=4) | st.dictionaries(st.text(max_size=8), s, max_size=4),
-                             max_leaves=12)
+        _json = st.recursive(
+            st.one_of(st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70), st.floats(), st.text(max_size=20)),
+            lambda s: st.lists(s, max_size=4) | st.dictionaries(st.text(max_size=8), s, max_size=4),
+            max_leaves=12,
+        )
         fuzz()
         # the worker still serves: ready again (a fuzzed POST /v1/handshake re-registers) and verified
         deadline = time.monotonic() + 10
@@ -416,8 +493,13 @@ def _http_fuzz(examples: int) -> None:
         assert d.free_counts() == free_d and p.free_counts() == free_p
         assert d._thread.is_alive() and all(t.is_alive() for t in p._threads)
         total = sum(statuses.values())
-        tally("HTTP API fuzz", [r.json()], 0, None,
-              f"{total} requests: " + ", ".join(f"{k}x{v}" for k, v in sorted(statuses.items())))
+        tally(
+            "HTTP API fuzz",
+            [r.json()],
+            0,
+            None,
+            f"{total} requests: " + ", ".join(f"{k}x{v}" for k, v in sorted(statuses.items())),
+        )
 
 
 def test_http_api_fuzz():
@@ -437,8 +519,10 @@ def _packed(xs, dtype="<i4") -> wire.PackedIndices:
 
 
 def test_crafted_transfer_requests_are_refused_and_touch_nothing():
-    with PrefillWorker(options("prefill", TINY, "shm", **FAULT)) as p, \
-            DecodeWorker(options("decode", TINY, "shm", peer=p.endpoint, **FAULT)) as d:
+    with (
+        PrefillWorker(options("prefill", TINY, "shm", **FAULT)) as p,
+        DecodeWorker(options("decode", TINY, "shm", peer=p.endpoint, **FAULT)) as d,
+    ):
         d.wait_ready(10)
         free_p = p.free_counts()
         regions = d.pools.memory.regions()
@@ -447,49 +531,116 @@ def test_crafted_transfer_requests_are_refused_and_touch_nothing():
         assert names == ["main_kv", "swa", "c128_state", "swa"]  # target main KV, SWA, C128; draft SWA
         cap = [int((c.lens // c.items).min()) for c in chans]
         j_main = int(np.argmin(chans[0].lens // chans[0].items))
-        main_past = (f"main KV: decode index {cap[0]} is past buffer {j_main} "
-                     f"({int(chans[0].lens[j_main])} bytes = {cap[0]} items of {int(chans[0].items[j_main])} bytes)")
+        main_past = (
+            f"main KV: decode index {cap[0]} is past buffer {j_main} "
+            f"({int(chans[0].lens[j_main])} bytes = {cap[0]} items of {int(chans[0].items[j_main])} bytes)"
+        )
         j_c = int(np.argmin(chans[2].lens // chans[2].items))
-        c128_past = (f"component 1 (c128_state): decode index {cap[2]} is past buffer {j_c} "
-                     f"({int(chans[2].lens[j_c])} bytes = {cap[2]} items of {int(chans[2].items[j_c])} bytes)")
+        c128_past = (
+            f"component 1 (c128_state): decode index {cap[2]} is past buffer {j_c} "
+            f"({int(chans[2].lens[j_c])} bytes = {cap[2]} items of {int(chans[2].items[j_c])} bytes)"
+        )
         huge = 1 << 40
         main_huge = main_past.replace(f"decode index {cap[0]} ", f"decode index {huge} ")
         good = {"main": [1, 2], "swa": [1, 2], "c128": [3], "draft": [1, 2]}  # seq_len 300: 2, 2, 1, 2
         absurd = 1_500_000  # a 6 MB list: inside the frame limit, far past any layout
 
         def tr(room, seq_len=300, main=None, swa=None, c128=None, draft=None, lists=None, main_dtype="<i4"):
-            state = lists if lists is not None else [
-                _packed(good["swa"] if swa is None else swa), _packed(good["c128"] if c128 is None else c128),
-                _packed(good["draft"] if draft is None else draft)]
-            return wire.TransferRequest(room=room, seq_len=seq_len, deadline_s=5, dst_state_indices=state,
-                                        dst_kv_pages=_packed(good["main"] if main is None else main, main_dtype))
+            state = (
+                lists
+                if lists is not None
+                else [
+                    _packed(good["swa"] if swa is None else swa),
+                    _packed(good["c128"] if c128 is None else c128),
+                    _packed(good["draft"] if draft is None else draft),
+                ]
+            )
+            return wire.TransferRequest(
+                room=room,
+                seq_len=seq_len,
+                deadline_s=5,
+                dst_state_indices=state,
+                dst_kv_pages=_packed(good["main"] if main is None else main, main_dtype),
+            )
 
         cases = [
             ("past the buffer", tr(1, main=[1, cap[0]]), "IndexOutOfRange", main_past),
             ("far past (int64)", tr(2, main=[1, huge], main_dtype="<i8"), "IndexOutOfRange", main_huge),
             ("past a state buffer", tr(3, c128=[cap[2]]), "IndexOutOfRange", c128_past),
             ("negative", tr(4, main=[-1, 2]), "IndexOutOfRange", "main KV: decode index -1 is negative"),
-            ("negative state", tr(5, draft=[1, -7]), "IndexOutOfRange", "component 2 (swa): decode index -7 is negative"),
+            (
+                "negative state",
+                tr(5, draft=[1, -7]),
+                "IndexOutOfRange",
+                "component 2 (swa): decode index -7 is negative",
+            ),
             ("duplicated", tr(6, main=[2, 2]), "IndexOutOfRange", "main KV: decode indices contain duplicates"),
-            ("duplicated state", tr(7, swa=[1, 1]), "IndexOutOfRange", "component 0 (swa): decode indices contain duplicates"),
-            ("padding page", tr(8, main=[0, 1]), "PaddingPageIndex", "main KV: decode index 0 is the reserved padding page"),
-            ("padding SWA page", tr(9, swa=[0, 1]), "PaddingPageIndex",
-             "component 0 (swa): decode index 0 is the reserved padding page"),
-            ("padding draft page", tr(10, draft=[1, 0]), "PaddingPageIndex",
-             "component 2 (swa): decode index 0 is the reserved padding page"),
-            ("too few indices", tr(11, main=[1]), "IndexCountMismatch", "main KV: index count mismatch: prefill=2, decode=1"),
-            ("too many indices", tr(12, c128=[1, 2]), "IndexCountMismatch",
-             "component 1 (c128_state): index count mismatch: prefill=1, decode=2"),
-            ("absurdly long list", tr(13, main=np.arange(1, absurd + 1)), "IndexCountMismatch",
-             f"main KV: index count mismatch: prefill=2, decode={absurd}"),
-            ("missing component list", tr(14, lists=[_packed([1, 2]), _packed([3])]), "IndexCountMismatch",
-             "index lists: prefill sent 4, decode sent 3, layout has 4 channels"),
-            ("extra component list", tr(15, lists=[_packed([1, 2]), _packed([3]), _packed([1, 2]), _packed([4])]),
-             "IndexCountMismatch", "index lists: prefill sent 4, decode sent 5, layout has 4 channels"),
-            ("valid but one list", tr(16, c128=[cap[2] + 5]), "IndexOutOfRange",
-             c128_past.replace(f"decode index {cap[2]} ", f"decode index {cap[2] + 5} ")),
-            ("absurd seq_len", tr(17, seq_len=1 << 24), "AllocationError",
-             f"seq_len {1 << 24} exceeds the prefill pool of {rq.capacity_tokens(p.pools)} tokens"),
+            (
+                "duplicated state",
+                tr(7, swa=[1, 1]),
+                "IndexOutOfRange",
+                "component 0 (swa): decode indices contain duplicates",
+            ),
+            (
+                "padding page",
+                tr(8, main=[0, 1]),
+                "PaddingPageIndex",
+                "main KV: decode index 0 is the reserved padding page",
+            ),
+            (
+                "padding SWA page",
+                tr(9, swa=[0, 1]),
+                "PaddingPageIndex",
+                "component 0 (swa): decode index 0 is the reserved padding page",
+            ),
+            (
+                "padding draft page",
+                tr(10, draft=[1, 0]),
+                "PaddingPageIndex",
+                "component 2 (swa): decode index 0 is the reserved padding page",
+            ),
+            (
+                "too few indices",
+                tr(11, main=[1]),
+                "IndexCountMismatch",
+                "main KV: index count mismatch: prefill=2, decode=1",
+            ),
+            (
+                "too many indices",
+                tr(12, c128=[1, 2]),
+                "IndexCountMismatch",
+                "component 1 (c128_state): index count mismatch: prefill=1, decode=2",
+            ),
+            (
+                "absurdly long list",
+                tr(13, main=np.arange(1, absurd + 1)),
+                "IndexCountMismatch",
+                f"main KV: index count mismatch: prefill=2, decode={absurd}",
+            ),
+            (
+                "missing component list",
+                tr(14, lists=[_packed([1, 2]), _packed([3])]),
+                "IndexCountMismatch",
+                "index lists: prefill sent 4, decode sent 3, layout has 4 channels",
+            ),
+            (
+                "extra component list",
+                tr(15, lists=[_packed([1, 2]), _packed([3]), _packed([1, 2]), _packed([4])]),
+                "IndexCountMismatch",
+                "index lists: prefill sent 4, decode sent 5, layout has 4 channels",
+            ),
+            (
+                "valid but one list",
+                tr(16, c128=[cap[2] + 5]),
+                "IndexOutOfRange",
+                c128_past.replace(f"decode index {cap[2]} ", f"decode index {cap[2] + 5} "),
+            ),
+            (
+                "absurd seq_len",
+                tr(17, seq_len=1 << 24),
+                "AllocationError",
+                f"seq_len {1 << 24} exceeds the prefill pool of {rq.capacity_tokens(p.pools)} tokens",
+            ),
         ]
         raw = Dealer(p.endpoint)
         reg = d.handshake.register_message().model_copy(update={"worker_id": "crafter", "incarnation": "c0ffee"})

@@ -54,14 +54,23 @@ def test_512_requests_64_in_flight_memory_flat(workers):
     assert peak_d == IN_FLIGHT, peak_d
     growth = [e - w for e, w in zip(rss_end, rss_warm)]
     mb = sum(r["bytes"] for r in results) / 1e6
-    print(f"\nload: {REQUESTS} requests ({mb:.0f} MB), {IN_FLIGHT} in flight on the decode "
-          f"(prefill peak {pr['peak_in_flight']}), {took:.2f} s, {REQUESTS / took:.0f} req/s")
+    print(
+        f"\nload: {REQUESTS} requests ({mb:.0f} MB), {IN_FLIGHT} in flight on the decode "
+        f"(prefill peak {pr['peak_in_flight']}), {took:.2f} s, {REQUESTS / took:.0f} req/s"
+    )
     for name, s, w, e in zip(("prefill", "decode"), rss_start, rss_warm, rss_end):
-        print(f"  VmRSS {name:<8} start {s / 1024:7.1f} MB  after warm-up {w / 1024:7.1f} MB  "
-              f"end {e / 1024:7.1f} MB  growth {(e - w) / 1024:+.1f} MB")
+        print(
+            f"  VmRSS {name:<8} start {s / 1024:7.1f} MB  after warm-up {w / 1024:7.1f} MB  "
+            f"end {e / 1024:7.1f} MB  growth {(e - w) / 1024:+.1f} MB"
+        )
     assert max(growth) < RSS_GROWTH_LIMIT_KB, f"RSS grew by {[g // 1024 for g in growth]} MB over the run"
-    tally("load: 512 requests, 64 in flight", results, leaked(ready["free"], done["free"]) + leaked(p_free, pr["free"]),
-          None, f"{took:.1f} s; RSS growth prefill {growth[0] / 1024:+.1f} MB, decode {growth[1] / 1024:+.1f} MB")
+    tally(
+        "load: 512 requests, 64 in flight",
+        results,
+        leaked(ready["free"], done["free"]) + leaked(p_free, pr["free"]),
+        None,
+        f"{took:.1f} s; RSS growth prefill {growth[0] / 1024:+.1f} MB, decode {growth[1] / 1024:+.1f} MB",
+    )
 
 
 def test_busy_under_a_small_limit(workers):
@@ -78,8 +87,14 @@ def test_busy_under_a_small_limit(workers):
     results, done = run_batch(d, lengths, concurrency=IN_FLIGHT, timeout_s=300)
     took = time.monotonic() - t0
     rss_end = _rss(p, d)
-    bad = [r for r in results + warm if not ((r["status"] == "success" and r["verified"])
-                                            or (r["status"] == "failed" and r["error"] and r["error"]["message"]))]
+    bad = [
+        r
+        for r in results + warm
+        if not (
+            (r["status"] == "success" and r["verified"])
+            or (r["status"] == "failed" and r["error"] and r["error"]["message"])
+        )
+    ]
     assert not bad, bad[:3]
     assert sorted(r["seq_len"] for r in results) == sorted(lengths)
     p_stats = p.command({"cmd": "stats"}, "stats")["stats"]
@@ -91,9 +106,16 @@ def test_busy_under_a_small_limit(workers):
     assert done["free"] == ready["free"] and pr["free"] == p_free and pr["in_flight"] == []
     growth = [e - w for e, w in zip(rss_end, rss_warm)]
     ok = sum(1 for r in results if r["status"] == "success")
-    print(f"\nbusy: {len(lengths)} requests, decode {IN_FLIGHT} in flight, prefill limit {limit}: "
-          f"{p_stats['transfers']['busy']} Busy answers, {ok} verified, {len(results) - ok} failed, {took:.2f} s; "
-          f"RSS growth prefill {growth[0] / 1024:+.1f} MB, decode {growth[1] / 1024:+.1f} MB")
+    print(
+        f"\nbusy: {len(lengths)} requests, decode {IN_FLIGHT} in flight, prefill limit {limit}: "
+        f"{p_stats['transfers']['busy']} Busy answers, {ok} verified, {len(results) - ok} failed, {took:.2f} s; "
+        f"RSS growth prefill {growth[0] / 1024:+.1f} MB, decode {growth[1] / 1024:+.1f} MB"
+    )
     assert max(growth) < RSS_GROWTH_LIMIT_KB
-    tally(f"Busy: limit {limit}, 64 in flight", results, leaked(ready["free"], done["free"]) + leaked(p_free, pr["free"]),
-          None, f"{p_stats['transfers']['busy']} Busy answers, peak {pr['peak_in_flight']} jobs on the prefill")
+    tally(
+        f"Busy: limit {limit}, 64 in flight",
+        results,
+        leaked(ready["free"], done["free"]) + leaked(p_free, pr["free"]),
+        None,
+        f"{p_stats['transfers']['busy']} Busy answers, peak {pr['peak_in_flight']} jobs on the prefill",
+    )

@@ -26,13 +26,13 @@ import msgpack
 import pytest
 import zmq
 
-from pdstate import wire
-from pdstate.api import _Collector
 from pdstate.errors import VersionMismatch
+from pdstate.protocol import wire
 from pdstate.runtime import control
 from pdstate.runtime.common import LATENCY_WINDOW, LocalCheckFailed, Stats, settle
 from pdstate.runtime.decode import DecodeWorker
 from pdstate.runtime.prefill import PrefillWorker
+from pdstate.service.api import _Collector
 from tests.integration.helpers import TINY, options, wait_until
 from tests.reliability.support import FAULT, ROOMY, segments
 
@@ -49,7 +49,7 @@ def test_failed_start_releases_segments_engine_and_sockets():
 
     # a prefill whose bind fails, after its pools and engine were built
     with PrefillWorker(options("prefill", TINY, "loopback")) as good:
-        from pdstate.engines import loopback
+        from pdstate.transfer.engines import loopback
 
         live = set(loopback._LIVE)
         clash = PrefillWorker(options("prefill", TINY, "loopback", bind=good.endpoint))
@@ -73,11 +73,13 @@ def test_failed_start_releases_segments_engine_and_sockets():
 
 
 def test_cancelled_futures_never_kill_the_control_thread():
-    with PrefillWorker(options("prefill", ROOMY, "shm", fault_delay_before_copy_s=30.0, **FAULT)) as p, \
-            DecodeWorker(options("decode", ROOMY, "shm", peer=p.endpoint, **FAULT)) as d:
+    with (
+        PrefillWorker(options("prefill", ROOMY, "shm", fault_delay_before_copy_s=30.0, **FAULT)) as p,
+        DecodeWorker(options("decode", ROOMY, "shm", peer=p.endpoint, **FAULT)) as d,
+    ):
         d.wait_ready(10)
         held = d.submit(300, room=4242)  # held in TRANSFERRING by the fault delay
-        wait_until("room 4242 in flight", lambda: (p.jobs and True), 5)
+        wait_until("room 4242 in flight", lambda: p.jobs and True, 5)
         # (a) a second submit of the same room whose caller already cancelled it
         dup: Future = Future()
         dup.cancel()
@@ -117,15 +119,15 @@ def test_latency_window_is_bounded_and_metrics_still_count_everything():
 
         def __init__(self) -> None:
             self.stats = stats
-            from pdstate.layout import build_report
-            from pdstate.presets import build_worker_pools
+            from pdstate.pools.presets import build_worker_pools
+            from pdstate.pools.reporting import build_report
 
             pools = build_worker_pools(TINY)
             self.report = build_report(pools.target, pools.draft)[0]
             pools.close()
 
         def readiness(self):
-            from pdstate.api import Readiness
+            from pdstate.service.api import Readiness
 
             return Readiness(True)
 
@@ -166,8 +168,10 @@ def _register_v2(self, msg):
 
 
 def test_register_in_another_version_is_rejected_naming_both(monkeypatch):
-    expected = (f"protocol version mismatch: peer speaks v{wire.PROTOCOL_VERSION + 1}, "
-                f"this worker speaks v{wire.PROTOCOL_VERSION}")
+    expected = (
+        f"protocol version mismatch: peer speaks v{wire.PROTOCOL_VERSION + 1}, "
+        f"this worker speaks v{wire.PROTOCOL_VERSION}"
+    )
     with PrefillWorker(options("prefill", TINY, "shm", **FAULT)) as p:
         # a raw register frame in v2 is answered with a Reject
         dealer = zmq.Context.instance().socket(zmq.DEALER)
@@ -232,8 +236,10 @@ def test_abort_for_a_room_the_prefill_never_had_releases_the_quarantine():
 
 
 def test_a_copy_that_ran_after_cancellation_is_not_a_success():
-    with PrefillWorker(options("prefill", ROOMY, "shm", **FAULT)) as p, \
-            DecodeWorker(options("decode", ROOMY, "shm", peer=p.endpoint, **FAULT)) as d:
+    with (
+        PrefillWorker(options("prefill", ROOMY, "shm", **FAULT)) as p,
+        DecodeWorker(options("decode", ROOMY, "shm", peer=p.endpoint, **FAULT)) as d,
+    ):
         d.wait_ready(10)
         gate = threading.Event()
         real = p.engine.submit

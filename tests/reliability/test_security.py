@@ -19,13 +19,13 @@ import warnings
 
 import zmq
 
-from pdstate import wire
-from pdstate.api import create_app
-from pdstate.config import load_config
 from pdstate.pools.memory import SHM_DIR
+from pdstate.protocol import wire
 from pdstate.runtime.common import WorkerOptions
 from pdstate.runtime.decode import DecodeWorker
 from pdstate.runtime.prefill import PrefillWorker
+from pdstate.service.api import create_app
+from pdstate.service.config import load_config
 from tests.integration.helpers import TINY, assert_all_verified, first_event, options, run_batch, wait_until
 from tests.reliability.support import FAULT, ROOMY, kill, segments, tally
 
@@ -37,7 +37,10 @@ with warnings.catch_warnings():
 def test_unauthenticated_frames_cannot_touch_a_running_session():
     token = b"reliability-secret"
     po = options("prefill", ROOMY, "shm", token=token, fault_delay_before_copy_s=30.0, **FAULT)
-    with PrefillWorker(po) as p, DecodeWorker(options("decode", ROOMY, "shm", peer=p.endpoint, token=token, **FAULT)) as d:
+    with (
+        PrefillWorker(po) as p,
+        DecodeWorker(options("decode", ROOMY, "shm", peer=p.endpoint, token=token, **FAULT)) as d,
+    ):
         d.wait_ready(10)
         fut = d.submit(300, room=777)
         wait_until("room 777 in flight", lambda: p.jobs and True, 5)
@@ -51,8 +54,12 @@ def test_unauthenticated_frames_cannot_touch_a_running_session():
             wire.encode(wire.Abort(room=777, reason="mallory")),  # no tag
             wire.encode(wire.Abort(room=777, reason="mallory"), b"guessed"),  # wrong tag
             wire.encode(d.handshake.register_message().model_copy(update={"worker_id": d.worker_id})),
-            wire.encode(wire.TransferRequest(room=1, seq_len=10, dst_kv_pages=wire.PackedIndices.pack([1]),
-                                             dst_state_indices=[], deadline_s=1), b"guessed"),
+            wire.encode(
+                wire.TransferRequest(
+                    room=1, seq_len=10, dst_kv_pages=wire.PackedIndices.pack([1]), dst_state_indices=[], deadline_s=1
+                ),
+                b"guessed",
+            ),
         ]
         for f in frames:
             attacker.send(f)
@@ -77,8 +84,8 @@ class _Source:
     def __init__(self) -> None:
         from concurrent.futures import Future
 
-        from pdstate.layout import build_report
-        from pdstate.presets import build_worker_pools
+        from pdstate.pools.presets import build_worker_pools
+        from pdstate.pools.reporting import build_report
         from pdstate.runtime.common import Stats
 
         pools = build_worker_pools(TINY)
@@ -89,7 +96,7 @@ class _Source:
         self.reregistered = 0
 
     def readiness(self):
-        from pdstate.api import Readiness
+        from pdstate.service.api import Readiness
 
         return Readiness(True)
 
@@ -129,13 +136,21 @@ def test_every_mutating_http_route_needs_the_token():
     app = create_app(source, token=token.encode())
     client = TestClient(app)
     bodies = {"/v1/transfers": {"tokens": 10}}
-    mutating = [(m, r.path) for r in app.routes for m in sorted(getattr(r, "methods", None) or ())
-                if m in ("POST", "PUT", "PATCH", "DELETE") and r.path not in OPEN_MUTATING]
+    mutating = [
+        (m, r.path)
+        for r in app.routes
+        for m in sorted(getattr(r, "methods", None) or ())
+        if m in ("POST", "PUT", "PATCH", "DELETE") and r.path not in OPEN_MUTATING
+    ]
     assert ("POST", "/v1/transfers") in mutating and ("POST", "/v1/handshake") in mutating
     for method, path in mutating:
         body = bodies.get(path)
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {token}"},
-                        {"Authorization": f"Bearer {token}x"}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": f"Basic {token}"},
+            {"Authorization": f"Bearer {token}x"},
+        ):
             r = client.request(method, path, json=body, headers=headers)
             assert r.status_code == 401, (method, path, headers, r.status_code)
             assert r.headers.get("www-authenticate") == "Bearer"
@@ -181,7 +196,7 @@ def test_crashed_decode_segments_are_swept_by_the_next_start(workers):
     # would sweep the crashed one's segments first, which is the point, but not this assertion.)
     p, ep = workers.prefill(TINY, **FAULT)
     mine_before = segments(os.getpid())
-    with DecodeWorker(options("decode", TINY, "shm", peer=ep, **FAULT)) as live:  # a live owner's segments stay
+    with DecodeWorker(options("decode", TINY, "shm", peer=ep, **FAULT)):  # a live owner's segments stay
         live_segs = segments(os.getpid())
         assert len(live_segs) > len(mine_before)
         crashed = workers.decode(ep, TINY, worker_id="crash", **FAULT)

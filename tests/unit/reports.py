@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import functools
 
-from pdstate.layout import LayoutReport, build_report
-from pdstate.presets import PoolSettings, build_worker_pools, preset
+from pdstate.pools.presets import PoolSettings, build_worker_pools, preset
+from pdstate.pools.reporting import build_report
+from pdstate.protocol.report import LayoutReport
 
 TINY = preset("tiny")
 _KEEP = []  # pools stay alive for the whole session (reports hold their pointers)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def report_of(settings: PoolSettings) -> LayoutReport:
     pools = build_worker_pools(settings)
     _KEEP.append(pools)

@@ -15,10 +15,22 @@ PS = 256
 
 def _pool(**over) -> DeepSeekV4TokenToKVPool:
     kw = dict(
-        max_num_reqs=4, swa_size=512, c4_size=256, c128_size=8, c4_state_pool_size=32,
-        c128_state_pool_size=640, page_size=PS, swa_page_size=PS, dtype="float8_e4m3fn",
-        c4_state_dtype="float32", c128_state_dtype="float32", qk_nope_head_dim=448,
-        qk_rope_head_dim=64, indexer_head_dim=128, layer_num=3, compression_ratios=[0, 4, 128],
+        max_num_reqs=4,
+        swa_size=512,
+        c4_size=256,
+        c128_size=8,
+        c4_state_pool_size=32,
+        c128_state_pool_size=640,
+        page_size=PS,
+        swa_page_size=PS,
+        dtype="float8_e4m3fn",
+        c4_state_dtype="float32",
+        c128_state_dtype="float32",
+        qk_nope_head_dim=448,
+        qk_rope_head_dim=64,
+        indexer_head_dim=128,
+        layer_num=3,
+        compression_ratios=[0, 4, 128],
         num_req_slots=5,
     )
     kw.update(over)
@@ -26,8 +38,9 @@ def _pool(**over) -> DeepSeekV4TokenToKVPool:
 
 
 def _draft() -> DeepSeekV4TokenToKVPool:
-    return _pool(c4_size=0, c128_size=0, c4_state_pool_size=0, c128_state_pool_size=0, layer_num=1,
-                 compression_ratios=[0])
+    return _pool(
+        c4_size=0, c128_size=0, c4_state_pool_size=0, c128_state_pool_size=0, layer_num=1, compression_ratios=[0]
+    )
 
 
 def _pages(locs: torch.Tensor, ps: int = PS) -> list[int]:
@@ -230,8 +243,23 @@ def test_alloc_swa_tail_maps_only_the_window_pages():
 
 @pytest.mark.parametrize(
     "n,window,tail",
-    [(1000, 128, 1), (300, 128, 2), (200, 128, 1), (512, 128, 1), (513, 128, 2), (640, 128, 1), (100, 128, 1),
-     (1000, 256, 2), (1000, 300, 2), (1280, 256, 1), (1024, 256, 1), (1025, 256, 2), (1000, 5000, 4), (256, 0, 0), (257, 0, 1)],
+    [
+        (1000, 128, 1),
+        (300, 128, 2),
+        (200, 128, 1),
+        (512, 128, 1),
+        (513, 128, 2),
+        (640, 128, 1),
+        (100, 128, 1),
+        (1000, 256, 2),
+        (1000, 300, 2),
+        (1280, 256, 1),
+        (1024, 256, 1),
+        (1025, 256, 2),
+        (1000, 5000, 4),
+        (256, 0, 0),
+        (257, 0, 1),
+    ],
 )
 def test_swa_tail_pages_rule(n, window, tail):
     a = SWATokenToKVPoolAllocator(2048, 2048, PS)
@@ -337,8 +365,12 @@ def test_identity_same_tensor_on_two_pools_is_equal():
     assert target.mapping_identity.dtype == "int64"
     assert len(target.mapping_identity.nonce) >= 16
     d = target.mapping_identity.as_dict()
-    assert d == {"nonce": target.mapping_identity.nonce, "data_ptr": a.full_to_swa_index_mapping.data_ptr(),
-                 "numel": 1281, "dtype": "int64"}
+    assert d == {
+        "nonce": target.mapping_identity.nonce,
+        "data_ptr": a.full_to_swa_index_mapping.data_ptr(),
+        "numel": 1281,
+        "dtype": "int64",
+    }
 
 
 @pytest.mark.parametrize("wiring", ["clone", "view", "own_allocator", "own_identity"])
@@ -379,7 +411,9 @@ def test_identity_is_stable_for_one_object():
 
 def test_two_allocators_have_different_nonces():
     a, b = SWATokenToKVPoolAllocator(1024, 512, PS), SWATokenToKVPoolAllocator(1024, 512, PS)
-    assert MappingIdentity.of(a.full_to_swa_index_mapping).nonce != MappingIdentity.of(b.full_to_swa_index_mapping).nonce
+    assert (
+        MappingIdentity.of(a.full_to_swa_index_mapping).nonce != MappingIdentity.of(b.full_to_swa_index_mapping).nonce
+    )
 
 
 def test_shared_draft_sees_later_allocations_clone_does_not():

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-
-import warnings
 
 import pytest
 
@@ -13,11 +12,12 @@ with warnings.catch_warnings():  # starlette nags about httpx vs httpx2 on impor
     warnings.simplefilter("ignore")
     from fastapi.testclient import TestClient
 
-from pdstate.api import Readiness, create_app, route_paths
-from pdstate.layout import ErrorInfo, build_report
-from pdstate.presets import build_worker_pools, preset
+from pdstate.pools.presets import build_worker_pools, preset
+from pdstate.pools.reporting import build_report
+from pdstate.protocol.report import ErrorInfo
+from pdstate.protocol.wire import PROTOCOL_VERSION
 from pdstate.runtime.common import Stats
-from pdstate.wire import PROTOCOL_VERSION
+from pdstate.service.api import Readiness, create_app, route_paths
 
 MAPPING_ERROR = "DSV4 target and draft pools must share the SWA index mapping"
 
@@ -75,8 +75,16 @@ class FakeSource:
 
     def submit(self, tokens, room):
         room = 7 if room is None else room
-        res = {"room": room, "status": "success", "seq_len": tokens, "bytes": tokens * 10, "descriptors": 3,
-               "seconds": 0.01, "verified": True, "error": None}
+        res = {
+            "room": room,
+            "status": "success",
+            "seq_len": tokens,
+            "bytes": tokens * 10,
+            "descriptors": 3,
+            "seconds": 0.01,
+            "verified": True,
+            "error": None,
+        }
         self.finished[room] = res
         self.submitted.append((tokens, room))
         self.stats.transfers["success"] += 1
@@ -110,8 +118,17 @@ def test_health_and_ready(good_report):
 
 
 def test_compat_document(own_report):
-    src = FakeSource("decode", own_report, peer_list=[
-        {"id": "tcp://p:5601", "state": "rejected", "error": {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR}}])
+    src = FakeSource(
+        "decode",
+        own_report,
+        peer_list=[
+            {
+                "id": "tcp://p:5601",
+                "state": "rejected",
+                "error": {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR},
+            }
+        ],
+    )
     doc = client(src).get("/v1/compat").json()
     assert doc["role"] == "decode" and doc["protocol_version"] == PROTOCOL_VERSION
     assert doc["fingerprint"] == own_report.fingerprint
@@ -137,7 +154,8 @@ def test_compat_check(good_report, own_report):
     unified = client(FakeSource("decode", report_for(unified_kv=True))).get("/v1/compat").json()
     e = prefill.post("/v1/compat/check", json=unified).json()["errors"][0]
     assert e["type"] == "LayoutMismatch" and e["message"].startswith(
-        "DSV4 layout mismatch on layout: prefill server has layout='paged', but decode server has layout='unified'.")
+        "DSV4 layout mismatch on layout: prefill server has layout='paged', but decode server has layout='unified'."
+    )
 
 
 def test_transfers_and_auth(good_report):
@@ -185,8 +203,14 @@ def test_metrics_are_per_app(good_report):
     # histogram stays cumulative across scrapes
     ca.post("/v1/transfers", json={"tokens": 4, "room": 99})
     assert "pdstate_transfer_latency_seconds_count 4.0" in ca.get("/metrics").text
-    for name in ("pdstate_handshakes_total", "pdstate_transfers_in_flight", "pdstate_engine_errors_total",
-                 "pdstate_protocol_errors_total", "pdstate_ready 1.0", "pdstate_worker_info"):
+    for name in (
+        "pdstate_handshakes_total",
+        "pdstate_transfers_in_flight",
+        "pdstate_engine_errors_total",
+        "pdstate_protocol_errors_total",
+        "pdstate_ready 1.0",
+        "pdstate_worker_info",
+    ):
         assert name in ta
 
 
@@ -194,7 +218,15 @@ def test_openapi(good_report):
     c = client(FakeSource("decode", good_report))
     assert c.get("/docs").status_code == 200
     schema = c.get("/openapi.json").json()
-    assert {"/healthz", "/readyz", "/v1/compat", "/v1/compat/check", "/v1/transfers", "/v1/transfers/{room}",
-            "/v1/handshake", "/metrics"} <= set(schema["paths"])
+    assert {
+        "/healthz",
+        "/readyz",
+        "/v1/compat",
+        "/v1/compat/check",
+        "/v1/transfers",
+        "/v1/transfers/{room}",
+        "/v1/handshake",
+        "/metrics",
+    } <= set(schema["paths"])
     assert "CompatDocument" in schema["components"]["schemas"]
     assert route_paths(create_app(None)) >= {"/healthz", "/readyz"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdstate import bench
+from pdstate.devtools import bench
 
 
 def _row(seconds: float) -> dict:
@@ -13,13 +13,17 @@ def _row(seconds: float) -> dict:
 
 
 def test_ratios_are_taken_within_each_phase():
-    r = {"lengths": [2048, 32768], "modes": ["paged"], "paths": {
-        "paged:shm:ceiling": {"2048": _row(1.0), "32768": _row(4.0)},
-        "paged:shm:pdstate_shm": {"2048": _row(2.0), "32768": _row(5.0)},
-        "paged:shm:pdstate_shm_full_verify": {"2048": _row(4.0), "32768": _row(8.0)},
-        "paged:mooncake:raw_mooncake": {"32768": _row(9.0)},
-        "paged:mooncake:pdstate_mooncake": {"32768": _row(10.0)},
-    }}
+    r = {
+        "lengths": [2048, 32768],
+        "modes": ["paged"],
+        "paths": {
+            "paged:shm:ceiling": {"2048": _row(1.0), "32768": _row(4.0)},
+            "paged:shm:pdstate_shm": {"2048": _row(2.0), "32768": _row(5.0)},
+            "paged:shm:pdstate_shm_full_verify": {"2048": _row(4.0), "32768": _row(8.0)},
+            "paged:mooncake:raw_mooncake": {"32768": _row(9.0)},
+            "paged:mooncake:pdstate_mooncake": {"32768": _row(10.0)},
+        },
+    }
     out = bench.ratios(r)
     assert out["shm_vs_ceiling_by_length"] == {"2048": 0.5, "32768": 0.8}
     assert out["shm_vs_ceiling"] == 0.8 and out["shm_full_verify_vs_ceiling"] == 0.5
@@ -42,21 +46,36 @@ def test_a_phase_on_tiny_measures_every_variant_and_verifies():
 
 
 def test_summary_carries_the_keys_the_issue_names():
-    r = {"ratios": {"shm_vs_ceiling": 0.8, "shm_vs_ceiling_by_length": {"32768": 0.8}},
-         "planner": {"fragmented_ms": 1.0, "contiguous_ms": 0.5, "loop_fragmented_ms": 20.0,
-                     "descriptors_contiguous": 148, "descriptors_fragmented": 31830},
-         "control": {"handshake_ms": {"median": 7.0}, "control_overhead_ms": {"median": 0.9},
-                     "request_1_token_ms": {"median": 2.0}, "request_1_token_overhead_ms": {"median": 1.1},
-                     "first_handshake_flash_ms": 4.0}}
+    r = {
+        "ratios": {"shm_vs_ceiling": 0.8, "shm_vs_ceiling_by_length": {"32768": 0.8}},
+        "planner": {
+            "fragmented_ms": 1.0,
+            "contiguous_ms": 0.5,
+            "loop_fragmented_ms": 20.0,
+            "descriptors_contiguous": 148,
+            "descriptors_fragmented": 31830,
+        },
+        "control": {
+            "handshake_ms": {"median": 7.0},
+            "control_overhead_ms": {"median": 0.9},
+            "request_1_token_ms": {"median": 2.0},
+            "request_1_token_overhead_ms": {"median": 1.1},
+            "first_handshake_flash_ms": 4.0,
+        },
+    }
     s = bench.summary(r)
     assert set(s["ratios"]) >= {"shm_vs_ceiling", "mooncake_vs_raw", "nixl_vs_raw"}
     assert s["ratios"]["mooncake_vs_raw"] is None  # an engine that did not run is null, not absent
     assert s["plan_speedup_vs_loop"] == 20.0
-    assert {k: s[k] for k in ("plan_fragmented_128k_ms", "plan_contiguous_128k_ms", "handshake_ms_p50",
-                              "control_overhead_ms_p50")} == {"plan_fragmented_128k_ms": 1.0,
-                                                               "plan_contiguous_128k_ms": 0.5,
-                                                               "handshake_ms_p50": 7.0,
-                                                               "control_overhead_ms_p50": 0.9}
+    assert {
+        k: s[k]
+        for k in ("plan_fragmented_128k_ms", "plan_contiguous_128k_ms", "handshake_ms_p50", "control_overhead_ms_p50")
+    } == {
+        "plan_fragmented_128k_ms": 1.0,
+        "plan_contiguous_128k_ms": 0.5,
+        "handshake_ms_p50": 7.0,
+        "control_overhead_ms_p50": 0.9,
+    }
 
 
 def test_zmq_round_trip_baseline_runs_between_two_processes():
@@ -67,11 +86,16 @@ def test_zmq_round_trip_baseline_runs_between_two_processes():
 def test_outputs_json_and_a_plot_where_matplotlib_is_installed(tmp_path):
     import json
 
-    r = {"paths": {"paged:shm:ceiling": {"8192": {"gbps": {"median": 5.0}}, "2048": {"gbps": {"median": 4.0}}},
-                   "paged:shm:pdstate_shm": {"2048": {"gbps": {"median": 2.0}, "seconds": {"median": 1.0}}},
-                   "paged:mooncake:ceiling": {"2048": {"gbps": {"median": 4.0}}}}}
+    r = {
+        "paths": {
+            "paged:shm:ceiling": {"8192": {"gbps": {"median": 5.0}}, "2048": {"gbps": {"median": 4.0}}},
+            "paged:shm:pdstate_shm": {"2048": {"gbps": {"median": 2.0}, "seconds": {"median": 1.0}}},
+            "paged:mooncake:ceiling": {"2048": {"gbps": {"median": 4.0}}},
+        }
+    }
     try:
         import matplotlib  # noqa: F401
+
         expected = {"bench.json", "bench.png"}
     except ImportError:
         expected = {"bench.json"}
@@ -82,7 +106,7 @@ def test_outputs_json_and_a_plot_where_matplotlib_is_installed(tmp_path):
 
 @pytest.mark.mooncake
 def test_a_native_engine_phase_writes_raw_into_the_decode_worker():
-    from pdstate.engines.base import EngineUnavailable, engine_class
+    from pdstate.transfer.engines.base import EngineUnavailable, engine_class
 
     try:
         engine_class("mooncake").check_available()
@@ -92,5 +116,7 @@ def test_a_native_engine_phase_writes_raw_into_the_decode_worker():
     results: dict = {"paths": {}, "lengths": [300], "modes": ["paged"]}
     bench._phase("paged", "mooncake", src, dst, [300], 2, results, lambda m: None, preset_name="tiny")
     raw = results["paths"]["paged:mooncake:raw_mooncake"]["300"]
-    assert raw["seconds"]["n"] == 2 and raw["bytes"] == results["paths"]["paged:mooncake:pdstate_mooncake"]["300"]["bytes"]
+    assert (
+        raw["seconds"]["n"] == 2 and raw["bytes"] == results["paths"]["paged:mooncake:pdstate_mooncake"]["300"]["bytes"]
+    )
     assert 0 < bench.ratios(results)["mooncake_vs_raw_by_length"]["300"] < 20

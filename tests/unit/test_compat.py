@@ -9,12 +9,13 @@ import functools
 
 import pytest
 
-from pdstate import compat, errors as e
-from pdstate.layout import LayoutReport, build_report
+from pdstate import errors as e
 from pdstate.pools.dsv4 import DeepSeekV4TokenToKVPool
-from pdstate.presets import build_worker_pools, pool_kwargs
-from tests.unit.reports import TINY, _KEEP, report_of, tiny
-
+from pdstate.pools.presets import build_worker_pools, pool_kwargs
+from pdstate.pools.reporting import build_report
+from pdstate.protocol import compat
+from pdstate.protocol.report import LayoutReport
+from tests.unit.reports import _KEEP, TINY, report_of, tiny
 
 MAPPING = "DSV4 target and draft pools must share the SWA index mapping"
 SWA_ONLY = "DSV4 draft state transfer expects SWA-only NextN layers"
@@ -22,7 +23,7 @@ UNIFIED = "DSV4 target and draft pools must use the same unified-KV mode"
 MISSING = "'DeepSeekV4TokenToKVPool' object has no attribute 'full_to_swa_index_mapping'"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def report_with_compressed_draft() -> LayoutReport:
     """A draft with a C4 layer, wired to the target's mapping (presets only build SWA-only drafts)."""
     pools = build_worker_pools(TINY.with_(draft_enabled=False))
@@ -225,8 +226,13 @@ def test_layout_mismatch_is_a_runtime_error():
 
 def test_compat_errors_lists_all_in_order():
     ours = tiny(draft_mapping="own")
-    theirs = tiny(draft_mapping="clone", page_size=128, swa_page_size=128, kv_dtype="float8_e5m2",
-                  speculative_num_draft_tokens=None)
+    theirs = tiny(
+        draft_mapping="clone",
+        page_size=128,
+        swa_page_size=128,
+        kv_dtype="float8_e5m2",
+        speculative_num_draft_tokens=None,
+    )
     errs = compat.compat_errors(ours, theirs, "decode")  # we are the decode; they are the prefill
     assert [x.type for x in errs[:4]] == [
         "SWAIndexMappingNotShared",  # theirs

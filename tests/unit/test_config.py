@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pdstate.config import load_config
 from pdstate.errors import ConfigError
+from pdstate.service.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -18,6 +18,7 @@ def toml(tmp_path):
         p = tmp_path / "worker.toml"
         p.write_text(text)
         return p
+
     return write
 
 
@@ -50,8 +51,17 @@ def test_environment_overrides_file_and_set_overrides_environment(toml):
 
 
 def test_values_parse_as_toml_scalars(toml):
-    cfg = load_config(toml(BASE), ["checks.local=false", "pool.unified_kv=true", 'transfer.engine="mooncake"',
-                                   "transfer.mooncake.protocol=rdma", "worker_id=decode-7"], environ={})
+    cfg = load_config(
+        toml(BASE),
+        [
+            "checks.local=false",
+            "pool.unified_kv=true",
+            'transfer.engine="mooncake"',
+            "transfer.mooncake.protocol=rdma",
+            "worker_id=decode-7",
+        ],
+        environ={},
+    )
     assert cfg.checks.local is False and cfg.pool.unified_kv is True
     assert cfg.transfer.engine == "mooncake" and cfg.transfer.mooncake.protocol == "rdma"
     assert cfg.worker_id == "decode-7"
@@ -66,7 +76,7 @@ def test_nested_environment_key(toml):
 def test_mooncake_options_reach_the_engine_constructor(toml):
     import inspect
 
-    from pdstate.engines.mooncake import MooncakeEngine
+    from pdstate.transfer.engines.mooncake import MooncakeEngine
 
     cfg = load_config(toml(BASE), ["transfer.engine=mooncake", "transfer.mooncake.device=mlx5_0"], environ={})
     opts = cfg.worker_options().engine_options
@@ -90,7 +100,9 @@ def test_unknown_key_is_named(toml):
         load_config(toml(BASE), ["pool.bogus=1"], environ={})
     with pytest.raises(ConfigError, match=r"http\.colour: Extra inputs are not permitted \(in "):
         load_config(toml(BASE.replace("port = 9000", "port = 9000\ncolour = 1")), environ={})
-    with pytest.raises(ConfigError, match=r"nosuch: Extra inputs are not permitted \(from environment PDSTATE_NOSUCH\)"):
+    with pytest.raises(
+        ConfigError, match=r"nosuch: Extra inputs are not permitted \(from environment PDSTATE_NOSUCH\)"
+    ):
         load_config(toml(BASE), environ={"PDSTATE_NOSUCH": "1"})
 
 
@@ -108,7 +120,10 @@ def test_wrong_type_is_named(toml):
 
 
 def test_bad_preset_is_named(toml):
-    with pytest.raises(ConfigError, match=r"^preset: unknown preset 'huge'; choose one of \['dsv4-flash', 'tiny'\] \(from --set preset=huge\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^preset: unknown preset 'huge'; choose one of \['dsv4-flash', 'tiny'\] \(from --set preset=huge\)$",
+    ):
         load_config(toml(BASE), ["preset=huge"], environ={})
 
 

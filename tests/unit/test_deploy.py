@@ -16,9 +16,9 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from pdstate import cli_ops
-from pdstate.api import create_app, route_paths
-from pdstate.config import load_config
+from pdstate.service import preflight as cli_ops
+from pdstate.service.api import create_app, route_paths
+from pdstate.service.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
@@ -68,7 +68,7 @@ def image_path_to_repo(path: str) -> Path:
         dst_abs = dst if dst.startswith("/") else f"{workdir}/{dst.lstrip('./')}"
         dst_abs = dst_abs.rstrip("/")
         if path.startswith(dst_abs + "/"):
-            return REPO / src / path[len(dst_abs) + 1:]
+            return REPO / src / path[len(dst_abs) + 1 :]
     raise AssertionError(f"{path} is not copied into the image by deploy/Dockerfile")
 
 
@@ -107,7 +107,10 @@ def test_compose_services(compose, routes):
     cfgs = {}
     for role in ROLES:
         svc = services[role]
-        assert svc["build"]["dockerfile"] == "deploy/Dockerfile" and (REPO / svc["build"]["context"] / "deploy/Dockerfile").exists()
+        assert (
+            svc["build"]["dockerfile"] == "deploy/Dockerfile"
+            and (REPO / svc["build"]["context"] / "deploy/Dockerfile").exists()
+        )
         args, cfg = compose_config(svc)
         cfgs[role] = cfg
         assert image_path_to_repo(args.config) == REPO / "services" / role / "config.toml"
@@ -123,7 +126,10 @@ def test_compose_services(compose, routes):
         assert cfg.transfer.mooncake.host == role  # each engine is reached at its container name
     # the decode dials the prefill's control port by its service name, once the prefill is healthy
     host, port = port_of(cfgs["decode"].control.peer)
-    assert host == "prefill" and port == port_of(cfgs["prefill"].control.bind)[1] == port_of(service_config("prefill").control.bind)[1]
+    assert (
+        host == "prefill"
+        and port == port_of(cfgs["prefill"].control.bind)[1] == port_of(service_config("prefill").control.bind)[1]
+    )
     assert str(port) in [str(p) for p in services["prefill"]["expose"]]
     assert services["decode"]["depends_on"] == {"prefill": {"condition": "service_healthy"}}
     # shm: one IPC namespace and /dev/shm for both
@@ -163,7 +169,8 @@ def test_configmap_carries_the_service_configs_verbatim(k8s):
     for role in ROLES:
         assert data[f"{role}.toml"] == (REPO / "services" / role / "config.toml").read_text(), (
             f"deploy/k8s/configmap.yaml {role}.toml drifted from services/{role}/config.toml: "
-            "run python deploy/sync_configmap.py")
+            "run python deploy/sync_configmap.py"
+        )
 
 
 def _container(k8s, role):
@@ -182,7 +189,7 @@ def k8s_config(k8s, role, tmp_path):
     volumes = {v["name"]: v for v in pod["volumes"]}
     mount = next(m for m in c["volumeMounts"] if args.config.startswith(m["mountPath"].rstrip("/") + "/"))
     cm_name = volumes[mount["name"]]["configMap"]["name"]
-    key = args.config[len(mount["mountPath"].rstrip("/")) + 1:]
+    key = args.config[len(mount["mountPath"].rstrip("/")) + 1 :]
     path = tmp_path / f"{role}.toml"
     path.write_text(k8s[("ConfigMap", cm_name)]["data"][key])
     env = {}
@@ -194,7 +201,7 @@ def k8s_config(k8s, role, tmp_path):
     if token_file:  # resolve it to a Secret mount, then point it at a local file for load_config
         m = next(m for m in c["volumeMounts"] if token_file.startswith(m["mountPath"].rstrip("/") + "/"))
         secret = k8s[("Secret", volumes[m["name"]]["secret"]["secretName"])]
-        secret_key = token_file[len(m["mountPath"].rstrip("/")) + 1:]
+        secret_key = token_file[len(m["mountPath"].rstrip("/")) + 1 :]
         assert secret_key in secret.get("stringData", {}) or secret_key in secret.get("data", {})
         local = tmp_path / f"{role}-token"
         local.write_text("t")
@@ -233,6 +240,8 @@ def test_k8s_deployments(k8s, routes, tmp_path):
     assert host == svc["metadata"]["name"]
     sp = next(p for p in svc["spec"]["ports"] if p["port"] == port)
     _, _, pc = _container(k8s, "prefill")
-    assert {p["name"]: p["containerPort"] for p in pc["ports"]}[sp["targetPort"]] == port_of(cfgs["prefill"].control.bind)[1]
+    assert {p["name"]: p["containerPort"] for p in pc["ports"]}[sp["targetPort"]] == port_of(
+        cfgs["prefill"].control.bind
+    )[1]
     assert cfgs["prefill"].transfer.engine == cfgs["decode"].transfer.engine
     assert cfgs["prefill"].pool_settings() == cfgs["decode"].pool_settings()

@@ -9,11 +9,11 @@ import itertools
 import pytest
 
 from pdstate import errors as e
-from pdstate import handshake as h
-from pdstate import wire
 from pdstate.errors import error_from_wire
-from pdstate.layout import build_report
-from pdstate.presets import PoolSettings, build_worker_pools, preset
+from pdstate.pools.presets import PoolSettings, build_worker_pools, preset
+from pdstate.pools.reporting import build_report
+from pdstate.protocol import handshake as h
+from pdstate.protocol import lifecycle, wire
 
 TINY = preset("tiny")
 _KEEP = []
@@ -21,7 +21,7 @@ TOKEN = b"handshake-test-token"
 SHM = wire.EngineDesc(name="shm", endpoint={"segment": "pdstate-test"})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def side(settings: PoolSettings, worker_id: str) -> h.LocalSide:
     pools = build_worker_pools(settings)
     _KEEP.append(pools)
@@ -45,7 +45,7 @@ def exchange(p: h.LocalSide, d: h.LocalSide, token: bytes | None = TOKEN):
     reply = wire.decode(wire.encode(reply, token), token)
     try:
         result = h.DecodeHandshake(d).receive(reply)
-    except Exception as exc:  # noqa: BLE001 - returned for the assertions
+    except Exception as exc:
         result = exc
     return reply, result
 
@@ -112,7 +112,11 @@ def test_decode_with_a_draft_that_has_no_mapping_is_refused():
 @pytest.mark.parametrize(
     "changes,cls,message",
     [
-        (dict(draft_unified_kv=True), e.UnifiedKVModeMismatch, "DSV4 target and draft pools must use the same unified-KV mode"),
+        (
+            dict(draft_unified_kv=True),
+            e.UnifiedKVModeMismatch,
+            "DSV4 target and draft pools must use the same unified-KV mode",
+        ),
         (
             dict(draft_page_size=512),
             e.PagedSWAGeometryMismatch,
@@ -162,11 +166,22 @@ CROSS_SIDE = [
         e.LayoutMismatch,
         _layout(
             "draft",
-            {"layers": 1, "layout": "paged", "page_size": 256, "swa_page_size": 256, "sliding_window": 128, "ring_size": None},
+            {
+                "layers": 1,
+                "layout": "paged",
+                "page_size": 256,
+                "swa_page_size": 256,
+                "sliding_window": 128,
+                "ring_size": None,
+            },
             None,
         ),
     ),
-    (dict(indexer_head_dim=64), e.LayoutMismatch, _layout("main_kv_item_lens", [37440, 8448, 1728], [37440, 4352, 1728])),
+    (
+        dict(indexer_head_dim=64),
+        e.LayoutMismatch,
+        _layout("main_kv_item_lens", [37440, 8448, 1728], [37440, 4352, 1728]),
+    ),
 ]
 
 
@@ -198,20 +213,28 @@ def test_decode_refuses_an_accept_from_an_incompatible_prefill():
 def test_engine_name_mismatch_is_refused():
     p = prefill()
     d = h.LocalSide(**{**decode().__dict__, "engine": wire.EngineDesc(name="mooncake", endpoint={"session_id": "h:1"})})
-    assert_refused(p, d, e.EngineError, "transfer engine mismatch: prefill server uses 'shm', but decode server uses 'mooncake'")
+    assert_refused(
+        p, d, e.EngineError, "transfer engine mismatch: prefill server uses 'shm', but decode server uses 'mooncake'"
+    )
 
 
 def test_engine_name_is_checked_before_the_layout():
     d = decode(draft_mapping="clone")
     d = h.LocalSide(**{**d.__dict__, "engine": wire.EngineDesc(name="nixl", endpoint={})})
-    assert_refused(prefill(), d, e.EngineError, "transfer engine mismatch: prefill server uses 'shm', but decode server uses 'nixl'")
+    assert_refused(
+        prefill(),
+        d,
+        e.EngineError,
+        "transfer engine mismatch: prefill server uses 'shm', but decode server uses 'nixl'",
+    )
 
 
 def test_unknown_error_type_is_raised_as_runtime_error():
     reject = wire.Reject(worker_id="p", error={"type": "SomethingNew", "message": "m"})
     with pytest.raises(RuntimeError) as info:
         h.DecodeHandshake(decode()).receive(reject)
-    assert type(info.value) is RuntimeError and str(info.value) == "m"
+    assert type(info.value) is e.RemoteError and str(info.value) == "m"
+    assert info.value.type_name == "SomethingNew"
 
 
 # --- descriptor sanity ---------------------------------------------------------------------------
@@ -343,7 +366,9 @@ def test_implausible_ranges_are_refused(where, changes, label):
     else:
         c = kv.components[1]
         p, n, it = c.ptrs[0], c.lens[0], c.item_lens[0]
-    assert_refused(prefill(), with_kv(d, kv), e.DescriptorMismatch, f"{label}: implausible range ptr={p:#x} len={n} item_len={it}")
+    assert_refused(
+        prefill(), with_kv(d, kv), e.DescriptorMismatch, f"{label}: implausible range ptr={p:#x} len={n} item_len={it}"
+    )
 
 
 def test_mismatching_pointer_list_lengths_are_refused():
@@ -361,19 +386,19 @@ def test_layout_is_checked_before_descriptors():
 # --- request lifecycle ---------------------------------------------------------------------------
 
 
-S = h.RequestState
+S = lifecycle.RequestState
 ORDER = [S.BOOTSTRAPPING, S.WAITING_FOR_INPUT, S.TRANSFERRING, S.SUCCESS, S.FAILED]
 
 
 def test_transition_table():
-    assert h.TRANSITIONS == {
+    assert lifecycle.TRANSITIONS == {
         S.BOOTSTRAPPING: {S.WAITING_FOR_INPUT, S.FAILED},
         S.WAITING_FOR_INPUT: {S.TRANSFERRING, S.FAILED},
         S.TRANSFERRING: {S.SUCCESS, S.FAILED},
         S.SUCCESS: set(),
         S.FAILED: set(),
     }
-    assert set(h.TRANSITIONS) == set(S)
+    assert set(lifecycle.TRANSITIONS) == set(S)
 
 
 def _rank(s):
@@ -382,12 +407,12 @@ def _rank(s):
 
 @pytest.mark.parametrize("a,b", list(itertools.product(ORDER, ORDER)))
 def test_only_forward_moves_are_allowed(a, b):
-    if b in h.TRANSITIONS[a]:
+    if b in lifecycle.TRANSITIONS[a]:
         assert _rank(b) > _rank(a)
-        assert h.advance(a, b) is b
+        assert lifecycle.advance(a, b) is b
     else:
-        with pytest.raises(h.IllegalTransition) as info:
-            h.advance(a, b)
+        with pytest.raises(lifecycle.IllegalTransition) as info:
+            lifecycle.advance(a, b)
         assert str(info.value) == f"request cannot move from {a.value} to {b.value}"
 
 
@@ -395,25 +420,25 @@ def test_only_forward_moves_are_allowed(a, b):
 def test_terminal_states_are_final(terminal):
     assert terminal.terminal
     for new in S:
-        with pytest.raises(h.IllegalTransition):
-            h.advance(terminal, new)
+        with pytest.raises(lifecycle.IllegalTransition):
+            lifecycle.advance(terminal, new)
 
 
 def test_every_non_terminal_state_can_fail():
     for s in ORDER:
         assert s.terminal == (s in (S.SUCCESS, S.FAILED))
         if not s.terminal:
-            assert h.advance(s, S.FAILED) is S.FAILED
+            assert lifecycle.advance(s, S.FAILED) is S.FAILED
 
 
 def test_happy_path():
     s = S.BOOTSTRAPPING
     for nxt in (S.WAITING_FOR_INPUT, S.TRANSFERRING, S.SUCCESS):
-        s = h.advance(s, nxt)
+        s = lifecycle.advance(s, nxt)
     assert s is S.SUCCESS
 
 
 def test_illegal_transition_is_a_runtime_error():
-    assert issubclass(h.IllegalTransition, RuntimeError)
-    with pytest.raises(h.IllegalTransition, match="^request cannot move from bootstrapping to success$"):
-        h.advance(S.BOOTSTRAPPING, S.SUCCESS)
+    assert issubclass(lifecycle.IllegalTransition, RuntimeError)
+    with pytest.raises(lifecycle.IllegalTransition, match="^request cannot move from bootstrapping to success$"):
+        lifecycle.advance(S.BOOTSTRAPPING, S.SUCCESS)

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdstate.errors import PaddingPageIndex
-from pdstate.indices import (
+from pdstate.pools import ReqToTokenPool, SWATokenToKVPoolAllocator
+from pdstate.pools.indices import (
     c128_state_indices,
     main_kv_page_indices,
     page_floor,
@@ -15,7 +16,6 @@ from pdstate.indices import (
     swa_ring_rows,
     swa_window_start,
 )
-from pdstate.pools import ReqToTokenPool, SWATokenToKVPoolAllocator
 
 PS, W = 256, 128
 
@@ -86,8 +86,12 @@ def test_ring_rows_short_prompt_and_spec_ring():
 
 
 @settings(max_examples=200, deadline=None)
-@given(req=st.integers(0, 50), seq_len=st.integers(0, 5000), window=st.sampled_from([64, 128, 256]),
-       extra=st.sampled_from([0, 1, 3]))
+@given(
+    req=st.integers(0, 50),
+    seq_len=st.integers(0, 5000),
+    window=st.sampled_from([64, 128, 256]),
+    extra=st.sampled_from([0, 1, 3]),
+)
 def test_ring_rows_rule(req, seq_len, window, extra):
     ring = window + extra
     rows = swa_ring_rows(req, seq_len, window, ring)
@@ -177,7 +181,9 @@ def test_freed_request_is_refused():
     slot, locs = _request(a, rp, 300)
     row = rp.req_to_token[slot].clone()
     a.free(locs)
-    with pytest.raises(PaddingPageIndex, match=r"^sliding-window slot for position 0 \(full slot 256\) maps to SWA slot 0"):
+    with pytest.raises(
+        PaddingPageIndex, match=r"^sliding-window slot for position 0 \(full slot 256\) maps to SWA slot 0"
+    ):
         swa_page_indices(row, 300, W, PS, a.full_to_swa_index_mapping)
 
 

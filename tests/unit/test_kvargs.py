@@ -11,17 +11,16 @@ from pdstate.errors import (
     SWARingGeometryMismatch,
     UnifiedKVModeMismatch,
 )
-from pdstate.kvargs import (
+from pdstate.pools import DeepSeekV4TokenToKVPool, SWATokenToKVPoolAllocator
+from pdstate.pools.kvargs import (
     KVArgs,
-    PoolFacts,
     StateType,
     append_state_component,
-    check_draft_pair,
     fill_kv_args,
-    identities_shared,
+    pool_facts,
     setup_state_kv_args,
 )
-from pdstate.pools import DeepSeekV4TokenToKVPool, SWATokenToKVPoolAllocator
+from pdstate.protocol.facts import check_draft_pair, identities_shared
 
 RATIO_MSG = "DSV4 draft state transfer expects SWA-only NextN layers"
 MODE_MSG = "DSV4 target and draft pools must use the same unified-KV mode"
@@ -31,12 +30,29 @@ MISSING_MSG = "'DeepSeekV4TokenToKVPool' object has no attribute 'full_to_swa_in
 
 def _kw(**over):
     kw = dict(
-        max_num_reqs=4, swa_size=512, c4_size=256, c128_size=8, c4_state_pool_size=64,
-        c128_state_pool_size=1280, page_size=256, swa_page_size=256, dtype="float8_e4m3fn",
-        c4_state_dtype="float32", c128_state_dtype="float32", qk_nope_head_dim=448,
-        qk_rope_head_dim=64, indexer_head_dim=128, layer_num=3, device="cpu", enable_memory_saver=False,
-        compression_ratios=[0, 4, 128], sliding_window=128, online_mtp_max_draft_tokens=4, num_req_slots=5,
-        unified_kv=False, speculative_num_draft_tokens=4,
+        max_num_reqs=4,
+        swa_size=512,
+        c4_size=256,
+        c128_size=8,
+        c4_state_pool_size=64,
+        c128_state_pool_size=1280,
+        page_size=256,
+        swa_page_size=256,
+        dtype="float8_e4m3fn",
+        c4_state_dtype="float32",
+        c128_state_dtype="float32",
+        qk_nope_head_dim=448,
+        qk_rope_head_dim=64,
+        indexer_head_dim=128,
+        layer_num=3,
+        device="cpu",
+        enable_memory_saver=False,
+        compression_ratios=[0, 4, 128],
+        sliding_window=128,
+        online_mtp_max_draft_tokens=4,
+        num_req_slots=5,
+        unified_kv=False,
+        speculative_num_draft_tokens=4,
     )
     kw.update(over)
     return kw
@@ -47,8 +63,14 @@ def target(**over) -> DeepSeekV4TokenToKVPool:
 
 
 def draft(ratios=(0,), **over) -> DeepSeekV4TokenToKVPool:
-    base = dict(c4_size=0, c128_size=0, c4_state_pool_size=0, c128_state_pool_size=0,
-                layer_num=len(ratios), compression_ratios=list(ratios))
+    base = dict(
+        c4_size=0,
+        c128_size=0,
+        c4_state_pool_size=0,
+        c128_state_pool_size=0,
+        layer_num=len(ratios),
+        compression_ratios=list(ratios),
+    )
     base.update(over)
     return DeepSeekV4TokenToKVPool(**_kw(**base))
 
@@ -170,8 +192,12 @@ def test_unified_ring_geometry_mismatch(over, draft_geom, how):
     t = target(unified_kv=True)
     d = draft(unified_kv=True, **over)
     wire(t, d, how)
-    raises(t, d, SWARingGeometryMismatch,
-           f"DSV4 target and draft pools must share SWA ring geometry: target=(128, 131, 655), draft={draft_geom}")
+    raises(
+        t,
+        d,
+        SWARingGeometryMismatch,
+        f"DSV4 target and draft pools must share SWA ring geometry: target=(128, 131, 655), draft={draft_geom}",
+    )
 
 
 # --- 4/5. paged: mapping identity, then geometry -------------------------------------------------
@@ -194,7 +220,9 @@ def test_paged_missing_draft_mapping_is_an_attribute_error():
 
 
 @pytest.mark.parametrize("how", ["own", "clone", "view", "identity"])
-@pytest.mark.parametrize("over", [dict(page_size=512), dict(sliding_window=64), dict(page_size=128, sliding_window=256)])
+@pytest.mark.parametrize(
+    "over", [dict(page_size=512), dict(sliding_window=64), dict(page_size=128, sliding_window=256)]
+)
 def test_paged_mapping_check_before_geometry_check(how, over):
     t = target()
     d = draft(**over)
@@ -220,12 +248,17 @@ def test_paged_missing_mapping_before_geometry_check():
 def test_paged_geometry_mismatch_with_shared_mapping(over, draft_geom):
     t, d = target(), draft(**over)
     wire(t, d, "shared")
-    raises(t, d, PagedSWAGeometryMismatch,
-           f"DSV4 target and draft pools must share paged SWA geometry: target=(256, 128), draft={draft_geom}")
+    raises(
+        t,
+        d,
+        PagedSWAGeometryMismatch,
+        f"DSV4 target and draft pools must share paged SWA geometry: target=(256, 128), draft={draft_geom}",
+    )
 
 
 @pytest.mark.parametrize(
-    "over", [dict(swa_page_size=128), dict(num_req_slots=9), dict(swa_size=1024), dict(speculative_num_draft_tokens=None)]
+    "over",
+    [dict(swa_page_size=128), dict(num_req_slots=9), dict(swa_size=1024), dict(speculative_num_draft_tokens=None)],
 )
 def test_paged_ignores_what_upstream_does_not_compare(over):
     t, d = target(), draft(**over)
@@ -244,8 +277,11 @@ def test_paged_happy_components_exact():
     assert kv.state_data_lens == [[449280, 449280, 449280, 688128, 172032], [6815744], [449280]]
     assert kv.state_item_lens == [[149760, 149760, 149760, 131072, 32768], [524288], [149760]]
     swa = t.swa_kv_buffers + t.c4_attn_states + t.c4_indexer_states
-    assert kv.state_data_ptrs == [[x.data_ptr() for x in swa], [t.c128_states[0].data_ptr()],
-                                  [d.swa_kv_buffers[0].data_ptr()]]
+    assert kv.state_data_ptrs == [
+        [x.data_ptr() for x in swa],
+        [t.c128_states[0].data_ptr()],
+        [d.swa_kv_buffers[0].data_ptr()],
+    ]
 
 
 def test_draft_with_two_layers_sends_both():
@@ -333,7 +369,7 @@ def test_unified_without_c4_layers_still_sends_an_empty_swa_component_first():
 
 
 def _facts(pool):
-    return PoolFacts.of(pool)
+    return pool_facts(pool)
 
 
 def test_mapping_predicate_consulted_only_where_upstream_evaluates_it():
@@ -378,7 +414,7 @@ def test_identities_shared_over_reported_facts():
 
 def test_pool_facts_fields():
     t = target(unified_kv=True)
-    f = PoolFacts.of(t)
+    f = pool_facts(t)
     assert f.compression_ratios == (0, 4, 128)
     assert f.unified_kv is True
     assert f.ring_geometry == (128, 131, 655)
@@ -391,8 +427,11 @@ def test_fill_kv_args_main_channel_then_states():
     wire(t, d, "shared")
     kv = fill_kv_args(t, d)
     assert kv.kv_data_lens == [187200, 42240, 8640] and kv.kv_item_lens == [37440, 8448, 1728]
-    assert kv.kv_data_ptrs == [t.c4_kv_buffers[0].data_ptr(), t.c4_indexer_buffers[0].data_ptr(),
-                               t.c128_kv_buffers[0].data_ptr()]
+    assert kv.kv_data_ptrs == [
+        t.c4_kv_buffers[0].data_ptr(),
+        t.c4_indexer_buffers[0].data_ptr(),
+        t.c128_kv_buffers[0].data_ptr(),
+    ]
     assert kv.page_size == 256 and kv.kv_cache_dtype == "float8_e4m3fn"
     assert kv.mla_compression_ratios == [0, 4, 128]
     assert kv.state_types == [StateType.SWA, StateType.C128_STATE, StateType.SWA]

@@ -5,12 +5,12 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from pdstate import layout
-from pdstate.layout import FACTOR_NAMES, LayoutReport, build_report, diff, fingerprint
 from pdstate.pools.dsv4 import DeepSeekV4TokenToKVPool
-from pdstate.presets import build_worker_pools, pool_kwargs
-from tests.unit.reports import TINY, _KEEP, tiny
-
+from pdstate.pools.presets import build_worker_pools, pool_kwargs
+from pdstate.pools.reporting import build_report
+from pdstate.protocol import report as layout
+from pdstate.protocol.report import FACTOR_NAMES, LayoutReport, diff, fingerprint
+from tests.unit.reports import _KEEP, TINY, tiny
 
 
 def report_with_target_kwargs(**kw) -> LayoutReport:
@@ -22,8 +22,18 @@ def report_with_target_kwargs(**kw) -> LayoutReport:
 
 def test_factor_names_are_the_protocol_order():
     assert FACTOR_NAMES == (
-        "layout", "compression_ratios", "stage", "sliding_window", "c4_ring", "c128_ring", "online_c128",
-        "c4_state_dtype", "c128_state_dtype", "draft", "main_kv_item_lens", "components",
+        "layout",
+        "compression_ratios",
+        "stage",
+        "sliding_window",
+        "c4_ring",
+        "c128_ring",
+        "online_c128",
+        "c4_state_dtype",
+        "c128_state_dtype",
+        "draft",
+        "main_kv_item_lens",
+        "components",
     )
 
 
@@ -42,7 +52,12 @@ def test_tiny_report_values():
         ["swa", 1, [149760]],
     ]
     assert r.factor("draft") == {
-        "layers": 1, "layout": "paged", "page_size": 256, "swa_page_size": 256, "sliding_window": 128, "ring_size": None,
+        "layers": 1,
+        "layout": "paged",
+        "page_size": 256,
+        "swa_page_size": 256,
+        "sliding_window": 128,
+        "ring_size": None,
     }
     assert r.local_check.ok and r.local_check.error is None
     assert r.target.mapping_identity is not None
@@ -104,7 +119,10 @@ VARIANTS = {
     "page_size": (dict(page_size=128, swa_page_size=128), ["page_size", "draft", "main_kv_item_lens", "components"]),
     "kv_dtype": (dict(kv_dtype="float8_e5m2"), ["kv_dtype"]),
     "layout": (dict(unified_kv=True), ["layout", "draft", "main_kv_item_lens", "components"]),
-    "compression_ratios": (dict(compression_ratios=(0, 4, 4)), ["compression_ratios", "c128_ring", "main_kv_item_lens", "components"]),
+    "compression_ratios": (
+        dict(compression_ratios=(0, 4, 4)),
+        ["compression_ratios", "c128_ring", "main_kv_item_lens", "components"],
+    ),
     "sliding_window": (dict(sliding_window=64), ["sliding_window", "draft"]),
     "c4_ring": (dict(speculative_num_draft_tokens=None), ["c4_ring", "c128_ring", "components"]),
     "c128_ring": (dict(online_c128=True, online_c128_mtp=True), ["c128_ring", "online_c128", "components"]),
@@ -172,15 +190,31 @@ def test_a_missing_factor_is_a_difference():
 @pytest.mark.parametrize(
     "changes,error_type,message",
     [
-        (dict(draft_mapping="own"), "SWAIndexMappingNotShared", "DSV4 target and draft pools must share the SWA index mapping"),
-        (dict(draft_mapping="clone"), "SWAIndexMappingNotShared", "DSV4 target and draft pools must share the SWA index mapping"),
-        (dict(draft_mapping="view"), "SWAIndexMappingNotShared", "DSV4 target and draft pools must share the SWA index mapping"),
+        (
+            dict(draft_mapping="own"),
+            "SWAIndexMappingNotShared",
+            "DSV4 target and draft pools must share the SWA index mapping",
+        ),
+        (
+            dict(draft_mapping="clone"),
+            "SWAIndexMappingNotShared",
+            "DSV4 target and draft pools must share the SWA index mapping",
+        ),
+        (
+            dict(draft_mapping="view"),
+            "SWAIndexMappingNotShared",
+            "DSV4 target and draft pools must share the SWA index mapping",
+        ),
         (
             dict(draft_mapping="none"),
             "DraftMappingMissing",
             "'DeepSeekV4TokenToKVPool' object has no attribute 'full_to_swa_index_mapping'",
         ),
-        (dict(draft_unified_kv=True), "UnifiedKVModeMismatch", "DSV4 target and draft pools must use the same unified-KV mode"),
+        (
+            dict(draft_unified_kv=True),
+            "UnifiedKVModeMismatch",
+            "DSV4 target and draft pools must use the same unified-KV mode",
+        ),
         (
             dict(unified_kv=True, draft_sliding_window=64),
             "SWARingGeometryMismatch",

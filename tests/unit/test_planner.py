@@ -10,9 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdstate import planner
 from pdstate.errors import IndexCountMismatch, IndexOutOfRange, ItemLengthMismatch, PaddingPageIndex
-from pdstate.planner import Channel, TransferPlan, plan_channel, plan_request, plan_request_loop, runs
+from pdstate.transfer import planner
+from pdstate.transfer.plan import TransferPlan
+from pdstate.transfer.planner import Channel, plan_channel, plan_request, plan_request_loop, runs
 
 
 @dataclass
@@ -32,7 +33,7 @@ def desc(base: int, channels: list[tuple[str, list[int], list[int]]]) -> FakeDes
     """``channels[0]`` is main KV; each entry is ``(type, item_lens, lens)``; buffers back to back from ``base``."""
     addr = base
     ptrs_all = []
-    for _, items, lens in channels:
+    for _, _items, lens in channels:
         ptrs = []
         for n in lens:
             ptrs.append(addr)
@@ -118,7 +119,11 @@ def test_plan_channel_is_buffer_major():
 
 def test_plan_channel_without_indices_or_buffers_is_empty():
     c = chan("c128_state", [1000], [800], [100])
-    assert [x.size for x in plan_channel("c", c, c, np.array([], dtype=np.int64), np.array([], dtype=np.int64))] == [0, 0, 0]
+    assert [x.size for x in plan_channel("c", c, c, np.array([], dtype=np.int64), np.array([], dtype=np.int64))] == [
+        0,
+        0,
+        0,
+    ]
     empty = chan("swa", [], [], [])
     assert [x.size for x in plan_channel("c", empty, empty, np.array([1]), np.array([2]))] == [0, 0, 0]
 
@@ -173,8 +178,14 @@ def test_index_count_mismatch_is_strict_for_every_channel(c, label):
 
 def test_index_list_count_mismatch():
     refused(IndexCountMismatch, "index lists: prefill sent 3, decode sent 4, layout has 4 channels", GOOD[:3], GOOD)
-    refused(IndexCountMismatch, "index lists: prefill sent 4, decode sent 4, layout has 3 channels",
-            GOOD, GOOD, desc(0x1000, LAYOUT[:3]), desc(0x900000, LAYOUT[:3]))
+    refused(
+        IndexCountMismatch,
+        "index lists: prefill sent 4, decode sent 4, layout has 3 channels",
+        GOOD,
+        GOOD,
+        desc(0x1000, LAYOUT[:3]),
+        desc(0x900000, LAYOUT[:3]),
+    )
 
 
 def test_index_at_the_end_of_the_buffer_is_fine_one_past_is_refused():
@@ -202,7 +213,10 @@ def test_a_partial_last_item_is_past_the_buffer():
     refused(
         IndexOutOfRange,
         "main KV: prefill index 10 is past buffer 0 (1050 bytes = 10 items of 100 bytes)",
-        [[10]], [[9]], src, dst,
+        [[10]],
+        [[9]],
+        src,
+        dst,
     )
 
 
@@ -212,7 +226,10 @@ def test_the_tightest_buffer_of_a_channel_bounds_it():
     refused(
         IndexOutOfRange,
         "main KV: decode index 5 is past buffer 1 (50 bytes = 5 items of 10 bytes)",
-        [[1]], [[5]], src, dst,
+        [[1]],
+        [[5]],
+        src,
+        dst,
     )
 
 
@@ -262,8 +279,18 @@ def test_index_zero_is_fine_for_slot_and_row_channels():
 
 def test_checks_run_in_order():
     # negative before padding before past-the-end before duplicates; prefill before decode
-    refused(IndexOutOfRange, "main KV: prefill index -1 is negative", [[-1, 0, 99], [1, 2], [0], [0, 1]], [[0, 0, 0], [1, 2], [0], [0, 1]])
-    refused(PaddingPageIndex, "main KV: prefill index 0 is the reserved padding page", [[0, 99, 99], [1, 2], [0], [0, 1]], GOOD)
+    refused(
+        IndexOutOfRange,
+        "main KV: prefill index -1 is negative",
+        [[-1, 0, 99], [1, 2], [0], [0, 1]],
+        [[0, 0, 0], [1, 2], [0], [0, 1]],
+    )
+    refused(
+        PaddingPageIndex,
+        "main KV: prefill index 0 is the reserved padding page",
+        [[0, 99, 99], [1, 2], [0], [0, 1]],
+        GOOD,
+    )
     refused(IndexCountMismatch, "main KV: index count mismatch: prefill=1, decode=3", [[-1]] + GOOD[1:], GOOD)
 
 
@@ -276,13 +303,23 @@ def test_item_length_mismatch():
     refused(
         ItemLengthMismatch,
         "channels differ: prefill=['main_kv', 'swa', 'c128_state', 'swa_ring'], decode=['main_kv', 'swa', 'c128_state', 'swa']",
-        GOOD, GOOD, SRC, other,
+        GOOD,
+        GOOD,
+        SRC,
+        other,
     )
 
 
 def test_item_lengths_are_checked_before_counts():
     other = desc(0x90_0000, [("main_kv", [100, 11], [1000, 110])] + LAYOUT[1:])
-    refused(ItemLengthMismatch, "main KV: buffer 1 item length differs: prefill=10, decode=11", [[1]] + GOOD[1:], GOOD, SRC, other)
+    refused(
+        ItemLengthMismatch,
+        "main KV: buffer 1 item length differs: prefill=10, decode=11",
+        [[1]] + GOOD[1:],
+        GOOD,
+        SRC,
+        other,
+    )
 
 
 def test_nothing_is_planned_when_a_later_channel_is_refused():

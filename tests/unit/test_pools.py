@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pdstate.errors import OnlineC128MTPUnsupported, PoolConfigError
-from pdstate.kvargs import KVArgs, StateType, setup_state_kv_args
 from pdstate.pools import BufferSpec, DeepSeekV4TokenToKVPool, PrivateMemory, SharedMemory, SWATokenToKVPoolAllocator
+from pdstate.pools.kvargs import KVArgs, StateType, setup_state_kv_args
 from pdstate.pools.memory import sweep_stale_segments
 
 NOPE, ROPE, IDX_HD = 448, 64, 128
@@ -66,7 +66,9 @@ def make_kwargs(
         c4_size=full // 4,
         c128_size=full // 128,
         c4_state_pool_size=swa // window * ring4 if c4_state_pool_size is None else c4_state_pool_size,
-        c128_state_pool_size=(slots if online else slots * ring128) if c128_state_pool_size is None else c128_state_pool_size,
+        c128_state_pool_size=(slots if online else slots * ring128)
+        if c128_state_pool_size is None
+        else c128_state_pool_size,
         page_size=page_size,
         swa_page_size=swa_page_size or page_size,
         dtype=kv_dtype,
@@ -94,8 +96,16 @@ def make_kwargs(
 
 def draft_kwargs(target_kw: dict, layers: int = 1) -> dict:
     kw = dict(target_kw)
-    kw.update(c4_size=0, c128_size=0, c4_state_pool_size=0, c128_state_pool_size=0, layer_num=layers,
-              compression_ratios=[0] * layers, start_layer=None, end_layer=None)
+    kw.update(
+        c4_size=0,
+        c128_size=0,
+        c4_state_pool_size=0,
+        c128_state_pool_size=0,
+        layer_num=layers,
+        compression_ratios=[0] * layers,
+        start_layer=None,
+        end_layer=None,
+    )
     return kw
 
 
@@ -150,10 +160,14 @@ class Model:
                 self.buffers[f"c4_kv[c4_idx={j}]"] = ((paged_rows(kw["c4_size"], ps // 4), paged_row(ps // 4)), u8)
             for j in range(len(self.c128)):
                 self.buffers[f"c128_kv[c128_idx={j}]"] = (
-                    (paged_rows(kw["c128_size"], ps // 128), paged_row(ps // 128)), u8)
+                    (paged_rows(kw["c128_size"], ps // 128), paged_row(ps // 128)),
+                    u8,
+                )
         for j in range(len(self.c4)):
             self.buffers[f"c4_indexer_k[c4_idx={j}]"] = (
-                (paged_rows(kw["c128_size"] * 32, ps // 4), (ps // 4) * (IDX_HD + 4)), u8)
+                (paged_rows(kw["c128_size"] * 32, ps // 4), (ps // 4) * (IDX_HD + 4)),
+                u8,
+            )
         c4_rows = roundup(kw["c4_state_pool_size"] + self.ring4 + 1, 4)
         for layer in self.c4:
             self.buffers[f"attn_state_c4[layer={layer}]"] = ((c4_rows, 2 * 2 * HD), sdt)
@@ -188,24 +202,40 @@ class Model:
             self.contiguous += [unified(i, 128) for i in c128_local]
             self.contiguous = [(lab, o, nbytes(lab) - o, it) for lab, o, _, it in self.contiguous]
             self.state = []
-            self.swa_ring = [(f"unified_kv[local_layer={i}]", 0, self.swa_pages * HD * 2, HD * 2)
-                             for i in range(len(self.stage))]
+            self.swa_ring = [
+                (f"unified_kv[local_layer={i}]", 0, self.swa_pages * HD * 2, HD * 2) for i in range(len(self.stage))
+            ]
         else:
-            self.contiguous = [(lab, 0, nbytes(lab), row(lab)) for lab in self.buffers
-                               if lab.startswith(("c4_kv[", "c4_indexer_k[", "c128_kv["))]
+            self.contiguous = [
+                (lab, 0, nbytes(lab), row(lab))
+                for lab in self.buffers
+                if lab.startswith(("c4_kv[", "c4_indexer_k[", "c128_kv["))
+            ]
             # order: C4 KV, C4 indexer, C128 KV
             order = {"c4_kv[": 0, "c4_indexer_k[": 1, "c128_kv[": 2}
             self.contiguous.sort(key=lambda e: next(v for k, v in order.items() if e[0].startswith(k)))
-            self.state = [(f"swa_kv[local_layer={i}]", 0, nbytes(f"swa_kv[local_layer={i}]"), paged_row(sps))
-                          for i in range(len(self.stage))]
+            self.state = [
+                (f"swa_kv[local_layer={i}]", 0, nbytes(f"swa_kv[local_layer={i}]"), paged_row(sps))
+                for i in range(len(self.stage))
+            ]
             self.swa_ring = []
-        self.state += [(f"attn_state_c4[layer={L}]", 0, nbytes(f"attn_state_c4[layer={L}]"), 2 * 2 * HD * es * self.ring4)
-                       for L in self.c4]
-        self.state += [(f"indexer_state_c4[layer={L}]", 0, nbytes(f"indexer_state_c4[layer={L}]"),
-                        2 * 2 * IDX_HD * es * self.ring4) for L in self.c4]
+        self.state += [
+            (f"attn_state_c4[layer={L}]", 0, nbytes(f"attn_state_c4[layer={L}]"), 2 * 2 * HD * es * self.ring4)
+            for L in self.c4
+        ]
+        self.state += [
+            (
+                f"indexer_state_c4[layer={L}]",
+                0,
+                nbytes(f"indexer_state_c4[layer={L}]"),
+                2 * 2 * IDX_HD * es * self.ring4,
+            )
+            for L in self.c4
+        ]
         c128_item = 3 * HD * es if online else 2 * HD * es * 128
-        self.c128_state = [(f"attn_state_c128[layer={L}]", 0, nbytes(f"attn_state_c128[layer={L}]"), c128_item)
-                           for L in self.c128]
+        self.c128_state = [
+            (f"attn_state_c128[layer={L}]", 0, nbytes(f"attn_state_c128[layer={L}]"), c128_item) for L in self.c128
+        ]
 
 
 def resolve(pool: DeepSeekV4TokenToKVPool, expected: list) -> tuple[list, list, list]:
@@ -252,8 +282,12 @@ def configs(draw):
 
 
 def _refused(kw: dict) -> bool:
-    return (kw["online_c128"] and kw["speculative_num_draft_tokens"] and not kw["online_c128_mtp"]
-            and 128 in Model(kw).stage)
+    return (
+        kw["online_c128"]
+        and kw["speculative_num_draft_tokens"]
+        and not kw["online_c128_mtp"]
+        and 128 in Model(kw).stage
+    )
 
 
 # --- geometry over combinations -----------------------------------------------------------------
@@ -484,7 +518,11 @@ def test_pp_stage_uses_absolute_layer_ids_for_states():
     pool = DeepSeekV4TokenToKVPool(**kw)
     assert pool.stage_ratios == [128, 4, 128]
     assert sorted(lab for lab in pool.buffers if "state" in lab) == [
-        "attn_state_c128[layer=3]", "attn_state_c128[layer=5]", "attn_state_c4[layer=4]", "indexer_state_c4[layer=4]"]
+        "attn_state_c128[layer=3]",
+        "attn_state_c128[layer=5]",
+        "attn_state_c4[layer=4]",
+        "indexer_state_c4[layer=4]",
+    ]
     assert len(pool.swa_kv_buffers) == 3 and len(pool.c4_kv_buffers) == 1 and len(pool.c128_kv_buffers) == 2
     check_pool_against_model(pool, Model(kw))
 
@@ -507,7 +545,7 @@ def test_trailing_placeholder_is_clipped():
 def test_buffers_are_zeroed_and_disjoint():
     pool = DeepSeekV4TokenToKVPool(**make_kwargs(spec=4))
     spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in pool.buffers.values())
-    for (a0, a1), (b0, _) in zip(spans, spans[1:]):
+    for (_a0, a1), (b0, _) in zip(spans, spans[1:]):
         assert a1 <= b0
     (region,) = pool._memory.regions()
     for t in pool.buffers.values():
@@ -530,7 +568,11 @@ def test_unsupported_options_refused(bad):
 
 def test_private_memory_layout():
     mem = PrivateMemory()
-    specs = [BufferSpec("a", (3, 5), torch.uint8), BufferSpec("b", (2, 4), torch.float32), BufferSpec("c", (1,), torch.bfloat16)]
+    specs = [
+        BufferSpec("a", (3, 5), torch.uint8),
+        BufferSpec("b", (2, 4), torch.float32),
+        BufferSpec("c", (1,), torch.bfloat16),
+    ]
     assert [s.nbytes for s in specs] == [15, 32, 2]
     ts = mem.allocate("x", specs)
     base = mem.regions()[0].base_ptr

@@ -5,9 +5,9 @@ import time
 import pytest
 
 from pdstate.errors import DraftMappingMissing, SWAIndexMappingNotShared
-from pdstate.kvargs import KVArgs, StateType, fill_kv_args, setup_state_kv_args
 from pdstate.pools import PrivateMemory, SharedMemory
-from pdstate.presets import DSV4_FLASH_RATIOS, PRESETS, build_worker_pools, pool_kwargs, preset
+from pdstate.pools.kvargs import KVArgs, StateType, fill_kv_args, setup_state_kv_args
+from pdstate.pools.presets import DSV4_FLASH_RATIOS, PRESETS, build_worker_pools, pool_kwargs, preset
 
 MAPPING_MSG = "DSV4 target and draft pools must share the SWA index mapping"
 
@@ -82,12 +82,28 @@ def test_tiny_matches_the_conformance_defaults():
 def test_tiny_kwargs_are_the_recorded_ctor_kwargs():
     kw = pool_kwargs(preset("tiny"))
     recorded = {
-        "max_num_reqs": 4, "swa_size": 512, "c4_size": 256, "c128_size": 8, "c4_state_pool_size": 64,
-        "c128_state_pool_size": 1280, "page_size": 256, "swa_page_size": 256, "dtype": "float8_e4m3fn",
-        "c4_state_dtype": "float32", "c128_state_dtype": "float32", "qk_nope_head_dim": 448,
-        "qk_rope_head_dim": 64, "indexer_head_dim": 128, "layer_num": 3, "device": "cpu",
-        "enable_memory_saver": False, "compression_ratios": [0, 4, 128], "sliding_window": 128,
-        "enable_hisparse": False, "online_mtp_max_draft_tokens": 4, "num_req_slots": 5,
+        "max_num_reqs": 4,
+        "swa_size": 512,
+        "c4_size": 256,
+        "c128_size": 8,
+        "c4_state_pool_size": 64,
+        "c128_state_pool_size": 1280,
+        "page_size": 256,
+        "swa_page_size": 256,
+        "dtype": "float8_e4m3fn",
+        "c4_state_dtype": "float32",
+        "c128_state_dtype": "float32",
+        "qk_nope_head_dim": 448,
+        "qk_rope_head_dim": 64,
+        "indexer_head_dim": 128,
+        "layer_num": 3,
+        "device": "cpu",
+        "enable_memory_saver": False,
+        "compression_ratios": [0, 4, 128],
+        "sliding_window": 128,
+        "enable_hisparse": False,
+        "online_mtp_max_draft_tokens": 4,
+        "num_req_slots": 5,
     }
     assert {k: kw[k] for k in recorded} == recorded
     nospec = pool_kwargs(preset("tiny").with_(speculative_num_draft_tokens=None))

@@ -5,11 +5,11 @@ import ctypes
 import numpy as np
 import pytest
 
-from pdstate.kvargs import fill_kv_args
-from pdstate.planner import plan_request
-from pdstate.presets import build_worker_pools, preset
+from pdstate.pools.kvargs import fill_kv_args
+from pdstate.pools.presets import build_worker_pools, preset
 from pdstate.runtime import requests as rq
 from pdstate.runtime import synth
+from pdstate.transfer.planner import plan_request
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,8 @@ def test_damage_deep_in_a_request_is_located():
         words[-1] += np.uint64(1)  # the last word of item 1 of buffer 2
         assert synth.verify_destination(dkv, 9, b.lists) == (
             f"channel 0 (main_kv) buffer 2: item 1 (index {int(idx[1])}) "
-            "holds other content (stale, misplaced or partially written)")
+            "holds other content (stale, misplaced or partially written)"
+        )
     finally:
         rq.free(src, a), rq.free(dst, b)
 
@@ -134,7 +135,9 @@ def test_sampled_verification_reads_every_first_word_and_the_end_of_every_run(wh
             assert got is None
             assert synth.verify_destination(dkv, 5, b.lists) is not None
         else:
-            assert got == (f"channel 0 (main_kv) buffer 2: item {k} (index {int(idx[k])}) "
-                           "holds other content (stale, misplaced or partially written)")
+            assert got == (
+                f"channel 0 (main_kv) buffer 2: item {k} (index {int(idx[k])}) "
+                "holds other content (stale, misplaced or partially written)"
+            )
     finally:
         rq.free(src, a), rq.free(dst, b)

@@ -20,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdstate import wire
 from pdstate.errors import AuthError, ProtocolError, VersionMismatch, error_from_wire
-from pdstate.layout import ErrorInfo
+from pdstate.protocol import wire
+from pdstate.protocol.report import ErrorInfo
 
 REPO = Path(__file__).resolve().parents[2]
 PROTO = REPO / "proto"
@@ -117,7 +117,7 @@ def test_golden_examples_still_encode_to_the_vectors():
 
 
 def test_register_vector_carries_a_consistent_report():
-    from pdstate.layout import fingerprint
+    from pdstate.protocol.report import fingerprint
 
     msg = wire.decode(vector("register"))
     r = msg.report
@@ -161,7 +161,9 @@ def test_authed_vector_refused_with_a_wrong_token():
 
 
 def test_frame_without_tag_refused_by_a_worker_with_a_token():
-    refused(vector("heartbeat"), AuthError, "heartbeat frame carries no auth tag, but this worker requires one", token=TOKEN)
+    refused(
+        vector("heartbeat"), AuthError, "heartbeat frame carries no auth tag, but this worker requires one", token=TOKEN
+    )
 
 
 def test_stripped_tag_refused():
@@ -237,7 +239,9 @@ def test_trailing_bytes_refused():
     "value,name", [([1, 2], "list"), (7, "int"), ("abort", "str"), (b"\x00", "bytes"), (None, "NoneType")]
 )
 def test_non_map_envelope_refused(value, name):
-    refused(msgpack.packb(value, use_bin_type=True), ProtocolError, f"frame is a msgpack {name}, expected a map envelope")
+    refused(
+        msgpack.packb(value, use_bin_type=True), ProtocolError, f"frame is a msgpack {name}, expected a map envelope"
+    )
 
 
 @pytest.mark.parametrize("v", [None, "1", 1.0, True, [1]])
@@ -321,13 +325,25 @@ def test_body_that_is_not_a_map_refused():
 @pytest.mark.parametrize(
     "body,message",
     [
-        ({"room": "x", "reason": "r"}, "invalid abort: room: Input should be a valid integer, unable to parse string as an integer (1 error(s))"),
+        (
+            {"room": "x", "reason": "r"},
+            "invalid abort: room: Input should be a valid integer, unable to parse string as an integer (1 error(s))",
+        ),
         ({"room": 1, "reason": 5}, "invalid abort: reason: Input should be a valid string (1 error(s))"),
         ({"room": [1], "reason": "r"}, "invalid abort: room: Input should be a valid integer (1 error(s))"),
-        ({"room": 1.5, "reason": "r"}, "invalid abort: room: Input should be a valid integer, got a number with a fractional part (1 error(s))"),
+        (
+            {"room": 1.5, "reason": "r"},
+            "invalid abort: room: Input should be a valid integer, got a number with a fractional part (1 error(s))",
+        ),
         ({"room": -1, "reason": "r"}, "invalid abort: room: Input should be greater than or equal to 0 (1 error(s))"),
-        ({"room": 1 << 63, "reason": "r"}, "invalid abort: room: Input should be less than 9223372036854775808 (1 error(s))"),
-        ({"room": 1, "reason": "r" * 1025}, "invalid abort: reason: String should have at most 1024 characters (1 error(s))"),
+        (
+            {"room": 1 << 63, "reason": "r"},
+            "invalid abort: room: Input should be less than 9223372036854775808 (1 error(s))",
+        ),
+        (
+            {"room": 1, "reason": "r" * 1025},
+            "invalid abort: reason: String should have at most 1024 characters (1 error(s))",
+        ),
     ],
 )
 def test_wrong_field_types_and_ranges_refused(body, message):
@@ -358,14 +374,22 @@ def test_unknown_field_refused():
 
 def test_wrong_literal_refused():
     body = body_of("transfer_done") | {"status": "maybe"}
-    refused(frame("transfer_done", body), ProtocolError, "invalid transfer_done: status: Input should be 'success' or 'failed' (1 error(s))")
+    refused(
+        frame("transfer_done", body),
+        ProtocolError,
+        "invalid transfer_done: status: Input should be 'success' or 'failed' (1 error(s))",
+    )
     body = body_of("register") | {"role": "prefill"}
     refused(frame("register", body), ProtocolError, "invalid register: role: Input should be 'decode' (1 error(s))")
 
 
 def test_nan_deadline_refused():
     body = body_of("transfer_request") | {"deadline_s": float("nan")}
-    refused(frame("transfer_request", body), ProtocolError, "invalid transfer_request: deadline_s: Input should be less than or equal to 3600 (1 error(s))")
+    refused(
+        frame("transfer_request", body),
+        ProtocolError,
+        "invalid transfer_request: deadline_s: Input should be less than or equal to 3600 (1 error(s))",
+    )
 
 
 def _request_with(dst_kv_pages) -> bytes:
@@ -415,7 +439,11 @@ def test_packed_indices_over_the_limit_refused():
         f"invalid transfer_request: dst_kv_pages.data: Value error, {wire.MAX_INDICES + 1} indices exceed the limit of {wire.MAX_INDICES} (1 error(s))",
         max_frame_bytes=4 * wire.MAX_FRAME_BYTES,
     )
-    refused(_request_with({"dtype": "<i4", "data": data}), ProtocolError, f"frame of {len(_request_with({'dtype': '<i4', 'data': data}))} bytes exceeds the limit of 8388608 bytes")
+    refused(
+        _request_with({"dtype": "<i4", "data": data}),
+        ProtocolError,
+        f"frame of {len(_request_with({'dtype': '<i4', 'data': data}))} bytes exceeds the limit of 8388608 bytes",
+    )
 
 
 def test_too_many_index_lists_refused():
@@ -452,7 +480,10 @@ def _register_with(**kv_changes) -> bytes:
             {"kv_data_ptrs": [1, 2, float(1 << 64)]},
             "kv.kv_data_ptrs.2: Unable to parse input string as an integer, exceeded maximum size",
         ),
-        ({"kv_data_ptrs": [1, 2, 1e300]}, "kv.kv_data_ptrs.2: Unable to parse input string as an integer, exceeded maximum size"),
+        (
+            {"kv_data_ptrs": [1, 2, 1e300]},
+            "kv.kv_data_ptrs.2: Unable to parse input string as an integer, exceeded maximum size",
+        ),
         ({"kv_data_ptrs": "0x1000"}, "kv.kv_data_ptrs: Input should be a valid list"),
     ],
 )
@@ -492,7 +523,13 @@ def test_u64_bounds_are_inclusive_of_the_largest_address():
 
 @pytest.mark.parametrize(
     "values,dtype",
-    [([], "<i8"), ([0, 1, 2], "<i4"), ([-(1 << 31), (1 << 31) - 1], "<i4"), ([1 << 31], "<i8"), ([-(1 << 31) - 1], "<i8")],
+    [
+        ([], "<i8"),
+        ([0, 1, 2], "<i4"),
+        ([-(1 << 31), (1 << 31) - 1], "<i4"),
+        ([1 << 31], "<i8"),
+        ([-(1 << 31) - 1], "<i8"),
+    ],
 )
 def test_packed_indices_pick_the_narrowest_dtype_and_round_trip(values, dtype):
     p = wire.PackedIndices.pack(values)
@@ -554,7 +591,12 @@ def test_decode_of_mutated_frames_only_raises_protocol_errors(data, token):
 
 
 _msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.floats() | st.text(max_size=8) | st.binary(max_size=8),
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 63), (1 << 64) - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
@@ -585,7 +627,13 @@ def test_decode_of_mutated_bodies_only_raises_protocol_errors(data):
 def test_seq_len_zero_is_an_empty_transfer_and_negative_is_refused():
     body = body_of("transfer_request") | {"seq_len": 0}
     assert wire.decode(frame("transfer_request", body)).seq_len == 0
-    refused(frame("transfer_request", body | {"seq_len": -1}), ProtocolError,
-            "invalid transfer_request: seq_len: Input should be greater than or equal to 0 (1 error(s))")
-    refused(frame("transfer_request", body | {"seq_len": (1 << 24) + 1}), ProtocolError,
-            "invalid transfer_request: seq_len: Input should be less than or equal to 16777216 (1 error(s))")
+    refused(
+        frame("transfer_request", body | {"seq_len": -1}),
+        ProtocolError,
+        "invalid transfer_request: seq_len: Input should be greater than or equal to 0 (1 error(s))",
+    )
+    refused(
+        frame("transfer_request", body | {"seq_len": (1 << 24) + 1}),
+        ProtocolError,
+        "invalid transfer_request: seq_len: Input should be less than or equal to 16777216 (1 error(s))",
+    )

@@ -15,41 +15,25 @@ view shares the pointer but is another object without the nonce.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pdstate.errors import AllocationError
+from pdstate.protocol.facts import MAPPING_NONCE_ATTR, MappingIdentity
 
-_NONCE_ATTR = "_pdstate_mapping_nonce"
+__all__ = ["MappingIdentity", "ReqToTokenPool", "SWATokenToKVPoolAllocator", "new_mapping"]
 
-
-@dataclass(frozen=True)
-class MappingIdentity:
-    nonce: str
-    data_ptr: int
-    numel: int
-    dtype: str
-
-    @classmethod
-    def of(cls, mapping: torch.Tensor) -> "MappingIdentity":
-        """Identity of ``mapping``; tags an untagged tensor object with a fresh nonce first."""
-        nonce = getattr(mapping, _NONCE_ATTR, None)
-        if nonce is None:
-            nonce = secrets.token_hex(8)
-            setattr(mapping, _NONCE_ATTR, nonce)
-        return cls(nonce, mapping.data_ptr(), mapping.numel(), str(mapping.dtype).replace("torch.", ""))
-
-    def as_dict(self) -> dict:
-        return {"nonce": self.nonce, "data_ptr": self.data_ptr, "numel": self.numel, "dtype": self.dtype}
+_NONCE_ATTR = MAPPING_NONCE_ATTR
 
 
 def new_mapping(size_full: int, page_size: int, device: str = "cpu") -> torch.Tensor:
     """A fresh, tagged, all-unmapped mapping with the ``-1`` sentinel."""
     mapping = torch.cat(
-        [torch.zeros(size_full + page_size, dtype=torch.int64, device=device),
-         torch.tensor([-1], dtype=torch.int64, device=device)]
+        [
+            torch.zeros(size_full + page_size, dtype=torch.int64, device=device),
+            torch.tensor([-1], dtype=torch.int64, device=device),
+        ]
     )
     setattr(mapping, _NONCE_ATTR, secrets.token_hex(8))
     return mapping

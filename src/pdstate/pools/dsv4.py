@@ -6,12 +6,12 @@ from process globals (``unified_kv``, ``speculative_num_draft_tokens``, ``online
 
 Buffers are built once and never reallocated. The ``get_*_buf_infos`` methods return three parallel
 lists (pointers, byte lengths, item lengths) in upstream's order; ``setup_state_kv_args`` in
-``pdstate.kvargs`` assembles them into state components.
+``pdstate.pools.kvargs`` assembles them into state components.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -164,7 +164,9 @@ class DeepSeekV4TokenToKVPool:
             specs.append(BufferSpec(f"attn_state_c4[layer={layer}]", (c4_rows, 4 * self.head_dim), self.c4_state_dtype))
         for layer in c4_layers:
             specs.append(
-                BufferSpec(f"indexer_state_c4[layer={layer}]", (c4_rows, 4 * self.indexer_head_dim), self.c4_state_dtype)
+                BufferSpec(
+                    f"indexer_state_c4[layer={layer}]", (c4_rows, 4 * self.indexer_head_dim), self.c4_state_dtype
+                )
             )
         if c128_layers:
             ring = self.c128_ring_size

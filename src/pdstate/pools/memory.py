@@ -17,9 +17,10 @@ import mmap
 import os
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -149,7 +150,7 @@ class SharedMemory:
                 pass
         self._segments.clear()
 
-    def __enter__(self) -> "SharedMemory":
+    def __enter__(self) -> SharedMemory:
         return self
 
     def __exit__(self, *exc: object) -> None:

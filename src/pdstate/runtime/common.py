@@ -7,17 +7,19 @@ import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
-from pdstate import wire
-from pdstate.errors import error_from_wire
-from pdstate.kvargs import fill_kv_args
-from pdstate.handshake import LocalSide
-from pdstate.layout import ErrorInfo, LayoutReport, build_report
+from pdstate.errors import LocalCheckFailed, error_from_wire
+from pdstate.pools.kvargs import fill_kv_args
 from pdstate.pools.memory import PrivateMemory, SharedMemory, sweep_stale_segments
-from pdstate.presets import PoolSettings, build_worker_pools
+from pdstate.pools.presets import PoolSettings, build_worker_pools
+from pdstate.pools.reporting import build_report
+from pdstate.protocol import wire
+from pdstate.protocol.handshake import LocalSide
+from pdstate.protocol.report import ErrorInfo, LayoutReport
 
 log = logging.getLogger("pdstate")
 
@@ -52,10 +54,6 @@ class WorkerOptions:
     fault_delay_before_copy_s: float = 0.0
 
 
-class LocalCheckFailed(RuntimeError):
-    """Raised at start when the worker's own target/draft pair fails ``setup_state_kv_args``."""
-
-
 LATENCY_WINDOW = 4096
 MAX_FAILURE_REASONS = 256
 
@@ -83,7 +81,7 @@ class RecentLatencies(deque):
         with self._lock:
             total = self.total
             new = min(max(0, total - seen), len(self))
-            return (list(self)[len(self) - new:] if new else []), total
+            return (list(self)[len(self) - new :] if new else []), total
 
     def __reduce__(self):  # copy/deepcopy/pickle (e.g. ``dataclasses.asdict``): no lock inside
         return (type(self), (list(self), self.maxlen))
@@ -109,9 +107,13 @@ class Stats:
     def as_dict(self) -> dict:
         """A JSON-ready copy of the counters (latencies summarised, not listed)."""
         return {
-            "handshakes": dict(self.handshakes), "transfers": dict(self.transfers), "bytes": self.bytes,
-            "engine_errors": self.engine_errors, "protocol_errors": self.protocol_errors,
-            "latencies_s": [], "latency_count": self.latencies_s.total,
+            "handshakes": dict(self.handshakes),
+            "transfers": dict(self.transfers),
+            "bytes": self.bytes,
+            "engine_errors": self.engine_errors,
+            "protocol_errors": self.protocol_errors,
+            "latencies_s": [],
+            "latency_count": self.latencies_s.total,
             "failure_reasons": dict(self.failure_reasons),
         }
 
@@ -169,7 +171,9 @@ def build_side(opts: WorkerOptions):
     return pools, report, kv_args, err
 
 
-def local_side(opts: WorkerOptions, worker_id: str, incarnation: str, report: LayoutReport, kv_args, endpoint: dict) -> LocalSide:
+def local_side(
+    opts: WorkerOptions, worker_id: str, incarnation: str, report: LayoutReport, kv_args, endpoint: dict
+) -> LocalSide:
     return LocalSide(
         worker_id=worker_id,
         incarnation=incarnation,
@@ -201,7 +205,7 @@ class WorkerBase:
 
         Raises ``LocalCheckFailed`` when this side's own pair is refused and ``local_checks`` is on.
         """
-        from pdstate.engines.base import create_engine
+        from pdstate.transfer.engines.base import create_engine
 
         self.pools, self.report, self.kv_args, self.local_error = build_side(self.opts)
         if self.local_error is not None and self.opts.local_checks:

@@ -1,14 +1,14 @@
 """The ZeroMQ control channel: a ROUTER on the prefill, one DEALER per decode incarnation.
 
-These classes only move frames; decoding, validation and decisions live in ``pdstate.wire`` and
-``pdstate.handshake``. Sockets are created in ``open()`` and must be used from one thread.
+These classes only move frames; decoding, validation and decisions live in ``pdstate.protocol.wire`` and
+``pdstate.protocol.handshake``. Sockets are created in ``open()`` and must be used from one thread.
 """
 
 from __future__ import annotations
 
 import zmq
 
-from pdstate import wire
+from pdstate.protocol import wire
 
 
 class ControlServer:

@@ -16,17 +16,26 @@ from __future__ import annotations
 
 import os
 import queue
-from collections import deque
 import secrets
 import threading
+from collections import deque
 from concurrent.futures import Future
 
 import zmq
 
-from pdstate import wire
-from pdstate.errors import AllocationError, AuthError, PdStateError, ProtocolError, VersionMismatch, error_from_wire
-from pdstate.handshake import DecodeHandshake, PeerState, RequestState, advance
-from pdstate.layout import ErrorInfo
+from pdstate.errors import (
+    AllocationError,
+    AuthError,
+    NotRegistered,
+    PdStateError,
+    ProtocolError,
+    VersionMismatch,
+    error_from_wire,
+)
+from pdstate.protocol import wire
+from pdstate.protocol.handshake import DecodeHandshake
+from pdstate.protocol.lifecycle import PeerState, RequestState, advance
+from pdstate.protocol.report import ErrorInfo
 from pdstate.runtime import requests as rq
 from pdstate.runtime import synth
 from pdstate.runtime.common import Stats, WorkerBase, WorkerOptions, local_side, log, new_incarnation, now, settle
@@ -62,7 +71,7 @@ class DecodeWorker(WorkerBase):
         self._wake_r = self._wake_w = -1
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def start(self) -> "DecodeWorker":
+    def start(self) -> DecodeWorker:
         """Build pools (sweeping stale shm segments first), engine and control client, then start
         the control thread (which sends the register).
 
@@ -78,7 +87,9 @@ class DecodeWorker(WorkerBase):
         self.local = local_side(self.opts, self.worker_id, self.incarnation, self.report, self.kv_args, endpoint)
         self.handshake = DecodeHandshake(self.local)
         self.ctx = zmq.Context.instance()
-        self.client = ControlClient(self.ctx, self.opts.peer, f"{self.worker_id}/{self.incarnation}".encode(), self.opts.token)
+        self.client = ControlClient(
+            self.ctx, self.opts.peer, f"{self.worker_id}/{self.incarnation}".encode(), self.opts.token
+        )
         # Wake-ups from other threads: a non-blocking pipe the control thread polls. (A fresh
         # inproc PUSH socket per wake-up raced with the loop closing its end at stop(), raising
         # zmq.Again, and churned through the context's socket limit under many submits.)
@@ -111,8 +122,9 @@ class DecodeWorker(WorkerBase):
         return self.peer_state == PeerState.ACCEPTED
 
     # -- API for other threads ----------------------------------------------------------------
-    def submit(self, seq_len: int, room: int | None = None, deadline_s: float | None = None,
-               verify: str | None = None) -> Future:
+    def submit(
+        self, seq_len: int, room: int | None = None, deadline_s: float | None = None, verify: str | None = None
+    ) -> Future:
         """Ask for one request's state; ``verify`` ("full" | "sample") overrides ``opts.verify``."""
         if verify not in (None, "full", "sample"):
             raise ValueError(f"verify must be 'full' or 'sample', not {verify!r}")
@@ -120,8 +132,9 @@ class DecodeWorker(WorkerBase):
             raise ValueError(f"seq_len must not be negative, got {seq_len} (0: an empty transfer)")
         fut: Future = Future()
         room = room if room is not None else secrets.randbits(63)
-        self._commands.put(("submit", room, seq_len, deadline_s or self.opts.request_deadline_s, fut,
-                            verify or self.opts.verify))
+        self._commands.put(
+            ("submit", room, seq_len, deadline_s or self.opts.request_deadline_s, fut, verify or self.opts.verify)
+        )
         self._wake()
         return fut
 
@@ -143,9 +156,14 @@ class DecodeWorker(WorkerBase):
 
     def snapshot(self) -> dict:
         """Peer state and request bookkeeping, for status commands (read from any thread)."""
-        return {"peer_state": self.peer_state.value, "prefill_incarnation": self.prefill_incarnation,
-                "in_flight": len(self.requests), "waiting": len(self._waiting), "quarantined": len(self.quarantine),
-                "peak_in_flight": self.peak_in_flight}
+        return {
+            "peer_state": self.peer_state.value,
+            "prefill_incarnation": self.prefill_incarnation,
+            "in_flight": len(self.requests),
+            "waiting": len(self._waiting),
+            "quarantined": len(self.quarantine),
+            "peak_in_flight": self.peak_in_flight,
+        }
 
     def _wake(self) -> None:
         with self._wake_lock:
@@ -243,11 +261,15 @@ class DecodeWorker(WorkerBase):
         self.requests[room] = req
         self.peak_in_flight = max(self.peak_in_flight, len(self.requests))
         if self.peer_state != PeerState.ACCEPTED:
-            reason = "prefill not connected" if self.peer_error is None else f"handshake refused: {self.peer_error.message}"
+            reason = (
+                "prefill not connected" if self.peer_error is None else f"handshake refused: {self.peer_error.message}"
+            )
             self._finish(req, "failed", error=ErrorInfo(type="PeerGone", message=reason))
             return
         if seq_len > rq.capacity_tokens(self.pools):
-            err = AllocationError(f"seq_len {seq_len} exceeds the decode pool of {rq.capacity_tokens(self.pools)} tokens")
+            err = AllocationError(
+                f"seq_len {seq_len} exceeds the decode pool of {rq.capacity_tokens(self.pools)} tokens"
+            )
             self._finish(req, "failed", error=ErrorInfo.of(err))
             return
         self._waiting.append(req)
@@ -270,7 +292,8 @@ class DecodeWorker(WorkerBase):
                 continue
             self._waiting.popleft()
             req.message = wire.TransferRequest(
-                room=req.room, seq_len=req.seq_len,
+                room=req.room,
+                seq_len=req.seq_len,
                 dst_kv_pages=wire.PackedIndices.pack(req.alloc.lists[0]),
                 dst_state_indices=[wire.PackedIndices.pack(x) for x in req.alloc.lists[1:]],
                 deadline_s=max(0.001, req.deadline - now()),
@@ -311,7 +334,7 @@ class DecodeWorker(WorkerBase):
         elif isinstance(msg, wire.Error):
             if msg.room is not None and msg.room in self.requests:
                 self._finish(self.requests[msg.room], "failed", error=msg.error)
-            elif "not registered" in msg.error.message:
+            elif msg.error.type == NotRegistered.__name__:
                 if self.peer_state == PeerState.ACCEPTED:
                     self._peer_gone("prefill forgot this decode (restarted or timed it out)")
                 self._send_register()
@@ -357,7 +380,9 @@ class DecodeWorker(WorkerBase):
             log.debug("late transfer_done for room %s ignored", msg.room)
             return
         if msg.status != "success":
-            self._finish(req, "failed", error=msg.error or ErrorInfo(type="TransferFailed", message="prefill reported failure"))
+            self._finish(
+                req, "failed", error=msg.error or ErrorInfo(type="TransferFailed", message="prefill reported failure")
+            )
             return
         req.state = advance(req.state, RequestState.TRANSFERRING)
         t0 = now()
@@ -369,23 +394,55 @@ class DecodeWorker(WorkerBase):
             problem = "digest of the request's logical layout differs from the prefill's"
         t1 = now()
         if problem is not None:
-            self._finish(req, "failed", error=ErrorInfo(type="TransferFailed", message=f"verification failed: {problem}"))
+            self._finish(
+                req, "failed", error=ErrorInfo(type="TransferFailed", message=f"verification failed: {problem}")
+            )
             return
-        self._finish(req, "success", nbytes=msg.bytes, descriptors=msg.descriptors, verified=True,
-                     compute_s=msg.compute_s, copy_s=msg.copy_s, verify_s=t1 - t0,
-                     transfer_s=t1 - (req.sent_at if req.sent_at is not None else req.started))
+        self._finish(
+            req,
+            "success",
+            nbytes=msg.bytes,
+            descriptors=msg.descriptors,
+            verified=True,
+            compute_s=msg.compute_s,
+            copy_s=msg.copy_s,
+            verify_s=t1 - t0,
+            transfer_s=t1 - (req.sent_at if req.sent_at is not None else req.started),
+        )
 
-    def _finish(self, req: Request, status: str, error: ErrorInfo | None = None, nbytes: int = 0,
-                descriptors: int = 0, verified: bool = False, quarantine: bool = False,
-                compute_s: float = 0.0, copy_s: float = 0.0, verify_s: float = 0.0,
-                transfer_s: float = 0.0) -> None:
+    def _finish(
+        self,
+        req: Request,
+        status: str,
+        error: ErrorInfo | None = None,
+        nbytes: int = 0,
+        descriptors: int = 0,
+        verified: bool = False,
+        quarantine: bool = False,
+        compute_s: float = 0.0,
+        copy_s: float = 0.0,
+        verify_s: float = 0.0,
+        transfer_s: float = 0.0,
+    ) -> None:
         if req.state.terminal:
             return
         req.state = RequestState.SUCCESS if status == "success" else RequestState.FAILED
         self.requests.pop(req.room, None)
         seconds = now() - req.started
-        res = TransferResult(req.room, status, req.seq_len, nbytes, descriptors, seconds, verified, error,
-                             compute_s, copy_s, transfer_s, verify_s)
+        res = TransferResult(
+            req.room,
+            status,
+            req.seq_len,
+            nbytes,
+            descriptors,
+            seconds,
+            verified,
+            error,
+            compute_s,
+            copy_s,
+            transfer_s,
+            verify_s,
+        )
         if status == "success":
             self.stats.transfers["success"] += 1
             self.stats.bytes += nbytes
@@ -412,8 +469,12 @@ class DecodeWorker(WorkerBase):
                 in_flight = req.state == RequestState.WAITING_FOR_INPUT and req.resend_at is None
                 if in_flight:
                     self.client.send(wire.Abort(room=req.room, reason="deadline exceeded on decode"))
-                self._finish(req, "failed", error=ErrorInfo(type="TransferFailed", message="deadline exceeded"),
-                             quarantine=in_flight)
+                self._finish(
+                    req,
+                    "failed",
+                    error=ErrorInfo(type="TransferFailed", message="deadline exceeded"),
+                    quarantine=in_flight,
+                )
             elif req.resend_at is not None and t >= req.resend_at and req.message is not None:
                 req.resend_at = None
                 req.message = req.message.model_copy(update={"deadline_s": max(0.001, req.deadline - t)})

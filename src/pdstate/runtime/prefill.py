@@ -27,17 +27,26 @@ from collections import OrderedDict
 
 import zmq
 
-from pdstate import wire
-from pdstate.errors import AllocationError, AuthError, PdStateError, PeerGone, ProtocolError, VersionMismatch
-from pdstate.handshake import PeerState, PrefillHandshake, RequestState, advance
-from pdstate.layout import ErrorInfo
-from pdstate.planner import PairPlanner
+from pdstate.errors import (
+    AllocationError,
+    AuthError,
+    NotRegistered,
+    PdStateError,
+    PeerGone,
+    ProtocolError,
+    VersionMismatch,
+)
+from pdstate.protocol import wire
+from pdstate.protocol.handshake import PrefillHandshake
+from pdstate.protocol.lifecycle import PeerState, RequestState, advance
+from pdstate.protocol.report import ErrorInfo
 from pdstate.runtime import requests as rq
 from pdstate.runtime import synth
 from pdstate.runtime.common import Stats, WorkerBase, WorkerOptions, local_side, log, new_incarnation, now
-from pdstate.runtime.records import Job, JobOutcome, Peer
 from pdstate.runtime.control import ControlServer
+from pdstate.runtime.records import Job, JobOutcome, Peer
 from pdstate.runtime.transfer import TransferRunner
+from pdstate.transfer.planner import PairPlanner
 
 MAX_FINISHED = 10000  # terminal records kept for inspection (oldest dropped first)
 MAX_IDLE_PEERS = 256  # rejected/gone peer records kept (accepted ones are always kept)
@@ -68,7 +77,7 @@ class PrefillWorker(WorkerBase):
         self._threads: list[threading.Thread] = []
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def start(self) -> "PrefillWorker":
+    def start(self) -> PrefillWorker:
         """Build pools, engine and control socket, then start the threads.
 
         Raises ``LocalCheckFailed`` (own pair refused, with ``local_checks``), ``EngineError`` or
@@ -80,7 +89,10 @@ class PrefillWorker(WorkerBase):
             self._release()
             self._close_side()
             raise
-        for target, name in ((self._control_loop, "pdstate-prefill-control"), (self.runner.thread_main, "pdstate-prefill-transfer")):
+        for target, name in (
+            (self._control_loop, "pdstate-prefill-control"),
+            (self.runner.thread_main, "pdstate-prefill-transfer"),
+        ):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -129,16 +141,24 @@ class PrefillWorker(WorkerBase):
 
     def peer_states(self) -> list[dict]:
         return [
-            {"id": p.worker_id, "incarnation": p.incarnation, "state": p.state.value,
-             "error": None if p.error is None else p.error.model_dump()}
+            {
+                "id": p.worker_id,
+                "incarnation": p.incarnation,
+                "state": p.state.value,
+                "error": None if p.error is None else p.error.model_dump(),
+            }
             for p in list(self.peers.values())
         ]
 
     def jobs_snapshot(self) -> list[dict]:
         """The requests in flight: room, decode worker id, lifecycle state, cancellation."""
         return [
-            {"room": j.room, "peer": j.worker_id, "state": j.state.value,
-             "cancelled": None if j.cancelled is None else j.cancelled.message}
+            {
+                "room": j.room,
+                "peer": j.worker_id,
+                "state": j.state.value,
+                "cancelled": None if j.cancelled is None else j.cancelled.message,
+            }
             for j in list(self.jobs.values())
         ]
 
@@ -285,7 +305,7 @@ class PrefillWorker(WorkerBase):
     def _on_heartbeat(self, identity: bytes, msg: wire.Heartbeat) -> None:
         peer = self.peers.get(identity)
         if peer is None or peer.state != PeerState.ACCEPTED or peer.incarnation != msg.incarnation:
-            err = ProtocolError("not registered: send a register message first")
+            err = NotRegistered()
             self.server.send(identity, wire.Error(error=ErrorInfo.of(err)))
             return
         self.server.send(identity, wire.Heartbeat(worker_id=self.worker_id, incarnation=self.incarnation, seq=msg.seq))
@@ -293,19 +313,29 @@ class PrefillWorker(WorkerBase):
     def _on_request(self, identity: bytes, msg: wire.TransferRequest) -> None:
         peer = self.peers.get(identity)
         if peer is None or peer.state != PeerState.ACCEPTED:
-            err = ProtocolError("not registered: send a register message first")
+            err = NotRegistered()
             self.server.send(identity, wire.Error(error=ErrorInfo.of(err), room=msg.room))
             return
         key = (identity, msg.room)
         if key in self.jobs:
-            self.server.send(identity, wire.Error(error=ErrorInfo.of(ProtocolError(f"room {msg.room} is already in flight")), room=msg.room))
+            self.server.send(
+                identity,
+                wire.Error(error=ErrorInfo.of(ProtocolError(f"room {msg.room} is already in flight")), room=msg.room),
+            )
             return
         if len(self.jobs) >= self.opts.max_inflight:
             self._busy(identity, msg.room)
             return
         names = rq.channel_names(self.kv_args)
         if msg.seq_len > rq.capacity_tokens(self.pools):
-            self._refuse(identity, peer, msg.room, AllocationError(f"seq_len {msg.seq_len} exceeds the prefill pool of {rq.capacity_tokens(self.pools)} tokens"))
+            self._refuse(
+                identity,
+                peer,
+                msg.room,
+                AllocationError(
+                    f"seq_len {msg.seq_len} exceeds the prefill pool of {rq.capacity_tokens(self.pools)} tokens"
+                ),
+            )
             return
         try:
             alloc = rq.allocate(self.pools, names, msg.seq_len)
@@ -322,8 +352,16 @@ class PrefillWorker(WorkerBase):
             rq.free(self.pools, alloc)
             self._refuse(identity, peer, msg.room, exc)
             return
-        job = Job(identity, msg.room, msg.seq_len, alloc, plan, now() + msg.deadline_s, worker_id=peer.worker_id,
-                  engine_peer=peer.engine_peer)
+        job = Job(
+            identity,
+            msg.room,
+            msg.seq_len,
+            alloc,
+            plan,
+            now() + msg.deadline_s,
+            worker_id=peer.worker_id,
+            engine_peer=peer.engine_peer,
+        )
         job.state = advance(job.state, RequestState.WAITING_FOR_INPUT)
         self.jobs[key] = job
         self.peak_in_flight = max(self.peak_in_flight, len(self.jobs))
@@ -336,7 +374,9 @@ class PrefillWorker(WorkerBase):
         self.runner.submit(job)
 
     def _inline(self, nbytes: int) -> bool:
-        if not (self.engine.synchronous and nbytes <= self.opts.inline_max_bytes and self.fault_delay_before_copy_s <= 0):
+        if not (
+            self.engine.synchronous and nbytes <= self.opts.inline_max_bytes and self.fault_delay_before_copy_s <= 0
+        ):
             return False
         return self.runner.idle()
 
@@ -352,11 +392,16 @@ class PrefillWorker(WorkerBase):
         self._record(identity, peer.worker_id, room, "failed", info, 0.0)
         self.server.send(identity, wire.TransferDone(room=room, status="failed", error=info))
 
-    def _record(self, identity: bytes, worker_id: str, room: int, status: str, error: ErrorInfo | None,
-                seconds: float) -> None:
+    def _record(
+        self, identity: bytes, worker_id: str, room: int, status: str, error: ErrorInfo | None, seconds: float
+    ) -> None:
         self.finished[(identity, room)] = {
-            "room": room, "peer": worker_id, "status": status, "seconds": seconds,
-            "error": None if error is None else error.model_dump()}
+            "room": room,
+            "peer": worker_id,
+            "status": status,
+            "seconds": seconds,
+            "error": None if error is None else error.model_dump(),
+        }
         while len(self.finished) > MAX_FINISHED:
             self.finished.popitem(last=False)
 
@@ -367,7 +412,9 @@ class PrefillWorker(WorkerBase):
             # answered Busy). Say so: the decode holds the room's pages until it hears the room
             # is over on this side, and a second TransferDone for a finished room is ignored.
             log.debug("abort for room %s that is not in flight", msg.room)
-            err = ErrorInfo(type="TransferFailed", message=f"room {msg.room} is not in flight here (abort: {msg.reason[:200]})")
+            err = ErrorInfo(
+                type="TransferFailed", message=f"room {msg.room} is not in flight here (abort: {msg.reason[:200]})"
+            )
             self.server.send(identity, wire.TransferDone(room=msg.room, status="failed", error=err))
             return
         self._cancel(job, f"aborted by decode: {msg.reason}")
@@ -397,9 +444,18 @@ class PrefillWorker(WorkerBase):
             # The decode waits on this message, not on our pages: they are freed after it is on
             # its way. ``free_counts`` takes this lock, so whoever has seen the TransferDone
             # (the decode, a test, an operator) also sees the pages back.
-            self.server.send(job.peer, wire.TransferDone(
-                room=job.room, status="success", bytes=job.plan.total_bytes, descriptors=len(job.plan),
-                digest=digest, compute_s=out.compute_s, copy_s=out.copy_s))
+            self.server.send(
+                job.peer,
+                wire.TransferDone(
+                    room=job.room,
+                    status="success",
+                    bytes=job.plan.total_bytes,
+                    descriptors=len(job.plan),
+                    digest=digest,
+                    compute_s=out.compute_s,
+                    copy_s=out.copy_s,
+                ),
+            )
             rq.free(self.pools, job.alloc)
 
     def _cancel(self, job: Job, reason: str, error_type: str = "TransferFailed") -> None:

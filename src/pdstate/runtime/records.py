@@ -7,12 +7,13 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from pdstate import wire
-from pdstate.handshake import PeerState, RequestState
-from pdstate.layout import ErrorInfo
-from pdstate.planner import PairPlanner, TransferPlan
+from pdstate.protocol import wire
+from pdstate.protocol.lifecycle import PeerState, RequestState
+from pdstate.protocol.report import ErrorInfo
 from pdstate.runtime import requests as rq
 from pdstate.runtime.common import now
+from pdstate.transfer.plan import TransferPlan
+from pdstate.transfer.planner import PairPlanner
 
 
 @dataclass
@@ -72,11 +73,20 @@ class TransferResult:
     verify_s: float = 0.0  # this decode's check of the bytes that landed
 
     def as_dict(self) -> dict:
-        return {"room": self.room, "status": self.status, "seq_len": self.seq_len, "bytes": self.bytes,
-                "descriptors": self.descriptors, "seconds": self.seconds, "verified": self.verified,
-                "error": None if self.error is None else self.error.model_dump(),
-                "compute_s": self.compute_s, "copy_s": self.copy_s, "transfer_s": self.transfer_s,
-                "verify_s": self.verify_s}
+        return {
+            "room": self.room,
+            "status": self.status,
+            "seq_len": self.seq_len,
+            "bytes": self.bytes,
+            "descriptors": self.descriptors,
+            "seconds": self.seconds,
+            "verified": self.verified,
+            "error": None if self.error is None else self.error.model_dump(),
+            "compute_s": self.compute_s,
+            "copy_s": self.copy_s,
+            "transfer_s": self.transfer_s,
+            "verify_s": self.verify_s,
+        }
 
 
 @dataclass

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdstate import indices
 from pdstate.errors import AllocationError
-from pdstate.presets import WorkerPools
+from pdstate.pools import indices
+from pdstate.pools.presets import WorkerPools
 
 
 @dataclass
@@ -65,7 +65,9 @@ def _list_for(name: str, pools: WorkerPools, slot: int, locs: torch.Tensor, seq_
     if name == "main_kv":
         return indices.main_kv_page_indices(locs, seq_len, t.page_size)
     if name == "swa":
-        return indices.swa_page_indices(locs, seq_len, t.sliding_window, t.page_size, pools.allocator.full_to_swa_index_mapping)
+        return indices.swa_page_indices(
+            locs, seq_len, t.sliding_window, t.page_size, pools.allocator.full_to_swa_index_mapping
+        )
     if name == "swa_ring":
         return indices.swa_ring_rows(slot, seq_len, t.unified_swa_window, t.unified_swa_ring_size)
     if name == "c128_state":

@@ -20,7 +20,7 @@ import hashlib
 
 import numpy as np
 
-from pdstate.planner import channels_of
+from pdstate.transfer.planner import channels_of
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
@@ -111,20 +111,24 @@ def _channels(desc, room: int, lists):
     for c, (chan, idx) in enumerate(zip(_channels_of(desc), lists)):
         if idx.size == 0:
             continue
-        mats = [_items(ptr, n, item) for ptr, n, item in zip(chan.ptrs.tolist(), chan.lens.tolist(), chan.items.tolist())]
+        mats = [
+            _items(ptr, n, item) for ptr, n, item in zip(chan.ptrs.tolist(), chan.lens.tolist(), chan.items.tolist())
+        ]
         yield c, chan.name, idx, _runs(idx), channel_bases(room, c, len(mats), idx.size), mats
 
 
 def _first_mismatch(c: int, name: str, idx: np.ndarray, bad: np.ndarray) -> str:
     """What ``bad`` (``[buffers, items]``) says first, as the verification's message."""
     j, k = (int(x[0]) for x in np.nonzero(bad))
-    return (f"channel {c} ({name}) buffer {j}: item {k} (index {int(idx[k])}) "
-            "holds other content (stale, misplaced or partially written)")
+    return (
+        f"channel {c} ({name}) buffer {j}: item {k} (index {int(idx[k])}) "
+        "holds other content (stale, misplaced or partially written)"
+    )
 
 
 def fill_source(desc, room: int, lists: list[np.ndarray]) -> None:
     """Write the deterministic content of ``room`` into the items the lists address."""
-    for _, _, idx, runs, bases, mats in _channels(desc, room, lists):
+    for _, _, _idx, runs, bases, mats in _channels(desc, room, lists):
         for j, m in enumerate(mats):
             base = bases[j, :, None]
             ramp = _ramp(m.shape[1])
@@ -174,8 +178,13 @@ def _sample_layout(desc, spans: tuple[tuple[int, int], ...]) -> list:
             out.append(None)
             continue
         base, nbytes = home[0]
-        out.append((_span_words(base, nbytes), (chan.ptrs - np.uint64(base)) // np.uint64(8),
-                    (chan.items // np.uint64(8))[:, None]))
+        out.append(
+            (
+                _span_words(base, nbytes),
+                (chan.ptrs - np.uint64(base)) // np.uint64(8),
+                (chan.items // np.uint64(8))[:, None],
+            )
+        )
     layouts[spans] = out
     return out
 

@@ -15,8 +15,8 @@ import threading
 import zmq
 
 from pdstate.errors import EngineError, PeerGone
-from pdstate.handshake import RequestState, advance
-from pdstate.layout import ErrorInfo
+from pdstate.protocol.lifecycle import RequestState, advance
+from pdstate.protocol.report import ErrorInfo
 from pdstate.runtime import synth
 from pdstate.runtime.common import now
 from pdstate.runtime.records import Job, JobOutcome

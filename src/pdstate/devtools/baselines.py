@@ -9,11 +9,11 @@ from __future__ import annotations
 import ctypes
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-from pdstate.planner import TransferPlan
+from pdstate.transfer.plan import TransferPlan
 
 # same-host engine settings (NIXL: no UCX IB modules, see engines/nixl.py; Mooncake on loopback)
 ENGINE_OPTIONS = {"nixl": {"ucx_env": {"UCX_MODULES": "^ib"}}, "mooncake": {"host": "127.0.0.1"}}
@@ -30,8 +30,8 @@ def memmove_loop(plan: TransferPlan) -> None:
 
 
 def gather_scatter(src, dst, a, b) -> Callable[[], None]:
-    from pdstate.planner import channels_of
     from pdstate.runtime.synth import _item_matrix
+    from pdstate.transfer.planner import channels_of
 
     ops = []
     for sc, dc, si, di in zip(channels_of(src.kv), channels_of(dst.kv), a.lists, b.lists):
@@ -39,12 +39,19 @@ def gather_scatter(src, dst, a, b) -> Callable[[], None]:
             continue
         for j in range(len(sc.ptrs)):
             item = int(sc.items[j])
-            ops.append((_item_matrix(int(sc.ptrs[j]), int(sc.lens[j]), item),
-                        _item_matrix(int(dc.ptrs[j]), int(dc.lens[j]), item), si, di))
+            ops.append(
+                (
+                    _item_matrix(int(sc.ptrs[j]), int(sc.lens[j]), item),
+                    _item_matrix(int(dc.ptrs[j]), int(dc.lens[j]), item),
+                    si,
+                    di,
+                )
+            )
 
     def run() -> None:
         for sm, dm, si, di in ops:
             dm[di] = sm[si]
+
     return run
 
 
@@ -54,8 +61,8 @@ def raw_engine(name: str):
     pdstate decode worker's own, so raw and pdstate write into the same process over the same
     path). ``prepare(plan)`` turns a plan into the native call's own arguments (outside any
     timing) and returns ``run()``: the native API alone writing them, no pdstate code in the loop."""
-    from pdstate.engines.base import create_engine
-    from pdstate.engines.mooncake import MAX_BATCH_DESCRIPTORS
+    from pdstate.transfer.engines.base import create_engine
+    from pdstate.transfer.engines.mooncake import MAX_BATCH_DESCRIPTORS
 
     src_eng = create_engine(name, **ENGINE_OPTIONS[name])
 
@@ -67,14 +74,18 @@ def raw_engine(name: str):
             native, session = src_eng._native, str(endpoint["session_id"])
 
             def prepare(plan: TransferPlan) -> Callable[[], None]:
-                batches = [(c.src.tolist(), c.dst.tolist(), c.length.tolist()) for c in plan.chunks(MAX_BATCH_DESCRIPTORS)]
+                batches = [
+                    (c.src.tolist(), c.dst.tolist(), c.length.tolist()) for c in plan.chunks(MAX_BATCH_DESCRIPTORS)
+                ]
 
                 def run() -> None:
                     for s_, d_, n_ in batches:
                         rc = native.batch_transfer_sync_write(session, s_, d_, n_)
                         if rc < 0:
                             raise RuntimeError(f"raw mooncake write failed: {rc}")
+
                 return run
+
             return prepare
 
         agent, remote_name = src_eng._agent, str(endpoint["agent_name"])
@@ -84,6 +95,7 @@ def raw_engine(name: str):
                 r = np.zeros((len(plan), 3), dtype=np.uint64)
                 r[:, 0], r[:, 1] = addr, plan.length
                 return r
+
             local = agent.get_xfer_descs(rows(plan.src), "DRAM")
             remote = agent.get_xfer_descs(rows(plan.dst), "DRAM")
 
@@ -95,11 +107,14 @@ def raw_engine(name: str):
                 agent.release_xfer_handle(x)
                 if state != "DONE":
                     raise RuntimeError(f"raw nixl write ended in {state}")
+
             return run
+
         return prepare_nixl
 
     def close() -> None:
         src_eng.close()
+
     return setup, close
 
 

@@ -38,14 +38,15 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable
+from typing import Any
 
-from pdstate.engines.base import Peer, TransferEngine, TransferHandle, import_native
-from pdstate.engines.errors import EngineError, NativeEngineError
-from pdstate.planner import TransferPlan
 from pdstate.pools.memory import Region
+from pdstate.transfer.engines.base import Peer, TransferEngine, TransferHandle, import_native
+from pdstate.transfer.engines.errors import EngineError, NativeEngineError
+from pdstate.transfer.plan import TransferPlan
 
 NATIVE_MODULE = "mooncake.engine"
 MAX_BATCH_DESCRIPTORS = 2048
@@ -156,8 +157,10 @@ class MooncakeEngine(TransferEngine):
 
     def _register(self, regions: list[Region]) -> None:
         for r in regions:
-            self._check(self._native.register_memory(r.base_ptr, r.nbytes),
-                        f"register_memory(region {r.name!r} at 0x{r.base_ptr:x}, {r.nbytes} bytes)")
+            self._check(
+                self._native.register_memory(r.base_ptr, r.nbytes),
+                f"register_memory(region {r.name!r} at 0x{r.base_ptr:x}, {r.nbytes} bytes)",
+            )
             self._registered_ptrs.append(r.base_ptr)
 
     def _endpoint_fields(self) -> dict:

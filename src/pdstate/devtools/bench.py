@@ -29,12 +29,13 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
-from pdstate.bench_baselines import (  # noqa: F401  (zmq_round_trip: part of this module's surface)
+from pdstate.devtools.baselines import (
     ENGINE_OPTIONS,
     gather_scatter,
     median_range,
@@ -42,10 +43,11 @@ from pdstate.bench_baselines import (  # noqa: F401  (zmq_round_trip: part of th
     raw_engine,
     zmq_round_trip,
 )
-from pdstate.layout import build_report
-from pdstate.planner import TransferPlan, plan_request, plan_request_loop
-from pdstate.presets import build_worker_pools, preset
+from pdstate.pools.presets import build_worker_pools, preset
+from pdstate.pools.reporting import build_report
 from pdstate.runtime import requests as rq
+from pdstate.transfer.plan import TransferPlan
+from pdstate.transfer.planner import plan_request, plan_request_loop
 
 LENGTHS = (2048, 8192, 32768, 131072)
 CAPACITY = 131072 + 4 * 256
@@ -116,15 +118,18 @@ class _Pair(NamedTuple):
 
 def _pdstate_pair(engine: str, mode: str, preset_name: str = "dsv4-flash") -> _Pair:
     """A prefill and a decode process, the decode registered."""
-    from pdstate.procs import WorkerProcess
+    from pdstate.devtools.processes import WorkerProcess
     from pdstate.runtime.common import WorkerOptions
 
     s = _settings(mode, preset_name)
     eo = ENGINE_OPTIONS.get(engine, {})
-    prefill = WorkerProcess(WorkerOptions(role="prefill", pool=s, engine=engine, engine_options=eo, worker_id="bench-prefill"))
+    prefill = WorkerProcess(
+        WorkerOptions(role="prefill", pool=s, engine=engine, engine_options=eo, worker_id="bench-prefill")
+    )
     ep = prefill.read_event(180)["endpoint"]
-    decode = WorkerProcess(WorkerOptions(role="decode", pool=s, engine=engine, engine_options=eo, peer=ep,
-                                         worker_id="bench-decode"))
+    decode = WorkerProcess(
+        WorkerOptions(role="decode", pool=s, engine=engine, engine_options=eo, peer=ep, worker_id="bench-decode")
+    )
     ev = decode.read_event(180)
     if ev["event"] != "ready":
         prefill.close()
@@ -142,7 +147,7 @@ def _pdstate_pair(engine: str, mode: str, preset_name: str = "dsv4-flash") -> _P
 
     def describe() -> tuple:
         """The decode's KVArgs (``wire.KVDesc``) and engine endpoint, from its register message."""
-        from pdstate import wire
+        from pdstate.protocol import wire
 
         decode.send(json.dumps({"cmd": "describe"}))
         reg = wire.decode(bytes.fromhex(decode.read_event(60)["register"]))
@@ -151,11 +156,21 @@ def _pdstate_pair(engine: str, mode: str, preset_name: str = "dsv4-flash") -> _P
     def close() -> None:
         decode.close()
         prefill.close()
+
     return _Pair(ev["handshake_ms"], run, describe, close)
 
 
-def _phase(mode: str, engine: str, src: _Side, dst: _Side, lengths, runs: int, results: dict, progress,
-           preset_name: str = "dsv4-flash") -> None:
+def _phase(
+    mode: str,
+    engine: str,
+    src: _Side,
+    dst: _Side,
+    lengths,
+    runs: int,
+    results: dict,
+    progress,
+    preset_name: str = "dsv4-flash",
+) -> None:
     """One engine's variants, interleaved per length, next to the ceiling measured in the same
     phase (only this phase's processes and agents are alive: an idle NIXL agent busy-polls a
     core, which would tax every other variant on a 2-core machine)."""
@@ -199,20 +214,30 @@ def _phase(mode: str, engine: str, src: _Side, dst: _Side, lengths, runs: int, r
                     else:
                         dt = time.perf_counter() - t0
                     times[k].append(dt)
-            ceiling = min(statistics.median(times["ceiling_memmove"]), statistics.median(times["ceiling_gather_scatter"]))
+            ceiling = min(
+                statistics.median(times["ceiling_memmove"]), statistics.median(times["ceiling_gather_scatter"])
+            )
             row = results["paths"]
             for k, ts in times.items():
                 row.setdefault(f"{mode}:{engine}:{k}", {})[str(n)] = {
-                    "bytes": plan.total_bytes, "descriptors": len(plan), "seconds": median_range(ts),
-                    "gbps": median_range([plan.total_bytes / t / 1e9 for t in ts])}
+                    "bytes": plan.total_bytes,
+                    "descriptors": len(plan),
+                    "seconds": median_range(ts),
+                    "gbps": median_range([plan.total_bytes / t / 1e9 for t in ts]),
+                }
             row.setdefault(f"{mode}:{engine}:ceiling", {})[str(n)] = {
-                "bytes": plan.total_bytes, "descriptors": len(plan), "seconds": {"median": ceiling},
-                "gbps": {"median": plan.total_bytes / ceiling / 1e9}}
+                "bytes": plan.total_bytes,
+                "descriptors": len(plan),
+                "seconds": {"median": ceiling},
+                "gbps": {"median": plan.total_bytes / ceiling / 1e9},
+            }
             for k, ts in extra.items():
                 results.setdefault("parts", {}).setdefault(f"{mode}:{engine}:{k}", {})[str(n)] = median_range(ts)
-            progress(f"[{mode}:{engine}] {n:>6} tokens: {plan.total_bytes / 1e6:8.1f} MB, {len(plan)} descriptors: "
-                     + ", ".join(f"{k} {plan.total_bytes / statistics.median(v) / 1e9:.2f}" for k, v in times.items())
-                     + " GB/s")
+            progress(
+                f"[{mode}:{engine}] {n:>6} tokens: {plan.total_bytes / 1e6:8.1f} MB, {len(plan)} descriptors: "
+                + ", ".join(f"{k} {plan.total_bytes / statistics.median(v) / 1e9:.2f}" for k, v in times.items())
+                + " GB/s"
+            )
             rq.free(src.pools, a)
             rq.free(dst.pools, b)
     finally:
@@ -222,7 +247,7 @@ def _phase(mode: str, engine: str, src: _Side, dst: _Side, lengths, runs: int, r
 
 
 def run_bench(quick: bool, engines: list[str], modes: list[str], progress=print) -> dict:
-    from pdstate.engines.base import EngineUnavailable, engine_class
+    from pdstate.transfer.engines.base import EngineUnavailable, engine_class
 
     runs = 5 if quick else 9
     lengths = LENGTHS
@@ -281,8 +306,9 @@ def bench_control(runs: int) -> dict:
     first = []
     try:
         for i in range(5):
-            d = DecodeWorker(WorkerOptions(role="decode", pool=tiny, engine="shm", peer=p.endpoint,
-                                           worker_id=f"hs-{i}")).start()
+            d = DecodeWorker(
+                WorkerOptions(role="decode", pool=tiny, engine="shm", peer=p.endpoint, worker_id=f"hs-{i}")
+            ).start()
             d.wait_ready(30)
             first.append(d.handshake_s * 1e3)
             d.stop()
@@ -326,13 +352,19 @@ def ratios(r: dict) -> dict:
         for mode in r["modes"]:
             sfx = "" if mode == "paged" else f"_{mode}"
             c = med(f"{mode}:shm:ceiling", n)
-            for variant, key in (("pdstate_shm", "shm_vs_ceiling"), ("pdstate_shm_full_verify", "shm_full_verify_vs_ceiling")):
+            for variant, key in (
+                ("pdstate_shm", "shm_vs_ceiling"),
+                ("pdstate_shm_full_verify", "shm_full_verify_vs_ceiling"),
+            ):
                 pd = med(f"{mode}:shm:{variant}", n)
                 if pd and c:
                     out.setdefault(f"{key}{sfx}_by_length", {})[str(n)] = c / pd
         for e in ("mooncake", "nixl"):
             raw = med(f"paged:{e}:raw_{e}", n)
-            for variant, key in ((f"pdstate_{e}", f"{e}_vs_raw"), (f"pdstate_{e}_full_verify", f"{e}_full_verify_vs_raw")):
+            for variant, key in (
+                (f"pdstate_{e}", f"{e}_vs_raw"),
+                (f"pdstate_{e}_full_verify", f"{e}_full_verify_vs_raw"),
+            ):
                 pd = med(f"paged:{e}:{variant}", n)
                 if pd and raw:
                     out.setdefault(f"{key}_by_length", {})[str(n)] = raw / pd
@@ -359,8 +391,12 @@ def summary(r: dict) -> dict:
     }
 
 
-COLORS = {("paged", "shm"): "tab:blue", ("unified", "shm"): "tab:cyan", ("paged", "mooncake"): "tab:green",
-          ("paged", "nixl"): "tab:red"}
+COLORS = {
+    ("paged", "shm"): "tab:blue",
+    ("unified", "shm"): "tab:cyan",
+    ("paged", "mooncake"): "tab:green",
+    ("paged", "nixl"): "tab:red",
+}
 
 
 def write_outputs(r: dict, out_dir: Path) -> list[Path]:
@@ -382,8 +418,11 @@ def write_outputs(r: dict, out_dir: Path) -> list[Path]:
         pts = sorted((int(n), v["gbps"]["median"]) for n, v in per_len.items())
         style = "--" if variant.endswith("full_verify") else (":" if variant.startswith("raw") else "-")
         label = f"{mode}: {'ceiling (in-process copy)' if variant == 'ceiling' else variant}"
-        color = ("black" if mode == "paged" else "grey") if variant == "ceiling" else COLORS.get(
-            (mode, engine), "tab:purple")
+        color = (
+            ("black" if mode == "paged" else "grey")
+            if variant == "ceiling"
+            else COLORS.get((mode, engine), "tab:purple")
+        )
         ax.plot([x for x, _ in pts], [y for _, y in pts], style, color=color, marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("request length (tokens)")

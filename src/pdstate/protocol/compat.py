@@ -15,7 +15,8 @@ Everything here is pure: the handshake calls it, and so do ``/v1/compat/check`` 
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 from pdstate.errors import (
     DescriptorMismatch,
@@ -24,8 +25,8 @@ from pdstate.errors import (
     LayoutMismatch,
     PageSizeMismatch,
 )
-from pdstate.kvargs import check_draft_pair, identities_shared
-from pdstate.layout import ErrorInfo, LayoutReport, diff
+from pdstate.protocol.facts import check_draft_pair, identities_shared
+from pdstate.protocol.report import ErrorInfo, LayoutReport, diff
 
 Role = Literal["prefill", "decode"]
 
@@ -123,5 +124,8 @@ def check_descriptors(ours, theirs) -> None:
                 f"{label} item lengths differ: ours={list(ours.state_item_lens[c])}, "
                 f"peer={list(theirs.state_item_lens[c])}"
             )
-        ranges += [(p, n, f"{label}[{i}]") for i, (p, n) in enumerate(zip(theirs.state_data_ptrs[c], theirs.state_data_lens[c]))]
+        ranges += [
+            (p, n, f"{label}[{i}]")
+            for i, (p, n) in enumerate(zip(theirs.state_data_ptrs[c], theirs.state_data_lens[c]))
+        ]
     check_no_overlap(ranges)

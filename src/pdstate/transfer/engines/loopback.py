@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
-from pdstate.engines.base import Peer, TransferEngine, TransferHandle
-from pdstate.engines.errors import EngineError
-from pdstate.planner import TransferPlan
+from pdstate.transfer.engines.base import Peer, TransferEngine, TransferHandle
+from pdstate.transfer.engines.errors import EngineError
+from pdstate.transfer.plan import TransferPlan
 
-_LIVE: dict[str, "LoopbackEngine"] = {}
+_LIVE: dict[str, LoopbackEngine] = {}
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,10 @@ class LoopbackEngine(TransferEngine):
         self._inbox: list[tuple[str, bytes]] = []
 
     def script_failure(
-        self, nth_submit: int, after_bytes: int = 0, message: str = "scripted loopback failure",
+        self,
+        nth_submit: int,
+        after_bytes: int = 0,
+        message: str = "scripted loopback failure",
         on_submit: bool = False,
     ) -> None:
         """Make the ``nth_submit``-th submit (1-based, over the engine's life) fail."""
@@ -135,9 +138,7 @@ class LoopbackEngine(TransferEngine):
     def _land(self, target_id: str, plan: TransferPlan, failure: ScriptedFailure | None) -> None:
         """Copy the plan (or its first ``failure.after_bytes`` bytes, then raise)."""
         if target_id not in _LIVE:
-            raise EngineError(
-                f"loopback transfer to loopback:{target_id} failed: the peer engine was closed"
-            )
+            raise EngineError(f"loopback transfer to loopback:{target_id} failed: the peer engine was closed")
         budget = failure.after_bytes if failure is not None else plan.total_bytes
         memmove = ctypes.memmove
         for d, s, n in zip(plan.dst.tolist(), plan.src.tolist(), plan.length.tolist()):

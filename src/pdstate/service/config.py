@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdstate.errors import ConfigError
-from pdstate.presets import PRESETS, PoolSettings, preset as preset_settings
+from pdstate.pools.presets import PRESETS, PoolSettings
+from pdstate.pools.presets import preset as preset_settings
 from pdstate.runtime.common import WorkerOptions
 
 if sys.version_info >= (3, 11):
@@ -112,7 +114,9 @@ class WorkerConfig(_Section):
         changes = {k: v for k, v in self.pool.model_dump().items() if v is not None}
         if self.pool.speculative_num_draft_tokens == 0:
             changes["speculative_num_draft_tokens"] = None
-        changes.update(draft_enabled=self.draft.enabled, draft_mapping=self.draft.mapping, draft_layers=self.draft.layers)
+        changes.update(
+            draft_enabled=self.draft.enabled, draft_mapping=self.draft.mapping, draft_layers=self.draft.layers
+        )
         return s.with_(**changes)
 
     def worker_options(self) -> WorkerOptions:
@@ -177,7 +181,7 @@ def load_config(
     env = os.environ if environ is None else environ
     for key in sorted(env):
         if key.startswith(ENV_PREFIX) and key not in ("PDSTATE_SHARED",):
-            dotted = key[len(ENV_PREFIX):].lower().replace("__", ".")
+            dotted = key[len(ENV_PREFIX) :].lower().replace("__", ".")
             _set_path(tree, dotted, _scalar(env[key]), f"environment {key}")
             origins[dotted] = f"environment {key}"
     for item in overrides:

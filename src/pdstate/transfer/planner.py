@@ -1,7 +1,4 @@
-"""Descriptor planning: paired index lists + both sides' buffers -> one ``TransferPlan``.
-
-(The planning functions are added below the data type; engines only need ``TransferPlan``.)
-"""
+"""Descriptor planning: paired index lists + both sides' buffers -> one ``TransferPlan``."""
 
 from __future__ import annotations
 
@@ -9,56 +6,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class TransferPlan:
-    """RDMA-style descriptors: write ``length[i]`` bytes from local ``src[i]`` to remote ``dst[i]``.
-
-    Three equal-length uint64 arrays plus the byte total. Built once per request; engines map it
-    to their own API without branching on model or layout.
-    """
-
-    src: np.ndarray
-    dst: np.ndarray
-    length: np.ndarray
-    total_bytes: int
-
-    @classmethod
-    def from_arrays(cls, src, dst, length) -> "TransferPlan":
-        s = np.ascontiguousarray(src, dtype=np.uint64)
-        d = np.ascontiguousarray(dst, dtype=np.uint64)
-        n = np.ascontiguousarray(length, dtype=np.uint64)
-        if not (s.shape == d.shape == n.shape) or s.ndim != 1:
-            raise ValueError(f"plan arrays must be 1-D and equal length: {s.shape} {d.shape} {n.shape}")
-        return cls(s, d, n, int(n.sum()))
-
-    @classmethod
-    def empty(cls) -> "TransferPlan":
-        z = np.empty(0, dtype=np.uint64)
-        return cls(z, z, z, 0)
-
-    def __len__(self) -> int:
-        return int(self.src.shape[0])
-
-    @property
-    def num_descriptors(self) -> int:
-        return len(self)
-
-    def chunks(self, max_descriptors: int):
-        """Yield sub-plans of at most ``max_descriptors`` descriptors (engine batch limits)."""
-        for i in range(0, len(self), max_descriptors):
-            sl = slice(i, i + max_descriptors)
-            yield TransferPlan(self.src[sl], self.dst[sl], self.length[sl], int(self.length[sl].sum()))
-
-
-# --- planning ---------------------------------------------------------------------------------
-
-from pdstate.errors import (  # noqa: E402  (kept below the data type engines import alone)
+from pdstate.errors import (
     IndexCountMismatch,
     IndexOutOfRange,
     ItemLengthMismatch,
     PaddingPageIndex,
 )
+from pdstate.transfer.plan import TransferPlan
 
 # Channels addressed by allocator page ids, where id 0 is the reserved padding page.
 PAGE_ADDRESSED = frozenset({"main_kv", "swa"})
@@ -98,7 +52,7 @@ class _Bounds:
     page_addressed: bool
 
     @classmethod
-    def of(cls, chan: Channel) -> "_Bounds":
+    def of(cls, chan: Channel) -> _Bounds:
         if chan.items.size == 0:
             return cls(chan.name, -1, 0, 0, 0, chan.name in PAGE_ADDRESSED)
         capacity = chan.lens // np.maximum(chan.items, 1)
@@ -201,7 +155,9 @@ class PairPlanner:
         self.src_bounds = [_Bounds.of(c) for c in self.src_chans]
         self.dst_bounds = [_Bounds.of(c) for c in self.dst_chans]
         # the same buffers as Python ints, for requests small enough to plan without numpy
-        self.py = [(sc.ptrs.tolist(), dc.ptrs.tolist(), sc.items.tolist()) for sc, dc in zip(self.src_chans, self.dst_chans)]
+        self.py = [
+            (sc.ptrs.tolist(), dc.ptrs.tolist(), sc.items.tolist()) for sc, dc in zip(self.src_chans, self.dst_chans)
+        ]
 
     def plan(self, src_lists, dst_lists) -> TransferPlan:
         if self.channel_error is not None:
@@ -214,9 +170,17 @@ class PairPlanner:
         arrays = [(np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)) for a, b in zip(src_lists, dst_lists)]
         if all(si.size <= SMALL_LIST for si, _ in arrays):
             return self._plan_small(arrays)
-        parts = [plan_channel(self.labels[c], self.src_chans[c], self.dst_chans[c], si, di,
-                              (self.static[c], self.src_bounds[c], self.dst_bounds[c]))
-                 for c, (si, di) in enumerate(arrays)]
+        parts = [
+            plan_channel(
+                self.labels[c],
+                self.src_chans[c],
+                self.dst_chans[c],
+                si,
+                di,
+                (self.static[c], self.src_bounds[c], self.dst_bounds[c]),
+            )
+            for c, (si, di) in enumerate(arrays)
+        ]
         if not parts:
             return TransferPlan.empty()
         return TransferPlan.from_arrays(*(np.concatenate([p[k] for p in parts]) for k in range(3)))
@@ -237,8 +201,10 @@ class PairPlanner:
                     len_a.append(n * item)
         if not src_a:
             return TransferPlan.empty()
-        return TransferPlan.from_arrays(np.array(src_a, dtype=np.uint64), np.array(dst_a, dtype=np.uint64),
-                                        np.array(len_a, dtype=np.uint64))
+        return TransferPlan.from_arrays(
+            np.array(src_a, dtype=np.uint64), np.array(dst_a, dtype=np.uint64), np.array(len_a, dtype=np.uint64)
+        )
+
 
 def plan_channel(label: str, src: Channel, dst: Channel, si: np.ndarray, di: np.ndarray, known=None):
     """Descriptors for one channel, buffer-major; every check runs before anything is built.

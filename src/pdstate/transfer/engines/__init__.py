@@ -5,7 +5,7 @@
 is in ``base.py``; each engine's module documents its endpoint format and traps.
 """
 
-from pdstate.engines.base import (
+from pdstate.transfer.engines.base import (
     ENGINES,
     TransferEngine,
     TransferHandle,
@@ -13,7 +13,7 @@ from pdstate.engines.base import (
     create_engine,
     engine_class,
 )
-from pdstate.engines.errors import (
+from pdstate.transfer.engines.errors import (
     DescriptorOutOfRange,
     EngineError,
     EngineStateError,

@@ -1,7 +1,7 @@
 """HTTP face of one worker: a FastAPI app factory over a status source.
 
 ``create_app(source, token=None)`` builds the app; it never starts or stops the worker (that is
-``pdstate.serve``'s job) and reads everything through the ``StatusSource`` protocol below, so a
+``pdstate.service.server``'s job) and reads everything through the ``StatusSource`` protocol below, so a
 test can hand it a fake. Routes (OpenAPI at ``/docs`` and ``/openapi.json``):
 
 =======  =========================  ==========================================================
@@ -45,10 +45,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdstate import __version__
-from pdstate.compat import compat_errors
 from pdstate.errors import EngineError, VersionMismatch
-from pdstate.layout import ErrorInfo, LayoutReport
-from pdstate.wire import PROTOCOL_VERSION
+from pdstate.protocol.compat import compat_errors
+from pdstate.protocol.report import ErrorInfo, LayoutReport
+from pdstate.protocol.wire import PROTOCOL_VERSION
 
 Role = Literal["prefill", "decode"]
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -144,15 +144,20 @@ class CompatDocument(BaseModel):
 
 class CompatVerdict(BaseModel):
     compatible: bool
-    errors: list[ErrorModel] = Field(description="every reason, in handshake order; the first is what the handshake raises")
+    errors: list[ErrorModel] = Field(
+        description="every reason, in handshake order; the first is what the handshake raises"
+    )
     ours: str = Field(description="this worker's fingerprint")
     theirs: str = Field(description="the posted worker's fingerprint")
 
 
 class TransferIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    tokens: int = Field(ge=0, description="prompt length (seq_len) of the synthetic request; 0: an empty transfer "
-                                        "(no bytes move: the control path alone, a cheap end-to-end probe)")
+    tokens: int = Field(
+        ge=0,
+        description="prompt length (seq_len) of the synthetic request; 0: an empty transfer "
+        "(no bytes move: the control path alone, a cheap end-to-end probe)",
+    )
     room: int | None = Field(None, ge=0, lt=1 << 63, description="63-bit request id; random when omitted")
 
 
@@ -199,17 +204,30 @@ def check_documents(ours: CompatDocument, theirs: CompatDocument) -> list[ErrorI
     handshake's order: protocol version, engine, each side's own pair, then cross-side factors."""
     errors: list[ErrorInfo] = []
     if ours.role == theirs.role:
-        errors.append(ErrorInfo(type="RoleMismatch", message=(
-            f"both workers are {ours.role} workers: a prefill pairs with a decode")))
+        errors.append(
+            ErrorInfo(
+                type="RoleMismatch", message=(f"both workers are {ours.role} workers: a prefill pairs with a decode")
+            )
+        )
     if theirs.protocol_version != ours.protocol_version:
-        errors.append(ErrorInfo.of(VersionMismatch(
-            f"protocol version mismatch: peer speaks v{theirs.protocol_version}, "
-            f"this worker speaks v{ours.protocol_version}")))
+        errors.append(
+            ErrorInfo.of(
+                VersionMismatch(
+                    f"protocol version mismatch: peer speaks v{theirs.protocol_version}, "
+                    f"this worker speaks v{ours.protocol_version}"
+                )
+            )
+        )
     if ours.role != theirs.role and theirs.engine and ours.engine and theirs.engine != ours.engine:
         prefill, decode = (ours, theirs) if ours.role == "prefill" else (theirs, ours)
-        errors.append(ErrorInfo.of(EngineError(  # the sentence of handshake.PrefillHandshake.validate
-            f"transfer engine mismatch: prefill server uses {prefill.engine!r}, "
-            f"but decode server uses {decode.engine!r}")))
+        errors.append(
+            ErrorInfo.of(
+                EngineError(  # the sentence of handshake.PrefillHandshake.validate
+                    f"transfer engine mismatch: prefill server uses {prefill.engine!r}, "
+                    f"but decode server uses {decode.engine!r}"
+                )
+            )
+        )
     for e in compat_errors(ours.report, theirs.report, ours.role):
         if e not in errors:
             errors.append(e)
@@ -249,8 +267,11 @@ class _Collector:
             self._sum += v
             self._count += 1
 
-        info = GaugeMetricFamily("pdstate_worker_info", "Worker identity (value 1)",
-                                 labels=["role", "worker_id", "engine", "protocol_version", "fingerprint"])
+        info = GaugeMetricFamily(
+            "pdstate_worker_info",
+            "Worker identity (value 1)",
+            labels=["role", "worker_id", "engine", "protocol_version", "fingerprint"],
+        )
         info.add_metric([src.role, src.worker_id, src.engine, str(PROTOCOL_VERSION), src.report.fingerprint], 1)
         yield info
         ready = GaugeMetricFamily("pdstate_ready", "1 when /readyz answers 200")
@@ -260,8 +281,11 @@ class _Collector:
         for k, v in stats.handshakes.items():
             hs.add_metric([k], v)
         yield hs
-        tr = CounterMetricFamily("pdstate_transfers", "Transfers by outcome (busy: refused by a full prefill and retried)",
-                                 labels=["outcome"])
+        tr = CounterMetricFamily(
+            "pdstate_transfers",
+            "Transfers by outcome (busy: refused by a full prefill and retried)",
+            labels=["outcome"],
+        )
         for k, v in stats.transfers.items():
             tr.add_metric([k], v)
         yield tr
@@ -271,16 +295,21 @@ class _Collector:
             cum += count
             buckets.append((repr(bound), cum))
         buckets.append(("+Inf", self._count))
-        h = HistogramMetricFamily("pdstate_transfer_latency_seconds",
-                                  "Latency of successful transfers (decode: submit to verified; prefill: engine copy)")
+        h = HistogramMetricFamily(
+            "pdstate_transfer_latency_seconds",
+            "Latency of successful transfers (decode: submit to verified; prefill: engine copy)",
+        )
         h.add_metric([], buckets, sum_value=self._sum)
         yield h
         g = GaugeMetricFamily("pdstate_transfers_in_flight", "Requests entered and not yet finished")
         g.add_metric([], src.in_flight())
         yield g
         yield CounterMetricFamily("pdstate_engine_errors", "Transfer engine failures", value=stats.engine_errors)
-        yield CounterMetricFamily("pdstate_protocol_errors", "Control frames refused (undecodable, bad auth, bad version)",
-                                  value=stats.protocol_errors)
+        yield CounterMetricFamily(
+            "pdstate_protocol_errors",
+            "Control frames refused (undecodable, bad auth, bad version)",
+            value=stats.protocol_errors,
+        )
         peers = GaugeMetricFamily("pdstate_peers", "Peers by handshake state", labels=["state"])
         counts = {k: 0 for k in ("accepted", "rejected", "pending", "gone")}
         for p in src.peers():
@@ -332,8 +361,14 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         """422 naming where and what, without echoing the input: FastAPI's default handler
         reflects it, and a body such as ``Infinity`` (valid for Python's JSON parser, not for its
         encoder) then turned the 422 into a 500 (found by the HTTP fuzz test)."""
-        detail = [{"loc": [p if isinstance(p, (int, str)) else str(p) for p in e.get("loc", ())],
-                   "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))} for e in exc.errors()]
+        detail = [
+            {
+                "loc": [p if isinstance(p, (int, str)) else str(p) for p in e.get("loc", ())],
+                "msg": str(e.get("msg", "")),
+                "type": str(e.get("type", "")),
+            }
+            for e in exc.errors()
+        ]
         return JSONResponse(status_code=422, content={"detail": detail})
 
     @app.get("/healthz", response_model=Health, tags=["health"])
@@ -346,8 +381,12 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         """Readiness: pools built, local check passed, and (decode) handshake accepted /
         (prefill) control socket listening. 503 carries the exact error text."""
         r = source.readiness()
-        body = Ready(ready=r.ready, reason=r.reason, check=r.check,
-                     error=None if r.error is None else ErrorModel(**r.error.model_dump()))
+        body = Ready(
+            ready=r.ready,
+            reason=r.reason,
+            check=r.check,
+            error=None if r.error is None else ErrorModel(**r.error.model_dump()),
+        )
         if r.ready:
             return body
         return JSONResponse(status_code=503, content=body.model_dump())
@@ -362,11 +401,20 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         """Preflight: would a handshake between this worker and the posted one succeed?"""
         ours = compat_document(source)
         errors = check_documents(ours, theirs)
-        return CompatVerdict(compatible=not errors, errors=[ErrorModel(**e.model_dump()) for e in errors],
-                             ours=ours.fingerprint, theirs=theirs.fingerprint)
+        return CompatVerdict(
+            compatible=not errors,
+            errors=[ErrorModel(**e.model_dump()) for e in errors],
+            ours=ours.fingerprint,
+            theirs=theirs.fingerprint,
+        )
 
-    @app.post("/v1/transfers", response_model=TransferOut, tags=["transfers"], dependencies=[Depends(auth)],
-              responses={401: {}, 409: {}, 503: {}, 504: {}})
+    @app.post(
+        "/v1/transfers",
+        response_model=TransferOut,
+        tags=["transfers"],
+        dependencies=[Depends(auth)],
+        responses={401: {}, 409: {}, 503: {}, 504: {}},
+    )
     async def post_transfer(body: TransferIn) -> TransferOut:
         """Decode only: run one synthetic transfer and wait for its verified outcome."""
         if source.role != "decode":
@@ -396,8 +444,14 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
             raise HTTPException(404, detail=f"unknown room {room}")
         return TransferOut(**rec)
 
-    @app.post("/v1/handshake", response_model=Accepted, status_code=202, tags=["compat"],
-              dependencies=[Depends(auth)], responses={401: {}, 409: {}})
+    @app.post(
+        "/v1/handshake",
+        response_model=Accepted,
+        status_code=202,
+        tags=["compat"],
+        dependencies=[Depends(auth)],
+        responses={401: {}, 409: {}},
+    )
     async def post_handshake() -> Accepted:
         """Decode only: send a new Register (a refused decode otherwise waits to be asked)."""
         if source.role != "decode":
@@ -405,8 +459,9 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         source.reregister()
         return Accepted(status="registering")
 
-    @app.get("/metrics", tags=["metrics"], response_class=Response,
-             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+    @app.get(
+        "/metrics", tags=["metrics"], response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}}
+    )
     async def metrics() -> Response:
         """Prometheus text exposition."""
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

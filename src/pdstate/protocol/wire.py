@@ -13,7 +13,8 @@ change of a message's fields):
   the prefill's time computing the request's state and moving it, so the decode can split a
   request's latency; both default to 0. It also came to accept ``TransferRequest.seq_len`` 0,
   an empty transfer: no pages or state move; the control path alone, for probes and for
-  measuring it.)
+  measuring it. And the "not registered" ``Error`` came to carry the type ``NotRegistered``,
+  was ``ProtocolError``, same text: a decode matches the type, never the text.)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pdstate.errors import AuthError, ProtocolError, VersionMismatch
-from pdstate.layout import ErrorInfo, LayoutReport
+from pdstate.protocol.report import ErrorInfo, LayoutReport
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 8 * 1024 * 1024
@@ -62,7 +63,7 @@ class PackedIndices(BaseModel):
         return v
 
     @classmethod
-    def pack(cls, arr) -> "PackedIndices":
+    def pack(cls, arr) -> PackedIndices:
         a = np.asarray(arr, dtype=np.int64)
         if a.size and a.min() >= -(1 << 31) and a.max() < (1 << 31):
             return cls(dtype="<i4", data=a.astype("<i4").tobytes())
@@ -93,7 +94,7 @@ class KVDesc(BaseModel):
     components: list[ComponentDesc] = Field(max_length=MAX_COMPONENTS)
 
     @classmethod
-    def of(cls, kv_args) -> "KVDesc":
+    def of(cls, kv_args) -> KVDesc:
         return cls(
             kv_data_ptrs=kv_args.kv_data_ptrs,
             kv_data_lens=kv_args.kv_data_lens,

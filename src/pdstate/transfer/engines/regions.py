@@ -7,14 +7,15 @@ plan before any byte moves, so a bad descriptor is refused with its index and ad
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
-from pdstate.engines.errors import DescriptorOutOfRange, EngineError, InvalidEndpoint
-from pdstate.planner import TransferPlan
 from pdstate.pools.memory import Region
+from pdstate.transfer.engines.errors import DescriptorOutOfRange, EngineError, InvalidEndpoint
+from pdstate.transfer.plan import TransferPlan
 
 _U64 = np.uint64
 
@@ -28,7 +29,7 @@ class RegionTable:
     nbytes: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=_U64))
 
     @classmethod
-    def build(cls, regions: Iterable[Region]) -> "RegionTable":
+    def build(cls, regions: Iterable[Region]) -> RegionTable:
         """Sort and check: every region non-empty, no two overlapping (else ``EngineError``)."""
         regs = sorted(regions, key=lambda r: int(r.base_ptr))
         for r in regs:
@@ -85,7 +86,7 @@ class RegionTable:
         return [{"name": r.name, "base_ptr": r.base_ptr, "nbytes": r.nbytes} for r in self.regions]
 
     @classmethod
-    def from_wire(cls, items: Any) -> "RegionTable":
+    def from_wire(cls, items: Any) -> RegionTable:
         try:
             return cls.build(Region(str(d["name"]), int(d["base_ptr"]), int(d["nbytes"])) for d in items)
         except (KeyError, TypeError, ValueError) as exc:

@@ -31,11 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from pdstate.engines.base import Peer, TransferEngine, TransferHandle
-from pdstate.engines.errors import EngineError, InvalidEndpoint
-from pdstate.planner import TransferPlan
 from pdstate.pools.memory import SEGMENT_NAME_RE as SEGMENT_NAME
 from pdstate.pools.memory import SEGMENT_PREFIX, SHM_DIR
+from pdstate.transfer.engines.base import Peer, TransferEngine, TransferHandle
+from pdstate.transfer.engines.errors import EngineError, InvalidEndpoint
+from pdstate.transfer.plan import TransferPlan
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 MAPS_PATH = "/proc/self/maps"
@@ -100,7 +100,7 @@ def _read_boot_id() -> str:
 class _ShmPeer:
     maps: list[mmap.mmap]
     mapped_base: np.ndarray  # uint64: this process's address of each remote region (table order)
-    prefault: "_Prefault | None" = None
+    prefault: _Prefault | None = None
 
 
 _PAGE = 4096
@@ -160,8 +160,9 @@ class ShmEngine(TransferEngine):
         regions = []
         for r in self._local.regions:
             path, file_offset = shared_file_of(r.base_ptr, r.nbytes, maps)
-            regions.append({"name": r.name, "base_ptr": r.base_ptr, "nbytes": r.nbytes,
-                            "path": path, "file_offset": file_offset})
+            regions.append(
+                {"name": r.name, "base_ptr": r.base_ptr, "nbytes": r.nbytes, "path": path, "file_offset": file_offset}
+            )
         return {"boot_id": self._boot_id, "owner_pid": os.getpid(), "regions": regions}
 
     # prefill side: map the peer's files

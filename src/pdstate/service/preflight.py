@@ -1,5 +1,5 @@
 """Operator commands: ``check`` (offline preflight of config files), ``serve`` and ``probe``
-(implemented in ``pdstate.serve``)."""
+(implemented in ``pdstate.service.server``)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import sys
 FIX_HINTS = {
     "SWAIndexMappingNotShared": (
         "fix: register the allocator's full_to_swa_index_mapping on the draft pool (the same tensor "
-        "object, not a clone or a view): set [draft] mapping = \"shared\""
+        'object, not a clone or a view): set [draft] mapping = "shared"'
     ),
 }
 
 
 def _report_for(path, overrides=()):
-    from pdstate.config import load_config
-    from pdstate.layout import build_report
-    from pdstate.presets import build_worker_pools
+    from pdstate.pools.presets import build_worker_pools
+    from pdstate.pools.reporting import build_report
+    from pdstate.service.config import load_config
 
     cfg = load_config(path, overrides)
     pools = build_worker_pools(cfg.pool_settings())
@@ -28,7 +28,7 @@ def _report_for(path, overrides=()):
 
 
 def cmd_check(args) -> int:
-    from pdstate.compat import compat_errors
+    from pdstate.protocol.compat import compat_errors
 
     loaded = [_report_for(p, args.set) for p in args.configs]
     problems = []
@@ -51,13 +51,19 @@ def cmd_check(args) -> int:
     return 1
 
 
-def add_commands(sub) -> None:
-    c = sub.add_parser("check", help="offline preflight: build layout reports from config files and compare")
+def configure_check(c) -> None:
+    """The ``check`` subcommand's arguments (``c`` is its argparse parser, made by ``cli``)."""
     c.add_argument("configs", nargs="+", metavar="CONFIG")
     c.add_argument("--set", action="append", default=[], metavar="section.key=value")
     c.set_defaults(func=cmd_check)
 
-    from pdstate import serve  # serve + probe (light to import: torch loads inside cmd_serve)
+
+def add_commands(sub) -> None:
+    configure_check(
+        sub.add_parser("check", help="offline preflight: build layout reports from config files and compare")
+    )
+
+    from pdstate.service import server as serve  # serve + probe (light to import: torch loads inside cmd_serve)
 
     serve.add_commands(sub)
 
@@ -66,7 +72,7 @@ def cmd_bench(args) -> int:
     import json
     from pathlib import Path
 
-    from pdstate import bench
+    from pdstate.devtools import bench
     from pdstate.runtime.common import tune_interpreter
 
     tune_interpreter()

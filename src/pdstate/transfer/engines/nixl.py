@@ -45,15 +45,16 @@ Traps (measured on this box):
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from pdstate.engines.base import Peer, TransferEngine, TransferHandle, import_native
-from pdstate.engines.errors import EngineError, InvalidEndpoint, NativeEngineError
-from pdstate.planner import TransferPlan
 from pdstate.pools.memory import Region
+from pdstate.transfer.engines.base import Peer, TransferEngine, TransferHandle, import_native
+from pdstate.transfer.engines.errors import EngineError, InvalidEndpoint, NativeEngineError
+from pdstate.transfer.plan import TransferPlan
 
 NATIVE_MODULE = "nixl_cu12._api"
 UCX_ENV_WITHOUT_IB: Mapping[str, str] = {"UCX_MODULES": "^ib"}
@@ -121,9 +122,7 @@ class NixlEngine(TransferEngine):
             agent = api.nixl_agent(self.agent_name, config)
         missing = [b for b in self.backends if b not in agent.backends]
         if missing:
-            raise NativeEngineError(
-                f"nixl agent {self.agent_name}: backend(s) {missing} could not be created"
-            )
+            raise NativeEngineError(f"nixl agent {self.agent_name}: backend(s) {missing} could not be created")
         self._agent = agent
 
     def _register(self, regions: list[Region]) -> None:
@@ -181,9 +180,13 @@ class NixlEngine(TransferEngine):
         if state == "DONE":
             handle.finish()
         else:
-            handle.fail(NativeEngineError(
-                f"nixl WRITE of {handle.num_descriptors} descriptors ({handle.total_bytes} bytes) "
-                f"to {handle.peer_id} ended in state {state!r}", code=state))
+            handle.fail(
+                NativeEngineError(
+                    f"nixl WRITE of {handle.num_descriptors} descriptors ({handle.total_bytes} bytes) "
+                    f"to {handle.peer_id} ended in state {state!r}",
+                    code=state,
+                )
+            )
 
     def _release(self, xfer: Any) -> None:
         try:

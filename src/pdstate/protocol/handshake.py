@@ -6,19 +6,17 @@ other layout factor; descriptor sanity). ``DecodeHandshake(local).receive(accept
 re-checks the prefill's report the same way and raises the very error the other side raised, so
 both sides refuse with the same class and message.
 
-``RequestState`` and ``TRANSITIONS`` are the per-request lifecycle as a table; ``advance`` is the
-only way to move a request, and terminal states are final.
+The lifecycles (request and peer states) are tables in ``pdstate.protocol.lifecycle``.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
-from pdstate import compat
 from pdstate.errors import DescriptorMismatch, EngineError, error_from_wire
-from pdstate.layout import ErrorInfo, LayoutReport
-from pdstate.wire import Accept, EngineDesc, KVDesc, Register, Reject
+from pdstate.protocol import compat
+from pdstate.protocol.report import ErrorInfo, LayoutReport
+from pdstate.protocol.wire import Accept, EngineDesc, KVDesc, Register, Reject
 
 
 @dataclass(frozen=True)
@@ -32,13 +30,6 @@ class LocalSide:
     engine: EngineDesc
     heartbeat_interval_s: float = 1.0
     peer_timeout_s: float = 5.0
-
-
-class PeerState(str, enum.Enum):
-    PENDING = "pending"
-    ACCEPTED = "accepted"
-    REJECTED = "rejected"
-    GONE = "gone"
 
 
 class PrefillHandshake:
@@ -91,39 +82,3 @@ class DecodeHandshake:
             raise error_from_wire(msg.error.type, msg.error.message)
         compat.check_peer(self.local.report, msg.report, "decode")
         return msg
-
-
-# --- request lifecycle ----------------------------------------------------------------------
-
-
-class RequestState(str, enum.Enum):
-    BOOTSTRAPPING = "bootstrapping"
-    WAITING_FOR_INPUT = "waiting_for_input"
-    TRANSFERRING = "transferring"
-    SUCCESS = "success"
-    FAILED = "failed"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (RequestState.SUCCESS, RequestState.FAILED)
-
-
-_S = RequestState
-TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
-    _S.BOOTSTRAPPING: frozenset({_S.WAITING_FOR_INPUT, _S.FAILED}),
-    _S.WAITING_FOR_INPUT: frozenset({_S.TRANSFERRING, _S.FAILED}),
-    _S.TRANSFERRING: frozenset({_S.SUCCESS, _S.FAILED}),
-    _S.SUCCESS: frozenset(),
-    _S.FAILED: frozenset(),
-}
-
-
-class IllegalTransition(RuntimeError):
-    pass
-
-
-def advance(current: RequestState, new: RequestState) -> RequestState:
-    """Check a lifecycle move against ``TRANSITIONS``; states only move forward."""
-    if new not in TRANSITIONS[current]:
-        raise IllegalTransition(f"request cannot move from {current.value} to {new.value}")
-    return new

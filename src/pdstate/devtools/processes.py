@@ -1,6 +1,6 @@
 """Worker processes for ``pdstate demo``, ``pdstate bench`` and the integration tests.
 
-``python -m pdstate.procs`` runs one worker from a JSON description on stdin's first line.
+``python -m pdstate.devtools.processes`` runs one worker from a JSON description on stdin's first line.
 A prefill prints ``{"event": "listening", "endpoint": ...}`` and serves until stdin closes; it
 answers ``stats`` / ``{"cmd": "stats"}`` with ``{"event": "stats", ...}``, ``peers`` /
 ``{"cmd": "peers"}`` with ``{"event": "peers", "peers": [...]}`` (what it recorded about every
@@ -17,7 +17,7 @@ what a raw engine needs to write into it). EOF ends it.
 A worker whose own target/draft pair fails ``setup_state_kv_args`` (with ``local_checks``) prints
 ``pdstate <role>: <ErrorType>: <upstream message>`` on stderr and exits 2.
 
-``WorkerProcess(opts)`` spawns ``python -m pdstate.procs`` (``launcher="subprocess"``, the
+``WorkerProcess(opts)`` spawns ``python -m pdstate.devtools.processes`` (``launcher="subprocess"``, the
 default). ``launcher="fork"`` forks the worker from a ``multiprocessing`` fork server that has
 already imported the runtime (and torch), so a worker starts in milliseconds instead of seconds;
 it is a separate process all the same (own pid, own memory, talks to its peer over TCP). Either
@@ -37,10 +37,11 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
-from typing import Any, Callable, Iterable
+from typing import Any
 
-from pdstate.presets import PoolSettings
+from pdstate.pools.presets import PoolSettings
 from pdstate.runtime.common import LocalCheckFailed, WorkerOptions
 
 Emit = Callable[[dict], None]
@@ -108,8 +109,15 @@ def _run_prefill(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> int:
                 w.fault_delay_before_copy_s = float(cmd.get("delay_before_copy_s", 0.0))
                 emit({"event": "fault", "delay_before_copy_s": w.fault_delay_before_copy_s})
             elif cmd.get("cmd") == "requests":
-                emit({"event": "requests", "in_flight": w.jobs_snapshot(), "finished": w.finished_records(),
-                      "free": w.free_counts(), "peak_in_flight": w.peak_in_flight})
+                emit(
+                    {
+                        "event": "requests",
+                        "in_flight": w.jobs_snapshot(),
+                        "finished": w.finished_records(),
+                        "free": w.free_counts(),
+                        "peak_in_flight": w.peak_in_flight,
+                    }
+                )
             else:
                 emit({"event": "error", "message": f"unknown prefill command {cmd.get('cmd')!r}"})
     finally:
@@ -140,13 +148,19 @@ def _run_decode(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> int:
                     emit({"event": "result", **fut.result().as_dict()})
                 emit({"event": "batch_done", "free": w.free_counts()})
             elif cmd.get("cmd") == "describe":  # this decode's register message: layout, KVArgs, endpoint
-                from pdstate import wire
+                from pdstate.protocol import wire
 
                 emit({"event": "describe", "register": wire.encode(w.handshake.register_message(), w.opts.token).hex()})
             elif cmd.get("cmd") == "stats":
-                emit({"event": "stats", **w.snapshot(),
-                      "peer_error": None if w.peer_error is None else w.peer_error.model_dump(),
-                      "stats": _stats_dict(w.stats), "free": w.free_counts()})
+                emit(
+                    {
+                        "event": "stats",
+                        **w.snapshot(),
+                        "peer_error": None if w.peer_error is None else w.peer_error.model_dump(),
+                        "stats": _stats_dict(w.stats),
+                        "free": w.free_counts(),
+                    }
+                )
             else:
                 emit({"event": "error", "message": f"unknown decode command {cmd.get('cmd')!r}"})
     finally:
@@ -174,7 +188,7 @@ def main() -> int:
 
 # --- fork-server launcher --------------------------------------------------------------------
 
-_FORK_PRELOAD = ["pdstate.procs", "pdstate.runtime.prefill", "pdstate.runtime.decode"]
+_FORK_PRELOAD = ["pdstate.devtools.processes", "pdstate.runtime.prefill", "pdstate.runtime.decode"]
 _fork_ctx = None
 _fork_lock = threading.Lock()
 
@@ -235,8 +249,12 @@ class WorkerProcess:
         self._closed = False
         if launcher == "subprocess":
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pdstate.procs"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+                [sys.executable, "-m", "pdstate.devtools.processes"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                bufsize=1,
                 env={**os.environ, **(env or {})},
             )
             self._stderr_pump = threading.Thread(target=self._pump_stderr, daemon=True)
@@ -251,8 +269,12 @@ class WorkerProcess:
             os.close(fd)
             cmd_r, self._cmd_w = ctx.Pipe(duplex=False)
             self._event_r, event_w = ctx.Pipe(duplex=False)
-            self.proc = ctx.Process(target=_forked_main, args=(options_to_json(opts), cmd_r, event_w, self._log_path),
-                                    name=f"pdstate-{opts.role}", daemon=False)
+            self.proc = ctx.Process(
+                target=_forked_main,
+                args=(options_to_json(opts), cmd_r, event_w, self._log_path),
+                name=f"pdstate-{opts.role}",
+                daemon=False,
+            )
             self.proc.start()
             cmd_r.close()
             event_w.close()
@@ -374,7 +396,7 @@ class WorkerProcess:
                 pass
         return self.proc.exitcode
 
-    def __enter__(self) -> "WorkerProcess":
+    def __enter__(self) -> WorkerProcess:
         return self
 
     def __exit__(self, *exc) -> None:

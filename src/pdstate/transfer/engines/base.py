@@ -41,12 +41,14 @@ import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from types import ModuleType
-from typing import Any, Callable, ClassVar, Mapping, Sequence, TypeVar
+from typing import Any, ClassVar, TypeVar
 
-from pdstate.engines.errors import (
+from pdstate.pools.memory import Region
+from pdstate.transfer.engines.errors import (
     EngineError,
     EngineStateError,
     EngineUnavailable,
@@ -54,13 +56,22 @@ from pdstate.engines.errors import (
     TransferTimedOut,
     UnknownPeer,
 )
-from pdstate.engines.regions import RegionTable, check_plan, drop_empty
-from pdstate.planner import TransferPlan
-from pdstate.pools.memory import Region
+from pdstate.transfer.engines.regions import RegionTable, check_plan, drop_empty
+from pdstate.transfer.plan import TransferPlan
 
 __all__ = [  # RegionTable, check_plan and drop_empty live in regions.py; re-exported here
-    "ENGINES", "EngineEntry", "Peer", "RegionTable", "TransferEngine", "TransferHandle",
-    "TransferStatus", "check_plan", "create_engine", "drop_empty", "engine_class", "import_native",
+    "ENGINES",
+    "EngineEntry",
+    "Peer",
+    "RegionTable",
+    "TransferEngine",
+    "TransferHandle",
+    "TransferStatus",
+    "check_plan",
+    "create_engine",
+    "drop_empty",
+    "engine_class",
+    "import_native",
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -68,7 +79,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 def _locked(method: _F) -> _F:
     @functools.wraps(method)
-    def wrapper(self: "TransferEngine", *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: TransferEngine, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             return method(self, *args, **kwargs)
 
@@ -101,8 +112,10 @@ class TransferHandle:
         self.status, self.error, self.native = TransferStatus.FAILED, error, None
 
     def __repr__(self) -> str:
-        return (f"TransferHandle(peer_id={self.peer_id!r}, num_descriptors={self.num_descriptors}, "
-                f"total_bytes={self.total_bytes}, status={self.status.value})")
+        return (
+            f"TransferHandle(peer_id={self.peer_id!r}, num_descriptors={self.num_descriptors}, "
+            f"total_bytes={self.total_bytes}, status={self.status.value})"
+        )
 
 
 def import_native(module: str, engine: str, extra: str) -> ModuleType:
@@ -178,7 +191,7 @@ class TransferEngine(ABC):
                 self._peers.clear()
         self._lifecycle = _Lifecycle.CLOSED
 
-    def __enter__(self) -> "TransferEngine":
+    def __enter__(self) -> TransferEngine:
         self.start()
         return self
 
@@ -382,10 +395,10 @@ class EngineEntry:
 
 
 ENGINES: Mapping[str, EngineEntry] = {
-    "shm": EngineEntry("pdstate.engines.shm", "ShmEngine", None),
-    "loopback": EngineEntry("pdstate.engines.loopback", "LoopbackEngine", None),
-    "mooncake": EngineEntry("pdstate.engines.mooncake", "MooncakeEngine", "mooncake"),
-    "nixl": EngineEntry("pdstate.engines.nixl", "NixlEngine", "nixl"),
+    "shm": EngineEntry("pdstate.transfer.engines.shm", "ShmEngine", None),
+    "loopback": EngineEntry("pdstate.transfer.engines.loopback", "LoopbackEngine", None),
+    "mooncake": EngineEntry("pdstate.transfer.engines.mooncake", "MooncakeEngine", "mooncake"),
+    "nixl": EngineEntry("pdstate.transfer.engines.nixl", "NixlEngine", "nixl"),
 }
 
 

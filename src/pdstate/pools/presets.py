@@ -65,7 +65,7 @@ class PoolSettings:
     def slots(self) -> int:
         return self.num_req_slots if self.num_req_slots is not None else self.max_num_reqs + 1
 
-    def with_(self, **changes) -> "PoolSettings":
+    def with_(self, **changes) -> PoolSettings:
         return replace(self, **changes)
 
 
@@ -131,8 +131,13 @@ def pool_kwargs(s: PoolSettings, *, draft: bool = False) -> dict:
         dspec = spec if s.draft_speculative_num_draft_tokens == "same" else s.draft_speculative_num_draft_tokens
         ratios = [0] * s.draft_layers if s.draft_compression_ratios is None else list(s.draft_compression_ratios)
         kw.update(
-            c4_size=0, c128_size=0, c4_state_pool_size=0, c128_state_pool_size=0,
-            layer_num=len(ratios), compression_ratios=ratios, start_layer=0,
+            c4_size=0,
+            c128_size=0,
+            c4_state_pool_size=0,
+            c128_state_pool_size=0,
+            layer_num=len(ratios),
+            compression_ratios=ratios,
+            start_layer=0,
             sliding_window=s.draft_sliding_window or s.sliding_window,
             page_size=s.draft_page_size or s.page_size,
             unified_kv=s.unified_kv if s.draft_unified_kv is None else s.draft_unified_kv,

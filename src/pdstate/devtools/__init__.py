@@ -1,0 +1,1 @@
+"""Developer tools behind the CLI: demo, worker processes, bench and its baselines."""

@@ -1,0 +1,1 @@
+"""A worker as a service: configuration, HTTP API, status, the server and the probe."""

@@ -1,0 +1,145 @@
+"""``pdstate probe URL [URL]``: GET ``/v1/compat`` and ``/readyz`` of running workers and print a
+readable report; with two URLs, POST the first one's document to the second's ``/v1/compat/check``.
+
+Probe only needs the standard library (httpx when installed), not torch.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pdstate.errors import ProbeError
+
+
+def _http(method: str, url: str, body: dict | None = None, token: str | None = None, timeout_s: float = 5.0):
+    """``(status, json_or_text)``; raises ``ProbeError`` when the worker cannot be reached."""
+    headers = {"Accept": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    try:
+        import httpx
+    except ImportError:  # pragma: no cover - httpx is a dev dependency
+        httpx = None
+    if httpx is not None:
+        try:
+            r = httpx.request(method, url, json=body, headers=headers, timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            raise ProbeError(f"{method} {url}: {exc}") from None
+        status, text = r.status_code, r.text
+    else:  # pragma: no cover
+        import urllib.error
+        import urllib.request
+
+        data = None if body is None else json.dumps(body).encode()
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        req = urllib.request.Request(url, data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                status, text = resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            status, text = exc.code, exc.read().decode()
+        except (urllib.error.URLError, OSError) as exc:
+            raise ProbeError(f"{method} {url}: {exc}") from None
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    s = json.dumps(value) if not isinstance(value, str) else value
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def _fmt_error(e: dict | None) -> str:
+    return "" if not e else f"{e['type']}: {e['message']}"
+
+
+def probe(urls: list[str], token: str | None = None, timeout_s: float = 5.0) -> dict:
+    """Query each worker; with two, ask the second to check the first. Returns the findings."""
+    out: dict[str, Any] = {"workers": [], "pair": None, "ok": True}
+    docs = []
+    for url in urls:
+        base = url.rstrip("/")
+        w: dict[str, Any] = {"url": base}
+        try:
+            status, ready = _http("GET", f"{base}/readyz", token=token, timeout_s=timeout_s)
+            w["ready"] = ready if isinstance(ready, dict) else {"ready": False, "reason": str(ready)}
+            status, doc = _http("GET", f"{base}/v1/compat", token=token, timeout_s=timeout_s)
+            if status != 200 or not isinstance(doc, dict):
+                raise ProbeError(f"GET {base}/v1/compat answered {status}: {_short(doc, 200)}")
+            w["compat"] = doc
+        except ProbeError as exc:
+            w["unreachable"] = str(exc)
+        docs.append(w.get("compat"))
+        out["ok"] &= bool(w.get("ready", {}).get("ready")) and "compat" in w
+        out["workers"].append(w)
+    if len(urls) == 2 and all(docs):
+        base = urls[1].rstrip("/")
+        try:
+            status, verdict = _http("POST", f"{base}/v1/compat/check", body=docs[0], token=token, timeout_s=timeout_s)
+            if status != 200 or not isinstance(verdict, dict):
+                raise ProbeError(f"POST {base}/v1/compat/check answered {status}: {_short(verdict, 300)}")
+            out["pair"] = verdict
+            out["ok"] &= bool(verdict["compatible"])
+        except ProbeError as exc:
+            out["pair"] = {"compatible": False, "errors": [{"type": "ProbeError", "message": str(exc)}]}
+            out["ok"] = False
+    return out
+
+
+def format_probe(found: dict) -> str:
+    from pdstate.service.preflight import FIX_HINTS
+
+    lines = []
+    for w in found["workers"]:
+        if "unreachable" in w:
+            lines.append(f"{w['url']}: UNREACHABLE: {w['unreachable']}")
+            continue
+        d, r = w["compat"], w.get("ready", {})
+        state = "ready" if r.get("ready") else f"NOT READY: {r.get('reason')}"
+        lines.append(f"{d['role']:<8} {w['url']}  {state}")
+        lines.append(
+            f"  worker       {d.get('worker_id')} (incarnation {d.get('incarnation')}), "
+            f"protocol v{d['protocol_version']}, engine {d.get('engine')}, control {d.get('control')}"
+        )
+        lines.append(f"  fingerprint  {d['fingerprint']}")
+        lay = d.get("layout", {})
+        scalars = [
+            f"{k}={_short(v, 40)}" for k, v in lay.items() if k not in ("components", "main_kv_item_lens", "draft")
+        ]
+        lines.append(f"  layout       {' '.join(scalars)}")
+        draft = lay.get("draft")
+        lines.append(f"  draft        {'none' if not draft else _short(draft, 100)}")
+        lines.append(
+            f"  components   {len(lay.get('components') or [])} state components, "
+            f"{len(lay.get('main_kv_item_lens') or [])} main KV buffers"
+        )
+        lc = d.get("local_check", {})
+        lines.append(f"  local check  {'ok' if lc.get('ok') else 'FAILED: ' + _fmt_error(lc.get('error'))}")
+        peers = d.get("peers") or []
+        if not peers:
+            lines.append("  peers        none")
+        for i, p in enumerate(peers):
+            label = "  peers        " if i == 0 else "               "
+            err = f": {_fmt_error(p.get('error'))}" if p.get("error") else ""
+            lines.append(f"{label}{p['id']} {p['state']}{err}")
+    pair = found.get("pair")
+    if pair is not None:
+        if pair["compatible"]:
+            lines.append("pair: compatible")
+        else:
+            lines.append("pair: INCOMPATIBLE")
+            for e in pair["errors"]:
+                lines.append(f"  - {e['type']}: {e['message']}")
+                if e["type"] in FIX_HINTS:
+                    lines.append(f"    {FIX_HINTS[e['type']]}")
+    return "\n".join(lines)
+
+
+def cmd_probe(args) -> int:
+    found = probe(args.urls, token=args.token or None, timeout_s=args.timeout)
+    print(json.dumps(found) if args.json else format_probe(found))
+    return 0 if found["ok"] else 1

@@ -1,0 +1,198 @@
+"""``pdstate serve``: one worker + its HTTP app in one process.
+
+``serve``: load the config (file, ``PDSTATE_*`` environment, ``--set``), start the worker (pools,
+engine, control socket), then run the FastAPI app under uvicorn on ``[http] host/port``. When the
+HTTP socket listens it prints one JSON line to stdout::
+
+    {"event": "listening", "role": "prefill", "http": "http://127.0.0.1:8101",
+     "control": "tcp://127.0.0.1:5601", "pid": 1234, "startup_s": 3.1}
+
+(``http.port = 0`` and a ``tcp://host:0`` control bind are resolved to the real ports there.)
+A worker whose own target/draft pair fails ``setup_state_kv_args`` with ``checks.local = true``
+exits 3 with the upstream message on stderr; ``checks.local = false`` serves anyway and reports
+the error on ``/readyz`` and ``/v1/compat``.
+
+SIGTERM / SIGINT: stop accepting HTTP connections, answer new transfer requests 503, stop the
+worker (which fails its in-flight requests with a reason and releases its shared memory), finish
+the open HTTP responses, print ``{"event": "stopped"}`` and exit 0.
+
+The status source over the worker is ``service.status``; ``probe`` is ``service.probe``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from pdstate.service.status import WorkerStatus, release_partial
+
+log = logging.getLogger("pdstate.service.server")
+_T_IMPORTED = time.perf_counter()  # cli imports this module before parsing argv: ~process start
+
+EXIT_LOCAL_CHECK = 3
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _emit(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def cmd_serve(args) -> int:
+    from pdstate.runtime.common import tune_interpreter
+
+    tune_interpreter()
+    from pdstate.service.config import load_config
+
+    cfg = load_config(args.config, args.set)  # ConfigError -> exit 2 in cli.main
+    logging.getLogger().setLevel(args.log_level.upper())
+    t0 = _T_IMPORTED
+
+    stop_requested = threading.Event()
+    holder: dict[str, Any] = {}
+
+    def on_signal(signum, frame) -> None:  # before/after uvicorn's own handlers are installed
+        stop_requested.set()
+        src = holder.get("source")
+        if src is not None:
+            src.draining = True
+        srv = holder.get("server")
+        if srv is not None:
+            srv.should_exit = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    from pdstate.runtime.common import LocalCheckFailed
+
+    if cfg.role == "prefill":
+        from pdstate.runtime.prefill import PrefillWorker as Worker
+    else:
+        from pdstate.runtime.decode import DecodeWorker as Worker
+    worker = Worker(cfg.worker_options())
+    try:
+        worker.start()
+    except LocalCheckFailed as exc:
+        release_partial(worker)
+        cause = exc.__cause__ or exc
+        print(f"pdstate serve: {cfg.role} local check failed: {type(cause).__name__}: {exc}", file=sys.stderr)
+        from pdstate.service.preflight import FIX_HINTS
+
+        if type(cause).__name__ in FIX_HINTS:
+            print(f"  {FIX_HINTS[type(cause).__name__]}", file=sys.stderr)
+        print("  (checks.local = false serves anyway and reports the error on /readyz)", file=sys.stderr)
+        return EXIT_LOCAL_CHECK
+    except Exception as exc:
+        release_partial(worker)
+        print(f"pdstate serve: {cfg.role} worker failed to start: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    source = WorkerStatus(worker, cfg)
+    holder["source"] = source
+    if stop_requested.is_set():
+        source.drain()
+        return 0
+    try:
+        sock = _listen(cfg.http.host, cfg.http.port)
+    except OSError as exc:
+        source.drain()
+        print(f"pdstate serve: cannot listen on {cfg.http.host}:{cfg.http.port}: {exc}", file=sys.stderr)
+        return 1
+
+    import uvicorn
+
+    from pdstate.service.api import create_app
+
+    app = create_app(source, token=cfg.auth.secret())
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            source.draining = True  # new transfers get 503 from here on
+            super().handle_exit(sig, frame)
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                _emit(
+                    {
+                        "event": "listening",
+                        "role": cfg.role,
+                        "worker_id": source.worker_id,
+                        "http": _url(sock),
+                        "control": source.control,
+                        "pid": os.getpid(),
+                        "startup_s": round(time.perf_counter() - t0, 3),
+                    }
+                )
+
+        async def shutdown(self, sockets=None) -> None:
+            import asyncio
+
+            # stop the worker while uvicorn closes the listener: in-flight transfers then end
+            # (failed, with a reason) and their HTTP responses can be written before we exit
+            drained = asyncio.get_running_loop().run_in_executor(None, source.drain)
+            await super().shutdown(sockets=sockets)
+            await drained
+
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        log_level=args.log_level.lower(),
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=10,
+    )
+    server = Server(config)
+    holder["server"] = server
+    if stop_requested.is_set():
+        server.should_exit = True
+    try:
+        server.run(sockets=[sock])
+    finally:
+        source.drain()
+        sock.close()
+    _emit({"event": "stopped", "role": cfg.role, "pid": os.getpid()})
+    return 0
+
+
+def add_commands(sub) -> None:
+    s = sub.add_parser("serve", help="run one worker (prefill or decode) with its HTTP endpoint")
+    s.add_argument("--config", required=True, metavar="FILE", help="worker config (TOML)")
+    s.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="section.key=value",
+        help="override one config key (wins over PDSTATE_* environment and the file)",
+    )
+    s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    s.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("probe", help="query running workers' /v1/compat and /readyz; with two, check the pair")
+    p.add_argument("urls", nargs="+", metavar="URL", help="worker base URL, e.g. http://127.0.0.1:8101")
+    p.add_argument("--token", default="", help="bearer token (only needed by mutating endpoints)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per HTTP call")
+    p.add_argument("--json", action="store_true", help="print the findings as one JSON object")
+    from pdstate.service.probe import cmd_probe
+
+    p.set_defaults(func=cmd_probe)

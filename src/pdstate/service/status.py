@@ -1,0 +1,171 @@
+"""``WorkerStatus``: the read-only status source (``api.StatusSource``) over a live worker, and
+the one way to stop it (``drain``)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+
+log = logging.getLogger("pdstate.service.status")
+
+
+class WorkerStatus:
+    """``api.StatusSource`` over a started ``PrefillWorker`` or ``DecodeWorker``.
+
+    ``drain()`` is the one way to stop the worker: idempotent, thread-safe; it marks the source
+    as shutting down (so no new transfer is accepted), stops the worker, and completes any future
+    the worker did not get to with a failed result.
+    """
+
+    def __init__(self, worker, cfg) -> None:
+        self.worker = worker
+        self.cfg = cfg
+        self.role: str = cfg.role
+        self.worker_id: str = worker.worker_id
+        self.incarnation: str = worker.incarnation
+        self.engine: str = cfg.transfer.engine
+        self.control: str = worker.endpoint if cfg.role == "prefill" else cfg.control.peer
+        self.report = worker.report
+        self.stats = worker.stats
+        self.draining = False
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._futures: dict[Future, tuple[int, int]] = {}  # submitted by us -> (room, tokens)
+
+    # read side
+    def local_check(self):
+        r = self.report.local_check
+        return r.ok, r.error
+
+    def readiness(self):
+        from pdstate.protocol.report import ErrorInfo
+        from pdstate.service.api import Readiness
+
+        if self.draining:
+            return Readiness(False, "shutting down", "shutdown")
+        ok, err = self.local_check()
+        if not ok:
+            return Readiness(False, err.message, "local_check", err)
+        threads = [t for t in (getattr(self.worker, "_threads", None) or [getattr(self.worker, "_thread", None)]) if t]
+        dead = [t.name for t in threads if not t.is_alive()]
+        if dead:  # a worker thread died: nothing would answer (see the worker's log for why)
+            return Readiness(False, f"worker thread stopped: {', '.join(dead)}", "peer")
+        if self.role == "prefill":
+            if not self.worker.endpoint:
+                return Readiness(False, "control socket not listening", "peer")
+            return Readiness(True)
+        state = self.worker.peer_state.value
+        if state == "accepted":
+            return Readiness(True)
+        if state == "rejected":
+            e = self.worker.peer_error or ErrorInfo(type="RuntimeError", message="handshake refused")
+            return Readiness(False, e.message, "handshake", e)
+        if state == "gone":
+            return Readiness(False, f"prefill at {self.control} is gone (no heartbeat); registering again", "peer")
+        return Readiness(False, f"waiting for the prefill at {self.control} to answer the handshake", "peer")
+
+    def peers(self) -> list[dict]:
+        if self.role == "prefill":
+            return [
+                {"id": p["id"], "state": p["state"], "error": p["error"], "incarnation": p["incarnation"]}
+                for p in self.worker.peer_states()
+            ]
+        w = self.worker
+        err = None if w.peer_error is None else w.peer_error.model_dump()
+        return [{"id": self.control, "state": w.peer_state.value, "error": err, "incarnation": w.prefill_incarnation}]
+
+    def in_flight(self) -> int:
+        return len(self.worker.requests if self.role == "decode" else self.worker.jobs)
+
+    def free_counts(self) -> dict[str, int]:
+        if self._stopped:
+            return {}
+        return self.worker.free_counts()
+
+    def result_timeout_s(self) -> float:
+        o = self.worker.opts
+        return o.request_deadline_s + o.peer_timeout_s + 5
+
+    # decode actions
+    def submit(self, tokens: int, room: int | None) -> Future:
+        with self._lock:
+            if self.draining:
+                fut: Future = Future()
+                fut.set_result(self._failed(room or 0, tokens, "decode shutting down"))
+                return fut
+            inner = self.worker.submit(tokens, room)
+            outer: Future = Future()
+            self._futures[outer] = (room or 0, tokens)
+
+        def relay(f: Future) -> None:
+            from pdstate.runtime.common import settle
+
+            if f.cancelled():
+                exc: BaseException | None = RuntimeError(f"transfer of room {room} was cancelled")
+            else:
+                exc = f.exception()
+            with self._lock:  # drain() may have completed ``outer`` already, its caller cancelled it
+                self._futures.pop(outer, None)
+                if exc is not None:
+                    settle(outer, exc=exc)
+                else:
+                    settle(outer, f.result().as_dict())
+
+        inner.add_done_callback(relay)
+        return outer
+
+    def lookup(self, room: int) -> dict | None:
+        w = self.worker
+        res = w.finished.get(room)
+        if res is not None:
+            return res.as_dict()
+        req = w.requests.get(room)
+        if req is not None:
+            from pdstate.runtime.common import now
+
+            return {"room": room, "status": "in_flight", "seq_len": req.seq_len, "seconds": now() - req.started}
+        return None
+
+    def reregister(self) -> None:
+        self.worker.reregister()
+
+    @staticmethod
+    def _failed(room: int, tokens: int, reason: str) -> dict:
+        return {
+            "room": room,
+            "status": "failed",
+            "seq_len": tokens,
+            "bytes": 0,
+            "descriptors": 0,
+            "seconds": 0.0,
+            "verified": False,
+            "error": {"type": "TransferFailed", "message": reason},
+        }
+
+    def drain(self) -> None:
+        with self._lock:
+            self.draining = True
+            if self._stopped:
+                return
+            self._stopped = True
+        try:
+            self.worker.stop()
+        finally:
+            with self._lock:
+                from pdstate.runtime.common import settle
+
+                for f, (room, tokens) in self._futures.items():
+                    settle(f, self._failed(room, tokens, f"{self.role} shutting down"))
+                self._futures.clear()
+
+
+def release_partial(worker) -> None:
+    """Free what a worker built before its ``start()`` raised (its shm segments above all)."""
+    for name in ("engine", "pools"):
+        obj = getattr(worker, name, None)
+        if obj is not None:
+            try:
+                obj.close()
+            except Exception:  # best effort on the way out
+                log.debug("closing %s after a failed start", name, exc_info=True)

@@ -1,0 +1,1 @@
+"""Moving bytes: ``TransferPlan`` (plan.py), the descriptor planner, and the engines."""
