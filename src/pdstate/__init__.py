@@ -77,6 +77,9 @@ _WHERE: dict[str, str] = {
     "setup_state_kv_args": "pdstate.pools.kvargs",
     "fill_kv_args": "pdstate.pools.kvargs",
     "build_report": "pdstate.pools.reporting",
+    "PoolSettings": "pdstate.pools.presets",
+    "preset": "pdstate.pools.presets",
+    "build_worker_pools": "pdstate.pools.presets",
     "TransferPlan": "pdstate.transfer.plan",
     "create_engine": "pdstate.transfer.engines.base",
 }
@@ -129,6 +132,9 @@ __all__ = [
     "setup_state_kv_args",
     "fill_kv_args",
     "build_report",
+    "PoolSettings",
+    "preset",
+    "build_worker_pools",
     "TransferPlan",
     "create_engine",
 ]
@@ -185,6 +191,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     from pdstate.pools.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator
     from pdstate.pools.dsv4 import DeepSeekV4TokenToKVPool
     from pdstate.pools.kvargs import fill_kv_args, setup_state_kv_args
+    from pdstate.pools.presets import PoolSettings, build_worker_pools, preset
     from pdstate.pools.reporting import build_report
     from pdstate.protocol.compat import check_peer, compat_errors
     from pdstate.protocol.facts import KVArgs, MappingIdentity, PoolFacts, StateType
