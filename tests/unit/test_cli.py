@@ -112,3 +112,42 @@ def test_importing_the_cli_loads_no_torch():
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bench_command_writes_its_files_and_ends_with_the_summary(tmp_path, monkeypatch, capsys):
+    import json
+
+    from pdstate.devtools import bench
+
+    fake = {
+        "paths": {"paged:shm:pdstate_shm": {"2048": {"gbps": {"median": 2.0, "min": 1.0, "max": 3.0}}}},
+        "ratios": {"shm_vs_ceiling": 0.8},
+        "planner": {
+            "fragmented_ms": 1.0,
+            "contiguous_ms": 0.5,
+            "loop_fragmented_ms": 20.0,
+            "descriptors_contiguous": 148,
+            "descriptors_fragmented": 31830,
+        },
+        "control": {
+            "handshake_ms": {"median": 7.0},
+            "control_overhead_ms": {"median": 0.9},
+            "request_1_token_ms": {"median": 2.0},
+            "request_1_token_overhead_ms": {"median": 1.1},
+            "first_handshake_flash_ms": 4.0,
+        },
+    }
+    seen = {}
+
+    def run_bench(quick, engines, modes, progress):
+        seen.update(quick=quick, engines=engines, modes=modes)
+        return fake
+
+    monkeypatch.setattr(bench, "run_bench", run_bench)
+    monkeypatch.setattr("pdstate.runtime.common.tune_interpreter", lambda: None)  # this process's switch interval
+    assert cli.main(["bench", "--quick", "--engines", "shm", "--modes", "paged", "--out", str(tmp_path)]) == ExitCode.OK
+    assert seen == {"quick": True, "engines": ["shm"], "modes": ["paged"]}
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("paged:shm:pdstate_shm") and "2.00" in line for line in lines)
+    assert json.loads(lines[-1])["ratios"]["shm_vs_ceiling"] == 0.8
+    assert json.loads((tmp_path / "bench.json").read_text()) == fake
