@@ -1,171 +1,209 @@
-"""``pdstate`` command line: demo | check | serve | probe | bench."""
+"""``pdstate`` command line: demo | check | serve | probe | bench.
+
+This module only builds the parsers and dispatches; each command's body lives with its layer
+(``devtools.demo``, ``service.preflight``, ``service.server``, ``service.probe``,
+``devtools.bench_report``). Every command returns an ``ExitCode``; a ``ConfigError`` from any of
+them exits ``ExitCode.CONFIG``, as argparse's own usage errors do. Importing this module loads no
+torch: the commands that need it import it when they run.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
-import time
 
-from pdstate.errors import ConfigError
+from pdstate.devtools import bench_report, demo
+from pdstate.errors import ConfigError, ExitCode
+from pdstate.service import preflight, probe, server
 
-DEMO_LENGTHS = [100, 128, 255, 256, 257, 1000, 4096, 8191, 16384, 32768]
+ENGINES = ("shm", "mooncake", "nixl")
+MODES = ("paged", "unified")
+PRESET_NAMES = ("tiny", "dsv4-flash")  # pools.presets.PRESETS' names (a test keeps them equal)
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+EPILOG = (
+    "exit status (every command): 0 ok; 1 the command ran and the answer is no (a check found "
+    "problems, a transfer failed, a worker is not ready); 2 bad arguments or configuration; 3 the "
+    "worker's own target/draft pair fails setup_state_kv_args; 4 the peer refused the handshake"
+)
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n:.1f} GB"
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default (a flag's as "off"), unless its help already says it in
+    words or the option is required."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default:" in text or action.required:
+            return text
+        if action.nargs == 0 and action.const is True and action.default is False:  # store_true
+            return f"{text} (default: off)"
+        return super()._get_help_string(action)
 
 
-def run_demo(
-    engine: str,
-    mode: str,
-    preset: str,
-    requests: int,
-    tokens: list[int] | None,
-    concurrency: int,
-    draft: bool,
-    progress,
-    token: bytes | None = None,
-) -> dict:
-    """Spawn a prefill and a decode process, handshake, run the batch; returns the summary."""
-    from pdstate.devtools.processes import WorkerProcess
-    from pdstate.pools.presets import preset as get_preset
-    from pdstate.runtime.common import WorkerOptions
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {n}")
+    return n
 
-    settings = get_preset(preset).with_(unified_kv=(mode == "unified"), draft_enabled=draft)
-    cap = settings.full_tokens // max(1, concurrency)
-    lengths = tokens or [n for n in DEMO_LENGTHS if n <= cap] or [min(DEMO_LENGTHS)]
-    batch = [lengths[i % len(lengths)] for i in range(requests)]
-    # One host: NIXL's UCX must not load its InfiniBand module here (it crashes at exit without
-    # RDMA hardware); Mooncake runs over loopback TCP.
-    engine_options = {"nixl": {"ucx_env": {"UCX_MODULES": "^ib"}}, "mooncake": {"host": "127.0.0.1"}}.get(engine, {})
-    base = dict(
-        pool=settings, engine=engine, engine_options=engine_options, token=token, max_inflight=max(64, concurrency)
+
+def _lengths(text: str) -> list[int]:
+    try:
+        out = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+    if any(n < 0 for n in out):
+        raise argparse.ArgumentTypeError(f"a prompt length is negative: {text!r}")
+    return out
+
+
+def _subset(choices: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        out = [t for t in text.split(",") if t]
+        bad = [t for t in out if t not in choices]
+        if bad or not out:
+            raise argparse.ArgumentTypeError(f"choose from {','.join(choices)}; got {text!r}")
+        return out
+
+    return parse
+
+
+def _add_demo(sub) -> None:
+    d = sub.add_parser(
+        "demo",
+        help="run a prefill+decode pair and verify a batch of transfers",
+        description="Spawn a prefill and a decode worker process, handshake, run a batch of requests of mixed "
+        "lengths and verify every one; prints a line per request (with its full room id) and a summary table.",
+        epilog="exit status: 0 every request verified and no page leaked; 1 a request failed or leaked, or the "
+        "pair did not start; 2 bad arguments",
+        formatter_class=HelpFormatter,
     )
-    prefill = WorkerProcess(WorkerOptions(role="prefill", worker_id="prefill-0", **base))
-    decode = None
-    try:
-        ev = prefill.read_event(120)
-        decode = WorkerProcess(WorkerOptions(role="decode", worker_id="decode-0", peer=ev["endpoint"], **base))
-        ev = decode.read_event(120)
-        if ev["event"] != "ready":
-            raise RuntimeError(f"handshake refused: {ev['type']}: {ev['message']}")
-        handshake_ms = ev["handshake_ms"]
-        free_before = ev["free"]
-        decode.send(json.dumps({"cmd": "run", "lengths": batch, "concurrency": concurrency}))
-        t0 = time.perf_counter()
-        results = []
-        while True:
-            ev = decode.read_event(300)
-            if ev["event"] == "batch_done":
-                break
-            results.append(ev)
-            progress(len(results), len(batch), ev)
-        seconds = time.perf_counter() - t0
-        free_after = ev["free"]
-    finally:
-        rcs = [w.close() for w in (decode, prefill) if w is not None]
-    verified = sum(1 for r in results if r["status"] == "success" and r["verified"])
-    nbytes = sum(r["bytes"] for r in results)
-    return {
-        "engine": engine,
-        "mode": mode,
-        "preset": preset,
-        "draft": draft,
-        "requests": len(batch),
-        "verified": verified,
-        "failed": len(results) - verified,
-        "bytes": nbytes,
-        "seconds": seconds,
-        "gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0,
-        "handshake_ms": handshake_ms,
-        "descriptors": sum(r["descriptors"] for r in results),
-        "leaked": free_before != free_after,
-        "worker_exit_codes": rcs,
-        "errors": sorted({r["error"]["message"] for r in results if r.get("error")})[:5],
-    }
+    d.add_argument("--engine", choices=ENGINES, default="shm", help="transfer engine moving the bytes")
+    d.add_argument("--mode", choices=MODES, default="paged", help="pool layout: paged SWA or unified KV")
+    d.add_argument("--preset", choices=PRESET_NAMES, default="dsv4-flash", help="pool layout preset of both workers")
+    d.add_argument("--requests", type=_positive, default=24, metavar="N", help="number of requests in the batch")
+    d.add_argument(
+        "--tokens",
+        type=_lengths,
+        default=None,
+        metavar="N,N,...",
+        help="comma-separated prompt lengths, cycled over the requests (default: those of "
+        f"{','.join(map(str, demo.DEMO_LENGTHS))} that fit the pool)",
+    )
+    d.add_argument("--concurrency", type=_positive, default=4, metavar="N", help="requests in flight at once")
+    d.add_argument("--no-draft", action="store_true", help="run without the NextN draft pool")
+    d.add_argument("--json", action="store_true", help="print only one JSON summary object")
+    d.set_defaults(func=demo.cmd_demo)
 
 
-def cmd_demo(args) -> int:
-    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else None
-
-    def progress(done, total, ev):
-        if args.json:
-            return
-        mark = "ok" if ev["verified"] else f"FAILED ({ev['error']['message'] if ev['error'] else '?'})"
-        print(
-            f"  [{done:>4}/{total}] room {ev['room'] % 10**6:06d}  {ev['seq_len']:>6} tokens  "
-            f"{_fmt_bytes(ev['bytes']):>10}  {ev['seconds'] * 1e3:7.1f} ms  {mark}",
-            flush=True,
+def _add_check(sub) -> None:
+    preflight.configure_check(
+        sub.add_parser(
+            "check",
+            help="offline preflight: build layout reports from config files and compare",
+            description="Build each config file's pools and layout report in this process (no worker needed), "
+            "run the local target/draft check on each and, with two files, the pair's compatibility check.",
+            epilog=EPILOG,
+            formatter_class=HelpFormatter,
         )
+    )
 
-    if not args.json:
-        print(
-            f"pdstate demo: preset {args.preset}, {args.mode} mode, draft {'on' if not args.no_draft else 'off'}, "
-            f"engine {args.engine}, {args.requests} requests"
-        )
-    try:
-        s = run_demo(
-            args.engine, args.mode, args.preset, args.requests, tokens, args.concurrency, not args.no_draft, progress
-        )
-    except Exception as exc:
-        print(f"demo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(s))
-    else:
-        rows = [
-            ("requests", s["requests"]),
-            ("verified", s["verified"]),
-            ("failed", s["failed"]),
-            ("bytes", _fmt_bytes(s["bytes"])),
-            ("descriptors", s["descriptors"]),
-            ("seconds", f"{s['seconds']:.3f}"),
-            ("GB/s", f"{s['gbps']:.2f}"),
-            ("handshake ms", f"{s['handshake_ms']:.2f}"),
-            ("leaked pages", "yes" if s["leaked"] else "none"),
-        ]
-        print()
-        print("+" + "-" * 16 + "+" + "-" * 16 + "+")
-        for k, v in rows:
-            print(f"| {k:<14} | {str(v):>14} |")
-        print("+" + "-" * 16 + "+" + "-" * 16 + "+")
-        for e in s["errors"]:
-            print(f"error: {e}")
-    return 0 if s["failed"] == 0 and s["verified"] == s["requests"] and not s["leaked"] else 1
+
+def _add_serve(sub) -> None:
+    s = sub.add_parser(
+        "serve",
+        help="run one worker (prefill or decode) with its HTTP endpoint",
+        description="Run one worker (pools, engine, ZeroMQ control) and its HTTP API until SIGTERM/SIGINT; prints "
+        'one JSON line {"event": "listening", ...} when the HTTP socket listens.',
+        epilog="exit status: 0 stopped by SIGTERM/SIGINT; 1 the worker could not start (engine, bind, HTTP "
+        "port); 2 bad arguments or configuration; 3 the worker's own target/draft pair fails "
+        "setup_state_kv_args (with checks.local = true)",
+        formatter_class=HelpFormatter,
+    )
+    s.add_argument("--config", required=True, metavar="FILE", help="worker config (TOML)")
+    s.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="section.key=value",
+        help="override one config key, repeatable; wins over PDSTATE_* environment and the file (default: none)",
+    )
+    s.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="log level of the worker and uvicorn")
+    s.set_defaults(func=server.cmd_serve)
+
+
+def _add_probe(sub) -> None:
+    p = sub.add_parser(
+        "probe",
+        help="query running workers' /v1/compat and /readyz; with two, check the pair",
+        description="GET /readyz and /v1/compat of each worker and print a readable report; with two URLs, post "
+        "the first one's compat document to the second's /v1/compat/check.",
+        epilog="exit status: 0 every worker ready and, with two, the pair compatible; 1 a worker unreachable "
+        "or not ready, or the pair incompatible; 2 bad arguments",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("urls", nargs="+", metavar="URL", help="worker base URL, e.g. http://127.0.0.1:8101; one or two")
+    p.add_argument("--token", default=None, help="bearer token (only needed by mutating endpoints) (default: none)")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="seconds per HTTP call")
+    p.add_argument("--json", action="store_true", help="print the findings as one JSON object")
+    p.set_defaults(func=probe.cmd_probe)
+
+
+def _add_bench(sub) -> None:
+    b = sub.add_parser(
+        "bench",
+        help="measure pdstate against the in-process ceiling and the raw engines",
+        description="Measure the dsv4-flash layout at 2k, 8k, 32k and 128k tokens: pdstate end to end against "
+        "an in-process copy and the raw native engines, plus planner and control costs.",
+        epilog="exit status: 0 measured and written; 1 a measurement failed; 2 bad arguments",
+        formatter_class=HelpFormatter,
+    )
+    b.add_argument("--json", action="store_true", help="print no progress; the last line is one JSON object")
+    b.add_argument("--out", default="bench-out", metavar="DIR", help="directory for bench.json and bench.png")
+    b.add_argument("--quick", action="store_true", help="5 runs per variant instead of 9 (2-5 minutes here)")
+    b.add_argument(
+        "--engines",
+        type=_subset(ENGINES),
+        default=",".join(ENGINES),
+        metavar="E,E,...",
+        help=f"comma-separated engines out of {','.join(ENGINES)}; one not installed is skipped",
+    )
+    b.add_argument(
+        "--modes",
+        type=_subset(MODES),
+        default=",".join(MODES),
+        metavar="M,M,...",
+        help=f"comma-separated pool modes out of {','.join(MODES)} (the native engines run paged only)",
+    )
+    b.set_defaults(func=bench_report.cmd_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdstate",
+        description="pdstate: move a DeepSeek-V4 request's state from a prefill worker to a decode worker.",
+        epilog=EPILOG,
+        formatter_class=HelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_demo, _add_check, _add_serve, _add_probe, _add_bench):
+        add(sub)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pdstate", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-
-    d = sub.add_parser("demo", help="run a prefill+decode pair and verify a batch of transfers")
-    d.add_argument("--engine", choices=["shm", "mooncake", "nixl"], default="shm")
-    d.add_argument("--mode", choices=["paged", "unified"], default="paged")
-    d.add_argument("--preset", default="dsv4-flash")
-    d.add_argument("--requests", type=int, default=24)
-    d.add_argument("--tokens", default="", help="comma-separated prompt lengths (cycled)")
-    d.add_argument("--concurrency", type=int, default=4)
-    d.add_argument("--no-draft", action="store_true", help="run without the NextN draft pool")
-    d.add_argument("--json", action="store_true", help="print one JSON summary object")
-    d.set_defaults(func=cmd_demo)
-
-    from pdstate.service import preflight as cli_ops
-
-    cli_ops.add_commands(sub)
-    cli_ops.add_bench(sub)
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except ConfigError as exc:
         print(f"pdstate: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.CONFIG
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import zmq
 
-from pdstate.devtools.processes import EXIT_LOCAL_CHECK, EXIT_REFUSED
+from pdstate.errors import ExitCode
 from pdstate.pools.presets import build_worker_pools
 from pdstate.pools.reporting import build_report
 from pdstate.protocol import wire
@@ -132,7 +132,7 @@ def _assert_refused_both_sides(prefill_proc, decode_proc, worker_id: str, etype:
     assert ev == {"event": "refused", "type": etype, "message": message}
     rec = peer_record(prefill_proc, worker_id, "rejected")
     assert rec["error"] == {"type": etype, "message": message}
-    assert decode_proc.wait(15) == EXIT_REFUSED, decode_proc.stderr_text()[-3000:]
+    assert decode_proc.wait(15) == ExitCode.REFUSED, decode_proc.stderr_text()[-3000:]
 
 
 def test_matching_pair_is_accepted_over_python_m(workers):
@@ -195,7 +195,7 @@ def test_good_decode_is_served_while_a_bad_one_is_refused(prefill, workers):
 def test_local_check_failure_exits_nonzero_with_upstream_message(workers):
     """A real ``python -m pdstate.devtools.processes`` decode whose own pair is wrong never starts."""
     d = workers.decode("tcp://127.0.0.1:9", TINY.with_(draft_mapping="own"), launcher="subprocess")
-    assert d.wait(60) == EXIT_LOCAL_CHECK
+    assert d.wait(60) == ExitCode.LOCAL_CHECK
     assert f"SWAIndexMappingNotShared: {SEED_ERROR}" in d.stderr_text()
 
 
@@ -212,7 +212,7 @@ def test_local_check_failure_exits_nonzero_with_upstream_message(workers):
 )
 def test_local_check_failure_forked_worker(workers, role, changes, text):
     w = workers.spawn(role, TINY.with_(**changes), peer="tcp://127.0.0.1:9" if role == "decode" else "")
-    assert w.wait(30) == EXIT_LOCAL_CHECK
+    assert w.wait(30) == ExitCode.LOCAL_CHECK
     assert text in w.stderr_text()
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdstate.errors import ExitCode
 from pdstate.protocol.wire import PROTOCOL_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
@@ -334,7 +335,7 @@ def test_own_mapping_decode_is_not_ready(cluster, http):
 def test_own_mapping_with_local_check_exits(cluster):
     s = cluster["own_strict"]
     rc = s.wait(START_TIMEOUT_S)
-    assert rc != 0
+    assert rc == ExitCode.LOCAL_CHECK
     assert MAPPING_ERROR in s.err()
     assert s.listening is None and s.events.get(timeout=5) is None  # never said "listening"
     assert segments(s.pid) == []  # what it built before the check failed was released
@@ -346,13 +347,13 @@ def test_probe_cli(cluster):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "pair: compatible" in r.stdout and "decode " in r.stdout and "prefill " in r.stdout
     r = subprocess.run(_pdstate() + ["probe", o, p], capture_output=True, text=True, timeout=60, env=_env())
-    assert r.returncode == 1
+    assert r.returncode == ExitCode.FAILED
     assert f"NOT READY: {MAPPING_ERROR}" in r.stdout
     assert f"SWAIndexMappingNotShared: {MAPPING_ERROR}" in r.stdout and "pair: INCOMPATIBLE" in r.stdout
     r = subprocess.run(
         _pdstate() + ["probe", "--json", "http://127.0.0.1:9"], capture_output=True, text=True, timeout=60, env=_env()
     )
-    assert r.returncode == 1 and "unreachable" in json.loads(r.stdout)["workers"][0]
+    assert r.returncode == ExitCode.FAILED and "unreachable" in json.loads(r.stdout)["workers"][0]
 
 
 def test_openapi_docs(cluster, http):

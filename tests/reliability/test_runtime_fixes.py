@@ -26,7 +26,7 @@ import msgpack
 import pytest
 import zmq
 
-from pdstate.errors import VersionMismatch
+from pdstate.errors import ExitCode, VersionMismatch
 from pdstate.protocol import wire
 from pdstate.runtime import control
 from pdstate.runtime.common import LATENCY_WINDOW, LocalCheckFailed, Stats, settle
@@ -66,7 +66,7 @@ def test_failed_start_releases_segments_engine_and_sockets():
     ws = Workers()
     try:
         w = ws.spawn("decode", TINY.with_(draft_mapping="own"), peer="tcp://127.0.0.1:9")
-        assert w.wait(30) == 2
+        assert w.wait(30) == ExitCode.LOCAL_CHECK
         assert segments(w.pid) == []
     finally:
         ws.close_all()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdstate.devtools import bench
+from pdstate.devtools import bench, bench_report
 
 
 def _row(seconds: float) -> dict:
@@ -24,7 +24,7 @@ def test_ratios_are_taken_within_each_phase():
             "paged:mooncake:pdstate_mooncake": {"32768": _row(10.0)},
         },
     }
-    out = bench.ratios(r)
+    out = bench_report.ratios(r)
     assert out["shm_vs_ceiling_by_length"] == {"2048": 0.5, "32768": 0.8}
     assert out["shm_vs_ceiling"] == 0.8 and out["shm_full_verify_vs_ceiling"] == 0.5
     assert out["mooncake_vs_raw"] == 0.9 and "nixl_vs_raw" not in out
@@ -40,7 +40,7 @@ def test_a_phase_on_tiny_measures_every_variant_and_verifies():
     row = results["paths"]["paged:shm:pdstate_shm"]["300"]
     assert row["seconds"]["n"] == 2 and row["bytes"] > 0 and row["gbps"]["median"] > 0
     assert results["parts"]["paged:shm:pdstate_shm:verify_s"]["300"]["median"] > 0
-    assert 0 < bench.ratios(results)["shm_vs_ceiling_by_length"]["300"] < 5
+    assert 0 < bench_report.ratios(results)["shm_vs_ceiling_by_length"]["300"] < 5
     assert any("300 tokens" in line for line in lines)
     assert src.pools.allocator.full_available_size() == dst.pools.allocator.full_available_size()
 
@@ -63,7 +63,7 @@ def test_summary_carries_the_keys_the_issue_names():
             "first_handshake_flash_ms": 4.0,
         },
     }
-    s = bench.summary(r)
+    s = bench_report.summary(r)
     assert set(s["ratios"]) >= {"shm_vs_ceiling", "mooncake_vs_raw", "nixl_vs_raw"}
     assert s["ratios"]["mooncake_vs_raw"] is None  # an engine that did not run is null, not absent
     assert s["plan_speedup_vs_loop"] == 20.0
@@ -99,7 +99,7 @@ def test_outputs_json_and_a_plot_where_matplotlib_is_installed(tmp_path):
         expected = {"bench.json", "bench.png"}
     except ImportError:
         expected = {"bench.json"}
-    files = bench.write_outputs(r, tmp_path / "out")
+    files = bench_report.write_outputs(r, tmp_path / "out")
     assert {f.name for f in files} == expected
     assert json.loads((tmp_path / "out" / "bench.json").read_text()) == r
 
@@ -119,4 +119,4 @@ def test_a_native_engine_phase_writes_raw_into_the_decode_worker():
     assert (
         raw["seconds"]["n"] == 2 and raw["bytes"] == results["paths"]["paged:mooncake:pdstate_mooncake"]["300"]["bytes"]
     )
-    assert 0 < bench.ratios(results)["mooncake_vs_raw_by_length"]["300"] < 20
+    assert 0 < bench_report.ratios(results)["mooncake_vs_raw_by_length"]["300"] < 20

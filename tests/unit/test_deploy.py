@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from pdstate.service import preflight as cli_ops
+from pdstate.cli import build_parser
 from pdstate.service.api import create_app, route_paths
 from pdstate.service.config import load_config
 
@@ -26,10 +26,7 @@ ROLES = ("prefill", "decode")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdstate")
-    sub = p.add_subparsers(dest="command", required=True)
-    cli_ops.add_commands(sub)
-    return p
+    return build_parser()
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

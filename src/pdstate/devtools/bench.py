@@ -22,6 +22,8 @@ beside it): an idle NIXL agent keeps a core busy, which would tax everything els
 Plus planner timings (fully fragmented and fully contiguous 128k-token requests against the
 per-run Python loop) and control costs (handshake round trip, an empty transfer, a 1-token
 request).
+
+The ratios, summary, output files and the command are ``devtools.bench_report``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -43,6 +44,7 @@ from pdstate.devtools.baselines import (
     raw_engine,
     zmq_round_trip,
 )
+from pdstate.devtools.bench_report import ratios
 from pdstate.pools.presets import build_worker_pools, preset
 from pdstate.pools.reporting import build_report
 from pdstate.runtime import requests as rq
@@ -336,100 +338,3 @@ def bench_control(runs: int) -> dict:
     out["request_1_token_overhead_ms"] = median_range(rest)
     out["request_1_token_parts_ms"] = {k: median_range(v) for k, v in parts.items()}
     return out
-
-
-def ratios(r: dict) -> dict:
-    """Per length: ceiling / pdstate (shm), raw engine / pdstate (native engines), each within its
-    own phase; the keys without ``_by_length`` are the 32k-token values."""
-    out: dict = {}
-    paths = r["paths"]
-
-    def med(path: str, n: int) -> float | None:
-        v = paths.get(path, {}).get(str(n))
-        return None if v is None else v["seconds"]["median"]
-
-    for n in r["lengths"]:
-        for mode in r["modes"]:
-            sfx = "" if mode == "paged" else f"_{mode}"
-            c = med(f"{mode}:shm:ceiling", n)
-            for variant, key in (
-                ("pdstate_shm", "shm_vs_ceiling"),
-                ("pdstate_shm_full_verify", "shm_full_verify_vs_ceiling"),
-            ):
-                pd = med(f"{mode}:shm:{variant}", n)
-                if pd and c:
-                    out.setdefault(f"{key}{sfx}_by_length", {})[str(n)] = c / pd
-        for e in ("mooncake", "nixl"):
-            raw = med(f"paged:{e}:raw_{e}", n)
-            for variant, key in (
-                (f"pdstate_{e}", f"{e}_vs_raw"),
-                (f"pdstate_{e}_full_verify", f"{e}_full_verify_vs_raw"),
-            ):
-                pd = med(f"paged:{e}:{variant}", n)
-                if pd and raw:
-                    out.setdefault(f"{key}_by_length", {})[str(n)] = raw / pd
-    for key in [k[: -len("_by_length")] for k in list(out)]:
-        out[key] = out[f"{key}_by_length"].get("32768")
-    return out
-
-
-def summary(r: dict) -> dict:
-    return {
-        "ratios": {k: r["ratios"].get(k) for k in ("shm_vs_ceiling", "mooncake_vs_raw", "nixl_vs_raw")}
-        | {k: v for k, v in r["ratios"].items() if k not in ("shm_vs_ceiling", "mooncake_vs_raw", "nixl_vs_raw")},
-        "plan_fragmented_128k_ms": r["planner"]["fragmented_ms"],
-        "plan_contiguous_128k_ms": r["planner"]["contiguous_ms"],
-        "plan_speedup_vs_loop": r["planner"]["loop_fragmented_ms"] / r["planner"]["fragmented_ms"],
-        "handshake_ms_p50": r["control"]["handshake_ms"]["median"],
-        "control_overhead_ms_p50": r["control"]["control_overhead_ms"]["median"],
-        "request_1_token_ms_p50": r["control"]["request_1_token_ms"]["median"],
-        "request_1_token_overhead_ms_p50": r["control"]["request_1_token_overhead_ms"]["median"],
-        "zmq_round_trip_ms_p50": r["control"].get("zmq_round_trip_ms", {}).get("median"),
-        "first_handshake_flash_ms": r["control"]["first_handshake_flash_ms"],
-        "descriptors_contiguous_128k": r["planner"]["descriptors_contiguous"],
-        "descriptors_fragmented_128k": r["planner"]["descriptors_fragmented"],
-    }
-
-
-COLORS = {
-    ("paged", "shm"): "tab:blue",
-    ("unified", "shm"): "tab:cyan",
-    ("paged", "mooncake"): "tab:green",
-    ("paged", "nixl"): "tab:red",
-}
-
-
-def write_outputs(r: dict, out_dir: Path) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = [out_dir / "bench.json"]
-    written[0].write_text(json.dumps(r, indent=2, sort_keys=True) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return written
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for path, per_len in sorted(r["paths"].items()):
-        mode, engine, variant = path.split(":", 2)
-        if variant in ("ceiling_memmove", "ceiling_gather_scatter") or (variant == "ceiling" and engine != "shm"):
-            continue  # one ceiling per mode (the shm phase's); the phases' others are in bench.json
-        pts = sorted((int(n), v["gbps"]["median"]) for n, v in per_len.items())
-        style = "--" if variant.endswith("full_verify") else (":" if variant.startswith("raw") else "-")
-        label = f"{mode}: {'ceiling (in-process copy)' if variant == 'ceiling' else variant}"
-        color = (
-            ("black" if mode == "paged" else "grey")
-            if variant == "ceiling"
-            else COLORS.get((mode, engine), "tab:purple")
-        )
-        ax.plot([x for x, _ in pts], [y for _, y in pts], style, color=color, marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("request length (tokens)")
-    ax.set_ylabel("GB/s (median)")
-    ax.set_title("dsv4-flash request state: throughput by path")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_dir / "bench.png", dpi=110)
-    written.append(out_dir / "bench.png")
-    return written

@@ -8,14 +8,16 @@ decode that registered: id, incarnation, state, error) and ``{"cmd": "requests"}
 ``{"event": "requests", "in_flight": [...], "finished": [...]}`` (its request records);
 ``{"cmd": "fault", "delay_before_copy_s": S}`` sets the fault-injection delay of later copies.
 A decode prints ``{"event": "ready", "handshake_ms": ...}`` (or ``{"event": "refused", "type",
-"message"}`` and exits 3), then runs each ``{"cmd": "run", "lengths": [...], "concurrency": N,
+"message"}`` and exits ``ExitCode.REFUSED``, 4), then runs each ``{"cmd": "run", "lengths": [...], "concurrency": N,
 "deadline_s": S?, "verify": "full"|"sample"?}`` line it reads, printing one ``{"event": "result", ...}`` per request and
 ``{"event": "batch_done"}``; ``{"cmd": "stats"}`` prints its peer state, stats, free counts and
 request bookkeeping (in flight, quarantined); ``{"cmd": "describe"}`` prints ``{"event":
 "describe", "register": hex}``, its encoded register message (layout, KVArgs, engine endpoint:
 what a raw engine needs to write into it). EOF ends it.
 A worker whose own target/draft pair fails ``setup_state_kv_args`` (with ``local_checks``) prints
-``pdstate <role>: <ErrorType>: <upstream message>`` on stderr and exits 2.
+``pdstate <role>: <ErrorType>: <upstream message>`` on stderr and exits ``ExitCode.LOCAL_CHECK`` (3);
+an unreadable description line exits ``ExitCode.CONFIG`` (2), anything else that ends a worker
+``ExitCode.FAILED`` (1).
 
 ``WorkerProcess(opts)`` spawns ``python -m pdstate.devtools.processes`` (``launcher="subprocess"``, the
 default). ``launcher="fork"`` forks the worker from a ``multiprocessing`` fork server that has
@@ -41,13 +43,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from typing import Any
 
+from pdstate.errors import ExitCode
 from pdstate.pools.presets import PoolSettings
 from pdstate.runtime.common import LocalCheckFailed, WorkerOptions
 
 Emit = Callable[[dict], None]
-
-EXIT_LOCAL_CHECK = 2
-EXIT_REFUSED = 3
 
 
 def options_to_json(opts: WorkerOptions) -> str:
@@ -94,7 +94,7 @@ def _stats_dict(stats) -> dict:
     return stats.as_dict()
 
 
-def _run_prefill(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> int:
+def _run_prefill(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> ExitCode:
     from pdstate.runtime.prefill import PrefillWorker
 
     w = PrefillWorker(opts).start()
@@ -122,10 +122,10 @@ def _run_prefill(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> int:
                 emit({"event": "error", "message": f"unknown prefill command {cmd.get('cmd')!r}"})
     finally:
         w.stop()
-    return 0
+    return ExitCode.OK
 
 
-def _run_decode(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> int:
+def _run_decode(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> ExitCode:
     from pdstate.runtime.decode import DecodeWorker
 
     w = DecodeWorker(opts).start()
@@ -134,7 +134,7 @@ def _run_decode(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> int:
             w.wait_ready(timeout_s=opts.peer_timeout_s * 4)
         except Exception as exc:
             emit({"event": "refused", "type": type(exc).__name__, "message": str(exc)})
-            return EXIT_REFUSED
+            return ExitCode.REFUSED
         emit({"event": "ready", "handshake_ms": w.handshake_s * 1e3, "free": w.free_counts(), "pid": os.getpid()})
         for cmd in _commands(lines, emit):
             if cmd.get("cmd") == "run":
@@ -165,24 +165,31 @@ def _run_decode(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> int:
                 emit({"event": "error", "message": f"unknown decode command {cmd.get('cmd')!r}"})
     finally:
         w.stop()
-    return 0
+    return ExitCode.OK
 
 
-def serve(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> int:
+def serve(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> ExitCode:
     """Run one worker until ``lines`` ends; returns the exit status."""
     try:
         return _run_prefill(opts, lines, emit) if opts.role == "prefill" else _run_decode(opts, lines, emit)
     except LocalCheckFailed as exc:
         cause = exc.__cause__ if exc.__cause__ is not None else exc
         print(f"pdstate {opts.role}: {type(cause).__name__}: {cause}", file=sys.stderr, flush=True)
-        return EXIT_LOCAL_CHECK
+        return ExitCode.LOCAL_CHECK
 
 
-def main() -> int:
+def main() -> ExitCode:
     from pdstate.runtime.common import tune_interpreter
 
     tune_interpreter()
-    opts = options_from_json(sys.stdin.readline())
+    line = sys.stdin.readline()
+    try:
+        opts = options_from_json(line)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        print(
+            f"pdstate worker: bad description line {line.strip()[:80]!r}: {type(exc).__name__}: {exc}", file=sys.stderr
+        )
+        return ExitCode.CONFIG
     return serve(opts, sys.stdin, _emit_stdout)
 
 
@@ -210,7 +217,7 @@ def _forked_main(opts_json: str, cmd_conn, event_conn, log_path: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    rc = 1
+    rc = ExitCode.FAILED
     try:
         from pdstate.runtime.common import tune_interpreter
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdstate.errors import ProbeError
+from pdstate.errors import ExitCode, ProbeError
 
 
 def _http(method: str, url: str, body: dict | None = None, token: str | None = None, timeout_s: float = 5.0):
@@ -139,7 +139,8 @@ def format_probe(found: dict) -> str:
     return "\n".join(lines)
 
 
-def cmd_probe(args) -> int:
+def cmd_probe(args) -> ExitCode:
+    """OK when every worker answered ready (and, with two, the pair is compatible); else FAILED."""
     found = probe(args.urls, token=args.token or None, timeout_s=args.timeout)
     print(json.dumps(found) if args.json else format_probe(found))
-    return 0 if found["ok"] else 1
+    return ExitCode.OK if found["ok"] else ExitCode.FAILED

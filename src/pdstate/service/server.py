@@ -9,12 +9,13 @@ HTTP socket listens it prints one JSON line to stdout::
 
 (``http.port = 0`` and a ``tcp://host:0`` control bind are resolved to the real ports there.)
 A worker whose own target/draft pair fails ``setup_state_kv_args`` with ``checks.local = true``
-exits 3 with the upstream message on stderr; ``checks.local = false`` serves anyway and reports
+exits ``ExitCode.LOCAL_CHECK`` (3) with the upstream message on stderr; ``checks.local = false`` serves anyway and reports
 the error on ``/readyz`` and ``/v1/compat``.
 
 SIGTERM / SIGINT: stop accepting HTTP connections, answer new transfer requests 503, stop the
 worker (which fails its in-flight requests with a reason and releases its shared memory), finish
-the open HTTP responses, print ``{"event": "stopped"}`` and exit 0.
+the open HTTP responses, print ``{"event": "stopped"}`` and exit 0. A worker that cannot start (engine, bind, HTTP port)
+exits ``ExitCode.FAILED`` (1); a bad configuration ``ExitCode.CONFIG`` (2, from ``pdstate.cli``).
 
 The status source over the worker is ``service.status``; ``probe`` is ``service.probe``.
 """
@@ -31,12 +32,11 @@ import threading
 import time
 from typing import Any
 
+from pdstate.errors import ExitCode
 from pdstate.service.status import WorkerStatus, release_partial
 
 log = logging.getLogger("pdstate.service.server")
 _T_IMPORTED = time.perf_counter()  # cli imports this module before parsing argv: ~process start
-
-EXIT_LOCAL_CHECK = 3
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -59,13 +59,13 @@ def _emit(obj: dict) -> None:
     sys.stdout.flush()
 
 
-def cmd_serve(args) -> int:
+def cmd_serve(args) -> ExitCode:
     from pdstate.runtime.common import tune_interpreter
 
     tune_interpreter()
     from pdstate.service.config import load_config
 
-    cfg = load_config(args.config, args.set)  # ConfigError -> exit 2 in cli.main
+    cfg = load_config(args.config, args.set)  # ConfigError -> ExitCode.CONFIG in cli.main
     logging.getLogger().setLevel(args.log_level.upper())
     t0 = _T_IMPORTED
 
@@ -102,22 +102,22 @@ def cmd_serve(args) -> int:
         if type(cause).__name__ in FIX_HINTS:
             print(f"  {FIX_HINTS[type(cause).__name__]}", file=sys.stderr)
         print("  (checks.local = false serves anyway and reports the error on /readyz)", file=sys.stderr)
-        return EXIT_LOCAL_CHECK
+        return ExitCode.LOCAL_CHECK
     except Exception as exc:
         release_partial(worker)
         print(f"pdstate serve: {cfg.role} worker failed to start: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return ExitCode.FAILED
     source = WorkerStatus(worker, cfg)
     holder["source"] = source
     if stop_requested.is_set():
         source.drain()
-        return 0
+        return ExitCode.OK
     try:
         sock = _listen(cfg.http.host, cfg.http.port)
     except OSError as exc:
         source.drain()
         print(f"pdstate serve: cannot listen on {cfg.http.host}:{cfg.http.port}: {exc}", file=sys.stderr)
-        return 1
+        return ExitCode.FAILED
 
     import uvicorn
 
@@ -172,27 +172,4 @@ def cmd_serve(args) -> int:
         source.drain()
         sock.close()
     _emit({"event": "stopped", "role": cfg.role, "pid": os.getpid()})
-    return 0
-
-
-def add_commands(sub) -> None:
-    s = sub.add_parser("serve", help="run one worker (prefill or decode) with its HTTP endpoint")
-    s.add_argument("--config", required=True, metavar="FILE", help="worker config (TOML)")
-    s.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="section.key=value",
-        help="override one config key (wins over PDSTATE_* environment and the file)",
-    )
-    s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    s.set_defaults(func=cmd_serve)
-
-    p = sub.add_parser("probe", help="query running workers' /v1/compat and /readyz; with two, check the pair")
-    p.add_argument("urls", nargs="+", metavar="URL", help="worker base URL, e.g. http://127.0.0.1:8101")
-    p.add_argument("--token", default="", help="bearer token (only needed by mutating endpoints)")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds per HTTP call")
-    p.add_argument("--json", action="store_true", help="print the findings as one JSON object")
-    from pdstate.service.probe import cmd_probe
-
-    p.set_defaults(func=cmd_probe)
+    return ExitCode.OK
