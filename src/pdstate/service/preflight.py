@@ -97,7 +97,11 @@ def check_sglang(prefill: str, decode: str, model_configs: list[str], strict: bo
     p_cfg = model_configs[0] if model_configs else None
     d_cfg = model_configs[-1] if model_configs else None
     sides = predict("prefill", prefill, p_cfg, timeout_s), predict("decode", decode, d_cfg, timeout_s)
-    text, ok = render(compare(*sides), strict=strict, layouts=preset_layouts())
+    from pdstate.service.sglang_args import FLASH, builtin_flash_config
+
+    flash = builtin_flash_config()
+    layouts = {FLASH: flash["compress_ratios"][: flash["num_hidden_layers"]], **preset_layouts()}
+    text, ok = render(compare(*sides), strict=strict, layouts=layouts)
     print(text)
     return ExitCode.OK if ok else ExitCode.FAILED
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdstate.protocol.fixes import describe_layers, describe_value
+from pdstate.protocol.fixes import count_layers, describe_value
 from pdstate.protocol.report import ErrorInfo, LayoutReport
 from pdstate.service.sglang_args import SGLangArgsError, SGLangSide
 
@@ -126,7 +126,7 @@ KNOBS: tuple[Knob, ...] = (
         "compress_ratios / num_hidden_layers (the model's config.json)",
         ("compression_ratios", "stage", "main_kv_item_lens", "components", "c128_ring"),
         lambda s: tuple(s.stage_ratios),
-        lambda s: describe_layers(s.stage_ratios),
+        lambda s: f"{count_layers(s.stage_ratios)} ({s.layout_source})",
         _layers_fix,
     ),
     Knob(
@@ -404,7 +404,6 @@ def render(v: Verdict, strict: bool = False, layouts=None) -> tuple[str, bool]:
         out.append(f"{s.role} ({s.origin}): {s.describe()}")
         out += [f"  note: {n}" for n in s.notes]
         out += [f"  not modelled: {n}" for n in s.not_modelled]
-        out += [f"  SGLang would not start: {e}" for e in s.launch_errors]
     for h in v.harmless:
         out.append(f"same layout although {h}")
     ok = v.compatible and not (strict and v.not_modelled)
@@ -415,6 +414,8 @@ def render(v: Verdict, strict: bool = False, layouts=None) -> tuple[str, bool]:
     n_launch = len(v.prefill.launch_errors) + len(v.decode.launch_errors)
     n = len(v.causes) + len(v.unexplained) + len(v.pair) + n_launch
     out.append(f"INCOMPATIBLE: {n} problem{'s' if n != 1 else ''}")
+    for s in (v.prefill, v.decode):
+        out += [f"- the {s.role}: SGLang would not start: {e}" for e in s.launch_errors]
     for problem, fix in v.pair:
         out.append(f"- {problem}")
         out.append(f"  fix: {fix}")
