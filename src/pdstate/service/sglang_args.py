@@ -47,7 +47,7 @@ ARCH = "DeepseekV4ForCausalLM"
 FLASH = "DeepSeek-V4-Flash"
 SPEC_DEFAULTS = (3, 1, 4)  # SGLang's auto-chosen (steps, topk, draft tokens) for DeepSeek models
 
-# ServerArgs field -> its flags; ``None``: a boolean switch (store_true), else it takes a value.
+# ServerArgs field -> (its flags, whether it takes a value; False: a store_true switch).
 MODELLED: dict[str, tuple[tuple[str, ...], bool]] = {
     "model_path": (("--model-path", "--model"), True),
     "page_size": (("--page-size",), True),
@@ -436,6 +436,126 @@ def _from_server_info(role: str, origin: str, info: dict, env: dict, model_confi
     return side
 
 
+@dataclass
+class _Findings:
+    notes: list[str] = field(default_factory=list)
+    not_modelled: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # why SGLang would not start
+
+
+def _resolve_env(env: dict[str, str], f: _Findings) -> dict[str, Any]:
+    """Unified KV, online C128 and the state dtype from the environment variables."""
+    unified = env.get("SGLANG_HACK_FLASHMLA_BACKEND") == "unified_kv_triton"
+    if unified:
+        f.notes.append("SGLANG_HACK_FLASHMLA_BACKEND=unified_kv_triton: unified KV (ROCm only; on CUDA it is ignored)")
+    elif env.get("SGLANG_HACK_FLASHMLA_BACKEND", "tilelang") != "tilelang":
+        f.not_modelled.append(f"SGLANG_HACK_FLASHMLA_BACKEND={env['SGLANG_HACK_FLASHMLA_BACKEND']}")
+    online = _bool_env(env, "SGLANG_OPT_USE_ONLINE_COMPRESS")
+    if online and unified:
+        f.notes.append("SGLANG_OPT_USE_ONLINE_COMPRESS is ignored on ROCm (unified KV): offline C128 state")
+        online = False
+    state = env.get("SGLANG_DSV4_COMPRESS_STATE_DTYPE", "float32").strip().lower()
+    state_dtype = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}.get(state)
+    if state_dtype is None:
+        f.errors.append(
+            f"ValueError: Unsupported SGLANG_DSV4_COMPRESS_STATE_DTYPE={state!r}. "
+            "Expected one of: float32, fp32, bfloat16, bf16."
+        )
+        state_dtype = "float32"
+    for k in env:
+        if not (k in MODELLED_ENV or k in NEUTRAL_ENV or k.startswith(NEUTRAL_ENV_PREFIXES)):
+            f.not_modelled.append(f"{k}={env[k]}")
+    return {
+        "unified_kv": unified,
+        "online_c128": online,
+        "online_c128_mtp": _bool_env(env, "SGLANG_EXPERIMENTAL_ONLINE_C128_MTP"),
+        "state_dtype": state_dtype,
+    }
+
+
+def _resolve_page_and_kv(values: dict, npu: bool, unified: bool, resolved: bool, f: _Findings) -> dict[str, Any]:
+    page = _int(values, "page_size", None)
+    if resolved:
+        page_size = page if page is not None else 256
+    else:  # DSV4's override replaces whatever --page-size says
+        page_size = 128 if npu else 256
+        if page is not None and page != page_size:
+            f.notes.append(
+                f"--page-size {page} is overridden: SGLang 0.5.19 runs {ARCH} with page_size {page_size} "
+                f"on {'NPU' if npu else 'CUDA'}"
+            )
+    kv = str(values.get("kv_cache_dtype", "auto"))
+    kv = {"bf16": "bfloat16"}.get(kv, kv)
+    if not resolved:
+        if kv == "auto" or npu:
+            kv = "bfloat16" if npu else "fp8_e4m3"
+        if kv not in ("fp8_e4m3", "bfloat16"):
+            f.errors.append(f"AssertionError: {kv} is not supported for {ARCH} (--kv-cache-dtype fp8_e4m3 or auto)")
+    if kv == "bfloat16" and not unified and not npu:
+        f.errors.append(
+            "--kv-cache-dtype bfloat16: the paged DSV4 KV pool stores fp8 only (SGLang asserts a uint8 store); "
+            "bfloat16 is the NPU dtype"
+        )
+    return {"page_size": page_size, "kv_cache_dtype": kv}
+
+
+def _resolve_speculative(values: dict, env_kw: dict, kv: str, resolved: bool, f: _Findings) -> dict[str, Any]:
+    """Algorithm, steps, topk and draft tokens as SGLang resolves them for DSV4 (EAGLE, topk 1,
+    draft tokens = steps + 1), with the asserts that stop it on the way."""
+    algo = values.get("speculative_algorithm")
+    if algo is None:
+        return {}
+    algo = str(algo)
+    steps = _int(values, "speculative_num_steps", None)
+    topk = _int(values, "speculative_eagle_topk", None)
+    draft_tokens = _int(values, "speculative_num_draft_tokens", None)
+    if algo.upper() == "DSPARK":
+        f.not_modelled.append("--speculative-algorithm DSPARK (the DSpark draft's state)")
+    elif not resolved:
+        if algo != "EAGLE":
+            f.errors.append(
+                f"AssertionError: Only EAGLE and DSPARK speculative algorithms are supported for {ARCH} "
+                f"(--speculative-algorithm {algo}: SGLang checks this before it resolves aliases; write EAGLE)"
+            )
+        if topk != 1:
+            f.errors.append(
+                f"AssertionError: Only EAGLE speculative algorithm with topk == 1 is supported for {ARCH} "
+                f"(--speculative-eagle-topk {topk}: write --speculative-eagle-topk 1)"
+            )
+        if steps is None:
+            if topk is not None or draft_tokens is not None:
+                f.errors.append(
+                    "AssertionError in SGLang's speculative defaults: with --speculative-eagle-topk or "
+                    "--speculative-num-draft-tokens given, --speculative-num-steps is required"
+                )
+            steps = SPEC_DEFAULTS[0]
+        if draft_tokens is not None and draft_tokens != steps + 1:
+            f.notes.append(
+                f"--speculative-num-draft-tokens {draft_tokens} is adjusted to {steps + 1} "
+                "(speculative_num_steps + 1 with topk 1)"
+            )
+        topk, draft_tokens = 1, steps + 1
+        if values.get("speculative_draft_model_path"):
+            f.notes.append(
+                "--speculative-draft-model-path: DeepSeek MTP does not need it (SGLang warns); the draft is the NextN layer"
+            )
+    if env_kw["online_c128"] and not env_kw["online_c128_mtp"]:
+        f.errors.append(
+            "AssertionError: online c128 does not support MTP (SGLANG_OPT_USE_ONLINE_COMPRESS with speculative "
+            "decoding needs SGLANG_EXPERIMENTAL_ONLINE_C128_MTP=1)"
+        )
+        env_kw["online_c128_mtp"] = True  # predict the layout it would have with the option
+    dkv = values.get("speculative_draft_kv_cache_dtype")
+    if dkv not in (None, "auto", "fp8_e4m3", kv):
+        f.not_modelled.append(f"--speculative-draft-kv-cache-dtype {dkv}")
+    return {
+        "speculative_algorithm": "EAGLE" if algo.upper() in ("EAGLE", "NEXTN") else algo,
+        "speculative_num_steps": steps if steps is not None else SPEC_DEFAULTS[0],
+        "speculative_eagle_topk": topk if topk is not None else SPEC_DEFAULTS[1],
+        "speculative_num_draft_tokens": draft_tokens if draft_tokens is not None else SPEC_DEFAULTS[2],
+    }
+
+
 def _resolve(
     role: str,
     origin: str,
@@ -448,172 +568,60 @@ def _resolve(
 ) -> SGLangSide:
     """Apply SGLang 0.5.19's DSV4 resolution to the given values (``resolved``: they are already
     the server's resolved values, from ``/get_server_info``)."""
-    notes: list[str] = []
-    not_modelled: list[str] = []
-    errors: list[str] = []
-
+    f = _Findings()
     model_path = values.get("model_path")
     cfg, source = _model_config(model_path, model_config)
-    overrides: dict = {}
+    overrides: Any = {}
     raw = values.get("json_model_override_args")
     if raw not in (None, "", "{}"):
         try:
-            overrides = json.loads(raw) if isinstance(raw, str) else dict(raw)
-        except (ValueError, TypeError) as exc:
-            errors.append(f"--json-model-override-args is not a JSON object: {exc}")
+            overrides = json.loads(raw) if isinstance(raw, str) else raw
+        except ValueError as exc:
+            f.errors.append(f"json.JSONDecodeError in --json-model-override-args: {exc}")
         if not isinstance(overrides, dict):
-            errors.append("--json-model-override-args is not a JSON object")
+            f.errors.append("--json-model-override-args is not a JSON object")
             overrides = {}
     kw: dict[str, Any] = {}
     extra = _apply_model_config(kw, cfg, source, overrides, "--json-model-override-args")
-    not_modelled += [f"--json-model-override-args {k}" for k in extra]
+    f.not_modelled += [f"--json-model-override-args {k}" for k in extra]
 
     device = values.get("device") or "cuda"
-    npu = device == "npu"
-    if device not in ("cuda", "npu"):
-        not_modelled.append(f"--device {device} (pdstate models DSV4 on CUDA)")
-    if npu:
-        not_modelled.append("--device npu (DSV4 on NPU builds DSV4NPUTokenToKVPool)")
-
-    # environment
-    unified = env.get("SGLANG_HACK_FLASHMLA_BACKEND") == "unified_kv_triton"
-    if unified:
-        notes.append("SGLANG_HACK_FLASHMLA_BACKEND=unified_kv_triton: unified KV (ROCm only; on CUDA it is ignored)")
-    elif env.get("SGLANG_HACK_FLASHMLA_BACKEND", "tilelang") != "tilelang":
-        not_modelled.append(f"SGLANG_HACK_FLASHMLA_BACKEND={env['SGLANG_HACK_FLASHMLA_BACKEND']}")
-    online = _bool_env(env, "SGLANG_OPT_USE_ONLINE_COMPRESS")
-    if online and unified:
-        notes.append("SGLANG_OPT_USE_ONLINE_COMPRESS is ignored on ROCm (unified KV): offline C128 state")
-        online = False
-    online_mtp = _bool_env(env, "SGLANG_EXPERIMENTAL_ONLINE_C128_MTP")
-    state = env.get("SGLANG_DSV4_COMPRESS_STATE_DTYPE", "float32").strip().lower()
-    state_dtype = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}.get(state)
-    if state_dtype is None:
-        errors.append(
-            f"ValueError: Unsupported SGLANG_DSV4_COMPRESS_STATE_DTYPE={state!r}. Expected one of: float32, fp32, bfloat16, bf16."
+    if device != "cuda":
+        f.not_modelled.append(
+            "--device npu (DSV4 on NPU builds DSV4NPUTokenToKVPool)"
+            if device == "npu"
+            else f"--device {device} (pdstate models DSV4 on CUDA)"
         )
-        state_dtype = "float32"
-    for k in env:
-        if k in MODELLED_ENV or k in NEUTRAL_ENV or k.startswith(NEUTRAL_ENV_PREFIXES):
-            continue
-        not_modelled.append(f"{k}={env[k]}")
-
-    # page size: DSV4's override replaces whatever --page-size says
-    page = _int(values, "page_size", None)
-    if resolved:
-        page_size = page if page is not None else 256
-    else:
-        page_size = 128 if npu else 256
-        if page is not None and page != page_size:
-            notes.append(
-                f"--page-size {page} is overridden: SGLang 0.5.19 runs {ARCH} with page_size {page_size} "
-                f"on {'NPU' if npu else 'CUDA'}"
-            )
-
-    # KV cache dtype
-    kv = str(values.get("kv_cache_dtype", "auto"))
-    kv = {"bf16": "bfloat16"}.get(kv, kv)
-    if not resolved:
-        if kv == "auto":
-            kv = "bfloat16" if npu else "fp8_e4m3"
-        if npu:
-            kv = "bfloat16"
-        if kv not in ("fp8_e4m3", "bfloat16"):
-            errors.append(f"AssertionError: {kv} is not supported for {ARCH} (--kv-cache-dtype fp8_e4m3 or auto)")
-    if kv == "bfloat16" and not unified and not npu:
-        errors.append(
-            "--kv-cache-dtype bfloat16: the paged DSV4 KV pool stores fp8 only (SGLang asserts a uint8 store); "
-            "bfloat16 is the NPU dtype"
-        )
-
-    # speculative decoding
-    algo = values.get("speculative_algorithm")
-    steps = _int(values, "speculative_num_steps", None)
-    topk = _int(values, "speculative_eagle_topk", None)
-    draft_tokens = _int(values, "speculative_num_draft_tokens", None)
-    if algo is not None:
-        algo = str(algo)
-        if algo == "DSPARK" or algo.upper() == "DSPARK":
-            not_modelled.append("--speculative-algorithm DSPARK (the DSpark draft's state)")
-        elif not resolved and algo != "EAGLE":
-            errors.append(
-                f"AssertionError: Only EAGLE and DSPARK speculative algorithms are supported for {ARCH} "
-                f"(--speculative-algorithm {algo}: SGLang checks this before it resolves aliases; write EAGLE)"
-            )
-        if not resolved:
-            if topk != 1:
-                errors.append(
-                    f"AssertionError: Only EAGLE speculative algorithm with topk == 1 is supported for {ARCH} "
-                    f"(--speculative-eagle-topk {topk}: write --speculative-eagle-topk 1)"
-                )
-            if steps is None:
-                if topk is not None or draft_tokens is not None:
-                    errors.append(
-                        "AssertionError in SGLang's speculative defaults: with --speculative-eagle-topk or "
-                        "--speculative-num-draft-tokens given, --speculative-num-steps is required"
-                    )
-                steps = SPEC_DEFAULTS[0]
-            if draft_tokens is not None and draft_tokens != steps + 1:
-                notes.append(
-                    f"--speculative-num-draft-tokens {draft_tokens} is adjusted to {steps + 1} "
-                    "(speculative_num_steps + 1 with topk 1)"
-                )
-            topk, draft_tokens = 1, steps + 1
-        algo = "EAGLE" if algo.upper() in ("EAGLE", "NEXTN") else algo
-        if draft_tokens is None:
-            draft_tokens = SPEC_DEFAULTS[2]
-        if online and not online_mtp:
-            errors.append(
-                "AssertionError: online c128 does not support MTP (SGLANG_OPT_USE_ONLINE_COMPRESS with speculative "
-                "decoding needs SGLANG_EXPERIMENTAL_ONLINE_C128_MTP=1)"
-            )
-            online_mtp = True  # predict the layout it would have with the option
-        dkv = values.get("speculative_draft_kv_cache_dtype")
-        if dkv not in (None, "auto", "fp8_e4m3", kv):
-            not_modelled.append(f"--speculative-draft-kv-cache-dtype {dkv}")
-        if values.get("speculative_draft_model_path") and not resolved:
-            notes.append(
-                "--speculative-draft-model-path: DeepSeek MTP does not need it (SGLang warns); the draft is the NextN layer"
-            )
+    env_kw = _resolve_env(env, f)
+    kw.update(_resolve_page_and_kv(values, device == "npu", env_kw["unified_kv"], resolved, f))
+    kw.update(_resolve_speculative(values, env_kw, kw["kv_cache_dtype"], resolved, f))
+    kw.update(env_kw)
     if values.get("attention_backend") not in (None, "dsv4", "compressed") and not resolved:
-        notes.append(f"--attention-backend {values['attention_backend']} is overridden: {ARCH} runs the dsv4 backend")
-
+        f.notes.append(f"--attention-backend {values['attention_backend']} is overridden: {ARCH} runs the dsv4 backend")
     for fld, why in (
         ("enable_hisparse", "HiSparse swaps the C4 pool"),
         ("enable_deepseek_v4_fp4_indexer", "fp4 indexer rows of 68 B/token"),
         ("enable_prefill_cp", "prefill context parallelism"),
     ):
         if values.get(fld) in (True, "true", "True"):
-            not_modelled.append(f"{MODELLED[fld][0][0]} ({why})")
+            f.not_modelled.append(f"{MODELLED[fld][0][0]} ({why})")
     pp = _int(values, "pp_size", 1) or 1
     if pp > 1:
-        not_modelled.append(f"--pp-size {pp} (pdstate compares one whole-model stage)")
-
-    dp_att = values.get("enable_dp_attention", False)
+        f.not_modelled.append(f"--pp-size {pp} (pdstate compares one whole-model stage)")
     return SGLangSide(
         role=role,
         origin=origin,
         model=str(model_path or FLASH),
-        page_size=page_size,
-        kv_cache_dtype=kv,
-        speculative_algorithm=algo,
-        speculative_num_steps=steps if algo else None,
-        speculative_eagle_topk=topk if algo else None,
-        speculative_num_draft_tokens=draft_tokens if algo else None,
-        online_c128=online,
-        online_c128_mtp=online_mtp,
-        unified_kv=unified,
-        state_dtype=state_dtype,
         disaggregation_mode=str(values.get("disaggregation_mode", "null")),
         transfer_backend=str(values.get("disaggregation_transfer_backend", "mooncake")),
         tp_size=_int(values, "tp_size", 1) or 1,
         dp_size=_int(values, "dp_size", 1) or 1,
-        enable_dp_attention=dp_att in (True, "true", "True"),
+        enable_dp_attention=values.get("enable_dp_attention", False) in (True, "true", "True"),
         pp_size=pp,
         env=dict(env),
         given=given,
-        notes=notes,
-        not_modelled=not_modelled,
-        launch_errors=errors,
+        notes=f.notes,
+        not_modelled=f.not_modelled,
+        launch_errors=f.errors,
         **kw,
     )
