@@ -78,9 +78,12 @@ def layout_name(ratios: Sequence[int], layouts: Layouts | None = None) -> str | 
 
 
 def describe_layers(ratios: Sequence[int], layouts: Layouts | None = None) -> str:
-    """``preset 'dsv4-flash' (43 layers: 2 SWA-only, 21 C4, 20 C128)``, or the counts alone."""
+    """``preset 'dsv4-flash' (43 layers: 2 SWA-only, 21 C4, 20 C128)``, or the counts alone (with
+    ", not a known layout" when ``layouts`` were given and none matched)."""
     name = layout_name(ratios, layouts)
-    return f"{name} ({count_layers(ratios)})" if name else f"{count_layers(ratios)}, not a known layout"
+    if name:
+        return f"{name} ({count_layers(ratios)})"
+    return f"{count_layers(ratios)}, not a known layout" if layouts else count_layers(ratios)
 
 
 def compare_layers(prefill: Sequence[int], decode: Sequence[int], layouts: Layouts | None = None) -> str:
