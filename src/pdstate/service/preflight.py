@@ -124,7 +124,10 @@ def cmd_check(args) -> int:
 
 def configure_check(c: argparse.ArgumentParser) -> None:
     """The ``check`` subcommand's arguments (``c`` is its argparse parser, made by ``cli``)."""
-    c.description = __doc__.split("\n\n")[0] if __doc__ else None
+    c.description = (
+        "Offline preflight of a prefill/decode pair: two pdstate config files, or two SGLang launches "
+        "(--sglang). Exit 0 compatible, 1 problems found, 2 unreadable input."
+    )
     c.add_argument("configs", nargs="*", metavar="CONFIG", help="pdstate worker config files (prefill, decode)")
     c.add_argument(
         "--set", action="append", default=[], metavar="section.key=value", help="override a config key on both"
@@ -134,7 +137,7 @@ def configure_check(c: argparse.ArgumentParser) -> None:
         nargs=2,
         metavar=("PREFILL", "DECODE"),
         help="two SGLang launches, each a quoted argument string (VAR=value tokens first), @file or "
-        "http://host:port of a running server",
+        "http://host:port of a running server (a lone --flag=value needs a leading space)",
     )
     c.add_argument(
         "--model-config",
