@@ -1,16 +1,36 @@
-"""Operator commands: ``check`` (offline preflight of config files), ``serve`` and ``probe``
-(implemented in ``pdstate.service.server``)."""
+"""``pdstate check``: offline preflight of a prefill/decode pair, before anything is started.
+
+- ``pdstate check PREFILL.toml DECODE.toml`` (or one file): build each worker's layout report
+  from its pdstate config (``--set`` applies to both) and run the handshake's checks on the pair;
+  each problem is printed with a ``fix:`` line naming the config key and the side
+  (``pdstate.protocol.fixes``).
+- ``pdstate check --sglang PREFILL DECODE``: each argument is one SGLang launch (a quoted string of
+  arguments, ``@path``, or ``http://host:port`` of a running server); pdstate predicts what each
+  SGLang 0.5.19 server builds (``service.sglang_args``), builds the same layout with its own pool
+  model and runs the same checks (``service.sglang_check``). It prints "compatible", or every
+  differing factor with both values, what goes wrong at run time if the pair is launched anyway,
+  and the SGLang flag to change on which side. Arguments it does not model are listed.
+
+Exit status (``pdstate.errors.ExitCode``): 0 compatible, 1 problems found (``--strict``: also
+anything not modelled), 2 unreadable input or configuration.
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-FIX_HINTS = {
-    "SWAIndexMappingNotShared": (
-        "fix: register the allocator's full_to_swa_index_mapping on the draft pool (the same tensor "
-        'object, not a clone or a view): set [draft] mapping = "shared"'
-    ),
-}
+from pdstate.errors import ConfigError, ExitCode
+
+
+def preset_layouts() -> dict[str, list[int]]:
+    """The presets' target layer layouts by name (what a ``compression_ratios`` factor reports)."""
+    from pdstate.pools.presets import PRESETS
+
+    return {
+        f"preset {name!r}": list(s.compression_ratios[s.start_layer : s.start_layer + s.layer_num])
+        for name, s in PRESETS.items()
+    }
 
 
 def _report_for(path, overrides=()):
@@ -27,80 +47,106 @@ def _report_for(path, overrides=()):
     return cfg, report
 
 
-def cmd_check(args) -> int:
+def check_configs(paths: list[str], overrides: list[str]) -> int:
     from pdstate.protocol.compat import compat_errors
+    from pdstate.protocol.fixes import fix_line, summarize
 
-    loaded = [_report_for(p, args.set) for p in args.configs]
+    loaded = [_report_for(p, overrides) for p in paths]
     problems = []
-    for path, (cfg, report) in zip(args.configs, loaded):
+    for path, (cfg, report) in zip(paths, loaded):
         print(f"{path}: role={cfg.role} preset={cfg.preset} fingerprint={report.fingerprint}")
         if not report.local_check.ok:
             problems.append((path, report.local_check.error.type, report.local_check.error.message))
     if len(loaded) == 2:
         (c1, r1), (c2, r2) = loaded
+        if c1.transfer.engine != c2.transfer.engine:
+            prefill, decode = (c1, c2) if c1.role == "prefill" else (c2, c1)
+            problems.append(
+                (
+                    "pair",
+                    "EngineError",
+                    f"transfer engine mismatch: prefill server uses {prefill.transfer.engine!r}, "
+                    f"but decode server uses {decode.transfer.engine!r}",
+                )
+            )
+        if c1.role == c2.role:
+            problems.append(
+                ("pair", "RoleMismatch", f"both workers are {c1.role} workers: a prefill pairs with a decode")
+            )
         for e in compat_errors(r1, r2, c1.role):
             if not any(e.message == m for _, _, m in problems):
                 problems.append(("pair", e.type, e.message))
     if not problems:
         print("compatible" if len(loaded) == 2 else "ok")
-        return 0
+        return ExitCode.OK
+    layouts = preset_layouts()
     for where, typ, msg in problems:
-        print(f"{where}: {typ}: {msg}", file=sys.stderr)
-        if typ in FIX_HINTS:
-            print(f"  {FIX_HINTS[typ]}", file=sys.stderr)
-    return 1
+        print(f"{where}: {typ}: {summarize(typ, msg, layouts)}", file=sys.stderr)
+        fix = fix_line(typ, msg, layouts)
+        if fix:
+            print(f"  {fix}", file=sys.stderr)
+    return ExitCode.FAILED
 
 
-def configure_check(c) -> None:
+def check_sglang(prefill: str, decode: str, model_configs: list[str], strict: bool, timeout_s: float) -> int:
+    from pdstate.service.sglang_args import predict
+    from pdstate.service.sglang_check import compare, render
+
+    if len(model_configs) > 2:
+        raise ConfigError("--model-config: give it once (both sides) or twice (prefill, then decode)")
+    p_cfg = model_configs[0] if model_configs else None
+    d_cfg = model_configs[-1] if model_configs else None
+    sides = predict("prefill", prefill, p_cfg, timeout_s), predict("decode", decode, d_cfg, timeout_s)
+    from pdstate.service.sglang_args import FLASH, builtin_flash_config
+
+    flash = builtin_flash_config()
+    layouts = {FLASH: flash["compress_ratios"][: flash["num_hidden_layers"]], **preset_layouts()}
+    text, ok = render(compare(*sides), strict=strict, layouts=layouts)
+    print(text)
+    return ExitCode.OK if ok else ExitCode.FAILED
+
+
+def cmd_check(args) -> int:
+    try:
+        if args.sglang:
+            if args.configs:
+                raise ConfigError("give either config files or --sglang PREFILL DECODE, not both")
+            return check_sglang(*args.sglang, args.model_config, args.strict, args.timeout)
+        if not args.configs:
+            raise ConfigError("nothing to check: give one or two config files, or --sglang PREFILL DECODE")
+        if len(args.configs) > 2:
+            raise ConfigError(f"give one or two config files, not {len(args.configs)}")
+        return check_configs(args.configs, args.set)
+    except ConfigError as exc:
+        print(f"pdstate check: {exc}", file=sys.stderr)
+        return ExitCode.CONFIG
+
+
+def configure_check(c: argparse.ArgumentParser) -> None:
     """The ``check`` subcommand's arguments (``c`` is its argparse parser, made by ``cli``)."""
-    c.add_argument("configs", nargs="+", metavar="CONFIG")
-    c.add_argument("--set", action="append", default=[], metavar="section.key=value")
-    c.set_defaults(func=cmd_check)
-
-
-def add_commands(sub) -> None:
-    configure_check(
-        sub.add_parser("check", help="offline preflight: build layout reports from config files and compare")
+    c.description = (
+        "Offline preflight of a prefill/decode pair: two pdstate config files, or two SGLang launches "
+        "(--sglang). Exit 0 compatible, 1 problems found, 2 unreadable input."
     )
-
-    from pdstate.service import server as serve  # serve + probe (light to import: torch loads inside cmd_serve)
-
-    serve.add_commands(sub)
-
-
-def cmd_bench(args) -> int:
-    import json
-    from pathlib import Path
-
-    from pdstate.devtools import bench
-    from pdstate.runtime.common import tune_interpreter
-
-    tune_interpreter()
-    say = (lambda *a: None) if args.json else (lambda m: print(m, flush=True))
-    r = bench.run_bench(args.quick, args.engines.split(","), args.modes.split(","), progress=say)
-    files = bench.write_outputs(r, Path(args.out))
-    s = bench.summary(r)
-    if not args.json:
-        print()
-        print(f"{'path':<44} {'tokens':>7} {'GB/s median':>12} {'[min..max]':>16}")
-        for path, per_len in sorted(r["paths"].items()):
-            for n, v in per_len.items():
-                g = v["gbps"]
-                span = f"{g['min']:>7.2f}..{g['max']:<7.2f}" if "min" in g else ""
-                print(f"{path:<44} {n:>7} {g['median']:>12.2f} {span}")
-        print()
-        for k, v in s.items():
-            print(f"{k}: {v}")
-        print("wrote " + ", ".join(str(f) for f in files))
-    print(json.dumps(s))
-    return 0
-
-
-def add_bench(sub) -> None:
-    b = sub.add_parser("bench", help="measure pdstate against the in-process ceiling and the raw engines")
-    b.add_argument("--json", action="store_true", help="last line: one JSON object with the ratios")
-    b.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")
-    b.add_argument("--quick", action="store_true", help="fewer runs (about 5 minutes here)")
-    b.add_argument("--engines", default="shm,mooncake,nixl")
-    b.add_argument("--modes", default="paged,unified")
-    b.set_defaults(func=cmd_bench)
+    c.add_argument("configs", nargs="*", metavar="CONFIG", help="pdstate worker config files (prefill, decode)")
+    c.add_argument(
+        "--set", action="append", default=[], metavar="section.key=value", help="override a config key on both"
+    )
+    c.add_argument(
+        "--sglang",
+        nargs=2,
+        metavar=("PREFILL", "DECODE"),
+        help="two SGLang launches, each a quoted argument string (VAR=value tokens first), @file or "
+        "http://host:port of a running server (a lone --flag=value needs a leading space)",
+    )
+    c.add_argument(
+        "--model-config",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="the model's config.json for --sglang (once: both sides; twice: prefill, decode); "
+        "DeepSeek-V4-Flash is built in",
+    )
+    c.add_argument("--strict", action="store_true", help="--sglang: fail when an argument is not modelled")
+    c.add_argument("--timeout", type=float, default=5.0, help="seconds per HTTP request (http:// launches)")
+    c.set_defaults(func=cmd_check)

@@ -1,0 +1,627 @@
+"""SGLang launch arguments -> the DSV4 state layout each server will build (``pdstate check --sglang``).
+
+``predict(role, text, model_config=None)`` reads one server's launch, written as operators write
+it::
+
+    SGLANG_OPT_USE_ONLINE_COMPRESS=1 python -m sglang.launch_server --model-path ... --tp 8 ...
+
+(leading ``VAR=value`` tokens are its environment; a launcher before the first ``--`` flag is
+skipped), or ``@path`` (the same, read from a file), or ``http://host:port`` (a running server's
+``/get_server_info``, read-only; leading ``VAR=value`` tokens still give the environment, which a
+server does not report). It returns an ``SGLangSide``: what SGLang 0.5.19 resolves those arguments
+to for a ``DeepseekV4ForCausalLM`` — the values that shape the transferred state — plus notes
+(flags SGLang overrides), what pdstate does not model (listed, never guessed) and what would stop
+the server from starting. ``SGLangSide.pool_settings()`` turns it into pdstate's own pool model.
+
+Facts of SGLang 0.5.19 used here (read from its source):
+- DSV4 on CUDA runs with ``page_size`` 256 whatever ``--page-size`` says (NPU: 128);
+- ``--kv-cache-dtype auto`` resolves to ``fp8_e4m3``; DSV4 accepts only ``fp8_e4m3`` and
+  ``bfloat16``, and the paged pool stores fp8 only (bfloat16 is the NPU dtype);
+- the DSV4 defaults run before the speculative ones, so ``--speculative-algorithm`` must be spelled
+  ``EAGLE`` (``NEXTN`` fails its assert) with ``--speculative-eagle-topk 1`` and
+  ``--speculative-num-steps N``; the draft tokens are then ``N + 1``; the draft is the model's
+  1-layer NextN (SWA-only);
+- the compressor rings are speculative whenever an algorithm is set (C4 16 vs 8, C128 256 vs 128);
+- ``SGLANG_OPT_USE_ONLINE_COMPRESS`` (not on ROCm) makes the C128 state online (ring 1), refused
+  with speculation unless ``SGLANG_EXPERIMENTAL_ONLINE_C128_MTP``; unified KV is ROCm with
+  ``SGLANG_HACK_FLASHMLA_BACKEND=unified_kv_triton``; ``SGLANG_DSV4_COMPRESS_STATE_DTYPE`` is the
+  state dtype (float32 by default);
+- the layer layout and window come from the model's ``config.json`` (``compress_ratios``,
+  ``num_hidden_layers``, ``sliding_window``), overridable by ``--json-model-override-args``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdstate.errors import ConfigError
+
+ARCH = "DeepseekV4ForCausalLM"
+FLASH = "DeepSeek-V4-Flash"
+SPEC_DEFAULTS = (3, 1, 4)  # SGLang's auto-chosen (steps, topk, draft tokens) for DeepSeek models
+
+# ServerArgs field -> (its flags, whether it takes a value; False: a store_true switch).
+MODELLED: dict[str, tuple[tuple[str, ...], bool]] = {
+    "model_path": (("--model-path", "--model"), True),
+    "page_size": (("--page-size",), True),
+    "kv_cache_dtype": (("--kv-cache-dtype",), True),
+    "speculative_algorithm": (("--speculative-algorithm",), True),
+    "speculative_num_steps": (("--speculative-num-steps",), True),
+    "speculative_eagle_topk": (("--speculative-eagle-topk",), True),
+    "speculative_num_draft_tokens": (("--speculative-num-draft-tokens",), True),
+    "speculative_draft_model_path": (("--speculative-draft-model-path", "--speculative-draft-model"), True),
+    "speculative_draft_kv_cache_dtype": (("--speculative-draft-kv-cache-dtype",), True),
+    "disaggregation_mode": (("--disaggregation-mode",), True),
+    "disaggregation_transfer_backend": (("--disaggregation-transfer-backend",), True),
+    "tp_size": (("--tp-size", "--tp", "--tensor-parallel-size"), True),
+    "dp_size": (("--dp-size", "--dp", "--data-parallel-size"), True),
+    "enable_dp_attention": (("--enable-dp-attention",), False),
+    "pp_size": (("--pp-size", "--pipeline-parallel-size"), True),
+    "json_model_override_args": (("--json-model-override-args",), True),
+    "device": (("--device",), True),
+    "attention_backend": (("--attention-backend",), True),
+    # known to change the DSV4 state layout in ways pdstate's pool model does not build
+    "enable_hisparse": (("--enable-hisparse",), False),
+    "enable_deepseek_v4_fp4_indexer": (("--enable-deepseek-v4-fp4-indexer",), False),
+    "enable_prefill_cp": (("--enable-prefill-cp",), False),
+}
+
+# Flags that size pools, pick kernels or serve HTTP: the transferred layout does not depend on them.
+NEUTRAL_VALUE_FLAGS = frozenset(
+    "--host --port --mem-fraction-static --max-running-requests --max-total-tokens --context-length "
+    "--chunked-prefill-size --max-prefill-tokens --swa-full-tokens-ratio --served-model-name "
+    "--tokenizer-path --log-level --dist-init-addr --nnodes --node-rank --disaggregation-bootstrap-port "
+    "--disaggregation-ib-device --disaggregation-decode-extra-slots --ep-size --ep --expert-parallel-size "
+    "--moe-a2a-backend --moe-runner-backend --deepep-mode --quantization --dtype --watchdog-timeout "
+    "--load-format --revision --random-seed --api-key --base-gpu-id --schedule-policy --stream-interval "
+    "--reasoning-parser --tool-call-parser --chat-template --cuda-graph-max-bs --decode-log-interval".split()
+)
+NEUTRAL_SWITCHES = frozenset(
+    "--trust-remote-code --disable-cuda-graph --enable-metrics --disable-radix-cache --skip-server-warmup "
+    "--enable-cache-report --enable-mixed-chunk".split()
+)
+# Environment variables that do not touch the layout (device selection, transport, Python).
+NEUTRAL_ENV_PREFIXES = ("CUDA_", "NCCL_", "MC_", "MOONCAKE_", "UCX_", "NVSHMEM_", "PYTHON", "HF_", "TORCH", "OMP_")
+NEUTRAL_ENV = frozenset({"SGLANG_HOST_IP", "TRANSFORMERS_OFFLINE"})
+MODELLED_ENV = (
+    "SGLANG_OPT_USE_ONLINE_COMPRESS",
+    "SGLANG_EXPERIMENTAL_ONLINE_C128_MTP",
+    "SGLANG_DSV4_COMPRESS_STATE_DTYPE",
+    "SGLANG_HACK_FLASHMLA_BACKEND",
+)
+# Keys of --json-model-override-args / config.json the prediction reads.
+CONFIG_KEYS = (
+    "compress_ratios",
+    "num_hidden_layers",
+    "sliding_window",
+    "head_dim",
+    "qk_rope_head_dim",
+    "index_head_dim",
+)
+
+_FLAG_OF = {name: fld for fld, (names, _) in MODELLED.items() for name in names}
+_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+
+
+class SGLangArgsError(ConfigError):
+    """An SGLang launch string (or its source) cannot be read or does not describe a DSV4 server."""
+
+
+def builtin_flash_config() -> dict:
+    """DeepSeek-V4-Flash's ``config.json`` fields that shape the state (pdstate's ``dsv4-flash``)."""
+    from pdstate.pools.presets import DSV4_FLASH_RATIOS
+
+    return {
+        "architectures": [ARCH],
+        "num_hidden_layers": 43,
+        "num_nextn_predict_layers": 1,
+        "compress_ratios": list(DSV4_FLASH_RATIOS),
+        "sliding_window": 128,
+        "head_dim": 512,
+        "qk_rope_head_dim": 64,
+        "index_head_dim": 128,
+    }
+
+
+# --- reading the source ---------------------------------------------------------------------------
+
+
+def split_launch(text: str) -> tuple[dict[str, str], list[str], str]:
+    """``(environment, argv, launcher)`` of a shell-style launch line (``\\``-newlines and ``#``
+    comments allowed): leading ``VAR=value`` tokens, then any launcher words before the first
+    ``--`` flag (``python -m sglang.launch_server``), then the arguments."""
+    try:
+        tokens = shlex.split(text.replace("\\\r\n", " ").replace("\\\n", " "), comments=True)
+    except ValueError as exc:
+        raise SGLangArgsError(f"cannot split the launch arguments: {exc}") from None
+    env: dict[str, str] = {}
+    i = 1 if tokens[:1] == ["env"] else 0
+    while i < len(tokens) and _ENV_RE.match(tokens[i]):
+        k, v = tokens[i].split("=", 1)
+        env[k] = v
+        i += 1
+    j = i
+    while j < len(tokens) and not tokens[j].startswith("--"):
+        j += 1
+    return env, tokens[j:], " ".join(tokens[i:j])
+
+
+def fetch_server_info(url: str, timeout_s: float = 5.0) -> dict:
+    """A running server's ``/get_server_info`` (``/server_info`` where the old path is gone)."""
+    base = url.rstrip("/")
+    for path in ("/get_server_info", "/server_info"):
+        try:
+            with urllib.request.urlopen(base + path, timeout=timeout_s) as resp:
+                body = resp.read()
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404 and path == "/get_server_info":
+                continue
+            raise SGLangArgsError(f"GET {base}{path} answered {exc.code}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise SGLangArgsError(f"GET {base}{path}: {getattr(exc, 'reason', exc)}") from None
+        try:
+            info = json.loads(body)
+        except ValueError:
+            raise SGLangArgsError(f"GET {base}{path}: the answer is not JSON") from None
+        if not isinstance(info, dict):
+            raise SGLangArgsError(f"GET {base}{path}: expected a JSON object")
+        return info
+    raise SGLangArgsError(f"{base}: neither /get_server_info nor /server_info answered")  # pragma: no cover
+
+
+def parse_argv(argv: list[str]) -> tuple[dict[str, Any], dict[str, str], list[str], list[str]]:
+    """``(values by ServerArgs field, flag text by field, unknown flags, layout-neutral flags)``."""
+    values: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    unknown: list[str] = []
+    neutral: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        i += 1
+        if not tok.startswith("--"):
+            unknown.append(tok)
+            continue
+        name, eq, inline = tok.partition("=")
+        fld = _FLAG_OF.get(name)
+        takes_value = MODELLED[fld][1] if fld else name not in NEUTRAL_SWITCHES
+        if name not in _FLAG_OF and name not in NEUTRAL_VALUE_FLAGS and name not in NEUTRAL_SWITCHES:
+            # unknown: take the next token as its value unless it is another flag
+            if not eq and i < len(argv) and not argv[i].startswith("--"):
+                inline, i = argv[i], i + 1
+            unknown.append(f"{name} {inline}".strip() if inline else name)
+            continue
+        value: Any = True
+        if takes_value:
+            if eq:
+                value = inline
+            elif i < len(argv) and not argv[i].startswith("--"):
+                value, i = argv[i], i + 1
+            else:
+                raise SGLangArgsError(f"{name} expects a value")
+        if fld is None:
+            neutral.append(name)
+            continue
+        values[fld] = value
+        given[fld] = name if value is True else f"{name} {value}"
+    return values, given, unknown, neutral
+
+
+def _int(values: dict, fld: str, default: int | None) -> int | None:
+    v = values.get(fld, default)
+    if v is None or isinstance(v, int):
+        return v
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise SGLangArgsError(f"{MODELLED[fld][0][0]}: expected an integer, got {v!r}") from None
+
+
+def _bool_env(env: dict[str, str], name: str) -> bool:
+    v = env.get(name)
+    if v is None:
+        return False
+    if v.lower() in ("true", "1", "yes", "y"):
+        return True
+    if v.lower() in ("false", "0", "no", "n"):
+        return False
+    raise SGLangArgsError(f'{name}={v}: "{v}" is not a valid boolean value (SGLang reads true/1/yes/y or false/0/no/n)')
+
+
+# --- the prediction -------------------------------------------------------------------------------
+
+
+@dataclass
+class SGLangSide:
+    """What one SGLang server resolves to, in the terms that shape the transferred DSV4 state."""
+
+    role: str  # "prefill" | "decode": the position it was given in
+    origin: str  # "arguments", "@path", "http://..."
+    model: str
+    layout_source: str  # where the layer layout came from
+    compress_ratios: list[int]
+    num_hidden_layers: int
+    sliding_window: int
+    window_source: str
+    head_dim: int = 512
+    qk_rope_head_dim: int = 64
+    index_head_dim: int = 128
+    page_size: int = 256
+    kv_cache_dtype: str = "fp8_e4m3"
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    online_c128: bool = False
+    online_c128_mtp: bool = False
+    unified_kv: bool = False
+    state_dtype: str = "float32"
+    disaggregation_mode: str = "null"
+    transfer_backend: str = "mooncake"
+    tp_size: int = 1
+    dp_size: int = 1
+    enable_dp_attention: bool = False
+    pp_size: int = 1
+    env: dict[str, str] = field(default_factory=dict)
+    given: dict[str, str] = field(default_factory=dict)  # ServerArgs field -> the flag as written
+    notes: list[str] = field(default_factory=list)
+    not_modelled: list[str] = field(default_factory=list)
+    launch_errors: list[str] = field(default_factory=list)  # why SGLang would not start
+    neutral: list[str] = field(default_factory=list)
+
+    @property
+    def speculative(self) -> bool:
+        return self.speculative_algorithm is not None
+
+    @property
+    def stage_ratios(self) -> list[int]:
+        return list(self.compress_ratios[: self.num_hidden_layers])
+
+    def spec_flags(self) -> str:
+        """The speculative flags as DSV4 needs them written (empty when not speculative)."""
+        if not self.speculative:
+            return ""
+        return (
+            f"--speculative-algorithm {self.speculative_algorithm} --speculative-num-steps "
+            f"{self.speculative_num_steps} --speculative-eagle-topk {self.speculative_eagle_topk} "
+            f"--speculative-num-draft-tokens {self.speculative_num_draft_tokens}"
+        )
+
+    def describe(self) -> str:
+        from pdstate.protocol.fixes import count_layers
+
+        spec = (
+            f"{self.speculative_algorithm} ({self.speculative_num_steps} steps, "
+            f"{self.speculative_num_draft_tokens} draft tokens, 1-layer NextN draft)"
+            if self.speculative
+            else "not speculative"
+        )
+        parts = [
+            f"{self.model} [{count_layers(self.stage_ratios)}; {self.layout_source}]",
+            f"page {self.page_size}",
+            f"kv {self.kv_cache_dtype}",
+            f"window {self.sliding_window}",
+            spec,
+            "unified KV" if self.unified_kv else "paged",
+        ]
+        if self.online_c128:
+            parts.append("online C128" + (" (MTP)" if self.online_c128_mtp else ""))
+        if self.state_dtype != "float32":
+            parts.append(f"state {self.state_dtype}")
+        parts.append(f"tp {self.tp_size} dp {self.dp_size}" + (" dp-attention" if self.enable_dp_attention else ""))
+        return ", ".join(parts)
+
+    def pool_settings(self):
+        """pdstate's pool model for this side, with small capacities (the report's factors do
+        not depend on pool sizes)."""
+        from pdstate.pools.presets import PoolSettings
+
+        kv = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "bfloat16": "bfloat16"}.get(
+            self.kv_cache_dtype, self.kv_cache_dtype
+        )
+        return PoolSettings(
+            compression_ratios=tuple(self.compress_ratios),
+            layer_num=self.num_hidden_layers,
+            full_tokens=4 * self.page_size,
+            swa_tokens=2 * self.page_size,
+            max_num_reqs=1,
+            page_size=self.page_size,
+            swa_page_size=self.page_size,
+            sliding_window=self.sliding_window,
+            kv_dtype=kv,
+            state_dtype=self.state_dtype,
+            qk_nope_head_dim=self.head_dim - self.qk_rope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            indexer_head_dim=self.index_head_dim,
+            unified_kv=self.unified_kv,
+            speculative_num_draft_tokens=self.speculative_num_draft_tokens if self.speculative else None,
+            online_c128=self.online_c128,
+            online_c128_mtp=self.online_c128_mtp,
+            draft_enabled=self.speculative,
+            draft_layers=1,
+        )
+
+
+def _model_config(model_path: str | None, model_config: str | None) -> tuple[dict, str]:
+    """The model's ``config.json`` fields and where they came from."""
+    if model_config:
+        path = Path(model_config)
+        try:
+            cfg = json.loads(path.read_text())
+        except OSError as exc:
+            raise SGLangArgsError(f"--model-config {model_config}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise SGLangArgsError(f"--model-config {model_config}: not JSON: {exc}") from None
+        return cfg, f"config {model_config}"
+    if model_path and (Path(model_path) / "config.json").is_file():
+        path = Path(model_path) / "config.json"
+        try:
+            return json.loads(path.read_text()), f"config {path}"
+        except ValueError as exc:
+            raise SGLangArgsError(f"{path}: not JSON: {exc}") from None
+    if model_path is None or FLASH.lower() in model_path.lower():
+        return builtin_flash_config(), f"built-in {FLASH} layout"
+    raise SGLangArgsError(
+        f"cannot tell the layer layout of model {model_path!r}: give its config.json with --model-config PATH "
+        f"(built in: {FLASH})"
+    )
+
+
+def _apply_model_config(side_kw: dict, cfg: dict, source: str, overrides: dict, override_flag: str) -> list[str]:
+    """Fill the layout fields from ``cfg`` then ``overrides``; returns the override keys not modelled."""
+    archs = cfg.get("architectures") or []
+    if archs and archs[0] != ARCH:
+        raise SGLangArgsError(f"{source}: architecture {archs[0]} is not {ARCH} (pdstate models DeepSeek-V4)")
+    merged = {**cfg, **overrides}
+    missing = [k for k in ("compress_ratios", "num_hidden_layers", "sliding_window") if k not in merged]
+    if missing:
+        raise SGLangArgsError(f"{source}: missing {', '.join(missing)}")
+    ratios = merged["compress_ratios"]
+    if not isinstance(ratios, list) or not all(isinstance(r, int) for r in ratios):
+        raise SGLangArgsError(f"{source}: compress_ratios must be a list of integers")
+    side_kw.update(
+        compress_ratios=list(ratios),
+        num_hidden_layers=int(merged["num_hidden_layers"]),
+        sliding_window=int(merged["sliding_window"]),
+        head_dim=int(merged.get("head_dim", 512)),
+        qk_rope_head_dim=int(merged.get("qk_rope_head_dim", 64)),
+        index_head_dim=int(merged.get("index_head_dim", 128)),
+        window_source=f"{override_flag} sliding_window" if "sliding_window" in overrides else source,
+        layout_source=source
+        + ("" if not ({"compress_ratios", "num_hidden_layers"} & set(overrides)) else f" + {override_flag}"),
+    )
+    return [k for k in overrides if k not in CONFIG_KEYS]
+
+
+def predict(role: str, text: str, model_config: str | None = None, timeout_s: float = 5.0) -> SGLangSide:
+    """One server's resolved DSV4 layout settings from its launch string (see the module doc)."""
+    origin = "arguments"
+    env, argv, launcher = split_launch(text)
+    if not argv and launcher.startswith("@") and " " not in launcher:
+        ref = launcher[1:]
+        try:
+            file_text = Path(ref).read_text()
+        except OSError as exc:
+            raise SGLangArgsError(f"@{ref}: {exc.strerror or exc}") from None
+        origin = f"@{ref}"
+        file_env, argv, launcher = split_launch(file_text)
+        env = {**file_env, **env}
+    elif not argv and re.match(r"^https?://\S+$", launcher):
+        info = fetch_server_info(launcher, timeout_s)
+        return _from_server_info(role, launcher, info, env, model_config)
+    values, given, unknown, neutral = parse_argv(argv)
+    side = _resolve(role, origin, values, given, env, model_config, resolved=False)
+    side.not_modelled[:0] = unknown
+    side.neutral = neutral
+    if launcher:
+        side.notes.append(f"launcher skipped: {launcher}")
+    return side
+
+
+def _from_server_info(role: str, origin: str, info: dict, env: dict, model_config: str | None) -> SGLangSide:
+    values = {k: info[k] for k in MODELLED if k in info and info[k] is not None}
+    given = {k: f"{MODELLED[k][0][0]} {v}" for k, v in values.items()}
+    side = _resolve(role, origin, values, given, env, model_config, resolved=True)
+    side.notes.append(
+        "from a running server's /get_server_info: SGLang's resolved values; its environment is not "
+        "reported (give VAR=value before the URL)"
+    )
+    return side
+
+
+@dataclass
+class _Findings:
+    notes: list[str] = field(default_factory=list)
+    not_modelled: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # why SGLang would not start
+
+
+def _resolve_env(env: dict[str, str], f: _Findings) -> dict[str, Any]:
+    """Unified KV, online C128 and the state dtype from the environment variables."""
+    unified = env.get("SGLANG_HACK_FLASHMLA_BACKEND") == "unified_kv_triton"
+    if unified:
+        f.notes.append("SGLANG_HACK_FLASHMLA_BACKEND=unified_kv_triton: unified KV (ROCm only; on CUDA it is ignored)")
+    elif env.get("SGLANG_HACK_FLASHMLA_BACKEND", "tilelang") != "tilelang":
+        f.not_modelled.append(f"SGLANG_HACK_FLASHMLA_BACKEND={env['SGLANG_HACK_FLASHMLA_BACKEND']}")
+    online = _bool_env(env, "SGLANG_OPT_USE_ONLINE_COMPRESS")
+    if online and unified:
+        f.notes.append("SGLANG_OPT_USE_ONLINE_COMPRESS is ignored on ROCm (unified KV): offline C128 state")
+        online = False
+    state = env.get("SGLANG_DSV4_COMPRESS_STATE_DTYPE", "float32").strip().lower()
+    state_dtype = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}.get(state)
+    if state_dtype is None:
+        f.errors.append(
+            f"ValueError: Unsupported SGLANG_DSV4_COMPRESS_STATE_DTYPE={state!r}. "
+            "Expected one of: float32, fp32, bfloat16, bf16."
+        )
+        state_dtype = "float32"
+    for k in env:
+        if not (k in MODELLED_ENV or k in NEUTRAL_ENV or k.startswith(NEUTRAL_ENV_PREFIXES)):
+            f.not_modelled.append(f"{k}={env[k]}")
+    return {
+        "unified_kv": unified,
+        "online_c128": online,
+        "online_c128_mtp": _bool_env(env, "SGLANG_EXPERIMENTAL_ONLINE_C128_MTP"),
+        "state_dtype": state_dtype,
+    }
+
+
+def _resolve_page_and_kv(values: dict, npu: bool, unified: bool, resolved: bool, f: _Findings) -> dict[str, Any]:
+    page = _int(values, "page_size", None)
+    if resolved:
+        page_size = page if page is not None else 256
+    else:  # DSV4's override replaces whatever --page-size says
+        page_size = 128 if npu else 256
+        if page is not None and page != page_size:
+            f.notes.append(
+                f"--page-size {page} is overridden: SGLang 0.5.19 runs {ARCH} with page_size {page_size} "
+                f"on {'NPU' if npu else 'CUDA'}"
+            )
+    kv = str(values.get("kv_cache_dtype", "auto"))
+    kv = {"bf16": "bfloat16"}.get(kv, kv)
+    if not resolved:
+        if kv == "auto" or npu:
+            kv = "bfloat16" if npu else "fp8_e4m3"
+        if kv not in ("fp8_e4m3", "bfloat16"):
+            f.errors.append(f"AssertionError: {kv} is not supported for {ARCH} (--kv-cache-dtype fp8_e4m3 or auto)")
+    if kv == "bfloat16" and not unified and not npu:
+        f.errors.append(
+            "--kv-cache-dtype bfloat16: the paged DSV4 KV pool stores fp8 only (SGLang asserts a uint8 store); "
+            "bfloat16 is the NPU dtype"
+        )
+    return {"page_size": page_size, "kv_cache_dtype": kv}
+
+
+def _resolve_speculative(values: dict, env_kw: dict, kv: str, resolved: bool, f: _Findings) -> dict[str, Any]:
+    """Algorithm, steps, topk and draft tokens as SGLang resolves them for DSV4 (EAGLE, topk 1,
+    draft tokens = steps + 1), with the asserts that stop it on the way."""
+    algo = values.get("speculative_algorithm")
+    if algo is None:
+        return {}
+    algo = str(algo)
+    steps = _int(values, "speculative_num_steps", None)
+    topk = _int(values, "speculative_eagle_topk", None)
+    draft_tokens = _int(values, "speculative_num_draft_tokens", None)
+    if algo.upper() == "DSPARK":
+        f.not_modelled.append("--speculative-algorithm DSPARK (the DSpark draft's state)")
+    elif not resolved:
+        if algo != "EAGLE":
+            f.errors.append(
+                f"AssertionError: Only EAGLE and DSPARK speculative algorithms are supported for {ARCH} "
+                f"(--speculative-algorithm {algo}: SGLang checks this before it resolves aliases; write EAGLE)"
+            )
+        if topk != 1:
+            f.errors.append(
+                f"AssertionError: Only EAGLE speculative algorithm with topk == 1 is supported for {ARCH} "
+                f"(--speculative-eagle-topk {topk}: write --speculative-eagle-topk 1)"
+            )
+        if steps is None:
+            if topk is not None or draft_tokens is not None:
+                f.errors.append(
+                    "AssertionError in SGLang's speculative defaults: with --speculative-eagle-topk or "
+                    "--speculative-num-draft-tokens given, --speculative-num-steps is required"
+                )
+            steps = SPEC_DEFAULTS[0]
+        if draft_tokens is not None and draft_tokens != steps + 1:
+            f.notes.append(
+                f"--speculative-num-draft-tokens {draft_tokens} is adjusted to {steps + 1} "
+                "(speculative_num_steps + 1 with topk 1)"
+            )
+        topk, draft_tokens = 1, steps + 1
+        if values.get("speculative_draft_model_path"):
+            f.notes.append(
+                "--speculative-draft-model-path: DeepSeek MTP does not need it (SGLang warns); the draft is the NextN layer"
+            )
+    if env_kw["online_c128"] and not env_kw["online_c128_mtp"]:
+        f.errors.append(
+            "AssertionError: online c128 does not support MTP (SGLANG_OPT_USE_ONLINE_COMPRESS with speculative "
+            "decoding needs SGLANG_EXPERIMENTAL_ONLINE_C128_MTP=1)"
+        )
+        env_kw["online_c128_mtp"] = True  # predict the layout it would have with the option
+    dkv = values.get("speculative_draft_kv_cache_dtype")
+    if dkv not in (None, "auto", "fp8_e4m3", kv):
+        f.not_modelled.append(f"--speculative-draft-kv-cache-dtype {dkv}")
+    return {
+        "speculative_algorithm": "EAGLE" if algo.upper() in ("EAGLE", "NEXTN") else algo,
+        "speculative_num_steps": steps if steps is not None else SPEC_DEFAULTS[0],
+        "speculative_eagle_topk": topk if topk is not None else SPEC_DEFAULTS[1],
+        "speculative_num_draft_tokens": draft_tokens if draft_tokens is not None else SPEC_DEFAULTS[2],
+    }
+
+
+def _resolve(
+    role: str,
+    origin: str,
+    values: dict[str, Any],
+    given: dict[str, str],
+    env: dict[str, str],
+    model_config: str | None,
+    *,
+    resolved: bool,
+) -> SGLangSide:
+    """Apply SGLang 0.5.19's DSV4 resolution to the given values (``resolved``: they are already
+    the server's resolved values, from ``/get_server_info``)."""
+    f = _Findings()
+    model_path = values.get("model_path")
+    cfg, source = _model_config(model_path, model_config)
+    overrides: Any = {}
+    raw = values.get("json_model_override_args")
+    if raw not in (None, "", "{}"):
+        try:
+            overrides = json.loads(raw) if isinstance(raw, str) else raw
+        except ValueError as exc:
+            f.errors.append(f"json.JSONDecodeError in --json-model-override-args: {exc}")
+        if not isinstance(overrides, dict):
+            f.errors.append("--json-model-override-args is not a JSON object")
+            overrides = {}
+    kw: dict[str, Any] = {}
+    extra = _apply_model_config(kw, cfg, source, overrides, "--json-model-override-args")
+    f.not_modelled += [f"--json-model-override-args {k}" for k in extra]
+
+    device = values.get("device") or "cuda"
+    if device != "cuda":
+        f.not_modelled.append(
+            "--device npu (DSV4 on NPU builds DSV4NPUTokenToKVPool)"
+            if device == "npu"
+            else f"--device {device} (pdstate models DSV4 on CUDA)"
+        )
+    env_kw = _resolve_env(env, f)
+    kw.update(_resolve_page_and_kv(values, device == "npu", env_kw["unified_kv"], resolved, f))
+    kw.update(_resolve_speculative(values, env_kw, kw["kv_cache_dtype"], resolved, f))
+    kw.update(env_kw)
+    if values.get("attention_backend") not in (None, "dsv4", "compressed") and not resolved:
+        f.notes.append(f"--attention-backend {values['attention_backend']} is overridden: {ARCH} runs the dsv4 backend")
+    for fld, why in (
+        ("enable_hisparse", "HiSparse swaps the C4 pool"),
+        ("enable_deepseek_v4_fp4_indexer", "fp4 indexer rows of 68 B/token"),
+        ("enable_prefill_cp", "prefill context parallelism"),
+    ):
+        if values.get(fld) in (True, "true", "True"):
+            f.not_modelled.append(f"{MODELLED[fld][0][0]} ({why})")
+    pp = _int(values, "pp_size", 1) or 1
+    if pp > 1:
+        f.not_modelled.append(f"--pp-size {pp} (pdstate compares one whole-model stage)")
+    return SGLangSide(
+        role=role,
+        origin=origin,
+        model=str(model_path or FLASH),
+        disaggregation_mode=str(values.get("disaggregation_mode", "null")),
+        transfer_backend=str(values.get("disaggregation_transfer_backend", "mooncake")),
+        tp_size=_int(values, "tp_size", 1) or 1,
+        dp_size=_int(values, "dp_size", 1) or 1,
+        enable_dp_attention=values.get("enable_dp_attention", False) in (True, "true", "True"),
+        pp_size=pp,
+        env=dict(env),
+        given=given,
+        notes=f.notes,
+        not_modelled=f.not_modelled,
+        launch_errors=f.errors,
+        **kw,
+    )
