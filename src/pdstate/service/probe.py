@@ -91,7 +91,7 @@ def probe(urls: list[str], token: str | None = None, timeout_s: float = 5.0) -> 
 
 
 def format_probe(found: dict) -> str:
-    from pdstate.service.preflight import FIX_HINTS
+    from pdstate.protocol.fixes import fix_line, summarize
 
     lines = []
     for w in found["workers"]:
@@ -133,9 +133,9 @@ def format_probe(found: dict) -> str:
         else:
             lines.append("pair: INCOMPATIBLE")
             for e in pair["errors"]:
-                lines.append(f"  - {e['type']}: {e['message']}")
-                if e["type"] in FIX_HINTS:
-                    lines.append(f"    {FIX_HINTS[e['type']]}")
+                lines.append(f"  - {e['type']}: {summarize(e['type'], e['message'])}")
+                if fix := fix_line(e["type"], e["message"]):
+                    lines.append(f"    {fix}")
     return "\n".join(lines)
 
 

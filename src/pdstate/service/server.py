@@ -97,10 +97,10 @@ def cmd_serve(args) -> ExitCode:
         release_partial(worker)
         cause = exc.__cause__ or exc
         print(f"pdstate serve: {cfg.role} local check failed: {type(cause).__name__}: {exc}", file=sys.stderr)
-        from pdstate.service.preflight import FIX_HINTS
+        from pdstate.protocol.fixes import fix_line
 
-        if type(cause).__name__ in FIX_HINTS:
-            print(f"  {FIX_HINTS[type(cause).__name__]}", file=sys.stderr)
+        if fix := fix_line(type(cause).__name__, str(cause)):
+            print(f"  {fix}", file=sys.stderr)
         print("  (checks.local = false serves anyway and reports the error on /readyz)", file=sys.stderr)
         return ExitCode.LOCAL_CHECK
     except Exception as exc:
