@@ -22,12 +22,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import boot  # first: sys.path, the GPU-only stubs and the bare sglang package
 import torch
 from sglang.srt.disaggregation.base.conn import KVArgs as SglKVArgs
+from sglang.srt.disaggregation.utils import get_dsv4_c128_state_indices, is_dsv4_c128_online_enabled
 from sglang.srt.disaggregation.utils import setup_state_kv_args as sgl_setup_state_kv_args
 from sglang.srt.mem_cache import deepseek_v4_memory_pool as sgl_pool_module
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator as SglAllocator
+from sglang.srt.mem_cache.common import kv_to_page_indices
 from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool as SglPool
 
-from pdstate.pools import DeepSeekV4TokenToKVPool, SWATokenToKVPoolAllocator
+from pdstate.pools import DeepSeekV4TokenToKVPool, SWATokenToKVPoolAllocator, indices
 from pdstate.pools.interface import is_dsv4_pool, pool_view
 from pdstate.pools.kvargs import KVArgs, fill_kv_args, setup_state_kv_args
 from pdstate.pools.reporting import build_report
@@ -126,19 +128,39 @@ def build_pair(s: dict, real: bool):
     alloc = allocator(target)
     _wire(s["draft"], target, draft, alloc, allocator)
     if real:  # map two pages as the scheduler would (alloc_extend needs a triton kernel)
-        full = alloc.full_attn_allocator.alloc(2 * page)
-        swa = alloc.swa_attn_allocator.alloc(2 * page)
-        alloc.set_full_to_swa_mapping(full, swa)
+        locs = alloc.full_attn_allocator.alloc(2 * page)
+        alloc.set_full_to_swa_mapping(locs, alloc.swa_attn_allocator.alloc(2 * page))
     else:
-        alloc.alloc(2 * page)
-    return target, draft, alloc
+        locs = alloc.alloc(2 * page)
+    return target, draft, alloc, locs
+
+
+def request_indices(pool, alloc, locs) -> dict:
+    """Per-request state indices: pdstate's functions over the view vs SGLang's own functions."""
+    v, page = pool_view(pool), pool.page_size
+    out: dict = {"c128": [], "swa": []}
+    if v.c128_ring_size is not None:
+        for slot in (0, 1, 3):
+            for seq_len in (0, 1, 127, 128, 129, 300, 511, 1000):
+                mine = indices.c128_state_indices(slot, seq_len, v.online_c128, v.c128_ring_size)
+                theirs = get_dsv4_c128_state_indices(
+                    slot, seq_len, online=is_dsv4_c128_online_enabled(), ring_size=pool.get_ring_size(128)
+                )
+                out["c128"].append([slot, seq_len, mine.tolist(), theirs.tolist()])
+    if not v.unified_kv:
+        for seq_len in (1, 100, 256, 300, 512):
+            mine = indices.swa_page_indices(locs, seq_len, v.sliding_window, page, v.mapping)
+            start = indices.swa_window_start(seq_len, v.sliding_window, page)
+            theirs = kv_to_page_indices(alloc.translate_loc_from_full_to_swa(locs[start:seq_len]), page)
+            out["swa"].append([seq_len, mine.tolist(), theirs.tolist()])
+    return out
 
 
 def run_scenario(s: dict) -> dict:
     boot.publish(boot.server_args(speculative=s["speculative"], draft_tokens=s["draft_tokens"]))
     out: dict = {"name": s["name"]}
-    real_t, real_d, _ = build_pair(s, real=True)
-    own_t, own_d, _ = build_pair(s, real=False)
+    real_t, real_d, real_alloc, real_locs = build_pair(s, real=True)
+    own_t, own_d, _, _ = build_pair(s, real=False)
     out["classes"] = {
         "target": type(real_t).__module__ + "." + type(real_t).__qualname__,
         "is_dsv4": [is_dsv4_pool(real_t), real_d is None or is_dsv4_pool(real_d)],
@@ -165,6 +187,8 @@ def run_scenario(s: dict) -> dict:
         }
 
     out["main_kv"] = _outcome(main_kv)
+    if s["expect"] == "ok":
+        out["indices"] = _outcome(lambda: request_indices(real_t, real_alloc, real_locs))
     v = pool_view(real_t)
     out["view"] = {
         "c4_ring_size": v.c4_ring_size,

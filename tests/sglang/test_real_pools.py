@@ -192,3 +192,16 @@ def test_stage_rule(sglang_results, s):
     real, own = _report(r["report_real"]), _report(r["report_own"])
     assert real.factor("stage") == own.factor("stage")
     assert real.fingerprint == own.fingerprint
+
+
+@pytest.mark.parametrize("variant,s", OK)
+def test_request_indices_equal_sglang(sglang_results, variant, s):
+    """pdstate's index functions fed through the view compute what SGLang's own functions do."""
+    got = _value(_result(sglang_results, variant, s)["indices"])
+    has_c128 = 128 in s["pool"]["compression_ratios"]
+    assert bool(got["c128"]) == has_c128
+    assert bool(got["swa"]) == (not s["unified"])
+    for slot, seq_len, mine, theirs in got["c128"]:
+        assert mine == theirs, (slot, seq_len)
+    for seq_len, mine, theirs in got["swa"]:
+        assert mine == theirs and mine, seq_len
