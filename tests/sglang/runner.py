@@ -52,7 +52,6 @@ def _child_env(target: Path, extra: dict[str, str]) -> dict[str, str]:
     env.update(extra)
     env["PDSTATE_SGLANG_ENV"] = str(target)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
-    env.setdefault("SGLANG_DISABLE_REQUEST_LOGGING", "1")
     env["PYTHONWARNINGS"] = "ignore"
     env["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
     env["HF_HUB_OFFLINE"] = "1"
