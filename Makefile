@@ -5,7 +5,7 @@ PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint venv clean bench
+.PHONY: demo test lint venv clean bench sglang-env
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,8 +17,12 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-test: $(STAMP) lint
+test: $(STAMP) lint sglang-env
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Real SGLang 0.5.19 for tests/sglang, cached in $(VENV)/sglang-env (stamped; never touches the venv).
+sglang-env: $(STAMP)
+	-bash tools/sglang_env.sh $(PY) $(VENV)/sglang-env
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

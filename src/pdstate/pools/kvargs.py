@@ -7,14 +7,15 @@ wire contract. For a DSV4 target the order is upstream's:
 2. ``SWA_RING``   = ``target.get_unified_swa_ring_buf_infos()`` (unified mode);
 3. ``C128_STATE`` = ``target.get_c128_state_buf_infos()`` (any C128 layer);
 4. the draft's ``SWA`` (paged) or ``SWA_RING`` (unified) component, last, after the five checks of
-   ``check_draft_pair`` — only when both pools are DSV4 pools.
+   ``check_draft_pair`` — only when both pools are DSV4 pools (``pdstate.pools.interface``: the
+   rule is upstream's, and SGLang's own pool objects are read the same way as pdstate's).
 
 The data types and the five checks live in ``pdstate.protocol.facts`` (no torch).
 """
 
 from __future__ import annotations
 
-from pdstate.pools.dsv4 import DeepSeekV4TokenToKVPool
+from pdstate.pools.interface import PoolView, is_dsv4_pool, pool_view
 from pdstate.protocol.facts import (
     KVArgs,
     PoolFacts,
@@ -35,43 +36,43 @@ __all__ = [
 ]
 
 
-def pool_facts(pool: DeepSeekV4TokenToKVPool) -> PoolFacts:
-    """What the five target/draft checks read from one pool."""
-    return PoolFacts(
-        tuple(pool.compression_ratios),
-        pool._unified_kv,
-        pool.ring_geometry,
-        pool.paged_geometry,
-        pool.mapping_identity,
-    )
+def pool_facts(pool: object) -> PoolFacts:
+    """What the five target/draft checks read from one pool (pdstate's or SGLang's)."""
+    return pool_view(pool).facts()
+
+
+def _target_view(pool: object) -> PoolView:
+    if not is_dsv4_pool(pool):
+        raise TypeError(f"pdstate handles DSV4 pools; got {type(pool).__name__}")
+    return pool_view(pool)
 
 
 def state_components(
-    target: DeepSeekV4TokenToKVPool, draft: object | None, *, check: bool = True
+    target: object, draft: object | None, *, check: bool = True
 ) -> list[tuple[StateType, tuple[list[int], list[int], list[int]]]]:
     """The ordered state components of a target (+ draft), each ``(type, (ptrs, lens, items))``.
 
     With ``check`` (the upstream behaviour) the five draft checks run before the draft component
     is appended; without it, the components are only described (used to report a broken pair).
+    Both pools are read through ``PoolView``: pdstate's pools and SGLang's real ones alike.
     """
-    comps = [(StateType.SWA, target.get_state_buf_infos())]
-    if target._unified_kv:
-        ring = target.get_unified_swa_ring_buf_infos()
+    t = _target_view(target)
+    comps = [(StateType.SWA, t.state_buf_infos())]
+    if t.unified_kv:
+        ring = t.unified_swa_ring_buf_infos()
         if ring[0]:
             comps.append((StateType.SWA_RING, ring))
-    if target.c128_states:
-        comps.append((StateType.C128_STATE, target.get_c128_state_buf_infos()))
-    if isinstance(draft, DeepSeekV4TokenToKVPool):
+    c128 = t.c128_state_buf_infos()
+    if c128[0]:
+        comps.append((StateType.C128_STATE, c128))
+    if draft is not None and is_dsv4_pool(draft):
+        d = pool_view(draft)
         if check:
-            check_draft_pair(
-                pool_facts(target),
-                pool_facts(draft),
-                lambda: target.full_to_swa_index_mapping is draft.full_to_swa_index_mapping,
-            )
-        if draft._unified_kv:
-            infos, state_type = draft.get_unified_swa_ring_buf_infos(), StateType.SWA_RING
+            check_draft_pair(t.facts(), d.facts(), lambda: t.mapping is d.mapping)
+        if d.unified_kv:
+            infos, state_type = d.unified_swa_ring_buf_infos(), StateType.SWA_RING
         else:
-            infos, state_type = draft.get_state_buf_infos(), StateType.SWA
+            infos, state_type = d.state_buf_infos(), StateType.SWA
         if infos[0]:
             comps.append((state_type, infos))
     return comps
@@ -79,7 +80,7 @@ def state_components(
 
 def setup_state_kv_args(
     kv_args: KVArgs,
-    token_to_kv_pool: DeepSeekV4TokenToKVPool,
+    token_to_kv_pool: object,
     draft_token_to_kv_pool: object | None = None,
     total_kv_layers: int | None = None,
     req_to_token_pool: object | None = None,
@@ -88,10 +89,8 @@ def setup_state_kv_args(
 
     Raises the upstream ``RuntimeError`` subclasses of ``pdstate.errors`` when the draft cannot be
     transferred alongside the target; ``kv_args`` is left untouched then. A draft that is ``None``
-    or not a DSV4 pool is skipped silently.
+    or not a DSV4 pool is skipped silently; a target that is not a DSV4 pool is a ``TypeError``.
     """
-    if not isinstance(token_to_kv_pool, DeepSeekV4TokenToKVPool):
-        raise TypeError(f"pdstate handles DSV4 pools; got {type(token_to_kv_pool).__name__}")
     comps = state_components(token_to_kv_pool, draft_token_to_kv_pool)
     kv_args.state_types = []
     kv_args.state_data_ptrs, kv_args.state_data_lens, kv_args.state_item_lens = [], [], []
@@ -105,7 +104,7 @@ def setup_state_kv_args(
 
 
 def fill_kv_args(
-    token_to_kv_pool: DeepSeekV4TokenToKVPool,
+    token_to_kv_pool: object,
     draft_token_to_kv_pool: object | None = None,
     *,
     check: bool = True,
@@ -115,13 +114,13 @@ def fill_kv_args(
     ``check=False`` describes the components without the five draft checks (a worker configured
     not to verify its own pair still registers its buffers, as upstream would have).
     """
+    t = _target_view(token_to_kv_pool)
     kv_args = KVArgs()
-    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = token_to_kv_pool.get_contiguous_buf_infos()
-    kv_args.page_size = token_to_kv_pool.page_size
-    kv_args.kv_cache_dtype = str(token_to_kv_pool.dtype).replace("torch.", "")
-    kv_args.mla_compression_ratios = list(token_to_kv_pool.compression_ratios)
-    kv_args.prefill_start_layer = token_to_kv_pool._stage_start
-    kv_args.prefill_end_layer = token_to_kv_pool._stage_end
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = t.contiguous_buf_infos()
+    kv_args.page_size = t.page_size
+    kv_args.kv_cache_dtype = str(t.dtype).replace("torch.", "")
+    kv_args.mla_compression_ratios = list(t.compression_ratios)
+    kv_args.prefill_start_layer, kv_args.prefill_end_layer = t.stage
     if check:
         return setup_state_kv_args(kv_args, token_to_kv_pool, draft_token_to_kv_pool)
     for state_type, infos in state_components(token_to_kv_pool, draft_token_to_kv_pool, check=False):

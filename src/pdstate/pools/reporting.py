@@ -1,9 +1,15 @@
-"""``build_report``: a side's ``LayoutReport`` read from its live target (and draft) pools."""
+"""``build_report``: a side's ``LayoutReport`` read from its live target (and draft) pools.
+
+The pools are read through ``pdstate.pools.interface.PoolView``: pdstate's own pools and SGLang's
+real ``DeepSeekV4TokenToKVPool`` objects built from the same constructor arguments give the same
+factors, hence the same fingerprint.
+"""
 
 from __future__ import annotations
 
-from pdstate.pools.dsv4 import DeepSeekV4TokenToKVPool, dtype_name
-from pdstate.pools.kvargs import KVArgs, fill_kv_args, pool_facts, state_components
+from pdstate.pools.dsv4 import dtype_name
+from pdstate.pools.interface import is_dsv4_pool, pool_view
+from pdstate.pools.kvargs import KVArgs, fill_kv_args, state_components
 from pdstate.protocol.report import (
     FACTOR_NAMES,
     ErrorInfo,
@@ -14,33 +20,38 @@ from pdstate.protocol.report import (
 )
 
 
-def _components(target: DeepSeekV4TokenToKVPool, draft: DeepSeekV4TokenToKVPool | None) -> list:
+def _components(target: object, draft: object | None) -> list:
     """``[state_type, n_buffers, item_lens]`` per component, described without the pair checks."""
     return [[st.value, len(ptrs), list(items)] for st, (ptrs, _, items) in state_components(target, draft, check=False)]
 
 
-def draft_descriptor(draft: DeepSeekV4TokenToKVPool | None) -> dict | None:
-    if draft is None:
+def draft_descriptor(draft: object | None) -> dict | None:
+    """The draft factor; ``None`` without a DSV4 draft (upstream skips any other draft)."""
+    if draft is None or not is_dsv4_pool(draft):
         return None
+    d = pool_view(draft)
     return {
-        "layers": len(draft.stage_ratios),
-        "layout": "unified" if draft._unified_kv else "paged",
-        "page_size": draft.page_size,
-        "swa_page_size": draft.swa_page_size,
-        "sliding_window": draft.sliding_window,
-        "ring_size": draft.unified_swa_ring_size if draft._unified_kv else None,
+        "layers": len(d.stage_ratios),
+        "layout": "unified" if d.unified_kv else "paged",
+        "page_size": d.page_size,
+        "swa_page_size": d.swa_page_size,
+        "sliding_window": d.sliding_window,
+        "ring_size": d.unified_swa_ring_size,
     }
 
 
 def build_report(
-    target: DeepSeekV4TokenToKVPool,
-    draft: DeepSeekV4TokenToKVPool | None,
+    target: object,
+    draft: object | None,
     kv_args: KVArgs | None = None,
 ) -> tuple[LayoutReport, KVArgs | None]:
     """Report a side's layout. Runs ``setup_state_kv_args`` and records its outcome.
 
-    Returns the report and the filled ``KVArgs`` (``None`` when the local check failed).
+    ``target`` is a DSV4 pool (pdstate's or SGLang's; anything else is a ``TypeError``); a draft
+    that is not a DSV4 pool is reported as no draft, as upstream skips it. Returns the report and the filled ``KVArgs`` (``None`` when the local check
+    failed).
     """
+    t = pool_view(target)
     error: BaseException | None = None
     if kv_args is None:
         try:
@@ -48,29 +59,30 @@ def build_report(
         except RuntimeError as exc:  # the upstream refusals (AttributeError subclass included)
             error = exc
             kv_args = None
+    start, end = t.stage
     factors = (
-        ("layout", "unified" if target._unified_kv else "paged"),
-        ("compression_ratios", list(target.stage_ratios)),
-        ("stage", [target._stage_start, target._stage_end]),
-        ("sliding_window", target.sliding_window),
-        ("c4_ring", target.c4_ring_size),
-        ("c128_ring", target.c128_ring_size),
-        ("online_c128", target.online_c128),
-        ("c4_state_dtype", dtype_name(target.c4_state_dtype)),
-        ("c128_state_dtype", dtype_name(target.c128_state_dtype)),
+        ("layout", "unified" if t.unified_kv else "paged"),
+        ("compression_ratios", t.stage_ratios),
+        ("stage", [start, end]),
+        ("sliding_window", t.sliding_window),
+        ("c4_ring", t.c4_ring_size),
+        ("c128_ring", t.c128_ring_size),
+        ("online_c128", t.online_c128),
+        ("c4_state_dtype", dtype_name(t.c4_state_dtype)),
+        ("c128_state_dtype", dtype_name(t.c128_state_dtype)),
         ("draft", draft_descriptor(draft)),
-        ("main_kv_item_lens", list(target.get_contiguous_buf_infos()[2])),
+        ("main_kv_item_lens", list(t.contiguous_buf_infos()[2])),
         ("components", _components(target, draft)),
     )
     assert tuple(n for n, _ in factors) == FACTOR_NAMES
-    kv_dtype = dtype_name(target.dtype)
+    kv_dtype = dtype_name(t.dtype)
     report = LayoutReport(
-        page_size=target.page_size,
+        page_size=t.page_size,
         kv_dtype=kv_dtype,
         factors=factors,
-        fingerprint=fingerprint(target.page_size, kv_dtype, factors),
-        target=PoolFactsModel.of(pool_facts(target)),
-        draft=None if draft is None else PoolFactsModel.of(pool_facts(draft)),
+        fingerprint=fingerprint(t.page_size, kv_dtype, factors),
+        target=PoolFactsModel.of(t.facts()),
+        draft=PoolFactsModel.of(pool_view(draft).facts()) if draft is not None and is_dsv4_pool(draft) else None,
         local_check=LocalCheck(ok=error is None, error=None if error is None else ErrorInfo.of(error)),
     )
     return report, kv_args

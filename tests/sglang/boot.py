@@ -1,0 +1,183 @@
+"""Make the real SGLang 0.5.19 code importable on a CPU-only host, in a *child* process.
+
+Importing this module changes process-wide state (``sys.meta_path``, ``sys.modules["sglang"]``,
+``torch.compile``), so only the harness's child processes import it, never the pytest process:
+
+- the cached environment (``PDSTATE_SGLANG_ENV``) is appended to ``sys.path``, after the venv, so
+  the venv's torch and numpy always win over anything in it;
+- a meta-path finder serves a permissive dummy module for GPU-only packages, but only when the
+  real package cannot be found (``importlib.util.find_spec`` of the top-level name);
+- ``sglang`` is registered as a bare package with the real ``__path__``: its ``__init__`` (the
+  whole frontend) is skipped, every ``sglang.srt.*`` submodule is the real file;
+- ``torch.compile`` becomes an identity decorator (it breaks on CPU with a dummy triton present).
+
+``use_server_args`` publishes the ``ServerArgs`` a pool reads at construction and
+``unified_kv`` selects upstream's unified-KV mode for the pools built inside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+
+ENV_DIR = os.environ.get("PDSTATE_SGLANG_ENV", "")
+
+# Top-level packages SGLang imports at module level but never runs on the paths under test.
+GPU_ONLY = frozenset(
+    {
+        "triton",
+        "sgl_kernel",
+        "sglang_kernel",
+        "flashinfer",
+        "deep_gemm",
+        "deep_ep",
+        "flash_mla",
+        "tilelang",
+        "cuda",
+        "cutlass",
+        "quack",
+        "tvm_ffi",
+        "aiter",
+        "vllm",
+        "torch_memory_saver",
+        "torchvision",
+        "flash_attn",
+    }
+)
+
+
+class _AnyMeta(type):
+    """Metaclass of the stand-ins: any attribute is another stand-in class, and calling one with a
+    single callable returns it unchanged (``@triton.jit``, ``@triton.autotune(...)``)."""
+
+    def __getattr__(cls, attr: str):
+        if attr.startswith("__") and attr.endswith("__"):
+            raise AttributeError(attr)
+        child = _stand_in(f"{cls.__qualname__}.{attr}")
+        setattr(cls, attr, child)
+        return child
+
+    def __call__(cls, *args, **kwargs):
+        if len(args) == 1 and not kwargs and callable(args[0]):
+            return args[0]
+        return cls
+
+    def __iter__(cls):
+        return iter(())
+
+    def __bool__(cls) -> bool:
+        return False
+
+
+def _stand_in(name: str) -> type:
+    """A class (so ``isinstance`` probes and subclassing work) that stands for anything."""
+    return _AnyMeta(name, (), {})
+
+
+class _Anything(types.ModuleType):
+    """A stand-in module: every attribute is a stand-in class; a real version string, so version
+    probes (transformers') parse."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.__path__: list[str] = []
+        self.__version__ = "0.0.0"
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__") and attr.endswith("__"):
+            raise AttributeError(attr)
+        child = _stand_in(f"{self.__name__}.{attr}")
+        setattr(self, attr, child)
+        return child
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves ``_Anything`` for a GPU-only package (and its submodules) that is not installed."""
+
+    def __init__(self) -> None:
+        self._absent: dict[str, bool] = {}
+
+    def _stubbed(self, top: str) -> bool:
+        if top not in GPU_ONLY:
+            return False
+        if top not in self._absent:
+            sys.meta_path.remove(self)
+            try:
+                self._absent[top] = importlib.util.find_spec(top) is None
+            except (ImportError, ValueError):
+                self._absent[top] = True
+            finally:
+                sys.meta_path.insert(0, self)
+        return self._absent[top]
+
+    def find_spec(self, fullname, path=None, target=None):
+        if self._stubbed(fullname.partition(".")[0]):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return _Anything(spec.name)
+
+    def exec_module(self, module) -> None:
+        pass
+
+
+def _install() -> None:
+    if ENV_DIR and ENV_DIR not in sys.path:
+        sys.path.append(ENV_DIR)
+    if not any(isinstance(f, _StubFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _StubFinder())
+    import torch
+
+    torch.compile = lambda fn=None, *a, **kw: fn if fn is not None else (lambda f: f)
+    if "sglang" not in sys.modules:
+        spec = importlib.util.find_spec("sglang")
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError(f"sglang is not in the environment {ENV_DIR!r}")
+        pkg = types.ModuleType("sglang")
+        pkg.__path__ = list(spec.submodule_search_locations)
+        pkg.__file__ = spec.origin
+        pkg.__spec__ = spec
+        sys.modules["sglang"] = pkg
+
+
+_install()
+
+
+def server_args(*, speculative: bool, draft_tokens: int = 4, page_size: int = 256, **extra):
+    from sglang.srt.server_args import ServerArgs
+
+    kw = dict(model_path="dummy", page_size=page_size)
+    if speculative:
+        kw.update(
+            speculative_algorithm="EAGLE",
+            speculative_num_draft_tokens=draft_tokens,
+            speculative_num_steps=max(1, draft_tokens - 1),
+            speculative_eagle_topk=1,
+        )
+    kw.update(extra)
+    return ServerArgs(**kw)
+
+
+def publish(args) -> None:
+    from sglang.srt.runtime_context import get_context
+
+    get_context().set_server_args(args)
+
+
+@contextlib.contextmanager
+def unified_kv(enabled: bool):
+    """Pools built inside take upstream's unified-KV layout (its ROCm+env gate, replaced)."""
+    from sglang.kernels.ops.attention.dsv4.unified_kv_kernels import env_gate
+
+    saved = env_gate.is_unified_kv_triton
+    env_gate.is_unified_kv_triton = lambda: enabled
+    try:
+        yield
+    finally:
+        env_gate.is_unified_kv_triton = saved

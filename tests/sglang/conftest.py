@@ -1,0 +1,44 @@
+"""Fixtures of the SGLang harness: nothing is built or imported at collection.
+
+``sglang_results`` builds the cached environment if needed (``tools/sglang_env.sh``), then runs
+every scenario of ``scenarios.VARIANTS`` in child processes once per session. When the sglang
+wheel cannot be fetched every test here skips with the build script's reason, reported as one
+line (pytest would otherwise list a fixture's skip once per test function).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from tests.sglang import runner, scenarios
+
+
+def _skip(exc: runner.EnvUnavailable):
+    pytest.skip(str(exc))
+
+
+_SKIP_AT = (__file__, inspect.getsourcelines(_skip)[1] + 1)
+
+
+@pytest.fixture(scope="session")
+def sglang_env():
+    try:
+        return runner.ensure_env()
+    except runner.EnvUnavailable as exc:
+        _skip(exc)
+
+
+@pytest.fixture(scope="session")
+def sglang_results(sglang_env) -> dict[str, dict]:
+    return runner.run_variants(sglang_env, scenarios.VARIANTS)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    longrepr = report.longrepr
+    if report.skipped and isinstance(longrepr, tuple) and runner.NO_WHEEL in str(longrepr[2]):
+        report.longrepr = (*_SKIP_AT, longrepr[2])  # one location: the summary folds them into one line
+    return report

@@ -1,0 +1,82 @@
+"""Find (or build) the cached SGLang environment and run ``probe.py`` in child processes.
+
+The environment is ``$PDSTATE_SGLANG_ENV``, else ``<venv>/sglang-env`` (``sys.prefix``: the venv
+running pytest; ``make sglang-env`` builds it there). A missing or stale one is built by
+``tools/sglang_env.sh`` (cached by its stamp); when that script says the sglang wheel cannot be
+fetched (exit 3) the tests skip with its one line, and any other failure fails them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+BUILD_SCRIPT = REPO / "tools" / "sglang_env.sh"
+NO_WHEEL_STATUS = 3  # the build script's status for "the sglang wheel cannot be fetched"
+NO_WHEEL = "sglang-env: cannot fetch"  # how its one line (and so the skip reason) starts
+
+
+class EnvUnavailable(Exception):
+    """The sglang wheel cannot be fetched here: the tests skip with this one line."""
+
+
+def env_dir() -> Path:
+    return Path(os.environ.get("PDSTATE_SGLANG_ENV") or Path(sys.prefix) / "sglang-env")
+
+
+def ensure_env() -> Path:
+    """The environment's directory, built first if its stamp is missing or stale (cached)."""
+    target = env_dir()
+    proc = subprocess.run(
+        ["bash", str(BUILD_SCRIPT), sys.executable, str(target)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    if proc.returncode == NO_WHEEL_STATUS:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(NO_WHEEL)]
+        raise EnvUnavailable(lines[-1] if lines else f"{NO_WHEEL} the sglang wheel")
+    if proc.returncode != 0:
+        raise RuntimeError(f"building {target} failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+    return target
+
+
+def _child_env(target: Path, extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")}
+    env.update(extra)
+    env["PDSTATE_SGLANG_ENV"] = str(target)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONWARNINGS"] = "ignore"
+    env["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+    env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def run_probe(target: Path, extra_env: dict[str, str], scenarios: list[dict], timeout: float = 600) -> dict:
+    """Run ``probe.py`` on ``scenarios`` in a fresh interpreter; its JSON answer."""
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "probe.py")],
+        input=json.dumps(scenarios),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_child_env(target, extra_env),
+        cwd=str(REPO),
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"probe.py exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(lines[-1])
+
+
+def run_variants(target: Path, variants: dict[str, tuple[dict[str, str], list[dict]]]) -> dict[str, dict]:
+    """Every variant in its own child process (two at a time); results by variant name."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(run_probe, target, env, scen) for name, (env, scen) in variants.items()}
+        return {name: f.result() for name, f in futures.items()}

@@ -1,0 +1,255 @@
+"""Pools by interface: which objects count as DSV4 pools, and what ``PoolView`` derives.
+
+``UpstreamShaped`` carries only the attributes SGLang 0.5.19's ``DeepSeekV4TokenToKVPool`` has
+(none of pdstate's own facts), over a pdstate pool's buffers; tests/sglang does the same with the
+real SGLang objects.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pdstate.errors import DraftMappingMissing, SWAIndexMappingNotShared
+from pdstate.pools import DeepSeekV4TokenToKVPool as PdPool
+from pdstate.pools import SWATokenToKVPoolAllocator
+from pdstate.pools.interface import PoolView, is_dsv4_pool, pool_view
+from pdstate.pools.kvargs import KVArgs, StateType, pool_facts, setup_state_kv_args
+from pdstate.pools.reporting import build_report
+from pdstate.protocol.compat import check_peer
+from pdstate.protocol.facts import MappingIdentity
+
+SEED = "DSV4 target and draft pools must share the SWA index mapping"
+MISSING_MSG = "'DeepSeekV4TokenToKVPool' object has no attribute 'full_to_swa_index_mapping'"
+TINY = dict(
+    max_num_reqs=4,
+    swa_size=512,
+    c4_size=256,
+    c128_size=8,
+    c4_state_pool_size=64,
+    c128_state_pool_size=1280,
+    page_size=256,
+    swa_page_size=256,
+    dtype="float8_e4m3fn",
+    c4_state_dtype="float32",
+    c128_state_dtype="float32",
+    qk_nope_head_dim=448,
+    qk_rope_head_dim=64,
+    indexer_head_dim=128,
+    layer_num=3,
+    compression_ratios=[0, 4, 128],
+    sliding_window=128,
+    online_mtp_max_draft_tokens=4,
+    num_req_slots=5,
+    speculative_num_draft_tokens=4,
+)
+NEXTN = dict(c4_size=0, c128_size=0, c4_state_pool_size=0, c128_state_pool_size=0, layer_num=1, compression_ratios=[0])
+
+
+def target(**over) -> PdPool:
+    return PdPool(**{**TINY, **over})
+
+
+def draft(**over) -> PdPool:
+    return PdPool(**{**TINY, **NEXTN, **over})
+
+
+_UPSTREAM_ATTRS = (
+    "compression_ratios",
+    "_unified_kv",
+    "_stage_start",
+    "_stage_end",
+    "page_size",
+    "swa_page_size",
+    "sliding_window",
+    "dtype",
+    "c4_state_dtype",
+    "c128_state_dtype",
+    "get_contiguous_buf_infos",
+    "get_state_buf_infos",
+    "get_unified_swa_ring_buf_infos",
+    "get_c128_state_buf_infos",
+)
+
+
+class _Shaped:
+    def __init__(self, pool: PdPool) -> None:
+        for name in _UPSTREAM_ATTRS:
+            setattr(self, name, getattr(pool, name))
+        if pool._unified_kv:
+            self.unified_swa_window = pool.unified_swa_window
+            self.unified_swa_ring_size = pool.unified_swa_ring_size
+            self.unified_swa_pages = pool.unified_swa_pages
+        self._spec = pool.speculative
+        self.compress_state_pools = [None] * len(pool.compression_ratios)
+        for layer in range(pool._stage_start, pool._stage_end):
+            r = pool.compression_ratios[layer]
+            if r:
+                ring = pool.c4_ring_size if r == 4 else pool.c128_ring_size
+                online = r == 128 and pool.online_c128
+                self.compress_state_pools[layer] = SimpleNamespace(ratio=r, ring_size=ring, online=online)
+
+    def register_mapping(self, mapping: torch.Tensor) -> None:
+        self.full_to_swa_index_mapping = mapping
+
+    def get_ring_size(self, ratio: int) -> int:
+        return (16 if self._spec else 8) if ratio == 4 else (256 if self._spec else 128)
+
+
+class DeepSeekV4TokenToKVPool(_Shaped):
+    """Upstream's class name, upstream's attributes."""
+
+
+class NPUSubclass(DeepSeekV4TokenToKVPool):
+    pass
+
+
+class SomeOtherPool(_Shaped):
+    """Upstream's attributes, but not a DSV4 pool class: upstream skips it as a draft."""
+
+
+def shaped(pool: PdPool, cls=DeepSeekV4TokenToKVPool):
+    return cls(pool)
+
+
+def pair(how: str = "shared", unified: bool = False, cls=DeepSeekV4TokenToKVPool):
+    t, d = shaped(target(unified_kv=unified), cls), shaped(draft(unified_kv=unified), cls)
+    a = SWATokenToKVPoolAllocator(1024, 512, 256, kvcache=t)
+    if how == "shared":
+        d.register_mapping(a.full_to_swa_index_mapping)
+    elif how == "own":
+        SWATokenToKVPoolAllocator(1024, 512, 256, kvcache=d)
+    return t, d
+
+
+# --- the rule --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "obj,want",
+    [
+        (target(), True),
+        (shaped(target()), True),
+        (shaped(target(), NPUSubclass), True),
+        (shaped(target(), SomeOtherPool), False),
+        (object(), False),
+        (None, False),
+        ("DeepSeekV4TokenToKVPool", False),
+    ],
+)
+def test_is_dsv4_pool_is_upstreams_isinstance_by_class_name(obj, want):
+    assert is_dsv4_pool(obj) is want
+
+
+def test_non_dsv4_draft_is_skipped_even_with_the_interface():
+    t, _ = pair()
+    other = shaped(draft(), SomeOtherPool)
+    kv = setup_state_kv_args(KVArgs(), t, other)
+    assert kv.state_types == [StateType.SWA, StateType.C128_STATE]
+    report, _ = build_report(t, other)
+    assert report.draft is None and report.factor("draft") is None
+
+
+def test_target_must_be_a_dsv4_pool():
+    with pytest.raises(TypeError, match="pdstate handles DSV4 pools; got SomeOtherPool"):
+        setup_state_kv_args(KVArgs(), shaped(target(), SomeOtherPool))
+
+
+# --- the view -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("unified", [False, True])
+@pytest.mark.parametrize("spec", [4, None])
+def test_view_derives_pdstate_facts_from_upstream_attributes(unified, spec):
+    own = target(unified_kv=unified, speculative_num_draft_tokens=spec)
+    v, mine = pool_view(shaped(own)), pool_view(own)
+    for name in (
+        "compression_ratios",
+        "unified_kv",
+        "stage",
+        "stage_ratios",
+        "ring_geometry",
+        "paged_geometry",
+        "c4_ring_size",
+        "c128_ring_size",
+        "online_c128",
+        "unified_swa_ring_size",
+    ):
+        assert getattr(v, name) == getattr(mine, name), name
+    assert mine.stage_ratios == own.stage_ratios and mine.ring_geometry == own.ring_geometry
+
+
+def test_view_without_c128_layers_reports_no_c128_ring():
+    v = pool_view(shaped(target(compression_ratios=[0, 4], layer_num=2)))
+    assert v.c128_ring_size is None and v.online_c128 is False
+    assert v.c4_ring_size == 16
+
+
+def test_mapping_identity_is_that_of_the_object():
+    t, d = pair("shared")
+    assert pool_view(t).mapping_identity == pool_view(d).mapping_identity
+    assert pool_view(t).mapping_identity == MappingIdentity.of(t.full_to_swa_index_mapping)
+    clone = shaped(draft())
+    clone.register_mapping(t.full_to_swa_index_mapping.clone())
+    assert pool_view(clone).mapping_identity != pool_view(t).mapping_identity
+    view = shaped(draft())
+    view.register_mapping(t.full_to_swa_index_mapping[:])
+    assert pool_view(view).mapping_identity != pool_view(t).mapping_identity
+
+
+def test_missing_mapping_reads_as_upstream_attribute_error():
+    d = shaped(draft())
+    with pytest.raises(DraftMappingMissing) as info:
+        _ = pool_view(d).mapping
+    assert isinstance(info.value, AttributeError) and str(info.value) == MISSING_MSG
+    assert pool_view(d).mapping_identity is None
+    assert pool_facts(d).mapping_identity is None
+
+
+def test_pool_view_of_a_view_is_itself():
+    v = pool_view(target())
+    assert pool_view(v) is v and isinstance(v, PoolView)
+
+
+# --- what reads pools ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("unified", [False, True])
+def test_report_of_upstream_shaped_pools_equals_pdstate_pools(unified):
+    t, d = pair(unified=unified)
+    own_t, own_d = target(unified_kv=unified), draft(unified_kv=unified)
+    SWATokenToKVPoolAllocator(1024, 512, 256, kvcache=own_t)
+    own_d.register_mapping(own_t.full_to_swa_index_mapping)
+    a, b = build_report(t, d)[0], build_report(own_t, own_d)[0]
+    assert a.factors == b.factors and a.fingerprint == b.fingerprint
+    assert a.local_check.ok
+    check_peer(a, b, "prefill")
+
+
+def test_kvargs_of_upstream_shaped_pools_are_the_pools_buffers():
+    own = target()
+    t = shaped(own)
+    d = shaped(draft())
+    SWATokenToKVPoolAllocator(1024, 512, 256, kvcache=t)
+    d.register_mapping(t.full_to_swa_index_mapping)
+    kv = setup_state_kv_args(KVArgs(), t, d)
+    assert kv.state_types == [StateType.SWA, StateType.C128_STATE, StateType.SWA]
+    assert kv.state_data_ptrs[:2] == [own.get_state_buf_infos()[0], own.get_c128_state_buf_infos()[0]]
+
+
+def test_own_mapping_gives_the_seed_error_locally_and_from_the_peer():
+    t, d = pair("own")
+    with pytest.raises(SWAIndexMappingNotShared) as info:
+        setup_state_kv_args(KVArgs(), t, d)
+    assert str(info.value) == SEED
+    theirs = build_report(t, d)[0]
+    assert not theirs.local_check.ok and theirs.local_check.error.message == SEED
+    good = build_report(*pair("shared"))[0]
+    for role in ("prefill", "decode"):
+        with pytest.raises(SWAIndexMappingNotShared, match=SEED):
+            check_peer(good, theirs, role)
+
+
+def test_unified_never_reads_the_mapping():
+    t, d = pair("missing", unified=True)
+    assert setup_state_kv_args(KVArgs(), t, d).state_types[-1] == StateType.SWA_RING
