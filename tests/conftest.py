@@ -1,16 +1,38 @@
-import json
-import os
-from pathlib import Path
+"""The fixtures of the whole suite, defined once (the helpers they use live in ``tests/support``),
+and the reliability summary printed at the end of a run.
+
+Tests marked ``slow`` (long fuzz runs) are left out by the default ``-m "not slow and not perf"``
+of ``pyproject.toml``; ``pytest -m slow tests/reliability`` runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("PDSTATE_SHARED", REPO.parent / "shared"))
-# A vendored copy of the recorded upstream outcomes, so a clone is self-contained; a test checks it
-# still equals ../shared/conformance when that is present.
-CONFORMANCE_JSON = REPO / "tests" / "conformance" / "data" / "setup_state_kv_args.json"
+from tests.support.summary import SUMMARY
+from tests.support.workers import Workers
 
 
-@pytest.fixture(scope="session")
-def conformance_data():
-    return json.loads(CONFORMANCE_JSON.read_text())
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if SUMMARY.rows:
+        terminalreporter.write_sep("=", "pdstate reliability summary")
+        terminalreporter.write_line(SUMMARY.table())
+
+
+# --- worker processes ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def workers() -> Iterator[Workers]:
+    """Worker processes started through it are closed at the end of the test (thawed first)."""
+    with Workers() as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def module_workers() -> Iterator[Workers]:
+    """Like ``workers``, for processes shared by a whole module (a long-lived prefill)."""
+    with Workers() as w:
+        yield w

@@ -264,6 +264,10 @@ class ConfigError(PdStateError, ValueError):
     """The worker configuration is invalid; the message names the key."""
 
 
+class SGLangArgsError(ConfigError):
+    """An SGLang launch string (or its source) cannot be read or does not describe a DSV4 server."""
+
+
 class ProbeError(PdStateError):
     """``pdstate probe`` could not reach a worker or read its answer."""
 

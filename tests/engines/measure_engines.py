@@ -26,13 +26,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests.support
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from pdstate.pools.memory import BufferSpec, PrivateMemory, SharedMemory
 from pdstate.transfer.engines import EngineUnavailable, create_engine, engine_class
 from pdstate.transfer.plan import TransferPlan
-
-OPTIONS = {"shm": {}, "mooncake": {"host": "127.0.0.1"}, "nixl": {"ucx_env": {"UCX_MODULES": "^ib"}}}
+from tests.support.engines import ENGINE_OPTIONS
 
 
 def _digest(pool: torch.Tensor, pages: np.ndarray, page_bytes: int) -> str:
@@ -44,7 +44,7 @@ def decode_main(conn, engine: str, pool_bytes: int) -> None:
     memory = SharedMemory() if engine == "shm" else PrivateMemory()
     (pool,) = memory.allocate("pool", [BufferSpec("b", (pool_bytes,), torch.uint8)])
     pool.fill_(0)
-    eng = create_engine(engine, **OPTIONS[engine])
+    eng = create_engine(engine, **ENGINE_OPTIONS[engine])
     eng.start()
     eng.register(memory.regions())
     conn.send((eng.endpoint(), pool.data_ptr()))
@@ -131,7 +131,7 @@ def main() -> None:
         proc = ctx.Process(target=decode_main, args=(child, name, pool_bytes), daemon=True)
         proc.start()
         endpoint, dst_base = conn.recv()
-        eng = create_engine(name, **OPTIONS[name])
+        eng = create_engine(name, **ENGINE_OPTIONS[name])
         eng.start()
         eng.register(src_mem.regions())
         peer = eng.connect(endpoint)

@@ -7,6 +7,7 @@ the plan must keep the 0xA5 sentinel.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import msgpack
 import numpy as np
@@ -22,10 +23,68 @@ from pdstate.transfer.engines import (
     create_engine,
 )
 from pdstate.transfer.plan import TransferPlan
-from tests.engines._decode_peer import DST_SIZES
-from tests.engines.conftest import DETECTS_PEER_LOSS, ENGINE_OPTIONS, SRC_SIZES, Descs, Pair
+from tests.support.decode_peer import DST_SIZES, LocalDecode, RemoteDecode
+from tests.support.engines import (
+    DETECTS_PEER_LOSS,
+    ENGINE_OPTIONS,
+    ENGINE_PARAMS,
+    SRC_SIZES,
+    Descs,
+    Pair,
+    Source,
+    new_decode,
+    require_engine,
+)
 
 pytestmark = pytest.mark.timeout(60)
+
+
+# --- fixtures: one decode side per engine (module), a fresh prefill per test ----------------------
+
+
+@pytest.fixture(scope="module", params=ENGINE_PARAMS)
+def engine_name(request: pytest.FixtureRequest) -> str:
+    require_engine(request.param)
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def decode(engine_name: str) -> Iterator[LocalDecode | RemoteDecode]:
+    side = new_decode(engine_name)
+    yield side
+    side.close()
+
+
+@pytest.fixture
+def fresh_decode(engine_name: str) -> Iterator[LocalDecode | RemoteDecode]:
+    """A decode side of its own, for tests that stop or kill it."""
+    side = new_decode(engine_name)
+    yield side
+    side.close()
+
+
+@pytest.fixture(scope="session")
+def source() -> Iterator[Source]:
+    s = Source.random()
+    yield s
+    s.memory.close()
+
+
+@pytest.fixture(scope="module")
+def _module_pair(engine_name: str, source: Source, decode: LocalDecode | RemoteDecode) -> Iterator[Pair]:
+    # One prefill engine per engine and module: engines are meant to be reused across requests,
+    # and Mooncake's native destructor alone takes about 1 s. Tests that break or close an
+    # engine build a Pair of their own.
+    p = Pair(engine_name, source, decode)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def pair(_module_pair: Pair) -> Pair:
+    """A prefill engine connected to the module's decode side, whose destination was just reset."""
+    _module_pair.decode.reset()
+    return _module_pair
 
 
 def scattered(rng: np.random.Generator, count: int, max_len: int, slot: int) -> Descs:

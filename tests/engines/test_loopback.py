@@ -12,9 +12,9 @@ from pdstate.pools.memory import BufferSpec, PrivateMemory
 from pdstate.transfer.engines import EngineError, TransferTimedOut
 from pdstate.transfer.engines.loopback import LoopbackEngine, ScriptedFailure
 from pdstate.transfer.plan import TransferPlan
+from tests.support.images import SENTINEL
 
 pytestmark = pytest.mark.timeout(30)
-SENTINEL = 0xA5
 
 
 class Rig:

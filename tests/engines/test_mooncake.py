@@ -13,7 +13,7 @@ from pdstate.pools.memory import BufferSpec, PrivateMemory
 from pdstate.transfer.engines import EngineError, NativeEngineError
 from pdstate.transfer.engines.mooncake import MooncakeEngine
 from pdstate.transfer.plan import TransferPlan
-from tests.engines.conftest import require_engine
+from tests.support.engines import ENGINE_OPTIONS, require_engine
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(30)]
 
@@ -33,7 +33,7 @@ def rig() -> Iterator:
     made: list[MooncakeEngine] = []
 
     def make(**options) -> MooncakeEngine:
-        made.append(MooncakeEngine(host="127.0.0.1", **options))
+        made.append(MooncakeEngine(**{**ENGINE_OPTIONS["mooncake"], **options}))
         made[-1].start()
         return made[-1]
 

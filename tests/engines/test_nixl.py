@@ -13,8 +13,9 @@ import torch
 
 from pdstate.pools.memory import BufferSpec, PrivateMemory
 from pdstate.transfer.engines import InvalidEndpoint, NativeEngineError
-from pdstate.transfer.engines.nixl import UCX_ENV_WITHOUT_IB, NixlEngine
-from tests.engines.conftest import REPO_ROOT, require_engine
+from pdstate.transfer.engines.nixl import NixlEngine
+from tests.support.engines import ENGINE_OPTIONS, require_engine
+from tests.support.paths import REPO
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(60)]
 
@@ -28,7 +29,7 @@ def _available() -> None:
 def decode() -> Iterator[NixlEngine]:
     memory = PrivateMemory()
     memory.allocate("dst", [BufferSpec("b", (1 << 16,), torch.uint8)])
-    engine = NixlEngine(ucx_env=UCX_ENV_WITHOUT_IB)
+    engine = NixlEngine(**ENGINE_OPTIONS["nixl"])
     engine.start()
     engine.register(memory.regions())
     yield engine
@@ -37,7 +38,7 @@ def decode() -> Iterator[NixlEngine]:
 
 @pytest.fixture
 def prefill() -> Iterator[NixlEngine]:
-    engine = NixlEngine(ucx_env=UCX_ENV_WITHOUT_IB)
+    engine = NixlEngine(**ENGINE_OPTIONS["nixl"])
     engine.start()
     yield engine
     engine.close()
@@ -77,8 +78,6 @@ def test_process_exits_cleanly_with_the_ucx_work_around() -> None:
         """
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}  # the engine must set it
-    proc = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=50
-    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=50)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.splitlines()[-1] == "closed"  # NIXL logs to stdout too

@@ -13,6 +13,7 @@ from pdstate.pools.memory import BufferSpec, PrivateMemory, Region, SharedMemory
 from pdstate.transfer.engines import EngineError, InvalidEndpoint
 from pdstate.transfer.engines.shm import ShmEngine, _Mapping, shared_file_of
 from pdstate.transfer.plan import TransferPlan
+from tests.support.images import SENTINEL
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -48,7 +49,7 @@ def test_decode_with_private_memory_is_refused_at_endpoint(engines) -> None:
 
 def test_a_region_inside_a_segment_publishes_its_file_offset_and_receives(engines, shm) -> None:
     (arena,) = shm.allocate("dst", [BufferSpec("b", (64 << 10,), torch.uint8)])
-    arena.fill_(0xA5)
+    arena.fill_(SENTINEL)
     seg = shm.segments[0]
     inner = Region("inner", seg.base_ptr + 8192, 4096)
     decode = engines()
@@ -68,7 +69,7 @@ def test_a_region_inside_a_segment_publishes_its_file_offset_and_receives(engine
     peer = prefill.connect(decode.endpoint())
     plan = TransferPlan.from_arrays([src.data_ptr() + 10], [inner.base_ptr + 4000], [96])
     prefill.wait(prefill.submit(peer, plan), 1.0)
-    want = np.full(64 << 10, 0xA5, dtype=np.uint8)
+    want = np.full(64 << 10, SENTINEL, dtype=np.uint8)
     want[8192 + 4000 : 8192 + 4096] = src.numpy()[10:106]
     assert np.array_equal(arena.numpy(), want)
 

@@ -17,12 +17,10 @@ import pytest
 import zmq
 
 from pdstate.errors import ExitCode
-from pdstate.pools.presets import build_worker_pools
-from pdstate.pools.reporting import build_report
 from pdstate.protocol import wire
-from tests.integration.helpers import TINY, assert_all_verified, first_event, peer_record, run_batch
-
-SEED_ERROR = "DSV4 target and draft pools must share the SWA index mapping"
+from tests.support.pools import TINY, report_and_kv
+from tests.support.upstream import MAPPING_ERROR, SWA_ONLY_ERROR, UNIFIED_ERROR
+from tests.support.workers import assert_all_verified, first_event, peer_record, run_batch
 
 # (id, decode pool changes, error type, exact upstream text)
 DRAFT_ERRORS = [
@@ -30,19 +28,19 @@ DRAFT_ERRORS = [
         "draft-not-swa-only",
         dict(draft_compression_ratios=(4,)),
         "DraftNotSWAOnly",
-        "DSV4 draft state transfer expects SWA-only NextN layers",
+        SWA_ONLY_ERROR,
     ),
     (
         "draft-no-layers",
         dict(draft_layers=0),
         "DraftNotSWAOnly",
-        "DSV4 draft state transfer expects SWA-only NextN layers",
+        SWA_ONLY_ERROR,
     ),
     (
         "unified-vs-paged-draft",
         dict(draft_unified_kv=True),
         "UnifiedKVModeMismatch",
-        "DSV4 target and draft pools must use the same unified-KV mode",
+        UNIFIED_ERROR,
     ),
     (
         "ring-geometry",
@@ -50,9 +48,9 @@ DRAFT_ERRORS = [
         "SWARingGeometryMismatch",
         "DSV4 target and draft pools must share SWA ring geometry: target=(128, 131, 655), draft=(64, 67, 335)",
     ),
-    ("mapping-own", dict(draft_mapping="own"), "SWAIndexMappingNotShared", SEED_ERROR),
-    ("mapping-clone", dict(draft_mapping="clone"), "SWAIndexMappingNotShared", SEED_ERROR),
-    ("mapping-view", dict(draft_mapping="view"), "SWAIndexMappingNotShared", SEED_ERROR),
+    ("mapping-own", dict(draft_mapping="own"), "SWAIndexMappingNotShared", MAPPING_ERROR),
+    ("mapping-clone", dict(draft_mapping="clone"), "SWAIndexMappingNotShared", MAPPING_ERROR),
+    ("mapping-view", dict(draft_mapping="view"), "SWAIndexMappingNotShared", MAPPING_ERROR),
     (
         "paged-geometry-page",
         dict(draft_page_size=512),
@@ -173,7 +171,7 @@ def test_prefill_with_a_bad_own_pair_is_refused_by_the_decode(workers, mapping):
     # and is refused by the prefill's cross-side check first.)
     p, ep = workers.prefill(TINY.with_(draft_mapping=mapping), local_checks=False)
     d = workers.decode(ep, worker_id="decode-judge")
-    _assert_refused_both_sides(p, d, "decode-judge", "SWAIndexMappingNotShared", SEED_ERROR)
+    _assert_refused_both_sides(p, d, "decode-judge", "SWAIndexMappingNotShared", MAPPING_ERROR)
 
 
 def test_good_decode_is_served_while_a_bad_one_is_refused(prefill, workers):
@@ -182,7 +180,7 @@ def test_good_decode_is_served_while_a_bad_one_is_refused(prefill, workers):
     good = workers.decode(ep, worker_id="decode-good")
     ev_good = first_event(good)
     assert ev_good["event"] == "ready"
-    _assert_refused_both_sides(p, bad, "decode-bad", "SWAIndexMappingNotShared", SEED_ERROR)
+    _assert_refused_both_sides(p, bad, "decode-bad", "SWAIndexMappingNotShared", MAPPING_ERROR)
     # and a second bad one arriving while the good one transfers
     bad2 = workers.decode(ep, TINY.with_(page_size=512), worker_id="decode-bad2")
     results, done = run_batch(good, [100, 256, 1000], concurrency=2)
@@ -196,7 +194,7 @@ def test_local_check_failure_exits_nonzero_with_upstream_message(workers):
     """A real ``python -m pdstate.devtools.processes`` decode whose own pair is wrong never starts."""
     d = workers.decode("tcp://127.0.0.1:9", TINY.with_(draft_mapping="own"), launcher="subprocess")
     assert d.wait(60) == ExitCode.LOCAL_CHECK
-    assert f"SWAIndexMappingNotShared: {SEED_ERROR}" in d.stderr_text()
+    assert f"SWAIndexMappingNotShared: {MAPPING_ERROR}" in d.stderr_text()
 
 
 @pytest.mark.parametrize(
@@ -207,7 +205,7 @@ def test_local_check_failure_exits_nonzero_with_upstream_message(workers):
             dict(draft_page_size=512),
             "DSV4 target and draft pools must share paged SWA geometry: target=(256, 128), draft=(512, 128)",
         ),
-        ("decode", dict(draft_compression_ratios=(0, 128)), "DSV4 draft state transfer expects SWA-only NextN layers"),
+        ("decode", dict(draft_compression_ratios=(0, 128)), SWA_ONLY_ERROR),
     ],
 )
 def test_local_check_failure_forked_worker(workers, role, changes, text):
@@ -244,9 +242,7 @@ def _env(kind: str, body, v: int = wire.PROTOCOL_VERSION) -> bytes:
 
 def _good_report_and_kv():
     """The layout report and descriptors of a good tiny worker (built in this process)."""
-    pools = build_worker_pools(TINY)
-    report, kv_args = build_report(pools.target, pools.draft)
-    pools.close()
+    report, kv_args = report_and_kv(TINY)
     return report, wire.KVDesc.of(kv_args)
 
 

@@ -8,37 +8,26 @@ pointing at it) and the auth token, passed the way docker-compose and k8s pass i
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import queue
-import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from pdstate.errors import ExitCode
 from pdstate.protocol.wire import PROTOCOL_VERSION
+from tests.support.paths import REPO, SERVICES
+from tests.support.upstream import MAPPING_ERROR
+from tests.support.waiting import wait_until
+from tests.support.workers import pdstate_command, segments
 
-REPO = Path(__file__).resolve().parents[2]
-SERVICES = REPO / "services"
 TOKEN = "integration-token-7f3a"
-MAPPING_ERROR = "DSV4 target and draft pools must share the SWA index mapping"
 START_TIMEOUT_S = 60.0
-
-
-def _pdstate() -> list[str]:
-    exe = Path(sys.executable).parent / "pdstate"
-    if exe.exists():
-        return [str(exe)]
-    found = shutil.which("pdstate")
-    return [found] if found else [sys.executable, "-m", "pdstate.cli"]
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -48,17 +37,8 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            got = predicate()
-        except (httpx.HTTPError, OSError) as exc:
-            got, last = None, exc
-        if got:
-            return got
-        time.sleep(0.05)  # poll interval, not a wait for an event
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what} (last: {last!r})")
+    """``wait_until`` for HTTP probes: a refused connection counts as not yet."""
+    return wait_until(what, predicate, timeout_s, pause_s=0.05, ignore=(httpx.HTTPError, OSError))
 
 
 class Service:
@@ -66,7 +46,7 @@ class Service:
 
     def __init__(self, role: str, overrides: list[str], env: dict[str, str] | None = None) -> None:
         self.role = role
-        cmd = _pdstate() + ["serve", "--config", str(SERVICES / role / "config.toml")]
+        cmd = pdstate_command() + ["serve", "--config", str(SERVICES / role / "config.toml")]
         for o in overrides:
             cmd += ["--set", o]
         self.t0 = time.monotonic()
@@ -137,10 +117,6 @@ class Service:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-def segments(pid: int) -> list[str]:
-    return glob.glob(f"/dev/shm/pdstate-{pid}-*")
 
 
 @pytest.fixture(scope="module")
@@ -343,15 +319,19 @@ def test_own_mapping_with_local_check_exits(cluster):
 
 def test_probe_cli(cluster):
     d, p, o = cluster["decode"].url, cluster["prefill"].url, cluster["own"].url
-    r = subprocess.run(_pdstate() + ["probe", d, p], capture_output=True, text=True, timeout=60, env=_env())
+    r = subprocess.run(pdstate_command() + ["probe", d, p], capture_output=True, text=True, timeout=60, env=_env())
     assert r.returncode == 0, r.stdout + r.stderr
     assert "pair: compatible" in r.stdout and "decode " in r.stdout and "prefill " in r.stdout
-    r = subprocess.run(_pdstate() + ["probe", o, p], capture_output=True, text=True, timeout=60, env=_env())
+    r = subprocess.run(pdstate_command() + ["probe", o, p], capture_output=True, text=True, timeout=60, env=_env())
     assert r.returncode == ExitCode.FAILED
     assert f"NOT READY: {MAPPING_ERROR}" in r.stdout
     assert f"SWAIndexMappingNotShared: {MAPPING_ERROR}" in r.stdout and "pair: INCOMPATIBLE" in r.stdout
     r = subprocess.run(
-        _pdstate() + ["probe", "--json", "http://127.0.0.1:9"], capture_output=True, text=True, timeout=60, env=_env()
+        pdstate_command() + ["probe", "--json", "http://127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
     )
     assert r.returncode == ExitCode.FAILED and "unreachable" in json.loads(r.stdout)["workers"][0]
 

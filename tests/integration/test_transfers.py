@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,19 +23,11 @@ import pytest
 from pdstate.runtime import requests as rq
 from pdstate.runtime.decode import DecodeWorker
 from pdstate.runtime.prefill import PrefillWorker
-from tests.integration.helpers import (
-    ENGINE_PARAMS,
-    SENTINEL,
-    TINY,
-    assert_all_verified,
-    compare_images,
-    expected_images,
-    fill_regions,
-    first_event,
-    options,
-    require_engine,
-    run_batch,
-)
+from tests.support.engines import ENGINE_PARAMS, require_engine
+from tests.support.images import SENTINEL, compare_images, expected_images, fill_regions
+from tests.support.pools import TINY
+from tests.support.waiting import wait_until
+from tests.support.workers import assert_all_verified, first_event, options, pdstate_command, run_batch
 
 # empty (the control path alone: nothing may change), shorter than the window, exactly the window
 # / one C128 group, C128 +1, page -1, one page, page +1, three C128 groups, across many pages
@@ -146,10 +136,8 @@ def test_process_pair_batch_verified_without_leaks(workers, engine, mode, draft)
 
 
 def test_demo_json(tmp_path):
-    exe = Path(sys.executable).parent / "pdstate"  # the console script of this environment
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "pdstate.cli"]
     out = subprocess.run(
-        [*cmd, "demo", "--json", "--preset", "tiny", "--requests", "4"],
+        [*pdstate_command(), "demo", "--json", "--preset", "tiny", "--requests", "4"],
         capture_output=True,
         text=True,
         timeout=180,
@@ -172,8 +160,6 @@ def test_small_requests_run_on_the_control_thread_only_while_the_transfer_thread
     control thread (two thread hand-offs saved), but never while a bigger one is queued or
     copying, so copies stay one at a time and in order."""
     import threading
-
-    from tests.integration.helpers import wait_until
 
     one_token = 1_334_784  # bytes of a 1-token tiny request (target + draft)
     roomy = TINY.with_(swa_tokens=1024)  # SWA pages for both requests at once

@@ -8,7 +8,7 @@ success unless its bytes verified; the survivor's pools return to their starting
 returns (a new handshake; the old incarnation's requests failed).
 
 Requests are held in TRANSFERRING by the prefill's fault-injection delay
-(``WorkerOptions.fault_delay_before_copy_s``); the tests wait for that state by polling the
+(``tests/support/faults.py``: ``hold_copies``); the tests wait for that state by polling the
 prefill's records, never by sleeping.
 """
 
@@ -22,30 +22,24 @@ import pytest
 from pdstate.runtime.decode import DecodeWorker
 from pdstate.runtime.prefill import PrefillWorker
 from pdstate.transfer.engines.loopback import ScriptedFailure
-from tests.integration.helpers import (
+from tests.support.engines import require_engine
+from tests.support.faults import DETECT_SLACK_S, FAULT, PEER_TIMEOUT_S, hold_copies, release_copies
+from tests.support.pools import ROOMY
+from tests.support.summary import tally
+from tests.support.waiting import wait_until
+from tests.support.workers import (
     assert_all_verified,
-    first_event,
-    options,
-    peer_record,
-    require_engine,
-    run_batch,
-    wait_until,
-)
-from tests.reliability.support import (
-    DETECT_SLACK_S,
-    FAULT,
-    LONG_DELAY_S,
-    PEER_TIMEOUT_S,
-    ROOMY,
     collect_batch,
     decode_stats,
+    first_event,
     kill,
     leaked,
+    options,
+    peer_record,
     prefill_requests,
+    run_batch,
     segments,
-    set_fault_delay,
     start_batch,
-    tally,
     wait_decode,
     wait_prefill_settled,
     wait_transferring,
@@ -69,7 +63,7 @@ def _ready(d) -> dict:
 
 
 def test_decode_killed_mid_transfer(workers):
-    p, ep = workers.prefill(ROOMY, fault_delay_before_copy_s=LONG_DELAY_S, **FAULT)
+    p, ep = workers.prefill(ROOMY, **hold_copies(), **FAULT)
     p_free = prefill_requests(p)["free"]
     d = workers.decode(ep, ROOMY, worker_id="victim", **FAULT)
     _ready(d)
@@ -86,7 +80,7 @@ def test_decode_killed_mid_transfer(workers):
     assert detect_s <= PEER_TIMEOUT_S + DETECT_SLACK_S, detect_s
     assert d.wait(10) == -signal.SIGKILL
 
-    set_fault_delay(p, 0.0)
+    release_copies(p)
     d2 = workers.decode(ep, ROOMY, worker_id="victim", **FAULT)
     ready = _ready(d2)
     assert segments(d.pid) == [], "a new decode must remove the crashed decode's stale segments"
@@ -112,7 +106,7 @@ def test_prefill_killed_mid_transfer_and_restarted_after_timeout(workers):
     #    decode declaring the prefill gone, however slowly this machine polls.
     timeout_s = 2.0
     timers = {**FAULT, "peer_timeout_s": timeout_s}
-    p1, ep = workers.prefill(ROOMY, fault_delay_before_copy_s=LONG_DELAY_S, **timers)
+    p1, ep = workers.prefill(ROOMY, **hold_copies(), **timers)
     d = workers.decode(ep, ROOMY, worker_id="survivor", **timers)
     free0 = _ready(d)["free"]
     inc1 = decode_stats(d)["prefill_incarnation"]
@@ -138,7 +132,7 @@ def test_prefill_killed_mid_transfer_and_restarted_after_timeout(workers):
     )
 
     # 2. A prefill killed with requests in flight: the decode fails them all at the timeout.
-    p2, ep2 = workers.prefill(ROOMY, bind=ep, fault_delay_before_copy_s=LONG_DELAY_S, **timers)
+    p2, ep2 = workers.prefill(ROOMY, bind=ep, **hold_copies(), **timers)
     assert ep2 == ep
     s = wait_decode(d, "a handshake with the restarted prefill", lambda s: s["peer_state"] == "accepted")
     inc2 = s["prefill_incarnation"]
@@ -174,7 +168,7 @@ def test_prefill_restarted_while_decode_runs(workers):
     """A quick restart on the same endpoint, before the heartbeat timeout: the new prefill does not
     know the decode, says so, and the decode re-registers at once."""
     slow = {**FAULT, "peer_timeout_s": 5.0}
-    p1, ep = workers.prefill(ROOMY, fault_delay_before_copy_s=LONG_DELAY_S, **slow)
+    p1, ep = workers.prefill(ROOMY, **hold_copies(), **slow)
     d = workers.decode(ep, ROOMY, worker_id="runner", **slow)
     free0 = _ready(d)["free"]
     inc1 = decode_stats(d)["prefill_incarnation"]
@@ -205,7 +199,7 @@ def test_prefill_restarted_while_decode_runs(workers):
 
 
 def test_prefill_frozen_past_timeout_then_thawed(workers):
-    p, ep = workers.prefill(ROOMY, fault_delay_before_copy_s=LONG_DELAY_S, **FAULT)
+    p, ep = workers.prefill(ROOMY, **hold_copies(), **FAULT)
     p_free = prefill_requests(p)["free"]
     d = workers.decode(ep, ROOMY, worker_id="patient", **FAULT)
     free0 = _ready(d)["free"]
@@ -233,7 +227,7 @@ def test_prefill_frozen_past_timeout_then_thawed(workers):
     assert free == p_free
     s = wait_decode(d, "the decode accepted again", lambda s: s["peer_state"] == "accepted")
     assert s["prefill_incarnation"] == inc
-    set_fault_delay(p, 0.0)
+    release_copies(p)
     after, done = run_batch(d, AFTER, concurrency=2)
     assert_all_verified(after, AFTER)
     assert done["free"] == free0 and prefill_requests(p)["free"] == p_free
@@ -247,7 +241,7 @@ def test_prefill_frozen_past_timeout_then_thawed(workers):
 
 
 def test_decode_frozen_past_timeout_then_thawed(workers):
-    p, ep = workers.prefill(ROOMY, fault_delay_before_copy_s=LONG_DELAY_S, **FAULT)
+    p, ep = workers.prefill(ROOMY, **hold_copies(), **FAULT)
     p_free = prefill_requests(p)["free"]
     d = workers.decode(ep, ROOMY, worker_id="sleeper", **FAULT)
     free0 = _ready(d)["free"]
@@ -272,7 +266,7 @@ def test_decode_frozen_past_timeout_then_thawed(workers):
     assert done["free"] == free0
     wait_decode(d, "the thawed decode accepted again", lambda s: s["peer_state"] == "accepted")
     peer_record(p, "sleeper", "accepted")
-    set_fault_delay(p, 0.0)
+    release_copies(p)
     after, done = run_batch(d, AFTER, concurrency=2)
     assert_all_verified(after, AFTER)
     assert done["free"] == free0 and prefill_requests(p)["free"] == p_free
@@ -331,7 +325,7 @@ def test_mooncake_session_torn_down(workers):
     into it: the write fails in the engine, the request fails with the engine's code on the
     prefill, counted as an engine error; a new decode session is served."""
     require_engine("mooncake")
-    p, ep = workers.prefill(ROOMY, engine="mooncake", fault_delay_before_copy_s=0.8, **FAULT)
+    p, ep = workers.prefill(ROOMY, engine="mooncake", **hold_copies(0.8), **FAULT)
     p_free = prefill_requests(p)["free"]
     d = workers.decode(ep, ROOMY, engine="mooncake", worker_id="mc-victim", **FAULT)
     _ready(d)
@@ -348,7 +342,7 @@ def test_mooncake_session_torn_down(workers):
     assert free == p_free
     stats = p.command({"cmd": "stats"}, "stats")["stats"]
     assert stats["engine_errors"] == len(engine_failures)
-    set_fault_delay(p, 0.0)
+    release_copies(p)
     d2 = workers.decode(ep, ROOMY, engine="mooncake", worker_id="mc-victim", **FAULT)
     ready = _ready(d2)
     after, done = run_batch(d2, AFTER, concurrency=2)

@@ -36,18 +36,11 @@ from pdstate.runtime.decode import DecodeWorker
 from pdstate.runtime.prefill import PrefillWorker
 from pdstate.transfer.engines.base import create_engine
 from pdstate.transfer.planner import channels_of
-from tests.integration.helpers import (
-    SENTINEL,
-    TINY,
-    assert_all_verified,
-    compare_images,
-    expected_images,
-    fill_regions,
-    first_event,
-    options,
-    run_batch,
-)
-from tests.reliability.support import FAULT, ROOMY, leaked, prefill_requests, tally
+from tests.support.faults import FAULT
+from tests.support.images import SENTINEL, compare_images, expected_images, fill_regions
+from tests.support.pools import ROOMY, TINY
+from tests.support.summary import tally
+from tests.support.workers import assert_all_verified, first_event, leaked, options, prefill_requests, run_batch
 
 FUZZ_EXAMPLES = 300
 FUZZ_EXAMPLES_SLOW = 6000

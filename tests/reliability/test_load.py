@@ -10,8 +10,17 @@ from __future__ import annotations
 import random
 import time
 
-from tests.integration.helpers import TINY, assert_all_verified, first_event, run_batch
-from tests.reliability.support import decode_stats, leaked, prefill_requests, rss_kb, tally
+from tests.support.pools import TINY
+from tests.support.summary import tally
+from tests.support.workers import (
+    assert_all_verified,
+    decode_stats,
+    first_event,
+    leaked,
+    prefill_requests,
+    rss_kb,
+    run_batch,
+)
 
 # Room for 64 requests of up to 1024 tokens on both sides.
 LOAD = TINY.with_(full_tokens=64 * 1024 + 1024, swa_tokens=64 * 512 + 512, max_num_reqs=64)

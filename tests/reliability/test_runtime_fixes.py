@@ -33,10 +33,11 @@ from pdstate.runtime.common import LATENCY_WINDOW, LocalCheckFailed, Stats, sett
 from pdstate.runtime.decode import DecodeWorker
 from pdstate.runtime.prefill import PrefillWorker
 from pdstate.service.api import _Collector
-from tests.integration.helpers import TINY, options, wait_until
-from tests.reliability.support import FAULT, ROOMY, segments
-
-MAPPING_ERROR = "DSV4 target and draft pools must share the SWA index mapping"
+from tests.support.faults import FAULT, hold_copies, release_copies
+from tests.support.pools import ROOMY, TINY, report_of
+from tests.support.upstream import MAPPING_ERROR
+from tests.support.waiting import wait_until
+from tests.support.workers import Workers, options, segments
 
 
 def test_failed_start_releases_segments_engine_and_sockets():
@@ -61,20 +62,15 @@ def test_failed_start_releases_segments_engine_and_sockets():
         assert clash.endpoint == ""
 
     # and a forked worker process exits on the failed check with nothing left in /dev/shm
-    from tests.integration.helpers import Workers
-
-    ws = Workers()
-    try:
+    with Workers() as ws:
         w = ws.spawn("decode", TINY.with_(draft_mapping="own"), peer="tcp://127.0.0.1:9")
         assert w.wait(30) == ExitCode.LOCAL_CHECK
         assert segments(w.pid) == []
-    finally:
-        ws.close_all()
 
 
 def test_cancelled_futures_never_kill_the_control_thread():
     with (
-        PrefillWorker(options("prefill", ROOMY, "shm", fault_delay_before_copy_s=30.0, **FAULT)) as p,
+        PrefillWorker(options("prefill", ROOMY, "shm", **hold_copies(), **FAULT)) as p,
         DecodeWorker(options("decode", ROOMY, "shm", peer=p.endpoint, **FAULT)) as d,
     ):
         d.wait_ready(10)
@@ -89,7 +85,7 @@ def test_cancelled_futures_never_kill_the_control_thread():
         gone.cancel()
         d._commands.put(("submit", 4343, 300, 5.0, gone, "full"))
         d._wake()
-        p.fault_delay_before_copy_s = 0.0
+        release_copies(p)
         for job in list(p.jobs.values()):
             job.cancel_event.set()  # let the held copy go (it was not cancelled: it just stops waiting)
         assert held.result(10).verified
@@ -119,12 +115,7 @@ def test_latency_window_is_bounded_and_metrics_still_count_everything():
 
         def __init__(self) -> None:
             self.stats = stats
-            from pdstate.pools.presets import build_worker_pools
-            from pdstate.pools.reporting import build_report
-
-            pools = build_worker_pools(TINY)
-            self.report = build_report(pools.target, pools.draft)[0]
-            pools.close()
+            self.report = report_of(TINY)
 
         def readiness(self):
             from pdstate.service.api import Readiness
@@ -201,7 +192,7 @@ def test_register_in_another_version_is_rejected_naming_both(monkeypatch):
 def test_busy_then_deadline_does_not_quarantine_forever():
     """Requests bounced with Busy until their deadline hold nothing on the prefill: their pages
     come back at once, and Busy re-sends back off instead of spinning."""
-    po = options("prefill", ROOMY, "shm", max_inflight=1, fault_delay_before_copy_s=30.0, **FAULT)
+    po = options("prefill", ROOMY, "shm", max_inflight=1, **hold_copies(), **FAULT)
     with PrefillWorker(po) as p, DecodeWorker(options("decode", ROOMY, "shm", peer=p.endpoint, **FAULT)) as d:
         d.wait_ready(10)
         free0 = d.free_counts()
@@ -214,7 +205,7 @@ def test_busy_then_deadline_does_not_quarantine_forever():
         assert d.stats.transfers["busy"] >= 3
         assert d.stats.transfers["busy"] < 3 * 0.4 / 0.002 / 4, "Busy re-sends must back off"
         wait_until("no quarantine", lambda: not d.quarantine, 5)
-        p.fault_delay_before_copy_s = 0.0
+        release_copies(p)
         for job in list(p.jobs.values()):
             job.cancel_event.set()
         assert holder.result(10).verified

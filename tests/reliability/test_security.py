@@ -26,8 +26,11 @@ from pdstate.runtime.decode import DecodeWorker
 from pdstate.runtime.prefill import PrefillWorker
 from pdstate.service.api import create_app
 from pdstate.service.config import load_config
-from tests.integration.helpers import TINY, assert_all_verified, first_event, options, run_batch, wait_until
-from tests.reliability.support import FAULT, ROOMY, kill, segments, tally
+from tests.support.faults import FAULT, hold_copies, release_copies
+from tests.support.pools import ROOMY, TINY, report_of
+from tests.support.summary import tally
+from tests.support.waiting import wait_until
+from tests.support.workers import assert_all_verified, first_event, kill, options, run_batch, segments
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -36,7 +39,7 @@ with warnings.catch_warnings():
 
 def test_unauthenticated_frames_cannot_touch_a_running_session():
     token = b"reliability-secret"
-    po = options("prefill", ROOMY, "shm", token=token, fault_delay_before_copy_s=30.0, **FAULT)
+    po = options("prefill", ROOMY, "shm", token=token, **hold_copies(), **FAULT)
     with (
         PrefillWorker(po) as p,
         DecodeWorker(options("decode", ROOMY, "shm", peer=p.endpoint, token=token, **FAULT)) as d,
@@ -69,7 +72,7 @@ def test_unauthenticated_frames_cannot_touch_a_running_session():
         attacker.close(0)
         assert p.stats.protocol_errors == before + len(frames)
         assert [x["id"] for x in p.peer_states()] == [d.worker_id] and p.peers[identity].state.value == "accepted"
-        p.fault_delay_before_copy_s = 0.0
+        release_copies(p)
         for job in list(p.jobs.values()):
             job.cancel_event.set()  # let the held copy go on
         res = fut.result(10)
@@ -84,13 +87,9 @@ class _Source:
     def __init__(self) -> None:
         from concurrent.futures import Future
 
-        from pdstate.pools.presets import build_worker_pools
-        from pdstate.pools.reporting import build_report
         from pdstate.runtime.common import Stats
 
-        pools = build_worker_pools(TINY)
-        self.report = build_report(pools.target, pools.draft)[0]
-        pools.close()
+        self.report = report_of(TINY)
         self.stats = Stats()
         self._future = Future
         self.reregistered = 0

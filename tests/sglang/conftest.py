@@ -8,18 +8,9 @@ line (pytest would otherwise list a fixture's skip once per test function).
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 
 from tests.sglang import runner, scenarios
-
-
-def _skip(exc: runner.EnvUnavailable):
-    pytest.skip(str(exc))
-
-
-_SKIP_AT = (__file__, inspect.getsourcelines(_skip)[1] + 1)
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +18,7 @@ def sglang_env():
     try:
         return runner.ensure_env()
     except runner.EnvUnavailable as exc:
-        _skip(exc)
+        runner.skip(exc)
 
 
 @pytest.fixture(scope="session")
@@ -40,5 +31,5 @@ def pytest_runtest_makereport(item, call):
     report = yield
     longrepr = report.longrepr
     if report.skipped and isinstance(longrepr, tuple) and runner.NO_WHEEL in str(longrepr[2]):
-        report.longrepr = (*_SKIP_AT, longrepr[2])  # one location: the summary folds them into one line
+        report.longrepr = (*runner.SKIP_AT, longrepr[2])  # one location: the summary folds them into one line
     return report

@@ -8,6 +8,7 @@ fetched (exit 3) the tests skip with its one line, and any other failure fails t
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -15,8 +16,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
+from tests.support.paths import REPO
+
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 BUILD_SCRIPT = REPO / "tools" / "sglang_env.sh"
 NO_WHEEL_STATUS = 3  # the build script's status for "the sglang wheel cannot be fetched"
 NO_WHEEL = "sglang-env: cannot fetch"  # how its one line (and so the skip reason) starts
@@ -80,3 +84,12 @@ def run_variants(target: Path, variants: dict[str, tuple[dict[str, str], list[di
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(run_probe, target, env, scen) for name, (env, scen) in variants.items()}
         return {name: f.result() for name, f in futures.items()}
+
+
+def skip(exc: EnvUnavailable):
+    """Skip the current test with the build script's one line."""
+    pytest.skip(str(exc))
+
+
+# Where every such skip is reported from, so pytest's summary folds them into one line.
+SKIP_AT = (__file__, inspect.getsourcelines(skip)[1] + 1)

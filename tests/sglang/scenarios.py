@@ -15,7 +15,7 @@ from copy import deepcopy
 SEED = "DSV4 target and draft pools must share the SWA index mapping"
 
 # Upstream's constructor keywords (dtypes by name), the conformance defaults.
-TINY = dict(
+UPSTREAM_TINY = dict(
     max_num_reqs=4,
     swa_size=512,
     c4_size=256,
@@ -53,7 +53,7 @@ def scenario(
     draft_unified: bool | None = None,
     expect: str = "ok",
 ) -> dict:
-    p = deepcopy(TINY)
+    p = deepcopy(UPSTREAM_TINY)
     p.update(pool or {})
     if not speculative:
         p["online_mtp_max_draft_tokens"] = 0

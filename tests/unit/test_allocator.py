@@ -9,38 +9,24 @@ from hypothesis import strategies as st
 from pdstate.errors import AllocationError
 from pdstate.pools import DeepSeekV4TokenToKVPool, MappingIdentity, ReqToTokenPool, SWATokenToKVPoolAllocator
 from pdstate.pools.allocator import new_mapping
+from tests.support.pools import draft_changes, upstream_kwargs
+from tests.support.upstream import MISSING_MAPPING_ERROR
 
 PS = 256
 
 
+# the conformance target without speculative decoding (smaller state rings)
+NO_SPEC = dict(
+    c4_state_pool_size=32, c128_state_pool_size=640, online_mtp_max_draft_tokens=0, speculative_num_draft_tokens=None
+)
+
+
 def _pool(**over) -> DeepSeekV4TokenToKVPool:
-    kw = dict(
-        max_num_reqs=4,
-        swa_size=512,
-        c4_size=256,
-        c128_size=8,
-        c4_state_pool_size=32,
-        c128_state_pool_size=640,
-        page_size=PS,
-        swa_page_size=PS,
-        dtype="float8_e4m3fn",
-        c4_state_dtype="float32",
-        c128_state_dtype="float32",
-        qk_nope_head_dim=448,
-        qk_rope_head_dim=64,
-        indexer_head_dim=128,
-        layer_num=3,
-        compression_ratios=[0, 4, 128],
-        num_req_slots=5,
-    )
-    kw.update(over)
-    return DeepSeekV4TokenToKVPool(**kw)
+    return DeepSeekV4TokenToKVPool(**upstream_kwargs(**{**NO_SPEC, "page_size": PS, "swa_page_size": PS, **over}))
 
 
 def _draft() -> DeepSeekV4TokenToKVPool:
-    return _pool(
-        c4_size=0, c128_size=0, c4_state_pool_size=0, c128_state_pool_size=0, layer_num=1, compression_ratios=[0]
-    )
+    return _pool(**draft_changes())
 
 
 def _pages(locs: torch.Tensor, ps: int = PS) -> list[int]:
@@ -438,7 +424,7 @@ def test_pool_without_mapping():
     assert not p.has_mapping and p.mapping_identity is None
     with pytest.raises(AttributeError) as info:
         p.translate_loc_from_full_to_swa(torch.tensor([1]))
-    assert str(info.value) == "'DeepSeekV4TokenToKVPool' object has no attribute 'full_to_swa_index_mapping'"
+    assert str(info.value) == MISSING_MAPPING_ERROR
 
 
 # --- request slots ------------------------------------------------------------------------------

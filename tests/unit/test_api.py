@@ -12,32 +12,22 @@ with warnings.catch_warnings():  # starlette nags about httpx vs httpx2 on impor
     warnings.simplefilter("ignore")
     from fastapi.testclient import TestClient
 
-from pdstate.pools.presets import build_worker_pools, preset
-from pdstate.pools.reporting import build_report
 from pdstate.protocol.report import ErrorInfo
 from pdstate.protocol.wire import PROTOCOL_VERSION
 from pdstate.runtime.common import Stats
 from pdstate.service.api import Readiness, create_app, route_paths
-
-MAPPING_ERROR = "DSV4 target and draft pools must share the SWA index mapping"
-
-
-def report_for(**changes):
-    pools = build_worker_pools(preset("tiny").with_(**changes))
-    try:
-        return build_report(pools.target, pools.draft)[0]
-    finally:
-        pools.close()
+from tests.support.pools import tiny
+from tests.support.upstream import MAPPING_ERROR
 
 
 @pytest.fixture(scope="module")
 def good_report():
-    return report_for()
+    return tiny()
 
 
 @pytest.fixture(scope="module")
 def own_report():
-    return report_for(draft_mapping="own")
+    return tiny(draft_mapping="own")
 
 
 @dataclass
@@ -151,7 +141,7 @@ def test_compat_check(good_report, own_report):
     assert types == ["VersionMismatch", "EngineError"]
     msgs = [e["message"] for e in prefill.post("/v1/compat/check", json=other).json()["errors"]]
     assert msgs[1] == "transfer engine mismatch: prefill server uses 'shm', but decode server uses 'mooncake'"
-    unified = client(FakeSource("decode", report_for(unified_kv=True))).get("/v1/compat").json()
+    unified = client(FakeSource("decode", tiny(unified_kv=True))).get("/v1/compat").json()
     e = prefill.post("/v1/compat/check", json=unified).json()["errors"][0]
     assert e["type"] == "LayoutMismatch" and e["message"].startswith(
         "DSV4 layout mismatch on layout: prefill server has layout='paged', but decode server has layout='unified'."

@@ -15,12 +15,8 @@ from pdstate.pools.presets import build_worker_pools, pool_kwargs
 from pdstate.pools.reporting import build_report
 from pdstate.protocol import compat
 from pdstate.protocol.report import LayoutReport
-from tests.unit.reports import _KEEP, TINY, report_of, tiny
-
-MAPPING = "DSV4 target and draft pools must share the SWA index mapping"
-SWA_ONLY = "DSV4 draft state transfer expects SWA-only NextN layers"
-UNIFIED = "DSV4 target and draft pools must use the same unified-KV mode"
-MISSING = "'DeepSeekV4TokenToKVPool' object has no attribute 'full_to_swa_index_mapping'"
+from tests.support.pools import TINY, keep, report_of, tiny
+from tests.support.upstream import MAPPING_ERROR, MISSING_MAPPING_ERROR, SWA_ONLY_ERROR, UNIFIED_ERROR
 
 
 @functools.cache
@@ -30,7 +26,7 @@ def report_with_compressed_draft() -> LayoutReport:
     kw = {**pool_kwargs(TINY, draft=True), "compression_ratios": [4], "c4_size": 256, "c4_state_pool_size": 64}
     draft = DeepSeekV4TokenToKVPool(**kw, name="draft")
     draft.register_mapping(pools.allocator.full_to_swa_index_mapping)
-    _KEEP.append((pools, draft))
+    keep((pools, draft))
     return build_report(pools.target, draft)[0]
 
 
@@ -56,33 +52,36 @@ def test_equal_layouts_pass_both_ways():
 def test_peer_draft_without_the_shared_mapping(how):
     peer = tiny(draft_mapping=how)
     for role in ("prefill", "decode"):
-        raises(e.SWAIndexMappingNotShared, MAPPING, tiny(), peer, role)
+        raises(e.SWAIndexMappingNotShared, MAPPING_ERROR, tiny(), peer, role)
     # exactly what the peer raised locally
-    assert (peer.local_check.error.type, peer.local_check.error.message) == ("SWAIndexMappingNotShared", MAPPING)
+    assert (peer.local_check.error.type, peer.local_check.error.message) == ("SWAIndexMappingNotShared", MAPPING_ERROR)
 
 
 def test_peer_draft_that_never_registered_a_mapping():
     peer = tiny(draft_mapping="none")
-    err = raises(e.DraftMappingMissing, MISSING, tiny(), peer, "prefill")
+    err = raises(e.DraftMappingMissing, MISSING_MAPPING_ERROR, tiny(), peer, "prefill")
     assert isinstance(err, AttributeError) and isinstance(err, RuntimeError)
-    assert (peer.local_check.error.type, peer.local_check.error.message) == ("DraftMappingMissing", MISSING)
+    assert (peer.local_check.error.type, peer.local_check.error.message) == (
+        "DraftMappingMissing",
+        MISSING_MAPPING_ERROR,
+    )
 
 
 def test_peer_draft_with_compressed_layers():
     peer = report_with_compressed_draft()
-    raises(e.DraftNotSWAOnly, SWA_ONLY, tiny(), peer, "prefill")
-    assert peer.local_check.error.message == SWA_ONLY
+    raises(e.DraftNotSWAOnly, SWA_ONLY_ERROR, tiny(), peer, "prefill")
+    assert peer.local_check.error.message == SWA_ONLY_ERROR
 
 
 def test_peer_draft_with_empty_ratios():
     r = tiny()
     peer = r.model_copy(update={"draft": r.draft.model_copy(update={"compression_ratios": ()})})
-    raises(e.DraftNotSWAOnly, SWA_ONLY, tiny(), peer, "prefill")
+    raises(e.DraftNotSWAOnly, SWA_ONLY_ERROR, tiny(), peer, "prefill")
 
 
 def test_peer_with_unified_mismatch_between_target_and_draft():
     peer = tiny(draft_unified_kv=True)
-    raises(e.UnifiedKVModeMismatch, UNIFIED, tiny(), peer, "prefill")
+    raises(e.UnifiedKVModeMismatch, UNIFIED_ERROR, tiny(), peer, "prefill")
 
 
 def test_peer_with_ring_geometry_mismatch():
@@ -122,7 +121,7 @@ def test_peer_with_paged_geometry_mismatch(changes, tuples):
 def test_own_pair_checks_come_before_cross_side_checks():
     # the peer's broken pair wins over a page-size difference
     peer = tiny(draft_mapping="clone", page_size=128, swa_page_size=128)
-    raises(e.SWAIndexMappingNotShared, MAPPING, tiny(), peer, "prefill")
+    raises(e.SWAIndexMappingNotShared, MAPPING_ERROR, tiny(), peer, "prefill")
 
 
 def test_our_own_pair_is_not_rechecked_by_check_peer():

@@ -8,8 +8,7 @@ import pytest
 
 from pdstate.errors import ConfigError
 from pdstate.service.config import load_config
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.paths import REPO
 
 
 @pytest.fixture

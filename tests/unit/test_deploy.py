@@ -19,8 +19,8 @@ import yaml
 from pdstate.cli import build_parser
 from pdstate.service.api import create_app, route_paths
 from pdstate.service.config import load_config
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 ROLES = ("prefill", "decode")
 

@@ -4,6 +4,7 @@ import pytest
 
 from pdstate import errors as e
 from pdstate.pools import geometry as g
+from tests.support.upstream import MAPPING_ERROR, MISSING_MAPPING_ERROR, SWA_ONLY_ERROR, UNIFIED_ERROR
 
 # --- the five upstream target/draft checks --------------------------------------------------
 
@@ -11,9 +12,9 @@ from pdstate.pools import geometry as g
 @pytest.mark.parametrize(
     "cls,text",
     [
-        (e.DraftNotSWAOnly, "DSV4 draft state transfer expects SWA-only NextN layers"),
-        (e.UnifiedKVModeMismatch, "DSV4 target and draft pools must use the same unified-KV mode"),
-        (e.SWAIndexMappingNotShared, "DSV4 target and draft pools must share the SWA index mapping"),
+        (e.DraftNotSWAOnly, SWA_ONLY_ERROR),
+        (e.UnifiedKVModeMismatch, UNIFIED_ERROR),
+        (e.SWAIndexMappingNotShared, MAPPING_ERROR),
     ],
 )
 def test_fixed_upstream_sentences(cls, text):
@@ -61,7 +62,7 @@ def test_missing_draft_mapping_reads_like_upstream_attribute_error():
     err = e.DraftMappingMissing()
     assert isinstance(err, AttributeError)
     assert isinstance(err, RuntimeError)
-    assert str(err) == "'DeepSeekV4TokenToKVPool' object has no attribute 'full_to_swa_index_mapping'"
+    assert str(err) == MISSING_MAPPING_ERROR
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from pdstate.protocol.fixes import (
 from pdstate.protocol.report import ErrorInfo
 from pdstate.service import preflight
 from pdstate.service.config import WorkerConfig
-from tests.unit.reports import report_of, tiny
+from tests.support.pools import report_of, tiny
 
 KEY_RE = re.compile(r"\b(role|preset|(?:pool|draft|checks|control|http|transfer|auth)\.[a-z0-9_]+(?:\.[a-z0-9_]+)?)\b")
 FLASH_SMALL = preset("dsv4-flash").with_(full_tokens=1024, swa_tokens=512, max_num_reqs=1)

@@ -10,21 +10,20 @@ import pytest
 
 from pdstate import errors as e
 from pdstate.errors import error_from_wire
-from pdstate.pools.presets import PoolSettings, build_worker_pools, preset
+from pdstate.pools.presets import PoolSettings
 from pdstate.pools.reporting import build_report
 from pdstate.protocol import handshake as h
 from pdstate.protocol import lifecycle, wire
+from tests.support.pools import TINY, TINY_DRAFT_FACTOR, kept_pools
+from tests.support.upstream import MAPPING_ERROR, MISSING_MAPPING_ERROR, UNIFIED_ERROR
 
-TINY = preset("tiny")
-_KEEP = []
 TOKEN = b"handshake-test-token"
 SHM = wire.EngineDesc(name="shm", endpoint={"segment": "pdstate-test"})
 
 
 @functools.cache
 def side(settings: PoolSettings, worker_id: str) -> h.LocalSide:
-    pools = build_worker_pools(settings)
-    _KEEP.append(pools)
+    pools = kept_pools(settings)
     report, kv_args = build_report(pools.target, pools.draft)
     kv = None if kv_args is None else wire.KVDesc.of(kv_args)
     return h.LocalSide(worker_id=worker_id, incarnation=f"{worker_id}-inc", report=report, kv=kv, engine=SHM)
@@ -91,12 +90,9 @@ def test_register_message_carries_the_decode_side():
 # --- reject: the decode raises what the prefill raised ---------------------------------------
 
 
-MAPPING = "DSV4 target and draft pools must share the SWA index mapping"
-
-
 @pytest.mark.parametrize("how", ["own", "clone", "view"])
 def test_decode_with_unshared_draft_mapping_is_refused(how):
-    reply = assert_refused(prefill(), decode(draft_mapping=how), e.SWAIndexMappingNotShared, MAPPING)
+    reply = assert_refused(prefill(), decode(draft_mapping=how), e.SWAIndexMappingNotShared, MAPPING_ERROR)
     assert reply.error.message == decode(draft_mapping=how).report.local_check.error.message
 
 
@@ -105,7 +101,7 @@ def test_decode_with_a_draft_that_has_no_mapping_is_refused():
         prefill(),
         decode(draft_mapping="none"),
         e.DraftMappingMissing,
-        "'DeepSeekV4TokenToKVPool' object has no attribute 'full_to_swa_index_mapping'",
+        MISSING_MAPPING_ERROR,
     )
 
 
@@ -115,7 +111,7 @@ def test_decode_with_a_draft_that_has_no_mapping_is_refused():
         (
             dict(draft_unified_kv=True),
             e.UnifiedKVModeMismatch,
-            "DSV4 target and draft pools must use the same unified-KV mode",
+            UNIFIED_ERROR,
         ),
         (
             dict(draft_page_size=512),
@@ -164,18 +160,7 @@ CROSS_SIDE = [
     (
         dict(draft_enabled=False),
         e.LayoutMismatch,
-        _layout(
-            "draft",
-            {
-                "layers": 1,
-                "layout": "paged",
-                "page_size": 256,
-                "swa_page_size": 256,
-                "sliding_window": 128,
-                "ring_size": None,
-            },
-            None,
-        ),
+        _layout("draft", TINY_DRAFT_FACTOR, None),
     ),
     (
         dict(indexer_head_dim=64),
@@ -207,7 +192,7 @@ def test_decode_refuses_an_accept_from_an_incompatible_prefill():
     )
     with pytest.raises(e.SWAIndexMappingNotShared) as info:
         h.DecodeHandshake(decode()).receive(accept)
-    assert str(info.value) == MAPPING
+    assert str(info.value) == MAPPING_ERROR
 
 
 def test_engine_name_mismatch_is_refused():

@@ -21,7 +21,7 @@ from pdstate.protocol.facts import MappingIdentity
 
 SEED = "DSV4 target and draft pools must share the SWA index mapping"
 MISSING_MSG = "'DeepSeekV4TokenToKVPool' object has no attribute 'full_to_swa_index_mapping'"
-TINY = dict(
+UPSTREAM_TINY = dict(
     max_num_reqs=4,
     swa_size=512,
     c4_size=256,
@@ -47,11 +47,11 @@ NEXTN = dict(c4_size=0, c128_size=0, c4_state_pool_size=0, c128_state_pool_size=
 
 
 def target(**over) -> PdPool:
-    return PdPool(**{**TINY, **over})
+    return PdPool(**{**UPSTREAM_TINY, **over})
 
 
 def draft(**over) -> PdPool:
-    return PdPool(**{**TINY, **NEXTN, **over})
+    return PdPool(**{**UPSTREAM_TINY, **NEXTN, **over})
 
 
 _UPSTREAM_ATTRS = (

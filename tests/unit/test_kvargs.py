@@ -1,7 +1,6 @@
 """``setup_state_kv_args``: the five target/draft checks, their order, and what each branch ignores."""
 
 import pytest
-import torch
 
 from pdstate.errors import (
     DraftMappingMissing,
@@ -21,79 +20,23 @@ from pdstate.pools.kvargs import (
     setup_state_kv_args,
 )
 from pdstate.protocol.facts import check_draft_pair, identities_shared
-
-RATIO_MSG = "DSV4 draft state transfer expects SWA-only NextN layers"
-MODE_MSG = "DSV4 target and draft pools must use the same unified-KV mode"
-MAPPING_MSG = "DSV4 target and draft pools must share the SWA index mapping"
-MISSING_MSG = "'DeepSeekV4TokenToKVPool' object has no attribute 'full_to_swa_index_mapping'"
-
-
-def _kw(**over):
-    kw = dict(
-        max_num_reqs=4,
-        swa_size=512,
-        c4_size=256,
-        c128_size=8,
-        c4_state_pool_size=64,
-        c128_state_pool_size=1280,
-        page_size=256,
-        swa_page_size=256,
-        dtype="float8_e4m3fn",
-        c4_state_dtype="float32",
-        c128_state_dtype="float32",
-        qk_nope_head_dim=448,
-        qk_rope_head_dim=64,
-        indexer_head_dim=128,
-        layer_num=3,
-        device="cpu",
-        enable_memory_saver=False,
-        compression_ratios=[0, 4, 128],
-        sliding_window=128,
-        online_mtp_max_draft_tokens=4,
-        num_req_slots=5,
-        unified_kv=False,
-        speculative_num_draft_tokens=4,
-    )
-    kw.update(over)
-    return kw
+from tests.support.pools import draft_changes, upstream_kwargs, wire_draft
+from tests.support.upstream import MAPPING_ERROR, MISSING_MAPPING_ERROR, SWA_ONLY_ERROR, UNIFIED_ERROR
 
 
 def target(**over) -> DeepSeekV4TokenToKVPool:
-    return DeepSeekV4TokenToKVPool(**_kw(**over))
+    return DeepSeekV4TokenToKVPool(**upstream_kwargs(**over))
 
 
 def draft(ratios=(0,), **over) -> DeepSeekV4TokenToKVPool:
-    base = dict(
-        c4_size=0,
-        c128_size=0,
-        c4_state_pool_size=0,
-        c128_state_pool_size=0,
-        layer_num=len(ratios),
-        compression_ratios=list(ratios),
-    )
-    base.update(over)
-    return DeepSeekV4TokenToKVPool(**_kw(**base))
+    return DeepSeekV4TokenToKVPool(**upstream_kwargs(**{**draft_changes(ratios), **over}))
 
 
 def wire(t, d, how: str) -> SWATokenToKVPoolAllocator:
     """Give ``t`` an allocator and wire ``d``'s mapping as ``how`` says."""
     a = SWATokenToKVPoolAllocator(1024, 512, t.page_size, kvcache=t)
     a.alloc(2 * t.page_size)
-    m = a.full_to_swa_index_mapping
-    if how == "shared":
-        d.register_mapping(m)
-    elif how == "own":
-        SWATokenToKVPoolAllocator(1024, 512, t.page_size, kvcache=d)
-    elif how == "identity":
-        ident = torch.arange(m.numel(), dtype=torch.int64)
-        ident[-1] = -1
-        d.register_mapping(ident)
-    elif how == "clone":
-        d.register_mapping(m.clone())
-    elif how == "view":
-        d.register_mapping(m[:])
-    else:
-        assert how == "none"
+    wire_draft(a, d, how)
     return a
 
 
@@ -119,17 +62,17 @@ def test_ratio_check_first_in_paged(ratios, how):
     t = target()
     d = draft(ratios)
     wire(t, d, how)
-    raises(t, d, DraftNotSWAOnly, RATIO_MSG)
+    raises(t, d, DraftNotSWAOnly, SWA_ONLY_ERROR)
 
 
 @pytest.mark.parametrize("ratios", [(), (4,), (0, 128)])
 def test_ratio_check_before_mode_check(ratios):
     t = target(unified_kv=True)
     d = draft(ratios, unified_kv=False)  # also a mode mismatch, and no mapping at all
-    raises(t, d, DraftNotSWAOnly, RATIO_MSG)
+    raises(t, d, DraftNotSWAOnly, SWA_ONLY_ERROR)
     t = target(unified_kv=False)
     d = draft(ratios, unified_kv=True, sliding_window=64)
-    raises(t, d, DraftNotSWAOnly, RATIO_MSG)
+    raises(t, d, DraftNotSWAOnly, SWA_ONLY_ERROR)
 
 
 def test_ratio_check_reads_the_full_ratio_list_not_the_stage():
@@ -138,7 +81,7 @@ def test_ratio_check_reads_the_full_ratio_list_not_the_stage():
     d = draft((0, 4), layer_num=1)
     assert d.stage_ratios == [0]
     wire(t, d, "shared")
-    raises(t, d, DraftNotSWAOnly, RATIO_MSG)
+    raises(t, d, DraftNotSWAOnly, SWA_ONLY_ERROR)
 
 
 # --- 2. mode check before mapping / geometry ----------------------------------------------------
@@ -150,7 +93,7 @@ def test_mode_check_before_mapping_and_geometry(how, target_unified):
     t = target(unified_kv=target_unified)
     d = draft(unified_kv=not target_unified, page_size=512, sliding_window=64)
     wire(t, d, how)
-    raises(t, d, UnifiedKVModeMismatch, MODE_MSG)
+    raises(t, d, UnifiedKVModeMismatch, UNIFIED_ERROR)
 
 
 # --- 3. unified: ring geometry only, the mapping is never looked at -------------------------------
@@ -207,7 +150,7 @@ def test_unified_ring_geometry_mismatch(over, draft_geom, how):
 def test_paged_mapping_not_shared(how):
     t, d = target(), draft()
     wire(t, d, how)
-    raises(t, d, SWAIndexMappingNotShared, MAPPING_MSG)
+    raises(t, d, SWAIndexMappingNotShared, MAPPING_ERROR)
 
 
 def test_paged_missing_draft_mapping_is_an_attribute_error():
@@ -216,7 +159,7 @@ def test_paged_missing_draft_mapping_is_an_attribute_error():
     with pytest.raises(AttributeError) as info:
         run(t, d)
     assert isinstance(info.value, DraftMappingMissing)
-    assert str(info.value) == MISSING_MSG
+    assert str(info.value) == MISSING_MAPPING_ERROR
 
 
 @pytest.mark.parametrize("how", ["own", "clone", "view", "identity"])
@@ -227,7 +170,7 @@ def test_paged_mapping_check_before_geometry_check(how, over):
     t = target()
     d = draft(**over)
     wire(t, d, how)
-    raises(t, d, SWAIndexMappingNotShared, MAPPING_MSG)
+    raises(t, d, SWAIndexMappingNotShared, MAPPING_ERROR)
 
 
 def test_paged_missing_mapping_before_geometry_check():

@@ -6,17 +6,18 @@ import msgpack
 import pytest
 
 from pdstate.pools.dsv4 import DeepSeekV4TokenToKVPool
-from pdstate.pools.presets import build_worker_pools, pool_kwargs
+from pdstate.pools.presets import pool_kwargs
 from pdstate.pools.reporting import build_report
 from pdstate.protocol import report as layout
 from pdstate.protocol.report import FACTOR_NAMES, LayoutReport, diff, fingerprint
-from tests.unit.reports import _KEEP, TINY, tiny
+from tests.support.pools import TINY, TINY_DRAFT_FACTOR, keep, kept_pools, tiny
+from tests.support.upstream import MAPPING_ERROR, MISSING_MAPPING_ERROR, UNIFIED_ERROR
 
 
 def report_with_target_kwargs(**kw) -> LayoutReport:
     """A draftless report of a target built with upstream keywords changed (what presets cannot)."""
     target = DeepSeekV4TokenToKVPool(**{**pool_kwargs(TINY), **kw})
-    _KEEP.append(target)
+    keep(target)
     return build_report(target, None)[0]
 
 
@@ -51,14 +52,7 @@ def test_tiny_report_values():
         ["c128_state", 1, [524288]],
         ["swa", 1, [149760]],
     ]
-    assert r.factor("draft") == {
-        "layers": 1,
-        "layout": "paged",
-        "page_size": 256,
-        "swa_page_size": 256,
-        "sliding_window": 128,
-        "ring_size": None,
-    }
+    assert r.factor("draft") == TINY_DRAFT_FACTOR
     assert r.local_check.ok and r.local_check.error is None
     assert r.target.mapping_identity is not None
     assert r.target.mapping_identity == r.draft.mapping_identity  # shared tensor
@@ -76,8 +70,7 @@ def test_fingerprint_stable_for_equal_layouts_built_twice():
 
 
 def _pair(settings):
-    pools = build_worker_pools(settings)
-    _KEEP.append(pools)
+    pools = kept_pools(settings)
     return pools.target, pools.draft
 
 
@@ -193,27 +186,27 @@ def test_a_missing_factor_is_a_difference():
         (
             dict(draft_mapping="own"),
             "SWAIndexMappingNotShared",
-            "DSV4 target and draft pools must share the SWA index mapping",
+            MAPPING_ERROR,
         ),
         (
             dict(draft_mapping="clone"),
             "SWAIndexMappingNotShared",
-            "DSV4 target and draft pools must share the SWA index mapping",
+            MAPPING_ERROR,
         ),
         (
             dict(draft_mapping="view"),
             "SWAIndexMappingNotShared",
-            "DSV4 target and draft pools must share the SWA index mapping",
+            MAPPING_ERROR,
         ),
         (
             dict(draft_mapping="none"),
             "DraftMappingMissing",
-            "'DeepSeekV4TokenToKVPool' object has no attribute 'full_to_swa_index_mapping'",
+            MISSING_MAPPING_ERROR,
         ),
         (
             dict(draft_unified_kv=True),
             "UnifiedKVModeMismatch",
-            "DSV4 target and draft pools must use the same unified-KV mode",
+            UNIFIED_ERROR,
         ),
         (
             dict(unified_kv=True, draft_sliding_window=64),

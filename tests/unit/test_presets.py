@@ -8,8 +8,7 @@ from pdstate.errors import DraftMappingMissing, SWAIndexMappingNotShared
 from pdstate.pools import PrivateMemory, SharedMemory
 from pdstate.pools.kvargs import KVArgs, StateType, fill_kv_args, setup_state_kv_args
 from pdstate.pools.presets import DSV4_FLASH_RATIOS, PRESETS, build_worker_pools, pool_kwargs, preset
-
-MAPPING_MSG = "DSV4 target and draft pools must share the SWA index mapping"
+from tests.support.upstream import MAPPING_ERROR, UNIFIED_ERROR
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +143,7 @@ def test_draft_mapping_wirings_paged(wiring, error):
     with pytest.raises(error) as info:
         setup_state_kv_args(KVArgs(), w.target, w.draft)
     if error is SWAIndexMappingNotShared:
-        assert str(info.value) == MAPPING_MSG
+        assert str(info.value) == MAPPING_ERROR
         assert w.draft.mapping_identity != w.target.mapping_identity
     else:
         assert isinstance(info.value, AttributeError)
@@ -186,7 +185,7 @@ def test_draft_overrides_reach_the_checks():
     w = build_worker_pools(preset("tiny").with_(draft_unified_kv=True))
     with pytest.raises(RuntimeError) as info:
         setup_state_kv_args(KVArgs(), w.target, w.draft)
-    assert str(info.value) == "DSV4 target and draft pools must use the same unified-KV mode"
+    assert str(info.value) == UNIFIED_ERROR
 
 
 def test_allocator_in_the_worker_pools_is_live_for_the_draft():

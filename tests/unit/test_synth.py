@@ -6,15 +6,16 @@ import numpy as np
 import pytest
 
 from pdstate.pools.kvargs import fill_kv_args
-from pdstate.pools.presets import build_worker_pools, preset
+from pdstate.pools.presets import build_worker_pools
 from pdstate.runtime import requests as rq
 from pdstate.runtime import synth
 from pdstate.transfer.planner import plan_request
+from tests.support.pools import TINY
 
 
 @pytest.fixture(scope="module")
 def pair():
-    s = preset("tiny")
+    s = TINY
     src, dst = build_worker_pools(s), build_worker_pools(s)
     skv, dkv = fill_kv_args(src.target, src.draft), fill_kv_args(dst.target, dst.draft)
     yield src, dst, skv, dkv
@@ -98,7 +99,7 @@ def test_damage_deep_in_a_request_is_located():
 
 
 def _pair_tiny():
-    s = preset("tiny")
+    s = TINY
     src, dst = build_worker_pools(s), build_worker_pools(s)
     return src, dst, fill_kv_args(src.target, src.draft), fill_kv_args(dst.target, dst.draft)
 

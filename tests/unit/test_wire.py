@@ -12,7 +12,6 @@ import importlib.util
 import json
 import random
 import sys
-from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -23,8 +22,8 @@ from hypothesis import strategies as st
 from pdstate.errors import AuthError, ProtocolError, VersionMismatch, error_from_wire
 from pdstate.protocol import wire
 from pdstate.protocol.report import ErrorInfo
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 PROTO = REPO / "proto"
 KINDS = sorted(wire.MESSAGES)
 KNOWN = str(KINDS)

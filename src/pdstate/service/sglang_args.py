@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdstate.errors import ConfigError
+from pdstate.errors import ConfigError, SGLangArgsError  # noqa: F401  (SGLangArgsError: re-exported)
 
 ARCH = "DeepseekV4ForCausalLM"
 FLASH = "DeepSeek-V4-Flash"
@@ -108,10 +108,6 @@ CONFIG_KEYS = (
 
 _FLAG_OF = {name: fld for fld, (names, _) in MODELLED.items() for name in names}
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
-
-
-class SGLangArgsError(ConfigError):
-    """An SGLang launch string (or its source) cannot be read or does not describe a DSV4 server."""
 
 
 def builtin_flash_config() -> dict:

@@ -20,10 +20,10 @@ import torch
 
 from pdstate.pools.memory import BufferSpec, PrivateMemory, Region, SharedMemory
 from pdstate.transfer.engines import create_engine
+from tests.support.images import SENTINEL
 
-SENTINEL = 0xA5
 DST_SIZES = (12 << 20, 1 << 20)  # two destination regions, bytes
-START_TIMEOUT_S = 60.0
+CHILD_START_TIMEOUT_S = 60.0
 CALL_TIMEOUT_S = 20.0
 CHILD_IDLE_TIMEOUT_S = 600.0  # a child whose parent vanished exits after this
 
@@ -104,7 +104,7 @@ class RemoteDecode:
         )
         self.process.start()
         child_conn.close()
-        self.endpoint, regions = self._recv(START_TIMEOUT_S)
+        self.endpoint, regions = self._recv(CHILD_START_TIMEOUT_S)
         self.dst_regions = [Region(*r) for r in regions]
 
     def _recv(self, timeout_s: float) -> Any:

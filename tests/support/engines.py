@@ -1,17 +1,15 @@
-"""Fixtures for the engine contract suite: one decode side per engine, a fresh prefill per test.
+"""Engines for the tests: same-host options, the engine parameters, and the engine contract's rig.
 
-``engine_name`` is parametrised over every engine; mooncake/nixl params carry their markers and
-are skipped with the install hint when the package (or libibverbs) is missing. ``pair`` gives a
-started prefill engine with two registered source regions (random bytes), connected to a decode
-side whose two destination regions are reset to the 0xA5 sentinel before each test. Both
-engines live for the module; tests that close or break an engine use ``Pair``/``fresh_decode``.
+``ENGINE_PARAMS``: every engine; mooncake/nixl params carry their markers, and ``require_engine``
+skips with the install hint when the package (or libibverbs) is missing. The contract's rig
+(its fixtures are in ``tests/engines/test_contract.py``): a ``Source`` of two registered regions of random bytes, a
+decode side (``decode_peer``) whose two destination regions are reset to the sentinel, and a
+``Pair``: a started prefill engine connected to that decode side, with plan/expectation helpers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,35 +18,37 @@ import torch
 
 from pdstate.pools.memory import BufferSpec, PrivateMemory, Region
 from pdstate.transfer.engines import EngineUnavailable, TransferEngine, create_engine, engine_class
+from pdstate.transfer.engines.nixl import UCX_ENV_WITHOUT_IB
 from pdstate.transfer.plan import TransferPlan
-from tests.engines._decode_peer import SENTINEL, LocalDecode, RemoteDecode
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SRC_SIZES = (12 << 20, 1 << 20)
-SRC_SEED = 20240607
+from tests.support.decode_peer import LocalDecode, RemoteDecode
+from tests.support.images import SENTINEL
 
 ENGINE_PARAMS = [
-    pytest.param("loopback", id="loopback"),
     pytest.param("shm", id="shm"),
+    pytest.param("loopback", id="loopback"),
     pytest.param("mooncake", id="mooncake", marks=pytest.mark.mooncake),
     pytest.param("nixl", id="nixl", marks=pytest.mark.nixl),
 ]
 
-# Options both sides pass to create_engine. NIXL: without UCX's IB modules, so the pytest
-# process does not segfault at exit (see src/pdstate/engines/nixl.py).
+# Options both sides pass to their engine on one host. NIXL: without UCX's IB modules, so the
+# pytest process does not segfault at exit (see src/pdstate/transfer/engines/nixl.py).
 ENGINE_OPTIONS: dict[str, dict[str, Any]] = {
-    "loopback": {},
     "shm": {},
+    "loopback": {},
     "mooncake": {"host": "127.0.0.1"},
-    "nixl": {"ucx_env": {"UCX_MODULES": "^ib"}},
+    "nixl": {"ucx_env": dict(UCX_ENV_WITHOUT_IB)},
 }
 
 # Whether a transfer to a peer that died after connect fails (shm cannot tell: writes land in
 # the orphaned segment file; peer liveness is the control channel's job).
 DETECTS_PEER_LOSS = {"loopback": True, "shm": False, "mooncake": True, "nixl": True}
 
+SRC_SIZES = (12 << 20, 1 << 20)
+SRC_SEED = 20240607
+
 
 def require_engine(name: str) -> None:
+    """Skip the test cleanly when the engine's native package is missing."""
     try:
         engine_class(name)
     except EngineUnavailable as exc:
@@ -56,29 +56,9 @@ def require_engine(name: str) -> None:
 
 
 def new_decode(name: str) -> LocalDecode | RemoteDecode:
+    """The decode side of the contract: in this process for loopback, a child process otherwise."""
     cls = LocalDecode if name == "loopback" else RemoteDecode
     return cls(name, ENGINE_OPTIONS[name])
-
-
-@pytest.fixture(scope="module", params=ENGINE_PARAMS)
-def engine_name(request: pytest.FixtureRequest) -> str:
-    require_engine(request.param)
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def decode(engine_name: str) -> Iterator[LocalDecode | RemoteDecode]:
-    side = new_decode(engine_name)
-    yield side
-    side.close()
-
-
-@pytest.fixture
-def fresh_decode(engine_name: str) -> Iterator[LocalDecode | RemoteDecode]:
-    """A decode side of its own, for tests that stop or kill it."""
-    side = new_decode(engine_name)
-    yield side
-    side.close()
 
 
 @dataclass
@@ -103,19 +83,18 @@ class Source:
     arrays: list[np.ndarray]
     regions: list[Region]
 
-
-@pytest.fixture(scope="session")
-def source() -> Iterator[Source]:
-    memory = PrivateMemory()
-    rng = np.random.default_rng(SRC_SEED)
-    arrays = []
-    for i, n in enumerate(SRC_SIZES):
-        (t,) = memory.allocate(f"src{i}", [BufferSpec("bytes", (n,), torch.uint8)])
-        a = t.numpy()
-        a[:] = rng.integers(0, 256, n, dtype=np.uint8)
-        arrays.append(a)
-    yield Source(memory, arrays, memory.regions())
-    memory.close()
+    @classmethod
+    def random(cls) -> Source:
+        """Two regions (``SRC_SIZES``) of seeded random bytes, in private memory."""
+        memory = PrivateMemory()
+        rng = np.random.default_rng(SRC_SEED)
+        arrays = []
+        for i, n in enumerate(SRC_SIZES):
+            (t,) = memory.allocate(f"src{i}", [BufferSpec("bytes", (n,), torch.uint8)])
+            a = t.numpy()
+            a[:] = rng.integers(0, 256, n, dtype=np.uint8)
+            arrays.append(a)
+        return cls(memory, arrays, memory.regions())
 
 
 class Pair:
@@ -163,19 +142,3 @@ class Pair:
 
     def close(self) -> None:
         self.engine.close()
-
-
-@pytest.fixture(scope="module")
-def _module_pair(engine_name: str, source: Source, decode: LocalDecode | RemoteDecode) -> Iterator[Pair]:
-    # One prefill engine per engine and module: engines are meant to be reused across requests,
-    # and Mooncake's native destructor alone takes about 1 s. Tests that break or close an
-    # engine build a Pair of their own.
-    p = Pair(engine_name, source, decode)
-    yield p
-    p.close()
-
-
-@pytest.fixture
-def pair(_module_pair: Pair) -> Pair:
-    _module_pair.decode.reset()
-    return _module_pair

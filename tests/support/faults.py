@@ -1,0 +1,37 @@
+"""Fault injection: short timers, and the runtime's knob that holds a prefill's copies.
+
+This is the one place the tests name the knob (``fault_delay_before_copy_s`` of ``WorkerOptions``,
+of a ``PrefillWorker``, and the worker process's ``fault`` command): a test holds copies with
+``hold_copies()`` in a worker's options and lets them go with ``release_copies(worker)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdstate.devtools.processes import WorkerProcess
+from pdstate.runtime.prefill import PrefillWorker
+
+HEARTBEAT_S = 0.2
+PEER_TIMEOUT_S = 1.0
+# Short timers: a dead or frozen peer is declared gone after PEER_TIMEOUT_S of silence.
+FAULT = dict(heartbeat_interval_s=HEARTBEAT_S, peer_timeout_s=PEER_TIMEOUT_S, request_deadline_s=20.0)
+# How late after the timeout a detection may come: one heartbeat/timer tick, a status poll, and
+# scheduling noise on a small, busy machine.
+DETECT_SLACK_S = 0.75
+# The prefill's copy waits this long (fault injection) so a test can act while requests are
+# TRANSFERRING; cancellation (peer gone, abort, re-registration) ends the wait early.
+LONG_DELAY_S = 30.0
+
+
+def hold_copies(delay_s: float = LONG_DELAY_S) -> dict[str, Any]:
+    """Worker options that make the prefill wait ``delay_s`` before each copy."""
+    return {"fault_delay_before_copy_s": delay_s}
+
+
+def release_copies(prefill: PrefillWorker | WorkerProcess) -> None:
+    """Later copies of ``prefill`` (in this process, or a worker process) start without a wait."""
+    if isinstance(prefill, WorkerProcess):
+        prefill.command({"cmd": "fault", "delay_before_copy_s": 0.0}, "fault")
+    else:
+        prefill.fault_delay_before_copy_s = 0.0
