@@ -89,9 +89,9 @@ def test_token_file(toml, tmp_path):
     cfg = load_config(toml(BASE), [f'auth.token_file="{secret}"'], environ={})
     assert cfg.auth.secret() == b"from-file"
     assert load_config(toml(BASE), environ={}).auth.secret() is None
-    missing = load_config(toml(BASE), [f'auth.token_file="{tmp_path / "absent"}"'], environ={})
-    with pytest.raises(ConfigError, match=r"^auth\.token_file: cannot read .*absent: No such file or directory$"):
-        missing.worker_options()
+    # fails closed at load time (tests/security/test_fail_closed.py has every case)
+    with pytest.raises(ConfigError, match=r"^auth\.token_file: cannot read .*absent: No such file or directory; "):
+        load_config(toml(BASE), [f'auth.token_file="{tmp_path / "absent"}"'], environ={})
 
 
 def test_unknown_key_is_named(toml):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import tempfile
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -95,12 +96,19 @@ def compose_config(svc: dict, env_extra: dict | None = None):
     env = {k: re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", v) for k, v in env.items()}
     env = {k: v for k, v in env.items() if v != ""}
     env.update(env_extra or {})
-    return args, load_config(image_path_to_repo(args.config), args.set, environ=env)
+    overrides = list(args.set)
+    token_file = next((o.split("=", 1)[1] for o in overrides if o.startswith("auth.token_file=")), None)
+    if token_file:  # a file of a mounted volume (tests/security/test_deploy_secrets.py checks which)
+        assert any(v.split(":")[1] == token_file.rsplit("/", 1)[0] for v in svc.get("volumes", [])), token_file
+        local = Path(tempfile.mkdtemp()) / "token"
+        local.write_text("t")
+        overrides = [o if o != f"auth.token_file={token_file}" else f"auth.token_file={local}" for o in overrides]
+    return args, load_config(image_path_to_repo(args.config), overrides, environ=env)
 
 
 def test_compose_services(compose, routes):
     services = compose["services"]
-    assert set(services) == set(ROLES)
+    assert set(services) == {*ROLES, "secret"}  # secret: the one-shot token generator
     cfgs = {}
     for role in ROLES:
         svc = services[role]
@@ -114,7 +122,7 @@ def test_compose_services(compose, routes):
         assert cfg.role == role
         base = service_config(role)
         assert cfg.http.port == base.http.port and cfg.http.host == "0.0.0.0"
-        assert [f"{cfg.http.port}:{cfg.http.port}"] == svc["ports"]
+        assert [f"127.0.0.1:{cfg.http.port}:{cfg.http.port}"] == svc["ports"]
         # healthcheck: GET /readyz on the configured port
         test = " ".join(svc["healthcheck"]["test"])
         m = re.search(r"http://127\.0\.0\.1:(\d+)(/\w+)", test)
@@ -128,7 +136,7 @@ def test_compose_services(compose, routes):
         and port == port_of(cfgs["prefill"].control.bind)[1] == port_of(service_config("prefill").control.bind)[1]
     )
     assert str(port) in [str(p) for p in services["prefill"]["expose"]]
-    assert services["decode"]["depends_on"] == {"prefill": {"condition": "service_healthy"}}
+    assert services["decode"]["depends_on"]["prefill"] == {"condition": "service_healthy"}
     # shm: one IPC namespace and /dev/shm for both
     assert services["prefill"]["ipc"] == "shareable" and services["prefill"]["shm_size"]
     assert services["decode"]["ipc"] == "service:prefill"
@@ -197,9 +205,11 @@ def k8s_config(k8s, role, tmp_path):
     token_file = next((o.split("=", 1)[1] for o in overrides if o.startswith("auth.token_file=")), None)
     if token_file:  # resolve it to a Secret mount, then point it at a local file for load_config
         m = next(m for m in c["volumeMounts"] if token_file.startswith(m["mountPath"].rstrip("/") + "/"))
-        secret = k8s[("Secret", volumes[m["name"]]["secret"]["secretName"])]
+        secret_name = volumes[m["name"]]["secret"]["secretName"]
         secret_key = token_file[len(m["mountPath"].rstrip("/")) + 1 :]
-        assert secret_key in secret.get("stringData", {}) or secret_key in secret.get("data", {})
+        kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+        (gen,) = [g for g in kust.get("secretGenerator", []) if g["name"] == secret_name]  # no Secret manifest
+        assert secret_key in [f.split("=", 1)[0] for f in gen["files"]]
         local = tmp_path / f"{role}-token"
         local.write_text("t")
         overrides = [o if not o.startswith("auth.token_file=") else f"auth.token_file={local}" for o in overrides]

@@ -7,16 +7,23 @@ same host can map the segment and write into the buffers by offset: this is what
 transfer engine does. Each buffer starts on a 4 KiB boundary so every dtype view is aligned.
 
 The segment is removed by ``close()``; segments left behind by a crashed owner are removed by
-``sweep_stale_segments()`` (called on start by the worker runtime).
+``sweep_stale_segments()`` (called on start by the worker runtime), which tells a dead owner from
+a live one by the ``flock`` every owner holds on its segments for its lifetime (not by PID, which
+means nothing across PID namespaces and is reused). ``allocate`` refuses, with one line naming
+the bytes, a ``/dev/shm`` too small for the segment instead of letting the first write SIGBUS.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import math
 import mmap
 import os
 import re
 import secrets
+import stat
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +31,17 @@ from typing import Protocol
 
 import torch
 
+from pdstate.errors import AllocationError
+
 SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "pdstate"
 ALIGN_BYTES = 4096
-SEGMENT_NAME_RE = re.compile(rf"^{SEGMENT_PREFIX}-(\d+)-[0-9a-f]+-[\w.-]+$")
+SEGMENT_NAME_RE = re.compile(rf"^{SEGMENT_PREFIX}-(\d+)-([0-9a-f]+)-[\w.-]+$")
+# Segments whose owner holds the liveness lock carry a 16-hex-digit nonce; an 8-digit one is a
+# segment of an older pdstate (no lock), judged by its PID as that version did, so that a mixed
+# host (a rolling upgrade) does not lose an old decode's live segments.
+NONCE_BYTES = 8
+LEGACY_NONCE_HEX = 8
 
 
 @dataclass(frozen=True)
@@ -101,38 +115,112 @@ class Segment:
     base_ptr: int
 
 
+# madvise(MADV_POPULATE_WRITE) (Linux 5.14): fault every page in writable, or fail with EFAULT
+# instead of a later SIGBUS when the tmpfs is full. Python exposes the constant from 3.13 on.
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+# A staged segment (".pdstate-...", before its rename) with no owner is swept only once it is this
+# old: between ``open(O_CREAT)`` and ``flock`` a live owner does not hold the lock yet.
+STAGED_GRACE_S = 30.0
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def shm_free_bytes(directory: Path | str = SHM_DIR) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def shm_space_error(directory: Path | str, name: str, need: int, free: int) -> AllocationError:
+    """The one-line refusal when ``directory`` (a tmpfs) cannot hold a segment of ``need`` bytes."""
+    return AllocationError(
+        f"{directory} has {free} bytes free ({_mib(free)}) but the {name!r} segment needs {need} bytes "
+        f"({_mib(need)}); give {directory} more room: docker run --shm-size=SIZE, compose shm_size: SIZE, "
+        f"k8s an emptyDir {{medium: Memory, sizeLimit: SIZE}} mounted at {directory}"
+    )
+
+
 class SharedMemory:
     """Tensors inside named ``/dev/shm`` segments another process can map.
 
     Segment names are ``pdstate-<owner pid>-<nonce>-<name>``; files are created ``0600`` and
     pre-faulted (first-touch faults on tmpfs run at a fraction of memcpy speed).
+
+    Liveness: the owner holds an exclusive ``flock`` on each of its segment files for as long as
+    it lives (the lock goes with its last open descriptor, so the kernel drops it when the process
+    dies, however it dies). ``sweep_stale_segments`` deletes only segments whose lock it can take.
+    This holds across PID namespaces (containers sharing one ``/dev/shm``) and PID reuse; the PID
+    in the name is for people only. A segment is created under a staging name, locked, sized and
+    populated, then renamed, so a segment name never exists unlocked while its owner lives.
+
+    Space: ``allocate`` checks the free space of the directory first and populates the pages
+    (``MADV_POPULATE_WRITE``, or ``posix_fallocate``) before returning, so a ``/dev/shm`` that is
+    too small is an ``AllocationError`` naming the bytes needed and free, never a SIGBUS later.
     """
 
     def __init__(self, directory: Path | str = SHM_DIR, prefault: bool = True) -> None:
         self._dir = Path(directory)
         self._prefault = prefault
-        self._nonce = secrets.token_hex(4)
+        self._nonce = secrets.token_hex(NONCE_BYTES)
         self._segments: list[Segment] = []
         self._maps: list[mmap.mmap] = []
         self._tensors: list[torch.Tensor] = []
+        self._locks: list[int] = []  # one open, flock-ed descriptor per segment: the liveness proof
 
     def allocate(self, name: str, specs: Sequence[BufferSpec]) -> list[torch.Tensor]:
         offsets, total = _layout(specs)
+        free = shm_free_bytes(self._dir)
+        if total > free:
+            raise shm_space_error(self._dir, name, total, free)
         seg_name = f"{SEGMENT_PREFIX}-{os.getpid()}-{self._nonce}-{name}"
         path = self._dir / seg_name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        staged = self._dir / f".{seg_name}"
+        fd = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        mm = None
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(fd, total)
             mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+            self._populate(fd, mm, name, total)
+            os.rename(staged, path)
+        except BaseException:
+            if mm is not None:
+                mm.close()
             os.close(fd)
+            for p in (staged, path):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+            raise
         arena = torch.frombuffer(mm, dtype=torch.uint8)
-        if self._prefault:
-            arena.zero_()
+        self._locks.append(fd)
         self._maps.append(mm)
         self._tensors.append(arena)
         self._segments.append(Segment(seg_name, str(path), total, arena.data_ptr()))
         return _carve(arena, specs, offsets)
+
+    def _populate(self, fd: int, mm: mmap.mmap, name: str, total: int) -> None:
+        """Back every page now (zeros), or raise the space error."""
+        if self._prefault:
+            try:
+                mm.madvise(MADV_POPULATE_WRITE)
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC):
+                    raise shm_space_error(self._dir, name, total, shm_free_bytes(self._dir)) from None
+                if exc.errno != errno.EINVAL:  # EINVAL: a kernel before 5.14; reserve, then touch
+                    raise
+        try:
+            os.posix_fallocate(fd, 0, total)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise shm_space_error(self._dir, name, total, shm_free_bytes(self._dir)) from None
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+        if self._prefault:
+            torch.frombuffer(mm, dtype=torch.uint8).zero_()
 
     @property
     def segments(self) -> list[Segment]:
@@ -142,12 +230,16 @@ class SharedMemory:
         return [Region(s.name, s.base_ptr, s.nbytes) for s in self._segments]
 
     def close(self) -> None:
-        """Unlink every segment this object created. Tensors stay valid until collected."""
+        """Unlink every segment this object created, then drop their locks. Tensors stay valid
+        until collected."""
         for seg in self._segments:
             try:
                 os.unlink(seg.path)
             except FileNotFoundError:
                 pass
+        for fd in self._locks:
+            os.close(fd)
+        self._locks.clear()
         self._segments.clear()
 
     def __enter__(self) -> SharedMemory:
@@ -157,35 +249,75 @@ class SharedMemory:
         self.close()
 
 
-def _pid_alive(pid: int) -> bool:
+def _legacy_pid_alive(pid: int) -> bool:
+    """How pdstate before the liveness lock told a live owner (wrong across PID namespaces)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except (PermissionError, OverflowError):
         return True
     return True
 
 
-def sweep_stale_segments(directory: Path | str = SHM_DIR) -> list[str]:
-    """Remove pdstate segments owned by this user whose creating process is gone.
+def owner_alive(path: Path | str) -> bool:
+    """Whether some process holds the segment's owner lock (``True`` also when it cannot be told:
+    the file is gone, not ours, or cannot be opened: only a provably dead owner counts as dead)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
-    Returns the names removed. Segments of live processes, and other users' segments, are kept.
+
+def sweep_stale_segments(directory: Path | str = SHM_DIR) -> list[str]:
+    """Remove pdstate segments owned by this user whose owner is provably gone: nobody holds the
+    lock its owner took for its lifetime (see ``SharedMemory``). Staged segments (a creation that
+    died before its rename) go once they are ``STAGED_GRACE_S`` old.
+
+    Returns the names removed. Live owners' segments, whatever their PID namespace, and other
+    users' segments are kept. Opening a segment here, as a peer's engine does, never takes a lock.
     """
-    removed = []
+    removed: list[str] = []
     d = Path(directory)
     if not d.is_dir():
         return removed
     uid = os.getuid()
-    for entry in d.iterdir():
-        m = SEGMENT_NAME_RE.match(entry.name)
-        if not m:
+    for entry in sorted(d.iterdir()):
+        name = entry.name
+        staged = name.startswith(".")
+        m = SEGMENT_NAME_RE.match(name[1:] if staged else name)
+        if m is None:
             continue
         try:
-            if entry.stat().st_uid != uid or _pid_alive(int(m.group(1))):
-                continue
-            entry.unlink()
-            removed.append(entry.name)
-        except FileNotFoundError:
+            fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:  # gone, a symlink, or another user's 0600 file
             continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+                continue
+            if staged and time.time() - st.st_mtime < STAGED_GRACE_S:
+                continue
+            if len(m.group(2)) == LEGACY_NONCE_HEX and _legacy_pid_alive(int(m.group(1))):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its owner is alive
+            try:
+                if os.stat(entry, follow_symlinks=False).st_ino != st.st_ino:
+                    continue  # the name was reused meanwhile
+                os.unlink(entry)
+            except FileNotFoundError:
+                continue
+            removed.append(name)
+        finally:
+            os.close(fd)
     return removed

@@ -21,6 +21,14 @@ Auth: when a token is configured, the endpoints that change something (``POST /v
 otherwise). ``POST /v1/compat/check`` is a pure function of the posted document and ours (it
 reveals nothing ``GET /v1/compat`` does not), so it stays open for an operator's preflight.
 
+Request bodies are bounded on every route (``BodyLimit``): 64 KiB, 1 MiB for
+``/v1/compat/check`` (a real ``/v1/compat`` document is ~4 KiB for ``dsv4-flash`` plus ~100 bytes
+per listed peer). A larger ``Content-Length`` is answered 413 before a byte of the body is read; a
+body without one (chunked) is counted while it streams in and refused at the limit. The posted
+compat document is validated against bounds (identifier-like strings, known factor names, small
+integers, bounded nesting) and nothing of it is echoed back but values that passed them; a 422
+names where the input is wrong, never what it was.
+
 Contract of the source: every method is safe to call from the event loop thread while the worker
 runs (reads of counters and small dicts), and ``submit`` returns a ``concurrent.futures.Future``
 that always completes (the worker fails in-flight requests with a reason when it stops).
@@ -32,6 +40,7 @@ import asyncio
 import bisect
 import hmac
 import itertools
+import re
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -42,12 +51,12 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdstate import __version__
 from pdstate.errors import EngineError, VersionMismatch
 from pdstate.protocol.compat import compat_errors
-from pdstate.protocol.report import ErrorInfo, LayoutReport
+from pdstate.protocol.report import FACTOR_NAMES, ErrorInfo, LayoutReport
 from pdstate.protocol.wire import PROTOCOL_VERSION
 
 Role = Literal["prefill", "decode"]
@@ -140,6 +149,132 @@ class CompatDocument(BaseModel):
     local_check: LocalCheckModel
     peers: list[PeerModel] = []
     report: LayoutReport = Field(description="the full layout report, as sent in the handshake")
+
+
+# --- the bounded input of POST /v1/compat/check ------------------------------------------------
+
+MAX_BODY_BYTES = 64 << 10
+MAX_COMPAT_BODY_BYTES = 1 << 20
+BODY_LIMITS = {"/v1/compat/check": MAX_COMPAT_BODY_BYTES}
+
+_WORD = r"^[A-Za-z0-9_.+-]{0,64}$"  # dtype, layout and component names, engine, versions
+_HEX = r"^[0-9a-f]{32}$"  # a layout fingerprint: blake2b-128
+_WORD_RE = re.compile(_WORD)
+MAX_INT = 1 << 63
+MAX_PEERS = 8192
+MAX_MESSAGE = 4096
+MAX_DEPTH = 5
+MAX_LEAVES = 4096
+
+
+class _BadValue(ValueError):
+    pass
+
+
+def _check_value(value: Any, depth: int = 0, budget: list[int] | None = None) -> None:
+    """A layout value as reports carry them: None, bools, 64-bit integers, short words, and lists
+    or word-keyed objects of those, nested at most ``MAX_DEPTH`` deep, ``MAX_LEAVES`` in all.
+    Messages never quote the value."""
+    budget = [MAX_LEAVES] if budget is None else budget
+    if depth > MAX_DEPTH:
+        raise _BadValue(f"nested deeper than {MAX_DEPTH}")
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            _check_value(v, depth + 1, budget)
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str) or not _WORD_RE.fullmatch(k):
+                raise _BadValue("an object key is not a short word")
+            _check_value(v, depth + 1, budget)
+        return
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise _BadValue(f"more than {MAX_LEAVES} values")
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        if not -MAX_INT <= value < MAX_INT:
+            raise _BadValue("an integer outside 64 bits")
+        return
+    if isinstance(value, str):
+        if not _WORD_RE.fullmatch(value):
+            raise _BadValue("a string that is not a short word")
+        return
+    raise _BadValue(f"a {type(value).__name__} where layouts hold none")
+
+
+class ErrorIn(BaseModel):
+    type: str = Field(max_length=128, pattern=_WORD)
+    message: str = Field(max_length=MAX_MESSAGE)
+
+
+class LocalCheckIn(BaseModel):
+    ok: bool
+    error: ErrorIn | None = None
+
+
+class PeerIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str = Field(max_length=256)
+    state: Literal["accepted", "rejected", "pending", "gone"]
+    error: ErrorIn | None = None
+    incarnation: str | None = Field(None, max_length=256)
+
+
+class CompatCheckIn(CompatDocument):
+    """The body of ``POST /v1/compat/check``: a ``/v1/compat`` document (extra keys ignored),
+    with every field bounded. What the verdict can quote (the fingerprint, the engine, the
+    report's values) must also look like what a worker reports: hex, short words, 64-bit
+    integers; the fields it never quotes (ids, endpoints, peers) are only bounded in length."""
+
+    worker_id: str = Field("", max_length=256)
+    incarnation: str = Field("", max_length=256)
+    protocol_version: int = Field(ge=0, lt=1 << 31)
+    pdstate_version: str = Field("", max_length=64)
+    engine: str = Field("", max_length=32, pattern=_WORD)
+    control: str = Field("", max_length=256)
+    fingerprint: str = Field(pattern=_HEX)
+    layout: dict[str, Any] = Field(max_length=64)
+    local_check: LocalCheckIn  # type: ignore[assignment]
+    peers: list[PeerIn] = Field([], max_length=MAX_PEERS)  # type: ignore[assignment]
+
+    @model_validator(mode="after")
+    def _bounded_report(self) -> CompatCheckIn:
+        r = self.report
+        where = "report"
+        try:
+            where = "layout"
+            _check_value(self.layout)
+            where = "report.kv_dtype"
+            if not _WORD_RE.fullmatch(r.kv_dtype):
+                raise _BadValue("not a short word")
+            where = "report.fingerprint"
+            if not re.fullmatch(_HEX, r.fingerprint):
+                raise _BadValue("not 32 hex digits")
+            where = "report.page_size"
+            _check_value(r.page_size)
+            where = "report.factors"
+            names = [n for n, _ in r.factors]
+            if len(set(names)) != len(names) or not set(names) <= set(FACTOR_NAMES):
+                raise _BadValue("factor names must be distinct names of the protocol's factors")
+            _check_value([v for _, v in r.factors])
+            for side in ("target", "draft"):
+                where = f"report.{side}"
+                facts = getattr(r, side)
+                if facts is None:
+                    continue
+                _check_value([facts.compression_ratios, facts.ring_geometry, facts.paged_geometry])
+                mi = facts.mapping_identity
+                if mi is not None:
+                    _check_value([mi.nonce, mi.data_ptr, mi.numel, mi.dtype])
+            where = "report.local_check"
+            err = r.local_check.error
+            if err is not None and (not _WORD_RE.fullmatch(err.type) or len(err.message) > MAX_MESSAGE):
+                raise _BadValue("error type must be a short word, message at most 4096 characters")
+        except _BadValue as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        return self
 
 
 class CompatVerdict(BaseModel):
@@ -326,6 +461,75 @@ class _Collector:
 # --- the app ----------------------------------------------------------------------------------
 
 
+class BodyLimit:
+    """ASGI middleware: refuse a request body over its route's limit with 413, before the app
+    reads it. A ``Content-Length`` over the limit is refused at once (the body is never read and
+    the connection is closed); a body without one is read here up to the limit, then handed to
+    the app from memory (so nothing downstream reads an unbounded stream)."""
+
+    def __init__(self, app, default: int = MAX_BODY_BYTES, limits: dict[str, int] | None = None) -> None:
+        self.app = app
+        self.default = default
+        self.limits = BODY_LIMITS if limits is None else limits
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.limits.get(scope.get("path", ""), self.default)
+        length = None
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    length = int(value)
+                except ValueError:
+                    length = limit + 1  # the server rejects malformed framing first; never trust it here
+        if length is not None and length > limit:
+            await self._too_large(scope, receive, send, limit)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > limit:
+                await self._too_large(scope, receive, send, limit)
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _too_large(scope, receive, send, limit: int) -> None:
+        response = JSONResponse(
+            status_code=413,
+            content={"detail": f"request body larger than {limit} bytes"},
+            headers={"Connection": "close"},
+        )
+        await response(scope, receive, send)
+
+
+def _safe_loc(part: Any) -> int | str:
+    """A 422's location without the client's text: a posted object's keys are input too."""
+    if isinstance(part, int):
+        return part
+    text = str(part)
+    return text if len(text) <= 64 and _WORD_RE.fullmatch(text) else "<key>"
+
+
 def _auth(token: bytes | None):
     bearer = HTTPBearer(auto_error=False, description="the [auth] token, when one is configured")
 
@@ -350,6 +554,7 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         version=__version__,
         description="Health, compatibility, transfers and metrics of one pdstate prefill or decode worker.",
     )
+    app.add_middleware(BodyLimit)
     auth = _auth(token)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(source))
@@ -360,14 +565,15 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         """422 naming where and what, without echoing the input: FastAPI's default handler
         reflects it, and a body such as ``Infinity`` (valid for Python's JSON parser, not for its
-        encoder) then turned the 422 into a 500 (found by the HTTP fuzz test)."""
+        encoder) then turned the 422 into a 500 (found by the HTTP fuzz test). Locations keep
+        only short words (a posted object's keys are input too), at most 20 errors."""
         detail = [
             {
-                "loc": [p if isinstance(p, (int, str)) else str(p) for p in e.get("loc", ())],
-                "msg": str(e.get("msg", "")),
+                "loc": [_safe_loc(p) for p in e.get("loc", ())],
+                "msg": str(e.get("msg", ""))[:300],
                 "type": str(e.get("type", "")),
             }
-            for e in exc.errors()
+            for e in exc.errors()[:20]
         ]
         return JSONResponse(status_code=422, content={"detail": detail})
 
@@ -396,9 +602,10 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         """What this worker states about its layout, its local check and its peers."""
         return compat_document(source)
 
-    @app.post("/v1/compat/check", response_model=CompatVerdict, tags=["compat"])
-    async def post_compat_check(theirs: CompatDocument) -> CompatVerdict:
-        """Preflight: would a handshake between this worker and the posted one succeed?"""
+    @app.post("/v1/compat/check", response_model=CompatVerdict, tags=["compat"], responses={413: {}})
+    async def post_compat_check(theirs: CompatCheckIn) -> CompatVerdict:
+        """Preflight: would a handshake between this worker and the posted one succeed? The body
+        is bounded (1 MiB) and validated; the verdict quotes only values that passed."""
         ours = compat_document(source)
         errors = check_documents(ours, theirs)
         return CompatVerdict(

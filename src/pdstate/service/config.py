@@ -4,13 +4,21 @@ Parsed once, strictly (unknown keys are errors), into frozen pydantic models; er
 key. ``PDSTATE_POOL__PAGE_SIZE=512`` sets ``pool.page_size``; ``--set pool.page_size=512`` does
 the same and wins over the environment. Values given as strings are parsed as TOML scalars
 (``true``, ``4``, ``"paged"``), falling back to the raw string.
+
+Auth fails closed, at load time (so ``pdstate serve`` exits 2 with one line before anything
+starts): a token file that cannot be read, is not UTF-8 or is empty, a known placeholder as the
+token (``REPLACE-ME...``, ``changeme``, ...), or HTTP / the prefill's control socket bound beyond
+loopback with no token at all is a ``ConfigError``. ``auth.allow_insecure_bind = true`` is the
+explicit opt-out of the last one (a trusted private network). Loopback without a token is fine.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -87,13 +95,15 @@ class TransferSection(_Section):
 class AuthSection(_Section):
     token: str = ""
     token_file: str = ""
+    # Serve HTTP / the control socket beyond loopback without a token (refused unless true).
+    allow_insecure_bind: bool = False
 
     def secret(self) -> bytes | None:
+        """The shared token, or ``None`` when none is configured. ``token_file`` wins over
+        ``token``; a token file that cannot be read, is not UTF-8 or is empty is a ``ConfigError``
+        (an operator who names a file means to turn auth on: never fall back to no auth)."""
         if self.token_file:
-            try:
-                return Path(self.token_file).read_text().strip().encode() or None
-            except OSError as exc:
-                raise ConfigError(f"auth.token_file: cannot read {self.token_file}: {exc.strerror or exc}") from None
+            return _read_token_file(self.token_file)
         return self.token.encode() or None
 
 
@@ -143,6 +153,119 @@ class WorkerConfig(_Section):
         )
 
 
+GENERATE_HINT = "openssl rand -hex 32"
+
+# Tokens shipped in examples and templates: never a secret, whatever the file they come from.
+# Compared after lower-casing and dropping everything but letters and digits.
+PLACEHOLDER_TOKENS = frozenset(
+    {"changeme", "replaceme", "secret", "token", "password", "example", "placeholder", "yourtoken", "yoursecret"}
+)
+_PLACEHOLDER_MARKERS = ("replaceme", "changeme", "placeholder", "yourtoken", "yoursecret")
+
+
+def is_placeholder_token(token: str) -> bool:
+    """A value from an example or template (``REPLACE-ME...``, ``changeme``, ``<your-token>``)."""
+    norm = re.sub(r"[^a-z0-9]", "", token.lower())
+    return norm in PLACEHOLDER_TOKENS or any(m in norm for m in _PLACEHOLDER_MARKERS)
+
+
+def _read_token_file(path: str) -> bytes:
+    fix = f"write the shared token into it, e.g. {GENERATE_HINT} > {path}"
+    try:
+        data = Path(path).read_bytes()
+    except IsADirectoryError:
+        raise ConfigError(f"auth.token_file: {path} is a directory; name the file that holds the token") from None
+    except OSError as exc:
+        raise ConfigError(
+            f"auth.token_file: cannot read {path}: {exc.strerror or exc}; make it a file readable by this user"
+        ) from None
+    try:
+        text = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ConfigError(f"auth.token_file: {path} is not UTF-8 text; {fix}") from None
+    if not text:
+        raise ConfigError(f"auth.token_file: {path} is empty; {fix}")
+    return text.encode()
+
+
+def is_loopback_host(host: str) -> bool:
+    """``host`` (an IP literal, ``[v6]`` or ``localhost``) names only this machine's loopback.
+
+    Anything else, including ``""``, ``*``, interface names and host names (no DNS lookup at load
+    time), counts as reachable from outside: the checks built on this fail closed."""
+    h = host.strip()
+    if h.startswith("[") and h.endswith("]"):
+        h = h[1:-1]
+    if h.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+def control_bind_host(endpoint: str) -> str | None:
+    """The host part of a ZeroMQ ``tcp://`` bind endpoint; ``None`` for transports that never
+    leave the host (``ipc://``, ``inproc://``)."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme in ("ipc", "inproc"):
+        return None
+    host, _, _port = rest.rpartition(":")
+    return host or rest
+
+
+def _check_auth(cfg: WorkerConfig, where: Callable[[str], str]) -> None:
+    """Fail closed: a placeholder token, or a listener beyond loopback with no token at all."""
+    auth = cfg.auth
+    if auth.token_file:
+        token = auth.secret().decode()  # raises ConfigError for unreadable / non-UTF-8 / empty
+        if is_placeholder_token(token):
+            raise ConfigError(
+                f"auth.token_file: {auth.token_file} holds a placeholder, not a secret; "
+                f"replace it with a real one, e.g. {GENERATE_HINT} > {auth.token_file}"
+            )
+    elif auth.token.strip() and is_placeholder_token(auth.token):
+        raise ConfigError(
+            f"auth.token: the configured value is a placeholder, not a secret{where('auth.token')}; "
+            f"set a real one, e.g. PDSTATE_AUTH__TOKEN=$({GENERATE_HINT})"
+        )
+    if auth.secret() is not None or auth.allow_insecure_bind:
+        return
+    exposed = []
+    if not is_loopback_host(cfg.http.host):
+        exposed.append(("http.host", cfg.http.host))
+    if cfg.role == "prefill":
+        host = control_bind_host(cfg.control.bind)
+        if host is not None and not is_loopback_host(host):
+            exposed.append(("control.bind", cfg.control.bind))
+    if exposed:
+        key, value = exposed[0]
+        raise ConfigError(
+            f"{key}: {value!r} is reachable beyond loopback but no auth token is configured{where(key)}; "
+            "set auth.token_file (or PDSTATE_AUTH__TOKEN), or auth.allow_insecure_bind = true to serve without auth"
+        )
+
+
+def _read_config_text(path: str | Path) -> str:
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory; --config takes a TOML file") from None
+    except OSError as exc:
+        raise ConfigError(
+            f"config file {path}: cannot read: {exc.strerror or exc}; --config takes a TOML file readable by this user"
+        ) from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {exc.start}); --config takes a TOML file, which is UTF-8"
+        ) from None
+
+
 def _scalar(text: str) -> Any:
     try:
         return tomllib.loads(f"v = {text}")["v"]
@@ -172,10 +295,9 @@ def load_config(
     tree: dict = {}
     origins: dict[str, str] = {}  # dotted key -> where its value came from, for error messages
     if path is not None:
+        text = _read_config_text(path)
         try:
-            tree = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
+            tree = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: invalid TOML: {exc}") from None
     env = os.environ if environ is None else environ
@@ -199,7 +321,11 @@ def load_config(
             where = f" (from {origins[loc]})" if loc in origins else (f" (in {path})" if path is not None else "")
             msgs.append(f"{loc}: {e['msg']}{where}")
         raise ConfigError("invalid configuration: " + "; ".join(msgs)) from None
+
+    def where(key: str) -> str:
+        return f" (from {origins[key]})" if key in origins else (f" (in {path})" if path is not None else "")
+
     if cfg.preset not in PRESETS:
-        where = f" (from {origins['preset']})" if "preset" in origins else (f" (in {path})" if path is not None else "")
-        raise ConfigError(f"preset: unknown preset {cfg.preset!r}; choose one of {sorted(PRESETS)}{where}")
+        raise ConfigError(f"preset: unknown preset {cfg.preset!r}; choose one of {sorted(PRESETS)}{where('preset')}")
+    _check_auth(cfg, where)
     return cfg

@@ -1,0 +1,344 @@
+"""Auth fails closed: every operator mistake that used to start a worker without auth (or with a
+traceback) is refused by ``pdstate serve`` with exit code 2 and exactly one line on stderr.
+
+Each case runs a real ``pdstate serve`` process (``python -m pdstate.cli``, this checkout's
+``src`` on ``PYTHONPATH``); the refusal happens while loading the config, before any pool, socket
+or port exists, so every case ends in well under a second of work. ``load_config`` itself is
+covered below for the details (which addresses count as loopback, the opt-out, placeholders).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdstate.errors import ConfigError
+from pdstate.service.config import (
+    control_bind_host,
+    is_loopback_host,
+    load_config,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+SRC = REPO / "src"
+SERVICES = REPO / "services"
+HINT = "openssl rand -hex 32"
+INSECURE_FIX = "set auth.token_file (or PDSTATE_AUTH__TOKEN), or auth.allow_insecure_bind = true to serve without auth"
+
+
+def serve(config: Path | str, *overrides: str, env: dict[str, str] | None = None, prefix: list[str] = ()):
+    """``pdstate serve --config CONFIG --set ...``; returns (exit code, stderr lines)."""
+    cmd = [*prefix, sys.executable, "-m", "pdstate.cli", "serve", "--config", str(config)]
+    for o in overrides:
+        cmd += ["--set", o]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PDSTATE_") or k == "PDSTATE_SHARED"}
+    base["PYTHONPATH"] = str(SRC)
+    proc = subprocess.run(cmd, env={**base, **(env or {})}, capture_output=True, text=True, timeout=60, cwd=REPO)
+    return proc.returncode, proc.stderr.splitlines(), proc.stdout
+
+
+def refused(expected_line: str, *args, **kw) -> None:
+    rc, err, out = serve(*args, **kw)
+    assert (rc, err) == (2, [expected_line]), (rc, err, out)
+    assert out == ""  # nothing started: no "listening" event
+
+
+@pytest.fixture
+def decode_cfg(tmp_path) -> Path:
+    p = tmp_path / "decode.toml"
+    shutil.copy(SERVICES / "decode" / "config.toml", p)
+    return p
+
+
+@pytest.fixture
+def prefill_cfg(tmp_path) -> Path:
+    p = tmp_path / "prefill.toml"
+    shutil.copy(SERVICES / "prefill" / "config.toml", p)
+    return p
+
+
+# --- the token file --------------------------------------------------------------------------
+
+
+def test_empty_token_file_is_refused(decode_cfg, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("  \n")  # whitespace only: was "no auth"
+    refused(
+        f"pdstate: auth.token_file: {token} is empty; write the shared token into it, e.g. {HINT} > {token}",
+        decode_cfg,
+        f"auth.token_file={token}",
+    )
+
+
+def test_missing_token_file_is_refused(decode_cfg, tmp_path):
+    token = tmp_path / "absent"
+    refused(
+        f"pdstate: auth.token_file: cannot read {token}: No such file or directory; "
+        "make it a file readable by this user",
+        decode_cfg,
+        f"auth.token_file={token}",
+    )
+
+
+def test_token_file_that_is_a_directory_is_refused(decode_cfg, tmp_path):
+    refused(
+        f"pdstate: auth.token_file: {tmp_path} is a directory; name the file that holds the token",
+        decode_cfg,
+        f"auth.token_file={tmp_path}",
+    )
+
+
+def test_unreadable_token_file_is_refused(decode_cfg, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("a-real-secret-0123456789\n")
+    token.chmod(0)
+    refused(
+        f"pdstate: auth.token_file: cannot read {token}: Permission denied; make it a file readable by this user",
+        decode_cfg,
+        f"auth.token_file={token}",
+        prefix=_without_dac_override(),
+    )
+
+
+def test_token_file_not_utf8_is_refused(decode_cfg, tmp_path):
+    token = tmp_path / "token"
+    token.write_bytes(b"\xff\xfe\x00secret")
+    refused(
+        f"pdstate: auth.token_file: {token} is not UTF-8 text; write the shared token into it, e.g. {HINT} > {token}",
+        decode_cfg,
+        f"auth.token_file={token}",
+    )
+
+
+@pytest.mark.parametrize("placeholder", ["REPLACE-ME-with-a-random-secret", "changeme"])
+def test_placeholder_token_file_is_refused(decode_cfg, tmp_path, placeholder):
+    # REPLACE-ME-with-a-random-secret: what deploy/k8s/secret.yaml used to ship
+    token = tmp_path / "token"
+    token.write_text(placeholder + "\n")
+    refused(
+        f"pdstate: auth.token_file: {token} holds a placeholder, not a secret; "
+        f"replace it with a real one, e.g. {HINT} > {token}",
+        decode_cfg,
+        f"auth.token_file={token}",
+    )
+
+
+def test_placeholder_token_in_the_environment_is_refused(decode_cfg):
+    refused(
+        "pdstate: auth.token: the configured value is a placeholder, not a secret "
+        f"(from environment PDSTATE_AUTH__TOKEN); set a real one, e.g. PDSTATE_AUTH__TOKEN=$({HINT})",
+        decode_cfg,
+        env={"PDSTATE_AUTH__TOKEN": "CHANGE_ME"},
+    )
+
+
+# --- listeners beyond loopback without a token -----------------------------------------------
+
+
+def test_http_on_all_interfaces_without_token_is_refused(decode_cfg):
+    refused(
+        "pdstate: http.host: '0.0.0.0' is reachable beyond loopback but no auth token is configured "
+        f"(from --set http.host=0.0.0.0); {INSECURE_FIX}",
+        decode_cfg,
+        "http.host=0.0.0.0",
+    )
+
+
+def test_prefill_control_on_all_interfaces_without_token_is_refused(prefill_cfg):
+    refused(
+        "pdstate: control.bind: 'tcp://0.0.0.0:5601' is reachable beyond loopback but no auth token is "
+        f"configured (from --set control.bind=tcp://0.0.0.0:5601); {INSECURE_FIX}",
+        prefill_cfg,
+        "control.bind=tcp://0.0.0.0:5601",
+    )
+
+
+def test_control_bind_in_the_file_is_named_with_the_file(prefill_cfg):
+    prefill_cfg.write_text(prefill_cfg.read_text().replace('bind = "tcp://127.0.0.1:5601"', 'bind = "tcp://*:5601"'))
+    refused(
+        "pdstate: control.bind: 'tcp://*:5601' is reachable beyond loopback but no auth token is configured "
+        f"(in {prefill_cfg}); {INSECURE_FIX}",
+        prefill_cfg,
+    )
+
+
+def test_compose_command_without_its_token_volume_is_refused(prefill_cfg):
+    # docker-compose.yml's prefill command, with the token volume missing (a mistake in a copy)
+    if Path("/run/pdstate/token").exists():
+        pytest.skip("/run/pdstate/token exists on this host")
+    refused(
+        "pdstate: auth.token_file: cannot read /run/pdstate/token: No such file or directory; "
+        "make it a file readable by this user",
+        prefill_cfg,
+        "control.bind=tcp://0.0.0.0:5601",
+        "http.host=0.0.0.0",
+        "auth.token_file=/run/pdstate/token",
+    )
+
+
+# --- the config path itself ------------------------------------------------------------------
+
+
+def test_config_path_that_is_a_directory_is_refused(tmp_path):
+    refused(f"pdstate: config file {tmp_path} is a directory; --config takes a TOML file", tmp_path)
+
+
+def test_config_file_not_utf8_is_refused(tmp_path):
+    p = tmp_path / "worker.toml"
+    p.write_bytes(b'role = "decode"\n# \xe9t\xe9\n')  # latin-1
+    refused(
+        f"pdstate: config file {p} is not UTF-8 text (byte 18); --config takes a TOML file, which is UTF-8",
+        p,
+    )
+
+
+def test_unreadable_config_file_is_refused(decode_cfg):
+    decode_cfg.chmod(0)
+    refused(
+        f"pdstate: config file {decode_cfg}: cannot read: Permission denied; "
+        "--config takes a TOML file readable by this user",
+        decode_cfg,
+        prefix=_without_dac_override(),
+    )
+
+
+def test_missing_config_file_is_refused(tmp_path):
+    refused(f"pdstate: config file not found: {tmp_path / 'absent.toml'}", tmp_path / "absent.toml")
+
+
+def _without_dac_override() -> list[str]:
+    """As root, permission bits do not stop reads: run the worker without the two capabilities
+    that bypass them (setpriv, util-linux), so a mode-0 file is unreadable as for anyone else."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root without setpriv: cannot make a file unreadable")
+    caps = "-dac_override,-dac_read_search"
+    return [setpriv, f"--bounding-set={caps}", f"--inh-caps={caps}"]
+
+
+# --- load_config: the rules ------------------------------------------------------------------
+
+
+BASE = 'role = "{role}"\n'
+
+
+def load(tmp_path, *overrides: str, role: str = "decode", environ: dict | None = None):
+    p = tmp_path / "w.toml"
+    p.write_text(BASE.format(role=role))
+    return load_config(p, list(overrides), environ=environ or {})
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.1.2.3", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("LOCALHOST", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("", False),
+        ("*", False),
+        ("10.0.0.1", False),
+        ("eth0", False),  # an interface name (ZeroMQ accepts them): fail closed
+        ("myhost", False),  # no DNS lookup at load time: fail closed
+        ("::ffff:127.0.0.1", False),
+    ],
+)
+def test_is_loopback_host(host, loopback):
+    assert is_loopback_host(host) is loopback
+
+
+def test_control_bind_host():
+    assert control_bind_host("tcp://127.0.0.1:5601") == "127.0.0.1"
+    assert control_bind_host("tcp://[::1]:0") == "[::1]"
+    assert control_bind_host("tcp://*:5601") == "*"
+    assert control_bind_host("ipc:///tmp/pdstate.sock") is None
+    assert control_bind_host("inproc://x") is None
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["http.host=localhost"],
+        ["http.host=::1"],
+        ["control.bind=tcp://0.0.0.0:5601"],  # a decode does not bind its control socket
+    ],
+)
+def test_loopback_without_token_loads(tmp_path, overrides):
+    cfg = load(tmp_path, *overrides)
+    assert cfg.auth.secret() is None
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["control.bind=tcp://127.0.0.1:0"], ["control.bind=ipc:///tmp/pdstate-ctl"], ["control.bind=tcp://[::1]:5601"]],
+)
+def test_prefill_local_control_without_token_loads(tmp_path, overrides):
+    assert load(tmp_path, *overrides, role="prefill").auth.secret() is None
+
+
+def test_insecure_bind_opt_out(tmp_path):
+    with pytest.raises(ConfigError, match=r"^http\.host: '0\.0\.0\.0' is reachable beyond loopback"):
+        load(tmp_path, "http.host=0.0.0.0")
+    cfg = load(tmp_path, "http.host=0.0.0.0", "control.bind=tcp://0.0.0.0:5601", "auth.allow_insecure_bind=true")
+    assert cfg.auth.allow_insecure_bind is True and cfg.auth.secret() is None
+    cfg = load(
+        tmp_path,
+        role="prefill",
+        environ={"PDSTATE_CONTROL__BIND": "tcp://0.0.0.0:5601", "PDSTATE_AUTH__ALLOW_INSECURE_BIND": "true"},
+    )
+    assert cfg.control.bind == "tcp://0.0.0.0:5601"
+    # the opt-out does not excuse a placeholder or a broken token file
+    with pytest.raises(ConfigError, match="placeholder"):
+        load(tmp_path, "http.host=0.0.0.0", "auth.allow_insecure_bind=true", "auth.token=replace_me")
+    with pytest.raises(ConfigError, match="is empty"):
+        (tmp_path / "empty").write_text("")
+        load(tmp_path, "auth.allow_insecure_bind=true", f"auth.token_file={tmp_path / 'empty'}")
+
+
+def test_a_token_allows_any_bind(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("3f1c0a9e8b7d6c5b4a39281706f5e4d3\n")
+    cfg = load(tmp_path, "http.host=0.0.0.0", "control.bind=tcp://*:5601", f"auth.token_file={token}", role="prefill")
+    assert cfg.auth.secret() == b"3f1c0a9e8b7d6c5b4a39281706f5e4d3"
+    cfg = load(tmp_path, "http.host=0.0.0.0", environ={"PDSTATE_AUTH__TOKEN": "integration-token-7f3a"})
+    assert cfg.worker_options().token == b"integration-token-7f3a"
+
+
+@pytest.mark.parametrize(
+    "token",
+    ["changeme", "CHANGE-ME", "change_me", "REPLACE-ME-with-a-random-secret", "replace_me", "<your-token>", "secret"],
+)
+def test_placeholders_are_refused(tmp_path, token):
+    with pytest.raises(ConfigError, match=r"^auth\.token: the configured value is a placeholder"):
+        load(tmp_path, environ={"PDSTATE_AUTH__TOKEN": token})
+
+
+@pytest.mark.parametrize("token", ["t", "reliability-secret", "integration-token-7f3a", "0" * 64])
+def test_real_looking_tokens_are_accepted(tmp_path, token):
+    assert load(tmp_path, environ={"PDSTATE_AUTH__TOKEN": token}).auth.secret() == token.encode()
+
+
+def test_the_refusals_are_one_line(tmp_path):
+    bad = [
+        lambda: load(tmp_path, "http.host=0.0.0.0"),
+        lambda: load(tmp_path, "control.bind=tcp://0.0.0.0:1", role="prefill"),
+        lambda: load(tmp_path, environ={"PDSTATE_AUTH__TOKEN": "changeme"}),
+        lambda: load(tmp_path, f"auth.token_file={tmp_path}"),
+        lambda: load_config(tmp_path, environ={}),
+    ]
+    for call in bad:
+        with pytest.raises(ConfigError) as info:
+            call()
+        assert "\n" not in str(info.value) and str(info.value)
