@@ -268,6 +268,10 @@ class SGLangArgsError(ConfigError):
     """An SGLang launch string (or its source) cannot be read or does not describe a DSV4 server."""
 
 
+class DocumentValueError(PdStateError, ValueError):
+    """A posted document holds a value no worker reports (the message never quotes it)."""
+
+
 class ProbeError(PdStateError):
     """``pdstate probe`` could not reach a worker or read its answer."""
 

@@ -19,8 +19,8 @@ import yaml
 
 from pdstate.errors import ConfigError
 from pdstate.service.config import is_placeholder_token, load_config
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 
 

@@ -23,10 +23,9 @@ from pdstate.service.config import (
     is_loopback_host,
     load_config,
 )
+from tests.support.paths import REPO, SERVICES
+from tests.support.paths import SRC_DIR as SRC
 
-REPO = Path(__file__).resolve().parents[2]
-SRC = REPO / "src"
-SERVICES = REPO / "services"
 HINT = "openssl rand -hex 32"
 INSECURE_FIX = "set auth.token_file (or PDSTATE_AUTH__TOKEN), or auth.allow_insecure_bind = true to serve without auth"
 

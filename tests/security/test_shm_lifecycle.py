@@ -43,10 +43,9 @@ from pdstate.pools.memory import (
     sweep_stale_segments,
 )
 from pdstate.transfer.engines.shm import ShmEngine
+from tests.support.paths import REPO, SERVICES
+from tests.support.paths import SRC_DIR as SRC
 
-REPO = Path(__file__).resolve().parents[2]
-SRC = REPO / "src"
-SERVICES = REPO / "services"
 SPECS = [BufferSpec("a", (3, 4096), torch.uint8)]
 FIX = (
     "give {d} more room: docker run --shm-size=SIZE, compose shm_size: SIZE, "

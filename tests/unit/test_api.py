@@ -19,6 +19,12 @@ from pdstate.service.api import Readiness, create_app, route_paths
 from tests.support.pools import tiny
 from tests.support.upstream import MAPPING_ERROR
 
+# every error object of the API carries the fix line, in pdstate's terms
+MAPPING_FIX = (
+    "fix: register the allocator's full_to_swa_index_mapping on the draft pool (the same tensor object, "
+    'not a clone or a view): set draft.mapping = "shared" on that worker'
+)
+
 
 @pytest.fixture(scope="module")
 def good_report():
@@ -104,7 +110,12 @@ def test_health_and_ready(good_report):
     src.ready = Readiness(False, MAPPING_ERROR, "handshake", err)
     r = c.get("/readyz")
     assert r.status_code == 503
-    assert r.json() == {"ready": False, "reason": MAPPING_ERROR, "check": "handshake", "error": err.model_dump()}
+    assert r.json() == {
+        "ready": False,
+        "reason": MAPPING_ERROR,
+        "check": "handshake",
+        "error": {**err.model_dump(), "fix": MAPPING_FIX},
+    }
 
 
 def test_compat_document(own_report):
@@ -115,7 +126,7 @@ def test_compat_document(own_report):
             {
                 "id": "tcp://p:5601",
                 "state": "rejected",
-                "error": {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR},
+                "error": {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR, "fix": MAPPING_FIX},
             }
         ],
     )
@@ -124,7 +135,10 @@ def test_compat_document(own_report):
     assert doc["fingerprint"] == own_report.fingerprint
     assert doc["layout"]["page_size"] == 256 and doc["layout"]["kv_dtype"] == "float8_e4m3fn"
     assert list(doc["layout"])[2:] == [n for n, _ in own_report.factors]
-    assert doc["local_check"] == {"ok": False, "error": {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR}}
+    assert doc["local_check"] == {
+        "ok": False,
+        "error": {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR, "fix": MAPPING_FIX},
+    }
     assert doc["peers"][0]["state"] == "rejected" and doc["peers"][0]["error"]["message"] == MAPPING_ERROR
     assert doc["report"]["fingerprint"] == own_report.fingerprint
 
@@ -135,7 +149,11 @@ def test_compat_check(good_report, own_report):
     own = client(FakeSource("decode", own_report)).get("/v1/compat").json()
     assert prefill.post("/v1/compat/check", json=good).json()["compatible"] is True
     v = prefill.post("/v1/compat/check", json=own).json()
-    assert v["compatible"] is False and v["errors"][0] == {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR}
+    assert v["compatible"] is False and v["errors"][0] == {
+        "type": "SWAIndexMappingNotShared",
+        "message": MAPPING_ERROR,
+        "fix": MAPPING_FIX,
+    }
     other = dict(good, engine="mooncake", protocol_version=PROTOCOL_VERSION + 1)
     types = [e["type"] for e in prefill.post("/v1/compat/check", json=other).json()["errors"]]
     assert types == ["VersionMismatch", "EngineError"]

@@ -16,7 +16,8 @@ import pytest
 
 from pdstate.pools.presets import DSV4_FLASH_RATIOS
 from pdstate.service import preflight
-from pdstate.service.sglang_args import parse_argv, predict, split_launch
+from pdstate.service.sglang_args import predict
+from pdstate.service.sglang_launch import parse_argv, split_launch
 
 SPEC = "--speculative-algorithm EAGLE --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
 MODEL = "--model-path deepseek-ai/DeepSeek-V4-Flash --trust-remote-code --tp 8"

@@ -37,282 +37,40 @@ that always completes (the worker fails in-flight requests with a reason when it
 from __future__ import annotations
 
 import asyncio
-import bisect
 import hmac
-import itertools
-import re
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdstate import __version__
 from pdstate.errors import EngineError, VersionMismatch
 from pdstate.protocol.compat import compat_errors
-from pdstate.protocol.report import FACTOR_NAMES, ErrorInfo, LayoutReport
+from pdstate.protocol.report import ErrorInfo
 from pdstate.protocol.wire import PROTOCOL_VERSION
-
-Role = Literal["prefill", "decode"]
-LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-# --- the source ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Readiness:
-    ready: bool
-    reason: str | None = None  # the exact error text when a check failed
-    check: str | None = None  # which check: "local_check" | "handshake" | "peer" | "shutdown"
-    error: ErrorInfo | None = None
-
-
-class StatusSource(Protocol):
-    role: str
-    worker_id: str
-    incarnation: str
-    engine: str
-    control: str  # prefill: the bound control endpoint; decode: the prefill endpoint it dials
-    report: LayoutReport
-    stats: Any  # runtime.common.Stats
-
-    def readiness(self) -> Readiness: ...
-
-    def local_check(self) -> tuple[bool, ErrorInfo | None]: ...
-
-    def peers(self) -> list[dict]: ...  # {id, state, error: {type, message} | None, incarnation?}
-
-    def in_flight(self) -> int: ...
-
-    def free_counts(self) -> dict[str, int]: ...
-
-    def submit(self, tokens: int, room: int | None) -> Future: ...  # decode; Future[dict]
-
-    def lookup(self, room: int) -> dict | None: ...  # decode; a TransferResult dict or in-flight
-
-    def reregister(self) -> None: ...  # decode
-
-    def result_timeout_s(self) -> float: ...
-
-
-# --- response and request models --------------------------------------------------------------
-
-
-class ErrorModel(BaseModel):
-    type: str = Field(description="exception class name, e.g. SWAIndexMappingNotShared")
-    message: str = Field(description="the exact message (upstream sentence where there is one)")
-
-
-class Health(BaseModel):
-    status: Literal["ok"] = "ok"
-
-
-class Ready(BaseModel):
-    ready: bool
-    reason: str | None = Field(None, description="why not ready: the exact error text when a check failed")
-    check: str | None = Field(None, description="local_check | handshake | peer | shutdown")
-    error: ErrorModel | None = None
-
-
-class LocalCheckModel(BaseModel):
-    ok: bool
-    error: ErrorModel | None = None
-
-
-class PeerModel(BaseModel):
-    id: str = Field(description="prefill: the decode's worker id; decode: the prefill's control endpoint")
-    state: Literal["accepted", "rejected", "pending", "gone"]
-    error: ErrorModel | None = None
-    incarnation: str | None = None
-
-
-class CompatDocument(BaseModel):
-    """``GET /v1/compat``; also the body of ``POST /v1/compat/check`` (extra keys ignored)."""
-
-    model_config = ConfigDict(extra="ignore")
-    role: Role
-    worker_id: str = ""
-    incarnation: str = ""
-    protocol_version: int
-    pdstate_version: str = ""
-    engine: str = ""
-    control: str = ""
-    fingerprint: str
-    layout: dict[str, Any] = Field(description="page_size, kv_dtype and every layout factor by name")
-    local_check: LocalCheckModel
-    peers: list[PeerModel] = []
-    report: LayoutReport = Field(description="the full layout report, as sent in the handshake")
-
-
-# --- the bounded input of POST /v1/compat/check ------------------------------------------------
-
-MAX_BODY_BYTES = 64 << 10
-MAX_COMPAT_BODY_BYTES = 1 << 20
-BODY_LIMITS = {"/v1/compat/check": MAX_COMPAT_BODY_BYTES}
-
-_WORD = r"^[A-Za-z0-9_.+-]{0,64}$"  # dtype, layout and component names, engine, versions
-_HEX = r"^[0-9a-f]{32}$"  # a layout fingerprint: blake2b-128
-_WORD_RE = re.compile(_WORD)
-MAX_INT = 1 << 63
-MAX_PEERS = 8192
-MAX_MESSAGE = 4096
-MAX_DEPTH = 5
-MAX_LEAVES = 4096
-
-
-class _BadValue(ValueError):
-    pass
-
-
-def _check_value(value: Any, depth: int = 0, budget: list[int] | None = None) -> None:
-    """A layout value as reports carry them: None, bools, 64-bit integers, short words, and lists
-    or word-keyed objects of those, nested at most ``MAX_DEPTH`` deep, ``MAX_LEAVES`` in all.
-    Messages never quote the value."""
-    budget = [MAX_LEAVES] if budget is None else budget
-    if depth > MAX_DEPTH:
-        raise _BadValue(f"nested deeper than {MAX_DEPTH}")
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            _check_value(v, depth + 1, budget)
-        return
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if not isinstance(k, str) or not _WORD_RE.fullmatch(k):
-                raise _BadValue("an object key is not a short word")
-            _check_value(v, depth + 1, budget)
-        return
-    budget[0] -= 1
-    if budget[0] < 0:
-        raise _BadValue(f"more than {MAX_LEAVES} values")
-    if value is None or isinstance(value, bool):
-        return
-    if isinstance(value, int):
-        if not -MAX_INT <= value < MAX_INT:
-            raise _BadValue("an integer outside 64 bits")
-        return
-    if isinstance(value, str):
-        if not _WORD_RE.fullmatch(value):
-            raise _BadValue("a string that is not a short word")
-        return
-    raise _BadValue(f"a {type(value).__name__} where layouts hold none")
-
-
-class ErrorIn(BaseModel):
-    type: str = Field(max_length=128, pattern=_WORD)
-    message: str = Field(max_length=MAX_MESSAGE)
-
-
-class LocalCheckIn(BaseModel):
-    ok: bool
-    error: ErrorIn | None = None
-
-
-class PeerIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    id: str = Field(max_length=256)
-    state: Literal["accepted", "rejected", "pending", "gone"]
-    error: ErrorIn | None = None
-    incarnation: str | None = Field(None, max_length=256)
-
-
-class CompatCheckIn(CompatDocument):
-    """The body of ``POST /v1/compat/check``: a ``/v1/compat`` document (extra keys ignored),
-    with every field bounded. What the verdict can quote (the fingerprint, the engine, the
-    report's values) must also look like what a worker reports: hex, short words, 64-bit
-    integers; the fields it never quotes (ids, endpoints, peers) are only bounded in length."""
-
-    worker_id: str = Field("", max_length=256)
-    incarnation: str = Field("", max_length=256)
-    protocol_version: int = Field(ge=0, lt=1 << 31)
-    pdstate_version: str = Field("", max_length=64)
-    engine: str = Field("", max_length=32, pattern=_WORD)
-    control: str = Field("", max_length=256)
-    fingerprint: str = Field(pattern=_HEX)
-    layout: dict[str, Any] = Field(max_length=64)
-    local_check: LocalCheckIn  # type: ignore[assignment]
-    peers: list[PeerIn] = Field([], max_length=MAX_PEERS)  # type: ignore[assignment]
-
-    @model_validator(mode="after")
-    def _bounded_report(self) -> CompatCheckIn:
-        r = self.report
-        where = "report"
-        try:
-            where = "layout"
-            _check_value(self.layout)
-            where = "report.kv_dtype"
-            if not _WORD_RE.fullmatch(r.kv_dtype):
-                raise _BadValue("not a short word")
-            where = "report.fingerprint"
-            if not re.fullmatch(_HEX, r.fingerprint):
-                raise _BadValue("not 32 hex digits")
-            where = "report.page_size"
-            _check_value(r.page_size)
-            where = "report.factors"
-            names = [n for n, _ in r.factors]
-            if len(set(names)) != len(names) or not set(names) <= set(FACTOR_NAMES):
-                raise _BadValue("factor names must be distinct names of the protocol's factors")
-            _check_value([v for _, v in r.factors])
-            for side in ("target", "draft"):
-                where = f"report.{side}"
-                facts = getattr(r, side)
-                if facts is None:
-                    continue
-                _check_value([facts.compression_ratios, facts.ring_geometry, facts.paged_geometry])
-                mi = facts.mapping_identity
-                if mi is not None:
-                    _check_value([mi.nonce, mi.data_ptr, mi.numel, mi.dtype])
-            where = "report.local_check"
-            err = r.local_check.error
-            if err is not None and (not _WORD_RE.fullmatch(err.type) or len(err.message) > MAX_MESSAGE):
-                raise _BadValue("error type must be a short word, message at most 4096 characters")
-        except _BadValue as exc:
-            raise ValueError(f"{where}: {exc}") from None
-        return self
-
-
-class CompatVerdict(BaseModel):
-    compatible: bool
-    errors: list[ErrorModel] = Field(
-        description="every reason, in handshake order; the first is what the handshake raises"
-    )
-    ours: str = Field(description="this worker's fingerprint")
-    theirs: str = Field(description="the posted worker's fingerprint")
-
-
-class TransferIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    tokens: int = Field(
-        ge=0,
-        description="prompt length (seq_len) of the synthetic request; 0: an empty transfer "
-        "(no bytes move: the control path alone, a cheap end-to-end probe)",
-    )
-    room: int | None = Field(None, ge=0, lt=1 << 63, description="63-bit request id; random when omitted")
-
-
-class TransferOut(BaseModel):
-    room: int
-    status: Literal["success", "failed", "in_flight"]
-    seq_len: int
-    bytes: int = 0
-    descriptors: int = 0
-    seconds: float = 0.0
-    verified: bool = False
-    error: ErrorModel | None = None
-    compute_s: float = Field(0.0, description="prefill: time synthesising the request's state")
-    copy_s: float = Field(0.0, description="prefill: time the engine took to move it")
-    transfer_s: float = Field(0.0, description="decode: TransferRequest sent -> TransferDone received and verified")
-    verify_s: float = Field(0.0, description="decode: time checking the bytes that landed")
-
-
-class Accepted(BaseModel):
-    status: str
+from pdstate.service.limits import BodyLimit
+from pdstate.service.metrics import _Collector
+from pdstate.service.models import (  # noqa: F401  (Readiness and the limits: part of this module's surface)
+    _WORD_RE,
+    MAX_BODY_BYTES,
+    MAX_COMPAT_BODY_BYTES,
+    Accepted,
+    CompatCheckIn,
+    CompatDocument,
+    CompatVerdict,
+    ErrorModel,
+    Health,
+    LocalCheckModel,
+    PeerModel,
+    Readiness,
+    Ready,
+    StatusSource,
+    TransferIn,
+    TransferOut,
+)
 
 
 def compat_document(source: StatusSource) -> CompatDocument:
@@ -372,154 +130,7 @@ def check_documents(ours: CompatDocument, theirs: CompatDocument) -> list[ErrorI
 # --- metrics ----------------------------------------------------------------------------------
 
 
-class _Collector:
-    """Reads the worker's counters at scrape time. The latency histogram is folded in
-    incrementally: each scrape only bins what was appended since the last one. The worker keeps
-    a bounded window (``runtime.common.RecentLatencies``: ``since(seen)`` and ``total``); a plain
-    list (tests' fakes) is read by position."""
-
-    def __init__(self, source: StatusSource) -> None:
-        self.source = source
-        self._seen = 0
-        self._bins = [0] * (len(LATENCY_BUCKETS_S) + 1)
-        self._sum = 0.0
-        self._count = 0
-
-    def collect(self):
-        src = self.source
-        stats = src.stats
-        lat = stats.latencies_s
-        if hasattr(lat, "since"):
-            # values beyond the window (more than its size between two scrapes) are not binned
-            new, self._seen = lat.since(self._seen)
-        else:
-            n = len(lat)
-            if n < self._seen:  # the list was trimmed: count what is there from now on
-                self._seen = n
-            new, self._seen = list(itertools.islice(lat, self._seen, n)), n
-        for v in new:
-            self._bins[bisect.bisect_left(LATENCY_BUCKETS_S, v)] += 1
-            self._sum += v
-            self._count += 1
-
-        info = GaugeMetricFamily(
-            "pdstate_worker_info",
-            "Worker identity (value 1)",
-            labels=["role", "worker_id", "engine", "protocol_version", "fingerprint"],
-        )
-        info.add_metric([src.role, src.worker_id, src.engine, str(PROTOCOL_VERSION), src.report.fingerprint], 1)
-        yield info
-        ready = GaugeMetricFamily("pdstate_ready", "1 when /readyz answers 200")
-        ready.add_metric([], 1 if src.readiness().ready else 0)
-        yield ready
-        hs = CounterMetricFamily("pdstate_handshakes", "Handshakes by outcome", labels=["outcome"])
-        for k, v in stats.handshakes.items():
-            hs.add_metric([k], v)
-        yield hs
-        tr = CounterMetricFamily(
-            "pdstate_transfers",
-            "Transfers by outcome (busy: refused by a full prefill and retried)",
-            labels=["outcome"],
-        )
-        for k, v in stats.transfers.items():
-            tr.add_metric([k], v)
-        yield tr
-        yield CounterMetricFamily("pdstate_transfer_bytes", "Bytes moved by successful transfers", value=stats.bytes)
-        cum, buckets = 0, []
-        for bound, count in zip(LATENCY_BUCKETS_S, self._bins):
-            cum += count
-            buckets.append((repr(bound), cum))
-        buckets.append(("+Inf", self._count))
-        h = HistogramMetricFamily(
-            "pdstate_transfer_latency_seconds",
-            "Latency of successful transfers (decode: submit to verified; prefill: engine copy)",
-        )
-        h.add_metric([], buckets, sum_value=self._sum)
-        yield h
-        g = GaugeMetricFamily("pdstate_transfers_in_flight", "Requests entered and not yet finished")
-        g.add_metric([], src.in_flight())
-        yield g
-        yield CounterMetricFamily("pdstate_engine_errors", "Transfer engine failures", value=stats.engine_errors)
-        yield CounterMetricFamily(
-            "pdstate_protocol_errors",
-            "Control frames refused (undecodable, bad auth, bad version)",
-            value=stats.protocol_errors,
-        )
-        peers = GaugeMetricFamily("pdstate_peers", "Peers by handshake state", labels=["state"])
-        counts = {k: 0 for k in ("accepted", "rejected", "pending", "gone")}
-        for p in src.peers():
-            counts[p["state"]] = counts.get(p["state"], 0) + 1
-        for k, v in counts.items():
-            peers.add_metric([k], v)
-        yield peers
-        free = GaugeMetricFamily("pdstate_pool_free", "Free capacity of the pools", labels=["pool"])
-        for k, v in src.free_counts().items():
-            free.add_metric([k], v)
-        yield free
-
-
 # --- the app ----------------------------------------------------------------------------------
-
-
-class BodyLimit:
-    """ASGI middleware: refuse a request body over its route's limit with 413, before the app
-    reads it. A ``Content-Length`` over the limit is refused at once (the body is never read and
-    the connection is closed); a body without one is read here up to the limit, then handed to
-    the app from memory (so nothing downstream reads an unbounded stream)."""
-
-    def __init__(self, app, default: int = MAX_BODY_BYTES, limits: dict[str, int] | None = None) -> None:
-        self.app = app
-        self.default = default
-        self.limits = BODY_LIMITS if limits is None else limits
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        limit = self.limits.get(scope.get("path", ""), self.default)
-        length = None
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    length = int(value)
-                except ValueError:
-                    length = limit + 1  # the server rejects malformed framing first; never trust it here
-        if length is not None and length > limit:
-            await self._too_large(scope, receive, send, limit)
-            return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return
-            body = message.get("body", b"")
-            size += len(body)
-            if size > limit:
-                await self._too_large(scope, receive, send, limit)
-                return
-            chunks.append(body)
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    @staticmethod
-    async def _too_large(scope, receive, send, limit: int) -> None:
-        response = JSONResponse(
-            status_code=413,
-            content={"detail": f"request body larger than {limit} bytes"},
-            headers={"Connection": "close"},
-        )
-        await response(scope, receive, send)
 
 
 def _safe_loc(part: Any) -> int | str:

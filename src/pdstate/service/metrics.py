@@ -1,0 +1,99 @@
+"""Prometheus metrics of one worker, collected from its status source at scrape time."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from pdstate.protocol.wire import PROTOCOL_VERSION
+from pdstate.service.models import StatusSource
+
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _Collector:
+    """Reads the worker's counters at scrape time. The latency histogram is folded in
+    incrementally: each scrape only bins what was appended since the last one. The worker keeps
+    a bounded window (``runtime.common.RecentLatencies``: ``since(seen)`` and ``total``); a plain
+    list (tests' fakes) is read by position."""
+
+    def __init__(self, source: StatusSource) -> None:
+        self.source = source
+        self._seen = 0
+        self._bins = [0] * (len(LATENCY_BUCKETS_S) + 1)
+        self._sum = 0.0
+        self._count = 0
+
+    def collect(self):
+        src = self.source
+        stats = src.stats
+        lat = stats.latencies_s
+        if hasattr(lat, "since"):
+            # values beyond the window (more than its size between two scrapes) are not binned
+            new, self._seen = lat.since(self._seen)
+        else:
+            n = len(lat)
+            if n < self._seen:  # the list was trimmed: count what is there from now on
+                self._seen = n
+            new, self._seen = list(itertools.islice(lat, self._seen, n)), n
+        for v in new:
+            self._bins[bisect.bisect_left(LATENCY_BUCKETS_S, v)] += 1
+            self._sum += v
+            self._count += 1
+
+        info = GaugeMetricFamily(
+            "pdstate_worker_info",
+            "Worker identity (value 1)",
+            labels=["role", "worker_id", "engine", "protocol_version", "fingerprint"],
+        )
+        info.add_metric([src.role, src.worker_id, src.engine, str(PROTOCOL_VERSION), src.report.fingerprint], 1)
+        yield info
+        ready = GaugeMetricFamily("pdstate_ready", "1 when /readyz answers 200")
+        ready.add_metric([], 1 if src.readiness().ready else 0)
+        yield ready
+        hs = CounterMetricFamily("pdstate_handshakes", "Handshakes by outcome", labels=["outcome"])
+        for k, v in stats.handshakes.items():
+            hs.add_metric([k], v)
+        yield hs
+        tr = CounterMetricFamily(
+            "pdstate_transfers",
+            "Transfers by outcome (busy: refused by a full prefill and retried)",
+            labels=["outcome"],
+        )
+        for k, v in stats.transfers.items():
+            tr.add_metric([k], v)
+        yield tr
+        yield CounterMetricFamily("pdstate_transfer_bytes", "Bytes moved by successful transfers", value=stats.bytes)
+        cum, buckets = 0, []
+        for bound, count in zip(LATENCY_BUCKETS_S, self._bins):
+            cum += count
+            buckets.append((repr(bound), cum))
+        buckets.append(("+Inf", self._count))
+        h = HistogramMetricFamily(
+            "pdstate_transfer_latency_seconds",
+            "Latency of successful transfers (decode: submit to verified; prefill: engine copy)",
+        )
+        h.add_metric([], buckets, sum_value=self._sum)
+        yield h
+        g = GaugeMetricFamily("pdstate_transfers_in_flight", "Requests entered and not yet finished")
+        g.add_metric([], src.in_flight())
+        yield g
+        yield CounterMetricFamily("pdstate_engine_errors", "Transfer engine failures", value=stats.engine_errors)
+        yield CounterMetricFamily(
+            "pdstate_protocol_errors",
+            "Control frames refused (undecodable, bad auth, bad version)",
+            value=stats.protocol_errors,
+        )
+        peers = GaugeMetricFamily("pdstate_peers", "Peers by handshake state", labels=["state"])
+        counts = {k: 0 for k in ("accepted", "rejected", "pending", "gone")}
+        for p in src.peers():
+            counts[p["state"]] = counts.get(p["state"], 0) + 1
+        for k, v in counts.items():
+            peers.add_metric([k], v)
+        yield peers
+        free = GaugeMetricFamily("pdstate_pool_free", "Free capacity of the pools", labels=["pool"])
+        for k, v in src.free_counts().items():
+            free.add_metric([k], v)
+        yield free

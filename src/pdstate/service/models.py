@@ -1,0 +1,270 @@
+"""The HTTP API's data: the status source it reads, its response models, and the bounded,
+validated input of ``POST /v1/compat/check`` (nothing posted is echoed unless it passed)."""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
+
+from pdstate.errors import DocumentValueError
+from pdstate.protocol.fixes import fix_line
+from pdstate.protocol.report import FACTOR_NAMES, ErrorInfo, LayoutReport
+
+Role = Literal["prefill", "decode"]
+
+
+# --- the source ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Readiness:
+    ready: bool
+    reason: str | None = None  # the exact error text when a check failed
+    check: str | None = None  # which check: "local_check" | "handshake" | "peer" | "shutdown"
+    error: ErrorInfo | None = None
+
+
+class StatusSource(Protocol):
+    role: str
+    worker_id: str
+    incarnation: str
+    engine: str
+    control: str  # prefill: the bound control endpoint; decode: the prefill endpoint it dials
+    report: LayoutReport
+    stats: Any  # runtime.common.Stats
+
+    def readiness(self) -> Readiness: ...
+
+    def local_check(self) -> tuple[bool, ErrorInfo | None]: ...
+
+    def peers(self) -> list[dict]: ...  # {id, state, error: {type, message} | None, incarnation?}
+
+    def in_flight(self) -> int: ...
+
+    def free_counts(self) -> dict[str, int]: ...
+
+    def submit(self, tokens: int, room: int | None) -> Future: ...  # decode; Future[dict]
+
+    def lookup(self, room: int) -> dict | None: ...  # decode; a TransferResult dict or in-flight
+
+    def reregister(self) -> None: ...  # decode
+
+    def result_timeout_s(self) -> float: ...
+
+
+# --- response and request models --------------------------------------------------------------
+
+
+class ErrorModel(BaseModel):
+    type: str = Field(description="exception class name, e.g. SWAIndexMappingNotShared")
+    message: str = Field(description="the exact message (upstream sentence where there is one)")
+
+    @computed_field(description="how to fix it in pdstate's terms: the config key and side (null if none)")
+    @property
+    def fix(self) -> str | None:
+        return fix_line(self.type, self.message)
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class Ready(BaseModel):
+    ready: bool
+    reason: str | None = Field(None, description="why not ready: the exact error text when a check failed")
+    check: str | None = Field(None, description="local_check | handshake | peer | shutdown")
+    error: ErrorModel | None = None
+
+
+class LocalCheckModel(BaseModel):
+    ok: bool
+    error: ErrorModel | None = None
+
+
+class PeerModel(BaseModel):
+    id: str = Field(description="prefill: the decode's worker id; decode: the prefill's control endpoint")
+    state: Literal["accepted", "rejected", "pending", "gone"]
+    error: ErrorModel | None = None
+    incarnation: str | None = None
+
+
+class CompatDocument(BaseModel):
+    """``GET /v1/compat``; also the body of ``POST /v1/compat/check`` (extra keys ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+    role: Role
+    worker_id: str = ""
+    incarnation: str = ""
+    protocol_version: int
+    pdstate_version: str = ""
+    engine: str = ""
+    control: str = ""
+    fingerprint: str
+    layout: dict[str, Any] = Field(description="page_size, kv_dtype and every layout factor by name")
+    local_check: LocalCheckModel
+    peers: list[PeerModel] = []
+    report: LayoutReport = Field(description="the full layout report, as sent in the handshake")
+
+
+# --- the bounded input of POST /v1/compat/check ------------------------------------------------
+
+MAX_BODY_BYTES = 64 << 10
+MAX_COMPAT_BODY_BYTES = 1 << 20
+BODY_LIMITS = {"/v1/compat/check": MAX_COMPAT_BODY_BYTES}
+
+_WORD = r"^[A-Za-z0-9_.+-]{0,64}$"  # dtype, layout and component names, engine, versions
+_HEX = r"^[0-9a-f]{32}$"  # a layout fingerprint: blake2b-128
+_WORD_RE = re.compile(_WORD)
+MAX_INT = 1 << 63
+MAX_PEERS = 8192
+MAX_MESSAGE = 4096
+MAX_DEPTH = 5
+MAX_LEAVES = 4096
+
+
+def _check_value(value: Any, depth: int = 0, budget: list[int] | None = None) -> None:
+    """A layout value as reports carry them: None, bools, 64-bit integers, short words, and lists
+    or word-keyed objects of those, nested at most ``MAX_DEPTH`` deep, ``MAX_LEAVES`` in all.
+    Messages never quote the value."""
+    budget = [MAX_LEAVES] if budget is None else budget
+    if depth > MAX_DEPTH:
+        raise DocumentValueError(f"nested deeper than {MAX_DEPTH}")
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            _check_value(v, depth + 1, budget)
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str) or not _WORD_RE.fullmatch(k):
+                raise DocumentValueError("an object key is not a short word")
+            _check_value(v, depth + 1, budget)
+        return
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise DocumentValueError(f"more than {MAX_LEAVES} values")
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        if not -MAX_INT <= value < MAX_INT:
+            raise DocumentValueError("an integer outside 64 bits")
+        return
+    if isinstance(value, str):
+        if not _WORD_RE.fullmatch(value):
+            raise DocumentValueError("a string that is not a short word")
+        return
+    raise DocumentValueError(f"a {type(value).__name__} where layouts hold none")
+
+
+class ErrorIn(BaseModel):
+    type: str = Field(max_length=128, pattern=_WORD)
+    message: str = Field(max_length=MAX_MESSAGE)
+
+
+class LocalCheckIn(BaseModel):
+    ok: bool
+    error: ErrorIn | None = None
+
+
+class PeerIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str = Field(max_length=256)
+    state: Literal["accepted", "rejected", "pending", "gone"]
+    error: ErrorIn | None = None
+    incarnation: str | None = Field(None, max_length=256)
+
+
+class CompatCheckIn(CompatDocument):
+    """The body of ``POST /v1/compat/check``: a ``/v1/compat`` document (extra keys ignored),
+    with every field bounded. What the verdict can quote (the fingerprint, the engine, the
+    report's values) must also look like what a worker reports: hex, short words, 64-bit
+    integers; the fields it never quotes (ids, endpoints, peers) are only bounded in length."""
+
+    worker_id: str = Field("", max_length=256)
+    incarnation: str = Field("", max_length=256)
+    protocol_version: int = Field(ge=0, lt=1 << 31)
+    pdstate_version: str = Field("", max_length=64)
+    engine: str = Field("", max_length=32, pattern=_WORD)
+    control: str = Field("", max_length=256)
+    fingerprint: str = Field(pattern=_HEX)
+    layout: dict[str, Any] = Field(max_length=64)
+    local_check: LocalCheckIn  # type: ignore[assignment]
+    peers: list[PeerIn] = Field([], max_length=MAX_PEERS)  # type: ignore[assignment]
+
+    @model_validator(mode="after")
+    def _bounded_report(self) -> CompatCheckIn:
+        r = self.report
+        where = "report"
+        try:
+            where = "layout"
+            _check_value(self.layout)
+            where = "report.kv_dtype"
+            if not _WORD_RE.fullmatch(r.kv_dtype):
+                raise DocumentValueError("not a short word")
+            where = "report.fingerprint"
+            if not re.fullmatch(_HEX, r.fingerprint):
+                raise DocumentValueError("not 32 hex digits")
+            where = "report.page_size"
+            _check_value(r.page_size)
+            where = "report.factors"
+            names = [n for n, _ in r.factors]
+            if len(set(names)) != len(names) or not set(names) <= set(FACTOR_NAMES):
+                raise DocumentValueError("factor names must be distinct names of the protocol's factors")
+            _check_value([v for _, v in r.factors])
+            for side in ("target", "draft"):
+                where = f"report.{side}"
+                facts = getattr(r, side)
+                if facts is None:
+                    continue
+                _check_value([facts.compression_ratios, facts.ring_geometry, facts.paged_geometry])
+                mi = facts.mapping_identity
+                if mi is not None:
+                    _check_value([mi.nonce, mi.data_ptr, mi.numel, mi.dtype])
+            where = "report.local_check"
+            err = r.local_check.error
+            if err is not None and (not _WORD_RE.fullmatch(err.type) or len(err.message) > MAX_MESSAGE):
+                raise DocumentValueError("error type must be a short word, message at most 4096 characters")
+        except DocumentValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        return self
+
+
+class CompatVerdict(BaseModel):
+    compatible: bool
+    errors: list[ErrorModel] = Field(
+        description="every reason, in handshake order; the first is what the handshake raises"
+    )
+    ours: str = Field(description="this worker's fingerprint")
+    theirs: str = Field(description="the posted worker's fingerprint")
+
+
+class TransferIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tokens: int = Field(
+        ge=0,
+        description="prompt length (seq_len) of the synthetic request; 0: an empty transfer "
+        "(no bytes move: the control path alone, a cheap end-to-end probe)",
+    )
+    room: int | None = Field(None, ge=0, lt=1 << 63, description="63-bit request id; random when omitted")
+
+
+class TransferOut(BaseModel):
+    room: int
+    status: Literal["success", "failed", "in_flight"]
+    seq_len: int
+    bytes: int = 0
+    descriptors: int = 0
+    seconds: float = 0.0
+    verified: bool = False
+    error: ErrorModel | None = None
+    compute_s: float = Field(0.0, description="prefill: time synthesising the request's state")
+    copy_s: float = Field(0.0, description="prefill: time the engine took to move it")
+    transfer_s: float = Field(0.0, description="decode: TransferRequest sent -> TransferDone received and verified")
+    verify_s: float = Field(0.0, description="decode: time checking the bytes that landed")
+
+
+class Accepted(BaseModel):
+    status: str
