@@ -22,7 +22,7 @@ import pytest
 from pdstate.errors import ExitCode
 from pdstate.protocol.wire import PROTOCOL_VERSION
 from tests.support.paths import REPO, SERVICES
-from tests.support.upstream import MAPPING_ERROR
+from tests.support.upstream import MAPPING_ERROR, MAPPING_FIX
 from tests.support.waiting import wait_until
 from tests.support.workers import pdstate_command, segments
 
@@ -205,9 +205,9 @@ def test_compat_check(cluster, http):
     # the own-mapping decode: refused with the upstream sentence, from either side
     v = http.post(f"{p}/v1/compat/check", json=od).json()
     assert v["compatible"] is False
-    assert v["errors"][0] == {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR}
+    assert v["errors"][0] == {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR, "fix": MAPPING_FIX}
     v = http.post(f"{o}/v1/compat/check", json=pd).json()
-    assert {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR} in v["errors"]
+    assert {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR, "fix": MAPPING_FIX} in v["errors"]
     # a different page size: the upstream cross-side sentence, prefill's value first
     bad = json.loads(json.dumps(dd))
     bad["report"]["page_size"] = 64
@@ -217,6 +217,10 @@ def test_compat_check(cluster, http):
         "message": (
             "Page size mismatch: prefill server has page_size=256, but decode server has page_size=64. "
             "Both servers must use the same --page-size value."
+        ),
+        "fix": (
+            "fix: Both servers must use the same --page-size value: in pdstate, set pool.page_size to one value "
+            "in both workers' configs (prefill 256, decode 64)"
         ),
     }
     # two prefills do not pair; a malformed document is a 422
@@ -283,16 +287,19 @@ def test_own_mapping_decode_is_not_ready(cluster, http):
 
     body = wait_for(refused, 10, "own-mapping decode 503")
     assert body["ready"] is False and body["reason"] == MAPPING_ERROR
-    assert body["error"] == {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR}
+    assert body["error"] == {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR, "fix": MAPPING_FIX}
     doc = http.get(f"{o}/v1/compat").json()
-    assert doc["local_check"] == {"ok": False, "error": {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR}}
+    assert doc["local_check"] == {
+        "ok": False,
+        "error": {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR, "fix": MAPPING_FIX},
+    }
     # the prefill refused it with the same class and text, and the decode recorded that refusal
     peer = wait_for(
         lambda: [x for x in http.get(f"{o}/v1/compat").json()["peers"] if x["state"] == "rejected"],
         10,
         "own-mapping decode rejected",
     )[0]
-    assert peer["error"] == {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR}
+    assert peer["error"] == {"type": "SWAIndexMappingNotShared", "message": MAPPING_ERROR, "fix": MAPPING_FIX}
     theirs = [x for x in http.get(f"{p}/v1/compat").json()["peers"] if x["id"] == doc["worker_id"]]
     assert theirs and theirs[0]["state"] == "rejected" and theirs[0]["error"]["message"] == MAPPING_ERROR
     r = http.post(f"{o}/v1/transfers", json={"tokens": 10}, headers={"Authorization": f"Bearer {TOKEN}"})

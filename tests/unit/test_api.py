@@ -17,13 +17,7 @@ from pdstate.protocol.wire import PROTOCOL_VERSION
 from pdstate.runtime.common import Stats
 from pdstate.service.api import Readiness, create_app, route_paths
 from tests.support.pools import tiny
-from tests.support.upstream import MAPPING_ERROR
-
-# every error object of the API carries the fix line, in pdstate's terms
-MAPPING_FIX = (
-    "fix: register the allocator's full_to_swa_index_mapping on the draft pool (the same tensor object, "
-    'not a clone or a view): set draft.mapping = "shared" on that worker'
-)
+from tests.support.upstream import MAPPING_ERROR, MAPPING_FIX
 
 
 @pytest.fixture(scope="module")
