@@ -1,0 +1,18 @@
+import pytest
+
+from tests.agent.support import PrefillProcess
+
+
+@pytest.fixture
+def prefills():
+    """Start prefill child processes: ``prefills(seed, **options)``; all stopped at teardown."""
+    started: list[PrefillProcess] = []
+
+    def start(seed: int, **options) -> PrefillProcess:
+        p = PrefillProcess(seed, **options)
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        p.close()
