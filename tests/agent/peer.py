@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pdstate.agent import PrefillAgent  # noqa: E402
-from tests.agent.support import fill, make_side  # noqa: E402
+from pdstate.agent import PrefillAgent
+from tests.agent.support import fill, make_side
 
 
 def main() -> None:
@@ -44,7 +44,9 @@ def main() -> None:
                 senders[cmd["room"]].send(cmd["pages"], cmd.get("state"))
             elif op == "wait":
                 s = senders[cmd["room"]]
-                out = {"state": s.wait(cmd.get("timeout", 30)).value, "metrics": s.metrics}
+                until = cmd.get("until")
+                cond = None if until is None else (lambda st, u=until: st.value == u or st.terminal)
+                out = {"state": s.wait(cmd.get("timeout", 30), cond).value, "metrics": s.metrics}
             elif op == "abort":
                 senders[cmd["room"]].abort(cmd.get("reason", "test"))
             elif op == "decodes":

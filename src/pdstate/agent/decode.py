@@ -56,7 +56,7 @@ class _Recv:
     request: wire.AgentRequest | None = None
     sent: bool = False
     aborting: str | None = None
-    fenced: bool = False
+    sent_at: float | None = None
 
 
 class KVReceiver:
@@ -100,8 +100,9 @@ class KVReceiver:
     def failure_exception(self) -> PdStateError | None:
         return self._recv.record.error
 
-    def wait(self, timeout_s: float) -> RequestState:
-        return self._recv.record.wait(timeout_s)
+    def wait(self, timeout_s: float, until=None) -> RequestState:
+        """Block until terminal (or ``until(state)`` is true) or ``timeout_s``; returns the state."""
+        return self._recv.record.wait(timeout_s, until)
 
     @property
     def metrics(self) -> dict:
@@ -314,8 +315,9 @@ class DecodeAgent:
         if recv.record.state is _S.BOOTSTRAPPING:
             recv.record.move(_S.WAITING_FOR_INPUT)
         recv.sent = True
-        recv.record.move(_S.TRANSFERRING)
-        recv.record.metrics["sent_at"] = time.monotonic()
+        if recv.record.state is not _S.TRANSFERRING:  # else: sent again to a restarted prefill
+            recv.record.move(_S.TRANSFERRING)
+        recv.sent_at = time.monotonic()
         self._send(p, recv.request)
 
     def _abort(self, recv: _Recv, reason: str) -> None:
@@ -339,6 +341,18 @@ class DecodeAgent:
         for recv in list(self._live(p.address)):
             recv.record.fail(type(error)(str(error)))
 
+    def _restarted(self, p: _Prefill, incarnation: str) -> None:
+        """The prefill at ``p.address`` is a new process: what the old one was sending is lost.
+
+        Called at the new process's Accept. ZeroMQ delivers in order, so every request this
+        decode sent before its new Register reached either the old process (still ``sent``:
+        lost) or the new one, which answered ``NotRegistered`` before its Accept (``sent`` was
+        cleared: it goes out again now)."""
+        err = PeerGone(f"prefill {p.address} restarted (incarnation {p.incarnation} -> {incarnation})")
+        for recv in list(self._live(p.address)):
+            if recv.sent:
+                recv.record.fail(PeerGone(str(err)))
+
     def _on_frame(self, address: str, sock: zmq.Socket) -> None:
         frame = sock.recv()
         p = self._prefills.get(address)
@@ -353,18 +367,18 @@ class DecodeAgent:
             self._on_handshake(p, msg)
         elif isinstance(msg, wire.Heartbeat):
             if p.state is PeerState.ACCEPTED and msg.incarnation != p.incarnation:
-                self._fail_prefill(
-                    p,
-                    PeerGone(f"prefill {address} restarted (incarnation {p.incarnation} -> {msg.incarnation})"),
-                    PeerState.GONE,
-                )
-                self._register(p)
+                self._register(p)  # a new process at that address: what the old one had fails at its Accept
         elif isinstance(msg, wire.TransferDone):
             self._on_done(p, msg)
         elif isinstance(msg, wire.Error):
-            if msg.error.type == "NotRegistered" and p.state is PeerState.ACCEPTED:
-                self._fail_prefill(p, PeerGone(f"prefill {address} forgot this decode (restarted)"), PeerState.GONE)
-                self._register(p)
+            if msg.error.type == "NotRegistered":
+                # a new incarnation got this request, so the old one never did: send it again
+                # once the new one accepted this decode
+                recv = self._recvs.get((address, msg.room)) if msg.room is not None else None
+                if recv is not None and not recv.record.state.terminal:
+                    recv.sent = False
+                if p.state is PeerState.ACCEPTED:
+                    self._register(p)
             elif msg.room is not None:
                 recv = self._recvs.get((address, msg.room))
                 if recv is not None:
@@ -379,6 +393,8 @@ class DecodeAgent:
             err = exc if isinstance(exc, PdStateError) else error_from_wire(type(exc).__name__, str(exc))
             self._fail_prefill(p, err, PeerState.REJECTED)
             return
+        if p.incarnation and accept.incarnation != p.incarnation:
+            self._restarted(p, accept.incarnation)
         p.state, p.incarnation, p.worker_id, p.error = PeerState.ACCEPTED, accept.incarnation, accept.worker_id, None
         p.last_seen = time.monotonic()
         for recv in list(self._live(p.address)):
@@ -392,8 +408,8 @@ class DecodeAgent:
             return
         rec = recv.record
         rec.metrics.update(bytes=msg.bytes, descriptors=msg.descriptors)
-        if "sent_at" in rec.metrics:
-            rec.metrics["transfer_s"] = round(time.monotonic() - rec.metrics.pop("sent_at"), 6)
+        if recv.sent_at is not None:
+            rec.metrics["transfer_s"] = round(time.monotonic() - recv.sent_at, 6)
         if recv.aborting is not None:
             # the prefill sends TransferDone only once its writes of this room are finished
             rec.fail(TransferAborted(f"aborted by decode: {recv.aborting}"))
@@ -433,6 +449,13 @@ class DecodeAgent:
 
     def _tick(self) -> None:
         now = time.monotonic()
+        for key, recv in list(self._recvs.items()):
+            if recv.record.state.terminal:
+                del self._recvs[key]  # the caller holds its KVReceiver; the agent forgets it
+                continue
+            sent_at = recv.sent_at
+            if sent_at is not None and recv.aborting is None and now - sent_at > self.transfer_timeout_s:
+                self._abort(recv, f"no TransferDone within transfer_timeout_s={self.transfer_timeout_s:g} s")
         for p in list(self._prefills.values()):
             if p.state is PeerState.PENDING and now - p.registered_at > self.handshake_timeout_s:
                 self._fail_prefill(

@@ -107,8 +107,9 @@ class KVSender:
     def failure_exception(self) -> PdStateError | None:
         return self._send.record.error
 
-    def wait(self, timeout_s: float) -> RequestState:
-        return self._send.record.wait(timeout_s)
+    def wait(self, timeout_s: float, until=None) -> RequestState:
+        """Block until terminal (or ``until(state)`` is true) or ``timeout_s``; returns the state."""
+        return self._send.record.wait(timeout_s, until)
 
     @property
     def landed(self) -> bool:
@@ -497,7 +498,10 @@ class PrefillAgent:
         for identity, d in list(self._decodes.items()):
             if now - d.last_seen > self.peer_timeout_s:
                 self._decode_gone(identity, f"decode {d.worker_id} missed heartbeats for {self.peer_timeout_s:g} s")
-        for send in self._sends.values():
+        for room, send in list(self._sends.items()):
+            if send.record.state.terminal and now - send.record.created > 600:
+                del self._sends[room]  # kept a while so a late AgentRequest or Abort is answered
+                continue
             if send.all_submitted and not send.done_sent and not send.record.state.terminal:
                 self._finish_if_landed(send)
 
