@@ -1,6 +1,8 @@
+import shutil
+
 import pytest
 
-from tests.agent.support import PrefillProcess
+from tests.agent.support import SHM_DIR, PrefillProcess
 
 
 @pytest.fixture
@@ -16,3 +18,9 @@ def prefills():
     yield start
     for p in started:
         p.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _segment_dir():
+    yield
+    shutil.rmtree(SHM_DIR, ignore_errors=True)

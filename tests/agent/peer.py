@@ -28,6 +28,7 @@ def main() -> None:
         side.kv_args,
         (side.pools.target, side.pools.draft),
         engine=opts.get("engine", "shm"),
+        engine_options={"segment_dir": opts["segment_dir"]} if opts.get("engine", "shm") == "shm" else None,
         worker_id=opts.get("worker_id", "prefill"),
         check_local=not bad,
         bind=opts.get("bind", "tcp://127.0.0.1:0"),

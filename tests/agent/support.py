@@ -20,6 +20,9 @@ from pdstate.pools.presets import build_worker_pools, preset
 SRC = Path(__file__).resolve().parents[2] / "src"
 PEER = Path(__file__).with_name("peer.py")
 AUX_SLOTS, AUX_ITEMS = 16, (64, 8)  # two aux buffers, 64- and 8-byte items
+# The decodes' segments live in a directory of their own: a stale-segment sweep run by another
+# process on this host (possibly in another PID namespace) never sees them there.
+SHM_DIR = Path(f"/dev/shm/agent-tests-{os.getpid()}")
 
 
 def settings(name: str = "tiny", **changes):
@@ -42,7 +45,9 @@ class Side:
 def make_side(shared: bool, name: str = "tiny", check: bool = True, aux: bool = True, **changes) -> Side:
     import torch
 
-    mem = SharedMemory() if shared else PrivateMemory()
+    if shared:
+        SHM_DIR.mkdir(mode=0o700, exist_ok=True)
+    mem = SharedMemory(SHM_DIR) if shared else PrivateMemory()
     pools = build_worker_pools(settings(name, **changes), memory=mem)
     kv = fill_kv_args(pools.target, pools.draft, check=check)
     if aux:
@@ -123,7 +128,7 @@ class PrefillProcess:
     def __init__(self, seed: int, **options) -> None:
         env = dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
         self.proc = subprocess.Popen(
-            [sys.executable, str(PEER), json.dumps({"seed": seed, **options})],
+            [sys.executable, str(PEER), json.dumps({"seed": seed, "segment_dir": str(SHM_DIR), **options})],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -74,8 +74,8 @@ def test_prefill_sigkill_mid_batch(decode, prefills):  # noqa: F811
     for r in recvs_a:
         assert r.wait(10) is RequestState.FAILED
         assert type(r.failure_exception()) is PeerGone
-        assert str(r.failure_exception()) == f"prefill {a.address} missed heartbeats for 2 s"
-    assert time.monotonic() - killed < agent.peer_timeout_s + 1.0
+        assert str(r.failure_exception()) == f"prefill {a.address} missed heartbeats for 3 s"
+    assert time.monotonic() - killed < agent.peer_timeout_s + 1.5
     assert agent.prefills()[b.address]["state"] == "accepted"
     # the decode still serves the live prefill after the other died
     r, _ = run_request(agent, b, kv, 30, np.random.default_rng(9))
@@ -108,3 +108,31 @@ def test_rehandshake_after_prefill_restart(decode, prefills):  # noqa: F811
     assert inflight.wait(10) is RequestState.FAILED
     assert type(inflight.failure_exception()) is PeerGone
     assert agent.prefills()[second.address]["handshakes"] == 2
+
+
+def test_prefill_serves_two_decodes(prefills, source_image):  # noqa: F811
+    from pdstate.agent import DecodeAgent
+    from tests.agent.support import fill, make_side
+
+    pf = prefills(PREFILL_SEED)
+    sides, agents = [], []
+    try:
+        for seed in (1, 2):
+            side = make_side(True)
+            fill(side.kv_args, seed)
+            sides.append(side)
+            agents.append(DecodeAgent(side.kv_args, (side.pools.target, side.pools.draft), worker_id=f"decode-{seed}"))
+        work = []
+        for i, (side, agent) in enumerate(zip(sides, agents)):
+            before = snapshot(side.kv_args)
+            recv, moves = run_request(agent, pf, side.kv_args, 50 + i, np.random.default_rng(50 + i))
+            work.append((side, recv, before, moves))
+        for side, recv, before, moves in work:
+            assert recv.wait(30) is RequestState.SUCCESS, recv.failure_exception()
+            assert_images_equal(snapshot(side.kv_args), expected(before, source_image, side.kv_args, moves))
+        assert sorted(d["worker_id"] for d in pf.ask(op="decodes")["decodes"]) == ["decode-1", "decode-2"]
+    finally:
+        for a in agents:
+            a.close()
+        for s in sides:
+            s.close()

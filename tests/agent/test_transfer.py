@@ -24,7 +24,7 @@ PREFILL_SEED, DECODE_SEED = 11, 99
 def decode():
     side = make_side(True)
     fill(side.kv_args, DECODE_SEED)  # sentinels: every byte not written must stay as it is
-    agent = DecodeAgent(side.kv_args, (side.pools.target, side.pools.draft), peer_timeout_s=2.0)
+    agent = DecodeAgent(side.kv_args, (side.pools.target, side.pools.draft), peer_timeout_s=3.0)
     yield side, agent
     agent.close()
     side.close()

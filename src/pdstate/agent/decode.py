@@ -194,6 +194,7 @@ class DecodeAgent:
         self._layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
         self._prefills: dict[str, _Prefill] = {}
         self._recvs: dict[tuple[str, int], _Recv] = {}
+        self._last_tick = time.monotonic()
         self._loop = AgentLoop(f"pdstate-decode-{self.worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
         self._loop.start()
 
@@ -250,12 +251,12 @@ class DecodeAgent:
         except zmq.ZMQError:
             pass  # not connected yet or gone: heartbeats and timeouts decide
 
-    def _connect(self, address: str) -> _Prefill:
+    def _connect(self, address: str, handshakes: int = 0) -> _Prefill:
         sock = self._loop.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}/{self.incarnation}/{secrets.token_hex(4)}".encode())
         sock.setsockopt(zmq.SNDHWM, 10000)
         sock.connect(address)
-        p = _Prefill(address, sock)
+        p = _Prefill(address, sock, handshakes=handshakes)
         self._loop.watch(sock, lambda s, a=address: self._on_frame(a, s))
         self._prefills[address] = p
         self._register(p)
@@ -273,9 +274,11 @@ class DecodeAgent:
         self._recvs[key] = recv
         p = self._prefills.get(recv.prefill)
         if p is None or p.state is PeerState.GONE:
+            earlier = 0
             if p is not None:
-                self._loop.unwatch(p.sock)
-            p = self._connect(recv.prefill)
+                self._loop.unwatch(p.sock)  # a fresh socket: nothing queued for the dead process
+                earlier = p.handshakes
+            p = self._connect(recv.prefill, earlier)
         elif p.state is PeerState.REJECTED:
             self._register(p)  # the prefill may have been fixed: ask again
         p.rooms.add(recv.record.room)
@@ -449,6 +452,11 @@ class DecodeAgent:
 
     def _tick(self) -> None:
         now = time.monotonic()
+        stalled = now - self._last_tick - 2 * self.heartbeat_interval_s
+        self._last_tick = now
+        if stalled > 0:  # this process did not run for a while: do not blame the peers for it
+            for peer in self._prefills.values():
+                peer.last_seen += stalled
         for key, recv in list(self._recvs.items()):
             if recv.record.state.terminal:
                 del self._recvs[key]  # the caller holds its KVReceiver; the agent forgets it

@@ -20,6 +20,7 @@ from pdstate.errors import (
     PeerGone,
     ProtocolError,
     TransferAborted,
+    TransferTimedOut,
     error_from_wire,
 )
 from pdstate.protocol import wire
@@ -33,6 +34,7 @@ from pdstate.transfer.planner import PairPlanner
 __all__ = ["KVSender", "PrefillAgent"]
 
 _S = RequestState
+FENCE_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -190,6 +192,7 @@ class PrefillAgent:
         self._decodes: dict[bytes, _Decode] = {}
         self._sends: dict[int, _Send] = {}
         self._pending: dict[int, _Pending] = {}
+        self._last_tick = time.monotonic()
         self._loop = AgentLoop(f"pdstate-prefill-{worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
         self._sock = self._loop.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -450,20 +453,28 @@ class PrefillAgent:
             ),
         )
 
-    def _fence(self, send: _Send) -> None:
-        """Wait for every in-flight handle (the fence: nothing of this request lands after)."""
+    def _fence(self, send: _Send) -> bool:
+        """Wait for every in-flight handle (the fence: nothing of this request lands after).
+
+        Returns False when a handle is still in flight after ``FENCE_TIMEOUT_S`` (a wedged native
+        engine): the decode is then NOT told, so it never reports the request fenced."""
+        fenced = True
         for h in send.handles:
             try:
-                self._engine.wait(h, 60.0)
+                self._engine.wait(h, FENCE_TIMEOUT_S)
+            except TransferTimedOut:
+                fenced = False
             except EngineError:
-                pass
+                pass  # failed: finished, nothing more of it lands
+        return fenced
 
     def _done_failed(self, room: int, error: BaseException | None) -> wire.TransferDone:
         info = ErrorInfo.of(error) if error is not None else ErrorInfo(type="TransferFailed", message="failed")
         return wire.TransferDone(room=room, status="failed", error=info)
 
     def _fail(self, send: _Send, error: PdStateError, tell_decode: bool) -> None:
-        self._fence(send)
+        if not self._fence(send):
+            tell_decode = False
         send.queued.clear()
         send.record.fail(error)
         if tell_decode and send.identity is not None and send.identity in self._decodes:
@@ -495,6 +506,11 @@ class PrefillAgent:
 
     def _tick(self) -> None:
         now = time.monotonic()
+        stalled = now - self._last_tick - 2 * self.heartbeat_interval_s
+        self._last_tick = now
+        if stalled > 0:  # this process did not run for a while: do not blame the peers for it
+            for peer in self._decodes.values():
+                peer.last_seen += stalled
         for identity, d in list(self._decodes.items()):
             if now - d.last_seen > self.peer_timeout_s:
                 self._decode_gone(identity, f"decode {d.worker_id} missed heartbeats for {self.peer_timeout_s:g} s")
