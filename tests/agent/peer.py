@@ -22,7 +22,8 @@ from tests.agent.support import fill, make_side
 def main() -> None:
     opts = json.loads(sys.argv[1])
     bad = bool(opts.get("bad_pair"))
-    side = make_side(False, check=not bad, aux=opts.get("aux", True), **({"draft_mapping": "clone"} if bad else {}))
+    changes = dict(opts.get("settings", {}), **({"draft_mapping": "clone"} if bad else {}))
+    side = make_side(False, opts.get("preset", "tiny"), check=not bad, aux=opts.get("aux", True), **changes)
     fill(side.kv_args, opts["seed"])
     agent = PrefillAgent(
         side.kv_args,

@@ -94,3 +94,36 @@ def test_state_only_on_last_chunk_is_enforced(decode, prefills):
     pf.ask(op="sender", room=7, num_pages=4)
     answer = pf.ask(op="send", room=7, pages=[1, 2], state=[[1], [0], [1]])
     assert answer["raised"] == "ValueError: room 7: state indices go with the last chunk only"
+
+
+@pytest.mark.parametrize("num_chunks", [1, 4])
+def test_unified_mode_every_byte(prefills, num_chunks):
+    """The same over unified-KV pools (state components swa, swa_ring, c128_state, draft swa_ring)."""
+    src = make_side(False, unified_kv=True)
+    fill(src.kv_args, PREFILL_SEED)
+    source = snapshot(src.kv_args)
+    src.close()
+    side = make_side(True, unified_kv=True)
+    fill(side.kv_args, DECODE_SEED)
+    agent = DecodeAgent(side.kv_args, (side.pools.target, side.pools.draft))
+    try:
+        kv = side.kv_args
+        assert [t.value for t in kv.state_types] == ["swa", "swa_ring", "c128_state", "swa_ring"]
+        pf = prefills(PREFILL_SEED, settings={"unified_kv": True})
+        src_pages, dst_pages, src_state, dst_state = request_lists(kv, np.random.default_rng(70 + num_chunks), 8)
+        before = snapshot(kv)
+        recv = agent.receiver(pf.address, 70)
+        pf.ask(op="sender", room=70, num_pages=8, aux_index=0)
+        recv.init(dst_pages, dst_state, aux_index=1)
+        bounds = np.linspace(0, 8, num_chunks + 1).astype(int)
+        for i in range(num_chunks):
+            last = i == num_chunks - 1
+            pf.ask(op="send", room=70, pages=src_pages[bounds[i] : bounds[i + 1]], state=src_state if last else None)
+        assert recv.wait(30) is RequestState.SUCCESS, recv.failure_exception()
+        moves = [(0, src_pages, dst_pages)]
+        moves += [(c + 1, s, d) for c, (s, d) in enumerate(zip(src_state, dst_state))]
+        moves.append((len(kv.state_types) + 1, [0], [1]))
+        assert_images_equal(snapshot(kv), expected(before, source, kv, moves))
+    finally:
+        agent.close()
+        side.close()

@@ -372,7 +372,7 @@ class PrefillAgent:
         if last and state is None:
             state = [np.empty(0, dtype=np.int64) for _ in self.kv_args.state_types]
         send.queued.append((pages, state))
-        self._pump(send)
+        self._loop.post(lambda: self._pump(send))  # after send() returned: it does not wait for the copy
 
     def _pump(self, send: _Send) -> None:
         """Submit queued chunks once the decode's request is known; finish when all landed."""
