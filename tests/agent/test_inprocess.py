@@ -100,3 +100,16 @@ def test_digest_is_chunking_invariant_and_sees_every_byte():
     assert again.digest() != whole.digest()
     starts, lengths = index_runs(np.array([4, 5, 6, 9, 2, 3]))
     assert starts.tolist() == [4, 9, 2] and lengths.tolist() == [3, 1, 2]
+
+
+def test_sender_nobody_asks_for_fails_after_bootstrap_timeout():
+    p = make_side(False)
+    pa = PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), engine="loopback", bootstrap_timeout_s=0.3)
+    try:
+        send = pa.sender(9, 1)
+        assert send.wait(0.1) is RequestState.BOOTSTRAPPING
+        assert send.wait(5) is RequestState.FAILED
+        assert str(send.failure_exception()) == "room 9: no decode asked for it within 0.3 s"
+    finally:
+        pa.close()
+        p.close()

@@ -20,6 +20,7 @@ from pdstate.errors import (
     PeerGone,
     ProtocolError,
     TransferAborted,
+    TransferFailed,
     TransferTimedOut,
     error_from_wire,
 )
@@ -128,7 +129,8 @@ class PrefillAgent:
 
     ``kv_args``: the caller's filled ``KVArgs`` (``fill_kv_args`` / ``setup_state_kv_args``, plus
     ``aux_data_*`` when the caller moves metadata); ``pools``: the caller's ``(target, draft)``
-    for the layout report (or pass ``report``); ``check_local=False`` serves even when that pair
+    for the layout report (or pass ``report``). A sender no decode asks for within
+    ``bootstrap_timeout_s`` fails (``TransferFailed``). ``check_local=False`` serves even when that pair
     fails ``setup_state_kv_args`` (every decode is then refused with the same error). The memory behind ``kv_args`` is the caller's: the
     agent registers it with the engine and never allocates, frees or writes it.
 
@@ -157,6 +159,7 @@ class PrefillAgent:
         peer_timeout_s: float = 3.0,
         token: bytes | None = None,
         check_local: bool = True,
+        bootstrap_timeout_s: float = 300.0,
     ) -> None:
         if report is None:
             if pools is None:
@@ -169,6 +172,7 @@ class PrefillAgent:
         self.kv_args, self.worker_id, self.token = kv_args, worker_id, token
         self.incarnation = secrets.token_hex(8)
         self.heartbeat_interval_s, self.peer_timeout_s = heartbeat_interval_s, peer_timeout_s
+        self.bootstrap_timeout_s = bootstrap_timeout_s
         self._engine: TransferEngine = create_engine(engine, **(engine_options or {}))
         self._engine.start()
         try:
@@ -517,6 +521,13 @@ class PrefillAgent:
         for room, send in list(self._sends.items()):
             if send.record.state.terminal and now - send.record.created > 600:
                 del self._sends[room]  # kept a while so a late AgentRequest or Abort is answered
+                continue
+            if send.record.state is _S.BOOTSTRAPPING and now - send.record.created > self.bootstrap_timeout_s:
+                self._fail(
+                    send,
+                    TransferFailed(f"room {room}: no decode asked for it within {self.bootstrap_timeout_s:g} s"),
+                    tell_decode=False,
+                )
                 continue
             if send.all_submitted and not send.done_sent and not send.record.state.terminal:
                 self._finish_if_landed(send)
