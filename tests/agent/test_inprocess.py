@@ -113,3 +113,23 @@ def test_sender_nobody_asks_for_fails_after_bootstrap_timeout():
     finally:
         pa.close()
         p.close()
+
+
+def test_room_requested_twice_fails_the_second(pair):
+    pa, da = pair
+    d2 = make_side(False)
+    da2 = DecodeAgent(d2.kv_args, (d2.pools.target, d2.pools.draft), engine="loopback", worker_id="second")
+    try:
+        send = pa.sender(11, 1)
+        first = da.receiver(pa.address, 11)
+        first.init([2], [[1], [0], [1]])
+        assert send.wait(5, until=lambda s: s is RequestState.WAITING_FOR_INPUT) is RequestState.WAITING_FOR_INPUT
+        second = da2.receiver(pa.address, 11)
+        second.init([3], [[1], [0], [1]])
+        assert second.wait(5) is RequestState.FAILED
+        assert str(second.failure_exception()) == f"room 11 was already requested by decode {da.worker_id}"
+        send.send([1], [[1], [0], [1]])
+        assert first.wait(5) is RequestState.SUCCESS, first.failure_exception()
+    finally:
+        da2.close()
+        d2.close()

@@ -332,6 +332,12 @@ class PrefillAgent:
                 del self._pending[room]
 
     def _attach(self, send: _Send, identity: bytes, msg: wire.AgentRequest) -> None:
+        if send.request is not None:
+            first = self._decodes.get(send.identity)
+            by = f"decode {first.worker_id}" if first is not None else "another decode"
+            err = ProtocolError(f"room {msg.room} was already requested by {by}")
+            self._reply(identity, wire.Error(error=ErrorInfo.of(err), room=msg.room))
+            return
         if send.record.state.terminal:
             # aborted on this side before the request came: tell the decode it will get nothing
             self._reply(identity, self._done_failed(msg.room, send.record.error))
