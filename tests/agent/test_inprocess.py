@@ -133,3 +133,41 @@ def test_room_requested_twice_fails_the_second(pair):
     finally:
         da2.close()
         d2.close()
+
+
+def test_abort_fences_a_write_still_in_flight():
+    """An engine whose writes land later (loopback, delay_s): the prefill confirms the abort only
+    after the in-flight handle finished, so nothing changes once ``abort()`` returned."""
+    from tests.agent.support import snapshot
+
+    p, d = make_side(False), make_side(False)
+    fill(p.kv_args, 1)
+    fill(d.kv_args, 2)
+    pa = PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), engine="loopback", engine_options={"delay_s": 0.4})
+    da = DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine="loopback")
+    try:
+        recv, send = da.receiver(pa.address, 12), pa.sender(12, 3)
+        before = snapshot(d.kv_args)
+        recv.init([1, 2, 3], [[1], [0], [1]])
+        send.send([1])  # lands 0.4 s after its submit
+        assert send.wait(5, until=lambda s: s is RequestState.TRANSFERRING) is RequestState.TRANSFERRING
+        recv.abort("stop")
+        assert recv.state is RequestState.FAILED and send.state is RequestState.FAILED
+        fenced = snapshot(d.kv_args)
+        # the in-flight chunk finished before the abort was confirmed (page 1 of main KV changed) ...
+        item = d.kv_args.kv_item_lens[0]
+        assert not np.array_equal(fenced[0][item : 2 * item], before[0][item : 2 * item])
+        # ... and nothing lands afterwards, even past the engine's delay
+        with pytest.raises(type(send.failure_exception()), match="aborted by decode: stop"):
+            send.send([2, 3], [[1], [0], [1]])
+        import time
+
+        time.sleep(0.6)
+        after = snapshot(d.kv_args)
+        for j, (a, f) in enumerate(zip(after, fenced)):
+            assert np.array_equal(a, f), f"buffer {j} changed after abort() returned"
+    finally:
+        da.close()
+        pa.close()
+        p.close()
+        d.close()
