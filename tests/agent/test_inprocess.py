@@ -171,3 +171,27 @@ def test_abort_fences_a_write_still_in_flight():
         pa.close()
         p.close()
         d.close()
+
+
+def test_engine_failure_mid_request_fails_both_sides():
+    from pdstate.transfer.engines.loopback import ScriptedFailure
+
+    p, d = make_side(False), make_side(False)
+    failure = ScriptedFailure(nth_submit=2, after_bytes=100, message="loopback link down")
+    pa = PrefillAgent(
+        p.kv_args, (p.pools.target, p.pools.draft), engine="loopback", engine_options={"failures": [failure]}
+    )
+    da = DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine="loopback")
+    try:
+        recv, send = da.receiver(pa.address, 13), pa.sender(13, 2)
+        recv.init([1, 2], [[1], [0], [1]])
+        send.send([1])
+        send.send([2], [[1], [0], [1]])
+        assert recv.wait(5) is RequestState.FAILED and send.wait(5) is RequestState.FAILED
+        assert type(recv.failure_exception()) is EngineError
+        assert str(recv.failure_exception()) == str(send.failure_exception()) == "loopback link down"
+    finally:
+        da.close()
+        pa.close()
+        p.close()
+        d.close()
