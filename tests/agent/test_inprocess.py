@@ -195,3 +195,20 @@ def test_engine_failure_mid_request_fails_both_sides():
         pa.close()
         p.close()
         d.close()
+
+
+def test_digest_off():
+    p, d = make_side(False), make_side(False)
+    pa = PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), engine="loopback")
+    da = DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine="loopback", digest=False)
+    try:
+        recv, send = da.receiver(pa.address, 14), pa.sender(14, 1)
+        recv.init([4], [[1], [0], [1]])
+        send.send([4], [[1], [0], [1]])
+        assert recv.wait(5) is RequestState.SUCCESS and send.wait(5) is RequestState.SUCCESS
+        assert "digest_s" not in recv.metrics and "digest_s" not in send.metrics
+    finally:
+        da.close()
+        pa.close()
+        p.close()
+        d.close()
