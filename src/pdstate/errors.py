@@ -284,6 +284,18 @@ class RemoteError(PdStateError, RuntimeError):
         self.type_name = type_name
 
 
+class TransferAborted(TransferFailed):
+    """A request was aborted by its decode or its prefill; no write of it lands afterwards."""
+
+
+class DigestMismatch(TransferFailed):
+    """The bytes that landed on the decode do not hash to what the prefill sent."""
+
+
+class AgentClosed(PdStateError):
+    """A call on an agent (or one of its senders/receivers) after ``close()``."""
+
+
 def _classes() -> dict[str, type[BaseException]]:
     module = sys.modules[__name__]
     return {

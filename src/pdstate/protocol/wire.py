@@ -15,6 +15,13 @@ change of a message's fields):
   an empty transfer: no pages or state move; the control path alone, for probes and for
   measuring it. And the "not registered" ``Error`` came to carry the type ``NotRegistered``,
   was ``ProtocolError``, same text: a decode matches the type, never the text.)
+  v1 then gained two kinds for the embeddable agent (``pdstate.agent``), leaving every earlier
+  message byte-identical: ``AgentRequest`` (decode -> prefill: one request's destination pages,
+  state indices and optional aux slot, with a digest flag) and ``AgentVerdict`` (decode ->
+  prefill: the decode's verdict after comparing digests). The prefill answers an ``AgentRequest``
+  with the existing ``TransferDone`` (its ``digest`` the sender's), and an ``Abort`` with a failed
+  ``TransferDone`` once no write of that room can still land. A peer without them answers an
+  unknown kind with ``Error``.
 """
 
 from __future__ import annotations
@@ -184,6 +191,36 @@ class TransferDone(Message):
     copy_s: float = Field(0.0, ge=0)
 
 
+class AuxDest(BaseModel):
+    """The decode's aux (metadata) buffers and the slot the request's aux lands in."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    ptrs: list[U64] = Field(max_length=MAX_BUFFERS)
+    item_lens: list[U64] = Field(max_length=MAX_BUFFERS)
+    index: I63
+
+
+class AgentRequest(Message):
+    """Decode -> prefill (agent): where one request's pages, state and aux land."""
+
+    KIND: ClassVar[str] = "agent_request"
+    room: I63
+    dst_kv_pages: PackedIndices
+    dst_state_indices: list[PackedIndices] = Field(max_length=MAX_COMPONENTS)
+    dst_aux: AuxDest | None = None
+    digest: bool = True
+    deadline_s: float = Field(gt=0, le=3600)
+
+
+class AgentVerdict(Message):
+    """Decode -> prefill (agent): the request's outcome after the decode compared digests."""
+
+    KIND: ClassVar[str] = "agent_verdict"
+    room: I63
+    status: Literal["success", "failed"]
+    error: ErrorInfo | None = None
+
+
 class Abort(Message):
     KIND: ClassVar[str] = "abort"
     room: I63
@@ -206,7 +243,20 @@ class Error(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {
-    m.KIND: m for m in (Register, Accept, Reject, Heartbeat, TransferRequest, TransferDone, Abort, Busy, Error)
+    m.KIND: m
+    for m in (
+        Register,
+        Accept,
+        Reject,
+        Heartbeat,
+        TransferRequest,
+        TransferDone,
+        Abort,
+        Busy,
+        Error,
+        AgentRequest,
+        AgentVerdict,
+    )
 }
 
 

@@ -1,0 +1,218 @@
+"""What both agents share: the I/O thread, regions from a caller's ``KVArgs``, request records."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from pdstate.errors import AgentClosed, IllegalTransition, PdStateError
+from pdstate.pools.memory import Region
+from pdstate.protocol.lifecycle import RequestState, advance
+from pdstate.protocol.wire import MAX_FRAME_BYTES
+
+log = logging.getLogger("pdstate.agent")
+
+__all__ = ["AgentLoop", "RequestRecord", "channel_layout", "regions_of"]
+
+
+def regions_of(kv_args, aux: bool = True) -> list[Region]:
+    """One engine region per distinct buffer of ``kv_args`` (main KV, state, aux); buffers that
+    overlap are merged. The memory stays the caller's: engines only register it."""
+    spans = list(zip(kv_args.kv_data_ptrs, kv_args.kv_data_lens))
+    for ptrs, lens in zip(kv_args.state_data_ptrs, kv_args.state_data_lens):
+        spans += zip(ptrs, lens)
+    if aux:
+        spans += zip(kv_args.aux_data_ptrs, kv_args.aux_data_lens)
+    merged: list[list[int]] = []
+    for ptr, n in sorted((int(p), int(n)) for p, n in spans if n):
+        if merged and ptr < merged[-1][0] + merged[-1][1]:
+            end = max(merged[-1][0] + merged[-1][1], ptr + n)
+            merged[-1][1] = end - merged[-1][0]
+        else:
+            merged.append([ptr, n])
+    return [Region(f"buffer-{i}", p, n) for i, (p, n) in enumerate(merged)]
+
+
+def channel_layout(desc, aux_ptrs=None, aux_items=None) -> list[tuple[list[int], list[int]]]:
+    """``[(ptrs, item_lens)]`` for main KV, each state component, then aux (when given)."""
+    out = [(list(desc.kv_data_ptrs), list(desc.kv_item_lens))]
+    out += [(list(p), list(i)) for p, i in zip(desc.state_data_ptrs, desc.state_item_lens)]
+    if aux_ptrs is not None:
+        out.append((list(aux_ptrs), list(aux_items)))
+    return out
+
+
+@dataclass
+class RequestRecord:
+    """A request's lifecycle on one side; written by the I/O thread, read by any thread."""
+
+    room: int
+    state: RequestState = RequestState.BOOTSTRAPPING
+    error: PdStateError | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    changed: threading.Condition = field(default_factory=threading.Condition)
+    created: float = field(default_factory=time.monotonic)
+
+    def move(self, new: RequestState) -> None:
+        with self.changed:
+            if self.state is new:
+                return
+            self.state = advance(self.state, new)
+            self.metrics[f"{new.value}_at_s"] = round(time.monotonic() - self.created, 6)
+            self.changed.notify_all()
+
+    def fail(self, error: PdStateError) -> bool:
+        """Move to FAILED with ``error`` unless already terminal; returns whether it moved."""
+        with self.changed:
+            if self.state.terminal:
+                return False
+            self.error = error
+            try:
+                self.move(RequestState.FAILED)
+            except IllegalTransition:  # pragma: no cover - FAILED is reachable from every live state
+                raise
+            return True
+
+    def wait(self, timeout_s: float, until: Callable[[RequestState], bool] | None = None) -> RequestState:
+        until = until or (lambda s: s.terminal)
+        deadline = time.monotonic() + timeout_s
+        with self.changed:
+            while not until(self.state):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.changed.wait(left)
+            return self.state
+
+
+class AgentLoop:
+    """One thread that owns the ZeroMQ sockets and the engine's submissions.
+
+    Other threads hand it work with ``post(fn)`` (run soon, in order) or ``call(fn)`` (run and
+    wait for the result, re-raising its exception). ``on_tick`` runs at least every ``tick_s``.
+    """
+
+    def __init__(self, name: str, tick_s: float, on_tick: Callable[[], None]) -> None:
+        self.ctx = zmq.Context()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._sockets: dict[zmq.Socket, Callable[[zmq.Socket], None]] = {}
+        self._tick_s, self._on_tick = tick_s, on_tick
+        self._stopping = False
+        self.closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._ident: int | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def socket(self, kind: int) -> zmq.Socket:
+        s = self.ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
+        return s
+
+    def watch(self, sock: zmq.Socket, handler: Callable[[zmq.Socket], None]) -> None:
+        self._sockets[sock] = handler
+
+    def unwatch(self, sock: zmq.Socket) -> None:
+        self._sockets.pop(sock, None)
+        sock.close(0)
+
+    def in_loop(self) -> bool:
+        return threading.get_ident() == self._ident
+
+    def post(self, fn: Callable[[], None]) -> None:
+        if self.closed:
+            raise AgentClosed("the agent is closed")
+        self._queue.put(fn)
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:  # pragma: no cover - the pipe is full: the loop is awake anyway
+            pass
+
+    def call(self, fn: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+        if self.in_loop():
+            return fn()
+        done = threading.Event()
+        box: list[Any] = [None, None]
+
+        def run() -> None:
+            try:
+                box[0] = fn()
+            except BaseException as exc:  # handed back to the calling thread
+                box[1] = exc
+            done.set()
+
+        self.post(run)
+        if not done.wait(timeout_s):
+            raise TimeoutError(f"agent I/O thread did not answer within {timeout_s:g} s")
+        if box[1] is not None:
+            raise box[1]
+        return box[0]
+
+    def stop(self, final: Callable[[], None]) -> None:
+        """Run ``final`` in the loop, then end the thread and close every socket (idempotent)."""
+        if self.closed:
+            return
+        if self._thread.is_alive():
+            try:
+                self.call(final)
+            finally:
+                self._stopping = True
+                self.post(lambda: None)
+                self.closed = True
+                self._thread.join(10)
+        self.closed = True
+        for s in list(self._sockets):
+            s.close(0)
+        self._sockets.clear()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self.ctx.term()
+
+    @staticmethod
+    def _guard(fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:  # a bug in one handler must not end the I/O thread
+            log.exception("pdstate agent I/O thread: unhandled error")
+
+    def _run(self) -> None:
+        self._ident = threading.get_ident()
+        poller_timeout_ms = max(1, int(self._tick_s * 1000))
+        next_tick = time.monotonic()
+        while not self._stopping:
+            poller = zmq.Poller()
+            poller.register(self._wake_r, zmq.POLLIN)
+            for s in self._sockets:
+                poller.register(s, zmq.POLLIN)
+            events = dict(poller.poll(poller_timeout_ms))
+            if self._wake_r in events:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            while True:
+                try:
+                    fn = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                self._guard(fn)
+            for s, handler in list(self._sockets.items()):
+                if events.get(s) and s in self._sockets:
+                    while s in self._sockets and s.poll(0):
+                        self._guard(lambda: handler(s))
+            if time.monotonic() >= next_tick:
+                self._guard(self._on_tick)
+                next_tick = time.monotonic() + self._tick_s

@@ -1,0 +1,483 @@
+"""The decode agent: receives from any number of prefill agents, one ``KVReceiver`` per request."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
+from pdstate.agent.digest import RequestDigest
+from pdstate.errors import (
+    AgentClosed,
+    DigestMismatch,
+    EngineError,
+    PdStateError,
+    PeerGone,
+    ProtocolError,
+    TransferAborted,
+    TransferTimedOut,
+    error_from_wire,
+)
+from pdstate.protocol import wire
+from pdstate.protocol.handshake import DecodeHandshake, LocalSide
+from pdstate.protocol.lifecycle import PeerState, RequestState
+from pdstate.protocol.report import ErrorInfo
+from pdstate.transfer.engines.base import TransferEngine, create_engine
+
+__all__ = ["DecodeAgent", "KVReceiver"]
+
+_S = RequestState
+
+
+@dataclass
+class _Prefill:
+    address: str
+    sock: zmq.Socket
+    state: PeerState = PeerState.PENDING
+    incarnation: str = ""
+    worker_id: str = ""
+    error: PdStateError | None = None
+    registered_at: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)
+    last_heartbeat: float = 0.0
+    seq: int = 0
+    handshakes: int = 0
+    rooms: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Recv:
+    record: RequestRecord
+    prefill: str
+    request: wire.AgentRequest | None = None
+    sent: bool = False
+    aborting: str | None = None
+    sent_at: float | None = None
+
+
+class KVReceiver:
+    """One request on the decode side (upstream's ``KVReceiver``), fed by the prefill at
+    ``prefill`` under ``room``.
+
+    Lifecycle: BOOTSTRAPPING until that prefill accepted this agent's handshake,
+    WAITING_FOR_INPUT until ``init``, TRANSFERRING once the request went out, SUCCESS after the
+    prefill's ``TransferDone`` and (digests on) the landed bytes hash to the sent ones; FAILED
+    otherwise, with ``failure_exception()``.
+    """
+
+    def __init__(self, agent: DecodeAgent, recv: _Recv) -> None:
+        self._agent, self._recv = agent, recv
+        self.room, self.prefill = recv.record.room, recv.prefill
+
+    def poll(self) -> RequestState:
+        return self._recv.record.state
+
+    @property
+    def state(self) -> RequestState:
+        return self._recv.record.state
+
+    def init(self, page_indices, state_indices, aux_index: int | None = None) -> None:
+        """Name the destination: main-KV page ids, one index list per state component (in
+        ``KVArgs.state_types`` order), and the aux slot (when this agent has aux buffers)."""
+        pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
+        st = [np.asarray(x, dtype=np.int64).reshape(-1) for x in state_indices]
+        self._agent._loop.call(lambda: self._agent._init(self._recv, pages, st, aux_index))
+
+    def abort(self, reason: str = "aborted by decode", timeout_s: float = 30.0) -> None:
+        """Abort the request; returns once FAILED and fenced: the prefill confirmed that nothing
+        of this room can land any more (or the prefill is dead: heartbeats missed). Raises
+        ``TransferTimedOut`` if neither happened within ``timeout_s`` (the request then stays
+        TRANSFERRING until one does)."""
+        self._agent._loop.call(lambda: self._agent._abort(self._recv, reason))
+        rec = self._recv.record
+        if rec.wait(timeout_s) is not _S.FAILED and not rec.state.terminal:
+            raise TransferTimedOut(f"room {self.room}: the prefill did not confirm the abort within {timeout_s:g} s")
+
+    def failure_exception(self) -> PdStateError | None:
+        return self._recv.record.error
+
+    def wait(self, timeout_s: float, until=None) -> RequestState:
+        """Block until terminal (or ``until(state)`` is true) or ``timeout_s``; returns the state."""
+        return self._recv.record.wait(timeout_s, until)
+
+    @property
+    def metrics(self) -> dict:
+        return dict(self._recv.record.metrics)
+
+
+class DecodeAgent:
+    """Receives DSV4 state into the caller's memory from any number of prefill agents.
+
+    ``kv_args``: the caller's filled ``KVArgs`` (``aux_data_*`` too when metadata moves);
+    ``pools``: the caller's ``(target, draft)`` for the layout report (or ``report=``). The agent
+    registers that memory with the engine; it never allocates, frees or writes it (the prefill's
+    engine writes it). With the ``shm`` engine every buffer must lie in a shared file mapping
+    under ``/dev/shm`` the prefill may map (e.g. tensors from ``pdstate.pools.memory.SharedMemory``:
+    a ``pdstate-<pid>-...`` file, mode 0600, same user); private memory is refused here, in the
+    constructor, with ``EngineError``. The ``loopback`` (same process), ``mooncake`` and ``nixl``
+    engines register arbitrary memory.
+
+    A prefill is named per request (``receiver(address, room)``); the first use of an address
+    connects and shakes hands (cached), a refusal fails only that prefill's requests with the
+    prefill's error (upstream's text), and a prefill that restarts (a new incarnation in its
+    heartbeat answers) or stops answering for ``peer_timeout_s`` fails its requests with
+    ``PeerGone`` and is shaken hands with again on next use.
+
+    Threading contract:
+
+    * One I/O thread per agent owns the sockets and every request's state; it starts in the
+      constructor and ends in ``close()``.
+    * ``receiver()``, ``KVReceiver.init/abort/poll/wait/failure_exception/metrics``,
+      ``prefills()`` and ``close()`` are safe from any thread. ``init`` returns once the request
+      is queued; ``abort`` blocks until the fence (see ``KVReceiver.abort``).
+    * The caller must not reuse a request's destination pages until its receiver is terminal;
+      after FAILED no write of it lands (the prefill fences before it confirms; see README).
+    """
+
+    def __init__(
+        self,
+        kv_args,
+        pools=None,
+        *,
+        engine: str = "shm",
+        engine_options: dict | None = None,
+        worker_id: str | None = None,
+        report=None,
+        digest: bool = True,
+        heartbeat_interval_s: float = 0.5,
+        peer_timeout_s: float = 3.0,
+        handshake_timeout_s: float = 10.0,
+        transfer_timeout_s: float = 600.0,
+        token: bytes | None = None,
+    ) -> None:
+        if report is None:
+            if pools is None:
+                raise ValueError("DecodeAgent needs pools=(target, draft) or report= for the handshake")
+            from pdstate.pools.reporting import build_report
+
+            report, _ = build_report(*pools)
+        self.kv_args, self.token, self.digest = kv_args, token, digest
+        self.worker_id = worker_id or f"decode-{secrets.token_hex(4)}"
+        self.incarnation = secrets.token_hex(8)
+        self.heartbeat_interval_s, self.peer_timeout_s = heartbeat_interval_s, peer_timeout_s
+        self.handshake_timeout_s, self.transfer_timeout_s = handshake_timeout_s, transfer_timeout_s
+        self._engine: TransferEngine = create_engine(engine, **(engine_options or {}))
+        self._engine.start()
+        try:
+            self._engine.register(regions_of(kv_args))
+            endpoint = self._engine.endpoint()
+        except EngineError as exc:
+            self._engine.close()
+            raise type(exc)(f"DecodeAgent cannot publish its memory on the {engine} engine: {exc}") from exc
+        except BaseException:
+            self._engine.close()
+            raise
+        kv = wire.KVDesc.of(kv_args) if report.local_check.ok else None
+        self._handshake = DecodeHandshake(
+            LocalSide(
+                worker_id=self.worker_id,
+                incarnation=self.incarnation,
+                report=report,
+                kv=kv,
+                engine=wire.EngineDesc(name=self._engine.name, endpoint=endpoint),
+            )
+        )
+        self._aux = (
+            wire.AuxDest(ptrs=list(kv_args.aux_data_ptrs), item_lens=list(kv_args.aux_item_lens), index=0)
+            if kv_args.aux_data_ptrs
+            else None
+        )
+        self._layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
+        self._prefills: dict[str, _Prefill] = {}
+        self._recvs: dict[tuple[str, int], _Recv] = {}
+        self._last_tick = time.monotonic()
+        self._loop = AgentLoop(f"pdstate-decode-{self.worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
+        self._loop.start()
+
+    # --- public ---------------------------------------------------------------------------------
+
+    def receiver(self, prefill: str, room: int) -> KVReceiver:
+        """The receiver of request ``room`` from the prefill agent at ``prefill`` (its address)."""
+        recv = _Recv(RequestRecord(room), prefill)
+        return KVReceiver(self, self._loop.call(lambda: self._add(recv)))
+
+    def prefills(self) -> dict[str, dict]:
+        """Every prefill this agent used: state, worker id, incarnation, handshakes, error."""
+
+        def snap() -> dict[str, dict]:
+            return {
+                a: {
+                    "state": p.state.value,
+                    "worker_id": p.worker_id,
+                    "incarnation": p.incarnation,
+                    "handshakes": p.handshakes,
+                    "error": None if p.error is None else f"{type(p.error).__name__}: {p.error}",
+                }
+                for a, p in self._prefills.items()
+            }
+
+        return self._loop.call(snap)
+
+    def close(self) -> None:
+        """Fail live requests (``decode shutting down``), close sockets and the engine (the
+        caller's memory is left as it is)."""
+        if self._loop.closed:
+            return
+
+        def final() -> None:
+            for recv in self._recvs.values():
+                recv.record.fail(AgentClosed("decode shutting down"))
+
+        try:
+            self._loop.stop(final)
+        finally:
+            self._engine.close()
+
+    def __enter__(self) -> DecodeAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- I/O thread -------------------------------------------------------------------------------
+
+    def _send(self, p: _Prefill, msg: wire.Message) -> None:
+        try:
+            p.sock.send(wire.encode(msg, self.token), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # not connected yet or gone: heartbeats and timeouts decide
+
+    def _connect(self, address: str, handshakes: int = 0) -> _Prefill:
+        sock = self._loop.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}/{self.incarnation}/{secrets.token_hex(4)}".encode())
+        sock.setsockopt(zmq.SNDHWM, 10000)
+        sock.connect(address)
+        p = _Prefill(address, sock, handshakes=handshakes)
+        self._loop.watch(sock, lambda s, a=address: self._on_frame(a, s))
+        self._prefills[address] = p
+        self._register(p)
+        return p
+
+    def _register(self, p: _Prefill) -> None:
+        p.state, p.error, p.registered_at, p.handshakes = PeerState.PENDING, None, time.monotonic(), p.handshakes + 1
+        self._send(p, self._handshake.register_message())
+
+    def _add(self, recv: _Recv) -> _Recv:
+        key = (recv.prefill, recv.record.room)
+        old = self._recvs.get(key)
+        if old is not None and not old.record.state.terminal:
+            raise ProtocolError(f"room {recv.record.room} from {recv.prefill} already has a live receiver")
+        self._recvs[key] = recv
+        p = self._prefills.get(recv.prefill)
+        if p is None or p.state is PeerState.GONE:
+            earlier = 0
+            if p is not None:
+                self._loop.unwatch(p.sock)  # a fresh socket: nothing queued for the dead process
+                earlier = p.handshakes
+            p = self._connect(recv.prefill, earlier)
+        elif p.state is PeerState.REJECTED:
+            self._register(p)  # the prefill may have been fixed: ask again
+        p.rooms.add(recv.record.room)
+        if p.state is PeerState.ACCEPTED:
+            recv.record.move(_S.WAITING_FOR_INPUT)
+        return recv
+
+    def _init(self, recv: _Recv, pages: np.ndarray, state: list[np.ndarray], aux_index: int | None) -> None:
+        if recv.record.state.terminal:
+            raise recv.record.error or ProtocolError(f"room {recv.record.room} is finished")
+        if recv.request is not None:
+            raise ProtocolError(f"room {recv.record.room}: init() called twice")
+        if len(state) != len(self.kv_args.state_types):
+            raise ValueError(
+                f"state_indices: {len(state)} lists given, the layout has {len(self.kv_args.state_types)} "
+                f"components {[getattr(t, 'value', t) for t in self.kv_args.state_types]}"
+            )
+        aux = None
+        if aux_index is not None:
+            if self._aux is None:
+                raise ValueError("aux_index given, but this agent's KVArgs has no aux buffers")
+            aux = self._aux.model_copy(update={"index": int(aux_index)})
+        recv.request = wire.AgentRequest(
+            room=recv.record.room,
+            dst_kv_pages=wire.PackedIndices.pack(pages),
+            dst_state_indices=[wire.PackedIndices.pack(s) for s in state],
+            dst_aux=aux,
+            digest=self.digest,
+            deadline_s=min(3600.0, self.transfer_timeout_s),
+        )
+        self._maybe_send(recv)
+
+    def _maybe_send(self, recv: _Recv) -> None:
+        p = self._prefills.get(recv.prefill)
+        if recv.sent or recv.request is None or p is None or p.state is not PeerState.ACCEPTED:
+            return
+        if recv.record.state is _S.BOOTSTRAPPING:
+            recv.record.move(_S.WAITING_FOR_INPUT)
+        recv.sent = True
+        if recv.record.state is not _S.TRANSFERRING:  # else: sent again to a restarted prefill
+            recv.record.move(_S.TRANSFERRING)
+        recv.sent_at = time.monotonic()
+        self._send(p, recv.request)
+
+    def _abort(self, recv: _Recv, reason: str) -> None:
+        if recv.record.state.terminal or recv.aborting is not None:
+            return
+        recv.aborting = reason
+        p = self._prefills.get(recv.prefill)
+        if not recv.sent or p is None or p.state is not PeerState.ACCEPTED:
+            # the prefill never learned where to write: nothing of it can land
+            recv.record.fail(TransferAborted(f"aborted by decode: {reason}"))
+            return
+        self._send(p, wire.Abort(room=recv.record.room, reason=reason[:1024]))
+
+    def _live(self, address: str):
+        for (a, _), recv in self._recvs.items():
+            if a == address and not recv.record.state.terminal:
+                yield recv
+
+    def _fail_prefill(self, p: _Prefill, error: PdStateError, state: PeerState) -> None:
+        p.state, p.error = state, error
+        for recv in list(self._live(p.address)):
+            recv.record.fail(type(error)(str(error)))
+
+    def _restarted(self, p: _Prefill, incarnation: str) -> None:
+        """The prefill at ``p.address`` is a new process: what the old one was sending is lost.
+
+        Called at the new process's Accept. ZeroMQ delivers in order, so every request this
+        decode sent before its new Register reached either the old process (still ``sent``:
+        lost) or the new one, which answered ``NotRegistered`` before its Accept (``sent`` was
+        cleared: it goes out again now)."""
+        err = PeerGone(f"prefill {p.address} restarted (incarnation {p.incarnation} -> {incarnation})")
+        for recv in list(self._live(p.address)):
+            if recv.sent:
+                recv.record.fail(PeerGone(str(err)))
+
+    def _on_frame(self, address: str, sock: zmq.Socket) -> None:
+        frame = sock.recv()
+        p = self._prefills.get(address)
+        if p is None or p.sock is not sock:
+            return
+        try:
+            msg = wire.decode(frame, self.token)
+        except PdStateError:
+            return
+        p.last_seen = time.monotonic()
+        if isinstance(msg, (wire.Accept, wire.Reject)):
+            self._on_handshake(p, msg)
+        elif isinstance(msg, wire.Heartbeat):
+            if p.state is PeerState.ACCEPTED and msg.incarnation != p.incarnation:
+                self._register(p)  # a new process at that address: what the old one had fails at its Accept
+        elif isinstance(msg, wire.TransferDone):
+            self._on_done(p, msg)
+        elif isinstance(msg, wire.Error):
+            if msg.error.type == "NotRegistered":
+                # a new incarnation got this request, so the old one never did: send it again
+                # once the new one accepted this decode
+                recv = self._recvs.get((address, msg.room)) if msg.room is not None else None
+                if recv is not None and not recv.record.state.terminal:
+                    recv.sent = False
+                if p.state is PeerState.ACCEPTED:
+                    self._register(p)
+            elif msg.room is not None:
+                recv = self._recvs.get((address, msg.room))
+                if recv is not None:
+                    recv.record.fail(error_from_wire(msg.error.type, msg.error.message))
+
+    def _on_handshake(self, p: _Prefill, msg) -> None:
+        if p.state is not PeerState.PENDING:
+            return
+        try:
+            accept = self._handshake.receive(msg)
+        except (PdStateError, RuntimeError, ValueError) as exc:
+            err = exc if isinstance(exc, PdStateError) else error_from_wire(type(exc).__name__, str(exc))
+            self._fail_prefill(p, err, PeerState.REJECTED)
+            return
+        if p.incarnation and accept.incarnation != p.incarnation:
+            self._restarted(p, accept.incarnation)
+        p.state, p.incarnation, p.worker_id, p.error = PeerState.ACCEPTED, accept.incarnation, accept.worker_id, None
+        p.last_seen = time.monotonic()
+        for recv in list(self._live(p.address)):
+            if recv.record.state is _S.BOOTSTRAPPING:
+                recv.record.move(_S.WAITING_FOR_INPUT)
+            self._maybe_send(recv)
+
+    def _on_done(self, p: _Prefill, msg: wire.TransferDone) -> None:
+        recv = self._recvs.get((p.address, msg.room))
+        if recv is None or recv.record.state.terminal:
+            return
+        rec = recv.record
+        rec.metrics.update(bytes=msg.bytes, descriptors=msg.descriptors)
+        if recv.sent_at is not None:
+            rec.metrics["transfer_s"] = round(time.monotonic() - recv.sent_at, 6)
+        if recv.aborting is not None:
+            # the prefill sends TransferDone only once its writes of this room are finished
+            rec.fail(TransferAborted(f"aborted by decode: {recv.aborting}"))
+            return
+        if msg.status == "failed":
+            err = msg.error or ErrorInfo(type="TransferFailed", message="prefill reported failure")
+            rec.fail(error_from_wire(err.type, err.message))
+            return
+        verdict_error: PdStateError | None = None
+        if self.digest:
+            t0 = time.perf_counter()
+            mine = self._digest(recv.request)
+            rec.metrics["digest_s"] = round(time.perf_counter() - t0, 6)
+            if msg.digest is None:
+                verdict_error = DigestMismatch(f"room {msg.room}: the prefill sent no digest")
+            elif msg.digest != mine:
+                verdict_error = DigestMismatch(
+                    f"room {msg.room}: digest of the {msg.bytes} bytes that landed ({mine.hex()}) differs "
+                    f"from the prefill's digest of the bytes it sent ({msg.digest.hex()})"
+                )
+        if verdict_error is None:
+            self._send(p, wire.AgentVerdict(room=msg.room, status="success"))
+            rec.move(_S.SUCCESS)
+        else:
+            self._send(p, wire.AgentVerdict(room=msg.room, status="failed", error=ErrorInfo.of(verdict_error)))
+            rec.fail(verdict_error)
+
+    def _digest(self, req: wire.AgentRequest) -> bytes:
+        n = 1 + len(req.dst_state_indices)
+        d = RequestDigest(self._layout if req.dst_aux is not None else self._layout[:n])
+        d.update(0, req.dst_kv_pages.unpack())
+        for c, lst in enumerate(req.dst_state_indices, start=1):
+            d.update(c, lst.unpack())
+        if req.dst_aux is not None:
+            d.update(n, np.array([req.dst_aux.index]))
+        return d.digest()
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        stalled = now - self._last_tick - 2 * self.heartbeat_interval_s
+        self._last_tick = now
+        if stalled > 0:  # this process did not run for a while: do not blame the peers for it
+            for peer in self._prefills.values():
+                peer.last_seen += stalled
+        for key, recv in list(self._recvs.items()):
+            if recv.record.state.terminal:
+                del self._recvs[key]  # the caller holds its KVReceiver; the agent forgets it
+                continue
+            sent_at = recv.sent_at
+            if sent_at is not None and recv.aborting is None and now - sent_at > self.transfer_timeout_s:
+                self._abort(recv, f"no TransferDone within transfer_timeout_s={self.transfer_timeout_s:g} s")
+        for p in list(self._prefills.values()):
+            if p.state is PeerState.PENDING and now - p.registered_at > self.handshake_timeout_s:
+                self._fail_prefill(
+                    p,
+                    PeerGone(f"prefill {p.address} did not answer the handshake within {self.handshake_timeout_s:g} s"),
+                    PeerState.GONE,
+                )
+            elif p.state is PeerState.ACCEPTED:
+                if now - p.last_seen > self.peer_timeout_s:
+                    self._fail_prefill(
+                        p,
+                        PeerGone(f"prefill {p.address} missed heartbeats for {self.peer_timeout_s:g} s"),
+                        PeerState.GONE,
+                    )
+                elif now - p.last_heartbeat >= self.heartbeat_interval_s:
+                    p.last_heartbeat, p.seq = now, p.seq + 1
+                    self._send(p, wire.Heartbeat(worker_id=self.worker_id, incarnation=self.incarnation, seq=p.seq))

@@ -1,0 +1,556 @@
+"""The prefill agent: serves any number of decode agents, one ``KVSender`` per request (room)."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
+from pdstate.agent.digest import RequestDigest
+from pdstate.errors import (
+    AgentClosed,
+    EngineError,
+    IndexCountMismatch,
+    ItemLengthMismatch,
+    PdStateError,
+    PeerGone,
+    ProtocolError,
+    TransferAborted,
+    TransferFailed,
+    TransferTimedOut,
+    error_from_wire,
+)
+from pdstate.protocol import wire
+from pdstate.protocol.handshake import LocalSide, PrefillHandshake
+from pdstate.protocol.lifecycle import RequestState
+from pdstate.protocol.report import ErrorInfo
+from pdstate.transfer.engines.base import TransferEngine, TransferHandle, create_engine
+from pdstate.transfer.plan import TransferPlan
+from pdstate.transfer.planner import PairPlanner
+
+__all__ = ["KVSender", "PrefillAgent"]
+
+_S = RequestState
+FENCE_TIMEOUT_S = 60.0
+
+
+@dataclass
+class _Decode:
+    identity: bytes
+    worker_id: str
+    incarnation: str
+    peer_id: str
+    planner: PairPlanner
+    last_seen: float
+
+
+@dataclass
+class _Pending:
+    """An ``AgentRequest`` (or its abort) that arrived before the caller made its sender."""
+
+    identity: bytes
+    msg: wire.AgentRequest
+
+
+@dataclass
+class _Send:
+    record: RequestRecord
+    num_pages: int
+    aux_index: int | None
+    identity: bytes | None = None
+    request: wire.AgentRequest | None = None
+    queued: list[tuple[np.ndarray, list[np.ndarray] | None]] = field(default_factory=list)
+    pages_sent: int = 0
+    handles: list[TransferHandle] = field(default_factory=list)
+    digest: RequestDigest | None = None
+    bytes: int = 0
+    descriptors: int = 0
+    chunks: int = 0
+    all_submitted: bool = False
+    done_sent: bool = False
+    started: float = 0.0
+
+
+class KVSender:
+    """One request on the prefill side (upstream's ``KVSender``).
+
+    Lifecycle: BOOTSTRAPPING until the decode's ``AgentRequest`` for this room arrives,
+    WAITING_FOR_INPUT, TRANSFERRING from the first chunk, SUCCESS once every chunk has landed and
+    the decode accepted the bytes (digests equal), FAILED otherwise (``failure_exception()``).
+    """
+
+    def __init__(self, agent: PrefillAgent, send: _Send) -> None:
+        self._agent, self._send = agent, send
+        self.room = send.record.room
+
+    def poll(self) -> RequestState:
+        return self._send.record.state
+
+    @property
+    def state(self) -> RequestState:
+        return self._send.record.state
+
+    def send(self, page_indices, state_indices=None) -> None:
+        """Queue one chunk: this chunk's source page ids; ``state_indices`` (one list per state
+        component, in ``KVArgs.state_types`` order) only with the last chunk, the one that brings
+        the pages sent to ``num_pages``. Returns at once; the I/O thread moves the bytes."""
+        pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
+        st = None if state_indices is None else [np.asarray(x, dtype=np.int64).reshape(-1) for x in state_indices]
+        self._agent._loop.call(lambda: self._agent._queue_chunk(self._send, pages, st))
+
+    def abort(self, reason: str = "aborted by prefill", timeout_s: float = 30.0) -> None:
+        """Stop sending; returns once no write of this request can land any more (in-flight
+        engine handles finished), the decode told with a failed ``TransferDone``."""
+        self._agent._loop.call(lambda: self._agent._abort(self._send, f"aborted by prefill: {reason}"), timeout_s)
+
+    def failure_exception(self) -> PdStateError | None:
+        return self._send.record.error
+
+    def wait(self, timeout_s: float, until=None) -> RequestState:
+        """Block until terminal (or ``until(state)`` is true) or ``timeout_s``; returns the state."""
+        return self._send.record.wait(timeout_s, until)
+
+    @property
+    def landed(self) -> bool:
+        """Whether every chunk was submitted and has finished on the engine."""
+        return self._send.done_sent
+
+    @property
+    def metrics(self) -> dict:
+        return dict(self._send.record.metrics)
+
+
+class PrefillAgent:
+    """Serves decode agents over ZeroMQ (a ROUTER bound at ``bind``) and one transfer engine.
+
+    ``kv_args``: the caller's filled ``KVArgs`` (``fill_kv_args`` / ``setup_state_kv_args``, plus
+    ``aux_data_*`` when the caller moves metadata); ``pools``: the caller's ``(target, draft)``
+    for the layout report (or pass ``report``). A sender no decode asks for within
+    ``bootstrap_timeout_s`` fails (``TransferFailed``). ``check_local=False`` serves even when that pair
+    fails ``setup_state_kv_args`` (every decode is then refused with the same error). The memory behind ``kv_args`` is the caller's: the
+    agent registers it with the engine and never allocates, frees or writes it.
+
+    Threading contract:
+
+    * One I/O thread per agent owns the socket, the engine's submissions and every request's
+      state; it starts in the constructor and ends in ``close()``.
+    * ``sender()``, ``KVSender.send/abort/poll/wait/failure_exception/metrics``, ``address``,
+      ``decodes()`` and ``close()`` are safe from any thread; ``send`` and ``abort`` hand their
+      work to the I/O thread and wait only for it to be accepted (``abort`` for the fence).
+    * The caller must keep the source pages of a chunk unchanged until the sender has left
+      TRANSFERRING (engines read them asynchronously; the digest reads them at submit time).
+    """
+
+    def __init__(
+        self,
+        kv_args,
+        pools=None,
+        *,
+        bind: str = "tcp://127.0.0.1:0",
+        engine: str = "shm",
+        engine_options: dict | None = None,
+        worker_id: str = "prefill",
+        report=None,
+        heartbeat_interval_s: float = 0.5,
+        peer_timeout_s: float = 3.0,
+        token: bytes | None = None,
+        check_local: bool = True,
+        bootstrap_timeout_s: float = 300.0,
+    ) -> None:
+        if report is None:
+            if pools is None:
+                raise ValueError("PrefillAgent needs pools=(target, draft) or report= for the handshake")
+            from pdstate.pools.reporting import build_report
+
+            report, _ = build_report(*pools)
+        if check_local and not report.local_check.ok and report.local_check.error is not None:
+            raise error_from_wire(report.local_check.error.type, report.local_check.error.message)
+        self.kv_args, self.worker_id, self.token = kv_args, worker_id, token
+        self.incarnation = secrets.token_hex(8)
+        self.heartbeat_interval_s, self.peer_timeout_s = heartbeat_interval_s, peer_timeout_s
+        self.bootstrap_timeout_s = bootstrap_timeout_s
+        self._engine: TransferEngine = create_engine(engine, **(engine_options or {}))
+        self._engine.start()
+        try:
+            self._engine.register(regions_of(kv_args))
+        except BaseException:
+            self._engine.close()
+            raise
+        kv = wire.KVDesc.of(kv_args)
+        self._handshake = PrefillHandshake(
+            LocalSide(
+                worker_id=worker_id,
+                incarnation=self.incarnation,
+                report=report,
+                kv=kv,
+                engine=wire.EngineDesc(name=self._engine.name, endpoint={}),
+                heartbeat_interval_s=heartbeat_interval_s,
+                peer_timeout_s=peer_timeout_s,
+            )
+        )
+        self._layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
+        self._decodes: dict[bytes, _Decode] = {}
+        self._sends: dict[int, _Send] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._last_tick = time.monotonic()
+        self._loop = AgentLoop(f"pdstate-prefill-{worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
+        self._sock = self._loop.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if bind.startswith("tcp://") and bind.endswith(":0"):
+            port = self._sock.bind_to_random_port(bind[: -len(":0")])
+            self.address = f"{bind[: -len(':0')]}:{port}"
+        else:
+            self._sock.bind(bind)
+            self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._loop.watch(self._sock, self._on_frame)
+        self._loop.start()
+
+    # --- public ---------------------------------------------------------------------------------
+
+    def sender(self, room: int, num_pages: int, aux_index: int | None = None) -> KVSender:
+        """The sender of request ``room`` (``num_pages`` main-KV pages in all; ``aux_index``: the
+        caller's aux slot, moved with the last chunk when both sides have aux buffers)."""
+        if num_pages < 0:
+            raise ValueError(f"num_pages must not be negative, got {num_pages}")
+        send = _Send(RequestRecord(room), num_pages, aux_index)
+        return KVSender(self, self._loop.call(lambda: self._add_sender(send)))
+
+    def decodes(self) -> list[dict]:
+        """The accepted decode agents: worker id, incarnation, seconds since last heard."""
+        now = time.monotonic()
+        return self._loop.call(
+            lambda: [
+                {"worker_id": d.worker_id, "incarnation": d.incarnation, "last_seen_s": round(now - d.last_seen, 3)}
+                for d in self._decodes.values()
+            ]
+        )
+
+    def close(self) -> None:
+        """Fail live requests (``prefill shutting down``), close the socket and the engine."""
+        if self._loop.closed:
+            return
+
+        def final() -> None:
+            for send in list(self._sends.values()):
+                if not send.record.state.terminal:
+                    self._fail(send, AgentClosed("prefill shutting down"), tell_decode=True)
+
+        try:
+            self._loop.stop(final)
+        finally:
+            self._engine.close()
+
+    def __enter__(self) -> PrefillAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- I/O thread -------------------------------------------------------------------------------
+
+    def _reply(self, identity: bytes, msg: wire.Message) -> None:
+        try:
+            self._sock.send_multipart([identity, wire.encode(msg, self.token)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # gone or full: its heartbeats stop and it fails its own requests
+
+    def _add_sender(self, send: _Send) -> _Send:
+        room = send.record.room
+        old = self._sends.get(room)
+        if old is not None and not old.record.state.terminal:
+            raise ProtocolError(f"room {room} already has a live sender")
+        self._sends[room] = send
+        pending = self._pending.pop(room, None)
+        if pending is not None:
+            self._attach(send, pending.identity, pending.msg)
+        return send
+
+    def _on_frame(self, sock: zmq.Socket) -> None:
+        parts = sock.recv_multipart()
+        if len(parts) != 2:
+            return
+        identity, frame = parts
+        try:
+            msg = wire.decode(frame, self.token)
+        except PdStateError as exc:
+            self._reply(identity, wire.Error(error=ErrorInfo.of(exc)))
+            return
+        decode = self._decodes.get(identity)
+        if decode is not None:
+            decode.last_seen = time.monotonic()
+        if isinstance(msg, wire.Register):
+            self._on_register(identity, msg)
+        elif isinstance(msg, wire.Heartbeat):
+            self._reply(identity, wire.Heartbeat(worker_id=self.worker_id, incarnation=self.incarnation, seq=msg.seq))
+        elif decode is None:
+            self._reply(
+                identity,
+                wire.Error(
+                    error=ErrorInfo(type="NotRegistered", message="decode is not registered with this prefill"),
+                    room=getattr(msg, "room", None),
+                ),
+            )
+        elif isinstance(msg, wire.AgentRequest):
+            send = self._sends.get(msg.room)
+            if send is None or send.record.state.terminal and send.request is not None:
+                self._pending[msg.room] = _Pending(identity, msg)
+            else:
+                self._attach(send, identity, msg)
+        elif isinstance(msg, wire.Abort):
+            self._on_abort(identity, msg)
+        elif isinstance(msg, wire.AgentVerdict):
+            self._on_verdict(msg)
+
+    def _on_register(self, identity: bytes, msg: wire.Register) -> None:
+        answer = self._handshake.receive(msg)
+        if isinstance(answer, wire.Accept):
+            try:
+                peer_id = self._engine.connect(msg.engine.endpoint)
+                planner = PairPlanner(self.kv_args, msg.kv)
+            except (PdStateError, ValueError) as exc:
+                answer = wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(exc))
+            else:
+                for key, d in list(self._decodes.items()):
+                    if d.worker_id == msg.worker_id and key != identity:
+                        self._decode_gone(key, f"decode {msg.worker_id} registered again (new incarnation)")
+                self._decodes[identity] = _Decode(
+                    identity, msg.worker_id, msg.incarnation, peer_id, planner, time.monotonic()
+                )
+        self._reply(identity, answer)
+
+    def _decode_gone(self, identity: bytes, why: str) -> None:
+        self._decodes.pop(identity, None)
+        for send in self._sends.values():
+            if send.identity == identity and not send.record.state.terminal:
+                self._fail(send, PeerGone(why), tell_decode=False)
+        for room, p in list(self._pending.items()):
+            if p.identity == identity:
+                del self._pending[room]
+
+    def _attach(self, send: _Send, identity: bytes, msg: wire.AgentRequest) -> None:
+        if send.request is not None:
+            first = self._decodes.get(send.identity)
+            by = f"decode {first.worker_id}" if first is not None else "another decode"
+            err = ProtocolError(f"room {msg.room} was already requested by {by}")
+            self._reply(identity, wire.Error(error=ErrorInfo.of(err), room=msg.room))
+            return
+        if send.record.state.terminal:
+            # aborted on this side before the request came: tell the decode it will get nothing
+            self._reply(identity, self._done_failed(msg.room, send.record.error))
+            return
+        send.identity, send.request = identity, msg
+        n_dst = len(msg.dst_kv_pages)
+        if n_dst != send.num_pages:
+            err = IndexCountMismatch(f"main KV: index count mismatch: prefill={send.num_pages}, decode={n_dst}")
+            self._fail(send, err, tell_decode=True)
+            return
+        if msg.dst_aux is not None and (not self._layout_has_aux() or send.aux_index is None):
+            err = IndexCountMismatch(
+                "aux: the decode names an aux slot, but this prefill "
+                + ("has no aux buffers" if not self._layout_has_aux() else "request has no aux_index")
+            )
+            self._fail(send, err, tell_decode=True)
+            return
+        if msg.digest:
+            send.digest = RequestDigest(self._layout if msg.dst_aux is not None else self._layout[: self._n_channels()])
+        send.record.move(_S.WAITING_FOR_INPUT)
+        self._pump(send)
+
+    def _n_channels(self) -> int:
+        return 1 + len(self.kv_args.state_types)
+
+    def _layout_has_aux(self) -> bool:
+        return bool(self.kv_args.aux_data_ptrs)
+
+    def _queue_chunk(self, send: _Send, pages: np.ndarray, state: list[np.ndarray] | None) -> None:
+        if send.record.state.terminal:
+            raise send.record.error or ProtocolError(f"room {send.record.room} is finished")
+        queued = sum(p.size for p, _ in send.queued)
+        total = send.pages_sent + queued + pages.size
+        if total > send.num_pages:
+            raise ValueError(
+                f"room {send.record.room}: chunk of {pages.size} pages brings the request to {total} "
+                f"pages, more than the {send.num_pages} declared"
+            )
+        last = total == send.num_pages
+        if state is not None and not last:
+            raise ValueError(f"room {send.record.room}: state indices go with the last chunk only")
+        if last and state is None:
+            state = [np.empty(0, dtype=np.int64) for _ in self.kv_args.state_types]
+        send.queued.append((pages, state))
+        self._loop.post(lambda: self._pump(send))  # after send() returned: it does not wait for the copy
+
+    def _pump(self, send: _Send) -> None:
+        """Submit queued chunks once the decode's request is known; finish when all landed."""
+        if send.request is None or send.record.state.terminal:
+            return
+        decode = self._decodes.get(send.identity)
+        if decode is None:
+            self._fail(send, PeerGone("decode is no longer registered"), tell_decode=False)
+            return
+        while send.queued:
+            pages, state = send.queued.pop(0)
+            if send.record.state is _S.WAITING_FOR_INPUT:
+                send.record.move(_S.TRANSFERRING)
+                send.started = time.monotonic()
+            try:
+                self._submit_chunk(send, decode, pages, state)
+            except (PdStateError, ValueError) as exc:
+                self._fail(send, exc if isinstance(exc, PdStateError) else ItemLengthMismatch(str(exc)), True)
+                return
+        if send.pages_sent == send.num_pages and send.all_submitted and not send.done_sent:
+            self._finish_if_landed(send)
+
+    def _submit_chunk(self, send: _Send, decode: _Decode, pages: np.ndarray, state) -> None:
+        req = send.request
+        dst_pages = req.dst_kv_pages.unpack()[send.pages_sent : send.pages_sent + pages.size]
+        n_comp = len(self.kv_args.state_types)
+        if state is None:
+            src_lists = [pages] + [np.empty(0, dtype=np.int64)] * n_comp
+            dst_lists = [dst_pages] + [np.empty(0, dtype=np.int64)] * n_comp
+        else:
+            if len(state) != n_comp or len(req.dst_state_indices) != n_comp:
+                raise IndexCountMismatch(
+                    f"state index lists: prefill sent {len(state)}, decode sent "
+                    f"{len(req.dst_state_indices)}, layout has {n_comp} components"
+                )
+            src_lists = [pages, *state]
+            dst_lists = [dst_pages, *(p.unpack() for p in req.dst_state_indices)]
+        plan = decode.planner.plan(src_lists, dst_lists)
+        last = state is not None
+        if last and req.dst_aux is not None:
+            plan = _with_aux(plan, self.kv_args, req.dst_aux, send.aux_index)
+        handle = self._engine.submit(decode.peer_id, plan)
+        send.handles.append(handle)
+        if send.digest is not None:
+            t0 = time.perf_counter()
+            for c, lst in enumerate(src_lists):
+                send.digest.update(c, lst)
+            if last and req.dst_aux is not None:
+                send.digest.update(len(src_lists), np.array([send.aux_index]))
+            send.record.metrics["digest_s"] = send.record.metrics.get("digest_s", 0.0) + time.perf_counter() - t0
+        send.pages_sent += pages.size
+        send.bytes += plan.total_bytes
+        send.descriptors += len(plan)
+        send.chunks += 1
+        if last:
+            send.all_submitted = True
+
+    def _finish_if_landed(self, send: _Send) -> None:
+        try:
+            if not all(self._engine.poll(h) for h in send.handles):
+                return
+        except EngineError as exc:
+            self._fail(send, exc, tell_decode=True)
+            return
+        send.done_sent = True
+        m = send.record.metrics
+        m.update(bytes=send.bytes, descriptors=send.descriptors, chunks=send.chunks)
+        m["transfer_s"] = round(time.monotonic() - send.started, 6)
+        self._reply(
+            send.identity,
+            wire.TransferDone(
+                room=send.record.room,
+                status="success",
+                bytes=send.bytes,
+                descriptors=send.descriptors,
+                digest=send.digest.digest() if send.digest is not None else None,
+                copy_s=m["transfer_s"],
+            ),
+        )
+
+    def _fence(self, send: _Send) -> bool:
+        """Wait for every in-flight handle (the fence: nothing of this request lands after).
+
+        Returns False when a handle is still in flight after ``FENCE_TIMEOUT_S`` (a wedged native
+        engine): the decode is then NOT told, so it never reports the request fenced."""
+        fenced = True
+        for h in send.handles:
+            try:
+                self._engine.wait(h, FENCE_TIMEOUT_S)
+            except TransferTimedOut:
+                fenced = False
+            except EngineError:
+                pass  # failed: finished, nothing more of it lands
+        return fenced
+
+    def _done_failed(self, room: int, error: BaseException | None) -> wire.TransferDone:
+        info = ErrorInfo.of(error) if error is not None else ErrorInfo(type="TransferFailed", message="failed")
+        return wire.TransferDone(room=room, status="failed", error=info)
+
+    def _fail(self, send: _Send, error: PdStateError, tell_decode: bool) -> None:
+        if not self._fence(send):
+            tell_decode = False
+        send.queued.clear()
+        send.record.fail(error)
+        if tell_decode and send.identity is not None and send.identity in self._decodes:
+            self._reply(send.identity, self._done_failed(send.record.room, error))
+
+    def _abort(self, send: _Send, reason: str) -> None:
+        if send.record.state.terminal:
+            return
+        self._fail(send, TransferAborted(reason), tell_decode=True)
+
+    def _on_abort(self, identity: bytes, msg: wire.Abort) -> None:
+        send = self._sends.get(msg.room)
+        err = TransferAborted(f"aborted by decode: {msg.reason}")
+        if send is not None and send.identity == identity and not send.record.state.terminal:
+            self._fail(send, err, tell_decode=True)  # fences, then confirms
+            return
+        self._pending.pop(msg.room, None)
+        self._reply(identity, self._done_failed(msg.room, err))  # nothing of it can land: confirm
+
+    def _on_verdict(self, msg: wire.AgentVerdict) -> None:
+        send = self._sends.get(msg.room)
+        if send is None or send.record.state.terminal:
+            return
+        if msg.status == "success":
+            send.record.move(_S.SUCCESS)
+        else:
+            err = msg.error or ErrorInfo(type="TransferFailed", message="decode reported failure")
+            send.record.fail(error_from_wire(err.type, err.message))
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        stalled = now - self._last_tick - 2 * self.heartbeat_interval_s
+        self._last_tick = now
+        if stalled > 0:  # this process did not run for a while: do not blame the peers for it
+            for peer in self._decodes.values():
+                peer.last_seen += stalled
+        for identity, d in list(self._decodes.items()):
+            if now - d.last_seen > self.peer_timeout_s:
+                self._decode_gone(identity, f"decode {d.worker_id} missed heartbeats for {self.peer_timeout_s:g} s")
+        for room, send in list(self._sends.items()):
+            if send.record.state.terminal and now - send.record.created > 600:
+                del self._sends[room]  # kept a while so a late AgentRequest or Abort is answered
+                continue
+            if send.record.state is _S.BOOTSTRAPPING and now - send.record.created > self.bootstrap_timeout_s:
+                self._fail(
+                    send,
+                    TransferFailed(f"room {room}: no decode asked for it within {self.bootstrap_timeout_s:g} s"),
+                    tell_decode=False,
+                )
+                continue
+            if send.all_submitted and not send.done_sent and not send.record.state.terminal:
+                self._finish_if_landed(send)
+
+
+def _with_aux(plan: TransferPlan, kv_args, dst_aux: wire.AuxDest, aux_index: int) -> TransferPlan:
+    src_items = list(kv_args.aux_item_lens)
+    if len(src_items) != len(dst_aux.item_lens) or src_items != list(dst_aux.item_lens):
+        raise ItemLengthMismatch(
+            f"aux buffers differ: prefill item lengths {src_items}, decode {list(dst_aux.item_lens)}"
+        )
+    for n, item in zip(kv_args.aux_data_lens, src_items):
+        if (aux_index + 1) * item > n:
+            raise ItemLengthMismatch(f"aux index {aux_index} is past an aux buffer of {n} bytes")
+    items = np.asarray(src_items, dtype=np.uint64)
+    src = np.asarray(kv_args.aux_data_ptrs, dtype=np.uint64) + np.uint64(aux_index) * items
+    dst = np.asarray(dst_aux.ptrs, dtype=np.uint64) + np.uint64(dst_aux.index) * items
+    return TransferPlan.from_arrays(
+        np.concatenate([plan.src, src]), np.concatenate([plan.dst, dst]), np.concatenate([plan.length, items])
+    )
