@@ -8,14 +8,16 @@ Layers, each importing only those below it (a test enforces this)::
 
     cli, devtools        the command line; demo, worker processes, bench
     service              configuration, HTTP API, status, server, probe, preflight
-    runtime              workers: options, control loop, prefill, decode, synthetic content
+    runtime, agent       workers (control loop, prefill, decode, synthetic content); the
+                         embeddable agent over a caller's own pools (beside runtime, not on it)
     transfer             TransferPlan, the descriptor planner, the engines (shm, Mooncake, NIXL)
     pools                the DSV4 memory model: allocator, pools, kvargs, indices, presets, reports
     protocol             facts, reports, compat, wire, handshake, lifecycles (no torch)
     errors               the exception tree, one root: PdStateError
 
 Version notes of the public API:
-- 0.1.0: first listed ``__all__`` (names unchanged from the modules they were imported from).
+- 0.1.0: first listed ``__all__`` (names unchanged from the modules they were imported from),
+  with the embeddable agent (``PrefillAgent``, ``DecodeAgent``, ``KVSender``, ``KVReceiver``).
 """
 
 from __future__ import annotations
@@ -82,6 +84,10 @@ _WHERE: dict[str, str] = {
     "build_worker_pools": "pdstate.pools.presets",
     "TransferPlan": "pdstate.transfer.plan",
     "create_engine": "pdstate.transfer.engines.base",
+    "PrefillAgent": "pdstate.agent.prefill",
+    "DecodeAgent": "pdstate.agent.decode",
+    "KVSender": "pdstate.agent.sender",
+    "KVReceiver": "pdstate.agent.receiver",
 }
 
 __all__ = [
@@ -137,6 +143,10 @@ __all__ = [
     "build_worker_pools",
     "TransferPlan",
     "create_engine",
+    "PrefillAgent",
+    "DecodeAgent",
+    "KVSender",
+    "KVReceiver",
 ]
 assert set(__all__) == {"__version__", *_WHERE}
 
@@ -155,6 +165,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
+    from pdstate.agent.decode import DecodeAgent
+    from pdstate.agent.prefill import PrefillAgent
+    from pdstate.agent.receiver import KVReceiver
+    from pdstate.agent.sender import KVSender
     from pdstate.errors import (
         AllocationError,
         AuthError,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.paths import REPO
+
 EXAMPLE = REPO / "docs" / "embedding_example.py"
 
 
@@ -21,3 +21,9 @@ def test_embedding_example_runs():
         lines[1]
         == "metrics: ['bytes', 'descriptors', 'digest_s', 'success_at_s', 'transfer_s', 'transferring_at_s', 'waiting_for_input_at_s']"
     )
+
+
+def test_readme_shows_the_example_verbatim():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert "## Embedding pdstate in a serving engine" in readme
+    assert "```python\n" + EXAMPLE.read_text(encoding="utf-8").rstrip() + "\n```" in readme

@@ -42,6 +42,7 @@ LAYERS = {
     "pdstate.pools": 2,
     "pdstate.transfer": 3,
     "pdstate.runtime": 4,
+    "pdstate.agent": 4,  # the embeddable agent: beside runtime, never importing it
     "pdstate.service": 5,
     "pdstate.cli": 6,
     "pdstate.devtools": 6,

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
 
 from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.digest import RequestDigest
+from pdstate.agent.receiver import KVReceiver, _Prefill, _Recv
 from pdstate.errors import (
     AgentClosed,
     DigestMismatch,
@@ -19,7 +19,6 @@ from pdstate.errors import (
     PeerGone,
     ProtocolError,
     TransferAborted,
-    TransferTimedOut,
     error_from_wire,
 )
 from pdstate.protocol import wire
@@ -31,82 +30,6 @@ from pdstate.transfer.engines.base import TransferEngine, create_engine
 __all__ = ["DecodeAgent", "KVReceiver"]
 
 _S = RequestState
-
-
-@dataclass
-class _Prefill:
-    address: str
-    sock: zmq.Socket
-    state: PeerState = PeerState.PENDING
-    incarnation: str = ""
-    worker_id: str = ""
-    error: PdStateError | None = None
-    registered_at: float = field(default_factory=time.monotonic)
-    last_seen: float = field(default_factory=time.monotonic)
-    last_heartbeat: float = 0.0
-    seq: int = 0
-    handshakes: int = 0
-    rooms: set[int] = field(default_factory=set)
-
-
-@dataclass
-class _Recv:
-    record: RequestRecord
-    prefill: str
-    request: wire.AgentRequest | None = None
-    sent: bool = False
-    aborting: str | None = None
-    sent_at: float | None = None
-
-
-class KVReceiver:
-    """One request on the decode side (upstream's ``KVReceiver``), fed by the prefill at
-    ``prefill`` under ``room``.
-
-    Lifecycle: BOOTSTRAPPING until that prefill accepted this agent's handshake,
-    WAITING_FOR_INPUT until ``init``, TRANSFERRING once the request went out, SUCCESS after the
-    prefill's ``TransferDone`` and (digests on) the landed bytes hash to the sent ones; FAILED
-    otherwise, with ``failure_exception()``.
-    """
-
-    def __init__(self, agent: DecodeAgent, recv: _Recv) -> None:
-        self._agent, self._recv = agent, recv
-        self.room, self.prefill = recv.record.room, recv.prefill
-
-    def poll(self) -> RequestState:
-        return self._recv.record.state
-
-    @property
-    def state(self) -> RequestState:
-        return self._recv.record.state
-
-    def init(self, page_indices, state_indices, aux_index: int | None = None) -> None:
-        """Name the destination: main-KV page ids, one index list per state component (in
-        ``KVArgs.state_types`` order), and the aux slot (when this agent has aux buffers)."""
-        pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
-        st = [np.asarray(x, dtype=np.int64).reshape(-1) for x in state_indices]
-        self._agent._loop.call(lambda: self._agent._init(self._recv, pages, st, aux_index))
-
-    def abort(self, reason: str = "aborted by decode", timeout_s: float = 30.0) -> None:
-        """Abort the request; returns once FAILED and fenced: the prefill confirmed that nothing
-        of this room can land any more (or the prefill is dead: heartbeats missed). Raises
-        ``TransferTimedOut`` if neither happened within ``timeout_s`` (the request then stays
-        TRANSFERRING until one does)."""
-        self._agent._loop.call(lambda: self._agent._abort(self._recv, reason))
-        rec = self._recv.record
-        if rec.wait(timeout_s) is not _S.FAILED and not rec.state.terminal:
-            raise TransferTimedOut(f"room {self.room}: the prefill did not confirm the abort within {timeout_s:g} s")
-
-    def failure_exception(self) -> PdStateError | None:
-        return self._recv.record.error
-
-    def wait(self, timeout_s: float, until=None) -> RequestState:
-        """Block until terminal (or ``until(state)`` is true) or ``timeout_s``; returns the state."""
-        return self._recv.record.wait(timeout_s, until)
-
-    @property
-    def metrics(self) -> dict:
-        return dict(self._recv.record.metrics)
 
 
 class DecodeAgent:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
 
 from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.digest import RequestDigest
+from pdstate.agent.sender import KVSender, _Decode, _Pending, _Send, _with_aux
 from pdstate.errors import (
     AgentClosed,
     EngineError,
@@ -28,100 +28,12 @@ from pdstate.protocol import wire
 from pdstate.protocol.handshake import LocalSide, PrefillHandshake
 from pdstate.protocol.lifecycle import RequestState
 from pdstate.protocol.report import ErrorInfo
-from pdstate.transfer.engines.base import TransferEngine, TransferHandle, create_engine
-from pdstate.transfer.plan import TransferPlan
+from pdstate.transfer.engines.base import TransferEngine, create_engine
 from pdstate.transfer.planner import PairPlanner
 
 __all__ = ["KVSender", "PrefillAgent"]
 
-_S = RequestState
 FENCE_TIMEOUT_S = 60.0
-
-
-@dataclass
-class _Decode:
-    identity: bytes
-    worker_id: str
-    incarnation: str
-    peer_id: str
-    planner: PairPlanner
-    last_seen: float
-
-
-@dataclass
-class _Pending:
-    """An ``AgentRequest`` (or its abort) that arrived before the caller made its sender."""
-
-    identity: bytes
-    msg: wire.AgentRequest
-
-
-@dataclass
-class _Send:
-    record: RequestRecord
-    num_pages: int
-    aux_index: int | None
-    identity: bytes | None = None
-    request: wire.AgentRequest | None = None
-    queued: list[tuple[np.ndarray, list[np.ndarray] | None]] = field(default_factory=list)
-    pages_sent: int = 0
-    handles: list[TransferHandle] = field(default_factory=list)
-    digest: RequestDigest | None = None
-    bytes: int = 0
-    descriptors: int = 0
-    chunks: int = 0
-    all_submitted: bool = False
-    done_sent: bool = False
-    started: float = 0.0
-
-
-class KVSender:
-    """One request on the prefill side (upstream's ``KVSender``).
-
-    Lifecycle: BOOTSTRAPPING until the decode's ``AgentRequest`` for this room arrives,
-    WAITING_FOR_INPUT, TRANSFERRING from the first chunk, SUCCESS once every chunk has landed and
-    the decode accepted the bytes (digests equal), FAILED otherwise (``failure_exception()``).
-    """
-
-    def __init__(self, agent: PrefillAgent, send: _Send) -> None:
-        self._agent, self._send = agent, send
-        self.room = send.record.room
-
-    def poll(self) -> RequestState:
-        return self._send.record.state
-
-    @property
-    def state(self) -> RequestState:
-        return self._send.record.state
-
-    def send(self, page_indices, state_indices=None) -> None:
-        """Queue one chunk: this chunk's source page ids; ``state_indices`` (one list per state
-        component, in ``KVArgs.state_types`` order) only with the last chunk, the one that brings
-        the pages sent to ``num_pages``. Returns at once; the I/O thread moves the bytes."""
-        pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
-        st = None if state_indices is None else [np.asarray(x, dtype=np.int64).reshape(-1) for x in state_indices]
-        self._agent._loop.call(lambda: self._agent._queue_chunk(self._send, pages, st))
-
-    def abort(self, reason: str = "aborted by prefill", timeout_s: float = 30.0) -> None:
-        """Stop sending; returns once no write of this request can land any more (in-flight
-        engine handles finished), the decode told with a failed ``TransferDone``."""
-        self._agent._loop.call(lambda: self._agent._abort(self._send, f"aborted by prefill: {reason}"), timeout_s)
-
-    def failure_exception(self) -> PdStateError | None:
-        return self._send.record.error
-
-    def wait(self, timeout_s: float, until=None) -> RequestState:
-        """Block until terminal (or ``until(state)`` is true) or ``timeout_s``; returns the state."""
-        return self._send.record.wait(timeout_s, until)
-
-    @property
-    def landed(self) -> bool:
-        """Whether every chunk was submitted and has finished on the engine."""
-        return self._send.done_sent
-
-    @property
-    def metrics(self) -> dict:
-        return dict(self._send.record.metrics)
 
 
 class PrefillAgent:
@@ -348,23 +260,20 @@ class PrefillAgent:
             err = IndexCountMismatch(f"main KV: index count mismatch: prefill={send.num_pages}, decode={n_dst}")
             self._fail(send, err, tell_decode=True)
             return
-        if msg.dst_aux is not None and (not self._layout_has_aux() or send.aux_index is None):
+        if msg.dst_aux is not None and (not bool(self.kv_args.aux_data_ptrs) or send.aux_index is None):
             err = IndexCountMismatch(
                 "aux: the decode names an aux slot, but this prefill "
-                + ("has no aux buffers" if not self._layout_has_aux() else "request has no aux_index")
+                + ("has no aux buffers" if not bool(self.kv_args.aux_data_ptrs) else "request has no aux_index")
             )
             self._fail(send, err, tell_decode=True)
             return
         if msg.digest:
             send.digest = RequestDigest(self._layout if msg.dst_aux is not None else self._layout[: self._n_channels()])
-        send.record.move(_S.WAITING_FOR_INPUT)
+        send.record.move(RequestState.WAITING_FOR_INPUT)
         self._pump(send)
 
     def _n_channels(self) -> int:
         return 1 + len(self.kv_args.state_types)
-
-    def _layout_has_aux(self) -> bool:
-        return bool(self.kv_args.aux_data_ptrs)
 
     def _queue_chunk(self, send: _Send, pages: np.ndarray, state: list[np.ndarray] | None) -> None:
         if send.record.state.terminal:
@@ -394,8 +303,8 @@ class PrefillAgent:
             return
         while send.queued:
             pages, state = send.queued.pop(0)
-            if send.record.state is _S.WAITING_FOR_INPUT:
-                send.record.move(_S.TRANSFERRING)
+            if send.record.state is RequestState.WAITING_FOR_INPUT:
+                send.record.move(RequestState.TRANSFERRING)
                 send.started = time.monotonic()
             try:
                 self._submit_chunk(send, decode, pages, state)
@@ -509,7 +418,7 @@ class PrefillAgent:
         if send is None or send.record.state.terminal:
             return
         if msg.status == "success":
-            send.record.move(_S.SUCCESS)
+            send.record.move(RequestState.SUCCESS)
         else:
             err = msg.error or ErrorInfo(type="TransferFailed", message="decode reported failure")
             send.record.fail(error_from_wire(err.type, err.message))
@@ -528,7 +437,7 @@ class PrefillAgent:
             if send.record.state.terminal and now - send.record.created > 600:
                 del self._sends[room]  # kept a while so a late AgentRequest or Abort is answered
                 continue
-            if send.record.state is _S.BOOTSTRAPPING and now - send.record.created > self.bootstrap_timeout_s:
+            if send.record.state is RequestState.BOOTSTRAPPING and now - send.record.created > self.bootstrap_timeout_s:
                 self._fail(
                     send,
                     TransferFailed(f"room {room}: no decode asked for it within {self.bootstrap_timeout_s:g} s"),
@@ -537,20 +446,3 @@ class PrefillAgent:
                 continue
             if send.all_submitted and not send.done_sent and not send.record.state.terminal:
                 self._finish_if_landed(send)
-
-
-def _with_aux(plan: TransferPlan, kv_args, dst_aux: wire.AuxDest, aux_index: int) -> TransferPlan:
-    src_items = list(kv_args.aux_item_lens)
-    if len(src_items) != len(dst_aux.item_lens) or src_items != list(dst_aux.item_lens):
-        raise ItemLengthMismatch(
-            f"aux buffers differ: prefill item lengths {src_items}, decode {list(dst_aux.item_lens)}"
-        )
-    for n, item in zip(kv_args.aux_data_lens, src_items):
-        if (aux_index + 1) * item > n:
-            raise ItemLengthMismatch(f"aux index {aux_index} is past an aux buffer of {n} bytes")
-    items = np.asarray(src_items, dtype=np.uint64)
-    src = np.asarray(kv_args.aux_data_ptrs, dtype=np.uint64) + np.uint64(aux_index) * items
-    dst = np.asarray(dst_aux.ptrs, dtype=np.uint64) + np.uint64(dst_aux.index) * items
-    return TransferPlan.from_arrays(
-        np.concatenate([plan.src, src]), np.concatenate([plan.dst, dst]), np.concatenate([plan.length, items])
-    )

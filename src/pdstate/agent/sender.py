@@ -1,0 +1,132 @@
+"""The prefill side of one request: ``KVSender`` (the caller's handle) and the records the
+``PrefillAgent``'s I/O thread keeps per decode and per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pdstate.agent.common import RequestRecord
+from pdstate.agent.digest import RequestDigest
+from pdstate.errors import (
+    ItemLengthMismatch,
+    PdStateError,
+)
+from pdstate.protocol import wire
+from pdstate.protocol.lifecycle import RequestState
+from pdstate.transfer.engines.base import TransferHandle
+from pdstate.transfer.plan import TransferPlan
+from pdstate.transfer.planner import PairPlanner
+
+__all__ = ["KVSender", "PrefillAgent"]
+
+
+_S = RequestState
+
+if TYPE_CHECKING:
+    from pdstate.agent.prefill import PrefillAgent
+
+
+@dataclass
+class _Decode:
+    identity: bytes
+    worker_id: str
+    incarnation: str
+    peer_id: str
+    planner: PairPlanner
+    last_seen: float
+
+
+@dataclass
+class _Pending:
+    """An ``AgentRequest`` (or its abort) that arrived before the caller made its sender."""
+
+    identity: bytes
+    msg: wire.AgentRequest
+
+
+@dataclass
+class _Send:
+    record: RequestRecord
+    num_pages: int
+    aux_index: int | None
+    identity: bytes | None = None
+    request: wire.AgentRequest | None = None
+    queued: list[tuple[np.ndarray, list[np.ndarray] | None]] = field(default_factory=list)
+    pages_sent: int = 0
+    handles: list[TransferHandle] = field(default_factory=list)
+    digest: RequestDigest | None = None
+    bytes: int = 0
+    descriptors: int = 0
+    chunks: int = 0
+    all_submitted: bool = False
+    done_sent: bool = False
+    started: float = 0.0
+
+
+class KVSender:
+    """One request on the prefill side (upstream's ``KVSender``).
+
+    Lifecycle: BOOTSTRAPPING until the decode's ``AgentRequest`` for this room arrives,
+    WAITING_FOR_INPUT, TRANSFERRING from the first chunk, SUCCESS once every chunk has landed and
+    the decode accepted the bytes (digests equal), FAILED otherwise (``failure_exception()``).
+    """
+
+    def __init__(self, agent: PrefillAgent, send: _Send) -> None:
+        self._agent, self._send = agent, send
+        self.room = send.record.room
+
+    def poll(self) -> RequestState:
+        return self._send.record.state
+
+    @property
+    def state(self) -> RequestState:
+        return self._send.record.state
+
+    def send(self, page_indices, state_indices=None) -> None:
+        """Queue one chunk: this chunk's source page ids; ``state_indices`` (one list per state
+        component, in ``KVArgs.state_types`` order) only with the last chunk, the one that brings
+        the pages sent to ``num_pages``. Returns at once; the I/O thread moves the bytes."""
+        pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
+        st = None if state_indices is None else [np.asarray(x, dtype=np.int64).reshape(-1) for x in state_indices]
+        self._agent._loop.call(lambda: self._agent._queue_chunk(self._send, pages, st))
+
+    def abort(self, reason: str = "aborted by prefill", timeout_s: float = 30.0) -> None:
+        """Stop sending; returns once no write of this request can land any more (in-flight
+        engine handles finished), the decode told with a failed ``TransferDone``."""
+        self._agent._loop.call(lambda: self._agent._abort(self._send, f"aborted by prefill: {reason}"), timeout_s)
+
+    def failure_exception(self) -> PdStateError | None:
+        return self._send.record.error
+
+    def wait(self, timeout_s: float, until=None) -> RequestState:
+        """Block until terminal (or ``until(state)`` is true) or ``timeout_s``; returns the state."""
+        return self._send.record.wait(timeout_s, until)
+
+    @property
+    def landed(self) -> bool:
+        """Whether every chunk was submitted and has finished on the engine."""
+        return self._send.done_sent
+
+    @property
+    def metrics(self) -> dict:
+        return dict(self._send.record.metrics)
+
+
+def _with_aux(plan: TransferPlan, kv_args, dst_aux: wire.AuxDest, aux_index: int) -> TransferPlan:
+    src_items = list(kv_args.aux_item_lens)
+    if len(src_items) != len(dst_aux.item_lens) or src_items != list(dst_aux.item_lens):
+        raise ItemLengthMismatch(
+            f"aux buffers differ: prefill item lengths {src_items}, decode {list(dst_aux.item_lens)}"
+        )
+    for n, item in zip(kv_args.aux_data_lens, src_items):
+        if (aux_index + 1) * item > n:
+            raise ItemLengthMismatch(f"aux index {aux_index} is past an aux buffer of {n} bytes")
+    items = np.asarray(src_items, dtype=np.uint64)
+    src = np.asarray(kv_args.aux_data_ptrs, dtype=np.uint64) + np.uint64(aux_index) * items
+    dst = np.asarray(dst_aux.ptrs, dtype=np.uint64) + np.uint64(dst_aux.index) * items
+    return TransferPlan.from_arrays(
+        np.concatenate([plan.src, src]), np.concatenate([plan.dst, dst]), np.concatenate([plan.length, items])
+    )
