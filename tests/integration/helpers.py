@@ -24,6 +24,7 @@ from pdstate.pools.memory import Region
 from pdstate.pools.presets import PoolSettings, preset
 from pdstate.runtime import synth
 from pdstate.runtime.common import WorkerOptions
+from pdstate.runtime.hooks import WorkerHooks
 from pdstate.transfer.engines.base import create_engine
 from pdstate.transfer.planner import channels_of
 
@@ -69,8 +70,10 @@ class Workers:
     def __init__(self) -> None:
         self.started: list[WorkerProcess] = []
 
-    def prefill(self, settings: PoolSettings = TINY, launcher: str = "fork", **kw: Any) -> tuple[WorkerProcess, str]:
-        w = self._start(options("prefill", settings, **kw), launcher)
+    def prefill(
+        self, settings: PoolSettings = TINY, launcher: str = "fork", hooks: WorkerHooks | None = None, **kw: Any
+    ) -> tuple[WorkerProcess, str]:
+        w = self._start(options("prefill", settings, **kw), launcher, hooks)
         ev = w.read_event(60)
         assert ev["event"] == "listening", ev
         return w, ev["endpoint"]
@@ -82,8 +85,8 @@ class Workers:
         """A worker of either role, without waiting for anything."""
         return self._start(options(role, settings, **kw), launcher)
 
-    def _start(self, opts: WorkerOptions, launcher: str) -> WorkerProcess:
-        w = WorkerProcess(opts, launcher=launcher)
+    def _start(self, opts: WorkerOptions, launcher: str, hooks: WorkerHooks | None = None) -> WorkerProcess:
+        w = WorkerProcess(opts, launcher=launcher, hooks=hooks)
         self.started.append(w)
         return w
 

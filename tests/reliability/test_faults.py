@@ -8,7 +8,7 @@ success unless its bytes verified; the survivor's pools return to their starting
 returns (a new handshake; the old incarnation's requests failed).
 
 Requests are held in TRANSFERRING by the prefill's fault-injection delay
-(``WorkerOptions.fault_delay_before_copy_s``); the tests wait for that state by polling the
+(``WorkerHooks.delay_before_copy_s``); the tests wait for that state by polling the
 prefill's records, never by sleeping.
 """
 
@@ -20,6 +20,7 @@ import time
 import pytest
 
 from pdstate.runtime.decode import DecodeWorker
+from pdstate.runtime.hooks import WorkerHooks
 from pdstate.runtime.prefill import PrefillWorker
 from pdstate.transfer.engines.loopback import ScriptedFailure
 from tests.integration.helpers import (
@@ -51,6 +52,7 @@ from tests.reliability.support import (
     wait_transferring,
 )
 
+HOLD = WorkerHooks(delay_before_copy_s=LONG_DELAY_S)  # the prefill's copies wait (fault injection)
 LENGTHS = [300, 129, 1000, 256]
 AFTER = [100, 257, 640, 1000]
 
@@ -69,7 +71,7 @@ def _ready(d) -> dict:
 
 
 def test_decode_killed_mid_transfer(workers):
-    p, ep = workers.prefill(ROOMY, fault_delay_before_copy_s=LONG_DELAY_S, **FAULT)
+    p, ep = workers.prefill(ROOMY, hooks=HOLD, **FAULT)
     p_free = prefill_requests(p)["free"]
     d = workers.decode(ep, ROOMY, worker_id="victim", **FAULT)
     _ready(d)
@@ -112,7 +114,7 @@ def test_prefill_killed_mid_transfer_and_restarted_after_timeout(workers):
     #    decode declaring the prefill gone, however slowly this machine polls.
     timeout_s = 2.0
     timers = {**FAULT, "peer_timeout_s": timeout_s}
-    p1, ep = workers.prefill(ROOMY, fault_delay_before_copy_s=LONG_DELAY_S, **timers)
+    p1, ep = workers.prefill(ROOMY, hooks=HOLD, **timers)
     d = workers.decode(ep, ROOMY, worker_id="survivor", **timers)
     free0 = _ready(d)["free"]
     inc1 = decode_stats(d)["prefill_incarnation"]
@@ -138,7 +140,7 @@ def test_prefill_killed_mid_transfer_and_restarted_after_timeout(workers):
     )
 
     # 2. A prefill killed with requests in flight: the decode fails them all at the timeout.
-    p2, ep2 = workers.prefill(ROOMY, bind=ep, fault_delay_before_copy_s=LONG_DELAY_S, **timers)
+    p2, ep2 = workers.prefill(ROOMY, bind=ep, hooks=HOLD, **timers)
     assert ep2 == ep
     s = wait_decode(d, "a handshake with the restarted prefill", lambda s: s["peer_state"] == "accepted")
     inc2 = s["prefill_incarnation"]
@@ -174,7 +176,7 @@ def test_prefill_restarted_while_decode_runs(workers):
     """A quick restart on the same endpoint, before the heartbeat timeout: the new prefill does not
     know the decode, says so, and the decode re-registers at once."""
     slow = {**FAULT, "peer_timeout_s": 5.0}
-    p1, ep = workers.prefill(ROOMY, fault_delay_before_copy_s=LONG_DELAY_S, **slow)
+    p1, ep = workers.prefill(ROOMY, hooks=HOLD, **slow)
     d = workers.decode(ep, ROOMY, worker_id="runner", **slow)
     free0 = _ready(d)["free"]
     inc1 = decode_stats(d)["prefill_incarnation"]
@@ -205,7 +207,7 @@ def test_prefill_restarted_while_decode_runs(workers):
 
 
 def test_prefill_frozen_past_timeout_then_thawed(workers):
-    p, ep = workers.prefill(ROOMY, fault_delay_before_copy_s=LONG_DELAY_S, **FAULT)
+    p, ep = workers.prefill(ROOMY, hooks=HOLD, **FAULT)
     p_free = prefill_requests(p)["free"]
     d = workers.decode(ep, ROOMY, worker_id="patient", **FAULT)
     free0 = _ready(d)["free"]
@@ -247,7 +249,7 @@ def test_prefill_frozen_past_timeout_then_thawed(workers):
 
 
 def test_decode_frozen_past_timeout_then_thawed(workers):
-    p, ep = workers.prefill(ROOMY, fault_delay_before_copy_s=LONG_DELAY_S, **FAULT)
+    p, ep = workers.prefill(ROOMY, hooks=HOLD, **FAULT)
     p_free = prefill_requests(p)["free"]
     d = workers.decode(ep, ROOMY, worker_id="sleeper", **FAULT)
     free0 = _ready(d)["free"]
@@ -331,7 +333,7 @@ def test_mooncake_session_torn_down(workers):
     into it: the write fails in the engine, the request fails with the engine's code on the
     prefill, counted as an engine error; a new decode session is served."""
     require_engine("mooncake")
-    p, ep = workers.prefill(ROOMY, engine="mooncake", fault_delay_before_copy_s=0.8, **FAULT)
+    p, ep = workers.prefill(ROOMY, engine="mooncake", hooks=WorkerHooks(delay_before_copy_s=0.8), **FAULT)
     p_free = prefill_requests(p)["free"]
     d = workers.decode(ep, ROOMY, engine="mooncake", worker_id="mc-victim", **FAULT)
     _ready(d)

@@ -29,8 +29,10 @@ import zmq
 from pdstate.errors import VersionMismatch
 from pdstate.protocol import wire
 from pdstate.runtime import control
+from pdstate.runtime.commands import Submit
 from pdstate.runtime.common import LATENCY_WINDOW, LocalCheckFailed, Stats, settle
 from pdstate.runtime.decode import DecodeWorker
+from pdstate.runtime.hooks import WorkerHooks
 from pdstate.runtime.prefill import PrefillWorker
 from pdstate.service.api import _Collector
 from tests.integration.helpers import TINY, options, wait_until
@@ -74,7 +76,7 @@ def test_failed_start_releases_segments_engine_and_sockets():
 
 def test_cancelled_futures_never_kill_the_control_thread():
     with (
-        PrefillWorker(options("prefill", ROOMY, "shm", fault_delay_before_copy_s=30.0, **FAULT)) as p,
+        PrefillWorker(options("prefill", ROOMY, "shm", **FAULT), WorkerHooks(delay_before_copy_s=30.0)) as p,
         DecodeWorker(options("decode", ROOMY, "shm", peer=p.endpoint, **FAULT)) as d,
     ):
         d.wait_ready(10)
@@ -83,18 +85,17 @@ def test_cancelled_futures_never_kill_the_control_thread():
         # (a) a second submit of the same room whose caller already cancelled it
         dup: Future = Future()
         dup.cancel()
-        d._commands.put(("submit", 4242, 300, 5.0, dup, "full"))
+        d._inbox.put(Submit(4242, 300, 5.0, dup, "full"))
         # (b) a new request whose caller cancels it before it finishes
         gone: Future = Future()
         gone.cancel()
-        d._commands.put(("submit", 4343, 300, 5.0, gone, "full"))
-        d._wake()
-        p.fault_delay_before_copy_s = 0.0
+        d._inbox.put(Submit(4343, 300, 5.0, gone, "full"))
+        p.set_hooks(WorkerHooks())
         for job in list(p.jobs.values()):
             job.cancel_event.set()  # let the held copy go (it was not cancelled: it just stops waiting)
         assert held.result(10).verified
         wait_until("room 4343 finished", lambda: 4343 in d.finished, 10)
-        assert d._thread.is_alive(), "the decode's control thread died"
+        assert not d.status().dead_threads, "the decode's control thread died"
         assert d.finished[4343].status == "success" and d.finished[4343].verified
         assert d.transfer(640, deadline_s=10).verified
 
@@ -201,8 +202,8 @@ def test_register_in_another_version_is_rejected_naming_both(monkeypatch):
 def test_busy_then_deadline_does_not_quarantine_forever():
     """Requests bounced with Busy until their deadline hold nothing on the prefill: their pages
     come back at once, and Busy re-sends back off instead of spinning."""
-    po = options("prefill", ROOMY, "shm", max_inflight=1, fault_delay_before_copy_s=30.0, **FAULT)
-    with PrefillWorker(po) as p, DecodeWorker(options("decode", ROOMY, "shm", peer=p.endpoint, **FAULT)) as d:
+    po, hold = options("prefill", ROOMY, "shm", max_inflight=1, **FAULT), WorkerHooks(delay_before_copy_s=30.0)
+    with PrefillWorker(po, hold) as p, DecodeWorker(options("decode", ROOMY, "shm", peer=p.endpoint, **FAULT)) as d:
         d.wait_ready(10)
         free0 = d.free_counts()
         holder = d.submit(300, deadline_s=10)
@@ -214,7 +215,7 @@ def test_busy_then_deadline_does_not_quarantine_forever():
         assert d.stats.transfers["busy"] >= 3
         assert d.stats.transfers["busy"] < 3 * 0.4 / 0.002 / 4, "Busy re-sends must back off"
         wait_until("no quarantine", lambda: not d.quarantine, 5)
-        p.fault_delay_before_copy_s = 0.0
+        p.set_hooks(WorkerHooks())
         for job in list(p.jobs.values()):
             job.cancel_event.set()
         assert holder.result(10).verified

@@ -23,6 +23,7 @@ from pdstate.pools.memory import SHM_DIR
 from pdstate.protocol import wire
 from pdstate.runtime.common import WorkerOptions
 from pdstate.runtime.decode import DecodeWorker
+from pdstate.runtime.hooks import WorkerHooks
 from pdstate.runtime.prefill import PrefillWorker
 from pdstate.service.api import create_app
 from pdstate.service.config import load_config
@@ -36,9 +37,9 @@ with warnings.catch_warnings():
 
 def test_unauthenticated_frames_cannot_touch_a_running_session():
     token = b"reliability-secret"
-    po = options("prefill", ROOMY, "shm", token=token, fault_delay_before_copy_s=30.0, **FAULT)
+    po = options("prefill", ROOMY, "shm", token=token, **FAULT)
     with (
-        PrefillWorker(po) as p,
+        PrefillWorker(po, WorkerHooks(delay_before_copy_s=30.0)) as p,
         DecodeWorker(options("decode", ROOMY, "shm", peer=p.endpoint, token=token, **FAULT)) as d,
     ):
         d.wait_ready(10)
@@ -69,7 +70,7 @@ def test_unauthenticated_frames_cannot_touch_a_running_session():
         attacker.close(0)
         assert p.stats.protocol_errors == before + len(frames)
         assert [x["id"] for x in p.peer_states()] == [d.worker_id] and p.peers[identity].state.value == "accepted"
-        p.fault_delay_before_copy_s = 0.0
+        p.set_hooks(WorkerHooks())
         for job in list(p.jobs.values()):
             job.cancel_event.set()  # let the held copy go on
         res = fut.result(10)
