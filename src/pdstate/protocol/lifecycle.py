@@ -60,8 +60,9 @@ TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
 #   REJECTED -> GONE                 prefill: a refused decode came back as a new incarnation;
 #                                    decode: the prefill that refused it restarted
 #   REJECTED -> ACCEPTED             decode: an Accept to a register sent after the refusal
-#   GONE     -> ACCEPTED, REJECTED   decode: the answer to the register it re-sends while gone;
-#                                    prefill: a decode's late refusal of a peer already timed out
+#   GONE     -> ACCEPTED, REJECTED   decode: the answer to the register it re-sends while gone
+#   GONE     -> REJECTED             prefill: a decode's late refusal of this prefill, after the
+#                                    decode had already timed out
 _P = PeerState
 PEER_TRANSITIONS: dict[PeerState, frozenset[PeerState]] = {
     _P.PENDING: frozenset({_P.ACCEPTED, _P.REJECTED, _P.GONE}),
