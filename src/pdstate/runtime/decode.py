@@ -188,8 +188,9 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(tick_ms))
-                for cmd in self._inbox.drain():
-                    self._guarded(self._on_command, cmd)
+                if self._inbox.socket in events:
+                    for cmd in self._inbox.drain():
+                        self._guarded(self._on_command, cmd)
                 if self.client.sock in events:
                     for _ in range(256):
                         try:
