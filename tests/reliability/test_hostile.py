@@ -484,7 +484,7 @@ def _http_fuzz(examples: int) -> None:
         while (d.free_counts() != free_d or p.free_counts() != free_p) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert d.free_counts() == free_d and p.free_counts() == free_p
-        assert d._thread.is_alive() and all(t.is_alive() for t in p._threads)
+        assert not d.status().dead_threads and not p.status().dead_threads
         total = sum(statuses.values())
         tally(
             "HTTP API fuzz",

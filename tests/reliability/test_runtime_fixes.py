@@ -26,14 +26,16 @@ import msgpack
 import pytest
 import zmq
 
-from pdstate.errors import ExitCode, VersionMismatch
+from pdstate.errors import ExitCode, LocalCheckFailed, VersionMismatch
 from pdstate.protocol import wire
 from pdstate.runtime import control
-from pdstate.runtime.common import LATENCY_WINDOW, LocalCheckFailed, Stats, settle
+from pdstate.runtime.commands import Submit
 from pdstate.runtime.decode import DecodeWorker
 from pdstate.runtime.prefill import PrefillWorker
+from pdstate.runtime.stats import LATENCY_WINDOW, Stats
+from pdstate.runtime.worker import settle
 from pdstate.service.api import _Collector
-from tests.support.faults import FAULT, hold_copies, release_copies
+from tests.support.faults import FAULT, holding_hooks, release_copies
 from tests.support.pools import ROOMY, TINY, report_of
 from tests.support.upstream import MAPPING_ERROR
 from tests.support.waiting import wait_until
@@ -70,7 +72,7 @@ def test_failed_start_releases_segments_engine_and_sockets():
 
 def test_cancelled_futures_never_kill_the_control_thread():
     with (
-        PrefillWorker(options("prefill", ROOMY, "shm", **hold_copies(), **FAULT)) as p,
+        PrefillWorker(options("prefill", ROOMY, "shm", **FAULT), holding_hooks()) as p,
         DecodeWorker(options("decode", ROOMY, "shm", peer=p.endpoint, **FAULT)) as d,
     ):
         d.wait_ready(10)
@@ -79,18 +81,17 @@ def test_cancelled_futures_never_kill_the_control_thread():
         # (a) a second submit of the same room whose caller already cancelled it
         dup: Future = Future()
         dup.cancel()
-        d._commands.put(("submit", 4242, 300, 5.0, dup, "full"))
+        d._inbox.put(Submit(4242, 300, 5.0, dup, "full"))
         # (b) a new request whose caller cancels it before it finishes
         gone: Future = Future()
         gone.cancel()
-        d._commands.put(("submit", 4343, 300, 5.0, gone, "full"))
-        d._wake()
+        d._inbox.put(Submit(4343, 300, 5.0, gone, "full"))
         release_copies(p)
         for job in list(p.jobs.values()):
             job.cancel_event.set()  # let the held copy go (it was not cancelled: it just stops waiting)
         assert held.result(10).verified
         wait_until("room 4343 finished", lambda: 4343 in d.finished, 10)
-        assert d._thread.is_alive(), "the decode's control thread died"
+        assert not d.status().dead_threads, "the decode's control thread died"
         assert d.finished[4343].status == "success" and d.finished[4343].verified
         assert d.transfer(640, deadline_s=10).verified
 
@@ -192,8 +193,11 @@ def test_register_in_another_version_is_rejected_naming_both(monkeypatch):
 def test_busy_then_deadline_does_not_quarantine_forever():
     """Requests bounced with Busy until their deadline hold nothing on the prefill: their pages
     come back at once, and Busy re-sends back off instead of spinning."""
-    po = options("prefill", ROOMY, "shm", max_inflight=1, **hold_copies(), **FAULT)
-    with PrefillWorker(po) as p, DecodeWorker(options("decode", ROOMY, "shm", peer=p.endpoint, **FAULT)) as d:
+    po = options("prefill", ROOMY, "shm", max_inflight=1, **FAULT)
+    with (
+        PrefillWorker(po, holding_hooks()) as p,
+        DecodeWorker(options("decode", ROOMY, "shm", peer=p.endpoint, **FAULT)) as d,
+    ):
         d.wait_ready(10)
         free0 = d.free_counts()
         holder = d.submit(300, deadline_s=10)

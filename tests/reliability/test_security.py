@@ -21,12 +21,12 @@ import zmq
 
 from pdstate.pools.memory import SHM_DIR
 from pdstate.protocol import wire
-from pdstate.runtime.common import WorkerOptions
 from pdstate.runtime.decode import DecodeWorker
+from pdstate.runtime.options import WorkerOptions
 from pdstate.runtime.prefill import PrefillWorker
 from pdstate.service.api import create_app
 from pdstate.service.config import load_config
-from tests.support.faults import FAULT, hold_copies, release_copies
+from tests.support.faults import FAULT, holding_hooks, release_copies
 from tests.support.pools import ROOMY, TINY, report_of
 from tests.support.summary import tally
 from tests.support.waiting import wait_until
@@ -39,9 +39,9 @@ with warnings.catch_warnings():
 
 def test_unauthenticated_frames_cannot_touch_a_running_session():
     token = b"reliability-secret"
-    po = options("prefill", ROOMY, "shm", token=token, **hold_copies(), **FAULT)
+    po = options("prefill", ROOMY, "shm", token=token, **FAULT)
     with (
-        PrefillWorker(po) as p,
+        PrefillWorker(po, holding_hooks()) as p,
         DecodeWorker(options("decode", ROOMY, "shm", peer=p.endpoint, token=token, **FAULT)) as d,
     ):
         d.wait_ready(10)
@@ -87,7 +87,7 @@ class _Source:
     def __init__(self) -> None:
         from concurrent.futures import Future
 
-        from pdstate.runtime.common import Stats
+        from pdstate.runtime.stats import Stats
 
         self.report = report_of(TINY)
         self.stats = Stats()

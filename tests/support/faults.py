@@ -1,8 +1,9 @@
 """Fault injection: short timers, and the runtime's knob that holds a prefill's copies.
 
-This is the one place the tests name the knob (``fault_delay_before_copy_s`` of ``WorkerOptions``,
-of a ``PrefillWorker``, and the worker process's ``fault`` command): a test holds copies with
-``hold_copies()`` in a worker's options and lets them go with ``release_copies(worker)``.
+This is the one place the tests name the knob (``WorkerHooks.delay_before_copy_s``, passed beside a
+worker's options, and the worker process's ``fault`` command): a test holds copies with
+``**hold_copies()`` in ``Workers.prefill(...)`` (a worker process) or ``holding_hooks()`` as an in-process
+``PrefillWorker``'s hooks, and lets them go with ``release_copies(worker)``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdstate.devtools.processes import WorkerProcess
+from pdstate.runtime.hooks import WorkerHooks
 from pdstate.runtime.prefill import PrefillWorker
 
 HEARTBEAT_S = 0.2
@@ -24,9 +26,14 @@ DETECT_SLACK_S = 0.75
 LONG_DELAY_S = 30.0
 
 
+def holding_hooks(delay_s: float = LONG_DELAY_S) -> WorkerHooks:
+    """Hooks that make a prefill wait ``delay_s`` before each copy."""
+    return WorkerHooks(delay_before_copy_s=delay_s)
+
+
 def hold_copies(delay_s: float = LONG_DELAY_S) -> dict[str, Any]:
-    """Worker options that make the prefill wait ``delay_s`` before each copy."""
-    return {"fault_delay_before_copy_s": delay_s}
+    """``Workers.prefill`` keywords that make the prefill process wait ``delay_s`` before each copy."""
+    return {"hooks": holding_hooks(delay_s)}
 
 
 def release_copies(prefill: PrefillWorker | WorkerProcess) -> None:
@@ -34,4 +41,4 @@ def release_copies(prefill: PrefillWorker | WorkerProcess) -> None:
     if isinstance(prefill, WorkerProcess):
         prefill.command({"cmd": "fault", "delay_before_copy_s": 0.0}, "fault")
     else:
-        prefill.fault_delay_before_copy_s = 0.0
+        prefill.set_hooks(WorkerHooks())

@@ -22,7 +22,8 @@ from typing import Any
 
 from pdstate.devtools.processes import WorkerProcess
 from pdstate.pools.presets import PoolSettings
-from pdstate.runtime.common import WorkerOptions
+from pdstate.runtime.hooks import WorkerHooks
+from pdstate.runtime.options import WorkerOptions
 from tests.support.engines import ENGINE_OPTIONS
 from tests.support.pools import TINY
 from tests.support.waiting import wait_until
@@ -57,8 +58,10 @@ class Workers:
     def __init__(self) -> None:
         self.started: list[WorkerProcess] = []
 
-    def prefill(self, settings: PoolSettings = TINY, launcher: str = "fork", **kw: Any) -> tuple[WorkerProcess, str]:
-        w = self._start(options("prefill", settings, **kw), launcher)
+    def prefill(
+        self, settings: PoolSettings = TINY, launcher: str = "fork", hooks: WorkerHooks | None = None, **kw: Any
+    ) -> tuple[WorkerProcess, str]:
+        w = self._start(options("prefill", settings, **kw), launcher, hooks)
         ev = w.read_event(60)
         assert ev["event"] == "listening", ev
         return w, ev["endpoint"]
@@ -70,8 +73,8 @@ class Workers:
         """A worker of either role, without waiting for anything."""
         return self._start(options(role, settings, **kw), launcher)
 
-    def _start(self, opts: WorkerOptions, launcher: str) -> WorkerProcess:
-        w = WorkerProcess(opts, launcher=launcher)
+    def _start(self, opts: WorkerOptions, launcher: str, hooks: WorkerHooks | None = None) -> WorkerProcess:
+        w = WorkerProcess(opts, launcher=launcher, hooks=hooks)
         self.started.append(w)
         return w
 

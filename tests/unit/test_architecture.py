@@ -289,11 +289,6 @@ def _over_limit() -> list[str]:
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="over 450 lines: src/pdstate/runtime/prefill.py (522), src/pdstate/runtime/decode.py (481), "
-    "src/pdstate/service/api.py (474)",
-)
 def test_no_module_is_over_the_line_limit():
     over = _over_limit()
     assert not over, f"modules over {MAX_LINES} lines:\n" + "\n".join(over)

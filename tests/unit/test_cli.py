@@ -143,7 +143,7 @@ def test_bench_command_writes_its_files_and_ends_with_the_summary(tmp_path, monk
         return fake
 
     monkeypatch.setattr(bench, "run_bench", run_bench)
-    monkeypatch.setattr("pdstate.runtime.common.tune_interpreter", lambda: None)  # this process's switch interval
+    monkeypatch.setattr("pdstate.runtime.worker.tune_interpreter", lambda: None)  # this process's switch interval
     assert cli.main(["bench", "--quick", "--engines", "shm", "--modes", "paged", "--out", str(tmp_path)]) == ExitCode.OK
     assert seen == {"quick": True, "engines": ["shm"], "modes": ["paged"]}
     lines = capsys.readouterr().out.splitlines()

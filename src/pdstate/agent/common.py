@@ -15,7 +15,8 @@ import zmq
 
 from pdstate.errors import AgentClosed, IllegalTransition, PdStateError
 from pdstate.pools.memory import Region
-from pdstate.protocol.lifecycle import RequestState, advance
+from pdstate.protocol.lifecycle import RequestState
+from pdstate.protocol.lifecycle import move as lifecycle_move
 from pdstate.protocol.wire import MAX_FRAME_BYTES
 
 log = logging.getLogger("pdstate.agent")
@@ -65,7 +66,7 @@ class RequestRecord:
         with self.changed:
             if self.state is new:
                 return
-            self.state = advance(self.state, new)
+            lifecycle_move(self, new)
             self.metrics[f"{new.value}_at_s"] = round(time.monotonic() - self.created, 6)
             self.changed.notify_all()
 

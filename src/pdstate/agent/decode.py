@@ -23,7 +23,7 @@ from pdstate.errors import (
 )
 from pdstate.protocol import wire
 from pdstate.protocol.handshake import DecodeHandshake, LocalSide
-from pdstate.protocol.lifecycle import PeerState, RequestState
+from pdstate.protocol.lifecycle import PeerState, RequestState, move
 from pdstate.protocol.report import ErrorInfo
 from pdstate.transfer.engines.base import TransferEngine, create_engine
 
@@ -186,7 +186,9 @@ class DecodeAgent:
         return p
 
     def _register(self, p: _Prefill) -> None:
-        p.state, p.error, p.registered_at, p.handshakes = PeerState.PENDING, None, time.monotonic(), p.handshakes + 1
+        if p.state is not PeerState.PENDING:
+            move(p, PeerState.PENDING)
+        p.error, p.registered_at, p.handshakes = None, time.monotonic(), p.handshakes + 1
         self._send(p, self._handshake.register_message())
 
     def _add(self, recv: _Recv) -> _Recv:
@@ -263,7 +265,9 @@ class DecodeAgent:
                 yield recv
 
     def _fail_prefill(self, p: _Prefill, error: PdStateError, state: PeerState) -> None:
-        p.state, p.error = state, error
+        if p.state is not state:
+            move(p, state)
+        p.error = error
         for recv in list(self._live(p.address)):
             recv.record.fail(type(error)(str(error)))
 
@@ -321,7 +325,9 @@ class DecodeAgent:
             return
         if p.incarnation and accept.incarnation != p.incarnation:
             self._restarted(p, accept.incarnation)
-        p.state, p.incarnation, p.worker_id, p.error = PeerState.ACCEPTED, accept.incarnation, accept.worker_id, None
+        if p.state is not PeerState.ACCEPTED:
+            move(p, PeerState.ACCEPTED)
+        p.incarnation, p.worker_id, p.error = accept.incarnation, accept.worker_id, None
         p.last_seen = time.monotonic()
         for recv in list(self._live(p.address)):
             if recv.record.state is _S.BOOTSTRAPPING:

@@ -121,7 +121,7 @@ class _Pair(NamedTuple):
 def _pdstate_pair(engine: str, mode: str, preset_name: str = "dsv4-flash") -> _Pair:
     """A prefill and a decode process, the decode registered."""
     from pdstate.devtools.processes import WorkerProcess
-    from pdstate.runtime.common import WorkerOptions
+    from pdstate.runtime.options import WorkerOptions
 
     s = _settings(mode, preset_name)
     eo = ENGINE_OPTIONS.get(engine, {})
@@ -287,8 +287,8 @@ def bench_control(runs: int) -> dict:
     its latency, and what is left of it without the time spent on its bytes (the prefill's
     synthetic compute and copy, the decode's verification).
     """
-    from pdstate.runtime.common import WorkerOptions
     from pdstate.runtime.decode import DecodeWorker
+    from pdstate.runtime.options import WorkerOptions
     from pdstate.runtime.prefill import PrefillWorker
 
     out: dict = {}

@@ -124,7 +124,7 @@ def format_table(r: dict) -> str:
 def cmd_bench(args) -> ExitCode:
     """Run the benchmark, write its files; the last stdout line is the summary as one JSON object."""
     from pdstate.devtools import bench
-    from pdstate.runtime.common import tune_interpreter
+    from pdstate.runtime.worker import tune_interpreter
 
     tune_interpreter()
     say = (lambda *a: None) if args.json else (lambda m: print(m, flush=True))

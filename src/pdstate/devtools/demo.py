@@ -40,7 +40,7 @@ def run_demo(
     from pdstate.devtools.baselines import ENGINE_OPTIONS
     from pdstate.devtools.processes import WorkerProcess
     from pdstate.pools.presets import preset as get_preset
-    from pdstate.runtime.common import WorkerOptions
+    from pdstate.runtime.options import WorkerOptions
 
     settings = get_preset(preset).with_(unified_kv=(mode == "unified"), draft_enabled=draft)
     cap = settings.full_tokens // max(1, concurrency)

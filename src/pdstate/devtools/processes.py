@@ -43,21 +43,29 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from typing import Any
 
-from pdstate.errors import ExitCode
+from pdstate.errors import ExitCode, LocalCheckFailed
 from pdstate.pools.presets import PoolSettings
-from pdstate.runtime.common import LocalCheckFailed, WorkerOptions
+from pdstate.runtime.hooks import WorkerHooks
+from pdstate.runtime.options import WorkerOptions
 
 Emit = Callable[[dict], None]
 
 
-def options_to_json(opts: WorkerOptions) -> str:
+def options_to_json(opts: WorkerOptions, hooks: WorkerHooks | None = None) -> str:
     d = asdict(opts)
     d["token"] = opts.token.decode() if opts.token else None
+    if hooks is not None:
+        d["hooks"] = asdict(hooks)  # test seams travel beside the options
     return json.dumps(d)
+
+
+def hooks_from_json(text: str) -> WorkerHooks:
+    return WorkerHooks(**json.loads(text).get("hooks", {}))
 
 
 def options_from_json(text: str) -> WorkerOptions:
     d = json.loads(text)
+    d.pop("hooks", None)
     pool = d.pop("pool")
     for key, value in pool.items():
         if isinstance(value, list):  # JSON arrays back to the tuples PoolSettings holds
@@ -94,10 +102,10 @@ def _stats_dict(stats) -> dict:
     return stats.as_dict()
 
 
-def _run_prefill(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> ExitCode:
+def _run_prefill(opts: WorkerOptions, lines: Iterable[str], emit: Emit, hooks: WorkerHooks | None = None) -> ExitCode:
     from pdstate.runtime.prefill import PrefillWorker
 
-    w = PrefillWorker(opts).start()
+    w = PrefillWorker(opts, hooks).start()
     emit({"event": "listening", "endpoint": w.endpoint, "pid": os.getpid()})
     try:
         for cmd in _commands(lines, emit):
@@ -106,8 +114,8 @@ def _run_prefill(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> ExitC
             elif cmd.get("cmd") == "peers":
                 emit({"event": "peers", "peers": w.peer_states()})
             elif cmd.get("cmd") == "fault":  # test knob: {"cmd": "fault", "delay_before_copy_s": S}
-                w.fault_delay_before_copy_s = float(cmd.get("delay_before_copy_s", 0.0))
-                emit({"event": "fault", "delay_before_copy_s": w.fault_delay_before_copy_s})
+                w.set_hooks(WorkerHooks(delay_before_copy_s=float(cmd.get("delay_before_copy_s", 0.0))))
+                emit({"event": "fault", "delay_before_copy_s": w.hooks.delay_before_copy_s})
             elif cmd.get("cmd") == "requests":
                 emit(
                     {
@@ -168,10 +176,10 @@ def _run_decode(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> ExitCo
     return ExitCode.OK
 
 
-def serve(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> ExitCode:
+def serve(opts: WorkerOptions, lines: Iterable[str], emit: Emit, hooks: WorkerHooks | None = None) -> ExitCode:
     """Run one worker until ``lines`` ends; returns the exit status."""
     try:
-        return _run_prefill(opts, lines, emit) if opts.role == "prefill" else _run_decode(opts, lines, emit)
+        return _run_prefill(opts, lines, emit, hooks) if opts.role == "prefill" else _run_decode(opts, lines, emit)
     except LocalCheckFailed as exc:
         cause = exc.__cause__ if exc.__cause__ is not None else exc
         print(f"pdstate {opts.role}: {type(cause).__name__}: {cause}", file=sys.stderr, flush=True)
@@ -179,18 +187,19 @@ def serve(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> ExitCode:
 
 
 def main() -> ExitCode:
-    from pdstate.runtime.common import tune_interpreter
+    from pdstate.runtime.worker import tune_interpreter
 
     tune_interpreter()
     line = sys.stdin.readline()
     try:
         opts = options_from_json(line)
+        hooks = hooks_from_json(line)
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         print(
             f"pdstate worker: bad description line {line.strip()[:80]!r}: {type(exc).__name__}: {exc}", file=sys.stderr
         )
         return ExitCode.CONFIG
-    return serve(opts, sys.stdin, _emit_stdout)
+    return serve(opts, sys.stdin, _emit_stdout, hooks)
 
 
 # --- fork-server launcher --------------------------------------------------------------------
@@ -219,7 +228,7 @@ def _forked_main(opts_json: str, cmd_conn, event_conn, log_path: str) -> None:
     os.close(fd)
     rc = ExitCode.FAILED
     try:
-        from pdstate.runtime.common import tune_interpreter
+        from pdstate.runtime.worker import tune_interpreter
 
         tune_interpreter()  # as ``main`` does for a subprocess worker
 
@@ -233,7 +242,7 @@ def _forked_main(opts_json: str, cmd_conn, event_conn, log_path: str) -> None:
         def emit(obj: dict) -> None:
             event_conn.send_bytes(json.dumps(obj).encode())
 
-        rc = serve(options_from_json(opts_json), lines(), emit)
+        rc = serve(options_from_json(opts_json), lines(), emit, hooks_from_json(opts_json))
     except BaseException:
         import traceback
 
@@ -247,7 +256,13 @@ def _forked_main(opts_json: str, cmd_conn, event_conn, log_path: str) -> None:
 class WorkerProcess:
     """A worker in a child process, driven by JSON command lines; its events are JSON objects."""
 
-    def __init__(self, opts: WorkerOptions, env: dict[str, str] | None = None, launcher: str = "subprocess") -> None:
+    def __init__(
+        self,
+        opts: WorkerOptions,
+        env: dict[str, str] | None = None,
+        launcher: str = "subprocess",
+        hooks: WorkerHooks | None = None,
+    ) -> None:
         self.opts = opts
         self.launcher = launcher
         self._lines: queue.Queue = queue.Queue()
@@ -267,7 +282,7 @@ class WorkerProcess:
             self._stderr_pump = threading.Thread(target=self._pump_stderr, daemon=True)
             self._stderr_pump.start()
             threading.Thread(target=self._pump_stdout, daemon=True).start()
-            self.send(options_to_json(opts))
+            self.send(options_to_json(opts, hooks))
         elif launcher == "fork":
             if env:
                 raise ValueError("launcher='fork' cannot change the environment; use launcher='subprocess'")
@@ -278,7 +293,7 @@ class WorkerProcess:
             self._event_r, event_w = ctx.Pipe(duplex=False)
             self.proc = ctx.Process(
                 target=_forked_main,
-                args=(options_to_json(opts), cmd_r, event_w, self._log_path),
+                args=(options_to_json(opts, hooks), cmd_r, event_w, self._log_path),
                 name=f"pdstate-{opts.role}",
                 daemon=False,
             )

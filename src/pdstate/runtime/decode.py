@@ -1,9 +1,10 @@
 """The decode worker: registers with one prefill, then asks it for requests' state.
 
 The control thread owns the DEALER socket, the allocator and every request record. Other threads
-call ``submit``/``transfer``; commands reach the control thread through a queue and an inproc
-wake-up socket. A request is marked SUCCESS only after ``TransferDone`` arrived *and* the bytes
-that landed verified against the room's deterministic content.
+call ``submit``/``transfer``; their commands reach the control thread through its mailbox
+(``runtime.decode_link`` keeps the link to the prefill). A request is marked SUCCESS only after
+``TransferDone`` arrived *and* the bytes that landed verified against the room's deterministic
+content.
 
 Pages of a request that failed while the prefill may still be writing into them (deadline, abort)
 are quarantined until the prefill reports the room finished or is declared gone, so a late write
@@ -14,8 +15,6 @@ handshake after every request sent before it; see ``runtime.prefill``.)
 
 from __future__ import annotations
 
-import os
-import queue
 import secrets
 import threading
 from collections import deque
@@ -30,45 +29,55 @@ from pdstate.errors import (
     PdStateError,
     ProtocolError,
     VersionMismatch,
-    error_from_wire,
 )
 from pdstate.protocol import wire
 from pdstate.protocol.handshake import DecodeHandshake
-from pdstate.protocol.lifecycle import PeerState, RequestState, advance
+from pdstate.protocol.lifecycle import PeerState, RequestState, move
 from pdstate.protocol.report import ErrorInfo
 from pdstate.runtime import requests as rq
 from pdstate.runtime import synth
-from pdstate.runtime.common import Stats, WorkerBase, WorkerOptions, local_side, log, new_incarnation, now, settle
+from pdstate.runtime.commands import Reregister, Stop, Submit
 from pdstate.runtime.control import ControlClient
-from pdstate.runtime.records import Request, TransferResult
+from pdstate.runtime.decode_link import PrefillLinkMixin
+from pdstate.runtime.hooks import WorkerHooks
+from pdstate.runtime.mailbox import Mailbox
+from pdstate.runtime.options import WorkerOptions
+from pdstate.runtime.records import PrefillLink, Request, TransferResult
+from pdstate.runtime.snapshot import PeerStatus, RequestStatus, WorkerSnapshot
+from pdstate.runtime.worker import WorkerBase, local_side, log, now, settle
 
 MAX_FINISHED = 10000  # results kept for ``/v1/transfers/{room}`` (oldest dropped first)
 BUSY_BACKOFF_S = (0.002, 0.1)  # first and longest wait before re-sending a request answered Busy
 
 
-class DecodeWorker(WorkerBase):
-    def __init__(self, opts: WorkerOptions) -> None:
-        self.opts = opts
+class DecodeWorker(PrefillLinkMixin, WorkerBase):
+    """A decode worker and its control thread.
+
+    Control thread (``_control_loop``): owns the DEALER socket, the handshake, the allocator, its
+    view of the prefill (``_link``) and every request: it admits, sends, verifies, ends and
+    quarantines them. Callers' threads (``submit``, ``transfer``, ``reregister``) hand it
+    ``Submit`` and ``Reregister`` through its mailbox and wait on a request's future.
+
+    Written only by the control thread, under ``_lock``, and read under it by other threads
+    (``status()``, ``lookup``, ``ready``, ``wait_ready`` and the views over them): ``_link`` (the
+    prefill's state, error, incarnation), ``requests``, ``finished``, ``quarantine``, the
+    waiting queue and the counters ``peak_in_flight`` and ``handshake_s``. A request's other
+    fields (allocation, message, backoff) are the control thread's alone.
+    """
+
+    role = "decode"
+
+    def __init__(self, opts: WorkerOptions, hooks: WorkerHooks | None = None) -> None:
+        super().__init__(opts, hooks)
         self.worker_id = opts.worker_id or f"decode-{secrets.token_hex(3)}"
-        self.incarnation = new_incarnation()
-        self.stats = Stats()
         self.requests: dict[int, Request] = {}
         self.finished: dict[int, TransferResult] = {}
         self.quarantine: dict[int, rq.Allocation] = {}
         self.peak_in_flight = 0  # most requests entered and not finished at once
-        self.peer_state = PeerState.PENDING
-        self.peer_error: ErrorInfo | None = None
-        self.prefill_incarnation: str | None = None
-        self.handshake_s: float | None = None
-        self.local_error: BaseException | None = None
-        self._accepted = threading.Event()
+        self._link = PrefillLink(opts.peer)
+        self._handshake_s: float | None = None
         self._answered = threading.Event()
-        self._stop = threading.Event()
-        self._commands: queue.Queue = queue.Queue()
         self._waiting: deque[Request] = deque()
-        self._thread: threading.Thread | None = None
-        self._wake_lock = threading.Lock()
-        self._wake_r = self._wake_w = -1
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> DecodeWorker:
@@ -82,44 +91,27 @@ class DecodeWorker(WorkerBase):
             self._open_side()
             endpoint = self.engine.endpoint()
         except BaseException:
-            self._close_side()
+            self.close_side()
             raise
         self.local = local_side(self.opts, self.worker_id, self.incarnation, self.report, self.kv_args, endpoint)
         self.handshake = DecodeHandshake(self.local)
-        self.ctx = zmq.Context.instance()
         self.client = ControlClient(
-            self.ctx, self.opts.peer, f"{self.worker_id}/{self.incarnation}".encode(), self.opts.token
+            zmq.Context.instance(), self.opts.peer, f"{self.worker_id}/{self.incarnation}".encode(), self.opts.token
         )
-        # Wake-ups from other threads: a non-blocking pipe the control thread polls. (A fresh
-        # inproc PUSH socket per wake-up raced with the loop closing its end at stop(), raising
-        # zmq.Again, and churned through the context's socket limit under many submits.)
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._thread = threading.Thread(target=self._control_loop, name="pdstate-decode-control", daemon=True)
-        self._thread.start()
+        self._inbox = Mailbox(pollable=True)  # Submit and Reregister from callers' threads
+        self._start_threads((self._control_loop, "pdstate-decode-control"))
         return self
-
-    def wait_ready(self, timeout_s: float = 30.0) -> None:
-        """Block until the handshake is answered; raises the refusal, or ``TimeoutError``."""
-        if not self._answered.wait(timeout_s):
-            raise TimeoutError(f"no handshake answer from {self.opts.peer} within {timeout_s:.1f} s")
-        if self.peer_state != PeerState.ACCEPTED:
-            raise error_from_wire(self.peer_error.type, self.peer_error.message)
 
     def stop(self) -> None:
         self._stop.set()
-        self._wake()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            with self._wake_lock:
-                os.close(self._wake_w)
-                self._wake_w = -1
-        self._close_side()
-
-    @property
-    def ready(self) -> bool:
-        return self.peer_state == PeerState.ACCEPTED
+        inbox = getattr(self, "_inbox", None)
+        if inbox is not None:
+            inbox.put(Stop())  # wake the control loop
+        for t in self._threads:
+            t.join(timeout=10)
+        if inbox is not None and not any(t.is_alive() for t in self._threads):
+            inbox.close()
+        self.close_side()
 
     # -- API for other threads ----------------------------------------------------------------
     def submit(
@@ -132,10 +124,9 @@ class DecodeWorker(WorkerBase):
             raise ValueError(f"seq_len must not be negative, got {seq_len} (0: an empty transfer)")
         fut: Future = Future()
         room = room if room is not None else secrets.randbits(63)
-        self._commands.put(
-            ("submit", room, seq_len, deadline_s or self.opts.request_deadline_s, fut, verify or self.opts.verify)
+        self._inbox.put(
+            Submit(room, seq_len, deadline_s or self.opts.request_deadline_s, fut, verify or self.opts.verify)
         )
-        self._wake()
         return fut
 
     def transfer(self, seq_len: int, room: int | None = None, deadline_s: float | None = None) -> TransferResult:
@@ -143,43 +134,53 @@ class DecodeWorker(WorkerBase):
         return self.submit(seq_len, room, d).result(timeout=d + self.opts.peer_timeout_s + 5)
 
     def reregister(self) -> None:
-        self._commands.put(("reregister",))
-        self._wake()
+        self._inbox.put(Reregister())
 
-    def rehandshake(self, timeout_s: float = 30.0) -> float:
-        """Register again and wait for the answer; returns the handshake's seconds (or raises the
-        refusal). Used by operators after fixing a prefill, and by the benchmark."""
-        self._answered.clear()
-        self.reregister()
-        self.wait_ready(timeout_s)
-        return self.handshake_s
+    # -- status (from any thread) -------------------------------------------------------------
+    def status(self) -> WorkerSnapshot:
+        with self._lock:
+            link = self._link
+            return WorkerSnapshot(
+                role=self.role,
+                worker_id=self.worker_id,
+                incarnation=self.incarnation,
+                endpoint=self.opts.peer,
+                peers=(PeerStatus(link.endpoint, link.state, link.error, link.incarnation),),
+                requests=tuple(RequestStatus(r.room, r.state, r.seq_len, r.started) for r in self.requests.values()),
+                dead_threads=self._dead_threads(),
+                peak_in_flight=self.peak_in_flight,
+                waiting=len(self._waiting),
+                quarantined=len(self.quarantine),
+                handshake_s=self._handshake_s,
+            )
+
+    def lookup(self, room: int) -> TransferResult | RequestStatus | None:
+        """A finished request's result, an in-flight request's status, or ``None``."""
+        with self._lock:
+            res = self.finished.get(room)
+            if res is not None:
+                return res
+            req = self.requests.get(room)
+            return None if req is None else RequestStatus(req.room, req.state, req.seq_len, req.started)
 
     def snapshot(self) -> dict:
-        """Peer state and request bookkeeping, for status commands (read from any thread)."""
+        """Peer state and request bookkeeping, for status commands."""
+        s = self.status()
         return {
-            "peer_state": self.peer_state.value,
-            "prefill_incarnation": self.prefill_incarnation,
-            "in_flight": len(self.requests),
-            "waiting": len(self._waiting),
-            "quarantined": len(self.quarantine),
-            "peak_in_flight": self.peak_in_flight,
+            "peer_state": s.peer.state.value,
+            "prefill_incarnation": s.peer.incarnation,
+            "in_flight": s.in_flight,
+            "waiting": s.waiting,
+            "quarantined": s.quarantined,
+            "peak_in_flight": s.peak_in_flight,
         }
-
-    def _wake(self) -> None:
-        with self._wake_lock:
-            if self._wake_w < 0:
-                return  # stopped
-            try:
-                os.write(self._wake_w, b"\0")
-            except (BlockingIOError, BrokenPipeError):
-                pass  # a wake-up is already pending (pipe full), or the loop has ended
 
     # -- control thread -----------------------------------------------------------------------
     def _control_loop(self) -> None:
         self.client.open()
         poller = zmq.Poller()
         poller.register(self.client.sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._inbox.socket, zmq.POLLIN)
         self._send_register()
         next_hb = now() + self.opts.heartbeat_interval_s
         self._last_heard = now()
@@ -187,18 +188,9 @@ class DecodeWorker(WorkerBase):
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(tick_ms))
-                if self._wake_r in events:
-                    try:
-                        while os.read(self._wake_r, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
-                while True:
-                    try:
-                        cmd = self._commands.get_nowait()
-                    except queue.Empty:
-                        break
-                    self._guarded(self._on_command, cmd)
+                if self._inbox.socket in events:
+                    for cmd in self._inbox.drain():
+                        self._guarded(self._on_command, cmd)
                 if self.client.sock in events:
                     for _ in range(256):
                         try:
@@ -215,7 +207,6 @@ class DecodeWorker(WorkerBase):
             for req in list(self.requests.values()):
                 self._finish(req, "failed", error=ErrorInfo(type="TransferFailed", message="decode shutting down"))
             self.client.close()
-            os.close(self._wake_r)
 
     def _guarded(self, handler, arg) -> None:
         """Run one handler; a bug in it is logged and counted, and never ends the control loop
@@ -223,56 +214,35 @@ class DecodeWorker(WorkerBase):
         try:
             handler(arg)
         except Exception:
-            self.stats.protocol_errors += 1
+            self.stats.protocol_error()
             log.exception("decode control loop: %s failed", handler.__name__)
 
-    def _send_register(self) -> None:
-        self._register_sent = now()
-        self.client.send(self.handshake.register_message())
-
-    def _heartbeat(self, t: float) -> None:
-        if self.peer_state == PeerState.ACCEPTED:
-            self.client.send(wire.Heartbeat(worker_id=self.worker_id, incarnation=self.incarnation, seq=int(t * 1000)))
-            if t - self._last_heard > self.opts.peer_timeout_s:
-                self._peer_gone(f"prefill gone: no heartbeat for {self.opts.peer_timeout_s:.1f} s")
-        elif self.peer_state in (PeerState.PENDING, PeerState.GONE):
-            self._send_register()  # (re)register until answered; a rejected decode waits to be asked
-
-    def _peer_gone(self, reason: str) -> None:
-        log.warning("%s", reason)
-        self.peer_state = PeerState.GONE
-        self._accepted.clear()
-        for alloc in self.quarantine.values():  # the old prefill can no longer write into them
-            rq.free(self.pools, alloc)
-        self.quarantine.clear()
-        for req in list(self.requests.values()):
-            self._finish(req, "failed", error=ErrorInfo(type="PeerGone", message=reason))
-
-    def _on_command(self, cmd) -> None:
-        if cmd[0] == "reregister":
-            self.peer_state = PeerState.PENDING
+    def _on_command(self, cmd: Submit | Reregister | Stop) -> None:
+        if isinstance(cmd, Reregister):
+            self._move_link(PeerState.PENDING, self._link.error)
             self._send_register()
             return
-        _, room, seq_len, deadline_s, fut, verify = cmd
-        if room in self.requests:
-            settle(fut, exc=ValueError(f"room {room} is already in flight"))
+        if not isinstance(cmd, Submit):
+            return  # Stop: the loop ends on the stop flag
+        if cmd.room in self.requests:
+            settle(cmd.future, exc=ValueError(f"room {cmd.room} is already in flight"))
             return
-        req = Request(room, seq_len, fut, now() + deadline_s, verify=verify)
-        self.requests[room] = req
-        self.peak_in_flight = max(self.peak_in_flight, len(self.requests))
-        if self.peer_state != PeerState.ACCEPTED:
-            reason = (
-                "prefill not connected" if self.peer_error is None else f"handshake refused: {self.peer_error.message}"
-            )
+        req = Request(cmd.room, cmd.seq_len, cmd.future, now() + cmd.deadline_s, verify=cmd.verify)
+        with self._lock:
+            self.requests[req.room] = req
+            self.peak_in_flight = max(self.peak_in_flight, len(self.requests))
+        if self._link.state != PeerState.ACCEPTED:
+            error = self._link.error
+            reason = "prefill not connected" if error is None else f"handshake refused: {error.message}"
             self._finish(req, "failed", error=ErrorInfo(type="PeerGone", message=reason))
             return
-        if seq_len > rq.capacity_tokens(self.pools):
-            err = AllocationError(
-                f"seq_len {seq_len} exceeds the decode pool of {rq.capacity_tokens(self.pools)} tokens"
-            )
+        capacity = rq.capacity_tokens(self.pools)
+        if req.seq_len > capacity:
+            err = AllocationError(f"seq_len {req.seq_len} exceeds the decode pool of {capacity} tokens")
             self._finish(req, "failed", error=ErrorInfo.of(err))
             return
-        self._waiting.append(req)
+        with self._lock:
+            self._waiting.append(req)
         self._admit()
 
     def _admit(self) -> None:
@@ -280,17 +250,20 @@ class DecodeWorker(WorkerBase):
         while self._waiting:
             req = self._waiting[0]
             if req.state.terminal:
-                self._waiting.popleft()
+                with self._lock:
+                    self._waiting.popleft()
                 continue
             try:
-                req.alloc = rq.allocate(self.pools, rq.channel_names(self.kv_args), req.seq_len)
+                req.alloc = self._allocate(req.seq_len)
             except AllocationError:
                 return  # wait for a finished request to free pages (or for the deadline)
             except PdStateError as exc:
-                self._waiting.popleft()
+                with self._lock:
+                    self._waiting.popleft()
                 self._finish(req, "failed", error=ErrorInfo.of(exc))
                 continue
-            self._waiting.popleft()
+            with self._lock:
+                self._waiting.popleft()
             req.message = wire.TransferRequest(
                 room=req.room,
                 seq_len=req.seq_len,
@@ -298,7 +271,8 @@ class DecodeWorker(WorkerBase):
                 dst_state_indices=[wire.PackedIndices.pack(x) for x in req.alloc.lists[1:]],
                 deadline_s=max(0.001, req.deadline - now()),
             )
-            req.state = advance(req.state, RequestState.WAITING_FOR_INPUT)
+            with self._lock:
+                move(req, RequestState.WAITING_FOR_INPUT)
             req.sent_at = now()
             self.client.send(req.message)
 
@@ -306,9 +280,9 @@ class DecodeWorker(WorkerBase):
         try:
             msg = wire.decode(frame, self.opts.token)
         except (ProtocolError, AuthError) as exc:
-            self.stats.protocol_errors += 1
+            self.stats.protocol_error()
             log.warning("bad frame from prefill: %s", exc)
-            if isinstance(exc, (AuthError, VersionMismatch)) and self.peer_state == PeerState.PENDING:
+            if isinstance(exc, (AuthError, VersionMismatch)) and self._link.state == PeerState.PENDING:
                 # The answer to our register cannot be authenticated (the tokens differ, or one
                 # side has none) or is in another protocol version. Waiting longer cannot help;
                 # refuse like a Reject would.
@@ -318,8 +292,9 @@ class DecodeWorker(WorkerBase):
         if isinstance(msg, (wire.Accept, wire.Reject)):
             self._on_handshake(msg)
         elif isinstance(msg, wire.Heartbeat):
-            if self.prefill_incarnation is not None and msg.incarnation != self.prefill_incarnation:
-                self._peer_gone(f"prefill restarted (incarnation {self.prefill_incarnation} -> {msg.incarnation})")
+            incarnation = self._link.incarnation
+            if incarnation is not None and msg.incarnation != incarnation:
+                self._peer_gone(f"prefill restarted (incarnation {incarnation} -> {msg.incarnation})")
                 self._send_register()
         elif isinstance(msg, wire.TransferDone):
             self._on_done(msg)
@@ -327,7 +302,7 @@ class DecodeWorker(WorkerBase):
             req = self.requests.get(msg.room)
             if req is not None and req.resend_at is None:
                 # exponential backoff: a full prefill is not hammered by every waiting request
-                self.stats.transfers["busy"] += 1
+                self.stats.busy()
                 first, longest = BUSY_BACKOFF_S
                 req.resend_at = now() + min(longest, first * (2 ** min(req.busy_count, 16)))
                 req.busy_count += 1
@@ -335,44 +310,21 @@ class DecodeWorker(WorkerBase):
             if msg.room is not None and msg.room in self.requests:
                 self._finish(self.requests[msg.room], "failed", error=msg.error)
             elif msg.error.type == NotRegistered.__name__:
-                if self.peer_state == PeerState.ACCEPTED:
+                if self._link.state == PeerState.ACCEPTED:
                     self._peer_gone("prefill forgot this decode (restarted or timed it out)")
                 self._send_register()
-            elif self.peer_state == PeerState.PENDING:
+            elif self._link.state == PeerState.PENDING:
                 # Only a register is outstanding: the prefill could not take it (auth, version,
                 # malformed) and answered with an error instead of accept/reject.
                 self._refused(msg.error)
             else:
                 log.warning("prefill reported: %s: %s", msg.error.type, msg.error.message)
 
-    def _refused(self, error: ErrorInfo) -> None:
-        self.peer_state, self.peer_error = PeerState.REJECTED, error
-        self.stats.handshakes["rejected"] += 1
-        log.error("handshake refused: %s: %s", error.type, error.message)
-        self._answered.set()
-
-    def _on_handshake(self, msg) -> None:
-        try:
-            accept = self.handshake.receive(msg)
-        except Exception as exc:  # any refusal: upstream RuntimeErrors, VersionMismatch, EngineError, ...
-            self.peer_state, self.peer_error = PeerState.REJECTED, ErrorInfo.of(exc)
-            self.stats.handshakes["rejected"] += 1
-            log.error("handshake refused: %s: %s", type(exc).__name__, exc)
-            if isinstance(msg, wire.Accept):  # we refuse the prefill: it records the same error
-                self.client.send(wire.Reject(worker_id=self.worker_id, error=self.peer_error))
-            self._answered.set()
-            return
-        self.peer_state, self.peer_error = PeerState.ACCEPTED, None
-        self.prefill_incarnation = accept.incarnation
-        self.handshake_s = now() - self._register_sent
-        self.stats.handshakes["accepted"] += 1
-        self._accepted.set()
-        self._answered.set()
-        log.info("accepted by prefill %s in %.2f ms", accept.worker_id, self.handshake_s * 1e3)
-
     def _on_done(self, msg: wire.TransferDone) -> None:
         if msg.room in self.quarantine:
-            rq.free(self.pools, self.quarantine.pop(msg.room))
+            with self._lock:
+                alloc = self.quarantine.pop(msg.room)
+            self._free(alloc)
             self._admit()
             return
         req = self.requests.get(msg.room)
@@ -384,7 +336,8 @@ class DecodeWorker(WorkerBase):
                 req, "failed", error=msg.error or ErrorInfo(type="TransferFailed", message="prefill reported failure")
             )
             return
-        req.state = advance(req.state, RequestState.TRANSFERRING)
+        with self._lock:
+            move(req, RequestState.TRANSFERRING)
         t0 = now()
         if req.verify == "sample":
             problem = synth.verify_sample(self.kv_args, req.room, req.alloc.lists, self._spans)
@@ -426,8 +379,6 @@ class DecodeWorker(WorkerBase):
     ) -> None:
         if req.state.terminal:
             return
-        req.state = RequestState.SUCCESS if status == "success" else RequestState.FAILED
-        self.requests.pop(req.room, None)
         seconds = now() - req.started
         res = TransferResult(
             req.room,
@@ -444,20 +395,20 @@ class DecodeWorker(WorkerBase):
             verify_s,
         )
         if status == "success":
-            self.stats.transfers["success"] += 1
-            self.stats.bytes += nbytes
-            self.stats.latencies_s.append(seconds)
+            self.stats.success(nbytes, seconds)
         else:
             self.stats.fail(error.message if error else "failed")
-        self.finished.pop(req.room, None)
-        self.finished[req.room] = res
-        while len(self.finished) > MAX_FINISHED:
-            self.finished.pop(next(iter(self.finished)))
-        if req.alloc is not None:
-            if quarantine:
+        with self._lock:  # one step for readers: no longer in flight, finished, pages quarantined
+            move(req, RequestState.SUCCESS if status == "success" else RequestState.FAILED)
+            self.requests.pop(req.room, None)
+            self.finished.pop(req.room, None)
+            self.finished[req.room] = res
+            while len(self.finished) > MAX_FINISHED:
+                self.finished.pop(next(iter(self.finished)))
+            if req.alloc is not None and quarantine:
                 self.quarantine[req.room] = req.alloc
-            else:
-                rq.free(self.pools, req.alloc)  # before settling: a caller sees its pages back
+        if req.alloc is not None and not quarantine:
+            self._free(req.alloc)  # before settling: a caller sees its pages back
         settle(req.future, res)  # its caller may have cancelled it
         if req.alloc is not None and not quarantine:
             self._admit()

@@ -1,5 +1,8 @@
-"""The workers' records. Prefill: decode peers, queued jobs and what the transfer thread reports.
-Decode: its requests and their results."""
+"""The workers' records. Prefill: decode peers and jobs. Decode: its prefill, its requests and
+their results.
+
+A record is born in its lifecycle's first state (``state`` is not a constructor argument) and
+moves only through ``protocol.lifecycle.move``."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from pdstate.protocol import wire
 from pdstate.protocol.lifecycle import PeerState, RequestState
 from pdstate.protocol.report import ErrorInfo
 from pdstate.runtime import requests as rq
-from pdstate.runtime.common import now
+from pdstate.runtime.worker import now
 from pdstate.transfer.plan import TransferPlan
 from pdstate.transfer.planner import PairPlanner
 
@@ -21,11 +24,11 @@ class Peer:
     identity: bytes
     worker_id: str
     incarnation: str
-    state: PeerState
     error: ErrorInfo | None = None
     engine_peer: str | None = None
     last_seen: float = 0.0
     planner: PairPlanner | None = None  # (this prefill's layout, the peer's), once accepted
+    state: PeerState = field(default=PeerState.PENDING, init=False)
 
 
 @dataclass
@@ -38,25 +41,23 @@ class Job:
     deadline: float
     worker_id: str = ""
     engine_peer: str | None = None  # the engine peer its copy targets (kept until the job ends)
-    state: RequestState = RequestState.BOOTSTRAPPING
+    state: RequestState = field(default=RequestState.BOOTSTRAPPING, init=False)
     cancelled: ErrorInfo | None = None  # why, once cancelled
     cancel_event: threading.Event = field(default_factory=threading.Event)
     started: float = field(default_factory=now)
 
 
-@dataclass(frozen=True)
-class JobOutcome:
-    """What the transfer thread reports for a job (through the inproc socket)."""
-
-    peer: bytes
-    room: int
-    error: ErrorInfo | None
-    engine_failed: bool  # the error came from the transfer engine (any ``EngineError``)
-    compute_s: float
-    copy_s: float
-
-
 # -- decode -------------------------------------------------------------------------------------
+@dataclass
+class PrefillLink:
+    """The decode's view of its prefill: the handshake's outcome and who answered it."""
+
+    endpoint: str
+    error: ErrorInfo | None = None
+    incarnation: str | None = None  # the prefill's, from its Accept
+    state: PeerState = field(default=PeerState.PENDING, init=False)
+
+
 @dataclass
 class TransferResult:
     room: int
@@ -96,7 +97,7 @@ class Request:
     future: Future
     deadline: float
     started: float = field(default_factory=now)
-    state: RequestState = RequestState.BOOTSTRAPPING
+    state: RequestState = field(default=RequestState.BOOTSTRAPPING, init=False)
     alloc: rq.Allocation | None = None
     resend_at: float | None = None  # set while the prefill answered Busy: it holds nothing of ours
     busy_count: int = 0

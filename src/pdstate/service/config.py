@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pdstate.errors import ConfigError
 from pdstate.pools.presets import PRESETS, PoolSettings
 from pdstate.pools.presets import preset as preset_settings
-from pdstate.runtime.common import WorkerOptions
+from pdstate.runtime.options import WorkerOptions
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -60,7 +60,7 @@ def _emit(obj: dict) -> None:
 
 
 def cmd_serve(args) -> ExitCode:
-    from pdstate.runtime.common import tune_interpreter
+    from pdstate.runtime.worker import tune_interpreter
 
     tune_interpreter()
     from pdstate.service.config import load_config
@@ -84,7 +84,7 @@ def cmd_serve(args) -> ExitCode:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
-    from pdstate.runtime.common import LocalCheckFailed
+    from pdstate.errors import LocalCheckFailed
 
     if cfg.role == "prefill":
         from pdstate.runtime.prefill import PrefillWorker as Worker

@@ -25,15 +25,19 @@ class WorkerStatus:
         self.worker_id: str = worker.worker_id
         self.incarnation: str = worker.incarnation
         self.engine: str = cfg.transfer.engine
-        self.control: str = worker.endpoint if cfg.role == "prefill" else cfg.control.peer
+        self.control: str = worker.status().endpoint if cfg.role == "prefill" else cfg.control.peer
         self.report = worker.report
-        self.stats = worker.stats
         self.draining = False
         self._lock = threading.Lock()
         self._stopped = False
         self._futures: dict[Future, tuple[int, int]] = {}  # submitted by us -> (room, tokens)
 
-    # read side
+    # read side: everything that changes comes from the worker's ``status()`` snapshot
+    @property
+    def stats(self):
+        """A consistent copy of the worker's counters (``runtime.stats.Stats``)."""
+        return self.worker.stats.snapshot()
+
     def local_check(self):
         r = self.report.local_check
         return r.ok, r.error
@@ -47,36 +51,34 @@ class WorkerStatus:
         ok, err = self.local_check()
         if not ok:
             return Readiness(False, err.message, "local_check", err)
-        threads = [t for t in (getattr(self.worker, "_threads", None) or [getattr(self.worker, "_thread", None)]) if t]
-        dead = [t.name for t in threads if not t.is_alive()]
-        if dead:  # a worker thread died: nothing would answer (see the worker's log for why)
-            return Readiness(False, f"worker thread stopped: {', '.join(dead)}", "peer")
+        s = self.worker.status()
+        if s.dead_threads:  # a worker thread died: nothing would answer (see the worker's log for why)
+            return Readiness(False, f"worker thread stopped: {', '.join(s.dead_threads)}", "peer")
         if self.role == "prefill":
-            if not self.worker.endpoint:
+            if not s.endpoint:
                 return Readiness(False, "control socket not listening", "peer")
             return Readiness(True)
-        state = self.worker.peer_state.value
+        state = s.peer.state.value
         if state == "accepted":
             return Readiness(True)
         if state == "rejected":
-            e = self.worker.peer_error or ErrorInfo(type="RuntimeError", message="handshake refused")
+            e = s.peer.error or ErrorInfo(type="RuntimeError", message="handshake refused")
             return Readiness(False, e.message, "handshake", e)
         if state == "gone":
             return Readiness(False, f"prefill at {self.control} is gone (no heartbeat); registering again", "peer")
         return Readiness(False, f"waiting for the prefill at {self.control} to answer the handshake", "peer")
 
     def peers(self) -> list[dict]:
-        if self.role == "prefill":
-            return [
-                {"id": p["id"], "state": p["state"], "error": p["error"], "incarnation": p["incarnation"]}
-                for p in self.worker.peer_states()
-            ]
-        w = self.worker
-        err = None if w.peer_error is None else w.peer_error.model_dump()
-        return [{"id": self.control, "state": w.peer_state.value, "error": err, "incarnation": w.prefill_incarnation}]
+        out = []
+        for p in self.worker.status().peers:
+            d = p.as_dict()
+            # a decode names its prefill by the control address it dials
+            peer_id = d["id"] if self.role == "prefill" else self.control
+            out.append({"id": peer_id, "state": d["state"], "error": d["error"], "incarnation": d["incarnation"]})
+        return out
 
     def in_flight(self) -> int:
-        return len(self.worker.requests if self.role == "decode" else self.worker.jobs)
+        return self.worker.status().in_flight
 
     def free_counts(self) -> dict[str, int]:
         if self._stopped:
@@ -99,7 +101,7 @@ class WorkerStatus:
             self._futures[outer] = (room or 0, tokens)
 
         def relay(f: Future) -> None:
-            from pdstate.runtime.common import settle
+            from pdstate.runtime.worker import settle
 
             if f.cancelled():
                 exc: BaseException | None = RuntimeError(f"transfer of room {room} was cancelled")
@@ -116,16 +118,13 @@ class WorkerStatus:
         return outer
 
     def lookup(self, room: int) -> dict | None:
-        w = self.worker
-        res = w.finished.get(room)
-        if res is not None:
-            return res.as_dict()
-        req = w.requests.get(room)
-        if req is not None:
-            from pdstate.runtime.common import now
+        from pdstate.runtime.snapshot import RequestStatus
+        from pdstate.runtime.worker import now
 
-            return {"room": room, "status": "in_flight", "seq_len": req.seq_len, "seconds": now() - req.started}
-        return None
+        got = self.worker.lookup(room)
+        if isinstance(got, RequestStatus):
+            return {"room": room, "status": "in_flight", "seq_len": got.seq_len, "seconds": now() - got.started}
+        return None if got is None else got.as_dict()
 
     def reregister(self) -> None:
         self.worker.reregister()
@@ -153,7 +152,7 @@ class WorkerStatus:
             self.worker.stop()
         finally:
             with self._lock:
-                from pdstate.runtime.common import settle
+                from pdstate.runtime.worker import settle
 
                 for f, (room, tokens) in self._futures.items():
                     settle(f, self._failed(room, tokens, f"{self.role} shutting down"))
@@ -161,11 +160,9 @@ class WorkerStatus:
 
 
 def release_partial(worker) -> None:
-    """Free what a worker built before its ``start()`` raised (its shm segments above all)."""
-    for name in ("engine", "pools"):
-        obj = getattr(worker, name, None)
-        if obj is not None:
-            try:
-                obj.close()
-            except Exception:  # best effort on the way out
-                log.debug("closing %s after a failed start", name, exc_info=True)
+    """Free what a worker built before its ``start()`` raised (its shm segments above all); the
+    worker's ``start()`` releases it already, so this is the belt to those braces."""
+    try:
+        worker.close_side()
+    except Exception:  # best effort on the way out
+        log.debug("releasing a worker after a failed start", exc_info=True)

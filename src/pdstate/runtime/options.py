@@ -1,0 +1,37 @@
+"""``WorkerOptions``: what a worker is configured with (built by ``service.config`` or a test).
+
+Production settings only; the test seams (fault injection) are ``runtime.hooks.WorkerHooks``,
+passed to a worker beside its options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdstate.pools.presets import PoolSettings
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    role: str  # "prefill" | "decode"
+    pool: PoolSettings
+    engine: str = "shm"
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    bind: str = "tcp://127.0.0.1:0"  # prefill
+    peer: str = ""  # decode
+    worker_id: str = ""
+    token: bytes | None = None
+    heartbeat_interval_s: float = 1.0
+    peer_timeout_s: float = 5.0
+    request_deadline_s: float = 30.0
+    max_inflight: int = 64
+    local_checks: bool = True
+    # decode: how the bytes that landed are checked against the room's synthetic content:
+    # "full" reads every byte (one pass over the request), "sample" the first word of every item
+    # and the last of every run of items (O(items)); see ``runtime.synth``
+    verify: str = "full"
+    # prefill: a request of at most this many bytes, on a synchronous engine (shm), is computed and
+    # copied on the control thread when the transfer thread is idle: two thread hand-offs saved on
+    # the smallest requests, at most a millisecond or two of the control loop (0: never)
+    inline_max_bytes: int = 2 << 20
