@@ -15,7 +15,7 @@ TESTS = REPO / "tests"
 SUPPORT = TESTS / "support"
 # The one module that names the runtime's fault-injection knob (see its docstring).
 FAULTS = SUPPORT / "faults.py"
-KNOB_WORDS = ("fault_delay_before_copy_s", "delay_before_copy_s")
+KNOB_WORDS = ("delay_before_copy_s",)  # WorkerHooks.delay_before_copy_s, and the process's fault command
 
 
 @cache
