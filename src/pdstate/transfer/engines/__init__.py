@@ -5,15 +5,7 @@
 is in ``base.py``; each engine's module documents its endpoint format and traps.
 """
 
-from pdstate.transfer.engines.base import (
-    ENGINES,
-    TransferEngine,
-    TransferHandle,
-    TransferStatus,
-    create_engine,
-    engine_class,
-)
-from pdstate.transfer.engines.errors import (
+from pdstate.errors import (
     DescriptorOutOfRange,
     EngineError,
     EngineStateError,
@@ -22,6 +14,14 @@ from pdstate.transfer.engines.errors import (
     NativeEngineError,
     TransferTimedOut,
     UnknownPeer,
+)
+from pdstate.transfer.engines.base import (
+    ENGINES,
+    TransferEngine,
+    TransferHandle,
+    TransferStatus,
+    create_engine,
+    engine_class,
 )
 
 __all__ = [

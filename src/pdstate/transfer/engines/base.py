@@ -47,8 +47,7 @@ from enum import Enum
 from types import ModuleType
 from typing import Any, ClassVar, TypeVar
 
-from pdstate.pools.memory import Region
-from pdstate.transfer.engines.errors import (
+from pdstate.errors import (
     EngineError,
     EngineStateError,
     EngineUnavailable,
@@ -56,6 +55,7 @@ from pdstate.transfer.engines.errors import (
     TransferTimedOut,
     UnknownPeer,
 )
+from pdstate.pools.memory import Region
 from pdstate.transfer.engines.regions import RegionTable, check_plan, drop_empty
 from pdstate.transfer.plan import TransferPlan
 

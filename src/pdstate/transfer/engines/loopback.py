@@ -28,8 +28,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdstate.errors import EngineError
 from pdstate.transfer.engines.base import Peer, TransferEngine, TransferHandle
-from pdstate.transfer.engines.errors import EngineError
 from pdstate.transfer.plan import TransferPlan
 
 _LIVE: dict[str, LoopbackEngine] = {}

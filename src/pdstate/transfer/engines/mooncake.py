@@ -43,9 +43,9 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from pdstate.errors import EngineError, NativeEngineError
 from pdstate.pools.memory import Region
 from pdstate.transfer.engines.base import Peer, TransferEngine, TransferHandle, import_native
-from pdstate.transfer.engines.errors import EngineError, NativeEngineError
 from pdstate.transfer.plan import TransferPlan
 
 NATIVE_MODULE = "mooncake.engine"

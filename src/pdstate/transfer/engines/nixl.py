@@ -51,9 +51,9 @@ from typing import Any
 
 import numpy as np
 
+from pdstate.errors import EngineError, InvalidEndpoint, NativeEngineError
 from pdstate.pools.memory import Region
 from pdstate.transfer.engines.base import Peer, TransferEngine, TransferHandle, import_native
-from pdstate.transfer.engines.errors import EngineError, InvalidEndpoint, NativeEngineError
 from pdstate.transfer.plan import TransferPlan
 
 NATIVE_MODULE = "nixl_cu12._api"

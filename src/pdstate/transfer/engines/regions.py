@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from pdstate.errors import DescriptorOutOfRange, EngineError, InvalidEndpoint
 from pdstate.pools.memory import Region
-from pdstate.transfer.engines.errors import DescriptorOutOfRange, EngineError, InvalidEndpoint
 from pdstate.transfer.plan import TransferPlan
 
 _U64 = np.uint64

@@ -31,10 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from pdstate.errors import EngineError, InvalidEndpoint
 from pdstate.pools.memory import SEGMENT_NAME_RE as SEGMENT_NAME
 from pdstate.pools.memory import SEGMENT_PREFIX, SHM_DIR
 from pdstate.transfer.engines.base import Peer, TransferEngine, TransferHandle
-from pdstate.transfer.engines.errors import EngineError, InvalidEndpoint
 from pdstate.transfer.plan import TransferPlan
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
