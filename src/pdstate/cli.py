@@ -97,6 +97,21 @@ def _add_demo(sub) -> None:
     )
     d.add_argument("--concurrency", type=_positive, default=4, metavar="N", help="requests in flight at once")
     d.add_argument("--no-draft", action="store_true", help="run without the NextN draft pool")
+    d.add_argument(
+        "--prefills",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="prefill processes; with N or M above 1 the demo runs an N x M cluster of agents and a router",
+    )
+    d.add_argument("--decodes", type=_positive, default=1, metavar="M", help="decode processes (see --prefills)")
+    d.add_argument(
+        "--router",
+        choices=demo.ROUTERS,
+        default="least-loaded",
+        help="how the cluster's router picks each request's (prefill, decode) pair: choose from "
+        f"{', '.join(demo.ROUTERS)}; --concurrency caps the requests in flight per process",
+    )
     d.add_argument("--json", action="store_true", help="print only one JSON summary object")
     d.set_defaults(func=demo.cmd_demo)
 

@@ -1,6 +1,8 @@
 """``pdstate demo``: a prefill and a decode worker process on one host, a handshake, a batch of
 requests of mixed lengths with one progress line each (full room ids: the ones
-``/v1/transfers/{room}`` and the workers' logs name), and a summary table.
+``/v1/transfers/{room}`` and the workers' logs name), and a summary table. With ``--prefills N``
+or ``--decodes M`` above 1 it runs an N x M cluster of agent processes with a router instead
+(``devtools.cluster``); the summary then adds per-pair counts.
 
 Light to import (``pdstate.cli`` does so before parsing argv): the workers, and torch with them,
 load inside ``run_demo``.
@@ -12,6 +14,7 @@ import json
 import sys
 import time
 
+from pdstate.devtools.cluster import ROUTERS as ROUTERS  # the --router choices
 from pdstate.errors import ExitCode
 
 DEMO_LENGTHS = [100, 128, 255, 256, 257, 1000, 4096, 8191, 16384, 32768]
@@ -35,12 +38,14 @@ def run_demo(
     draft: bool,
     progress,
     token: bytes | None = None,
+    prefills: int = 1,
+    decodes: int = 1,
+    router: str = "least-loaded",
 ) -> dict:
-    """Spawn a prefill and a decode process, handshake, run the batch; returns the summary."""
+    """Spawn a prefill and a decode process, handshake, run the batch; returns the summary. With
+    more than one prefill or decode: an N x M cluster of agents and a router (no ``token``)."""
     from pdstate.devtools.baselines import ENGINE_OPTIONS
-    from pdstate.devtools.processes import WorkerProcess
     from pdstate.pools.presets import preset as get_preset
-    from pdstate.runtime.options import WorkerOptions
 
     settings = get_preset(preset).with_(unified_kv=(mode == "unified"), draft_enabled=draft)
     cap = settings.full_tokens // max(1, concurrency)
@@ -49,6 +54,14 @@ def run_demo(
     # One host: NIXL's UCX must not load its InfiniBand module here (it crashes at exit without
     # RDMA hardware); Mooncake runs over loopback TCP.
     engine_options = ENGINE_OPTIONS.get(engine, {})
+    if prefills > 1 or decodes > 1:
+        from pdstate.devtools.cluster import run_cluster
+
+        s = run_cluster(settings, prefills, decodes, engine, engine_options, batch, concurrency, router, progress)
+        return {"engine": engine, "mode": mode, "preset": preset, "draft": draft, **s}
+    from pdstate.devtools.processes import WorkerProcess
+    from pdstate.runtime.options import WorkerOptions
+
     base = dict(
         pool=settings, engine=engine, engine_options=engine_options, token=token, max_inflight=max(64, concurrency)
     )
@@ -99,8 +112,9 @@ def run_demo(
 def progress_line(done: int, total: int, ev: dict) -> str:
     """One request's line: its full room id (19 digits at most: rooms are 63-bit)."""
     mark = "ok" if ev["verified"] else f"FAILED ({ev['error']['message'] if ev['error'] else '?'})"
+    pair = f"{ev['pair']}  " if ev.get("pair") else ""
     return (
-        f"  [{done:>4}/{total}] room {ev['room']:>19}  {ev['seq_len']:>6} tokens  "
+        f"  [{done:>4}/{total}] {pair}room {ev['room']:>19}  {ev['seq_len']:>6} tokens  "
         f"{fmt_bytes(ev['bytes']):>10}  {ev['seconds'] * 1e3:7.1f} ms  {mark}"
     )
 
@@ -131,10 +145,12 @@ def cmd_demo(args) -> ExitCode:
         if not args.json:
             print(progress_line(done, total, ev), flush=True)
 
+    cluster = args.prefills > 1 or args.decodes > 1
     if not args.json:
+        shape = f"{args.prefills} prefills x {args.decodes} decodes ({args.router}), " if cluster else ""
         print(
-            f"pdstate demo: preset {args.preset}, {args.mode} mode, draft {'on' if not args.no_draft else 'off'}, "
-            f"engine {args.engine}, {args.requests} requests"
+            f"pdstate demo: {shape}preset {args.preset}, {args.mode} mode, "
+            f"draft {'on' if not args.no_draft else 'off'}, engine {args.engine}, {args.requests} requests"
         )
     try:
         s = run_demo(
@@ -146,6 +162,9 @@ def cmd_demo(args) -> ExitCode:
             args.concurrency,
             not args.no_draft,
             progress,
+            prefills=args.prefills,
+            decodes=args.decodes,
+            router=args.router,
         )
     except Exception as exc:
         print(f"demo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -155,5 +174,7 @@ def cmd_demo(args) -> ExitCode:
     else:
         print()
         print(summary_table(s))
+        for name, row in s.get("pairs", {}).items():
+            print(f"  {name}: {row['verified']}/{row['requests']} verified")
     ok = s["failed"] == 0 and s["verified"] == s["requests"] and not s["leaked"]
     return ExitCode.OK if ok else ExitCode.FAILED
