@@ -109,7 +109,12 @@ def test_one_of_two_prefills_sigkilled_mid_batch():
         after = collect(cluster, "result", set(more), 60)
         assert all(ev["verified"] for ev, _ in after.values()), after
         assert {ev["pair"] for ev, _ in after.values()} == {"p1->d0", "p1->d1"}
-        assert not cluster.busy()
+        deadline = time.monotonic() + 30
+        while cluster.busy():  # every prefill's sender ends too (its "sent" follows the decode's verdict)
+            assert time.monotonic() < deadline
+            cluster.next_event(10)
+        for p in (p1, d0, d1):
+            assert cluster.request(p, {"op": "stats"}, "stats")["free"] == p.free_at_start  # nothing leaked
     finally:
         rcs = cluster.close()
     assert rcs[0] == -9 and rcs[1:] == [0, 0, 0]
