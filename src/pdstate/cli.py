@@ -78,7 +78,9 @@ def _add_demo(sub) -> None:
         "demo",
         help="run a prefill+decode pair and verify a batch of transfers",
         description="Spawn a prefill and a decode worker process, handshake, run a batch of requests of mixed "
-        "lengths and verify every one; prints a line per request (with its full room id) and a summary table.",
+        "lengths and verify every one; prints a line per request (with its full room id) and a summary table. With "
+        "--prefills N / --decodes M above 1: N prefill and M decode agent processes and a router in this process "
+        "that picks each request's pair; the summary adds per-pair counts.",
         epilog="exit status: 0 every request verified and no page leaked; 1 a request failed or leaked, or the "
         "pair did not start; 2 bad arguments",
         formatter_class=HelpFormatter,
