@@ -296,6 +296,11 @@ class AgentClosed(PdStateError):
     """A call on an agent (or one of its senders/receivers) after ``close()``."""
 
 
+class SGLangUnavailable(PdStateError, ImportError):
+    """``pdstate.integrations.sglang.install()`` could not find SGLang, or a module or attribute of
+    it that the transfer-backend registration needs; the message names what is missing."""
+
+
 def _classes() -> dict[str, type[BaseException]]:
     module = sys.modules[__name__]
     return {

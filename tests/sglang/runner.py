@@ -62,10 +62,12 @@ def _child_env(target: Path, extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def run_probe(target: Path, extra_env: dict[str, str], scenarios: list[dict], timeout: float = 600) -> dict:
-    """Run ``probe.py`` on ``scenarios`` in a fresh interpreter; its JSON answer."""
+def run_probe(
+    target: Path, extra_env: dict[str, str], scenarios: list, timeout: float = 600, script: str = "probe.py"
+) -> dict:
+    """Run ``script`` (``probe.py`` unless told) on ``scenarios`` in a fresh interpreter; its JSON answer."""
     proc = subprocess.run(
-        [sys.executable, str(HERE / "probe.py")],
+        [sys.executable, str(HERE / script)],
         input=json.dumps(scenarios),
         capture_output=True,
         text=True,
@@ -75,7 +77,7 @@ def run_probe(target: Path, extra_env: dict[str, str], scenarios: list[dict], ti
     )
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"probe.py exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}")
+        raise RuntimeError(f"{script} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}")
     return json.loads(lines[-1])
 
 

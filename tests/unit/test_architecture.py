@@ -4,7 +4,7 @@ protocol, a public API that resolves, small modules, and one home for every exce
 Layers (see the docstring of ``pdstate/__init__.py``)::
 
     6  cli.py, devtools/
-    5  service/
+    5  service/, integrations/
     4  runtime/
     3  transfer/
     2  pools/
@@ -44,6 +44,7 @@ LAYERS = {
     "pdstate.runtime": 4,
     "pdstate.agent": 4,  # the embeddable agent: beside runtime, never importing it
     "pdstate.service": 5,
+    "pdstate.integrations": 5,  # serving-engine adapters: over the agent and below, beside service
     "pdstate.cli": 6,
     "pdstate.devtools": 6,
 }

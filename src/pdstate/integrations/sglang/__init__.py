@@ -1,0 +1,63 @@
+"""pdstate as SGLang's disaggregation transfer backend (``--disaggregation-transfer-backend pdstate``).
+
+SGLang has no registry for transfer backends: its ``TransferBackend`` enum, the
+``DISAGG_TRANSFER_BACKEND_CHOICES`` list its argument parser validates against, and
+``get_kv_class`` are closed. ``install()`` opens them in the calling process, idempotently:
+
+- ``sglang.srt.disaggregation.utils.TransferBackend`` gains the member ``PDSTATE = "pdstate"``
+  (``TransferBackend("pdstate") is TransferBackend.PDSTATE``);
+- ``sglang.srt.server_args.DISAGG_TRANSFER_BACKEND_CHOICES`` gains ``"pdstate"`` in place (the
+  list object ``ServerArgs``' argument metadata and ``argparse`` hold);
+- ``get_kv_class`` is wrapped in ``sglang.srt.disaggregation.utils`` and in every loaded
+  ``sglang.*`` module that imported it by name (``disaggregation.prefill``,
+  ``disaggregation.decode``, ``managers.disagg_service``); modules imported later take the wrapped
+  function from ``utils``. For ``TransferBackend.PDSTATE`` it returns pdstate's manager, sender,
+  receiver and bootstrap-server classes (subclasses of SGLang's ``BaseKV*``); ``KVARGS`` and every
+  other backend stay SGLang's.
+
+SGLang is imported only inside ``install()``, never when this package is imported; where it (or
+one of the names above) is missing, ``install()`` raises ``SGLangUnavailable`` naming it.
+
+SGLang runs its schedulers in *spawned* processes, which do not inherit these patches: run the
+server through ``python -m pdstate.integrations.sglang.launch_server`` (it installs in the server
+process and in every process multiprocessing spawns from it), or call ``install()`` first thing in
+each process of an embedding that builds SGLang's managers itself.
+
+Packaging: the extra ``pdstate[sglang]`` is an empty marker. It deliberately does not require the
+``sglang`` wheel, whose dependencies pull a CUDA build of torch; SGLang itself is the user's own
+install (the version this adapter is tested against is 0.5.19).
+
+State of this adapter: registration and the launcher are complete; the classes ``get_kv_class``
+returns are placeholders whose constructors raise ``NotImplementedError`` until the adapter over
+``pdstate.agent`` lands.
+"""
+
+from __future__ import annotations
+
+import threading
+
+BACKEND = "pdstate"  # the value of the TransferBackend member and of the command-line choice
+MEMBER = "PDSTATE"  # the TransferBackend member's name
+
+_lock = threading.Lock()
+_installed = False
+
+
+def install() -> None:
+    """Register pdstate as SGLang's transfer backend ``"pdstate"`` in this process (idempotent)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        from pdstate.integrations.sglang import registry
+
+        registry.register()
+        _installed = True
+
+
+def is_installed() -> bool:
+    """Whether ``install()`` has completed in this process."""
+    return _installed
+
+
+__all__ = ["BACKEND", "MEMBER", "install", "is_installed"]
