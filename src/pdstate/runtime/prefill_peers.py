@@ -38,7 +38,7 @@ class PrefillPeers:
         peer = Peer(identity, msg.worker_id, msg.incarnation, last_seen=now())
         if isinstance(answer, wire.Accept):
             try:
-                peer.engine_peer = self.engine.connect(msg.engine.endpoint)
+                peer.engine_peer = self._connect_engine(msg)
             except PdStateError as exc:
                 answer = wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(exc))
         if isinstance(answer, wire.Accept):
@@ -59,6 +59,19 @@ class PrefillPeers:
             self.peers[identity] = peer  # (re)inserted last: the pruning below drops the oldest
             self._prune_peers()
         self.server.send(identity, answer)
+
+    def _connect_engine(self, msg: wire.Register) -> str:
+        """Connect the decode's engine endpoint for this registrant only, then check that every
+        buffer its ``KVDesc`` names lies inside the regions that endpoint published (so the
+        planner's addresses are the decode's own memory before any request is planned)."""
+        eid = self.engine.connect(msg.engine.endpoint, owner=f"{msg.worker_id}/{msg.incarnation}")
+        try:
+            self.engine.peer_regions(eid).check_inside(registered_ranges(msg.kv), f"decode {msg.worker_id}")
+        except PdStateError:
+            if not any(p.engine_peer == eid for p in self.peers.values() if p.state == PeerState.ACCEPTED):
+                self.engine.disconnect(eid)
+            raise
+        return eid
 
     def _prune_peers(self) -> None:
         """Keep every accepted peer and the latest ``MAX_IDLE_PEERS`` others (rejected, gone):
@@ -120,3 +133,13 @@ class PrefillPeers:
             if peer.state == PeerState.ACCEPTED and t - peer.last_seen > self.opts.peer_timeout_s:
                 log.warning("decode %s gone: no message for %.1f s", peer.worker_id, t - peer.last_seen)
                 self._drop_peer(peer, f"no heartbeat for {self.opts.peer_timeout_s:.1f} s")
+
+
+def registered_ranges(kv: wire.KVDesc | None) -> list[tuple[str, int, int]]:
+    """``(label, ptr, nbytes)`` of every buffer a decode registered (main KV, then components)."""
+    if kv is None:
+        return []
+    out = [(f"main KV[{i}]", p, n) for i, (p, n) in enumerate(zip(kv.kv_data_ptrs, kv.kv_data_lens))]
+    for c, comp in enumerate(kv.components):
+        out += [(f"component {c} ({comp.state_type})[{i}]", p, n) for i, (p, n) in enumerate(zip(comp.ptrs, comp.lens))]
+    return out
