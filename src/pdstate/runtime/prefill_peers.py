@@ -8,7 +8,7 @@ worker's ``_lock`` (``status()`` reads them from other threads).
 
 from __future__ import annotations
 
-from pdstate.errors import NotRegistered, PdStateError, PeerGone
+from pdstate.errors import NotRegistered, PdStateError, PeerGone, WorkerIdInUse
 from pdstate.protocol import wire
 from pdstate.protocol.lifecycle import PeerState, move
 from pdstate.protocol.report import ErrorInfo
@@ -25,10 +25,18 @@ class PrefillPeers:
     peers: dict[bytes, Peer]
 
     def _on_register(self, identity: bytes, msg: wire.Register) -> None:
-        for other in [p for p in self.peers.values() if p.worker_id == msg.worker_id and p.identity != identity]:
-            self._drop_peer(other, f"decode {msg.worker_id} re-registered with incarnation {msg.incarnation}")
-            with self._lock:
-                del self.peers[other.identity]
+        holder = self._live_holder(identity, msg.worker_id)
+        if holder is not None:
+            # Another connection holds this worker_id and still answers: the newcomer is refused
+            # and the accepted decode is not touched (its requests, engine peer and memory stay).
+            err = WorkerIdInUse(
+                f"worker_id {msg.worker_id!r} is held by a live decode (incarnation {holder.incarnation}); "
+                "a new incarnation is accepted once that one is gone"
+            )
+            self.stats.handshake("rejected")
+            log.error("refused a register for %s from %r: %s", msg.worker_id, identity[:64], err)
+            self.server.send(identity, wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(err)))
+            return
         # The same incarnation registering again (it declared us gone, or was asked to) has
         # forgotten what it sent before: end those requests now rather than copy into its pages.
         for (ident, _), job in list(self.jobs.items()):
@@ -51,6 +59,13 @@ class PrefillPeers:
             move(peer, PeerState.REJECTED)
             self.stats.handshake("rejected")
             log.error("rejected decode %s: %s: %s", msg.worker_id, answer.error.type, answer.error.message)
+        if isinstance(answer, wire.Accept):
+            # Only an accepted newcomer replaces the earlier incarnations of its worker_id (gone:
+            # ``_live_holder`` found none that answers).
+            for other in [p for p in self.peers.values() if p.worker_id == msg.worker_id and p.identity != identity]:
+                self._drop_peer(other, f"decode {msg.worker_id} re-registered with incarnation {msg.incarnation}")
+                with self._lock:
+                    del self.peers[other.identity]
         old = self.peers.get(identity)
         if old is not None and old.incarnation != msg.incarnation:
             self._drop_peer(old, "decode re-registered")
@@ -59,6 +74,22 @@ class PrefillPeers:
             self.peers[identity] = peer  # (re)inserted last: the pruning below drops the oldest
             self._prune_peers()
         self.server.send(identity, answer)
+
+    def _live_holder(self, identity: bytes, worker_id: str) -> Peer | None:
+        """An accepted decode with this ``worker_id`` on another connection that is still live:
+        heard from within the peer timeout and its connection still open (a probe heartbeat can
+        be queued to it). A killed decode's connection closes at once, so its restart is accepted
+        without waiting for the timeout; a frozen one holds its id until the timeout."""
+        t = now()
+        for p in self.peers.values():
+            if p.worker_id != worker_id or p.identity == identity or p.state != PeerState.ACCEPTED:
+                continue
+            if t - p.last_seen > self.opts.peer_timeout_s:
+                continue
+            probe = wire.Heartbeat(worker_id=self.worker_id, incarnation=self.incarnation, seq=int(t * 1000))
+            if self.server.send(p.identity, probe):
+                return p
+        return None
 
     def _connect_engine(self, msg: wire.Register) -> str:
         """Connect the decode's engine endpoint for this registrant only, then check that every
