@@ -67,6 +67,14 @@ class PrefillLinkMixin:
         elif self._link.state in (PeerState.PENDING, PeerState.GONE):
             self._send_register()  # (re)register until answered; a rejected decode waits to be asked
 
+    def _resumed(self, gap_s: float) -> None:
+        """The control loop did not run for ``gap_s`` (SIGSTOP, a starved host): the prefill's
+        silence meanwhile says nothing about the prefill. Give it a fresh timeout and ask at once;
+        if it dropped this decode meanwhile it answers ``NotRegistered`` and we register again."""
+        log.warning("this decode did not run for %.1f s (stopped or starved); asking the prefill", gap_s)
+        self._last_heard = now()
+        self._heartbeat(self._last_heard)
+
     def _move_link(self, state: PeerState, error: ErrorInfo | None) -> None:
         """The prefill's new state (and error); the same state again only updates the error."""
         with self._lock:

@@ -228,7 +228,8 @@ class PrefillWorker(PrefillPeers, WorkerBase):
                 self.server.send(identity, wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(exc)))
                 return
             log.warning("bad frame from %r: %s", identity[:64], exc)
-            self.server.send(identity, wire.Error(error=ErrorInfo.of(exc)))
+            if wire.envelope_kind(frame) != wire.Error.KIND:  # never an error for an error (§7)
+                self.server.send(identity, wire.Error(error=ErrorInfo.of(exc)))
             return
         peer = self.peers.get(identity)
         if peer is not None:
@@ -239,6 +240,7 @@ class PrefillWorker(PrefillPeers, WorkerBase):
             wire.TransferRequest: self._on_request,
             wire.Abort: self._on_abort,
             wire.Reject: self._on_peer_reject,
+            wire.Error: self._on_peer_error,
         }.get(type(msg))
         if handler is None:
             err = ProtocolError(f"a prefill worker does not accept {msg.KIND} messages")
@@ -249,6 +251,8 @@ class PrefillWorker(PrefillPeers, WorkerBase):
         except Exception as exc:  # a frame that slipped past validation must not kill the loop
             self.stats.protocol_error()
             log.exception("could not handle %s from %r", msg.KIND, identity[:64])
+            if isinstance(msg, wire.Error):
+                return
             room = getattr(msg, "room", None)
             err = ProtocolError(f"could not handle {msg.KIND}: {type(exc).__name__}: {exc}")
             self.server.send(identity, wire.Error(error=ErrorInfo.of(err), room=room))
@@ -257,7 +261,7 @@ class PrefillWorker(PrefillPeers, WorkerBase):
         """A DEALER sent a multipart message: one frame per message is the protocol."""
         self.stats.protocol_error()
         log.warning("bad message from %r: %d frames, expected 1", parts[0][:64] if parts else b"", len(parts) - 1)
-        if len(parts) >= 1:
+        if len(parts) >= 1 and not any(wire.envelope_kind(p) == wire.Error.KIND for p in parts[1:]):
             err = ProtocolError(f"expected one frame per message, got {len(parts) - 1}")
             self.server.send(parts[0], wire.Error(error=ErrorInfo.of(err)))
 

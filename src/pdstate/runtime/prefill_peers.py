@@ -124,6 +124,15 @@ class PrefillPeers:
             self.stats.handshake("rejected")
             log.error("decode %s refused this prefill: %s: %s", peer.worker_id, msg.error.type, msg.error.message)
 
+    def _on_peer_error(self, identity: bytes, msg: wire.Error) -> None:
+        """An ``error`` from a decode (PROTOCOL §7): with a room in flight, that request ends with
+        the decode's error; otherwise it is logged. Never answered with an ``error``."""
+        job = self.jobs.get((identity, msg.room)) if msg.room is not None else None
+        if job is not None:
+            self._cancel(job, f"decode reported: {msg.error.type}: {msg.error.message[:512]}")
+            return
+        log.warning("decode %r reported: %s: %s", identity[:64], msg.error.type, msg.error.message[:512])
+
     def _on_heartbeat(self, identity: bytes, msg: wire.Heartbeat) -> None:
         peer = self.peers.get(identity)
         if peer is None or peer.state != PeerState.ACCEPTED or peer.incarnation != msg.incarnation:
@@ -163,7 +172,7 @@ class PrefillPeers:
         for peer in list(self.peers.values()):
             if peer.state == PeerState.ACCEPTED and t - peer.last_seen > self.opts.peer_timeout_s:
                 log.warning("decode %s gone: no message for %.1f s", peer.worker_id, t - peer.last_seen)
-                self._drop_peer(peer, f"no heartbeat for {self.opts.peer_timeout_s:.1f} s")
+                self._drop_peer(peer, f"decode {peer.worker_id} sent nothing for {self.opts.peer_timeout_s:.1f} s")
 
 
 def registered_ranges(kv: wire.KVDesc | None) -> list[tuple[str, int, int]]:
