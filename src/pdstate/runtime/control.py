@@ -58,9 +58,10 @@ class ControlServer:
             raise
         return True
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close; ``linger_ms`` > 0 keeps flushing what was queued (goodbyes) that long."""
         if self.sock is not None:
-            self.sock.close(0)
+            self.sock.close(linger_ms)
             self.sock = None
 
 

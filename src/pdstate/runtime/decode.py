@@ -302,6 +302,8 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
                 self._send_register()
         elif isinstance(msg, wire.TransferDone):
             self._on_done(msg)
+        elif isinstance(msg, wire.Goodbye):
+            self._on_goodbye(msg)
         elif isinstance(msg, wire.Busy):
             req = self.requests.get(msg.room)
             if req is not None and req.resend_at is None:

@@ -75,6 +75,15 @@ class PrefillLinkMixin:
         self._last_heard = now()
         self._heartbeat(self._last_heard)
 
+    def _on_goodbye(self, msg: wire.Goodbye) -> None:
+        """The prefill is stopping: its requests end now with its reason, this decode is unready
+        for it and registers again (every heartbeat interval) until it is back."""
+        if self._link.state != PeerState.ACCEPTED:
+            return
+        log.warning("prefill %s said goodbye: %s", msg.worker_id, msg.reason)
+        self._move_link(PeerState.GONE, ErrorInfo(type="PeerGone", message=msg.reason))
+        self._peer_gone(msg.reason)
+
     def _move_link(self, state: PeerState, error: ErrorInfo | None) -> None:
         """The prefill's new state (and error); the same state again only updates the error."""
         with self._lock:
