@@ -69,6 +69,8 @@ class PrefillPeers:
         old = self.peers.get(identity)
         if old is not None and old.incarnation != msg.incarnation:
             self._drop_peer(old, "decode re-registered")
+        elif old is not None and old.engine_peer not in (None, peer.engine_peer):
+            self._detached.add(old.engine_peer)  # replaced (e.g. by a refused register): release it
         with self._lock:
             self.peers.pop(identity, None)
             self.peers[identity] = peer  # (re)inserted last: the pruning below drops the oldest
