@@ -176,6 +176,7 @@ def examples() -> dict[str, wire.Message]:
             ),
         ),
         wire.Busy(room=8, in_flight=64, limit=64),
+        wire.Goodbye(worker_id="prefill-0", incarnation="fedcba9876543210", reason="prefill shutting down"),
         wire.Error(
             error=ErrorInfo(
                 type="ProtocolError",

@@ -199,6 +199,12 @@ class NotRegistered(ProtocolError):
         super().__init__(message)
 
 
+class WorkerIdInUse(ProtocolError):
+    """A register reused the ``worker_id`` of a decode that is still accepted and reachable: the
+    newcomer is refused and the live decode is left as it was (a new incarnation of a decode is
+    accepted once its old one is gone)."""
+
+
 class IllegalTransition(PdStateError, RuntimeError):
     """A lifecycle move that its transition table does not allow (a bug, never a peer's doing)."""
 

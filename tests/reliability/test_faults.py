@@ -75,7 +75,7 @@ def test_decode_killed_mid_transfer(workers):
     records, free = wait_prefill_settled(p, "victim", len(LENGTHS), timeout_s=PEER_TIMEOUT_S + 10)
     detect_s = time.monotonic() - t_kill
     for rec in records:
-        _specific(rec, "PeerGone", f"peer gone: no heartbeat for {PEER_TIMEOUT_S:.1f} s")
+        _specific(rec, "PeerGone", f"peer gone: decode {rec['peer']} sent nothing for {PEER_TIMEOUT_S:.1f} s")
     assert free == p_free, "the prefill leaked pages of the dead decode's requests"
     assert detect_s <= PEER_TIMEOUT_S + DETECT_SLACK_S, detect_s
     assert d.wait(10) == -signal.SIGKILL
@@ -253,7 +253,7 @@ def test_decode_frozen_past_timeout_then_thawed(workers):
         records, free = wait_prefill_settled(p, "sleeper", len(lengths), timeout_s=PEER_TIMEOUT_S + 10)
         detect_s = time.monotonic() - t_stop
         for rec in records:
-            _specific(rec, "PeerGone", f"peer gone: no heartbeat for {PEER_TIMEOUT_S:.1f} s")
+            _specific(rec, "PeerGone", f"peer gone: decode {rec['peer']} sent nothing for {PEER_TIMEOUT_S:.1f} s")
         assert free == p_free
         assert detect_s <= PEER_TIMEOUT_S + DETECT_SLACK_S, detect_s
         assert peer_record(p, "sleeper")["state"] == "gone"
@@ -262,6 +262,7 @@ def test_decode_frozen_past_timeout_then_thawed(workers):
     results, done, _ = collect_batch(d)
     for r in results:  # the prefill's reason, or the decode's own (it heard nothing while frozen)
         assert r["status"] == "failed" and r["error"]["type"] == "PeerGone", r
+        assert "prefill gone" not in r["error"]["message"], r  # the decode was the silent side
     assert {r["room"] for r in results} == {r["room"] for r in records}
     assert done["free"] == free0
     wait_decode(d, "the thawed decode accepted again", lambda s: s["peer_state"] == "accepted")

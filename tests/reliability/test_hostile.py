@@ -518,8 +518,10 @@ def test_crafted_transfer_requests_are_refused_and_touch_nothing():
     ):
         d.wait_ready(10)
         free_p = p.free_counts()
-        regions = d.pools.memory.regions()
-        chans = channels_of(d.kv_args)
+        # the crafter owns its memory (a decode can only ever name its own segments)
+        crafter = FakeDecode(TINY, worker_id="crafter")
+        regions = crafter.memory.regions()
+        chans = channels_of(crafter.kv_args)
         names = [c.name for c in chans]
         assert names == ["main_kv", "swa", "c128_state", "swa"]  # target main KV, SWA, C128; draft SWA
         cap = [int((c.lens // c.items).min()) for c in chans]
@@ -636,8 +638,7 @@ def test_crafted_transfer_requests_are_refused_and_touch_nothing():
             ),
         ]
         raw = Dealer(p.endpoint)
-        reg = d.handshake.register_message().model_copy(update={"worker_id": "crafter", "incarnation": "c0ffee"})
-        assert isinstance(raw.ask(reg), wire.Accept)
+        assert isinstance(raw.ask(crafter.register), wire.Accept)
         fill_regions(regions, SENTINEL)
         outcomes = []
         for label, msg, etype, text in cases:
@@ -653,10 +654,11 @@ def test_crafted_transfer_requests_are_refused_and_touch_nothing():
         msg = tr(99, main=lists[0], swa=lists[1], c128=lists[2], draft=lists[3])
         reply = raw.ask(msg)
         assert reply.status == "success", reply
-        problem = compare_images(regions, expected_images(regions, d.kv_args, 99, lists))
+        problem = compare_images(regions, expected_images(regions, crafter.kv_args, 99, lists))
         assert problem is None, problem
         outcomes.append({"status": "success", "error": None})
         raw.close()
+        crafter.close()
         # the real decode is still served
         assert d.transfer(300, deadline_s=10).verified
         assert p.free_counts() == free_p

@@ -22,6 +22,11 @@ change of a message's fields):
   with the existing ``TransferDone`` (its ``digest`` the sender's), and an ``Abort`` with a failed
   ``TransferDone`` once no write of that room can still land. A peer without them answers an
   unknown kind with ``Error``.
+  v1 then gained ``Goodbye`` (prefill -> decode), leaving every earlier message and golden vector
+  byte-identical: a prefill that stops says so to every accepted decode, which fails its
+  in-flight requests with the goodbye's reason at once and turns unready for that prefill
+  (registering again until it is back) instead of waiting out the heartbeat timeout. A decode
+  without it answers ``Error`` (unknown kind), which the prefill never answers.
 """
 
 from __future__ import annotations
@@ -242,6 +247,16 @@ class Error(Message):
     room: I63 | None = None
 
 
+class Goodbye(Message):
+    """Prefill -> decode: this prefill is stopping; every request of the decode with it has ended
+    (with ``reason``), and no write of it can still land."""
+
+    KIND: ClassVar[str] = "goodbye"
+    worker_id: str = Field(max_length=128)
+    incarnation: str = Field(max_length=64)
+    reason: str = Field(max_length=1024)
+
+
 MESSAGES: dict[str, type[Message]] = {
     m.KIND: m
     for m in (
@@ -256,6 +271,7 @@ MESSAGES: dict[str, type[Message]] = {
         Error,
         AgentRequest,
         AgentVerdict,
+        Goodbye,
     )
 }
 

@@ -22,7 +22,12 @@ class ControlServer:
     def open(self) -> str:
         s = self._ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a re-connecting identity takes over its old pipe
+        # An identity is bound to its first connection: a second connection claiming an identity
+        # in use is refused by ZeroMQ (no ROUTER_HANDOVER), so no one can take over a decode's pipe
+        # by copying its ``worker_id/incarnation``. ROUTER_MANDATORY makes a send to an identity
+        # with no connection fail, which is how ``send`` reports that a peer is unreachable.
+        s.setsockopt(zmq.ROUTER_HANDOVER, 0)
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
         s.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES + 1024)
         if self._bind.startswith("tcp://") and self._bind.endswith(":0"):
             port = s.bind_to_random_port(self._bind[: -len(":0")])
@@ -40,15 +45,23 @@ class ControlServer:
             return None
         return parts[0], parts[1]
 
-    def send(self, identity: bytes, msg: wire.Message) -> None:
+    def send(self, identity: bytes, msg: wire.Message) -> bool:
+        """Queue ``msg`` for ``identity``; False if no connection has that identity (gone) or its
+        queue is full: heartbeats will notice either."""
         try:
             self.sock.send_multipart([identity, wire.encode(msg, self.token)], flags=zmq.NOBLOCK)
         except zmq.Again:
-            pass  # peer's queue is full or it is gone: heartbeats will notice
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+        return True
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close; ``linger_ms`` > 0 keeps flushing what was queued (goodbyes) that long."""
         if self.sock is not None:
-            self.sock.close(0)
+            self.sock.close(linger_ms)
             self.sock = None
 
 

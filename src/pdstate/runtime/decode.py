@@ -186,8 +186,12 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
         self._last_heard = now()
         tick_ms = max(5, int(self.opts.heartbeat_interval_s * 1000 / 4))
         try:
+            loop_t = now()
             while not self._stop.is_set():
                 events = dict(poller.poll(tick_ms))
+                if now() - loop_t > self.opts.peer_timeout_s / 2:  # this process did not run
+                    self._resumed(now() - loop_t)
+                loop_t = now()
                 if self._inbox.socket in events:
                     for cmd in self._inbox.drain():
                         self._guarded(self._on_command, cmd)
@@ -298,6 +302,8 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
                 self._send_register()
         elif isinstance(msg, wire.TransferDone):
             self._on_done(msg)
+        elif isinstance(msg, wire.Goodbye):
+            self._on_goodbye(msg)
         elif isinstance(msg, wire.Busy):
             req = self.requests.get(msg.room)
             if req is not None and req.resend_at is None:

@@ -67,6 +67,23 @@ class PrefillLinkMixin:
         elif self._link.state in (PeerState.PENDING, PeerState.GONE):
             self._send_register()  # (re)register until answered; a rejected decode waits to be asked
 
+    def _resumed(self, gap_s: float) -> None:
+        """The control loop did not run for ``gap_s`` (SIGSTOP, a starved host): the prefill's
+        silence meanwhile says nothing about the prefill. Give it a fresh timeout and ask at once;
+        if it dropped this decode meanwhile it answers ``NotRegistered`` and we register again."""
+        log.warning("this decode did not run for %.1f s (stopped or starved); asking the prefill", gap_s)
+        self._last_heard = now()
+        self._heartbeat(self._last_heard)
+
+    def _on_goodbye(self, msg: wire.Goodbye) -> None:
+        """The prefill is stopping: its requests end now with its reason, this decode is unready
+        for it and registers again (every heartbeat interval) until it is back."""
+        if self._link.state != PeerState.ACCEPTED:
+            return
+        log.warning("prefill %s said goodbye: %s", msg.worker_id, msg.reason)
+        self._move_link(PeerState.GONE, ErrorInfo(type="PeerGone", message=msg.reason))
+        self._peer_gone(msg.reason)
+
     def _move_link(self, state: PeerState, error: ErrorInfo | None) -> None:
         """The prefill's new state (and error); the same state again only updates the error."""
         with self._lock:

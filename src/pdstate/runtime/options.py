@@ -35,3 +35,6 @@ class WorkerOptions:
     # copied on the control thread when the transfer thread is idle: two thread hand-offs saved on
     # the smallest requests, at most a millisecond or two of the control loop (0: never)
     inline_max_bytes: int = 2 << 20
+    # prefill: on stop (SIGTERM), how long to let the requests in flight finish before the goodbye
+    # (new requests are refused meanwhile); 0: end them at once with "prefill shutting down"
+    drain_s: float = 0.0

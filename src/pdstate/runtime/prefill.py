@@ -22,6 +22,7 @@ already ran, the decode is not going to verify it, so both sides record FAILED w
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 import zmq
@@ -32,6 +33,7 @@ from pdstate.errors import (
     NotRegistered,
     PdStateError,
     ProtocolError,
+    TransferFailed,
     VersionMismatch,
 )
 from pdstate.protocol import wire
@@ -40,12 +42,13 @@ from pdstate.protocol.lifecycle import PeerState, RequestState, move
 from pdstate.protocol.report import ErrorInfo
 from pdstate.runtime import requests as rq
 from pdstate.runtime import synth
-from pdstate.runtime.commands import JobOutcome, Stop
+from pdstate.runtime.commands import JobOutcome
 from pdstate.runtime.control import ControlServer
 from pdstate.runtime.hooks import WorkerHooks
 from pdstate.runtime.mailbox import Mailbox
 from pdstate.runtime.options import WorkerOptions
 from pdstate.runtime.prefill_peers import PrefillPeers
+from pdstate.runtime.prefill_shutdown import DRAINING, PrefillShutdown
 from pdstate.runtime.records import Job, Peer
 from pdstate.runtime.snapshot import PeerStatus, RequestStatus, WorkerSnapshot
 from pdstate.runtime.transfer import TransferRunner
@@ -54,7 +57,7 @@ from pdstate.runtime.worker import WorkerBase, local_side, log, now
 MAX_FINISHED = 10000  # terminal records kept for inspection (oldest dropped first)
 
 
-class PrefillWorker(PrefillPeers, WorkerBase):
+class PrefillWorker(PrefillShutdown, PrefillPeers, WorkerBase):
     """A prefill worker and its two threads.
 
     Control thread (``_control_loop``): owns the ROUTER socket, the handshake, the allocator, the
@@ -84,6 +87,7 @@ class PrefillWorker(PrefillPeers, WorkerBase):
         self.jobs_inline = 0  # jobs run on the control thread (see ``_inline``)
         self.endpoint = ""
         self._detached: set[str] = set()  # engine peers of gone decodes, released when idle
+        self._draining = threading.Event()  # stop() with a drain: new requests are refused
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> PrefillWorker:
@@ -122,22 +126,6 @@ class PrefillWorker(PrefillPeers, WorkerBase):
             if obj is not None:
                 obj.close()
         self.endpoint = ""
-
-    def stop(self) -> None:
-        self._stop.set()
-        runner = getattr(self, "runner", None)
-        if runner is not None:
-            runner.stop()
-            self._inbox.put(Stop())  # wake the control loop
-        with self._lock:
-            jobs = list(self.jobs.values())
-        for job in jobs:  # wake a transfer thread waiting in a fault delay
-            job.cancel_event.set()
-        for t in self._threads:
-            t.join(timeout=10)
-        if runner is not None and not any(t.is_alive() for t in self._threads):
-            runner.close()
-        self.close_side()
 
     # -- status (from any thread) -------------------------------------------------------------
     def status(self) -> WorkerSnapshot:
@@ -202,11 +190,7 @@ class PrefillWorker(PrefillPeers, WorkerBase):
                             self._guarded(self._on_bad_multipart, got)
                 self._guarded(self._timers)
         finally:
-            for job in list(self.jobs.values()):
-                self._cancel(job, "prefill shutting down")
-                self._fail(job, job.cancelled)
-            self.server.close()
-            self._inbox.close()
+            self._end_all()
 
     def _guarded(self, handler, *args) -> None:
         """Run one step of the loop; a bug in it is logged, never the end of the control thread."""
@@ -228,7 +212,8 @@ class PrefillWorker(PrefillPeers, WorkerBase):
                 self.server.send(identity, wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(exc)))
                 return
             log.warning("bad frame from %r: %s", identity[:64], exc)
-            self.server.send(identity, wire.Error(error=ErrorInfo.of(exc)))
+            if wire.envelope_kind(frame) != wire.Error.KIND:  # never an error for an error (§7)
+                self.server.send(identity, wire.Error(error=ErrorInfo.of(exc)))
             return
         peer = self.peers.get(identity)
         if peer is not None:
@@ -239,6 +224,7 @@ class PrefillWorker(PrefillPeers, WorkerBase):
             wire.TransferRequest: self._on_request,
             wire.Abort: self._on_abort,
             wire.Reject: self._on_peer_reject,
+            wire.Error: self._on_peer_error,
         }.get(type(msg))
         if handler is None:
             err = ProtocolError(f"a prefill worker does not accept {msg.KIND} messages")
@@ -249,6 +235,8 @@ class PrefillWorker(PrefillPeers, WorkerBase):
         except Exception as exc:  # a frame that slipped past validation must not kill the loop
             self.stats.protocol_error()
             log.exception("could not handle %s from %r", msg.KIND, identity[:64])
+            if isinstance(msg, wire.Error):
+                return
             room = getattr(msg, "room", None)
             err = ProtocolError(f"could not handle {msg.KIND}: {type(exc).__name__}: {exc}")
             self.server.send(identity, wire.Error(error=ErrorInfo.of(err), room=room))
@@ -257,7 +245,7 @@ class PrefillWorker(PrefillPeers, WorkerBase):
         """A DEALER sent a multipart message: one frame per message is the protocol."""
         self.stats.protocol_error()
         log.warning("bad message from %r: %d frames, expected 1", parts[0][:64] if parts else b"", len(parts) - 1)
-        if len(parts) >= 1:
+        if len(parts) >= 1 and not any(wire.envelope_kind(p) == wire.Error.KIND for p in parts[1:]):
             err = ProtocolError(f"expected one frame per message, got {len(parts) - 1}")
             self.server.send(parts[0], wire.Error(error=ErrorInfo.of(err)))
 
@@ -266,6 +254,9 @@ class PrefillWorker(PrefillPeers, WorkerBase):
         if peer is None or peer.state != PeerState.ACCEPTED:
             err = NotRegistered()
             self.server.send(identity, wire.Error(error=ErrorInfo.of(err), room=msg.room))
+            return
+        if self._draining.is_set():
+            self._refuse(identity, peer, msg.room, TransferFailed(DRAINING))
             return
         key = (identity, msg.room)
         if key in self.jobs:

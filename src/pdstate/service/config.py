@@ -74,6 +74,7 @@ class ControlSection(_Section):
     request_deadline_s: float = Field(30.0, gt=0)
     max_inflight: int = Field(64, gt=0)
     inline_max_bytes: int = Field(2 << 20, ge=0)
+    drain_s: float = Field(0.0, ge=0, le=3600)
 
 
 class HttpSection(_Section):
@@ -148,6 +149,7 @@ class WorkerConfig(_Section):
             request_deadline_s=self.control.request_deadline_s,
             max_inflight=self.control.max_inflight,
             inline_max_bytes=self.control.inline_max_bytes,
+            drain_s=self.control.drain_s,
             local_checks=self.checks.local,
             verify=self.checks.verify,
         )

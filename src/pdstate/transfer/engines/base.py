@@ -137,6 +137,7 @@ class Peer:
     endpoint: Mapping[str, Any]
     regions: RegionTable
     native: Any = None
+    owner: str | None = None  # who registered it (see ``TransferEngine.connect``)
 
 
 class _Lifecycle(Enum):
@@ -229,8 +230,13 @@ class TransferEngine(ABC):
     # --- prefill side --------------------------------------------------------------------------
 
     @_locked
-    def connect(self, endpoint: Mapping[str, Any]) -> str:
+    def connect(self, endpoint: Mapping[str, Any], owner: str | None = None) -> str:
         """Connect to a decode engine's endpoint; returns the peer id for ``submit``.
+
+        ``owner``: who registered it (a decode's ``worker_id/incarnation``). A peer connected for
+        one owner is never taken over, re-read or dropped by a connect for another: that raises
+        ``InvalidEndpoint`` and leaves the existing peer as it was (an endpoint copied from a live
+        decode cannot borrow its memory).
 
         Connecting again to the same engine returns the same id: with an identical endpoint the
         existing connection is kept as it is (a decode that registers again, the common case: no
@@ -247,12 +253,17 @@ class TransferEngine(ABC):
             raise InvalidEndpoint(f"{self.name} endpoint is missing {', '.join(missing)}")
         peer_id = f"{self.name}:{endpoint['engine_id']}"
         current = self._peers.get(peer_id)
+        if current is not None and owner is not None and current.owner not in (None, owner):
+            raise InvalidEndpoint(
+                f"{self.name} endpoint {peer_id} does not belong to the registering decode: "
+                "it is connected for another live decode"
+            )
         if current is not None and current.endpoint == dict(endpoint):
             return peer_id
         old = self._peers.pop(peer_id, None)
         if old is not None:
             self._disconnect(old)
-        peer = Peer(peer_id, dict(endpoint), RegionTable.from_wire(endpoint["regions"]))
+        peer = Peer(peer_id, dict(endpoint), RegionTable.from_wire(endpoint["regions"]), owner=owner)
         self._connect(peer)
         self._peers[peer_id] = peer
         return peer_id
@@ -269,6 +280,11 @@ class TransferEngine(ABC):
             return False
         self._disconnect(peer)
         return True
+
+    @_locked
+    def peer_regions(self, peer_id: str) -> RegionTable:
+        """The regions peer ``peer_id`` published (``UnknownPeer`` if not connected)."""
+        return self._peer(peer_id).regions
 
     @property
     def num_peers(self) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from pdstate.errors import DescriptorOutOfRange, EngineError, InvalidEndpoint
+from pdstate.errors import DescriptorMismatch, DescriptorOutOfRange, EngineError, InvalidEndpoint
 from pdstate.pools.memory import Region
 from pdstate.transfer.plan import TransferPlan
 
@@ -81,6 +81,22 @@ class RegionTable:
                 address=addr,
             )
         return idx
+
+    def check_inside(self, ranges: Iterable[tuple[str, int, int]], whose: str) -> None:
+        """Each ``(label, ptr, nbytes)`` lies inside one region (``DescriptorMismatch`` if not):
+        a peer's registered buffers must be memory it published to its engine."""
+        items = list(ranges)
+        if not items:
+            return
+        addrs = np.array([p for _, p, _ in items], dtype=_U64)
+        lengths = np.array([n for _, _, n in items], dtype=_U64)
+        try:
+            self.locate(addrs, lengths, "registered")
+        except DescriptorOutOfRange as exc:
+            label, ptr, n = items[exc.index]
+            raise DescriptorMismatch(
+                f"{label}: [{ptr:#x}, +{n}) is outside every region {whose} published to its transfer engine"
+            ) from None
 
     def to_wire(self) -> list[dict]:
         return [{"name": r.name, "base_ptr": r.base_ptr, "nbytes": r.nbytes} for r in self.regions]

@@ -35,6 +35,7 @@ from pdstate.errors import EngineError, InvalidEndpoint
 from pdstate.pools.memory import SEGMENT_NAME_RE as SEGMENT_NAME
 from pdstate.pools.memory import SEGMENT_PREFIX, SHM_DIR
 from pdstate.transfer.engines.base import Peer, TransferEngine, TransferHandle
+from pdstate.transfer.engines.shm_owner import SegmentClaims, check_file_ranges, segment_owner
 from pdstate.transfer.plan import TransferPlan
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
@@ -150,6 +151,7 @@ class ShmEngine(TransferEngine):
         self.populate = populate
         self.segment_dir = segment_dir
         self._boot_id = ""
+        self._claims = SegmentClaims()  # segment owner -> the one peer that may name it
 
     def _start(self) -> None:
         self._boot_id = _read_boot_id()
@@ -173,31 +175,42 @@ class ShmEngine(TransferEngine):
                 f"shm engine: peer {peer.peer_id} runs under another kernel (boot id {theirs}); "
                 "shared memory needs both sides on one host"
             )
-        by_base: dict[int, Any] = {int(d["base_ptr"]): d for d in peer.endpoint["regions"]}
+        try:
+            by_base: dict[int, Any] = {int(d["base_ptr"]): d for d in peer.endpoint["regions"]}
+            owner_pid = int(peer.endpoint.get("owner_pid", -1))
+            layout = [
+                (r.name, str(by_base[r.base_ptr]["path"]), int(by_base[r.base_ptr]["file_offset"]), r.nbytes)
+                for r in peer.regions.regions
+            ]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidEndpoint(f"shm endpoint regions are malformed: {exc!r}") from exc
+        # Everything the peer says about its memory is checked before anything is mapped
+        # (``shm_owner``): whose segments, live, not another peer's, ranges inside the files.
+        check_file_ranges(layout, peer.peer_id)
+        owners = {}
+        for _, path, _, _ in layout:
+            owners.setdefault(segment_owner(path, owner_pid, self.segment_dir), path)
+        self._claims.check(peer.peer_id, owners, owners)
         files: dict[str, tuple[mmap.mmap, int]] = {}
         mapped = np.empty(len(peer.regions), dtype=np.uint64)
         try:
-            for i, region in enumerate(peer.regions.regions):
-                d = by_base[region.base_ptr]
-                path, file_offset = str(d["path"]), int(d["file_offset"])
+            for i, (name, path, file_offset, nbytes) in enumerate(layout):
                 if path not in files:
                     files[path] = self._map(path)
                 mm, addr = files[path]
-                if file_offset + region.nbytes > len(mm):
+                if file_offset + nbytes > len(mm):
                     raise EngineError(
-                        f"shm connect to {peer.peer_id}: region {region.name!r} needs "
-                        f"{file_offset + region.nbytes} bytes of {path}, which has {len(mm)}"
+                        f"shm connect to {peer.peer_id}: region {name!r} needs "
+                        f"{file_offset + nbytes} bytes of {path}, which has {len(mm)}"
                     )
                 mapped[i] = addr + file_offset
-        except (KeyError, TypeError, ValueError) as exc:
-            self._unmap([mm for mm, _ in files.values()])
-            raise InvalidEndpoint(f"shm endpoint regions are malformed: {exc!r}") from exc
         except OSError as exc:
             self._unmap([mm for mm, _ in files.values()])
             raise EngineError(f"shm connect to {peer.peer_id}: cannot map segment: {exc}") from exc
         except BaseException:
             self._unmap([mm for mm, _ in files.values()])
             raise
+        self._claims.claim(peer.peer_id, owners)
         peer.native = _ShmPeer([mm for mm, _ in files.values()], mapped)
         if self.populate == "background":
             peer.native.prefault = _Prefault([(addr, len(mm)) for mm, addr in files.values()])
@@ -243,6 +256,7 @@ class ShmEngine(TransferEngine):
             mm.close()
 
     def _disconnect(self, peer: Peer) -> None:
+        self._claims.release(peer.peer_id)
         if peer.native is not None:
             if peer.native.prefault is not None:
                 peer.native.prefault.stop()
