@@ -53,3 +53,32 @@ def test_an_agent_phase_on_tiny_fills_the_summary_keys_with_numbers():
     assert isinstance(results["handshake_ms"]["paged:agent"], float)
     assert any("300 tokens" in line for line in lines)
     assert src.pools.allocator.full_available_size() == dst.pools.allocator.full_available_size()
+
+
+def test_summary_names_the_agent_keys_even_when_the_phase_did_not_run():
+    r = {
+        "ratios": {"shm_vs_ceiling": 0.8},
+        "planner": {
+            "fragmented_ms": 1.0,
+            "contiguous_ms": 0.5,
+            "loop_fragmented_ms": 20.0,
+            "descriptors_contiguous": 148,
+            "descriptors_fragmented": 31830,
+        },
+        "control": {
+            "handshake_ms": {"median": 7.0},
+            "control_overhead_ms": {"median": 0.9},
+            "request_1_token_ms": {"median": 2.0},
+            "request_1_token_overhead_ms": {"median": 1.1},
+            "first_handshake_flash_ms": 4.0,
+        },
+    }
+    s = bench_report.summary(r)
+    assert {k: s["ratios"][k] for k in ("agent_vs_ceiling", "agent_vs_worker", "agent_digest_vs_worker")} == {
+        "agent_vs_ceiling": None,
+        "agent_vs_worker": None,
+        "agent_digest_vs_worker": None,
+    }
+    assert s["agent_digest_ms_p50_by_length"] == {}
+    r["parts"] = {"paged:agent:agent_shm_digest:digest_s": {"2048": {"median": 0.002}}}
+    assert bench_report.summary(r)["agent_digest_ms_p50_by_length"] == {"2048": {"decode": 2.0}}

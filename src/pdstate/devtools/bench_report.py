@@ -102,6 +102,7 @@ COLORS = {
     ("unified", "shm"): "tab:cyan",
     ("paged", "mooncake"): "tab:green",
     ("paged", "nixl"): "tab:red",
+    ("paged", "agent"): "tab:orange",
 }
 
 
@@ -119,10 +120,12 @@ def write_outputs(r: dict, out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(8, 5))
     for path, per_len in sorted(r["paths"].items()):
         mode, engine, variant = path.split(":", 2)
-        if variant in ("ceiling_memmove", "ceiling_gather_scatter") or (variant == "ceiling" and engine != "shm"):
-            continue  # one ceiling per mode (the shm phase's); the phases' others are in bench.json
+        if variant in ("ceiling_memmove", "ceiling_gather_scatter") or (
+            engine != "shm" and variant in ("ceiling", "pdstate_shm")
+        ):
+            continue  # one ceiling per mode and one shm path (the shm phase's); the others are in bench.json
         pts = sorted((int(n), v["gbps"]["median"]) for n, v in per_len.items())
-        style = "--" if variant.endswith("full_verify") else (":" if variant.startswith("raw") else "-")
+        style = "--" if variant.endswith(("full_verify", "digest")) else (":" if variant.startswith("raw") else "-")
         label = f"{mode}: {'ceiling (in-process copy)' if variant == 'ceiling' else variant}"
         color = (
             ("black" if mode == "paged" else "grey")
