@@ -197,6 +197,12 @@ def _add_bench(sub) -> None:
         metavar="M,M,...",
         help=f"comma-separated pool modes out of {','.join(MODES)} (the native engines run paged only)",
     )
+    b.add_argument(
+        "--agent",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the agent phase: the agent (digests off and on) beside today's shm path and the ceiling",
+    )
     b.set_defaults(func=bench_report.cmd_bench)
 
 

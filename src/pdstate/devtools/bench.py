@@ -16,6 +16,9 @@ interleaved round-robin in one process run (these machines are shared; ratios, n
   ``pdstate_<engine>_full_verify`` is the same with every byte read back. The parts
   (``transfer_s``, ``copy_s``, ``verify_s``) are kept under ``parts``.
 
+``agent_shm`` / ``agent_shm_digest`` (the embeddable agent, digests off and on) run in a phase of
+their own beside today's path (``pdstate_shm``) and the ceiling: see ``devtools.bench_agent``.
+
 Each engine runs in its own phase (its pair and native agents alone, the ceiling measured again
 beside it): an idle NIXL agent keeps a core busy, which would tax everything else on a small host.
 
@@ -53,6 +56,7 @@ from pdstate.transfer.planner import plan_request, plan_request_loop
 
 LENGTHS = (2048, 8192, 32768, 131072)
 CAPACITY = 131072 + 4 * 256
+PARTS = ("transfer_s", "copy_s", "verify_s", "digest_s", "prefill_digest_s")
 
 
 def _settings(mode: str, preset_name: str = "dsv4-flash"):
@@ -162,6 +166,50 @@ def _pdstate_pair(engine: str, mode: str, preset_name: str = "dsv4-flash") -> _P
     return _Pair(ev["handshake_ms"], run, describe, close)
 
 
+def measure(mode: str, engine: str, n: int, plan: TransferPlan, variants: dict, runs: int, results: dict) -> dict:
+    """Warm every variant up, run them interleaved ``runs`` times, and record each one's row under
+    ``paths`` (plus the phase's ``ceiling``: the better of the two in-process copies) and its parts
+    under ``parts``. A variant that returns a dict reports its own time: ``transfer_s`` less
+    ``compute_s`` (the prefill's synthetic compute, where there is one); the other parts it names
+    (``copy_s``, ``verify_s``, ``digest_s``, ``prefill_digest_s``) are kept. Returns the times."""
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    extra: dict[str, list[float]] = {}
+    for fn in variants.values():
+        fn()  # warm-up
+    for _ in range(runs):
+        for k, fn in variants.items():  # interleaved
+            t0 = time.perf_counter()
+            out = fn()
+            if isinstance(out, dict):
+                # request sent -> TransferDone received and verified, less the prefill's
+                # synthetic compute (the model's prefill, which precedes any transfer)
+                dt = out["transfer_s"] - out.get("compute_s", 0.0)
+                for part in PARTS:
+                    if part in out:
+                        extra.setdefault(f"{k}:{part}", []).append(out[part])
+            else:
+                dt = time.perf_counter() - t0
+            times[k].append(dt)
+    ceiling = min(statistics.median(times["ceiling_memmove"]), statistics.median(times["ceiling_gather_scatter"]))
+    row = results["paths"]
+    for k, ts in times.items():
+        row.setdefault(f"{mode}:{engine}:{k}", {})[str(n)] = {
+            "bytes": plan.total_bytes,
+            "descriptors": len(plan),
+            "seconds": median_range(ts),
+            "gbps": median_range([plan.total_bytes / t / 1e9 for t in ts]),
+        }
+    row.setdefault(f"{mode}:{engine}:ceiling", {})[str(n)] = {
+        "bytes": plan.total_bytes,
+        "descriptors": len(plan),
+        "seconds": {"median": ceiling},
+        "gbps": {"median": plan.total_bytes / ceiling / 1e9},
+    }
+    for k, ts in extra.items():
+        results.setdefault("parts", {}).setdefault(f"{mode}:{engine}:{k}", {})[str(n)] = median_range(ts)
+    return times
+
+
 def _phase(
     mode: str,
     engine: str,
@@ -199,42 +247,7 @@ def _phase(
                 variants[f"raw_{engine}"] = raw[0](plan_request(src.kv, decode_kv, a.lists, b.lists))
             variants[f"pdstate_{engine}"] = lambda: run(n, "sample")
             variants[f"pdstate_{engine}_full_verify"] = lambda: run(n, "full")
-            times: dict[str, list[float]] = {k: [] for k in variants}
-            extra: dict[str, list[float]] = {}
-            for fn in variants.values():
-                fn()  # warm-up
-            for _ in range(runs):
-                for k, fn in variants.items():  # interleaved
-                    t0 = time.perf_counter()
-                    out = fn()
-                    if isinstance(out, dict):
-                        # request sent -> TransferDone received and verified, less the prefill's
-                        # synthetic compute (the model's prefill, which precedes any transfer)
-                        dt = out["transfer_s"] - out["compute_s"]
-                        for part in ("transfer_s", "copy_s", "verify_s"):
-                            extra.setdefault(f"{k}:{part}", []).append(out[part])
-                    else:
-                        dt = time.perf_counter() - t0
-                    times[k].append(dt)
-            ceiling = min(
-                statistics.median(times["ceiling_memmove"]), statistics.median(times["ceiling_gather_scatter"])
-            )
-            row = results["paths"]
-            for k, ts in times.items():
-                row.setdefault(f"{mode}:{engine}:{k}", {})[str(n)] = {
-                    "bytes": plan.total_bytes,
-                    "descriptors": len(plan),
-                    "seconds": median_range(ts),
-                    "gbps": median_range([plan.total_bytes / t / 1e9 for t in ts]),
-                }
-            row.setdefault(f"{mode}:{engine}:ceiling", {})[str(n)] = {
-                "bytes": plan.total_bytes,
-                "descriptors": len(plan),
-                "seconds": {"median": ceiling},
-                "gbps": {"median": plan.total_bytes / ceiling / 1e9},
-            }
-            for k, ts in extra.items():
-                results.setdefault("parts", {}).setdefault(f"{mode}:{engine}:{k}", {})[str(n)] = median_range(ts)
+            times = measure(mode, engine, n, plan, variants, runs, results)
             progress(
                 f"[{mode}:{engine}] {n:>6} tokens: {plan.total_bytes / 1e6:8.1f} MB, {len(plan)} descriptors: "
                 + ", ".join(f"{k} {plan.total_bytes / statistics.median(v) / 1e9:.2f}" for k, v in times.items())
@@ -248,7 +261,7 @@ def _phase(
             raw[1]()
 
 
-def run_bench(quick: bool, engines: list[str], modes: list[str], progress=print) -> dict:
+def run_bench(quick: bool, engines: list[str], modes: list[str], progress=print, agent: bool = True) -> dict:
     from pdstate.transfer.engines.base import EngineUnavailable, engine_class
 
     runs = 5 if quick else 9
@@ -269,6 +282,10 @@ def run_bench(quick: bool, engines: list[str], modes: list[str], progress=print)
         for e in available:
             if mode == "paged" or e == "shm":  # the native engines' rows: paged only
                 _phase(mode, e, src, dst, lengths, runs, results, progress)
+        if agent and mode == "paged":  # the agent beside today's path and the ceiling: shm, paged
+            from pdstate.devtools import bench_agent
+
+            bench_agent.phase(src, dst, lengths, runs, results, progress)
         del src, dst
     progress("control ...")
     results["control"] = bench_control(runs * 4)

@@ -15,7 +15,9 @@ from pdstate.errors import ExitCode
 
 def ratios(r: dict) -> dict:
     """Per length: ceiling / pdstate (shm), raw engine / pdstate (native engines), each within its
-    own phase; the keys without ``_by_length`` are the 32k-token values."""
+    own phase; in the agent phase, ceiling / agent and today's worker path / agent (above 1: the
+    agent is faster), digests off (``agent_*``) and on (``agent_digest_*``). The keys without
+    ``_by_length`` are the 32k-token values."""
     out: dict = {}
     paths = r["paths"]
 
@@ -43,15 +45,44 @@ def ratios(r: dict) -> dict:
                 pd = med(f"paged:{e}:{variant}", n)
                 if pd and raw:
                     out.setdefault(f"{key}_by_length", {})[str(n)] = raw / pd
+        c, worker = med("paged:agent:ceiling", n), med("paged:agent:pdstate_shm", n)
+        for variant, key in (("agent_shm", "agent"), ("agent_shm_digest", "agent_digest")):
+            ag = med(f"paged:agent:{variant}", n)
+            if ag and c:
+                out.setdefault(f"{key}_vs_ceiling_by_length", {})[str(n)] = c / ag
+            if ag and worker:
+                out.setdefault(f"{key}_vs_worker_by_length", {})[str(n)] = worker / ag
     for key in [k[: -len("_by_length")] for k in list(out)]:
         out[key] = out[f"{key}_by_length"].get("32768")
     return out
 
 
+NAMED_RATIOS = (
+    "shm_vs_ceiling",
+    "mooncake_vs_raw",
+    "nixl_vs_raw",
+    "agent_vs_ceiling",
+    "agent_digest_vs_ceiling",
+    "agent_vs_worker",
+    "agent_digest_vs_worker",
+)
+
+
+def agent_digest_ms(r: dict) -> dict:
+    """Per length, each side's digest time in the agent phase (digest on): ms, median."""
+    parts = r.get("parts", {})
+    out: dict = {}
+    for side, part in (("decode", "digest_s"), ("prefill", "prefill_digest_s")):
+        for n, v in parts.get(f"paged:agent:agent_shm_digest:{part}", {}).items():
+            out.setdefault(n, {})[side] = v["median"] * 1e3
+    return out
+
+
 def summary(r: dict) -> dict:
     return {
-        "ratios": {k: r["ratios"].get(k) for k in ("shm_vs_ceiling", "mooncake_vs_raw", "nixl_vs_raw")}
-        | {k: v for k, v in r["ratios"].items() if k not in ("shm_vs_ceiling", "mooncake_vs_raw", "nixl_vs_raw")},
+        "ratios": {k: r["ratios"].get(k) for k in NAMED_RATIOS}
+        | {k: v for k, v in r["ratios"].items() if k not in NAMED_RATIOS},
+        "agent_digest_ms_p50_by_length": agent_digest_ms(r),
         "plan_fragmented_128k_ms": r["planner"]["fragmented_ms"],
         "plan_contiguous_128k_ms": r["planner"]["contiguous_ms"],
         "plan_speedup_vs_loop": r["planner"]["loop_fragmented_ms"] / r["planner"]["fragmented_ms"],
@@ -71,6 +102,7 @@ COLORS = {
     ("unified", "shm"): "tab:cyan",
     ("paged", "mooncake"): "tab:green",
     ("paged", "nixl"): "tab:red",
+    ("paged", "agent"): "tab:orange",
 }
 
 
@@ -88,10 +120,12 @@ def write_outputs(r: dict, out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(8, 5))
     for path, per_len in sorted(r["paths"].items()):
         mode, engine, variant = path.split(":", 2)
-        if variant in ("ceiling_memmove", "ceiling_gather_scatter") or (variant == "ceiling" and engine != "shm"):
-            continue  # one ceiling per mode (the shm phase's); the phases' others are in bench.json
+        if variant in ("ceiling_memmove", "ceiling_gather_scatter") or (
+            engine != "shm" and variant in ("ceiling", "pdstate_shm")
+        ):
+            continue  # one ceiling per mode and one shm path (the shm phase's); the others are in bench.json
         pts = sorted((int(n), v["gbps"]["median"]) for n, v in per_len.items())
-        style = "--" if variant.endswith("full_verify") else (":" if variant.startswith("raw") else "-")
+        style = "--" if variant.endswith(("full_verify", "digest")) else (":" if variant.startswith("raw") else "-")
         label = f"{mode}: {'ceiling (in-process copy)' if variant == 'ceiling' else variant}"
         color = (
             ("black" if mode == "paged" else "grey")
@@ -128,7 +162,7 @@ def cmd_bench(args) -> ExitCode:
 
     tune_interpreter()
     say = (lambda *a: None) if args.json else (lambda m: print(m, flush=True))
-    r = bench.run_bench(args.quick, args.engines, args.modes, progress=say)
+    r = bench.run_bench(args.quick, args.engines, args.modes, progress=say, agent=getattr(args, "agent", True))
     files = write_outputs(r, Path(args.out))
     s = summary(r)
     if not args.json:

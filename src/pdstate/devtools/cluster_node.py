@@ -12,6 +12,8 @@ object a line, from any of the node's threads):
   items with ``runtime.synth``'s content for the room, and send the pages in ``chunks`` chunks
   (state indices with the last). ``hold`` sends all but the last chunk, prints ``{"event":
   "holding", "room"}`` once the sender is TRANSFERRING, and waits for ``{"op": "release", "room"}``.
+  ``announce`` prints ``{"event": "queued", "room"}`` once every chunk is handed to the sender
+  (the benchmark tells the decode only then, so its timing holds no synthetic compute).
   When the sender is terminal (it frees the allocation then): ``{"event": "sent", "room",
   "status", "error", "metrics"}``.
 * decode ``{"op": "connect", "prefill": address}``: shake hands with that prefill (a receiver that
@@ -21,7 +23,7 @@ object a line, from any of the node's threads):
   prefill only now, so a prefill's pages never wait on a decode's) and, once it succeeded
   (digests compared by the agent), check every landed item with ``synth.verify_destination``;
   then ``{"event": "result", "room", "seq_len", "status", "verified", "error", "bytes",
-  "descriptors", "seconds"}``.
+  "descriptors", "seconds", "metrics"}`` (``metrics``: the receiver's own).
 
 Each request runs on a thread of its own; an allocation waits (up to ``ALLOC_WAIT_S``) for
 pages that other requests free.
@@ -142,7 +144,7 @@ class Node:
 
     # --- prefill ----------------------------------------------------------------------------------
 
-    def send(self, room: int, seq_len: int, hold: threading.Event | None) -> None:
+    def send(self, room: int, seq_len: int, hold: threading.Event | None, announce: bool = False) -> None:
         from pdstate.agent import RequestState
         from pdstate.runtime import synth
 
@@ -168,6 +170,8 @@ class Node:
                 hold.wait()
             if not sender.state.terminal:
                 sender.send(parts[-1].tolist(), state)
+            if announce:
+                self.emit({"event": "queued", "room": room})
         except Exception as exc:
             self._release(alloc)
             self.emit({"event": "sent", "room": room, "status": "failed", "error": _error(exc), "metrics": {}})
@@ -242,6 +246,7 @@ class Node:
                 "bytes": int(metrics.get("bytes", 0)),
                 "descriptors": int(metrics.get("descriptors", 0)),
                 "seconds": time.perf_counter() - t0,
+                "metrics": dict(metrics),
             }
         )
 
@@ -255,7 +260,7 @@ class Node:
         op = cmd.get("op")
         if op == "send" and self.role == "prefill":
             hold = self.held.setdefault(int(cmd["room"]), threading.Event()) if cmd.get("hold") else None
-            self._spawn(self.send, int(cmd["room"]), int(cmd["seq_len"]), hold)
+            self._spawn(self.send, int(cmd["room"]), int(cmd["seq_len"]), hold, bool(cmd.get("announce")))
         elif op == "release" and self.role == "prefill":
             self.held.pop(int(cmd["room"]), threading.Event()).set()
         elif op == "connect" and self.role == "decode":

@@ -1,0 +1,147 @@
+"""``pdstate bench``'s agent phase: the embeddable agent against today's worker path and the
+in-process ceiling, interleaved in one phase (same run, so the ratios are same-run).
+
+On the shm engine and the paged ``dsv4-flash`` layout (target + draft), per request length:
+
+- ``ceiling_memmove`` / ``ceiling_gather_scatter`` (and ``ceiling``, the better): as in every phase;
+- ``pdstate_shm``: today's path, a prefill and decode worker process pair (``bench._pdstate_pair``),
+  measured as in the shm phase (the decode's ``transfer_s`` less the prefill's synthetic compute,
+  ``verify="sample"`` included);
+- ``agent_shm`` / ``agent_shm_digest``: a ``PrefillAgent`` process and two ``DecodeAgent`` processes
+  (``devtools.cluster_node``; one with ``digest=False``, one with ``digest=True``), one request at
+  a time, one chunk. The prefill fills its source pages first (the stand-in for prefill compute)
+  and hands the whole request to its sender; only then is the decode told. The time is the
+  receiver's own: request issued -> Success (its ``success_at_s`` less its
+  ``transferring_at_s``), which holds the prefill's submit, the copy, the prefill's digest of
+  what it sent (digest on), ``TransferDone``, and the decode's digest of what landed (digest on).
+  Each side's digest time is kept under ``parts`` (``digest_s``: the decode's;
+  ``prefill_digest_s``: the prefill's). The synthetic pattern check of every landed item runs
+  after Success, outside the time.
+"""
+
+from __future__ import annotations
+
+import queue
+import secrets
+import statistics
+import time
+from collections.abc import Callable
+
+from pdstate.devtools import bench
+from pdstate.devtools.baselines import gather_scatter, memmove_loop
+from pdstate.runtime import requests as rq
+
+ENGINE = "agent"  # the phase's name in ``paths`` (``paged:agent:<variant>``); its engine is shm
+WAIT_S = 300.0
+
+
+class AgentNodes:
+    """A prefill agent node and two decode agent nodes (digest off, digest on), hands shaken."""
+
+    def __init__(self, settings, start_timeout_s: float = 180.0) -> None:
+        from pdstate.devtools.cluster import NodeProcess
+        from pdstate.devtools.cluster_node import settings_to_dict
+
+        self.events: queue.Queue = queue.Queue()
+        base = dict(pool=settings_to_dict(settings), engine="shm", engine_options={}, chunks=1)
+        self.nodes = []
+        try:
+            self.prefill = self._start(NodeProcess, dict(base, role="prefill", name="bench-p"))
+            self.decodes = {
+                digest: self._start(NodeProcess, dict(base, role="decode", name=f"bench-d{int(digest)}", digest=digest))
+                for digest in (False, True)
+            }
+            self.handshake_ms: dict[bool, float] = {}
+            ready = self._await_all([(n, "ready") for n in self.nodes], start_timeout_s)
+            self.prefill.address = ready[0]["address"]
+            for digest, d in self.decodes.items():
+                d.send({"op": "connect", "prefill": self.prefill.address})
+                ev = self._await(d, "connected", start_timeout_s)
+                if ev["error"] is not None:
+                    raise RuntimeError(f"agent handshake refused: {ev['error']}")
+                self.handshake_ms[digest] = ev["handshake_ms"]
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, cls, spec: dict):
+        node = cls(spec, self.events)
+        self.nodes.append(node)
+        return node
+
+    def _await(self, node, event: str, timeout_s: float, room: int | None = None) -> dict:
+        return self._await_all([(node, event)], timeout_s, room)[0]
+
+    def _await_all(self, wanted: list, timeout_s: float, room: int | None = None) -> list[dict]:
+        """The next event of each ``(node, event)`` in ``wanted`` (for ``room`` if given), in that
+        order; other events are dropped (one request at a time: nothing else is pending)."""
+        got: dict = {}
+        deadline = time.monotonic() + timeout_s
+        while len(got) < len(wanted):
+            try:
+                node, ev = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"no {[e for _, e in wanted]} within {timeout_s:.0f} s") from None
+            if ev is None:
+                raise RuntimeError(f"{node.name} exited: {node.stderr_text().strip()[-2000:]}")
+            if ev.get("event") == "error":
+                raise RuntimeError(f"{node.name}: {ev['message']}")
+            key = (node, ev.get("event"))
+            if key in wanted and key not in got and (room is None or ev.get("room") == room):
+                got[key] = ev
+        return [got[k] for k in wanted]
+
+    def run(self, n: int, digest: bool) -> dict:
+        """One request of ``n`` tokens; the receiver's request issued -> Success, and the parts."""
+        room, d = secrets.randbits(63), self.decodes[digest]
+        self.prefill.send({"op": "send", "room": room, "seq_len": n, "announce": True})
+        self._await(self.prefill, "queued", WAIT_S, room)
+        d.send({"op": "recv", "room": room, "seq_len": n, "prefill": self.prefill.address})
+        res, sent = self._await_all([(d, "result"), (self.prefill, "sent")], WAIT_S, room)
+        if not res["verified"]:
+            raise RuntimeError(f"agent (digest {'on' if digest else 'off'}): {n} tokens failed: {res['error']}")
+        m = res["metrics"]
+        return {
+            "transfer_s": m["success_at_s"] - m["transferring_at_s"],
+            "digest_s": m.get("digest_s", 0.0),
+            "prefill_digest_s": sent["metrics"].get("digest_s", 0.0),
+            "copy_s": sent["metrics"].get("transfer_s", 0.0),  # the prefill's: request known -> all landed
+        }
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
+
+
+def phase(src, dst, lengths, runs: int, results: dict, progress, preset_name: str = "dsv4-flash") -> None:
+    """The agent (digest off and on), today's worker path and the ceiling, interleaved per length."""
+    mode = "paged"
+    progress(f"[{mode}:{ENGINE}] starting a pdstate worker pair and agent nodes ...")
+    hs, run, _, close = bench._pdstate_pair("shm", mode, preset_name)
+    try:
+        nodes = AgentNodes(bench._settings(mode, preset_name))
+    except BaseException:
+        close()
+        raise
+    results.setdefault("handshake_ms", {})[f"{mode}:{ENGINE}"] = nodes.handshake_ms[True]
+    try:
+        for n in lengths:
+            plan, a, b = bench._plan_for(src, dst, n)
+            variants: dict[str, Callable[[], object]] = {
+                "ceiling_memmove": lambda: memmove_loop(plan),
+                "ceiling_gather_scatter": gather_scatter(src, dst, a, b),
+                "pdstate_shm": lambda: run(n, "sample"),
+                "agent_shm": lambda: nodes.run(n, False),
+                "agent_shm_digest": lambda: nodes.run(n, True),
+            }
+            times = bench.measure(mode, ENGINE, n, plan, variants, runs, results)
+            progress(
+                f"[{mode}:{ENGINE}] {n:>6} tokens: {plan.total_bytes / 1e6:8.1f} MB: "
+                + ", ".join(f"{k} {plan.total_bytes / statistics.median(v) / 1e9:.2f}" for k, v in times.items())
+                + " GB/s"
+            )
+            rq.free(src.pools, a)
+            rq.free(dst.pools, b)
+    finally:
+        nodes.close()
+        close()

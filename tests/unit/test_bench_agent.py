@@ -1,0 +1,84 @@
+"""The benchmark's agent phase: on a small layout it measures the agent (digests off and on) beside
+today's worker path and the ceiling, and the summary carries its ratios and digest times as numbers."""
+
+from __future__ import annotations
+
+from pdstate.devtools import bench, bench_agent, bench_report
+
+
+def _row(seconds: float) -> dict:
+    return {"seconds": {"median": seconds}}
+
+
+def test_agent_ratios_are_taken_within_the_agent_phase():
+    r = {
+        "lengths": [2048],
+        "modes": ["paged"],
+        "paths": {
+            "paged:agent:ceiling": {"2048": _row(1.0)},
+            "paged:agent:pdstate_shm": {"2048": _row(2.0)},
+            "paged:agent:agent_shm": {"2048": _row(4.0)},
+            "paged:agent:agent_shm_digest": {"2048": _row(5.0)},
+        },
+    }
+    out = bench_report.ratios(r)
+    assert out["agent_vs_ceiling_by_length"] == {"2048": 0.25}
+    assert out["agent_digest_vs_ceiling_by_length"] == {"2048": 0.2}
+    assert out["agent_vs_worker_by_length"] == {"2048": 0.5}
+    assert out["agent_digest_vs_worker_by_length"] == {"2048": 0.4}
+
+
+def test_an_agent_phase_on_tiny_fills_the_summary_keys_with_numbers():
+    src, dst = bench._Side("paged", "tiny"), bench._Side("paged", "tiny")
+    results: dict = {"paths": {}, "lengths": [300], "modes": ["paged"]}
+    lines: list[str] = []
+    bench_agent.phase(src, dst, [300], 2, results, lines.append, preset_name="tiny")
+    names = {k.split(":", 2)[2] for k in results["paths"] if k.startswith("paged:agent:")}
+    assert names == {
+        "ceiling",
+        "ceiling_memmove",
+        "ceiling_gather_scatter",
+        "pdstate_shm",
+        "agent_shm",
+        "agent_shm_digest",
+    }
+    assert results["paths"]["paged:agent:agent_shm_digest"]["300"]["seconds"]["n"] == 2
+    results["ratios"] = bench_report.ratios(results)
+    for key in ("agent_vs_ceiling", "agent_digest_vs_ceiling", "agent_vs_worker", "agent_digest_vs_worker"):
+        assert isinstance(results["ratios"][f"{key}_by_length"]["300"], float)
+    digest = bench_report.agent_digest_ms(results)
+    assert set(digest["300"]) == {"decode", "prefill"}
+    assert all(isinstance(v, float) and v > 0 for v in digest["300"].values())
+    assert results["parts"]["paged:agent:agent_shm:digest_s"]["300"]["median"] == 0  # digest off: none
+    assert isinstance(results["handshake_ms"]["paged:agent"], float)
+    assert any("300 tokens" in line for line in lines)
+    assert src.pools.allocator.full_available_size() == dst.pools.allocator.full_available_size()
+
+
+def test_summary_names_the_agent_keys_even_when_the_phase_did_not_run():
+    r = {
+        "ratios": {"shm_vs_ceiling": 0.8},
+        "planner": {
+            "fragmented_ms": 1.0,
+            "contiguous_ms": 0.5,
+            "loop_fragmented_ms": 20.0,
+            "descriptors_contiguous": 148,
+            "descriptors_fragmented": 31830,
+        },
+        "control": {
+            "handshake_ms": {"median": 7.0},
+            "control_overhead_ms": {"median": 0.9},
+            "request_1_token_ms": {"median": 2.0},
+            "request_1_token_overhead_ms": {"median": 1.1},
+            "first_handshake_flash_ms": 4.0,
+        },
+    }
+    s = bench_report.summary(r)
+    assert {k: s["ratios"][k] for k in ("agent_vs_ceiling", "agent_vs_worker", "agent_digest_vs_worker")} == {
+        "agent_vs_ceiling": None,
+        "agent_vs_worker": None,
+        "agent_digest_vs_worker": None,
+    }
+    assert s["agent_digest_ms_p50_by_length"] == {}
+    r["parts"] = {"paged:agent:agent_shm_digest:digest_s": {"2048": {"median": 0.002}}}
+    assert bench_report.summary(r)["agent_digest_ms_p50_by_length"] == {"2048": {"decode": 2.0}}
