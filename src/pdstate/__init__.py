@@ -164,44 +164,11 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
+if TYPE_CHECKING:  # for type checkers and IDEs (the error classes: pdstate.errors); at run time names load on first use
     from pdstate.agent.decode import DecodeAgent
     from pdstate.agent.prefill import PrefillAgent
     from pdstate.agent.receiver import KVReceiver
     from pdstate.agent.sender import KVSender
-    from pdstate.errors import (
-        AllocationError,
-        AuthError,
-        ConfigError,
-        CrossSideMismatch,
-        DescriptorMismatch,
-        DraftMappingMissing,
-        DraftNotSWAOnly,
-        DSV4StateError,
-        EngineError,
-        EngineUnavailable,
-        IndexCountMismatch,
-        IndexOutOfRange,
-        IndexRefused,
-        ItemLengthMismatch,
-        KVCacheDtypeMismatch,
-        LayoutMismatch,
-        LocalCheckFailed,
-        NotRegistered,
-        PaddingPageIndex,
-        PagedSWAGeometryMismatch,
-        PageSizeMismatch,
-        PdStateError,
-        PeerGone,
-        PoolConfigError,
-        ProtocolError,
-        SWAIndexMappingNotShared,
-        SWARingGeometryMismatch,
-        TransferFailed,
-        UnifiedKVModeMismatch,
-        VersionMismatch,
-        error_from_wire,
-    )
     from pdstate.pools.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator
     from pdstate.pools.dsv4 import DeepSeekV4TokenToKVPool
     from pdstate.pools.kvargs import fill_kv_args, setup_state_kv_args

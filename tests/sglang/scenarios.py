@@ -12,32 +12,12 @@ from __future__ import annotations
 
 from copy import deepcopy
 
+from tests.support.pools import SGLANG_KWARGS
+
 SEED = "DSV4 target and draft pools must share the SWA index mapping"
 
 # Upstream's constructor keywords (dtypes by name), the conformance defaults.
-UPSTREAM_TINY = dict(
-    max_num_reqs=4,
-    swa_size=512,
-    c4_size=256,
-    c128_size=8,
-    c4_state_pool_size=64,
-    c128_state_pool_size=1280,
-    page_size=256,
-    swa_page_size=256,
-    dtype="float8_e4m3fn",
-    c4_state_dtype="float32",
-    c128_state_dtype="float32",
-    qk_nope_head_dim=448,
-    qk_rope_head_dim=64,
-    indexer_head_dim=128,
-    layer_num=3,
-    device="cpu",
-    enable_memory_saver=False,
-    compression_ratios=[0, 4, 128],
-    sliding_window=128,
-    online_mtp_max_draft_tokens=4,
-    num_req_slots=5,
-)
+UPSTREAM_TINY = SGLANG_KWARGS
 NEXTN = dict(c4_size=0, c128_size=0, c4_state_pool_size=0, c128_state_pool_size=0, layer_num=1, compression_ratios=[0])
 FLASH_43 = [0, 0] + [4, 128] * 20 + [4]  # DeepSeek-V4-Flash's 43 layers (2 SWA-only, 21 C4, 20 C128)
 

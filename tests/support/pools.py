@@ -57,6 +57,13 @@ UPSTREAM_KWARGS: dict[str, Any] = dict(
 )
 
 
+# The same keywords as SGLang's own constructor takes them (without pdstate's explicit
+# global-state keywords, which SGLang reads from its server args).
+SGLANG_KWARGS: dict[str, Any] = {
+    k: v for k, v in UPSTREAM_KWARGS.items() if k not in ("unified_kv", "speculative_num_draft_tokens")
+}
+
+
 def upstream_kwargs(**changes: Any) -> dict[str, Any]:
     return {**UPSTREAM_KWARGS, **changes}
 

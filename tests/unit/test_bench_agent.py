@@ -4,6 +4,7 @@ today's worker path and the ceiling, and the summary carries its ratios and dige
 from __future__ import annotations
 
 from pdstate.devtools import bench, bench_agent, bench_report
+from tests.support.bench import fake_bench_result
 
 
 def _row(seconds: float) -> dict:
@@ -56,23 +57,7 @@ def test_an_agent_phase_on_tiny_fills_the_summary_keys_with_numbers():
 
 
 def test_summary_names_the_agent_keys_even_when_the_phase_did_not_run():
-    r = {
-        "ratios": {"shm_vs_ceiling": 0.8},
-        "planner": {
-            "fragmented_ms": 1.0,
-            "contiguous_ms": 0.5,
-            "loop_fragmented_ms": 20.0,
-            "descriptors_contiguous": 148,
-            "descriptors_fragmented": 31830,
-        },
-        "control": {
-            "handshake_ms": {"median": 7.0},
-            "control_overhead_ms": {"median": 0.9},
-            "request_1_token_ms": {"median": 2.0},
-            "request_1_token_overhead_ms": {"median": 1.1},
-            "first_handshake_flash_ms": 4.0,
-        },
-    }
+    r = fake_bench_result(ratios={"shm_vs_ceiling": 0.8})
     s = bench_report.summary(r)
     assert {k: s["ratios"][k] for k in ("agent_vs_ceiling", "agent_vs_worker", "agent_digest_vs_worker")} == {
         "agent_vs_ceiling": None,

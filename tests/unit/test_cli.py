@@ -13,6 +13,7 @@ import pytest
 from pdstate import cli
 from pdstate.devtools import demo
 from pdstate.errors import ExitCode
+from tests.support.bench import fake_bench_result
 
 
 def subparsers() -> dict[str, argparse.ArgumentParser]:
@@ -118,24 +119,10 @@ def test_bench_command_writes_its_files_and_ends_with_the_summary(tmp_path, monk
 
     from pdstate.devtools import bench
 
-    fake = {
-        "paths": {"paged:shm:pdstate_shm": {"2048": {"gbps": {"median": 2.0, "min": 1.0, "max": 3.0}}}},
-        "ratios": {"shm_vs_ceiling": 0.8},
-        "planner": {
-            "fragmented_ms": 1.0,
-            "contiguous_ms": 0.5,
-            "loop_fragmented_ms": 20.0,
-            "descriptors_contiguous": 148,
-            "descriptors_fragmented": 31830,
-        },
-        "control": {
-            "handshake_ms": {"median": 7.0},
-            "control_overhead_ms": {"median": 0.9},
-            "request_1_token_ms": {"median": 2.0},
-            "request_1_token_overhead_ms": {"median": 1.1},
-            "first_handshake_flash_ms": 4.0,
-        },
-    }
+    fake = fake_bench_result(
+        paths={"paged:shm:pdstate_shm": {"2048": {"gbps": {"median": 2.0, "min": 1.0, "max": 3.0}}}},
+        ratios={"shm_vs_ceiling": 0.8},
+    )
     seen = {}
 
     def run_bench(quick, engines, modes, progress, agent=True):

@@ -18,31 +18,11 @@ from pdstate.pools.kvargs import KVArgs, StateType, pool_facts, setup_state_kv_a
 from pdstate.pools.reporting import build_report
 from pdstate.protocol.compat import check_peer
 from pdstate.protocol.facts import MappingIdentity
+from tests.support.pools import UPSTREAM_KWARGS
 
 SEED = "DSV4 target and draft pools must share the SWA index mapping"
 MISSING_MSG = "'DeepSeekV4TokenToKVPool' object has no attribute 'full_to_swa_index_mapping'"
-UPSTREAM_TINY = dict(
-    max_num_reqs=4,
-    swa_size=512,
-    c4_size=256,
-    c128_size=8,
-    c4_state_pool_size=64,
-    c128_state_pool_size=1280,
-    page_size=256,
-    swa_page_size=256,
-    dtype="float8_e4m3fn",
-    c4_state_dtype="float32",
-    c128_state_dtype="float32",
-    qk_nope_head_dim=448,
-    qk_rope_head_dim=64,
-    indexer_head_dim=128,
-    layer_num=3,
-    compression_ratios=[0, 4, 128],
-    sliding_window=128,
-    online_mtp_max_draft_tokens=4,
-    num_req_slots=5,
-    speculative_num_draft_tokens=4,
-)
+UPSTREAM_TINY = UPSTREAM_KWARGS
 NEXTN = dict(c4_size=0, c128_size=0, c4_state_pool_size=0, c128_state_pool_size=0, layer_num=1, compression_ratios=[0])
 
 
