@@ -27,43 +27,9 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-_ERRORS = (
-    "PdStateError",
-    "DSV4StateError",
-    "DraftNotSWAOnly",
-    "UnifiedKVModeMismatch",
-    "SWAIndexMappingNotShared",
-    "SWARingGeometryMismatch",
-    "PagedSWAGeometryMismatch",
-    "DraftMappingMissing",
-    "CrossSideMismatch",
-    "PageSizeMismatch",
-    "KVCacheDtypeMismatch",
-    "LayoutMismatch",
-    "DescriptorMismatch",
-    "PoolConfigError",
-    "AllocationError",
-    "IndexRefused",
-    "PaddingPageIndex",
-    "IndexCountMismatch",
-    "IndexOutOfRange",
-    "ItemLengthMismatch",
-    "ProtocolError",
-    "VersionMismatch",
-    "AuthError",
-    "NotRegistered",
-    "EngineError",
-    "EngineUnavailable",
-    "TransferFailed",
-    "PeerGone",
-    "ConfigError",
-    "LocalCheckFailed",
-    "error_from_wire",
-)
 
-# public name -> module that defines it
-_WHERE: dict[str, str] = {
-    **{name: "pdstate.errors" for name in _ERRORS},
+# public name -> module that defines it, for every name not in pdstate.errors
+_OTHERS: dict[str, str] = {
     "StateType": "pdstate.protocol.facts",
     "KVArgs": "pdstate.protocol.facts",
     "PoolFacts": "pdstate.protocol.facts",
@@ -148,7 +114,11 @@ __all__ = [
     "KVSender",
     "KVReceiver",
 ]
-assert set(__all__) == {"__version__", *_WHERE}
+# every other public name is an error class (or error_from_wire) of pdstate.errors
+_WHERE: dict[str, str] = {
+    **{name: "pdstate.errors" for name in __all__ if name != "__version__" and name not in _OTHERS},
+    **_OTHERS,
+}
 
 
 def __getattr__(name: str):

@@ -166,6 +166,15 @@ def _pdstate_pair(engine: str, mode: str, preset_name: str = "dsv4-flash") -> _P
     return _Pair(ev["handshake_ms"], run, describe, close)
 
 
+def speeds_line(mode: str, engine: str, n: int, plan: TransferPlan, times: dict[str, list[float]]) -> str:
+    """One progress line: the request's size and each variant's median GB/s."""
+    return (
+        f"[{mode}:{engine}] {n:>6} tokens: {plan.total_bytes / 1e6:8.1f} MB, {len(plan)} descriptors: "
+        + ", ".join(f"{k} {plan.total_bytes / statistics.median(v) / 1e9:.2f}" for k, v in times.items())
+        + " GB/s"
+    )
+
+
 def measure(mode: str, engine: str, n: int, plan: TransferPlan, variants: dict, runs: int, results: dict) -> dict:
     """Warm every variant up, run them interleaved ``runs`` times, and record each one's row under
     ``paths`` (plus the phase's ``ceiling``: the better of the two in-process copies) and its parts
@@ -248,11 +257,7 @@ def _phase(
             variants[f"pdstate_{engine}"] = lambda: run(n, "sample")
             variants[f"pdstate_{engine}_full_verify"] = lambda: run(n, "full")
             times = measure(mode, engine, n, plan, variants, runs, results)
-            progress(
-                f"[{mode}:{engine}] {n:>6} tokens: {plan.total_bytes / 1e6:8.1f} MB, {len(plan)} descriptors: "
-                + ", ".join(f"{k} {plan.total_bytes / statistics.median(v) / 1e9:.2f}" for k, v in times.items())
-                + " GB/s"
-            )
+            progress(speeds_line(mode, engine, n, plan, times))
             rq.free(src.pools, a)
             rq.free(dst.pools, b)
     finally:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import queue
 import secrets
-import statistics
 import time
 from collections.abc import Callable
 
@@ -135,11 +134,7 @@ def phase(src, dst, lengths, runs: int, results: dict, progress, preset_name: st
                 "agent_shm_digest": lambda: nodes.run(n, True),
             }
             times = bench.measure(mode, ENGINE, n, plan, variants, runs, results)
-            progress(
-                f"[{mode}:{ENGINE}] {n:>6} tokens: {plan.total_bytes / 1e6:8.1f} MB: "
-                + ", ".join(f"{k} {plan.total_bytes / statistics.median(v) / 1e9:.2f}" for k, v in times.items())
-                + " GB/s"
-            )
+            progress(bench.speeds_line(mode, ENGINE, n, plan, times))
             rq.free(src.pools, a)
             rq.free(dst.pools, b)
     finally:
