@@ -109,6 +109,8 @@ class PrefillLinkMixin:
         self._answered.set()
 
     def _on_handshake(self, msg) -> None:
+        if isinstance(msg, wire.Reject) and self._link.state == PeerState.REJECTED:
+            return  # the second answer to a register sent twice (resent while pending): one refusal
         try:
             accept = self.handshake.receive(msg)
         except Exception as exc:  # any refusal: upstream RuntimeErrors, VersionMismatch, EngineError, ...
