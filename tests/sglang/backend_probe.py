@@ -2,7 +2,7 @@
 
 Reads the names of the checks to run, in order, as a JSON list on stdin; prints one JSON object on
 the last line of stdout: per check, ``{"ok": true, ...}`` or ``{"ok": false, "error": ...}``. Run only by ``runner.run_probe(..., script="backend_probe.py")``:
-importing ``boot`` changes process-wide state.
+importing ``booted`` changes process-wide state.
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ import os
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import boot  # noqa: F401  (first: sys.path, the GPU-only stubs and the bare sglang package)
+from pdstate.devtools.sglang_pair import booted  # noqa: F401  (first: sys.path, the GPU-only stubs and the bare sglang package)
 
 KINDS = ("MANAGER", "SENDER", "RECEIVER", "BOOTSTRAP_SERVER")
 BASES = {
