@@ -32,7 +32,8 @@ __all__ = ["build_manager"]
 @functools.cache
 def build_manager() -> type:
     """``PdStateKVManager`` (SGLang imported here, on first install)."""
-    from sglang.srt.disaggregation.common.conn import CommonKVManager
+    import requests
+    from sglang.srt.disaggregation.common.conn import CommonKVManager, PrefillServerInfo
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.utils.network import NetworkAddress, get_local_ip_auto
 
@@ -84,9 +85,18 @@ def build_manager() -> type:
 
         def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
             """SGLang's own lookup; a topology this backend cannot serve is kept as the reason every
-            receiver aimed at that prefill fails with (raising here would stop the decode scheduler)."""
-            if not super().try_ensure_parallel_info(bootstrap_addr):
-                return False
+            receiver aimed at that prefill fails with (raising here would stop the decode scheduler).
+
+            SGLang's page-size and KV-dtype checks raise here, and the prefill would then wait for its
+            requests until its bootstrap timeout: those pairs go on to the agents' handshake instead,
+            which refuses them on both sides with the factor named."""
+            try:
+                if not super().try_ensure_parallel_info(bootstrap_addr):
+                    return False
+            except RuntimeError as exc:
+                log.error("pdstate: prefill %s: %s (the handshake refuses the pair on both sides)", bootstrap_addr, exc)
+                if not self._info_unchecked(bootstrap_addr):
+                    return False
             info = self.prefill_info_table[bootstrap_addr]
             reason = None
             if info.pp_size != self.pp_size:
@@ -103,6 +113,21 @@ def build_manager() -> type:
             if reason is not None:
                 self.topology_errors[bootstrap_addr] = reason
                 log.error("pdstate: prefill %s: %s", bootstrap_addr, reason)
+            return True
+
+        def _info_unchecked(self, bootstrap_addr: str) -> bool:
+            """SGLang's ``/route`` lookup and rank mapping, without its page-size and dtype checks."""
+            url = f"http://{bootstrap_addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+            try:
+                response = requests.get(url, timeout=5)
+                if response.status_code != 200:
+                    return False
+                info = PrefillServerInfo(**response.json())
+            except Exception as exc:  # as SGLang's own lookup: logged, retried by the scheduler
+                log.error("pdstate: prefill %s: cannot read its parallel info: %s", bootstrap_addr, exc)
+                return False
+            self._resolve_rank_mapping(info)
+            self.prefill_info_table[bootstrap_addr] = info
             return True
 
         def register_buffer_to_engine(self):
