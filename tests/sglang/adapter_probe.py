@@ -5,7 +5,7 @@ filled by SGLang's own functions (as ``_init_kv_manager`` fills them), SGLang's 
 and pdstate's manager, sender and receiver classes from ``get_kv_class`` over the ``loopback``
 engine (``PDSTATE_TRANSFER__ENGINE=loopback``, set by the parent). Reads the case names as a JSON
 list on stdin; prints one JSON object on the last line of stdout. Run only by ``runner.run_probe``:
-importing ``boot`` changes process-wide state.
+importing ``booted`` changes process-wide state.
 """
 
 from __future__ import annotations
@@ -18,12 +18,15 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pdstate.devtools.sglang_pair import booted  # noqa: F401  (first: the GPU-only stubs and the bare sglang package)
 
-import boot  # noqa: I001  (first: sys.path, the GPU-only stubs and the bare sglang package)
+# isort: split
 import numpy as np
 import torch
 
+from pdstate.devtools.sglang_pair import boot
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import probe
 import scenarios
 
@@ -288,7 +291,81 @@ def case_seed(h: Harness) -> dict:
     return trace
 
 
+def case_tp_dummy(h: Harness) -> dict:
+    """A prefill of attention TP 2 feeding a decode of TP 1 (SGLang's MLA mapping): prefill rank 0
+    sends, rank 1 completes as a dummy and moves nothing."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+    from sglang.srt.runtime_context import get_disagg, get_parallel, get_server_args
+
+    port, room = _free_port(), 2001
+    ranks = [build_side(True, 0), build_side(True, 0)]
+    _context()
+    get_kv_class(TransferBackend("pdstate"), KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
+    managers = []
+    with get_disagg().override(disaggregation_bootstrap_port=port):
+        for r, side in enumerate(ranks):
+            side["kv"].engine_rank = r
+            with get_parallel().override(attn_tp_size=2, attn_tp_rank=r):
+                managers.append(h.cls["MANAGER"](side["kv"], h.mode.PREFILL, get_server_args(), True))
+    dm = h.cls["MANAGER"](h.decode["kv"], h.mode.DECODE, get_server_args(), True)
+    addr = f"127.0.0.1:{port}"
+    try:
+        for seed, side in enumerate(ranks, start=11):
+            fill(side, seed=seed)
+        fill(h.decode, seed=None)
+        senders = [
+            h.cls["SENDER"](mgr=m, bootstrap_addr=addr, bootstrap_room=room, dest_tp_ranks=[r], pp_rank=0)
+            for r, m in enumerate(managers)
+        ]
+        recv = h.cls["RECEIVER"](mgr=dm, bootstrap_addr=addr, bootstrap_room=room)
+        _wait(lambda: dm.try_ensure_parallel_info(addr) or None, "prefill parallel info")
+        recv.init(0)
+        trace = {"dummies": [bool(i.get("is_dummy")) for i in recv.bootstrap_infos]}
+        trace["receiver_bootstrapped"] = int(
+            _wait(lambda: p if (p := recv.poll()) != KVPoll.Bootstrapping else None, "decode bootstrap")
+        )
+        dst = h.decode
+        recv.send_metadata(dst["pages"].astype(np.int32), dst["aux"], [x.astype(np.int32) for x in dst["state"]], 0)
+        for sender, side in zip(senders, ranks):
+            _wait(lambda s=sender: s.poll() == KVPoll.WaitingForInput or None, "prefill bootstrap")
+            sender.init(len(side["pages"]), side["aux"])
+            sender.send(side["pages"][:1].astype(np.int32), None)
+            sender.send(side["pages"][1:].astype(np.int32), [x.astype(np.int32) for x in side["state"]])
+        done = (KVPoll.Success, KVPoll.Failed)
+        trace["senders"] = [
+            int(_wait(lambda s=s: p if (p := s.poll()) in done else None, "prefill end")) for s in senders
+        ]
+        trace["receiver"] = int(_wait(lambda: p if (p := recv.poll()) in done else None, "decode end"))
+        trace["receiver_error"] = _exc(recv)
+        want, got = expected(ranks[0], dst), landed(dst)
+        trace["bytes_differing"] = int(sum(int((w != g).sum()) for w, g in zip(want, got)))
+        trace["sent_bytes"] = [int(s._agent_send.metrics.get("bytes", -1)) for s in senders]
+        return trace
+    finally:
+        for m in (dm, *managers):
+            m.close()
+
+
+def case_decode_tp_wider(h: Harness) -> dict:
+    """A decode of attention TP 2 facing the prefill of TP 1: refused, with the reason, at once."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.runtime_context import get_parallel, get_server_args
+
+    with get_parallel().override(attn_tp_size=2, attn_tp_rank=0):
+        dm = h.cls["MANAGER"](h.decode["kv"], h.mode.DECODE, get_server_args(), True)
+    try:
+        recv = h.cls["RECEIVER"](mgr=dm, bootstrap_addr=h.addr, bootstrap_room=3001)
+        _wait(lambda: dm.try_ensure_parallel_info(h.addr) or None, "prefill parallel info")
+        recv.init(0)
+        return {"receiver": int(recv.poll()), "receiver_error": _exc(recv), "failed": recv.poll() == KVPoll.Failed}
+    finally:
+        dm.close()
+
+
 CASES = {
+    "decode_tp_wider": case_decode_tp_wider,
+    "tp_dummy": case_tp_dummy,
     "ok": case_ok,
     "mismatch": case_mismatch,
     "mismatch_sender_late": case_mismatch_sender_late,

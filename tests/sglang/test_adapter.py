@@ -11,7 +11,7 @@ import pytest
 
 from tests.sglang import runner
 
-CASES = ["ok", "mismatch", "mismatch_sender_late", "seed"]
+CASES = ["ok", "mismatch", "mismatch_sender_late", "seed", "tp_dummy", "decode_tp_wider"]
 ENV = {"PDSTATE_TRANSFER__ENGINE": "loopback", "SGLANG_HOST_IP": "127.0.0.1"}
 # KVPoll's values in SGLang 0.5.19 (sglang.srt.disaggregation.base.conn.KVPoll)
 FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = 0, 1, 2, 3, 4
@@ -61,3 +61,17 @@ def test_a_refused_pair_fails_on_both_sides_at_once_and_writes_nothing(results, 
 def test_the_seed_error_keeps_upstreams_class(results):
     assert results["seed"]["sender_error"]["type"] == "SWAIndexMappingNotShared"
     assert results["mismatch"]["sender_error"]["type"] == "LayoutMismatch"
+
+
+def test_a_wider_prefill_tp_sends_from_one_rank_the_others_complete_as_dummies(results):
+    r = results["tp_dummy"]
+    assert r["dummies"] == [False, True]  # SGLang's own mapping for MLA-like KV
+    assert r["senders"] == [SUCCESS, SUCCESS] and r["receiver"] == SUCCESS
+    assert r["sent_bytes"][0] > 2_000_000 and r["sent_bytes"][1] == 0
+    assert r["bytes_differing"] == 0  # rank 0's bytes, none of rank 1's
+
+
+def test_a_wider_decode_tp_is_refused_with_the_reason(results):
+    r = results["decode_tp_wider"]
+    assert r["receiver"] == FAILED
+    assert r["receiver_error"]["message"].startswith("decode attention TP size 2 is larger than the prefill's 1")

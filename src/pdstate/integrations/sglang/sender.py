@@ -52,6 +52,8 @@ def build_sender() -> type:
             self, mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks, pp_rank, req_has_disagg_prefill_dp_rank=False
         ):
             self._agent_send = None
+            self._inited = False
+            self._queued: list = []  # chunks sent before the decode's request arrived
             self._dummy = False
             self._dummy_done = False
             self._error: BaseException | None = None
@@ -74,35 +76,53 @@ def build_sender() -> type:
 
         def init(self, num_kv_indices: int, aux_index=None):
             super().init(num_kv_indices, aux_index)
-            if self.conclude_state is not None:
-                return
+            self._inited = True
+            if self.conclude_state is None:
+                self._make_agent_sender()
+
+        def _make_agent_sender(self) -> None:
+            """Made once the decode's request is here (SGLang calls ``init`` after that; a caller
+            that calls it before gets its sender then), so a dummy rank is known: the decode named
+            no pages for a request that has some."""
             room = self.bootstrap_room
+            pages = self.agent.pending_pages(room)
+            if pages is None:
+                return
             try:
-                if num_kv_indices > 0 and self.agent.pending_pages(room) == 0:
+                if self.num_kv_indices > 0 and pages == 0:
                     self._dummy = True  # the decode takes this room from another prefill rank
                     self._agent_send = self.agent.sender(room, 0, None)
                 else:
-                    self._agent_send = self.agent.sender(room, num_kv_indices, aux_index)
+                    self._agent_send = self.agent.sender(room, self.num_kv_indices, self.aux_index)
+                for chunk in self._queued:
+                    self._send_chunk(*chunk)
             except (PdStateError, ValueError) as exc:
                 self._fail(exc)
+            self._queued.clear()
 
         def send(self, kv_indices, state_indices=None, num_kv_tokens=None):
             pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
             self.curr_idx += pages.size
             last = self.curr_idx >= self.num_kv_indices
             self._record_transfer_indices(pages, state_indices if last else None)
-            if self._agent_send is None or self.conclude_state is not None:
+            if self.conclude_state is not None:
+                return
+            if self._agent_send is None:
+                self._queued.append((pages, state_indices, last))
                 return
             try:
-                if self._dummy:
-                    if last and not self._dummy_done:
-                        self._dummy_done = True
-                        self._agent_send.send([], None)
-                    return
-                n = len(self.kv_mgr.kv_args.state_types)
-                self._agent_send.send(pages, _state_lists(state_indices, n) if last else None)
+                self._send_chunk(pages, state_indices, last)
             except (PdStateError, ValueError) as exc:
                 self._fail(exc)
+
+        def _send_chunk(self, pages, state_indices, last: bool) -> None:
+            if self._dummy:
+                if last and not self._dummy_done:
+                    self._dummy_done = True
+                    self._agent_send.send([], None)
+                return
+            n = len(self.kv_mgr.kv_args.state_types)
+            self._agent_send.send(pages, _state_lists(state_indices, n) if last else None)
 
         def poll(self) -> int:
             if self.conclude_state is not None:
@@ -116,12 +136,17 @@ def build_sender() -> type:
                 if refusal is not None:
                     return self._fail(refusal)
                 if self.agent.requested(self.bootstrap_room):
-                    return KVPoll.WaitingForInput
-                timed_out = self._check_bootstrap_timeout()
-                if timed_out is not None:
-                    self.conclude_state = timed_out
-                    return timed_out
-                return KVPoll.Bootstrapping
+                    if not self._inited:
+                        return KVPoll.WaitingForInput
+                    self._make_agent_sender()
+                    if self.conclude_state is not None:
+                        return self.conclude_state
+                else:
+                    timed_out = self._check_bootstrap_timeout()
+                    if timed_out is not None:
+                        self.conclude_state = timed_out
+                        return timed_out
+                    return KVPoll.Bootstrapping
             poll = kv_poll(self._agent_send.poll())
             if poll == KVPoll.Failed:
                 err = self._agent_send.failure_exception() or TransferFailed("the pdstate sender failed")
