@@ -93,7 +93,8 @@ def setup(role: str, backend: str, side: dict, port: int) -> dict:
         )
     )  # fmt: skip
     _parallel_context()
-    _mooncake_engine()
+    if backend == "mooncake":  # as SGLang's scheduler does for its own Mooncake backend
+        _mooncake_engine()
     if s.key() not in S.pools:
         S.pools[s.key()] = pools.build(s, hold_pages=1 if role == "decode" else 0)
     S.cur = S.pools[s.key()]
@@ -190,13 +191,14 @@ def recv(room: int, tokens: int, deadline_s: float) -> dict:
 def wait(deadline_s: float) -> dict:
     deadline = time.perf_counter() + deadline_s
     state, _ = _poll((KVPoll.Success,), deadline)
-    out = {"outcome": state, "bytes_checked": 0, "wrong_items": 0, "outside_bytes": 0, "changed_bytes": 0}
+    out = {"outcome": state, "bytes_checked": 0, "items": 0, "wrong_items": 0, "outside_bytes": 0, "changed_bytes": 0}
     wrong_by = {}
     items = pools.request_items(S.cur, S.args, S.req, DECODE_SLOT)
     for (what, ptr, length, _), (_, item_len, keys) in zip(pools.buffers(S.args), items):
         view = pattern.memory(ptr, length)
         checked, wrong, outside = pattern.check_buffer(view, item_len, keys)
         out["bytes_checked"] += checked
+        out["items"] += len(keys)
         out["wrong_items"] += wrong
         out["outside_bytes"] += outside
         out["changed_bytes"] += pattern.changed_bytes(view)
