@@ -152,6 +152,13 @@ class Pair:
         )
         return p, d
 
+    def use(self, backend: str) -> None:
+        """Switch both children back to their last ``setup`` of ``backend`` (same pools, same managers)."""
+        for child in (self.prefill, self.decode):
+            reply = child.call("use", SLACK_S, backend=backend)
+            if not reply["ok"]:
+                raise RuntimeError(f"the {child.role} child has no {backend} session: {reply['error']}")
+
     def request(self, tokens: int, deadline_s: float) -> dict:
         self.room += 1
         room = self.room
