@@ -130,11 +130,6 @@ def kv_classes() -> dict:
             out[kind]["instantiable"] = True
         except TypeError as exc:
             out[kind]["instantiable"] = str(exc)
-        try:
-            cls(None, None, None)
-            out[kind]["construct"] = "no error"
-        except NotImplementedError as exc:
-            out[kind]["construct"] = str(exc)
     out["kvargs_is_sglangs"] = utils.get_kv_class(backend, utils.KVClassType.KVARGS) is KVArgs
     fake = utils.get_kv_class(utils.TransferBackend.FAKE, utils.KVClassType.SENDER)
     out["fake_sender"] = f"{fake.__module__}.{fake.__name__}"
