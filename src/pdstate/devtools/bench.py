@@ -266,7 +266,9 @@ def _phase(
             raw[1]()
 
 
-def run_bench(quick: bool, engines: list[str], modes: list[str], progress=print, agent: bool = True) -> dict:
+def run_bench(
+    quick: bool, engines: list[str], modes: list[str], progress=print, agent: bool = True, sglang: bool = False
+) -> dict:
     from pdstate.transfer.engines.base import EngineUnavailable, engine_class
 
     runs = 5 if quick else 9
@@ -292,6 +294,10 @@ def run_bench(quick: bool, engines: list[str], modes: list[str], progress=print,
 
             bench_agent.phase(src, dst, lengths, runs, results, progress)
         del src, dst
+    if sglang:  # SGLang's own Mooncake backend against backend pdstate: see devtools.bench_sglang
+        from pdstate.devtools import bench_sglang
+
+        bench_sglang.phase(3 if quick else 5, results, progress)
     progress("control ...")
     results["control"] = bench_control(runs * 4)
     results["ratios"] = ratios(results)

@@ -16,7 +16,8 @@ from pdstate.errors import ExitCode
 def ratios(r: dict) -> dict:
     """Per length: ceiling / pdstate (shm), raw engine / pdstate (native engines), each within its
     own phase; in the agent phase, ceiling / agent and today's worker path / agent (above 1: the
-    agent is faster), digests off (``agent_*``) and on (``agent_digest_*``). The keys without
+    agent is faster), digests off (``agent_*``) and on (``agent_digest_*``); in the sglang phase,
+    SGLang's Mooncake backend / backend pdstate (above 1: pdstate is faster). The keys without
     ``_by_length`` are the 32k-token values."""
     out: dict = {}
     paths = r["paths"]
@@ -52,6 +53,10 @@ def ratios(r: dict) -> dict:
                 out.setdefault(f"{key}_vs_ceiling_by_length", {})[str(n)] = c / ag
             if ag and worker:
                 out.setdefault(f"{key}_vs_worker_by_length", {})[str(n)] = worker / ag
+    for n, sgl in r.get("sglang_mooncake_ms_by_length", {}).items():  # the sglang phase (--sglang)
+        ours = r.get("sglang_backend_ms_by_length", {}).get(n)
+        if ours:
+            out.setdefault("sglang_backend_vs_sglang_mooncake_by_length", {})[n] = sgl / ours
     for key in [k[: -len("_by_length")] for k in list(out)]:
         out[key] = out[f"{key}_by_length"].get("32768")
     return out
@@ -94,7 +99,7 @@ def summary(r: dict) -> dict:
         "first_handshake_flash_ms": r["control"]["first_handshake_flash_ms"],
         "descriptors_contiguous_128k": r["planner"]["descriptors_contiguous"],
         "descriptors_fragmented_128k": r["planner"]["descriptors_fragmented"],
-    }
+    } | {k: r[k] for k in ("sglang_mooncake_ms_by_length", "sglang_backend_ms_by_length") if k in r}
 
 
 COLORS = {
@@ -162,7 +167,14 @@ def cmd_bench(args) -> ExitCode:
 
     tune_interpreter()
     say = (lambda *a: None) if args.json else (lambda m: print(m, flush=True))
-    r = bench.run_bench(args.quick, args.engines, args.modes, progress=say, agent=getattr(args, "agent", True))
+    r = bench.run_bench(
+        args.quick,
+        args.engines,
+        args.modes,
+        progress=say,
+        agent=getattr(args, "agent", True),
+        sglang=getattr(args, "sglang", False),
+    )
     files = write_outputs(r, Path(args.out))
     s = summary(r)
     if not args.json:

@@ -49,40 +49,40 @@ class Side:
 
 @dataclass(frozen=True)
 class Case:
-    """A prefill side facing a decode side; ``what`` says in words how they differ."""
+    """A prefill side facing a decode side; ``what`` says in words how they differ, ``factor`` what
+    pdstate's handshake names (``None``: nothing differs), ``tokens`` the requests' lengths."""
 
     name: str
     what: str
     prefill: Side
     decode: Side
+    factor: str | None = None
+    tokens: tuple[int, ...] = TEST_TOKENS
 
 
 BASE = Side()
 NOSPEC = replace(BASE, speculative=False, draft=False)
+SPEC_NODRAFT = replace(BASE, draft=False)
 
 CORRECT = Case("correct", "the same pools on both sides", BASE, BASE)
 
+
+def _case(name: str, what: str, prefill: Side, decode: Side, factor: str, tokens: tuple[int, ...] = TEST_TOKENS):
+    return Case(name, what, prefill, decode, factor, tokens)
+
+
+# 700 tokens: windows of 256 and 128 start on different pages; 600 tokens: windows of 64 and 128 do.
 MISMATCHES: tuple[Case, ...] = (
-    Case("spec_vs_nospec", "prefill speculative, decode not (C4 ring 16 vs 8)", replace(BASE, draft=False), NOSPEC),
-    Case(
-        "nospec_vs_spec",
-        "prefill not speculative, decode speculative (C4 ring 8 vs 16)",
-        NOSPEC,
-        replace(BASE, draft=False),
-    ),
-    Case("draft_decode_only", "a draft on the decode only", replace(BASE, draft=False), BASE),
-    Case("draft_prefill_only", "a draft on the prefill only", BASE, replace(BASE, draft=False)),
-    Case("c4_c128_order", "the same C4/C128 layer counts in another order", BASE, replace(BASE, ratios=FLASH_SWAPPED)),
-    Case(
-        "c4_c128_counts",
-        "different C4/C128 layer counts (21/20 vs 20/21)",
-        BASE,
-        replace(BASE, ratios=FLASH_OTHER_COUNTS),
-    ),
-    Case("window_256", "sliding window 256 (prefill) vs 128 (decode)", replace(BASE, sliding_window=256), BASE),
-    Case("window_64", "sliding window 64 (prefill) vs 128 (decode)", replace(BASE, sliding_window=64), BASE),
-    Case("page_size", "page size 512 (prefill) vs 256 (decode)", replace(BASE, page_size=512), BASE),
-)
+    _case("spec_vs_nospec", "prefill speculative, decode not (C4 ring 16 vs 8)", SPEC_NODRAFT, NOSPEC, "c4_ring"),
+    _case("nospec_vs_spec", "prefill not speculative, decode speculative (C4 ring 8 vs 16)", NOSPEC, SPEC_NODRAFT, "c4_ring"),
+    _case("draft_decode_only", "a NextN draft on the decode only", SPEC_NODRAFT, BASE, "draft"),
+    _case("draft_prefill_only", "a NextN draft on the prefill only", BASE, SPEC_NODRAFT, "draft"),
+    _case("c4_c128_order", "the same C4/C128 layer counts in another order", BASE, replace(BASE, ratios=FLASH_SWAPPED), "compression_ratios"),
+    _case("c4_c128_counts", "other C4/C128 layer counts (21/20 vs 20/21)", BASE, replace(BASE, ratios=FLASH_OTHER_COUNTS), "compression_ratios"),
+    _case("window_256", "sliding window 256 (prefill) vs 128 (decode)", replace(BASE, sliding_window=256), BASE, "sliding_window"),
+    _case("window_64", "sliding window 64 (prefill) vs 128 (decode)", replace(BASE, sliding_window=64), BASE, "sliding_window", (600,)),
+    _case("page_size", "page size 512 (prefill) vs 256 (decode)", replace(BASE, page_size=512), BASE, "page_size"),
+)  # fmt: skip
 
 CASES: dict[str, Case] = {c.name: c for c in (CORRECT, *MISMATCHES)}
 

@@ -6,7 +6,8 @@ process-wide state. Reads one JSON command per line on stdin and answers each wi
 
 - ``setup``: publish the side's server args, build (or reuse) its pools, fill ``KVArgs``, and
   create the manager of ``backend`` through ``get_kv_class`` (the prefill starts the bootstrap
-  server first, through ``get_kv_class(backend, BOOTSTRAP_SERVER)``);
+  server first, through ``get_kv_class(backend, BOOTSTRAP_SERVER)``); ``use`` makes an earlier
+  setup of a backend current again (the bench interleaves two backends on the same pools);
 - prefill ``open`` (sender created and ``init``-ed, sources patterned) then ``send`` (two chunks,
   state on the last, polled to Success/Failed or the deadline);
 - decode ``recv`` (destinations reset to the sentinel, parallel info fetched, receiver ``init``,
@@ -73,7 +74,8 @@ def _mooncake_engine() -> None:
 # This child's state: pools by side (reused across cases), bootstrap servers by port, the current
 # case's pools, KVArgs and manager, and the request in flight with its sender or receiver.
 S = SimpleNamespace(role="", backend="", addr="", pools={}, servers={}, cur=None, args=None, mgr=None, req=None,
-    conn=None, installed=False)  # fmt: skip
+    conn=None, installed=False, sessions={})  # fmt: skip
+SESSION = ("backend", "addr", "cur", "args", "mgr")  # what ``use`` brings back
 
 
 # -- both sides
@@ -93,7 +95,8 @@ def setup(role: str, backend: str, side: dict, port: int) -> dict:
         )
     )  # fmt: skip
     _parallel_context()
-    _mooncake_engine()
+    if backend == "mooncake":  # as SGLang's scheduler does for its own Mooncake backend
+        _mooncake_engine()
     if s.key() not in S.pools:
         S.pools[s.key()] = pools.build(s, hold_pages=1 if role == "decode" else 0)
     S.cur = S.pools[s.key()]
@@ -108,7 +111,15 @@ def setup(role: str, backend: str, side: dict, port: int) -> dict:
 
     mode = DisaggregationMode.PREFILL if prefill else DisaggregationMode.DECODE
     S.mgr = get_kv_class(tb, KVClassType.MANAGER)(S.args, mode, get_context().server_args, True)
+    S.sessions[backend] = {k: getattr(S, k) for k in SESSION}
     return {"buffers": len(pools.buffers(S.args)), "state_types": [str(t.value) for t in S.args.state_types]}
+
+
+def use(backend: str) -> dict:
+    """Make the last ``setup`` of ``backend`` current again (its pools, KVArgs and manager)."""
+    for k, v in S.sessions[backend].items():
+        setattr(S, k, v)
+    return {}
 
 
 def _poll(until: tuple, deadline: float) -> tuple[str, float]:
@@ -190,13 +201,14 @@ def recv(room: int, tokens: int, deadline_s: float) -> dict:
 def wait(deadline_s: float) -> dict:
     deadline = time.perf_counter() + deadline_s
     state, _ = _poll((KVPoll.Success,), deadline)
-    out = {"outcome": state, "bytes_checked": 0, "wrong_items": 0, "outside_bytes": 0, "changed_bytes": 0}
+    out = {"outcome": state, "bytes_checked": 0, "items": 0, "wrong_items": 0, "outside_bytes": 0, "changed_bytes": 0}
     wrong_by = {}
     items = pools.request_items(S.cur, S.args, S.req, DECODE_SLOT)
     for (what, ptr, length, _), (_, item_len, keys) in zip(pools.buffers(S.args), items):
         view = pattern.memory(ptr, length)
         checked, wrong, outside = pattern.check_buffer(view, item_len, keys)
         out["bytes_checked"] += checked
+        out["items"] += len(keys)
         out["wrong_items"] += wrong
         out["outside_bytes"] += outside
         out["changed_bytes"] += pattern.changed_bytes(view)
@@ -208,7 +220,7 @@ def wait(deadline_s: float) -> dict:
 
 
 def main() -> None:
-    ops = {"setup": setup, "open": open_request, "send": send, "recv": recv, "wait": wait}
+    ops = {"setup": setup, "use": use, "open": open_request, "send": send, "recv": recv, "wait": wait}
     for line in sys.stdin:
         if not line.strip():
             continue
