@@ -351,8 +351,10 @@ class PrefillAgent(Refusals):
 
     def _finish_if_landed(self, send: _Send) -> None:
         try:
-            if not all(self._engine.poll(h) for h in send.handles):
-                return
+            if not all(self._engine.poll(h) for h in send.handles):  # landing off this thread: look again soon
+                return self._loop.again(
+                    send, lambda: send.done_sent or send.record.state.terminal or self._finish_if_landed(send)
+                )
         except EngineError as exc:
             self._fail(send, exc, tell_decode=True)
             return

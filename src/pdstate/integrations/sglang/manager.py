@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import secrets
+import socket
 
 from pdstate.agent import DecodeAgent, PrefillAgent
 from pdstate.integrations.sglang.settings import layout_report, load_settings
@@ -54,7 +57,9 @@ def build_manager() -> type:
                 heartbeat_interval_s=settings.heartbeat_interval_s,
                 peer_timeout_s=settings.peer_timeout_s,
             )
-            rank = f"{self.role}-tp{getattr(args, 'engine_rank', 0)}-pp{getattr(args, 'pp_rank', 0)}"
+            # unique per process: a prefill tells its decodes apart by worker id
+            rank = f"sglang-{self.role}-tp{getattr(args, 'engine_rank', 0)}-pp{getattr(args, 'pp_rank', 0)}"
+            rank = f"{rank}-{socket.gethostname()[:48]}-{os.getpid()}-{secrets.token_hex(2)}"
             if self.role == "prefill":
                 host = NetworkAddress(get_local_ip_auto(), 0)
                 bind = host.to_tcp()
