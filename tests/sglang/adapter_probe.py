@@ -70,7 +70,7 @@ def _context() -> None:
     common.get_pp_group = lambda: None  # read only for pp > 1
 
 
-def build_side(speculative: bool, shift_pages: int, own_draft_mapping: bool = False):
+def build_side(speculative: bool, shift_pages: int, own_draft_mapping: bool = False, unified: bool = False):
     """Real pools, SGLang-filled ``KVArgs`` and the request's indices, as one scheduler has them."""
     from sglang.srt.disaggregation.base.conn import KVArgs, StateType
     from sglang.srt.disaggregation.utils import (
@@ -84,9 +84,10 @@ def build_side(speculative: bool, shift_pages: int, own_draft_mapping: bool = Fa
     from sglang.srt.mem_cache.common import kv_to_page_indices
 
     boot.publish(_args(speculative))
-    s = scenarios.scenario("side", speculative=speculative)
-    target = probe._real_pool(probe._kwargs(s, draft=False))
-    draft = probe._real_pool(probe._kwargs(s, draft=True))
+    s = scenarios.scenario("side", speculative=speculative, unified=unified)
+    with boot.unified_kv(unified):
+        target = probe._real_pool(probe._kwargs(s, draft=False))
+        draft = probe._real_pool(probe._kwargs(s, draft=True))
     page = target.page_size
     a = s["allocator"]
     alloc = SWATokenToKVPoolAllocator(
@@ -126,8 +127,15 @@ def build_side(speculative: bool, shift_pages: int, own_draft_mapping: bool = Fa
     swa = kv_to_page_indices(alloc.translate_loc_from_full_to_swa(locs[window_start:SEQ_LEN]), page)
     online = is_dsv4_c128_online_enabled()
     ring = 1 if online else target.get_ring_size(128)
+
+    def ring_rows():  # the unified-KV SWA ring: slot * stride + position % stride, the window's positions
+        stride = target.unified_swa_ring_size
+        positions = np.arange(max(0, SEQ_LEN - target.unified_swa_window), SEQ_LEN, dtype=np.int64)
+        return slot * stride + positions % stride
+
     payloads = {
         StateType.SWA: lambda: swa,
+        StateType.SWA_RING: ring_rows,
         StateType.C128_STATE: lambda: get_dsv4_c128_state_indices(slot, SEQ_LEN, online=online, ring_size=ring),
     }
     state = [np.asarray(payloads[t](), dtype=np.int64) for t in kv.state_types]
@@ -270,6 +278,34 @@ def case_ok(h: Harness) -> dict:
     return trace
 
 
+def case_ok_unified(h: Harness) -> dict:
+    """Unified-KV pools on both sides (the SWA ring components instead of SWA pages)."""
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+    from sglang.srt.runtime_context import get_disagg, get_server_args
+
+    src, dst = build_side(True, 0, unified=True), build_side(True, 1, unified=True)
+    _context()
+    port = _free_port()  # a bootstrap server of its own: the prefill's rank entry is this prefill's
+    get_kv_class(TransferBackend("pdstate"), KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
+    with get_disagg().override(disaggregation_bootstrap_port=port):
+        pm = h.cls["MANAGER"](src["kv"], h.mode.PREFILL, get_server_args(), True)
+    dm = h.cls["MANAGER"](dst["kv"], h.mode.DECODE, get_server_args(), True)
+    saved = (h.prefill, h.pm, h.addr)
+    h.prefill, h.pm, h.addr = src, pm, f"127.0.0.1:{port}"
+    try:
+        fill(src, seed=9)
+        fill(dst, seed=None)
+        trace = h.pair(dm, dst, 4001)
+        want, got = expected(src, dst), landed(dst)
+        trace["bytes_differing"] = int(sum(int((w != g).sum()) for w, g in zip(want, got)))
+        trace["channels"] = [name for name, *_ in _buffers(dst["kv"])]
+        return trace
+    finally:
+        (h.prefill, h.pm, h.addr) = saved
+        dm.close()
+        pm.close()
+
+
 def case_mismatch(h: Harness) -> dict:
     fill(h.bad, seed=None)
     trace = h.pair(h.bm, h.bad, ROOM_BAD)
@@ -364,6 +400,7 @@ def case_decode_tp_wider(h: Harness) -> dict:
 
 
 CASES = {
+    "ok_unified": case_ok_unified,
     "decode_tp_wider": case_decode_tp_wider,
     "tp_dummy": case_tp_dummy,
     "ok": case_ok,

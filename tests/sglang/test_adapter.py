@@ -11,7 +11,7 @@ import pytest
 
 from tests.sglang import runner
 
-CASES = ["ok", "mismatch", "mismatch_sender_late", "seed", "tp_dummy", "decode_tp_wider"]
+CASES = ["ok", "ok_unified", "mismatch", "mismatch_sender_late", "seed", "tp_dummy", "decode_tp_wider"]
 ENV = {"PDSTATE_TRANSFER__ENGINE": "loopback", "SGLANG_HOST_IP": "127.0.0.1"}
 # KVPoll's values in SGLang 0.5.19 (sglang.srt.disaggregation.base.conn.KVPoll)
 FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = 0, 1, 2, 3, 4
@@ -42,6 +42,13 @@ def test_a_correct_pair_moves_every_byte_where_sglang_puts_it(results):
     assert r["bytes_differing"] == 0  # every destination byte: the source item, or the sentinel
     assert r["bytes_moved"] > 2_000_000
     assert r["metric"]["transfer_total_bytes"] >= r["bytes_moved"]
+
+
+def test_unified_kv_pools_move_their_swa_rings_byte_exact(results):
+    r = results["ok_unified"]
+    assert (r["sender"], r["receiver"]) == (SUCCESS, SUCCESS)
+    assert r["channels"] == ["main", "swa", "swa_ring", "c128_state", "swa_ring", "aux"]
+    assert r["bytes_differing"] == 0
 
 
 @pytest.mark.parametrize(
