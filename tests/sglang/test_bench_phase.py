@@ -7,10 +7,10 @@ from pdstate.devtools import bench_report, bench_sglang
 from pdstate.devtools.sglang_pair.pair import pdstate_pending
 
 
-def test_phase_times_both_backends_on_the_same_requests(sglang_env, monkeypatch):
+def test_phase_times_both_backends_on_the_same_requests(sglang_env, sglang_pair, monkeypatch):
     monkeypatch.setenv("PDSTATE_SGLANG_ENV", str(sglang_env))
     said, results = [], {}
-    bench_sglang.phase(1, results, progress=said.append, lengths=(2048,))
+    bench_sglang.phase(1, results, progress=said.append, lengths=(2048,), pair=sglang_pair)
     assert 0 < results["sglang_mooncake_ms_by_length"]["2048"] < bench_sglang.DEADLINE_S * 1000
     pending = pdstate_pending()
     if pending:

@@ -1,6 +1,6 @@
 """Two processes, the real SGLang 0.5.19 disaggregation code, every byte checked (``devtools.sglang_pair``).
 
-One prefill child and one decode child (shared by every case here) build real DeepSeek-V4-Flash
+One prefill child and one decode child (``sglang_pair``, shared by every case here) build real DeepSeek-V4-Flash
 pools, fill ``KVArgs`` with SGLang's own functions and drive the managers ``get_kv_class`` returns
 in SGLang's call order. With SGLang's own Mooncake backend (over TCP) a correct pair lands every
 byte, and the mismatches of ``cases.MISMATCHES`` do what SGLang alone does with them: Success with
@@ -17,7 +17,7 @@ import pytest
 
 from pdstate.devtools.sglang_pair import table
 from pdstate.devtools.sglang_pair.cases import CASES, MISMATCHES
-from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, Pair, pdstate_pending
+from pdstate.devtools.sglang_pair.pair import pdstate_pending
 from tests.support.paths import REPO
 
 HANG_S = 3.0  # the driver's deadline per side: what bounds SGLang's hangs here
@@ -31,13 +31,12 @@ DECODE_REFUSES = {"page_size"}
 
 
 @pytest.fixture(scope="module")
-def results(sglang_env) -> tuple[dict, dict | None, str | None]:
+def results(sglang_pair) -> tuple[dict, dict | None, str | None]:
     pending = pdstate_pending()
-    with Pair(sglang_env, extra_env=PDSTATE_ENGINE_ENV) as pair:
-        sglang = {name: pair.run_case(case, "mooncake", deadline_s=HANG_S) for name, case in CASES.items()}
-        ours = None
-        if pending is None:
-            ours = {name: pair.run_case(case, "pdstate", deadline_s=HANG_S) for name, case in CASES.items()}
+    sglang = {name: sglang_pair.run_case(case, "mooncake", deadline_s=HANG_S) for name, case in CASES.items()}
+    ours = None
+    if pending is None:
+        ours = {name: sglang_pair.run_case(case, "pdstate", deadline_s=HANG_S) for name, case in CASES.items()}
     return sglang, ours, pending
 
 

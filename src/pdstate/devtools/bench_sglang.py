@@ -46,8 +46,11 @@ def _check(backend: str, r: dict) -> float:
     return r["send_to_success_ms"]
 
 
-def phase(runs: int, results: dict, progress=print, lengths: tuple[int, ...] = BENCH_TOKENS) -> None:
-    """Measure and store the phase's keys in ``results`` (see the module's docstring)."""
+def phase(
+    runs: int, results: dict, progress=print, lengths: tuple[int, ...] = BENCH_TOKENS, pair: Pair | None = None
+) -> None:
+    """Measure and store the phase's keys in ``results`` (see the module's docstring); ``pair``: child
+    processes to reuse (started with ``PDSTATE_ENGINE_ENV``), else the phase starts and stops its own."""
     info: dict = {"lengths": list(lengths), "runs": runs, "skipped": {}}
     results["sglang"] = info
     why = unavailable()
@@ -62,7 +65,10 @@ def phase(runs: int, results: dict, progress=print, lengths: tuple[int, ...] = B
         info["skipped"]["pdstate"] = pending
         backends.remove("pdstate")
     times: dict[str, dict[int, list[float]]] = {b: {n: [] for n in lengths} for b in backends}
-    with Pair(extra_env=PDSTATE_ENGINE_ENV) as pair:
+    own = pair is None
+    if own:
+        pair = Pair(extra_env=PDSTATE_ENGINE_ENV)
+    try:
         for b in backends:
             progress(f"[sglang] {b}: managers and a warm-up request ...")
             out = pair.run_case(CASE, b, tokens=(lengths[0],), deadline_s=DEADLINE_S)
@@ -74,6 +80,9 @@ def phase(runs: int, results: dict, progress=print, lengths: tuple[int, ...] = B
                 for b in backends:
                     pair.use(b)
                     times[b][n].append(_check(b, pair.request(n, DEADLINE_S)))
+    finally:
+        if own:
+            pair.close()
     for b in backends:
         per = {str(n): statistics.median(v) for n, v in times[b].items()}
         results[BACKENDS[b]] = per

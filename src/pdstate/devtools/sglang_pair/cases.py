@@ -29,9 +29,9 @@ class Side:
     ratios: tuple[int, ...] = FLASH_RATIOS
     sliding_window: int = 128
     page_size: int = 256
-    full_tokens: int = 4096  # capacity of the full (compressed) pools, in tokens
-    swa_tokens: int = 2048
-    max_num_reqs: int = 4
+    full_tokens: int = 2048  # capacity of the full (compressed) pools, in tokens
+    swa_tokens: int = 1024
+    max_num_reqs: int = 2  # request slots 0..2 (SGLang adds one): the prefill uses 0, the decode 2
 
     def key(self) -> str:
         """A stable name for a child's pool cache."""
@@ -87,5 +87,5 @@ MISMATCHES: tuple[Case, ...] = (
 CASES: dict[str, Case] = {c.name: c for c in (CORRECT, *MISMATCHES)}
 
 # The bench's pools: room for one 32k-token request (plus the window) on each side.
-BENCH_SIDE = replace(BASE, full_tokens=36864, swa_tokens=4096, max_num_reqs=4)
+BENCH_SIDE = replace(BASE, full_tokens=36864, swa_tokens=4096)
 BENCH_TOKENS = (2048, 8192, 32768)

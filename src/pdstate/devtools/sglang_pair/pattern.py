@@ -16,7 +16,7 @@ import hashlib
 
 import numpy as np
 
-SENTINEL = 0xA5  # the decode's bytes before any transfer
+SENTINEL = 0xA5  # the decode's bytes before any transfer (no prefill byte ever holds it)
 FOREIGN = 0x5A  # the prefill's bytes outside the items of the request being sent
 
 
@@ -30,11 +30,13 @@ def tag(key: tuple) -> int:
 
 
 def item_bytes(key: tuple, length: int) -> np.ndarray:
-    """The pattern of one item: 64-bit words counting up from the key's tag (offset-sensitive)."""
+    """The pattern of one item: 64-bit words counting up from the key's tag (offset-sensitive),
+    with no sentinel byte in it, so that every byte a prefill sends is seen where it lands."""
     words = (length + 7) // 8
     start = np.uint64(tag(key))
-    seq = (np.arange(words, dtype=np.uint64) + start).view(np.uint8)
-    return seq[:length]
+    seq = (np.arange(words, dtype=np.uint64) + start).view(np.uint8)[:length]
+    seq[seq == SENTINEL] = SENTINEL - 1
+    return seq
 
 
 def write_items(view: np.ndarray, item_len: int, items: dict[int, tuple]) -> None:

@@ -87,7 +87,7 @@ def readme_table(text: str) -> str:
 
 
 def split_row(row: str) -> list[str]:
-    return [c.strip() for c in row.strip().strip("|").split(" | ")]
+    return [c.strip() for c in row.strip().strip("|").split("|")]
 
 
 def run_all(deadline_s: float = 3.0, progress=print) -> tuple[dict, dict | None]:
