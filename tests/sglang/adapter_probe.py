@@ -399,7 +399,34 @@ def case_decode_tp_wider(h: Harness) -> dict:
         dm.close()
 
 
+def case_pp_refused(h: Harness) -> dict:
+    """A prefill of two pipeline stages facing a decode of one: refused at once with the reason
+    (SGLang would send each stage's layers into the full decode; pdstate does not, yet)."""
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+    from sglang.srt.runtime_context import get_disagg, get_parallel, get_server_args
+
+    port = _free_port()
+    get_kv_class(TransferBackend("pdstate"), KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
+    stages = [build_side(True, 0), build_side(True, 0)]  # (publishes the server args: before the overrides)
+    _context()
+    managers = []
+    with get_disagg().override(disaggregation_bootstrap_port=port), get_parallel().override(pp_size=2):
+        for stage, side in enumerate(stages):
+            side["kv"].pp_rank = stage
+            managers.append(h.cls["MANAGER"](side["kv"], h.mode.PREFILL, get_server_args(), True))
+    addr = f"127.0.0.1:{port}"
+    try:
+        recv = h.cls["RECEIVER"](mgr=h.dm, bootstrap_addr=addr, bootstrap_room=5001)
+        _wait(lambda: h.dm.try_ensure_parallel_info(addr) or None, "prefill parallel info")
+        recv.init(0)
+        return {"receiver": int(recv.poll()), "receiver_error": _exc(recv)}
+    finally:
+        for m in managers:
+            m.close()
+
+
 CASES = {
+    "pp_refused": case_pp_refused,
     "ok_unified": case_ok_unified,
     "decode_tp_wider": case_decode_tp_wider,
     "tp_dummy": case_tp_dummy,

@@ -11,7 +11,7 @@ import pytest
 
 from tests.sglang import runner
 
-CASES = ["ok", "ok_unified", "mismatch", "mismatch_sender_late", "seed", "tp_dummy", "decode_tp_wider"]
+CASES = ["ok", "ok_unified", "mismatch", "mismatch_sender_late", "seed", "tp_dummy", "decode_tp_wider", "pp_refused"]
 ENV = {"PDSTATE_TRANSFER__ENGINE": "loopback", "SGLANG_HOST_IP": "127.0.0.1"}
 # KVPoll's values in SGLang 0.5.19 (sglang.srt.disaggregation.base.conn.KVPoll)
 FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = 0, 1, 2, 3, 4
@@ -82,3 +82,11 @@ def test_a_wider_decode_tp_is_refused_with_the_reason(results):
     r = results["decode_tp_wider"]
     assert r["receiver"] == FAILED
     assert r["receiver_error"]["message"].startswith("decode attention TP size 2 is larger than the prefill's 1")
+
+
+def test_pipeline_parallel_sizes_that_differ_are_refused_with_the_reason(results):
+    r = results["pp_refused"]
+    assert r["receiver"] == FAILED
+    assert r["receiver_error"]["message"].startswith(
+        "pipeline-parallel sizes differ: prefill pp_size=2, decode pp_size=1"
+    )

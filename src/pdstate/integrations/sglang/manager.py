@@ -98,11 +98,24 @@ def build_manager() -> type:
             try:
                 if not super().try_ensure_parallel_info(bootstrap_addr):
                     return False
-            except RuntimeError as exc:
-                log.error("pdstate: prefill %s: %s (the handshake refuses the pair on both sides)", bootstrap_addr, exc)
-                if not self._info_unchecked(bootstrap_addr):
-                    return False
-            info = self.prefill_info_table[bootstrap_addr]
+                self._check_topology(bootstrap_addr, self.prefill_info_table[bootstrap_addr])
+                return True
+            except (RuntimeError, AssertionError) as exc:  # SGLang's checks and its rank-mapping asserts
+                log.error("pdstate: prefill %s: %s", bootstrap_addr, exc)
+            info = self._info_unchecked(bootstrap_addr)
+            if info is None:
+                return False
+            self._check_topology(bootstrap_addr, info)
+            if bootstrap_addr not in self.topology_errors:
+                try:
+                    self._resolve_rank_mapping(info)
+                except AssertionError as exc:  # a topology SGLang's mapping refuses: every request fails with it
+                    self.topology_errors[bootstrap_addr] = f"SGLang cannot map these ranks: {exc}"
+            self.prefill_info_table[bootstrap_addr] = info
+            return True
+
+        def _check_topology(self, bootstrap_addr: str, info) -> None:
+            """Keep the reason this backend cannot serve that prefill's topology, if any."""
             reason = None
             if info.pp_size != self.pp_size:
                 reason = (
@@ -118,22 +131,18 @@ def build_manager() -> type:
             if reason is not None:
                 self.topology_errors[bootstrap_addr] = reason
                 log.error("pdstate: prefill %s: %s", bootstrap_addr, reason)
-            return True
 
-        def _info_unchecked(self, bootstrap_addr: str) -> bool:
-            """SGLang's ``/route`` lookup and rank mapping, without its page-size and dtype checks."""
+        def _info_unchecked(self, bootstrap_addr: str):
+            """SGLang's ``/route`` answer, without its page-size and dtype checks (``None``: not yet)."""
             url = f"http://{bootstrap_addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
             try:
                 response = requests.get(url, timeout=5)
                 if response.status_code != 200:
-                    return False
-                info = PrefillServerInfo(**response.json())
+                    return None
+                return PrefillServerInfo(**response.json())
             except Exception as exc:  # as SGLang's own lookup: logged, retried by the scheduler
                 log.error("pdstate: prefill %s: cannot read its parallel info: %s", bootstrap_addr, exc)
-                return False
-            self._resolve_rank_mapping(info)
-            self.prefill_info_table[bootstrap_addr] = info
-            return True
+                return None
 
         def register_buffer_to_engine(self):
             """The agent registered the buffers when it was built (SGLang calls this after resuming)."""
