@@ -425,7 +425,47 @@ def case_pp_refused(h: Harness) -> dict:
             m.close()
 
 
+def case_io_thread_ends(h: Harness) -> dict:
+    """The prefill agent's I/O thread ends while a request is in bootstrap: the prefill's request
+    fails at once saying so, and the decode's when that prefill stops answering heartbeats."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+    from sglang.srt.runtime_context import get_disagg, get_server_args
+
+    src, dst = build_side(True, 0), build_side(True, 1)
+    _context()
+    port = _free_port()
+    get_kv_class(TransferBackend("pdstate"), KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
+    os.environ.update(PDSTATE_CONTROL__HEARTBEAT_INTERVAL_S="0.1", PDSTATE_CONTROL__PEER_TIMEOUT_S="0.5")
+    try:
+        with get_disagg().override(disaggregation_bootstrap_port=port):
+            pm = h.cls["MANAGER"](src["kv"], h.mode.PREFILL, get_server_args(), True)
+        dm = h.cls["MANAGER"](dst["kv"], h.mode.DECODE, get_server_args(), True)
+    finally:
+        for k in ("PDSTATE_CONTROL__HEARTBEAT_INTERVAL_S", "PDSTATE_CONTROL__PEER_TIMEOUT_S"):
+            os.environ.pop(k)
+    addr = f"127.0.0.1:{port}"
+    try:
+        sender = h.cls["SENDER"](mgr=pm, bootstrap_addr=addr, bootstrap_room=6001, dest_tp_ranks=[0], pp_rank=0)
+        recv = h.cls["RECEIVER"](mgr=dm, bootstrap_addr=addr, bootstrap_room=6001)
+        _wait(lambda: dm.try_ensure_parallel_info(addr) or None, "prefill parallel info")
+        recv.init(0)
+        _wait(lambda: recv.poll() == KVPoll.WaitingForInput or None, "decode bootstrap")
+        loop = pm.agent._loop
+        loop._stopping = True  # the thread leaves its loop as if something had broken it
+        loop.post(lambda: None)
+        _wait(lambda: not loop._thread.is_alive() or None, "the I/O thread to end")
+        trace = {"sender": int(sender.poll()), "sender_error": _exc(sender)}
+        trace["receiver"] = int(_wait(lambda: p if (p := recv.poll()) == KVPoll.Failed else None, "decode failure"))
+        trace["receiver_error"] = _exc(recv)
+        return trace
+    finally:
+        dm.close()
+        pm.close()  # its thread is gone: close() still closes its sockets and engine
+
+
 CASES = {
+    "io_thread_ends": case_io_thread_ends,
     "pp_refused": case_pp_refused,
     "ok_unified": case_ok_unified,
     "decode_tp_wider": case_decode_tp_wider,

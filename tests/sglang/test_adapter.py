@@ -11,7 +11,17 @@ import pytest
 
 from tests.sglang import runner
 
-CASES = ["ok", "ok_unified", "mismatch", "mismatch_sender_late", "seed", "tp_dummy", "decode_tp_wider", "pp_refused"]
+CASES = [
+    "ok",
+    "ok_unified",
+    "mismatch",
+    "mismatch_sender_late",
+    "seed",
+    "tp_dummy",
+    "decode_tp_wider",
+    "pp_refused",
+    "io_thread_ends",
+]
 ENV = {"PDSTATE_TRANSFER__ENGINE": "loopback", "SGLANG_HOST_IP": "127.0.0.1"}
 # KVPoll's values in SGLang 0.5.19 (sglang.srt.disaggregation.base.conn.KVPoll)
 FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = 0, 1, 2, 3, 4
@@ -90,3 +100,11 @@ def test_pipeline_parallel_sizes_that_differ_are_refused_with_the_reason(results
     assert r["receiver_error"]["message"].startswith(
         "pipeline-parallel sizes differ: prefill pp_size=2, decode pp_size=1"
     )
+
+
+def test_an_agent_thread_that_ends_fails_the_requests_with_a_reason(results):
+    r = results["io_thread_ends"]
+    assert r["sender"] == FAILED and r["sender_error"]["type"] == "AgentClosed"
+    assert "I/O thread has ended unexpectedly" in r["sender_error"]["message"]
+    assert r["receiver"] == FAILED and r["receiver_error"]["type"] == "PeerGone"
+    assert r["receiver_error"]["message"].endswith("missed heartbeats for 0.5 s")

@@ -25,6 +25,7 @@ import secrets
 import socket
 
 from pdstate.agent import DecodeAgent, PrefillAgent
+from pdstate.errors import AgentClosed
 from pdstate.integrations.sglang.settings import layout_report, load_settings
 
 log = logging.getLogger("pdstate.integrations.sglang")
@@ -143,6 +144,17 @@ def build_manager() -> type:
             except Exception as exc:  # as SGLang's own lookup: logged, retried by the scheduler
                 log.error("pdstate: prefill %s: cannot read its parallel info: %s", bootstrap_addr, exc)
                 return None
+
+        def agent_failure(self):
+            """Why this rank's agent can no longer serve a request (its one I/O thread has ended
+            while the agent is open), else ``None``: every live request then fails with it."""
+            loop = self.agent._loop  # the agent's I/O thread (pdstate.agent.common.AgentLoop)
+            if loop.closed or loop._thread.is_alive():
+                return None
+            return AgentClosed(
+                f"the pdstate {self.role} agent's I/O thread has ended unexpectedly (see the log); "
+                "this rank cannot transfer any more: restart it"
+            )
 
         def register_buffer_to_engine(self):
             """The agent registered the buffers when it was built (SGLang calls this after resuming)."""
