@@ -31,8 +31,10 @@ def sglang_results(sglang_env) -> dict[str, dict]:
 def sglang_pair(sglang_env):
     """One prefill child and one decode child of ``devtools.sglang_pair`` for every test that drives
     SGLang's disaggregation code across processes (each case gets its own managers)."""
-    from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, Pair
+    from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, Pair, mooncake_missing
 
+    if why := mooncake_missing():
+        pytest.skip(why)
     with Pair(sglang_env, extra_env=PDSTATE_ENGINE_ENV) as pair:
         yield pair
 

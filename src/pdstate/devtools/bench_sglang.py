@@ -14,7 +14,7 @@ Results: ``sglang_mooncake_ms_by_length`` and ``sglang_backend_ms_by_length`` (m
 ``sglang`` (the runs, min/median/max, and why a backend did not run). The ratio
 ``sglang_backend_vs_sglang_mooncake_by_length`` (SGLang's time / pdstate's: above 1 pdstate is
 faster) is ``bench_report.ratios``'. Skipped, saying why, where the SGLang environment is not
-built (``make sglang-env``); backend ``pdstate`` is skipped, saying so, while this build's adapter
+built (``make sglang-env``) or Mooncake cannot be imported; backend ``pdstate`` is skipped, saying so, while this build's adapter
 is the placeholder.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import statistics
 
 from pdstate.devtools.sglang_pair.cases import BENCH_SIDE, BENCH_TOKENS, Case
-from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, Pair, env_dir, pdstate_pending
+from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, Pair, env_dir, mooncake_missing, pdstate_pending
 
 BACKENDS = {"mooncake": "sglang_mooncake_ms_by_length", "pdstate": "sglang_backend_ms_by_length"}
 DEADLINE_S = 60.0
@@ -31,11 +31,11 @@ CASE = Case("bench", "the same pools on both sides, room for 32k tokens", BENCH_
 
 
 def unavailable() -> str | None:
-    """Why the phase cannot run here (no SGLang environment), else ``None``."""
+    """Why the phase cannot run here (no SGLang environment, no Mooncake), else ``None``."""
     target = env_dir()
     if not (target / "sglang").is_dir():
         return f"no SGLang environment at {target} (make sglang-env builds it)"
-    return None
+    return mooncake_missing()
 
 
 def _check(backend: str, r: dict) -> float:

@@ -12,7 +12,7 @@ never a test or CLI process; importing this module itself changes nothing:
   whole frontend) is skipped, every ``sglang.srt.*`` submodule is the real file;
 - ``torch.compile`` becomes an identity decorator (it breaks on CPU with a dummy triton present).
 
-``use_server_args`` publishes the ``ServerArgs`` a pool reads at construction and
+``server_args`` builds and ``publish`` publishes the ``ServerArgs`` a pool reads at construction;
 ``unified_kv`` selects upstream's unified-KV mode for the pools built inside it.
 """
 

@@ -66,6 +66,19 @@ def pdstate_pending() -> str | None:
     return None
 
 
+def mooncake_missing() -> str | None:
+    """One line when Mooncake's Python package (``mooncake.engine``, which both SGLang's backend and
+    pdstate's Mooncake engine use) cannot be imported here, else ``None``."""
+    from pdstate.errors import EngineUnavailable
+    from pdstate.transfer.engines.mooncake import MooncakeEngine
+
+    try:
+        MooncakeEngine.check_available()
+    except EngineUnavailable as exc:
+        return f"the SGLang pair needs Mooncake: {exc}"
+    return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,6 +1,6 @@
 """One side (prefill or decode) of the two-process SGLang driver: ``python -m pdstate.devtools.sglang_pair.side``.
 
-Run only by ``pair.Pair`` under the cached SGLang environment: importing ``boot`` changes
+Run only by ``pair.Pair`` under the cached SGLang environment: importing ``booted`` changes
 process-wide state. Reads one JSON command per line on stdin and answers each with one line
 ``@@pair {json}`` on stdout (anything else on stdout is SGLang's and ignored). Commands:
 
@@ -44,7 +44,7 @@ def _text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-_HELD: list = []
+_HELD: list = []  # the parallel-context override, entered once and never left
 
 
 def _parallel_context() -> None:
