@@ -464,7 +464,20 @@ def case_io_thread_ends(h: Harness) -> dict:
         pm.close()  # its thread is gone: close() still closes its sockets and engine
 
 
+def case_cp_refused(h: Harness) -> dict:
+    """Context parallelism stops the rank's manager at construction, saying so."""
+    from sglang.srt.runtime_context import get_parallel, get_server_args
+
+    with get_parallel().override(attn_cp_size=2):
+        try:
+            h.cls["MANAGER"](h.decode["kv"], h.mode.DECODE, get_server_args(), True)
+        except ValueError as exc:
+            return {"error": str(exc)}
+    return {"error": None}
+
+
 CASES = {
+    "cp_refused": case_cp_refused,
     "io_thread_ends": case_io_thread_ends,
     "pp_refused": case_pp_refused,
     "ok_unified": case_ok_unified,

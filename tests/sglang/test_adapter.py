@@ -21,6 +21,7 @@ CASES = [
     "decode_tp_wider",
     "pp_refused",
     "io_thread_ends",
+    "cp_refused",
 ]
 ENV = {"PDSTATE_TRANSFER__ENGINE": "loopback", "SGLANG_HOST_IP": "127.0.0.1"}
 # KVPoll's values in SGLang 0.5.19 (sglang.srt.disaggregation.base.conn.KVPoll)
@@ -108,3 +109,10 @@ def test_an_agent_thread_that_ends_fails_the_requests_with_a_reason(results):
     assert "I/O thread has ended unexpectedly" in r["sender_error"]["message"]
     assert r["receiver"] == FAILED and r["receiver_error"]["type"] == "PeerGone"
     assert r["receiver_error"]["message"].endswith("missed heartbeats for 0.5 s")
+
+
+def test_context_parallelism_stops_the_manager_saying_so(results):
+    assert results["cp_refused"]["error"] == (
+        "pdstate's SGLang backend does not support context parallelism yet (attn_cp_size=2, "
+        "attn_dcp_size=1): use --disaggregation-transfer-backend mooncake"
+    )

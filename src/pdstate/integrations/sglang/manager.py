@@ -39,6 +39,7 @@ def build_manager() -> type:
     import requests
     from sglang.srt.disaggregation.common.conn import CommonKVManager, PrefillServerInfo
     from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.runtime_context import get_parallel
     from sglang.srt.utils.network import NetworkAddress, get_local_ip_auto
 
     class PdStateKVManager(CommonKVManager):
@@ -48,6 +49,12 @@ def build_manager() -> type:
             self.role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
             if disaggregation_mode not in (DisaggregationMode.PREFILL, DisaggregationMode.DECODE):
                 raise ValueError(f"Unsupported DisaggregationMode: {disaggregation_mode}")
+            cp, dcp = get_parallel().attn_cp_size, get_parallel().attn_dcp_size
+            if cp > 1 or dcp > 1:  # before anything is registered anywhere
+                raise ValueError(
+                    f"pdstate's SGLang backend does not support context parallelism yet (attn_cp_size={cp}, "
+                    f"attn_dcp_size={dcp}): use --disaggregation-transfer-backend mooncake"
+                )
             settings = load_settings(self.role)
             report = layout_report(args)
             common = dict(
