@@ -2,7 +2,10 @@
 shared-memory pools, and helpers that forge its endpoint and read other processes' segments.
 
 ``RawDecode`` owns real ``SharedMemory`` pools (so it can be accepted like a decode) but builds
-its ``Register`` by hand, so a test can point any endpoint field anywhere. ``segment_image``
+its ``Register`` by hand, so a test can point any endpoint field anywhere; ``handshake`` answers
+the prefill's ownership challenge as a peer without access to other decodes' files would (real
+proofs for its own segments, a guess for any other), or, with ``steal=True``, as a process of the
+victim's uid that reads the victim's segment secrets. ``segment_image``
 reads a segment file as it is now (the sentinel check of memory the attacker does not own).
 """
 
@@ -16,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import zmq
 
-from pdstate.pools.memory import SharedMemory
+from pdstate.pools.memory import SharedMemory, prove_segment
 from pdstate.pools.presets import build_worker_pools
 from pdstate.pools.reporting import build_report
 from pdstate.protocol import wire
@@ -81,6 +84,30 @@ class RawDecode:
             engine=wire.EngineDesc(name="shm", endpoint=endpoint if endpoint is not None else self.endpoint),
         )
         return wire.Register(**{**fields, **kw})
+
+    def proof(self, endpoint: dict, nonce: bytes, steal: bool = False) -> dict:
+        """Endpoint fields answering ``nonce``: real proofs for this decode's own segments (and,
+        with ``steal``, for any segment this process can read), a random guess for the others."""
+        claimant, own = f"{self.worker_id}/{self.incarnation}", set(self.own_paths())
+        proofs = {}
+        for path in sorted({str(r.get("path")) for r in endpoint.get("regions", []) if isinstance(r, dict)}):
+            real = None
+            if path in own or steal:
+                try:
+                    real = prove_segment(path, nonce, claimant)
+                except OSError:
+                    real = None
+            proofs[path] = (real or secrets.token_bytes(32)).hex()
+        return {"challenge": nonce.hex(), "proofs": proofs}
+
+    def handshake(self, dealer: RawDealer, endpoint: dict | None = None, steal: bool = False, **kw) -> wire.Message:
+        """Register (``register``'s arguments) and answer the prefill's challenge, if it sends one;
+        returns the final answer."""
+        ep = endpoint if endpoint is not None else self.endpoint
+        answer = dealer.ask(self.register(ep, **kw))
+        if isinstance(answer, wire.Challenge):
+            answer = dealer.ask(self.register({**ep, **self.proof(ep, answer.nonce, steal)}, **kw))
+        return answer
 
     def request(self, room: int, seq_len: int) -> wire.TransferRequest:
         """A valid request for ``seq_len`` tokens into this decode's own free pages."""

@@ -295,6 +295,10 @@ class DecodeAgent:
         p.last_seen = time.monotonic()
         if isinstance(msg, (wire.Accept, wire.Reject)):
             self._on_handshake(p, msg)
+        elif isinstance(msg, wire.Challenge):
+            if p.state is PeerState.PENDING:  # prove the memory this decode named is its own
+                proof = self._engine.prove(msg.nonce, f"{self.worker_id}/{self.incarnation}")
+                self._send(p, self._handshake.register_message(proof))
         elif isinstance(msg, wire.Heartbeat):
             if p.state is PeerState.ACCEPTED and msg.incarnation != p.incarnation:
                 self._register(p)  # a new process at that address: what the old one had fails at its Accept

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import zmq
 
+from pdstate.agent.admission import bind_router, gatekeep
 from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.digest import RequestDigest
 from pdstate.agent.sender import KVSender, _Decode, _Pending, _Send, _with_aux
@@ -110,14 +111,7 @@ class PrefillAgent:
         self._pending: dict[int, _Pending] = {}
         self._last_tick = time.monotonic()
         self._loop = AgentLoop(f"pdstate-prefill-{worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
-        self._sock = self._loop.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        if bind.startswith("tcp://") and bind.endswith(":0"):
-            port = self._sock.bind_to_random_port(bind[: -len(":0")])
-            self.address = f"{bind[: -len(':0')]}:{port}"
-        else:
-            self._sock.bind(bind)
-            self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._sock, self.address = bind_router(self._loop, bind)
         self._loop.watch(self._sock, self._on_frame)
         self._loop.start()
 
@@ -218,10 +212,12 @@ class PrefillAgent:
             self._on_verdict(msg)
 
     def _on_register(self, identity: bytes, msg: wire.Register) -> None:
+        if gatekeep(self, identity, msg):  # another live decode's worker_id, or memory not proven yet
+            return
         answer = self._handshake.receive(msg)
         if isinstance(answer, wire.Accept):
             try:
-                peer_id = self._engine.connect(msg.engine.endpoint)
+                peer_id = self._engine.connect(msg.engine.endpoint, owner=f"{msg.worker_id}/{msg.incarnation}")
                 planner = PairPlanner(self.kv_args, msg.kv)
             except (PdStateError, ValueError) as exc:
                 answer = wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(exc))

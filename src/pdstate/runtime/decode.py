@@ -304,6 +304,8 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
             self._on_done(msg)
         elif isinstance(msg, wire.Goodbye):
             self._on_goodbye(msg)
+        elif isinstance(msg, wire.Challenge):
+            self._on_challenge(msg)
         elif isinstance(msg, wire.Busy):
             req = self.requests.get(msg.room)
             if req is not None and req.resend_at is None:

@@ -59,6 +59,15 @@ class PrefillLinkMixin:
         self._register_sent = now()
         self.client.send(self.handshake.register_message())
 
+    def _on_challenge(self, msg: wire.Challenge) -> None:
+        """The prefill asks this decode to prove it owns the memory its register names: register
+        again with the answer. Only while a register is outstanding (a late challenge to a register
+        sent twice must not re-register an accepted decode)."""
+        if self._link.state not in (PeerState.PENDING, PeerState.GONE):
+            return
+        proof = self.engine.prove(msg.nonce, f"{self.worker_id}/{self.incarnation}")
+        self.client.send(self.handshake.register_message(proof))
+
     def _heartbeat(self, t: float) -> None:
         if self._link.state == PeerState.ACCEPTED:
             self.client.send(wire.Heartbeat(worker_id=self.worker_id, incarnation=self.incarnation, seq=int(t * 1000)))

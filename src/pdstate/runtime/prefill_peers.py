@@ -8,7 +8,7 @@ worker's ``_lock`` (``status()`` reads them from other threads).
 
 from __future__ import annotations
 
-from pdstate.errors import NotRegistered, PdStateError, PeerGone, WorkerIdInUse
+from pdstate.errors import EngineError, NotRegistered, PdStateError, PeerGone, WorkerIdInUse
 from pdstate.protocol import wire
 from pdstate.protocol.lifecycle import PeerState, move
 from pdstate.protocol.report import ErrorInfo
@@ -17,6 +17,20 @@ from pdstate.runtime.worker import log, now
 from pdstate.transfer.planner import PairPlanner
 
 MAX_IDLE_PEERS = 256  # rejected/gone peer records kept (accepted ones are always kept)
+UNKNOWN_CHALLENGE = "unknown message kind 'challenge'"
+
+
+def needs_challenge(engine, msg: wire.Register) -> bool:
+    """A register to answer with ``Challenge``: its engine proves ownership and its endpoint does
+    not answer a challenge yet."""
+    return engine.proves_ownership and msg.engine.name == engine.name and "challenge" not in msg.engine.endpoint
+
+
+def challenge_unknown() -> EngineError:
+    return EngineError(
+        "this prefill needs the decode to prove it owns its shm segments (protocol message 'challenge'), "
+        "which this decode does not know: run the same pdstate version on both sides"
+    )
 
 
 class PrefillPeers:
@@ -36,6 +50,14 @@ class PrefillPeers:
             self.stats.handshake("rejected")
             log.error("refused a register for %s from %r: %s", msg.worker_id, identity[:64], err)
             self.server.send(identity, wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(err)))
+            return
+        if needs_challenge(self.engine, msg):
+            # Nothing is recorded, cancelled or mapped for a register that has not yet proved it
+            # owns the memory it names: it gets a nonce to answer (PROTOCOL §4).
+            nonce = self.engine.challenge(f"{msg.worker_id}/{msg.incarnation}")
+            self.server.send(
+                identity, wire.Challenge(worker_id=self.worker_id, incarnation=self.incarnation, nonce=nonce)
+            )
             return
         # The same incarnation registering again (it declared us gone, or was asked to) has
         # forgotten what it sent before: end those requests now rather than copy into its pages.
@@ -132,6 +154,10 @@ class PrefillPeers:
         job = self.jobs.get((identity, msg.room)) if msg.room is not None else None
         if job is not None:
             self._cancel(job, f"decode reported: {msg.error.type}: {msg.error.message[:512]}")
+            return
+        if msg.error.message.startswith(UNKNOWN_CHALLENGE):
+            # a decode of a version before ``challenge``: a reject (not an error, §7) tells it why
+            self.server.send(identity, wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(challenge_unknown())))
             return
         log.warning("decode %r reported: %s: %s", identity[:64], msg.error.type, msg.error.message[:512])
 
