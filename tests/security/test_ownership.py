@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import os
 
+from pdstate.errors import ProtocolError
 from pdstate.protocol import wire
+from pdstate.protocol.report import ErrorInfo
 from tests.support import hostile
 from tests.support.hostile import (
     GatedRelay,
@@ -127,3 +129,37 @@ def test_the_agent_prefill_refuses_another_uid_naming_a_decode_agents_segments()
         decode.close()
         prefill.close()
         memory.close()
+
+
+OLDER = {
+    "type": "EngineError",
+    "message": "this prefill needs the decode to prove it owns its shm segments (protocol message 'challenge'), "
+    "which this decode does not know: run the same pdstate version on both sides",
+}
+
+
+def _as_an_older_decode(address: str, owner: RawDecode) -> wire.Message:
+    """What an older decode does: register, then answer the unknown ``challenge`` with ``error``."""
+    dealer = RawDealer(address)
+    try:
+        assert isinstance(dealer.ask(owner.register()), wire.Challenge)
+        unknown = ProtocolError(f"unknown message kind 'challenge'; known: {['accept', 'reject']}")
+        return dealer.ask(wire.Error(error=ErrorInfo.of(unknown)))
+    finally:
+        dealer.close()
+
+
+def test_a_decode_that_does_not_know_challenge_is_told_why():
+    owner = RawDecode(worker_id="older")
+    prefill, _, decode, _, memory = agent_pair()
+    try:
+        with Workers() as ws:
+            _, endpoint = ws.prefill()
+            for address in (endpoint, prefill.address):  # the worker prefill, the agent prefill
+                answer = _as_an_older_decode(address, owner)
+                assert isinstance(answer, wire.Reject) and answer.error.model_dump() == OLDER, answer
+    finally:
+        decode.close()
+        prefill.close()
+        memory.close()
+        owner.close()

@@ -30,6 +30,7 @@ from pdstate.protocol.handshake import LocalSide, PrefillHandshake
 from pdstate.protocol.lifecycle import RequestState
 from pdstate.protocol.report import ErrorInfo
 from pdstate.transfer.engines.base import TransferEngine, create_engine
+from pdstate.transfer.engines.shm_owner import challenge_unknown, challenge_unknown_error
 from pdstate.transfer.planner import PairPlanner
 
 __all__ = ["KVSender", "PrefillAgent"]
@@ -192,6 +193,8 @@ class PrefillAgent:
             self._on_register(identity, msg)
         elif isinstance(msg, wire.Heartbeat):
             self._reply(identity, wire.Heartbeat(worker_id=self.worker_id, incarnation=self.incarnation, seq=msg.seq))
+        elif isinstance(msg, wire.Error) and challenge_unknown(msg.error.message):  # an older decode: say why
+            self._reply(identity, wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(challenge_unknown_error())))
         elif decode is None:
             self._reply(
                 identity,

@@ -8,29 +8,22 @@ worker's ``_lock`` (``status()`` reads them from other threads).
 
 from __future__ import annotations
 
-from pdstate.errors import EngineError, NotRegistered, PdStateError, PeerGone, WorkerIdInUse
+from pdstate.errors import NotRegistered, PdStateError, PeerGone, WorkerIdInUse
 from pdstate.protocol import wire
 from pdstate.protocol.lifecycle import PeerState, move
 from pdstate.protocol.report import ErrorInfo
 from pdstate.runtime.records import Peer
 from pdstate.runtime.worker import log, now
+from pdstate.transfer.engines.shm_owner import challenge_unknown, challenge_unknown_error
 from pdstate.transfer.planner import PairPlanner
 
 MAX_IDLE_PEERS = 256  # rejected/gone peer records kept (accepted ones are always kept)
-UNKNOWN_CHALLENGE = "unknown message kind 'challenge'"
 
 
 def needs_challenge(engine, msg: wire.Register) -> bool:
     """A register to answer with ``Challenge``: its engine proves ownership and its endpoint does
     not answer a challenge yet."""
     return engine.proves_ownership and msg.engine.name == engine.name and "challenge" not in msg.engine.endpoint
-
-
-def challenge_unknown() -> EngineError:
-    return EngineError(
-        "this prefill needs the decode to prove it owns its shm segments (protocol message 'challenge'), "
-        "which this decode does not know: run the same pdstate version on both sides"
-    )
 
 
 class PrefillPeers:
@@ -155,9 +148,11 @@ class PrefillPeers:
         if job is not None:
             self._cancel(job, f"decode reported: {msg.error.type}: {msg.error.message[:512]}")
             return
-        if msg.error.message.startswith(UNKNOWN_CHALLENGE):
+        if challenge_unknown(msg.error.message):
             # a decode of a version before ``challenge``: a reject (not an error, §7) tells it why
-            self.server.send(identity, wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(challenge_unknown())))
+            self.server.send(
+                identity, wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(challenge_unknown_error()))
+            )
             return
         log.warning("decode %r reported: %s: %s", identity[:64], msg.error.type, msg.error.message[:512])
 

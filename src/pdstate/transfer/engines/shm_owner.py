@@ -36,7 +36,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from pdstate.errors import InvalidEndpoint
+from pdstate.errors import EngineError, InvalidEndpoint
 from pdstate.pools.memory import LEGACY_NONCE_HEX, SEGMENT_HEADER_BYTES, SEGMENT_NAME_RE, SEGMENT_PREFIX, owner_alive
 
 CHALLENGE_BYTES = 16
@@ -141,3 +141,16 @@ class Challenges:
                 "did not issue to it (an earlier prefill's, or one already answered or expired); "
                 "register again for a fresh challenge"
             )
+
+
+def challenge_unknown(error_message: str) -> bool:
+    """Whether a decode's ``error`` says it does not know the ``challenge`` message (an older one)."""
+    return error_message.startswith("unknown message kind 'challenge'")
+
+
+def challenge_unknown_error() -> EngineError:
+    """What a prefill answers (with ``reject``) a decode that does not know ``challenge``."""
+    return EngineError(
+        "this prefill needs the decode to prove it owns its shm segments (protocol message 'challenge'), "
+        "which this decode does not know: run the same pdstate version on both sides"
+    )
