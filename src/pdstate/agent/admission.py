@@ -12,8 +12,8 @@ Run on the prefill agent's I/O thread, as the runtime prefill does (``runtime.pr
   from within the peer timeout, its connection open: a probe heartbeat can be queued to it) is
   refused with ``WorkerIdInUse`` and that decode is left as it was; a killed decode's connection
   closes at once, so its restart is accepted without waiting for the timeout;
-* with an engine that proves ownership (shm), a register whose endpoint does not answer a
-  challenge yet gets a ``Challenge``; the engine's ``connect`` checks the answer.
+* with an engine that proves ownership (shm), a compatible register whose endpoint does not
+  answer a challenge yet gets a ``Challenge``; the engine's ``connect`` checks the answer.
 """
 
 from __future__ import annotations
@@ -74,7 +74,12 @@ def _early_answer(agent: Any, identity: bytes, msg: wire.Register) -> wire.Messa
         )
         return wire.Reject(worker_id=agent.worker_id, error=ErrorInfo.of(err))
     engine = agent._engine
-    if engine.proves_ownership and msg.engine.name == engine.name and "challenge" not in msg.engine.endpoint:
+    if (
+        engine.proves_ownership
+        and msg.engine.name == engine.name
+        and "challenge" not in msg.engine.endpoint
+        and isinstance(agent._handshake.receive(msg), wire.Accept)  # (an incompatible one: refused as ever)
+    ):
         nonce = engine.challenge(f"{msg.worker_id}/{msg.incarnation}")
         return wire.Challenge(worker_id=agent.worker_id, incarnation=agent.incarnation, nonce=nonce)
     return None

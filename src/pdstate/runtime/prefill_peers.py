@@ -44,9 +44,10 @@ class PrefillPeers:
             log.error("refused a register for %s from %r: %s", msg.worker_id, identity[:64], err)
             self.server.send(identity, wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(err)))
             return
-        if needs_challenge(self.engine, msg):
-            # Nothing is recorded, cancelled or mapped for a register that has not yet proved it
-            # owns the memory it names: it gets a nonce to answer (PROTOCOL §4).
+        if needs_challenge(self.engine, msg) and isinstance(self.handshake.receive(msg), wire.Accept):
+            # A compatible register that has not yet proved it owns the memory it names gets a
+            # nonce to answer (PROTOCOL §4); nothing is recorded, cancelled or mapped for it. (An
+            # incompatible one is refused below, as ever, without a round trip.)
             nonce = self.engine.challenge(f"{msg.worker_id}/{msg.incarnation}")
             self.server.send(
                 identity, wire.Challenge(worker_id=self.worker_id, incarnation=self.incarnation, nonce=nonce)
