@@ -174,3 +174,31 @@ def test_connect_refuses_symlinks_and_shared_permission_segments(engines) -> Non
         for p in (link, target, loose):
             if os.path.lexists(p):
                 os.unlink(p)
+
+
+def test_connect_maps_nothing_until_every_segment_is_proven(engines, shm) -> None:
+    shm.allocate("dst", [BufferSpec("b", (4096,), torch.uint8)])
+    decode = engines()
+    decode.register(shm.regions())
+    endpoint, path = decode.endpoint(), shm.segments[0].path
+    prefill = engines()
+    with pytest.raises(InvalidEndpoint, match=r"^shm endpoint of w/1 carries no proof of ownership of its segments"):
+        prefill.connect(endpoint, owner="w/1")
+    nonce = prefill.challenge("w/1")
+    with pytest.raises(InvalidEndpoint) as missing:
+        prefill.connect({**endpoint, "challenge": nonce.hex(), "proofs": {}}, owner="w/1")
+    assert str(missing.value) == (
+        f"shm segment {path} does not belong to the registering decode: its endpoint carries no proof of ownership for it"
+    )
+    nonce = prefill.challenge("w/1")
+    with pytest.raises(InvalidEndpoint, match="its proof of ownership does not match the segment's secret"):
+        prefill.connect({**endpoint, **decode.prove(nonce, "w/2")}, owner="w/1")  # proven for someone else
+    other = engines()  # another prefill process (e.g. before a restart) issued this nonce
+    with pytest.raises(InvalidEndpoint, match="answers a challenge this prefill did not issue to it"):
+        prefill.connect({**endpoint, **decode.prove(other.challenge("w/1"), "w/1")}, owner="w/1")
+    header = {**endpoint, "regions": [{**endpoint["regions"][0], "file_offset": 0}]}
+    with pytest.raises(InvalidEndpoint, match="file_offset 0 is inside the segment's 4096-byte header"):
+        prefill.connect({**header, **decode.prove(prefill.challenge("w/1"), "w/1")}, owner="w/1")
+    assert prefill.num_peers == 0
+    peer = prefill.connect({**endpoint, **decode.prove(prefill.challenge("w/1"), "w/1")}, owner="w/1")
+    assert prefill.peer_regions(peer).regions == decode.regions
