@@ -1,7 +1,9 @@
 """Graceful shutdown: a prefill's SIGTERM is announced (``goodbye``). Every request in flight ends
 within a second with "prefill shutting down" on both sides, the decode is unready for that
 prefill within a second and accepted again when it is back; with ``drain_s`` the running
-requests finish first."""
+requests finish first. The first two drive ``PrefillWorker.stop()`` in a process of their own
+(``TermPrefill``, with the test seams that hold copies); the last sends SIGTERM to a real
+``pdstate serve`` prefill serving a real ``pdstate serve`` decode."""
 
 from __future__ import annotations
 

@@ -157,8 +157,7 @@ class TransferEngine(ABC):
     #: whether ``submit`` finishes the copy itself, in the caller's thread, without waiting on a
     #: peer or a network (so a small copy may run on a worker's control thread)
     synchronous: ClassVar[bool] = False
-    #: whether ``connect`` needs the endpoint to prove that the registrant owns the memory it names
-    #: (shm: a keyed digest per segment answering ``challenge``; see ``ShmEngine``)
+    #: whether ``connect`` needs proof that the registrant owns its memory (shm: ``challenge``/``prove``)
     proves_ownership: ClassVar[bool] = False
 
     def __init__(self) -> None:
@@ -231,15 +230,13 @@ class TransferEngine(ABC):
         return {"engine": self.name, "engine_id": self._engine_id, "regions": self._local.to_wire(), **fields}
 
     def prove(self, nonce: bytes, claimant: str) -> dict:
-        """Endpoint fields answering a prefill's ``challenge(claimant)`` (engines that prove
-        ownership; the others have nothing to prove and return ``{}``)."""
+        """Endpoint fields answering a prefill's ``challenge(claimant)`` (``{}``: nothing to prove)."""
         return {}
 
     # --- prefill side --------------------------------------------------------------------------
 
     def challenge(self, claimant: str) -> bytes:
-        """A fresh nonce the decode ``claimant`` (its ``worker_id/incarnation``) must answer with
-        ``prove`` before ``connect`` (only where ``proves_ownership``)."""
+        """A nonce decode ``claimant`` (``worker_id/incarnation``) answers with ``prove`` before ``connect``."""
         raise EngineError(f"{self.name} engine does not challenge its peers")
 
     @_locked
