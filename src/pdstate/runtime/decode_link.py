@@ -167,7 +167,7 @@ class PrefillLinkMixin:
 
     def _peer_gone(self, link: PrefillLink, reason: str) -> None:
         log.warning("%s (%s)", reason, link.endpoint)
-        self._move_link(link, PeerState.GONE, link.error)
+        self._move_link(link, PeerState.GONE, ErrorInfo(type="PeerGone", message=reason))
         with self._lock:
             mine = [key for key in self.quarantine if key[0] == link.endpoint]
             quarantined = [self.quarantine.pop(key) for key in mine]
