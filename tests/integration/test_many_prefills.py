@@ -21,7 +21,7 @@ from tests.support.services import Service, ready, wait_for
 
 TOKEN = "many-prefills-token-1c9e"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-TIMERS = ["control.heartbeat_interval_s=0.2", "control.peer_timeout_s=1.0", "control.request_deadline_s=5.0"]
+TIMERS = ["control.heartbeat_interval_s=0.2", "control.peer_timeout_s=1.0", "control.request_deadline_s=8.0"]
 PAGE_SIZE_ERROR = (
     "Page size mismatch: prefill server has page_size=512, but decode server has page_size=256. "
     "Both servers must use the same --page-size value."
@@ -103,7 +103,8 @@ def test_compat_lists_every_prefill_and_every_decode(trio, http):
     svc, ctl = trio["services"], trio["control"]
     docs = {name: http.get(f"{s.url}/v1/compat").json() for name, s in svc.items()}
     dd = docs["decode"]
-    assert [p["id"] for p in dd["peers"]] == [ctl["a"], ctl["b"], ctl["c"]]  # control.peer first
+    ids = [p["id"] for p in dd["peers"]]
+    assert ids[0] == ctl["a"] and sorted(ids[1:]) == sorted([ctl["b"], ctl["c"]])  # control.peer first
     by_id = {p["id"]: p for p in dd["peers"]}
     for name in ("a", "b"):
         assert by_id[ctl[name]] == {
@@ -134,7 +135,7 @@ def test_bad_and_silent_prefill_addresses(trio, http):
         r = http.post(f"{d}/v1/transfers", json={"tokens": 1, "prefill": bad}, headers=AUTH)
         assert r.status_code == 422, (bad, r.text)
     assert http.post(f"{d}/v1/transfers", json={"tokens": 1, "prefill": trio["control"]["b"]}).status_code == 401
-    # nothing answers there: the request fails at its deadline (5 s), naming the silent prefill
+    # nothing answers there: the request fails at its deadline (8 s), naming the silent prefill
     res = _post(http, d, 10, "tcp://127.0.0.1:1")
     assert res["status"] == "failed" and res["error"] == {
         "type": "TransferFailed",
@@ -169,3 +170,18 @@ def test_a_killed_prefill_fails_only_its_requests_and_is_shaken_hands_with_again
     wait_for(lambda: _post(http, d, 300, ctl["b"])["status"] == "success", 20, "a transfer from the restarted b")
     peer = [p for p in http.get(f"{d}/v1/compat").json()["peers"] if p["id"] == ctl["b"]][0]
     assert peer["state"] == "accepted" and peer["incarnation"] == new and peer["error"] is None
+
+
+def test_a_refused_prefill_fixed_and_restarted_is_asked_again(trio, http):
+    svc, ctl = trio["services"], trio["control"]
+    d = svc["decode"].url
+    svc["c"].stop()
+    svc["c"] = _prefill(bind=ctl["c"])  # the service file's page size this time
+    assert svc["c"].wait_listening()["control"] == ctl["c"]
+    # the refusal is older than the peer timeout (1 s) by the time a request names c again: the
+    # decode registers anew instead of repeating the old refusal
+    res = wait_for(lambda: (r := _post(http, d, 300, ctl["c"]))["status"] == "success" and r, 20, "c fixed")
+    assert res["verified"] is True and res["prefill"] == ctl["c"]
+    peer = [p for p in http.get(f"{d}/v1/compat").json()["peers"] if p["id"] == ctl["c"]][0]
+    c_doc = http.get(f"{svc['c'].url}/v1/compat").json()
+    assert peer["state"] == "accepted" and peer["error"] is None and peer["fingerprint"] == c_doc["fingerprint"]
