@@ -270,9 +270,11 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
         """Allocate waiting requests in arrival order while the pools have room, and send them."""
         while self._waiting:
             req = self._waiting[0]
-            if req.state.terminal:
+            link = self._links[req.prefill]
+            if req.state.terminal or link.state in (PeerState.GONE, PeerState.REJECTED):
                 with self._lock:
                     self._waiting.popleft()
+                self._enter(req, link)  # (a terminal request: nothing; else it fails with the link's reason)
                 continue
             try:
                 req.alloc = self._allocate(req.seq_len)

@@ -227,6 +227,8 @@ class PrefillLinkMixin:
         self._enter(req, link)
 
     def _enter(self, req: Request, link: PrefillLink) -> None:
+        if req.state.terminal:
+            return
         if link.state == PeerState.ACCEPTED:
             self._queue(req)
             return
