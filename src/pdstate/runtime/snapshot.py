@@ -41,7 +41,7 @@ class RequestStatus:
     state: RequestState
     seq_len: int
     started: float  # ``runtime.worker.now()`` when it entered
-    peer: str = ""  # prefill: the decode's worker id
+    peer: str = ""  # prefill: the decode's worker id; decode: the prefill's control address
     cancelled: str | None = None  # prefill: why, once given up (its copy may still be running)
 
     def as_dict(self) -> dict:
