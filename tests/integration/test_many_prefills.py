@@ -4,7 +4,8 @@ Real ``pdstate serve`` processes on 127.0.0.1 (port 0): prefills A and B with th
 layout, prefill C with ``pool.page_size=512`` (the decode has 256, so C refuses it), and a decode
 whose ``control.peer`` is A. The decode dials B and C on their first request; every request to A
 and B is verified, every request to C fails with C's refusal, word for word, and nothing of C's
-refusal or of B's death touches a request aimed at another prefill. ``/v1/compat`` lists every
+refusal or of B's freeze and death touches a request aimed at another prefill; B, restarted on its
+address, and C, fixed and restarted, are shaken hands with again. ``/v1/compat`` lists every
 prefill on the decode and the decode on each prefill. Every wait polls with a deadline.
 """
 
@@ -149,6 +150,17 @@ def test_a_killed_prefill_fails_only_its_requests_and_is_shaken_hands_with_again
     svc, ctl = trio["services"], trio["control"]
     d = svc["decode"].url
     old = http.get(f"{svc['b'].url}/v1/compat").json()["incarnation"]
+    # b freezes with requests on their way to it: they fail with b's reason once b is silent for
+    # the peer timeout (1 s); a's request, sent meanwhile, goes through
+    os.kill(svc["b"].pid, signal.SIGSTOP)
+    with ThreadPoolExecutor(3) as pool:
+        to_b = [pool.submit(_post, http, d, 300, ctl["b"]) for _ in range(2)]
+        to_a = pool.submit(_post, http, d, 300)
+        assert to_a.result(20)["status"] == "success"
+        for f in to_b:
+            res = f.result(20)
+            assert res["status"] == "failed" and res["prefill"] == ctl["b"]
+            assert res["error"]["message"] == "prefill gone: no heartbeat for 1.0 s"
     os.kill(svc["b"].pid, signal.SIGKILL)
     svc["b"].wait(10)
     peer = wait_for(
