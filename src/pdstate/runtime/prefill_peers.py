@@ -59,7 +59,7 @@ class PrefillPeers:
             if ident == identity:
                 self._cancel(job, f"decode {msg.worker_id} registered again; its earlier requests were abandoned")
         answer = self.handshake.receive(msg)
-        peer = Peer(identity, msg.worker_id, msg.incarnation, last_seen=now())
+        peer = Peer(identity, msg.worker_id, msg.incarnation, fingerprint=msg.report.fingerprint, last_seen=now())
         if isinstance(answer, wire.Accept):
             try:
                 peer.engine_peer = self._connect_engine(msg)
