@@ -6,7 +6,8 @@ offset behind every registered region and publishes them; a region that is not a
 mapping (e.g. ``PrivateMemory``) is an ``EngineError`` there. The prefill side maps each file
 ``MAP_SHARED`` in ``connect`` (pre-populating its page tables), translates remote addresses to its
 own mapping with numpy (``searchsorted`` over region bases) and copies every descriptor with
-``ctypes.memmove``. Submission is synchronous: the returned handle is already done.
+``ctypes.memmove`` (``shm_copy``: a large plan split across threads). Submission is synchronous:
+the returned handle is already done.
 
 Endpoint::
 
@@ -35,6 +36,7 @@ from pdstate.errors import EngineError, InvalidEndpoint
 from pdstate.pools.memory import SEGMENT_NAME_RE as SEGMENT_NAME
 from pdstate.pools.memory import SEGMENT_PREFIX, SHM_DIR
 from pdstate.transfer.engines.base import Peer, TransferEngine, TransferHandle
+from pdstate.transfer.engines.shm_copy import Copier
 from pdstate.transfer.engines.shm_owner import SegmentClaims, check_file_ranges, segment_owner
 from pdstate.transfer.plan import TransferPlan
 
@@ -140,14 +142,20 @@ class ShmEngine(TransferEngine):
     segment after ``connect`` in a background thread (the default), or inside ``connect`` with
     ``MAP_POPULATE`` (``True``), or not at all (``False``; first-touch faults then slow the first
     transfers).
+
+    ``copy_threads``: how many threads copy one large plan (``shm_copy``; default: every core
+    this process may use, up to 8; ``1`` keeps every copy on the submitting thread).
     """
 
     name = "shm"
     endpoint_keys = ("boot_id",)
     synchronous = True
 
-    def __init__(self, populate: bool | str = "background", segment_dir: str = str(SHM_DIR)) -> None:
+    def __init__(
+        self, populate: bool | str = "background", segment_dir: str = str(SHM_DIR), copy_threads: int | None = None
+    ) -> None:
         super().__init__()
+        self._copier = Copier(copy_threads)
         self.populate = populate
         self.segment_dir = segment_dir
         self._boot_id = ""
@@ -268,7 +276,11 @@ class ShmEngine(TransferEngine):
         table = peer.regions
         idx = np.searchsorted(table.base, plan.dst, side="right") - 1
         local_dst = native.mapped_base[idx] + (plan.dst - table.base[idx])
-        memmove = ctypes.memmove
-        for d, s, n in zip(local_dst.tolist(), plan.src.tolist(), plan.length.tolist()):
-            memmove(d, s, n)
+        self._copier.copy(local_dst, plan.src, plan.length, plan.total_bytes)
         handle.finish()
+
+    def _close(self) -> None:
+        try:
+            super()._close()
+        finally:
+            self._copier.close()

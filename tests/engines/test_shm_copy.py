@@ -1,0 +1,79 @@
+"""The shm engine's copy split across threads: shares cover exactly the descriptors' bytes, and a
+large plan submitted through the engine lands byte for byte with the bytes around it untouched."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pdstate.pools.memory import BufferSpec, Region, SharedMemory
+from pdstate.transfer.engines.shm import ShmEngine
+from pdstate.transfer.engines.shm_copy import SPLIT_MIN_BYTES, Copier, split_descriptors
+from pdstate.transfer.plan import TransferPlan
+from tests.support.images import SENTINEL
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _bytes_of(shares) -> list[tuple[int, int, int]]:
+    """(dst, src, n) runs of the shares, adjacent runs merged (a cut descriptor becomes whole)."""
+    out: list[list[int]] = []
+    for d, s, n in shares:
+        for a, b, c in zip(d, s, n):
+            assert c > 0
+            if out and out[-1][0] + out[-1][2] == a and out[-1][1] + out[-1][2] == b:
+                out[-1][2] += c
+            else:
+                out.append([a, b, c])
+    return [tuple(x) for x in out]
+
+
+@pytest.mark.parametrize(
+    ("lengths", "parts"),
+    [([100], 3), ([7, 1, 50, 3, 3, 99], 4), ([10] * 9, 3), ([5, 5], 8), ([1 << 30, 12, 1 << 20], 2)],
+)
+def test_shares_cover_exactly_the_descriptors_in_order(lengths, parts) -> None:
+    n = np.array(lengths, dtype=np.uint64)
+    src = np.cumsum(np.concatenate(([0], n[:-1] + 64))).astype(np.uint64) + np.uint64(1 << 40)
+    dst = src[::-1].copy()  # another order on the destination: not mergeable across descriptors
+    shares = split_descriptors(dst, src, n, parts)
+    assert 1 <= len(shares) <= parts
+    sizes = [sum(s[2]) for s in shares]
+    assert sum(sizes) == int(n.sum()) and max(sizes) - min(sizes) <= max(1, int(n.sum()) // parts)
+    assert _bytes_of(shares) == list(zip(dst.tolist(), src.tolist(), n.tolist()))
+
+
+def test_small_copies_stay_on_the_submitting_thread() -> None:
+    c = Copier(threads=4)
+    assert c.shares_for(SPLIT_MIN_BYTES - 1) == 1
+    assert c.shares_for(1 << 30) == 4
+    assert Copier(threads=1).shares_for(1 << 30) == 1
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_large_scattered_plan_lands_exactly(threads) -> None:
+    size = 3 * SPLIT_MIN_BYTES
+    rng = np.random.default_rng(5)
+    src = torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8))
+    with SharedMemory() as shm:
+        (dst,) = shm.allocate("dst", [BufferSpec("b", (size + (1 << 20),), torch.uint8)])
+        dst.fill_(SENTINEL)
+        decode, prefill = ShmEngine(copy_threads=1), ShmEngine(copy_threads=threads)
+        with decode, prefill:
+            decode.register([Region("dst", dst.data_ptr(), dst.nbytes)])
+            prefill.register([Region("src", src.data_ptr(), size)])
+            peer = prefill.connect(decode.endpoint())
+            # 1 MiB pages written in reverse order, plus one 9 MiB run and a 3-byte tail
+            pages = [(i << 20, (size - (1 << 20) - (i << 20)) + 512, 1 << 20) for i in range(0, size >> 20, 2)]
+            spans = pages + [((1 << 20) * 1, 7, 3)]
+            s, d, n = (np.array(x, dtype=np.uint64) for x in zip(*spans))
+            base_s, base_d = np.uint64(src.data_ptr()), np.uint64(dst.data_ptr())
+            plan = TransferPlan.from_arrays(s + base_s, d + base_d, n)
+            assert prefill._copier.shares_for(plan.total_bytes) == min(threads, plan.total_bytes // (8 << 20))
+            prefill.wait(prefill.submit(peer, plan), 10.0)
+        want = np.full(size + (1 << 20), SENTINEL, dtype=np.uint8)
+        a = src.numpy()
+        for so, do, ln in spans:
+            want[do : do + ln] = a[so : so + ln]
+        assert np.array_equal(dst.numpy(), want)
