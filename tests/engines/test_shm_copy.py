@@ -77,3 +77,45 @@ def test_a_large_scattered_plan_lands_exactly(threads) -> None:
         for so, do, ln in spans:
             want[do : do + ln] = a[so : so + ln]
         assert np.array_equal(dst.numpy(), want)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_hashed_copy_lands_exactly_and_feeds_each_stream_its_bytes_in_order(threads) -> None:
+    import xxhash
+
+    size = 3 * SPLIT_MIN_BYTES
+    rng = np.random.default_rng(9)
+    src = torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8))
+    a = src.numpy()
+    with SharedMemory() as shm:
+        (dst,) = shm.allocate("dst", [BufferSpec("b", (size,), torch.uint8)])
+        dst.fill_(SENTINEL)
+        decode, prefill = ShmEngine(copy_threads=1), ShmEngine(copy_threads=threads)
+        with decode, prefill:
+            decode.register([Region("dst", dst.data_ptr(), size)])
+            prefill.register([Region("src", src.data_ptr(), size)])
+            peer = prefill.connect(decode.endpoint())
+            # four streams of 1 MiB pieces, interleaved in the plan; each written elsewhere
+            pieces = [(i << 20, ((i * 7) % 48) << 20, 1 << 20, i % 4) for i in range(48)]
+            s, d, n, stream = (np.array(x) for x in zip(*pieces))
+            base_s, base_d = np.uint64(src.data_ptr()), np.uint64(dst.data_ptr())
+            plan = TransferPlan.from_arrays(s.astype(np.uint64) + base_s, d.astype(np.uint64) + base_d, n)
+            hashers = [xxhash.xxh3_128() for _ in range(4)]
+            seen = []
+
+            def hash_src(src_addr, length):
+                seen.append((src_addr.copy(), length.copy()))
+                return hashers, stream
+
+            prefill.wait(prefill.submit(peer, plan, hash_src=hash_src), 10.0)
+        assert len(seen) == 1 and np.array_equal(seen[0][0], plan.src)
+        want = np.full(size, SENTINEL, dtype=np.uint8)
+        for so, do, ln, _ in pieces:
+            want[do : do + ln] = a[so : so + ln]
+        assert np.array_equal(dst.numpy(), want)
+        for k in range(4):
+            ref = xxhash.xxh3_128()
+            for so, _, ln, st in pieces:
+                if st == k:
+                    ref.update(a[so : so + ln].tobytes())
+            assert hashers[k].digest() == ref.digest()

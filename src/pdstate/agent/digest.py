@@ -9,7 +9,9 @@ whole destination lists at once) compute the same value exactly when the same by
 same places. Contiguous indices are hashed as one run: the Python loop is over (buffer, run),
 never over items; addresses come from numpy.
 
-Off the critical path: the prefill hashes a chunk in the background (``update_async``) while the
+Off the critical path: on the shm engine the prefill's copy hashes each descriptor's source bytes
+right after copying them, while they are still in cache (``streams``; one stream per thread);
+on other engines the prefill hashes a chunk in the background (``update_async``) while the
 engine copies the same source bytes (sources do not change while a request is TRANSFERRING), and
 ``digest()`` waits for it; the decode hashes what landed with its buffers spread over several
 threads (``update_many``: the per-buffer streams are independent). xxhash and ``memmove`` both
@@ -33,7 +35,7 @@ import xxhash
 
 from pdstate.transfer.engines.shm_copy import host_cores
 
-__all__ = ["RequestDigest", "index_runs"]
+__all__ = ["RequestDigest", "index_runs", "submit_digested"]
 
 PARALLEL_MIN_BYTES = 4 << 20  # below this a digest runs on the calling thread alone
 MAX_DIGEST_THREADS = 8
@@ -93,6 +95,8 @@ class RequestDigest:
         self._queue: list[list] = []  # background work, in submission order
         self._pending: list = []  # futures of background drains
         self._cancelled = False
+        self._flat: tuple | None = None  # sorted buffer addresses, their stream index, hashers
+        self.fused = False  # hashed by the copy itself (``streams``): its time is in the copy's
 
     def _rows(self, channel: int, indices) -> list:
         """``(hasher, addresses, sizes)`` per buffer of ``channel`` for the items ``indices``."""
@@ -159,6 +163,23 @@ class RequestDigest:
                     rows = self._queue.pop(0)
                 self._run(rows)
 
+    def streams(self, src: np.ndarray, length: np.ndarray) -> tuple[list, np.ndarray]:
+        """For a copy that hashes as it goes (``ShmEngine.submit(hash_src=...)``): every hasher,
+        and for each descriptor (source address ``src[k]``, in a plan built from this side's
+        lists: buffer-major, items in list order) the index of the stream it belongs to."""
+        self.wait()
+        if self._flat is None:
+            ptrs = np.concatenate([p for p, _ in self._layout]) if self._layout else np.empty(0, dtype=np.uint64)
+            order = np.argsort(ptrs, kind="stable")
+            self._flat = (ptrs[order], order, [h for hs in self._hashers for h in hs])
+        sorted_ptrs, order, hashers = self._flat
+        pos = np.searchsorted(sorted_ptrs, np.asarray(src, dtype=np.uint64), side="right") - 1
+        if pos.size and int(pos.min()) < 0:
+            raise ValueError("a descriptor's source lies below every buffer of the digest")
+        self.bytes += int(np.asarray(length, dtype=np.uint64).sum())
+        self.fused = True
+        return hashers, order[pos]
+
     def wait(self) -> float:
         """Wait for the background work; returns the seconds waited."""
         t0 = time.perf_counter()
@@ -176,3 +197,15 @@ class RequestDigest:
     def digest(self) -> bytes:
         self.wait()
         return xxhash.xxh3_128(b"".join(h.digest() for hs in self._hashers for h in hs)).digest()
+
+
+def submit_digested(engine, peer_id: str, plan, digest: RequestDigest | None, updates: list[tuple[int, object]]):
+    """``engine.submit(peer_id, plan)``, the plan's source bytes (``updates``: this side's
+    ``(channel, indices)``) going into ``digest``: hashed by the copy itself where the engine can
+    (shm), else in the background beside the engine's copy. Returns the engine's handle."""
+    if digest is None:
+        return engine.submit(peer_id, plan)
+    if getattr(engine, "supports_hashed_copy", False):
+        return engine.submit(peer_id, plan, hash_src=digest.streams)
+    digest.update_async(updates)
+    return engine.submit(peer_id, plan)

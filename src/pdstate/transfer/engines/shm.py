@@ -145,17 +145,23 @@ class ShmEngine(TransferEngine):
 
     ``copy_threads``: how many threads copy one large plan (``shm_copy``; default: every core
     this process may use, up to 8; ``1`` keeps every copy on the submitting thread).
+
+    ``submit(..., hash_src=fn)`` (``supports_hashed_copy``): ``fn(src, length)`` returns
+    ``(hashers, index)`` and every descriptor's source bytes go to ``hashers[index[k]]`` right
+    after they are copied, while still in cache (``shm_copy.Copier.copy_hashed``).
     """
 
     name = "shm"
     endpoint_keys = ("boot_id",)
     synchronous = True
+    supports_hashed_copy = True
 
     def __init__(
         self, populate: bool | str = "background", segment_dir: str = str(SHM_DIR), copy_threads: int | None = None
     ) -> None:
         super().__init__()
         self._copier = Copier(copy_threads)
+        self._hash_src = threading.local()  # submit's hash_src, for _submit on the same thread
         self.populate = populate
         self.segment_dir = segment_dir
         self._boot_id = ""
@@ -271,12 +277,26 @@ class ShmEngine(TransferEngine):
             self._unmap(peer.native.maps)
             peer.native = None
 
+    def submit(self, peer_id: str, plan: TransferPlan, notify: bytes = b"", hash_src=None) -> TransferHandle:
+        """``TransferEngine.submit``; with ``hash_src``, the copy also feeds the source bytes to
+        the hashers it names (see the class)."""
+        self._hash_src.fn = hash_src
+        try:
+            return super().submit(peer_id, plan, notify)
+        finally:
+            self._hash_src.fn = None
+
     def _submit(self, peer: Peer, plan: TransferPlan, handle: TransferHandle, notify: bytes) -> None:
         native: _ShmPeer = peer.native
         table = peer.regions
         idx = np.searchsorted(table.base, plan.dst, side="right") - 1
         local_dst = native.mapped_base[idx] + (plan.dst - table.base[idx])
-        self._copier.copy(local_dst, plan.src, plan.length, plan.total_bytes)
+        hash_src = getattr(self._hash_src, "fn", None)
+        if hash_src is None:
+            self._copier.copy(local_dst, plan.src, plan.length, plan.total_bytes)
+        else:
+            streams = hash_src(plan.src, plan.length)
+            self._copier.copy_hashed(local_dst, plan.src, plan.length, plan.total_bytes, streams)
         handle.finish()
 
     def _close(self) -> None:

@@ -68,6 +68,13 @@ def _copy_list(dst: list[int], src: list[int], length: list[int]) -> None:
         memmove(d, s, n)
 
 
+def _copy_hash(dst: list[int], src: list[int], length: list[int], hashers: list, index: list[int]) -> None:
+    memmove, char = ctypes.memmove, ctypes.c_char
+    for d, s, n, h in zip(dst, src, length, index):
+        memmove(d, s, n)
+        hashers[h].update((char * n).from_address(s))
+
+
 class Copier:
     """Copies descriptor arrays with up to ``threads`` threads (the caller's plus helpers, started
     on the first large copy and kept until ``close``)."""
@@ -93,6 +100,39 @@ class Copier:
         futures = [pool.submit(_copy_list, *share) for share in rest]
         try:
             _copy_list(*first)
+        finally:
+            for f in futures:
+                f.result()
+
+    def copy_hashed(
+        self, dst: np.ndarray, src: np.ndarray, length: np.ndarray, total_bytes: int, streams: tuple[list, np.ndarray]
+    ) -> None:
+        """Copy every descriptor and feed its source bytes, right after copying them (still in
+        cache), to its stream's hasher: ``streams = (hashers, index)``, ``index[k]`` naming the
+        hasher of descriptor ``k``. Each stream gets its descriptors in plan order, on one
+        thread; the streams are spread over the threads by bytes."""
+        hashers, index = streams
+        index = np.asarray(index, dtype=np.int64)
+        order = np.argsort(index, kind="stable")  # by stream, plan order within each
+        parts = min(self.shares_for(total_bytes), len(hashers))
+        if parts <= 1:
+            _copy_hash(dst[order].tolist(), src[order].tolist(), length[order].tolist(), hashers, index[order].tolist())
+            return
+        load = np.bincount(index, weights=length.astype(np.float64), minlength=len(hashers))
+        group_of = np.zeros(len(hashers), dtype=np.int64)
+        sums = [0.0] * parts
+        for h in np.argsort(-load, kind="stable").tolist():  # largest stream first, to the lightest group
+            g = sums.index(min(sums))
+            group_of[h], sums[g] = g, sums[g] + float(load[h])
+        owner = group_of[index[order]]
+        jobs = []
+        for g in range(parts):
+            sel = order[owner == g]
+            jobs.append((dst[sel].tolist(), src[sel].tolist(), length[sel].tolist(), hashers, index[sel].tolist()))
+        pool = self._helpers()
+        futures = [pool.submit(_copy_hash, *job) for job in jobs[1:]]
+        try:
+            _copy_hash(*jobs[0])
         finally:
             for f in futures:
                 f.result()
