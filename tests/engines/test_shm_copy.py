@@ -9,7 +9,7 @@ import torch
 
 from pdstate.pools.memory import BufferSpec, Region, SharedMemory
 from pdstate.transfer.engines.shm import ShmEngine
-from pdstate.transfer.engines.shm_copy import SPLIT_MIN_BYTES, Copier, split_descriptors
+from pdstate.transfer.engines.shm_copy import HELPER_NICE, SPLIT_MIN_BYTES, Copier, split_descriptors
 from pdstate.transfer.plan import TransferPlan
 from tests.support.images import SENTINEL
 
@@ -119,3 +119,17 @@ def test_a_hashed_copy_lands_exactly_and_feeds_each_stream_its_bytes_in_order(th
                 if st == k:
                     ref.update(a[so : so + ln].tobytes())
             assert hashers[k].digest() == ref.digest()
+
+
+def test_helper_threads_run_nicer_than_the_submitting_thread() -> None:
+    import os
+    import threading
+
+    c = Copier(threads=2)
+    try:
+        pool = c._helpers()
+        mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        helper = pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result(10)
+        assert helper == min(19, mine + HELPER_NICE)
+    finally:
+        c.close()

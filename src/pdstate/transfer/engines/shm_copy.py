@@ -6,7 +6,9 @@ One core copies at most what one core's memory path allows (about 12 GB/s on the
 VM); a host with more cores copies a large request faster with several threads. A copy is split
 only when it is large (``SPLIT_MIN_BYTES``), and into no more shares than leave each at least
 ``SHARE_MIN_BYTES``, so small requests stay on one thread and the copy's threads are busy only for
-the large ones. ``ctypes.memmove`` releases the GIL, so the shares run in parallel.
+the large ones. ``ctypes.memmove`` releases the GIL, so the shares run in parallel. The helper
+threads run ``HELPER_NICE`` steps nicer than the process, so a decode or a model's compute on the
+same cores is scheduled before them: the copy uses cores that would otherwise idle.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 SPLIT_MIN_BYTES = 16 << 20
 SHARE_MIN_BYTES = 8 << 20
 MAX_COPY_THREADS = 8
+HELPER_NICE = 5
 
 
 def host_cores() -> int:
@@ -60,6 +63,15 @@ def split_descriptors(
         n[-1] -= int(cum[j]) - hi  # bytes of descriptor j after this share
         shares.append((d, s, n))
     return shares
+
+
+def _nicer() -> None:
+    """Lower this (helper) thread's scheduling priority; where that is not allowed, leave it."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + HELPER_NICE))
+    except (AttributeError, OSError):
+        pass
 
 
 def _copy_list(dst: list[int], src: list[int], length: list[int]) -> None:
@@ -140,7 +152,9 @@ class Copier:
     def _helpers(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="pdstate-shm-copy")
+                self._pool = ThreadPoolExecutor(
+                    self.threads - 1, thread_name_prefix="pdstate-shm-copy", initializer=_nicer
+                )
             return self._pool
 
     def close(self) -> None:
