@@ -133,3 +133,23 @@ def test_helper_threads_run_nicer_than_the_submitting_thread() -> None:
         assert helper == min(19, mine + HELPER_NICE)
     finally:
         c.close()
+
+
+def test_a_copy_does_not_wait_for_a_helper_that_never_runs() -> None:
+    import threading
+
+    size = 2 * SPLIT_MIN_BYTES
+    src = np.random.default_rng(2).integers(0, 256, size, dtype=np.uint8)
+    dst = np.zeros(size, dtype=np.uint8)
+    c = Copier(threads=2)
+    gate = threading.Event()
+    try:
+        busy = c._helpers().submit(gate.wait, 30)  # the one helper is taken
+        u64 = np.uint64
+        c.copy(
+            np.array([dst.ctypes.data], u64), np.array([src.ctypes.data], u64), np.array([size], u64), size
+        )  # returns: this thread copied every share itself
+        assert np.array_equal(dst, src) and not busy.done()
+    finally:
+        gate.set()
+        c.close()

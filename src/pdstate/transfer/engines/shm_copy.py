@@ -6,7 +6,9 @@ One core copies at most what one core's memory path allows (about 12 GB/s on the
 VM); a host with more cores copies a large request faster with several threads. A copy is split
 only when it is large (``SPLIT_MIN_BYTES``), and into no more shares than leave each at least
 ``SHARE_MIN_BYTES``, so small requests stay on one thread and the copy's threads are busy only for
-the large ones. ``ctypes.memmove`` releases the GIL, so the shares run in parallel. The helper
+the large ones. ``ctypes.memmove`` releases the GIL, so the shares run in parallel. The
+submitting thread and the helpers take the next share until none is left, so a helper that the
+scheduler does not run in time delays nothing: the submitting thread copies its share. The helper
 threads run ``HELPER_NICE`` steps nicer than the process, so a decode or a model's compute on the
 same cores is scheduled before them: the copy uses cores that would otherwise idle.
 """
@@ -107,14 +109,7 @@ class Copier:
         if parts == 1:
             _copy_list(dst.tolist(), src.tolist(), length.tolist())
             return
-        first, *rest = split_descriptors(dst, src, length, parts)
-        pool = self._helpers()
-        futures = [pool.submit(_copy_list, *share) for share in rest]
-        try:
-            _copy_list(*first)
-        finally:
-            for f in futures:
-                f.result()
+        self._run(_copy_list, split_descriptors(dst, src, length, parts))
 
     def copy_hashed(
         self, dst: np.ndarray, src: np.ndarray, length: np.ndarray, total_bytes: int, streams: tuple[list, np.ndarray]
@@ -141,13 +136,30 @@ class Copier:
         for g in range(parts):
             sel = order[owner == g]
             jobs.append((dst[sel].tolist(), src[sel].tolist(), length[sel].tolist(), hashers, index[sel].tolist()))
+        self._run(_copy_hash, jobs)
+
+    def _run(self, fn, jobs: list[tuple]) -> None:
+        """``fn(*job)`` for every job, each exactly once: this thread and the helpers take the
+        next job until none is left, so a helper the scheduler has not run yet delays nothing
+        (its call is cancelled, or finds no job); returns once every job is done."""
+        lock, left = threading.Lock(), list(reversed(jobs))
+
+        def take_all() -> None:
+            while True:
+                with lock:
+                    if not left:
+                        return
+                    job = left.pop()
+                fn(*job)
+
         pool = self._helpers()
-        futures = [pool.submit(_copy_hash, *job) for job in jobs[1:]]
+        futures = [pool.submit(take_all) for _ in range(min(len(jobs), self.threads) - 1)]
         try:
-            _copy_hash(*jobs[0])
+            take_all()
         finally:
             for f in futures:
-                f.result()
+                if not f.cancel():
+                    f.result()  # running: it may hold a job
 
     def _helpers(self) -> ThreadPoolExecutor:
         with self._lock:
