@@ -26,6 +26,7 @@ SPLIT_MIN_BYTES = 16 << 20
 SHARE_MIN_BYTES = 8 << 20
 MAX_COPY_THREADS = 8
 HELPER_NICE = 5
+HASH_PIECE_BYTES = 512 << 10  # copied then hashed while still in the core's cache
 
 
 def host_cores() -> int:
@@ -83,10 +84,15 @@ def _copy_list(dst: list[int], src: list[int], length: list[int]) -> None:
 
 
 def _copy_hash(dst: list[int], src: list[int], length: list[int], hashers: list, index: list[int]) -> None:
-    memmove, char = ctypes.memmove, ctypes.c_char
+    """Copy each descriptor in pieces of at most ``HASH_PIECE_BYTES`` and hash each piece's source
+    right after copying it (a stream hashed piece by piece has the same digest)."""
+    memmove, char, piece = ctypes.memmove, ctypes.c_char, HASH_PIECE_BYTES
     for d, s, n, h in zip(dst, src, length, index):
-        memmove(d, s, n)
-        hashers[h].update((char * n).from_address(s))
+        update = hashers[h].update
+        for off in range(0, n, piece):
+            k = min(piece, n - off)
+            memmove(d + off, s + off, k)
+            update((char * k).from_address(s + off))
 
 
 class Copier:
