@@ -153,3 +153,16 @@ def test_a_copy_does_not_wait_for_a_helper_that_never_runs() -> None:
     finally:
         gate.set()
         c.close()
+
+
+def test_a_descriptor_is_copied_and_hashed_in_pieces_with_a_short_last_one(monkeypatch) -> None:
+    import xxhash
+
+    from pdstate.transfer.engines import shm_copy
+
+    monkeypatch.setattr(shm_copy, "HASH_PIECE_BYTES", 1000)
+    src = np.random.default_rng(4).integers(0, 256, 2500, dtype=np.uint8)
+    dst = np.zeros(2500, dtype=np.uint8)
+    h = xxhash.xxh3_128()
+    shm_copy._copy_hash([dst.ctypes.data], [src.ctypes.data], [2500], [h], [0])
+    assert np.array_equal(dst, src) and h.digest() == xxhash.xxh3_128(src.tobytes()).digest()
