@@ -1,16 +1,17 @@
 """The shm engine's copy: a plan's descriptors, already translated to this process's addresses,
-copied with ``memmove`` — on the submitting thread alone, or split into shares of about equal
-bytes copied by that thread and helper threads at once.
+copied with ``memmove`` — on the submitting thread alone, or cut into jobs of about
+``JOB_BYTES`` that the submitting thread and helper threads take in turn.
 
 One core copies at most what one core's memory path allows (about 12 GB/s on the development
-VM); a host with more cores copies a large request faster with several threads. A copy is split
-only when it is large (``SPLIT_MIN_BYTES``), and into no more shares than leave each at least
+VM); a host with more cores copies a large request faster with several threads. A copy uses
+several threads only when it is large (``SPLIT_MIN_BYTES``), and no more threads than leave each
 ``SHARE_MIN_BYTES``, so small requests stay on one thread and the copy's threads are busy only for
-the large ones. ``ctypes.memmove`` releases the GIL, so the shares run in parallel. The
-submitting thread and the helpers take the next share until none is left, so a helper that the
-scheduler does not run in time delays nothing: the submitting thread copies its share. The helper
-threads run ``HELPER_NICE`` steps nicer than the process, so a decode or a model's compute on the
-same cores is scheduled before them: the copy uses cores that would otherwise idle.
+the large ones. ``ctypes.memmove`` releases the GIL, so the jobs run in parallel. Each thread
+takes the next job until none is left, so a helper the scheduler does not run in time delays
+nothing (the submitting thread copies the jobs it would have taken), and a slow one holds at most
+one small job at the end. The helper threads run ``HELPER_NICE`` steps nicer than the process, so
+a decode or a model's compute on the same cores is scheduled before them: the copy uses cores
+that would otherwise idle.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ SHARE_MIN_BYTES = 8 << 20
 MAX_COPY_THREADS = 8
 HELPER_NICE = 5
 HASH_PIECE_BYTES = 512 << 10  # copied then hashed while still in the core's cache
+JOB_BYTES = 4 << 20  # a large copy is cut into jobs of about this size that the threads take in turn
+MAX_JOBS = 256
 
 
 def host_cores() -> int:
@@ -115,7 +118,8 @@ class Copier:
         if parts == 1:
             _copy_list(dst.tolist(), src.tolist(), length.tolist())
             return
-        self._run(_copy_list, split_descriptors(dst, src, length, parts))
+        jobs = max(parts, min(MAX_JOBS, total_bytes // JOB_BYTES))
+        self._run(_copy_list, split_descriptors(dst, src, length, jobs), parts)
 
     def copy_hashed(
         self, dst: np.ndarray, src: np.ndarray, length: np.ndarray, total_bytes: int, streams: tuple[list, np.ndarray]
@@ -123,7 +127,7 @@ class Copier:
         """Copy every descriptor and feed its source bytes, right after copying them (still in
         cache), to its stream's hasher: ``streams = (hashers, index)``, ``index[k]`` naming the
         hasher of descriptor ``k``. Each stream gets its descriptors in plan order, on one
-        thread; the streams are spread over the threads by bytes."""
+        thread; the streams are packed by bytes into jobs the threads take in turn."""
         hashers, index = streams
         index = np.asarray(index, dtype=np.int64)
         order = np.argsort(index, kind="stable")  # by stream, plan order within each
@@ -131,23 +135,26 @@ class Copier:
         if parts <= 1:
             _copy_hash(dst[order].tolist(), src[order].tolist(), length[order].tolist(), hashers, index[order].tolist())
             return
+        n_jobs = max(parts, min(MAX_JOBS, len(hashers), total_bytes // JOB_BYTES))
         load = np.bincount(index, weights=length.astype(np.float64), minlength=len(hashers))
         group_of = np.zeros(len(hashers), dtype=np.int64)
-        sums = [0.0] * parts
-        for h in np.argsort(-load, kind="stable").tolist():  # largest stream first, to the lightest group
+        sums = [0.0] * n_jobs
+        for h in np.argsort(-load, kind="stable").tolist():  # largest stream first, to the lightest job
             g = sums.index(min(sums))
             group_of[h], sums[g] = g, sums[g] + float(load[h])
         owner = group_of[index[order]]
         jobs = []
-        for g in range(parts):
+        for g in range(n_jobs):
             sel = order[owner == g]
-            jobs.append((dst[sel].tolist(), src[sel].tolist(), length[sel].tolist(), hashers, index[sel].tolist()))
-        self._run(_copy_hash, jobs)
+            if sel.size:
+                jobs.append((dst[sel].tolist(), src[sel].tolist(), length[sel].tolist(), hashers, index[sel].tolist()))
+        self._run(_copy_hash, jobs, parts)
 
-    def _run(self, fn, jobs: list[tuple]) -> None:
-        """``fn(*job)`` for every job, each exactly once: this thread and the helpers take the
-        next job until none is left, so a helper the scheduler has not run yet delays nothing
-        (its call is cancelled, or finds no job); returns once every job is done."""
+    def _run(self, fn, jobs: list[tuple], threads: int) -> None:
+        """``fn(*job)`` for every job, each exactly once, on up to ``threads`` threads: this one
+        and helpers take the next job until none is left, so a helper the scheduler has not run
+        yet delays nothing (its call is cancelled, or finds no job) and one running slowly holds
+        at most one small job at the end; returns once every job is done."""
         lock, left = threading.Lock(), list(reversed(jobs))
 
         def take_all() -> None:
@@ -159,7 +166,7 @@ class Copier:
                 fn(*job)
 
         pool = self._helpers()
-        futures = [pool.submit(take_all) for _ in range(min(len(jobs), self.threads) - 1)]
+        futures = [pool.submit(take_all) for _ in range(min(len(jobs), threads) - 1)]
         try:
             take_all()
         finally:
