@@ -5,7 +5,6 @@ interleaved round-robin in one process run (these machines are shared; ratios, n
 
 - ``physical_<k>t`` (paged shm phase): one contiguous copy of the request's byte count with k
   threads, k = 1, 2, 4, ... up to the cores; ``physical``, the best of them, is the limit;
-
 - ``ceiling``: an in-process copy of exactly the regions a request moves (same page ids, same
   descriptors), the best of a per-run ``memmove`` loop and a vectorised numpy gather/scatter;
 - ``raw_<engine>``: the native engine (Mooncake, NIXL) writing the same pages and buffers from an
