@@ -10,7 +10,7 @@ import zmq
 
 from pdstate.agent.admission import bind_router, gatekeep
 from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
-from pdstate.agent.digest import RequestDigest
+from pdstate.agent.digest import RequestDigest, submit_digested
 from pdstate.agent.sender import KVSender, _Decode, _Pending, _Send, _with_aux
 from pdstate.errors import (
     AgentClosed,
@@ -56,7 +56,7 @@ class PrefillAgent:
       ``decodes()`` and ``close()`` are safe from any thread; ``send`` and ``abort`` hand their
       work to the I/O thread and wait only for it to be accepted (``abort`` for the fence).
     * The caller must keep the source pages of a chunk unchanged until the sender has left
-      TRANSFERRING (engines read them asynchronously; the digest reads them at submit time).
+      TRANSFERRING (engines read them asynchronously; the digest reads them beside the copy).
     """
 
     def __init__(
@@ -332,15 +332,9 @@ class PrefillAgent:
         last = state is not None
         if last and req.dst_aux is not None:
             plan = _with_aux(plan, self.kv_args, req.dst_aux, send.aux_index)
-        handle = self._engine.submit(decode.peer_id, plan)
+        aux = [(len(src_lists), np.array([send.aux_index]))] if last and req.dst_aux is not None else []
+        handle = submit_digested(self._engine, decode.peer_id, plan, send.digest, [*enumerate(src_lists), *aux])
         send.handles.append(handle)
-        if send.digest is not None:
-            t0 = time.perf_counter()
-            for c, lst in enumerate(src_lists):
-                send.digest.update(c, lst)
-            if last and req.dst_aux is not None:
-                send.digest.update(len(src_lists), np.array([send.aux_index]))
-            send.record.metrics["digest_s"] = send.record.metrics.get("digest_s", 0.0) + time.perf_counter() - t0
         send.pages_sent += pages.size
         send.bytes += plan.total_bytes
         send.descriptors += len(plan)
@@ -358,6 +352,9 @@ class PrefillAgent:
         send.done_sent = True
         m = send.record.metrics
         m.update(bytes=send.bytes, descriptors=send.descriptors, chunks=send.chunks)
+        if send.digest is not None:
+            m["digest_wait_s"] = round(send.digest.wait(), 6)  # what the copy did not hide
+            m["digest_s"], m["digest_fused"] = round(send.digest.seconds, 6), send.digest.fused  # fused: in the copy
         m["transfer_s"] = round(time.monotonic() - send.started, 6)
         self._reply(
             send.identity,
@@ -377,6 +374,8 @@ class PrefillAgent:
         Returns False when a handle is still in flight after ``FENCE_TIMEOUT_S`` (a wedged native
         engine): the decode is then NOT told, so it never reports the request fenced."""
         fenced = True
+        if send.digest is not None:
+            send.digest.cancel()  # no thread reads the request's pages after the fence
         for h in send.handles:
             try:
                 self._engine.wait(h, FENCE_TIMEOUT_S)

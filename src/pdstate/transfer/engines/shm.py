@@ -6,7 +6,8 @@ offset behind every registered region and publishes them; a region that is not a
 mapping (e.g. ``PrivateMemory``) is an ``EngineError`` there. The prefill side maps each file
 ``MAP_SHARED`` in ``connect`` (pre-populating its page tables), translates remote addresses to its
 own mapping with numpy (``searchsorted`` over region bases) and copies every descriptor with
-``ctypes.memmove``. Submission is synchronous: the returned handle is already done.
+``ctypes.memmove`` (``shm_copy``: a large plan split across threads). Submission is synchronous:
+the returned handle is already done.
 
 Endpoint::
 
@@ -46,6 +47,7 @@ from pdstate.errors import EngineError, InvalidEndpoint
 from pdstate.pools.memory import SEGMENT_NAME_RE as SEGMENT_NAME
 from pdstate.pools.memory import SEGMENT_PREFIX, SHM_DIR, ownership_proof, prove_segment, read_segment_secret
 from pdstate.transfer.engines.base import Peer, TransferEngine, TransferHandle
+from pdstate.transfer.engines.shm_copy import Copier
 from pdstate.transfer.engines.shm_owner import Challenges, SegmentClaims, check_file_ranges, segment_owner
 from pdstate.transfer.plan import TransferPlan
 
@@ -166,15 +168,27 @@ class ShmEngine(TransferEngine):
     segment after ``connect`` in a background thread (the default), or inside ``connect`` with
     ``MAP_POPULATE`` (``True``), or not at all (``False``; first-touch faults then slow the first
     transfers).
+
+    ``copy_threads``: how many threads copy one large plan (``shm_copy``; default: every core
+    this process may use, up to 8; ``1`` keeps every copy on the submitting thread).
+
+    ``submit(..., hash_src=fn)`` (``supports_hashed_copy``): ``fn(src, length)`` returns
+    ``(hashers, index)`` and every descriptor's source bytes go to ``hashers[index[k]]`` right
+    after they are copied, while still in cache (``shm_copy.Copier.copy_hashed``).
     """
 
     name = "shm"
     endpoint_keys = ("boot_id",)
     synchronous = True
     proves_ownership = True
+    supports_hashed_copy = True
 
-    def __init__(self, populate: bool | str = "background", segment_dir: str = str(SHM_DIR)) -> None:
+    def __init__(
+        self, populate: bool | str = "background", segment_dir: str = str(SHM_DIR), copy_threads: int | None = None
+    ) -> None:
         super().__init__()
+        self._copier = Copier(copy_threads)
+        self._hash_src = threading.local()  # submit's hash_src, for _submit on the same thread
         self.populate = populate
         self.segment_dir = segment_dir
         self._boot_id = ""
@@ -359,12 +373,30 @@ class ShmEngine(TransferEngine):
             self._unmap(peer.native.maps)
             peer.native = None
 
+    def submit(self, peer_id: str, plan: TransferPlan, notify: bytes = b"", hash_src=None) -> TransferHandle:
+        """``TransferEngine.submit``; with ``hash_src``, the copy also feeds the source bytes to
+        the hashers it names (see the class)."""
+        self._hash_src.fn = hash_src
+        try:
+            return super().submit(peer_id, plan, notify)
+        finally:
+            self._hash_src.fn = None
+
     def _submit(self, peer: Peer, plan: TransferPlan, handle: TransferHandle, notify: bytes) -> None:
         native: _ShmPeer = peer.native
         table = peer.regions
         idx = np.searchsorted(table.base, plan.dst, side="right") - 1
         local_dst = native.mapped_base[idx] + (plan.dst - table.base[idx])
-        memmove = ctypes.memmove
-        for d, s, n in zip(local_dst.tolist(), plan.src.tolist(), plan.length.tolist()):
-            memmove(d, s, n)
+        hash_src = getattr(self._hash_src, "fn", None)
+        if hash_src is None:
+            self._copier.copy(local_dst, plan.src, plan.length, plan.total_bytes)
+        else:
+            streams = hash_src(plan.src, plan.length)
+            self._copier.copy_hashed(local_dst, plan.src, plan.length, plan.total_bytes, streams)
         handle.finish()
+
+    def _close(self) -> None:
+        try:
+            super()._close()
+        finally:
+            self._copier.close()
