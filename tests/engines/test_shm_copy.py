@@ -11,6 +11,7 @@ from pdstate.pools.memory import BufferSpec, Region, SharedMemory
 from pdstate.transfer.engines.shm import ShmEngine
 from pdstate.transfer.engines.shm_copy import HELPER_NICE, SPLIT_MIN_BYTES, Copier, split_descriptors
 from pdstate.transfer.plan import TransferPlan
+from tests.support.engines import proven
 from tests.support.images import SENTINEL
 
 pytestmark = pytest.mark.timeout(60)
@@ -63,7 +64,7 @@ def test_a_large_scattered_plan_lands_exactly(threads) -> None:
         with decode, prefill:
             decode.register([Region("dst", dst.data_ptr(), dst.nbytes)])
             prefill.register([Region("src", src.data_ptr(), size)])
-            peer = prefill.connect(decode.endpoint())
+            peer = prefill.connect(proven(prefill, decode.endpoint()))
             # 1 MiB pages written in reverse order, plus one 9 MiB run and a 3-byte tail
             pages = [(i << 20, (size - (1 << 20) - (i << 20)) + 512, 1 << 20) for i in range(0, size >> 20, 2)]
             spans = pages + [((1 << 20) * 1, 7, 3)]
@@ -94,7 +95,7 @@ def test_a_hashed_copy_lands_exactly_and_feeds_each_stream_its_bytes_in_order(th
         with decode, prefill:
             decode.register([Region("dst", dst.data_ptr(), size)])
             prefill.register([Region("src", src.data_ptr(), size)])
-            peer = prefill.connect(decode.endpoint())
+            peer = prefill.connect(proven(prefill, decode.endpoint()))
             # four streams of 1 MiB pieces, interleaved in the plan; each written elsewhere
             pieces = [(i << 20, ((i * 7) % 48) << 20, 1 << 20, i % 4) for i in range(48)]
             s, d, n, stream = (np.array(x) for x in zip(*pieces))
