@@ -203,6 +203,12 @@ def _add_bench(sub) -> None:
         default=True,
         help="the agent phase: the agent (digests off and on) beside today's shm path and the ceiling",
     )
+    b.add_argument(
+        "--sglang",
+        action="store_true",
+        help="the sglang phase: SGLang 0.5.19's own Mooncake backend against backend pdstate, per request "
+        "(needs make sglang-env; about a minute more)",
+    )
     b.set_defaults(func=bench_report.cmd_bench)
 
 

@@ -2,7 +2,7 @@
 
 Reads the names of the checks to run, in order, as a JSON list on stdin; prints one JSON object on
 the last line of stdout: per check, ``{"ok": true, ...}`` or ``{"ok": false, "error": ...}``. Run only by ``runner.run_probe(..., script="backend_probe.py")``:
-importing ``boot`` changes process-wide state.
+importing ``booted`` changes process-wide state.
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ import os
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import boot  # noqa: F401  (first: sys.path, the GPU-only stubs and the bare sglang package)
+from pdstate.devtools.sglang_pair import booted  # noqa: F401  (first: sys.path, the GPU-only stubs and the bare sglang package)
 
 KINDS = ("MANAGER", "SENDER", "RECEIVER", "BOOTSTRAP_SERVER")
 BASES = {
@@ -132,11 +130,6 @@ def kv_classes() -> dict:
             out[kind]["instantiable"] = True
         except TypeError as exc:
             out[kind]["instantiable"] = str(exc)
-        try:
-            cls(None, None, None)
-            out[kind]["construct"] = "no error"
-        except NotImplementedError as exc:
-            out[kind]["construct"] = str(exc)
     out["kvargs_is_sglangs"] = utils.get_kv_class(backend, utils.KVClassType.KVARGS) is KVArgs
     fake = utils.get_kv_class(utils.TransferBackend.FAKE, utils.KVClassType.SENDER)
     out["fake_sender"] = f"{fake.__module__}.{fake.__name__}"

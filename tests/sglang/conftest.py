@@ -1,7 +1,8 @@
 """Fixtures of the SGLang harness: nothing is built or imported at collection.
 
 ``sglang_results`` builds the cached environment if needed (``tools/sglang_env.sh``), then runs
-every scenario of ``scenarios.VARIANTS`` in child processes once per session. When the sglang
+every scenario of ``scenarios.VARIANTS`` in child processes once per session; ``sglang_pair`` is
+the two-process driver's pair of children, shared by the tests that use it. When the sglang
 wheel cannot be fetched every test here skips with the build script's reason, reported as one
 line (pytest would otherwise list a fixture's skip once per test function).
 """
@@ -24,6 +25,18 @@ def sglang_env():
 @pytest.fixture(scope="session")
 def sglang_results(sglang_env) -> dict[str, dict]:
     return runner.run_variants(sglang_env, scenarios.VARIANTS)
+
+
+@pytest.fixture(scope="session")
+def sglang_pair(sglang_env):
+    """One prefill child and one decode child of ``devtools.sglang_pair`` for every test that drives
+    SGLang's disaggregation code across processes (each case gets its own managers)."""
+    from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, Pair, mooncake_missing
+
+    if why := mooncake_missing():
+        pytest.skip(why)
+    with Pair(sglang_env, extra_env=PDSTATE_ENGINE_ENV) as pair:
+        yield pair
 
 
 @pytest.hookimpl(wrapper=True)

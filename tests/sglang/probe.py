@@ -4,7 +4,7 @@ Reads a JSON list of scenarios on stdin (see ``scenarios.py``) and prints one JS
 last line of stdout: per scenario, what pdstate reports and fills from the *real* pools, from
 pdstate's pools built from the same constructor arguments, and what SGLang's own
 ``setup_state_kv_args`` fills from the real pools. Run only by ``runner.run_probe``: importing
-``boot`` changes process-wide state.
+``booted`` changes process-wide state.
 
 Online C128 is read once when SGLang's pool module is imported (``SGLANG_OPT_USE_ONLINE_COMPRESS``,
 ``SGLANG_EXPERIMENTAL_ONLINE_C128_MTP``), so the caller sets those per process.
@@ -17,9 +17,9 @@ import os
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pdstate.devtools.sglang_pair import booted  # noqa: F401  (first: sys.path, the GPU-only stubs and the bare sglang package)
 
-import boot  # first: sys.path, the GPU-only stubs and the bare sglang package
+# isort: split
 import torch
 from sglang.srt.disaggregation.base.conn import KVArgs as SglKVArgs
 from sglang.srt.disaggregation.utils import get_dsv4_c128_state_indices, is_dsv4_c128_online_enabled
@@ -29,6 +29,7 @@ from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator as SglA
 from sglang.srt.mem_cache.common import kv_to_page_indices
 from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool as SglPool
 
+from pdstate.devtools.sglang_pair import boot
 from pdstate.pools import DeepSeekV4TokenToKVPool, SWATokenToKVPoolAllocator, indices
 from pdstate.pools.interface import is_dsv4_pool, pool_view
 from pdstate.pools.kvargs import KVArgs, fill_kv_args, setup_state_kv_args

@@ -270,6 +270,8 @@ class DecodeAgent:
         p.error = error
         for recv in list(self._live(p.address)):
             recv.record.fail(type(error)(str(error)))
+            if state is PeerState.REJECTED:  # the prefill fails its sender of this room too
+                self._send(p, wire.Abort(room=recv.record.room, reason=f"refused: {error}"[:1024]))
 
     def _restarted(self, p: _Prefill, incarnation: str) -> None:
         """The prefill at ``p.address`` is a new process: what the old one was sending is lost.

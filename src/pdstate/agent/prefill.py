@@ -11,6 +11,7 @@ import zmq
 from pdstate.agent.admission import bind_router, gatekeep
 from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.digest import RequestDigest, submit_digested
+from pdstate.agent.refusals import Refusals
 from pdstate.agent.sender import KVSender, _Decode, _Pending, _Send, _with_aux
 from pdstate.errors import (
     AgentClosed,
@@ -38,25 +39,21 @@ __all__ = ["KVSender", "PrefillAgent"]
 FENCE_TIMEOUT_S = 60.0
 
 
-class PrefillAgent:
+class PrefillAgent(Refusals):
     """Serves decode agents over ZeroMQ (a ROUTER bound at ``bind``) and one transfer engine.
 
     ``kv_args``: the caller's filled ``KVArgs`` (``fill_kv_args`` / ``setup_state_kv_args``, plus
     ``aux_data_*`` when the caller moves metadata); ``pools``: the caller's ``(target, draft)``
     for the layout report (or pass ``report``). A sender no decode asks for within
-    ``bootstrap_timeout_s`` fails (``TransferFailed``). ``check_local=False`` serves even when that pair
-    fails ``setup_state_kv_args`` (every decode is then refused with the same error). The memory behind ``kv_args`` is the caller's: the
-    agent registers it with the engine and never allocates, frees or writes it.
+    ``bootstrap_timeout_s`` fails (``TransferFailed``). ``check_local=False`` serves even when that
+    pair fails ``setup_state_kv_args`` (every decode is then refused with the same error). The
+    memory behind ``kv_args`` is the caller's: registered with the engine, never allocated, freed
+    or written. A refused decode's rooms fail with the refusal (``pdstate.agent.refusals``).
 
-    Threading contract:
-
-    * One I/O thread per agent owns the socket, the engine's submissions and every request's
-      state; it starts in the constructor and ends in ``close()``.
-    * ``sender()``, ``KVSender.send/abort/poll/wait/failure_exception/metrics``, ``address``,
-      ``decodes()`` and ``close()`` are safe from any thread; ``send`` and ``abort`` hand their
-      work to the I/O thread and wait only for it to be accepted (``abort`` for the fence).
-    * The caller must keep the source pages of a chunk unchanged until the sender has left
-      TRANSFERRING (engines read them asynchronously; the digest reads them beside the copy).
+    Threading (``pdstate.agent``): one I/O thread owns the socket, the engine's submissions and
+    every request's state; every public method is safe from any thread. The caller keeps a chunk's
+    source pages unchanged until its sender left TRANSFERRING (engines read them asynchronously;
+    the digest reads them beside the copy).
     """
 
     def __init__(
@@ -110,6 +107,7 @@ class PrefillAgent:
         self._decodes: dict[bytes, _Decode] = {}
         self._sends: dict[int, _Send] = {}
         self._pending: dict[int, _Pending] = {}
+        self._init_refusals()
         self._last_tick = time.monotonic()
         self._loop = AgentLoop(f"pdstate-prefill-{worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
         self._sock, self.address = bind_router(self._loop, bind)
@@ -195,6 +193,8 @@ class PrefillAgent:
             self._reply(identity, wire.Heartbeat(worker_id=self.worker_id, incarnation=self.incarnation, seq=msg.seq))
         elif isinstance(msg, wire.Error) and challenge_unknown(msg.error.message):  # an older decode: say why
             self._reply(identity, wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(challenge_unknown_error())))
+        elif decode is None and isinstance(msg, wire.Abort) and identity in self._refused:
+            self._on_refused_abort(identity, msg)
         elif decode is None:
             self._reply(
                 identity,
@@ -231,6 +231,7 @@ class PrefillAgent:
                 self._decodes[identity] = _Decode(
                     identity, msg.worker_id, msg.incarnation, peer_id, planner, time.monotonic()
                 )
+        self._note_handshake(identity, answer)
         self._reply(identity, answer)
 
     def _decode_gone(self, identity: bytes, why: str) -> None:

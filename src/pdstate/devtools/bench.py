@@ -291,7 +291,9 @@ def _phase(
             raw[1]()
 
 
-def run_bench(quick: bool, engines: list[str], modes: list[str], progress=print, agent: bool = True) -> dict:
+def run_bench(
+    quick: bool, engines: list[str], modes: list[str], progress=print, agent: bool = True, sglang: bool = False
+) -> dict:
     from pdstate.transfer.engines.base import EngineUnavailable, engine_class
 
     runs = 5 if quick else 9
@@ -319,6 +321,10 @@ def run_bench(quick: bool, engines: list[str], modes: list[str], progress=print,
         del src, dst
     if "shm" in available:
         results["mxn"] = bench_scale.mxn(16 if quick else 32, progress)
+    if sglang:  # SGLang's own Mooncake backend against backend pdstate: see devtools.bench_sglang
+        from pdstate.devtools import bench_sglang
+
+        bench_sglang.phase(3 if quick else 5, results, progress)
     progress("control ...")
     results["control"] = bench_control(runs * 4)
     results["ratios"] = ratios(results)

@@ -20,7 +20,8 @@ from pdstate.errors import ExitCode
 def ratios(r: dict) -> dict:
     """Per length: ceiling / pdstate (shm), raw engine / pdstate (native engines), each within its
     own phase; in the agent phase, ceiling / agent and today's worker path / agent (above 1: the
-    agent is faster), digests off (``agent_*``) and on (``agent_digest_*``). The keys without
+    agent is faster), digests off (``agent_*``) and on (``agent_digest_*``); in the sglang phase,
+    SGLang's Mooncake backend / backend pdstate (above 1: pdstate is faster). The keys without
     ``_by_length`` are the 32k-token values."""
     out: dict = {}
     paths = r["paths"]
@@ -61,6 +62,10 @@ def ratios(r: dict) -> dict:
             out.setdefault("shm_vs_physical_by_length", {})[str(n)] = phys / shm
         if "agent_digest_vs_ceiling_by_length" in out:  # the issue's name for the default agent path
             out["shm_digest_vs_ceiling_by_length"] = out["agent_digest_vs_ceiling_by_length"]
+    for n, sgl in r.get("sglang_mooncake_ms_by_length", {}).items():  # the sglang phase (--sglang)
+        ours = r.get("sglang_backend_ms_by_length", {}).get(n)
+        if ours:
+            out.setdefault("sglang_backend_vs_sglang_mooncake_by_length", {})[n] = sgl / ours
     for key in [k[: -len("_by_length")] for k in list(out)]:
         out[key] = out[f"{key}_by_length"].get("32768")
     limit = physical_limit(r)
@@ -109,22 +114,26 @@ def agent_digest_ms(r: dict) -> dict:
 
 
 def summary(r: dict) -> dict:
-    return {
-        "ratios": {k: r["ratios"].get(k) for k in NAMED_RATIOS}
-        | {k: v for k, v in r["ratios"].items() if k not in NAMED_RATIOS},
-        "agent_digest_ms_p50_by_length": agent_digest_ms(r),
-        "plan_fragmented_128k_ms": r["planner"]["fragmented_ms"],
-        "plan_contiguous_128k_ms": r["planner"]["contiguous_ms"],
-        "plan_speedup_vs_loop": r["planner"]["loop_fragmented_ms"] / r["planner"]["fragmented_ms"],
-        "handshake_ms_p50": r["control"]["handshake_ms"]["median"],
-        "control_overhead_ms_p50": r["control"]["control_overhead_ms"]["median"],
-        "request_1_token_ms_p50": r["control"]["request_1_token_ms"]["median"],
-        "request_1_token_overhead_ms_p50": r["control"]["request_1_token_overhead_ms"]["median"],
-        "zmq_round_trip_ms_p50": r["control"].get("zmq_round_trip_ms", {}).get("median"),
-        "first_handshake_flash_ms": r["control"]["first_handshake_flash_ms"],
-        "descriptors_contiguous_128k": r["planner"]["descriptors_contiguous"],
-        "descriptors_fragmented_128k": r["planner"]["descriptors_fragmented"],
-    } | scale_summary(r)
+    return (
+        {
+            "ratios": {k: r["ratios"].get(k) for k in NAMED_RATIOS}
+            | {k: v for k, v in r["ratios"].items() if k not in NAMED_RATIOS},
+            "agent_digest_ms_p50_by_length": agent_digest_ms(r),
+            "plan_fragmented_128k_ms": r["planner"]["fragmented_ms"],
+            "plan_contiguous_128k_ms": r["planner"]["contiguous_ms"],
+            "plan_speedup_vs_loop": r["planner"]["loop_fragmented_ms"] / r["planner"]["fragmented_ms"],
+            "handshake_ms_p50": r["control"]["handshake_ms"]["median"],
+            "control_overhead_ms_p50": r["control"]["control_overhead_ms"]["median"],
+            "request_1_token_ms_p50": r["control"]["request_1_token_ms"]["median"],
+            "request_1_token_overhead_ms_p50": r["control"]["request_1_token_overhead_ms"]["median"],
+            "zmq_round_trip_ms_p50": r["control"].get("zmq_round_trip_ms", {}).get("median"),
+            "first_handshake_flash_ms": r["control"]["first_handshake_flash_ms"],
+            "descriptors_contiguous_128k": r["planner"]["descriptors_contiguous"],
+            "descriptors_fragmented_128k": r["planner"]["descriptors_fragmented"],
+        }
+        | scale_summary(r)
+        | {k: r[k] for k in ("sglang_mooncake_ms_by_length", "sglang_backend_ms_by_length") if k in r}
+    )
 
 
 def scale_summary(r: dict) -> dict:
@@ -225,7 +234,14 @@ def cmd_bench(args) -> ExitCode:
 
     tune_interpreter()
     say = (lambda *a: None) if args.json else (lambda m: print(m, flush=True))
-    r = bench.run_bench(args.quick, args.engines, args.modes, progress=say, agent=getattr(args, "agent", True))
+    r = bench.run_bench(
+        args.quick,
+        args.engines,
+        args.modes,
+        progress=say,
+        agent=getattr(args, "agent", True),
+        sglang=getattr(args, "sglang", False),
+    )
     files = write_outputs(r, Path(args.out))
     s = summary(r)
     if not args.json:

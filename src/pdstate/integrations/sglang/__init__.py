@@ -27,9 +27,9 @@ Packaging: the extra ``pdstate[sglang]`` is an empty marker. It deliberately doe
 ``sglang`` wheel, whose dependencies pull a CUDA build of torch; SGLang itself is the user's own
 install (the version this adapter is tested against is 0.5.19).
 
-State of this adapter: registration and the launcher are complete; the classes ``get_kv_class``
-returns are placeholders whose constructors raise ``NotImplementedError`` until the adapter over
-``pdstate.agent`` lands.
+The classes are a thin adapter over ``pdstate.agent`` (``classes``: one manager per rank with its
+agent, a sender / receiver per request, SGLang's own bootstrap server); README, "Using pdstate
+from SGLang", says what they support.
 """
 
 from __future__ import annotations

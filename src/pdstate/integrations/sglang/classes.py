@@ -1,45 +1,40 @@
 """The classes ``get_kv_class`` returns for ``TransferBackend.PDSTATE``, built on first install.
 
-They subclass SGLang's ``BaseKVManager``, ``BaseKVSender``, ``BaseKVReceiver`` and
-``BaseKVBootstrapServer``, so they can only be defined once SGLang is importable: ``build_classes``
-imports it and caches what it built. Until the adapter over ``pdstate.agent`` lands, constructing
-any of them raises ``NotImplementedError`` saying so, before any resource is taken; every abstract
-method is present, so the classes themselves are complete subclasses.
+They subclass SGLang's ``Common*`` classes (hence its ``BaseKV*``), so they can only be defined
+once SGLang is importable: ``build_classes`` imports their modules and caches what it got.
+
+* MANAGER: ``manager.build_manager()``, ``PdStateKVManager`` (one per rank, a pdstate agent over the rank's memory);
+* SENDER / RECEIVER: ``PdStateKVSender`` / ``PdStateKVReceiver`` (``sender`` / ``receiver``) (one per request);
+* BOOTSTRAP_SERVER: SGLang's own ``CommonKVBootstrapServer``, unchanged (its routes are what
+  routers and gateways talk to), under pdstate's name.
 """
 
 from __future__ import annotations
 
 import functools
 
-PENDING = (
-    "pdstate's SGLang transfer backend is registered, but its {what} is not implemented yet: "
-    "use another --disaggregation-transfer-backend for now"
-)
-
-
-def _pending(what: str, name: str):
-    def method(self, *args, **kwargs):
-        raise NotImplementedError(PENDING.format(what=what))
-
-    method.__name__ = method.__qualname__ = name
-    return method
-
 
 @functools.cache
 def build_classes() -> dict[str, type]:
     """pdstate's classes by ``KVClassType`` member name (MANAGER, SENDER, RECEIVER, BOOTSTRAP_SERVER)."""
-    from sglang.srt.disaggregation.base import conn
+    from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
 
-    def make(base: type, name: str, what: str) -> type:
-        namespace = {"__module__": __name__, "__qualname__": name, "__init__": _pending(what, "__init__")}
-        for attr in getattr(base, "__abstractmethods__", ()):
-            namespace[attr] = _pending(what, attr)
-        namespace["__doc__"] = f"pdstate's {what} for SGLang (a subclass of ``{base.__name__}``)."
-        return type(name, (base,), namespace)
+    from pdstate.integrations.sglang.manager import build_manager
+    from pdstate.integrations.sglang.receiver import build_receiver
+    from pdstate.integrations.sglang.sender import build_sender
 
+    bootstrap = type(
+        "PdStateKVBootstrapServer",
+        (CommonKVBootstrapServer,),
+        {
+            "__module__": __name__,
+            "__qualname__": "PdStateKVBootstrapServer",
+            "__doc__": "SGLang's bootstrap server (its routes, its registration format), as pdstate's backend.",
+        },
+    )
     return {
-        "MANAGER": make(conn.BaseKVManager, "PdStateKVManager", "KV manager"),
-        "SENDER": make(conn.BaseKVSender, "PdStateKVSender", "KV sender"),
-        "RECEIVER": make(conn.BaseKVReceiver, "PdStateKVReceiver", "KV receiver"),
-        "BOOTSTRAP_SERVER": make(conn.BaseKVBootstrapServer, "PdStateKVBootstrapServer", "bootstrap server"),
+        "MANAGER": build_manager(),
+        "SENDER": build_sender(),
+        "RECEIVER": build_receiver(),
+        "BOOTSTRAP_SERVER": bootstrap,
     }

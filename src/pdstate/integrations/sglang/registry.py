@@ -107,6 +107,6 @@ def register() -> None:
         choices.append(BACKEND)
     wrapped = wrap_get_kv_class(original, classes, member)
     utils.get_kv_class = wrapped
-    for name, module in list(sys.modules.items()):
-        if name.startswith("sglang.") and module is not None and getattr(module, "get_kv_class", None) is original:
+    for module in list(sys.modules.values()):  # SGLang's importers, and any other module that took it by name
+        if module is not None and getattr(module, "get_kv_class", None) is original:
             module.get_kv_class = wrapped

@@ -1,7 +1,8 @@
 """Make the real SGLang 0.5.19 code importable on a CPU-only host, in a *child* process.
 
-Importing this module changes process-wide state (``sys.meta_path``, ``sys.modules["sglang"]``,
-``torch.compile``), so only the harness's child processes import it, never the pytest process:
+``install()`` changes process-wide state (``sys.meta_path``, ``sys.modules["sglang"]``,
+``torch.compile``), so only child processes call it (importing ``booted`` does, first thing),
+never a test or CLI process; importing this module itself changes nothing:
 
 - the cached environment (``PDSTATE_SGLANG_ENV``) is appended to ``sys.path``, after the venv, so
   the venv's torch and numpy always win over anything in it;
@@ -11,7 +12,7 @@ Importing this module changes process-wide state (``sys.meta_path``, ``sys.modul
   whole frontend) is skipped, every ``sglang.srt.*`` submodule is the real file;
 - ``torch.compile`` becomes an identity decorator (it breaks on CPU with a dummy triton present).
 
-``use_server_args`` publishes the ``ServerArgs`` a pool reads at construction and
+``server_args`` builds and ``publish`` publishes the ``ServerArgs`` a pool reads at construction;
 ``unified_kv`` selects upstream's unified-KV mode for the pools built inside it.
 """
 
@@ -24,8 +25,6 @@ import importlib.util
 import os
 import sys
 import types
-
-ENV_DIR = os.environ.get("PDSTATE_SGLANG_ENV", "")
 
 # Top-level packages SGLang imports at module level but never runs on the paths under test.
 GPU_ONLY = frozenset(
@@ -130,9 +129,11 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def _install() -> None:
-    if ENV_DIR and ENV_DIR not in sys.path:
-        sys.path.append(ENV_DIR)
+def install() -> None:
+    """The cached environment on ``sys.path``, the stubs, ``torch.compile`` and the bare package (idempotent)."""
+    env_dir = os.environ.get("PDSTATE_SGLANG_ENV", "")
+    if env_dir and env_dir not in sys.path:
+        sys.path.append(env_dir)
     if not any(isinstance(f, _StubFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _StubFinder())
     import torch
@@ -141,15 +142,12 @@ def _install() -> None:
     if "sglang" not in sys.modules:
         spec = importlib.util.find_spec("sglang")
         if spec is None or not spec.submodule_search_locations:
-            raise ImportError(f"sglang is not in the environment {ENV_DIR!r}")
+            raise ImportError(f"sglang is not in the environment {env_dir!r}")
         pkg = types.ModuleType("sglang")
         pkg.__path__ = list(spec.submodule_search_locations)
         pkg.__file__ = spec.origin
         pkg.__spec__ = spec
         sys.modules["sglang"] = pkg
-
-
-_install()
 
 
 def server_args(*, speculative: bool, draft_tokens: int = 4, page_size: int = 256, **extra):

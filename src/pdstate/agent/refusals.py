@@ -1,0 +1,62 @@
+"""What a ``PrefillAgent`` does about the decodes it refused at the handshake, and its waiting rooms.
+
+A refused decode fails its own receivers at once (the prefill's ``Reject`` carries the error), but
+the prefill's senders for those rooms would wait for a request that never comes. So a refused
+decode sends an ``Abort`` for each room it gives up, and the prefill fails that room with the very
+error it refused the decode with (upstream's class and text): the live sender at once, or, when
+the caller has not made it yet, the sender made later (``refusal(room)`` tells the caller before).
+
+``requested(room)`` says whether a decode's request for ``room`` is waiting for its sender: an
+engine whose prefill learns the page count only after the decode asked (SGLang's scheduler) polls
+it to leave its bootstrapping state. Both read without the I/O thread (a dict lookup).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from pdstate.errors import PdStateError, error_from_wire
+from pdstate.protocol import wire
+from pdstate.protocol.report import ErrorInfo
+
+__all__ = ["Refusals"]
+
+MAX_REFUSED_ROOMS = 65536  # rooms given up before their sender existed, oldest forgotten first
+
+
+class Refusals:
+    """Mixed into ``PrefillAgent``; its I/O thread calls ``_note_handshake`` and ``_on_refused_abort``."""
+
+    def _init_refusals(self) -> None:
+        self._refused: dict[bytes, ErrorInfo] = {}  # decode identity -> the refusal it got
+        self._refused_rooms: OrderedDict[int, PdStateError] = OrderedDict()
+
+    def requested(self, room: int) -> bool:
+        """Whether a decode's request for ``room`` arrived and waits for ``sender(room, ...)``."""
+        return room in self._pending  # type: ignore[attr-defined]
+
+    def pending_pages(self, room: int) -> int | None:
+        """How many destination pages the waiting request for ``room`` names (``None``: none waits)."""
+        pending = self._pending.get(room)  # type: ignore[attr-defined]
+        return None if pending is None else len(pending.msg.dst_kv_pages)
+
+    def refusal(self, room: int) -> PdStateError | None:
+        """The error a refused decode gave ``room`` up with before its sender was made."""
+        return self._refused_rooms.get(room)
+
+    def _note_handshake(self, identity: bytes, answer: wire.Message) -> None:
+        if isinstance(answer, wire.Reject):
+            self._refused[identity] = answer.error
+        else:
+            self._refused.pop(identity, None)
+
+    def _on_refused_abort(self, identity: bytes, msg: wire.Abort) -> None:
+        info = self._refused[identity]
+        error = error_from_wire(info.type, info.message)
+        send = self._sends.get(msg.room)  # type: ignore[attr-defined]
+        if send is not None and send.request is None and not send.record.state.terminal:
+            self._fail(send, error, tell_decode=False)  # type: ignore[attr-defined]
+            return
+        self._refused_rooms[msg.room] = error
+        while len(self._refused_rooms) > MAX_REFUSED_ROOMS:
+            self._refused_rooms.popitem(last=False)

@@ -1,0 +1,90 @@
+"""``pdstate bench --sglang``: SGLang's own Mooncake backend against backend ``pdstate``, per request.
+
+The two-process driver (``devtools.sglang_pair``) runs SGLang 0.5.19's disaggregation code on real
+DeepSeek-V4-Flash pools (target + NextN draft, speculative) sized for a 32k-token request: one
+prefill child and one decode child, the same pools for both backends. Each backend gets its
+managers once (``get_kv_class``: SGLang's ``mooncake`` over TCP, and ``pdstate`` with
+``PDSTATE_TRANSFER__ENGINE=mooncake``), one warm-up request, then the backends alternate request by
+request, every length in turn, ``runs`` times. The time is the prefill's: the first ``send`` of a
+request (two chunks, state on the last) to its sender's ``poll()`` returning Success. The decode
+checks every byte after each request, outside the time; a request that does not end in Success
+with every byte right fails the phase.
+
+Results: ``sglang_mooncake_ms_by_length`` and ``sglang_backend_ms_by_length`` (median ms by length),
+``sglang`` (the runs, min/median/max, and why a backend did not run). The ratio
+``sglang_backend_vs_sglang_mooncake_by_length`` (SGLang's time / pdstate's: above 1 pdstate is
+faster) is ``bench_report.ratios``'. Skipped, saying why, where the SGLang environment is not
+built (``make sglang-env``) or Mooncake cannot be imported; backend ``pdstate`` is skipped, saying so, while this build's adapter
+is the placeholder.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from pdstate.devtools.sglang_pair.cases import BENCH_SIDE, BENCH_TOKENS, Case
+from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, Pair, env_dir, mooncake_missing, pdstate_pending
+
+BACKENDS = {"mooncake": "sglang_mooncake_ms_by_length", "pdstate": "sglang_backend_ms_by_length"}
+DEADLINE_S = 60.0
+CASE = Case("bench", "the same pools on both sides, room for 32k tokens", BENCH_SIDE, BENCH_SIDE)
+
+
+def unavailable() -> str | None:
+    """Why the phase cannot run here (no SGLang environment, no Mooncake), else ``None``."""
+    target = env_dir()
+    if not (target / "sglang").is_dir():
+        return f"no SGLang environment at {target} (make sglang-env builds it)"
+    return mooncake_missing()
+
+
+def _check(backend: str, r: dict) -> float:
+    pre, dec = r["prefill"], r["decode"]
+    ok = pre.get("outcome") == dec.get("outcome") == "Success"
+    if not ok or dec["wrong_items"] or dec["outside_bytes"]:
+        raise RuntimeError(f"sglang phase: {backend} at {r['tokens']} tokens did not land every byte: {pre} {dec}")
+    return r["send_to_success_ms"]
+
+
+def phase(
+    runs: int, results: dict, progress=print, lengths: tuple[int, ...] = BENCH_TOKENS, pair: Pair | None = None
+) -> None:
+    """Measure and store the phase's keys in ``results`` (see the module's docstring); ``pair``: child
+    processes to reuse (started with ``PDSTATE_ENGINE_ENV``), else the phase starts and stops its own."""
+    info: dict = {"lengths": list(lengths), "runs": runs, "skipped": {}}
+    results["sglang"] = info
+    why = unavailable()
+    if why:
+        progress(f"skipping the sglang phase: {why}")
+        info["skipped"]["phase"] = why
+        return
+    backends = list(BACKENDS)
+    pending = pdstate_pending()
+    if pending:
+        progress(pending)
+        info["skipped"]["pdstate"] = pending
+        backends.remove("pdstate")
+    times: dict[str, dict[int, list[float]]] = {b: {n: [] for n in lengths} for b in backends}
+    own = pair is None
+    if own:
+        pair = Pair(extra_env=PDSTATE_ENGINE_ENV)
+    try:
+        for b in backends:
+            progress(f"[sglang] {b}: managers and a warm-up request ...")
+            out = pair.run_case(CASE, b, tokens=(lengths[0],), deadline_s=DEADLINE_S)
+            if "setup_error" in out:
+                raise RuntimeError(f"sglang phase: backend {b} could not be set up: {out['setup_error']}")
+            _check(b, out["requests"][0])
+        for _ in range(runs):
+            for n in lengths:
+                for b in backends:
+                    pair.use(b)
+                    times[b][n].append(_check(b, pair.request(n, DEADLINE_S)))
+    finally:
+        if own:
+            pair.close()
+    for b in backends:
+        per = {str(n): statistics.median(v) for n, v in times[b].items()}
+        results[BACKENDS[b]] = per
+        info[b] = {str(n): {"min": min(v), "median": statistics.median(v), "max": max(v)} for n, v in times[b].items()}
+        progress(f"[sglang] {b}: " + ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in per.items()))

@@ -1,0 +1,219 @@
+"""The parent of the two-process SGLang driver: a prefill child and a decode child, driven in SGLang's order.
+
+``Pair`` starts both children (``side.py``) under the cached SGLang environment and keeps them for
+as many cases as asked (each case gets its own bootstrap server port and managers; a child reuses
+the pools of a side it has built). ``run_case`` runs requests one after another in SGLang's call
+order: the prefill's sender is created and ``init``-ed; the decode fetches the prefill's parallel
+info, creates its receiver, ``init``s it and sends its metadata (pages and per-``StateType`` state
+indices); then, at once on both sides, the prefill sends two chunks (state on the last) and polls
+while the decode polls; every decode byte is checked. Nothing waits past ``deadline_s`` per side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from pdstate.devtools.sglang_pair.cases import Case
+
+REPLY = "@@pair "
+REPO_SRC = Path(__file__).resolve().parents[3]
+# SGLang's Mooncake backend over TCP on one host (no RDMA here).
+MOONCAKE_TCP = {"MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1", "SGLANG_HOST_IP": "127.0.0.1"}
+# Backend "pdstate" moves the bytes with pdstate's Mooncake engine (its usual configuration).
+PDSTATE_ENGINE_ENV = {"PDSTATE_TRANSFER__ENGINE": "mooncake"}
+PLACEHOLDER = "not implemented yet"  # the text of the adapter's placeholder classes
+SLACK_S = 30.0  # what a child may take beyond a request's deadline to answer (setup, byte checks)
+
+
+def env_dir() -> Path:
+    """The cached SGLang environment: ``$PDSTATE_SGLANG_ENV``, else ``<venv>/sglang-env``."""
+    return Path(os.environ.get("PDSTATE_SGLANG_ENV") or Path(sys.prefix) / "sglang-env")
+
+
+def child_env(target: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")}
+    env.update(MOONCAKE_TCP)
+    env.update(extra or {})
+    env["PDSTATE_SGLANG_ENV"] = str(target)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_SRC)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONWARNINGS"] = "ignore"
+    env["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+    env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def pdstate_pending() -> str | None:
+    """One line when this build's SGLang adapter is still the placeholder (its classes raise
+    ``NotImplementedError``), read from the source at run time; ``None`` once it has landed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("pdstate.integrations.sglang.classes")
+    source = Path(spec.origin).read_text() if spec and spec.origin else ""
+    if "NotImplementedError" in source and PLACEHOLDER in source:
+        return (
+            "backend pdstate not run: pdstate/integrations/sglang/classes.py is still the placeholder "
+            "(NotImplementedError, the adapter has not landed)"
+        )
+    return None
+
+
+def mooncake_missing() -> str | None:
+    """One line when Mooncake's Python package (``mooncake.engine``, which both SGLang's backend and
+    pdstate's Mooncake engine use) cannot be imported here, else ``None``."""
+    from pdstate.errors import EngineUnavailable
+    from pdstate.transfer.engines.mooncake import MooncakeEngine
+
+    try:
+        MooncakeEngine.check_available()
+    except EngineUnavailable as exc:
+        return f"the SGLang pair needs Mooncake: {exc}"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Child:
+    def __init__(self, role: str, env: dict[str, str]) -> None:
+        self.role = role
+        self.err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdstate.devtools.sglang_pair.side"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True, env=env,
+        )  # fmt: skip
+        self.replies: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                self.replies.put(json.loads(line[len(REPLY) :]))
+        self.replies.put(None)
+
+    def tell(self, op: str, **kw) -> None:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self, timeout: float) -> dict:
+        try:
+            reply = self.replies.get(timeout=timeout)
+        except queue.Empty:
+            reply = None
+        if reply is None:
+            raise RuntimeError(f"the {self.role} child did not answer in {timeout:.0f} s:\n{self.stderr_tail()}")
+        return reply
+
+    def call(self, op: str, timeout: float, **kw) -> dict:
+        self.tell(op, **kw)
+        return self.answer(timeout)
+
+    def stderr_tail(self, n: int = 4000) -> str:
+        self.err.seek(0)
+        return self.err.read().decode(errors="replace")[-n:]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.err.close()
+
+
+class Pair:
+    """A prefill child and a decode child; ``extra_env`` for both (e.g. ``PDSTATE_TRANSFER__ENGINE``)."""
+
+    def __init__(self, target: Path | None = None, extra_env: dict[str, str] | None = None) -> None:
+        env = child_env(target or env_dir(), extra_env)
+        self.prefill = Child("prefill", env)
+        self.decode = Child("decode", env)
+        self.room = 1000
+
+    def __enter__(self) -> Pair:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.decode.close()
+
+    def setup(self, case: Case, backend: str) -> tuple[dict, dict]:
+        port = free_port()
+        p = self.prefill.call(
+            "setup", SLACK_S * 4, role="prefill", backend=backend, side=case.prefill.to_json(), port=port
+        )
+        if not p["ok"]:
+            return p, {"ok": False, "error": "not set up (the prefill's setup failed)"}
+        d = self.decode.call(
+            "setup", SLACK_S * 4, role="decode", backend=backend, side=case.decode.to_json(), port=port
+        )
+        return p, d
+
+    def use(self, backend: str) -> None:
+        """Switch both children back to their last ``setup`` of ``backend`` (same pools, same managers)."""
+        for child in (self.prefill, self.decode):
+            reply = child.call("use", SLACK_S, backend=backend)
+            if not reply["ok"]:
+                raise RuntimeError(f"the {child.role} child has no {backend} session: {reply['error']}")
+
+    def request(self, tokens: int, deadline_s: float) -> dict:
+        self.room += 1
+        room = self.room
+        t0 = time.perf_counter()
+        opened = self.prefill.call("open", SLACK_S, room=room, tokens=tokens)
+        if not opened["ok"]:
+            return {"tokens": tokens, "prefill": {"outcome": "error", "failure": opened["error"]}, "decode": {}}
+        recv = self.decode.call("recv", deadline_s + SLACK_S, room=room, tokens=tokens, deadline_s=deadline_s)
+        if not recv["ok"]:
+            recv = {"outcome": "error", "failure": recv["error"]}
+        self.prefill.tell("send", deadline_s=deadline_s)
+        if recv["outcome"] == "sent":
+            dec = self.decode.call("wait", deadline_s + SLACK_S, deadline_s=deadline_s)
+            if not dec["ok"]:
+                dec = {"outcome": "error", "failure": dec["error"]}
+        else:
+            dec = recv
+        pre = self.prefill.answer(deadline_s + SLACK_S)
+        if not pre["ok"]:
+            pre = {"outcome": "error", "failure": pre["error"]}
+        for side in (pre, dec):
+            side.pop("ok", None)
+            side.pop("trace", None)
+        ms = pre.pop("ms", None)
+        return {
+            "tokens": tokens,
+            "prefill": pre,
+            "decode": dec,
+            "send_to_success_ms": ms,
+            "elapsed_s": time.perf_counter() - t0,
+        }
+
+    def run_case(
+        self, case: Case, backend: str, tokens: tuple[int, ...] | None = None, deadline_s: float = 3.0
+    ) -> dict:
+        """One case: set up both sides (managers of ``backend``), then each request of ``tokens``
+        (the case's own lengths unless told)."""
+        p, d = self.setup(case, backend)
+        out = {"case": case.name, "what": case.what, "backend": backend, "deadline_s": deadline_s}
+        if not (p["ok"] and d["ok"]):
+            out["setup_error"] = p.get("error") or d.get("error")
+            out["requests"] = []
+            return out
+        out["requests"] = [self.request(n, deadline_s) for n in (tokens or case.tokens)]
+        return out

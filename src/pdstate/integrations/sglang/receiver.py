@@ -1,0 +1,135 @@
+"""``PdStateKVReceiver``: one request on a decode rank, over the rank's ``DecodeAgent``.
+
+SGLang's order: made when the request reaches the decode (``Bootstrapping``); ``init(prefill_dp_rank)``
+resolves the prefill ranks of that DP group through SGLang's bootstrap server (SGLang's own code:
+``rank_ip`` / ``rank_port`` per rank, the real one and, for a wider prefill attention TP, dummies)
+and opens one agent receiver per rank, whose first use connects and shakes hands: ``poll()`` is
+``WaitingForInput`` once every one was accepted. ``send_metadata(pages, aux_index, state_indices,
+decode_prefix_len)`` tells the real rank where everything lands (the dummies: nothing), and
+``poll()`` follows the agent receivers to ``Success`` (digests equal) or ``Failed``.
+
+A refused handshake (a layout factor differs) fails the request at once with the prefill's error
+(upstream's class and text) before any byte moves; the agent tells that prefill, whose sender of
+the room fails with the same error.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import numpy as np
+
+from pdstate.errors import PdStateError, TransferFailed
+from pdstate.integrations.sglang.states import combine, kv_poll, raise_failure
+
+log = logging.getLogger("pdstate.integrations.sglang")
+
+__all__ = ["build_receiver"]
+
+ABORT_FENCE_S = 5.0
+
+
+@functools.cache
+def build_receiver() -> type:
+    """``PdStateKVReceiver`` (SGLang imported here, on first install)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+    class PdStateKVReceiver(CommonKVReceiver):
+        def __init__(self, mgr, bootstrap_addr, bootstrap_room=None):
+            self._recvs: list[tuple[bool, object]] = []  # (is_dummy, agent receiver)
+            self._error: BaseException | None = None
+            super().__init__(mgr, bootstrap_addr, bootstrap_room)
+
+        def _fail(self, error: BaseException, reason: str | None = None) -> int:
+            if self._error is None:
+                self._error = error
+            self.kv_mgr.record_failure(self.bootstrap_room, reason or f"{type(error).__name__}: {error}")
+            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+            self.conclude_state = KVPoll.Failed
+            return KVPoll.Failed
+
+        def init(self, prefill_dp_rank: int):
+            reason = self.kv_mgr.topology_errors.get(self.bootstrap_addr)
+            if reason is not None:
+                self._fail(TransferFailed(reason))
+                return
+            super().init(prefill_dp_rank)  # SGLang's rank mapping and /route lookups
+            if self.conclude_state == KVPoll.Failed or not self.bootstrap_infos:
+                return
+            try:
+                for info in self.bootstrap_infos:
+                    address = self.kv_mgr.agent_address(info)
+                    self._recvs.append(
+                        (bool(info.get("is_dummy")), self.kv_mgr.agent.receiver(address, self.bootstrap_room))
+                    )
+            except (PdStateError, ValueError) as exc:
+                self._fail(exc)
+
+        def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None):
+            if self.conclude_state is not None:
+                return
+            if decode_prefix_len:
+                self._fail(
+                    TransferFailed(
+                        f"decode_prefix_len={decode_prefix_len}: pdstate's SGLang backend moves whole requests "
+                        "(run the decode without --disaggregation-decode-enable-radix-cache)"
+                    )
+                )
+                return
+            n = len(self.kv_mgr.kv_args.state_types)
+            states = list(state_indices) if state_indices is not None else [None] * n
+            if len(states) != n:
+                self._fail(ValueError(f"state_indices: {len(states)} lists for {n} state components"))
+                return
+            lists = [
+                np.empty(0, dtype=np.int64) if s is None else np.asarray(s, dtype=np.int64).reshape(-1) for s in states
+            ]
+            empty = [np.empty(0, dtype=np.int64)] * n
+            try:
+                for dummy, recv in self._recvs:
+                    if dummy:
+                        recv.init([], empty, None)
+                    else:
+                        recv.init(kv_indices, lists, aux_index)
+            except (PdStateError, ValueError) as exc:
+                self._fail(exc)
+
+        def poll(self) -> int:
+            if self.conclude_state is not None:
+                return self.conclude_state
+            if not self._recvs:
+                status = self.kv_mgr.request_status.get(self.bootstrap_room, KVPoll.Bootstrapping)
+                if status == KVPoll.Failed:
+                    self.conclude_state = KVPoll.Failed
+                return status
+            states = [recv.poll() for _, recv in self._recvs]
+            poll = combine(kv_poll(s) for s in states)
+            if poll == KVPoll.Failed:
+                for (_, recv), state in zip(self._recvs, states):
+                    if kv_poll(state) == KVPoll.Failed:
+                        return self._fail(recv.failure_exception() or TransferFailed("the pdstate receiver failed"))
+            if poll == KVPoll.Success:
+                self.conclude_state = KVPoll.Success
+                self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Success)
+            return poll
+
+        def failure_exception(self):
+            raise_failure(self.bootstrap_room, self._error, self.kv_mgr.failure_records.get(self.bootstrap_room))
+
+        def abort(self):
+            """Fail the request; returns once no write of it can land any more (the agent's fence)."""
+            for _, recv in self._recvs:
+                if not recv.poll().terminal:
+                    try:
+                        recv.abort("Aborted by AbortReq.", timeout_s=ABORT_FENCE_S)
+                    except Exception as exc:  # not fenced in time: say so, still fail the request
+                        log.error("pdstate: room %s: abort not fenced: %s", self.bootstrap_room, exc)
+            self.kv_mgr.record_failure(self.bootstrap_room, "Aborted by AbortReq.")
+            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+            self.conclude_state = KVPoll.Failed
+            self.abort_notified = True
+
+    PdStateKVReceiver.__qualname__ = "PdStateKVReceiver"
+    return PdStateKVReceiver

@@ -1,0 +1,181 @@
+"""``PdStateKVSender``: one request on a prefill rank, over the rank's ``PrefillAgent``.
+
+SGLang's order: the sender is made when the request reaches the prefill (``Bootstrapping``); it
+is ``WaitingForInput`` once the decode said where the request lands (the agent holds that request
+until the sender exists: ``PrefillAgent.requested``); then ``init(num_pages, aux_index)`` makes
+the agent's sender, ``send(pages, state_indices | None)`` goes once per chunk (state with the last
+only), and ``poll()`` follows the agent's sender to ``Success`` (every chunk landed and the
+decode's digest of the landed bytes matched) or ``Failed``.
+
+A decode that refused this prefill's layout gives the room up: ``poll()`` is ``Failed`` at once,
+``failure_exception()`` raises the refusal (upstream's class and text), and nothing was written.
+A prefill rank the decode does not take from (``is_dummy`` on the decode side: a wider prefill
+attention TP) gets a request naming no pages; it moves nothing and completes with the others.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import numpy as np
+
+from pdstate.errors import PdStateError, TransferFailed
+from pdstate.integrations.sglang.states import kv_poll, raise_failure
+
+log = logging.getLogger("pdstate.integrations.sglang")
+
+__all__ = ["build_sender"]
+
+ABORT_FENCE_S = 5.0
+
+
+def _state_lists(state_indices, n: int):
+    if state_indices is None:
+        return None
+    if len(state_indices) != n:
+        raise ValueError(f"state_indices: {len(state_indices)} lists for {n} state components")
+    return [
+        np.empty(0, dtype=np.int64) if s is None else np.asarray(s, dtype=np.int64).reshape(-1) for s in state_indices
+    ]
+
+
+@functools.cache
+def build_sender() -> type:
+    """``PdStateKVSender`` (SGLang imported here, on first install)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferMetric
+    from sglang.srt.disaggregation.common.conn import CommonKVSender
+
+    class PdStateKVSender(CommonKVSender):
+        def __init__(
+            self, mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks, pp_rank, req_has_disagg_prefill_dp_rank=False
+        ):
+            self._agent_send = None
+            self._inited = False
+            self._queued: list = []  # chunks sent before the decode's request arrived
+            self._dummy = False
+            self._dummy_done = False
+            self._error: BaseException | None = None
+            super().__init__(
+                mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks, pp_rank, req_has_disagg_prefill_dp_rank
+            )
+            self.init_time = time.time()
+
+        @property
+        def agent(self):
+            return self.kv_mgr.agent
+
+        def _fail(self, error: BaseException, reason: str | None = None) -> int:
+            if self._error is None:
+                self._error = error
+            self.kv_mgr.record_failure(self.bootstrap_room, reason or f"{type(error).__name__}: {error}")
+            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+            self.conclude_state = KVPoll.Failed
+            return KVPoll.Failed
+
+        def init(self, num_kv_indices: int, aux_index=None):
+            super().init(num_kv_indices, aux_index)
+            self._inited = True
+            if self.conclude_state is None:
+                self._make_agent_sender()
+
+        def _make_agent_sender(self) -> None:
+            """Made once the decode's request is here (SGLang calls ``init`` after that; a caller
+            that calls it before gets its sender then), so a dummy rank is known: the decode named
+            no pages for a request that has some."""
+            room = self.bootstrap_room
+            pages = self.agent.pending_pages(room)
+            if pages is None:
+                return
+            try:
+                if self.num_kv_indices > 0 and pages == 0:
+                    self._dummy = True  # the decode takes this room from another prefill rank
+                    self._agent_send = self.agent.sender(room, 0, None)
+                else:
+                    self._agent_send = self.agent.sender(room, self.num_kv_indices, self.aux_index)
+                for chunk in self._queued:
+                    self._send_chunk(*chunk)
+            except (PdStateError, ValueError) as exc:
+                self._fail(exc)
+            self._queued.clear()
+
+        def send(self, kv_indices, state_indices=None, num_kv_tokens=None):
+            pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
+            self.curr_idx += pages.size
+            last = self.curr_idx >= self.num_kv_indices
+            self._record_transfer_indices(pages, state_indices if last else None)
+            if self.conclude_state is not None:
+                return
+            if self._agent_send is None:
+                self._queued.append((pages, state_indices, last))
+                return
+            try:
+                self._send_chunk(pages, state_indices, last)
+            except (PdStateError, ValueError) as exc:
+                self._fail(exc)
+
+        def _send_chunk(self, pages, state_indices, last: bool) -> None:
+            if self._dummy:
+                if last and not self._dummy_done:
+                    self._dummy_done = True
+                    self._agent_send.send([], None)
+                return
+            n = len(self.kv_mgr.kv_args.state_types)
+            self._agent_send.send(pages, _state_lists(state_indices, n) if last else None)
+
+        def poll(self) -> int:
+            if self.conclude_state is not None:
+                return self.conclude_state
+            status = self.kv_mgr.request_status.get(self.bootstrap_room)
+            if status == KVPoll.Failed:  # SGLang's own checks (DP routing conflict, ...)
+                self.conclude_state = KVPoll.Failed
+                return KVPoll.Failed
+            if self._agent_send is None:
+                refusal = self.agent.refusal(self.bootstrap_room)
+                if refusal is not None:
+                    return self._fail(refusal)
+                if self.agent.requested(self.bootstrap_room):
+                    if not self._inited:
+                        return KVPoll.WaitingForInput
+                    self._make_agent_sender()
+                    if self.conclude_state is not None:
+                        return self.conclude_state
+                else:
+                    timed_out = self._check_bootstrap_timeout()
+                    if timed_out is not None:
+                        self.conclude_state = timed_out
+                        return timed_out
+                    return KVPoll.Bootstrapping
+            poll = kv_poll(self._agent_send.poll())
+            if poll == KVPoll.Failed:
+                err = self._agent_send.failure_exception() or TransferFailed("the pdstate sender failed")
+                return self._fail(err)
+            if poll == KVPoll.Success:
+                self.conclude_state = KVPoll.Success
+                self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Success)
+            return poll
+
+        def failure_exception(self):
+            raise_failure(self.bootstrap_room, self._error, self.kv_mgr.failure_records.get(self.bootstrap_room))
+
+        def get_transfer_metric(self) -> KVTransferMetric:
+            metric = super().get_transfer_metric()
+            if self._agent_send is not None:
+                m = self._agent_send.metrics
+                metric.transfer_latency_s = m.get("transfer_s")
+                if "bytes" in m:
+                    metric.transfer_total_bytes = int(m["bytes"])
+            return metric
+
+        def abort(self):
+            """Fail the request; returns once nothing of it can land any more (the agent's fence)."""
+            if self._agent_send is not None and not self._agent_send.poll().terminal:
+                try:
+                    self._agent_send.abort("Aborted by AbortReq.", timeout_s=ABORT_FENCE_S)
+                except Exception as exc:  # the fence could not be confirmed: say so, still fail the request
+                    log.error("pdstate: room %s: abort not fenced: %s", self.bootstrap_room, exc)
+            super().abort()
+
+    PdStateKVSender.__qualname__ = "PdStateKVSender"
+    return PdStateKVSender

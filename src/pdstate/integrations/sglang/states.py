@@ -1,0 +1,46 @@
+"""pdstate's request states as SGLang's ``KVPoll``, and a failure as the exception SGLang expects.
+
+SGLang is imported when first needed (this module loads without it)."""
+
+from __future__ import annotations
+
+import functools
+
+from pdstate.protocol.lifecycle import RequestState
+
+__all__ = ["combine", "kv_poll", "raise_failure"]
+
+
+@functools.cache
+def _table() -> dict:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    return {
+        RequestState.BOOTSTRAPPING: KVPoll.Bootstrapping,
+        RequestState.WAITING_FOR_INPUT: KVPoll.WaitingForInput,
+        RequestState.TRANSFERRING: KVPoll.Transferring,
+        RequestState.SUCCESS: KVPoll.Success,
+        RequestState.FAILED: KVPoll.Failed,
+    }
+
+
+def kv_poll(state: RequestState) -> int:
+    """The ``KVPoll`` value of an agent request's state (one to one)."""
+    return _table()[state]
+
+
+def combine(polls) -> int:
+    """Several agent requests behind one SGLang request: Failed if any failed, else the least advanced."""
+    failed = _table()[RequestState.FAILED]
+    polls = list(polls)
+    return failed if failed in polls else min(polls)
+
+
+def raise_failure(room, error: BaseException | None, reason: str | None) -> None:
+    """SGLang's ``failure_exception()``: raise the request's failure. pdstate's own error (its
+    class and upstream's text) when there is one, else SGLang's ``KVTransferError``."""
+    from sglang.srt.disaggregation.common.conn import KVTransferError
+
+    if error is not None:
+        raise error
+    raise KVTransferError(room, reason or "Failed due to an unknown reason")

@@ -1,0 +1,395 @@
+"""Child process of the harness: pdstate's SGLang backend driven in SGLang's call order, in one process.
+
+Both sides live here: real SGLang DSV4 pools (target + NextN draft, one allocator each), ``KVArgs``
+filled by SGLang's own functions (as ``_init_kv_manager`` fills them), SGLang's bootstrap server,
+and pdstate's manager, sender and receiver classes from ``get_kv_class`` over the ``loopback``
+engine (``PDSTATE_TRANSFER__ENGINE=loopback``, set by the parent). Reads the case names as a JSON
+list on stdin; prints one JSON object on the last line of stdout. Run only by ``runner.run_probe``:
+importing ``booted`` changes process-wide state.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+
+from pdstate.devtools.sglang_pair import booted  # noqa: F401  (first: the GPU-only stubs and the bare sglang package)
+
+# isort: split
+import numpy as np
+import torch
+
+from pdstate.devtools.sglang_pair import boot
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import probe
+import scenarios
+
+ROOM_OK, ROOM_BAD = 1001, 1002
+SEQ_LEN = 300  # two 256-token pages: two chunks, state with the second
+SENTINEL = 0xAB
+DEADLINE_S = 10.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+PORT = _free_port()
+_SCOPES: list = []
+
+
+def _args(speculative: bool):
+    return boot.server_args(
+        speculative=speculative,
+        host="127.0.0.1",
+        disaggregation_bootstrap_port=PORT,
+        disaggregation_transfer_backend="pdstate",
+    )
+
+
+def _context() -> None:
+    """The parallel context a scheduler rank has (tp = cp = dp = pp = 1), without torch.distributed."""
+    from sglang.srt.disaggregation.common import conn as common
+    from sglang.srt.layers import dp_attention
+    from sglang.srt.runtime_context import get_parallel
+
+    scope = get_parallel().override(
+        attn_tp_size=1, attn_tp_rank=0, attn_cp_size=1, attn_cp_rank=0, attn_dcp_size=1, attn_dcp_rank=0
+    )
+    scope.__enter__()
+    _SCOPES.append(scope)  # held for the process's life (a collected scope would restore on exit)
+    dp_attention._ATTN_DP_RANK, dp_attention._ATTN_DP_SIZE = 0, 1
+    common.get_pp_group = lambda: None  # read only for pp > 1
+
+
+def build_side(speculative: bool, shift_pages: int, own_draft_mapping: bool = False):
+    """Real pools, SGLang-filled ``KVArgs`` and the request's indices, as one scheduler has them."""
+    from sglang.srt.disaggregation.base.conn import KVArgs, StateType
+    from sglang.srt.disaggregation.utils import (
+        MetadataBuffers,
+        build_kv_layer_ids,
+        get_dsv4_c128_state_indices,
+        is_dsv4_c128_online_enabled,
+        setup_state_kv_args,
+    )
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.common import kv_to_page_indices
+
+    boot.publish(_args(speculative))
+    s = scenarios.scenario("side", speculative=speculative)
+    target = probe._real_pool(probe._kwargs(s, draft=False))
+    draft = probe._real_pool(probe._kwargs(s, draft=True))
+    page = target.page_size
+    a = s["allocator"]
+    alloc = SWATokenToKVPoolAllocator(
+        a["size_full"], a["size_swa"], page, dtype=target.dtype, device="cpu", kvcache=target, need_sort=False
+    )
+    draft.register_mapping(alloc.full_to_swa_index_mapping)  # upstream's wiring: one mapping object
+    if shift_pages:  # the decode's pages are not the prefill's
+        alloc.full_attn_allocator.alloc(shift_pages * page)
+    locs = alloc.full_attn_allocator.alloc(2 * page)
+    swa_locs = alloc.swa_attn_allocator.alloc(2 * page)
+    if shift_pages:
+        swa_locs = torch.cat([swa_locs[page:], swa_locs[:page]])
+    alloc.set_full_to_swa_mapping(locs, swa_locs)
+    meta = MetadataBuffers(size=8, hidden_size=16, hidden_states_dtype=torch.float32)
+    boot.publish(_args(True))
+
+    kv = KVArgs()
+    kv.engine_rank, kv.pp_rank, kv.system_dp_rank = 0, 0, 0
+    kv.kv_cache_dtype_str = str(target.dtype).removeprefix("torch.")
+    kv.prefill_start_layer, kv.prefill_end_layer = 0, None
+    ptrs, lens, items = target.get_contiguous_buf_infos()
+    d_ptrs, d_lens, d_items = draft.get_contiguous_buf_infos()
+    kv.kv_data_ptrs, kv.kv_data_lens, kv.kv_item_lens = ptrs + d_ptrs, lens + d_lens, items + d_items
+    kv.kv_layer_ids = build_kv_layer_ids(
+        token_to_kv_pool=target, draft_token_to_kv_pool=draft, num_draft_entries=len(d_ptrs), num_hidden_layers=3
+    )
+    kv.page_size = page
+    kv.aux_data_ptrs, kv.aux_data_lens, kv.aux_item_lens = meta.get_buf_infos()
+    kv.ib_device, kv.gpu_id = None, 0
+    setup_state_kv_args(kv, target, draft, 3, req_to_token_pool=None)
+    kv.mla_compression_ratios = list(target.compression_ratios)
+    if own_draft_mapping:  # rewired after SGLang filled the KVArgs: the pool pair now has the seed error
+        draft.register_mapping(alloc.full_to_swa_index_mapping.clone())
+
+    slot = 1 + shift_pages
+    window_start = (max(0, SEQ_LEN - target.sliding_window) // page) * page
+    swa = kv_to_page_indices(alloc.translate_loc_from_full_to_swa(locs[window_start:SEQ_LEN]), page)
+    online = is_dsv4_c128_online_enabled()
+    ring = 1 if online else target.get_ring_size(128)
+    payloads = {
+        StateType.SWA: lambda: swa,
+        StateType.C128_STATE: lambda: get_dsv4_c128_state_indices(slot, SEQ_LEN, online=online, ring_size=ring),
+    }
+    state = [np.asarray(payloads[t](), dtype=np.int64) for t in kv.state_types]
+    pages = np.asarray(kv_to_page_indices(locs[:SEQ_LEN], page), dtype=np.int64)
+    return dict(pools=(target, draft, alloc, meta), kv=kv, pages=pages, state=state, aux=slot)
+
+
+def _view(ptr: int, n: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(int(ptr)))
+
+
+def _buffers(kv):
+    """``(channel, ptrs, lens, items)``: main KV, each state component, aux."""
+    out = [("main", kv.kv_data_ptrs, kv.kv_data_lens, kv.kv_item_lens)]
+    for t, p, n, i in zip(kv.state_types, kv.state_data_ptrs, kv.state_data_lens, kv.state_item_lens):
+        out.append((str(getattr(t, "value", t)), p, n, i))
+    out.append(("aux", kv.aux_data_ptrs, kv.aux_data_lens, kv.aux_item_lens))
+    return out
+
+
+def fill(side: dict, seed: int | None) -> None:
+    rng = np.random.default_rng(seed)
+    for _, ptrs, lens, _ in _buffers(side["kv"]):
+        for p, n in zip(ptrs, lens):
+            v = _view(p, n)
+            v[:] = SENTINEL if seed is None else rng.integers(0, 256, n, dtype=np.uint8)
+
+
+def expected(src: dict, dst: dict) -> list[np.ndarray]:
+    """Every destination buffer as it must be: sentinels, plus each moved item where it lands."""
+    lists = [(src["pages"], dst["pages"])] + list(zip(src["state"], dst["state"])) + [([src["aux"]], [dst["aux"]])]
+    out = []
+    for (_, sp, _, items), (_, _, dl, _), (si, di) in zip(_buffers(src["kv"]), _buffers(dst["kv"]), lists):
+        for s_ptr, d_len, item in zip(sp, dl, items):
+            want = np.full(d_len, SENTINEL, dtype=np.uint8)
+            for a, b in zip(si, di):
+                want[b * item : (b + 1) * item] = _view(s_ptr + a * item, item)
+            out.append(want)
+    return out
+
+
+def landed(dst: dict) -> list[np.ndarray]:
+    return [_view(p, n).copy() for _, ptrs, lens, _ in _buffers(dst["kv"]) for p, n in zip(ptrs, lens)]
+
+
+def _wait(fn, what: str):
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        v = fn()
+        if v is not None:
+            return v
+        time.sleep(0.002)
+    raise TimeoutError(f"{what} within {DEADLINE_S} s")
+
+
+def _exc(obj) -> dict:
+    try:
+        obj.failure_exception()
+    except Exception as exc:  # the point: what SGLang's scheduler would log
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": None, "message": None}
+
+
+class Harness:
+    def __init__(self) -> None:
+        import pdstate.integrations.sglang as integration
+
+        integration.install()  # before get_kv_class is imported by name
+        from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class
+        from sglang.srt.runtime_context import get_server_args
+
+        backend = TransferBackend("pdstate")
+        self.cls = {k: get_kv_class(backend, getattr(KVClassType, k)) for k in ("MANAGER", "SENDER", "RECEIVER")}
+        self.mode = DisaggregationMode
+        self.prefill = build_side(True, 0)
+        self.decode = build_side(True, 1)
+        self.bad = build_side(False, 1)
+        self.seed = build_side(True, 1, own_draft_mapping=True)
+        _context()  # after the last publish of the server args
+        self.server = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=PORT)
+        args = get_server_args()
+        self.pm = self.cls["MANAGER"](self.prefill["kv"], DisaggregationMode.PREFILL, args, True)
+        self.dm = self.cls["MANAGER"](self.decode["kv"], DisaggregationMode.DECODE, args, True)
+        self.bm = self.cls["MANAGER"](self.bad["kv"], DisaggregationMode.DECODE, args, True)
+        self.sm = self.cls["MANAGER"](self.seed["kv"], DisaggregationMode.DECODE, args, True)
+        self.addr = f"127.0.0.1:{PORT}"
+
+    def pair(self, mgr, dst: dict, room: int, sender_late: bool = False):
+        """SGLang's order: both made, decode resolves + inits, decode publishes, prefill inits + sends.
+        ``sender_late``: the prefill makes its sender only once the decode is past bootstrapping."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        src = self.prefill
+
+        def make_sender():
+            return self.cls["SENDER"](
+                mgr=self.pm, bootstrap_addr=self.addr, bootstrap_room=room, dest_tp_ranks=[0], pp_rank=0
+            )
+
+        sender = None if sender_late else make_sender()
+        recv = self.cls["RECEIVER"](mgr=mgr, bootstrap_addr=self.addr, bootstrap_room=room)
+        trace = {"sender_first": None if sender is None else int(sender.poll()), "receiver_first": int(recv.poll())}
+        _wait(lambda: mgr.try_ensure_parallel_info(self.addr) or None, "prefill parallel info")
+        recv.init(0)
+        t0 = time.monotonic()
+        trace["receiver_bootstrapped"] = int(
+            _wait(lambda: p if (p := recv.poll()) != KVPoll.Bootstrapping else None, "decode bootstrap")
+        )
+        if trace["receiver_bootstrapped"] == KVPoll.WaitingForInput:
+            recv.send_metadata(dst["pages"].astype(np.int32), dst["aux"], [s.astype(np.int32) for s in dst["state"]], 0)
+        if sender is None:
+            time.sleep(0.05)  # the refusal reaches the prefill before its sender exists
+            sender = make_sender()
+        trace["sender_bootstrapped"] = int(
+            _wait(lambda: p if (p := sender.poll()) != KVPoll.Bootstrapping else None, "prefill bootstrap")
+        )
+        if trace["sender_bootstrapped"] == KVPoll.WaitingForInput:
+            sender.init(len(src["pages"]), src["aux"])
+            sender.send(src["pages"][:1].astype(np.int32), None)
+            trace["after_first_chunk"] = int(sender.poll())
+            sender.send(src["pages"][1:].astype(np.int32), [s.astype(np.int32) for s in src["state"]])
+        done = (KVPoll.Success, KVPoll.Failed)
+        trace["sender"] = int(_wait(lambda: p if (p := sender.poll()) in done else None, "prefill end"))
+        trace["receiver"] = int(_wait(lambda: p if (p := recv.poll()) in done else None, "decode end"))
+        trace["both_ended_s"] = round(time.monotonic() - t0, 4)
+        trace["sender_error"], trace["receiver_error"] = _exc(sender), _exc(recv)
+        trace["metric"] = {k: v for k, v in vars(sender.get_transfer_metric()).items()}
+        return trace
+
+
+def case_ok(h: Harness) -> dict:
+    fill(h.prefill, seed=7)
+    fill(h.decode, seed=None)
+    trace = h.pair(h.dm, h.decode, ROOM_OK)
+    want, got = expected(h.prefill, h.decode), landed(h.decode)
+    trace["buffers"] = len(want)
+    trace["bytes_differing"] = int(sum(int((w != g).sum()) for w, g in zip(want, got)))
+    trace["bytes_moved"] = int(sum(int((w != SENTINEL).sum()) for w in want))
+    trace["channels"] = [name for name, *_ in _buffers(h.decode["kv"])]
+    return trace
+
+
+def case_mismatch(h: Harness) -> dict:
+    fill(h.bad, seed=None)
+    trace = h.pair(h.bm, h.bad, ROOM_BAD)
+    trace["bytes_written"] = int(sum(int((g != SENTINEL).sum()) for g in landed(h.bad)))
+    return trace
+
+
+def case_mismatch_sender_late(h: Harness) -> dict:
+    fill(h.bad, seed=None)
+    trace = h.pair(h.bm, h.bad, ROOM_BAD + 1, sender_late=True)
+    trace["bytes_written"] = int(sum(int((g != SENTINEL).sum()) for g in landed(h.bad)))
+    return trace
+
+
+def case_seed(h: Harness) -> dict:
+    fill(h.seed, seed=None)
+    trace = h.pair(h.sm, h.seed, ROOM_BAD + 2)
+    trace["bytes_written"] = int(sum(int((g != SENTINEL).sum()) for g in landed(h.seed)))
+    return trace
+
+
+def case_tp_dummy(h: Harness) -> dict:
+    """A prefill of attention TP 2 feeding a decode of TP 1 (SGLang's MLA mapping): prefill rank 0
+    sends, rank 1 completes as a dummy and moves nothing."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+    from sglang.srt.runtime_context import get_disagg, get_parallel, get_server_args
+
+    port, room = _free_port(), 2001
+    ranks = [build_side(True, 0), build_side(True, 0)]
+    _context()
+    get_kv_class(TransferBackend("pdstate"), KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
+    managers = []
+    with get_disagg().override(disaggregation_bootstrap_port=port):
+        for r, side in enumerate(ranks):
+            side["kv"].engine_rank = r
+            with get_parallel().override(attn_tp_size=2, attn_tp_rank=r):
+                managers.append(h.cls["MANAGER"](side["kv"], h.mode.PREFILL, get_server_args(), True))
+    dm = h.cls["MANAGER"](h.decode["kv"], h.mode.DECODE, get_server_args(), True)
+    addr = f"127.0.0.1:{port}"
+    try:
+        for seed, side in enumerate(ranks, start=11):
+            fill(side, seed=seed)
+        fill(h.decode, seed=None)
+        senders = [
+            h.cls["SENDER"](mgr=m, bootstrap_addr=addr, bootstrap_room=room, dest_tp_ranks=[r], pp_rank=0)
+            for r, m in enumerate(managers)
+        ]
+        recv = h.cls["RECEIVER"](mgr=dm, bootstrap_addr=addr, bootstrap_room=room)
+        _wait(lambda: dm.try_ensure_parallel_info(addr) or None, "prefill parallel info")
+        recv.init(0)
+        trace = {"dummies": [bool(i.get("is_dummy")) for i in recv.bootstrap_infos]}
+        trace["receiver_bootstrapped"] = int(
+            _wait(lambda: p if (p := recv.poll()) != KVPoll.Bootstrapping else None, "decode bootstrap")
+        )
+        dst = h.decode
+        recv.send_metadata(dst["pages"].astype(np.int32), dst["aux"], [x.astype(np.int32) for x in dst["state"]], 0)
+        for sender, side in zip(senders, ranks):
+            _wait(lambda s=sender: s.poll() == KVPoll.WaitingForInput or None, "prefill bootstrap")
+            sender.init(len(side["pages"]), side["aux"])
+            sender.send(side["pages"][:1].astype(np.int32), None)
+            sender.send(side["pages"][1:].astype(np.int32), [x.astype(np.int32) for x in side["state"]])
+        done = (KVPoll.Success, KVPoll.Failed)
+        trace["senders"] = [
+            int(_wait(lambda s=s: p if (p := s.poll()) in done else None, "prefill end")) for s in senders
+        ]
+        trace["receiver"] = int(_wait(lambda: p if (p := recv.poll()) in done else None, "decode end"))
+        trace["receiver_error"] = _exc(recv)
+        want, got = expected(ranks[0], dst), landed(dst)
+        trace["bytes_differing"] = int(sum(int((w != g).sum()) for w, g in zip(want, got)))
+        trace["sent_bytes"] = [int(s._agent_send.metrics.get("bytes", -1)) for s in senders]
+        return trace
+    finally:
+        for m in (dm, *managers):
+            m.close()
+
+
+def case_decode_tp_wider(h: Harness) -> dict:
+    """A decode of attention TP 2 facing the prefill of TP 1: refused, with the reason, at once."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.runtime_context import get_parallel, get_server_args
+
+    with get_parallel().override(attn_tp_size=2, attn_tp_rank=0):
+        dm = h.cls["MANAGER"](h.decode["kv"], h.mode.DECODE, get_server_args(), True)
+    try:
+        recv = h.cls["RECEIVER"](mgr=dm, bootstrap_addr=h.addr, bootstrap_room=3001)
+        _wait(lambda: dm.try_ensure_parallel_info(h.addr) or None, "prefill parallel info")
+        recv.init(0)
+        return {"receiver": int(recv.poll()), "receiver_error": _exc(recv), "failed": recv.poll() == KVPoll.Failed}
+    finally:
+        dm.close()
+
+
+CASES = {
+    "decode_tp_wider": case_decode_tp_wider,
+    "tp_dummy": case_tp_dummy,
+    "ok": case_ok,
+    "mismatch": case_mismatch,
+    "mismatch_sender_late": case_mismatch_sender_late,
+    "seed": case_seed,
+}
+
+
+def main() -> None:
+    names = json.load(sys.stdin)
+    results: dict = {}
+    try:
+        h = Harness()
+    except Exception:
+        print(json.dumps({"setup": {"ok": False, "error": traceback.format_exc()}}))
+        return
+    for name in names:
+        try:
+            results[name] = {"ok": True, **CASES[name](h)}
+        except Exception:
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+    for m in (h.sm, h.bm, h.dm, h.pm):
+        m.close()
+    print(json.dumps(results, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""pdstate as SGLang's transfer backend, driven in SGLang's call order against the real 0.5.19 code.
+
+One child process (``adapter_probe.py``) holds both sides over the ``loopback`` engine: real
+DSV4 pools (target + NextN draft), ``KVArgs`` filled by SGLang's own functions, SGLang's bootstrap
+server, and the manager / sender / receiver classes ``get_kv_class`` returns for ``pdstate``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.sglang import runner
+
+CASES = ["ok", "mismatch", "mismatch_sender_late", "seed", "tp_dummy", "decode_tp_wider"]
+ENV = {"PDSTATE_TRANSFER__ENGINE": "loopback", "SGLANG_HOST_IP": "127.0.0.1"}
+# KVPoll's values in SGLang 0.5.19 (sglang.srt.disaggregation.base.conn.KVPoll)
+FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = 0, 1, 2, 3, 4
+C4_RING = (
+    "DSV4 layout mismatch on c4_ring: prefill server has c4_ring=16, but decode server has c4_ring=8. "
+    "Both servers must build the same state layout."
+)
+SEED = "DSV4 target and draft pools must share the SWA index mapping"
+
+
+@pytest.fixture(scope="module")
+def results(sglang_env) -> dict:
+    out = runner.run_probe(sglang_env, ENV, CASES, 300, "adapter_probe.py")
+    assert "setup" not in out, out["setup"].get("error")
+    for name, r in out.items():
+        assert r["ok"], f"{name}\n{r.get('error')}"
+    return out
+
+
+def test_a_correct_pair_moves_every_byte_where_sglang_puts_it(results):
+    r = results["ok"]
+    assert (r["sender_first"], r["receiver_first"]) == (BOOTSTRAPPING, BOOTSTRAPPING)
+    assert (r["receiver_bootstrapped"], r["sender_bootstrapped"]) == (WAITING, WAITING)
+    assert r["after_first_chunk"] == TRANSFERRING  # the state goes with the second chunk only
+    assert (r["sender"], r["receiver"]) == (SUCCESS, SUCCESS)
+    # main KV (target C4, indexer, C128), target SWA component, C128 state, draft SWA, aux
+    assert r["channels"] == ["main", "swa", "c128_state", "swa", "aux"]
+    assert r["bytes_differing"] == 0  # every destination byte: the source item, or the sentinel
+    assert r["bytes_moved"] > 2_000_000
+    assert r["metric"]["transfer_total_bytes"] >= r["bytes_moved"]
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [("mismatch", C4_RING), ("mismatch_sender_late", C4_RING), ("seed", SEED)],
+)
+def test_a_refused_pair_fails_on_both_sides_at_once_and_writes_nothing(results, case, message):
+    r = results[case]
+    assert (r["receiver_bootstrapped"], r["sender_bootstrapped"]) == (FAILED, FAILED)
+    assert (r["sender"], r["receiver"]) == (FAILED, FAILED)
+    assert r["both_ended_s"] < 1.0
+    assert r["receiver_error"]["message"] == message
+    assert r["sender_error"] == r["receiver_error"]
+    assert r["bytes_written"] == 0
+
+
+def test_the_seed_error_keeps_upstreams_class(results):
+    assert results["seed"]["sender_error"]["type"] == "SWAIndexMappingNotShared"
+    assert results["mismatch"]["sender_error"]["type"] == "LayoutMismatch"
+
+
+def test_a_wider_prefill_tp_sends_from_one_rank_the_others_complete_as_dummies(results):
+    r = results["tp_dummy"]
+    assert r["dummies"] == [False, True]  # SGLang's own mapping for MLA-like KV
+    assert r["senders"] == [SUCCESS, SUCCESS] and r["receiver"] == SUCCESS
+    assert r["sent_bytes"][0] > 2_000_000 and r["sent_bytes"][1] == 0
+    assert r["bytes_differing"] == 0  # rank 0's bytes, none of rank 1's
+
+
+def test_a_wider_decode_tp_is_refused_with_the_reason(results):
+    r = results["decode_tp_wider"]
+    assert r["receiver"] == FAILED
+    assert r["receiver_error"]["message"].startswith("decode attention TP size 2 is larger than the prefill's 1")

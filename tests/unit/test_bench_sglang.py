@@ -1,0 +1,41 @@
+"""The bench's sglang phase, without SGLang: its ratio and summary keys, and its skip line where the
+SGLang environment is missing (the phase itself runs in ``tests/sglang/test_bench_phase.py``)."""
+
+from __future__ import annotations
+
+from pdstate.devtools import bench_report, bench_sglang
+from tests.support.bench import fake_bench_result
+
+
+def test_ratio_is_sglang_mooncake_over_backend_pdstate_per_length():
+    r = {
+        "lengths": [],
+        "modes": [],
+        "paths": {},
+        "sglang_mooncake_ms_by_length": {"2048": 30.0, "8192": 50.0, "32768": 90.0},
+        "sglang_backend_ms_by_length": {"2048": 20.0, "32768": 120.0},
+    }
+    out = bench_report.ratios(r)
+    assert out["sglang_backend_vs_sglang_mooncake_by_length"] == {"2048": 1.5, "32768": 0.75}
+    assert out["sglang_backend_vs_sglang_mooncake"] == 0.75  # the 32k-token value
+
+
+def test_no_ratio_without_the_pdstate_backend():
+    r = {"lengths": [], "modes": [], "paths": {}, "sglang_mooncake_ms_by_length": {"2048": 30.0}}
+    assert "sglang_backend_vs_sglang_mooncake_by_length" not in bench_report.ratios(r)
+
+
+def test_summary_carries_the_phase_keys_when_it_ran():
+    times = {"2048": 30.0}
+    s = bench_report.summary(fake_bench_result(sglang_mooncake_ms_by_length=times))
+    assert s["sglang_mooncake_ms_by_length"] == times and "sglang_backend_ms_by_length" not in s
+    assert "sglang_mooncake_ms_by_length" not in bench_report.summary(fake_bench_result())
+
+
+def test_phase_skips_with_one_line_without_the_sglang_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSTATE_SGLANG_ENV", str(tmp_path / "absent"))
+    said, results = [], {}
+    bench_sglang.phase(1, results, progress=said.append)
+    why = f"no SGLang environment at {tmp_path / 'absent'} (make sglang-env builds it)"
+    assert said == [f"skipping the sglang phase: {why}"]
+    assert results == {"sglang": {"lengths": [2048, 8192, 32768], "runs": 1, "skipped": {"phase": why}}}
