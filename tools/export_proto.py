@@ -177,6 +177,11 @@ def examples() -> dict[str, wire.Message]:
         ),
         wire.Busy(room=8, in_flight=64, limit=64),
         wire.Goodbye(worker_id="prefill-0", incarnation="fedcba9876543210", reason="prefill shutting down"),
+        wire.Challenge(
+            worker_id="prefill-0",
+            incarnation="fedcba9876543210",
+            nonce=hashlib.blake2b(b"pdstate golden challenge", digest_size=16).digest(),
+        ),
         wire.Error(
             error=ErrorInfo(
                 type="ProtocolError",

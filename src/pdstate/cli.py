@@ -76,11 +76,11 @@ def _subset(choices: tuple[str, ...]):
 def _add_demo(sub) -> None:
     d = sub.add_parser(
         "demo",
-        help="run a prefill+decode pair and verify a batch of transfers",
-        description="Spawn a prefill and a decode worker process, handshake, run a batch of requests of mixed "
-        "lengths and verify every one; prints a line per request (with its full room id) and a summary table. With "
-        "--prefills N / --decodes M above 1: N prefill and M decode agent processes and a router in this process "
-        "that picks each request's pair; the summary adds per-pair counts.",
+        help="run prefill and decode agents and verify a batch of transfers",
+        description="Spawn N prefill and M decode agent processes (--prefills, --decodes; one and one by default), "
+        "handshake between every pair, run a batch of requests of mixed lengths through a router in this process "
+        "that picks each request's pair, and verify every one; prints a line per request (with its pair and full "
+        "room id) and a summary table with per-pair counts.",
         epilog="exit status: 0 every request verified and no page leaked; 1 a request failed or leaked, or the "
         "pair did not start; 2 bad arguments",
         formatter_class=HelpFormatter,
@@ -104,7 +104,7 @@ def _add_demo(sub) -> None:
         type=_positive,
         default=1,
         metavar="N",
-        help="prefill processes; with N or M above 1 the demo runs an N x M cluster of agents and a router",
+        help="prefill processes: the demo runs an N x M cluster of agents and a router",
     )
     d.add_argument("--decodes", type=_positive, default=1, metavar="M", help="decode processes (see --prefills)")
     d.add_argument(

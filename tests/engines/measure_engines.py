@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from pdstate.pools.memory import BufferSpec, PrivateMemory, SharedMemory
 from pdstate.transfer.engines import EngineUnavailable, create_engine, engine_class
 from pdstate.transfer.plan import TransferPlan
-from tests.support.engines import ENGINE_OPTIONS
+from tests.support.engines import ENGINE_OPTIONS, proven
 
 
 def _digest(pool: torch.Tensor, pages: np.ndarray, page_bytes: int) -> str:
@@ -134,7 +134,7 @@ def main() -> None:
         eng = create_engine(name, **ENGINE_OPTIONS[name])
         eng.start()
         eng.register(src_mem.regions())
-        peer = eng.connect(endpoint)
+        peer = eng.connect(proven(eng, endpoint))
         for kib, (s_pages, d_pages) in plans.items():
             page_bytes = kib << 10
             plan = TransferPlan.from_arrays(

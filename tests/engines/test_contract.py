@@ -33,6 +33,7 @@ from tests.support.engines import (
     Pair,
     Source,
     new_decode,
+    proven,
     require_engine,
 )
 
@@ -110,7 +111,7 @@ def test_endpoint_is_msgpack_data_and_connect_is_idempotent(pair: Pair) -> None:
         (r.base_ptr, r.nbytes) for r in pair.decode.dst_regions
     )
     assert isinstance(pair.peer_id, str)
-    assert pair.engine.connect(ep) == pair.peer_id
+    assert pair.engine.connect(proven(pair.engine, ep)) == pair.peer_id
 
 
 def test_reconnect_with_the_same_endpoint_keeps_the_connection(pair: Pair) -> None:
@@ -118,16 +119,16 @@ def test_reconnect_with_the_same_endpoint_keeps_the_connection(pair: Pair) -> No
     (for shm that was ~5 ms of a ~8 ms re-handshake); a changed endpoint rebuilds the peer."""
     ep = pair.decode.endpoint
     native = pair.engine._peers[pair.peer_id].native
-    assert pair.engine.connect(dict(ep)) == pair.peer_id
+    assert pair.engine.connect(proven(pair.engine, dict(ep))) == pair.peer_id
     assert pair.engine._peers[pair.peer_id].native is native
     d = Descs.of([(0, 0, 1, 64, 4096)])
     pair.transfer(d)
     pair.assert_destination(pair.expected(d))
     changed = {**ep, "regions": []}  # the same engine, publishing nothing now
-    assert pair.engine.connect(changed) == pair.peer_id
+    assert pair.engine.connect(proven(pair.engine, changed)) == pair.peer_id
     with pytest.raises(DescriptorOutOfRange):
         pair.transfer(Descs.of([(0, 0, 1, 64, 8)]))  # its regions were read again
-    assert pair.engine.connect(ep) == pair.peer_id  # (restored for the other tests)
+    assert pair.engine.connect(proven(pair.engine, ep)) == pair.peer_id  # (restored for the other tests)
 
 
 def test_scattered_descriptors_land_exact_bytes(pair: Pair) -> None:
@@ -288,7 +289,7 @@ def test_peer_closed_before_connect_fails_not_hangs(engine_name: str, source, fr
     started = time.monotonic()
     try:
         with pytest.raises(EngineError):
-            peer_id = engine.connect(endpoint)
+            peer_id = engine.connect(proven(engine, endpoint))
             base = fresh_decode.dst_regions[0].base_ptr
             plan = TransferPlan.from_arrays([source.regions[0].base_ptr], [base], [4096])
             engine.wait(engine.submit(peer_id, plan), 10.0)

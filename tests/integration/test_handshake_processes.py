@@ -349,7 +349,14 @@ def _bad_frames() -> list[tuple[str, list[bytes], str, str]]:
                         **reg,
                         "engine": {
                             "name": "shm",
-                            "endpoint": {"engine": "shm", "engine_id": "x", "boot_id": "", "regions": [{"bogus": 1}]},
+                            "endpoint": {
+                                "engine": "shm",
+                                "engine_id": "x",
+                                "boot_id": "",
+                                "regions": [{"bogus": 1}],
+                                "challenge": "00" * 16,  # (past the challenge: the endpoint is read)
+                                "proofs": {},
+                            },
                         },
                     },
                 )

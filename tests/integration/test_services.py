@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import subprocess
 import threading
@@ -21,102 +20,12 @@ import pytest
 
 from pdstate.errors import ExitCode
 from pdstate.protocol.wire import PROTOCOL_VERSION
-from tests.support.paths import REPO, SERVICES
+from tests.support.services import START_TIMEOUT_S, Service, ready, wait_for
+from tests.support.services import serve_env as _env
 from tests.support.upstream import MAPPING_ERROR, MAPPING_FIX
-from tests.support.waiting import wait_until
 from tests.support.workers import pdstate_command, segments
 
 TOKEN = "integration-token-7f3a"
-START_TIMEOUT_S = 60.0
-
-
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSTATE_") or k == "PDSTATE_SHARED"}
-    env.update(extra or {})
-    return env
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    """``wait_until`` for HTTP probes: a refused connection counts as not yet."""
-    return wait_until(what, predicate, timeout_s, pause_s=0.05, ignore=(httpx.HTTPError, OSError))
-
-
-class Service:
-    """One ``pdstate serve`` process; stdout JSON events and stderr are pumped by threads."""
-
-    def __init__(self, role: str, overrides: list[str], env: dict[str, str] | None = None) -> None:
-        self.role = role
-        cmd = pdstate_command() + ["serve", "--config", str(SERVICES / role / "config.toml")]
-        for o in overrides:
-            cmd += ["--set", o]
-        self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(env), cwd=REPO
-        )
-        self.events: queue.Queue = queue.Queue()
-        self.stderr: list[str] = []
-        self.listening: dict | None = None
-        self.startup_s: float | None = None
-        threading.Thread(target=self._pump_out, daemon=True).start()
-        threading.Thread(target=self._pump_err, daemon=True).start()
-
-    def _pump_out(self) -> None:
-        for line in self.proc.stdout:
-            line = line.strip()
-            if line.startswith("{"):
-                self.events.put(json.loads(line))
-        self.events.put(None)
-
-    def _pump_err(self) -> None:
-        for line in self.proc.stderr:
-            self.stderr.append(line)
-
-    def event(self, name: str, timeout_s: float = START_TIMEOUT_S) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                ev = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(
-                    f"{self.role}: no {name!r} event in {timeout_s:.0f} s; stderr: {self.err()[-2000:]}"
-                ) from None
-            if ev is None:
-                raise AssertionError(f"{self.role} exited ({self.proc.wait()}) before {name!r}: {self.err()[-2000:]}")
-            if ev.get("event") == name:
-                return ev
-
-    def wait_listening(self) -> dict:
-        if self.listening is None:
-            self.listening = self.event("listening")
-            self.startup_s = time.monotonic() - self.t0
-        return self.listening
-
-    @property
-    def url(self) -> str:
-        return self.wait_listening()["http"]
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def err(self) -> str:
-        return "".join(self.stderr)
-
-    def wait(self, timeout_s: float = 30.0) -> int:
-        return self.proc.wait(timeout_s)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.kill(self.proc.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -147,11 +56,6 @@ def cluster():
 def http():
     with httpx.Client(timeout=30.0) as c:
         yield c
-
-
-def ready(http, url: str) -> dict | None:
-    r = http.get(f"{url}/readyz")
-    return r.json() if r.status_code == 200 else None
 
 
 def test_healthz(cluster, http):
@@ -189,10 +93,12 @@ def test_readyz_and_compat(cluster, http):
             "state": "accepted",
             "error": None,
             "incarnation": pd["incarnation"],
+            "fingerprint": pd["fingerprint"],
         }
     ]
     mine = [x for x in pd["peers"] if x["id"] == dd["worker_id"]]
     assert mine and mine[0]["state"] == "accepted" and mine[0]["incarnation"] == dd["incarnation"]
+    assert mine[0]["fingerprint"] == dd["fingerprint"]
 
 
 def test_compat_check(cluster, http):

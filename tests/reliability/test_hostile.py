@@ -111,6 +111,17 @@ class FakeDecode:
             engine=wire.EngineDesc(name="shm", endpoint=self.engine.endpoint()),
         )
 
+    def proven(self, nonce: bytes) -> wire.Register:
+        """The register again, answering the prefill's ownership ``challenge``."""
+        claimant = f"{self.register.worker_id}/{self.register.incarnation}"
+        endpoint = {**self.register.engine.endpoint, **self.engine.prove(nonce, claimant)}
+        return self.register.model_copy(update={"engine": wire.EngineDesc(name="shm", endpoint=endpoint)})
+
+    def handshake(self, dealer: Dealer) -> wire.Message:
+        """Register, answering the challenge; the prefill's last answer."""
+        answer = dealer.ask(self.register)
+        return dealer.ask(self.proven(answer.nonce)) if isinstance(answer, wire.Challenge) else answer
+
     def request(self, room: int, seq_len: int) -> wire.TransferRequest:
         a = rq.allocate(self.pools, rq.channel_names(self.kv_args), seq_len)
         rq.free(self.pools, a)
@@ -281,7 +292,10 @@ def _fuzz_control(endpoint: str, fake: FakeDecode, examples: int) -> int:
 
     def ensure_registered() -> None:
         registered.send(wire.encode(fake.register))
-        got = registered.replies(lambda m: isinstance(m, (wire.Accept, wire.Reject)))
+        got = registered.replies(lambda m: isinstance(m, (wire.Accept, wire.Reject, wire.Challenge)))
+        if isinstance(got[-1], wire.Challenge):  # prove the segments are ours
+            registered.send(wire.encode(fake.proven(got[-1].nonce)))
+            got = registered.replies(lambda m: isinstance(m, (wire.Accept, wire.Reject)))
         assert isinstance(got[-1], wire.Accept), got[-1]
 
     ensure_registered()
@@ -640,7 +654,7 @@ def test_crafted_transfer_requests_are_refused_and_touch_nothing():
             ),
         ]
         raw = Dealer(p.endpoint)
-        assert isinstance(raw.ask(crafter.register), wire.Accept)
+        assert isinstance(crafter.handshake(raw), wire.Accept)
         fill_regions(regions, SENTINEL)
         outcomes = []
         for label, msg, etype, text in cases:

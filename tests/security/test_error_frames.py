@@ -50,7 +50,7 @@ def test_an_error_for_a_room_in_flight_ends_that_request_with_the_decodes_reason
         fake = RawDecode(worker_id="reporter")
         dealer = RawDealer(endpoint, f"reporter/{fake.incarnation}".encode())
         try:
-            assert isinstance(dealer.ask(fake.register()), wire.Accept)
+            assert isinstance(fake.handshake(dealer), wire.Accept)
             dealer.send(fake.request(9, 1000))
             wait_transferring(prefill, "reporter", jobs=1)
             dealer.send(_error(room=9))

@@ -1,13 +1,17 @@
 """Identity: a register that reuses a live decode's ``worker_id`` (or its ZeroMQ identity) never
-disturbs that decode. The hijackers are real decode processes and a raw DEALER; the victim's
-transfers keep verifying throughout, and a killed decode's restart is accepted at once."""
+disturbs that decode, on the runtime prefill and on the agent prefill. The hijackers are real
+decode processes, a raw DEALER and a second process; the victim's transfers keep verifying
+throughout, and a killed decode's restart is accepted at once."""
 
 from __future__ import annotations
 
 import time
 
+import zmq
+
 from pdstate.protocol import wire
-from tests.support.hostile import RawDealer, RawDecode
+from tests.support import hostile
+from tests.support.hostile import RawDealer, RawDecode, agent_pair, agent_transfer
 from tests.support.workers import (
     Workers,
     assert_all_verified,
@@ -89,3 +93,33 @@ def test_a_killed_decodes_restart_is_accepted_at_once():
         assert time.monotonic() - t0 < 10.0  # well before the 30 s peer timeout
         results, _ = run_batch(again, LENGTHS)
         assert_all_verified(results, LENGTHS)
+
+
+def test_a_second_process_reusing_a_decode_agents_identity_never_disturbs_it():
+    """The agent prefill: a process copying an accepted decode agent's ZeroMQ identity gets no
+    answer (no ROUTER_HANDOVER: it cannot take over the pipe), and its register under the decode's
+    worker_id from a connection of its own is refused with ``WorkerIdInUse``; the decode keeps
+    transferring."""
+    prefill, prefill_pools, decode, decode_pools, memory = agent_pair()
+    try:
+        agent_transfer(prefill, prefill_pools, decode, decode_pools, room=1)
+        identity = decode._prefills[prefill.address].sock.getsockopt(zmq.IDENTITY)
+        theirs = decode._handshake.register_message()
+        got = hostile.run(
+            {"address": prefill.address, "register": wire.encode(theirs).hex(), "identity": identity.hex()}
+        )
+        assert got == {
+            "copied_identity_answered": False,
+            "answer": "reject",
+            "error": {
+                "type": "WorkerIdInUse",
+                "message": f"worker_id 'victim' is held by a live decode (incarnation {decode.incarnation}); "
+                "a new incarnation is accepted once that one is gone",
+            },
+        }
+        assert [(d["worker_id"], d["incarnation"]) for d in prefill.decodes()] == [("victim", decode.incarnation)]
+        agent_transfer(prefill, prefill_pools, decode, decode_pools, room=2)
+    finally:
+        decode.close()
+        prefill.close()
+        memory.close()

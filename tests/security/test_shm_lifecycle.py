@@ -209,8 +209,8 @@ def test_free_space_is_checked_before_allocating(tmp_path, monkeypatch):
     mem = SharedMemory(directory=tmp_path)
     with pytest.raises(AllocationError) as info:
         mem.allocate("target", SPECS)
-    assert str(info.value) == (
-        f"{tmp_path} has 8192 bytes free (0.0 MiB) but the 'target' segment needs 12288 bytes (0.0 MiB); "
+    assert str(info.value) == (  # 8 KiB of buffers and the 4 KiB header
+        f"{tmp_path} has 8192 bytes free (0.0 MiB) but the 'target' segment needs 16384 bytes (0.0 MiB); "
         + FIX.format(d=tmp_path)
     )
     assert os.listdir(tmp_path) == []  # nothing created
@@ -287,7 +287,7 @@ def test_a_full_tmpfs_while_populating_is_an_error_not_sigbus():
     assert r.returncode == 0, r.stderr
     msg, listing, after = r.stdout.splitlines()
     assert re.fullmatch(
-        r"/mnt has \d+ bytes free \(\d+\.\d MiB\) but the 'target' segment needs 4194304 bytes \(4\.0 MiB\); "
+        r"/mnt has \d+ bytes free \(\d+\.\d MiB\) but the 'target' segment needs 4198400 bytes \(4\.0 MiB\); "
         + re.escape(FIX.format(d=d)),
         msg,
     ), msg
@@ -302,7 +302,7 @@ def test_decode_with_a_small_dev_shm_refuses_to_start_with_one_line():
     assert r.returncode == 1 and len(lines) == 1, (r.returncode, r.stderr)
     assert lines[0].startswith("pdstate serve: decode worker failed to start: AllocationError: ")
     assert lines[0].endswith(
-        "/dev/shm has 4194304 bytes free (4.0 MiB) but the 'target' segment needs 9273344 bytes (8.8 MiB); "
+        "/dev/shm has 4194304 bytes free (4.0 MiB) but the 'target' segment needs 9277440 bytes (8.8 MiB); "
         + FIX.format(d="/dev/shm")
     ), lines[0]
     assert r.stdout == ""

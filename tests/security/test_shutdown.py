@@ -1,15 +1,22 @@
 """Graceful shutdown: a prefill's SIGTERM is announced (``goodbye``). Every request in flight ends
 within a second with "prefill shutting down" on both sides, the decode is unready for that
 prefill within a second and accepted again when it is back; with ``drain_s`` the running
-requests finish first."""
+requests finish first. The first two drive ``PrefillWorker.stop()`` in a process of their own
+(``TermPrefill``, with the test seams that hold copies); the last sends SIGTERM to a real
+``pdstate serve`` prefill serving a real ``pdstate serve`` decode."""
 
 from __future__ import annotations
 
+import re
+import threading
 import time
+
+import httpx
 
 from tests.support.faults import holding_hooks
 from tests.support.pools import ROOMY
-from tests.support.term_prefill import TermPrefill
+from tests.support.term_prefill import Served, TermPrefill
+from tests.support.waiting import wait_until
 from tests.support.workers import (
     Workers,
     assert_all_verified,
@@ -79,3 +86,67 @@ def test_sigterm_with_drain_lets_the_running_requests_finish():
             assert prefill.proc.wait(10) == 0
     finally:
         prefill.close()
+
+
+SERVE_REQUESTS = 8  # the dsv4-flash decode's request slots
+SERVE_TOKENS = 32768  # ~138 MB a request: the prefill takes a while over each, so some queue up
+
+
+def test_sigterm_through_pdstate_serve_during_a_batch():
+    """Real ``pdstate serve`` processes (the dsv4-flash preset, so requests take long enough to be
+    caught in flight without test hooks): SIGTERM to the prefill while the decode's HTTP
+    transfers are running. Every transfer still running ends within a second, failed with
+    "prefill shutting down" (the decode's HTTP answers; the prefill ends those it held, its log
+    says how many), and the decode's ``/readyz`` turns unready for that prefill within a second."""
+    flash = ["preset=dsv4-flash", "http.port=0"]
+    prefill = Served("prefill", [*flash, "control.bind=tcp://127.0.0.1:0"])
+    decode = None
+    try:
+        decode = Served("decode", [*flash, f"control.peer={prefill.listening['control']}", "checks.verify=sample"])
+        with httpx.Client(timeout=60.0) as http:
+            wait_until("the decode ready", lambda: http.get(f"{decode.url}/readyz").status_code == 200, 60)
+            answers: list[tuple[float, dict]] = []
+
+            def transfer(room: int) -> None:
+                r = http.post(f"{decode.url}/v1/transfers", json={"tokens": SERVE_TOKENS, "room": room})
+                answers.append((time.monotonic(), {"code": r.status_code, **r.json()}))
+
+            threads = [threading.Thread(target=transfer, args=(room,)) for room in range(1, SERVE_REQUESTS + 1)]
+            for t in threads:
+                t.start()
+            wait_until("requests queued on the prefill", lambda: _in_flight(http, prefill.url) >= 2, 60, pause_s=0.01)
+            t_term = prefill.term()
+            unready = wait_until(
+                "the decode unready",
+                lambda: (lambda r: r if r.status_code == 503 else None)(http.get(f"{decode.url}/readyz")),
+                10,
+                pause_s=0.01,
+            )
+            unready_s = time.monotonic() - t_term
+            for t in threads:
+                t.join(30)
+        assert prefill.proc.wait(20) == 0, prefill.err()[-2000:]
+        ended = [(t - t_term, a) for t, a in answers]
+        failed = [(s, a) for s, a in ended if a["status"] == "failed"]
+        assert len(ended) == SERVE_REQUESTS and failed, ended
+        assert {(a["code"], a["error"]["message"]) for _, a in failed} == {(200, REASON)}, failed
+        assert all(a["status"] == "success" and a["verified"] for s, a in ended if a["status"] != "failed"), ended
+        assert max(s for s, _ in failed) < BOUND_S, failed
+        assert unready.json()["ready"] is False and unready_s < BOUND_S, (unready.json(), unready_s)
+        told = re.search(r"stopping: told 1 decode\(s\), ended (\d+) request\(s\)", prefill.err())
+        # the prefill ended those it held (the others were still the decode's alone: no slot yet)
+        assert told and 1 <= int(told.group(1)) <= len(failed), prefill.err()[-2000:]
+        print(
+            f"pdstate serve SIGTERM: {len(failed)} in flight ended by {max(s for s, _ in failed):.3f} s, decode unready by {unready_s:.3f} s"
+        )
+    finally:
+        if decode is not None:
+            decode.close()
+        prefill.close()
+
+
+def _in_flight(http, url: str) -> float:
+    for line in http.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("pdstate_transfers_in_flight "):
+            return float(line.split()[1])
+    return 0.0

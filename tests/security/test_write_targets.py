@@ -74,7 +74,7 @@ def test_a_register_naming_another_decodes_segments_is_refused(pair):
     try:
         before = segment_image(victim_paths)
         forged = with_paths(attacker.endpoint, _victim_path(victim_paths))
-        answer = dealer.ask(attacker.register(forged))
+        answer = attacker.handshake(dealer, forged)
         if isinstance(answer, wire.Accept):  # the old behaviour: then the request writes into the victim
             done = dealer.ask(attacker.request(1, 1000))
             assert changed_bytes(before, segment_image(victim_paths)) == 0, done
@@ -103,7 +103,7 @@ def test_a_register_with_an_impossible_file_range_is_refused(pair, fields, phras
     dealer = RawDealer(endpoint)
     try:
         before = segment_image(victim_paths)
-        answer = dealer.ask(attacker.register(with_region(attacker.endpoint, 0, **fields)))
+        answer = attacker.handshake(dealer, with_region(attacker.endpoint, 0, **fields))
         if isinstance(answer, wire.Accept):  # the old behaviour: the request's copy runs off the mapping
             dealer.send(attacker.request(1, 1000))
             dead = _died_within(prefill, 5.0)
@@ -122,30 +122,36 @@ def _victim_register(victim) -> wire.Register:
     return wire.decode(bytes.fromhex(victim.command({"cmd": "describe"}, "describe")["register"]))
 
 
-@pytest.mark.parametrize("forgery", ["owner_pid", "engine_id", "whole_endpoint", "kv_outside"])
+@pytest.mark.parametrize(
+    "forgery", ["owner_pid", "owner_pid_stolen", "engine_id", "whole_endpoint", "whole_endpoint_stolen", "kv_outside"]
+)
 def test_forged_ownership_is_refused_and_the_victim_keeps_working(pair, forgery):
     """The victim's pid claimed as the attacker's, the victim's engine id, the victim's whole
-    endpoint, buffers outside the attacker's regions: each refused, the victim untouched."""
+    endpoint, buffers outside the attacker's regions: each refused, the victim untouched. Without
+    the victim's segment secrets the proof of ownership fails; a process of the victim's uid that
+    reads them (``_stolen``: the documented trust boundary) still cannot take segments another
+    live decode has claimed."""
     prefill, endpoint, victim, victim_paths = pair
     theirs = _victim_register(victim)
     attacker = RawDecode()
     dealer = RawDealer(endpoint)
     try:
         before = segment_image(victim_paths)
-        ep, kv = attacker.endpoint, None
-        if forgery == "owner_pid":
+        ep, kv, steal = attacker.endpoint, None, forgery.endswith("_stolen")
+        unproven = "does not belong to the registering decode: its proof of ownership does not match"
+        if forgery.startswith("owner_pid"):
             ep = {**with_paths(ep, _victim_path(victim_paths)), "owner_pid": theirs.engine.endpoint["owner_pid"]}
-            phrase = "it is mapped for another live decode"
+            phrase = "it is mapped for another live decode" if steal else unproven
         elif forgery == "engine_id":
             ep = {**ep, "engine_id": theirs.engine.endpoint["engine_id"]}
             phrase = "it is connected for another live decode"
-        elif forgery == "whole_endpoint":
+        elif forgery.startswith("whole_endpoint"):
             ep = theirs.engine.endpoint
-            phrase = "it is connected for another live decode"
+            phrase = "it is connected for another live decode" if steal else unproven
         else:
             kv = theirs.kv  # the victim's addresses: not inside any region the attacker published
             phrase = "is outside every region decode attacker published to its transfer engine"
-        answer = dealer.ask(attacker.register(ep, kv=kv))
+        answer = attacker.handshake(dealer, ep, steal=steal, kv=kv)
         assert isinstance(answer, wire.Reject), answer
         assert phrase in answer.error.message, answer.error.message
         refused = dealer.ask(attacker.request(1, 1000))
@@ -222,7 +228,7 @@ def test_hostile_endpoints_never_change_a_byte_outside_the_attackers_memory(pair
     def hostile(data):
         attacker.incarnation = data.draw(st.sampled_from(["a" * 16, "a" * 16, "a" * 16, "b" * 16]), label="incarnation")
         ep, kv = _draw_endpoint(data, attacker, theirs, victim_paths), _draw_kv(data, attacker, theirs)
-        answer = dealer.ask(attacker.register(ep, kv=kv))
+        answer = attacker.handshake(dealer, ep, kv=kv)
         counts["accepted" if isinstance(answer, wire.Accept) else "rejected"] += 1
         for room in range(data.draw(st.integers(1, 3), label="requests")):
             req = attacker.request(room, data.draw(st.sampled_from([1, 300, 1000]), label="seq_len"))

@@ -8,6 +8,7 @@
 ``engines``         same-host engine options and parameters, the engine contract's rig
 ``decode_peer``     the engine contract's decode side (in a child process, or in this one)
 ``workers``         worker options, worker processes, their events and status commands
+``services``        ``pdstate serve`` processes (``Service``) and HTTP waits with a deadline
 ``faults``          short timers and the one use of the runtime's fault-injection knob
 ``waiting``         ``wait_until``: polling with a deadline
 ``summary``         the reliability summary table

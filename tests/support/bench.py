@@ -1,4 +1,5 @@
-"""A bench result with every section ``bench_report.summary`` reads, for plumbing tests."""
+"""Bench results for plumbing tests: one with every section ``bench_report.summary`` reads, and one
+with every row the README's performance tables render."""
 
 from __future__ import annotations
 
@@ -25,3 +26,39 @@ def fake_bench_result(**sections: Any) -> dict[str, Any]:
         },
         **sections,
     }
+
+
+def _row(seconds: float, nbytes: int = 10**9, spread: float = 0.0) -> dict[str, Any]:
+    g = nbytes / seconds / 1e9
+    gbps = {"median": g} | ({"min": g * (1 - spread), "max": g * (1 + spread)} if spread else {})
+    return {"bytes": nbytes, "seconds": {"median": seconds}, "gbps": gbps}
+
+
+def full_bench_result() -> dict[str, Any]:
+    """Two lengths (2048, 32768), 1 GB each, with the physical limit (1 and 2 threads), the shm
+    and agent phases, the M x N row, the pair's memory and the ZeroMQ round trip; ``ratios`` left
+    for ``bench_report.ratios`` to fill."""
+    lengths = ["2048", "32768"]
+
+    def per_len(*secs: float, spread: float = 0.0) -> dict[str, Any]:
+        return {n: _row(s, spread=spread) for n, s in zip(lengths, secs)}
+
+    r = fake_bench_result(
+        lengths=[2048, 32768],
+        modes=["paged"],
+        paths={
+            "paged:shm:physical_1t": per_len(0.2, 0.1),
+            "paged:shm:physical_2t": per_len(0.25, 0.08),
+            "paged:shm:physical": per_len(0.2, 0.08),
+            "paged:shm:ceiling": per_len(0.4, 0.16),
+            "paged:shm:pdstate_shm": per_len(0.5, 0.1, spread=0.1),
+            "paged:agent:ceiling": per_len(0.4, 0.2),
+            "paged:agent:pdstate_shm": per_len(0.8, 0.4),
+            "paged:agent:agent_shm": per_len(0.5, 0.2),
+            "paged:agent:agent_shm_digest": per_len(0.5, 0.25),
+        },
+        mxn={"prefills": 2, "decodes": 2, "requests": 16, "request_tokens": 8192, "gbps": 4.0, "verified": 16},
+        memory={"peak_rss_mb": 3000.0, "rss_growth_mb": 0.5, "anon_growth_mb": -0.25, "requests": 1000},
+    )
+    r["control"]["zmq_round_trip_ms"] = {"median": 0.3}
+    return r

@@ -19,6 +19,7 @@ import torch
 from pdstate.pools.memory import BufferSpec, PrivateMemory, Region
 from pdstate.transfer.engines import EngineUnavailable, TransferEngine, create_engine, engine_class
 from pdstate.transfer.engines.nixl import UCX_ENV_WITHOUT_IB
+from pdstate.transfer.engines.shm import prove_endpoint
 from pdstate.transfer.plan import TransferPlan
 from tests.support.decode_peer import LocalDecode, RemoteDecode
 from tests.support.images import SENTINEL
@@ -97,6 +98,14 @@ class Source:
         return cls(memory, arrays, memory.regions())
 
 
+def proven(engine: TransferEngine, endpoint: dict, owner: str | None = None) -> dict:
+    """``endpoint`` answering a fresh challenge of ``engine`` when it needs one (shm). The tests run
+    as the segments' owner uid, so they can read the secrets, as the decode itself does."""
+    if not engine.proves_ownership or endpoint.get("engine") != engine.name:
+        return endpoint
+    return {**endpoint, **prove_endpoint(endpoint, engine.challenge(owner or ""), owner or "")}
+
+
 class Pair:
     """A started prefill engine connected to a decode side, plus plan/expectation helpers."""
 
@@ -107,7 +116,7 @@ class Pair:
         self.engine: TransferEngine = create_engine(name, **ENGINE_OPTIONS[name])
         self.engine.start()
         self.engine.register(source.regions)
-        self.peer_id = self.engine.connect(decode.endpoint)
+        self.peer_id = self.engine.connect(proven(self.engine, decode.endpoint))
         self._sbase = np.array([r.base_ptr for r in source.regions], dtype=np.uint64)
         self._dbase = np.array([r.base_ptr for r in decode.dst_regions], dtype=np.uint64)
 

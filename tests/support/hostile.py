@@ -2,27 +2,48 @@
 shared-memory pools, and helpers that forge its endpoint and read other processes' segments.
 
 ``RawDecode`` owns real ``SharedMemory`` pools (so it can be accepted like a decode) but builds
-its ``Register`` by hand, so a test can point any endpoint field anywhere. ``segment_image``
+its ``Register`` by hand, so a test can point any endpoint field anywhere; ``handshake`` answers
+the prefill's ownership challenge as a peer without access to other decodes' files would (real
+proofs for its own segments, a guess for any other), or, with ``steal=True``, as a process of the
+victim's uid that reads the victim's segment secrets. ``segment_image``
 reads a segment file as it is now (the sentinel check of memory the attacker does not own).
+
+``python -m tests.support.hostile`` is the hostile decode as a process of its own (run as another
+uid where the tests run as root): it reads ``{"address", "register", "try_read"}`` (a victim's
+encoded ``Register``) from stdin, registers the victim's segments under its own name, answers the
+challenge (reading the segment secrets if ``try_read``, else guessing), then asks for a transfer,
+and prints what it got as one JSON line. ``GatedRelay`` holds a decode's frames on their way to
+its prefill until opened: a decode whose segments exist but that has not registered yet.
 """
 
 from __future__ import annotations
 
 import glob
+import json
+import os
 import secrets
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
+import torch
 import zmq
 
-from pdstate.pools.memory import SharedMemory
+import pdstate
+from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
+from pdstate.pools.memory import SharedMemory, prove_segment
 from pdstate.pools.presets import build_worker_pools
 from pdstate.pools.reporting import build_report
 from pdstate.protocol import wire
 from pdstate.runtime import requests as rq
 from pdstate.transfer.engines.base import create_engine
+from tests.support.paths import REPO, SRC_DIR
 from tests.support.pools import TINY
+
+NOBODY = 65534  # the uid a hostile process runs as when the tests run as root
 
 
 class RawDealer:
@@ -82,6 +103,30 @@ class RawDecode:
         )
         return wire.Register(**{**fields, **kw})
 
+    def proof(self, endpoint: dict, nonce: bytes, steal: bool = False) -> dict:
+        """Endpoint fields answering ``nonce``: real proofs for this decode's own segments (and,
+        with ``steal``, for any segment this process can read), a random guess for the others."""
+        claimant, own = f"{self.worker_id}/{self.incarnation}", set(self.own_paths())
+        proofs = {}
+        for path in sorted({str(r.get("path")) for r in endpoint.get("regions", []) if isinstance(r, dict)}):
+            real = None
+            if path in own or steal:
+                try:
+                    real = prove_segment(path, nonce, claimant)
+                except OSError:
+                    real = None
+            proofs[path] = (real or secrets.token_bytes(32)).hex()
+        return {"challenge": nonce.hex(), "proofs": proofs}
+
+    def handshake(self, dealer: RawDealer, endpoint: dict | None = None, steal: bool = False, **kw) -> wire.Message:
+        """Register (``register``'s arguments) and answer the prefill's challenge, if it sends one;
+        returns the final answer."""
+        ep = endpoint if endpoint is not None else self.endpoint
+        answer = dealer.ask(self.register(ep, **kw))
+        if isinstance(answer, wire.Challenge):
+            answer = dealer.ask(self.register({**ep, **self.proof(ep, answer.nonce, steal)}, **kw))
+        return answer
+
     def request(self, room: int, seq_len: int) -> wire.TransferRequest:
         """A valid request for ``seq_len`` tokens into this decode's own free pages."""
         a = rq.allocate(self.pools, rq.channel_names(self.kv_args), seq_len)
@@ -100,6 +145,32 @@ class RawDecode:
     def close(self) -> None:
         self.engine.close()
         self.pools.close()
+
+
+def agent_pair():
+    """A prefill agent and a decode agent over the tiny preset (the decode's memory in /dev/shm)."""
+    prefill_pools = pdstate.build_worker_pools(pdstate.preset("tiny"))
+    memory = SharedMemory()
+    decode_pools = pdstate.build_worker_pools(pdstate.preset("tiny"), memory=memory)
+    prefill_kv = pdstate.fill_kv_args(prefill_pools.target, prefill_pools.draft)
+    decode_kv = pdstate.fill_kv_args(decode_pools.target, decode_pools.draft)
+    prefill = PrefillAgent(prefill_kv, (prefill_pools.target, prefill_pools.draft))
+    decode = DecodeAgent(decode_kv, (decode_pools.target, decode_pools.draft), worker_id="victim")
+    return prefill, prefill_pools, decode, decode_pools, memory
+
+
+def agent_transfer(prefill, prefill_pools, decode, decode_pools, room: int) -> None:
+    """Two pages and the state components, prefill -> decode, digests compared; asserts it landed."""
+    src = prefill_pools.target.c4_kv_buffers[0]
+    src[1:3] = torch.randint(0, 256, src[1:3].shape, dtype=torch.uint8)
+    recv = decode.receiver(prefill.address, room=room)
+    recv.init([3, 4], [[1], [0], [1]])
+    send = prefill.sender(room=room, num_pages=2)
+    send.send([1])
+    send.send([2], state_indices=[[2], [1], [2]])
+    assert recv.wait(15) is RequestState.SUCCESS, recv.failure_exception()
+    assert send.wait(15) is RequestState.SUCCESS, send.failure_exception()
+    assert torch.equal(decode_pools.target.c4_kv_buffers[0][3:5], src[1:3])
 
 
 def segment_paths(pid: int) -> list[str]:
@@ -136,3 +207,141 @@ def with_region(endpoint: dict, i: int, **fields) -> dict:
     regions = [dict(r) for r in endpoint["regions"]]
     regions[i].update(fields)
     return {**endpoint, "regions": regions}
+
+
+class GatedRelay:
+    """A ROUTER on 127.0.0.1 (port 0) for one decode, relaying to ``upstream`` through a DEALER:
+    the decode's frames are held (dropped, counted, the last one kept) until ``open`` is set;
+    the prefill's answers always go back. The relay's thread alone uses its sockets."""
+
+    def __init__(self, upstream: str) -> None:
+        ctx = zmq.Context.instance()
+        self.front, self.back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        for sock in (self.front, self.back):
+            sock.setsockopt(zmq.LINGER, 0)
+        self.address = f"tcp://127.0.0.1:{self.front.bind_to_random_port('tcp://127.0.0.1')}"
+        self.back.connect(upstream)
+        self.open, self._stop = threading.Event(), threading.Event()
+        self.held: list[bytes] = []
+        self._thread = threading.Thread(target=self._run, name="gated-relay", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        poller.register(self.back, zmq.POLLIN)
+        identity = None
+        while not self._stop.is_set():
+            for sock, _ in poller.poll(20):
+                if sock is self.front:
+                    identity, frame = self.front.recv_multipart()
+                    if self.open.is_set():
+                        self.back.send(frame)
+                    else:
+                        self.held.append(frame)
+                elif identity is not None:
+                    self.front.send_multipart([identity, self.back.recv()])
+                else:
+                    self.back.recv()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.front.close(0)
+        self.back.close(0)
+
+
+def claim(address: str, theirs: wire.Register, try_read: bool) -> dict:
+    """Register ``theirs``'s segments as decode ``attacker``; what came back, as JSON data."""
+    ep = {**theirs.engine.endpoint, "engine_id": secrets.token_hex(8)}
+    incarnation = secrets.token_hex(8)
+    ours = theirs.model_copy(
+        update={"worker_id": "attacker", "incarnation": incarnation, "engine": wire.EngineDesc(name="shm", endpoint=ep)}
+    )
+    out: dict = {"answers": [], "read_error": None}
+    dealer = RawDealer(address)
+    try:
+        answer = dealer.ask(ours)
+        out["answers"].append(answer.KIND)
+        if isinstance(answer, wire.Challenge):
+            proofs = {}
+            for path in sorted({str(r["path"]) for r in ep["regions"]}):
+                real = None
+                if try_read:
+                    try:
+                        real = prove_segment(path, answer.nonce, f"attacker/{incarnation}")
+                    except OSError as exc:
+                        out["read_error"] = type(exc).__name__
+                proofs[path] = (real or secrets.token_bytes(32)).hex()
+            proven = {**ep, "challenge": answer.nonce.hex(), "proofs": proofs}
+            answer = dealer.ask(ours.model_copy(update={"engine": wire.EngineDesc(name="shm", endpoint=proven)}))
+            out["answers"].append(answer.KIND)
+        if isinstance(answer, wire.Reject):
+            out["error"] = answer.error.model_dump()
+        n = len(theirs.kv.components) if theirs.kv is not None else 0
+        request = wire.TransferRequest(
+            room=1,
+            seq_len=256,
+            dst_kv_pages=wire.PackedIndices.pack([1]),
+            dst_state_indices=[wire.PackedIndices.pack([1])] * n,
+            deadline_s=5,
+        )
+        then = dealer.ask(request)
+        out["request"] = then.error.model_dump() if isinstance(then, wire.Error) else then.KIND
+    finally:
+        dealer.close()
+    return out
+
+
+def reuse_identity(address: str, theirs: wire.Register, identity: bytes) -> dict:
+    """The victim's own register, sent from a copy of its ZeroMQ identity and then from a new
+    connection; what came back, as JSON data."""
+    copied, fresh = RawDealer(address, identity), RawDealer(address)
+    try:
+        copied.send(theirs)
+        out: dict = {"copied_identity_answered": bool(copied.sock.poll(500))}
+        answer = fresh.ask(theirs)
+        out["answer"] = answer.KIND
+        if isinstance(answer, wire.Reject):
+            out["error"] = answer.error.model_dump()
+        return out
+    finally:
+        copied.close()
+        fresh.close()
+
+
+def run(spec: dict, as_other_uid: bool = False) -> dict:
+    """Run this module as a process on ``spec`` (as another uid, ``NOBODY``, when asked and
+    running as root: it drops to it before touching the network); returns its JSON answer."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC_DIR), str(REPO)])}
+    if as_other_uid and os.getuid() == 0:
+        spec = {**spec, "uid": NOBODY}  # dropped once imported (the interpreter may be root's alone)
+    r = subprocess.run(
+        [sys.executable, "-B", "-m", "tests.support.hostile"],
+        input=json.dumps(spec) + "\n",
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+def main() -> None:
+    spec = json.loads(sys.stdin.readline())
+    if spec.get("uid") is not None:
+        os.setgroups([])
+        os.setgid(spec["uid"])
+        os.setuid(spec["uid"])
+    theirs = wire.decode(bytes.fromhex(spec["register"]))
+    if spec.get("identity"):
+        out = reuse_identity(spec["address"], theirs, bytes.fromhex(spec["identity"]))
+    else:
+        out = claim(spec["address"], theirs, bool(spec.get("try_read")))
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -7,19 +7,24 @@ prints ``{"event": "listening", "endpoint"}``, and on SIGTERM stops the worker a
 ``{"event": "stopped", "finished": [...], "stop_s"}`` (its request records, the seconds ``stop`` took);
 a line on stdin before that asks for ``{"event": "requests", "in_flight": [...]}``.
 ``TermPrefill`` is the test's side of it.
+
+``Served`` is a real ``pdstate serve`` process (``services/<role>/config.toml`` with ``--set``
+overrides), for the shutdown test that goes through the command itself: its stdout events and
+stderr are pumped by threads.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
 
-from tests.support.paths import REPO, SRC_DIR
+from tests.support.paths import REPO, SERVICES, SRC_DIR
 
 PREFILL_START_TIMEOUT_S = 90.0
 
@@ -99,6 +104,58 @@ class TermPrefill:
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
+        self.proc.wait(10)
+
+
+class Served:
+    """``pdstate serve --config services/<role>/config.toml --set ...`` (log level info)."""
+
+    def __init__(self, role: str, overrides: list[str], start_timeout_s: float = PREFILL_START_TIMEOUT_S) -> None:
+        from tests.support.workers import pdstate_command
+
+        cmd = [*pdstate_command(), "serve", "--config", str(SERVICES / role / "config.toml"), "--log-level", "info"]
+        for o in overrides:
+            cmd += ["--set", o]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PDSTATE_") or k == "PDSTATE_SHARED"}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+        self.events: queue.Queue = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._pump, args=(self.proc.stdout, True), daemon=True).start()
+        threading.Thread(target=self._pump, args=(self.proc.stderr, False), daemon=True).start()
+        try:
+            ev = self.events.get(timeout=start_timeout_s)
+        except queue.Empty:
+            ev = None
+        assert ev and ev.get("event") == "listening", (ev, self.err()[-2000:])
+        self.listening = ev
+
+    def _pump(self, stream, events: bool) -> None:
+        for line in stream:
+            if events and line.startswith("{"):
+                self.events.put(json.loads(line))
+            elif not events:
+                self.stderr.append(line)
+
+    @property
+    def url(self) -> str:
+        return self.listening["http"]
+
+    def err(self) -> str:
+        return "".join(self.stderr)
+
+    def term(self) -> float:
+        """SIGTERM; returns the monotonic time it was sent."""
+        t = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        return t
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
         self.proc.wait(10)
 
 

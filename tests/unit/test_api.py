@@ -43,6 +43,7 @@ class FakeSource:
     peer_list: list = field(default_factory=list)
     finished: dict = field(default_factory=dict)
     submitted: list = field(default_factory=list)
+    named: list = field(default_factory=list)  # the keywords of each submit (``prefill`` when named)
     reregistered: int = 0
 
     def readiness(self):
@@ -63,7 +64,8 @@ class FakeSource:
     def result_timeout_s(self):
         return 5.0
 
-    def submit(self, tokens, room):
+    def submit(self, tokens, room, **named):
+        self.named.append(named)
         room = 7 if room is None else room
         res = {
             "room": room,
@@ -182,6 +184,29 @@ def test_transfers_and_auth(good_report):
     # without a configured token the endpoints are open
     src.ready = Readiness(True)
     assert client(src).post("/v1/transfers", json={"tokens": 5}).status_code == 200
+
+
+def test_transfers_name_their_prefill(good_report):
+    src = FakeSource("decode", good_report)
+    c = client(src)
+    other = "tcp://10.0.0.2:5601"
+    assert c.post("/v1/transfers", json={"tokens": 5}).status_code == 200
+    assert c.post("/v1/transfers", json={"tokens": 5, "prefill": other}).status_code == 200
+    assert src.named == [{}, {"prefill": other}]  # a source is asked for a prefill only when one is named
+    for bad in ("tcp://10.0.0.2", "ipc:///tmp/x", "tcp://10.0.0.2:5601/x", "", 1):
+        assert c.post("/v1/transfers", json={"tokens": 5, "prefill": bad}).status_code == 422, bad
+    # the default prefill not (yet) accepting this decode: its requests wait, another's go on
+    src.ready = Readiness(False, "waiting for the prefill", "peer")
+    for body in ({"tokens": 5}, {"tokens": 5, "prefill": src.control}):
+        r = c.post("/v1/transfers", json=body)
+        assert r.status_code == 503 and r.json()["detail"] == "waiting for the prefill"
+    assert c.post("/v1/transfers", json={"tokens": 5, "prefill": other}).status_code == 200
+    # a decode that cannot serve at all refuses every request
+    for check in ("local_check", "threads", "shutdown"):
+        src.ready = Readiness(False, f"not ready: {check}", check)
+        r = c.post("/v1/transfers", json={"tokens": 5, "prefill": other})
+        assert r.status_code == 503 and r.json()["detail"] == f"not ready: {check}"
+    assert len(src.named) == 3
 
 
 def test_prefill_has_no_transfers(good_report):

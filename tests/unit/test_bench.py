@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pdstate.devtools import bench, bench_report
+from pdstate.devtools.baselines import thread_counts
+from pdstate.transfer.engines.shm_copy import host_cores
 from tests.support.bench import fake_bench_result
 
 
@@ -35,9 +37,21 @@ def test_a_phase_on_tiny_measures_every_variant_and_verifies():
     src, dst = bench._Side("paged", "tiny"), bench._Side("paged", "tiny")
     results: dict = {"paths": {}, "lengths": [300], "modes": ["paged"]}
     lines: list[str] = []
-    bench._phase("paged", "shm", src, dst, [300], 2, results, lines.append, preset_name="tiny")
+    bench._phase("paged", "shm", src, dst, [300], 2, results, lines.append, preset_name="tiny", memory_requests=20)
     names = {k.split(":", 2)[2] for k in results["paths"]}
-    assert names == {"ceiling", "ceiling_memmove", "ceiling_gather_scatter", "pdstate_shm", "pdstate_shm_full_verify"}
+    physical = {f"physical_{k}t" for k in thread_counts(host_cores())} | {"physical"}
+    assert (
+        names
+        == {"ceiling", "ceiling_memmove", "ceiling_gather_scatter", "pdstate_shm", "pdstate_shm_full_verify"} | physical
+    )
+    assert (
+        results["paths"]["paged:shm:physical"]["300"]["bytes"]
+        == results["paths"]["paged:shm:pdstate_shm"]["300"]["bytes"]
+    )
+    assert 0 < bench_report.ratios(results)["shm_vs_physical_by_length"]["300"] < 5
+    mem = results["memory"]
+    assert mem["requests"] == 20 and mem["request_tokens"] == 128
+    assert mem["peak_rss_mb"] >= mem["rss_after_mb"] > 0 and abs(mem["rss_growth_mb"]) < mem["rss_before_mb"]
     row = results["paths"]["paged:shm:pdstate_shm"]["300"]
     assert row["seconds"]["n"] == 2 and row["bytes"] > 0 and row["gbps"]["median"] > 0
     assert results["parts"]["paged:shm:pdstate_shm:verify_s"]["300"]["median"] > 0
@@ -81,12 +95,14 @@ def test_outputs_json_and_a_plot_where_matplotlib_is_installed(tmp_path):
     try:
         import matplotlib  # noqa: F401
 
-        expected = {"bench.json", "bench.png"}
+        expected = {"bench.json", "bench.md", "bench.png"}
     except ImportError:
-        expected = {"bench.json"}
+        expected = {"bench.json", "bench.md"}
     files = bench_report.write_outputs(r, tmp_path / "out")
     assert {f.name for f in files} == expected
     assert json.loads((tmp_path / "out" / "bench.json").read_text()) == r
+    md = (tmp_path / "out" / "bench.md").read_text().splitlines()
+    assert md[:2] == ["| GB/s, median (min–max over the runs) | 2k | 8k |", "|---|---|---|"]
 
 
 @pytest.mark.mooncake

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from pdstate.errors import OnlineC128MTPUnsupported, PoolConfigError
 from pdstate.pools import BufferSpec, DeepSeekV4TokenToKVPool, PrivateMemory, SharedMemory, SWATokenToKVPoolAllocator
 from pdstate.pools.kvargs import KVArgs, StateType, setup_state_kv_args
-from pdstate.pools.memory import sweep_stale_segments
+from pdstate.pools.memory import SEGMENT_HEADER_BYTES, sweep_stale_segments
 
 NOPE, ROPE, IDX_HD = 448, 64, 128
 HD = NOPE + ROPE  # 512
@@ -593,19 +593,21 @@ def test_shared_memory_segment_mode_alias_and_unlink(tmp_path):
     st_ = os.stat(path)
     assert stat.S_IMODE(st_.st_mode) == 0o600
     assert st_.st_uid == os.getuid()
-    assert st_.st_size == seg.nbytes == 2 * 4096
+    h = SEGMENT_HEADER_BYTES  # the file: the header (magic, ownership secret), then the buffers
+    assert seg.nbytes == 2 * 4096 and st_.st_size == h + seg.nbytes
     assert a.data_ptr() == seg.base_ptr and b.data_ptr() == seg.base_ptr + 4096
     assert [(r.name, r.base_ptr, r.nbytes) for r in mem.regions()] == [(seg.name, seg.base_ptr, 8192)]
     # tensor -> file
     a[2, 4] = 0xAB
     b[1, 2] = 1.5
     data = path.read_bytes()
-    assert data[2 * 5 + 4] == 0xAB
-    assert struct.unpack_from("<f", data, 4096 + (1 * 4 + 2) * 4)[0] == 1.5
-    assert sum(1 for x in data if x) == 3  # 0xAB, and 1.5f = 00 00 c0 3f: nothing else written
+    assert data[:8] == b"PDSTSEG1" and len(set(data[8:40])) > 1  # a random secret
+    assert data[h + 2 * 5 + 4] == 0xAB
+    assert struct.unpack_from("<f", data, h + 4096 + (1 * 4 + 2) * 4)[0] == 1.5
+    assert sum(1 for x in data[h:] if x) == 3  # 0xAB, and 1.5f = 00 00 c0 3f: nothing else written
     # file -> tensor
     with open(path, "r+b") as f:
-        f.seek(7)
+        f.seek(h + 7)
         f.write(b"\x2a")
     assert a[1, 2].item() == 0x2A
     mem.close()
@@ -623,7 +625,7 @@ def test_shared_memory_context_manager_and_pool(tmp_path):
         t = pool.buffers["c4_kv[c4_idx=0]"]
         assert seg.base_ptr <= t.data_ptr() and t.data_ptr() + t.nbytes <= seg.base_ptr + seg.nbytes
         t[1, 0] = 0x5C
-        off = t.data_ptr() - seg.base_ptr + t[0].nbytes
+        off = SEGMENT_HEADER_BYTES + t.data_ptr() - seg.base_ptr + t[0].nbytes
         with open(seg.path, "rb") as f:
             f.seek(off)
             assert f.read(1) == b"\x5c"

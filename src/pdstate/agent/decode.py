@@ -297,6 +297,10 @@ class DecodeAgent:
         p.last_seen = time.monotonic()
         if isinstance(msg, (wire.Accept, wire.Reject)):
             self._on_handshake(p, msg)
+        elif isinstance(msg, wire.Challenge):
+            if p.state is PeerState.PENDING:  # prove the memory this decode named is its own
+                proof = self._engine.prove(msg.nonce, f"{self.worker_id}/{self.incarnation}")
+                self._send(p, self._handshake.register_message(proof))
         elif isinstance(msg, wire.Heartbeat):
             if p.state is PeerState.ACCEPTED and msg.incarnation != p.incarnation:
                 self._register(p)  # a new process at that address: what the old one had fails at its Accept
@@ -374,11 +378,11 @@ class DecodeAgent:
     def _digest(self, req: wire.AgentRequest) -> bytes:
         n = 1 + len(req.dst_state_indices)
         d = RequestDigest(self._layout if req.dst_aux is not None else self._layout[:n])
-        d.update(0, req.dst_kv_pages.unpack())
-        for c, lst in enumerate(req.dst_state_indices, start=1):
-            d.update(c, lst.unpack())
+        updates = [(0, req.dst_kv_pages.unpack())]
+        updates += [(c, lst.unpack()) for c, lst in enumerate(req.dst_state_indices, start=1)]
         if req.dst_aux is not None:
-            d.update(n, np.array([req.dst_aux.index]))
+            updates.append((n, np.array([req.dst_aux.index])))
+        d.update_many(updates)  # the buffers spread over the host's cores
         return d.digest()
 
     def _tick(self) -> None:

@@ -8,8 +8,9 @@ import time
 import numpy as np
 import zmq
 
+from pdstate.agent.admission import bind_router, gatekeep
 from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
-from pdstate.agent.digest import RequestDigest
+from pdstate.agent.digest import RequestDigest, submit_digested
 from pdstate.agent.refusals import Refusals
 from pdstate.agent.sender import KVSender, _Decode, _Pending, _Send, _with_aux
 from pdstate.errors import (
@@ -30,6 +31,7 @@ from pdstate.protocol.handshake import LocalSide, PrefillHandshake
 from pdstate.protocol.lifecycle import RequestState
 from pdstate.protocol.report import ErrorInfo
 from pdstate.transfer.engines.base import TransferEngine, create_engine
+from pdstate.transfer.engines.shm_owner import challenge_unknown, challenge_unknown_error
 from pdstate.transfer.planner import PairPlanner
 
 __all__ = ["KVSender", "PrefillAgent"]
@@ -50,7 +52,8 @@ class PrefillAgent(Refusals):
 
     Threading (``pdstate.agent``): one I/O thread owns the socket, the engine's submissions and
     every request's state; every public method is safe from any thread. The caller keeps a chunk's
-    source pages unchanged until its sender left TRANSFERRING (engines read them asynchronously).
+    source pages unchanged until its sender left TRANSFERRING (engines read them asynchronously;
+    the digest reads them beside the copy).
     """
 
     def __init__(
@@ -107,14 +110,7 @@ class PrefillAgent(Refusals):
         self._init_refusals()
         self._last_tick = time.monotonic()
         self._loop = AgentLoop(f"pdstate-prefill-{worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
-        self._sock = self._loop.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        if bind.startswith("tcp://") and bind.endswith(":0"):
-            port = self._sock.bind_to_random_port(bind[: -len(":0")])
-            self.address = f"{bind[: -len(':0')]}:{port}"
-        else:
-            self._sock.bind(bind)
-            self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._sock, self.address = bind_router(self._loop, bind)
         self._loop.watch(self._sock, self._on_frame)
         self._loop.start()
 
@@ -195,6 +191,8 @@ class PrefillAgent(Refusals):
             self._on_register(identity, msg)
         elif isinstance(msg, wire.Heartbeat):
             self._reply(identity, wire.Heartbeat(worker_id=self.worker_id, incarnation=self.incarnation, seq=msg.seq))
+        elif isinstance(msg, wire.Error) and challenge_unknown(msg.error.message):  # an older decode: say why
+            self._reply(identity, wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(challenge_unknown_error())))
         elif decode is None and isinstance(msg, wire.Abort) and identity in self._refused:
             self._on_refused_abort(identity, msg)
         elif decode is None:
@@ -217,10 +215,12 @@ class PrefillAgent(Refusals):
             self._on_verdict(msg)
 
     def _on_register(self, identity: bytes, msg: wire.Register) -> None:
+        if gatekeep(self, identity, msg):  # another live decode's worker_id, or memory not proven yet
+            return
         answer = self._handshake.receive(msg)
         if isinstance(answer, wire.Accept):
             try:
-                peer_id = self._engine.connect(msg.engine.endpoint)
+                peer_id = self._engine.connect(msg.engine.endpoint, owner=f"{msg.worker_id}/{msg.incarnation}")
                 planner = PairPlanner(self.kv_args, msg.kv)
             except (PdStateError, ValueError) as exc:
                 answer = wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(exc))
@@ -333,15 +333,9 @@ class PrefillAgent(Refusals):
         last = state is not None
         if last and req.dst_aux is not None:
             plan = _with_aux(plan, self.kv_args, req.dst_aux, send.aux_index)
-        handle = self._engine.submit(decode.peer_id, plan)
+        aux = [(len(src_lists), np.array([send.aux_index]))] if last and req.dst_aux is not None else []
+        handle = submit_digested(self._engine, decode.peer_id, plan, send.digest, [*enumerate(src_lists), *aux])
         send.handles.append(handle)
-        if send.digest is not None:
-            t0 = time.perf_counter()
-            for c, lst in enumerate(src_lists):
-                send.digest.update(c, lst)
-            if last and req.dst_aux is not None:
-                send.digest.update(len(src_lists), np.array([send.aux_index]))
-            send.record.metrics["digest_s"] = send.record.metrics.get("digest_s", 0.0) + time.perf_counter() - t0
         send.pages_sent += pages.size
         send.bytes += plan.total_bytes
         send.descriptors += len(plan)
@@ -361,6 +355,9 @@ class PrefillAgent(Refusals):
         send.done_sent = True
         m = send.record.metrics
         m.update(bytes=send.bytes, descriptors=send.descriptors, chunks=send.chunks)
+        if send.digest is not None:
+            m["digest_wait_s"] = round(send.digest.wait(), 6)  # what the copy did not hide
+            m["digest_s"], m["digest_fused"] = round(send.digest.seconds, 6), send.digest.fused  # fused: in the copy
         m["transfer_s"] = round(time.monotonic() - send.started, 6)
         self._reply(
             send.identity,
@@ -380,6 +377,8 @@ class PrefillAgent(Refusals):
         Returns False when a handle is still in flight after ``FENCE_TIMEOUT_S`` (a wedged native
         engine): the decode is then NOT told, so it never reports the request fenced."""
         fenced = True
+        if send.digest is not None:
+            send.digest.cancel()  # no thread reads the request's pages after the fence
         for h in send.handles:
             try:
                 self._engine.wait(h, FENCE_TIMEOUT_S)

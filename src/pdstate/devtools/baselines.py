@@ -1,5 +1,6 @@
 """The baselines ``pdstate bench`` measures pdstate against, kept apart from the benchmark's driver:
-the in-process copy of a plan's regions (per-run ``memmove``, numpy gather/scatter), the native
+the physical copy limit (one contiguous copy of the same byte count, 1..N threads), the
+in-process copy of a plan's regions (per-run ``memmove``, numpy gather/scatter), the native
 engines writing the same descriptors with nothing of pdstate in the loop, and a bare ZeroMQ round
 trip between two processes (the floor under any control message exchange).
 """
@@ -21,6 +22,51 @@ ENGINE_OPTIONS = {"nixl": {"ucx_env": {"UCX_MODULES": "^ib"}}, "mooncake": {"hos
 
 def median_range(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def thread_counts(cores: int) -> list[int]:
+    """1, 2, 4, ... up to ``cores``, and ``cores`` itself: the thread counts the limit tries."""
+    out, k = [], 1
+    while k < cores:
+        out.append(k)
+        k *= 2
+    return out + [cores]
+
+
+class _ContiguousCopy:
+    """One ``memmove`` of ``src`` into ``dst`` (numpy buffers it keeps alive) in ``k`` equal shares,
+    the calling thread copying the first and ``pool``'s threads the others at once."""
+
+    def __init__(self, src: np.ndarray, dst: np.ndarray, k: int, pool) -> None:
+        from pdstate.transfer.engines.shm_copy import split_descriptors
+
+        self.src, self.dst, self.pool = src, dst, pool
+        u64 = np.uint64
+        whole = (np.array([dst.ctypes.data], u64), np.array([src.ctypes.data], u64), np.array([src.nbytes], u64))
+        self.shares = [(d[0], s[0], n[0]) for d, s, n in split_descriptors(*whole, k)]
+
+    def __call__(self) -> None:
+        (d0, s0, n0), *rest = self.shares
+        futures = [self.pool.submit(ctypes.memmove, d, s, n) for d, s, n in rest]
+        ctypes.memmove(d0, s0, n0)
+        for f in futures:
+            f.result()
+
+
+def physical_copy(nbytes: int, cores: int | None = None) -> dict[str, Callable[[], None]]:
+    """``physical_<k>t``: one contiguous ``memmove`` of ``nbytes`` between two buffers of this
+    process (touched beforehand), split into ``k`` equal shares copied by ``k`` threads at once,
+    for ``k`` in ``thread_counts(cores)`` (default: the cores this process may use). The best of
+    them is the physical limit for that byte count: no descriptors, no planning, no process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pdstate.transfer.engines.shm_copy import host_cores
+
+    counts = thread_counts(cores or host_cores())
+    src = np.full(nbytes, 1, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    pool = ThreadPoolExecutor(max(counts) - 1) if max(counts) > 1 else None
+    return {f"physical_{k}t": _ContiguousCopy(src, dst, k, pool) for k in counts}
 
 
 def memmove_loop(plan: TransferPlan) -> None:

@@ -3,6 +3,8 @@
 For the ``dsv4-flash`` layout (target + NextN draft) and each request length, the variants are
 interleaved round-robin in one process run (these machines are shared; ratios, not absolutes):
 
+- ``physical_<k>t`` (paged shm phase): one contiguous copy of the request's byte count with k
+  threads, k = 1, 2, 4, ... up to the cores; ``physical``, the best of them, is the limit;
 - ``ceiling``: an in-process copy of exactly the regions a request moves (same page ids, same
   descriptors), the best of a per-run ``memmove`` loop and a vectorised numpy gather/scatter;
 - ``raw_<engine>``: the native engine (Mooncake, NIXL) writing the same pages and buffers from an
@@ -22,6 +24,9 @@ their own beside today's path (``pdstate_shm``) and the ceiling: see ``devtools.
 Each engine runs in its own phase (its pair and native agents alone, the ceiling measured again
 beside it): an idle NIXL agent keeps a core busy, which would tax everything else on a small host.
 
+The scale rows (``devtools.bench_scale``): the shm worker pair's peak RSS and its growth over
+1,000 small requests, and a 2 x 2 agent cluster's aggregate throughput (``mxn``).
+
 Plus planner timings (fully fragmented and fully contiguous 128k-token requests against the
 per-run Python loop) and control costs (handshake round trip, an empty transfer, a 1-token
 request).
@@ -39,11 +44,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from pdstate.devtools import bench_scale
 from pdstate.devtools.baselines import (
     ENGINE_OPTIONS,
     gather_scatter,
     median_range,
     memmove_loop,
+    physical_copy,
     raw_engine,
     zmq_round_trip,
 )
@@ -122,8 +129,8 @@ class _Pair(NamedTuple):
     close: Callable[[], None]
 
 
-def _pdstate_pair(engine: str, mode: str, preset_name: str = "dsv4-flash") -> _Pair:
-    """A prefill and a decode process, the decode registered."""
+def _pdstate_pair(engine: str, mode: str, preset_name: str = "dsv4-flash", pids: list | None = None) -> _Pair:
+    """A prefill and a decode process, the decode registered (their pids appended to ``pids``)."""
     from pdstate.devtools.processes import WorkerProcess
     from pdstate.runtime.options import WorkerOptions
 
@@ -141,6 +148,8 @@ def _pdstate_pair(engine: str, mode: str, preset_name: str = "dsv4-flash") -> _P
         prefill.close()
         decode.close()
         raise RuntimeError(f"{engine}: handshake refused: {ev}")
+    if pids is not None:
+        pids += [prefill.pid, decode.pid]
 
     def run(n: int, verify: str = "sample") -> dict:
         decode.send(json.dumps({"cmd": "run", "lengths": [n], "concurrency": 1, "verify": verify}))
@@ -208,12 +217,17 @@ def measure(mode: str, engine: str, n: int, plan: TransferPlan, variants: dict, 
             "seconds": median_range(ts),
             "gbps": median_range([plan.total_bytes / t / 1e9 for t in ts]),
         }
-    row.setdefault(f"{mode}:{engine}:ceiling", {})[str(n)] = {
-        "bytes": plan.total_bytes,
-        "descriptors": len(plan),
-        "seconds": {"median": ceiling},
-        "gbps": {"median": plan.total_bytes / ceiling / 1e9},
-    }
+    best = {"ceiling": ceiling}
+    physical = {k: statistics.median(ts) for k, ts in times.items() if k.startswith("physical_")}
+    if physical:  # the physical limit: the best thread count's median (``baselines.physical_copy``)
+        best["physical"] = min(physical.values())
+    for name, t in best.items():
+        row.setdefault(f"{mode}:{engine}:{name}", {})[str(n)] = {
+            "bytes": plan.total_bytes,
+            "descriptors": len(plan),
+            "seconds": {"median": t},
+            "gbps": {"median": plan.total_bytes / t / 1e9},
+        }
     for k, ts in extra.items():
         results.setdefault("parts", {}).setdefault(f"{mode}:{engine}:{k}", {})[str(n)] = median_range(ts)
     return times
@@ -229,12 +243,18 @@ def _phase(
     results: dict,
     progress,
     preset_name: str = "dsv4-flash",
+    memory_requests: int = 1000,
 ) -> None:
     """One engine's variants, interleaved per length, next to the ceiling measured in the same
     phase (only this phase's processes and agents are alive: an idle NIXL agent busy-polls a
-    core, which would tax every other variant on a 2-core machine)."""
+    core, which would tax every other variant on a 2-core machine). The paged shm phase also
+    measures the physical limit (``physical_<k>t``, one contiguous copy of the same byte count
+    with k threads; ``physical`` is the best) and, after its lengths, the worker pair's memory
+    (``bench_scale.worker_memory``: peak RSS, growth over ``memory_requests`` small requests)."""
     progress(f"[{mode}:{engine}] starting a pdstate pair ...")
-    hs, run, describe, close = _pdstate_pair(engine, mode, preset_name)
+    pids: list[int] = []
+    hs, run, describe, close = _pdstate_pair(engine, mode, preset_name, pids)
+    anchor = engine == "shm" and mode == "paged"  # the physical limit and the pair's memory: once per run
     results.setdefault("handshake_ms", {})[f"{mode}:{engine}"] = hs
     raw, decode_kv = None, None
     try:
@@ -256,10 +276,15 @@ def _phase(
                 variants[f"raw_{engine}"] = raw[0](plan_request(src.kv, decode_kv, a.lists, b.lists))
             variants[f"pdstate_{engine}"] = lambda: run(n, "sample")
             variants[f"pdstate_{engine}_full_verify"] = lambda: run(n, "full")
+            if anchor:
+                variants.update(physical_copy(plan.total_bytes))
             times = measure(mode, engine, n, plan, variants, runs, results)
             progress(speeds_line(mode, engine, n, plan, times))
             rq.free(src.pools, a)
             rq.free(dst.pools, b)
+        if anchor:
+            progress(f"[{mode}:{engine}] the pair's memory: peak, then {memory_requests} small requests ...")
+            results["memory"] = bench_scale.worker_memory(run, pids, memory_requests)
     finally:
         close()
         if raw is not None:
@@ -294,6 +319,8 @@ def run_bench(
 
             bench_agent.phase(src, dst, lengths, runs, results, progress)
         del src, dst
+    if "shm" in available:
+        results["mxn"] = bench_scale.mxn(16 if quick else 32, progress)
     if sglang:  # SGLang's own Mooncake backend against backend pdstate: see devtools.bench_sglang
         from pdstate.devtools import bench_sglang
 

@@ -1,5 +1,9 @@
 """What ``pdstate bench`` makes of its measurements (``bench.run_bench``'s result): the ratios, the
-one-line summary, ``bench.json`` and ``bench.png``, the console table; and the command itself.
+one-line summary, ``bench.json``, ``bench.md`` (the README's performance tables, from this one
+run) and ``bench.png``, the console table; and the command itself.
+
+``python -m pdstate.devtools.bench_report bench-out/bench.json`` prints the tables of a saved run
+again (``devtools.bench_tables``).
 
 Light to import (``pdstate.cli`` does so before parsing argv): the benchmark, and torch with it,
 load inside ``cmd_bench``.
@@ -53,17 +57,43 @@ def ratios(r: dict) -> dict:
                 out.setdefault(f"{key}_vs_ceiling_by_length", {})[str(n)] = c / ag
             if ag and worker:
                 out.setdefault(f"{key}_vs_worker_by_length", {})[str(n)] = worker / ag
+        phys, shm = med("paged:shm:physical", n), med("paged:shm:pdstate_shm", n)
+        if phys and shm:
+            out.setdefault("shm_vs_physical_by_length", {})[str(n)] = phys / shm
+        if "agent_digest_vs_ceiling_by_length" in out:  # the issue's name for the default agent path
+            out["shm_digest_vs_ceiling_by_length"] = out["agent_digest_vs_ceiling_by_length"]
     for n, sgl in r.get("sglang_mooncake_ms_by_length", {}).items():  # the sglang phase (--sglang)
         ours = r.get("sglang_backend_ms_by_length", {}).get(n)
         if ours:
             out.setdefault("sglang_backend_vs_sglang_mooncake_by_length", {})[n] = sgl / ours
     for key in [k[: -len("_by_length")] for k in list(out)]:
         out[key] = out[f"{key}_by_length"].get("32768")
+    limit = physical_limit(r)
+    if r.get("mxn") and limit["gbps"]:
+        out["mxn_vs_physical"] = r["mxn"]["gbps"] / limit["gbps"]
     return out
+
+
+def physical_limit(r: dict, n: int = 32768) -> dict:
+    """The physical copy limit at ``n`` tokens' bytes: GB/s and the thread count that reached it."""
+    paths = r.get("paths", {})
+    row = paths.get("paged:shm:physical", {}).get(str(n))
+    if row is None:
+        return {"gbps": None, "threads": None}
+    per_k = {
+        int(k.rsplit("_", 1)[1][:-1]): v[str(n)]["seconds"]["median"]
+        for k, v in paths.items()
+        if k.startswith("paged:shm:physical_") and str(n) in v
+    }
+    return {"gbps": row["gbps"]["median"], "threads": min(per_k, key=per_k.get) if per_k else None}
 
 
 NAMED_RATIOS = (
     "shm_vs_ceiling",
+    "shm_vs_ceiling_by_length",
+    "shm_vs_physical",
+    "shm_digest_vs_ceiling",
+    "mxn_vs_physical",
     "mooncake_vs_raw",
     "nixl_vs_raw",
     "agent_vs_ceiling",
@@ -84,22 +114,48 @@ def agent_digest_ms(r: dict) -> dict:
 
 
 def summary(r: dict) -> dict:
+    return (
+        {
+            "ratios": {k: r["ratios"].get(k) for k in NAMED_RATIOS}
+            | {k: v for k, v in r["ratios"].items() if k not in NAMED_RATIOS},
+            "agent_digest_ms_p50_by_length": agent_digest_ms(r),
+            "plan_fragmented_128k_ms": r["planner"]["fragmented_ms"],
+            "plan_contiguous_128k_ms": r["planner"]["contiguous_ms"],
+            "plan_speedup_vs_loop": r["planner"]["loop_fragmented_ms"] / r["planner"]["fragmented_ms"],
+            "handshake_ms_p50": r["control"]["handshake_ms"]["median"],
+            "control_overhead_ms_p50": r["control"]["control_overhead_ms"]["median"],
+            "request_1_token_ms_p50": r["control"]["request_1_token_ms"]["median"],
+            "request_1_token_overhead_ms_p50": r["control"]["request_1_token_overhead_ms"]["median"],
+            "zmq_round_trip_ms_p50": r["control"].get("zmq_round_trip_ms", {}).get("median"),
+            "first_handshake_flash_ms": r["control"]["first_handshake_flash_ms"],
+            "descriptors_contiguous_128k": r["planner"]["descriptors_contiguous"],
+            "descriptors_fragmented_128k": r["planner"]["descriptors_fragmented"],
+        }
+        | scale_summary(r)
+        | {k: r[k] for k in ("sglang_mooncake_ms_by_length", "sglang_backend_ms_by_length") if k in r}
+    )
+
+
+def scale_summary(r: dict) -> dict:
+    """The physical limit, control path against ZeroMQ, the M x N row and memory (null if not run)."""
+    limit = physical_limit(r)
+    c = r.get("control", {})
+    ctl, zmq = c.get("control_overhead_ms", {}).get("median"), c.get("zmq_round_trip_ms", {}).get("median")
+    mxn, mem = r.get("mxn") or {}, r.get("memory") or {}
     return {
-        "ratios": {k: r["ratios"].get(k) for k in NAMED_RATIOS}
-        | {k: v for k, v in r["ratios"].items() if k not in NAMED_RATIOS},
-        "agent_digest_ms_p50_by_length": agent_digest_ms(r),
-        "plan_fragmented_128k_ms": r["planner"]["fragmented_ms"],
-        "plan_contiguous_128k_ms": r["planner"]["contiguous_ms"],
-        "plan_speedup_vs_loop": r["planner"]["loop_fragmented_ms"] / r["planner"]["fragmented_ms"],
-        "handshake_ms_p50": r["control"]["handshake_ms"]["median"],
-        "control_overhead_ms_p50": r["control"]["control_overhead_ms"]["median"],
-        "request_1_token_ms_p50": r["control"]["request_1_token_ms"]["median"],
-        "request_1_token_overhead_ms_p50": r["control"]["request_1_token_overhead_ms"]["median"],
-        "zmq_round_trip_ms_p50": r["control"].get("zmq_round_trip_ms", {}).get("median"),
-        "first_handshake_flash_ms": r["control"]["first_handshake_flash_ms"],
-        "descriptors_contiguous_128k": r["planner"]["descriptors_contiguous"],
-        "descriptors_fragmented_128k": r["planner"]["descriptors_fragmented"],
-    } | {k: r[k] for k in ("sglang_mooncake_ms_by_length", "sglang_backend_ms_by_length") if k in r}
+        "physical_limit_gbps": limit["gbps"],
+        "physical_limit_threads": limit["threads"],
+        "physical_limit_gbps_by_length": {
+            n: v["gbps"]["median"] for n, v in r.get("paths", {}).get("paged:shm:physical", {}).items()
+        },
+        "control_overhead_vs_zmq": ctl / zmq if ctl and zmq else None,
+        "mxn_2x2_gbps": mxn.get("gbps"),
+        "mxn_2x2": mxn or None,
+        "peak_rss_mb": mem.get("peak_rss_mb"),
+        "rss_growth_mb": mem.get("rss_growth_mb"),
+        "rss_anon_growth_mb": mem.get("anon_growth_mb"),
+        "rss_growth_requests": mem.get("requests"),
+    }
 
 
 COLORS = {
@@ -113,8 +169,11 @@ COLORS = {
 
 def write_outputs(r: dict, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = [out_dir / "bench.json"]
+    from pdstate.devtools.bench_tables import markdown
+
+    written = [out_dir / "bench.json", out_dir / "bench.md"]
     written[0].write_text(json.dumps(r, indent=2, sort_keys=True) + "\n")
+    written[1].write_text(markdown(r, summary_or_none(r)))
     try:
         import matplotlib
 
@@ -160,6 +219,14 @@ def format_table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def summary_or_none(r: dict) -> dict | None:
+    """``summary(r)``, or None for a result without the sections a summary needs."""
+    try:
+        return summary(r)
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
 def cmd_bench(args) -> ExitCode:
     """Run the benchmark, write its files; the last stdout line is the summary as one JSON object."""
     from pdstate.devtools import bench
@@ -186,3 +253,26 @@ def cmd_bench(args) -> ExitCode:
         print("wrote " + ", ".join(str(f) for f in files))
     print(json.dumps(s))
     return ExitCode.OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pdstate.devtools.bench_report BENCH_JSON``: print the run's tables again."""
+    import sys
+
+    from pdstate.devtools.bench_tables import markdown
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m pdstate.devtools.bench_report bench-out/bench.json", file=sys.stderr)
+        return int(ExitCode.CONFIG)
+    try:
+        r = json.loads(Path(args[0]).read_text())
+    except (OSError, ValueError) as exc:
+        print(f"bench_report: cannot read {args[0]}: {exc}", file=sys.stderr)
+        return int(ExitCode.FAILED)
+    print(markdown(r, summary_or_none(r)), end="")
+    return int(ExitCode.OK)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,18 +1,17 @@
-"""``pdstate demo``: a prefill and a decode worker process on one host, a handshake, a batch of
-requests of mixed lengths with one progress line each (full room ids: the ones
-``/v1/transfers/{room}`` and the workers' logs name), and a summary table. With ``--prefills N``
-or ``--decodes M`` above 1 it runs an N x M cluster of agent processes with a router instead
-(``devtools.cluster``); the summary then adds per-pair counts.
+"""``pdstate demo``: N prefill and M decode agent processes on one host (one and one by default),
+a handshake between every pair, a batch of requests of mixed lengths routed over the pairs with one
+progress line each (full room ids), and a summary table with per-pair counts
+(``devtools.cluster``: the processes are ``PrefillAgent`` / ``DecodeAgent`` users whose callers
+fill and verify the synthetic content).
 
-Light to import (``pdstate.cli`` does so before parsing argv): the workers, and torch with them,
-load inside ``run_demo``.
+Light to import (``pdstate.cli`` does so before parsing argv): the cluster, and torch with it,
+loads inside ``run_demo``.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import time
 
 from pdstate.devtools.cluster import ROUTERS as ROUTERS  # the --router choices
 from pdstate.errors import ExitCode
@@ -37,14 +36,14 @@ def run_demo(
     concurrency: int,
     draft: bool,
     progress,
-    token: bytes | None = None,
     prefills: int = 1,
     decodes: int = 1,
     router: str = "least-loaded",
 ) -> dict:
-    """Spawn a prefill and a decode process, handshake, run the batch; returns the summary. With
-    more than one prefill or decode: an N x M cluster of agents and a router (no ``token``)."""
+    """Spawn ``prefills`` prefill and ``decodes`` decode agent processes (one and one by default),
+    shake hands between every pair, run the batch through the router; returns the summary."""
     from pdstate.devtools.baselines import ENGINE_OPTIONS
+    from pdstate.devtools.cluster import run_cluster
     from pdstate.pools.presets import preset as get_preset
 
     settings = get_preset(preset).with_(unified_kv=(mode == "unified"), draft_enabled=draft)
@@ -54,59 +53,8 @@ def run_demo(
     # One host: NIXL's UCX must not load its InfiniBand module here (it crashes at exit without
     # RDMA hardware); Mooncake runs over loopback TCP.
     engine_options = ENGINE_OPTIONS.get(engine, {})
-    if prefills > 1 or decodes > 1:
-        from pdstate.devtools.cluster import run_cluster
-
-        s = run_cluster(settings, prefills, decodes, engine, engine_options, batch, concurrency, router, progress)
-        return {"engine": engine, "mode": mode, "preset": preset, "draft": draft, **s}
-    from pdstate.devtools.processes import WorkerProcess
-    from pdstate.runtime.options import WorkerOptions
-
-    base = dict(
-        pool=settings, engine=engine, engine_options=engine_options, token=token, max_inflight=max(64, concurrency)
-    )
-    prefill = WorkerProcess(WorkerOptions(role="prefill", worker_id="prefill-0", **base))
-    decode = None
-    try:
-        ev = prefill.read_event(120)
-        decode = WorkerProcess(WorkerOptions(role="decode", worker_id="decode-0", peer=ev["endpoint"], **base))
-        ev = decode.read_event(120)
-        if ev["event"] != "ready":
-            raise RuntimeError(f"handshake refused: {ev['type']}: {ev['message']}")
-        handshake_ms = ev["handshake_ms"]
-        free_before = ev["free"]
-        decode.send(json.dumps({"cmd": "run", "lengths": batch, "concurrency": concurrency}))
-        t0 = time.perf_counter()
-        results = []
-        while True:
-            ev = decode.read_event(300)
-            if ev["event"] == "batch_done":
-                break
-            results.append(ev)
-            progress(len(results), len(batch), ev)
-        seconds = time.perf_counter() - t0
-        free_after = ev["free"]
-    finally:
-        rcs = [w.close() for w in (decode, prefill) if w is not None]
-    verified = sum(1 for r in results if r["status"] == "success" and r["verified"])
-    nbytes = sum(r["bytes"] for r in results)
-    return {
-        "engine": engine,
-        "mode": mode,
-        "preset": preset,
-        "draft": draft,
-        "requests": len(batch),
-        "verified": verified,
-        "failed": len(results) - verified,
-        "bytes": nbytes,
-        "seconds": seconds,
-        "gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0,
-        "handshake_ms": handshake_ms,
-        "descriptors": sum(r["descriptors"] for r in results),
-        "leaked": free_before != free_after,
-        "worker_exit_codes": rcs,
-        "errors": sorted({r["error"]["message"] for r in results if r.get("error")})[:5],
-    }
+    s = run_cluster(settings, prefills, decodes, engine, engine_options, batch, concurrency, router, progress)
+    return {"engine": engine, "mode": mode, "preset": preset, "draft": draft, **s}
 
 
 def progress_line(done: int, total: int, ev: dict) -> str:
@@ -145,9 +93,8 @@ def cmd_demo(args) -> ExitCode:
         if not args.json:
             print(progress_line(done, total, ev), flush=True)
 
-    cluster = args.prefills > 1 or args.decodes > 1
     if not args.json:
-        shape = f"{args.prefills} prefills x {args.decodes} decodes ({args.router}), " if cluster else ""
+        shape = f"{args.prefills} prefill(s) x {args.decodes} decode(s) ({args.router}), "
         print(
             f"pdstate demo: {shape}preset {args.preset}, {args.mode} mode, "
             f"draft {'on' if not args.no_draft else 'off'}, engine {args.engine}, {args.requests} requests"

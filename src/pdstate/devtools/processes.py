@@ -1,4 +1,4 @@
-"""Worker processes for ``pdstate demo``, ``pdstate bench`` and the integration tests.
+"""Worker processes for ``pdstate bench`` and the integration tests.
 
 ``python -m pdstate.devtools.processes`` runs one worker from a JSON description on stdin's first line.
 A prefill prints ``{"event": "listening", "endpoint": ...}`` and serves until stdin closes; it

@@ -6,6 +6,13 @@ out in a single file under ``/dev/shm`` (owner-only permissions), so that anothe
 same host can map the segment and write into the buffers by offset: this is what the ``shm``
 transfer engine does. Each buffer starts on a 4 KiB boundary so every dtype view is aligned.
 
+Every segment file starts with a ``SEGMENT_HEADER_BYTES`` header that holds a random secret,
+written by the creator before the segment gets its name; the buffers follow it. Only processes
+that can read the file (its owner's uid: the file is ``0600``) learn the secret, so a keyed
+digest of it (``ownership_proof``) proves to a prefill that the registrant can read the segment:
+a peer of another uid, in another container without this ``/dev/shm``, or on the network cannot
+name a segment it does not own.
+
 The segment is removed by ``close()``; segments left behind by a crashed owner are removed by
 ``sweep_stale_segments()`` (called on start by the worker runtime), which tells a dead owner from
 a live one by the ``flock`` every owner holds on its segments for its lifetime (not by PID, which
@@ -17,6 +24,8 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
+import hmac
 import math
 import mmap
 import os
@@ -42,6 +51,12 @@ SEGMENT_NAME_RE = re.compile(rf"^{SEGMENT_PREFIX}-(\d+)-([0-9a-f]+)-[\w.-]+$")
 # host (a rolling upgrade) does not lose an old decode's live segments.
 NONCE_BYTES = 8
 LEGACY_NONCE_HEX = 8
+# The segment header: magic, then the ownership secret; the rest of the page is zeros and the
+# buffers start after it (so they stay 4 KiB aligned and no buffer covers the secret).
+SEGMENT_HEADER_BYTES = ALIGN_BYTES
+SEGMENT_MAGIC = b"PDSTSEG1"
+SECRET_BYTES = 32
+PROOF_CONTEXT = b"pdstate shm ownership proof v1"
 
 
 @dataclass(frozen=True)
@@ -145,7 +160,9 @@ class SharedMemory:
     """Tensors inside named ``/dev/shm`` segments another process can map.
 
     Segment names are ``pdstate-<owner pid>-<nonce>-<name>``; files are created ``0600`` and
-    pre-faulted (first-touch faults on tmpfs run at a fraction of memcpy speed).
+    pre-faulted (first-touch faults on tmpfs run at a fraction of memcpy speed). Each file is a
+    ``SEGMENT_HEADER_BYTES`` header (magic and a random ownership secret) followed by the buffers;
+    ``segments`` and ``regions`` describe the buffers' part only.
 
     Liveness: the owner holds an exclusive ``flock`` on each of its segment files for as long as
     it lives (the lock goes with its last open descriptor, so the kernel drops it when the process
@@ -169,7 +186,8 @@ class SharedMemory:
         self._locks: list[int] = []  # one open, flock-ed descriptor per segment: the liveness proof
 
     def allocate(self, name: str, specs: Sequence[BufferSpec]) -> list[torch.Tensor]:
-        offsets, total = _layout(specs)
+        offsets, arena_bytes = _layout(specs)
+        total = SEGMENT_HEADER_BYTES + arena_bytes
         free = shm_free_bytes(self._dir)
         if total > free:
             raise shm_space_error(self._dir, name, total, free)
@@ -183,6 +201,7 @@ class SharedMemory:
             os.ftruncate(fd, total)
             mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             self._populate(fd, mm, name, total)
+            mm[: len(SEGMENT_MAGIC) + SECRET_BYTES] = SEGMENT_MAGIC + secrets.token_bytes(SECRET_BYTES)
             os.rename(staged, path)
         except BaseException:
             if mm is not None:
@@ -194,11 +213,11 @@ class SharedMemory:
                 except FileNotFoundError:
                     pass
             raise
-        arena = torch.frombuffer(mm, dtype=torch.uint8)
+        arena = torch.frombuffer(mm, dtype=torch.uint8, offset=SEGMENT_HEADER_BYTES)
         self._locks.append(fd)
         self._maps.append(mm)
         self._tensors.append(arena)
-        self._segments.append(Segment(seg_name, str(path), total, arena.data_ptr()))
+        self._segments.append(Segment(seg_name, str(path), arena_bytes, arena.data_ptr()))
         return _carve(arena, specs, offsets)
 
     def _populate(self, fd: int, mm: mmap.mmap, name: str, total: int) -> None:
@@ -247,6 +266,33 @@ class SharedMemory:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def read_segment_secret(fd: int) -> bytes | None:
+    """The ownership secret in the header of the open segment ``fd`` (None: no pdstate header)."""
+    head = os.pread(fd, len(SEGMENT_MAGIC) + SECRET_BYTES, 0)
+    if len(head) != len(SEGMENT_MAGIC) + SECRET_BYTES or not head.startswith(SEGMENT_MAGIC):
+        return None
+    return head[len(SEGMENT_MAGIC) :]
+
+
+def ownership_proof(secret: bytes, nonce: bytes, claimant: str, segment: str) -> bytes:
+    """HMAC-SHA256 under the segment's secret of the prefill's challenge ``nonce``, the claimant
+    (``worker_id/incarnation``) and the segment's file name: fresh per challenge, useless to
+    another claimant, another segment or another prefill incarnation."""
+    msg = b"\0".join((PROOF_CONTEXT, nonce, claimant.encode(), os.path.basename(segment).encode()))
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def prove_segment(path: str, nonce: bytes, claimant: str) -> bytes | None:
+    """The proof for the segment at ``path``, read by a process that can read the file (its
+    owner's uid); None when it has no header."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        secret = read_segment_secret(fd)
+    finally:
+        os.close(fd)
+    return None if secret is None else ownership_proof(secret, nonce, claimant, path)
 
 
 def _legacy_pid_alive(pid: int) -> bool:

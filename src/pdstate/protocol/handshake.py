@@ -66,14 +66,18 @@ class DecodeHandshake:
     def __init__(self, local: LocalSide) -> None:
         self.local = local
 
-    def register_message(self) -> Register:
+    def register_message(self, proof: dict | None = None) -> Register:
+        """The register; ``proof``: endpoint fields answering the prefill's ``Challenge``."""
+        engine = self.local.engine
+        if proof:
+            engine = EngineDesc(name=engine.name, endpoint={**engine.endpoint, **proof})
         return Register(
             worker_id=self.local.worker_id,
             incarnation=self.local.incarnation,
             role="decode",
             report=self.local.report,
             kv=self.local.kv,
-            engine=self.local.engine,
+            engine=engine,
         )
 
     def receive(self, msg: Accept | Reject) -> Accept:

@@ -27,6 +27,15 @@ change of a message's fields):
   in-flight requests with the goodbye's reason at once and turns unready for that prefill
   (registering again until it is back) instead of waiting out the heartbeat timeout. A decode
   without it answers ``Error`` (unknown kind), which the prefill never answers.
+  v1 then gained ``Challenge`` (prefill -> decode), leaving every earlier message and golden
+  vector byte-identical (``Register``'s fields are unchanged; its engine endpoint is opaque to
+  the control plane): with an engine that proves ownership (shm), a prefill answers a
+  ``Register`` whose endpoint carries no answer with a ``Challenge`` (its worker id and
+  incarnation, a fresh nonce); the decode registers again with the nonce and, per segment it
+  names, a keyed digest of the segment's secret (``challenge`` and ``proofs`` in the shm
+  endpoint; PROTOCOL.md section 4). A nonce is good for one answer, from that decode incarnation,
+  for 60 s. A decode without ``Challenge`` cannot register over shm with such a prefill: it
+  answers ``Error`` (unknown kind), and the prefill answers that with a ``Reject`` saying so.
 """
 
 from __future__ import annotations
@@ -257,6 +266,16 @@ class Goodbye(Message):
     reason: str = Field(max_length=1024)
 
 
+class Challenge(Message):
+    """Prefill -> decode: prove that the memory the register names is yours: register again with
+    this nonce answered (see ``transfer.engines.shm``)."""
+
+    KIND: ClassVar[str] = "challenge"
+    worker_id: str = Field(max_length=128)
+    incarnation: str = Field(max_length=64)
+    nonce: bytes = Field(min_length=16, max_length=64)
+
+
 MESSAGES: dict[str, type[Message]] = {
     m.KIND: m
     for m in (
@@ -272,6 +291,7 @@ MESSAGES: dict[str, type[Message]] = {
         AgentRequest,
         AgentVerdict,
         Goodbye,
+        Challenge,
     )
 }
 

@@ -26,6 +26,7 @@ class Submit:
     deadline_s: float
     future: Future
     verify: str  # "full" | "sample"
+    prefill: str = ""  # the prefill's control address ("": the worker's ``peer``)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
-"""The decode worker: registers with one prefill, then asks it for requests' state.
+"""The decode worker: registers with prefills, then asks them for requests' state.
 
-The control thread owns the DEALER socket, the allocator and every request record. Other threads
-call ``submit``/``transfer``; their commands reach the control thread through its mailbox
-(``runtime.decode_link`` keeps the link to the prefill). A request is marked SUCCESS only after
+The control thread owns the DEALER sockets (one per prefill), the allocator and every request
+record. Other threads call ``submit``/``transfer``, naming the prefill per request (by default
+``opts.peer``); their commands reach the control thread through its mailbox
+(``runtime.decode_link`` keeps the links to the prefills). A request is marked SUCCESS only after
 ``TransferDone`` arrived *and* the bytes that landed verified against the room's deterministic
 content.
 
@@ -37,7 +38,6 @@ from pdstate.protocol.report import ErrorInfo
 from pdstate.runtime import requests as rq
 from pdstate.runtime import synth
 from pdstate.runtime.commands import Reregister, Stop, Submit
-from pdstate.runtime.control import ControlClient
 from pdstate.runtime.decode_link import PrefillLinkMixin
 from pdstate.runtime.hooks import WorkerHooks
 from pdstate.runtime.mailbox import Mailbox
@@ -53,16 +53,18 @@ BUSY_BACKOFF_S = (0.002, 0.1)  # first and longest wait before re-sending a requ
 class DecodeWorker(PrefillLinkMixin, WorkerBase):
     """A decode worker and its control thread.
 
-    Control thread (``_control_loop``): owns the DEALER socket, the handshake, the allocator, its
-    view of the prefill (``_link``) and every request: it admits, sends, verifies, ends and
-    quarantines them. Callers' threads (``submit``, ``transfer``, ``reregister``) hand it
-    ``Submit`` and ``Reregister`` through its mailbox and wait on a request's future.
+    Control thread (``_control_loop``): owns the DEALER sockets, the handshakes, the allocator,
+    its view of each prefill (``_links``; ``_link`` is ``opts.peer``'s) and every request: it
+    admits, sends, verifies, ends and quarantines them. Callers' threads (``submit``,
+    ``transfer``, ``reregister``) hand it ``Submit`` and ``Reregister`` through its mailbox and
+    wait on a request's future.
 
     Written only by the control thread, under ``_lock``, and read under it by other threads
-    (``status()``, ``lookup``, ``ready``, ``wait_ready`` and the views over them): ``_link`` (the
-    prefill's state, error, incarnation), ``requests``, ``finished``, ``quarantine``, the
-    waiting queue and the counters ``peak_in_flight`` and ``handshake_s``. A request's other
-    fields (allocation, message, backoff) are the control thread's alone.
+    (``status()``, ``lookup``, ``ready``, ``wait_ready`` and the views over them): ``_links``
+    and each link's state, error, incarnation, fingerprint and handshake time, ``requests``,
+    ``finished``, ``quarantine`` (pages by (prefill, room)), the waiting queue and the counter
+    ``peak_in_flight``. A request's other fields (allocation, message, backoff) and a link's
+    socket and timers are the control thread's alone.
     """
 
     role = "decode"
@@ -72,11 +74,12 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
         self.worker_id = opts.worker_id or f"decode-{secrets.token_hex(3)}"
         self.requests: dict[int, Request] = {}
         self.finished: dict[int, TransferResult] = {}
-        self.quarantine: dict[int, rq.Allocation] = {}
+        self.quarantine: dict[tuple[str, int], rq.Allocation] = {}
         self.peak_in_flight = 0  # most requests entered and not finished at once
         self._link = PrefillLink(opts.peer)
-        self._handshake_s: float | None = None
-        self._answered = threading.Event()
+        self._links: dict[str, PrefillLink] = {opts.peer: self._link}
+        self._by_socket: dict = {}  # a link's DEALER socket -> the link (control thread)
+        self._answered = threading.Event()  # the default prefill answered a register
         self._waiting: deque[Request] = deque()
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -95,9 +98,6 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
             raise
         self.local = local_side(self.opts, self.worker_id, self.incarnation, self.report, self.kv_args, endpoint)
         self.handshake = DecodeHandshake(self.local)
-        self.client = ControlClient(
-            zmq.Context.instance(), self.opts.peer, f"{self.worker_id}/{self.incarnation}".encode(), self.opts.token
-        )
         self._inbox = Mailbox(pollable=True)  # Submit and Reregister from callers' threads
         self._start_threads((self._control_loop, "pdstate-decode-control"))
         return self
@@ -115,23 +115,33 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
 
     # -- API for other threads ----------------------------------------------------------------
     def submit(
-        self, seq_len: int, room: int | None = None, deadline_s: float | None = None, verify: str | None = None
+        self,
+        seq_len: int,
+        room: int | None = None,
+        deadline_s: float | None = None,
+        verify: str | None = None,
+        prefill: str | None = None,
     ) -> Future:
-        """Ask for one request's state; ``verify`` ("full" | "sample") overrides ``opts.verify``."""
+        """Ask for one request's state; ``verify`` ("full" | "sample") overrides ``opts.verify``;
+        ``prefill`` names the prefill's control address (default ``opts.peer``): a prefill used
+        for the first time is dialled and registered with, and the request waits for its answer."""
         if verify not in (None, "full", "sample"):
             raise ValueError(f"verify must be 'full' or 'sample', not {verify!r}")
         if seq_len < 0:
             raise ValueError(f"seq_len must not be negative, got {seq_len} (0: an empty transfer)")
+        if prefill is not None and (not isinstance(prefill, str) or not prefill.startswith("tcp://")):
+            raise ValueError(f"prefill must be a tcp://host:port control address, not {prefill!r}")
         fut: Future = Future()
         room = room if room is not None else secrets.randbits(63)
-        self._inbox.put(
-            Submit(room, seq_len, deadline_s or self.opts.request_deadline_s, fut, verify or self.opts.verify)
-        )
+        d = deadline_s or self.opts.request_deadline_s
+        self._inbox.put(Submit(room, seq_len, d, fut, verify or self.opts.verify, prefill or self.opts.peer))
         return fut
 
-    def transfer(self, seq_len: int, room: int | None = None, deadline_s: float | None = None) -> TransferResult:
+    def transfer(
+        self, seq_len: int, room: int | None = None, deadline_s: float | None = None, prefill: str | None = None
+    ) -> TransferResult:
         d = deadline_s or self.opts.request_deadline_s
-        return self.submit(seq_len, room, d).result(timeout=d + self.opts.peer_timeout_s + 5)
+        return self.submit(seq_len, room, d, prefill=prefill).result(timeout=d + self.opts.peer_timeout_s + 5)
 
     def reregister(self) -> None:
         self._inbox.put(Reregister())
@@ -139,19 +149,22 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
     # -- status (from any thread) -------------------------------------------------------------
     def status(self) -> WorkerSnapshot:
         with self._lock:
-            link = self._link
             return WorkerSnapshot(
                 role=self.role,
                 worker_id=self.worker_id,
                 incarnation=self.incarnation,
                 endpoint=self.opts.peer,
-                peers=(PeerStatus(link.endpoint, link.state, link.error, link.incarnation),),
-                requests=tuple(RequestStatus(r.room, r.state, r.seq_len, r.started) for r in self.requests.values()),
+                peers=tuple(
+                    PeerStatus(x.endpoint, x.state, x.error, x.incarnation, x.fingerprint) for x in self._links.values()
+                ),
+                requests=tuple(
+                    RequestStatus(r.room, r.state, r.seq_len, r.started, r.prefill) for r in self.requests.values()
+                ),
                 dead_threads=self._dead_threads(),
                 peak_in_flight=self.peak_in_flight,
                 waiting=len(self._waiting),
                 quarantined=len(self.quarantine),
-                handshake_s=self._handshake_s,
+                handshake_s=self._link.handshake_s,
             )
 
     def lookup(self, room: int) -> TransferResult | RequestStatus | None:
@@ -177,31 +190,30 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
 
     # -- control thread -----------------------------------------------------------------------
     def _control_loop(self) -> None:
-        self.client.open()
-        poller = zmq.Poller()
-        poller.register(self.client.sock, zmq.POLLIN)
-        poller.register(self._inbox.socket, zmq.POLLIN)
-        self._send_register()
+        self._poller = zmq.Poller()
+        self._poller.register(self._inbox.socket, zmq.POLLIN)
+        self._connect(self._link)
         next_hb = now() + self.opts.heartbeat_interval_s
-        self._last_heard = now()
         tick_ms = max(5, int(self.opts.heartbeat_interval_s * 1000 / 4))
         try:
             loop_t = now()
             while not self._stop.is_set():
-                events = dict(poller.poll(tick_ms))
+                events = dict(self._poller.poll(tick_ms))
                 if now() - loop_t > self.opts.peer_timeout_s / 2:  # this process did not run
                     self._resumed(now() - loop_t)
                 loop_t = now()
                 if self._inbox.socket in events:
                     for cmd in self._inbox.drain():
                         self._guarded(self._on_command, cmd)
-                if self.client.sock in events:
+                for sock, link in list(self._by_socket.items()):
+                    if sock not in events:
+                        continue
                     for _ in range(256):
                         try:
-                            frame = self.client.sock.recv(flags=zmq.NOBLOCK)
+                            frame = sock.recv(flags=zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._guarded(self._on_frame, frame)
+                        self._guarded(self._on_frame, (link, frame))
                 t = now()
                 if t >= next_hb:
                     next_hb = t + self.opts.heartbeat_interval_s
@@ -210,7 +222,7 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
         finally:
             for req in list(self.requests.values()):
                 self._finish(req, "failed", error=ErrorInfo(type="TransferFailed", message="decode shutting down"))
-            self.client.close()
+            self._close_links()
 
     def _guarded(self, handler, arg) -> None:
         """Run one handler; a bug in it is logged and counted, and never ends the control loop
@@ -223,8 +235,8 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
 
     def _on_command(self, cmd: Submit | Reregister | Stop) -> None:
         if isinstance(cmd, Reregister):
-            self._move_link(PeerState.PENDING, self._link.error)
-            self._send_register()
+            for link in list(self._links.values()):
+                self._reregister(link)
             return
         if not isinstance(cmd, Submit):
             return  # Stop: the loop ends on the stop flag
@@ -232,14 +244,19 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
             settle(cmd.future, exc=ValueError(f"room {cmd.room} is already in flight"))
             return
         req = Request(cmd.room, cmd.seq_len, cmd.future, now() + cmd.deadline_s, verify=cmd.verify)
+        req.prefill = cmd.prefill or self.opts.peer
+        try:
+            link = self._link_for(req.prefill)
+        except ValueError as exc:  # a bad address, or too many prefills busy
+            self._finish(req, "failed", error=ErrorInfo(type="PeerGone", message=str(exc)))
+            return
         with self._lock:
             self.requests[req.room] = req
             self.peak_in_flight = max(self.peak_in_flight, len(self.requests))
-        if self._link.state != PeerState.ACCEPTED:
-            error = self._link.error
-            reason = "prefill not connected" if error is None else f"handshake refused: {error.message}"
-            self._finish(req, "failed", error=ErrorInfo(type="PeerGone", message=reason))
-            return
+        self._route(req, link)
+
+    def _queue(self, req: Request) -> None:
+        """An entered request whose prefill accepted this decode: wait for pages, then send."""
         capacity = rq.capacity_tokens(self.pools)
         if req.seq_len > capacity:
             err = AllocationError(f"seq_len {req.seq_len} exceeds the decode pool of {capacity} tokens")
@@ -253,9 +270,11 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
         """Allocate waiting requests in arrival order while the pools have room, and send them."""
         while self._waiting:
             req = self._waiting[0]
-            if req.state.terminal:
+            link = self._links[req.prefill]
+            if req.state.terminal or link.state in (PeerState.GONE, PeerState.REJECTED):
                 with self._lock:
                     self._waiting.popleft()
+                self._enter(req, link)  # (a terminal request: nothing; else it fails with the link's reason)
                 continue
             try:
                 req.alloc = self._allocate(req.seq_len)
@@ -278,34 +297,37 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
             with self._lock:
                 move(req, RequestState.WAITING_FOR_INPUT)
             req.sent_at = now()
-            self.client.send(req.message)
+            self._links[req.prefill].client.send(req.message)
 
-    def _on_frame(self, frame: bytes) -> None:
+    def _on_frame(self, arg) -> None:
+        link, frame = arg
         try:
             msg = wire.decode(frame, self.opts.token)
         except (ProtocolError, AuthError) as exc:
             self.stats.protocol_error()
             log.warning("bad frame from prefill: %s", exc)
-            if isinstance(exc, (AuthError, VersionMismatch)) and self._link.state == PeerState.PENDING:
+            if isinstance(exc, (AuthError, VersionMismatch)) and link.state == PeerState.PENDING:
                 # The answer to our register cannot be authenticated (the tokens differ, or one
                 # side has none) or is in another protocol version. Waiting longer cannot help;
                 # refuse like a Reject would.
-                self._refused(ErrorInfo.of(exc))
+                self._refused(link, ErrorInfo.of(exc))
             return
-        self._last_heard = now()
+        link.last_heard = now()
         if isinstance(msg, (wire.Accept, wire.Reject)):
-            self._on_handshake(msg)
+            self._on_handshake(link, msg)
         elif isinstance(msg, wire.Heartbeat):
-            incarnation = self._link.incarnation
+            incarnation = link.incarnation
             if incarnation is not None and msg.incarnation != incarnation:
-                self._peer_gone(f"prefill restarted (incarnation {incarnation} -> {msg.incarnation})")
-                self._send_register()
+                self._peer_gone(link, f"prefill restarted (incarnation {incarnation} -> {msg.incarnation})")
+                self._send_register(link)
         elif isinstance(msg, wire.TransferDone):
-            self._on_done(msg)
+            self._on_done(link, msg)
         elif isinstance(msg, wire.Goodbye):
-            self._on_goodbye(msg)
+            self._on_goodbye(link, msg)
+        elif isinstance(msg, wire.Challenge):
+            self._on_challenge(link, msg)
         elif isinstance(msg, wire.Busy):
-            req = self.requests.get(msg.room)
+            req = self._mine(link, msg.room)
             if req is not None and req.resend_at is None:
                 # exponential backoff: a full prefill is not hammered by every waiting request
                 self.stats.busy()
@@ -313,27 +335,27 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
                 req.resend_at = now() + min(longest, first * (2 ** min(req.busy_count, 16)))
                 req.busy_count += 1
         elif isinstance(msg, wire.Error):
-            if msg.room is not None and msg.room in self.requests:
+            if msg.room is not None and self._mine(link, msg.room) is not None:
                 self._finish(self.requests[msg.room], "failed", error=msg.error)
             elif msg.error.type == NotRegistered.__name__:
-                if self._link.state == PeerState.ACCEPTED:
-                    self._peer_gone("prefill forgot this decode (restarted or timed it out)")
-                self._send_register()
-            elif self._link.state == PeerState.PENDING:
+                if link.state == PeerState.ACCEPTED:
+                    self._peer_gone(link, "prefill forgot this decode (restarted or timed it out)")
+                self._send_register(link)
+            elif link.state == PeerState.PENDING:
                 # Only a register is outstanding: the prefill could not take it (auth, version,
                 # malformed) and answered with an error instead of accept/reject.
-                self._refused(msg.error)
+                self._refused(link, msg.error)
             else:
                 log.warning("prefill reported: %s: %s", msg.error.type, msg.error.message)
 
-    def _on_done(self, msg: wire.TransferDone) -> None:
-        if msg.room in self.quarantine:
+    def _on_done(self, link, msg: wire.TransferDone) -> None:
+        if (link.endpoint, msg.room) in self.quarantine:
             with self._lock:
-                alloc = self.quarantine.pop(msg.room)
+                alloc = self.quarantine.pop((link.endpoint, msg.room))
             self._free(alloc)
             self._admit()
             return
-        req = self.requests.get(msg.room)
+        req = self._mine(link, msg.room)
         if req is None:
             log.debug("late transfer_done for room %s ignored", msg.room)
             return
@@ -399,6 +421,7 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
             copy_s,
             transfer_s,
             verify_s,
+            req.prefill,
         )
         if status == "success":
             self.stats.success(nbytes, seconds)
@@ -412,27 +435,9 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
             while len(self.finished) > MAX_FINISHED:
                 self.finished.pop(next(iter(self.finished)))
             if req.alloc is not None and quarantine:
-                self.quarantine[req.room] = req.alloc
+                self.quarantine[(req.prefill, req.room)] = req.alloc
         if req.alloc is not None and not quarantine:
             self._free(req.alloc)  # before settling: a caller sees its pages back
         settle(req.future, res)  # its caller may have cancelled it
         if req.alloc is not None and not quarantine:
             self._admit()
-
-    def _timers(self, t: float) -> None:
-        for req in list(self.requests.values()):
-            if t > req.deadline:
-                # sent, and not bounced with Busy: the prefill may be writing into its pages
-                in_flight = req.state == RequestState.WAITING_FOR_INPUT and req.resend_at is None
-                if in_flight:
-                    self.client.send(wire.Abort(room=req.room, reason="deadline exceeded on decode"))
-                self._finish(
-                    req,
-                    "failed",
-                    error=ErrorInfo(type="TransferFailed", message="deadline exceeded"),
-                    quarantine=in_flight,
-                )
-            elif req.resend_at is not None and t >= req.resend_at and req.message is not None:
-                req.resend_at = None
-                req.message = req.message.model_copy(update={"deadline_s": max(0.001, req.deadline - t)})
-                self.client.send(req.message)

@@ -135,7 +135,9 @@ class PrefillWorker(PrefillShutdown, PrefillPeers, WorkerBase):
                 worker_id=self.worker_id,
                 incarnation=self.incarnation,
                 endpoint=self.endpoint,
-                peers=tuple(PeerStatus(p.worker_id, p.state, p.error, p.incarnation) for p in self.peers.values()),
+                peers=tuple(
+                    PeerStatus(p.worker_id, p.state, p.error, p.incarnation, p.fingerprint) for p in self.peers.values()
+                ),
                 requests=tuple(
                     RequestStatus(
                         j.room,

@@ -14,9 +14,16 @@ from pdstate.protocol.lifecycle import PeerState, move
 from pdstate.protocol.report import ErrorInfo
 from pdstate.runtime.records import Peer
 from pdstate.runtime.worker import log, now
+from pdstate.transfer.engines.shm_owner import challenge_unknown, challenge_unknown_error
 from pdstate.transfer.planner import PairPlanner
 
 MAX_IDLE_PEERS = 256  # rejected/gone peer records kept (accepted ones are always kept)
+
+
+def needs_challenge(engine, msg: wire.Register) -> bool:
+    """A register to answer with ``Challenge``: its engine proves ownership and its endpoint does
+    not answer a challenge yet."""
+    return engine.proves_ownership and msg.engine.name == engine.name and "challenge" not in msg.engine.endpoint
 
 
 class PrefillPeers:
@@ -37,13 +44,22 @@ class PrefillPeers:
             log.error("refused a register for %s from %r: %s", msg.worker_id, identity[:64], err)
             self.server.send(identity, wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(err)))
             return
+        if needs_challenge(self.engine, msg) and isinstance(self.handshake.receive(msg), wire.Accept):
+            # A compatible register that has not yet proved it owns the memory it names gets a
+            # nonce to answer (PROTOCOL §4); nothing is recorded, cancelled or mapped for it. (An
+            # incompatible one is refused below, as ever, without a round trip.)
+            nonce = self.engine.challenge(f"{msg.worker_id}/{msg.incarnation}")
+            self.server.send(
+                identity, wire.Challenge(worker_id=self.worker_id, incarnation=self.incarnation, nonce=nonce)
+            )
+            return
         # The same incarnation registering again (it declared us gone, or was asked to) has
         # forgotten what it sent before: end those requests now rather than copy into its pages.
         for (ident, _), job in list(self.jobs.items()):
             if ident == identity:
                 self._cancel(job, f"decode {msg.worker_id} registered again; its earlier requests were abandoned")
         answer = self.handshake.receive(msg)
-        peer = Peer(identity, msg.worker_id, msg.incarnation, last_seen=now())
+        peer = Peer(identity, msg.worker_id, msg.incarnation, fingerprint=msg.report.fingerprint, last_seen=now())
         if isinstance(answer, wire.Accept):
             try:
                 peer.engine_peer = self._connect_engine(msg)
@@ -132,6 +148,12 @@ class PrefillPeers:
         job = self.jobs.get((identity, msg.room)) if msg.room is not None else None
         if job is not None:
             self._cancel(job, f"decode reported: {msg.error.type}: {msg.error.message[:512]}")
+            return
+        if challenge_unknown(msg.error.message):
+            # a decode of a version before ``challenge``: a reject (not an error, §7) tells it why
+            self.server.send(
+                identity, wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(challenge_unknown_error()))
+            )
             return
         log.warning("decode %r reported: %s: %s", identity[:64], msg.error.type, msg.error.message[:512])
 

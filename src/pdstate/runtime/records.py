@@ -7,8 +7,10 @@ moves only through ``protocol.lifecycle.move``."""
 from __future__ import annotations
 
 import threading
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdstate.protocol import wire
 from pdstate.protocol.lifecycle import PeerState, RequestState
@@ -25,6 +27,7 @@ class Peer:
     worker_id: str
     incarnation: str
     error: ErrorInfo | None = None
+    fingerprint: str | None = None  # the decode's layout fingerprint, from its Register
     engine_peer: str | None = None
     last_seen: float = 0.0
     planner: PairPlanner | None = None  # (this prefill's layout, the peer's), once accepted
@@ -50,12 +53,22 @@ class Job:
 # -- decode -------------------------------------------------------------------------------------
 @dataclass
 class PrefillLink:
-    """The decode's view of its prefill: the handshake's outcome and who answered it."""
+    """The decode's view of one prefill (by control address): the handshake's outcome and who
+    answered it. ``endpoint``, ``state``, ``error``, ``incarnation``, ``fingerprint`` and
+    ``handshake_s`` are written under the worker's lock (other threads read them); the rest is the
+    control thread's alone."""
 
     endpoint: str
     error: ErrorInfo | None = None
     incarnation: str | None = None  # the prefill's, from its Accept
+    fingerprint: str | None = None  # the prefill's layout fingerprint, from its Accept
+    handshake_s: float | None = None  # the latest accepted handshake's duration
     state: PeerState = field(default=PeerState.PENDING, init=False)
+    client: Any = None  # its ControlClient (a DEALER socket), once connected
+    last_heard: float = 0.0
+    register_sent: float = 0.0
+    answered_at: float | None = None  # the latest handshake answer (accept or refusal)
+    parked: deque = field(default_factory=deque)  # requests waiting for the first answer
 
 
 @dataclass
@@ -72,6 +85,7 @@ class TransferResult:
     copy_s: float = 0.0  # the prefill's engine copy, from its TransferDone
     transfer_s: float = 0.0  # TransferRequest sent -> TransferDone received and verified
     verify_s: float = 0.0  # this decode's check of the bytes that landed
+    prefill: str = ""  # the control address of the prefill asked
 
     def as_dict(self) -> dict:
         return {
@@ -87,6 +101,7 @@ class TransferResult:
             "copy_s": self.copy_s,
             "transfer_s": self.transfer_s,
             "verify_s": self.verify_s,
+            "prefill": self.prefill,
         }
 
 
@@ -105,3 +120,4 @@ class Request:
     sent_at: float | None = None  # first send of the TransferRequest
     verify: str = "full"
     result: TransferResult | None = None
+    prefill: str = ""  # the control address of the prefill asked

@@ -8,9 +8,11 @@ test can hand it a fake. Routes (OpenAPI at ``/docs`` and ``/openapi.json``):
 GET      /healthz                   200 ``{"status": "ok"}`` while the process serves HTTP
 GET      /readyz                    200 ``{"ready": true}`` or 503 ``{"ready": false, "reason"}``
 GET      /v1/compat                 role, protocol version, fingerprint, layout, local check,
-                                    peers, and the full layout report (for ``/v1/compat/check``)
+                                    every peer (state, error, incarnation, fingerprint), and
+                                    the full layout report (for ``/v1/compat/check``)
 POST     /v1/compat/check           another worker's ``/v1/compat`` document -> verdict
-POST     /v1/transfers              decode: run one synthetic transfer ``{tokens, room?}``
+POST     /v1/transfers              decode: run one synthetic transfer ``{tokens, room?,
+                                    prefill?}`` from ``prefill`` (default ``control.peer``)
 GET      /v1/transfers/{room}       decode: a transfer's record (404 unknown)
 POST     /v1/handshake              decode: register again (after the prefill was fixed)
 GET      /metrics                   Prometheus text, from a per-app ``CollectorRegistry``
@@ -234,15 +236,20 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         responses={401: {}, 409: {}, 503: {}, 504: {}},
     )
     async def post_transfer(body: TransferIn) -> TransferOut:
-        """Decode only: run one synthetic transfer and wait for its verified outcome."""
+        """Decode only: run one synthetic transfer from the named prefill (default: the decode's
+        ``control.peer``) and wait for its verified outcome. A prefill named for the first time
+        is dialled and shaken hands with first; its refusal fails the request with its text."""
         if source.role != "decode":
             raise _not_decode(source)
         r = source.readiness()
-        if not r.ready:
+        default = body.prefill is None or body.prefill == source.control
+        # another prefill's request needs only this decode itself (pools, threads) to be ready
+        if not r.ready and (default or r.check in ("local_check", "threads", "shutdown")):
             raise HTTPException(503, detail=r.reason)
         if body.room is not None and source.lookup(body.room) is not None:
             raise HTTPException(409, detail=f"room {body.room} was already used")
-        fut = source.submit(body.tokens, body.room)
+        named = {} if body.prefill is None else {"prefill": body.prefill}
+        fut = source.submit(body.tokens, body.room, **named)
         try:
             # shield: a client that hangs up must not cancel the worker's future
             res = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), source.result_timeout_s())

@@ -24,7 +24,7 @@ Role = Literal["prefill", "decode"]
 class Readiness:
     ready: bool
     reason: str | None = None  # the exact error text when a check failed
-    check: str | None = None  # which check: "local_check" | "handshake" | "peer" | "shutdown"
+    check: str | None = None  # which check: "local_check" | "handshake" | "peer" | "threads" | "shutdown"
     error: ErrorInfo | None = None
 
 
@@ -41,13 +41,14 @@ class StatusSource(Protocol):
 
     def local_check(self) -> tuple[bool, ErrorInfo | None]: ...
 
-    def peers(self) -> list[dict]: ...  # {id, state, error: {type, message} | None, incarnation?}
+    def peers(self) -> list[dict]: ...  # {id, state, error: {type, message} | None, incarnation?, fingerprint?}
 
     def in_flight(self) -> int: ...
 
     def free_counts(self) -> dict[str, int]: ...
 
-    def submit(self, tokens: int, room: int | None) -> Future: ...  # decode; Future[dict]
+    # decode; Future[dict]; ``prefill`` is passed only when the request names one
+    def submit(self, tokens: int, room: int | None, prefill: str | None = None) -> Future: ...
 
     def lookup(self, room: int) -> dict | None: ...  # decode; a TransferResult dict or in-flight
 
@@ -76,7 +77,7 @@ class Health(BaseModel):
 class Ready(BaseModel):
     ready: bool
     reason: str | None = Field(None, description="why not ready: the exact error text when a check failed")
-    check: str | None = Field(None, description="local_check | handshake | peer | shutdown")
+    check: str | None = Field(None, description="local_check | handshake | peer | threads | shutdown")
     error: ErrorModel | None = None
 
 
@@ -90,6 +91,7 @@ class PeerModel(BaseModel):
     state: Literal["accepted", "rejected", "pending", "gone"]
     error: ErrorModel | None = None
     incarnation: str | None = None
+    fingerprint: str | None = Field(None, description="the peer's layout fingerprint, once its handshake came")
 
 
 class CompatDocument(BaseModel):
@@ -108,6 +110,10 @@ class CompatDocument(BaseModel):
     local_check: LocalCheckModel
     peers: list[PeerModel] = []
     report: LayoutReport = Field(description="the full layout report, as sent in the handshake")
+
+
+# a prefill's control address in ``POST /v1/transfers``: tcp://host:port (a name, IPv4 or [IPv6])
+PREFILL_ADDRESS_RE = r"^tcp://(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,200}):[0-9]{1,5}$"
 
 
 # --- the bounded input of POST /v1/compat/check ------------------------------------------------
@@ -175,6 +181,7 @@ class PeerIn(BaseModel):
     state: Literal["accepted", "rejected", "pending", "gone"]
     error: ErrorIn | None = None
     incarnation: str | None = Field(None, max_length=256)
+    fingerprint: str | None = Field(None, max_length=64)
 
 
 class CompatCheckIn(CompatDocument):
@@ -249,6 +256,13 @@ class TransferIn(BaseModel):
         "(no bytes move: the control path alone, a cheap end-to-end probe)",
     )
     room: int | None = Field(None, ge=0, lt=1 << 63, description="63-bit request id; random when omitted")
+    prefill: str | None = Field(
+        None,
+        max_length=256,
+        pattern=PREFILL_ADDRESS_RE,
+        description="the prefill's control address (tcp://host:port); default: the decode's control.peer. "
+        "A prefill used for the first time is dialled and shaken hands with before the request goes on.",
+    )
 
 
 class TransferOut(BaseModel):
@@ -264,6 +278,7 @@ class TransferOut(BaseModel):
     copy_s: float = Field(0.0, description="prefill: time the engine took to move it")
     transfer_s: float = Field(0.0, description="decode: TransferRequest sent -> TransferDone received and verified")
     verify_s: float = Field(0.0, description="decode: time checking the bytes that landed")
+    prefill: str | None = Field(None, description="the control address of the prefill asked")
 
 
 class Accepted(BaseModel):

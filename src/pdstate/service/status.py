@@ -53,7 +53,7 @@ class WorkerStatus:
             return Readiness(False, err.message, "local_check", err)
         s = self.worker.status()
         if s.dead_threads:  # a worker thread died: nothing would answer (see the worker's log for why)
-            return Readiness(False, f"worker thread stopped: {', '.join(s.dead_threads)}", "peer")
+            return Readiness(False, f"worker thread stopped: {', '.join(s.dead_threads)}", "threads")
         if self.role == "prefill":
             if not s.endpoint:
                 return Readiness(False, "control socket not listening", "peer")
@@ -69,13 +69,10 @@ class WorkerStatus:
         return Readiness(False, f"waiting for the prefill at {self.control} to answer the handshake", "peer")
 
     def peers(self) -> list[dict]:
-        out = []
-        for p in self.worker.status().peers:
-            d = p.as_dict()
-            # a decode names its prefill by the control address it dials
-            peer_id = d["id"] if self.role == "prefill" else self.control
-            out.append({"id": peer_id, "state": d["state"], "error": d["error"], "incarnation": d["incarnation"]})
-        return out
+        """Every peer: a prefill's decodes (by worker id), a decode's prefills (by the control
+        address it dials, ``control.peer`` first), each with state, error, incarnation and
+        layout fingerprint."""
+        return [p.as_dict() for p in self.worker.status().peers]
 
     def in_flight(self) -> int:
         return self.worker.status().in_flight
@@ -90,13 +87,13 @@ class WorkerStatus:
         return o.request_deadline_s + o.peer_timeout_s + 5
 
     # decode actions
-    def submit(self, tokens: int, room: int | None) -> Future:
+    def submit(self, tokens: int, room: int | None, prefill: str | None = None) -> Future:
         with self._lock:
             if self.draining:
                 fut: Future = Future()
                 fut.set_result(self._failed(room or 0, tokens, "decode shutting down"))
                 return fut
-            inner = self.worker.submit(tokens, room)
+            inner = self.worker.submit(tokens, room, prefill=prefill)
             outer: Future = Future()
             self._futures[outer] = (room or 0, tokens)
 
@@ -123,7 +120,13 @@ class WorkerStatus:
 
         got = self.worker.lookup(room)
         if isinstance(got, RequestStatus):
-            return {"room": room, "status": "in_flight", "seq_len": got.seq_len, "seconds": now() - got.started}
+            return {
+                "room": room,
+                "status": "in_flight",
+                "seq_len": got.seq_len,
+                "seconds": now() - got.started,
+                "prefill": got.peer or None,
+            }
         return None if got is None else got.as_dict()
 
     def reregister(self) -> None:

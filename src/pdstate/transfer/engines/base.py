@@ -157,6 +157,8 @@ class TransferEngine(ABC):
     #: whether ``submit`` finishes the copy itself, in the caller's thread, without waiting on a
     #: peer or a network (so a small copy may run on a worker's control thread)
     synchronous: ClassVar[bool] = False
+    #: whether ``connect`` needs proof that the registrant owns its memory (shm: ``challenge``/``prove``)
+    proves_ownership: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -227,7 +229,15 @@ class TransferEngine(ABC):
         fields = self._endpoint_fields()
         return {"engine": self.name, "engine_id": self._engine_id, "regions": self._local.to_wire(), **fields}
 
+    def prove(self, nonce: bytes, claimant: str) -> dict:
+        """Endpoint fields answering a prefill's ``challenge(claimant)`` (``{}``: nothing to prove)."""
+        return {}
+
     # --- prefill side --------------------------------------------------------------------------
+
+    def challenge(self, claimant: str) -> bytes:
+        """A nonce decode ``claimant`` (``worker_id/incarnation``) answers with ``prove`` before ``connect``."""
+        raise EngineError(f"{self.name} engine does not challenge its peers")
 
     @_locked
     def connect(self, endpoint: Mapping[str, Any], owner: str | None = None) -> str:

@@ -6,12 +6,22 @@ offset behind every registered region and publishes them; a region that is not a
 mapping (e.g. ``PrivateMemory``) is an ``EngineError`` there. The prefill side maps each file
 ``MAP_SHARED`` in ``connect`` (pre-populating its page tables), translates remote addresses to its
 own mapping with numpy (``searchsorted`` over region bases) and copies every descriptor with
-``ctypes.memmove``. Submission is synchronous: the returned handle is already done.
+``ctypes.memmove`` (``shm_copy``: a large plan split across threads). Submission is synchronous:
+the returned handle is already done.
 
 Endpoint::
 
     {"engine": "shm", "engine_id": str, "boot_id": str, "owner_pid": int,
-     "regions": [{"name": str, "base_ptr": int, "nbytes": int, "path": str, "file_offset": int}]}
+     "regions": [{"name": str, "base_ptr": int, "nbytes": int, "path": str, "file_offset": int}],
+     "challenge": hex, "proofs": {path: hex}}
+
+Ownership: ``connect`` maps nothing until the endpoint proves that the registrant can read every
+segment it names. The prefill issues a nonce (``challenge(claimant)``, sent to the decode in the
+control protocol's ``challenge`` message); the decode answers with ``prove(nonce, claimant)``:
+the nonce, and per segment HMAC-SHA256 under the secret in that segment's header
+(``pools.memory.ownership_proof``), added to its endpoint. ``connect`` redeems the nonce (once,
+for that claimant) and checks every proof, then the rest (``shm_owner``); the two proof keys are
+not part of the stored endpoint, so registering again with a fresh proof keeps the mappings.
 
 Limits, by design: both processes must share a kernel (``boot_id``) and a ``/dev/shm``
 (same IPC/mount namespace), else ``connect`` raises. A decode process that crashes cannot be
@@ -22,10 +32,12 @@ If the owner truncates a segment while it is mapped here, a write into it raises
 from __future__ import annotations
 
 import ctypes
+import hmac
 import mmap
 import os
 import stat
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,12 +45,14 @@ import numpy as np
 
 from pdstate.errors import EngineError, InvalidEndpoint
 from pdstate.pools.memory import SEGMENT_NAME_RE as SEGMENT_NAME
-from pdstate.pools.memory import SEGMENT_PREFIX, SHM_DIR
+from pdstate.pools.memory import SEGMENT_PREFIX, SHM_DIR, ownership_proof, prove_segment, read_segment_secret
 from pdstate.transfer.engines.base import Peer, TransferEngine, TransferHandle
-from pdstate.transfer.engines.shm_owner import SegmentClaims, check_file_ranges, segment_owner
+from pdstate.transfer.engines.shm_copy import Copier
+from pdstate.transfer.engines.shm_owner import Challenges, SegmentClaims, check_file_ranges, segment_owner
 from pdstate.transfer.plan import TransferPlan
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+PROOF_KEYS = ("challenge", "proofs")
 MAPS_PATH = "/proc/self/maps"
 
 
@@ -87,6 +101,20 @@ def shared_file_of(base_ptr: int, nbytes: int, maps: list[_Mapping]) -> tuple[st
             )
         cursor, expect_offset = nxt.end, nxt.file_offset + (nxt.end - nxt.start)
     return first.path, first.file_offset + (base_ptr - first.start)
+
+
+def prove_endpoint(endpoint: Mapping[str, Any], nonce: bytes, claimant: str) -> dict:
+    """The proof fields answering ``nonce`` for every segment ``endpoint`` names, computed by a
+    process that can read those segment files (their owner's uid)."""
+    proofs = {}
+    for path in sorted({str(r["path"]) for r in endpoint["regions"]}):
+        try:
+            proof = prove_segment(path, nonce, claimant)
+        except OSError:  # gone or unreadable: the prefill says which segment it could not verify
+            continue
+        if proof is not None:
+            proofs[path] = proof.hex()
+    return {"challenge": nonce.hex(), "proofs": proofs}
 
 
 def _read_boot_id() -> str:
@@ -140,18 +168,32 @@ class ShmEngine(TransferEngine):
     segment after ``connect`` in a background thread (the default), or inside ``connect`` with
     ``MAP_POPULATE`` (``True``), or not at all (``False``; first-touch faults then slow the first
     transfers).
+
+    ``copy_threads``: how many threads copy one large plan (``shm_copy``; default: every core
+    this process may use, up to 8; ``1`` keeps every copy on the submitting thread).
+
+    ``submit(..., hash_src=fn)`` (``supports_hashed_copy``): ``fn(src, length)`` returns
+    ``(hashers, index)`` and every descriptor's source bytes go to ``hashers[index[k]]`` right
+    after they are copied, while still in cache (``shm_copy.Copier.copy_hashed``).
     """
 
     name = "shm"
     endpoint_keys = ("boot_id",)
     synchronous = True
+    proves_ownership = True
+    supports_hashed_copy = True
 
-    def __init__(self, populate: bool | str = "background", segment_dir: str = str(SHM_DIR)) -> None:
+    def __init__(
+        self, populate: bool | str = "background", segment_dir: str = str(SHM_DIR), copy_threads: int | None = None
+    ) -> None:
         super().__init__()
+        self._copier = Copier(copy_threads)
+        self._hash_src = threading.local()  # submit's hash_src, for _submit on the same thread
         self.populate = populate
         self.segment_dir = segment_dir
         self._boot_id = ""
         self._claims = SegmentClaims()  # segment owner -> the one peer that may name it
+        self._challenges = Challenges()  # nonces issued to registrants, not yet answered
 
     def _start(self) -> None:
         self._boot_id = _read_boot_id()
@@ -167,7 +209,75 @@ class ShmEngine(TransferEngine):
             )
         return {"boot_id": self._boot_id, "owner_pid": os.getpid(), "regions": regions}
 
-    # prefill side: map the peer's files
+    def prove(self, nonce: bytes, claimant: str) -> dict:
+        return prove_endpoint(self.endpoint(), nonce, claimant)
+
+    # prefill side: ownership first, then map the peer's files
+    def challenge(self, claimant: str) -> bytes:
+        with self._lock:
+            self._require_started("challenge")
+            return self._challenges.issue(claimant)
+
+    def connect(self, endpoint: Mapping[str, Any], owner: str | None = None) -> str:
+        with self._lock:
+            self._require_started("connect")
+            if (
+                isinstance(endpoint, Mapping)
+                and endpoint.get("engine") == self.name
+                and all(k in endpoint for k in ("engine_id", "regions", *self.endpoint_keys))
+            ):  # (else the base class names what is wrong)
+                endpoint = self._proven(endpoint, owner or "")
+            return super().connect(endpoint, owner)
+
+    def _proven(self, endpoint: Mapping[str, Any], claimant: str) -> dict:
+        """``endpoint`` without its proof keys, once every segment it names is proven to be the
+        claimant's (``InvalidEndpoint`` otherwise; nothing is mapped either way)."""
+        rest = {k: v for k, v in endpoint.items() if k not in PROOF_KEYS}
+        who = claimant or "the decode"
+        nonce_hex, proofs = endpoint.get("challenge"), endpoint.get("proofs")
+        if nonce_hex is None:
+            raise InvalidEndpoint(
+                f"shm endpoint of {who} carries no proof of ownership of its segments "
+                "(a decode answers the prefill's challenge with one)"
+            )
+        try:
+            nonce = bytes.fromhex(nonce_hex)
+            if not isinstance(proofs, Mapping):
+                raise TypeError(f"proofs is a {type(proofs).__name__}, not a map")
+            paths = sorted({str(r["path"]) for r in rest["regions"]})
+            owner_pid = int(rest.get("owner_pid", -1))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidEndpoint(f"shm endpoint of {who} is malformed: {exc!r}") from exc
+        self._challenges.redeem(nonce, claimant)  # used up whatever follows
+        for path in paths:
+            segment_owner(path, owner_pid, self.segment_dir)  # named by its live creator
+            try:
+                fd = self._checked_open(path)
+            except OSError as exc:
+                raise EngineError(f"shm connect to {who}: cannot map segment: {exc}") from exc
+            try:
+                secret = read_segment_secret(fd)
+            finally:
+                os.close(fd)
+            if secret is None:
+                raise InvalidEndpoint(
+                    f"shm segment {path} has no ownership header (not made by this version's SharedMemory); "
+                    "restart its decode with this version"
+                )
+            given = proofs.get(path)
+            if not isinstance(given, str):
+                raise InvalidEndpoint(
+                    f"shm segment {path} does not belong to the registering decode: "
+                    "its endpoint carries no proof of ownership for it"
+                )
+            want = ownership_proof(secret, nonce, claimant, path).hex()
+            if not hmac.compare_digest(given.encode("utf-8", "replace"), want.encode()):
+                raise InvalidEndpoint(
+                    f"shm segment {path} does not belong to the registering decode: "
+                    "its proof of ownership does not match the segment's secret"
+                )
+        return rest
+
     def _connect(self, peer: Peer) -> None:
         theirs = str(peer.endpoint["boot_id"])
         if theirs and self._boot_id and theirs != self._boot_id:
@@ -263,12 +373,30 @@ class ShmEngine(TransferEngine):
             self._unmap(peer.native.maps)
             peer.native = None
 
+    def submit(self, peer_id: str, plan: TransferPlan, notify: bytes = b"", hash_src=None) -> TransferHandle:
+        """``TransferEngine.submit``; with ``hash_src``, the copy also feeds the source bytes to
+        the hashers it names (see the class)."""
+        self._hash_src.fn = hash_src
+        try:
+            return super().submit(peer_id, plan, notify)
+        finally:
+            self._hash_src.fn = None
+
     def _submit(self, peer: Peer, plan: TransferPlan, handle: TransferHandle, notify: bytes) -> None:
         native: _ShmPeer = peer.native
         table = peer.regions
         idx = np.searchsorted(table.base, plan.dst, side="right") - 1
         local_dst = native.mapped_base[idx] + (plan.dst - table.base[idx])
-        memmove = ctypes.memmove
-        for d, s, n in zip(local_dst.tolist(), plan.src.tolist(), plan.length.tolist()):
-            memmove(d, s, n)
+        hash_src = getattr(self._hash_src, "fn", None)
+        if hash_src is None:
+            self._copier.copy(local_dst, plan.src, plan.length, plan.total_bytes)
+        else:
+            streams = hash_src(plan.src, plan.length)
+            self._copier.copy_hashed(local_dst, plan.src, plan.length, plan.total_bytes, streams)
         handle.finish()
+
+    def _close(self) -> None:
+        try:
+            super()._close()
+        finally:
+            self._copier.close()

@@ -12,21 +12,37 @@ before any segment is mapped the prefill checks what it can verify on its own:
 * the segment's owner (``<pid>-<nonce>``) is not claimed by another connected peer: the first
   live peer that mapped a ``SharedMemory``'s segments owns them until it is disconnected, so one
   decode can never name another decode's pools;
-* every region's file range is non-negative, lies inside the file and overlaps no other
-  region's range of the same file.
+* the registrant proves it can read every segment it names: each segment's header holds a
+  random secret (``pools.memory``), and the endpoint carries, per segment, HMAC-SHA256 under that
+  secret of a nonce this prefill issued to that registrant (``Challenges``: single use, expiring),
+  the registrant's ``worker_id/incarnation`` and the segment's name. Checked before any segment
+  is mapped, so a peer without read access to the file (another uid, another container, the
+  network) cannot claim it, even before its owner registers, and a captured register cannot be
+  replayed (to a restarted prefill, or to this one again);
+* every region's file range is non-negative, lies inside the file, starts after the segment's
+  header and overlaps no other region's range of the same file.
 
-A process of the same uid could write another decode's segment files directly; what this rules
-out is the prefill writing for it (a confused deputy), and a forged offset sending its writes
-outside the mapping (memory corruption or SIGSEGV in the prefill).
+The trust boundary is the uid (plus the control channel's auth token): a process of the same uid
+can read another decode's ``0600`` segment files, hence prove them, and could write them directly
+anyway; what this rules out is the prefill writing for anyone else (a confused deputy), and a
+forged offset sending its writes outside the mapping (memory corruption or SIGSEGV in the prefill).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
+import time
+from collections import OrderedDict
 from collections.abc import Iterable
 
-from pdstate.errors import InvalidEndpoint
-from pdstate.pools.memory import LEGACY_NONCE_HEX, SEGMENT_NAME_RE, SEGMENT_PREFIX, owner_alive
+from pdstate.errors import EngineError, InvalidEndpoint
+from pdstate.pools.memory import LEGACY_NONCE_HEX, SEGMENT_HEADER_BYTES, SEGMENT_NAME_RE, SEGMENT_PREFIX, owner_alive
+
+CHALLENGE_BYTES = 16
+CHALLENGE_TTL_S = 60.0
+MAX_CHALLENGES = 4096  # outstanding, all registrants together (the oldest go first)
+MAX_CHALLENGES_PER_CLAIMANT = 8
 
 
 def segment_owner(path: str, owner_pid: int, segment_dir: str) -> str:
@@ -54,6 +70,11 @@ def check_file_ranges(ranges: Iterable[tuple[str, str, int, int]], peer_id: str)
     for name, path, off, n in ranges:
         if off < 0:
             raise InvalidEndpoint(f"shm endpoint of {peer_id}: region {name!r} file_offset {off} is negative")
+        if off < SEGMENT_HEADER_BYTES:
+            raise InvalidEndpoint(
+                f"shm endpoint of {peer_id}: region {name!r} file_offset {off} is inside the segment's "
+                f"{SEGMENT_HEADER_BYTES}-byte header"
+            )
         by_path.setdefault(path, []).append((off, n, name))
     for path, items in by_path.items():
         items.sort()
@@ -86,3 +107,50 @@ class SegmentClaims:
     def release(self, peer_id: str) -> None:
         for key in [k for k, p in self._owner_of.items() if p == peer_id]:
             del self._owner_of[key]
+
+
+class Challenges:
+    """Nonces this prefill issued, each to one claimant (``worker_id/incarnation``); each can be
+    redeemed once, by that claimant, within ``CHALLENGE_TTL_S``. A new engine (a restarted
+    prefill) knows none of an earlier one's."""
+
+    def __init__(self) -> None:
+        self._issued: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+
+    def issue(self, claimant: str) -> bytes:
+        now = time.monotonic()
+        for nonce, (_, expires) in list(self._issued.items()):
+            if expires < now:
+                del self._issued[nonce]
+        mine = [n for n, (c, _) in self._issued.items() if c == claimant]
+        for nonce in mine[: max(0, len(mine) - MAX_CHALLENGES_PER_CLAIMANT + 1)]:
+            del self._issued[nonce]
+        while len(self._issued) >= MAX_CHALLENGES:
+            self._issued.popitem(last=False)
+        nonce = secrets.token_bytes(CHALLENGE_BYTES)
+        self._issued[nonce] = (claimant, now + CHALLENGE_TTL_S)
+        return nonce
+
+    def redeem(self, nonce: bytes, claimant: str) -> None:
+        """Consume ``nonce`` for ``claimant``; ``InvalidEndpoint`` if this prefill did not issue it
+        to that claimant, or it was used or expired."""
+        issued = self._issued.pop(nonce, None)
+        if issued is None or issued[0] != claimant or issued[1] < time.monotonic():
+            raise InvalidEndpoint(
+                f"shm proof of ownership from {claimant or 'the decode'} answers a challenge this prefill "
+                "did not issue to it (an earlier prefill's, or one already answered or expired); "
+                "register again for a fresh challenge"
+            )
+
+
+def challenge_unknown(error_message: str) -> bool:
+    """Whether a decode's ``error`` says it does not know the ``challenge`` message (an older one)."""
+    return error_message.startswith("unknown message kind 'challenge'")
+
+
+def challenge_unknown_error() -> EngineError:
+    """What a prefill answers (with ``reject``) a decode that does not know ``challenge``."""
+    return EngineError(
+        "this prefill needs the decode to prove it owns its shm segments (protocol message 'challenge'), "
+        "which this decode does not know: run the same pdstate version on both sides"
+    )

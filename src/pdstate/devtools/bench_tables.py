@@ -1,0 +1,157 @@
+"""The README's performance tables, rendered from one ``pdstate bench`` run (``bench.json``):
+the ratios per request length, the throughput of the main paths with their range over the runs,
+and the single figures (physical limit, control path against a bare ZeroMQ round trip, the M x N
+row, memory, planner, handshake). Rows whose measurement did not run are left out.
+
+``pdstate bench`` writes them to ``bench.md``; ``python -m pdstate.devtools.bench_report
+bench-out/bench.json`` prints them again from a saved run.
+"""
+
+from __future__ import annotations
+
+RATIO_ROWS = (
+    ("shm_vs_physical", "shm end to end / physical limit, paged"),
+    ("shm_vs_ceiling", "shm end to end / ceiling, paged"),
+    ("shm_vs_ceiling_unified", "shm end to end / ceiling, unified"),
+    ("shm_full_verify_vs_ceiling", "shm, every byte verified / ceiling, paged"),
+    ("agent_vs_ceiling", "agent / ceiling, paged"),
+    ("shm_digest_vs_ceiling", "agent with digests on both sides / ceiling"),
+    ("agent_vs_worker", "agent / today's path (`pdstate_shm`)"),
+    ("agent_digest_vs_worker", "agent with digests / today's path"),
+    ("mooncake_vs_raw", "Mooncake end to end / raw Mooncake"),
+    ("mooncake_full_verify_vs_raw", "Mooncake, every byte verified / raw"),
+    ("nixl_vs_raw", "NIXL end to end / raw NIXL"),
+    ("nixl_full_verify_vs_raw", "NIXL, every byte verified / raw"),
+)
+
+GBPS_ROWS = (
+    ("paged:shm:physical", "physical limit (one contiguous copy, best thread count)"),
+    ("paged:shm:ceiling", "ceiling (in-process copy of the same regions, 1 thread)"),
+    ("paged:shm:pdstate_shm", "shm end to end, paged"),
+    ("paged:agent:agent_shm", "agent, digests off"),
+    ("paged:agent:agent_shm_digest", "agent, digests on both sides"),
+)
+
+
+def _label(n: str) -> str:
+    k = int(n)
+    return f"{k // 1024}k" if k % 1024 == 0 else str(k)
+
+
+def _lengths(r: dict) -> list[str]:
+    if r.get("lengths"):
+        return [str(n) for n in r["lengths"]]
+    seen = {n for per_len in r.get("paths", {}).values() for n in per_len}
+    return sorted(seen, key=int)
+
+
+def _num(v, fmt: str = "{:.2f}") -> str:
+    return "–" if v is None else fmt.format(v)
+
+
+def ratio_table(r: dict) -> list[str]:
+    ratios, lengths = r.get("ratios", {}), _lengths(r)
+    rows = [(label, ratios[f"{key}_by_length"]) for key, label in RATIO_ROWS if f"{key}_by_length" in ratios]
+    if not rows:
+        return []
+    out = ["| ratio (medians, one run) | " + " | ".join(_label(n) for n in lengths) + " |"]
+    out.append("|---" * (len(lengths) + 1) + "|")
+    for label, per in rows:
+        out.append(f"| {label} | " + " | ".join(_num(per.get(n)) for n in lengths) + " |")
+    return out
+
+
+def gbps_table(r: dict) -> list[str]:
+    paths, lengths = r.get("paths", {}), _lengths(r)
+    rows = [(label, paths[p]) for p, label in GBPS_ROWS if p in paths]
+    if not rows:
+        return []
+    out = ["| GB/s, median (min–max over the runs) | " + " | ".join(_label(n) for n in lengths) + " |"]
+    out.append("|---" * (len(lengths) + 1) + "|")
+    for label, per_len in rows:
+        cells = []
+        for n in lengths:
+            g = per_len.get(n, {}).get("gbps")
+            if g is None:
+                cells.append("–")
+            elif "min" in g:
+                cells.append(f"{g['median']:.2f} ({g['min']:.2f}–{g['max']:.2f})")
+            else:
+                cells.append(f"{g['median']:.2f}")
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return out
+
+
+def figures_table(s: dict | None) -> list[str]:
+    """The single figures, from ``bench_report.summary``."""
+    if not s:
+        return []
+    rows = []
+    if s.get("physical_limit_gbps") is not None:
+        rows.append(
+            (
+                "physical limit at 32k (`physical_limit_gbps`)",
+                f"{s['physical_limit_gbps']:.2f} GB/s with "
+                f"{s['physical_limit_threads']} thread(s); shm end to end reaches "
+                f"{_num(s['ratios'].get('shm_vs_physical'))} of it",
+            )
+        )
+    if s.get("control_overhead_ms_p50") is not None:
+        rows.append(
+            (
+                "empty transfer p50 / bare ZeroMQ round trip p50",
+                f"{s['control_overhead_ms_p50']:.2f} ms / "
+                f"{_num(s.get('zmq_round_trip_ms_p50'))} ms = {_num(s.get('control_overhead_vs_zmq'))}x",
+            )
+        )
+    if s.get("mxn_2x2_gbps") is not None:
+        m = s["mxn_2x2"]
+        rows.append(
+            (
+                "2 prefills x 2 decodes, aggregate (`mxn_2x2_gbps`)",
+                f"{m['gbps']:.2f} GB/s over {m['requests']} "
+                f"requests of {m['request_tokens']} tokens = {_num(s['ratios'].get('mxn_vs_physical'))} x the "
+                "physical limit",
+            )
+        )
+    if s.get("peak_rss_mb") is not None:
+        rows.append(
+            ("dsv4-flash worker pair: peak RSS (`peak_rss_mb`)", f"{s['peak_rss_mb']:.0f} MB (prefill + decode)")
+        )
+        rows.append(
+            (
+                f"RSS growth over {s['rss_growth_requests']} requests (`rss_growth_mb`)",
+                f"{s['rss_growth_mb']:+.1f} MB ({s['rss_anon_growth_mb']:+.1f} MB private)",
+            )
+        )
+    if s.get("plan_fragmented_128k_ms") is not None:
+        rows.append(
+            (
+                "planning a 128k request, fragmented / contiguous",
+                f"{s['plan_fragmented_128k_ms']:.2f} ms / "
+                f"{s['plan_contiguous_128k_ms']:.2f} ms ({s['plan_speedup_vs_loop']:.0f}x the Python loop)",
+            )
+        )
+    if s.get("handshake_ms_p50") is not None:
+        rows.append(
+            (
+                "re-handshake p50 / first handshake",
+                f"{s['handshake_ms_p50']:.2f} ms / {s['first_handshake_flash_ms']:.2f} ms",
+            )
+        )
+    if s.get("request_1_token_ms_p50") is not None:
+        rows.append(
+            (
+                "1-token request p50 (its overhead beyond its bytes)",
+                f"{s['request_1_token_ms_p50']:.2f} ms ({s['request_1_token_overhead_ms_p50']:.2f} ms)",
+            )
+        )
+    if not rows:
+        return []
+    return ["| figure | value |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
+
+
+def markdown(r: dict, s: dict | None) -> str:
+    """Every table with data in it, blank-line separated, ending with a newline."""
+    blocks = [t for t in (ratio_table(r), gbps_table(r), figures_table(s)) if t]
+    return "\n\n".join("\n".join(t) for t in blocks) + "\n"

@@ -1,0 +1,99 @@
+"""Request digests off the critical path: hashed in the background (the prefill, beside the copy)
+or spread over threads (the decode), a digest is the same value over the same bytes as the plain
+streamed one, a flipped byte changes it, and cancelled work reads nothing more."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+import pytest
+import xxhash
+
+from pdstate.agent import digest as digest_mod
+from pdstate.agent.digest import RequestDigest
+
+ITEM = 4096
+
+
+@pytest.fixture
+def layout():
+    rng = np.random.default_rng(3)
+    bufs = [rng.integers(0, 256, 64 * ITEM, dtype=np.uint8) for _ in range(5)]
+    ptrs = [b.ctypes.data for b in bufs]
+    # main KV: 3 buffers; one state component: 2 buffers with another item length
+    return bufs, [(ptrs[:3], [ITEM] * 3), (ptrs[3:], [ITEM // 2] * 2)]
+
+
+UPDATES = [(0, [1, 2, 3, 9]), (0, [10, 11, 40]), (1, [5, 6, 7, 100, 2])]
+
+
+def _plain(layout) -> RequestDigest:
+    d = RequestDigest(layout)
+    for c, idx in UPDATES:
+        d.update(c, idx)
+    return d
+
+
+def test_background_and_parallel_digests_equal_the_streamed_one(layout, monkeypatch):
+    bufs, lay = layout
+    monkeypatch.setattr(digest_mod, "PARALLEL_MIN_BYTES", 1)  # share even this small request
+    plain = _plain(lay)
+    background = RequestDigest(lay)
+    background.update_async(UPDATES[:2])
+    background.update_async(UPDATES[2:])
+    parallel = RequestDigest(lay)
+    parallel.update_many(UPDATES, threads=3)
+    assert plain.digest() == background.digest() == parallel.digest()
+    assert plain.bytes == background.bytes == parallel.bytes == 3 * 7 * ITEM + 2 * 5 * ITEM // 2
+    assert background.seconds > 0 and parallel.seconds > 0
+    bufs[4][100 * ITEM // 2 + 7] ^= 0x10  # one bit of an item the state component lists
+    flipped = RequestDigest(lay)
+    flipped.update_many(UPDATES, threads=3)
+    assert flipped.digest() != plain.digest()
+
+
+def test_background_work_waits_for_earlier_updates_in_order(layout):
+    _, lay = layout
+    d = RequestDigest(lay)
+    d.update_async([(0, [1, 2])])
+    d.update(0, [3, 9])  # after the background part: the same stream as one update of [1, 2, 3, 9]
+    d.update_async([(0, [10, 11, 40])])
+    d.update(1, [5, 6, 7, 100, 2])
+    assert d.digest() == _plain(lay).digest()
+
+
+def test_cancelled_background_work_is_not_hashed(layout):
+    _, lay = layout
+    d = RequestDigest(lay)
+    d._lock.acquire()  # as if an earlier chunk were being hashed
+    d.update_async(UPDATES)
+    canceller = threading.Thread(target=d.cancel)
+    canceller.start()
+    canceller.join(0.2)
+    assert canceller.is_alive()  # cancel waits for the running work
+    d._lock.release()
+    canceller.join(10)
+    assert not canceller.is_alive() and d.seconds == 0.0
+    empty = b"".join(xxhash.xxh3_128().digest() for _ in range(5))
+    assert d.digest() == xxhash.xxh3_128(empty).digest()
+
+
+def test_streams_map_a_buffer_major_plan_to_the_streamed_digest(layout):
+    """Hashing each descriptor of a plan (buffer-major, runs in list order, as the planner builds
+    it) into the stream ``streams`` names gives the digest of the same lists streamed."""
+    _, lay = layout
+    src, length = [], []
+    for c, idx in UPDATES:
+        ptrs, items = lay[c]
+        for p, item in zip(ptrs, items):  # buffer-major; one descriptor per item (no merging)
+            for i in idx:
+                src.append(p + i * item)
+                length.append(item)
+    d = RequestDigest(lay)
+    hashers, index = d.streams(np.array(src, dtype=np.uint64), np.array(length, dtype=np.uint64))
+    for s, n, k in zip(src, length, index.tolist()):
+        hashers[k].update(ctypes.string_at(s, n))
+    plain = _plain(lay)
+    assert d.fused and d.bytes == plain.bytes and d.digest() == plain.digest()
