@@ -30,9 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import probe
 import scenarios
 
+from tests.support.images import SENTINEL
+
 ROOM_OK, ROOM_BAD = 1001, 1002
 SEQ_LEN = 300  # two 256-token pages: two chunks, state with the second
-SENTINEL = 0xAB
 DEADLINE_S = 10.0
 
 
