@@ -121,3 +121,4 @@ class Request:
     verify: str = "full"
     result: TransferResult | None = None
     prefill: str = ""  # the control address of the prefill asked
+    expected: tuple | None = None  # (sampled check, layout digest) once sent (``decode_verify``)
