@@ -304,6 +304,8 @@ class PrefillWorker(PrefillShutdown, PrefillPeers, WorkerBase):
             self._finish_job(self.runner.run(job))
             return
         self.runner.submit(job)
+        # the TransferDone's digest depends only on the request: worked out while the job runs
+        job.digest = synth.plan_digest(job.room, job.alloc.lists, self.kv_args)
 
     def _inline(self, nbytes: int) -> bool:
         return self.engine.synchronous and nbytes <= self.opts.inline_max_bytes and self.runner.can_inline()
@@ -368,7 +370,7 @@ class PrefillWorker(PrefillShutdown, PrefillPeers, WorkerBase):
         seconds = now() - job.started
         self.stats.success(job.plan.total_bytes, out.copy_s)
         self._record(job.peer, job.worker_id, job.room, "success", None, seconds)
-        digest = synth.plan_digest(job.room, job.alloc.lists, self.kv_args)
+        digest = job.digest or synth.plan_digest(job.room, job.alloc.lists, self.kv_args)
         with self._pools_lock:
             # The decode waits on this message, not on our pages: they are freed after it is on
             # its way. ``free_counts`` takes this lock, so whoever has seen the TransferDone
