@@ -148,7 +148,7 @@ def test_a_sampled_check_prepared_before_the_bytes_land_reads_them_when_run():
     """The decode prepares its check as soon as it sends the request: ``run()`` must read the
     pages as they are then, passing once the room's bytes landed and failing on what was there
     before (and the same message as ``verify_sample``)."""
-    src, dst, skv, dkv = pair_ = _pair_tiny()
+    src, dst, skv, dkv = _pair_tiny()
     a = rq.allocate(src, rq.channel_names(skv), 300)
     b = rq.allocate(dst, rq.channel_names(dkv), 300)
     try:

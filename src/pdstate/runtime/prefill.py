@@ -308,7 +308,15 @@ class PrefillWorker(PrefillShutdown, PrefillPeers, WorkerBase):
         job.digest = synth.plan_digest(job.room, job.alloc.lists, self.kv_args)
 
     def _inline(self, nbytes: int) -> bool:
-        return self.engine.synchronous and nbytes <= self.opts.inline_max_bytes and self.runner.can_inline()
+        """Run a job here: a small one on a synchronous engine, while the transfer thread is idle
+        and no other frame waits (under load, jobs go to the transfer thread, so this thread keeps
+        admitting, planning and answering Busy while one copies)."""
+        return (
+            self.engine.synchronous
+            and nbytes <= self.opts.inline_max_bytes
+            and not self.server.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
+            and self.runner.can_inline()
+        )
 
     def _busy(self, identity: bytes, room: int) -> None:
         """Full (in-flight limit or pool): the decode retries later; nothing is queued here."""
