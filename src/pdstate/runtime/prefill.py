@@ -88,6 +88,14 @@ class PrefillWorker(PrefillShutdown, PrefillPeers, WorkerBase):
         self.endpoint = ""
         self._detached: set[str] = set()  # engine peers of gone decodes, released when idle
         self._draining = threading.Event()  # stop() with a drain: new requests are refused
+        self._handlers = {  # what this worker accepts, by message type (``_on_frame``)
+            wire.Register: self._on_register,
+            wire.Heartbeat: self._on_heartbeat,
+            wire.TransferRequest: self._on_request,
+            wire.Abort: self._on_abort,
+            wire.Reject: self._on_peer_reject,
+            wire.Error: self._on_peer_error,
+        }
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> PrefillWorker:
@@ -220,14 +228,7 @@ class PrefillWorker(PrefillShutdown, PrefillPeers, WorkerBase):
         peer = self.peers.get(identity)
         if peer is not None:
             peer.last_seen = now()
-        handler = {
-            wire.Register: self._on_register,
-            wire.Heartbeat: self._on_heartbeat,
-            wire.TransferRequest: self._on_request,
-            wire.Abort: self._on_abort,
-            wire.Reject: self._on_peer_reject,
-            wire.Error: self._on_peer_error,
-        }.get(type(msg))
+        handler = self._handlers.get(type(msg))
         if handler is None:
             err = ProtocolError(f"a prefill worker does not accept {msg.KIND} messages")
             self.server.send(identity, wire.Error(error=ErrorInfo.of(err)))
