@@ -167,6 +167,6 @@ def test_verify_mode_and_inline_limit_reach_the_worker_options(toml):
     opts = load_config(toml(BASE), ["checks.verify=sample", "control.inline_max_bytes=0"], environ={}).worker_options()
     assert opts.verify == "sample" and opts.inline_max_bytes == 0
     defaults = load_config(toml(BASE), environ={}).worker_options()
-    assert defaults.verify == "full" and defaults.inline_max_bytes == 2 << 20
+    assert defaults.verify == "full" and defaults.inline_max_bytes == 32 << 20
     with pytest.raises(ConfigError, match="checks.verify"):
         load_config(toml(BASE), ["checks.verify=some"], environ={})

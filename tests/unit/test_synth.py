@@ -142,3 +142,24 @@ def test_sampled_verification_reads_every_first_word_and_the_end_of_every_run(wh
             )
     finally:
         rq.free(src, a), rq.free(dst, b)
+
+
+def test_a_sampled_check_prepared_before_the_bytes_land_reads_them_when_run():
+    """The decode prepares its check as soon as it sends the request: ``run()`` must read the
+    pages as they are then, passing once the room's bytes landed and failing on what was there
+    before (and the same message as ``verify_sample``)."""
+    src, dst, skv, dkv = _pair_tiny()
+    a = rq.allocate(src, rq.channel_names(skv), 300)
+    b = rq.allocate(dst, rq.channel_names(dkv), 300)
+    try:
+        check = synth.sample_check(dkv, 9, b.lists, _spans(dst))  # before anything landed
+        stale = check.run()
+        assert stale is not None and "holds other content" in stale
+        assert stale == synth.verify_sample(dkv, 9, b.lists, _spans(dst))
+        synth.fill_source(skv, 9, a.lists)
+        plan = plan_request(skv, dkv, a.lists, b.lists)
+        for s, d, n in zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist()):
+            ctypes.memmove(d, s, n)
+        assert check.run() is None
+    finally:
+        rq.free(src, a), rq.free(dst, b)

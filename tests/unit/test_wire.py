@@ -636,3 +636,36 @@ def test_seq_len_zero_is_an_empty_transfer_and_negative_is_refused():
         ProtocolError,
         "invalid transfer_request: seq_len: Input should be less than or equal to 16777216 (1 error(s))",
     )
+
+
+def _model_dump_encoding(msg) -> bytes:
+    body = msgpack.packb(wire._plain(msg.model_dump(mode="python")), use_bin_type=True)
+    return msgpack.packb({"v": wire.PROTOCOL_VERSION, "kind": msg.KIND, "body": body}, use_bin_type=True)
+
+
+def test_plain_kinds_encode_byte_for_byte_as_their_model_dump():
+    """The hot kinds are encoded from their fields, not through ``model_dump``: the bytes must
+    not differ, defaults, nested models and lists included."""
+    packed = wire.PackedIndices.pack
+    msgs = [
+        wire.TransferRequest(
+            room=(1 << 63) - 1,
+            seq_len=0,
+            dst_kv_pages=packed([]),
+            dst_state_indices=[packed([1 << 40]), packed([3, 4]), packed([])],
+            deadline_s=0.25,
+        ),
+        wire.TransferRequest(room=1, seq_len=9, dst_kv_pages=packed([1]), dst_state_indices=[], deadline_s=30),
+        wire.TransferDone(room=3, status="failed", error=ErrorInfo(type="TransferFailed", message="x")),
+        wire.TransferDone(room=3, status="success", bytes=5, descriptors=1, digest=b"\x00" * 16, copy_s=1e-3),
+        wire.Heartbeat(worker_id="w", incarnation="i", seq=2),
+        wire.Busy(room=4, in_flight=64, limit=64),
+        wire.Abort(room=5, reason="deadline exceeded on decode"),
+        wire.Error(error=ErrorInfo(type="ProtocolError", message="bad"), room=None),
+        wire.Error(error=ErrorInfo(type="NotRegistered", message="who"), room=6),
+    ]
+    assert {type(m) for m in msgs} == wire._PLAIN
+    for msg in msgs:
+        assert wire.encode(msg) == _model_dump_encoding(msg), msg.KIND
+        assert wire.encode(msg, b"t") != wire.encode(msg)  # (the tag is over the same body)
+        assert wire.decode(wire.encode(msg)) == msg

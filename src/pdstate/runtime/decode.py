@@ -36,9 +36,9 @@ from pdstate.protocol.handshake import DecodeHandshake
 from pdstate.protocol.lifecycle import PeerState, RequestState, move
 from pdstate.protocol.report import ErrorInfo
 from pdstate.runtime import requests as rq
-from pdstate.runtime import synth
 from pdstate.runtime.commands import Reregister, Stop, Submit
 from pdstate.runtime.decode_link import PrefillLinkMixin
+from pdstate.runtime.decode_verify import VerifyMixin
 from pdstate.runtime.hooks import WorkerHooks
 from pdstate.runtime.mailbox import Mailbox
 from pdstate.runtime.options import WorkerOptions
@@ -50,7 +50,7 @@ MAX_FINISHED = 10000  # results kept for ``/v1/transfers/{room}`` (oldest droppe
 BUSY_BACKOFF_S = (0.002, 0.1)  # first and longest wait before re-sending a request answered Busy
 
 
-class DecodeWorker(PrefillLinkMixin, WorkerBase):
+class DecodeWorker(VerifyMixin, PrefillLinkMixin, WorkerBase):
     """A decode worker and its control thread.
 
     Control thread (``_control_loop``): owns the DEALER sockets, the handshakes, the allocator,
@@ -81,6 +81,7 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
         self._by_socket: dict = {}  # a link's DEALER socket -> the link (control thread)
         self._answered = threading.Event()  # the default prefill answered a register
         self._waiting: deque[Request] = deque()
+        self._unprepared: deque[Request] = deque()  # sent, expectation not worked out (``_sent``)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> DecodeWorker:
@@ -214,6 +215,7 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
                         except zmq.Again:
                             break
                         self._guarded(self._on_frame, (link, frame))
+                self._guarded(self._prepare_checks, None)
                 t = now()
                 if t >= next_hb:
                     next_hb = t + self.opts.heartbeat_interval_s
@@ -298,6 +300,7 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
                 move(req, RequestState.WAITING_FOR_INPUT)
             req.sent_at = now()
             self._links[req.prefill].client.send(req.message)
+            self._sent(req)
 
     def _on_frame(self, arg) -> None:
         link, frame = arg
@@ -347,49 +350,6 @@ class DecodeWorker(PrefillLinkMixin, WorkerBase):
                 self._refused(link, msg.error)
             else:
                 log.warning("prefill reported: %s: %s", msg.error.type, msg.error.message)
-
-    def _on_done(self, link, msg: wire.TransferDone) -> None:
-        if (link.endpoint, msg.room) in self.quarantine:
-            with self._lock:
-                alloc = self.quarantine.pop((link.endpoint, msg.room))
-            self._free(alloc)
-            self._admit()
-            return
-        req = self._mine(link, msg.room)
-        if req is None:
-            log.debug("late transfer_done for room %s ignored", msg.room)
-            return
-        if msg.status != "success":
-            self._finish(
-                req, "failed", error=msg.error or ErrorInfo(type="TransferFailed", message="prefill reported failure")
-            )
-            return
-        with self._lock:
-            move(req, RequestState.TRANSFERRING)
-        t0 = now()
-        if req.verify == "sample":
-            problem = synth.verify_sample(self.kv_args, req.room, req.alloc.lists, self._spans)
-        else:
-            problem = synth.verify_destination(self.kv_args, req.room, req.alloc.lists)
-        if problem is None and msg.digest != synth.plan_digest(req.room, req.alloc.lists, self.kv_args):
-            problem = "digest of the request's logical layout differs from the prefill's"
-        t1 = now()
-        if problem is not None:
-            self._finish(
-                req, "failed", error=ErrorInfo(type="TransferFailed", message=f"verification failed: {problem}")
-            )
-            return
-        self._finish(
-            req,
-            "success",
-            nbytes=msg.bytes,
-            descriptors=msg.descriptors,
-            verified=True,
-            compute_s=msg.compute_s,
-            copy_s=msg.copy_s,
-            verify_s=t1 - t0,
-            transfer_s=t1 - (req.sent_at if req.sent_at is not None else req.started),
-        )
 
     def _finish(
         self,

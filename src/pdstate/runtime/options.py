@@ -32,9 +32,10 @@ class WorkerOptions:
     # and the last of every run of items (O(items)); see ``runtime.synth``
     verify: str = "full"
     # prefill: a request of at most this many bytes, on a synchronous engine (shm), is computed and
-    # copied on the control thread when the transfer thread is idle: two thread hand-offs saved on
-    # the smallest requests, at most a millisecond or two of the control loop (0: never)
-    inline_max_bytes: int = 2 << 20
+    # copied on the control thread when the transfer thread is idle and no other frame waits: two
+    # thread wake-ups (0.15-0.3 ms on a small VM) saved per request, at most a few milliseconds of
+    # the control loop (a 2k ``dsv4-flash`` request is 18 MB: compute and copy take ~3.5 ms); 0: never
+    inline_max_bytes: int = 32 << 20
     # prefill: on stop (SIGTERM), how long to let the requests in flight finish before the goodbye
     # (new requests are refused meanwhile); 0: end them at once with "prefill shutting down"
     drain_s: float = 0.0

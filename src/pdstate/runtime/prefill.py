@@ -88,6 +88,14 @@ class PrefillWorker(PrefillShutdown, PrefillPeers, WorkerBase):
         self.endpoint = ""
         self._detached: set[str] = set()  # engine peers of gone decodes, released when idle
         self._draining = threading.Event()  # stop() with a drain: new requests are refused
+        self._handlers = {  # what this worker accepts, by message type (``_on_frame``)
+            wire.Register: self._on_register,
+            wire.Heartbeat: self._on_heartbeat,
+            wire.TransferRequest: self._on_request,
+            wire.Abort: self._on_abort,
+            wire.Reject: self._on_peer_reject,
+            wire.Error: self._on_peer_error,
+        }
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> PrefillWorker:
@@ -220,14 +228,7 @@ class PrefillWorker(PrefillShutdown, PrefillPeers, WorkerBase):
         peer = self.peers.get(identity)
         if peer is not None:
             peer.last_seen = now()
-        handler = {
-            wire.Register: self._on_register,
-            wire.Heartbeat: self._on_heartbeat,
-            wire.TransferRequest: self._on_request,
-            wire.Abort: self._on_abort,
-            wire.Reject: self._on_peer_reject,
-            wire.Error: self._on_peer_error,
-        }.get(type(msg))
+        handler = self._handlers.get(type(msg))
         if handler is None:
             err = ProtocolError(f"a prefill worker does not accept {msg.KIND} messages")
             self.server.send(identity, wire.Error(error=ErrorInfo.of(err)))
@@ -304,9 +305,19 @@ class PrefillWorker(PrefillShutdown, PrefillPeers, WorkerBase):
             self._finish_job(self.runner.run(job))
             return
         self.runner.submit(job)
+        # the TransferDone's digest depends only on the request: worked out while the job runs
+        job.digest = synth.plan_digest(job.room, job.alloc.lists, self.kv_args)
 
     def _inline(self, nbytes: int) -> bool:
-        return self.engine.synchronous and nbytes <= self.opts.inline_max_bytes and self.runner.can_inline()
+        """Run a job here: a small one on a synchronous engine, while the transfer thread is idle
+        and no other frame waits (under load, jobs go to the transfer thread, so this thread keeps
+        admitting, planning and answering Busy while one copies)."""
+        return (
+            self.engine.synchronous
+            and nbytes <= self.opts.inline_max_bytes
+            and not self.server.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
+            and self.runner.can_inline()
+        )
 
     def _busy(self, identity: bytes, room: int) -> None:
         """Full (in-flight limit or pool): the decode retries later; nothing is queued here."""
@@ -368,7 +379,7 @@ class PrefillWorker(PrefillShutdown, PrefillPeers, WorkerBase):
         seconds = now() - job.started
         self.stats.success(job.plan.total_bytes, out.copy_s)
         self._record(job.peer, job.worker_id, job.room, "success", None, seconds)
-        digest = synth.plan_digest(job.room, job.alloc.lists, self.kv_args)
+        digest = job.digest or synth.plan_digest(job.room, job.alloc.lists, self.kv_args)
         with self._pools_lock:
             # The decode waits on this message, not on our pages: they are freed after it is on
             # its way. ``free_counts`` takes this lock, so whoever has seen the TransferDone

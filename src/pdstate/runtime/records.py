@@ -48,6 +48,7 @@ class Job:
     cancelled: ErrorInfo | None = None  # why, once cancelled
     cancel_event: threading.Event = field(default_factory=threading.Event)
     started: float = field(default_factory=now)
+    digest: bytes | None = None  # the TransferDone's layout digest, once worked out (control thread)
 
 
 # -- decode -------------------------------------------------------------------------------------
@@ -121,3 +122,4 @@ class Request:
     verify: str = "full"
     result: TransferResult | None = None
     prefill: str = ""  # the control address of the prefill asked
+    expected: tuple | None = None  # (sampled check, layout digest) once sent (``decode_verify``)

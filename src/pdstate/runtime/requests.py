@@ -25,6 +25,11 @@ class Allocation:
     freed: bool = False
 
 
+_NO_LOCS = torch.empty(0, dtype=torch.int64)
+_NO_INDICES = np.empty(0, dtype=np.int64)
+_NO_INDICES.flags.writeable = False  # shared by every empty transfer's lists
+
+
 def channel_names(desc) -> list[str]:
     return ["main_kv"] + [getattr(t, "value", t) for t in desc.state_types]
 
@@ -40,18 +45,21 @@ def allocate(pools: WorkerPools, names: list[str], seq_len: int) -> Allocation:
     if seq_len < 0:
         raise AllocationError(f"seq_len must not be negative, got {seq_len}")
     slot = pools.req_to_token.alloc()
+    if not seq_len:  # an empty transfer: a request slot and no pages (every index list is empty)
+        pools.req_to_token.write(slot, _NO_INDICES)  # (so that freeing the slot clears nothing)
+        return Allocation(slot, _NO_LOCS, [_NO_INDICES] * len(names))
     try:
-        # seq_len 0, an empty transfer: a request slot and no pages (every index list is empty)
-        locs = alloc.alloc_swa_tail(seq_len, target.sliding_window) if seq_len else torch.empty(0, dtype=torch.int64)
+        locs = alloc.alloc_swa_tail(seq_len, target.sliding_window)
     except AllocationError:
         pools.req_to_token.free(slot)
         raise
-    pools.req_to_token.write(slot, locs)
+    locs_np = locs.numpy()  # one view for every list (a tensor's ``numpy()`` costs a few us each)
+    pools.req_to_token.write(slot, locs_np)
     try:
         by_name: dict[str, np.ndarray] = {}  # the draft's SWA channel shares the target's list
         for name in names:
             if name not in by_name:
-                by_name[name] = _list_for(name, pools, slot, locs, seq_len)
+                by_name[name] = _list_for(name, pools, slot, locs_np, seq_len)
         lists = [by_name[name] for name in names]
     except Exception:
         alloc.free(locs)
@@ -60,7 +68,7 @@ def allocate(pools: WorkerPools, names: list[str], seq_len: int) -> Allocation:
     return Allocation(slot, locs, lists)
 
 
-def _list_for(name: str, pools: WorkerPools, slot: int, locs: torch.Tensor, seq_len: int) -> np.ndarray:
+def _list_for(name: str, pools: WorkerPools, slot: int, locs: np.ndarray, seq_len: int) -> np.ndarray:
     t = pools.target
     if name == "main_kv":
         return indices.main_kv_page_indices(locs, seq_len, t.page_size)

@@ -198,8 +198,35 @@ def verify_sample(desc, room: int, lists: list[np.ndarray], spans: list[tuple[in
 
     ``spans``: the ``(base_ptr, nbytes)`` of the memory regions the buffers live in.
     """
+    return sample_check(desc, room, lists, spans).run()
+
+
+class SampleCheck:
+    """``verify_sample`` in two steps: everything that needs only the room and the indices (the
+    expected words and where to read them), worked out by ``sample_check`` while the bytes are
+    still on their way, then ``run()``: the two gathers and the comparison, once they landed."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, parts: list) -> None:
+        self._parts = parts
+
+    def run(self) -> str | None:
+        """``None`` when every sampled word holds the room's content; else what differs first."""
+        for c, name, idx, words, pos, bases, ends, end_pos, end_want in self._parts:
+            bad = words[pos] != bases
+            bad[:, ends] |= words[end_pos] != end_want
+            if bad.any():
+                return _first_mismatch(c, name, idx, bad)
+        return None
+
+
+def sample_check(desc, room: int, lists: list[np.ndarray], spans: list[tuple[int, int]]) -> SampleCheck:
+    """The prepared ``verify_sample`` of ``room`` (see ``SampleCheck``); raises ``ValueError``
+    for a channel whose buffers lie outside ``spans``."""
     chans = _channels_of(desc)
     layout = _sample_layout(desc, tuple(sorted(spans)))
+    parts = []
     for c, (chan, idx, lay) in enumerate(zip(chans, lists, layout)):
         if idx.size == 0 or chan.ptrs.size == 0:
             continue
@@ -213,12 +240,9 @@ def verify_sample(desc, room: int, lists: list[np.ndarray], spans: list[tuple[in
             ends = [k for k in range(len(il) - 1) if il[k + 1] != il[k] + 1] + [len(il) - 1]
         else:
             ends = np.append(np.flatnonzero(np.diff(idx) != 1), idx.size - 1)
-        bad = words[pos] != bases
-        last = iw - np.uint64(1)
-        bad[:, ends] |= words[pos[:, ends] + last] != bases[:, ends] + last
-        if bad.any():
-            return _first_mismatch(c, chan.name, idx, bad)
-    return None
+        last = iw - np.uint64(1)  # the last word of the item ending each run
+        parts.append((c, chan.name, idx, words, pos, bases, ends, pos[:, ends] + last, bases[:, ends] + last))
+    return SampleCheck(parts)
 
 
 def plan_digest(room: int, lists: list[np.ndarray], desc) -> bytes:

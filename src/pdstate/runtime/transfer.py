@@ -92,10 +92,11 @@ class TransferRunner:
                 # connected while any of its jobs is in flight.
                 if job.engine_peer is None:
                     raise PeerGone("peer gone before the transfer started")
-                t1 = now()
-                handle = w.engine.submit(job.engine_peer, job.plan)
-                w.engine.wait(handle, max(0.001, job.deadline - now()))
-                copy_s = now() - t1
+                if len(job.plan):  # (an empty transfer moves nothing: no engine call)
+                    t1 = now()
+                    handle = w.engine.submit(job.engine_peer, job.plan)
+                    w.engine.wait(handle, max(0.001, job.deadline - now()))
+                    copy_s = now() - t1
             except Exception as exc:  # engine failures of every kind end the request
                 error, engine_failed = ErrorInfo.of(exc), isinstance(exc, EngineError)
         return JobOutcome(job.peer, job.room, error, engine_failed, compute_s, copy_s)

@@ -73,7 +73,7 @@ class ControlSection(_Section):
     peer_timeout_s: float = Field(5.0, gt=0)
     request_deadline_s: float = Field(30.0, gt=0)
     max_inflight: int = Field(64, gt=0)
-    inline_max_bytes: int = Field(2 << 20, ge=0)
+    inline_max_bytes: int = Field(32 << 20, ge=0)
     drain_s: float = Field(0.0, ge=0, le=3600)
 
 
