@@ -21,7 +21,7 @@ import logging
 import numpy as np
 
 from pdstate.errors import PdStateError, TransferFailed
-from pdstate.integrations.sglang.states import combine, kv_poll, raise_failure
+from pdstate.integrations.sglang.states import combine, conclude_failed, kv_poll, raise_failure
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
@@ -45,10 +45,7 @@ def build_receiver() -> type:
         def _fail(self, error: BaseException, reason: str | None = None) -> int:
             if self._error is None:
                 self._error = error
-            self.kv_mgr.record_failure(self.bootstrap_room, reason or f"{type(error).__name__}: {error}")
-            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
-            self.conclude_state = KVPoll.Failed
-            return KVPoll.Failed
+            return conclude_failed(self, reason or f"{type(error).__name__}: {error}")
 
         def init(self, prefill_dp_rank: int):
             reason = self.kv_mgr.topology_errors.get(self.bootstrap_addr)
@@ -129,9 +126,7 @@ def build_receiver() -> type:
                         recv.abort("Aborted by AbortReq.", timeout_s=ABORT_FENCE_S)
                     except Exception as exc:  # not fenced in time: say so, still fail the request
                         log.error("pdstate: room %s: abort not fenced: %s", self.bootstrap_room, exc)
-            self.kv_mgr.record_failure(self.bootstrap_room, "Aborted by AbortReq.")
-            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
-            self.conclude_state = KVPoll.Failed
+            conclude_failed(self, "Aborted by AbortReq.")
             self.abort_notified = True
 
     PdStateKVReceiver.__qualname__ = "PdStateKVReceiver"

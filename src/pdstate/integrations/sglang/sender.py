@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from pdstate.errors import PdStateError, TransferFailed
-from pdstate.integrations.sglang.states import kv_poll, raise_failure
+from pdstate.integrations.sglang.states import conclude_failed, kv_poll, raise_failure
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
@@ -69,10 +69,7 @@ def build_sender() -> type:
         def _fail(self, error: BaseException, reason: str | None = None) -> int:
             if self._error is None:
                 self._error = error
-            self.kv_mgr.record_failure(self.bootstrap_room, reason or f"{type(error).__name__}: {error}")
-            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
-            self.conclude_state = KVPoll.Failed
-            return KVPoll.Failed
+            return conclude_failed(self, reason or f"{type(error).__name__}: {error}")
 
         def init(self, num_kv_indices: int, aux_index=None):
             super().init(num_kv_indices, aux_index)

@@ -8,7 +8,7 @@ import functools
 
 from pdstate.protocol.lifecycle import RequestState
 
-__all__ = ["combine", "kv_poll", "raise_failure"]
+__all__ = ["combine", "conclude_failed", "kv_poll", "raise_failure"]
 
 
 @functools.cache
@@ -34,6 +34,16 @@ def combine(polls) -> int:
     failed = _table()[RequestState.FAILED]
     polls = list(polls)
     return failed if failed in polls else min(polls)
+
+
+def conclude_failed(side, reason: str) -> int:
+    """End ``side`` (an SGLang sender or receiver over a manager) Failed: the reason recorded for
+    its room, the room's status and the side's own conclusion; returns ``KVPoll.Failed``."""
+    failed = _table()[RequestState.FAILED]
+    side.kv_mgr.record_failure(side.bootstrap_room, reason)
+    side.kv_mgr.update_status(side.bootstrap_room, failed)
+    side.conclude_state = failed
+    return failed
 
 
 def raise_failure(room, error: BaseException | None, reason: str | None) -> None:
