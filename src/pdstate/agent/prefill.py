@@ -12,7 +12,7 @@ from pdstate.agent.admission import bind_router, gatekeep
 from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.digest import RequestDigest, submit_digested
 from pdstate.agent.refusals import Refusals
-from pdstate.agent.sender import KVSender, _Decode, _Pending, _Send, _with_aux
+from pdstate.agent.sender import KVSender, _Decode, _Pending, _Send, _with_aux, wake_when_landed
 from pdstate.errors import (
     AgentClosed,
     EngineError,
@@ -313,6 +313,8 @@ class PrefillAgent(Refusals):
                 return
         if send.pages_sent == send.num_pages and send.all_submitted and not send.done_sent:
             self._finish_if_landed(send)
+            if not send.done_sent:
+                wake_when_landed(self._engine, self._loop, send, self._finish_if_landed)
 
     def _submit_chunk(self, send: _Send, decode: _Decode, pages: np.ndarray, state) -> None:
         req = send.request
@@ -344,6 +346,8 @@ class PrefillAgent(Refusals):
             send.all_submitted = True
 
     def _finish_if_landed(self, send: _Send) -> None:
+        if not send.all_submitted or send.done_sent or send.record.state.terminal:
+            return
         try:
             if not all(self._engine.poll(h) for h in send.handles):
                 return
@@ -443,5 +447,4 @@ class PrefillAgent(Refusals):
                     tell_decode=False,
                 )
                 continue
-            if send.all_submitted and not send.done_sent and not send.record.state.terminal:
-                self._finish_if_landed(send)
+            self._finish_if_landed(send)

@@ -200,6 +200,17 @@ class MooncakeEngine(TransferEngine):
                     code=rc,
                 )
 
+    def on_done(self, handle: TransferHandle, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once ``handle`` has finished or failed: at once when it already has, else
+        on the worker thread right after the native call returned (so a caller's event loop can
+        wake then instead of polling). ``fn`` must be quick and must not call back into the
+        engine from the worker (post to the caller's own thread)."""
+        future = handle.native
+        if future is None:
+            fn()
+        else:
+            future.add_done_callback(lambda _f: fn())
+
     def _poll(self, handle: TransferHandle) -> None:
         if handle.native.done():
             self._settle(handle)
