@@ -313,8 +313,6 @@ class PrefillAgent(Refusals):
                 return
         if send.pages_sent == send.num_pages and send.all_submitted and not send.done_sent:
             self._finish_if_landed(send)
-            if not send.done_sent:
-                wake_when_landed(self._engine, self._loop, send, self._finish_if_landed)
 
     def _submit_chunk(self, send: _Send, decode: _Decode, pages: np.ndarray, state) -> None:
         req = send.request
@@ -349,8 +347,8 @@ class PrefillAgent(Refusals):
         if not send.all_submitted or send.done_sent or send.record.state.terminal:
             return
         try:
-            if not all(self._engine.poll(h) for h in send.handles):
-                return
+            if not all(self._engine.poll(h) for h in send.handles):  # landing off this thread
+                return wake_when_landed(self._engine, self._loop, send, self._finish_if_landed)
         except EngineError as exc:
             self._fail(send, exc, tell_decode=True)
             return
