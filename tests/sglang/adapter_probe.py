@@ -30,9 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import probe
 import scenarios
 
+from tests.support.images import SENTINEL
+
 ROOM_OK, ROOM_BAD = 1001, 1002
 SEQ_LEN = 300  # two 256-token pages: two chunks, state with the second
-SENTINEL = 0xAB
 DEADLINE_S = 10.0
 
 
@@ -70,7 +71,7 @@ def _context() -> None:
     common.get_pp_group = lambda: None  # read only for pp > 1
 
 
-def build_side(speculative: bool, shift_pages: int, own_draft_mapping: bool = False):
+def build_side(speculative: bool, shift_pages: int, own_draft_mapping: bool = False, unified: bool = False):
     """Real pools, SGLang-filled ``KVArgs`` and the request's indices, as one scheduler has them."""
     from sglang.srt.disaggregation.base.conn import KVArgs, StateType
     from sglang.srt.disaggregation.utils import (
@@ -84,9 +85,10 @@ def build_side(speculative: bool, shift_pages: int, own_draft_mapping: bool = Fa
     from sglang.srt.mem_cache.common import kv_to_page_indices
 
     boot.publish(_args(speculative))
-    s = scenarios.scenario("side", speculative=speculative)
-    target = probe._real_pool(probe._kwargs(s, draft=False))
-    draft = probe._real_pool(probe._kwargs(s, draft=True))
+    s = scenarios.scenario("side", speculative=speculative, unified=unified)
+    with boot.unified_kv(unified):
+        target = probe._real_pool(probe._kwargs(s, draft=False))
+        draft = probe._real_pool(probe._kwargs(s, draft=True))
     page = target.page_size
     a = s["allocator"]
     alloc = SWATokenToKVPoolAllocator(
@@ -126,8 +128,15 @@ def build_side(speculative: bool, shift_pages: int, own_draft_mapping: bool = Fa
     swa = kv_to_page_indices(alloc.translate_loc_from_full_to_swa(locs[window_start:SEQ_LEN]), page)
     online = is_dsv4_c128_online_enabled()
     ring = 1 if online else target.get_ring_size(128)
+
+    def ring_rows():  # the unified-KV SWA ring: slot * stride + position % stride, the window's positions
+        stride = target.unified_swa_ring_size
+        positions = np.arange(max(0, SEQ_LEN - target.unified_swa_window), SEQ_LEN, dtype=np.int64)
+        return slot * stride + positions % stride
+
     payloads = {
         StateType.SWA: lambda: swa,
+        StateType.SWA_RING: ring_rows,
         StateType.C128_STATE: lambda: get_dsv4_c128_state_indices(slot, SEQ_LEN, online=online, ring_size=ring),
     }
     state = [np.asarray(payloads[t](), dtype=np.int64) for t in kv.state_types]
@@ -270,6 +279,34 @@ def case_ok(h: Harness) -> dict:
     return trace
 
 
+def case_ok_unified(h: Harness) -> dict:
+    """Unified-KV pools on both sides (the SWA ring components instead of SWA pages)."""
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+    from sglang.srt.runtime_context import get_disagg, get_server_args
+
+    src, dst = build_side(True, 0, unified=True), build_side(True, 1, unified=True)
+    _context()
+    port = _free_port()  # a bootstrap server of its own: the prefill's rank entry is this prefill's
+    get_kv_class(TransferBackend("pdstate"), KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
+    with get_disagg().override(disaggregation_bootstrap_port=port):
+        pm = h.cls["MANAGER"](src["kv"], h.mode.PREFILL, get_server_args(), True)
+    dm = h.cls["MANAGER"](dst["kv"], h.mode.DECODE, get_server_args(), True)
+    saved = (h.prefill, h.pm, h.addr)
+    h.prefill, h.pm, h.addr = src, pm, f"127.0.0.1:{port}"
+    try:
+        fill(src, seed=9)
+        fill(dst, seed=None)
+        trace = h.pair(dm, dst, 4001)
+        want, got = expected(src, dst), landed(dst)
+        trace["bytes_differing"] = int(sum(int((w != g).sum()) for w, g in zip(want, got)))
+        trace["channels"] = [name for name, *_ in _buffers(dst["kv"])]
+        return trace
+    finally:
+        (h.prefill, h.pm, h.addr) = saved
+        dm.close()
+        pm.close()
+
+
 def case_mismatch(h: Harness) -> dict:
     fill(h.bad, seed=None)
     trace = h.pair(h.bm, h.bad, ROOM_BAD)
@@ -363,7 +400,88 @@ def case_decode_tp_wider(h: Harness) -> dict:
         dm.close()
 
 
+def case_pp_refused(h: Harness) -> dict:
+    """A prefill of two pipeline stages facing a decode of one: refused at once with the reason
+    (SGLang would send each stage's layers into the full decode; pdstate does not, yet)."""
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+    from sglang.srt.runtime_context import get_disagg, get_parallel, get_server_args
+
+    port = _free_port()
+    get_kv_class(TransferBackend("pdstate"), KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
+    stages = [build_side(True, 0), build_side(True, 0)]  # (publishes the server args: before the overrides)
+    _context()
+    managers = []
+    with get_disagg().override(disaggregation_bootstrap_port=port), get_parallel().override(pp_size=2):
+        for stage, side in enumerate(stages):
+            side["kv"].pp_rank = stage
+            managers.append(h.cls["MANAGER"](side["kv"], h.mode.PREFILL, get_server_args(), True))
+    addr = f"127.0.0.1:{port}"
+    try:
+        recv = h.cls["RECEIVER"](mgr=h.dm, bootstrap_addr=addr, bootstrap_room=5001)
+        _wait(lambda: h.dm.try_ensure_parallel_info(addr) or None, "prefill parallel info")
+        recv.init(0)
+        return {"receiver": int(recv.poll()), "receiver_error": _exc(recv)}
+    finally:
+        for m in managers:
+            m.close()
+
+
+def case_io_thread_ends(h: Harness) -> dict:
+    """The prefill agent's I/O thread ends while a request is in bootstrap: the prefill's request
+    fails at once saying so, and the decode's when that prefill stops answering heartbeats."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+    from sglang.srt.runtime_context import get_disagg, get_server_args
+
+    src, dst = build_side(True, 0), build_side(True, 1)
+    _context()
+    port = _free_port()
+    get_kv_class(TransferBackend("pdstate"), KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
+    os.environ.update(PDSTATE_CONTROL__HEARTBEAT_INTERVAL_S="0.1", PDSTATE_CONTROL__PEER_TIMEOUT_S="0.5")
+    try:
+        with get_disagg().override(disaggregation_bootstrap_port=port):
+            pm = h.cls["MANAGER"](src["kv"], h.mode.PREFILL, get_server_args(), True)
+        dm = h.cls["MANAGER"](dst["kv"], h.mode.DECODE, get_server_args(), True)
+    finally:
+        for k in ("PDSTATE_CONTROL__HEARTBEAT_INTERVAL_S", "PDSTATE_CONTROL__PEER_TIMEOUT_S"):
+            os.environ.pop(k)
+    addr = f"127.0.0.1:{port}"
+    try:
+        sender = h.cls["SENDER"](mgr=pm, bootstrap_addr=addr, bootstrap_room=6001, dest_tp_ranks=[0], pp_rank=0)
+        recv = h.cls["RECEIVER"](mgr=dm, bootstrap_addr=addr, bootstrap_room=6001)
+        _wait(lambda: dm.try_ensure_parallel_info(addr) or None, "prefill parallel info")
+        recv.init(0)
+        _wait(lambda: recv.poll() == KVPoll.WaitingForInput or None, "decode bootstrap")
+        loop = pm.agent._loop
+        loop._stopping = True  # the thread leaves its loop as if something had broken it
+        loop.post(lambda: None)
+        _wait(lambda: not loop._thread.is_alive() or None, "the I/O thread to end")
+        trace = {"sender": int(sender.poll()), "sender_error": _exc(sender)}
+        trace["receiver"] = int(_wait(lambda: p if (p := recv.poll()) == KVPoll.Failed else None, "decode failure"))
+        trace["receiver_error"] = _exc(recv)
+        return trace
+    finally:
+        dm.close()
+        pm.close()  # its thread is gone: close() still closes its sockets and engine
+
+
+def case_cp_refused(h: Harness) -> dict:
+    """Context parallelism stops the rank's manager at construction, saying so."""
+    from sglang.srt.runtime_context import get_parallel, get_server_args
+
+    with get_parallel().override(attn_cp_size=2):
+        try:
+            h.cls["MANAGER"](h.decode["kv"], h.mode.DECODE, get_server_args(), True)
+        except ValueError as exc:
+            return {"error": str(exc)}
+    return {"error": None}
+
+
 CASES = {
+    "cp_refused": case_cp_refused,
+    "io_thread_ends": case_io_thread_ends,
+    "pp_refused": case_pp_refused,
+    "ok_unified": case_ok_unified,
     "decode_tp_wider": case_decode_tp_wider,
     "tp_dummy": case_tp_dummy,
     "ok": case_ok,

@@ -11,7 +11,18 @@ import pytest
 
 from tests.sglang import runner
 
-CASES = ["ok", "mismatch", "mismatch_sender_late", "seed", "tp_dummy", "decode_tp_wider"]
+CASES = [
+    "ok",
+    "ok_unified",
+    "mismatch",
+    "mismatch_sender_late",
+    "seed",
+    "tp_dummy",
+    "decode_tp_wider",
+    "pp_refused",
+    "io_thread_ends",
+    "cp_refused",
+]
 ENV = {"PDSTATE_TRANSFER__ENGINE": "loopback", "SGLANG_HOST_IP": "127.0.0.1"}
 # KVPoll's values in SGLang 0.5.19 (sglang.srt.disaggregation.base.conn.KVPoll)
 FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = 0, 1, 2, 3, 4
@@ -42,6 +53,13 @@ def test_a_correct_pair_moves_every_byte_where_sglang_puts_it(results):
     assert r["bytes_differing"] == 0  # every destination byte: the source item, or the sentinel
     assert r["bytes_moved"] > 2_000_000
     assert r["metric"]["transfer_total_bytes"] >= r["bytes_moved"]
+
+
+def test_unified_kv_pools_move_their_swa_rings_byte_exact(results):
+    r = results["ok_unified"]
+    assert (r["sender"], r["receiver"]) == (SUCCESS, SUCCESS)
+    assert r["channels"] == ["main", "swa", "swa_ring", "c128_state", "swa_ring", "aux"]
+    assert r["bytes_differing"] == 0
 
 
 @pytest.mark.parametrize(
@@ -75,3 +93,26 @@ def test_a_wider_decode_tp_is_refused_with_the_reason(results):
     r = results["decode_tp_wider"]
     assert r["receiver"] == FAILED
     assert r["receiver_error"]["message"].startswith("decode attention TP size 2 is larger than the prefill's 1")
+
+
+def test_pipeline_parallel_sizes_that_differ_are_refused_with_the_reason(results):
+    r = results["pp_refused"]
+    assert r["receiver"] == FAILED
+    assert r["receiver_error"]["message"].startswith(
+        "pipeline-parallel sizes differ: prefill pp_size=2, decode pp_size=1"
+    )
+
+
+def test_an_agent_thread_that_ends_fails_the_requests_with_a_reason(results):
+    r = results["io_thread_ends"]
+    assert r["sender"] == FAILED and r["sender_error"]["type"] == "AgentClosed"
+    assert "I/O thread has ended unexpectedly" in r["sender_error"]["message"]
+    assert r["receiver"] == FAILED and r["receiver_error"]["type"] == "PeerGone"
+    assert r["receiver_error"]["message"].endswith("missed heartbeats for 0.5 s")
+
+
+def test_context_parallelism_stops_the_manager_saying_so(results):
+    assert results["cp_refused"]["error"] == (
+        "pdstate's SGLang backend does not support context parallelism yet (attn_cp_size=2, "
+        "attn_dcp_size=1): use --disaggregation-transfer-backend mooncake"
+    )

@@ -1,10 +1,9 @@
 """``pdstate bench --sglang``'s phase for real: SGLang's own Mooncake backend, and backend pdstate
-once its adapter has landed, on the same pools, every byte checked (one run, one short length)."""
+on the same pools, every byte checked (one run, one short length)."""
 
 from __future__ import annotations
 
 from pdstate.devtools import bench_report, bench_sglang
-from pdstate.devtools.sglang_pair.pair import pdstate_pending
 
 
 def test_phase_times_both_backends_on_the_same_requests(sglang_env, sglang_pair, monkeypatch):
@@ -12,11 +11,6 @@ def test_phase_times_both_backends_on_the_same_requests(sglang_env, sglang_pair,
     said, results = [], {}
     bench_sglang.phase(1, results, progress=said.append, lengths=(2048,), pair=sglang_pair)
     assert 0 < results["sglang_mooncake_ms_by_length"]["2048"] < bench_sglang.DEADLINE_S * 1000
-    pending = pdstate_pending()
-    if pending:
-        assert results["sglang"]["skipped"] == {"pdstate": pending} and pending in said
-        assert "sglang_backend_ms_by_length" not in results
-    else:
-        assert 0 < results["sglang_backend_ms_by_length"]["2048"] < bench_sglang.DEADLINE_S * 1000
-        results.update(lengths=[], modes=[], paths={})
-        assert bench_report.ratios(results)["sglang_backend_vs_sglang_mooncake_by_length"]["2048"] > 0
+    assert 0 < results["sglang_backend_ms_by_length"]["2048"] < bench_sglang.DEADLINE_S * 1000
+    results.update(lengths=[], modes=[], paths={})
+    assert bench_report.ratios(results)["sglang_backend_vs_sglang_mooncake_by_length"]["2048"] > 0

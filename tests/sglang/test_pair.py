@@ -6,8 +6,7 @@ in SGLang's call order. With SGLang's own Mooncake backend (over TCP) a correct 
 byte, and the mismatches of ``cases.MISMATCHES`` do what SGLang alone does with them: Success with
 wrong bytes, a hang (cut by the driver's deadline), or a decode-side refusal the prefill never
 hears of. With backend ``pdstate`` each mismatch must end Failed on both sides in under a second,
-naming the factor, with no byte written; those tests skip, with one line, only while this build's
-adapter is still the placeholder (``classes.py`` raising ``NotImplementedError``). README's
+naming the factor, with no byte written. README's
 mismatch table must be what this run renders.
 """
 
@@ -17,7 +16,6 @@ import pytest
 
 from pdstate.devtools.sglang_pair import table
 from pdstate.devtools.sglang_pair.cases import CASES, MISMATCHES
-from pdstate.devtools.sglang_pair.pair import pdstate_pending
 from tests.support.paths import REPO
 
 HANG_S = 3.0  # the driver's deadline per side: what bounds SGLang's hangs here
@@ -31,13 +29,10 @@ DECODE_REFUSES = {"page_size"}
 
 
 @pytest.fixture(scope="module")
-def results(sglang_pair) -> tuple[dict, dict | None, str | None]:
-    pending = pdstate_pending()
+def results(sglang_pair) -> tuple[dict, dict]:
     sglang = {name: sglang_pair.run_case(case, "mooncake", deadline_s=HANG_S) for name, case in CASES.items()}
-    ours = None
-    if pending is None:
-        ours = {name: sglang_pair.run_case(case, "pdstate", deadline_s=HANG_S) for name, case in CASES.items()}
-    return sglang, ours, pending
+    ours = {name: sglang_pair.run_case(case, "pdstate", deadline_s=HANG_S) for name, case in CASES.items()}
+    return sglang, ours
 
 
 def _only(result: dict) -> dict:
@@ -47,10 +42,7 @@ def _only(result: dict) -> dict:
 
 
 def _ours(results) -> dict:
-    _, ours, pending = results
-    if ours is None:
-        pytest.skip(pending)
-    return ours
+    return results[1]
 
 
 def test_sglang_mooncake_correct_pair_is_byte_exact(results):
@@ -100,7 +92,7 @@ def test_pdstate_backend_refuses_a_mismatch(results, name):
 
 
 def test_readme_table_is_the_rendered_one(results):
-    sglang, ours, _ = results
+    sglang, ours = results
     readme = [table.split_row(row) for row in table.readme_table((REPO / "README.md").read_text()).splitlines()]
     rendered = [table.split_row(row) for row in table.render(sglang, ours).splitlines()]
     assert [row[:2] for row in readme] == [row[:2] for row in rendered]  # case, SGLang alone

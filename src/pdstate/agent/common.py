@@ -23,6 +23,8 @@ log = logging.getLogger("pdstate.agent")
 
 __all__ = ["AgentLoop", "RequestRecord", "channel_layout", "regions_of"]
 
+AGAIN_MS = 1  # how soon ``AgentLoop.again`` checks run
+
 
 def regions_of(kv_args, aux: bool = True) -> list[Region]:
     """One engine region per distinct buffer of ``kv_args`` (main KV, state, aux); buffers that
@@ -112,6 +114,7 @@ class AgentLoop:
         self.closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._ident: int | None = None
+        self._again: dict[int, Callable[[], Any]] = {}  # checks to run in about AGAIN_MS, by key
 
     def start(self) -> None:
         self._thread.start()
@@ -128,6 +131,12 @@ class AgentLoop:
     def unwatch(self, sock: zmq.Socket) -> None:
         self._sockets.pop(sock, None)
         sock.close(0)
+
+    def again(self, key: object, check: Callable[[], Any]) -> None:
+        """Run ``check`` once in about ``AGAIN_MS`` ms (I/O thread only; one per ``key``, the last
+        given): for work that finishes off this thread (an engine's native transfer), so that
+        its end is seen in a millisecond, not at the next tick. ``check`` re-arms itself if needed."""
+        self._again[id(key)] = check
 
     def in_loop(self) -> bool:
         return threading.get_ident() == self._ident
@@ -197,7 +206,11 @@ class AgentLoop:
             poller.register(self._wake_r, zmq.POLLIN)
             for s in self._sockets:
                 poller.register(s, zmq.POLLIN)
-            events = dict(poller.poll(poller_timeout_ms))
+            events = dict(poller.poll(AGAIN_MS if self._again else poller_timeout_ms))
+            if self._again:
+                checks, self._again = self._again, {}
+                for check in checks.values():
+                    self._guard(check)
             if self._wake_r in events:
                 try:
                     while os.read(self._wake_r, 4096):

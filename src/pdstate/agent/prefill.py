@@ -348,7 +348,9 @@ class PrefillAgent(Refusals):
             return
         try:
             if not all(self._engine.poll(h) for h in send.handles):  # landing off this thread
-                return wake_when_landed(self._engine, self._loop, send, self._finish_if_landed)
+                if not wake_when_landed(self._engine, self._loop, send, self._finish_if_landed):
+                    self._loop.again(send, lambda: self._finish_if_landed(send))  # no wake-up: look again soon
+                return
         except EngineError as exc:
             self._fail(send, exc, tell_decode=True)
             return

@@ -134,13 +134,15 @@ def _with_aux(plan: TransferPlan, kv_args, dst_aux: wire.AuxDest, aux_index: int
     )
 
 
-def wake_when_landed(engine, loop, send: _Send, landed) -> None:
-    """Run ``landed(send)`` on the I/O thread as soon as each of the request's handles finishes,
-    on engines that say so (``on_done``: Mooncake's worker), instead of at the loop's next tick
-    (up to ``tick_s`` later: whole milliseconds per request). Asked once per request."""
+def wake_when_landed(engine, loop, send: _Send, landed) -> bool:
+    """Run ``landed(send)`` on the I/O thread as soon as each of the request's handles finishes, on
+    engines that say when (``on_done``: Mooncake's worker), with no polling meanwhile; asked once
+    per request. False when the engine cannot say (the caller polls: ``AgentLoop.again``)."""
     on_done = getattr(engine, "on_done", None)
-    if on_done is None or send.woken:
-        return
+    if on_done is None:
+        return False
+    if send.woken:
+        return True
     send.woken = True
 
     def wake() -> None:  # on the engine's thread: only hand over
@@ -151,3 +153,4 @@ def wake_when_landed(engine, loop, send: _Send, landed) -> None:
 
     for h in send.handles:
         on_done(h, wake)
+    return True

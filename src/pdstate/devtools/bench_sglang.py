@@ -14,8 +14,7 @@ Results: ``sglang_mooncake_ms_by_length`` and ``sglang_backend_ms_by_length`` (m
 ``sglang`` (the runs, min/median/max, and why a backend did not run). The ratio
 ``sglang_backend_vs_sglang_mooncake_by_length`` (SGLang's time / pdstate's: above 1 pdstate is
 faster) is ``bench_report.ratios``'. Skipped, saying why, where the SGLang environment is not
-built (``make sglang-env``) or Mooncake cannot be imported; backend ``pdstate`` is skipped, saying so, while this build's adapter
-is the placeholder.
+built (``make sglang-env``) or Mooncake cannot be imported.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from __future__ import annotations
 import statistics
 
 from pdstate.devtools.sglang_pair.cases import BENCH_SIDE, BENCH_TOKENS, Case
-from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, Pair, env_dir, mooncake_missing, pdstate_pending
+from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, Pair, env_dir, mooncake_missing
 
 BACKENDS = {"mooncake": "sglang_mooncake_ms_by_length", "pdstate": "sglang_backend_ms_by_length"}
 DEADLINE_S = 60.0
@@ -59,11 +58,6 @@ def phase(
         info["skipped"]["phase"] = why
         return
     backends = list(BACKENDS)
-    pending = pdstate_pending()
-    if pending:
-        progress(pending)
-        info["skipped"]["pdstate"] = pending
-        backends.remove("pdstate")
     times: dict[str, dict[int, list[float]]] = {b: {n: [] for n in lengths} for b in backends}
     own = pair is None
     if own:

@@ -30,7 +30,6 @@ REPO_SRC = Path(__file__).resolve().parents[3]
 MOONCAKE_TCP = {"MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1", "SGLANG_HOST_IP": "127.0.0.1"}
 # Backend "pdstate" moves the bytes with pdstate's Mooncake engine (its usual configuration).
 PDSTATE_ENGINE_ENV = {"PDSTATE_TRANSFER__ENGINE": "mooncake"}
-PLACEHOLDER = "not implemented yet"  # the text of the adapter's placeholder classes
 SLACK_S = 30.0  # what a child may take beyond a request's deadline to answer (setup, byte checks)
 
 
@@ -49,21 +48,6 @@ def child_env(target: Path, extra: dict[str, str] | None = None) -> dict[str, st
     env["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
     env["HF_HUB_OFFLINE"] = "1"
     return env
-
-
-def pdstate_pending() -> str | None:
-    """One line when this build's SGLang adapter is still the placeholder (its classes raise
-    ``NotImplementedError``), read from the source at run time; ``None`` once it has landed."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("pdstate.integrations.sglang.classes")
-    source = Path(spec.origin).read_text() if spec and spec.origin else ""
-    if "NotImplementedError" in source and PLACEHOLDER in source:
-        return (
-            "backend pdstate not run: pdstate/integrations/sglang/classes.py is still the placeholder "
-            "(NotImplementedError, the adapter has not landed)"
-        )
-    return None
 
 
 def mooncake_missing() -> str | None:

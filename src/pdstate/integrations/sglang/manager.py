@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import secrets
+import socket
 
 from pdstate.agent import DecodeAgent, PrefillAgent
+from pdstate.errors import AgentClosed
 from pdstate.integrations.sglang.settings import layout_report, load_settings
 
 log = logging.getLogger("pdstate.integrations.sglang")
@@ -35,6 +39,7 @@ def build_manager() -> type:
     import requests
     from sglang.srt.disaggregation.common.conn import CommonKVManager, PrefillServerInfo
     from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.runtime_context import get_parallel
     from sglang.srt.utils.network import NetworkAddress, get_local_ip_auto
 
     class PdStateKVManager(CommonKVManager):
@@ -44,6 +49,12 @@ def build_manager() -> type:
             self.role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
             if disaggregation_mode not in (DisaggregationMode.PREFILL, DisaggregationMode.DECODE):
                 raise ValueError(f"Unsupported DisaggregationMode: {disaggregation_mode}")
+            cp, dcp = get_parallel().attn_cp_size, get_parallel().attn_dcp_size
+            if cp > 1 or dcp > 1:  # before anything is registered anywhere
+                raise ValueError(
+                    f"pdstate's SGLang backend does not support context parallelism yet (attn_cp_size={cp}, "
+                    f"attn_dcp_size={dcp}): use --disaggregation-transfer-backend mooncake"
+                )
             settings = load_settings(self.role)
             report = layout_report(args)
             common = dict(
@@ -54,7 +65,9 @@ def build_manager() -> type:
                 heartbeat_interval_s=settings.heartbeat_interval_s,
                 peer_timeout_s=settings.peer_timeout_s,
             )
-            rank = f"{self.role}-tp{getattr(args, 'engine_rank', 0)}-pp{getattr(args, 'pp_rank', 0)}"
+            # unique per process: a prefill tells its decodes apart by worker id
+            rank = f"sglang-{self.role}-tp{getattr(args, 'engine_rank', 0)}-pp{getattr(args, 'pp_rank', 0)}"
+            rank = f"{rank}-{socket.gethostname()[:48]}-{os.getpid()}-{secrets.token_hex(2)}"
             if self.role == "prefill":
                 host = NetworkAddress(get_local_ip_auto(), 0)
                 bind = host.to_tcp()
@@ -93,11 +106,24 @@ def build_manager() -> type:
             try:
                 if not super().try_ensure_parallel_info(bootstrap_addr):
                     return False
-            except RuntimeError as exc:
-                log.error("pdstate: prefill %s: %s (the handshake refuses the pair on both sides)", bootstrap_addr, exc)
-                if not self._info_unchecked(bootstrap_addr):
-                    return False
-            info = self.prefill_info_table[bootstrap_addr]
+                self._check_topology(bootstrap_addr, self.prefill_info_table[bootstrap_addr])
+                return True
+            except (RuntimeError, AssertionError) as exc:  # SGLang's checks and its rank-mapping asserts
+                log.error("pdstate: prefill %s: %s", bootstrap_addr, exc)
+            info = self._info_unchecked(bootstrap_addr)
+            if info is None:
+                return False
+            self._check_topology(bootstrap_addr, info)
+            if bootstrap_addr not in self.topology_errors:
+                try:
+                    self._resolve_rank_mapping(info)
+                except AssertionError as exc:  # a topology SGLang's mapping refuses: every request fails with it
+                    self.topology_errors[bootstrap_addr] = f"SGLang cannot map these ranks: {exc}"
+            self.prefill_info_table[bootstrap_addr] = info
+            return True
+
+        def _check_topology(self, bootstrap_addr: str, info) -> None:
+            """Keep the reason this backend cannot serve that prefill's topology, if any."""
             reason = None
             if info.pp_size != self.pp_size:
                 reason = (
@@ -113,22 +139,29 @@ def build_manager() -> type:
             if reason is not None:
                 self.topology_errors[bootstrap_addr] = reason
                 log.error("pdstate: prefill %s: %s", bootstrap_addr, reason)
-            return True
 
-        def _info_unchecked(self, bootstrap_addr: str) -> bool:
-            """SGLang's ``/route`` lookup and rank mapping, without its page-size and dtype checks."""
+        def _info_unchecked(self, bootstrap_addr: str):
+            """SGLang's ``/route`` answer, without its page-size and dtype checks (``None``: not yet)."""
             url = f"http://{bootstrap_addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
             try:
                 response = requests.get(url, timeout=5)
                 if response.status_code != 200:
-                    return False
-                info = PrefillServerInfo(**response.json())
+                    return None
+                return PrefillServerInfo(**response.json())
             except Exception as exc:  # as SGLang's own lookup: logged, retried by the scheduler
                 log.error("pdstate: prefill %s: cannot read its parallel info: %s", bootstrap_addr, exc)
-                return False
-            self._resolve_rank_mapping(info)
-            self.prefill_info_table[bootstrap_addr] = info
-            return True
+                return None
+
+        def agent_failure(self):
+            """Why this rank's agent can no longer serve a request (its one I/O thread has ended
+            while the agent is open), else ``None``: every live request then fails with it."""
+            loop = self.agent._loop  # the agent's I/O thread (pdstate.agent.common.AgentLoop)
+            if loop.closed or loop._thread.is_alive():
+                return None
+            return AgentClosed(
+                f"the pdstate {self.role} agent's I/O thread has ended unexpectedly (see the log); "
+                "this rank cannot transfer any more: restart it"
+            )
 
         def register_buffer_to_engine(self):
             """The agent registered the buffers when it was built (SGLang calls this after resuming)."""

@@ -99,6 +99,9 @@ def build_receiver() -> type:
         def poll(self) -> int:
             if self.conclude_state is not None:
                 return self.conclude_state
+            dead = self.kv_mgr.agent_failure()
+            if dead is not None:
+                return self._fail(dead)
             if not self._recvs:
                 status = self.kv_mgr.request_status.get(self.bootstrap_room, KVPoll.Bootstrapping)
                 if status == KVPoll.Failed:

@@ -127,6 +127,9 @@ def build_sender() -> type:
         def poll(self) -> int:
             if self.conclude_state is not None:
                 return self.conclude_state
+            dead = self.kv_mgr.agent_failure()
+            if dead is not None:
+                return self._fail(dead)
             status = self.kv_mgr.request_status.get(self.bootstrap_room)
             if status == KVPoll.Failed:  # SGLang's own checks (DP routing conflict, ...)
                 self.conclude_state = KVPoll.Failed
