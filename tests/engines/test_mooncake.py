@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import threading
 import time
 from collections.abc import Iterator
 
@@ -90,3 +92,39 @@ def test_closed_engine_fails_queued_work_and_refuses_more(rig) -> None:
 def test_batch_cap_is_validated() -> None:
     with pytest.raises(ValueError, match="max_batch_descriptors must be >= 1"):
         MooncakeEngine(max_batch_descriptors=0)
+
+
+def test_on_done_fires_once_after_the_write_also_on_failure(rig) -> None:
+    make, decode, src_region, dst_region = rig
+    prefill = make()
+    prefill.register([src_region])
+    peer = prefill.connect(decode.endpoint())
+    src = np.frombuffer((ctypes.c_uint8 * (1 << 20)).from_address(src_region.base_ptr), dtype=np.uint8)
+    dst = np.frombuffer((ctypes.c_uint8 * (1 << 20)).from_address(dst_region.base_ptr), dtype=np.uint8)
+    src[:] = np.arange(1 << 20, dtype=np.uint64).astype(np.uint8) ^ 0x5A
+    dst[:] = 0
+    plan = TransferPlan.from_arrays([src_region.base_ptr], [dst_region.base_ptr], [1 << 20])
+    handle = prefill.submit(peer, plan)
+    landed: list[bytes] = []
+    fired = threading.Event()
+
+    def done() -> None:  # on the engine's worker: the bytes are there already
+        landed.append(dst.tobytes())
+        fired.set()
+
+    prefill.on_done(handle, done)
+    assert fired.wait(10.0)
+    assert prefill.poll(handle) is True
+    assert landed == [src.tobytes()]
+    later: list[int] = []
+    prefill.on_done(handle, lambda: later.append(1))  # already finished (and polled): at once
+    assert later == [1] and len(landed) == 1
+
+    bogus = make(probe_on_connect=False)
+    bogus.register([src_region])
+    failing = bogus.submit(bogus.connect(_bogus(decode.endpoint())), plan)
+    failed = threading.Event()
+    bogus.on_done(failing, failed.set)
+    assert failed.wait(20.0)
+    with pytest.raises(NativeEngineError, match=r"^mooncake batch_transfer_sync_write to 127\.0\.0\.1:1 failed"):
+        bogus.poll(failing)

@@ -207,5 +207,6 @@ def submit_digested(engine, peer_id: str, plan, digest: RequestDigest | None, up
         return engine.submit(peer_id, plan)
     if getattr(engine, "supports_hashed_copy", False):
         return engine.submit(peer_id, plan, hash_src=digest.streams)
+    handle = engine.submit(peer_id, plan)  # the copy first: hashing the same bytes waits behind it
     digest.update_async(updates)
-    return engine.submit(peer_id, plan)
+    return handle

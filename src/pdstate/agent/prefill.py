@@ -12,7 +12,7 @@ from pdstate.agent.admission import bind_router, gatekeep
 from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.digest import RequestDigest, submit_digested
 from pdstate.agent.refusals import Refusals
-from pdstate.agent.sender import KVSender, _Decode, _Pending, _Send, _with_aux
+from pdstate.agent.sender import KVSender, _Decode, _Pending, _Send, _with_aux, wake_when_landed
 from pdstate.errors import (
     AgentClosed,
     EngineError,
@@ -344,11 +344,13 @@ class PrefillAgent(Refusals):
             send.all_submitted = True
 
     def _finish_if_landed(self, send: _Send) -> None:
+        if not send.all_submitted or send.done_sent or send.record.state.terminal:
+            return
         try:
-            if not all(self._engine.poll(h) for h in send.handles):  # landing off this thread: look again soon
-                return self._loop.again(
-                    send, lambda: send.done_sent or send.record.state.terminal or self._finish_if_landed(send)
-                )
+            if not all(self._engine.poll(h) for h in send.handles):  # landing off this thread
+                if not wake_when_landed(self._engine, self._loop, send, self._finish_if_landed):
+                    self._loop.again(send, lambda: self._finish_if_landed(send))  # no wake-up: look again soon
+                return
         except EngineError as exc:
             self._fail(send, exc, tell_decode=True)
             return
@@ -445,5 +447,4 @@ class PrefillAgent(Refusals):
                     tell_decode=False,
                 )
                 continue
-            if send.all_submitted and not send.done_sent and not send.record.state.terminal:
-                self._finish_if_landed(send)
+            self._finish_if_landed(send)

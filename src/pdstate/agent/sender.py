@@ -11,6 +11,7 @@ import numpy as np
 from pdstate.agent.common import RequestRecord
 from pdstate.agent.digest import RequestDigest
 from pdstate.errors import (
+    AgentClosed,
     ItemLengthMismatch,
     PdStateError,
 )
@@ -63,6 +64,7 @@ class _Send:
     chunks: int = 0
     all_submitted: bool = False
     done_sent: bool = False
+    woken: bool = False  # a wake-up is asked of the engine for when the handles finish
     started: float = 0.0
 
 
@@ -130,3 +132,25 @@ def _with_aux(plan: TransferPlan, kv_args, dst_aux: wire.AuxDest, aux_index: int
     return TransferPlan.from_arrays(
         np.concatenate([plan.src, src]), np.concatenate([plan.dst, dst]), np.concatenate([plan.length, items])
     )
+
+
+def wake_when_landed(engine, loop, send: _Send, landed) -> bool:
+    """Run ``landed(send)`` on the I/O thread as soon as each of the request's handles finishes, on
+    engines that say when (``on_done``: Mooncake's worker), with no polling meanwhile; asked once
+    per request. False when the engine cannot say (the caller polls: ``AgentLoop.again``)."""
+    on_done = getattr(engine, "on_done", None)
+    if on_done is None:
+        return False
+    if send.woken:
+        return True
+    send.woken = True
+
+    def wake() -> None:  # on the engine's thread: only hand over
+        try:
+            loop.post(lambda: landed(send))
+        except AgentClosed:
+            pass  # closing: the fence settles the request
+
+    for h in send.handles:
+        on_done(h, wake)
+    return True

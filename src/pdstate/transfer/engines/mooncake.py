@@ -15,7 +15,9 @@ Submission. A plan is cut into batches of at most ``max_batch_descriptors`` (204
 with ``batch_transfer_sync_write`` on ONE worker thread, batch after batch (the native call
 releases the GIL). Why not ``batch_transfer_async_write``: its ``get_batch_transfer_status``
 spins until the batch ends (it is not a poll), and batches in flight at once count against the
-same per-peer queue. ``poll``/``wait`` look at the worker's future.
+same per-peer queue. ``poll``/``wait`` look at the worker's future; ``on_done(handle, fn)`` calls
+``fn`` from the worker as soon as the handle's write ended, landed or failed (the agents wake on
+it instead of waiting for their I/O loop's next tick).
 
 Traps (measured, see ``shared/reference/engines_measured.md``):
 
@@ -199,6 +201,17 @@ class MooncakeEngine(TransferEngine):
                     f"{chunk.total_bytes} bytes): code {rc}",
                     code=rc,
                 )
+
+    def on_done(self, handle: TransferHandle, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once ``handle`` has finished or failed: at once when it already has, else
+        on the worker thread right after the native call returned (so a caller's event loop can
+        wake then instead of polling). ``fn`` must be quick and must not call back into the
+        engine from the worker (post to the caller's own thread)."""
+        future = handle.native
+        if future is None:
+            fn()
+        else:
+            future.add_done_callback(lambda _f: fn())
 
     def _poll(self, handle: TransferHandle) -> None:
         if handle.native.done():
