@@ -88,7 +88,7 @@ def test_sigterm_with_drain_lets_the_running_requests_finish():
         prefill.close()
 
 
-SERVE_REQUESTS = 8  # the dsv4-flash decode's request slots
+SERVE_REQUESTS = 24  # three times the dsv4-flash decode's 8 request slots: a batch long enough to catch
 SERVE_TOKENS = 32768  # ~138 MB a request: the prefill takes a while over each, so some queue up
 
 
