@@ -115,3 +115,18 @@ def test_a_2x2_cluster_row_on_tiny_verifies_every_request():
     assert (row["prefills"], row["decodes"], row["requests"], row["verified"]) == (2, 2, 6, 6)
     assert row["gbps"] > 0 and row["bytes"] > 0 and row["request_tokens"] == 300
     assert lines == ["[mxn] 2 prefills x 2 decodes, 6 requests of 300 tokens ..."]
+
+
+def test_the_sglang_row_renders_both_backends_and_their_ratio() -> None:
+    r = {
+        "sglang_mooncake_ms_by_length": {"2048": 20.0, "32768": 80.0},
+        "sglang_backend_ms_by_length": {"2048": 25.0, "32768": 64.0},
+    }
+    assert bench_tables.sglang_table(r) == [
+        "| SGLang 0.5.19, send -> Success, ms (median) | 2k | 32k |",
+        "|---|---|---|",
+        "| SGLang's own Mooncake backend | 20.0 | 80.0 |",
+        "| backend pdstate (Mooncake engine, digests on) | 25.0 | 64.0 |",
+        "| ratio (above 1: pdstate faster) | 0.80 | 1.25 |",
+    ]
+    assert bench_tables.sglang_table({"sglang_mooncake_ms_by_length": {"2048": 20.0}}) == []

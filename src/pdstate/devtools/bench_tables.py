@@ -151,7 +151,23 @@ def figures_table(s: dict | None) -> list[str]:
     return ["| figure | value |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
 
 
+def sglang_table(r: dict) -> list[str]:
+    """``--sglang``'s row: per-request send -> Success, SGLang's Mooncake backend and backend pdstate."""
+    theirs, ours = r.get("sglang_mooncake_ms_by_length") or {}, r.get("sglang_backend_ms_by_length") or {}
+    lengths = [n for n in sorted(theirs, key=int) if n in ours]
+    if not lengths:
+        return []
+    head = "| SGLang 0.5.19, send -> Success, ms (median) | " + " | ".join(_label(n) for n in lengths) + " |"
+    return [
+        head,
+        "|---" * (len(lengths) + 1) + "|",
+        "| SGLang's own Mooncake backend | " + " | ".join(f"{theirs[n]:.1f}" for n in lengths) + " |",
+        "| backend pdstate (Mooncake engine, digests on) | " + " | ".join(f"{ours[n]:.1f}" for n in lengths) + " |",
+        "| ratio (above 1: pdstate faster) | " + " | ".join(f"{theirs[n] / ours[n]:.2f}" for n in lengths) + " |",
+    ]
+
+
 def markdown(r: dict, s: dict | None) -> str:
     """Every table with data in it, blank-line separated, ending with a newline."""
-    blocks = [t for t in (ratio_table(r), gbps_table(r), figures_table(s)) if t]
+    blocks = [t for t in (ratio_table(r), gbps_table(r), figures_table(s), sglang_table(r)) if t]
     return "\n\n".join("\n".join(t) for t in blocks) + "\n"
