@@ -133,6 +133,7 @@ def test_sigterm_through_pdstate_serve_during_a_batch():
         assert all(a["status"] == "success" and a["verified"] for s, a in ended if a["status"] != "failed"), ended
         assert max(s for s, _ in failed) < BOUND_S, failed
         assert unready.json()["ready"] is False and unready_s < BOUND_S, (unready.json(), unready_s)
+        assert REASON in unready.json()["reason"], unready.json()  # the goodbye's reason, not a silence
         told = re.search(r"stopping: told 1 decode\(s\), ended (\d+) request\(s\)", prefill.err())
         # the prefill ended those it held (the others were still the decode's alone: no slot yet)
         assert told and 1 <= int(told.group(1)) <= len(failed), prefill.err()[-2000:]

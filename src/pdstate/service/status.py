@@ -64,8 +64,11 @@ class WorkerStatus:
         if state == "rejected":
             e = s.peer.error or ErrorInfo(type="RuntimeError", message="handshake refused")
             return Readiness(False, e.message, "handshake", e)
-        if state == "gone":
-            return Readiness(False, f"prefill at {self.control} is gone (no heartbeat); registering again", "peer")
+        if state == "gone":  # why: its goodbye's reason, its silence, a restart (the link's error)
+            why = s.peer.error.message if s.peer.error is not None else "no heartbeat"
+            return Readiness(
+                False, f"prefill at {self.control} is gone ({why}); registering again", "peer", s.peer.error
+            )
         return Readiness(False, f"waiting for the prefill at {self.control} to answer the handshake", "peer")
 
     def peers(self) -> list[dict]:
