@@ -52,7 +52,19 @@ def main() -> None:
     print(json.dumps({"event": "stopped", "finished": worker.finished_records(), "stop_s": stop_s}), flush=True)
 
 
-class TermPrefill:
+class _Signalled:
+    """A child process (``self.proc``) a test stops with SIGTERM."""
+
+    proc: subprocess.Popen
+
+    def term(self) -> float:
+        """SIGTERM; returns the monotonic time it was sent."""
+        t = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        return t
+
+
+class TermPrefill(_Signalled):
     """The process above, started with ``opts`` (and ``hooks``)."""
 
     def __init__(self, opts, hooks=None) -> None:
@@ -95,19 +107,13 @@ class TermPrefill:
             time.sleep(0.02)
         raise AssertionError(f"{n} requests not in flight on the prefill within {timeout_s:g} s")
 
-    def term(self) -> float:
-        """SIGTERM; returns the monotonic time it was sent."""
-        t = time.monotonic()
-        self.proc.send_signal(signal.SIGTERM)
-        return t
-
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
 
 
-class Served:
+class Served(_Signalled):
     """``pdstate serve --config services/<role>/config.toml --set ...`` (log level info)."""
 
     def __init__(self, role: str, overrides: list[str], start_timeout_s: float = PREFILL_START_TIMEOUT_S) -> None:
@@ -142,12 +148,6 @@ class Served:
 
     def err(self) -> str:
         return "".join(self.stderr)
-
-    def term(self) -> float:
-        """SIGTERM; returns the monotonic time it was sent."""
-        t = time.monotonic()
-        self.proc.send_signal(signal.SIGTERM)
-        return t
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -21,7 +21,7 @@ import logging
 import numpy as np
 
 from pdstate.errors import PdStateError, TransferFailed
-from pdstate.integrations.sglang.states import combine, conclude_failed, kv_poll, raise_failure
+from pdstate.integrations.sglang.states import combine, conclude, conclude_failed, kv_poll, raise_failure
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
@@ -110,10 +110,7 @@ def build_receiver() -> type:
                 for (_, recv), state in zip(self._recvs, states):
                     if kv_poll(state) == KVPoll.Failed:
                         return self._fail(recv.failure_exception() or TransferFailed("the pdstate receiver failed"))
-            if poll == KVPoll.Success:
-                self.conclude_state = KVPoll.Success
-                self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Success)
-            return poll
+            return conclude(self, poll)
 
         def failure_exception(self):
             raise_failure(self.bootstrap_room, self._error, self.kv_mgr.failure_records.get(self.bootstrap_room))

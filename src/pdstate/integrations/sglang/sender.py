@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from pdstate.errors import PdStateError, TransferFailed
-from pdstate.integrations.sglang.states import conclude_failed, kv_poll, raise_failure
+from pdstate.integrations.sglang.states import conclude, conclude_failed, kv_poll, raise_failure
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
@@ -151,10 +151,7 @@ def build_sender() -> type:
             if poll == KVPoll.Failed:
                 err = self._agent_send.failure_exception() or TransferFailed("the pdstate sender failed")
                 return self._fail(err)
-            if poll == KVPoll.Success:
-                self.conclude_state = KVPoll.Success
-                self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Success)
-            return poll
+            return conclude(self, poll)
 
         def failure_exception(self):
             raise_failure(self.bootstrap_room, self._error, self.kv_mgr.failure_records.get(self.bootstrap_room))

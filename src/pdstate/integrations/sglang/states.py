@@ -8,7 +8,7 @@ import functools
 
 from pdstate.protocol.lifecycle import RequestState
 
-__all__ = ["combine", "conclude_failed", "kv_poll", "raise_failure"]
+__all__ = ["combine", "conclude", "conclude_failed", "kv_poll", "raise_failure"]
 
 
 @functools.cache
@@ -34,6 +34,14 @@ def combine(polls) -> int:
     failed = _table()[RequestState.FAILED]
     polls = list(polls)
     return failed if failed in polls else min(polls)
+
+
+def conclude(side, poll: int) -> int:
+    """A Success ``poll`` concludes ``side`` (its room's status too); returns ``poll``."""
+    if poll == _table()[RequestState.SUCCESS]:
+        side.conclude_state = poll
+        side.kv_mgr.update_status(side.bootstrap_room, poll)
+    return poll
 
 
 def conclude_failed(side, reason: str) -> int:
