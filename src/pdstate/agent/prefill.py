@@ -5,25 +5,22 @@ from __future__ import annotations
 import secrets
 import time
 
-import numpy as np
 import zmq
 
 from pdstate.agent.admission import bind_router, gatekeep
 from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
-from pdstate.agent.digest import RequestDigest, submit_digested
+from pdstate.agent.digest import RequestDigest
+from pdstate.agent.prefill_copy import CopyPipeline
 from pdstate.agent.refusals import Refusals
-from pdstate.agent.sender import KVSender, _Decode, _Pending, _Send, _with_aux, wake_when_landed
+from pdstate.agent.sender import KVSender, _Decode, _Pending, _Send
 from pdstate.errors import (
     AgentClosed,
-    EngineError,
     IndexCountMismatch,
-    ItemLengthMismatch,
     PdStateError,
     PeerGone,
     ProtocolError,
     TransferAborted,
     TransferFailed,
-    TransferTimedOut,
     error_from_wire,
 )
 from pdstate.protocol import wire
@@ -36,10 +33,8 @@ from pdstate.transfer.planner import PairPlanner
 
 __all__ = ["KVSender", "PrefillAgent"]
 
-FENCE_TIMEOUT_S = 60.0
 
-
-class PrefillAgent(Refusals):
+class PrefillAgent(CopyPipeline, Refusals):
     """Serves decode agents over ZeroMQ (a ROUTER bound at ``bind``) and one transfer engine.
 
     ``kv_args``: the caller's filled ``KVArgs`` (``fill_kv_args`` / ``setup_state_kv_args``, plus
@@ -274,138 +269,6 @@ class PrefillAgent(Refusals):
 
     def _n_channels(self) -> int:
         return 1 + len(self.kv_args.state_types)
-
-    def _queue_chunk(self, send: _Send, pages: np.ndarray, state: list[np.ndarray] | None) -> None:
-        if send.record.state.terminal:
-            raise send.record.error or ProtocolError(f"room {send.record.room} is finished")
-        queued = sum(p.size for p, _ in send.queued)
-        total = send.pages_sent + queued + pages.size
-        if total > send.num_pages:
-            raise ValueError(
-                f"room {send.record.room}: chunk of {pages.size} pages brings the request to {total} "
-                f"pages, more than the {send.num_pages} declared"
-            )
-        last = total == send.num_pages
-        if state is not None and not last:
-            raise ValueError(f"room {send.record.room}: state indices go with the last chunk only")
-        if last and state is None:
-            state = [np.empty(0, dtype=np.int64) for _ in self.kv_args.state_types]
-        send.queued.append((pages, state))
-        self._loop.post(lambda: self._pump(send))  # after send() returned: it does not wait for the copy
-
-    def _pump(self, send: _Send) -> None:
-        """Submit queued chunks once the decode's request is known; finish when all landed."""
-        if send.request is None or send.record.state.terminal:
-            return
-        decode = self._decodes.get(send.identity)
-        if decode is None:
-            self._fail(send, PeerGone("decode is no longer registered"), tell_decode=False)
-            return
-        while send.queued:
-            pages, state = send.queued.pop(0)
-            if send.record.state is RequestState.WAITING_FOR_INPUT:
-                send.record.move(RequestState.TRANSFERRING)
-                send.started = time.monotonic()
-            try:
-                self._submit_chunk(send, decode, pages, state)
-            except (PdStateError, ValueError) as exc:
-                self._fail(send, exc if isinstance(exc, PdStateError) else ItemLengthMismatch(str(exc)), True)
-                return
-        if send.pages_sent == send.num_pages and send.all_submitted and not send.done_sent:
-            self._finish_if_landed(send)
-
-    def _submit_chunk(self, send: _Send, decode: _Decode, pages: np.ndarray, state) -> None:
-        req = send.request
-        dst_pages = req.dst_kv_pages.unpack()[send.pages_sent : send.pages_sent + pages.size]
-        n_comp = len(self.kv_args.state_types)
-        if state is None:
-            src_lists = [pages] + [np.empty(0, dtype=np.int64)] * n_comp
-            dst_lists = [dst_pages] + [np.empty(0, dtype=np.int64)] * n_comp
-        else:
-            if len(state) != n_comp or len(req.dst_state_indices) != n_comp:
-                raise IndexCountMismatch(
-                    f"state index lists: prefill sent {len(state)}, decode sent "
-                    f"{len(req.dst_state_indices)}, layout has {n_comp} components"
-                )
-            src_lists = [pages, *state]
-            dst_lists = [dst_pages, *(p.unpack() for p in req.dst_state_indices)]
-        plan = decode.planner.plan(src_lists, dst_lists)
-        last = state is not None
-        if last and req.dst_aux is not None:
-            plan = _with_aux(plan, self.kv_args, req.dst_aux, send.aux_index)
-        aux = [(len(src_lists), np.array([send.aux_index]))] if last and req.dst_aux is not None else []
-        handle = submit_digested(self._engine, decode.peer_id, plan, send.digest, [*enumerate(src_lists), *aux])
-        send.handles.append(handle)
-        send.pages_sent += pages.size
-        send.bytes += plan.total_bytes
-        send.descriptors += len(plan)
-        send.chunks += 1
-        if last:
-            send.all_submitted = True
-
-    def _finish_if_landed(self, send: _Send) -> None:
-        if not send.all_submitted or send.done_sent or send.record.state.terminal:
-            return
-        try:
-            if not all(self._engine.poll(h) for h in send.handles):  # landing off this thread
-                if not wake_when_landed(self._engine, self._loop, send, self._finish_if_landed):
-                    self._loop.again(send, lambda: self._finish_if_landed(send))  # no wake-up: look again soon
-                return
-        except EngineError as exc:
-            self._fail(send, exc, tell_decode=True)
-            return
-        send.done_sent = True
-        m = send.record.metrics
-        m.update(bytes=send.bytes, descriptors=send.descriptors, chunks=send.chunks)
-        if send.digest is not None:
-            m["digest_wait_s"] = round(send.digest.wait(), 6)  # what the copy did not hide
-            m["digest_s"], m["digest_fused"] = round(send.digest.seconds, 6), send.digest.fused  # fused: in the copy
-        m["transfer_s"] = round(time.monotonic() - send.started, 6)
-        self._reply(
-            send.identity,
-            wire.TransferDone(
-                room=send.record.room,
-                status="success",
-                bytes=send.bytes,
-                descriptors=send.descriptors,
-                digest=send.digest.digest() if send.digest is not None else None,
-                copy_s=m["transfer_s"],
-            ),
-        )
-
-    def _fence(self, send: _Send) -> bool:
-        """Wait for every in-flight handle (the fence: nothing of this request lands after).
-
-        Returns False when a handle is still in flight after ``FENCE_TIMEOUT_S`` (a wedged native
-        engine): the decode is then NOT told, so it never reports the request fenced."""
-        fenced = True
-        if send.digest is not None:
-            send.digest.cancel()  # no thread reads the request's pages after the fence
-        for h in send.handles:
-            try:
-                self._engine.wait(h, FENCE_TIMEOUT_S)
-            except TransferTimedOut:
-                fenced = False
-            except EngineError:
-                pass  # failed: finished, nothing more of it lands
-        return fenced
-
-    def _done_failed(self, room: int, error: BaseException | None) -> wire.TransferDone:
-        info = ErrorInfo.of(error) if error is not None else ErrorInfo(type="TransferFailed", message="failed")
-        return wire.TransferDone(room=room, status="failed", error=info)
-
-    def _fail(self, send: _Send, error: PdStateError, tell_decode: bool) -> None:
-        if not self._fence(send):
-            tell_decode = False
-        send.queued.clear()
-        send.record.fail(error)
-        if tell_decode and send.identity is not None and send.identity in self._decodes:
-            self._reply(send.identity, self._done_failed(send.record.room, error))
-
-    def _abort(self, send: _Send, reason: str) -> None:
-        if send.record.state.terminal:
-            return
-        self._fail(send, TransferAborted(reason), tell_decode=True)
 
     def _on_abort(self, identity: bytes, msg: wire.Abort) -> None:
         send = self._sends.get(msg.room)
