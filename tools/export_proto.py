@@ -10,7 +10,9 @@ Writes
   each kind, and ``proto/vectors/<kind>.json``, the same frame decoded for humans (bytes as
   ``{"$hex": "..."}``);
 - ``proto/vectors/heartbeat.authed.msgpack`` (+ ``.json``): a frame carrying an auth tag made with
-  ``GOLDEN_TOKEN`` (documented in ``proto/vectors/README.md``).
+  ``GOLDEN_TOKEN`` (documented in ``proto/vectors/README.md``);
+- ``proto/vectors/agent_request.seq_len.msgpack`` (+ ``.json``): the ``agent_request`` example with
+  its later, optional ``seq_len`` set (absent from ``agent_request.msgpack``).
 
 Every example is deterministic: the layout reports come from ``build_report`` on the ``tiny``
 preset, with the process-specific fields (mapping-identity nonces and data pointers, buffer
@@ -39,6 +41,7 @@ PROTO = REPO / "proto"
 
 GOLDEN_TOKEN = b"pdstate-golden-vector-token"
 AUTHED_NAME = "heartbeat.authed"
+SEQ_LEN_NAME = "agent_request.seq_len"  # AgentRequest with its later, optional field set
 
 # Fixed stand-ins for what differs per process.
 FIXED_MAPPING_NONCE = "00112233aabbccdd"
@@ -237,6 +240,7 @@ def outputs() -> dict[Path, bytes]:
         files[Path("schema") / f"{kind}.json"] = schema_text(schema).encode()
     frames = {kind: wire.encode(msg) for kind, msg in examples().items()}
     frames[AUTHED_NAME] = wire.encode(authed_example(), token=GOLDEN_TOKEN)
+    frames[SEQ_LEN_NAME] = wire.encode(examples()["agent_request"].model_copy(update={"seq_len": 300}))
     for name, frame in frames.items():
         files[Path("vectors") / f"{name}.msgpack"] = frame
         files[Path("vectors") / f"{name}.json"] = human_text(frame).encode()

@@ -88,7 +88,7 @@ def test_vector_files_cover_every_kind():
     expected = sorted(
         [f"{k}.msgpack" for k in KINDS]
         + [f"{k}.json" for k in KINDS]
-        + [f"{export_proto.AUTHED_NAME}.msgpack", f"{export_proto.AUTHED_NAME}.json"]
+        + [f"{n}.{ext}" for n in (export_proto.AUTHED_NAME, export_proto.SEQ_LEN_NAME) for ext in ("msgpack", "json")]
     )
     assert names == expected, "proto/vectors is stale: run `python tools/export_proto.py`"
 
@@ -103,10 +103,26 @@ def test_golden_vector_decodes_and_reencodes_byte_exact(kind):
     assert wire.encode(type(msg).model_validate(msg.model_dump())) == data
 
 
-@pytest.mark.parametrize("name", KINDS + [export_proto.AUTHED_NAME])
+@pytest.mark.parametrize("name", KINDS + [export_proto.AUTHED_NAME, export_proto.SEQ_LEN_NAME])
 def test_golden_vector_json_matches_its_bytes(name):
     text = (PROTO / "vectors" / f"{name}.json").read_text()
     assert text == export_proto.human_text(vector(name))
+
+
+def test_optional_seq_len_is_absent_unless_set_and_round_trips_when_set():
+    """``AgentRequest.seq_len`` came after the first agent vector: unset, the frame is the old
+    one byte for byte (no ``seq_len`` key in the body); set, it decodes and re-encodes exactly."""
+    import msgpack
+
+    old = wire.decode(vector("agent_request"))
+    assert old.seq_len is None
+    assert "seq_len" not in msgpack.unpackb(msgpack.unpackb(vector("agent_request"))["body"])
+    data = vector(export_proto.SEQ_LEN_NAME)
+    msg = wire.decode(data)
+    assert msg.seq_len == 300 and wire.encode(msg) == data
+    assert msg.model_copy(update={"seq_len": None}) == old
+    with pytest.raises(ProtocolError, match=r"invalid agent_request: seq_len: Input should be less than or equal to 16777216"):
+        wire.decode(wire.encode(old.model_copy(update={"seq_len": (1 << 24) + 1})))
 
 
 def test_golden_examples_still_encode_to_the_vectors():

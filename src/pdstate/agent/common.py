@@ -96,6 +96,9 @@ class RequestRecord:
             return self.state
 
 
+CLOSE_LINGER_MS = 250  # at close, how long queued frames may take to leave before they are dropped
+
+
 class AgentLoop:
     """One thread that owns the ZeroMQ sockets and the engine's submissions.
 
@@ -184,7 +187,7 @@ class AgentLoop:
                 self._thread.join(10)
         self.closed = True
         for s in list(self._sockets):
-            s.close(0)
+            s.close(CLOSE_LINGER_MS)  # what ``final`` sent (failed TransferDones, Goodbyes) still goes out
         self._sockets.clear()
         os.close(self._wake_r)
         os.close(self._wake_w)

@@ -55,7 +55,7 @@ class DecodeAgent:
     * One I/O thread per agent owns the sockets and every request's state; it starts in the
       constructor and ends in ``close()``.
     * ``receiver()``, ``KVReceiver.init/abort/poll/wait/failure_exception/metrics``,
-      ``prefills()`` and ``close()`` are safe from any thread. ``init`` returns once the request
+      ``prefills()``, ``connect()``, ``reregister()`` and ``close()`` are safe from any thread. ``init`` returns once the request
       is queued; ``abort`` blocks until the fence (see ``KVReceiver.abort``).
     * The caller must not reuse a request's destination pages until its receiver is terminal;
       after FAILED no write of it lands (the prefill fences before it confirms; see README).
@@ -129,7 +129,10 @@ class DecodeAgent:
         return KVReceiver(self, self._loop.call(lambda: self._add(recv)))
 
     def prefills(self) -> dict[str, dict]:
-        """Every prefill this agent used: state, worker id, incarnation, handshakes, error."""
+        """Every prefill this agent used, by address: ``state``, ``worker_id``, ``incarnation``,
+        ``handshakes``, ``error`` (``"Type: message"`` or ``None``), ``error_info`` (the same as
+        ``{"type", "message"}``), ``fingerprint`` (its layout's, from its Accept) and
+        ``handshake_s`` (the latest accepted handshake's round trip)."""
 
         def snap() -> dict[str, dict]:
             return {
@@ -139,11 +142,40 @@ class DecodeAgent:
                     "incarnation": p.incarnation,
                     "handshakes": p.handshakes,
                     "error": None if p.error is None else f"{type(p.error).__name__}: {p.error}",
+                    "error_info": None if p.error is None else ErrorInfo.of(p.error).model_dump(),
+                    "fingerprint": p.fingerprint,
+                    "handshake_s": p.handshake_s,
                 }
                 for a, p in self._prefills.items()
             }
 
         return self._loop.call(snap)
+
+    def connect(self, prefill: str) -> None:
+        """Shake hands with the prefill at ``prefill`` now, before any request names it (a
+        service's readiness). Connects when the address is new or its prefill is gone; a prefill
+        that is pending, accepted or refused is left as it is (``reregister`` asks a refusing one
+        again). Returns at once; ``prefills()`` tells the outcome."""
+
+        def run() -> None:
+            p = self._prefills.get(prefill)
+            if p is None or p.state is PeerState.GONE:
+                self._reconnect(prefill, p)
+
+        self._loop.call(run)
+
+    def reregister(self, prefill: str) -> None:
+        """Register with the prefill at ``prefill`` again, whatever its state (after it was fixed,
+        or to measure a handshake); its live requests are kept and sent again if it restarted."""
+
+        def run() -> None:
+            p = self._prefills.get(prefill)
+            if p is None or p.state is PeerState.GONE:
+                self._reconnect(prefill, p)
+            else:
+                self._register(p)
+
+        self._loop.call(run)
 
     def close(self) -> None:
         """Fail live requests (``decode shutting down``), close sockets and the engine (the
@@ -185,6 +217,12 @@ class DecodeAgent:
         self._register(p)
         return p
 
+    def _reconnect(self, address: str, old: _Prefill | None) -> _Prefill:
+        if old is None:
+            return self._connect(address)
+        self._loop.unwatch(old.sock)  # a fresh socket: nothing queued for the dead process
+        return self._connect(address, old.handshakes)
+
     def _register(self, p: _Prefill) -> None:
         if p.state is not PeerState.PENDING:
             move(p, PeerState.PENDING)
@@ -199,11 +237,7 @@ class DecodeAgent:
         self._recvs[key] = recv
         p = self._prefills.get(recv.prefill)
         if p is None or p.state is PeerState.GONE:
-            earlier = 0
-            if p is not None:
-                self._loop.unwatch(p.sock)  # a fresh socket: nothing queued for the dead process
-                earlier = p.handshakes
-            p = self._connect(recv.prefill, earlier)
+            p = self._reconnect(recv.prefill, p)
         elif p.state is PeerState.REJECTED:
             self._register(p)  # the prefill may have been fixed: ask again
         p.rooms.add(recv.record.room)
@@ -211,7 +245,9 @@ class DecodeAgent:
             recv.record.move(_S.WAITING_FOR_INPUT)
         return recv
 
-    def _init(self, recv: _Recv, pages: np.ndarray, state: list[np.ndarray], aux_index: int | None) -> None:
+    def _init(
+        self, recv: _Recv, pages: np.ndarray, state: list[np.ndarray], aux_index: int | None, seq_len: int | None
+    ) -> None:
         if recv.record.state.terminal:
             raise recv.record.error or ProtocolError(f"room {recv.record.room} is finished")
         if recv.request is not None:
@@ -233,6 +269,7 @@ class DecodeAgent:
             dst_aux=aux,
             digest=self.digest,
             deadline_s=min(3600.0, self.transfer_timeout_s),
+            seq_len=seq_len,
         )
         self._maybe_send(recv)
 
@@ -306,6 +343,10 @@ class DecodeAgent:
                 self._register(p)  # a new process at that address: what the old one had fails at its Accept
         elif isinstance(msg, wire.TransferDone):
             self._on_done(p, msg)
+        elif isinstance(msg, wire.Goodbye):
+            if p.state is PeerState.ACCEPTED and msg.incarnation == p.incarnation:
+                # its requests have ended and nothing of them lands any more: fail them now
+                self._fail_prefill(p, PeerGone(msg.reason), PeerState.GONE)
         elif isinstance(msg, wire.Error):
             if msg.error.type == "NotRegistered":
                 # a new incarnation got this request, so the old one never did: send it again
@@ -334,7 +375,9 @@ class DecodeAgent:
         if p.state is not PeerState.ACCEPTED:
             move(p, PeerState.ACCEPTED)
         p.incarnation, p.worker_id, p.error = accept.incarnation, accept.worker_id, None
+        p.fingerprint = accept.report.fingerprint
         p.last_seen = time.monotonic()
+        p.handshake_s = round(p.last_seen - p.registered_at, 6)
         for recv in list(self._live(p.address)):
             if recv.record.state is _S.BOOTSTRAPPING:
                 recv.record.move(_S.WAITING_FOR_INPUT)

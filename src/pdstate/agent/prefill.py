@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -45,6 +46,13 @@ class PrefillAgent(CopyPipeline, Refusals):
     memory behind ``kv_args`` is the caller's: registered with the engine, never allocated, freed
     or written. A refused decode's rooms fail with the refusal (``pdstate.agent.refusals``).
 
+    ``on_request(room, seq_len, decode_worker_id)``: for a caller that computes a request only
+    once a decode asks for it (``pdstate serve``'s synthetic prefill). Called on the I/O thread
+    when a decode's request names a room without a live sender; it must return at once (hand the
+    work to another thread, which then makes the sender), or raise a ``PdStateError`` to refuse
+    the request: the decode's receiver fails with that error. ``seq_len`` is the decode's
+    ``KVReceiver.init(seq_len=...)``, ``None`` when it gave none.
+
     Threading (``pdstate.agent``): one I/O thread owns the socket, the engine's submissions and
     every request's state; every public method is safe from any thread. The caller keeps a chunk's
     source pages unchanged until its sender left TRANSFERRING (engines read them asynchronously;
@@ -66,6 +74,7 @@ class PrefillAgent(CopyPipeline, Refusals):
         token: bytes | None = None,
         check_local: bool = True,
         bootstrap_timeout_s: float = 300.0,
+        on_request: Callable[[int, int | None, str], None] | None = None,
     ) -> None:
         if report is None:
             if pools is None:
@@ -79,6 +88,7 @@ class PrefillAgent(CopyPipeline, Refusals):
         self.incarnation = secrets.token_hex(8)
         self.heartbeat_interval_s, self.peer_timeout_s = heartbeat_interval_s, peer_timeout_s
         self.bootstrap_timeout_s = bootstrap_timeout_s
+        self._on_request = on_request
         self._engine: TransferEngine = create_engine(engine, **(engine_options or {}))
         self._engine.start()
         try:
@@ -129,15 +139,20 @@ class PrefillAgent(CopyPipeline, Refusals):
             ]
         )
 
-    def close(self) -> None:
-        """Fail live requests (``prefill shutting down``), close the socket and the engine."""
+    def close(self, reason: str = "prefill shutting down") -> None:
+        """Fail live requests with ``reason`` (``AgentClosed``), say ``Goodbye`` with it to every
+        accepted decode (which fails what it still has here at once and turns this prefill
+        GONE), then close the socket and the engine."""
         if self._loop.closed:
             return
 
         def final() -> None:
             for send in list(self._sends.values()):
                 if not send.record.state.terminal:
-                    self._fail(send, AgentClosed("prefill shutting down"), tell_decode=True)
+                    self._fail(send, AgentClosed(reason), tell_decode=True)
+            bye = wire.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation, reason=reason[:1024])
+            for identity in list(self._decodes):
+                self._reply(identity, bye)
 
         try:
             self._loop.stop(final)
@@ -202,12 +217,22 @@ class PrefillAgent(CopyPipeline, Refusals):
             send = self._sends.get(msg.room)
             if send is None or send.record.state.terminal and send.request is not None:
                 self._pending[msg.room] = _Pending(identity, msg)
+                if self._on_request is not None:
+                    self._ask_caller(identity, decode.worker_id, msg)
             else:
                 self._attach(send, identity, msg)
         elif isinstance(msg, wire.Abort):
             self._on_abort(identity, msg)
         elif isinstance(msg, wire.AgentVerdict):
             self._on_verdict(msg)
+
+    def _ask_caller(self, identity: bytes, worker_id: str, msg: wire.AgentRequest) -> None:
+        try:
+            self._on_request(msg.room, msg.seq_len, worker_id)
+        except PdStateError as exc:  # refused by the caller: the decode's receiver fails with it
+            if self._pending.get(msg.room) is not None and self._pending[msg.room].msg is msg:
+                del self._pending[msg.room]
+            self._reply(identity, self._done_failed(msg.room, exc))
 
     def _on_register(self, identity: bytes, msg: wire.Register) -> None:
         if gatekeep(self, identity, msg):  # another live decode's worker_id, or memory not proven yet

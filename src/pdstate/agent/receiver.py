@@ -35,6 +35,8 @@ class _Prefill:
     incarnation: str = ""
     worker_id: str = ""
     error: PdStateError | None = None
+    fingerprint: str | None = None  # the prefill's layout fingerprint, from its Accept
+    handshake_s: float | None = None  # the latest accepted handshake's round trip
     registered_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
     last_heartbeat: float = 0.0
@@ -74,12 +76,14 @@ class KVReceiver:
     def state(self) -> RequestState:
         return self._recv.record.state
 
-    def init(self, page_indices, state_indices, aux_index: int | None = None) -> None:
+    def init(self, page_indices, state_indices, aux_index: int | None = None, *, seq_len: int | None = None) -> None:
         """Name the destination: main-KV page ids, one index list per state component (in
-        ``KVArgs.state_types`` order), and the aux slot (when this agent has aux buffers)."""
+        ``KVArgs.state_types`` order), and the aux slot (when this agent has aux buffers).
+        ``seq_len``: the request's token count, for a prefill that computes the state only once
+        asked (``pdstate serve``'s); an engine's prefill knows it and needs none."""
         pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
         st = [np.asarray(x, dtype=np.int64).reshape(-1) for x in state_indices]
-        self._agent._loop.call(lambda: self._agent._init(self._recv, pages, st, aux_index))
+        self._agent._loop.call(lambda: self._agent._init(self._recv, pages, st, aux_index, seq_len))
 
     def abort(self, reason: str = "aborted by decode", timeout_s: float = 30.0) -> None:
         """Abort the request; returns once FAILED and fenced: the prefill confirmed that nothing

@@ -36,6 +36,11 @@ change of a message's fields):
   endpoint; PROTOCOL.md section 4). A nonce is good for one answer, from that decode incarnation,
   for 60 s. A decode without ``Challenge`` cannot register over shm with such a prefill: it
   answers ``Error`` (unknown kind), and the prefill answers that with a ``Reject`` saying so.
+  v1 then gained ``AgentRequest.seq_len`` (optional; golden vector ``agent_request.seq_len``),
+  leaving every earlier frame byte-identical: a field that is ``None`` is left out of the frame
+  (``OMIT_WHEN_NONE``). A decode sets it only for a prefill that computes the request's state on
+  demand (``pdstate serve`` on the agent); a prefill without the field refuses such a request
+  (``invalid agent_request: seq_len: Extra inputs are not permitted``), which fails it.
 """
 
 from __future__ import annotations
@@ -224,6 +229,11 @@ class AgentRequest(Message):
     dst_aux: AuxDest | None = None
     digest: bool = True
     deadline_s: float = Field(gt=0, le=3600)
+    # the request's token count, for a prefill that computes on demand (``pdstate serve``'s
+    # synthetic prefill); left out of the frame when ``None`` (``OMIT_WHEN_NONE``)
+    seq_len: Annotated[int, Field(ge=0, le=1 << 24)] | None = None
+
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"seq_len"})
 
 
 class AgentVerdict(Message):
@@ -326,6 +336,9 @@ def _dump(model: BaseModel) -> dict[str, Any]:
 
 def encode(msg: Message, token: bytes | None = None) -> bytes:
     fields = _dump(msg) if type(msg) in _PLAIN else _plain(msg.model_dump(mode="python"))
+    for name in getattr(msg, "OMIT_WHEN_NONE", ()):  # fields added to a kind later: absent unless set
+        if fields.get(name, 0) is None:
+            del fields[name]
     body = msgpack.packb(fields, use_bin_type=True)
     env: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": msg.KIND, "body": body}
     if token:
