@@ -141,6 +141,11 @@ class AgentLoop:
         its end is seen in a millisecond, not at the next tick. ``check`` re-arms itself if needed."""
         self._again[id(key)] = check
 
+    @property
+    def alive(self) -> bool:
+        """Whether the I/O thread runs (it ends only at ``stop``, or with the process)."""
+        return not self.closed and self._thread.is_alive()
+
     def in_loop(self) -> bool:
         return threading.get_ident() == self._ident
 

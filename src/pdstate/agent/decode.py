@@ -9,17 +9,15 @@ import numpy as np
 import zmq
 
 from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
-from pdstate.agent.digest import RequestDigest
+from pdstate.agent.decode_frames import DecodeFrames
 from pdstate.agent.receiver import KVReceiver, _Prefill, _Recv
 from pdstate.errors import (
     AgentClosed,
-    DigestMismatch,
     EngineError,
     PdStateError,
     PeerGone,
     ProtocolError,
     TransferAborted,
-    error_from_wire,
 )
 from pdstate.protocol import wire
 from pdstate.protocol.handshake import DecodeHandshake, LocalSide
@@ -32,7 +30,7 @@ __all__ = ["DecodeAgent", "KVReceiver"]
 _S = RequestState
 
 
-class DecodeAgent:
+class DecodeAgent(DecodeFrames):
     """Receives DSV4 state into the caller's memory from any number of prefill agents.
 
     ``kv_args``: the caller's filled ``KVArgs`` (``aux_data_*`` too when metadata moves);
@@ -116,6 +114,7 @@ class DecodeAgent:
         )
         self._layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
         self._prefills: dict[str, _Prefill] = {}
+        self.handshakes = {"accepted": 0, "rejected": 0}  # answers received, written by the I/O thread only
         self._recvs: dict[tuple[str, int], _Recv] = {}
         self._last_tick = time.monotonic()
         self._loop = AgentLoop(f"pdstate-decode-{self.worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
@@ -150,6 +149,11 @@ class DecodeAgent:
             }
 
         return self._loop.call(snap)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the I/O thread runs (nothing is received without it)."""
+        return self._loop.alive
 
     def connect(self, prefill: str) -> None:
         """Shake hands with the prefill at ``prefill`` now, before any request names it (a
@@ -321,112 +325,6 @@ class DecodeAgent:
         for recv in list(self._live(p.address)):
             if recv.sent:
                 recv.record.fail(PeerGone(str(err)))
-
-    def _on_frame(self, address: str, sock: zmq.Socket) -> None:
-        frame = sock.recv()
-        p = self._prefills.get(address)
-        if p is None or p.sock is not sock:
-            return
-        try:
-            msg = wire.decode(frame, self.token)
-        except PdStateError:
-            return
-        p.last_seen = time.monotonic()
-        if isinstance(msg, (wire.Accept, wire.Reject)):
-            self._on_handshake(p, msg)
-        elif isinstance(msg, wire.Challenge):
-            if p.state is PeerState.PENDING:  # prove the memory this decode named is its own
-                proof = self._engine.prove(msg.nonce, f"{self.worker_id}/{self.incarnation}")
-                self._send(p, self._handshake.register_message(proof))
-        elif isinstance(msg, wire.Heartbeat):
-            if p.state is PeerState.ACCEPTED and msg.incarnation != p.incarnation:
-                self._register(p)  # a new process at that address: what the old one had fails at its Accept
-        elif isinstance(msg, wire.TransferDone):
-            self._on_done(p, msg)
-        elif isinstance(msg, wire.Goodbye):
-            if p.state is PeerState.ACCEPTED and msg.incarnation == p.incarnation:
-                # its requests have ended and nothing of them lands any more: fail them now
-                self._fail_prefill(p, PeerGone(msg.reason), PeerState.GONE)
-        elif isinstance(msg, wire.Error):
-            if msg.error.type == "NotRegistered":
-                # a new incarnation got this request, so the old one never did: send it again
-                # once the new one accepted this decode
-                recv = self._recvs.get((address, msg.room)) if msg.room is not None else None
-                if recv is not None and not recv.record.state.terminal:
-                    recv.sent = False
-                if p.state is PeerState.ACCEPTED:
-                    self._register(p)
-            elif msg.room is not None:
-                recv = self._recvs.get((address, msg.room))
-                if recv is not None:
-                    recv.record.fail(error_from_wire(msg.error.type, msg.error.message))
-
-    def _on_handshake(self, p: _Prefill, msg) -> None:
-        if p.state is not PeerState.PENDING:
-            return
-        try:
-            accept = self._handshake.receive(msg)
-        except (PdStateError, RuntimeError, ValueError) as exc:
-            err = exc if isinstance(exc, PdStateError) else error_from_wire(type(exc).__name__, str(exc))
-            self._fail_prefill(p, err, PeerState.REJECTED)
-            return
-        if p.incarnation and accept.incarnation != p.incarnation:
-            self._restarted(p, accept.incarnation)
-        if p.state is not PeerState.ACCEPTED:
-            move(p, PeerState.ACCEPTED)
-        p.incarnation, p.worker_id, p.error = accept.incarnation, accept.worker_id, None
-        p.fingerprint = accept.report.fingerprint
-        p.last_seen = time.monotonic()
-        p.handshake_s = round(p.last_seen - p.registered_at, 6)
-        for recv in list(self._live(p.address)):
-            if recv.record.state is _S.BOOTSTRAPPING:
-                recv.record.move(_S.WAITING_FOR_INPUT)
-            self._maybe_send(recv)
-
-    def _on_done(self, p: _Prefill, msg: wire.TransferDone) -> None:
-        recv = self._recvs.get((p.address, msg.room))
-        if recv is None or recv.record.state.terminal:
-            return
-        rec = recv.record
-        rec.metrics.update(bytes=msg.bytes, descriptors=msg.descriptors)
-        if recv.sent_at is not None:
-            rec.metrics["transfer_s"] = round(time.monotonic() - recv.sent_at, 6)
-        if recv.aborting is not None:
-            # the prefill sends TransferDone only once its writes of this room are finished
-            rec.fail(TransferAborted(f"aborted by decode: {recv.aborting}"))
-            return
-        if msg.status == "failed":
-            err = msg.error or ErrorInfo(type="TransferFailed", message="prefill reported failure")
-            rec.fail(error_from_wire(err.type, err.message))
-            return
-        verdict_error: PdStateError | None = None
-        if self.digest:
-            t0 = time.perf_counter()
-            mine = self._digest(recv.request)
-            rec.metrics["digest_s"] = round(time.perf_counter() - t0, 6)
-            if msg.digest is None:
-                verdict_error = DigestMismatch(f"room {msg.room}: the prefill sent no digest")
-            elif msg.digest != mine:
-                verdict_error = DigestMismatch(
-                    f"room {msg.room}: digest of the {msg.bytes} bytes that landed ({mine.hex()}) differs "
-                    f"from the prefill's digest of the bytes it sent ({msg.digest.hex()})"
-                )
-        if verdict_error is None:
-            self._send(p, wire.AgentVerdict(room=msg.room, status="success"))
-            rec.move(_S.SUCCESS)
-        else:
-            self._send(p, wire.AgentVerdict(room=msg.room, status="failed", error=ErrorInfo.of(verdict_error)))
-            rec.fail(verdict_error)
-
-    def _digest(self, req: wire.AgentRequest) -> bytes:
-        n = 1 + len(req.dst_state_indices)
-        d = RequestDigest(self._layout if req.dst_aux is not None else self._layout[:n])
-        updates = [(0, req.dst_kv_pages.unpack())]
-        updates += [(c, lst.unpack()) for c, lst in enumerate(req.dst_state_indices, start=1)]
-        if req.dst_aux is not None:
-            updates.append((n, np.array([req.dst_aux.index])))
-        d.update_many(updates)  # the buffers spread over the host's cores
-        return d.digest()
 
     def _tick(self) -> None:
         now = time.monotonic()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import zmq
@@ -33,6 +34,8 @@ from pdstate.transfer.engines.shm_owner import challenge_unknown, challenge_unkn
 from pdstate.transfer.planner import PairPlanner
 
 __all__ = ["KVSender", "PrefillAgent"]
+
+MAX_PEER_LOG = 1024  # decodes ``peers()`` remembers, the least recently registered forgotten first
 
 
 class PrefillAgent(CopyPipeline, Refusals):
@@ -112,6 +115,8 @@ class PrefillAgent(CopyPipeline, Refusals):
         self._decodes: dict[bytes, _Decode] = {}
         self._sends: dict[int, _Send] = {}
         self._pending: dict[int, _Pending] = {}
+        self.handshakes = {"accepted": 0, "rejected": 0}  # answers given, written by the I/O thread only
+        self._peer_log: OrderedDict[str, dict] = OrderedDict()  # worker id -> its latest record (``peers()``)
         self._init_refusals()
         self._last_tick = time.monotonic()
         self._loop = AgentLoop(f"pdstate-prefill-{worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
@@ -138,6 +143,17 @@ class PrefillAgent(CopyPipeline, Refusals):
                 for d in self._decodes.values()
             ]
         )
+
+    def peers(self) -> list[dict]:
+        """Every decode that registered (the latest ``MAX_PEER_LOG``, by worker id): ``id``,
+        ``state`` (``accepted``, ``rejected`` or ``gone``), ``incarnation``, ``fingerprint``
+        (its layout's, from its Register) and ``error`` (``{"type", "message"}`` or ``None``)."""
+        return self._loop.call(lambda: [dict(d) for d in self._peer_log.values()])
+
+    @property
+    def alive(self) -> bool:
+        """Whether the I/O thread runs (nothing is served without it)."""
+        return self._loop.alive
 
     def close(self, reason: str = "prefill shutting down") -> None:
         """Fail live requests with ``reason`` (``AgentClosed``), say ``Goodbye`` with it to every
@@ -252,10 +268,29 @@ class PrefillAgent(CopyPipeline, Refusals):
                     identity, msg.worker_id, msg.incarnation, peer_id, planner, time.monotonic()
                 )
         self._note_handshake(identity, answer)
+        self._log_peer(
+            msg, "accepted" if isinstance(answer, wire.Accept) else "rejected", getattr(answer, "error", None)
+        )
         self._reply(identity, answer)
 
+    def _log_peer(self, msg: wire.Register, state: str, error: ErrorInfo | None) -> None:
+        self.handshakes[state] += 1
+        self._peer_log.pop(msg.worker_id, None)
+        self._peer_log[msg.worker_id] = {
+            "id": msg.worker_id,
+            "state": state,
+            "incarnation": msg.incarnation,
+            "fingerprint": msg.report.fingerprint,
+            "error": None if error is None else error.model_dump(),
+        }
+        while len(self._peer_log) > MAX_PEER_LOG:
+            self._peer_log.popitem(last=False)
+
     def _decode_gone(self, identity: bytes, why: str) -> None:
-        self._decodes.pop(identity, None)
+        gone = self._decodes.pop(identity, None)
+        entry = None if gone is None else self._peer_log.get(gone.worker_id)
+        if entry is not None and entry["incarnation"] == gone.incarnation and entry["state"] == "accepted":
+            entry.update(state="gone", error=ErrorInfo(type="PeerGone", message=why).model_dump())
         for send in self._sends.values():
             if send.identity == identity and not send.record.state.terminal:
                 self._fail(send, PeerGone(why), tell_decode=False)
