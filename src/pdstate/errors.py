@@ -298,6 +298,11 @@ class DigestMismatch(TransferFailed):
     """The bytes that landed on the decode do not hash to what the prefill sent."""
 
 
+class PrefillBusy(TransferFailed):
+    """A prefill refused a request because ``max_inflight`` requests are in flight; the decode may
+    ask again (``pdstate serve``'s decode does, backing off, until the request's deadline)."""
+
+
 class AgentClosed(PdStateError):
     """A call on an agent (or one of its senders/receivers) after ``close()``."""
 

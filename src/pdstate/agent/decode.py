@@ -53,7 +53,8 @@ class DecodeAgent(DecodeFrames):
     * One I/O thread per agent owns the sockets and every request's state; it starts in the
       constructor and ends in ``close()``.
     * ``receiver()``, ``KVReceiver.init/abort/poll/wait/failure_exception/metrics``,
-      ``prefills()``, ``connect()``, ``reregister()`` and ``close()`` are safe from any thread. ``init`` returns once the request
+      ``prefills()``, ``connect()``, ``reregister()``, ``forget()`` and ``close()`` are safe from
+      any thread. ``init`` returns once the request
       is queued; ``abort`` blocks until the fence (see ``KVReceiver.abort``).
     * The caller must not reuse a request's destination pages until its receiver is terminal;
       after FAILED no write of it lands (the prefill fences before it confirms; see README).
@@ -167,6 +168,21 @@ class DecodeAgent(DecodeFrames):
                 self._reconnect(prefill, p)
 
         self._loop.call(run)
+
+    def forget(self, prefill: str) -> bool:
+        """Close the connection to the prefill at ``prefill`` unless it has live requests (then
+        False); a later request or ``connect`` dials it afresh."""
+
+        def run() -> bool:
+            p = self._prefills.get(prefill)
+            if p is not None:
+                if any(True for _ in self._live(prefill)):
+                    return False
+                self._loop.unwatch(p.sock)
+                del self._prefills[prefill]
+            return True
+
+        return self._loop.call(run)
 
     def reregister(self, prefill: str) -> None:
         """Register with the prefill at ``prefill`` again, whatever its state (after it was fixed,

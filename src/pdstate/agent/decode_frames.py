@@ -93,7 +93,7 @@ class DecodeFrames:
         if recv is None or recv.record.state.terminal:
             return
         rec = recv.record
-        rec.metrics.update(bytes=msg.bytes, descriptors=msg.descriptors)
+        rec.metrics.update(bytes=msg.bytes, descriptors=msg.descriptors, copy_s=msg.copy_s)
         if recv.sent_at is not None:
             rec.metrics["transfer_s"] = round(time.monotonic() - recv.sent_at, 6)
         if recv.aborting is not None:

@@ -86,10 +86,10 @@ def cmd_serve(args) -> ExitCode:
 
     from pdstate.errors import LocalCheckFailed
 
-    if cfg.role == "prefill":
-        from pdstate.runtime.prefill import PrefillWorker as Worker
+    if cfg.role == "prefill":  # the workers are callers of the agent (``pdstate.agent``)
+        from pdstate.service.agent_prefill import AgentPrefillWorker as Worker
     else:
-        from pdstate.runtime.decode import DecodeWorker as Worker
+        from pdstate.service.agent_decode import AgentDecodeWorker as Worker
     worker = Worker(cfg.worker_options())
     try:
         worker.start()

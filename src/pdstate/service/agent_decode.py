@@ -1,0 +1,294 @@
+"""``pdstate serve``'s decode: a ``DecodeAgent`` over this worker's pools (in shared memory on
+the shm engine), receiving a request from the prefill its caller names (default ``control.peer``).
+
+``submit(tokens, room, prefill=...)`` enters the request and returns a future; a request thread
+waits for its pages (up to the request's deadline), asks the prefill through a ``KVReceiver``
+(``seq_len`` included: the prefill computes on demand), waits for the verdict (the agent compares
+the digests of the bytes sent and landed), then checks what landed against the room's synthetic
+content (``checks.verify``: ``full`` or ``sample``) and frees the pages. A prefill that answers
+``PrefillBusy`` is asked again, backing off, until the deadline. A request past its deadline is
+aborted; the abort is fenced (the prefill confirms nothing more of it lands) before its pages are
+freed. A prefill that is gone (goodbye, missed heartbeats) fails its requests at once; the pages
+are freed then (a gone prefill writes no more: it fenced before its goodbye, or it is dead or
+frozen, and a frozen one that wakes has lost this decode's registration first).
+
+The default prefill is dialled at start and again whenever it is gone (``/readyz`` follows it);
+any other is dialled on first use, at most ``MAX_PREFILLS`` at once (an idle one is closed to make
+room).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from pdstate.errors import AgentClosed, PdStateError, PrefillBusy, TransferFailed, TransferTimedOut
+from pdstate.protocol.lifecycle import PeerState, RequestState
+from pdstate.protocol.report import ErrorInfo
+from pdstate.runtime import synth
+from pdstate.runtime.options import WorkerOptions
+from pdstate.runtime.records import TransferResult
+from pdstate.runtime.snapshot import PeerStatus, RequestStatus, WorkerSnapshot
+from pdstate.runtime.worker import settle
+from pdstate.service.agent_worker import AgentWorker, now
+
+log = logging.getLogger("pdstate.service.agent_decode")
+
+MAX_PREFILLS = 64
+BUSY_BACKOFF_S = (0.002, 0.1)  # first and longest wait before asking a busy prefill again
+SHUTTING_DOWN = "decode shutting down"
+
+
+class AgentDecodeWorker(AgentWorker):
+    """The decode of ``pdstate serve``. ``start()`` builds pools and agent and dials
+    ``control.peer``; ``submit`` runs one request; ``stop()`` fails what is in flight."""
+
+    role = "decode"
+
+    def __init__(self, opts: WorkerOptions) -> None:
+        super().__init__(opts)
+        self.worker_id = opts.worker_id or f"decode-{secrets.token_hex(3)}"
+        self._stop = threading.Event()
+        self._threads = ThreadPoolExecutor(max_workers=max(1, opts.max_inflight), thread_name_prefix="pdstate-decode-request")
+        self._futures: dict[int, Future] = {}  # room -> its future, until it completes
+
+    def start(self) -> AgentDecodeWorker:
+        """Raises ``LocalCheckFailed`` (own pair refused, with ``local_checks``) or ``EngineError``;
+        what was built before is released first (no segment outlives it)."""
+        from pdstate.agent import DecodeAgent
+
+        o = self.opts
+        try:
+            self._open_side()
+            self.agent = DecodeAgent(
+                self.kv_args,
+                report=self.report,
+                engine=o.engine,
+                engine_options=o.engine_options,
+                worker_id=self.worker_id,
+                heartbeat_interval_s=o.heartbeat_interval_s,
+                peer_timeout_s=o.peer_timeout_s,
+                handshake_timeout_s=max(10.0, o.peer_timeout_s),
+                transfer_timeout_s=max(o.request_deadline_s, 1.0) + o.peer_timeout_s,
+                token=o.token,
+            )
+        except BaseException:
+            self.close_side()
+            raise
+        self.incarnation = self.agent.incarnation
+        self.agent.connect(o.peer)
+        watcher = threading.Thread(target=self._watch, name="pdstate-decode-watch", daemon=True)
+        watcher.start()
+        self._watcher = watcher
+        return self
+
+    def stop(self) -> None:
+        """Fail the requests in flight (``decode shutting down``) and release everything. Idempotent."""
+        self._stop.set()
+        self.close_side()
+
+    def close_side(self) -> None:
+        if self._closed:
+            return
+        self._stop.set()
+        try:
+            if self.agent is not None:
+                self.agent.close()  # every live receiver fails: the request threads finish
+        finally:
+            self._threads.shutdown(wait=True)  # no request thread touches the pools after this
+            with self._lock:
+                left = list(self._futures.items())
+            for room, fut in left:
+                settle(fut, _failed(room, 0, SHUTTING_DOWN, self.opts.peer))
+            super().close_side()
+
+    def _watch(self) -> None:
+        """Dial the default prefill again whenever it is gone (until stopped)."""
+        pause = max(0.02, self.opts.heartbeat_interval_s / 2)
+        while not self._stop.wait(pause):
+            try:
+                p = self.agent.prefills().get(self.opts.peer)
+                if p is None or p["state"] == "gone":
+                    self.agent.connect(self.opts.peer)
+            except (AgentClosed, TimeoutError):
+                return
+            except Exception:  # keep watching: readiness depends on it
+                log.exception("decode watcher")
+
+    # -- API for other threads ----------------------------------------------------------------
+    def submit(
+        self,
+        seq_len: int,
+        room: int | None = None,
+        deadline_s: float | None = None,
+        verify: str | None = None,
+        prefill: str | None = None,
+    ) -> Future:
+        """One request of ``seq_len`` tokens from ``prefill`` (a ``tcp://host:port`` control
+        address; default ``control.peer``); the future's result is a ``TransferResult``."""
+        if verify not in (None, "full", "sample"):
+            raise ValueError(f"verify must be 'full' or 'sample', not {verify!r}")
+        if seq_len < 0:
+            raise ValueError(f"seq_len must not be negative, got {seq_len} (0: an empty transfer)")
+        if prefill is not None and (not isinstance(prefill, str) or not prefill.startswith("tcp://")):
+            raise ValueError(f"prefill must be a tcp://host:port control address, not {prefill!r}")
+        fut: Future = Future()
+        room = room if room is not None else secrets.randbits(63)
+        prefill = prefill or self.opts.peer
+        status = RequestStatus(room, RequestState.BOOTSTRAPPING, seq_len, now(), peer=prefill)
+        if self._stop.is_set():
+            settle(fut, _failed(room, seq_len, SHUTTING_DOWN, prefill))
+            return fut
+        if not self._enter(status):
+            settle(fut, exc=ValueError(f"room {room} is already in flight"))
+            return fut
+        with self._lock:
+            self._futures[room] = fut
+        deadline = deadline_s or self.opts.request_deadline_s
+        try:
+            self._threads.submit(self._run, status, fut, deadline, verify or self.opts.verify)
+        except RuntimeError:  # stopped meanwhile
+            self._finish(status, fut, _failed(room, seq_len, SHUTTING_DOWN, prefill))
+        return fut
+
+    def transfer(
+        self, seq_len: int, room: int | None = None, deadline_s: float | None = None, prefill: str | None = None
+    ) -> TransferResult:
+        d = deadline_s or self.opts.request_deadline_s
+        return self.submit(seq_len, room, d, prefill=prefill).result(timeout=d + self.opts.peer_timeout_s + 5)
+
+    def reregister(self) -> None:
+        """Register again with every prefill this decode knows (the default one first)."""
+        for address in [self.opts.peer, *(a for a in self.agent.prefills() if a != self.opts.peer)]:
+            self.agent.reregister(address)
+
+    def lookup(self, room: int) -> TransferResult | RequestStatus | None:
+        with self._lock:
+            res = self.finished.get(room)
+            return res if res is not None else self._live.get(room)
+
+    def status(self) -> WorkerSnapshot:
+        known: dict[str, dict] = {}
+        if not self._closed and self.agent is not None and self.agent.alive:
+            try:
+                known = self.agent.prefills()
+            except (AgentClosed, TimeoutError):
+                known = {}
+        default = known.get(self.opts.peer)
+        peers = [_peer(self.opts.peer, default)] + [_peer(a, d) for a, d in known.items() if a != self.opts.peer]
+        return WorkerSnapshot(
+            role=self.role,
+            worker_id=self.worker_id,
+            incarnation=self.incarnation,
+            endpoint=self.opts.peer,
+            peers=tuple(peers),
+            requests=self._requests(),
+            dead_threads=self._dead_threads(),
+            peak_in_flight=self.peak_in_flight,
+            waiting=0 if self._closed else self.page_pool.waiting,
+            handshake_s=None if default is None else default.get("handshake_s"),
+        )
+
+    # -- a request thread ---------------------------------------------------------------------
+    def _run(self, status: RequestStatus, fut: Future, deadline_s: float, verify: str) -> None:
+        room, seq_len, prefill = status.room, status.seq_len, status.peer
+        t0 = time.perf_counter()
+        end = time.monotonic() + deadline_s
+        res = TransferResult(room, "failed", seq_len, prefill=prefill)
+        alloc, fenced = None, True
+        try:
+            if self._stop.is_set():
+                raise AgentClosed(SHUTTING_DOWN)
+            self._make_room(prefill)
+            alloc = self.page_pool.allocate(self.names, seq_len, wait_s=deadline_s)
+            recv, fenced = self._ask(room, seq_len, prefill, alloc, end, deadline_s)
+            m = recv.metrics
+            res.bytes, res.descriptors = int(m.get("bytes", 0)), int(m.get("descriptors", 0))
+            res.transfer_s, res.copy_s = float(m.get("transfer_s", 0.0)), float(m.get("copy_s", 0.0))
+            if recv.state is not RequestState.SUCCESS:
+                raise recv.failure_exception() or TransferFailed(f"room {room} ended {recv.state.value}")
+            t1 = time.perf_counter()
+            problem = self._check(room, alloc.lists, verify)
+            res.verify_s = time.perf_counter() - t1
+            if problem is not None:
+                raise TransferFailed(problem)
+            res.status, res.verified = "success", True
+        except Exception as exc:
+            res.error = ErrorInfo.of(exc) if isinstance(exc, PdStateError) else ErrorInfo(type=type(exc).__name__, message=str(exc))
+        if alloc is not None:
+            if fenced:
+                self.page_pool.free(alloc)
+            else:  # the prefill never confirmed the abort: keep the pages out of use
+                log.error("room %d: abort not confirmed by %s; its pages stay allocated", room, prefill)
+        res.seconds = time.perf_counter() - t0
+        if res.status == "success":
+            self.stats.success(res.bytes, res.seconds)
+        else:
+            self.stats.fail(res.error.message if res.error else "failed")
+        self._finish(status, fut, res)
+
+    def _ask(self, room, seq_len, prefill, alloc, end: float, deadline_s: float):
+        """Receive ``room`` into ``alloc``, asking a busy prefill again until ``end``. Returns
+        the terminal receiver and whether nothing of it can land any more (fenced)."""
+        backoff = BUSY_BACKOFF_S[0]
+        while True:
+            recv = self.agent.receiver(prefill, room)
+            recv.init(alloc.lists[0], alloc.lists[1:], seq_len=seq_len)
+            state = recv.wait(max(0.0, end - time.monotonic()))
+            if not state.terminal:
+                try:
+                    recv.abort(f"request deadline of {deadline_s:g} s passed", timeout_s=self.opts.peer_timeout_s + 5)
+                except TransferTimedOut:
+                    return recv, False
+                return recv, True
+            if isinstance(recv.failure_exception(), PrefillBusy) and time.monotonic() + backoff < end:
+                self.stats.busy()
+                time.sleep(backoff)
+                backoff = min(BUSY_BACKOFF_S[1], backoff * 2)
+                continue
+            return recv, True
+
+    def _check(self, room: int, lists, verify: str) -> str | None:
+        if verify == "sample":
+            spans = [(r.base_ptr, r.nbytes) for r in self.pools.memory.regions()]
+            return synth.verify_sample(self.kv_args, room, lists, spans)
+        return synth.verify_destination(self.kv_args, room, lists)
+
+    def _make_room(self, prefill: str) -> None:
+        """At most ``MAX_PREFILLS`` prefills connected: close an idle one for a new address."""
+        known = self.agent.prefills()
+        if prefill in known or len(known) < MAX_PREFILLS:
+            return
+        for address in known:
+            if address != self.opts.peer and self.agent.forget(address):
+                return
+        raise ValueError(f"this decode already uses {MAX_PREFILLS} prefills, each with requests in flight")
+
+    def _finish(self, status: RequestStatus, fut: Future, res: TransferResult) -> None:
+        self._leave(status.room, res)
+        with self._lock:
+            self._futures.pop(status.room, None)
+        settle(fut, res)
+
+
+def _failed(room: int, seq_len: int, reason: str, prefill: str) -> TransferResult:
+    return TransferResult(room, "failed", seq_len, error=ErrorInfo(type="TransferFailed", message=reason), prefill=prefill)
+
+
+def _peer(address: str, d: dict | None) -> PeerStatus:
+    if d is None:
+        return PeerStatus(address, PeerState.PENDING)
+    err = d.get("error_info")
+    return PeerStatus(
+        address,
+        PeerState(d["state"]),
+        None if err is None else ErrorInfo(**err),
+        d["incarnation"] or None,
+        d["fingerprint"],
+    )
+
+
+__all__ = ["AgentDecodeWorker", "MAX_PREFILLS"]

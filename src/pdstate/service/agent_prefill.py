@@ -1,0 +1,212 @@
+"""``pdstate serve``'s prefill: a ``PrefillAgent`` over this worker's pools, computing a request
+(``runtime.synth``'s content, the stand-in for the model) only once a decode asks for it.
+
+A decode's ``AgentRequest`` for a room this worker has no sender for reaches ``_on_request`` (the
+agent's I/O thread): it refuses at once when the worker drains (``prefill shutting down``), when
+the decode named no token count, when ``max_inflight`` requests are in flight (``PrefillBusy``: the
+decode asks again) or when the pools are full; otherwise it allocates the source pages and hands
+the request to a request thread, which fills them, sends them through a ``KVSender`` (in
+``chunks`` chunks, the state with the last) and frees them once the sender is terminal (the agent
+fences a failed one first: nothing reads the pages after).
+
+Stopping (``stop()``, SIGTERM through ``pdstate serve``): new requests are refused; with
+``drain_s`` the requests in flight get that long to finish; then the agent fails the rest with
+``prefill shutting down`` and says ``Goodbye`` to every decode, the request threads end, and the
+pools (shared memory included) are released.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from pdstate.errors import AgentClosed, PdStateError, PrefillBusy, ProtocolError
+from pdstate.protocol.lifecycle import PeerState, RequestState
+from pdstate.protocol.report import ErrorInfo
+from pdstate.runtime import synth
+from pdstate.runtime.options import WorkerOptions
+from pdstate.runtime.snapshot import PeerStatus, RequestStatus, WorkerSnapshot
+from pdstate.service.agent_worker import AgentWorker, now
+
+log = logging.getLogger("pdstate.service.agent_prefill")
+
+SHUTTING_DOWN = "prefill shutting down"
+REQUEST_THREADS = 16  # at most this many requests are filled and sent at once (the rest wait their turn)
+
+
+class AgentPrefillWorker(AgentWorker):
+    """The prefill of ``pdstate serve``. ``start()`` builds pools and agent; ``stop()`` drains."""
+
+    role = "prefill"
+
+    def __init__(self, opts: WorkerOptions, chunks: int = 1) -> None:
+        super().__init__(opts)
+        self.worker_id = opts.worker_id or "prefill"
+        self.chunks = max(1, chunks)
+        self.endpoint = ""
+        self._draining = threading.Event()
+        self._threads = ThreadPoolExecutor(
+            max_workers=max(1, min(opts.max_inflight, REQUEST_THREADS)), thread_name_prefix="pdstate-prefill-request"
+        )
+
+    def start(self) -> AgentPrefillWorker:
+        """Raises ``LocalCheckFailed`` (own pair refused, with ``local_checks``), ``EngineError``
+        or ``zmq.ZMQError`` (bind); what was built before is released first."""
+        from pdstate.agent import PrefillAgent
+
+        o = self.opts
+        try:
+            self._open_side()
+            self.agent = PrefillAgent(
+                self.kv_args,
+                report=self.report,
+                bind=o.bind,
+                engine=o.engine,
+                engine_options=o.engine_options,
+                worker_id=self.worker_id,
+                heartbeat_interval_s=o.heartbeat_interval_s,
+                peer_timeout_s=o.peer_timeout_s,
+                token=o.token,
+                check_local=o.local_checks,
+                bootstrap_timeout_s=o.request_deadline_s,
+                on_request=self._on_request,
+            )
+        except BaseException:
+            self.close_side()
+            raise
+        self.incarnation, self.endpoint = self.agent.incarnation, self.agent.address
+        log.info("prefill %s listening on %s (engine %s, agent)", self.worker_id, self.endpoint, o.engine)
+        return self
+
+    def stop(self) -> None:
+        """Refuse new requests, let those in flight finish for up to ``drain_s``, then end the
+        rest (``prefill shutting down``), say goodbye and release everything. Idempotent."""
+        self._draining.set()
+        deadline = time.monotonic() + self.opts.drain_s
+        while self.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.close_side()
+
+    def close_side(self) -> None:
+        if self._closed:
+            return
+        try:
+            if self.agent is not None:
+                self.agent.close(SHUTTING_DOWN)
+        finally:
+            self._threads.shutdown(wait=True)  # no request thread touches the pools after this
+            super().close_side()
+
+    # -- the agent's I/O thread ---------------------------------------------------------------
+    def _on_request(self, room: int, seq_len: int | None, decode: str) -> None:
+        if self._draining.is_set():
+            raise AgentClosed(SHUTTING_DOWN)
+        if seq_len is None:
+            raise ProtocolError(
+                f"room {room}: this prefill computes a request when asked and needs its token count "
+                "(KVReceiver.init(seq_len=...))"
+            )
+        n = self.in_flight()
+        if n >= self.opts.max_inflight:
+            self.stats.busy()
+            raise PrefillBusy(f"prefill busy: {n} requests in flight (max_inflight {self.opts.max_inflight})")
+        status = RequestStatus(room, RequestState.BOOTSTRAPPING, seq_len, now(), peer=decode)
+        if not self._enter(status):
+            raise ProtocolError(f"room {room} is already in flight on this prefill")
+        try:
+            alloc = self.page_pool.allocate(self.names, seq_len)
+        except PdStateError as exc:
+            self._done(status, None, exc)
+            raise
+        try:
+            self._threads.submit(self._serve, status, alloc)
+        except RuntimeError as exc:  # shutting down: the executor takes no more
+            self.page_pool.free(alloc)
+            self._done(status, None, AgentClosed(SHUTTING_DOWN))
+            raise AgentClosed(SHUTTING_DOWN) from exc
+
+    # -- a request thread ---------------------------------------------------------------------
+    def _serve(self, status: RequestStatus, alloc) -> None:
+        sender, error, compute_s = None, None, 0.0
+        t0 = time.perf_counter()
+        try:
+            synth.fill_source(self.kv_args, status.room, alloc.lists)  # the stand-in for the model
+            compute_s = time.perf_counter() - t0
+            pages = alloc.lists[0]
+            sender = self.agent.sender(status.room, int(pages.size))
+            parts = np.array_split(pages, min(self.chunks, max(1, pages.size)))
+            for part in parts[:-1]:
+                sender.send(part)
+            sender.send(parts[-1], alloc.lists[1:])
+            state = sender.wait(self.opts.request_deadline_s + self.opts.peer_timeout_s)
+            if not state.terminal:
+                sender.abort(f"prefill: no verdict within {self.opts.request_deadline_s:g} s")
+            error = sender.failure_exception()
+        except Exception as exc:  # AgentClosed at shutdown, a refused chunk, a timed-out fence
+            error = exc
+        if sender is None or sender.state.terminal:
+            self.page_pool.free(alloc)  # terminal: fenced, nothing reads these pages any more
+        else:  # pragma: no cover - a wedged engine: keep the pages out of use rather than reuse them
+            log.error("room %d: the sender is still %s after its abort; its pages stay allocated", status.room, sender.state.value)
+        self._done(status, sender, error, time.perf_counter() - t0, compute_s)
+
+    def _done(
+        self, status: RequestStatus, sender, error: BaseException | None, seconds: float = 0.0, compute_s: float = 0.0
+    ) -> None:
+        metrics = {} if sender is None else sender.metrics
+        ok = error is None and sender is not None and sender.state is RequestState.SUCCESS
+        if ok:
+            self.stats.success(int(metrics.get("bytes", 0)), seconds)
+        else:
+            reason = str(error) if error is not None else f"ended {sender.state.value if sender else 'unsent'}"
+            self.stats.fail(reason)
+        self._leave(
+            status.room,
+            {
+                "room": status.room,
+                "decode": status.peer,
+                "seq_len": status.seq_len,
+                "status": "success" if ok else "failed",
+                "error": None if ok or error is None else ErrorInfo.of(error).model_dump(),
+                "bytes": int(metrics.get("bytes", 0)),
+                "seconds": round(seconds, 6),
+                "compute_s": round(compute_s, 6),
+            },
+        )
+
+    # -- status (any thread) ------------------------------------------------------------------
+    def status(self) -> WorkerSnapshot:
+        peers: tuple[PeerStatus, ...] = ()
+        if not self._closed and self.agent is not None and self.agent.alive:
+            try:
+                peers = tuple(_peer(d) for d in self.agent.peers())
+            except (AgentClosed, TimeoutError):
+                peers = ()
+        return WorkerSnapshot(
+            role=self.role,
+            worker_id=self.worker_id,
+            incarnation=self.incarnation,
+            endpoint="" if self._closed else self.endpoint,
+            peers=peers,
+            requests=self._requests(),
+            dead_threads=self._dead_threads(),
+            peak_in_flight=self.peak_in_flight,
+        )
+
+    def finished_records(self) -> list[dict]:
+        with self._lock:
+            return list(self.finished.values())
+
+
+def _peer(d: dict) -> PeerStatus:
+    err = d.get("error")
+    return PeerStatus(
+        d["id"], PeerState(d["state"]), None if err is None else ErrorInfo(**err), d["incarnation"], d["fingerprint"]
+    )
+
+
+__all__ = ["AgentPrefillWorker"]

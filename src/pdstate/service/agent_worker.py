@@ -1,0 +1,174 @@
+"""What ``pdstate serve``'s two agent workers share: their side (pools, report, KVArgs, local
+check), an allocator that callers may wait on, the counters, and the request records kept for
+``/v1/transfers/{room}`` and status.
+
+The workers (``service.agent_prefill``, ``service.agent_decode``) are callers of the embeddable
+agent (``pdstate.agent``) like any serving engine: they own the pools, allocate and free the
+pages, and hand the agent index lists. The synthetic content (``runtime.synth``) is their stand-in
+for the model. They present the status surface ``service.status.WorkerStatus`` reads
+(``status()``, ``stats``, ``free_counts()``, ``lookup()``, ``submit()``, ``reregister()``,
+``stop()``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from pdstate.errors import AllocationError, LocalCheckFailed
+from pdstate.runtime import requests as rq
+from pdstate.runtime.options import WorkerOptions
+from pdstate.runtime.snapshot import RequestStatus
+from pdstate.runtime.stats import Stats
+from pdstate.runtime.worker import build_side, new_incarnation, now
+
+MAX_FINISHED = 10000  # finished requests kept for lookups (oldest dropped first)
+
+
+class AgentStats(Stats):
+    """``runtime.stats.Stats`` whose handshake counts are the agent's own (read at snapshot)."""
+
+    def __init__(self, handshakes: Callable[[], dict[str, int]]) -> None:
+        super().__init__()
+        self._agent_handshakes = handshakes
+
+    def snapshot(self) -> Stats:
+        s = super().snapshot()
+        s.handshakes = dict(self._agent_handshakes())
+        return s
+
+
+class PagePool:
+    """The side's allocator behind a condition: ``allocate(seq_len, wait_s)`` waits (up to
+    ``wait_s``) for pages other requests free; ``free`` wakes the waiters. Safe from any thread."""
+
+    def __init__(self, pools) -> None:
+        self.pools = pools
+        self.names: list[str] | None = None
+        self._freed = threading.Condition()
+        self.waiting = 0
+
+    def allocate(self, names: list[str], seq_len: int, wait_s: float = 0.0) -> rq.Allocation:
+        capacity = rq.capacity_tokens(self.pools)
+        if seq_len > capacity:
+            raise AllocationError(f"seq_len {seq_len} exceeds the pool of {capacity} tokens")
+        deadline = time.monotonic() + wait_s
+        with self._freed:
+            self.waiting += 1
+            try:
+                while True:
+                    try:
+                        return rq.allocate(self.pools, names, seq_len)
+                    except AllocationError:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            raise
+                        self._freed.wait(left)
+            finally:
+                self.waiting -= 1
+
+    def free(self, alloc: rq.Allocation) -> None:
+        with self._freed:
+            rq.free(self.pools, alloc)
+            self._freed.notify_all()
+
+    def counts(self) -> dict[str, int]:
+        with self._freed:
+            return rq.free_counts(self.pools)
+
+
+class AgentWorker:
+    """The side and the bookkeeping of one agent worker (subclassed per role).
+
+    Set in ``start()`` before any request and never reassigned: ``pools``, ``report``, ``kv_args``,
+    ``local_error``, ``agent``. ``_lock`` guards ``_live`` (in-flight requests by room),
+    ``finished`` and ``peak_in_flight``; the counters have their own lock (``stats``).
+    """
+
+    role = ""
+
+    def __init__(self, opts: WorkerOptions) -> None:
+        self.opts = opts
+        self.incarnation = new_incarnation()
+        self.local_error: BaseException | None = None
+        self.agent = None
+        self.pools = None
+        self.stats = AgentStats(lambda: self.agent.handshakes if self.agent is not None else {})
+        self.finished: OrderedDict[int, object] = OrderedDict()
+        self.peak_in_flight = 0
+        self._live: dict[int, RequestStatus] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _open_side(self) -> None:
+        self.pools, self.report, self.kv_args, self.local_error = build_side(self.opts)
+        if self.local_error is not None and self.opts.local_checks:
+            raise LocalCheckFailed(str(self.local_error)) from self.local_error
+        self.page_pool = PagePool(self.pools)
+        self.names = rq.channel_names(self.kv_args)
+
+    # -- requests -----------------------------------------------------------------------------
+    def _enter(self, status: RequestStatus) -> bool:
+        """Record a request as in flight; False when its room already is."""
+        with self._lock:
+            if status.room in self._live:
+                return False
+            self._live[status.room] = status
+            self.peak_in_flight = max(self.peak_in_flight, len(self._live))
+            return True
+
+    def _leave(self, room: int, record) -> None:
+        with self._lock:
+            self._live.pop(room, None)
+            self.finished[room] = record
+            self.finished.move_to_end(room)
+            while len(self.finished) > MAX_FINISHED:
+                self.finished.popitem(last=False)
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def _requests(self) -> tuple[RequestStatus, ...]:
+        with self._lock:
+            return tuple(sorted(self._live.values(), key=lambda r: r.started))
+
+    def free_counts(self) -> dict[str, int]:
+        if self._closed or self.pools is None:
+            return {}
+        return self.page_pool.counts()
+
+    def _dead_threads(self) -> tuple[str, ...]:
+        if self.agent is None or self.agent.alive or self._closed:
+            return ()
+        return (f"pdstate-{self.role}-agent",)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def close_side(self) -> None:
+        """Close the agent (its engine), then the pools. Idempotent; tolerant of a partial start."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.agent is not None:
+                self.agent.close()
+        finally:
+            if self.pools is not None:
+                self.pools.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self):  # pragma: no cover - per role
+        raise NotImplementedError
+
+    def stop(self) -> None:  # pragma: no cover - per role
+        raise NotImplementedError
+
+
+__all__ = ["AgentStats", "AgentWorker", "MAX_FINISHED", "PagePool", "now"]
