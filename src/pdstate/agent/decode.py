@@ -131,8 +131,9 @@ class DecodeAgent(DecodeFrames):
     def prefills(self) -> dict[str, dict]:
         """Every prefill this agent used, by address: ``state``, ``worker_id``, ``incarnation``,
         ``handshakes``, ``error`` (``"Type: message"`` or ``None``), ``error_info`` (the same as
-        ``{"type", "message"}``), ``fingerprint`` (its layout's, from its Accept) and
-        ``handshake_s`` (the latest accepted handshake's round trip)."""
+        ``{"type", "message"}``), ``fingerprint`` (its layout's, from its Accept),
+        ``handshake_s`` (the latest accepted handshake's round trip) and ``registered_s_ago``
+        (seconds since the latest Register went out: how old a refusal is)."""
 
         def snap() -> dict[str, dict]:
             return {
@@ -145,6 +146,7 @@ class DecodeAgent(DecodeFrames):
                     "error_info": None if p.error is None else ErrorInfo.of(p.error).model_dump(),
                     "fingerprint": p.fingerprint,
                     "handshake_s": p.handshake_s,
+                    "registered_s_ago": round(time.monotonic() - p.registered_at, 3),
                 }
                 for a, p in self._prefills.items()
             }
@@ -158,14 +160,19 @@ class DecodeAgent(DecodeFrames):
 
     def connect(self, prefill: str) -> None:
         """Shake hands with the prefill at ``prefill`` now, before any request names it (a
-        service's readiness). Connects when the address is new or its prefill is gone; a prefill
-        that is pending, accepted or refused is left as it is (``reregister`` asks a refusing one
-        again). Returns at once; ``prefills()`` tells the outcome."""
+        service's readiness). A new address is dialled (PENDING until it answers). A gone prefill
+        is dialled again but stays GONE, with its error, until it accepts: call this again to
+        repeat the register (a service's watcher does, every heartbeat interval), while requests
+        that name it meanwhile can still be refused with the reason it went. A prefill that is
+        pending, accepted or refused is left as it is (``reregister`` asks a refusing one again).
+        Returns at once; ``prefills()`` tells the outcome."""
 
         def run() -> None:
             p = self._prefills.get(prefill)
-            if p is None or p.state is PeerState.GONE:
-                self._reconnect(prefill, p)
+            if p is None:
+                self._connect(prefill)
+            elif p.state is PeerState.GONE:
+                self._redial(p)
 
         self._loop.call(run)
 
@@ -242,6 +249,17 @@ class DecodeAgent(DecodeFrames):
             return self._connect(address)
         self._loop.unwatch(old.sock)  # a fresh socket: nothing queued for the dead process
         return self._connect(address, old.handshakes)
+
+    def _redial(self, p: _Prefill) -> None:
+        """Register with a gone prefill again, keeping it GONE (and its error) until it answers."""
+        if p.redial:
+            p.registered_at = time.monotonic()
+            self._send(p, self._handshake.register_message())
+            return
+        error = p.error
+        q = self._reconnect(p.address, p)  # a fresh socket (PENDING), then back to GONE meanwhile
+        move(q, PeerState.GONE)
+        q.error, q.redial = error, True
 
     def _register(self, p: _Prefill) -> None:
         if p.state is not PeerState.PENDING:

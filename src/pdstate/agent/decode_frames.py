@@ -38,7 +38,7 @@ class DecodeFrames:
         if isinstance(msg, (wire.Accept, wire.Reject)):
             self._on_handshake(p, msg)
         elif isinstance(msg, wire.Challenge):
-            if p.state is PeerState.PENDING:  # prove the memory this decode named is its own
+            if p.state is PeerState.PENDING or p.redial:  # prove the memory this decode named is its own
                 proof = self._engine.prove(msg.nonce, f"{self.worker_id}/{self.incarnation}")
                 self._send(p, self._handshake.register_message(proof))
         elif isinstance(msg, wire.Heartbeat):
@@ -65,8 +65,9 @@ class DecodeFrames:
                     recv.record.fail(error_from_wire(msg.error.type, msg.error.message))
 
     def _on_handshake(self, p: _Prefill, msg) -> None:
-        if p.state is not PeerState.PENDING:
+        if p.state is not PeerState.PENDING and not p.redial:
             return
+        p.redial = False
         try:
             accept = self._handshake.receive(msg)
         except (PdStateError, RuntimeError, ValueError) as exc:

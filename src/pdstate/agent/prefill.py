@@ -144,6 +144,19 @@ class PrefillAgent(CopyPipeline, Refusals):
             ]
         )
 
+    def refuse(self, room: int, error: PdStateError) -> bool:
+        """Fail the decode's request for ``room`` that waits for its sender (``on_request``'s
+        caller could not serve it after all): that decode's receiver fails with ``error``.
+        Returns whether such a request was waiting."""
+
+        def run() -> bool:
+            pending = self._pending.pop(room, None)
+            if pending is not None:
+                self._reply(pending.identity, self._done_failed(room, error))
+            return pending is not None
+
+        return self._loop.call(run)
+
     def peers(self) -> list[dict]:
         """Every decode that registered (the latest ``MAX_PEER_LOG``, by worker id): ``id``,
         ``state`` (``accepted``, ``rejected`` or ``gone``), ``incarnation``, ``fingerprint``

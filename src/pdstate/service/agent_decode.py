@@ -25,7 +25,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from pdstate.errors import AgentClosed, PdStateError, PrefillBusy, TransferFailed, TransferTimedOut
+from pdstate.errors import AgentClosed, PdStateError, PrefillBusy, TransferFailed, TransferTimedOut, error_from_wire
 from pdstate.protocol.lifecycle import PeerState, RequestState
 from pdstate.protocol.report import ErrorInfo
 from pdstate.runtime import synth
@@ -52,7 +52,9 @@ class AgentDecodeWorker(AgentWorker):
         super().__init__(opts)
         self.worker_id = opts.worker_id or f"decode-{secrets.token_hex(3)}"
         self._stop = threading.Event()
-        self._threads = ThreadPoolExecutor(max_workers=max(1, opts.max_inflight), thread_name_prefix="pdstate-decode-request")
+        self._threads = ThreadPoolExecutor(
+            max_workers=max(1, opts.max_inflight), thread_name_prefix="pdstate-decode-request"
+        )
         self._futures: dict[int, Future] = {}  # room -> its future, until it completes
 
     def start(self) -> AgentDecodeWorker:
@@ -106,13 +108,15 @@ class AgentDecodeWorker(AgentWorker):
             super().close_side()
 
     def _watch(self) -> None:
-        """Dial the default prefill again whenever it is gone (until stopped)."""
+        """Register again with every gone prefill, each pass, until it is back (or this stops)."""
         pause = max(0.02, self.opts.heartbeat_interval_s / 2)
         while not self._stop.wait(pause):
             try:
-                p = self.agent.prefills().get(self.opts.peer)
-                if p is None or p["state"] == "gone":
-                    self.agent.connect(self.opts.peer)
+                known = self.agent.prefills()
+                for address in [self.opts.peer, *known]:
+                    p = known.get(address)
+                    if p is None or p["state"] == "gone":
+                        self.agent.connect(address)
             except (AgentClosed, TimeoutError):
                 return
             except Exception:  # keep watching: readiness depends on it
@@ -203,8 +207,10 @@ class AgentDecodeWorker(AgentWorker):
             if self._stop.is_set():
                 raise AgentClosed(SHUTTING_DOWN)
             self._make_room(prefill)
+            self._refuse_if_down(prefill)
             alloc = self.page_pool.allocate(self.names, seq_len, wait_s=deadline_s)
-            recv, fenced = self._ask(room, seq_len, prefill, alloc, end, deadline_s)
+            self._refuse_if_down(prefill)  # it may have gone while this request waited for pages
+            recv, fenced = self._ask(room, seq_len, prefill, alloc, end)
             m = recv.metrics
             res.bytes, res.descriptors = int(m.get("bytes", 0)), int(m.get("descriptors", 0))
             res.transfer_s, res.copy_s = float(m.get("transfer_s", 0.0)), float(m.get("copy_s", 0.0))
@@ -217,7 +223,11 @@ class AgentDecodeWorker(AgentWorker):
                 raise TransferFailed(problem)
             res.status, res.verified = "success", True
         except Exception as exc:
-            res.error = ErrorInfo.of(exc) if isinstance(exc, PdStateError) else ErrorInfo(type=type(exc).__name__, message=str(exc))
+            res.error = (
+                ErrorInfo.of(exc)
+                if isinstance(exc, PdStateError)
+                else ErrorInfo(type=type(exc).__name__, message=str(exc))
+            )
         if alloc is not None:
             if fenced:
                 self.page_pool.free(alloc)
@@ -230,20 +240,38 @@ class AgentDecodeWorker(AgentWorker):
             self.stats.fail(res.error.message if res.error else "failed")
         self._finish(status, fut, res)
 
-    def _ask(self, room, seq_len, prefill, alloc, end: float, deadline_s: float):
+    def _refuse_if_down(self, prefill: str) -> None:
+        """A gone prefill (until it accepts again), or one that refused this decode within the
+        last ``peer_timeout_s``, fails the request at once with its reason (an older refusal is
+        asked again: the prefill may have been fixed)."""
+        p = self.agent.prefills().get(prefill)
+        if p is None:
+            return
+        recent = p["registered_s_ago"] < self.opts.peer_timeout_s
+        if p["state"] == "gone" or (p["state"] == "rejected" and recent):
+            info = p["error_info"] or {"type": "PeerGone", "message": f"prefill {prefill} is gone"}
+            raise error_from_wire(info["type"], info["message"])
+
+    def _ask(self, room, seq_len, prefill, alloc, end: float):
         """Receive ``room`` into ``alloc``, asking a busy prefill again until ``end``. Returns
-        the terminal receiver and whether nothing of it can land any more (fenced)."""
+        the terminal receiver and whether nothing of it can land any more (fenced); raises
+        ``TransferFailed`` at the deadline (after the abort's fence)."""
         backoff = BUSY_BACKOFF_S[0]
         while True:
             recv = self.agent.receiver(prefill, room)
             recv.init(alloc.lists[0], alloc.lists[1:], seq_len=seq_len)
             state = recv.wait(max(0.0, end - time.monotonic()))
             if not state.terminal:
+                why = "deadline exceeded"
+                if state is RequestState.BOOTSTRAPPING:
+                    why = f"deadline exceeded: no handshake answer from the prefill at {prefill}"
                 try:
-                    recv.abort(f"request deadline of {deadline_s:g} s passed", timeout_s=self.opts.peer_timeout_s + 5)
+                    recv.abort("deadline exceeded on decode", timeout_s=self.opts.peer_timeout_s + 5)
                 except TransferTimedOut:
                     return recv, False
-                return recv, True
+                if recv.state is RequestState.SUCCESS:  # the verdict came first
+                    return recv, True
+                raise TransferFailed(why)  # fenced: the pages are free to reuse
             if isinstance(recv.failure_exception(), PrefillBusy) and time.monotonic() + backoff < end:
                 self.stats.busy()
                 time.sleep(backoff)
@@ -275,7 +303,9 @@ class AgentDecodeWorker(AgentWorker):
 
 
 def _failed(room: int, seq_len: int, reason: str, prefill: str) -> TransferResult:
-    return TransferResult(room, "failed", seq_len, error=ErrorInfo(type="TransferFailed", message=reason), prefill=prefill)
+    return TransferResult(
+        room, "failed", seq_len, error=ErrorInfo(type="TransferFailed", message=reason), prefill=prefill
+    )
 
 
 def _peer(address: str, d: dict | None) -> PeerStatus:

@@ -3,9 +3,10 @@
 
 A decode's ``AgentRequest`` for a room this worker has no sender for reaches ``_on_request`` (the
 agent's I/O thread): it refuses at once when the worker drains (``prefill shutting down``), when
-the decode named no token count, when ``max_inflight`` requests are in flight (``PrefillBusy``: the
-decode asks again) or when the pools are full; otherwise it allocates the source pages and hands
-the request to a request thread, which fills them, sends them through a ``KVSender`` (in
+the decode named no token count, or when ``max_inflight`` requests are in flight (``PrefillBusy``:
+the decode asks again); otherwise it hands the request to a request thread, which allocates the
+source pages (waiting, up to the request deadline, for pages that finishing requests free; a
+request that cannot fit fails with ``AllocationError``), fills them, sends them through a ``KVSender`` (in
 ``chunks`` chunks, the state with the last) and frees them once the sender is terminal (the agent
 fences a failed one first: nothing reads the pages after).
 
@@ -24,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from pdstate.errors import AgentClosed, PdStateError, PrefillBusy, ProtocolError
+from pdstate.errors import AgentClosed, PdStateError, PrefillBusy, ProtocolError, TransferAborted
 from pdstate.protocol.lifecycle import PeerState, RequestState
 from pdstate.protocol.report import ErrorInfo
 from pdstate.runtime import synth
@@ -96,10 +97,19 @@ class AgentPrefillWorker(AgentWorker):
             return
         try:
             if self.agent is not None:
+                told, ended = self._audience()
                 self.agent.close(SHUTTING_DOWN)
+                log.info("prefill %s stopping: told %d decode(s), ended %d request(s)", self.worker_id, told, ended)
         finally:
             self._threads.shutdown(wait=True)  # no request thread touches the pools after this
             super().close_side()
+
+    def _audience(self) -> tuple[int, int]:
+        """The decodes a goodbye reaches now, and the requests it ends."""
+        try:
+            return len(self.agent.decodes()), self.in_flight()
+        except (AgentClosed, TimeoutError):
+            return 0, self.in_flight()
 
     # -- the agent's I/O thread ---------------------------------------------------------------
     def _on_request(self, room: int, seq_len: int | None, decode: str) -> None:
@@ -118,21 +128,25 @@ class AgentPrefillWorker(AgentWorker):
         if not self._enter(status):
             raise ProtocolError(f"room {room} is already in flight on this prefill")
         try:
-            alloc = self.page_pool.allocate(self.names, seq_len)
-        except PdStateError as exc:
-            self._done(status, None, exc)
-            raise
-        try:
-            self._threads.submit(self._serve, status, alloc)
+            self._threads.submit(self._serve, status)
         except RuntimeError as exc:  # shutting down: the executor takes no more
-            self.page_pool.free(alloc)
             self._done(status, None, AgentClosed(SHUTTING_DOWN))
             raise AgentClosed(SHUTTING_DOWN) from exc
 
     # -- a request thread ---------------------------------------------------------------------
-    def _serve(self, status: RequestStatus, alloc) -> None:
+    def _serve(self, status: RequestStatus) -> None:
         sender, error, compute_s = None, None, 0.0
         t0 = time.perf_counter()
+        try:  # pages other requests still hold are waited for (their senders end soon)
+            alloc = self.page_pool.allocate(self.names, status.seq_len, wait_s=self.opts.request_deadline_s)
+        except PdStateError as exc:
+            self._refuse(status.room, exc)
+            self._done(status, None, exc, time.perf_counter() - t0)
+            return
+        if not self.agent.requested(status.room):  # the decode gave up while the pages were awaited
+            self.page_pool.free(alloc)
+            self._done(status, None, TransferAborted("aborted by decode before its pages were free"), time.perf_counter() - t0)
+            return
         try:
             synth.fill_source(self.kv_args, status.room, alloc.lists)  # the stand-in for the model
             compute_s = time.perf_counter() - t0
@@ -151,8 +165,18 @@ class AgentPrefillWorker(AgentWorker):
         if sender is None or sender.state.terminal:
             self.page_pool.free(alloc)  # terminal: fenced, nothing reads these pages any more
         else:  # pragma: no cover - a wedged engine: keep the pages out of use rather than reuse them
-            log.error("room %d: the sender is still %s after its abort; its pages stay allocated", status.room, sender.state.value)
+            log.error(
+                "room %d: the sender is still %s after its abort; its pages stay allocated",
+                status.room,
+                sender.state.value,
+            )
         self._done(status, sender, error, time.perf_counter() - t0, compute_s)
+
+    def _refuse(self, room: int, error: PdStateError) -> None:
+        try:
+            self.agent.refuse(room, error)
+        except (AgentClosed, TimeoutError):
+            pass  # closed meanwhile: the decode was told "prefill shutting down"
 
     def _done(
         self, status: RequestStatus, sender, error: BaseException | None, seconds: float = 0.0, compute_s: float = 0.0
