@@ -169,7 +169,11 @@ def test_a_killed_prefill_fails_only_its_requests_and_is_shaken_hands_with_again
         10,
         "prefill b gone on the decode",
     )[0]
-    assert peer["error"] == {"type": "PeerGone", "message": f"prefill {ctl['b']} missed heartbeats for 1 s", "fix": None}
+    assert peer["error"] == {
+        "type": "PeerGone",
+        "message": f"prefill {ctl['b']} missed heartbeats for 1 s",
+        "fix": None,
+    }
     res = _post(http, d, 300, ctl["b"])
     assert res["status"] == "failed" and res["error"]["message"] == f"prefill {ctl['b']} missed heartbeats for 1 s"
     for target in (None, ctl["a"]):

@@ -121,7 +121,9 @@ def test_optional_seq_len_is_absent_unless_set_and_round_trips_when_set():
     msg = wire.decode(data)
     assert msg.seq_len == 300 and wire.encode(msg) == data
     assert msg.model_copy(update={"seq_len": None}) == old
-    with pytest.raises(ProtocolError, match=r"invalid agent_request: seq_len: Input should be less than or equal to 16777216"):
+    with pytest.raises(
+        ProtocolError, match=r"invalid agent_request: seq_len: Input should be less than or equal to 16777216"
+    ):
         wire.decode(wire.encode(old.model_copy(update={"seq_len": (1 << 24) + 1})))
 
 

@@ -116,6 +116,7 @@ class DecodeAgent(DecodeFrames):
         self._layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
         self._prefills: dict[str, _Prefill] = {}
         self.handshakes = {"accepted": 0, "rejected": 0}  # answers received, written by the I/O thread only
+        self._redial_s = max(1.0, 2 * heartbeat_interval_s)  # a gone prefill's register, sent again at most this often
         self._recvs: dict[tuple[str, int], _Recv] = {}
         self._last_tick = time.monotonic()
         self._loop = AgentLoop(f"pdstate-decode-{self.worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
@@ -251,10 +252,12 @@ class DecodeAgent(DecodeFrames):
         return self._connect(address, old.handshakes)
 
     def _redial(self, p: _Prefill) -> None:
-        """Register with a gone prefill again, keeping it GONE (and its error) until it answers."""
-        if p.redial:
-            p.registered_at = time.monotonic()
-            self._send(p, self._handshake.register_message())
+        """Register with a gone prefill again on a fresh socket, keeping it GONE (and its error)
+        until it answers. The register waits in the socket until a process listens there; it is
+        sent afresh (new socket, nothing stale queued) only after ``_redial_s`` without an answer
+        and without a frame from that prefill (so a challenge round under way is never cut)."""
+        now = time.monotonic()
+        if p.redial and min(now - p.registered_at, now - p.last_seen) < self._redial_s:
             return
         error = p.error
         q = self._reconnect(p.address, p)  # a fresh socket (PENDING), then back to GONE meanwhile

@@ -72,6 +72,7 @@ class Node:
         from pdstate.pools.memory import SharedMemory
         from pdstate.pools.presets import build_worker_pools
         from pdstate.runtime.requests import channel_names
+        from pdstate.service.agent_worker import PagePool
 
         self.np, self.emit, self.spec = np, emit, spec
         self.role, self.name = spec["role"], spec["name"]
@@ -87,7 +88,7 @@ class Node:
         self.pools = build_worker_pools(settings_from_dict(spec["pool"]), memory=memory)
         self.kv = fill_kv_args(self.pools.target, self.pools.draft)
         self.names = channel_names(self.kv)
-        self.freed = threading.Condition()  # guards the allocator and request slots
+        self.page_pool = PagePool(self.pools)  # the allocator, waited on by the request threads
         self.held: dict[int, threading.Event] = {}  # rooms whose last chunk waits for "release"
         common = dict(
             engine=engine,
@@ -109,35 +110,14 @@ class Node:
             self.address = None
 
     def free(self) -> dict:
-        from pdstate.runtime.requests import free_counts
-
-        with self.freed:
-            return free_counts(self.pools)
+        return self.page_pool.counts()
 
     def _allocate(self, seq_len: int):
         """Allocate, waiting up to ``ALLOC_WAIT_S`` for other requests to free what it needs."""
-        from pdstate.errors import AllocationError
-        from pdstate.runtime.requests import allocate
-
-        if seq_len > self.pools.allocator.size_full:
-            raise AllocationError(f"{seq_len} tokens: more than the pool's {self.pools.allocator.size_full}")
-        deadline = time.monotonic() + ALLOC_WAIT_S
-        with self.freed:
-            while True:
-                try:
-                    return allocate(self.pools, self.names, seq_len)
-                except AllocationError:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise
-                    self.freed.wait(left)
+        return self.page_pool.allocate(self.names, seq_len, wait_s=ALLOC_WAIT_S)
 
     def _release(self, alloc) -> None:
-        from pdstate.runtime.requests import free
-
-        with self.freed:
-            free(self.pools, alloc)
-            self.freed.notify_all()
+        self.page_pool.free(alloc)
 
     def _spawn(self, fn, *args) -> None:
         threading.Thread(target=fn, args=args, daemon=True).start()

@@ -145,7 +145,9 @@ class AgentPrefillWorker(AgentWorker):
             return
         if not self.agent.requested(status.room):  # the decode gave up while the pages were awaited
             self.page_pool.free(alloc)
-            self._done(status, None, TransferAborted("aborted by decode before its pages were free"), time.perf_counter() - t0)
+            self._done(
+                status, None, TransferAborted("aborted by decode before its pages were free"), time.perf_counter() - t0
+            )
             return
         try:
             synth.fill_source(self.kv_args, status.room, alloc.lists)  # the stand-in for the model

@@ -1,0 +1,123 @@
+"""``pdstate serve``'s workers on the agent, both in this process over shared memory: a request
+computed on demand and checked, the busy prefill asked again, the deadline's fenced abort, a
+prefill's drain, and the pages of both sides all free again after each."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from pdstate.service import agent_prefill
+from pdstate.service.agent_decode import AgentDecodeWorker
+from pdstate.service.agent_prefill import AgentPrefillWorker
+from tests.support.pools import ROOMY
+from tests.support.waiting import wait_until
+from tests.support.workers import options
+
+
+class Held:
+    """Holds the prefill's synthetic compute of every request until ``release()``."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.gate, self.entered = threading.Event(), threading.Semaphore(0)
+        real = agent_prefill.synth.fill_source
+
+        def held(desc, room, lists):
+            self.entered.release()
+            self.gate.wait(30)
+            real(desc, room, lists)
+
+        monkeypatch.setattr(agent_prefill.synth, "fill_source", held)
+
+    def wait_entered(self, n: int = 1) -> None:
+        for _ in range(n):
+            assert self.entered.acquire(timeout=10), "no request reached the prefill's compute"
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+@pytest.fixture
+def pair(request):
+    kw = getattr(request, "param", {})
+    p = AgentPrefillWorker(options("prefill", ROOMY, **kw.get("prefill", {}))).start()
+    d = None
+    try:
+        d = AgentDecodeWorker(options("decode", ROOMY, peer=p.endpoint, **kw.get("decode", {}))).start()
+        wait_until("the decode accepted", lambda: d.status().peer.state.value == "accepted", 10)
+        free = (p.free_counts(), d.free_counts())
+        yield p, d
+        stopped = p._closed  # the drain test stops its prefill itself
+        wait_until(
+            "every page free again", lambda: (free[0] if stopped else p.free_counts(), d.free_counts()) == free, 10
+        )
+    finally:
+        if d is not None:
+            d.stop()
+        p.stop()
+
+
+def test_requests_are_computed_on_demand_sent_and_checked(pair):
+    p, d = pair
+    for tokens, verify in ((700, "full"), (0, "full"), (1000, "sample"), (129, "sample")):
+        res = d.submit(tokens, verify=verify).result(30).as_dict()
+        assert (res["status"], res["verified"], res["error"], res["seq_len"]) == ("success", True, None, tokens), res
+        assert (res["bytes"] > 0) == (tokens > 0) and res["prefill"] == p.endpoint
+        assert d.lookup(res["room"]).as_dict() == res
+    assert d.stats.snapshot().transfers == {"success": 4, "failed": 0, "busy": 0}
+    assert p.stats.snapshot().transfers == {"success": 4, "failed": 0, "busy": 0}
+    assert p.stats.snapshot().handshakes == {"accepted": 1, "rejected": 0} == d.stats.snapshot().handshakes
+    (decode,) = p.status().peers
+    assert (decode.id, decode.state.value, decode.incarnation) == (d.worker_id, "accepted", d.incarnation)
+    assert p.finished_records()[-1]["decode"] == d.worker_id
+
+
+@pytest.mark.parametrize("pair", [{"prefill": {"max_inflight": 1}}], indirect=True)
+def test_a_busy_prefill_is_asked_again_until_it_has_room(pair, monkeypatch):
+    p, d = pair
+    held = Held(monkeypatch)
+    first = d.submit(300)
+    held.wait_entered()
+    second = d.submit(500)
+    wait_until("the prefill said busy", lambda: p.stats.snapshot().transfers["busy"] >= 1, 10)
+    assert not second.done()
+    held.release()
+    for fut, tokens in ((first, 300), (second, 500)):
+        res = fut.result(30)
+        assert (res.status, res.verified, res.seq_len) == ("success", True, tokens), res
+    assert d.stats.snapshot().transfers["busy"] >= 1 and d.stats.snapshot().transfers["failed"] == 0
+
+
+def test_a_request_past_its_deadline_fails_and_its_pages_are_free_after_the_fence(pair, monkeypatch):
+    p, d = pair
+    held = Held(monkeypatch)
+    fut = d.submit(300, deadline_s=0.5)
+    held.wait_entered()
+    res = fut.result(30)
+    assert (res.status, res.error.type, res.error.message) == ("failed", "TransferFailed", "deadline exceeded")
+    held.release()  # the prefill finds the decode gone: it frees its pages too (the fixture checks)
+    wait_until("the prefill's request ended", lambda: p.status().in_flight == 0, 10)
+    assert d.submit(300).result(30).status == "success"
+
+
+@pytest.mark.parametrize("pair", [{"prefill": {"drain_s": 10.0}}], indirect=True)
+def test_a_draining_prefill_finishes_what_it_holds_and_refuses_the_rest(pair, monkeypatch):
+    p, d = pair
+    held = Held(monkeypatch)
+    running = d.submit(300)
+    held.wait_entered()
+    stopper = threading.Thread(target=p.stop)
+    stopper.start()
+    wait_until("draining", p._draining.is_set, 5)
+    late = d.submit(200).result(30)
+    assert (late.status, late.error.type, late.error.message) == ("failed", "AgentClosed", "prefill shutting down")
+    held.release()
+    res = running.result(30)
+    assert (res.status, res.verified) == ("success", True)
+    stopper.join(15)
+    assert not stopper.is_alive()
+    wait_until("the decode saw the goodbye", lambda: d.status().peer.state.value == "gone", 5)
+    assert d.status().peer.error.message == "prefill shutting down"
+    gone = d.submit(100).result(30)  # fails at once with the reason the prefill went
+    assert (gone.status, gone.error.type, gone.error.message) == ("failed", "PeerGone", "prefill shutting down")
