@@ -246,6 +246,7 @@ class PrefillAgent(CopyPipeline, Refusals):
             send = self._sends.get(msg.room)
             if send is None or send.record.state.terminal and send.request is not None:
                 self._pending[msg.room] = _Pending(identity, msg)
+                self._refused_rooms.pop(msg.room, None)  # asked for (again): not given up
                 if self._on_request is not None:
                     self._ask_caller(identity, decode.worker_id, msg)
             else:
@@ -349,7 +350,8 @@ class PrefillAgent(CopyPipeline, Refusals):
         if send is not None and send.identity == identity and not send.record.state.terminal:
             self._fail(send, err, tell_decode=True)  # fences, then confirms
             return
-        self._pending.pop(msg.room, None)
+        if self._pending.pop(msg.room, None) is not None:
+            self._give_up(msg.room, err)  # a sender made later for it fails with this (``refusal``)
         self._reply(identity, self._done_failed(msg.room, err))  # nothing of it can land: confirm
 
     def _on_verdict(self, msg: wire.AgentVerdict) -> None:

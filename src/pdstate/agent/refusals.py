@@ -5,6 +5,7 @@ the prefill's senders for those rooms would wait for a request that never comes.
 decode sends an ``Abort`` for each room it gives up, and the prefill fails that room with the very
 error it refused the decode with (upstream's class and text): the live sender at once, or, when
 the caller has not made it yet, the sender made later (``refusal(room)`` tells the caller before).
+A request its decode aborts while it waits for its sender is given up the same way.
 
 ``requested(room)`` says whether a decode's request for ``room`` is waiting for its sender: an
 engine whose prefill learns the page count only after the decode asked (SGLang's scheduler) polls
@@ -57,6 +58,11 @@ class Refusals:
         if send is not None and send.request is None and not send.record.state.terminal:
             self._fail(send, error, tell_decode=False)  # type: ignore[attr-defined]
             return
-        self._refused_rooms[msg.room] = error
+        self._give_up(msg.room, error)
+
+    def _give_up(self, room: int, error: PdStateError) -> None:
+        """``room`` was given up before its sender was made (a refused decode's room, or a
+        request its decode aborted while it waited): ``refusal(room)`` says so, with ``error``."""
+        self._refused_rooms[room] = error
         while len(self._refused_rooms) > MAX_REFUSED_ROOMS:
             self._refused_rooms.popitem(last=False)

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from pdstate.errors import AgentClosed, PdStateError, PrefillBusy, ProtocolError, TransferAborted
+from pdstate.errors import AgentClosed, PdStateError, PrefillBusy, ProtocolError
 from pdstate.protocol.lifecycle import PeerState, RequestState
 from pdstate.protocol.report import ErrorInfo
 from pdstate.runtime import synth
@@ -143,15 +143,12 @@ class AgentPrefillWorker(AgentWorker):
             self._refuse(status.room, exc)
             self._done(status, None, exc, time.perf_counter() - t0)
             return
-        if not self.agent.requested(status.room):  # the decode gave up while the pages were awaited
-            self.page_pool.free(alloc)
-            self._done(
-                status, None, TransferAborted("aborted by decode before its pages were free"), time.perf_counter() - t0
-            )
-            return
         try:
             synth.fill_source(self.kv_args, status.room, alloc.lists)  # the stand-in for the model
             compute_s = time.perf_counter() - t0
+            given_up = self.agent.refusal(status.room)  # its decode aborted while this one waited or computed
+            if given_up is not None:
+                raise given_up
             pages = alloc.lists[0]
             sender = self.agent.sender(status.room, int(pages.size))
             parts = np.array_split(pages, min(self.chunks, max(1, pages.size)))
