@@ -114,6 +114,13 @@ def test_sigterm_through_pdstate_serve_during_a_batch():
             threads = [threading.Thread(target=transfer, args=(room,)) for room in range(1, SERVE_REQUESTS + 1)]
             for t in threads:
                 t.start()
+            rooms = range(1, SERVE_REQUESTS + 1)  # every transfer entered on the decode before the signal
+            wait_until(
+                "every transfer entered on the decode",
+                lambda: all(http.get(f"{decode.url}/v1/transfers/{room}").status_code == 200 for room in rooms),
+                60,
+                pause_s=0.01,
+            )
             wait_until("requests queued on the prefill", lambda: _in_flight(http, prefill.url) >= 2, 60, pause_s=0.01)
             t_term = prefill.term()
             unready = wait_until(
