@@ -109,6 +109,10 @@ def test_close_says_goodbye_and_the_decode_fails_at_once_with_its_reason(sides):
             info = da.prefills()[pa.address]
             assert info["state"] == "gone"
             assert (info["error_info"]["type"], info["error_info"]["message"]) == ("PeerGone", "prefill shutting down")
+            # a caller that redials itself: a request naming the gone prefill fails at once
+            late = da.receiver(pa.address, 42, redial_gone=False)
+            assert late.state is S.FAILED and str(late.failure_exception()) == "prefill shutting down"
+            assert da.prefills()[pa.address]["state"] == "gone"
     finally:
         pa.close()
 

@@ -124,10 +124,12 @@ class DecodeAgent(DecodeFrames):
 
     # --- public ---------------------------------------------------------------------------------
 
-    def receiver(self, prefill: str, room: int) -> KVReceiver:
-        """The receiver of request ``room`` from the prefill agent at ``prefill`` (its address)."""
+    def receiver(self, prefill: str, room: int, *, redial_gone: bool = True) -> KVReceiver:
+        """The receiver of request ``room`` from the prefill agent at ``prefill`` (its address).
+        A gone prefill is dialled afresh for it; with ``redial_gone=False`` the receiver fails at
+        once with the reason that prefill went instead (a caller that redials with ``connect``)."""
         recv = _Recv(RequestRecord(room), prefill)
-        return KVReceiver(self, self._loop.call(lambda: self._add(recv)))
+        return KVReceiver(self, self._loop.call(lambda: self._add(recv, redial_gone)))
 
     def prefills(self) -> dict[str, dict]:
         """Every prefill this agent used, by address: ``state``, ``worker_id``, ``incarnation``,
@@ -270,13 +272,16 @@ class DecodeAgent(DecodeFrames):
         p.error, p.registered_at, p.handshakes = None, time.monotonic(), p.handshakes + 1
         self._send(p, self._handshake.register_message())
 
-    def _add(self, recv: _Recv) -> _Recv:
+    def _add(self, recv: _Recv, redial_gone: bool = True) -> _Recv:
         key = (recv.prefill, recv.record.room)
         old = self._recvs.get(key)
         if old is not None and not old.record.state.terminal:
             raise ProtocolError(f"room {recv.record.room} from {recv.prefill} already has a live receiver")
         self._recvs[key] = recv
         p = self._prefills.get(recv.prefill)
+        if p is not None and p.state is PeerState.GONE and not redial_gone:
+            recv.record.fail(type(p.error)(str(p.error)) if p.error else PeerGone(f"prefill {p.address} is gone"))
+            return recv
         if p is None or p.state is PeerState.GONE:
             p = self._reconnect(recv.prefill, p)
         elif p.state is PeerState.REJECTED:

@@ -126,12 +126,7 @@ class DecodeWorker(VerifyMixin, PrefillLinkMixin, WorkerBase):
         """Ask for one request's state; ``verify`` ("full" | "sample") overrides ``opts.verify``;
         ``prefill`` names the prefill's control address (default ``opts.peer``): a prefill used
         for the first time is dialled and registered with, and the request waits for its answer."""
-        if verify not in (None, "full", "sample"):
-            raise ValueError(f"verify must be 'full' or 'sample', not {verify!r}")
-        if seq_len < 0:
-            raise ValueError(f"seq_len must not be negative, got {seq_len} (0: an empty transfer)")
-        if prefill is not None and (not isinstance(prefill, str) or not prefill.startswith("tcp://")):
-            raise ValueError(f"prefill must be a tcp://host:port control address, not {prefill!r}")
+        rq.check_submit(seq_len, verify, prefill)
         fut: Future = Future()
         room = room if room is not None else secrets.randbits(63)
         d = deadline_s or self.opts.request_deadline_s

@@ -30,6 +30,16 @@ _NO_INDICES = np.empty(0, dtype=np.int64)
 _NO_INDICES.flags.writeable = False  # shared by every empty transfer's lists
 
 
+def check_submit(seq_len: int, verify: str | None, prefill: str | None) -> None:
+    """A decode's ``submit`` arguments, checked the same on every decode (``ValueError``)."""
+    if verify not in (None, "full", "sample"):
+        raise ValueError(f"verify must be 'full' or 'sample', not {verify!r}")
+    if seq_len < 0:
+        raise ValueError(f"seq_len must not be negative, got {seq_len} (0: an empty transfer)")
+    if prefill is not None and (not isinstance(prefill, str) or not prefill.startswith("tcp://")):
+        raise ValueError(f"prefill must be a tcp://host:port control address, not {prefill!r}")
+
+
 def channel_names(desc) -> list[str]:
     return ["main_kv"] + [getattr(t, "value", t) for t in desc.state_types]
 

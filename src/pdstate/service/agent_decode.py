@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pdstate.errors import AgentClosed, PdStateError, PrefillBusy, TransferFailed, TransferTimedOut, error_from_wire
 from pdstate.protocol.lifecycle import PeerState, RequestState
 from pdstate.protocol.report import ErrorInfo
+from pdstate.runtime import requests as rq
 from pdstate.runtime import synth
 from pdstate.runtime.options import WorkerOptions
 from pdstate.runtime.records import TransferResult
@@ -63,24 +64,11 @@ class AgentDecodeWorker(AgentWorker):
         from pdstate.agent import DecodeAgent
 
         o = self.opts
-        try:
-            self._open_side()
-            self.agent = DecodeAgent(
-                self.kv_args,
-                report=self.report,
-                engine=o.engine,
-                engine_options=o.engine_options,
-                worker_id=self.worker_id,
-                heartbeat_interval_s=o.heartbeat_interval_s,
-                peer_timeout_s=o.peer_timeout_s,
-                handshake_timeout_s=max(10.0, o.peer_timeout_s),
-                transfer_timeout_s=max(o.request_deadline_s, 1.0) + o.peer_timeout_s,
-                token=o.token,
-            )
-        except BaseException:
-            self.close_side()
-            raise
-        self.incarnation = self.agent.incarnation
+        self._open_agent(
+            DecodeAgent,
+            handshake_timeout_s=max(10.0, o.peer_timeout_s),
+            transfer_timeout_s=max(o.request_deadline_s, 1.0) + o.peer_timeout_s,
+        )
         self.agent.connect(o.peer)
         watcher = threading.Thread(target=self._watch, name="pdstate-decode-watch", daemon=True)
         watcher.start()
@@ -133,12 +121,7 @@ class AgentDecodeWorker(AgentWorker):
     ) -> Future:
         """One request of ``seq_len`` tokens from ``prefill`` (a ``tcp://host:port`` control
         address; default ``control.peer``); the future's result is a ``TransferResult``."""
-        if verify not in (None, "full", "sample"):
-            raise ValueError(f"verify must be 'full' or 'sample', not {verify!r}")
-        if seq_len < 0:
-            raise ValueError(f"seq_len must not be negative, got {seq_len} (0: an empty transfer)")
-        if prefill is not None and (not isinstance(prefill, str) or not prefill.startswith("tcp://")):
-            raise ValueError(f"prefill must be a tcp://host:port control address, not {prefill!r}")
+        rq.check_submit(seq_len, verify, prefill)
         fut: Future = Future()
         room = room if room is not None else secrets.randbits(63)
         prefill = prefill or self.opts.peer
@@ -157,12 +140,6 @@ class AgentDecodeWorker(AgentWorker):
         except RuntimeError:  # stopped meanwhile
             self._finish(status, fut, _failed(room, seq_len, SHUTTING_DOWN, prefill))
         return fut
-
-    def transfer(
-        self, seq_len: int, room: int | None = None, deadline_s: float | None = None, prefill: str | None = None
-    ) -> TransferResult:
-        d = deadline_s or self.opts.request_deadline_s
-        return self.submit(seq_len, room, d, prefill=prefill).result(timeout=d + self.opts.peer_timeout_s + 5)
 
     def reregister(self) -> None:
         """Register again with every prefill this decode knows (the default one first)."""
@@ -258,7 +235,7 @@ class AgentDecodeWorker(AgentWorker):
         ``TransferFailed`` at the deadline (after the abort's fence)."""
         backoff = BUSY_BACKOFF_S[0]
         while True:
-            recv = self.agent.receiver(prefill, room)
+            recv = self.agent.receiver(prefill, room, redial_gone=False)  # the watcher redials
             recv.init(alloc.lists[0], alloc.lists[1:], seq_len=seq_len)
             state = recv.wait(max(0.0, end - time.monotonic()))
             if not state.terminal:

@@ -60,26 +60,14 @@ class AgentPrefillWorker(AgentWorker):
         from pdstate.agent import PrefillAgent
 
         o = self.opts
-        try:
-            self._open_side()
-            self.agent = PrefillAgent(
-                self.kv_args,
-                report=self.report,
-                bind=o.bind,
-                engine=o.engine,
-                engine_options=o.engine_options,
-                worker_id=self.worker_id,
-                heartbeat_interval_s=o.heartbeat_interval_s,
-                peer_timeout_s=o.peer_timeout_s,
-                token=o.token,
-                check_local=o.local_checks,
-                bootstrap_timeout_s=o.request_deadline_s,
-                on_request=self._on_request,
-            )
-        except BaseException:
-            self.close_side()
-            raise
-        self.incarnation, self.endpoint = self.agent.incarnation, self.agent.address
+        self._open_agent(
+            PrefillAgent,
+            bind=o.bind,
+            check_local=o.local_checks,
+            bootstrap_timeout_s=o.request_deadline_s,
+            on_request=self._on_request,
+        )
+        self.endpoint = self.agent.address
         log.info("prefill %s listening on %s (engine %s, agent)", self.worker_id, self.endpoint, o.engine)
         return self
 

@@ -109,6 +109,28 @@ class AgentWorker:
         self.page_pool = PagePool(self.pools)
         self.names = rq.channel_names(self.kv_args)
 
+    def _open_agent(self, cls, **role_options) -> None:
+        """The side, then the agent (``cls``) over it with this worker's options; what was built
+        is released when either fails."""
+        o = self.opts
+        try:
+            self._open_side()
+            self.agent = cls(
+                self.kv_args,
+                report=self.report,
+                engine=o.engine,
+                engine_options=o.engine_options,
+                worker_id=self.worker_id,
+                heartbeat_interval_s=o.heartbeat_interval_s,
+                peer_timeout_s=o.peer_timeout_s,
+                token=o.token,
+                **role_options,
+            )
+        except BaseException:
+            self.close_side()
+            raise
+        self.incarnation = self.agent.incarnation
+
     # -- requests -----------------------------------------------------------------------------
     def _enter(self, status: RequestStatus) -> bool:
         """Record a request as in flight; False when its room already is."""
