@@ -18,6 +18,12 @@ Layers, each importing only those below it (a test enforces this)::
 Version notes of the public API:
 - 0.1.0: first listed ``__all__`` (names unchanged from the modules they were imported from),
   with the embeddable agent (``PrefillAgent``, ``DecodeAgent``, ``KVSender``, ``KVReceiver``).
+  Then, additions only (names of ``__all__`` unchanged), for callers that compute on demand
+  (``pdstate serve`` runs on them): ``PrefillAgent(on_request=...)``, ``refuse``, ``peers``,
+  ``alive``, ``handshakes`` and ``close(reason)`` (which now says ``Goodbye``);
+  ``DecodeAgent.connect``, ``reregister``, ``forget``, ``alive``, ``handshakes``,
+  ``receiver(..., redial_gone=...)``, and ``prefills()``'s keys ``error_info``,
+  ``fingerprint``, ``handshake_s`` and ``registered_s_ago``; ``KVReceiver.init(seq_len=...)``.
 """
 
 from __future__ import annotations

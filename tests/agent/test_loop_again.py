@@ -48,3 +48,24 @@ def test_one_check_per_key_the_last_given():
         assert seen == ["second"]
     finally:
         loop.stop(lambda: None)
+
+
+def test_a_call_the_ended_loop_never_runs_raises_agent_closed_at_once():
+    """A call queued while the loop ends (an agent closing under a caller's thread) is answered
+    ``AgentClosed`` as soon as the loop has ended, not after the call's 30 s timeout."""
+    import pytest
+
+    from pdstate.errors import AgentClosed
+
+    loop = AgentLoop("ended-test", 0.05, lambda: None)
+    loop.start()
+    try:
+        loop._stopping = True  # the loop ends at its next turn, as in ``stop`` after ``final``
+        loop.post(lambda: None)
+        assert loop._ended.wait(5.0)
+        t0 = time.monotonic()
+        with pytest.raises(AgentClosed, match="the agent is closed"):
+            loop.call(lambda: 1, timeout_s=30.0)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        loop.stop(lambda: None)

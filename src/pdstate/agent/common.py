@@ -96,6 +96,7 @@ class RequestRecord:
             return self.state
 
 
+CALL_CHECK_S = 0.05  # how often a waiting ``call`` looks whether the loop ended under it
 CLOSE_LINGER_MS = 250  # at close, how long queued frames may take to leave before they are dropped
 
 
@@ -118,6 +119,7 @@ class AgentLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._ident: int | None = None
         self._again: dict[int, Callable[[], Any]] = {}  # checks to run in about AGAIN_MS, by key
+        self._ended = threading.Event()  # the thread returned: what is still queued never runs
 
     def start(self) -> None:
         self._thread.start()
@@ -172,8 +174,12 @@ class AgentLoop:
             done.set()
 
         self.post(run)
-        if not done.wait(timeout_s):
-            raise TimeoutError(f"agent I/O thread did not answer within {timeout_s:g} s")
+        deadline = time.monotonic() + timeout_s
+        while not done.wait(min(CALL_CHECK_S, max(0.0, deadline - time.monotonic()))):
+            if self._ended.is_set() and not done.is_set():  # stopped before it ran: it never will
+                raise AgentClosed("the agent is closed")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"agent I/O thread did not answer within {timeout_s:g} s")
         if box[1] is not None:
             raise box[1]
         return box[0]
@@ -206,6 +212,12 @@ class AgentLoop:
             log.exception("pdstate agent I/O thread: unhandled error")
 
     def _run(self) -> None:
+        try:
+            self._turns()
+        finally:
+            self._ended.set()
+
+    def _turns(self) -> None:
         self._ident = threading.get_ident()
         poller_timeout_ms = max(1, int(self._tick_s * 1000))
         next_tick = time.monotonic()
