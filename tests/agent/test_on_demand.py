@@ -151,3 +151,28 @@ def test_connect_keeps_a_gone_prefill_gone_until_a_new_one_accepts(sides):
             assert da.handshakes["accepted"] == 2 and pb.handshakes == {"accepted": 1, "rejected": 0}
         finally:
             pb.close()
+
+
+def test_ended_senders_are_trimmed_and_capped(sides, monkeypatch):
+    """An ended sender is kept (a late AgentRequest or Abort for its room is answered) without its
+    index lists, handles or digest, and only the newest ``MAX_ENDED`` are kept."""
+    from pdstate.agent import prefill as prefill_module
+
+    monkeypatch.setattr(prefill_module, "MAX_ENDED", 2)
+    p, d = sides
+    with _prefill(p) as pa, _decode(d) as da:
+        for room in range(51, 55):
+            recv, send = da.receiver(pa.address, room), pa.sender(room, 1)
+            recv.init([3], [[1], [0], [1]])
+            send.send([1], [[2], [1], [2]])
+            assert recv.wait(10) is S.SUCCESS and send.wait(10) is S.SUCCESS
+        wait_until("the oldest ended senders forgotten", lambda: sorted(pa._sends) == [53, 54], 5)
+        for room in (53, 54):
+            kept = pa._sends[room]
+            assert kept.request is prefill_module.ANSWERED and kept.handles == [] and kept.digest is None
+        # a late request for a kept room is not served twice: it waits for a new sender
+        again = da.receiver(pa.address, 54)
+        again.init([3], [[1], [0], [1]])
+        wait_until("the late request waiting", lambda: pa.requested(54), 5)
+        again.abort("done with it")
+        assert again.state is S.FAILED

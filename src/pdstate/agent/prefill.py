@@ -36,6 +36,20 @@ from pdstate.transfer.planner import PairPlanner
 __all__ = ["KVSender", "PrefillAgent"]
 
 MAX_PEER_LOG = 1024  # decodes ``peers()`` remembers, the least recently registered forgotten first
+KEEP_ENDED_S = 600.0  # an ended sender is kept this long (a late AgentRequest or Abort is answered) ...
+MAX_ENDED = 8192  # ... but no more than this many, the oldest forgotten first
+# an ended sender keeps only that it was requested: this stands for its request (index lists dropped)
+ANSWERED = wire.AgentRequest(
+    room=0, dst_kv_pages=wire.PackedIndices.pack([]), dst_state_indices=[], digest=False, deadline_s=1.0
+)
+
+
+def _trim(send: _Send) -> None:
+    """What an ended sender no longer needs: its handles, digest, queued chunks, index lists."""
+    send.handles, send.digest = [], None
+    send.queued.clear()
+    if send.request is not None:
+        send.request = ANSWERED
 
 
 class PrefillAgent(CopyPipeline, Refusals):
@@ -374,9 +388,14 @@ class PrefillAgent(CopyPipeline, Refusals):
         for identity, d in list(self._decodes.items()):
             if now - d.last_seen > self.peer_timeout_s:
                 self._decode_gone(identity, f"decode {d.worker_id} missed heartbeats for {self.peer_timeout_s:g} s")
-        for room, send in list(self._sends.items()):
-            if send.record.state.terminal and now - send.record.created > 600:
-                del self._sends[room]  # kept a while so a late AgentRequest or Abort is answered
+        ended = 0
+        for room, send in reversed(list(self._sends.items())):  # newest first
+            if send.record.state.terminal:
+                ended += 1
+                if now - send.record.created > KEEP_ENDED_S or ended > MAX_ENDED:
+                    del self._sends[room]  # kept a while so a late AgentRequest or Abort is answered
+                elif send.handles or send.digest is not None or send.request not in (None, ANSWERED):
+                    _trim(send)
                 continue
             if send.record.state is RequestState.BOOTSTRAPPING and now - send.record.created > self.bootstrap_timeout_s:
                 self._fail(
