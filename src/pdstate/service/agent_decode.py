@@ -152,12 +152,7 @@ class AgentDecodeWorker(AgentWorker):
             return res if res is not None else self._live.get(room)
 
     def status(self) -> WorkerSnapshot:
-        known: dict[str, dict] = {}
-        if not self._closed and self.agent is not None and self.agent.alive:
-            try:
-                known = self.agent.prefills()
-            except (AgentClosed, TimeoutError):
-                known = {}
+        known: dict[str, dict] = self._ask_agent(lambda a: a.prefills(), {})
         default = known.get(self.opts.peer)
         peers = [_peer(self.opts.peer, default)] + [_peer(a, d) for a, d in known.items() if a != self.opts.peer]
         return WorkerSnapshot(
@@ -183,10 +178,11 @@ class AgentDecodeWorker(AgentWorker):
         try:
             if self._stop.is_set():
                 raise AgentClosed(SHUTTING_DOWN)
-            self._make_room(prefill)
-            self._refuse_if_down(prefill)
+            known = self.agent.prefills()  # one snapshot: room for a new prefill, and whether it is down
+            self._make_room(prefill, known)
+            self._refuse_if_down(prefill, known)
+            # a prefill gone while this request waited for pages fails it in ``receiver`` (redial_gone=False)
             alloc = self.page_pool.allocate(self.names, seq_len, wait_s=deadline_s)
-            self._refuse_if_down(prefill)  # it may have gone while this request waited for pages
             recv, fenced = self._ask(room, seq_len, prefill, alloc, end)
             m = recv.metrics
             res.bytes, res.descriptors = int(m.get("bytes", 0)), int(m.get("descriptors", 0))
@@ -217,11 +213,11 @@ class AgentDecodeWorker(AgentWorker):
             self.stats.fail(res.error.message if res.error else "failed")
         self._finish(status, fut, res)
 
-    def _refuse_if_down(self, prefill: str) -> None:
+    def _refuse_if_down(self, prefill: str, known: dict[str, dict]) -> None:
         """A gone prefill (until it accepts again), or one that refused this decode within the
         last ``peer_timeout_s``, fails the request at once with its reason (an older refusal is
         asked again: the prefill may have been fixed)."""
-        p = self.agent.prefills().get(prefill)
+        p = known.get(prefill)
         if p is None:
             return
         recent = p["registered_s_ago"] < self.opts.peer_timeout_s
@@ -262,9 +258,8 @@ class AgentDecodeWorker(AgentWorker):
             return synth.verify_sample(self.kv_args, room, lists, spans)
         return synth.verify_destination(self.kv_args, room, lists)
 
-    def _make_room(self, prefill: str) -> None:
+    def _make_room(self, prefill: str, known: dict[str, dict]) -> None:
         """At most ``MAX_PREFILLS`` prefills connected: close an idle one for a new address."""
-        known = self.agent.prefills()
         if prefill in known or len(known) < MAX_PREFILLS:
             return
         for address in known:

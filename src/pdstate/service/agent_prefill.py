@@ -94,10 +94,7 @@ class AgentPrefillWorker(AgentWorker):
 
     def _audience(self) -> tuple[int, int]:
         """The decodes a goodbye reaches now, and the requests it ends."""
-        try:
-            return len(self.agent.decodes()), self.in_flight()
-        except (AgentClosed, TimeoutError):
-            return 0, self.in_flight()
+        return len(self._ask_agent(lambda a: a.decodes(), [])), self.in_flight()
 
     # -- the agent's I/O thread ---------------------------------------------------------------
     def _on_request(self, room: int, seq_len: int | None, decode: str) -> None:
@@ -191,12 +188,7 @@ class AgentPrefillWorker(AgentWorker):
 
     # -- status (any thread) ------------------------------------------------------------------
     def status(self) -> WorkerSnapshot:
-        peers: tuple[PeerStatus, ...] = ()
-        if not self._closed and self.agent is not None and self.agent.alive:
-            try:
-                peers = tuple(_peer(d) for d in self.agent.peers())
-            except (AgentClosed, TimeoutError):
-                peers = ()
+        peers = tuple(_peer(d) for d in self._ask_agent(lambda a: a.peers(), []))
         return WorkerSnapshot(
             role=self.role,
             worker_id=self.worker_id,

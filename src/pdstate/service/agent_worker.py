@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from pdstate.errors import AllocationError, LocalCheckFailed
+from pdstate.errors import AgentClosed, AllocationError, LocalCheckFailed
 from pdstate.runtime import requests as rq
 from pdstate.runtime.options import WorkerOptions
 from pdstate.runtime.snapshot import RequestStatus
@@ -161,6 +161,16 @@ class AgentWorker:
         if self._closed or self.pools is None:
             return {}
         return self.page_pool.counts()
+
+    def _ask_agent(self, read, default):
+        """``read(agent)`` while the agent serves, else (closed, stopping, its thread ended)
+        ``default``: status readers on other threads never raise for a worker going down."""
+        if self._closed or self.agent is None or not self.agent.alive:
+            return default
+        try:
+            return read(self.agent)
+        except (AgentClosed, TimeoutError):
+            return default
 
     def _dead_threads(self) -> tuple[str, ...]:
         if self.agent is None or self.agent.alive or self._closed:

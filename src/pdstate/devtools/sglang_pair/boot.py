@@ -58,11 +58,7 @@ class _AnyMeta(type):
     single callable returns it unchanged (``@triton.jit``, ``@triton.autotune(...)``)."""
 
     def __getattr__(cls, attr: str):
-        if attr.startswith("__") and attr.endswith("__"):
-            raise AttributeError(attr)
-        child = _stand_in(f"{cls.__qualname__}.{attr}")
-        setattr(cls, attr, child)
-        return child
+        return _child(cls, cls.__qualname__, attr)
 
     def __call__(cls, *args, **kwargs):
         if len(args) == 1 and not kwargs and callable(args[0]):
@@ -74,6 +70,15 @@ class _AnyMeta(type):
 
     def __bool__(cls) -> bool:
         return False
+
+
+def _child(owner, name: str, attr: str) -> type:
+    """``owner.attr``: a new stand-in, kept on ``owner`` (dunder names stay missing)."""
+    if attr.startswith("__") and attr.endswith("__"):
+        raise AttributeError(attr)
+    child = _stand_in(f"{name}.{attr}")
+    setattr(owner, attr, child)
+    return child
 
 
 def _stand_in(name: str) -> type:
@@ -91,11 +96,7 @@ class _Anything(types.ModuleType):
         self.__version__ = "0.0.0"
 
     def __getattr__(self, attr: str):
-        if attr.startswith("__") and attr.endswith("__"):
-            raise AttributeError(attr)
-        child = _stand_in(f"{self.__name__}.{attr}")
-        setattr(self, attr, child)
-        return child
+        return _child(self, self.__name__, attr)
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -21,7 +21,14 @@ import logging
 import numpy as np
 
 from pdstate.errors import PdStateError, TransferFailed
-from pdstate.integrations.sglang.states import combine, conclude, conclude_failed, kv_poll, raise_failure
+from pdstate.integrations.sglang.states import (
+    combine,
+    conclude,
+    conclude_failed,
+    concluded,
+    kv_poll,
+    raise_failure,
+)
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
@@ -94,11 +101,9 @@ def build_receiver() -> type:
                 self._fail(exc)
 
         def poll(self) -> int:
-            if self.conclude_state is not None:
-                return self.conclude_state
-            dead = self.kv_mgr.agent_failure()
-            if dead is not None:
-                return self._fail(dead)
+            over = concluded(self)
+            if over is not None:
+                return over
             if not self._recvs:
                 status = self.kv_mgr.request_status.get(self.bootstrap_room, KVPoll.Bootstrapping)
                 if status == KVPoll.Failed:

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from pdstate.errors import PdStateError, TransferFailed
-from pdstate.integrations.sglang.states import conclude, conclude_failed, kv_poll, raise_failure
+from pdstate.integrations.sglang.states import conclude, conclude_failed, concluded, kv_poll, raise_failure
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
@@ -122,11 +122,9 @@ def build_sender() -> type:
             self._agent_send.send(pages, _state_lists(state_indices, n) if last else None)
 
         def poll(self) -> int:
-            if self.conclude_state is not None:
-                return self.conclude_state
-            dead = self.kv_mgr.agent_failure()
-            if dead is not None:
-                return self._fail(dead)
+            over = concluded(self)
+            if over is not None:
+                return over
             status = self.kv_mgr.request_status.get(self.bootstrap_room)
             if status == KVPoll.Failed:  # SGLang's own checks (DP routing conflict, ...)
                 self.conclude_state = KVPoll.Failed

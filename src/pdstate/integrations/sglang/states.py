@@ -44,6 +44,15 @@ def conclude(side, poll: int) -> int:
     return poll
 
 
+def concluded(side) -> int | None:
+    """What ``side.poll()`` returns before it looks at its requests: its conclusion, or Failed
+    (through ``side._fail``) when its rank's agent died; ``None`` when neither."""
+    if side.conclude_state is not None:
+        return side.conclude_state
+    dead = side.kv_mgr.agent_failure()
+    return None if dead is None else side._fail(dead)
+
+
 def conclude_failed(side, reason: str) -> int:
     """End ``side`` (an SGLang sender or receiver over a manager) Failed: the reason recorded for
     its room, the room's status and the side's own conclusion; returns ``KVPoll.Failed``."""
