@@ -179,6 +179,7 @@ def examples() -> dict[str, wire.Message]:
             ),
         ),
         wire.Busy(room=8, in_flight=64, limit=64),
+        wire.Landed(room=9, pages=2, state_landed=True),
         wire.Goodbye(worker_id="prefill-0", incarnation="fedcba9876543210", reason="prefill shutting down"),
         wire.Challenge(
             worker_id="prefill-0",

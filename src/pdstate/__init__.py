@@ -24,6 +24,10 @@ Version notes of the public API:
   ``DecodeAgent.connect``, ``reregister``, ``forget``, ``alive``, ``handshakes``,
   ``receiver(..., redial_gone=...)``, and ``prefills()``'s keys ``error_info``,
   ``fingerprint``, ``handshake_s`` and ``registered_s_ago``; ``KVReceiver.init(seq_len=...)``.
+  Then, additions only, for digests beside the copy (wire ``Landed``): ``PrefillAgent(
+  landed_piece_bytes=...)`` (default 0, whole chunks), and the receiver's metrics ``landed``
+  (notices hashed early) and ``digest_hashing_s`` (all hashing time; ``digest_s`` is now the part
+  after ``TransferDone``, the part not hidden).
 """
 
 from __future__ import annotations

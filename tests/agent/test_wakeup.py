@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
@@ -28,10 +30,15 @@ def test_mooncake_landing_wakes_the_prefill_without_a_tick(monkeypatch):
         recv, send = da.receiver(pa.address, 3), pa.sender(3, 2)
         recv.init([3, 4], [[1], [0], [1]])
         send.send([1])
+        deadline = time.monotonic() + 20
+        while recv.metrics.get("landed") != 1:  # the first chunk told landed (digest on), woken by the engine
+            assert time.monotonic() < deadline, recv.metrics
+            time.sleep(0.005)
         send.send([2], [[2], [1], [2]])
         assert recv.wait(20) is RequestState.SUCCESS, recv.failure_exception()
         assert send.wait(20) is RequestState.SUCCESS, send.failure_exception()
         assert send.landed and send.metrics["chunks"] == 2 and polled == []
+        assert recv.metrics["landed"] == 1  # the last chunk is told by TransferDone
         moves = [(0, [1, 2], [3, 4]), (1, [2], [1]), (2, [1], [0]), (3, [2], [1])]
         assert_images_equal(snapshot(d.kv_args), expected(before, src, d.kv_args, moves))
     finally:

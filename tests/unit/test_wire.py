@@ -681,6 +681,8 @@ def test_plain_kinds_encode_byte_for_byte_as_their_model_dump():
         wire.Abort(room=5, reason="deadline exceeded on decode"),
         wire.Error(error=ErrorInfo(type="ProtocolError", message="bad"), room=None),
         wire.Error(error=ErrorInfo(type="NotRegistered", message="who"), room=6),
+        wire.Landed(room=7, pages=0),
+        wire.Landed(room=(1 << 63) - 1, pages=12, state_landed=True),
     ]
     assert {type(m) for m in msgs} == wire._PLAIN
     for msg in msgs:

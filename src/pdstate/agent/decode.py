@@ -329,6 +329,7 @@ class DecodeAgent(DecodeFrames):
         if recv.record.state is not _S.TRANSFERRING:  # else: sent again to a restarted prefill
             recv.record.move(_S.TRANSFERRING)
         recv.sent_at = time.monotonic()
+        recv.digest, recv.hashed = None, (0, False)  # sent again: everything lands again
         self._send(p, recv.request)
 
     def _abort(self, recv: _Recv, reason: str) -> None:

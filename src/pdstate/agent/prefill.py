@@ -46,7 +46,7 @@ ANSWERED = wire.AgentRequest(
 
 def _trim(send: _Send) -> None:
     """What an ended sender no longer needs: its handles, digest, queued chunks, index lists."""
-    send.handles, send.digest = [], None
+    send.handles, send.digest, send.marks = [], None, []
     send.queued.clear()
     if send.request is not None:
         send.request = ANSWERED
@@ -70,6 +70,14 @@ class PrefillAgent(CopyPipeline, Refusals):
     the request: the decode's receiver fails with that error. ``seq_len`` is the decode's
     ``KVReceiver.init(seq_len=...)``, ``None`` when it gave none.
 
+    Digests: for a decode that asked for them, each chunk that lands before the last is told to
+    the decode (``wire.Landed``), which hashes it while the rest copies. ``landed_piece_bytes``
+    (0: off) cuts a chunk of over twice that into pieces of about that size, state and aux first,
+    each told once landed: for hosts where the decode has cores the copy leaves idle. Measured on
+    2 cores it costs: a 32k-token request over shm took 23.4 ms in 32 MiB pieces and 34.2 ms in
+    8 MiB pieces against 21.9 ms whole (the decode's hashing takes a core from the copy), and over
+    Mooncake SGLang's two chunks gained nothing from pieces.
+
     Threading (``pdstate.agent``): one I/O thread owns the socket, the engine's submissions and
     every request's state; every public method is safe from any thread. The caller keeps a chunk's
     source pages unchanged until its sender left TRANSFERRING (engines read them asynchronously;
@@ -92,6 +100,7 @@ class PrefillAgent(CopyPipeline, Refusals):
         check_local: bool = True,
         bootstrap_timeout_s: float = 300.0,
         on_request: Callable[[int, int | None, str], None] | None = None,
+        landed_piece_bytes: int = 0,
     ) -> None:
         if report is None:
             if pools is None:
@@ -106,6 +115,8 @@ class PrefillAgent(CopyPipeline, Refusals):
         self.heartbeat_interval_s, self.peer_timeout_s = heartbeat_interval_s, peer_timeout_s
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self._on_request = on_request
+        if landed_piece_bytes < 0:
+            raise ValueError(f"landed_piece_bytes must be >= 0 (0: whole chunks), got {landed_piece_bytes}")
         self._engine: TransferEngine = create_engine(engine, **(engine_options or {}))
         self._engine.start()
         try:
@@ -113,6 +124,7 @@ class PrefillAgent(CopyPipeline, Refusals):
         except BaseException:
             self._engine.close()
             raise
+        self.landed_piece_bytes = landed_piece_bytes
         kv = wire.KVDesc.of(kv_args)
         self._handshake = PrefillHandshake(
             LocalSide(

@@ -71,38 +71,89 @@ class CopyPipeline:
                 return
         if send.pages_sent == send.num_pages and send.all_submitted and not send.done_sent:
             self._finish_if_landed(send)
+        elif send.marks:  # a digest request's chunk still copying: tell the decode once it landed
+            wake_when_landed(self._engine, self._loop, send, self._finish_if_landed)
 
     def _submit_chunk(self, send: _Send, decode: _Decode, pages: np.ndarray, state) -> None:
         req = send.request
         dst_pages = req.dst_kv_pages.unpack()[send.pages_sent : send.pages_sent + pages.size]
         n_comp = len(self.kv_args.state_types)
-        if state is None:
-            src_lists = [pages] + [np.empty(0, dtype=np.int64)] * n_comp
-            dst_lists = [dst_pages] + [np.empty(0, dtype=np.int64)] * n_comp
-        else:
-            if len(state) != n_comp or len(req.dst_state_indices) != n_comp:
-                raise IndexCountMismatch(
-                    f"state index lists: prefill sent {len(state)}, decode sent "
-                    f"{len(req.dst_state_indices)}, layout has {n_comp} components"
-                )
-            src_lists = [pages, *state]
-            dst_lists = [dst_pages, *(p.unpack() for p in req.dst_state_indices)]
-        plan = decode.planner.plan(src_lists, dst_lists)
+        none = [np.empty(0, dtype=np.int64)] * n_comp
+        if state is not None and (len(state) != n_comp or len(req.dst_state_indices) != n_comp):
+            raise IndexCountMismatch(
+                f"state index lists: prefill sent {len(state)}, decode sent "
+                f"{len(req.dst_state_indices)}, layout has {n_comp} components"
+            )
         last = state is not None
-        if last and req.dst_aux is not None:
-            plan = _with_aux(plan, self.kv_args, req.dst_aux, send.aux_index)
-        aux = [(len(src_lists), np.array([send.aux_index]))] if last and req.dst_aux is not None else []
-        handle = submit_digested(self._engine, decode.peer_id, plan, send.digest, [*enumerate(src_lists), *aux])
-        send.handles.append(handle)
+        aux = last and req.dst_aux is not None
+        dst_state = [p.unpack() for p in req.dst_state_indices] if last else none
+        pieces = self._pieces(send, pages.size, state if last else None)
+        for k, (lo, hi, with_state) in enumerate(pieces):
+            src_lists = [pages[lo:hi], *(state if with_state else none)]
+            dst_lists = [dst_pages[lo:hi], *(dst_state if with_state else none)]
+            plan = decode.planner.plan(src_lists, dst_lists)
+            if with_state and aux:
+                plan = _with_aux(plan, self.kv_args, req.dst_aux, send.aux_index)
+            updates = [
+                *enumerate(src_lists),
+                *([(len(src_lists), np.array([send.aux_index]))] if with_state and aux else []),
+            ]
+            handle = submit_digested(self._engine, decode.peer_id, plan, send.digest, updates)
+            send.handles.append(handle)
+            send.bytes += plan.total_bytes
+            send.descriptors += len(plan)
+            if send.digest is not None:
+                state_after = with_state or (bool(send.marks) and send.marks[-1][2]) or send.told[1]
+                send.marks.append((handle, send.pages_sent + hi, state_after))
+                if not (last and k == len(pieces) - 1) and self._engine.poll(handle):
+                    self._tell_landed(send)  # landed already (shm copies on submit): say so now
         send.pages_sent += pages.size
-        send.bytes += plan.total_bytes
-        send.descriptors += len(plan)
         send.chunks += 1
         if last:
             send.all_submitted = True
 
+    def _pieces(self, send: _Send, n_pages: int, state) -> list[tuple[int, int, bool]]:
+        """How one chunk is submitted: ``(first page, end page, with state and aux)`` per piece.
+        One piece, unless the decode hashes what landed (digest) and ``landed_piece_bytes`` is
+        set: then a chunk over twice that goes in pieces of about that size, state and aux first,
+        each told to the decode once landed (``wire.Landed``)."""
+        whole = [(0, n_pages, state is not None)]
+        piece = self.landed_piece_bytes
+        page_bytes = sum(self.kv_args.kv_item_lens)
+        if send.digest is None or piece <= 0 or page_bytes == 0:
+            return whole
+        state_bytes = 0
+        if state is not None:
+            state_bytes = sum(len(s) * sum(i) for s, i in zip(state, self.kv_args.state_item_lens))
+        if n_pages * page_bytes + state_bytes < 2 * piece:
+            return whole
+        k = max(1, round(n_pages * page_bytes / piece))
+        cuts = [n_pages * j // k for j in range(k + 1)]
+        main = [(lo, hi, False) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
+        return ([(0, 0, True)] if state is not None else []) + main
+
+    def _tell_landed(self, send: _Send) -> None:
+        """Tell the decode how much of the request has landed (``wire.Landed``), if more than it
+        was told and not all of it (``TransferDone`` says that)."""
+        told = send.told
+        try:
+            while send.marks and self._engine.poll(send.marks[0][0]):
+                _, pages, state = send.marks.pop(0)
+                told = (pages, state)
+        except EngineError:
+            return  # the request fails on its way to TransferDone
+        if told == send.told or (send.all_submitted and not send.marks):
+            send.told = told
+            return
+        send.told = told
+        self._reply(send.identity, wire.Landed(room=send.record.room, pages=told[0], state_landed=told[1]))
+
     def _finish_if_landed(self, send: _Send) -> None:
-        if not send.all_submitted or send.done_sent or send.record.state.terminal:
+        if send.done_sent or send.record.state.terminal:
+            return
+        if send.marks:
+            self._tell_landed(send)
+        if not send.all_submitted:
             return
         try:
             if not all(self._engine.poll(h) for h in send.handles):  # landing off this thread

@@ -11,6 +11,7 @@ import numpy as np
 import zmq
 
 from pdstate.agent.common import RequestRecord
+from pdstate.agent.digest import RequestDigest
 from pdstate.errors import (
     PdStateError,
     TransferTimedOut,
@@ -54,6 +55,10 @@ class _Recv:
     sent: bool = False
     aborting: str | None = None
     sent_at: float | None = None
+    # digest on: what landed so far is hashed early (``wire.Landed``): the digest, and how far it
+    # got (main-KV pages of ``request.dst_kv_pages``, state and aux)
+    digest: RequestDigest | None = None
+    hashed: tuple[int, bool] = (0, False)
 
 
 class KVReceiver:

@@ -64,8 +64,12 @@ class _Send:
     chunks: int = 0
     all_submitted: bool = False
     done_sent: bool = False
-    woken: bool = False  # a wake-up is asked of the engine for when the handles finish
+    watched: int = 0  # handles[:watched] have a wake-up asked of the engine for when they finish
     started: float = 0.0
+    # digest requests: (handle, main-KV pages landed once it finishes, state and aux landed then),
+    # in submission order, not yet told to the decode; and what was told (``wire.Landed``)
+    marks: list[tuple[TransferHandle, int, bool]] = field(default_factory=list)
+    told: tuple[int, bool] = (0, False)
 
 
 class KVSender:
@@ -137,13 +141,11 @@ def _with_aux(plan: TransferPlan, kv_args, dst_aux: wire.AuxDest, aux_index: int
 def wake_when_landed(engine, loop, send: _Send, landed) -> bool:
     """Run ``landed(send)`` on the I/O thread as soon as each of the request's handles finishes, on
     engines that say when (``on_done``: Mooncake's worker), with no polling meanwhile; asked once
-    per request. False when the engine cannot say (the caller polls: ``AgentLoop.again``)."""
+    per handle (those submitted since the last call). False when the engine cannot say (the
+    caller polls: ``AgentLoop.again``)."""
     on_done = getattr(engine, "on_done", None)
     if on_done is None:
         return False
-    if send.woken:
-        return True
-    send.woken = True
 
     def wake() -> None:  # on the engine's thread: only hand over
         try:
@@ -151,6 +153,7 @@ def wake_when_landed(engine, loop, send: _Send, landed) -> bool:
         except AgentClosed:
             pass  # closing: the fence settles the request
 
-    for h in send.handles:
+    for h in send.handles[send.watched :]:
         on_done(h, wake)
+    send.watched = len(send.handles)
     return True

@@ -41,6 +41,12 @@ change of a message's fields):
   (``OMIT_WHEN_NONE``). A decode sets it only for a prefill that computes the request's state on
   demand (``pdstate serve`` on the agent); a prefill without the field refuses such a request
   (``invalid agent_request: seq_len: Extra inputs are not permitted``), which fails it.
+  v1 then gained ``Landed`` (prefill -> decode, agents; golden vector ``landed``), leaving every
+  earlier message and golden vector byte-identical: for a request with ``digest`` set, the
+  prefill says how much of it has landed (a prefix of the decode's page list, and whether the
+  state and aux have) before its ``TransferDone``, so the decode hashes those bytes while the rest
+  still copies. It is advisory: a decode without it drops the frame (unknown kind) and hashes
+  everything after ``TransferDone``, the verdict is the same either way.
 """
 
 from __future__ import annotations
@@ -245,6 +251,19 @@ class AgentVerdict(Message):
     error: ErrorInfo | None = None
 
 
+class Landed(Message):
+    """Prefill -> decode (agent, ``digest`` requests only): these bytes of ``room`` are in the
+    decode's memory and the prefill writes them no more: the first ``pages`` entries of its
+    ``dst_kv_pages`` and, with ``state_landed``, its state indices and aux slot. Cumulative and
+    advisory: the decode may hash them before ``TransferDone``; the verdict still compares the
+    digests of the whole request."""
+
+    KIND: ClassVar[str] = "landed"
+    room: I63
+    pages: I63
+    state_landed: bool = False
+
+
 class Abort(Message):
     KIND: ClassVar[str] = "abort"
     room: I63
@@ -302,6 +321,7 @@ MESSAGES: dict[str, type[Message]] = {
         AgentVerdict,
         Goodbye,
         Challenge,
+        Landed,
     )
 }
 
@@ -395,7 +415,7 @@ def decode(frame: bytes, token: bytes | None = None, max_frame_bytes: int = MAX_
 # ``model_dump``, so the same bytes; measured 5 us for a TransferRequest against 8). Decoding stays
 # with ``model_validate``: pydantic-core validates a TransferRequest in ~5 us and a TransferDone in
 # ~2, and a strict shape check in Python followed by ``model_construct`` measured 2-3x slower.
-_PLAIN = frozenset({TransferRequest, TransferDone, Heartbeat, Busy, Abort, Error})
+_PLAIN = frozenset({TransferRequest, TransferDone, Heartbeat, Busy, Abort, Error, Landed})
 
 
 def json_schemas() -> dict[str, dict]:
