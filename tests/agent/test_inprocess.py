@@ -212,3 +212,18 @@ def test_digest_off():
         pa.close()
         p.close()
         d.close()
+
+
+def test_an_empty_request_makes_no_engine_call(pair):
+    """Zero pages and no state (the control path alone): Success on both sides, bytes 0, and the
+    engine is never asked to move anything."""
+    pa, da = pair
+    calls: list[object] = []
+    original = pa._engine.submit
+    pa._engine.submit = lambda *a, **k: (calls.append(a), original(*a, **k))[1]
+    recv, send = da.receiver(pa.address, 31), pa.sender(31, 0)
+    recv.init([], [[], [], []])
+    send.send([], [[], [], []])
+    assert recv.wait(10) is RequestState.SUCCESS, recv.failure_exception()
+    assert send.wait(10) is RequestState.SUCCESS, send.failure_exception()
+    assert calls == [] and recv.metrics["bytes"] == send.metrics["bytes"] == 0

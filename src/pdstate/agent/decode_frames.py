@@ -122,11 +122,11 @@ class DecodeFrames:
                     f"from the prefill's digest of the bytes it sent ({msg.digest.hex()})"
                 )
         if verdict_error is None:
+            rec.move(_S.SUCCESS)  # the outcome is known here: the prefill is told after
             self._send(p, wire.AgentVerdict(room=msg.room, status="success"))
-            rec.move(_S.SUCCESS)
         else:
-            self._send(p, wire.AgentVerdict(room=msg.room, status="failed", error=ErrorInfo.of(verdict_error)))
             rec.fail(verdict_error)
+            self._send(p, wire.AgentVerdict(room=msg.room, status="failed", error=ErrorInfo.of(verdict_error)))
 
     def _on_landed(self, p: _Prefill, msg: wire.Landed) -> None:
         """Hash what the prefill says has landed, in the background, while the rest copies."""

@@ -98,14 +98,16 @@ class CopyPipeline:
                 *enumerate(src_lists),
                 *([(len(src_lists), np.array([send.aux_index]))] if with_state and aux else []),
             ]
-            handle = submit_digested(self._engine, decode.peer_id, plan, send.digest, updates)
-            send.handles.append(handle)
+            handle = None  # an empty plan moves nothing: no engine call
+            if len(plan):
+                handle = submit_digested(self._engine, decode.peer_id, plan, send.digest, updates)
+                send.handles.append(handle)
             send.bytes += plan.total_bytes
             send.descriptors += len(plan)
             if send.digest is not None:
                 state_after = with_state or (bool(send.marks) and send.marks[-1][2]) or send.told[1]
                 send.marks.append((handle, send.pages_sent + hi, state_after))
-                if not (last and k == len(pieces) - 1) and self._engine.poll(handle):
+                if not (last and k == len(pieces) - 1) and (handle is None or self._engine.poll(handle)):
                     self._tell_landed(send)  # landed already (shm copies on submit): say so now
         send.pages_sent += pages.size
         send.chunks += 1
@@ -137,7 +139,7 @@ class CopyPipeline:
         was told and not all of it (``TransferDone`` says that)."""
         told = send.told
         try:
-            while send.marks and self._engine.poll(send.marks[0][0]):
+            while send.marks and (send.marks[0][0] is None or self._engine.poll(send.marks[0][0])):
                 _, pages, state = send.marks.pop(0)
                 told = (pages, state)
         except EngineError:

@@ -68,7 +68,7 @@ class _Send:
     started: float = 0.0
     # digest requests: (handle, main-KV pages landed once it finishes, state and aux landed then),
     # in submission order, not yet told to the decode; and what was told (``wire.Landed``)
-    marks: list[tuple[TransferHandle, int, bool]] = field(default_factory=list)
+    marks: list[tuple[TransferHandle | None, int, bool]] = field(default_factory=list)  # None: nothing to move
     told: tuple[int, bool] = (0, False)
 
 
