@@ -4,6 +4,8 @@ today's worker path and the ceiling, and the summary carries its ratios and dige
 from __future__ import annotations
 
 from pdstate.devtools import bench, bench_agent, bench_report
+from pdstate.devtools.baselines import thread_counts
+from pdstate.transfer.engines.shm_copy import host_cores
 from tests.support.bench import fake_bench_result
 
 
@@ -35,17 +37,28 @@ def test_an_agent_phase_on_tiny_fills_the_summary_keys_with_numbers():
     lines: list[str] = []
     bench_agent.phase(src, dst, [300], 2, results, lines.append, preset_name="tiny")
     names = {k.split(":", 2)[2] for k in results["paths"] if k.startswith("paged:agent:")}
-    assert names == {
-        "ceiling",
-        "ceiling_memmove",
-        "ceiling_gather_scatter",
-        "pdstate_shm",
-        "agent_shm",
-        "agent_shm_digest",
-    }
+    physical = {f"physical_{k}t" for k in thread_counts(host_cores())} | {"physical"}
+    assert (
+        names
+        == {
+            "ceiling",
+            "ceiling_memmove",
+            "ceiling_gather_scatter",
+            "pdstate_shm",
+            "agent_shm",
+            "agent_shm_digest",
+        }
+        | physical
+    )
     assert results["paths"]["paged:agent:agent_shm_digest"]["300"]["seconds"]["n"] == 2
     results["ratios"] = bench_report.ratios(results)
-    for key in ("agent_vs_ceiling", "agent_digest_vs_ceiling", "agent_vs_worker", "agent_digest_vs_worker"):
+    for key in (
+        "agent_vs_ceiling",
+        "agent_digest_vs_ceiling",
+        "agent_vs_worker",
+        "agent_digest_vs_worker",
+        "shm_vs_physical",
+    ):
         assert isinstance(results["ratios"][f"{key}_by_length"]["300"], float)
     digest = bench_report.agent_digest_ms(results)
     assert set(digest["300"]) == {"decode", "prefill"}

@@ -18,8 +18,11 @@ interleaved round-robin in one process run (these machines are shared; ratios, n
   ``pdstate_<engine>_full_verify`` is the same with every byte read back. The parts
   (``transfer_s``, ``copy_s``, ``verify_s``) are kept under ``parts``.
 
-``agent_shm`` / ``agent_shm_digest`` (the embeddable agent, digests off and on) run in a phase of
-their own beside today's path (``pdstate_shm``) and the ceiling: see ``devtools.bench_agent``.
+``agent_shm`` / ``agent_shm_digest`` (the embeddable agent, digests off and on: ``pdstate serve``'s
+path and an engine's) run in a phase of their own beside today's path (``pdstate_shm``), the
+ceiling and the physical limit: see ``devtools.bench_agent``. The headline shm ratios
+(``shm_vs_ceiling``, ``shm_vs_physical``, ``shm_digest_vs_ceiling``) are that phase's; today's
+worker pair keeps its own (``worker_shm_vs_*``): see ``bench_report.ratios``.
 
 Each engine runs in its own phase (its pair and native agents alone, the ceiling measured again
 beside it): an idle NIXL agent keeps a core busy, which would tax everything else on a small host.
@@ -336,12 +339,16 @@ def bench_control(runs: int) -> dict:
 
     Handshakes are measured in-process on the ``dsv4-flash`` layout (the decode re-registers; the
     prefill re-validates the whole report and descriptors each time) and, as a first contact,
-    with fresh ``tiny`` decodes. The control overhead is an empty transfer (``seq_len`` 0: a
-    request slot on each side, no bytes) between two worker processes, request sent ->
-    TransferDone received and verified. Beside it, a 1-token ``tiny`` request (1.3 MB of state):
-    its latency, and what is left of it without the time spent on its bytes (the prefill's
-    synthetic compute and copy, the decode's verification).
+    with fresh ``tiny`` decodes. The control overhead (``control_overhead_ms``) is an empty
+    transfer (no pages, no state: a request on each side, no bytes) between a prefill agent and a
+    decode agent process (``bench_agent.AgentNodes``, digests off), the receiver's request sent ->
+    Success; ``worker_control_overhead_ms`` is the same between today's two worker processes
+    (``seq_len`` 0, request sent -> TransferDone received and verified), interleaved with it.
+    Beside them, a 1-token ``tiny`` request on today's pair (1.3 MB of state): its latency, and
+    what is left of it without the time spent on its bytes (the prefill's synthetic compute and
+    copy, the decode's verification).
     """
+    from pdstate.devtools.bench_agent import AgentNodes
     from pdstate.runtime.decode import DecodeWorker
     from pdstate.runtime.options import WorkerOptions
     from pdstate.runtime.prefill import PrefillWorker
@@ -373,12 +380,18 @@ def bench_control(runs: int) -> dict:
         p.stop()
     out["first_handshake_tiny_ms"] = median_range(first)
     _, run, _, close = _pdstate_pair("shm", "paged", preset_name="tiny")
-    empty, total, rest = [], [], []
+    try:
+        nodes = AgentNodes(_settings("paged", "tiny"))
+    except BaseException:
+        close()
+        raise
+    empty, agent_empty, total, rest = [], [], [], []
     parts: dict[str, list[float]] = {"compute_s": [], "copy_s": [], "verify_s": []}
     try:
         for _ in range(3):
-            run(0), run(1)
-        for _ in range(runs * 5):  # interleaved: an empty transfer, then a 1-token request
+            run(0), run(1), nodes.run(0, False)
+        for _ in range(runs * 5):  # interleaved: an empty transfer on each path, then a 1-token request
+            agent_empty.append(nodes.run(0, False)["transfer_s"] * 1e3)
             empty.append(run(0, "sample")["transfer_s"] * 1e3)
             r = run(1, "sample")
             total.append(r["transfer_s"] * 1e3)
@@ -386,8 +399,10 @@ def bench_control(runs: int) -> dict:
             for k in parts:
                 parts[k].append(r[k] * 1e3)
     finally:
+        nodes.close()
         close()
-    out["control_overhead_ms"] = median_range(empty)
+    out["control_overhead_ms"] = median_range(agent_empty)
+    out["worker_control_overhead_ms"] = median_range(empty)
     out["zmq_round_trip_ms"] = zmq_round_trip(runs * 5)
     out["request_1_token_ms"] = median_range(total)
     out["request_1_token_overhead_ms"] = median_range(rest)

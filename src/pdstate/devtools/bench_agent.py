@@ -4,6 +4,8 @@ in-process ceiling, interleaved in one phase (same run, so the ratios are same-r
 On the shm engine and the paged ``dsv4-flash`` layout (target + draft), per request length:
 
 - ``ceiling_memmove`` / ``ceiling_gather_scatter`` (and ``ceiling``, the better): as in every phase;
+- ``physical_<k>t`` (and ``physical``, the best): the physical limit, as in the paged shm phase;
+  the headline ``shm_vs_physical`` and ``physical_limit_gbps`` come from this phase;
 - ``pdstate_shm``: today's path, a prefill and decode worker process pair (``bench._pdstate_pair``),
   measured as in the shm phase (the decode's ``transfer_s`` less the prefill's synthetic compute,
   ``verify="sample"`` included);
@@ -27,7 +29,7 @@ import time
 from collections.abc import Callable
 
 from pdstate.devtools import bench
-from pdstate.devtools.baselines import gather_scatter, memmove_loop
+from pdstate.devtools.baselines import gather_scatter, memmove_loop, physical_copy
 from pdstate.runtime import requests as rq
 
 ENGINE = "agent"  # the phase's name in ``paths`` (``paged:agent:<variant>``); its engine is shm
@@ -132,6 +134,7 @@ def phase(src, dst, lengths, runs: int, results: dict, progress, preset_name: st
                 "pdstate_shm": lambda: run(n, "sample"),
                 "agent_shm": lambda: nodes.run(n, False),
                 "agent_shm_digest": lambda: nodes.run(n, True),
+                **physical_copy(plan.total_bytes),
             }
             times = bench.measure(mode, ENGINE, n, plan, variants, runs, results)
             progress(bench.speeds_line(mode, ENGINE, n, plan, times))

@@ -18,11 +18,18 @@ from pdstate.errors import ExitCode
 
 
 def ratios(r: dict) -> dict:
-    """Per length: ceiling / pdstate (shm), raw engine / pdstate (native engines), each within its
-    own phase; in the agent phase, ceiling / agent and today's worker path / agent (above 1: the
-    agent is faster), digests off (``agent_*``) and on (``agent_digest_*``); in the sglang phase,
-    SGLang's Mooncake backend / backend pdstate (above 1: pdstate is faster). The keys without
-    ``_by_length`` are the 32k-token values."""
+    """Per length, each within its own phase:
+
+    - the headline shm keys measure the agent (``pdstate serve``'s path and an engine's), in the
+      agent phase: ``shm_vs_ceiling`` (= ``agent_vs_ceiling``), ``shm_vs_physical`` and
+      ``shm_digest_vs_ceiling`` (= ``agent_digest_vs_ceiling``); beside them today's worker path /
+      agent (``agent_vs_worker``, ``agent_digest_vs_worker``: above 1 the agent is faster);
+    - today's worker pair, in the shm phase: ``worker_shm_vs_ceiling``, ``worker_shm_vs_physical``,
+      ``shm_full_verify_vs_ceiling`` (every byte read back) and ``shm_vs_ceiling_unified``;
+    - raw engine / pdstate for the native engines; in the sglang phase, SGLang's Mooncake backend
+      / backend pdstate (above 1: pdstate is faster).
+
+    The keys without ``_by_length`` are the 32k-token values."""
     out: dict = {}
     paths = r["paths"]
 
@@ -35,7 +42,7 @@ def ratios(r: dict) -> dict:
             sfx = "" if mode == "paged" else f"_{mode}"
             c = med(f"{mode}:shm:ceiling", n)
             for variant, key in (
-                ("pdstate_shm", "shm_vs_ceiling"),
+                ("pdstate_shm", "worker_shm_vs_ceiling" if mode == "paged" else "shm_vs_ceiling"),
                 ("pdstate_shm_full_verify", "shm_full_verify_vs_ceiling"),
             ):
                 pd = med(f"{mode}:shm:{variant}", n)
@@ -57,11 +64,16 @@ def ratios(r: dict) -> dict:
                 out.setdefault(f"{key}_vs_ceiling_by_length", {})[str(n)] = c / ag
             if ag and worker:
                 out.setdefault(f"{key}_vs_worker_by_length", {})[str(n)] = worker / ag
-        phys, shm = med("paged:shm:physical", n), med("paged:shm:pdstate_shm", n)
-        if phys and shm:
-            out.setdefault("shm_vs_physical_by_length", {})[str(n)] = phys / shm
-        if "agent_digest_vs_ceiling_by_length" in out:  # the issue's name for the default agent path
-            out["shm_digest_vs_ceiling_by_length"] = out["agent_digest_vs_ceiling_by_length"]
+        for phase, variant, key in (
+            ("agent", "agent_shm", "shm_vs_physical"),
+            ("shm", "pdstate_shm", "worker_shm_vs_physical"),
+        ):
+            phys, pd = med(f"paged:{phase}:physical", n), med(f"paged:{phase}:{variant}", n)
+            if phys and pd:
+                out.setdefault(f"{key}_by_length", {})[str(n)] = phys / pd
+    for alias, key in (("shm_vs_ceiling", "agent_vs_ceiling"), ("shm_digest_vs_ceiling", "agent_digest_vs_ceiling")):
+        if f"{key}_by_length" in out:  # the headline names, for the agent path
+            out[f"{alias}_by_length"] = out[f"{key}_by_length"]
     for n, sgl in r.get("sglang_mooncake_ms_by_length", {}).items():  # the sglang phase (--sglang)
         ours = r.get("sglang_backend_ms_by_length", {}).get(n)
         if ours:
@@ -74,16 +86,23 @@ def ratios(r: dict) -> dict:
     return out
 
 
-def physical_limit(r: dict, n: int = 32768) -> dict:
-    """The physical copy limit at ``n`` tokens' bytes: GB/s and the thread count that reached it."""
+def physical_phase(r: dict) -> str | None:
+    """The phase whose physical limit is the headline one: the agent's, else the shm phase's."""
     paths = r.get("paths", {})
-    row = paths.get("paged:shm:physical", {}).get(str(n))
+    return next((ph for ph in ("agent", "shm") if f"paged:{ph}:physical" in paths), None)
+
+
+def physical_limit(r: dict, n: int = 32768) -> dict:
+    """The physical copy limit at ``n`` tokens' bytes (``physical_phase``): GB/s and the thread
+    count that reached it."""
+    paths, phase = r.get("paths", {}), physical_phase(r)
+    row = paths.get(f"paged:{phase}:physical", {}).get(str(n))
     if row is None:
         return {"gbps": None, "threads": None}
     per_k = {
         int(k.rsplit("_", 1)[1][:-1]): v[str(n)]["seconds"]["median"]
         for k, v in paths.items()
-        if k.startswith("paged:shm:physical_") and str(n) in v
+        if k.startswith(f"paged:{phase}:physical_") and str(n) in v
     }
     return {"gbps": row["gbps"]["median"], "threads": min(per_k, key=per_k.get) if per_k else None}
 
@@ -93,6 +112,8 @@ NAMED_RATIOS = (
     "shm_vs_ceiling_by_length",
     "shm_vs_physical",
     "shm_digest_vs_ceiling",
+    "worker_shm_vs_ceiling",
+    "worker_shm_vs_physical",
     "mxn_vs_physical",
     "mooncake_vs_raw",
     "nixl_vs_raw",
@@ -141,14 +162,17 @@ def scale_summary(r: dict) -> dict:
     limit = physical_limit(r)
     c = r.get("control", {})
     ctl, zmq = c.get("control_overhead_ms", {}).get("median"), c.get("zmq_round_trip_ms", {}).get("median")
+    worker = c.get("worker_control_overhead_ms", {}).get("median")
     mxn, mem = r.get("mxn") or {}, r.get("memory") or {}
     return {
         "physical_limit_gbps": limit["gbps"],
         "physical_limit_threads": limit["threads"],
         "physical_limit_gbps_by_length": {
-            n: v["gbps"]["median"] for n, v in r.get("paths", {}).get("paged:shm:physical", {}).items()
+            n: v["gbps"]["median"] for n, v in r.get("paths", {}).get(f"paged:{physical_phase(r)}:physical", {}).items()
         },
         "control_overhead_vs_zmq": ctl / zmq if ctl and zmq else None,
+        "worker_control_overhead_ms_p50": worker,
+        "worker_control_overhead_vs_zmq": worker / zmq if worker and zmq else None,
         "mxn_2x2_gbps": mxn.get("gbps"),
         "mxn_2x2": mxn or None,
         "peak_rss_mb": mem.get("peak_rss_mb"),

@@ -10,14 +10,15 @@ bench-out/bench.json`` prints them again from a saved run.
 from __future__ import annotations
 
 RATIO_ROWS = (
-    ("shm_vs_physical", "shm end to end / physical limit, paged"),
-    ("shm_vs_ceiling", "shm end to end / ceiling, paged"),
-    ("shm_vs_ceiling_unified", "shm end to end / ceiling, unified"),
-    ("shm_full_verify_vs_ceiling", "shm, every byte verified / ceiling, paged"),
-    ("agent_vs_ceiling", "agent / ceiling, paged"),
+    ("shm_vs_physical", "shm end to end (agent) / physical limit"),
+    ("shm_vs_ceiling", "shm end to end (agent) / ceiling"),
     ("shm_digest_vs_ceiling", "agent with digests on both sides / ceiling"),
-    ("agent_vs_worker", "agent / today's path (`pdstate_shm`)"),
-    ("agent_digest_vs_worker", "agent with digests / today's path"),
+    ("agent_vs_worker", "agent / today's worker pair"),
+    ("agent_digest_vs_worker", "agent with digests / today's worker pair"),
+    ("worker_shm_vs_physical", "today's worker pair / physical limit"),
+    ("worker_shm_vs_ceiling", "today's worker pair / ceiling, paged"),
+    ("shm_vs_ceiling_unified", "today's worker pair / ceiling, unified"),
+    ("shm_full_verify_vs_ceiling", "today's worker pair, every byte verified / ceiling"),
     ("mooncake_vs_raw", "Mooncake end to end / raw Mooncake"),
     ("mooncake_full_verify_vs_raw", "Mooncake, every byte verified / raw"),
     ("nixl_vs_raw", "NIXL end to end / raw NIXL"),
@@ -25,11 +26,11 @@ RATIO_ROWS = (
 )
 
 GBPS_ROWS = (
-    ("paged:shm:physical", "physical limit (one contiguous copy, best thread count)"),
-    ("paged:shm:ceiling", "ceiling (in-process copy of the same regions, 1 thread)"),
-    ("paged:shm:pdstate_shm", "shm end to end, paged"),
-    ("paged:agent:agent_shm", "agent, digests off"),
+    ("paged:agent:physical", "physical limit (one contiguous copy, best thread count)"),
+    ("paged:agent:ceiling", "ceiling (in-process copy of the same regions, 1 thread)"),
+    ("paged:agent:agent_shm", "shm end to end (agent), digests off"),
     ("paged:agent:agent_shm_digest", "agent, digests on both sides"),
+    ("paged:shm:pdstate_shm", "today's worker pair, paged"),
 )
 
 
@@ -92,16 +93,23 @@ def figures_table(s: dict | None) -> list[str]:
             (
                 "physical limit at 32k (`physical_limit_gbps`)",
                 f"{s['physical_limit_gbps']:.2f} GB/s with "
-                f"{s['physical_limit_threads']} thread(s); shm end to end reaches "
+                f"{s['physical_limit_threads']} thread(s); shm end to end (agent) reaches "
                 f"{_num(s['ratios'].get('shm_vs_physical'))} of it",
             )
         )
     if s.get("control_overhead_ms_p50") is not None:
         rows.append(
             (
-                "empty transfer p50 / bare ZeroMQ round trip p50",
+                "empty transfer (agent) p50 / bare ZeroMQ round trip p50",
                 f"{s['control_overhead_ms_p50']:.2f} ms / "
                 f"{_num(s.get('zmq_round_trip_ms_p50'))} ms = {_num(s.get('control_overhead_vs_zmq'))}x",
+            )
+        )
+    if s.get("worker_control_overhead_ms_p50") is not None:
+        rows.append(
+            (
+                "empty transfer, today's worker pair p50 / the same round trip",
+                f"{s['worker_control_overhead_ms_p50']:.2f} ms = {_num(s.get('worker_control_overhead_vs_zmq'))}x",
             )
         )
     if s.get("mxn_2x2_gbps") is not None:
