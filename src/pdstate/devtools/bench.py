@@ -343,10 +343,12 @@ def bench_control(runs: int) -> dict:
     transfer (no pages, no state: a request on each side, no bytes) between a prefill agent and a
     decode agent process (``bench_agent.AgentNodes``, digests off), the receiver's request sent ->
     Success; ``worker_control_overhead_ms`` is the same between today's two worker processes
-    (``seq_len`` 0, request sent -> TransferDone received and verified), interleaved with it.
-    Beside them, a 1-token ``tiny`` request on today's pair (1.3 MB of state): its latency, and
-    what is left of it without the time spent on its bytes (the prefill's synthetic compute and
-    copy, the decode's verification).
+    (``seq_len`` 0, request sent -> TransferDone received and verified). Each pair runs its
+    requests back to back, as the ZeroMQ round trip it is compared with does: interleaving the
+    two pairs leaves each one's threads and caches cold and added ~0.2 ms to both. Beside them, a
+    1-token ``tiny`` request on today's pair (1.3 MB of state), interleaved with its empty
+    transfers: its latency, and what is left of it without the time spent on its bytes (the
+    prefill's synthetic compute and copy, the decode's verification).
     """
     from pdstate.devtools.bench_agent import AgentNodes
     from pdstate.runtime.decode import DecodeWorker
@@ -388,10 +390,13 @@ def bench_control(runs: int) -> dict:
     empty, agent_empty, total, rest = [], [], [], []
     parts: dict[str, list[float]] = {"compute_s": [], "copy_s": [], "verify_s": []}
     try:
+        for i in range(runs * 5 + 5):  # the agent pair's empty transfers, back to back (5 to warm up)
+            t = nodes.run(0, False)["transfer_s"] * 1e3
+            if i >= 5:
+                agent_empty.append(t)
         for _ in range(3):
-            run(0), run(1), nodes.run(0, False)
-        for _ in range(runs * 5):  # interleaved: an empty transfer on each path, then a 1-token request
-            agent_empty.append(nodes.run(0, False)["transfer_s"] * 1e3)
+            run(0), run(1)
+        for _ in range(runs * 5):  # today's pair: an empty transfer, then a 1-token request
             empty.append(run(0, "sample")["transfer_s"] * 1e3)
             r = run(1, "sample")
             total.append(r["transfer_s"] * 1e3)
