@@ -657,7 +657,11 @@ def test_seq_len_zero_is_an_empty_transfer_and_negative_is_refused():
 
 
 def _model_dump_encoding(msg) -> bytes:
-    body = msgpack.packb(wire._plain(msg.model_dump(mode="python")), use_bin_type=True)
+    fields = wire._plain(msg.model_dump(mode="python"))
+    for name in getattr(msg, "OMIT_WHEN_NONE", ()):  # a later field, absent unless set
+        if fields[name] is None:
+            del fields[name]
+    body = msgpack.packb(fields, use_bin_type=True)
     return msgpack.packb({"v": wire.PROTOCOL_VERSION, "kind": msg.KIND, "body": body}, use_bin_type=True)
 
 
@@ -682,6 +686,18 @@ def test_plain_kinds_encode_byte_for_byte_as_their_model_dump():
         wire.Error(error=ErrorInfo(type="ProtocolError", message="bad"), room=None),
         wire.Error(error=ErrorInfo(type="NotRegistered", message="who"), room=6),
         wire.Landed(room=7, pages=0),
+        wire.AgentRequest(
+            room=9,
+            dst_kv_pages=packed([5, 6, 1 << 40]),
+            dst_state_indices=[packed([3]), packed([])],
+            dst_aux=wire.AuxDest(ptrs=[1 << 40, 4096], item_lens=[64, 8], index=3),
+            deadline_s=600.0,
+        ),
+        wire.AgentRequest(
+            room=10, dst_kv_pages=packed([]), dst_state_indices=[], digest=False, deadline_s=1, seq_len=300
+        ),
+        wire.AgentVerdict(room=9, status="success"),
+        wire.AgentVerdict(room=9, status="failed", error=ErrorInfo(type="DigestMismatch", message="differs")),
         wire.Landed(room=(1 << 63) - 1, pages=12, state_landed=True),
     ]
     assert {type(m) for m in msgs} == wire._PLAIN

@@ -63,6 +63,7 @@ class RequestRecord:
     metrics: dict[str, Any] = field(default_factory=dict)
     changed: threading.Condition = field(default_factory=threading.Condition)
     created: float = field(default_factory=time.monotonic)
+    watchers: int = 0  # threads in ``wait`` with a predicate of their own (others wait for the end)
 
     def move(self, new: RequestState) -> None:
         with self.changed:
@@ -70,7 +71,8 @@ class RequestRecord:
                 return
             lifecycle_move(self, new)
             self.metrics[f"{new.value}_at_s"] = round(time.monotonic() - self.created, 6)
-            self.changed.notify_all()
+            if new.terminal or self.watchers:  # a thread waiting for the end sleeps through the steps
+                self.changed.notify_all()
 
     def fail(self, error: PdStateError) -> bool:
         """Move to FAILED with ``error`` unless already terminal; returns whether it moved."""
@@ -85,15 +87,20 @@ class RequestRecord:
             return True
 
     def wait(self, timeout_s: float, until: Callable[[RequestState], bool] | None = None) -> RequestState:
-        until = until or (lambda s: s.terminal)
         deadline = time.monotonic() + timeout_s
         with self.changed:
-            while not until(self.state):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self.changed.wait(left)
-            return self.state
+            if until is not None:
+                self.watchers += 1
+            try:
+                while not (self.state.terminal if until is None else until(self.state)):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self.changed.wait(left)
+                return self.state
+            finally:
+                if until is not None:
+                    self.watchers -= 1
 
 
 CALL_CHECK_S = 0.05  # how often a waiting ``call`` looks whether the loop ended under it

@@ -415,7 +415,7 @@ def decode(frame: bytes, token: bytes | None = None, max_frame_bytes: int = MAX_
 # ``model_dump``, so the same bytes; measured 5 us for a TransferRequest against 8). Decoding stays
 # with ``model_validate``: pydantic-core validates a TransferRequest in ~5 us and a TransferDone in
 # ~2, and a strict shape check in Python followed by ``model_construct`` measured 2-3x slower.
-_PLAIN = frozenset({TransferRequest, TransferDone, Heartbeat, Busy, Abort, Error, Landed})
+_PLAIN = frozenset({TransferRequest, TransferDone, Heartbeat, Busy, Abort, Error, Landed, AgentRequest, AgentVerdict})
 
 
 def json_schemas() -> dict[str, dict]:

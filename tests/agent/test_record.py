@@ -1,0 +1,53 @@
+"""``RequestRecord.wait``: a thread waiting for the end is woken at the end only; one waiting for a
+step of its own is woken at that step."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from pdstate.agent.common import RequestRecord
+from pdstate.protocol.lifecycle import RequestState
+
+S = RequestState
+
+
+def _waiter(record: RequestRecord, until, out: list) -> threading.Thread:
+    def run() -> None:
+        state = record.wait(30, until)
+        out.append((state, time.monotonic()))
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def _until_waiting(record: RequestRecord, watchers: int) -> None:
+    deadline = time.monotonic() + 10
+    while record.watchers != watchers:  # the waiter thread has entered ``wait``
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+
+def test_a_waiter_with_a_predicate_wakes_at_its_step_and_one_without_at_the_end():
+    r = RequestRecord(1)
+    step, end = [], []
+    t_step = _waiter(r, lambda s: s is S.TRANSFERRING, step)
+    _until_waiting(r, 1)
+    t_end = _waiter(r, None, end)
+    r.move(S.WAITING_FOR_INPUT)
+    r.move(S.TRANSFERRING)
+    t_step.join(5)
+    assert [s for s, _ in step] == [S.TRANSFERRING] and end == []
+    assert r.watchers == 0
+    r.move(S.SUCCESS)
+    t_end.join(5)
+    assert [s for s, _ in end] == [S.SUCCESS]
+
+
+def test_a_wait_that_times_out_returns_the_state_and_leaves_no_watcher():
+    r = RequestRecord(2)
+    r.move(S.WAITING_FOR_INPUT)
+    t0 = time.monotonic()
+    assert r.wait(0.05, lambda s: s is S.SUCCESS) is S.WAITING_FOR_INPUT
+    assert 0.04 < time.monotonic() - t0 < 5 and r.watchers == 0
