@@ -35,7 +35,7 @@ def test_an_agent_phase_on_tiny_fills_the_summary_keys_with_numbers():
     src, dst = bench._Side("paged", "tiny"), bench._Side("paged", "tiny")
     results: dict = {"paths": {}, "lengths": [300], "modes": ["paged"]}
     lines: list[str] = []
-    bench_agent.phase(src, dst, [300], 2, results, lines.append, preset_name="tiny")
+    bench_agent.phase(src, dst, [300], 2, results, lines.append, preset_name="tiny", memory_requests=20)
     names = {k.split(":", 2)[2] for k in results["paths"] if k.startswith("paged:agent:")}
     physical = {f"physical_{k}t" for k in thread_counts(host_cores())} | {"physical"}
     assert (
@@ -67,6 +67,9 @@ def test_an_agent_phase_on_tiny_fills_the_summary_keys_with_numbers():
     assert results["parts"]["paged:agent:agent_shm:digest_s"]["300"]["median"] == 0  # digest off: none
     assert isinstance(results["handshake_ms"]["paged:agent"], float)
     assert any("300 tokens" in line for line in lines)
+    mem = results["agent_memory"]
+    assert mem["requests"] == 20 and mem["request_tokens"] == 128
+    assert mem["peak_rss_mb"] >= mem["rss_after_mb"] > 0 and abs(mem["rss_growth_mb"]) < mem["rss_before_mb"]
     assert src.pools.allocator.full_available_size() == dst.pools.allocator.full_available_size()
 
 

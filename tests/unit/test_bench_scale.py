@@ -60,6 +60,7 @@ def test_ratios_and_summary_carry_every_key_of_the_issue():
         -0.25,
         1000,
     )
+    assert (s["worker_peak_rss_mb"], s["worker_rss_growth_mb"]) == (3100.0, -1.5)
     json.dumps(s)  # the --json line
 
 
@@ -93,7 +94,8 @@ def test_the_readme_tables_render_from_one_run():
         "| 2 prefills x 2 decodes, aggregate (`mxn_2x2_gbps`) | 4.00 GB/s over 16 requests of 8192 tokens = "
         "0.32 x the physical limit |"
     ) in md
-    assert "| RSS growth over 1000 requests (`rss_growth_mb`) | +0.5 MB (-0.2 MB private) |" in md
+    assert "| agent pair: RSS growth over 1000 requests (`rss_growth_mb`) | +0.5 MB (-0.2 MB private) |" in md
+    assert "| today's worker pair: peak RSS, RSS growth over the same requests | 3100 MB, -1.5 MB |" in md
 
 
 def test_the_tables_print_again_from_a_saved_run(tmp_path):

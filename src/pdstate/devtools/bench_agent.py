@@ -28,7 +28,7 @@ import secrets
 import time
 from collections.abc import Callable
 
-from pdstate.devtools import bench
+from pdstate.devtools import bench, bench_scale
 from pdstate.devtools.baselines import gather_scatter, memmove_loop, physical_copy
 from pdstate.runtime import requests as rq
 
@@ -114,8 +114,12 @@ class AgentNodes:
             node.close()
 
 
-def phase(src, dst, lengths, runs: int, results: dict, progress, preset_name: str = "dsv4-flash") -> None:
-    """The agent (digest off and on), today's worker path and the ceiling, interleaved per length."""
+def phase(
+    src, dst, lengths, runs: int, results: dict, progress, preset_name: str = "dsv4-flash", memory_requests: int = 1000
+) -> None:
+    """The agent (digest off and on), today's worker path, the ceiling and the physical limit,
+    interleaved per length; then the agent pair's memory (``agent_memory``: the prefill and the
+    digest-on decode, ``bench_scale.worker_memory`` over ``memory_requests`` small requests)."""
     mode = "paged"
     progress(f"[{mode}:{ENGINE}] starting a pdstate worker pair and agent nodes ...")
     hs, run, _, close = bench._pdstate_pair("shm", mode, preset_name)
@@ -140,6 +144,11 @@ def phase(src, dst, lengths, runs: int, results: dict, progress, preset_name: st
             progress(bench.speeds_line(mode, ENGINE, n, plan, times))
             rq.free(src.pools, a)
             rq.free(dst.pools, b)
+        progress(f"[{mode}:{ENGINE}] the agent pair's memory: peak, then {memory_requests} small requests ...")
+        pids = [nodes.prefill.proc.pid, nodes.decodes[True].proc.pid]
+        results["agent_memory"] = bench_scale.worker_memory(
+            lambda n, _verify: nodes.run(n, True), pids, memory_requests
+        )
     finally:
         nodes.close()
         close()

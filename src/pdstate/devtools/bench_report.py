@@ -163,7 +163,7 @@ def scale_summary(r: dict) -> dict:
     c = r.get("control", {})
     ctl, zmq = c.get("control_overhead_ms", {}).get("median"), c.get("zmq_round_trip_ms", {}).get("median")
     worker = c.get("worker_control_overhead_ms", {}).get("median")
-    mxn, mem = r.get("mxn") or {}, r.get("memory") or {}
+    mxn, mem, worker_mem = r.get("mxn") or {}, r.get("agent_memory") or {}, r.get("memory") or {}
     return {
         "physical_limit_gbps": limit["gbps"],
         "physical_limit_threads": limit["threads"],
@@ -179,6 +179,8 @@ def scale_summary(r: dict) -> dict:
         "rss_growth_mb": mem.get("rss_growth_mb"),
         "rss_anon_growth_mb": mem.get("anon_growth_mb"),
         "rss_growth_requests": mem.get("requests"),
+        "worker_peak_rss_mb": worker_mem.get("peak_rss_mb"),
+        "worker_rss_growth_mb": worker_mem.get("rss_growth_mb"),
     }
 
 

@@ -124,12 +124,19 @@ def figures_table(s: dict | None) -> list[str]:
         )
     if s.get("peak_rss_mb") is not None:
         rows.append(
-            ("dsv4-flash worker pair: peak RSS (`peak_rss_mb`)", f"{s['peak_rss_mb']:.0f} MB (prefill + decode)")
+            ("dsv4-flash agent pair: peak RSS (`peak_rss_mb`)", f"{s['peak_rss_mb']:.0f} MB (prefill + decode)")
         )
         rows.append(
             (
-                f"RSS growth over {s['rss_growth_requests']} requests (`rss_growth_mb`)",
+                f"agent pair: RSS growth over {s['rss_growth_requests']} requests (`rss_growth_mb`)",
                 f"{s['rss_growth_mb']:+.1f} MB ({s['rss_anon_growth_mb']:+.1f} MB private)",
+            )
+        )
+    if s.get("worker_peak_rss_mb") is not None:
+        rows.append(
+            (
+                "today's worker pair: peak RSS, RSS growth over the same requests",
+                f"{s['worker_peak_rss_mb']:.0f} MB, {s['worker_rss_growth_mb']:+.1f} MB",
             )
         )
     if s.get("plan_fragmented_128k_ms") is not None:
