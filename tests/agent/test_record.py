@@ -51,3 +51,24 @@ def test_a_wait_that_times_out_returns_the_state_and_leaves_no_watcher():
     t0 = time.monotonic()
     assert r.wait(0.05, lambda s: s is S.SUCCESS) is S.WAITING_FOR_INPUT
     assert 0.04 < time.monotonic() - t0 < 5 and r.watchers == 0
+
+
+def test_an_ended_record_drops_its_condition_once_nobody_waits_and_waits_again_at_once():
+    r = RequestRecord(3)
+    r.move(S.WAITING_FOR_INPUT)
+    assert r.changed is None  # nobody waited: none was made
+    out: list = []
+    t = _waiter(r, None, out)
+    deadline = time.monotonic() + 10
+    while r.waiters != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    r.release()
+    assert r.changed is not None  # not ended, and waited on: kept
+    r.move(S.FAILED)
+    t.join(5)
+    assert [s for s, _ in out] == [S.FAILED] and r.waiters == 0
+    r.release()
+    assert r.changed is None
+    t0 = time.monotonic()
+    assert r.wait(30) is S.FAILED and time.monotonic() - t0 < 1

@@ -53,30 +53,48 @@ def channel_layout(desc, aux_ptrs=None, aux_items=None) -> list[tuple[list[int],
     return out
 
 
-@dataclass
+_FIRST_WAIT = threading.Lock()  # orders a record's first waiter (who makes its condition) with its moves
+
+
+@dataclass(slots=True)
 class RequestRecord:
-    """A request's lifecycle on one side; written by the I/O thread, read by any thread."""
+    """A request's lifecycle on one side; written by the I/O thread, read by any thread.
+
+    Its condition is made by the first thread that waits on it: most requests are never waited
+    on by a thread of their own (an ended sender is kept a while, and a condition is ~1.5 KB)."""
 
     room: int
     state: RequestState = RequestState.BOOTSTRAPPING
     error: PdStateError | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
-    changed: threading.Condition = field(default_factory=threading.Condition)
     created: float = field(default_factory=time.monotonic)
     watchers: int = 0  # threads in ``wait`` with a predicate of their own (others wait for the end)
+    waiters: int = 0  # threads in ``wait``
+    changed: threading.Condition | None = None
 
     def move(self, new: RequestState) -> None:
-        with self.changed:
-            if self.state is new:
-                return
-            lifecycle_move(self, new)
-            self.metrics[f"{new.value}_at_s"] = round(time.monotonic() - self.created, 6)
-            if new.terminal or self.watchers:  # a thread waiting for the end sleeps through the steps
-                self.changed.notify_all()
+        cond = self.changed
+        if cond is None:
+            with _FIRST_WAIT:
+                if self.changed is None:  # nobody waits: no condition to take or notify
+                    self._apply(new)
+                    return
+            cond = self.changed
+        with cond:
+            if self._apply(new) and (new.terminal or self.watchers):  # a waiter for the end sleeps through steps
+                cond.notify_all()
+
+    def _apply(self, new: RequestState) -> bool:
+        if self.state is new:
+            return False
+        lifecycle_move(self, new)
+        self.metrics[f"{new.value}_at_s"] = round(time.monotonic() - self.created, 6)
+        return True
 
     def fail(self, error: PdStateError) -> bool:
         """Move to FAILED with ``error`` unless already terminal; returns whether it moved."""
-        with self.changed:
+        cond = self._condition()
+        with cond:
             if self.state.terminal:
                 return False
             self.error = error
@@ -86,9 +104,24 @@ class RequestRecord:
                 raise
             return True
 
+    def _condition(self, waiting: bool = False) -> threading.Condition:
+        with _FIRST_WAIT:
+            if self.changed is None:
+                self.changed = threading.Condition()
+            if waiting:
+                self.waiters += 1
+            return self.changed
+
+    def release(self) -> None:
+        """Drop the condition of an ended record no thread waits on (a later ``wait`` makes one)."""
+        with _FIRST_WAIT:
+            if self.state.terminal and not self.waiters:
+                self.changed = None
+
     def wait(self, timeout_s: float, until: Callable[[RequestState], bool] | None = None) -> RequestState:
         deadline = time.monotonic() + timeout_s
-        with self.changed:
+        cond = self._condition(waiting=True)
+        with cond:
             if until is not None:
                 self.watchers += 1
             try:
@@ -96,11 +129,13 @@ class RequestRecord:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
-                    self.changed.wait(left)
+                    cond.wait(left)
                 return self.state
             finally:
                 if until is not None:
                     self.watchers -= 1
+                with _FIRST_WAIT:
+                    self.waiters -= 1
 
 
 CALL_CHECK_S = 0.05  # how often a waiting ``call`` looks whether the loop ended under it

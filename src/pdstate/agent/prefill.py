@@ -48,6 +48,7 @@ def _trim(send: _Send) -> None:
     """What an ended sender no longer needs: its handles, digest, queued chunks, index lists."""
     send.handles, send.digest, send.marks = [], None, []
     send.queued.clear()
+    send.record.release()
     if send.request is not None:
         send.request = ANSWERED
 

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from pdstate.agent.decode import DecodeAgent
 
 
-@dataclass
+@dataclass(slots=True)
 class _Prefill:
     address: str
     sock: zmq.Socket
@@ -47,7 +47,7 @@ class _Prefill:
     rooms: set[int] = field(default_factory=set)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Recv:
     record: RequestRecord
     prefill: str

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from pdstate.agent.prefill import PrefillAgent
 
 
-@dataclass
+@dataclass(slots=True)
 class _Decode:
     identity: bytes
     worker_id: str
@@ -40,7 +40,7 @@ class _Decode:
     last_seen: float
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     """An ``AgentRequest`` (or its abort) that arrived before the caller made its sender."""
 
@@ -48,7 +48,7 @@ class _Pending:
     msg: wire.AgentRequest
 
 
-@dataclass
+@dataclass(slots=True)
 class _Send:
     record: RequestRecord
     num_pages: int
