@@ -5,6 +5,7 @@ over shm, pieces made small so that a ``tiny`` request is cut)."""
 from __future__ import annotations
 
 import ctypes
+import time
 
 import pytest
 
@@ -157,3 +158,26 @@ def test_pieces_are_off_by_default_and_never_negative():
             PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), engine="loopback", landed_piece_bytes=-1)
     finally:
         p.close()
+
+
+def test_an_ended_request_stops_its_early_hashing(shm_pair):
+    """A request that fails after some of it was told landed: once the decode forgets it (its
+    next tick), its digest's background work is cancelled and dropped, so no thread reads the
+    pages after the caller frees them."""
+    pa, decode, sent, p, d = shm_pair
+    da = decode()
+    recv, send = da.receiver(pa.address, 26), pa.sender(26, len(PAGES), aux_index=0)
+    recv.init(DST, STATE_DST, aux_index=5)
+    send.send(PAGES[:4])  # a first chunk, in two pieces: each told landed (not the last chunk)
+    deadline = time.monotonic() + 10
+    while recv.metrics.get("landed") != 2:
+        assert time.monotonic() < deadline, recv.metrics
+        time.sleep(0.005)
+    inner = da._loop.call(lambda: da._recvs[(pa.address, 26)])
+    assert inner.digest is not None and inner.hashed == (4, False)
+    send.abort("the prefill gave up")
+    assert recv.wait(10) is RequestState.FAILED
+    while da._loop.call(lambda: (pa.address, 26) in da._recvs):  # forgotten at a tick
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert inner.digest is None

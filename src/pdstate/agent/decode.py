@@ -216,6 +216,7 @@ class DecodeAgent(DecodeFrames):
         def final() -> None:
             for recv in self._recvs.values():
                 recv.record.fail(AgentClosed("decode shutting down"))
+                self._drop_digest(recv)  # after close returns no thread reads the caller's memory
 
         try:
             self._loop.stop(final)
@@ -369,6 +370,14 @@ class DecodeAgent(DecodeFrames):
             if recv.sent:
                 recv.record.fail(PeerGone(str(err)))
 
+    @staticmethod
+    def _drop_digest(recv: _Recv) -> None:
+        """Stop hashing an ended request's pages early (``wire.Landed``): the work not started is
+        dropped and the running part waited for, so nothing reads pages the caller may free."""
+        if recv.digest is not None:
+            recv.digest.cancel()
+            recv.digest = None
+
     def _tick(self) -> None:
         now = time.monotonic()
         stalled = now - self._last_tick - 2 * self.heartbeat_interval_s
@@ -379,6 +388,7 @@ class DecodeAgent(DecodeFrames):
         for key, recv in list(self._recvs.items()):
             if recv.record.state.terminal:
                 del self._recvs[key]  # the caller holds its KVReceiver; the agent forgets it
+                self._drop_digest(recv)
                 continue
             sent_at = recv.sent_at
             if sent_at is not None and recv.aborting is None and now - sent_at > self.transfer_timeout_s:
