@@ -11,6 +11,7 @@ import time
 import pytest
 
 from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
+from pdstate.agent.sender import _Ended
 from pdstate.errors import AllocationError, PeerGone, PrefillBusy, ProtocolError
 from tests.agent.support import fill, make_side
 from tests.support.waiting import wait_until
@@ -154,25 +155,48 @@ def test_connect_keeps_a_gone_prefill_gone_until_a_new_one_accepts(sides):
 
 
 def test_ended_senders_are_trimmed_and_capped(sides, monkeypatch):
-    """An ended sender is kept (a late AgentRequest or Abort for its room is answered) without its
-    index lists, handles or digest, and only the newest ``MAX_ENDED`` are kept."""
+    """An ended sender is kept as a tombstone (a late AgentRequest or Abort for its room is
+    answered; no index lists, handles, digest or metrics), only the newest ``MAX_ENDED`` of them;
+    the caller's ``KVSender`` keeps the sender's metrics."""
     from pdstate.agent import prefill as prefill_module
 
     monkeypatch.setattr(prefill_module, "MAX_ENDED", 2)
     p, d = sides
     with _prefill(p) as pa, _decode(d) as da:
+        senders = []
         for room in range(51, 55):
             recv, send = da.receiver(pa.address, room), pa.sender(room, 1)
             recv.init([3], [[1], [0], [1]])
             send.send([1], [[2], [1], [2]])
             assert recv.wait(10) is S.SUCCESS and send.wait(10) is S.SUCCESS
+            senders.append(send)
         wait_until("the oldest ended senders forgotten", lambda: sorted(pa._sends) == [53, 54], 5)
         for room in (53, 54):
             kept = pa._sends[room]
-            assert kept.request is prefill_module.ANSWERED and kept.handles == [] and kept.digest is None
+            assert type(kept) is _Ended and kept.request is prefill_module.ANSWERED
+            assert kept.record.state is S.SUCCESS and kept.record.error is None and kept.handles == ()
+        assert all(s.metrics["bytes"] > 0 and s.state is S.SUCCESS for s in senders)  # the caller's own
         # a late request for a kept room is not served twice: it waits for a new sender
         again = da.receiver(pa.address, 54)
         again.init([3], [[1], [0], [1]])
         wait_until("the late request waiting", lambda: pa.requested(54), 5)
         again.abort("done with it")
         assert again.state is S.FAILED
+
+
+def test_a_late_request_for_a_failed_senders_tombstone_gets_its_failure(sides):
+    """A sender aborted before any decode asked for it becomes a tombstone at the next tick; a
+    decode asking for that room afterwards fails at once with the sender's own error."""
+    p, d = sides
+    with _prefill(p) as pa, _decode(d) as da:
+        send = pa.sender(61, 1)
+        send.abort("the prefill gave up first")
+        assert send.state is S.FAILED
+        wait_until("the sender kept as a tombstone", lambda: type(pa._sends.get(61)) is _Ended, 5)
+        assert pa._sends[61].record.state is S.FAILED and pa._sends[61].request is None
+        recv = da.receiver(pa.address, 61)
+        recv.init([3], [[1], [0], [1]])
+        assert recv.wait(10) is S.FAILED
+        exc = recv.failure_exception()
+        assert type(exc).__name__ == "TransferAborted"
+        assert str(exc) == "aborted by prefill: the prefill gave up first"

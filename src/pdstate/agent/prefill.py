@@ -14,7 +14,7 @@ from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regio
 from pdstate.agent.digest import RequestDigest
 from pdstate.agent.prefill_copy import CopyPipeline
 from pdstate.agent.refusals import Refusals
-from pdstate.agent.sender import KVSender, _Decode, _Pending, _Send
+from pdstate.agent.sender import KVSender, _Decode, _Ended, _Pending, _Send
 from pdstate.errors import (
     AgentClosed,
     IndexCountMismatch,
@@ -140,7 +140,7 @@ class PrefillAgent(CopyPipeline, Refusals):
         )
         self._layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
         self._decodes: dict[bytes, _Decode] = {}
-        self._sends: dict[int, _Send] = {}
+        self._sends: dict[int, _Send | _Ended] = {}  # live senders, and ended ones as tombstones
         self._pending: dict[int, _Pending] = {}
         self.handshakes = {"accepted": 0, "rejected": 0}  # answers given, written by the I/O thread only
         self._peer_log: OrderedDict[str, dict] = OrderedDict()  # worker id -> its latest record (``peers()``)
@@ -407,8 +407,9 @@ class PrefillAgent(CopyPipeline, Refusals):
                 ended += 1
                 if now - send.record.created > KEEP_ENDED_S or ended > MAX_ENDED:
                     del self._sends[room]  # kept a while so a late AgentRequest or Abort is answered
-                elif send.handles or send.digest is not None or send.request not in (None, ANSWERED):
-                    _trim(send)
+                elif isinstance(send, _Send):
+                    _trim(send)  # the caller's KVSender may keep it a while: drop what it no longer needs
+                    self._sends[room] = _Ended.of(send, ANSWERED)
                 continue
             if send.record.state is RequestState.BOOTSTRAPPING and now - send.record.created > self.bootstrap_timeout_s:
                 self._fail(

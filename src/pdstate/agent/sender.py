@@ -72,6 +72,38 @@ class _Send:
     told: tuple[int, bool] = (0, False)
 
 
+@dataclass(slots=True, frozen=True)
+class _EndedRecord:
+    """An ended sender's record as its tombstone keeps it: the outcome (FAILED with ``error``,
+    else SUCCESS) and when the request began."""
+
+    room: int
+    error: PdStateError | None
+    created: float
+
+    @property
+    def state(self) -> RequestState:
+        return _S.FAILED if self.error is not None else _S.SUCCESS
+
+
+@dataclass(slots=True)
+class _Ended:
+    """What the prefill keeps of an ended sender (a tombstone, ~200 bytes): enough to answer a
+    late ``AgentRequest`` or ``Abort`` for its room. The caller's ``KVSender`` keeps the sender
+    itself (its metrics) for as long as the caller wants it."""
+
+    record: _EndedRecord
+    identity: bytes | None
+    request: wire.AgentRequest | None  # the sender's request once it had one (a stand-in), else None
+    handles: tuple = ()
+    digest: None = None
+
+    @classmethod
+    def of(cls, send: _Send, answered: wire.AgentRequest) -> _Ended:
+        r = send.record
+        return cls(_EndedRecord(r.room, r.error, r.created), send.identity, None if send.request is None else answered)
+
+
 class KVSender:
     """One request on the prefill side (upstream's ``KVSender``).
 
