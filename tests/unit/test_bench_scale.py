@@ -68,8 +68,15 @@ def test_keys_not_measured_are_null_not_absent():
     s = bench_report.summary(fake_bench_result())
     for key in ("physical_limit_gbps", "mxn_2x2_gbps", "peak_rss_mb", "rss_growth_mb", "control_overhead_vs_zmq"):
         assert key in s and s[key] is None
-    for key in ("shm_vs_physical", "shm_digest_vs_ceiling", "shm_vs_ceiling_by_length", "mxn_vs_physical"):
+    for key in (
+        "shm_vs_physical",
+        "shm_digest_vs_ceiling",
+        "shm_vs_ceiling_by_length",
+        "mxn_vs_physical",
+        "sglang_backend_vs_sglang_mooncake_by_length",
+    ):
         assert key in s["ratios"] and s["ratios"][key] is None
+    assert s["sglang_mooncake_ms_by_length"] is None and s["sglang_backend_ms_by_length"] is None
 
 
 def test_the_readme_tables_render_from_one_run():

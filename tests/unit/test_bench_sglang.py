@@ -25,11 +25,12 @@ def test_no_ratio_without_the_pdstate_backend():
     assert "sglang_backend_vs_sglang_mooncake_by_length" not in bench_report.ratios(r)
 
 
-def test_summary_carries_the_phase_keys_when_it_ran():
+def test_summary_carries_the_phase_keys_null_when_it_did_not_run():
     times = {"2048": 30.0}
     s = bench_report.summary(fake_bench_result(sglang_mooncake_ms_by_length=times))
-    assert s["sglang_mooncake_ms_by_length"] == times and "sglang_backend_ms_by_length" not in s
-    assert "sglang_mooncake_ms_by_length" not in bench_report.summary(fake_bench_result())
+    assert s["sglang_mooncake_ms_by_length"] == times and s["sglang_backend_ms_by_length"] is None
+    s = bench_report.summary(fake_bench_result())
+    assert s["sglang_mooncake_ms_by_length"] is None and s["ratios"]["sglang_backend_vs_sglang_mooncake"] is None
 
 
 def test_phase_skips_with_one_line_without_the_sglang_environment(tmp_path, monkeypatch):

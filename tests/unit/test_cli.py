@@ -125,19 +125,19 @@ def test_bench_command_writes_its_files_and_ends_with_the_summary(tmp_path, monk
     )
     seen = {}
 
-    def run_bench(quick, engines, modes, progress, agent=True, sglang=False):
+    def run_bench(quick, engines, modes, progress, agent=True, sglang=True):
         seen.update(quick=quick, engines=engines, modes=modes, agent=agent, sglang=sglang)
         return fake
 
     monkeypatch.setattr(bench, "run_bench", run_bench)
     monkeypatch.setattr("pdstate.runtime.worker.tune_interpreter", lambda: None)  # this process's switch interval
     assert cli.main(["bench", "--quick", "--engines", "shm", "--modes", "paged", "--out", str(tmp_path)]) == ExitCode.OK
-    assert seen == {"quick": True, "engines": ["shm"], "modes": ["paged"], "agent": True, "sglang": False}
+    assert seen == {"quick": True, "engines": ["shm"], "modes": ["paged"], "agent": True, "sglang": True}
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith("paged:shm:pdstate_shm") and "2.00" in line for line in lines)
     assert json.loads(lines[-1])["ratios"]["shm_vs_ceiling"] == 0.8
     assert json.loads((tmp_path / "bench.json").read_text()) == fake
     assert cli.main(["bench", "--json", "--no-agent", "--engines", "shm", "--out", str(tmp_path)]) == ExitCode.OK
     assert seen["agent"] is False
-    assert cli.main(["bench", "--json", "--sglang", "--engines", "shm", "--out", str(tmp_path)]) == ExitCode.OK
-    assert seen["sglang"] is True
+    assert cli.main(["bench", "--json", "--no-sglang", "--engines", "shm", "--out", str(tmp_path)]) == ExitCode.OK
+    assert seen["sglang"] is False

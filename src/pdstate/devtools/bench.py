@@ -295,7 +295,7 @@ def _phase(
 
 
 def run_bench(
-    quick: bool, engines: list[str], modes: list[str], progress=print, agent: bool = True, sglang: bool = False
+    quick: bool, engines: list[str], modes: list[str], progress=print, agent: bool = True, sglang: bool = True
 ) -> dict:
     from pdstate.transfer.engines.base import EngineUnavailable, engine_class
 

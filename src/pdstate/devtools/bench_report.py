@@ -74,7 +74,7 @@ def ratios(r: dict) -> dict:
     for alias, key in (("shm_vs_ceiling", "agent_vs_ceiling"), ("shm_digest_vs_ceiling", "agent_digest_vs_ceiling")):
         if f"{key}_by_length" in out:  # the headline names, for the agent path
             out[f"{alias}_by_length"] = out[f"{key}_by_length"]
-    for n, sgl in r.get("sglang_mooncake_ms_by_length", {}).items():  # the sglang phase (--sglang)
+    for n, sgl in r.get("sglang_mooncake_ms_by_length", {}).items():  # the sglang phase
         ours = r.get("sglang_backend_ms_by_length", {}).get(n)
         if ours:
             out.setdefault("sglang_backend_vs_sglang_mooncake_by_length", {})[n] = sgl / ours
@@ -121,6 +121,8 @@ NAMED_RATIOS = (
     "agent_digest_vs_ceiling",
     "agent_vs_worker",
     "agent_digest_vs_worker",
+    "sglang_backend_vs_sglang_mooncake",
+    "sglang_backend_vs_sglang_mooncake_by_length",
 )
 
 
@@ -153,7 +155,7 @@ def summary(r: dict) -> dict:
             "descriptors_fragmented_128k": r["planner"]["descriptors_fragmented"],
         }
         | scale_summary(r)
-        | {k: r[k] for k in ("sglang_mooncake_ms_by_length", "sglang_backend_ms_by_length") if k in r}
+        | {k: r.get(k) for k in ("sglang_mooncake_ms_by_length", "sglang_backend_ms_by_length")}
     )
 
 
@@ -266,7 +268,7 @@ def cmd_bench(args) -> ExitCode:
         args.modes,
         progress=say,
         agent=getattr(args, "agent", True),
-        sglang=getattr(args, "sglang", False),
+        sglang=getattr(args, "sglang", True),
     )
     files = write_outputs(r, Path(args.out))
     s = summary(r)

@@ -1,4 +1,5 @@
-"""``pdstate bench --sglang``: SGLang's own Mooncake backend against backend ``pdstate``, per request.
+"""``pdstate bench``'s sglang phase (on by default, ``--no-sglang`` skips it): SGLang's own Mooncake
+backend against backend ``pdstate``, per request.
 
 The two-process driver (``devtools.sglang_pair``) runs SGLang 0.5.19's disaggregation code on real
 DeepSeek-V4-Flash pools (target + NextN draft, speculative) sized for a 32k-token request: one

@@ -167,7 +167,7 @@ def figures_table(s: dict | None) -> list[str]:
 
 
 def sglang_table(r: dict) -> list[str]:
-    """``--sglang``'s row: per-request send -> Success, SGLang's Mooncake backend and backend pdstate."""
+    """The sglang phase's row: per-request send -> Success, SGLang's Mooncake backend and backend pdstate."""
     theirs, ours = r.get("sglang_mooncake_ms_by_length") or {}, r.get("sglang_backend_ms_by_length") or {}
     lengths = [n for n in sorted(theirs, key=int) if n in ours]
     if not lengths:
