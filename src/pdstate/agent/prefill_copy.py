@@ -88,7 +88,9 @@ class CopyPipeline:
         aux = last and req.dst_aux is not None
         dst_state = [p.unpack() for p in req.dst_state_indices] if last else none
         pieces = self._pieces(send, pages.size, state if last else None)
+        state_sent = False  # state goes with the last chunk only, in its first piece
         for k, (lo, hi, with_state) in enumerate(pieces):
+            state_sent = state_sent or with_state
             src_lists = [pages[lo:hi], *(state if with_state else none)]
             dst_lists = [dst_pages[lo:hi], *(dst_state if with_state else none)]
             plan = decode.planner.plan(src_lists, dst_lists)
@@ -105,8 +107,7 @@ class CopyPipeline:
             send.bytes += plan.total_bytes
             send.descriptors += len(plan)
             if send.digest is not None:
-                state_after = with_state or (bool(send.marks) and send.marks[-1][2]) or send.told[1]
-                send.marks.append((handle, send.pages_sent + hi, state_after))
+                send.marks.append((handle, send.pages_sent + hi, state_sent))
                 if not (last and k == len(pieces) - 1) and (handle is None or self._engine.poll(handle)):
                     self._tell_landed(send)  # landed already (shm copies on submit): say so now
         send.pages_sent += pages.size
@@ -121,8 +122,10 @@ class CopyPipeline:
         each told to the decode once landed (``wire.Landed``)."""
         whole = [(0, n_pages, state is not None)]
         piece = self.landed_piece_bytes
+        if send.digest is None or piece <= 0:
+            return whole
         page_bytes = sum(self.kv_args.kv_item_lens)
-        if send.digest is None or piece <= 0 or page_bytes == 0:
+        if page_bytes == 0:
             return whole
         state_bytes = 0
         if state is not None:
