@@ -227,3 +227,31 @@ def test_an_empty_request_makes_no_engine_call(pair):
     assert recv.wait(10) is RequestState.SUCCESS, recv.failure_exception()
     assert send.wait(10) is RequestState.SUCCESS, send.failure_exception()
     assert calls == [] and recv.metrics["bytes"] == send.metrics["bytes"] == 0
+
+
+@pytest.mark.parametrize("digest", [False, True])
+def test_an_empty_chunk_against_named_state_still_fails_as_the_planner_would(digest):
+    """No pages on either side, but the decode names a state slot the prefill does not send:
+    nothing to move for the prefill, yet the request fails with the planner's own count error
+    (an empty chunk skips planning only where planning has nothing to refuse)."""
+    p, d = make_side(False), make_side(False)
+    pa = PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), engine="loopback")
+    da = DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine="loopback", digest=digest)
+    try:
+        planned: list[object] = []
+        recv, send = da.receiver(pa.address, 32), pa.sender(32, 0)
+        recv.init([], [[1], [], []])
+        assert recv.wait(10, until=lambda s: s is RequestState.TRANSFERRING) is RequestState.TRANSFERRING
+        (decode,) = pa._loop.call(lambda: list(pa._decodes.values()))
+        original = decode.planner.plan
+        decode.planner.plan = lambda *a: (planned.append(a), original(*a))[1]
+        send.send([], [[], [], []])
+        assert send.wait(10) is RequestState.FAILED and recv.wait(10) is RequestState.FAILED
+        assert type(send.failure_exception()).__name__ == "IndexCountMismatch"
+        assert str(recv.failure_exception()) == str(send.failure_exception())
+        assert len(planned) == 1
+    finally:
+        da.close()
+        pa.close()
+        p.close()
+        d.close()

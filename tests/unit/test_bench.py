@@ -79,8 +79,15 @@ def test_summary_carries_the_keys_the_issue_names():
 
 
 def test_zmq_round_trip_baseline_runs_between_two_processes():
-    r = bench.zmq_round_trip(20)
+    from pdstate.devtools.baselines import ZmqEcho, zmq_round_trip
+
+    r = zmq_round_trip(20)
     assert r["n"] == 20 and 0 < r["min"] <= r["median"] <= r["max"] < 1000
+    with ZmqEcho() as echo:  # in blocks, the echo process kept between them
+        first, second = echo.round_trips(3), echo.round_trips(4)
+        pid = echo._proc.pid
+    assert (len(first), len(second)) == (3, 4) and all(0 < x < 1000 for x in first + second)
+    assert echo._proc.poll() == 0, f"echo process {pid} did not stop"
 
 
 def test_outputs_json_and_a_plot_where_matplotlib_is_installed(tmp_path):

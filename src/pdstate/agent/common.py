@@ -53,6 +53,7 @@ def channel_layout(desc, aux_ptrs=None, aux_items=None) -> list[tuple[list[int],
     return out
 
 
+_AT_KEY = {s: f"{s.value}_at_s" for s in RequestState}  # the metric each move stamps
 _FIRST_WAIT = threading.Lock()  # orders a record's first waiter (who makes its condition) with its moves
 
 
@@ -88,7 +89,7 @@ class RequestRecord:
         if self.state is new:
             return False
         lifecycle_move(self, new)
-        self.metrics[f"{new.value}_at_s"] = round(time.monotonic() - self.created, 6)
+        self.metrics[_AT_KEY[new]] = round(time.monotonic() - self.created, 6)
         return True
 
     def fail(self, error: PdStateError) -> bool:

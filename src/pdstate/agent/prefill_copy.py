@@ -29,6 +29,14 @@ __all__ = ["CopyPipeline", "FENCE_TIMEOUT_S"]
 FENCE_TIMEOUT_S = 60.0
 
 
+def _moves_nothing(decode: _Decode, pages: np.ndarray, state, req: wire.AgentRequest, aux: bool) -> bool:
+    """Whether a chunk has nothing to move and nothing the planner would refuse: no pages, no aux,
+    no state on either side (a last chunk), and a pair whose channels plan without error."""
+    if pages.size or aux or decode.planner.channel_error is not None:
+        return False
+    return state is None or not (any(s.size for s in state) or any(len(d) for d in req.dst_state_indices))
+
+
 class CopyPipeline:
     """Mixed into ``PrefillAgent`` (which has ``_engine``, ``_loop``, ``_decodes``, ``kv_args``,
     ``_reply`` and ``_n_channels``); every method runs on its I/O thread."""
@@ -86,6 +94,10 @@ class CopyPipeline:
             )
         last = state is not None
         aux = last and req.dst_aux is not None
+        if send.digest is None and _moves_nothing(decode, pages, state, req, aux):
+            send.chunks += 1  # no plan to make, no engine call (an empty request's whole cost)
+            send.all_submitted = send.all_submitted or last
+            return
         dst_state = [p.unpack() for p in req.dst_state_indices] if last else none
         pieces = self._pieces(send, pages.size, state if last else None)
         state_sent = False  # state goes with the last chunk only, in its first piece

@@ -178,38 +178,65 @@ while True:
 """
 
 
-def zmq_round_trip(runs: int) -> dict:
+class ZmqEcho:
     """The floor under any control message exchange here: a bare ZeroMQ DEALER/ROUTER echo of a
     200-byte message between this process and another, each side sleeping in a poller between
-    messages as the workers do (on a VM, waking a sleeping thread is most of the cost)."""
-    import subprocess
-    import sys
+    messages as the workers do (on a VM, waking a sleeping thread is most of the cost). The echo
+    process lives until ``close``, so its round trips can be measured in blocks between blocks of
+    another measurement (both then see the same host)."""
 
-    import zmq
+    def __init__(self) -> None:
+        import subprocess
+        import sys
 
-    proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER], stdout=subprocess.PIPE, text=True)
-    ctx = zmq.Context.instance()
-    d = ctx.socket(zmq.DEALER)
-    d.setsockopt(zmq.LINGER, 0)
-    try:
-        d.connect(f"tcp://127.0.0.1:{int(proc.stdout.readline())}")
-        poller = zmq.Poller()
-        poller.register(d, zmq.POLLIN)
-        xs = []
-        for i in range(runs + 10):
-            t0 = time.perf_counter()
-            d.send(b"x" * 200)
-            if not dict(poller.poll(5000)):
-                raise RuntimeError("no echo from the ZeroMQ echo process within 5 s")
-            d.recv()
-            if i >= 10:
-                xs.append((time.perf_counter() - t0) * 1e3)
-            time.sleep(0.001)  # idle between requests, as a worker is
-        d.send(b"stop")
-    finally:
-        d.close(0)
+        import zmq
+
+        self._proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER], stdout=subprocess.PIPE, text=True)
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
         try:
-            proc.wait(5)
+            self._sock.connect(f"tcp://127.0.0.1:{int(self._proc.stdout.readline())}")
+        except BaseException:
+            self.close()
+            raise
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+
+    def round_trips(self, n: int) -> list[float]:
+        """``n`` round trips, in ms, each after 1 ms idle (as a worker between requests)."""
+        xs = []
+        for _ in range(n):
+            time.sleep(0.001)
+            t0 = time.perf_counter()
+            self._sock.send(b"x" * 200)
+            if not dict(self._poller.poll(5000)):
+                raise RuntimeError("no echo from the ZeroMQ echo process within 5 s")
+            self._sock.recv()
+            xs.append((time.perf_counter() - t0) * 1e3)
+        return xs
+
+    def close(self) -> None:
+        import subprocess
+
+        try:
+            self._sock.send(b"stop")
+        except Exception:  # never connected, or already closed
+            pass
+        self._sock.close(0)
+        try:
+            self._proc.wait(5)
         except subprocess.TimeoutExpired:
-            proc.kill()
-    return median_range(xs)
+            self._proc.kill()
+
+    def __enter__(self) -> ZmqEcho:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def zmq_round_trip(runs: int) -> dict:
+    """``ZmqEcho``'s round trip: ``runs`` of them after 10 to warm up."""
+    with ZmqEcho() as echo:
+        echo.round_trips(10)
+        return median_range(echo.round_trips(runs))

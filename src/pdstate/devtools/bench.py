@@ -50,12 +50,12 @@ import numpy as np
 from pdstate.devtools import bench_scale
 from pdstate.devtools.baselines import (
     ENGINE_OPTIONS,
+    ZmqEcho,
     gather_scatter,
     median_range,
     memmove_loop,
     physical_copy,
     raw_engine,
-    zmq_round_trip,
 )
 from pdstate.devtools.bench_report import ratios
 from pdstate.pools.presets import build_worker_pools, preset
@@ -66,6 +66,7 @@ from pdstate.transfer.planner import plan_request, plan_request_loop
 
 LENGTHS = (2048, 8192, 32768, 131072)
 CAPACITY = 131072 + 4 * 256
+CONTROL_BLOCKS = 5  # the empty transfers and the bare round trips, measured in this many turns each
 PARTS = ("transfer_s", "copy_s", "verify_s", "digest_s", "prefill_digest_s")
 
 
@@ -343,9 +344,13 @@ def bench_control(runs: int) -> dict:
     transfer (no pages, no state: a request on each side, no bytes) between a prefill agent and a
     decode agent process (``bench_agent.AgentNodes``, digests off), the receiver's request sent ->
     Success; ``worker_control_overhead_ms`` is the same between today's two worker processes
-    (``seq_len`` 0, request sent -> TransferDone received and verified). Each pair runs its
-    requests back to back, as the ZeroMQ round trip it is compared with does: interleaving the
-    two pairs leaves each one's threads and caches cold and added ~0.2 ms to both. Beside them, a
+    (``seq_len`` 0, request sent -> TransferDone received and verified). The agent pair's empty
+    transfers and the bare ZeroMQ round trip (``ZmqEcho``) they are compared with take turns, in
+    ``CONTROL_BLOCKS`` blocks of ``runs`` each, so both see the same host (measured one after the
+    other, their ratio swung from 1.6x to 3.1x between runs as this VM's load changed). Each
+    request within a block follows the last, as within the round trip's: interleaving single
+    requests of two pairs leaves each one's threads and caches cold and added ~0.2 ms to both;
+    today's worker pair runs after them, back to back. Beside them, a
     1-token ``tiny`` request on today's pair (1.3 MB of state), interleaved with its empty
     transfers: its latency, and what is left of it without the time spent on its bytes (the
     prefill's synthetic compute and copy, the decode's verification).
@@ -387,13 +392,16 @@ def bench_control(runs: int) -> dict:
     except BaseException:
         close()
         raise
-    empty, agent_empty, total, rest = [], [], [], []
+    empty, agent_empty, zmq_rt, total, rest = [], [], [], [], []
     parts: dict[str, list[float]] = {"compute_s": [], "copy_s": [], "verify_s": []}
     try:
-        for i in range(runs * 5 + 5):  # the agent pair's empty transfers, back to back (5 to warm up)
-            t = nodes.run(0, False)["transfer_s"] * 1e3
-            if i >= 5:
-                agent_empty.append(t)
+        with ZmqEcho() as echo:  # the agent pair's empty transfers and the bare round trip, in turns
+            echo.round_trips(10)
+            for _ in range(5):
+                nodes.run(0, False)
+            for _ in range(CONTROL_BLOCKS):
+                agent_empty += [nodes.run(0, False)["transfer_s"] * 1e3 for _ in range(runs)]
+                zmq_rt += echo.round_trips(runs)
         for _ in range(3):
             run(0), run(1)
         for _ in range(runs * 5):  # today's pair: an empty transfer, then a 1-token request
@@ -408,7 +416,7 @@ def bench_control(runs: int) -> dict:
         close()
     out["control_overhead_ms"] = median_range(agent_empty)
     out["worker_control_overhead_ms"] = median_range(empty)
-    out["zmq_round_trip_ms"] = zmq_round_trip(runs * 5)
+    out["zmq_round_trip_ms"] = median_range(zmq_rt)
     out["request_1_token_ms"] = median_range(total)
     out["request_1_token_overhead_ms"] = median_range(rest)
     out["request_1_token_parts_ms"] = {k: median_range(v) for k, v in parts.items()}

@@ -34,7 +34,7 @@ class RequestState(str, enum.Enum):
 
     @property
     def terminal(self) -> bool:
-        return self in (RequestState.SUCCESS, RequestState.FAILED)
+        return self is RequestState.SUCCESS or self is RequestState.FAILED  # identity: asked on every frame
 
 
 _S = RequestState
