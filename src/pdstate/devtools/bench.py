@@ -328,7 +328,7 @@ def run_bench(
     if sglang:  # SGLang's own Mooncake backend against backend pdstate: see devtools.bench_sglang
         from pdstate.devtools import bench_sglang
 
-        bench_sglang.phase(3 if quick else 5, results, progress)
+        bench_sglang.phase(bench_sglang.RUNS[quick], results, progress)
     progress("control ...")
     results["control"] = bench_control(runs * 4)
     results["ratios"] = ratios(results)

@@ -25,6 +25,7 @@ import statistics
 from pdstate.devtools.sglang_pair.cases import BENCH_SIDE, BENCH_TOKENS, Case
 from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, Pair, env_dir, mooncake_missing
 
+RUNS = {True: 7, False: 11}  # requests per backend and length (--quick, full): medians of 3 moved by 30%
 BACKENDS = {"mooncake": "sglang_mooncake_ms_by_length", "pdstate": "sglang_backend_ms_by_length"}
 DEADLINE_S = 60.0
 CASE = Case("bench", "the same pools on both sides, room for 32k tokens", BENCH_SIDE, BENCH_SIDE)
