@@ -72,3 +72,23 @@ def test_an_ended_record_drops_its_condition_once_nobody_waits_and_waits_again_a
     assert r.changed is None
     t0 = time.monotonic()
     assert r.wait(30) is S.FAILED and time.monotonic() - t0 < 1
+
+
+def test_a_failure_nobody_waits_for_makes_no_condition_and_one_waited_for_wakes_its_waiter():
+    from pdstate.errors import TransferFailed
+
+    r = RequestRecord(4)
+    assert r.fail(TransferFailed("first")) is True
+    assert r.changed is None and r.state is S.FAILED and str(r.error) == "first"
+    assert r.fail(TransferFailed("second")) is False and str(r.error) == "first"  # terminal: kept
+    assert "failed_at_s" in r.metrics
+    waited = RequestRecord(5)
+    out: list = []
+    t = _waiter(waited, None, out)
+    deadline = time.monotonic() + 10
+    while waited.waiters != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert waited.fail(TransferFailed("seen")) is True
+    t.join(5)
+    assert [s for s, _ in out] == [S.FAILED] and str(waited.error) == "seen"

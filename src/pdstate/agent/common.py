@@ -94,7 +94,16 @@ class RequestRecord:
 
     def fail(self, error: PdStateError) -> bool:
         """Move to FAILED with ``error`` unless already terminal; returns whether it moved."""
-        cond = self._condition()
+        cond = self.changed
+        if cond is None:
+            with _FIRST_WAIT:
+                if self.changed is None:  # nobody waits: no condition made only to fail
+                    if self.state.terminal:
+                        return False
+                    self.error = error
+                    self._apply(RequestState.FAILED)
+                    return True
+            cond = self.changed
         with cond:
             if self.state.terminal:
                 return False
