@@ -47,9 +47,15 @@ class PrefillShutdown:
         if runner is not None:
             runner.stop()
             self._inbox.put(Stop())  # wake the control loop
+        # The control thread, leaving its loop, cancels every request and then wakes a transfer
+        # thread waiting in a fault delay (``_end_all``). Waking it here first let the request it
+        # held be copied before its cancellation was written: it ended in Success after SIGTERM.
+        for t in self._threads:
+            if not t.name.endswith("-transfer"):
+                t.join(timeout=10)
         with self._lock:
             jobs = list(self.jobs.values())
-        for job in jobs:  # wake a transfer thread waiting in a fault delay
+        for job in jobs:  # a control thread that did not end in time: wake the delay anyway
             job.cancel_event.set()
         for t in self._threads:
             t.join(timeout=10)
