@@ -171,22 +171,7 @@ def test_view_derives_what_pdstate_pools_state(sglang_results):
         assert v["online_c128"] is variant.startswith("online")
 
 
-@pytest.mark.parametrize(
-    "s",
-    [
-        pytest.param(
-            s,
-            id=s["name"],
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="pdstate's DeepSeekV4TokenToKVPool derives its stage from layer_num and an inclusive "
-                "end_layer; SGLang 0.5.19's takes [start_layer, end_layer) when both are given, else the whole "
-                "ratio list",
-            ),
-        )
-        for s in STAGE
-    ],
-)
+@pytest.mark.parametrize("s", STAGE, ids=[s["name"] for s in STAGE])
 def test_stage_rule(sglang_results, s):
     r = _result(sglang_results, "offline", s)
     real, own = _report(r["report_real"]), _report(r["report_own"])

@@ -78,7 +78,7 @@ def test_ratio_check_before_mode_check(ratios):
 def test_ratio_check_reads_the_full_ratio_list_not_the_stage():
     # the draft's stage holds only a 0 layer, but its ratio list has a 4: upstream refuses
     t = target()
-    d = draft((0, 4), layer_num=1)
+    d = draft((0, 4), layer_num=1, start_layer=0, end_layer=1)
     assert d.stage_ratios == [0]
     wire(t, d, "shared")
     raises(t, d, DraftNotSWAOnly, SWA_ONLY_ERROR)
@@ -297,7 +297,7 @@ def test_no_c128_layer_no_c128_component():
     wire(t, d, "shared")
     assert run(t, d).state_types == [StateType.SWA, StateType.SWA]
     # a PP stage without C128 layers, even though the model has some
-    t = target(compression_ratios=[0, 4, 128], layer_num=2)
+    t = target(compression_ratios=[0, 4, 128], layer_num=2, start_layer=0, end_layer=2)
     assert run(t, None).state_types == [StateType.SWA]
 
 

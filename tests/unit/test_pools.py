@@ -60,6 +60,8 @@ def make_kwargs(
     ring128 = 1 if online else (256 if spec else 128)
     if layer_num is None:
         layer_num = len(ratios) - (start_layer or 0)
+    if start_layer is not None and end_layer is None:  # a stage's bounds, as the configurator passes them
+        end_layer = start_layer + layer_num
     return dict(
         max_num_reqs=max(1, slots - 1),
         swa_size=swa,
@@ -129,10 +131,11 @@ class Model:
 
     def __init__(self, kw: dict):
         ratios = kw["compression_ratios"]
-        start = kw["start_layer"] or 0
-        end = start + kw["layer_num"] if kw["end_layer"] is None else kw["end_layer"] + 1
+        start, end = kw["start_layer"], kw["end_layer"]
+        if start is None or end is None or len(ratios) < end:  # upstream: else the whole ratio list
+            start, end = 0, len(ratios)
         self.start = start
-        self.stage = ratios[start : min(end, len(ratios))]
+        self.stage = ratios[start:end]
         self.c4 = [start + i for i, r in enumerate(self.stage) if r == 4]
         self.c128 = [start + i for i, r in enumerate(self.stage) if r == 128]
         spec = kw["speculative_num_draft_tokens"]
@@ -527,19 +530,39 @@ def test_pp_stage_uses_absolute_layer_ids_for_states():
     check_pool_against_model(pool, Model(kw))
 
 
-def test_end_layer_is_inclusive():
+def test_stage_is_start_to_end_exclusive_as_upstreams_dsv4_pool():
     ratios = (0, 4, 128, 4, 128)
-    a = DeepSeekV4TokenToKVPool(**make_kwargs(ratios=ratios, start_layer=1, layer_num=2))
-    b = DeepSeekV4TokenToKVPool(**make_kwargs(ratios=ratios, start_layer=1, layer_num=2, end_layer=2))
-    assert a.stage_ratios == b.stage_ratios == [4, 128]
-    assert {k: tuple(t.shape) for k, t in a.buffers.items()} == {k: tuple(t.shape) for k, t in b.buffers.items()}
+    pool = DeepSeekV4TokenToKVPool(**make_kwargs(ratios=ratios, start_layer=1, layer_num=2, end_layer=3))
+    assert pool.stage_ratios == [4, 128] and (pool._stage_start, pool._stage_end) == (1, 3)
+    assert sorted(lab for lab in pool.buffers if "state" in lab) == [
+        "attn_state_c128[layer=2]",
+        "attn_state_c4[layer=1]",
+        "indexer_state_c4[layer=1]",
+    ]
 
 
-def test_trailing_placeholder_is_clipped():
-    # 43 layers + MTP placeholder: layer_num 43 builds exactly the 43 real layers
+@pytest.mark.parametrize(
+    "start,end",
+    [(None, None), (1, None), (None, 3), (1, 6)],  # a bound missing, or past the list: upstream's else
+    ids=["neither", "start only", "end only", "end past the list"],
+)
+def test_without_both_bounds_within_the_list_the_stage_is_the_whole_ratio_list(start, end):
+    ratios = (0, 4, 128, 4, 128)
+    kw = make_kwargs(ratios=ratios, layer_num=2)
+    kw.update(start_layer=start, end_layer=end)  # as given, whatever layer_num says
+    pool = DeepSeekV4TokenToKVPool(**kw)
+    assert pool.stage_ratios == list(ratios) and (pool._stage_start, pool._stage_end) == (0, 5)
+    assert len(pool.swa_kv_buffers) == 5
+
+
+def test_a_trailing_placeholder_is_a_layer_unless_the_stage_ends_before_it():
+    # 43 layers + MTP placeholder: given alone, upstream builds all 44 (its else branch); with the
+    # stage's bounds, as SGLang's configurator passes them, exactly the 43 real layers
     ratios = [0, 0] + [4, 128] * 20 + [4] + [0]
-    m = Model(make_kwargs(ratios=ratios, layer_num=43))
-    assert len(m.stage) == 43 and m.stage.count(4) == 21 and m.stage.count(128) == 20
+    whole = Model(make_kwargs(ratios=ratios, layer_num=43))
+    bounded = Model(make_kwargs(ratios=ratios, layer_num=43, start_layer=0, end_layer=43))
+    assert len(whole.stage) == 44 and len(bounded.stage) == 43
+    assert bounded.stage.count(4) == 21 and bounded.stage.count(128) == 20
 
 
 def test_buffers_are_zeroed_and_disjoint():

@@ -207,3 +207,21 @@ def test_private_memory_default():
     w = build_worker_pools(preset("tiny"))
     assert isinstance(w.memory, PrivateMemory)
     assert len(w.memory.regions()) == 2
+
+
+@pytest.mark.parametrize("change", [dict(layer_num=4), dict(start_layer=1), dict(start_layer=-1)])
+def test_a_stage_outside_the_ratio_list_is_refused_not_widened(change):
+    """Upstream's pool takes the whole ratio list when the stage's end is past it; pdstate's
+    settings name the stage, so such bounds are refused, naming them."""
+    from dataclasses import replace
+
+    from pdstate.errors import PoolConfigError
+
+    s = replace(preset("tiny"), **change)  # 3 ratios
+    start, end = s.start_layer, s.start_layer + s.layer_num
+    with pytest.raises(PoolConfigError) as info:
+        build_worker_pools(s)
+    assert str(info.value) == (
+        f"pool: the stage [start_layer, start_layer + layer_num) = [{start}, {end}) does not lie "
+        "within the 3 compression ratios"
+    )

@@ -94,11 +94,14 @@ class DeepSeekV4TokenToKVPool:
         self.layer_num = layer_num
         self.device = device
         self.compression_ratios = list(compression_ratios)
-        # Stage = [start, start + layer_num) clipped to the ratio list (an empty list gives an
-        # empty stage, as upstream); ``end_layer`` is inclusive, as in upstream's KV caches.
-        self._stage_start = start_layer or 0
-        stage_end = self._stage_start + layer_num if end_layer is None else end_layer + 1
-        self._stage_end = min(stage_end, len(self.compression_ratios))
+        # This PP stage's layers, as upstream's DSV4 pool takes them: [start_layer, end_layer) when
+        # both are given and the ratio list reaches end_layer, else the whole ratio list. The
+        # stage does not depend on ``layer_num`` (a list with an MTP placeholder, given alone,
+        # builds that layer too; SGLang's pool configurator passes the stage's bounds).
+        if start_layer is not None and end_layer is not None and len(self.compression_ratios) >= end_layer:
+            self._stage_start, self._stage_end = start_layer, end_layer
+        else:
+            self._stage_start, self._stage_end = 0, len(self.compression_ratios)
         self.stage_ratios = self.compression_ratios[self._stage_start : self._stage_end]
         bad = sorted({r for r in self.stage_ratios if r not in g.UNIFIED_K_PER_BLOCK})
         if bad:

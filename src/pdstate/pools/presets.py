@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from pdstate.errors import PoolConfigError
 from pdstate.pools.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator
 from pdstate.pools.dsv4 import DeepSeekV4TokenToKVPool
 from pdstate.pools.memory import Memory, PrivateMemory
@@ -90,6 +91,13 @@ def preset(name: str) -> PoolSettings:
 
 def pool_kwargs(s: PoolSettings, *, draft: bool = False) -> dict:
     """Upstream constructor keywords (plus pdstate's explicit global-state keywords)."""
+    end = s.start_layer + s.layer_num
+    if s.start_layer < 0 or s.layer_num < 0 or end > len(s.compression_ratios):
+        # upstream's pool would quietly take the whole ratio list for such bounds: refuse them
+        raise PoolConfigError(
+            f"pool: the stage [start_layer, start_layer + layer_num) = [{s.start_layer}, {end}) does not lie "
+            f"within the {len(s.compression_ratios)} compression ratios"
+        )
     spec = s.speculative_num_draft_tokens
     full = s.full_tokens
     ring_c4 = 16 if s.speculative else 8
@@ -118,7 +126,7 @@ def pool_kwargs(s: PoolSettings, *, draft: bool = False) -> dict:
         compression_ratios=list(s.compression_ratios),
         sliding_window=s.sliding_window,
         start_layer=s.start_layer,
-        end_layer=None,
+        end_layer=s.start_layer + s.layer_num,  # exclusive, as upstream's pool configurator passes it
         enable_hisparse=False,
         online_mtp_max_draft_tokens=spec or 0,
         num_req_slots=s.slots,
@@ -138,6 +146,7 @@ def pool_kwargs(s: PoolSettings, *, draft: bool = False) -> dict:
             layer_num=len(ratios),
             compression_ratios=ratios,
             start_layer=0,
+            end_layer=len(ratios),
             sliding_window=s.draft_sliding_window or s.sliding_window,
             page_size=s.draft_page_size or s.page_size,
             unified_kv=s.unified_kv if s.draft_unified_kv is None else s.draft_unified_kv,
