@@ -28,6 +28,12 @@ Version notes of the public API:
   landed_piece_bytes=...)`` (default 0, whole chunks), and the receiver's metrics ``landed``
   (notices hashed early) and ``digest_hashing_s`` (all hashing time; ``digest_s`` is now the part
   after ``TransferDone``, the part not hidden).
+  Then one behaviour change, to match upstream: ``DeepSeekV4TokenToKVPool``'s PP stage is SGLang
+  0.5.19's — ``[start_layer, end_layer)`` when both are given and the ratio list reaches
+  ``end_layer``, else the whole ratio list, whatever ``layer_num`` says (it was ``[start_layer,
+  start_layer + layer_num)``, ``end_layer`` inclusive, clipped to the list). A caller that gave
+  ``start_layer`` or ``layer_num`` alone to build part of a ratio list now passes both bounds;
+  ``build_worker_pools`` does, so its presets' layouts are unchanged.
 """
 
 from __future__ import annotations
