@@ -165,6 +165,7 @@ class AgentLoop:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._sockets: dict[zmq.Socket, Callable[[zmq.Socket], None]] = {}
+        self._poller: zmq.Poller | None = None  # the wake pipe and every socket; None: rebuild it
         self._tick_s, self._on_tick = tick_s, on_tick
         self._stopping = False
         self.closed = False
@@ -184,9 +185,11 @@ class AgentLoop:
 
     def watch(self, sock: zmq.Socket, handler: Callable[[zmq.Socket], None]) -> None:
         self._sockets[sock] = handler
+        self._poller = None  # rebuilt with it at the next turn
 
     def unwatch(self, sock: zmq.Socket) -> None:
         self._sockets.pop(sock, None)
+        self._poller = None
         sock.close(0)
 
     def again(self, key: object, check: Callable[[], Any]) -> None:
@@ -274,10 +277,12 @@ class AgentLoop:
         poller_timeout_ms = max(1, int(self._tick_s * 1000))
         next_tick = time.monotonic()
         while not self._stopping:
-            poller = zmq.Poller()
-            poller.register(self._wake_r, zmq.POLLIN)
-            for s in self._sockets:
-                poller.register(s, zmq.POLLIN)
+            poller = self._poller
+            if poller is None:
+                poller = self._poller = zmq.Poller()
+                poller.register(self._wake_r, zmq.POLLIN)
+                for s in self._sockets:
+                    poller.register(s, zmq.POLLIN)
             events = dict(poller.poll(AGAIN_MS if self._again else poller_timeout_ms))
             if self._again:
                 checks, self._again = self._again, {}
@@ -297,7 +302,8 @@ class AgentLoop:
                 self._guard(fn)
             for s, handler in list(self._sockets.items()):
                 if events.get(s) and s in self._sockets:
-                    while s in self._sockets and s.poll(0):
+                    # ZMQ_EVENTS: a getsockopt (~1 us); ``Socket.poll(0)`` builds a poller (~20 us)
+                    while s in self._sockets and s.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         self._guard(lambda: handler(s))
             if time.monotonic() >= next_tick:
                 self._guard(self._on_tick)
