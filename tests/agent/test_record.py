@@ -29,6 +29,16 @@ def _until_waiting(record: RequestRecord, watchers: int) -> None:
         time.sleep(0.001)
 
 
+def _waited_for(record: RequestRecord, out: list) -> threading.Thread:
+    """A thread waiting for ``record``'s end, once it is inside ``wait``."""
+    t = _waiter(record, None, out)
+    deadline = time.monotonic() + 10
+    while record.waiters != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    return t
+
+
 def test_a_waiter_with_a_predicate_wakes_at_its_step_and_one_without_at_the_end():
     r = RequestRecord(1)
     step, end = [], []
@@ -58,11 +68,7 @@ def test_an_ended_record_drops_its_condition_once_nobody_waits_and_waits_again_a
     r.move(S.WAITING_FOR_INPUT)
     assert r.changed is None  # nobody waited: none was made
     out: list = []
-    t = _waiter(r, None, out)
-    deadline = time.monotonic() + 10
-    while r.waiters != 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    t = _waited_for(r, out)
     r.release()
     assert r.changed is not None  # not ended, and waited on: kept
     r.move(S.FAILED)
@@ -84,11 +90,7 @@ def test_a_failure_nobody_waits_for_makes_no_condition_and_one_waited_for_wakes_
     assert "failed_at_s" in r.metrics
     waited = RequestRecord(5)
     out: list = []
-    t = _waiter(waited, None, out)
-    deadline = time.monotonic() + 10
-    while waited.waiters != 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    t = _waited_for(waited, out)
     assert waited.fail(TransferFailed("seen")) is True
     t.join(5)
     assert [s for s, _ in out] == [S.FAILED] and str(waited.error) == "seen"
