@@ -115,26 +115,47 @@ class Challenges:
     prefill) knows none of an earlier one's."""
 
     def __init__(self) -> None:
+        # oldest first: every nonce lives CHALLENGE_TTL_S, so the expired ones are at the front
         self._issued: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        self._by_claimant: dict[str, OrderedDict[bytes, None]] = {}  # each claimant's, oldest first
+
+    def __len__(self) -> int:
+        return len(self._issued)
+
+    def _drop(self, nonce: bytes) -> tuple[str, float] | None:
+        issued = self._issued.pop(nonce, None)
+        if issued is not None:
+            mine = self._by_claimant[issued[0]]
+            del mine[nonce]
+            if not mine:
+                del self._by_claimant[issued[0]]
+        return issued
 
     def issue(self, claimant: str) -> bytes:
+        """A fresh nonce for ``claimant``; the expired ones, that claimant's oldest beyond
+        ``MAX_CHALLENGES_PER_CLAIMANT`` and everyone's oldest beyond ``MAX_CHALLENGES`` are
+        forgotten first. Constant time per call (a flood of registers costs no scan)."""
         now = time.monotonic()
-        for nonce, (_, expires) in list(self._issued.items()):
-            if expires < now:
-                del self._issued[nonce]
-        mine = [n for n, (c, _) in self._issued.items() if c == claimant]
-        for nonce in mine[: max(0, len(mine) - MAX_CHALLENGES_PER_CLAIMANT + 1)]:
-            del self._issued[nonce]
+        while self._issued:
+            oldest = next(iter(self._issued))
+            if self._issued[oldest][1] >= now:
+                break
+            self._drop(oldest)
+        mine = self._by_claimant.get(claimant)
+        while mine is not None and len(mine) >= MAX_CHALLENGES_PER_CLAIMANT:
+            self._drop(next(iter(mine)))
+            mine = self._by_claimant.get(claimant)
         while len(self._issued) >= MAX_CHALLENGES:
-            self._issued.popitem(last=False)
+            self._drop(next(iter(self._issued)))
         nonce = secrets.token_bytes(CHALLENGE_BYTES)
         self._issued[nonce] = (claimant, now + CHALLENGE_TTL_S)
+        self._by_claimant.setdefault(claimant, OrderedDict())[nonce] = None
         return nonce
 
     def redeem(self, nonce: bytes, claimant: str) -> None:
         """Consume ``nonce`` for ``claimant``; ``InvalidEndpoint`` if this prefill did not issue it
         to that claimant, or it was used or expired."""
-        issued = self._issued.pop(nonce, None)
+        issued = self._drop(nonce)
         if issued is None or issued[0] != claimant or issued[1] < time.monotonic():
             raise InvalidEndpoint(
                 f"shm proof of ownership from {claimant or 'the decode'} answers a challenge this prefill "
