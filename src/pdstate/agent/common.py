@@ -13,7 +13,7 @@ from typing import Any
 
 import zmq
 
-from pdstate.errors import AgentClosed, IllegalTransition, PdStateError
+from pdstate.errors import AgentClosed, PdStateError
 from pdstate.pools.memory import Region
 from pdstate.protocol.lifecycle import RequestState
 from pdstate.protocol.lifecycle import move as lifecycle_move
@@ -74,16 +74,22 @@ class RequestRecord:
     changed: threading.Condition | None = None
 
     def move(self, new: RequestState) -> None:
+        self._change(new, lambda: self._apply(new))
+
+    def _change(self, new: RequestState, step: Callable[[], bool]) -> bool:
+        """Run ``step`` (which moves to ``new`` or not, and says so) under the record's lock: its
+        condition once a thread waits on it, else ``_FIRST_WAIT`` (no condition to take or notify)."""
         cond = self.changed
         if cond is None:
             with _FIRST_WAIT:
-                if self.changed is None:  # nobody waits: no condition to take or notify
-                    self._apply(new)
-                    return
+                if self.changed is None:
+                    return step()
             cond = self.changed
         with cond:
-            if self._apply(new) and (new.terminal or self.watchers):  # a waiter for the end sleeps through steps
+            moved = step()
+            if moved and (new.terminal or self.watchers):  # a waiter for the end sleeps through steps
                 cond.notify_all()
+            return moved
 
     def _apply(self, new: RequestState) -> bool:
         if self.state is new:
@@ -94,25 +100,14 @@ class RequestRecord:
 
     def fail(self, error: PdStateError) -> bool:
         """Move to FAILED with ``error`` unless already terminal; returns whether it moved."""
-        cond = self.changed
-        if cond is None:
-            with _FIRST_WAIT:
-                if self.changed is None:  # nobody waits: no condition made only to fail
-                    if self.state.terminal:
-                        return False
-                    self.error = error
-                    self._apply(RequestState.FAILED)
-                    return True
-            cond = self.changed
-        with cond:
+
+        def step() -> bool:
             if self.state.terminal:
                 return False
             self.error = error
-            try:
-                self.move(RequestState.FAILED)
-            except IllegalTransition:  # pragma: no cover - FAILED is reachable from every live state
-                raise
-            return True
+            return self._apply(RequestState.FAILED)
+
+        return self._change(RequestState.FAILED, step)
 
     def _condition(self, waiting: bool = False) -> threading.Condition:
         with _FIRST_WAIT:

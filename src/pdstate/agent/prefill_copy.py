@@ -95,11 +95,10 @@ class CopyPipeline:
         last = state is not None
         aux = last and req.dst_aux is not None
         if send.digest is None and _moves_nothing(decode, pages, state, req, aux):
-            send.chunks += 1  # no plan to make, no engine call (an empty request's whole cost)
-            send.all_submitted = send.all_submitted or last
-            return
-        dst_state = [p.unpack() for p in req.dst_state_indices] if last else none
-        pieces = self._pieces(send, pages.size, state if last else None)
+            pieces = []  # no plan to make, no engine call (an empty request's whole cost)
+        else:
+            pieces = self._pieces(send, pages.size, state if last else None)
+        dst_state = [p.unpack() for p in req.dst_state_indices] if last and pieces else none
         state_sent = False  # state goes with the last chunk only, in its first piece
         for k, (lo, hi, with_state) in enumerate(pieces):
             state_sent = state_sent or with_state

@@ -142,9 +142,8 @@ class Challenges:
                 break
             self._drop(oldest)
         mine = self._by_claimant.get(claimant)
-        while mine is not None and len(mine) >= MAX_CHALLENGES_PER_CLAIMANT:
+        if mine is not None and len(mine) >= MAX_CHALLENGES_PER_CLAIMANT:  # it holds at most the cap
             self._drop(next(iter(mine)))
-            mine = self._by_claimant.get(claimant)
         while len(self._issued) >= MAX_CHALLENGES:
             self._drop(next(iter(self._issued)))
         nonce = secrets.token_bytes(CHALLENGE_BYTES)
