@@ -20,9 +20,11 @@ venv: $(STAMP)
 test: $(STAMP) lint sglang-env
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# Real SGLang 0.5.19 for tests/sglang, cached in $(VENV)/sglang-env (stamped; never touches the venv).
+# Real SGLang 0.5.19 and 0.5.23 for tests/sglang, cached in $(VENV)/sglang-env and
+# $(VENV)/sglang-env-0.5.23 (stamped; never touches the venv).
 sglang-env: $(STAMP)
 	-bash tools/sglang_env.sh $(PY) $(VENV)/sglang-env
+	-bash tools/sglang_env.sh $(PY) $(VENV)/sglang-env-0.5.23 0.5.23
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Build the cached SGLang 0.5.19 environment the tests in tests/sglang run the real code from.
 #
-#   tools/sglang_env.sh PYTHON DIR      (make sglang-env: the venv's python, .venv/sglang-env)
+#   tools/sglang_env.sh PYTHON DIR [VERSION]
+#
+# make sglang-env builds both supported releases: .venv/sglang-env (0.5.19, the lock's own line) and
+# .venv/sglang-env-0.5.23 (VERSION replaces the lock's sglang line; the rest of the lock is shared).
 #
 # Every line of tools/sglang-env.txt is installed with --no-deps into DIR (pip --target), except
 # those whose distribution PYTHON's environment already has: nothing is installed into that
@@ -10,11 +13,12 @@
 # fetched (no index, or no wheel for this Python): the tests then skip with that one line.
 set -euo pipefail
 PY=${1:?usage: sglang_env.sh PYTHON DIR}
-DIR=${2:?usage: sglang_env.sh PYTHON DIR}
+DIR=${2:?usage: sglang_env.sh PYTHON DIR [VERSION]}
+VERSION=${3:-}
 LOCK="$(cd "$(dirname "$0")" && pwd)/sglang-env.txt"
 STAMP="$DIR/.stamp"
 
-want="$("$PY" -c 'import hashlib, sys; print(hashlib.sha256(open(sys.argv[1], "rb").read()).hexdigest()[:16], "py%d.%d" % sys.version_info[:2])' "$LOCK")"
+want="$("$PY" -c 'import hashlib, sys; print(hashlib.sha256(open(sys.argv[1], "rb").read()).hexdigest()[:16], "py%d.%d" % sys.version_info[:2], sys.argv[2] or "lock")' "$LOCK" "$VERSION")"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   exit 0
 fi
@@ -26,6 +30,7 @@ pip_q=(-q --disable-pip-version-check --no-input)
 
 # 1. the wheel itself: the one thing whose absence skips the tests
 sglang_req="$(grep -m1 '^sglang==' "$LOCK")"
+if [ -n "$VERSION" ]; then sglang_req="sglang==$VERSION"; fi
 if ! "$PY" -m pip download "${pip_q[@]}" --no-deps "$sglang_req" -d "$work/wheels" >"$work/download.log" 2>&1; then
   echo "sglang-env: cannot fetch the $sglang_req wheel for $("$PY" -c 'import sys; print("Python %d.%d" % sys.version_info[:2])'): $(grep -m1 -E 'ERROR|error' "$work/download.log" || tail -1 "$work/download.log")" >&2
   exit 3
