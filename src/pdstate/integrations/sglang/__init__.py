@@ -18,14 +18,15 @@ SGLang has no registry for transfer backends: its ``TransferBackend`` enum, the
 SGLang is imported only inside ``install()``, never when this package is imported; where it (or
 one of the names above) is missing, ``install()`` raises ``SGLangUnavailable`` naming it.
 
-SGLang runs its schedulers in *spawned* processes, which do not inherit these patches: run the
-server through ``python -m pdstate.integrations.sglang.launch_server`` (it installs in the server
-process and in every process multiprocessing spawns from it), or call ``install()`` first thing in
-each process of an embedding that builds SGLang's managers itself.
+SGLang runs its schedulers in *spawned* processes, which do not inherit these patches. SGLang
+itself calls ``install()`` in each of them: pdstate's distribution declares the entry point
+``pdstate`` in SGLang's plugin group ``sglang.srt.plugins`` (``plugin.load``), which SGLang's
+``load_plugins()`` runs before it parses arguments and at the start of every process it spawns.
+An embedding that builds SGLang's managers itself calls ``load_plugins()`` (or ``install()``).
 
 Packaging: the extra ``pdstate[sglang]`` is an empty marker. It deliberately does not require the
 ``sglang`` wheel, whose dependencies pull a CUDA build of torch; SGLang itself is the user's own
-install (the version this adapter is tested against is 0.5.19).
+install (``SUPPORTED_RELEASES``: the releases this adapter is tested against).
 
 The classes are a thin adapter over ``pdstate.agent`` (``classes``: one manager per rank with its
 agent, a sender / receiver per request, SGLang's own bootstrap server); README, "Using pdstate
@@ -35,9 +36,11 @@ from SGLang", says what they support.
 from __future__ import annotations
 
 import threading
+from importlib import metadata
 
 BACKEND = "pdstate"  # the value of the TransferBackend member and of the command-line choice
 MEMBER = "PDSTATE"  # the TransferBackend member's name
+SUPPORTED_RELEASES = ("0.5.19", "0.5.23")  # the SGLang releases the adapter is tested against
 
 _lock = threading.Lock()
 _installed = False
@@ -60,4 +63,12 @@ def is_installed() -> bool:
     return _installed
 
 
-__all__ = ["BACKEND", "MEMBER", "install", "is_installed"]
+def sglang_release() -> str | None:
+    """The installed SGLang's version (its distribution's metadata), ``None`` without one."""
+    try:
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+__all__ = ["BACKEND", "MEMBER", "SUPPORTED_RELEASES", "install", "is_installed", "sglang_release"]
