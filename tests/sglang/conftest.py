@@ -1,17 +1,36 @@
 """Fixtures of the SGLang harness: nothing is built or imported at collection.
 
-``sglang_results`` builds the cached environment if needed (``tools/sglang_env.sh``), then runs
-every scenario of ``scenarios.VARIANTS`` in child processes once per session; ``sglang_pair`` is
-the two-process driver's pair of children, shared by the tests that use it. When the sglang
-wheel cannot be fetched every test here skips with the build script's reason, reported as one
-line (pytest would otherwise list a fixture's skip once per test function).
+``sglang_release`` is parametrised over ``runner.RELEASES`` (0.5.19 and 0.5.23): it builds that
+release's cached environment if needed (``tools/sglang_env.sh``) and every fixture over it runs
+once per release, so a test that uses ``sglang_results`` (every scenario of ``scenarios.VARIANTS``
+in child processes) or ``sglang_pair`` (the two-process driver's pair of children) runs against
+each release, with the release in its id. ``sglang_env`` is 0.5.19's environment alone (the suites
+that have not moved to both releases). When a release's wheel cannot be fetched its tests skip
+with the build script's reason, reported as one line (pytest would otherwise list a fixture's skip
+once per test function).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
 
 from tests.sglang import runner, scenarios
+
+
+@dataclass(frozen=True)
+class Release:
+    """One SGLang release under test: its version and its environment's directory."""
+
+    version: str
+    env: Path
+
+    @property
+    def new_api(self) -> bool:
+        """0.5.23 or newer (keyword-only sender, ``DSV4_REQUEST_STATE``, refusing Mooncake)."""
+        return self.version != runner.DEFAULT_RELEASE
 
 
 @pytest.fixture(scope="session")
@@ -22,20 +41,29 @@ def sglang_env():
         runner.skip(exc)
 
 
-@pytest.fixture(scope="session")
-def sglang_results(sglang_env) -> dict[str, dict]:
-    return runner.run_variants(sglang_env, scenarios.VARIANTS)
+@pytest.fixture(scope="session", params=list(runner.RELEASES), ids=lambda v: f"sglang-{v}")
+def sglang_release(request) -> Release:
+    try:
+        return Release(request.param, runner.ensure_env(request.param))
+    except runner.EnvUnavailable as exc:
+        runner.skip(exc)
 
 
 @pytest.fixture(scope="session")
-def sglang_pair(sglang_env):
+def sglang_results(sglang_release) -> dict[str, dict]:
+    return runner.run_variants(sglang_release.env, scenarios.VARIANTS)
+
+
+@pytest.fixture(scope="session")
+def sglang_pair(sglang_release):
     """One prefill child and one decode child of ``devtools.sglang_pair`` for every test that drives
     SGLang's disaggregation code across processes (each case gets its own managers)."""
     from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, Pair, mooncake_missing
 
     if why := mooncake_missing():
         pytest.skip(why)
-    with Pair(sglang_env, extra_env=PDSTATE_ENGINE_ENV) as pair:
+    with Pair(sglang_release.env, extra_env=PDSTATE_ENGINE_ENV) as pair:
+        pair.release = sglang_release.version
         yield pair
 
 

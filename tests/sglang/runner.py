@@ -1,9 +1,12 @@
-"""Find (or build) the cached SGLang environment and run ``probe.py`` in child processes.
+"""Find (or build) the cached SGLang environment of a release and run ``probe.py`` in child processes.
 
-The environment is ``$PDSTATE_SGLANG_ENV``, else ``<venv>/sglang-env`` (``sys.prefix``: the venv
-running pytest; ``make sglang-env`` builds it there). A missing or stale one is built by
-``tools/sglang_env.sh`` (cached by its stamp); when that script says the sglang wheel cannot be
-fetched (exit 3) the tests skip with its one line, and any other failure fails them.
+Every suite here runs against each release of ``RELEASES`` (0.5.19 and 0.5.23). A release's
+environment is ``<venv>/sglang-env`` (0.5.19) or ``<venv>/sglang-env-0.5.23`` (``sys.prefix``:
+the venv running pytest; ``make sglang-env`` builds both there); ``$PDSTATE_SGLANG_ENV`` replaces
+the environment of the release it holds (``pair.env_dir``). A missing or stale one is built by
+``tools/sglang_env.sh`` (cached by its stamp; the release's version is its third argument but for
+the lock's own 0.5.19); when that script says the sglang wheel cannot be fetched (exit 3) that
+release's tests skip with its one line, and any other failure fails them.
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from pdstate.devtools.sglang_pair.pair import DEFAULT_RELEASE, RELEASES
+from pdstate.devtools.sglang_pair.pair import env_dir as _release_env
 from tests.support.paths import REPO
+
+__all__ = ["DEFAULT_RELEASE", "RELEASES", "EnvUnavailable", "ensure_env", "env_dir", "run_probe", "run_variants"]
 
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = REPO / "tools" / "sglang_env.sh"
@@ -30,15 +37,16 @@ class EnvUnavailable(Exception):
     """The sglang wheel cannot be fetched here: the tests skip with this one line."""
 
 
-def env_dir() -> Path:
-    return Path(os.environ.get("PDSTATE_SGLANG_ENV") or Path(sys.prefix) / "sglang-env")
+def env_dir(release: str = DEFAULT_RELEASE) -> Path:
+    return _release_env(release)
 
 
-def ensure_env() -> Path:
-    """The environment's directory, built first if its stamp is missing or stale (cached)."""
-    target = env_dir()
+def ensure_env(release: str = DEFAULT_RELEASE) -> Path:
+    """The directory of ``release``'s environment, built first if its stamp is missing or stale (cached)."""
+    target = env_dir(release)
+    version = [] if release == DEFAULT_RELEASE else [release]  # the lock's own line is 0.5.19's
     proc = subprocess.run(
-        ["bash", str(BUILD_SCRIPT), sys.executable, str(target)],
+        ["bash", str(BUILD_SCRIPT), sys.executable, str(target), *version],
         capture_output=True,
         text=True,
         timeout=1200,
@@ -81,10 +89,15 @@ def run_probe(
     return json.loads(lines[-1])
 
 
-def run_variants(target: Path, variants: dict[str, tuple[dict[str, str], list[dict]]]) -> dict[str, dict]:
+def run_variants(
+    target: Path, variants: dict[str, tuple[dict[str, str], list[dict]]], extra_env: dict[str, str] | None = None
+) -> dict[str, dict]:
     """Every variant in its own child process (two at a time); results by variant name."""
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(run_probe, target, env, scen) for name, (env, scen) in variants.items()}
+        futures = {
+            name: pool.submit(run_probe, target, {**(extra_env or {}), **env}, scen)
+            for name, (env, scen) in variants.items()
+        }
         return {name: f.result() for name, f in futures.items()}
 
 

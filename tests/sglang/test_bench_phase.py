@@ -3,11 +3,15 @@ on the same pools, every byte checked (one run, one short length)."""
 
 from __future__ import annotations
 
+import pytest
+
 from pdstate.devtools import bench_report, bench_sglang
 
 
-def test_phase_times_both_backends_on_the_same_requests(sglang_env, sglang_pair, monkeypatch):
-    monkeypatch.setenv("PDSTATE_SGLANG_ENV", str(sglang_env))
+# The bench measures on the lock's release (the pair suite covers both).
+@pytest.mark.parametrize("sglang_release", ["0.5.19"], indirect=True, ids=["sglang-0.5.19"])
+def test_phase_times_both_backends_on_the_same_requests(sglang_release, sglang_pair, monkeypatch):
+    monkeypatch.setenv("PDSTATE_SGLANG_ENV", str(sglang_release.env))
     said, results = [], {}
     bench_sglang.phase(1, results, progress=said.append, lengths=(2048,), pair=sglang_pair)
     assert 0 < results["sglang_mooncake_ms_by_length"]["2048"] < bench_sglang.DEADLINE_S * 1000

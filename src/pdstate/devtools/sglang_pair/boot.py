@@ -1,4 +1,4 @@
-"""Make the real SGLang 0.5.19 code importable on a CPU-only host, in a *child* process.
+"""Make the real SGLang code (0.5.19 or 0.5.23) importable on a CPU-only host, in a *child* process.
 
 ``install()`` changes process-wide state (``sys.meta_path``, ``sys.modules["sglang"]``,
 ``torch.compile``), so only child processes call it (importing ``booted`` does, first thing),
@@ -12,17 +12,24 @@ never a test or CLI process; importing this module itself changes nothing:
   whole frontend) is skipped, every ``sglang.srt.*`` submodule is the real file;
 - ``torch.compile`` becomes an identity decorator (it breaks on CPU with a dummy triton present).
 
-``server_args`` builds and ``publish`` publishes the ``ServerArgs`` a pool reads at construction;
-``unified_kv`` selects upstream's unified-KV mode for the pools built inside it.
+``release()`` is the version of the SGLang this process imported (the ``sglang-*.dist-info`` next
+to the package it loaded, else ``sglang.version``), and ``at_least`` compares it: every helper
+here, and the driver's children, follow that release's API. ``server_args`` builds and
+``publish`` publishes the ``ServerArgs`` a pool reads at construction; ``unified_kv`` selects
+upstream's unified-KV mode for the pools built inside it; ``parallel_context`` gives a rank the
+single-rank parallel context the managers read, without torch.distributed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import os
+import re
 import sys
 import types
 
@@ -175,11 +182,99 @@ def publish(args) -> None:
 @contextlib.contextmanager
 def unified_kv(enabled: bool):
     """Pools built inside take upstream's unified-KV layout (its ROCm+env gate, replaced)."""
-    from sglang.kernels.ops.attention.dsv4.unified_kv_kernels import env_gate
-
+    env_gate = unified_gate_module()
     saved = env_gate.is_unified_kv_triton
     env_gate.is_unified_kv_triton = lambda: enabled
     try:
         yield
     finally:
         env_gate.is_unified_kv_triton = saved
+
+
+@functools.cache
+def release() -> str:
+    """The version of the imported SGLang (``"0.5.23"``): the distribution installed beside the
+    package this process loaded (so another sglang elsewhere on the path cannot answer), else the
+    package's own ``sglang.version``."""
+    import sglang
+
+    for location in getattr(sglang, "__path__", []):
+        parent = os.path.dirname(os.path.abspath(location))
+        for dist in importlib.metadata.distributions(path=[parent]):
+            if (dist.metadata["Name"] or "").lower() == "sglang":
+                return dist.version
+    from sglang.version import __version__
+
+    return str(__version__)
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """``"0.5.23.post1"`` -> ``(0, 5, 23)``."""
+    return tuple(int(x) for x in re.findall(r"\d+", version)[:3])
+
+
+def at_least(version: str) -> bool:
+    """Whether the imported SGLang is ``version`` or newer."""
+    return version_tuple(release()) >= version_tuple(version)
+
+
+def unified_gate_module():
+    """The module whose ``is_unified_kv_triton`` the DSV4 pool reads at construction."""
+    if at_least("0.5.23"):
+        return importlib.import_module("sglang.srt.layers.attention.dsv4.unified_kv_gate")
+    return importlib.import_module("sglang.kernels.ops.attention.dsv4.unified_kv_kernels.env_gate")
+
+
+_HELD: list = []  # parallel-context scopes entered for the process's life (0.5.19)
+
+
+def parallel_context(**values) -> None:
+    """tp = cp = dp = pp = 1 (``values`` on top) for this process, without torch.distributed.
+
+    0.5.23 keeps them with ``override_permanently``; 0.5.19 with an ``override`` scope held open
+    for the process's life, plus the dp-attention globals and a stand-in PP group its managers read.
+    """
+    from sglang.srt.runtime_context import get_parallel
+
+    ones = dict(tp_size=1, pp_size=1, attn_tp_size=1, attn_cp_size=1, attn_dcp_size=1, attn_dp_size=1)
+    zeros = dict(tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0)
+    fields = {**ones, **zeros, **values}
+    if at_least("0.5.23"):  # the PP group the prefill manager keeps (used for pp > 1 only)
+        fields.setdefault("pp_group", single_group())
+        get_parallel().override_permanently(**fields)
+        return
+
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.layers import dp_attention
+
+    scope = get_parallel().override(world_size=1, world_rank=0, dcp_size=1, dcp_rank=0, dcp_enabled=False, **fields)
+    scope.__enter__()
+    _HELD.append(scope)  # never left: a collected scope would restore on exit
+    dp_attention._ATTN_DP_RANK, dp_attention._ATTN_DP_SIZE = 0, 1
+    if parallel_state._PP is None:
+        parallel_state._PP = single_group()
+
+
+def single_group():
+    """A stand-in process group of one rank (what the managers read of a group)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(world_size=1, rank_in_group=0, is_first_rank=True, is_last_rank=True)
+
+
+def metadata_buffers(size: int, hidden_size: int, dtype):
+    """SGLang's ``MetadataBuffers`` (0.5.23 requires ``max_sampling_mask_tokens``)."""
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+
+    if at_least("0.5.23"):
+        return MetadataBuffers(size, hidden_size, dtype, max_sampling_mask_tokens=0)
+    return MetadataBuffers(size, hidden_size, dtype)
+
+
+def state_type(name: str):
+    """A ``StateType`` member by its 0.5.19 name (``C128_STATE`` is ``DSV4_REQUEST_STATE`` in 0.5.23)."""
+    from sglang.srt.disaggregation.base.conn import StateType
+
+    if name == "C128_STATE" and not hasattr(StateType, name):
+        return StateType.DSV4_REQUEST_STATE
+    return getattr(StateType, name)

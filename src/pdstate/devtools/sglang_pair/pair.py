@@ -33,9 +33,31 @@ PDSTATE_ENGINE_ENV = {"PDSTATE_TRANSFER__ENGINE": "mooncake"}
 SLACK_S = 30.0  # what a child may take beyond a request's deadline to answer (setup, byte checks)
 
 
-def env_dir() -> Path:
-    """The cached SGLang environment: ``$PDSTATE_SGLANG_ENV``, else ``<venv>/sglang-env``."""
-    return Path(os.environ.get("PDSTATE_SGLANG_ENV") or Path(sys.prefix) / "sglang-env")
+# The SGLang releases the driver runs, oldest first, and where ``make sglang-env`` caches each
+# (under the venv): 0.5.19 is the lock's own line, 0.5.23 the newest release.
+RELEASES: dict[str, str] = {"0.5.19": "sglang-env", "0.5.23": "sglang-env-0.5.23"}
+DEFAULT_RELEASE = "0.5.19"
+
+
+def env_release(target: Path) -> str | None:
+    """The SGLang version installed in the environment ``target`` (its ``sglang-*.dist-info``)."""
+    found = sorted(Path(target).glob("sglang-*.dist-info"))
+    return found[-1].name[len("sglang-") : -len(".dist-info")] if found else None
+
+
+def env_dir(release: str | None = None) -> Path:
+    """The cached environment of ``release`` (``<venv>/sglang-env`` for 0.5.19,
+    ``<venv>/sglang-env-0.5.23``); ``$PDSTATE_SGLANG_ENV`` replaces the one of the release it
+    holds (with no release asked: whichever it holds)."""
+    override = os.environ.get("PDSTATE_SGLANG_ENV")
+    if override:
+        held = env_release(Path(override))
+        if release is None or held == release or (held is None and release == DEFAULT_RELEASE):
+            return Path(override)
+    release = release or DEFAULT_RELEASE
+    if release not in RELEASES:
+        raise ValueError(f"unknown SGLang release {release!r} (known: {', '.join(RELEASES)})")
+    return Path(sys.prefix) / RELEASES[release]
 
 
 def child_env(target: Path, extra: dict[str, str] | None = None) -> dict[str, str]:

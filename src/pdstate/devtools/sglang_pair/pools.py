@@ -6,11 +6,13 @@ pools; ``KVArgs`` is filled the way ``disaggregation/prefill.py`` ``_init_kv_man
 ``decode.py`` fill it (main KV target then draft, ``MetadataBuffers`` for aux, ``build_kv_layer_ids``,
 ``setup_state_kv_args``, ``mla_compression_ratios`` on the prefill); the per-request page and
 state indices are computed as ``send_kv_chunk`` (prefill) and the decode's pre-allocation do.
+Both releases: 0.5.23's request-state indices come from the pool's own
+``request_state_transfer_indices`` (0.5.19's from ``get_dsv4_c128_state_indices``), its allocator
+takes the request-to-token pool, and its ``MetadataBuffers`` the sampling-mask width (``boot``).
 """
 
 from __future__ import annotations
 
-import functools
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,10 +20,8 @@ import torch
 from sglang.srt.disaggregation.base.conn import StateType
 from sglang.srt.disaggregation.utils import (
     KVClassType,
-    MetadataBuffers,
     TransferBackend,
     build_kv_layer_ids,
-    get_dsv4_c128_state_indices,
     get_kv_class,
     setup_state_kv_args,
 )
@@ -29,7 +29,11 @@ from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 from sglang.srt.mem_cache.common import kv_to_page_indices
 from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool, get_compress_state_ring_size
 
+from pdstate.devtools.sglang_pair import boot
 from pdstate.devtools.sglang_pair.cases import Side
+
+NEW_API = boot.at_least("0.5.23")
+REQUEST_STATE = boot.state_type("C128_STATE")  # DSV4_REQUEST_STATE in 0.5.23, same wire value
 
 HIDDEN_SIZE = 4096  # DeepSeek-V4-Flash's hidden size (the aux hidden-states row)
 KV_CACHE_DTYPE = "fp8_e4m3"
@@ -63,6 +67,15 @@ def _pool_kwargs(side: Side, ring4: int, ring128: int) -> dict:
     )
 
 
+def req_to_token_pool(side: Side):
+    """SGLang's request-to-token pool for ``side`` (0.5.23's allocator asks for one)."""
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    return ReqToTokenPool(
+        size=side.max_num_reqs + 1, max_context_len=side.full_tokens, device="cpu", enable_memory_saver=False
+    )
+
+
 def _labels(pool: DeepSeekV4TokenToKVPool, role: str) -> tuple[list, list, list]:
     """What each entry of the pool's main-KV, SWA-state and C128-state lists holds (role, layer)."""
     ratios = list(pool.compression_ratios)
@@ -78,20 +91,27 @@ def build(side: Side, *, hold_pages: int = 0) -> SimpleNamespace:
     """The pools of ``side`` (the server args they read must be published first): ``target``,
     ``draft`` (or None), ``alloc``, ``meta`` (aux), ``labels`` (what each buffer entry holds) and
     ``pad``, pages held so that the decode's pages differ from the prefill's."""
-    ring = functools.partial(get_compress_state_ring_size, is_speculative=side.speculative)
+    if NEW_API:  # the ring follows the number of draft tokens (0: not speculative)
+        ring = lambda r: get_compress_state_ring_size(r, 4 if side.speculative else 0)  # noqa: E731
+    else:
+        ring = lambda r: get_compress_state_ring_size(r, is_speculative=side.speculative)  # noqa: E731
     kw = _pool_kwargs(side, ring(4), ring(128))
     target = DeepSeekV4TokenToKVPool(**kw)
     draft = None
     if side.draft:
         draft = DeepSeekV4TokenToKVPool(**{**kw, **NEXTN_DRAFT, "compression_ratios": [0]})
+    req_pool = req_to_token_pool(side) if NEW_API else None
+    extra = {"req_to_token_pool": req_pool} if NEW_API else {}
     alloc = SWATokenToKVPoolAllocator(
         side.full_tokens, side.swa_tokens, side.page_size, dtype=torch.float8_e4m3fn, device="cpu",
-        kvcache=target, need_sort=False,
+        kvcache=target, need_sort=False, **extra,
     )  # fmt: skip
     if draft is not None:
         draft.register_mapping(alloc.full_to_swa_index_mapping)
-    meta = MetadataBuffers(side.max_num_reqs + 1, HIDDEN_SIZE, torch.bfloat16)
-    pools = SimpleNamespace(side=side, target=target, draft=draft, alloc=alloc, meta=meta, pad=None, labels={})
+    meta = boot.metadata_buffers(side.max_num_reqs + 1, HIDDEN_SIZE, torch.bfloat16)
+    pools = SimpleNamespace(
+        side=side, target=target, draft=draft, alloc=alloc, meta=meta, req_pool=req_pool, pad=None, labels={}
+    )
     if hold_pages:
         pools.pad = alloc.full_attn_allocator.alloc(hold_pages * side.page_size)
     main, swa, c128 = _labels(target, "target")
@@ -122,6 +142,11 @@ def kv_args(pools: SimpleNamespace, backend: str, *, prefill: bool):
         d_ptrs, d_lens, d_items = draft.get_contiguous_buf_infos()
         ptrs, lens, items, drafts = ptrs + d_ptrs, lens + d_lens, items + d_items, len(d_ptrs)
     args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = ptrs, lens, items
+    if NEW_API:  # what 0.5.23's schedulers add
+        from sglang.srt.disaggregation.utils import get_pd_kv_layout
+
+        args.kv_layout = get_pd_kv_layout(target)
+        args.num_draft_entries = drafts
     args.kv_layer_ids = build_kv_layer_ids(
         token_to_kv_pool=target,
         draft_token_to_kv_pool=draft,
@@ -132,7 +157,7 @@ def kv_args(pools: SimpleNamespace, backend: str, *, prefill: bool):
     args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = pools.meta.get_buf_infos()
     args.ib_device = None
     args.gpu_id = 0
-    setup_state_kv_args(args, target, draft, len(pools.side.ratios), req_to_token_pool=None)
+    setup_state_kv_args(args, target, draft, len(pools.side.ratios), req_to_token_pool=pools.req_pool)
     if prefill:
         args.mla_compression_ratios = list(target.compression_ratios)
     return args
@@ -165,13 +190,18 @@ def allocate(pools: SimpleNamespace, args, room: int, tokens: int, slot: int) ->
         raise RuntimeError(f"the SWA pool has no room for a window of {tokens - window_start} tokens")
     alloc.set_full_to_swa_mapping(locs[window_start:tokens], swa_locs[: tokens - window_start])
     swa_pages = kv_to_page_indices(alloc.translate_loc_from_full_to_swa(locs[window_start:tokens]), page)
-    c128 = get_dsv4_c128_state_indices(slot, tokens, online=False, ring_size=target.get_ring_size(128))
+    if NEW_API:
+        c128 = target.request_state_transfer_indices(slot, tokens)
+    else:
+        from sglang.srt.disaggregation.utils import get_dsv4_c128_state_indices
+
+        c128 = get_dsv4_c128_state_indices(slot, tokens, online=False, ring_size=target.get_ring_size(128))
     req = SimpleNamespace(
         room=room, tokens=tokens, slot=slot, locs=locs, swa_locs=swa_locs,
         pages=kv_to_page_indices(locs[:tokens], page).astype(np.int32), window_first_page=window_start // page,
         swa_pages=np.asarray(swa_pages), c128=np.asarray(c128),
     )  # fmt: skip
-    payloads = {StateType.SWA: req.swa_pages, StateType.C128_STATE: req.c128}
+    payloads = {StateType.SWA: req.swa_pages, REQUEST_STATE: req.c128}
     req.state_indices = [payloads.get(st) for st in args.state_types]
     return req
 
@@ -198,7 +228,7 @@ def request_items(pools: SimpleNamespace, args, req: SimpleNamespace, aux_index:
                     int(sp): ("swa", room, names[j], req.window_first_page + k, i) for k, sp in enumerate(req.swa_pages)
                 }
                 out.append((p, i, keys))
-        else:  # C128_STATE: the block being compressed
+        else:  # the request state (C128): the block being compressed
             block = (req.tokens - 1) // 128
             for j, (p, i) in enumerate(zip(args.state_data_ptrs[c], args.state_item_lens[c])):
                 out.append((p, i, {int(r): ("c128", room, labels["c128"][j], block, i) for r in req.c128}))

@@ -4,6 +4,9 @@ Run only by ``pair.Pair`` under the cached SGLang environment: importing ``boote
 process-wide state. Reads one JSON command per line on stdin and answers each with one line
 ``@@pair {json}`` on stdout (anything else on stdout is SGLang's and ignored). Commands:
 
+Both releases: the child follows the SGLang it imported (``boot.release()``), which ``setup``
+reports; 0.5.23's prefill makes its sender with keywords only.
+
 - ``setup``: publish the side's server args, build (or reuse) its pools, fill ``KVArgs``, and
   create the manager of ``backend`` through ``get_kv_class`` (the prefill starts the bootstrap
   server first, through ``get_kv_class(backend, BOOTSTRAP_SERVER)``); ``use`` makes an earlier
@@ -44,25 +47,11 @@ def _text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-_HELD: list = []  # the parallel-context override, entered once and never left
-
-
 def _parallel_context() -> None:
-    """tp = cp = dp = pp = 1 without torch.distributed (what the managers read)."""
-    from sglang.srt.distributed import parallel_state
-    from sglang.srt.layers import dp_attention
-    from sglang.srt.runtime_context import get_parallel
-
-    ones = dict(world_size=1, tp_size=1, pp_size=1, attn_tp_size=1, attn_cp_size=1, dcp_size=1, attn_dcp_size=1,
-                attn_dp_size=1)  # fmt: skip
-    zeros = dict(world_rank=0, tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_cp_rank=0, dcp_rank=0, attn_dcp_rank=0,
-                 attn_dp_rank=0)  # fmt: skip
-    if not _HELD:  # held for the process's life (the context manager restores on exit)
-        _HELD.append(get_parallel().override(**ones, **zeros, dcp_enabled=False))
-        _HELD[0].__enter__()
-    dp_attention._ATTN_DP_RANK, dp_attention._ATTN_DP_SIZE = 0, 1
-    if parallel_state._PP is None:
-        parallel_state._PP = SimpleNamespace(world_size=1, rank_in_group=0, is_first_rank=True, is_last_rank=True)
+    """tp = cp = dp = pp = 1 without torch.distributed (what the managers read; once per process)."""
+    if not S.parallel:
+        boot.parallel_context()
+        S.parallel = True
 
 
 def _mooncake_engine() -> None:
@@ -74,7 +63,7 @@ def _mooncake_engine() -> None:
 # This child's state: pools by side (reused across cases), bootstrap servers by port, the current
 # case's pools, KVArgs and manager, and the request in flight with its sender or receiver.
 S = SimpleNamespace(role="", backend="", addr="", pools={}, servers={}, cur=None, args=None, mgr=None, req=None,
-    conn=None, installed=False, sessions={})  # fmt: skip
+    conn=None, installed=False, parallel=False, sessions={})  # fmt: skip
 SESSION = ("backend", "addr", "cur", "args", "mgr")  # what ``use`` brings back
 
 
@@ -112,7 +101,11 @@ def setup(role: str, backend: str, side: dict, port: int) -> dict:
     mode = DisaggregationMode.PREFILL if prefill else DisaggregationMode.DECODE
     S.mgr = get_kv_class(tb, KVClassType.MANAGER)(S.args, mode, get_context().server_args, True)
     S.sessions[backend] = {k: getattr(S, k) for k in SESSION}
-    return {"buffers": len(pools.buffers(S.args)), "state_types": [str(t.value) for t in S.args.state_types]}
+    return {
+        "buffers": len(pools.buffers(S.args)),
+        "state_types": [str(t.value) for t in S.args.state_types],
+        "sglang": boot.release(),
+    }
 
 
 def use(backend: str) -> dict:
@@ -160,7 +153,10 @@ def open_request(room: int, tokens: int) -> dict:
     for (_, ptr, length, _), (_, item_len, keys) in zip(pools.buffers(S.args), items):
         pattern.write_items(pattern.memory(ptr, length), item_len, keys)
     cls = get_kv_class(TransferBackend(S.backend), KVClassType.SENDER)
-    S.conn = cls(S.mgr, S.addr, room, [0], 0)
+    if boot.at_least("0.5.23"):  # the prefill's own call: keywords, no dest_tp_ranks / pp_rank
+        S.conn = cls(mgr=S.mgr, bootstrap_addr=S.addr, bootstrap_room=room, req_has_disagg_prefill_dp_rank=False)
+    else:
+        S.conn = cls(S.mgr, S.addr, room, [0], 0)
     S.conn.init(len(S.req.pages), PREFILL_SLOT)
     return {"pages": len(S.req.pages)}
 

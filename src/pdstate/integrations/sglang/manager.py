@@ -1,6 +1,6 @@
 """``PdStateKVManager``: one per scheduler rank, a pdstate agent over the memory SGLang's ``KVArgs`` names.
 
-A subclass of SGLang's ``CommonKVManager``, so everything its schedulers read of a manager is
+A subclass of SGLang's ``CommonKVManager`` (0.5.19's or 0.5.23's: the running SGLang's), so everything its schedulers read of a manager is
 SGLang's own (``try_ensure_parallel_info``, ``prefill_info_table``, ``kv_args``, the status and
 failure tables, the rebootstrap executor, ...). What differs:
 
@@ -44,6 +44,13 @@ def build_manager() -> type:
 
     class PdStateKVManager(CommonKVManager):
         """SGLang's KV manager for ``--disaggregation-transfer-backend pdstate``."""
+
+        # SGLang 0.5.23's optional hooks: a decode's pages are released at once on abort (no
+        # deferred release waiting for the prefill's acknowledgement: the agent's abort fences
+        # the writes itself), and no runtime role switch.
+        supports_deferred_decode_kv_release = False
+        supports_role_switch = False
+        supports_host_destination = False
 
         def __init__(self, args, disaggregation_mode, server_args, is_mla_backend=False):
             self.role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
@@ -171,6 +178,10 @@ def build_manager() -> type:
 
         def close(self) -> None:
             self.agent.close()
+
+        def teardown(self) -> None:
+            """SGLang 0.5.23's release of a manager's transfer resources: the agent closes."""
+            self.close()
 
     PdStateKVManager.__qualname__ = "PdStateKVManager"
     return PdStateKVManager

@@ -8,6 +8,11 @@ and opens one agent receiver per rank, whose first use connects and shakes hands
 decode_prefix_len)`` tells the real rank where everything lands (the dummies: nothing), and
 ``poll()`` follows the agent receivers to ``Success`` (digests equal) or ``Failed``.
 
+The contract is the running SGLang's (0.5.19 or 0.5.23): ``init`` runs SGLang's own rank
+mapping and ``/route`` lookups, but never its ZMQ registration (``_register_kv_args``, which
+0.5.23's ``init`` calls): the agents shake hands instead. 0.5.23's ``send_metadata`` names a
+destination; only device memory is taken.
+
 A refused handshake (a layout factor differs) fails the request at once with the prefill's error
 (upstream's class and text) before any byte moves; the agent tells that prefill, whose sender of
 the room fails with the same error.
@@ -59,7 +64,7 @@ def build_receiver() -> type:
             if reason is not None:
                 self._fail(TransferFailed(reason))
                 return
-            super().init(prefill_dp_rank)  # SGLang's rank mapping and /route lookups
+            super().init(prefill_dp_rank)  # SGLang's rank mapping and /route lookups (not its registration)
             if self.conclude_state == KVPoll.Failed or not self.bootstrap_infos:
                 return
             try:
@@ -71,8 +76,23 @@ def build_receiver() -> type:
             except (PdStateError, ValueError) as exc:
                 self._fail(exc)
 
-        def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None):
+        def _register_kv_args(self) -> bool:
+            """No registration through SGLang's ZMQ socket (0.5.23's ``init`` sends one to each
+            prefill rank it resolved): this rank's agent shakes hands with the prefill's itself."""
+            return True
+
+        def send_metadata(
+            self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None, destination=None
+        ):
             if self.conclude_state is not None:
+                return
+            if destination is not None and getattr(destination, "value", destination) != "device":
+                self._fail(
+                    TransferFailed(
+                        f"destination={getattr(destination, 'value', destination)}: pdstate's SGLang backend "
+                        "receives into device memory only"
+                    )
+                )
                 return
             if decode_prefix_len:
                 self._fail(

@@ -9,6 +9,11 @@ decode's digest of the landed bytes matched) or ``Failed``.
 
 A decode that refused this prefill's layout gives the room up: ``poll()`` is ``Failed`` at once,
 ``failure_exception()`` raises the refusal (upstream's class and text), and nothing was written.
+The constructor is the running SGLang's: 0.5.19's prefill passes ``dest_tp_ranks`` and
+``pp_rank`` positionally; 0.5.23's calls with keywords only (``mgr``, ``bootstrap_addr``,
+``bootstrap_room``, ``req_has_disagg_prefill_dp_rank``). Whichever its ``CommonKVSender`` takes is
+the one this class defines.
+
 A prefill rank the decode does not take from (``is_dummy`` on the decode side: a wider prefill
 attention TP) gets a request naming no pages; it moves nothing and completes with the others.
 """
@@ -16,6 +21,7 @@ attention TP) gets a request naming no pages; it moves nothing and completes wit
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import time
 
@@ -47,20 +53,38 @@ def build_sender() -> type:
     from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferMetric
     from sglang.srt.disaggregation.common.conn import CommonKVSender
 
+    # The running SGLang's own constructor decides which contract the prefill calls.
+    TAKES_DEST_RANKS = "dest_tp_ranks" in inspect.signature(CommonKVSender.__init__).parameters
+
     class PdStateKVSender(CommonKVSender):
-        def __init__(
-            self, mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks, pp_rank, req_has_disagg_prefill_dp_rank=False
-        ):
+        def _pdstate_init(self, base_args: tuple, base_kwargs: dict) -> None:
             self._agent_send = None
             self._inited = False
             self._queued: list = []  # chunks sent before the decode's request arrived
             self._dummy = False
             self._dummy_done = False
             self._error: BaseException | None = None
-            super().__init__(
-                mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks, pp_rank, req_has_disagg_prefill_dp_rank
-            )
+            CommonKVSender.__init__(self, *base_args, **base_kwargs)
             self.init_time = time.time()
+
+        if TAKES_DEST_RANKS:  # SGLang 0.5.19: the prefill passes dest_tp_ranks and pp_rank
+
+            def __init__(
+                self, mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks, pp_rank, req_has_disagg_prefill_dp_rank=False
+            ):
+                args = (mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks, pp_rank, req_has_disagg_prefill_dp_rank)
+                self._pdstate_init(args, {})
+
+        else:  # SGLang 0.5.23: keywords only, no dest_tp_ranks / pp_rank
+
+            def __init__(self, mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank=False):
+                kwargs = dict(
+                    mgr=mgr,
+                    bootstrap_addr=bootstrap_addr,
+                    bootstrap_room=bootstrap_room,
+                    req_has_disagg_prefill_dp_rank=req_has_disagg_prefill_dp_rank,
+                )
+                self._pdstate_init((), kwargs)
 
         @property
         def agent(self):

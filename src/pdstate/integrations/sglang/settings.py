@@ -9,8 +9,8 @@ cannot reach across processes: unless the engine is named, the backend uses ``mo
 (``nixl`` across hosts too; ``loopback`` within one process).
 
 Layout: SGLang hands the manager a ``KVArgs`` only; the pools are in the same process (the
-scheduler built them), so the manager finds the DeepSeek-V4 target whose buffers are the first
-``kv_data_ptrs`` and the draft whose buffers are the rest, and reports that pair as pdstate's
+scheduler built them), so the manager finds the DeepSeek-V4 target whose main-KV buffers are the
+first ``kv_data_ptrs`` and the draft whose buffers are the rest, and reports that pair as pdstate's
 workers do (``pdstate.pools.reporting.build_report``), so every factor is compared at the handshake.
 """
 
@@ -23,7 +23,6 @@ from typing import Any
 
 from pdstate.errors import ConfigError
 from pdstate.pools.interface import is_dsv4_pool
-from pdstate.pools.kvargs import state_components
 from pdstate.pools.reporting import build_report
 from pdstate.service.config import ENV_PREFIX, WorkerConfig, load_config
 
@@ -71,31 +70,42 @@ def load_settings(role: str, environ=None) -> AgentSettings:
     )
 
 
-def _pointers(target, draft) -> tuple[list[int], list[list[int]]]:
-    """The main-KV and state-component pointers SGLang's schedulers put in a ``KVArgs`` for this pair."""
-    main = [int(p) for pool in (target, draft) if pool is not None for p in pool.get_contiguous_buf_infos()[0]]
-    comps = [[int(p) for p in ptrs] for _, (ptrs, _, _) in state_components(target, draft, check=False)]
-    return main, comps
+def _pointers(pool, method: str) -> list[int]:
+    get = getattr(pool, method, None)
+    try:
+        return [int(p) for p in get()[0]] if get is not None else []
+    except Exception:  # a pool without that component (e.g. no unified SWA ring)
+        return []
 
 
 def find_pools(kv_args, candidates=None) -> tuple[object, object | None]:
-    """``(target, draft)``: the live DeepSeek-V4 pools whose buffers are ``kv_args``'s, main KV
-    (target's, then the draft's) and state components (the draft's SWA last) alike."""
-    want = ([int(p) for p in kv_args.kv_data_ptrs], [[int(p) for p in ptrs] for ptrs in kv_args.state_data_ptrs])
+    """``(target, draft)``: the live DeepSeek-V4 pools behind ``kv_args``, read with the methods
+    0.5.19's and 0.5.23's pools share: the target's main-KV buffers are the first ``kv_data_ptrs``;
+    the draft's are the rest, and its SWA state (paged or unified ring) is one of the state
+    components (a NextN draft may have no main KV of its own). The report built from the pair
+    then checks everything else."""
+    want = [int(p) for p in kv_args.kv_data_ptrs]
+    components = [[int(p) for p in ptrs] for ptrs in kv_args.state_data_ptrs]
     if candidates is None:
         candidates = [o for o in gc.get_objects() if hasattr(type(o), "get_contiguous_buf_infos") and is_dsv4_pool(o)]
-    first = want[0][:1]
-    for target in candidates:
-        if [int(p) for p in target.get_contiguous_buf_infos()[0][:1]] != first:
+    mains = [(pool, _pointers(pool, "get_contiguous_buf_infos")) for pool in candidates]
+
+    def swa_state_is_a_component(pool) -> bool:
+        swa = [_pointers(pool, m) for m in ("get_state_buf_infos", "get_unified_swa_ring_buf_infos")]
+        return any(p and p in components for p in swa)
+
+    for target, t_main in mains:
+        if not t_main or want[: len(t_main)] != t_main:
             continue
-        if _pointers(target, None) == want:
-            return target, None
-        for draft in candidates:
-            if draft is not target and _pointers(target, draft) == want:
+        rest = want[len(t_main) :]
+        for draft, d_main in mains:
+            if draft is not target and d_main == rest and swa_state_is_a_component(draft):
                 return target, draft
+        if not rest:
+            return target, None
     raise TypeError(
         "pdstate's SGLang backend moves DeepSeek-V4 state only: no DeepSeekV4TokenToKVPool pair in this "
-        f"process owns the {len(want[0])} main-KV buffers and {len(want[1])} state components of this KV manager"
+        f"process owns the {len(want)} main-KV buffers and {len(components)} state components of this KV manager"
     )
 
 
