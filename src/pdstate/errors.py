@@ -90,6 +90,18 @@ class PagedSWAGeometryMismatch(DSV4StateError):
         )
 
 
+class SWAGeometryMismatch(PagedSWAGeometryMismatch):
+    """Paged mode, SGLang 0.5.23's wording: ``(page_size, sliding_window, third)`` differ, where
+    the target's third is its request-window capacity (``None`` without one) and the draft's its
+    per-request SWA ring size (``None`` without one)."""
+
+    @staticmethod
+    def build(target: tuple, draft: tuple) -> SWAGeometryMismatch:
+        return SWAGeometryMismatch(
+            f"DSV4 target and draft pools must share SWA geometry: target={tuple(target)}, draft={tuple(draft)}"
+        )
+
+
 class DraftMappingMissing(DSV4StateError, AttributeError):
     """Paged mode: the draft never registered a mapping (upstream: a bare ``AttributeError``)."""
 

@@ -1,4 +1,8 @@
-"""Walk every recorded upstream outcome of ``setup_state_kv_args`` and reproduce it."""
+"""Walk every recorded upstream outcome of ``setup_state_kv_args`` and reproduce it.
+
+Two recordings, one per SGLang release (0.5.19 and 0.5.23, the same public cases); pdstate's pools
+are built with ``upstream=`` the recording's release.
+"""
 
 import json
 
@@ -7,15 +11,24 @@ import torch
 
 from pdstate.errors import PdStateError
 from pdstate.pools import DeepSeekV4TokenToKVPool, SWATokenToKVPoolAllocator
-from pdstate.pools.kvargs import KVArgs, setup_state_kv_args
+from pdstate.pools.kvargs import KVArgs, StateType, setup_state_kv_args
 from tests.support.paths import CONFORMANCE_JSON, SHARED
 from tests.support.pools import wire_draft
 
-_DATA = CONFORMANCE_JSON
+# release -> the vendored recording (each checked against its ../shared/conformance original)
+_DATA = {
+    "0.5.19": CONFORMANCE_JSON,
+    "0.5.23": CONFORMANCE_JSON.with_name("setup_state_kv_args-0.5.23.json"),
+}
 _CASES = []
-for variant in json.loads(_DATA.read_text())["variants"]:
-    for case in variant["cases"]:
-        _CASES.append(pytest.param(variant["variant"], case, id=f"{variant['variant']}:{case['name']}"))
+for _release, _path in _DATA.items():
+    _doc = json.loads(_path.read_text())
+    assert _doc.get("sglang_version", "0.5.19") == _release, _path
+    for variant in _doc["variants"]:
+        for case in variant["cases"]:
+            _CASES.append(
+                pytest.param(_release, variant["variant"], case, id=f"{_release}:{variant['variant']}:{case['name']}")
+            )
 
 # the recorded names of the draft's mapping wirings -> ``support.pools.wire_draft``'s
 _WIRINGS = {
@@ -35,18 +48,19 @@ _VARIANT_FLAGS = {
 }
 
 
-def _build(side: dict, variant: str) -> DeepSeekV4TokenToKVPool:
+def _build(side: dict, variant: str, release: str) -> DeepSeekV4TokenToKVPool:
     return DeepSeekV4TokenToKVPool(
         **side["ctor_kwargs"],
         unified_kv=side["oracle"]["unified_kv"],
         speculative_num_draft_tokens=side["oracle"]["spec"],
         **_VARIANT_FLAGS[variant],
+        upstream=release,
     )
 
 
-def _run(variant: str, case: dict):
+def _run(release: str, variant: str, case: dict):
     p = params = case["params"]
-    target = _build(params["target"], variant)
+    target = _build(params["target"], variant, release)
     a = p["allocator"]
     alloc = SWATokenToKVPoolAllocator(a["size_full"], a["size_swa"], a["page_size"], kvcache=target)
     alloc.alloc(2 * a["page_size"])  # the recorded demo allocation: 2 pages
@@ -54,19 +68,19 @@ def _run(variant: str, case: dict):
     if p["draft_kind"] == "non_dsv4_object":
         draft = object()
     elif p["draft"] is not None:
-        draft = _build(p["draft"], variant)
+        draft = _build(p["draft"], variant, release)
         wire_draft(alloc, draft, _WIRINGS[p["draft_mapping"]])
     kv_args = KVArgs()
     setup_state_kv_args(kv_args, target, draft)
     return target, draft, alloc, kv_args
 
 
-@pytest.mark.parametrize("variant,case", _CASES)
-def test_upstream_outcome(variant, case):
+@pytest.mark.parametrize("release,variant,case", _CASES)
+def test_upstream_outcome(release, variant, case):
     outcome = case["outcome"]
     if outcome["status"] == "error":
         with pytest.raises(Exception) as info:
-            _run(variant, case)
+            _run(release, variant, case)
         exc = info.value
         if outcome["exc_type"] == "AttributeError":
             assert isinstance(exc, AttributeError)
@@ -80,8 +94,9 @@ def test_upstream_outcome(variant, case):
             assert str(exc) == outcome["message"]
         return
 
-    target, draft, alloc, kv_args = _run(variant, case)
-    assert [t.name for t in kv_args.state_types] == outcome["state_types"]
+    target, draft, alloc, kv_args = _run(release, variant, case)
+    # by member: 0.5.23's DSV4_REQUEST_STATE is 0.5.19's C128_STATE (one wire value)
+    assert kv_args.state_types == [StateType[name] for name in outcome["state_types"]]
     assert len(outcome["components"]) == kv_args.num_components
     for i, comp in enumerate(outcome["components"]):
         assert kv_args.state_types[i].value == comp["state_type_value"]
@@ -117,13 +132,16 @@ def test_upstream_outcome(variant, case):
 
 
 def test_cases_present():
-    assert len(_CASES) >= 20
+    for release in _DATA:
+        assert sum(1 for c in _CASES if c.values[0] == release) >= 20, release
 
 
-def test_vendored_copy_matches_shared():
-    shared = SHARED / "conformance" / "setup_state_kv_args.json"
+@pytest.mark.parametrize("release", sorted(_DATA))
+def test_vendored_copy_matches_shared(release):
+    vendored = _DATA[release]
+    shared = SHARED / "conformance" / vendored.name
     if not shared.exists():
         pytest.skip(f"{shared} not present; the vendored copy is used alone")
-    assert json.loads(shared.read_text()) == json.loads(_DATA.read_text()), (
-        "tests/conformance/data/setup_state_kv_args.json differs from shared/conformance: copy it again"
+    assert json.loads(shared.read_text()) == json.loads(vendored.read_text()), (
+        f"tests/conformance/data/{vendored.name} differs from shared/conformance: copy it again"
     )

@@ -6,6 +6,7 @@ from pdstate.errors import (
     DraftMappingMissing,
     DraftNotSWAOnly,
     PagedSWAGeometryMismatch,
+    SWAGeometryMismatch,
     SWAIndexMappingNotShared,
     SWARingGeometryMismatch,
     UnifiedKVModeMismatch,
@@ -154,7 +155,8 @@ def test_paged_mapping_not_shared(how):
 
 
 def test_paged_missing_draft_mapping_is_an_attribute_error():
-    t, d = target(), draft()
+    """0.5.19: the draft has no mapping attribute at all."""
+    t, d = target(upstream="0.5.19"), draft(upstream="0.5.19")
     wire(t, d, "none")
     with pytest.raises(AttributeError) as info:
         run(t, d)
@@ -174,10 +176,21 @@ def test_paged_mapping_check_before_geometry_check(how, over):
 
 
 def test_paged_missing_mapping_before_geometry_check():
-    t, d = target(), draft(page_size=512)
+    t, d = target(upstream="0.5.19"), draft(page_size=512, upstream="0.5.19")
     wire(t, d, "none")
     with pytest.raises(DraftMappingMissing):
         run(t, d)
+
+
+@pytest.mark.parametrize("over", [{}, dict(page_size=512)])
+def test_paged_missing_draft_mapping_0_5_23_is_not_shared(over):
+    """0.5.23 holds ``None`` until a mapping is registered: the identity check refuses it, with
+    its RuntimeError, before the geometry check."""
+    t, d = target(), draft(**over)
+    assert t.upstream == d.upstream == "0.5.23"
+    wire(t, d, "none")
+    assert d.full_to_swa_index_mapping is None
+    raises(t, d, SWAIndexMappingNotShared, MAPPING_ERROR)
 
 
 @pytest.mark.parametrize(
@@ -189,7 +202,7 @@ def test_paged_missing_mapping_before_geometry_check():
     ],
 )
 def test_paged_geometry_mismatch_with_shared_mapping(over, draft_geom):
-    t, d = target(), draft(**over)
+    t, d = target(upstream="0.5.19"), draft(**over, upstream="0.5.19")
     wire(t, d, "shared")
     raises(
         t,
@@ -279,9 +292,65 @@ def test_fields_are_reset_not_appended():
     assert again.state_data_ptrs == kv.state_data_ptrs and again.state_item_lens == kv.state_item_lens
 
 
+@pytest.mark.parametrize(
+    "over,draft_geom",
+    [
+        (dict(page_size=512), "(512, 128, None)"),
+        (dict(sliding_window=64), "(256, 64, None)"),
+        (dict(page_size=128, sliding_window=256), "(128, 256, None)"),
+    ],
+)
+def test_paged_geometry_mismatch_0_5_23(over, draft_geom):
+    """0.5.23's wording and three-element tuple; still a ``PagedSWAGeometryMismatch`` subclass."""
+    t, d = target(), draft(**over)
+    wire(t, d, "shared")
+    exc = raises(
+        t,
+        d,
+        SWAGeometryMismatch,
+        f"DSV4 target and draft pools must share SWA geometry: target=(256, 128, None), draft={draft_geom}",
+    )
+    assert isinstance(exc, PagedSWAGeometryMismatch)
+
+
 def test_state_type_values():
-    assert [s.value for s in StateType] == ["mamba", "swa", "nsa", "swa_ring", "c128_state"]
+    assert [s.value for s in StateType] == ["mamba", "swa", "nsa", "swa_ring", "c128_state", "request_row"]
     assert StateType.SWA == "swa"
+    # 0.5.23's name for the C128 state component: the same member, the same wire value
+    assert StateType.DSV4_REQUEST_STATE is StateType.C128_STATE
+    assert StateType["DSV4_REQUEST_STATE"] is StateType("c128_state") is StateType["C128_STATE"]
+    assert StateType.REQUEST_ROW.value == "request_row"
+
+
+@pytest.mark.parametrize("upstream", ["0.5.19", "0.5.23"])
+def test_request_state_component_under_both_names(upstream):
+    t, d = target(upstream=upstream), draft(upstream=upstream)
+    wire(t, d, "shared")
+    kv = run(t, d)
+    assert kv.state_types == [StateType.SWA, StateType.DSV4_REQUEST_STATE, StateType.SWA]
+    assert t.get_request_state_buf_infos() == t.get_c128_state_buf_infos()
+
+
+class _DSparkDraft(DeepSeekV4TokenToKVPool):
+    """A draft stating a DSpark request row (0.5.23's ``swa_valid_from``), by interface."""
+
+    def get_swa_valid_from_buf_infos(self):
+        return [1234], [8 * self.num_req_slots], [8]
+
+
+@pytest.mark.parametrize("unified", [False, True])
+def test_request_row_component_last_for_a_0_5_23_dspark_draft(unified):
+    t = target(upstream="0.5.23", unified_kv=unified)
+    d = _DSparkDraft(**upstream_kwargs(**draft_changes((0,)), upstream="0.5.23", unified_kv=unified))
+    wire(t, d, "shared")
+    kv = run(t, d)
+    assert kv.state_types[-1] is StateType.REQUEST_ROW
+    assert kv.state_data_ptrs[-1] == [1234] and kv.state_item_lens[-1] == [8]
+    # a 0.5.19 target has no such component
+    t19 = target(upstream="0.5.19", unified_kv=unified)
+    d19 = _DSparkDraft(**upstream_kwargs(**draft_changes((0,)), upstream="0.5.19", unified_kv=unified))
+    wire(t19, d19, "shared")
+    assert StateType.REQUEST_ROW not in run(t19, d19).state_types
 
 
 def test_append_component_keeps_lists_parallel():
@@ -365,11 +434,14 @@ def test_pool_facts_fields():
     assert f.mapping_identity is None
 
 
-def test_fill_kv_args_main_channel_then_states():
-    t, d = target(), draft()
+@pytest.mark.parametrize(
+    "upstream,lens", [("0.5.19", [187200, 42240, 8640]), ("0.5.23", [299520, 67584, 228096])]
+)
+def test_fill_kv_args_main_channel_then_states(upstream, lens):
+    t, d = target(upstream=upstream), draft(upstream=upstream)
     wire(t, d, "shared")
     kv = fill_kv_args(t, d)
-    assert kv.kv_data_lens == [187200, 42240, 8640] and kv.kv_item_lens == [37440, 8448, 1728]
+    assert kv.kv_data_lens == lens and kv.kv_item_lens == [37440, 8448, 1728]
     assert kv.kv_data_ptrs == [
         t.c4_kv_buffers[0].data_ptr(),
         t.c4_indexer_buffers[0].data_ptr(),

@@ -199,9 +199,14 @@ def test_a_missing_factor_is_a_difference():
             MAPPING_ERROR,
         ),
         (
-            dict(draft_mapping="none"),
+            dict(draft_mapping="none", upstream="0.5.19"),
             "DraftMappingMissing",
             MISSING_MAPPING_ERROR,
+        ),
+        (
+            dict(draft_mapping="none"),  # 0.5.23 holds None: not the target's mapping
+            "SWAIndexMappingNotShared",
+            MAPPING_ERROR,
         ),
         (
             dict(draft_unified_kv=True),
@@ -214,9 +219,14 @@ def test_a_missing_factor_is_a_difference():
             "DSV4 target and draft pools must share SWA ring geometry: target=(128, 131, 655), draft=(64, 67, 335)",
         ),
         (
-            dict(draft_page_size=512),
+            dict(draft_page_size=512, upstream="0.5.19"),
             "PagedSWAGeometryMismatch",
             "DSV4 target and draft pools must share paged SWA geometry: target=(256, 128), draft=(512, 128)",
+        ),
+        (
+            dict(draft_page_size=512),
+            "SWAGeometryMismatch",
+            "DSV4 target and draft pools must share SWA geometry: target=(256, 128, None), draft=(512, 128, None)",
         ),
     ],
 )

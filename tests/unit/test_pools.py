@@ -52,6 +52,7 @@ def make_kwargs(
     slots=5,
     c4_state_pool_size=None,
     c128_state_pool_size=None,
+    upstream="0.5.23",
 ):
     """Upstream constructor kwargs, sized with the configurator's formulas unless overridden."""
     full = full_tokens if full_tokens is not None else 4 * page_size
@@ -93,6 +94,7 @@ def make_kwargs(
         speculative_num_draft_tokens=spec,
         online_c128=online,
         online_c128_mtp=mtp,
+        upstream=upstream,
     )
 
 
@@ -118,8 +120,12 @@ def paged_row(page: int) -> int:
     return math.ceil(page * BYTES_PER_TOKEN / PAD) * PAD
 
 
-def paged_rows(size: int, page: int) -> int:
-    return (size + page + 1) // page
+def paged_rows(size: int, page: int, global_page: int | None = None) -> int:
+    """Rows of a paged buffer: 0.5.19 ``(size + page + 1) // page`` (``global_page`` None);
+    0.5.23 ``ceil((size + global_page) / page)``, ``global_page`` the model-wide page of the pool."""
+    if global_page is None:
+        return (size + page + 1) // page
+    return math.ceil((size + global_page) / page)
 
 
 def roundup(x: int, m: int) -> int:
@@ -141,6 +147,8 @@ class Model:
         spec = kw["speculative_num_draft_tokens"]
         online, mtp = kw["online_c128"], kw["online_c128_mtp"]
         self.unified = kw["unified_kv"]
+        self.release = kw.get("upstream", "0.5.23")
+        new = self.release != "0.5.19"
         ps, sps = kw["page_size"], kw["swa_page_size"]
         self.ps = ps
         slots = kw["num_req_slots"]
@@ -158,20 +166,28 @@ class Model:
                 self.buffers[f"unified_kv[local_layer={i}]"] = ((rows, HD), torch.bfloat16)
         else:
             for i in range(len(self.stage)):
-                self.buffers[f"swa_kv[local_layer={i}]"] = ((paged_rows(kw["swa_size"], sps), paged_row(sps)), u8)
+                self.buffers[f"swa_kv[local_layer={i}]"] = (
+                    (paged_rows(kw["swa_size"], sps, sps if new else None), paged_row(sps)),
+                    u8,
+                )
             for j in range(len(self.c4)):
-                self.buffers[f"c4_kv[c4_idx={j}]"] = ((paged_rows(kw["c4_size"], ps // 4), paged_row(ps // 4)), u8)
+                self.buffers[f"c4_kv[c4_idx={j}]"] = (
+                    (paged_rows(kw["c4_size"], ps // 4, ps if new else None), paged_row(ps // 4)),
+                    u8,
+                )
             for j in range(len(self.c128)):
                 self.buffers[f"c128_kv[c128_idx={j}]"] = (
-                    (paged_rows(kw["c128_size"], ps // 128), paged_row(ps // 128)),
+                    (paged_rows(kw["c128_size"], ps // 128, ps if new else None), paged_row(ps // 128)),
                     u8,
                 )
         for j in range(len(self.c4)):
             self.buffers[f"c4_indexer_k[c4_idx={j}]"] = (
-                (paged_rows(kw["c128_size"] * 32, ps // 4), (ps // 4) * (IDX_HD + 4)),
+                (paged_rows(kw["c128_size"] * 32, ps // 4, ps if new else None), (ps // 4) * (IDX_HD + 4)),
                 u8,
             )
-        c4_rows = roundup(kw["c4_state_pool_size"] + self.ring4 + 1, 4)
+        # 0.5.23 unified: one C4 ring per request slot, whatever the caller's size
+        c4_size = slots * self.ring4 if new and self.unified else kw["c4_state_pool_size"]
+        c4_rows = roundup(c4_size + self.ring4 + 1, 4)
         for layer in self.c4:
             self.buffers[f"attn_state_c4[layer={layer}]"] = ((c4_rows, 2 * 2 * HD), sdt)
         for layer in self.c4:
@@ -265,6 +281,7 @@ def configs(draw):
     assume(not (online and state_dtype == "bfloat16"))  # upstream refuses bf16 state with online compression
     slots = draw(st.integers(1, 6))
     return make_kwargs(
+        upstream=draw(st.sampled_from(["0.5.19", "0.5.23"])),
         ratios=ratios,
         start_layer=draw(st.sampled_from([None, start])) if start == 0 else start,
         layer_num=layer_num,
@@ -365,7 +382,9 @@ def test_setup_state_kv_args_component_order(kw, draft_layers):
 @given(kw=configs())
 def test_main_kv_item_i_is_full_page_i(kw):
     """Item ``i`` of every main-KV buffer holds exactly the compressed rows of full page ``i``;
-    every buffer has ``full_pages + 1`` items (page 0 is the padding page)."""
+    every buffer has ``full_pages + 1`` items (page 0 is the padding page) in 0.5.19 and in
+    unified mode; 0.5.23's paged buffers reserve one model-wide page in their own rows instead:
+    ``full_pages + page_size // page`` items (C4 KV and indexer ``+4``, C128 KV ``+128``)."""
     assume(not _refused(kw))
     pool = DeepSeekV4TokenToKVPool(**kw)
     m = Model(kw)
@@ -375,7 +394,10 @@ def test_main_kv_item_i_is_full_page_i(kw):
     assert len(ptrs) == len(kinds)
     for (lab, off, _, _), ptr, n, item, kind in zip(m.contiguous, ptrs, lens, items, kinds):
         t = pool.buffers[lab]
-        assert n % item == 0 and n // item == full_pages + 1, lab
+        extra = 1
+        if m.release != "0.5.19" and (kind == "idx" or not m.unified):
+            extra = kw["page_size"] // (kw["page_size"] // (4 if kind == "idx" else kind))
+        assert n % item == 0 and n // item == full_pages + extra, lab
         for i in range(n // item):
             if m.unified and kind != "idx":
                 rpp = kw["page_size"] // kind
@@ -400,7 +422,7 @@ def test_grid_page_window_spec_mode(page_size, unified, spec, window):
 
 
 def test_hand_computed_rows_page_512():
-    kw = make_kwargs(ratios=(0, 4, 128), page_size=512, full_tokens=2048, swa_tokens=1024)
+    kw = make_kwargs(ratios=(0, 4, 128), page_size=512, full_tokens=2048, swa_tokens=1024, upstream="0.5.19")
     pool = DeepSeekV4TokenToKVPool(**kw)
     b = pool.buffers
     assert tuple(b["swa_kv[local_layer=0]"].shape) == (3, 299520)  # 512*584=299008 -> 520*576
@@ -410,37 +432,72 @@ def test_hand_computed_rows_page_512():
     assert pool.get_contiguous_buf_infos()[2] == [74880, 16896, 2880]
 
 
+def test_hand_computed_rows_page_512_0_5_23():
+    """0.5.23: ``ceil((size + 512) / page)`` rows, the same row bytes (so the same item lengths)."""
+    kw = make_kwargs(ratios=(0, 4, 128), page_size=512, full_tokens=2048, swa_tokens=1024, upstream="0.5.23")
+    pool = DeepSeekV4TokenToKVPool(**kw)
+    b = pool.buffers
+    assert tuple(b["swa_kv[local_layer=0]"].shape) == (3, 299520)  # (1024 + 512) / 512
+    assert tuple(b["c4_kv[c4_idx=0]"].shape) == (8, 74880)  # (512 + 512) / 128
+    assert tuple(b["c128_kv[c128_idx=0]"].shape) == (132, 2880)  # (16 + 512) / 4
+    assert tuple(b["c4_indexer_k[c4_idx=0]"].shape) == (8, 16896)  # (16*32 + 512) / 128
+    assert pool.get_contiguous_buf_infos()[2] == [74880, 16896, 2880]
+
+
 @pytest.mark.parametrize(
     "size,page,rows",
     [(512, 256, 3), (255, 256, 2), (511, 256, 3), (300, 256, 2), (8, 2, 5), (7, 2, 5), (8, 1, 10), (0, 64, 1)],
 )
 def test_paged_row_count_rule(size, page, rows):
-    """``(size + page + 1) // page`` rows: the +1 matters when ``size % page == page - 1`` or page is 1."""
+    """0.5.19: ``(size + page + 1) // page`` rows: the +1 matters when ``size % page == page - 1`` or page is 1."""
     assert paged_rows(size, page) == rows
-    kw = make_kwargs(swa_tokens=size, swa_page_size=page)
+    kw = make_kwargs(swa_tokens=size, swa_page_size=page, upstream="0.5.19")
+    pool = DeepSeekV4TokenToKVPool(**kw)
+    assert pool.swa_kv_buffers[0].shape[0] == rows
+    check_pool_against_model(pool, Model(kw))
+
+
+@pytest.mark.parametrize(
+    "size,page,rows",
+    [(512, 256, 3), (255, 256, 2), (511, 256, 3), (300, 256, 3), (8, 2, 5), (7, 2, 5), (8, 1, 9), (0, 64, 1)],
+)
+def test_paged_row_count_rule_0_5_23(size, page, rows):
+    """0.5.23: ``ceil((size + page) / page)`` rows for the SWA KV (its model-wide page is its own)."""
+    assert paged_rows(size, page, page) == rows
+    kw = make_kwargs(swa_tokens=size, swa_page_size=page, upstream="0.5.23")
     pool = DeepSeekV4TokenToKVPool(**kw)
     assert pool.swa_kv_buffers[0].shape[0] == rows
     check_pool_against_model(pool, Model(kw))
 
 
 def test_page_size_128_gives_one_token_c128_pages():
-    kw = make_kwargs(page_size=128, full_tokens=1024)  # C128 page = 1 compressed token
+    kw = make_kwargs(page_size=128, full_tokens=1024, upstream="0.5.19")  # C128 page = 1 compressed token
     pool = DeepSeekV4TokenToKVPool(**kw)
     assert tuple(pool.c128_kv_buffers[0].shape) == (8 + 2, 1152)  # 584 -> 2*576, (8 + 1 + 1) // 1 rows
     assert tuple(pool.c4_kv_buffers[0].shape) == ((256 + 33) // 32, 19008)  # 32 tok: 18688 B -> 33*576
+    check_pool_against_model(pool, Model(kw))
+    kw = dict(kw, upstream="0.5.23")
+    pool = DeepSeekV4TokenToKVPool(**kw)
+    assert tuple(pool.c128_kv_buffers[0].shape) == (8 + 128, 1152)  # (8 + 128) / 1 rows
+    assert tuple(pool.c4_kv_buffers[0].shape) == ((256 + 128) // 32, 19008)
     check_pool_against_model(pool, Model(kw))
 
 
 def test_hand_computed_unified_rows():
     # the recorded defaults: 5 slots, window 128, spec 4 -> ring 131, 655 ring rows
-    kw = make_kwargs(unified=True, spec=4)
-    pool = DeepSeekV4TokenToKVPool(**kw)
-    assert [tuple(t.shape) for t in pool.unified_kv_buffers] == [(655, 512), (975, 512), (665, 512)]
-    assert pool.ring_geometry == (128, 131, 655)
-    ptrs, lens, items = pool.get_contiguous_buf_infos()
-    assert ptrs[0] == pool.unified_kv_buffers[1].data_ptr() + 655 * 1024
-    assert ptrs[2] == pool.unified_kv_buffers[2].data_ptr() + 655 * 1024
-    assert lens == [327680, 42240, 10240] and items == [65536, 8448, 2048]
+    for upstream, indexer_len, c4_state_rows in (("0.5.19", 42240, 84), ("0.5.23", 67584, 100)):
+        kw = make_kwargs(unified=True, spec=4, upstream=upstream)
+        pool = DeepSeekV4TokenToKVPool(**kw)
+        assert [tuple(t.shape) for t in pool.unified_kv_buffers] == [(655, 512), (975, 512), (665, 512)]
+        assert pool.ring_geometry == (128, 131, 655)
+        ptrs, lens, items = pool.get_contiguous_buf_infos()
+        assert ptrs[0] == pool.unified_kv_buffers[1].data_ptr() + 655 * 1024
+        assert ptrs[2] == pool.unified_kv_buffers[2].data_ptr() + 655 * 1024
+        # the indexer: 5 rows in 0.5.19, (256 + 256) / 64 = 8 in 0.5.23
+        assert lens == [327680, indexer_len, 10240] and items == [65536, 8448, 2048]
+        # C4 states: 0.5.19 from c4_state_pool_size=64; 0.5.23 one 16-row ring per slot, 5*16 = 80
+        assert pool.c4_attn_states[0].shape[0] == pool.c4_indexer_states[0].shape[0] == c4_state_rows
+        assert pool.swa_req_ring_size == (131 if upstream == "0.5.23" else None)
     # window 64, spec 4 -> (64, 67, 335): the spec's ring-geometry example
     assert DeepSeekV4TokenToKVPool(**make_kwargs(unified=True, spec=4, window=64)).ring_geometry == (64, 67, 335)
     assert DeepSeekV4TokenToKVPool(**make_kwargs(unified=True, spec=None)).ring_geometry == (128, 128, 640)

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from pdstate.errors import DraftMappingMissing, SWAIndexMappingNotShared
+from pdstate.errors import DraftMappingMissing, PoolConfigError, SWAIndexMappingNotShared
 from pdstate.pools import PrivateMemory, SharedMemory
 from pdstate.pools.kvargs import KVArgs, StateType, fill_kv_args, setup_state_kv_args
 from pdstate.pools.presets import DSV4_FLASH_RATIOS, PRESETS, build_worker_pools, pool_kwargs, preset
@@ -48,9 +48,22 @@ def test_flash_builds_quickly_with_the_right_counts(flash):
     assert w.draft.get_contiguous_buf_infos() == ([], [], [])
     assert w.draft.full_to_swa_index_mapping is w.allocator.full_to_swa_index_mapping
     assert w.target.full_to_swa_index_mapping is w.allocator.full_to_swa_index_mapping
-    # every main-KV buffer has one item per full page plus the padding page
+    # every main-KV buffer has one item per full page, then (0.5.23) the reserved model-wide page
+    # in its own rows: 256 // 64 = 4 C4 KV and indexer items, 256 // 2 = 128 C128 KV items
+    assert t.upstream == "0.5.23"
     full_pages = preset("dsv4-flash").full_tokens // 256
-    assert all(n // it == full_pages + 1 for n, it in zip(lens, items))
+    assert [n // it - full_pages for n, it in zip(lens, items)] == [4] * 42 + [128] * 20
+
+
+def test_flash_0_5_19_main_kv_has_one_padding_page():
+    w = build_worker_pools(preset("dsv4-flash", upstream="0.5.19"))
+    try:
+        ptrs, lens, items = w.target.get_contiguous_buf_infos()
+        assert items == [37440] * 21 + [8448] * 21 + [1728] * 20
+        full_pages = preset("dsv4-flash").full_tokens // 256
+        assert all(n // it == full_pages + 1 for n, it in zip(lens, items))
+    finally:
+        w.close()
 
 
 def test_flash_unified_component_counts():
@@ -67,10 +80,14 @@ def test_flash_unified_component_counts():
         w.close()
 
 
-def test_tiny_matches_the_conformance_defaults():
-    w = build_worker_pools(preset("tiny"))
+@pytest.mark.parametrize(
+    "upstream,main_lens", [("0.5.19", [187200, 42240, 8640]), ("0.5.23", [299520, 67584, 228096])]
+)
+def test_tiny_matches_the_conformance_defaults(upstream, main_lens):
+    w = build_worker_pools(preset("tiny", upstream=upstream))
+    assert w.target.upstream == w.draft.upstream == upstream
     kv = fill_kv_args(w.target, w.draft)
-    assert kv.kv_data_lens == [187200, 42240, 8640] and kv.kv_item_lens == [37440, 8448, 1728]
+    assert kv.kv_data_lens == main_lens and kv.kv_item_lens == [37440, 8448, 1728]
     assert kv.state_types == [StateType.SWA, StateType.C128_STATE, StateType.SWA]
     assert kv.state_data_lens == [[449280, 449280, 449280, 688128, 172032], [6815744], [449280]]
     assert kv.state_item_lens == [[149760, 149760, 149760, 131072, 32768], [524288], [149760]]
@@ -132,8 +149,11 @@ def test_unknown_preset_names_the_choices():
         ("none", DraftMappingMissing),
     ],
 )
-def test_draft_mapping_wirings_paged(wiring, error):
-    w = build_worker_pools(preset("tiny").with_(draft_mapping=wiring))
+@pytest.mark.parametrize("upstream", ["0.5.19", "0.5.23"])
+def test_draft_mapping_wirings_paged(wiring, error, upstream):
+    if upstream == "0.5.23" and error is DraftMappingMissing:
+        error = SWAIndexMappingNotShared  # 0.5.23 holds None: not the target's mapping
+    w = build_worker_pools(preset("tiny", upstream=upstream).with_(draft_mapping=wiring))
     assert len(w.extra_allocators) == (1 if wiring == "own" else 0)
     if error is None:
         kv = setup_state_kv_args(KVArgs(), w.target, w.draft)
@@ -171,6 +191,12 @@ def test_draft_disabled():
 def test_draft_overrides_reach_the_checks():
     w = build_worker_pools(preset("tiny").with_(draft_page_size=512))
     assert w.draft.page_size == 512
+    with pytest.raises(RuntimeError) as info:
+        setup_state_kv_args(KVArgs(), w.target, w.draft)
+    assert str(info.value) == (
+        "DSV4 target and draft pools must share SWA geometry: target=(256, 128, None), draft=(512, 128, None)"
+    )
+    w = build_worker_pools(preset("tiny", upstream="0.5.19").with_(draft_page_size=512))
     with pytest.raises(RuntimeError) as info:
         setup_state_kv_args(KVArgs(), w.target, w.draft)
     assert str(info.value) == (
@@ -225,3 +251,14 @@ def test_a_stage_outside_the_ratio_list_is_refused_not_widened(change):
         f"pool: the stage [start_layer, start_layer + layer_num) = [{start}, {end}) does not lie "
         "within the 3 compression ratios"
     )
+
+
+def test_upstream_keyword_on_presets():
+    assert PRESETS["tiny"].upstream == PRESETS["dsv4-flash"].upstream == "0.5.23"
+    assert preset("tiny", upstream="0.5.19").upstream == "0.5.19"
+    assert pool_kwargs(preset("tiny", upstream="0.5.19"))["upstream"] == "0.5.19"
+    assert pool_kwargs(preset("tiny"), draft=True)["upstream"] == "0.5.23"
+    with pytest.raises(PoolConfigError, match="upstream must be one of '0.5.19', '0.5.23'"):
+        preset("tiny", upstream="0.5.20")
+    with pytest.raises(PoolConfigError):
+        preset("tiny").with_(upstream="0.5")

@@ -58,3 +58,9 @@ def unified_ring(sliding_window: int, speculative_num_draft_tokens: int | None) 
 
 def unified_layer_rows(ratio: int, swa_pages: int, c128_size: int, page_size: int) -> int:
     return swa_pages + c128_size * UNIFIED_K_PER_BLOCK[ratio] + (page_size // ratio if ratio else 0)
+
+
+def physical_num_rows(size: int, page: int, global_page: int) -> int:
+    """0.5.23's rows of a paged buffer: ``ceil((size + global_page) / page)`` (the allocator's
+    reserved logical page, counted at the model-wide page size ``global_page``)."""
+    return -(-(size + global_page) // page)

@@ -19,6 +19,15 @@ subclasses (e.g. the NPU pool) and pdstate's own class count, whatever module th
 ``PoolView`` reads what pdstate's checks and reports need through upstream's attributes only, and
 derives the facts pdstate's own pools state directly (``stage_ratios``, ``ring_geometry``,
 ``paged_geometry``, ``mapping_identity``, ``c4_ring_size``, ``c128_ring_size``, ``online_c128``).
+
+Both SGLang releases are read: ``release`` is ``"0.5.19"`` or ``"0.5.23"`` (pdstate's pools state
+it as ``upstream``; a real pool is 0.5.23 when it has ``get_request_state_buf_infos``). What
+0.5.23 moved: the C128 state method (``get_request_state_buf_infos``, component
+``DSV4_REQUEST_STATE``), the state dtypes (``compressed_pool_configs[ratio].state_dtype``), the
+mapping (``None`` until registered, where 0.5.19 has no attribute), the paged geometry check's
+third element (``request_window.capacity`` / ``swa_req_ring_size``), the DSpark draft's
+``REQUEST_ROW`` component (``get_swa_valid_from_buf_infos``), and in unified mode the C4 states
+are one ring per request slot (``c4_state_addressing``).
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from functools import cached_property
 from typing import Any
 
 from pdstate.errors import DraftMappingMissing
-from pdstate.protocol.facts import MappingIdentity, PoolFacts
+from pdstate.protocol.facts import RELEASE_0_5_19, RELEASE_0_5_23, MappingIdentity, PoolFacts
 
 BufInfos = tuple[list[int], list[int], list[int]]
 
@@ -58,6 +67,14 @@ class PoolView:
 
     def __init__(self, pool: object) -> None:
         self.pool = pool
+
+    @cached_property
+    def release(self) -> str:
+        """``"0.5.19"`` or ``"0.5.23"``: the SGLang release whose interface and rules the pool follows."""
+        own = getattr(self.pool, "upstream", None)  # pdstate's pools state it
+        if isinstance(own, str):
+            return own
+        return RELEASE_0_5_23 if hasattr(self.pool, "get_request_state_buf_infos") else RELEASE_0_5_19
 
     # -- upstream attributes, as they are ------------------------------------------------------
     @property
@@ -89,13 +106,22 @@ class PoolView:
     def dtype(self) -> Any:
         return self.pool.dtype
 
+    def _state_dtype(self, ratio: int) -> Any:
+        own = getattr(self.pool, f"c{ratio}_state_dtype", None)  # 0.5.19 and pdstate's pools
+        if own is not None:
+            return own
+        config = (getattr(self.pool, "compressed_pool_configs", None) or {}).get(ratio)  # 0.5.23
+        return None if config is None else config.state_dtype
+
     @property
     def c4_state_dtype(self) -> Any:
-        return self.pool.c4_state_dtype
+        """The C4 compress-state dtype (``None`` when a 0.5.23 pool's model has no C4 layer)."""
+        return self._state_dtype(4)
 
     @property
     def c128_state_dtype(self) -> Any:
-        return self.pool.c128_state_dtype
+        """The C128 compress-state dtype (``None`` when a 0.5.23 pool's model has no C128 layer)."""
+        return self._state_dtype(128)
 
     @property
     def unified_swa_ring_size(self) -> int | None:
@@ -121,13 +147,35 @@ class PoolView:
         return (self.pool.page_size, self.pool.sliding_window)
 
     @property
+    def request_window_capacity(self) -> int | None:
+        """0.5.23: rows per slot of the target's encoder-replay request window (``None`` without one)."""
+        window = getattr(self.pool, "request_window", None)
+        return None if window is None else window.capacity
+
+    @property
+    def swa_req_ring_size(self) -> int | None:
+        """0.5.23: the per-request SWA ring (unified mode, or a DSpark draft's ring), else ``None``."""
+        return getattr(self.pool, "swa_req_ring_size", None)
+
+    @property
+    def c4_state_addressing(self) -> str:
+        """How the SWA component's C4 compress-state items are indexed: ``"swa_page"`` (0.5.19,
+        and paged 0.5.23: the window's SWA pages, through the mapping) or ``"request"`` (unified
+        0.5.23: one ring per request slot, item = ``req_pool_idx``)."""
+        if self.unified_kv and self.release != RELEASE_0_5_19:
+            return "request"
+        return "swa_page"
+
+    @property
     def mapping(self) -> Any:
-        """``full_to_swa_index_mapping`` as upstream reads it: ``DraftMappingMissing`` (an
-        ``AttributeError``, upstream's text) when the pool never registered one."""
+        """``full_to_swa_index_mapping`` as upstream reads it. Never registered: 0.5.19 raises
+        ``DraftMappingMissing`` (an ``AttributeError``, upstream's text), 0.5.23 gives ``None``."""
         try:
             return self.pool.full_to_swa_index_mapping
         except AttributeError:
-            raise DraftMappingMissing() from None
+            if self.release == RELEASE_0_5_19:
+                raise DraftMappingMissing() from None
+            return None
 
     @property
     def mapping_identity(self) -> MappingIdentity | None:
@@ -170,7 +218,14 @@ class PoolView:
     def facts(self) -> PoolFacts:
         """What the five target/draft checks read from one pool."""
         return PoolFacts(
-            self.compression_ratios, self.unified_kv, self.ring_geometry, self.paged_geometry, self.mapping_identity
+            self.compression_ratios,
+            self.unified_kv,
+            self.ring_geometry,
+            self.paged_geometry,
+            self.mapping_identity,
+            self.release,
+            self.request_window_capacity,
+            self.swa_req_ring_size,
         )
 
     # -- buffer infos (upstream's methods; optional ones as upstream probes them) ----------------
@@ -185,10 +240,21 @@ class PoolView:
             return [], [], []
         return self.pool.get_unified_swa_ring_buf_infos()
 
-    def c128_state_buf_infos(self) -> BufInfos:
-        if not hasattr(self.pool, "get_c128_state_buf_infos"):
-            return [], [], []
-        return self.pool.get_c128_state_buf_infos()
+    def request_state_buf_infos(self) -> BufInfos:
+        """The C128 (request-scoped) state component: 0.5.23's ``get_request_state_buf_infos``,
+        0.5.19's ``get_c128_state_buf_infos``; empty when the pool has neither."""
+        for name in ("get_request_state_buf_infos", "get_c128_state_buf_infos"):
+            method = getattr(self.pool, name, None)
+            if method is not None:
+                return method()
+        return [], [], []
+
+    c128_state_buf_infos = request_state_buf_infos
+
+    def swa_valid_from_buf_infos(self) -> BufInfos:
+        """0.5.23's DSpark draft request row (``REQUEST_ROW``); empty when the pool has none."""
+        method = getattr(self.pool, "get_swa_valid_from_buf_infos", None)
+        return ([], [], []) if method is None else method()
 
 
 def pool_view(pool: object) -> PoolView:

@@ -5,10 +5,15 @@ wire contract. For a DSV4 target the order is upstream's:
 
 1. ``SWA``        = ``target.get_state_buf_infos()`` (always);
 2. ``SWA_RING``   = ``target.get_unified_swa_ring_buf_infos()`` (unified mode);
-3. ``C128_STATE`` = ``target.get_c128_state_buf_infos()`` (any C128 layer);
-4. the draft's ``SWA`` (paged) or ``SWA_RING`` (unified) component, last, after the five checks of
+3. ``C128_STATE`` (0.5.23: ``DSV4_REQUEST_STATE``, the same member and wire value) =
+   ``target.get_request_state_buf_infos()`` (0.5.19: ``get_c128_state_buf_infos()``; any C128
+   layer);
+4. the draft's ``SWA`` (paged) or ``SWA_RING`` (unified) component, after the five checks of
    ``check_draft_pair`` — only when both pools are DSV4 pools (``pdstate.pools.interface``: the
-   rule is upstream's, and SGLang's own pool objects are read the same way as pdstate's).
+   rule is upstream's, and SGLang's own pool objects are read the same way as pdstate's);
+5. 0.5.23 only: the draft's ``REQUEST_ROW`` (``get_swa_valid_from_buf_infos``, a DSpark draft), last.
+
+The checks and their texts follow the target's release (``PoolView.release``).
 
 The data types and the five checks live in ``pdstate.protocol.facts`` (no torch).
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 from pdstate.pools.interface import PoolView, is_dsv4_pool, pool_view
 from pdstate.protocol.facts import (
+    RELEASE_0_5_19,
     KVArgs,
     PoolFacts,
     StateType,
@@ -62,9 +68,9 @@ def state_components(
         ring = t.unified_swa_ring_buf_infos()
         if ring[0]:
             comps.append((StateType.SWA_RING, ring))
-    c128 = t.c128_state_buf_infos()
-    if c128[0]:
-        comps.append((StateType.C128_STATE, c128))
+    request_state = t.request_state_buf_infos()
+    if request_state[0]:
+        comps.append((StateType.DSV4_REQUEST_STATE, request_state))
     if draft is not None and is_dsv4_pool(draft):
         d = pool_view(draft)
         if check:
@@ -75,6 +81,10 @@ def state_components(
             infos, state_type = d.state_buf_infos(), StateType.SWA
         if infos[0]:
             comps.append((state_type, infos))
+        if t.release != RELEASE_0_5_19:
+            rows = d.swa_valid_from_buf_infos()
+            if rows[0]:
+                comps.append((StateType.REQUEST_ROW, rows))
     return comps
 
 

@@ -5,6 +5,9 @@
   21 C4, 20 C128) plus the trailing MTP placeholder, a 1-layer NextN draft, page 256, window 128,
   room for 64k full tokens and 8 concurrent requests.
 
+``PoolSettings.upstream`` names the SGLang release whose layout and checks the pools reproduce
+(``"0.5.19"`` or ``"0.5.23"``, default the newest); every preset takes it.
+
 ``build_worker_pools`` wires the pair as upstream does: the allocator registers its mapping on the
 target, and the draft registers **the same tensor object** (``draft_mapping="shared"``). The other
 wirings (``own``, ``clone``, ``view``, ``none``) reproduce upstream misconfigurations on purpose.
@@ -17,7 +20,7 @@ from typing import Literal
 
 from pdstate.errors import PoolConfigError
 from pdstate.pools.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator
-from pdstate.pools.dsv4 import DeepSeekV4TokenToKVPool
+from pdstate.pools.dsv4 import DEFAULT_UPSTREAM, DeepSeekV4TokenToKVPool, check_upstream
 from pdstate.pools.memory import Memory, PrivateMemory
 
 DraftMapping = Literal["shared", "own", "clone", "view", "none"]
@@ -57,6 +60,10 @@ class PoolSettings:
     draft_speculative_num_draft_tokens: int | None | Literal["same"] = "same"
     draft_unified_kv: bool | None = None
     max_context_len: int | None = None
+    upstream: str = DEFAULT_UPSTREAM
+
+    def __post_init__(self) -> None:
+        check_upstream(self.upstream)
 
     @property
     def speculative(self) -> bool:
@@ -82,11 +89,14 @@ PRESETS: dict[str, PoolSettings] = {
 }
 
 
-def preset(name: str) -> PoolSettings:
+def preset(name: str, *, upstream: str | None = None) -> PoolSettings:
+    """A named preset; ``upstream`` (``"0.5.19"`` / ``"0.5.23"``) picks the SGLang release its
+    pools reproduce (default: the preset's, the newest)."""
     try:
-        return PRESETS[name]
+        s = PRESETS[name]
     except KeyError:
         raise KeyError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
+    return s if upstream is None else s.with_(upstream=upstream)
 
 
 def pool_kwargs(s: PoolSettings, *, draft: bool = False) -> dict:
@@ -134,6 +144,7 @@ def pool_kwargs(s: PoolSettings, *, draft: bool = False) -> dict:
         speculative_num_draft_tokens=spec,
         online_c128=s.online_c128,
         online_c128_mtp=s.online_c128_mtp,
+        upstream=s.upstream,
     )
     if draft:
         dspec = spec if s.draft_speculative_num_draft_tokens == "same" else s.draft_speculative_num_draft_tokens

@@ -18,6 +18,7 @@ from typing import Any
 from pdstate.errors import (
     DraftNotSWAOnly,
     PagedSWAGeometryMismatch,
+    SWAGeometryMismatch,
     SWAIndexMappingNotShared,
     SWARingGeometryMismatch,
     UnifiedKVModeMismatch,
@@ -27,11 +28,20 @@ MAPPING_NONCE_ATTR = "_pdstate_mapping_nonce"
 
 
 class StateType(str, enum.Enum):
+    """Upstream's state component kinds, by wire value. SGLang 0.5.23 renamed ``C128_STATE`` to
+    ``DSV4_REQUEST_STATE`` with the same wire value: both names are this one member (an alias;
+    its canonical ``name`` stays ``C128_STATE``). ``REQUEST_ROW`` is 0.5.23's DSpark draft row."""
+
     MAMBA = "mamba"
     SWA = "swa"
     NSA = "nsa"
     SWA_RING = "swa_ring"
     C128_STATE = "c128_state"
+    DSV4_REQUEST_STATE = "c128_state"
+    REQUEST_ROW = "request_row"
+
+
+RELEASE_0_5_19, RELEASE_0_5_23 = "0.5.19", "0.5.23"
 
 
 @dataclass
@@ -118,13 +128,21 @@ class MappingIdentity:
 
 @dataclass(frozen=True)
 class PoolFacts:
-    """What the five target/draft checks read from one pool."""
+    """What the five target/draft checks read from one pool.
+
+    ``release`` is the SGLang release whose checks and texts apply (the target's decides).
+    0.5.23's paged geometry check adds a third element: the target's ``request_window_capacity``
+    and the draft's ``swa_req_ring_size`` (``None`` without one).
+    """
 
     compression_ratios: tuple[int, ...]
     unified_kv: bool
     ring_geometry: tuple[int, int, int] | None
     paged_geometry: tuple[int, int]
     mapping_identity: MappingIdentity | None
+    release: str = RELEASE_0_5_19
+    request_window_capacity: int | None = None
+    swa_req_ring_size: int | None = None
 
 
 def check_draft_pair(target: PoolFacts, draft: PoolFacts, mapping_shared: Callable[[], bool]) -> None:
@@ -132,6 +150,8 @@ def check_draft_pair(target: PoolFacts, draft: PoolFacts, mapping_shared: Callab
 
     ``mapping_shared`` is consulted only in paged mode, after the mode and ratio checks, exactly
     where upstream evaluates ``target.full_to_swa_index_mapping is draft.full_to_swa_index_mapping``.
+    The target's ``release`` picks the paged geometry check: 0.5.19's ``(page_size, window)``
+    (``PagedSWAGeometryMismatch``) or 0.5.23's three-element tuple (``SWAGeometryMismatch``).
     """
     if not draft.compression_ratios or any(r != 0 for r in draft.compression_ratios):
         raise DraftNotSWAOnly()
@@ -143,8 +163,14 @@ def check_draft_pair(target: PoolFacts, draft: PoolFacts, mapping_shared: Callab
         return
     if not mapping_shared():
         raise SWAIndexMappingNotShared()
-    if target.paged_geometry != draft.paged_geometry:
-        raise PagedSWAGeometryMismatch.build(target.paged_geometry, draft.paged_geometry)
+    if target.release == RELEASE_0_5_19:
+        if target.paged_geometry != draft.paged_geometry:
+            raise PagedSWAGeometryMismatch.build(target.paged_geometry, draft.paged_geometry)
+        return
+    t_geometry = (*target.paged_geometry, target.request_window_capacity)
+    d_geometry = (*draft.paged_geometry, draft.swa_req_ring_size)
+    if t_geometry != d_geometry:
+        raise SWAGeometryMismatch.build(t_geometry, d_geometry)
 
 
 def identities_shared(target: PoolFacts, draft: PoolFacts) -> bool:

@@ -22,9 +22,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pdstate.errors import ConfigError
+from pdstate.pools.dsv4 import UPSTREAM_RELEASES
 from pdstate.pools.presets import PRESETS, PoolSettings
 from pdstate.pools.presets import preset as preset_settings
 from pdstate.runtime.options import WorkerOptions
@@ -53,6 +54,17 @@ class PoolSection(_Section):
     online_c128_mtp: bool | None = None
     kv_dtype: str | None = None
     state_dtype: Literal["float32", "bfloat16"] | None = None
+    # the SGLang release whose pool layout and checks to reproduce (None: the preset's, the newest)
+    upstream: str | None = None
+
+    @field_validator("upstream", mode="before")
+    @classmethod
+    def _known_release(cls, v: Any) -> Any:
+        if v is not None and v not in UPSTREAM_RELEASES:
+            raise ValueError(
+                f"unknown SGLang release {v!r}; choose one of {', '.join(repr(r) for r in UPSTREAM_RELEASES)}"
+            )
+        return v
 
 
 class DraftSection(_Section):
