@@ -1,0 +1,301 @@
+"""What differs between SGLang releases on the scheduler-queue path, and the stand-in schedulers.
+
+Imported only by the driver's child processes (``side.py``), after ``boot``. Feature probes, not
+version strings, pick the release's way: 0.5.19 has ``get_dsv4_c128_state_indices`` and passes
+process groups to the queues; 0.5.23 reads them from ``get_parallel()`` and asks the pool for
+its request-state indices.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from sglang.srt.disaggregation import utils as disagg_utils
+from sglang.srt.disaggregation.base.conn import KVPoll, StateType
+from sglang.srt.disaggregation.decode import (
+    DecodePreallocQueue,
+    DecodeReqToTokenPool,
+    DecodeTransferQueue,
+    SchedulerDisaggregationDecodeMixin,
+)
+from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue, SchedulerDisaggregationPrefillMixin
+from sglang.srt.disaggregation.utils import KVClassType, ReqToMetadataIdxAllocator, TransferBackend, get_kv_class
+from sglang.srt.mem_cache.allocator import paged
+from sglang.srt.mem_cache.common import kv_to_page_indices, release_kv_cache
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+from pdstate.devtools.sglang_pair import pools as pair_pools
+
+NEW = not hasattr(disagg_utils, "get_dsv4_c128_state_indices")  # 0.5.23 and later
+HIDDEN_LAYERS = 43
+STATES = {KVPoll.Failed: "Failed", KVPoll.Bootstrapping: "Bootstrapping", KVPoll.WaitingForInput: "WaitingForInput",
+          KVPoll.Transferring: "Transferring", KVPoll.Success: "Success"}  # fmt: skip
+buffers = pair_pools.buffers
+
+
+def poll_name(state) -> str:
+    return STATES.get(state, str(state))
+
+
+class _NaiveAllocKernel:
+    """Stands for the paged allocator's triton kernel: SGLang's own pure-torch twin, same arguments."""
+
+    def __getitem__(self, grid):
+        def run(prefix_lens, seq_lens, last_loc, free_pages, out_indices, _bs_pow2, page_size):
+            paged.alloc_extend_naive(prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size, "cpu")
+
+        return run
+
+
+paged.alloc_extend_kernel = _NaiveAllocKernel()
+
+_HELD: list = []
+
+
+def parallel_context(group) -> None:
+    """tp = cp = dp = pp = 1; the queues all-reduce over ``group`` (a gloo group of one)."""
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.layers import dp_attention
+    from sglang.srt.runtime_context import get_parallel
+
+    ones = dict(world_size=1, tp_size=1, pp_size=1, attn_tp_size=1, attn_cp_size=1, dcp_size=1, attn_dcp_size=1,
+                attn_dp_size=1)  # fmt: skip
+    zeros = dict(world_rank=0, tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_cp_rank=0, dcp_rank=0, attn_dcp_rank=0,
+                 attn_dp_rank=0)  # fmt: skip
+    if not _HELD:
+        _HELD.append(get_parallel().override(**ones, **zeros, dcp_enabled=False))
+        _HELD[0].__enter__()
+    dp_attention._ATTN_DP_RANK, dp_attention._ATTN_DP_SIZE = 0, 1
+    if parallel_state._PP is None:
+        parallel_state._PP = SimpleNamespace(world_size=1, rank_in_group=0, is_first_rank=True, is_last_rank=True)
+
+
+def build_pools(side, *, decode: bool) -> SimpleNamespace:
+    """Real DSV4-Flash-shaped pools of ``side``; the decode holds a page first, so its pages differ."""
+    return pair_pools.build(side, hold_pages=1 if decode else 0)
+
+
+def _ps(**kw) -> SimpleNamespace:
+    return SimpleNamespace(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1, gpu_id=0, **kw)
+
+
+def _tp_worker(pools) -> SimpleNamespace:
+    side = pools.side
+    runner = SimpleNamespace(
+        kv_cache_dtype_str=pair_pools.KV_CACHE_DTYPE, effective_max_total_num_tokens=side.full_tokens,
+        swa_max_total_num_tokens=side.swa_tokens, max_token_pool_size=side.full_tokens,
+    )  # fmt: skip
+    return SimpleNamespace(model_runner=runner, is_hybrid_swa=True)
+
+
+def _tree_cache(pools, req_to_token_pool):
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.chunk_cache import SWAChunkCache
+
+    params = CacheInitParams(
+        disable=True, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=pools.alloc,
+        page_size=pools.side.page_size, sliding_window_size=pools.side.sliding_window,
+        chunked_prefill_size=512,
+    )  # fmt: skip
+    return SWAChunkCache(params)
+
+
+class PrefillScheduler(SchedulerDisaggregationPrefillMixin):
+    """A prefill scheduler holding only what the bootstrap/inflight queue code reads."""
+
+
+class DecodeScheduler(SchedulerDisaggregationDecodeMixin):
+    """A decode scheduler holding only what the prealloc/transfer queue code reads."""
+
+
+def _common(sched, pools, args, group, streamer, req_to_token_pool) -> None:
+    sched.server_args = args
+    sched.ps = _ps()
+    sched.tp_worker = _tp_worker(pools)
+    sched.model_config = SimpleNamespace(num_hidden_layers=HIDDEN_LAYERS, hf_text_config=None)
+    sched.req_to_token_pool = req_to_token_pool
+    sched.token_to_kv_pool_allocator = pools.alloc
+    sched.tree_cache = _tree_cache(pools, req_to_token_pool)
+    sched.attn_cp_cpu_group = sched.attn_tp_cpu_group = sched.tp_cpu_group = group
+    sched.output_streamer = streamer
+    sched.metrics_reporter = SimpleNamespace(enable_metrics=False)
+    sched.enable_hicache_storage = False
+    sched.enable_hisparse = False
+    sched.hisparse_coordinator = None
+    sched.enable_decode_hicache = False
+    sched.enable_overlap = False
+    sched.enable_staging = False
+    sched.enable_priority_scheduling = False
+    sched.sliding_window_size = pools.side.sliding_window
+    sched.waiting_queue = []
+    sched.req_to_metadata_buffer_idx_allocator = ReqToMetadataIdxAllocator(pools.side.max_num_reqs + 1)
+    sched.disagg_metadata_buffers = pools.meta
+    sched.running_batch = SimpleNamespace(reqs=[])
+    sched.last_batch = None
+
+
+def _case(pools, sched, kv_args, **kw) -> SimpleNamespace:
+    aux = list(zip(kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens))
+    return SimpleNamespace(pools=pools, sched=sched, kv_args=kv_args, aux_bufs=aux, cleared=[], commits={}, **kw)
+
+
+def prefill_queues(pools, args, backend: str, port: int, group, host: str, streamer) -> SimpleNamespace:
+    tb = TransferBackend(backend)
+    server = get_kv_class(tb, KVClassType.BOOTSTRAP_SERVER)(host, port)
+    side = pools.side
+    sched = PrefillScheduler()
+    rtp = ReqToTokenPool(side.max_num_reqs, side.full_tokens + side.page_size, "cpu", False)
+    _common(sched, pools, args, group, streamer, rtp)
+    sched.disagg_prefill_inflight_queue = []
+    sched.disagg_prefill_pending_chunk_rids = set()
+    sched.disagg_prefill_bootstrap_queue = PrefillBootstrapQueue(
+        token_to_kv_pool=pools.target, draft_token_to_kv_pool=pools.draft,
+        req_to_metadata_buffer_idx_allocator=sched.req_to_metadata_buffer_idx_allocator,
+        metadata_buffers=pools.meta, tp_rank=0, tp_size=1, gpu_id=0, bootstrap_port=port, gloo_group=group,
+        max_total_num_tokens=side.full_tokens, scheduler=sched, pp_rank=0, pp_size=1, transfer_backend=tb,
+    )  # fmt: skip
+    kv_args = sched.disagg_prefill_bootstrap_queue.kv_manager.kv_args
+    return _case(pools, sched, kv_args, server=server)
+
+
+def decode_queues(pools, args, backend: str, port: int, group, streamer) -> SimpleNamespace:
+    tb = TransferBackend(backend)
+    side = pools.side
+    sched = DecodeScheduler()
+    rtp = DecodeReqToTokenPool(1, side.full_tokens + side.page_size, "cpu", False, 1)
+    _common(sched, pools, args, group, streamer, rtp)
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    sched.spec_algorithm = SpeculativeAlgorithm.from_string(args.speculative_algorithm)
+    sched.disagg_decode_prealloc_queue = None
+    transfer = DecodeTransferQueue(
+        gloo_group=group, req_to_metadata_buffer_idx_allocator=sched.req_to_metadata_buffer_idx_allocator,
+        tp_rank=0, metadata_buffers=pools.meta, scheduler=sched, tree_cache=sched.tree_cache,
+    )  # fmt: skip
+    sched.disagg_decode_transfer_queue = transfer
+    sched.disagg_decode_prealloc_queue = DecodePreallocQueue(
+        req_to_token_pool=rtp, token_to_kv_pool_allocator=pools.alloc, draft_token_to_kv_pool=pools.draft,
+        req_to_metadata_buffer_idx_allocator=sched.req_to_metadata_buffer_idx_allocator,
+        metadata_buffers=pools.meta, scheduler=sched, transfer_queue=transfer, tree_cache=sched.tree_cache,
+        gloo_group=group, tp_rank=0, tp_size=1, dp_size=1, gpu_id=0, bootstrap_port=port,
+        max_total_num_tokens=side.full_tokens, pp_rank=0, num_reserved_decode_tokens=8, transfer_backend=tb,
+    )  # fmt: skip
+    kv_args = sched.disagg_decode_prealloc_queue.kv_manager.kv_args
+    case = _case(pools, sched, kv_args)
+    _watch_decode(case, transfer)
+    return case
+
+
+def _watch_decode(case, transfer) -> None:
+    """Record what the decode itself does to its memory: the aux row as SGLang reads it at commit
+    (SGLang zeroes its room word right after), and the C128 slot it resets before a transfer."""
+    commit = transfer._commit_transfer_to_req
+
+    def recorded_commit(decode_req):
+        from pdstate.devtools.sglang_queues.side import _row_digests
+
+        index = decode_req.metadata_buffer_index
+        case.commits[decode_req.req.bootstrap_room] = {"index": index, "aux": _row_digests(case.aux_bufs, index)}
+        return commit(decode_req)
+
+    transfer._commit_transfer_to_req = recorded_commit
+    target = case.pools.target
+    for name in ("clear_c128_req_state", "clear_request_scoped_state"):
+        clear = getattr(target, name, None)
+        if clear is None:
+            continue
+
+        def recorded_clear(slot, *a, _clear=clear, **kw):
+            case.cleared.append(int(slot))
+            return _clear(slot, *a, **kw)
+
+        setattr(target, name, recorded_clear)
+
+
+def cleared_rows(case) -> dict[tuple[int, int], list[int]]:
+    """``(ptr, item length) -> rows`` of the request-state buffers the decode reset for its slots."""
+    args, out = case.kv_args, {}
+    per_slot = case.pools.target.get_ring_size(128) // 128  # a slot's ring, in items of 128 rows
+    for c, st in enumerate(args.state_types):
+        if st == StateType.SWA:
+            continue
+        for p, i in zip(args.state_data_ptrs[c], args.state_item_lens[c]):
+            out[(p, i)] = [slot * per_slot + r for slot in case.cleared for r in range(per_slot)]
+    return out
+
+
+def resolve_waiting(sched, popped: list) -> None:
+    """What the event loop does with popped requests before admitting them: the waiting queue and
+    its bootstrap resolution (optimistic prefill); admitted ones then leave the queue."""
+    sched.waiting_queue.extend(popped)
+    sched.resolve_waiting_queue_bootstrap()
+    sched.waiting_queue = [r for r in sched.waiting_queue if r not in popped]
+
+
+def prefill_forward(case, req) -> None:
+    """KV for the whole prompt, allocated as a prefill batch does (paged ``alloc_extend``)."""
+    sched, n = case.sched, len(req.origin_input_ids)
+    assert sched.req_to_token_pool.alloc([req]) is not None, "no request slot"
+    t = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
+    locs = sched.token_to_kv_pool_allocator.alloc_extend(
+        prefix_lens=t(0), prefix_lens_cpu=t(0), seq_lens=t(n), seq_lens_cpu=t(n), last_loc=t(-1), extend_num_tokens=n
+    )
+    assert locs is not None, "no KV room"
+    sched.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, n)), locs)
+    req.kv.kv_allocated_len = n
+    req.kv.kv_committed_len = n
+
+
+def set_extend_range(req, start: int, end: int) -> None:
+    req.set_extend_range(start, end)
+
+
+def start_send(req) -> int:
+    return req.start_send_idx
+
+
+def _c128_rows(case, slot: int, tokens: int) -> np.ndarray:
+    target = case.pools.target
+    if NEW:
+        return np.asarray(target.request_state_transfer_indices(slot, tokens))
+    return np.asarray(
+        disagg_utils.get_dsv4_c128_state_indices(slot, tokens, online=False, ring_size=target.get_ring_size(128))
+    )
+
+
+def request_items(case, req, room: int) -> list:
+    """Per buffer of ``buffers(kv_args)``: ``(ptr, item length, {item: key})`` for the request as
+    it sits in this side's pools (its own token-pool row, SWA mapping and state slot)."""
+    pools, page = case.pools, case.pools.side.page_size
+    tokens, slot = len(req.origin_input_ids), int(req.kv.req_pool_idx)
+    row = case.sched.req_to_token_pool.req_to_token[slot, :tokens].to(torch.int64)
+    window_start = max(0, tokens - pools.target.sliding_window) // page * page
+    swa = pools.alloc.translate_loc_from_full_to_swa(row[window_start:tokens])
+    ns = SimpleNamespace(
+        room=room, tokens=tokens, pages=np.asarray(kv_to_page_indices(row, page)),
+        window_first_page=window_start // page, swa_pages=np.asarray(kv_to_page_indices(swa, page)),
+        c128=_c128_rows(case, slot, tokens),
+    )  # fmt: skip
+    index = req.metadata_buffer_index if req.metadata_buffer_index >= 0 else 0
+    return pair_pools.request_items(pools, case.kv_args, ns, index)
+
+
+def placed(case, req) -> bool:
+    """Whether the request still holds its pre-allocated KV (a slot and pages)."""
+    return req.kv.req_pool_idx is not None and bool(req.kv.holds_kv)
+
+
+def receiver_of(sched, req):
+    pre, tq = sched.disagg_decode_prealloc_queue, sched.disagg_decode_transfer_queue
+    for decode_req in [*pre.queue, *pre.pending_reqs, *tq.queue]:
+        if decode_req.req is req:
+            return decode_req.kv_receiver
+    return None
+
+
+def release_decode(case, req) -> None:
+    """The decode is done with the request: its KV goes back (as when it finishes decoding)."""
+    if placed(case, req):
+        release_kv_cache(req, case.sched.tree_cache, is_insert=False)

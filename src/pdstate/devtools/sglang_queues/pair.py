@@ -1,0 +1,157 @@
+"""The parent of the scheduler-queue driver: a prefill child and a decode child (``side.py``).
+
+``QueuePair.run_case`` sets up both sides for a case (the prefill first: it starts the bootstrap
+server on a free port), then runs each request on both sides at once; each side polls its queues
+until the request leaves them or ``deadline_s`` passes, and answers. The answer per request: each
+side's outcome (``Success``, ``Failed`` with SGLang's message, or ``timeout (<poll state>)``), the
+decode's byte check, and the aux row compared across the two sides (SGLang writes it from the
+request on the prefill, so it is compared as the prefill left it and as the decode read it).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from pdstate.devtools.sglang_pair.cases import Case
+from pdstate.devtools.sglang_pair.pair import child_env, env_dir, free_port
+
+REPLY = "@@queues "
+SLACK_S = 30.0  # what a child may take beyond a request's deadline to answer (setup, byte checks)
+SETUP_S = 120.0
+
+
+class Child:
+    def __init__(self, role: str, env: dict[str, str]) -> None:
+        self.role = role
+        self.err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdstate.devtools.sglang_queues.side"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True, env=env,
+        )  # fmt: skip
+        self.replies: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                self.replies.put(json.loads(line[len(REPLY) :]))
+        self.replies.put(None)
+
+    def tell(self, op: str, **kw) -> None:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self, timeout: float) -> dict:
+        try:
+            reply = self.replies.get(timeout=timeout)
+        except queue.Empty:
+            reply = None
+        if reply is None:
+            raise RuntimeError(f"the {self.role} child did not answer in {timeout:.0f} s:\n{self.stderr_tail()}")
+        return reply
+
+    def call(self, op: str, timeout: float, **kw) -> dict:
+        self.tell(op, **kw)
+        return self.answer(timeout)
+
+    def stderr_tail(self, n: int = 6000) -> str:
+        self.err.seek(0)
+        return self.err.read().decode(errors="replace")[-n:]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.err.close()
+
+
+def _side(reply: dict) -> dict:
+    if not reply.get("ok", True):
+        return {"outcome": "error", "failure": reply.get("error"), "trace": reply.get("trace")}
+    reply.pop("ok", None)
+    return reply
+
+
+class QueuePair:
+    """A prefill child and a decode child under the SGLang environment ``target``."""
+
+    def __init__(self, target: Path | None = None, extra_env: dict[str, str] | None = None) -> None:
+        env = child_env(target or env_dir(), extra_env)
+        self.prefill = Child("prefill", env)
+        self.decode = Child("decode", env)
+        self.room = 5000
+
+    def __enter__(self) -> QueuePair:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.decode.close()
+
+    def request(self, tokens: int, deadline_s: float) -> dict:
+        self.room += 1
+        t0 = time.perf_counter()
+        kw = dict(room=self.room, tokens=tokens, deadline_s=deadline_s)
+        self.prefill.tell("run_prefill", **kw)
+        self.decode.tell("run_decode", **kw)
+        pre = _side(self.prefill.answer(deadline_s + SLACK_S))
+        dec = _side(self.decode.answer(deadline_s + SLACK_S))
+        elapsed = time.perf_counter() - t0
+        sent, landed = pre.pop("aux", None), dec.pop("aux", None)
+        if sent is not None and landed is not None:
+            wrong_aux = sum(a != b for a, b in zip(sent, landed))
+            dec["aux_items"] = len(sent)
+            dec["wrong_items"] = dec.get("wrong_items", 0) + wrong_aux
+            dec.setdefault("wrong_by", {})["aux"] = wrong_aux
+        return {
+            "tokens": tokens, "room": self.room, "prefill": pre, "decode": dec,
+            "send_to_success_ms": pre.pop("ms", None), "elapsed_s": elapsed,
+        }  # fmt: skip
+
+    def run_case(self, case: Case, backend: str, tokens: tuple[int, ...] | None = None, deadline_s: float = 3.0):
+        port = free_port()
+        out = {"case": case.name, "what": case.what, "backend": backend, "deadline_s": deadline_s}
+        t0 = time.perf_counter()
+        p = self.prefill.call("setup", SETUP_S, role="prefill", backend=backend, side=case.prefill.to_json(), port=port)
+        d = (
+            self.decode.call("setup", SETUP_S, role="decode", backend=backend, side=case.decode.to_json(), port=port)
+            if p["ok"]
+            else {"ok": False, "error": "not set up (the prefill's setup failed)"}
+        )
+        out["setup_s"] = time.perf_counter() - t0
+        if not (p["ok"] and d["ok"]):
+            out["setup_error"] = p.get("error") or d.get("error")
+            out["setup_trace"] = p.get("trace") or d.get("trace")
+            out["requests"] = []
+            return out
+        out["requests"] = [self.request(n, deadline_s) for n in (tokens or case.tokens)]
+        return out
+
+
+def main() -> None:
+    """``python -m pdstate.devtools.sglang_queues.pair BACKEND CASE...``: JSON results on stdout."""
+    from pdstate.devtools.sglang_pair.cases import CASES
+    from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV
+
+    backend, names = sys.argv[1], sys.argv[2:] or ["correct"]
+    with QueuePair(extra_env=PDSTATE_ENGINE_ENV) as pair:
+        results = [pair.run_case(CASES[n], backend) for n in names]
+    print(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+"""One side of the scheduler-queue driver: ``python -m pdstate.devtools.sglang_queues.side``.
+
+Run only by ``pair.QueuePair`` under the cached SGLang environment (importing ``booted`` changes
+process-wide state). One JSON command per stdin line, one ``@@queues {json}`` line per answer:
+
+- ``setup``: publish the side's server args, build its pools (``sglang_pair`` / ``pools``), and
+  build SGLang's own queues on a stand-in scheduler; the queues create the manager of
+  ``backend`` themselves (the prefill starts the bootstrap server first);
+- ``run``: one request through the queues, polled until it leaves them or its deadline passes.
+  The prefill fills the request's source items with their patterns once its bootstrap is done
+  (that is when a real prefill runs its forward), sends two chunks through ``send_kv_chunk`` and
+  polls the inflight queue; the decode polls ``process_decode_queue`` and then checks every byte
+  its request's items hold (main KV pages, SWA window pages of target and draft, C4 ring and C128
+  rows, the aux row as it was when SGLang read it).
+"""
+
+from __future__ import annotations
+
+from pdstate.devtools.sglang_pair import booted  # noqa: F401  (first: the GPU-only stubs and the bare sglang package)
+
+# isort: split
+
+import hashlib
+import json
+import sys
+import time
+import traceback
+from array import array
+from types import SimpleNamespace
+
+import numpy as np
+
+from pdstate.devtools.sglang_pair import boot, pattern
+from pdstate.devtools.sglang_pair.cases import Side
+from pdstate.devtools.sglang_queues import compat
+
+REPLY = "@@queues "
+HOST = "127.0.0.1"
+POLL_S = 0.0005
+CHUNK_TOKENS = 512  # the first chunk (two pages of 256): a non-last send_kv_chunk, then the last one
+
+S = SimpleNamespace(role="", backend="", port=0, installed=False, group=None, engine=False, case=None)
+
+
+def _text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class Streamer:
+    """The scheduler's output streamer: records what the queue code streams (finished or aborted requests)."""
+
+    def __init__(self) -> None:
+        self.streamed: list = []
+
+    def stream_output(self, reqs, *args, **kwargs) -> None:
+        self.streamed.extend(reqs)
+
+
+def _gloo_group():
+    """A gloo process group of one, so the queues' ``poll_and_all_reduce`` really all-reduces."""
+    if S.group is None:
+        import torch.distributed as dist
+
+        from pdstate.devtools.sglang_pair.pair import free_port
+
+        dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{free_port()}", rank=0, world_size=1)
+        S.group = dist.new_group([0], backend="gloo")
+    return S.group
+
+
+# -- both sides
+def setup(role: str, backend: str, side: dict, port: int) -> dict:
+    S.role, S.backend, S.port = role, backend, port
+    if backend == "pdstate" and not S.installed:
+        import pdstate.integrations.sglang as integration
+
+        integration.install()
+        S.installed = True
+    s = Side.from_json(side)
+    args = boot.server_args(
+        speculative=s.speculative, page_size=s.page_size, disaggregation_mode=role,
+        disaggregation_transfer_backend=backend, disaggregation_bootstrap_port=port, host=HOST,
+        chunked_prefill_size=CHUNK_TOKENS, disable_radix_cache=True,
+    )  # fmt: skip
+    boot.publish(args)
+    group = _gloo_group()
+    compat.parallel_context(group)
+    if backend == "mooncake" and not S.engine:  # as SGLang's scheduler does for its own Mooncake backend
+        from sglang.srt.distributed.device_communicators import mooncake_transfer_engine as mte
+
+        mte.init_mooncake_transfer_engine(hostname=HOST, gpu_id=0)
+        S.engine = True
+    pools = compat.build_pools(s, decode=role == "decode")
+    if role == "prefill":
+        S.case = compat.prefill_queues(pools, args, backend, port, group, HOST, Streamer())
+    else:
+        S.case = compat.decode_queues(pools, args, backend, port, group, Streamer())
+    kv_args = S.case.kv_args
+    for _, ptr, length, _ in compat.buffers(kv_args):
+        pattern.memory(ptr, length).fill(pattern.SENTINEL if role == "decode" else pattern.FOREIGN)
+    return {"state_types": [str(t.value) for t in kv_args.state_types], "buffers": len(compat.buffers(kv_args))}
+
+
+def _outcome(req) -> tuple[str, str | None]:
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    if isinstance(req.finished_reason, FINISH_ABORT):
+        return "Failed", str(req.finished_reason.message)
+    return "Success", None
+
+
+def _request(room: int, tokens: int, mode):
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    ids = array("q", ((room * 7919 + i * 31) % 32000 + 1 for i in range(tokens)))
+    params = SamplingParams(max_new_tokens=8)
+    params.normalize(None)
+    return Req(
+        f"room-{room}", "", ids, params, bootstrap_host=HOST, bootstrap_port=S.port, bootstrap_room=room,
+        disagg_mode=mode,
+    )  # fmt: skip
+
+
+def _row_digests(meta_bufs: list[tuple[int, int, int]], index: int) -> list[str]:
+    out = []
+    for ptr, length, item in meta_bufs:
+        view = pattern.memory(ptr, length)
+        out.append(hashlib.sha256(view[index * item : (index + 1) * item].tobytes()).hexdigest()[:16])
+    return out
+
+
+# -- prefill
+def run_prefill(room: int, tokens: int, deadline_s: float) -> dict:
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    case, sched = S.case, S.case.sched
+    deadline = time.perf_counter() + deadline_s
+    req = _request(room, tokens, DisaggregationMode.PREFILL)
+    queue = sched.disagg_prefill_bootstrap_queue
+    queue.add(req, 1)
+    trace = ["add"]
+    while True:  # the bootstrap queue, as the event loop polls it
+        popped = queue.pop_bootstrapped()
+        compat.resolve_waiting(sched, popped)
+        if req in popped:
+            trace.append("bootstrapped")
+            break
+        if req in sched.output_streamer.streamed:  # a bootstrap failure streams the abort
+            outcome, failure = _outcome(req)
+            return {"outcome": outcome, "failure": failure, "trace": trace + ["bootstrap failed"]}
+        if time.perf_counter() >= deadline:
+            return {"outcome": f"timeout ({compat.poll_name(req.disagg_kv_sender.poll())})", "failure": None,
+                    "trace": trace}  # fmt: skip
+        time.sleep(POLL_S)
+    # The forward: KV for the whole prompt, the request's items patterned, the sampled token set.
+    compat.prefill_forward(case, req)
+    items = compat.request_items(case, req, room)
+    for (_, ptr, length, _), (_, item_len, keys) in zip(compat.buffers(case.kv_args), items):
+        pattern.write_items(pattern.memory(ptr, length), item_len, keys)
+    req.output_ids.append(int(room % 30000) + 7)
+    t0 = time.perf_counter()
+    first = min(CHUNK_TOKENS, tokens)
+    if first < tokens:  # a non-last chunk: the full pages so far
+        compat.set_extend_range(req, 0, first)
+        sched.send_kv_chunk(req)
+        trace.append("chunk")
+    compat.set_extend_range(req, compat.start_send(req), tokens)
+    sched.disagg_prefill_inflight_queue.append(req)
+    sched.send_kv_chunk(req, last_chunk=True)
+    trace.append("last chunk")
+    aux = _row_digests(case.aux_bufs, req.metadata_buffer_index)
+    while True:
+        done = sched.process_disagg_prefill_inflight_queue()
+        if req in done:
+            outcome, failure = _outcome(req)
+            ms = (time.perf_counter() - t0) * 1000
+            return {"outcome": outcome, "failure": failure, "trace": trace + ["inflight done"], "aux": aux,
+                    "ms": ms if outcome == "Success" else None}  # fmt: skip
+        if time.perf_counter() >= deadline:
+            state = compat.poll_name(req.disagg_kv_sender.poll())
+            return {"outcome": f"timeout ({state})", "failure": None, "trace": trace, "aux": aux}
+        time.sleep(POLL_S)
+
+
+# -- decode
+def run_decode(room: int, tokens: int, deadline_s: float) -> dict:
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    case, sched = S.case, S.case.sched
+    deadline = time.perf_counter() + deadline_s
+    for _, ptr, length, _ in compat.buffers(case.kv_args):
+        pattern.memory(ptr, length).fill(pattern.SENTINEL)
+    case.cleared.clear()
+    case.commits.clear()
+    req = _request(room, tokens, DisaggregationMode.DECODE)
+    sched.disagg_decode_prealloc_queue.add(req)
+    outcome = None
+    while True:
+        sched.process_decode_queue()
+        if req in sched.waiting_queue:
+            sched.waiting_queue.remove(req)
+            outcome, failure = _outcome(req)
+            break
+        if req in sched.output_streamer.streamed:
+            outcome, failure = _outcome(req)
+            break
+        if time.perf_counter() >= deadline:
+            receiver = compat.receiver_of(sched, req)
+            state = compat.poll_name(receiver.poll()) if receiver is not None else "no receiver"
+            outcome, failure = f"timeout ({state})", None
+            if receiver is not None:  # what the scheduler's abort_request does for a queued request
+                receiver.abort()
+            break
+        time.sleep(POLL_S)
+    out = {"outcome": outcome, "failure": failure}
+    out.update(_check(case, req, room))
+    return out
+
+
+def _check(case, req, room: int) -> dict:
+    """Every byte of the request's items and of the rest of the decode's registered memory."""
+    out = {"bytes_checked": 0, "items": 0, "wrong_items": 0, "outside_bytes": 0, "changed_bytes": 0}
+    commit = case.commits.get(room)
+    row = commit["index"] if commit else None
+    out["aux"] = commit["aux"] if commit else None
+    placed = compat.placed(case, req)
+    items = compat.request_items(case, req, room) if placed else None
+    own = compat.cleared_rows(case)  # rows the decode itself reset (C128 state of its slot)
+    wrong_by: dict[str, int] = {}
+    for k, (what, ptr, length, item_len) in enumerate(compat.buffers(case.kv_args)):
+        view = pattern.memory(ptr, length)
+        mask = np.zeros(length, dtype=bool)
+        for r in own.get((ptr, item_len), ()):
+            mask[r * item_len : (r + 1) * item_len] = True
+        if what == "aux":
+            if row is not None:
+                mask[row * item_len : (row + 1) * item_len] = True
+            out["outside_bytes"] += int(np.count_nonzero(view[~mask] != pattern.SENTINEL))
+            out["changed_bytes"] += int(np.count_nonzero(view[~mask] != pattern.SENTINEL))
+            continue
+        if items is None:
+            out["changed_bytes"] += int(np.count_nonzero(view[~mask] != pattern.SENTINEL))
+            continue
+        _, _, keys = items[k]
+        wrong = 0
+        for index, key in keys.items():
+            lo, hi = index * item_len, (index + 1) * item_len
+            if not np.array_equal(view[lo:hi], pattern.item_bytes(key, item_len)):
+                wrong += 1
+            mask[lo:hi] = True
+        out["bytes_checked"] += length
+        out["items"] += len(keys)
+        out["wrong_items"] += wrong
+        outside = int(np.count_nonzero(view[~mask] != pattern.SENTINEL))
+        out["outside_bytes"] += outside
+        if outside:
+            out.setdefault("outside_by", {})[f"{what}[{k}]"] = outside
+        out["changed_bytes"] += int(np.count_nonzero(view != pattern.SENTINEL)) - sum(
+            int(np.count_nonzero(view[r * item_len : (r + 1) * item_len] != pattern.SENTINEL))
+            for r in own.get((ptr, item_len), ())
+        )
+        kind = what if what == "main" else "state"
+        wrong_by[kind] = wrong_by.get(kind, 0) + wrong
+    out["wrong_by"] = wrong_by
+    out["placed"] = placed
+    compat.release_decode(case, req)
+    return out
+
+
+def main() -> None:
+    ops = {"setup": setup, "run_prefill": run_prefill, "run_decode": run_decode}
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        try:
+            reply = {"ok": True, **ops[op](**cmd)}
+        except Exception as exc:  # reported to the parent, which decides; the child keeps serving
+            reply = {"ok": False, "error": _text(exc), "trace": traceback.format_exc()[-4000:]}
+        sys.stdout.write(REPLY + json.dumps(reply, default=str) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
