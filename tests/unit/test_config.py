@@ -170,3 +170,30 @@ def test_verify_mode_and_inline_limit_reach_the_worker_options(toml):
     assert defaults.verify == "full" and defaults.inline_max_bytes == 32 << 20
     with pytest.raises(ConfigError, match="checks.verify"):
         load_config(toml(BASE), ["checks.verify=some"], environ={})
+
+
+def test_pool_upstream_defaults_to_the_newest_release(toml):
+    cfg = load_config(toml(BASE), environ={})
+    assert cfg.pool.upstream is None and cfg.pool_settings().upstream == "0.5.23"
+
+
+@pytest.mark.parametrize("release", ["0.5.19", "0.5.23"])
+def test_pool_upstream_from_file_environment_and_set(toml, release):
+    cfg = load_config(toml(BASE + f'[pool]\nupstream = "{release}"\n'), environ={})
+    assert cfg.pool_settings().upstream == release
+    cfg = load_config(toml(BASE), environ={"PDSTATE_POOL__UPSTREAM": release})
+    assert cfg.pool_settings().upstream == release
+    cfg = load_config(toml(BASE), [f"pool.upstream={release}"], environ={})
+    assert cfg.pool_settings().upstream == release
+    from pdstate.pools.presets import pool_kwargs
+
+    assert pool_kwargs(cfg.pool_settings())["upstream"] == release
+
+
+@pytest.mark.parametrize("value", ['"0.5.20"', '"latest"', "0.5", "5"])
+def test_pool_upstream_other_value_is_named(toml, value):
+    with pytest.raises(ConfigError) as info:
+        load_config(toml(BASE + f"[pool]\nupstream = {value}\n"), environ={})
+    msg = str(info.value)
+    assert msg.startswith("invalid configuration: pool.upstream: ")
+    assert "unknown SGLang release" in msg and "choose one of '0.5.19', '0.5.23'" in msg

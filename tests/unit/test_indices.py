@@ -239,3 +239,39 @@ def test_swa_page_count_general(seq_len, window, ps):
 
 def test_page_floor():
     assert [page_floor(x, 256) for x in (0, 1, 255, 256, 257, 872)] == [0, 0, 0, 256, 256, 768]
+
+
+# --- the SWA component by release (0.5.23 unified: C4 states per request slot) -----------------
+
+
+def _release_pools(upstream: str, unified: bool):
+    from pdstate.pools.presets import build_worker_pools, preset
+
+    return build_worker_pools(preset("tiny", upstream=upstream).with_(unified_kv=unified))
+
+
+@pytest.mark.parametrize("upstream", ["0.5.19", "0.5.23"])
+@pytest.mark.parametrize("unified", [False, True])
+def test_swa_component_indices_follow_the_release(upstream, unified):
+    from pdstate.pools.indices import c4_state_slot_indices, swa_component_indices
+
+    w = _release_pools(upstream, unified)
+    try:
+        seq_len = 300
+        locs = w.allocator.alloc(seq_len)
+        got = swa_component_indices(w.target, 3, locs, seq_len, w.allocator.full_to_swa_index_mapping)
+        if upstream == "0.5.23" and unified:
+            assert got.tolist() == [3] == c4_state_slot_indices(3, seq_len).tolist()
+            assert c4_state_slot_indices(3, 0).tolist() == []
+        else:
+            want = swa_page_indices(locs, seq_len, W, PS, w.allocator.full_to_swa_index_mapping)
+            assert got.tolist() == want.tolist()
+    finally:
+        w.close()
+
+
+def test_request_state_indices_are_the_same_rule_in_both_releases():
+    from pdstate.pools.indices import request_state_indices
+
+    for args in [(7, 257, True, None), (7, 129, False, 256), (5, 1000, False, 128), (0, 0, False, 128)]:
+        assert request_state_indices(*args).tolist() == c128_state_indices(*args).tolist()

@@ -197,7 +197,8 @@ def test_pool_view_of_a_view_is_itself():
 @pytest.mark.parametrize("unified", [False, True])
 def test_report_of_upstream_shaped_pools_equals_pdstate_pools(unified):
     t, d = pair(unified=unified)
-    own_t, own_d = target(unified_kv=unified), draft(unified_kv=unified)
+    assert pool_view(t).release == "0.5.19"  # 0.5.19's interface
+    own_t, own_d = target(unified_kv=unified, upstream="0.5.19"), draft(unified_kv=unified, upstream="0.5.19")
     SWATokenToKVPoolAllocator(1024, 512, 256, kvcache=own_t)
     own_d.register_mapping(own_t.full_to_swa_index_mapping)
     a, b = build_report(t, d)[0], build_report(own_t, own_d)[0]
@@ -233,3 +234,116 @@ def test_own_mapping_gives_the_seed_error_locally_and_from_the_peer():
 def test_unified_never_reads_the_mapping():
     t, d = pair("missing", unified=True)
     assert setup_state_kv_args(KVArgs(), t, d).state_types[-1] == StateType.SWA_RING
+
+
+# --- SGLang 0.5.23's interface ------------------------------------------------------------------
+
+
+class DeepSeekV4TokenToKVPool23:
+    """Stands in for 0.5.23's pool: the attributes it has (renamed methods, state dtypes in
+    ``compressed_pool_configs``, ``None`` as the mapping until registered, the geometry facts)."""
+
+    def __init__(self, pool: PdPool) -> None:
+        assert pool.upstream == "0.5.23"
+        for name in (
+            "compression_ratios",
+            "_unified_kv",
+            "_stage_start",
+            "_stage_end",
+            "page_size",
+            "swa_page_size",
+            "sliding_window",
+            "dtype",
+            "get_contiguous_buf_infos",
+            "get_state_buf_infos",
+            "get_unified_swa_ring_buf_infos",
+            "get_request_state_buf_infos",
+            "get_swa_valid_from_buf_infos",
+            "swa_req_ring_size",
+        ):
+            setattr(self, name, getattr(pool, name))
+        if pool._unified_kv:
+            self.unified_swa_window = pool.unified_swa_window
+            self.unified_swa_ring_size = pool.unified_swa_ring_size
+            self.unified_swa_pages = pool.unified_swa_pages
+        self.request_window = None
+        self.full_to_swa_index_mapping = None
+        self.compressed_pool_configs = {
+            r: SimpleNamespace(state_dtype=getattr(pool, f"c{r}_state_dtype"))
+            for r in (4, 128)
+            if r in pool.compression_ratios
+        }
+        self.compress_state_pools = [None] * len(pool.compression_ratios)
+        for layer in range(pool._stage_start, pool._stage_end):
+            r = pool.compression_ratios[layer]
+            if r:
+                ring = pool.c4_ring_size if r == 4 else pool.c128_ring_size
+                online = r == 128 and pool.online_c128
+                self.compress_state_pools[layer] = SimpleNamespace(ratio=r, ring_size=ring, online=online)
+
+    def register_mapping(self, mapping: torch.Tensor) -> None:
+        self.full_to_swa_index_mapping = mapping
+
+
+DeepSeekV4TokenToKVPool23.__name__ = "DeepSeekV4TokenToKVPool"
+
+
+def pair23(how: str = "shared", unified: bool = False, **over):
+    t = DeepSeekV4TokenToKVPool23(target(unified_kv=unified, upstream="0.5.23", **over))
+    d = DeepSeekV4TokenToKVPool23(draft(unified_kv=unified, upstream="0.5.23", **over))
+    a = SWATokenToKVPoolAllocator(1024, 512, 256, kvcache=t)
+    if how == "shared":
+        d.register_mapping(a.full_to_swa_index_mapping)
+    elif how == "own":
+        SWATokenToKVPoolAllocator(1024, 512, 256, kvcache=d)
+    return t, d
+
+
+def test_release_of_pools():
+    assert pool_view(target(upstream="0.5.19")).release == "0.5.19"
+    assert pool_view(target()).release == "0.5.23" == target().upstream
+    assert pool_view(shaped(target(upstream="0.5.19"))).release == "0.5.19"
+    t, _ = pair23()
+    assert is_dsv4_pool(t) and pool_view(t).release == "0.5.23"
+
+
+def test_0_5_23_state_dtypes_come_from_the_compressed_pool_configs():
+    t, _ = pair23()
+    v = pool_view(t)
+    assert not hasattr(t, "c4_state_dtype")
+    assert v.c4_state_dtype == v.c128_state_dtype == torch.float32
+    t2 = DeepSeekV4TokenToKVPool23(target(upstream="0.5.23", compression_ratios=[0, 4, 4]))
+    assert pool_view(t2).c128_state_dtype is None
+
+
+@pytest.mark.parametrize("unified", [False, True])
+def test_report_of_0_5_23_shaped_pools_equals_pdstate_pools(unified):
+    t, d = pair23(unified=unified)
+    own_t, own_d = target(unified_kv=unified), draft(unified_kv=unified)
+    SWATokenToKVPoolAllocator(1024, 512, 256, kvcache=own_t)
+    own_d.register_mapping(own_t.full_to_swa_index_mapping)
+    a, b = build_report(t, d)[0], build_report(own_t, own_d)[0]
+    assert a.factors == b.factors and a.fingerprint == b.fingerprint
+    assert a.local_check.ok
+    kv = setup_state_kv_args(KVArgs(), t, d)
+    assert kv.state_types[:2] == [StateType.SWA, StateType.SWA_RING if unified else StateType.DSV4_REQUEST_STATE]
+
+
+def test_0_5_23_draft_without_mapping_is_the_seed_error():
+    """0.5.23 holds ``None`` before ``register_mapping``: the identity check refuses it."""
+    t, d = pair23(how="none")
+    assert pool_view(d).mapping is None and pool_view(d).mapping_identity is None
+    with pytest.raises(SWAIndexMappingNotShared) as info:
+        setup_state_kv_args(KVArgs(), t, d)
+    assert str(info.value) == SEED
+    report, kv = build_report(t, d)
+    assert kv is None and report.local_check.error.type == "SWAIndexMappingNotShared"
+
+
+def test_0_5_23_geometry_facts():
+    t, d = pair23(unified=True)
+    facts = pool_facts(d)
+    assert facts.release == "0.5.23" and facts.swa_req_ring_size == 131 and facts.request_window_capacity is None
+    t, d = pair23()
+    assert pool_view(d).swa_req_ring_size is None
+    assert pool_view(t).request_window_capacity is None

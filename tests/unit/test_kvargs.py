@@ -434,9 +434,7 @@ def test_pool_facts_fields():
     assert f.mapping_identity is None
 
 
-@pytest.mark.parametrize(
-    "upstream,lens", [("0.5.19", [187200, 42240, 8640]), ("0.5.23", [299520, 67584, 228096])]
-)
+@pytest.mark.parametrize("upstream,lens", [("0.5.19", [187200, 42240, 8640]), ("0.5.23", [299520, 67584, 228096])])
 def test_fill_kv_args_main_channel_then_states(upstream, lens):
     t, d = target(upstream=upstream), draft(upstream=upstream)
     wire(t, d, "shared")

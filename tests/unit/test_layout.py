@@ -111,10 +111,11 @@ def test_fingerprint_survives_a_wire_round_trip():
 VARIANTS = {
     "page_size": (dict(page_size=128, swa_page_size=128), ["page_size", "draft", "main_kv_item_lens", "components"]),
     "kv_dtype": (dict(kv_dtype="float8_e5m2"), ["kv_dtype"]),
-    "layout": (dict(unified_kv=True), ["layout", "draft", "main_kv_item_lens", "components"]),
+    # 0.5.23 unified: the C4 states are indexed by request slot, so ``c4_ring`` says so
+    "layout": (dict(unified_kv=True), ["layout", "c4_ring", "draft", "main_kv_item_lens", "components"]),
     "compression_ratios": (
         dict(compression_ratios=(0, 4, 4)),
-        ["compression_ratios", "c128_ring", "main_kv_item_lens", "components"],
+        ["compression_ratios", "c128_ring", "c128_state_dtype", "main_kv_item_lens", "components"],
     ),
     "sliding_window": (dict(sliding_window=64), ["sliding_window", "draft"]),
     "c4_ring": (dict(speculative_num_draft_tokens=None), ["c4_ring", "c128_ring", "components"]),
@@ -253,3 +254,35 @@ def test_to_facts_round_trip():
     facts = r.target.to_facts()
     assert facts.ring_geometry == (128, 131, 655)
     assert layout.PoolFactsModel.of(facts) == r.target
+
+
+# --- across SGLang releases (a rolling upgrade: 0.5.19 prefill, 0.5.23 decode) --------------------
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        dict(speculative_num_draft_tokens=None),
+        dict(online_c128=True, online_c128_mtp=True),
+        dict(draft_enabled=False),
+        dict(unified_kv=True, compression_ratios=(0, 128, 128)),  # no C4 layer: nothing indexed otherwise
+    ],
+)
+def test_same_state_layout_same_fingerprint_across_releases(changes):
+    """Capacities (rows, data lengths) differ between the releases; the fingerprint does not."""
+    a, b = tiny(upstream="0.5.19", **changes), tiny(upstream="0.5.23", **changes)
+    assert diff(a, b) == [] and a.fingerprint == b.fingerprint
+
+
+def test_unified_c4_state_indexing_differs_across_releases():
+    """Unified 0.5.19 indexes the C4 state items by SWA page, 0.5.23 by request slot: the same item
+    lengths, other items; the ``c4_ring`` factor names the difference."""
+    a, b = tiny(upstream="0.5.19", unified_kv=True), tiny(upstream="0.5.23", unified_kv=True)
+    assert a.fingerprint != b.fingerprint
+    assert diff(a, b) == [("c4_ring", 16, {"ring": 16, "items": "request"})]
+
+
+def test_no_state_dtype_factor_for_a_ratio_the_model_lacks():
+    r = tiny(compression_ratios=(0, 4, 4))
+    assert r.factor("c4_state_dtype") == "float32" and r.factor("c128_state_dtype") is None

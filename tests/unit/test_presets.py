@@ -80,9 +80,7 @@ def test_flash_unified_component_counts():
         w.close()
 
 
-@pytest.mark.parametrize(
-    "upstream,main_lens", [("0.5.19", [187200, 42240, 8640]), ("0.5.23", [299520, 67584, 228096])]
-)
+@pytest.mark.parametrize("upstream,main_lens", [("0.5.19", [187200, 42240, 8640]), ("0.5.23", [299520, 67584, 228096])])
 def test_tiny_matches_the_conformance_defaults(upstream, main_lens):
     w = build_worker_pools(preset("tiny", upstream=upstream))
     assert w.target.upstream == w.draft.upstream == upstream

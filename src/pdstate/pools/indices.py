@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from pdstate.errors import PaddingPageIndex
+from pdstate.pools.interface import pool_view
 
 
 def _np(a) -> np.ndarray:
@@ -62,3 +63,32 @@ def c128_state_indices(req_pool_idx: int, seq_len: int, online: bool, ring: int 
         return np.array([req_pool_idx], dtype=np.int64)
     pages_per_req = ring // 128
     return np.array([req_pool_idx * pages_per_req + ((seq_len - 1) % ring) // 128], dtype=np.int64)
+
+
+def c4_state_slot_indices(req_pool_idx: int, seq_len: int) -> np.ndarray:
+    """SGLang 0.5.23 unified mode: the C4 compress states are one ring per request slot (row
+    ``req_pool_idx*ring + pos % ring``, one item = one slot's ring), so the request's item is its
+    slot; empty for an empty request."""
+    if seq_len <= 0:
+        return np.empty(0, dtype=np.int64)
+    return np.array([req_pool_idx], dtype=np.int64)
+
+
+def swa_component_indices(pool, req_pool_idx: int, req_locs, seq_len: int, mapping) -> np.ndarray:
+    """The target's ``SWA`` component index list for one request, by the pool's release.
+
+    0.5.19 (both modes) and paged 0.5.23 address the component's items (SWA KV pages and the C4
+    state rings of those pages) by the window's SWA pages (``swa_page_indices``); unified 0.5.23
+    holds only the C4 states there, one ring per request slot (``c4_state_slot_indices``).
+    ``pool`` is a DSV4 pool (pdstate's or SGLang's) or its ``PoolView``.
+    """
+    v = pool_view(pool)
+    if v.c4_state_addressing == "request":
+        return c4_state_slot_indices(req_pool_idx, seq_len)
+    return swa_page_indices(req_locs, seq_len, v.sliding_window, v.page_size, mapping)
+
+
+def request_state_indices(req_pool_idx: int, seq_len: int, online: bool, ring: int | None) -> np.ndarray:
+    """The ``C128_STATE`` / ``DSV4_REQUEST_STATE`` index list: the same rule in 0.5.19
+    (``get_dsv4_c128_state_indices``) and 0.5.23 (``request_state_transfer_indices`` for ratio 128)."""
+    return c128_state_indices(req_pool_idx, seq_len, online, ring)

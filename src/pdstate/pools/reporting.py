@@ -8,7 +8,7 @@ factors, hence the same fingerprint.
 from __future__ import annotations
 
 from pdstate.pools.dsv4 import dtype_name
-from pdstate.pools.interface import is_dsv4_pool, pool_view
+from pdstate.pools.interface import PoolView, is_dsv4_pool, pool_view
 from pdstate.pools.kvargs import KVArgs, fill_kv_args, state_components
 from pdstate.protocol.report import (
     FACTOR_NAMES,
@@ -23,6 +23,27 @@ from pdstate.protocol.report import (
 def _components(target: object, draft: object | None) -> list:
     """``[state_type, n_buffers, item_lens]`` per component, described without the pair checks."""
     return [[st.value, len(ptrs), list(items)] for st, (ptrs, _, items) in state_components(target, draft, check=False)]
+
+
+def c4_ring_factor(t: PoolView) -> int | dict:
+    """The C4 compress-state ring and, where it is not the SWA page, how its items are indexed.
+
+    0.5.19 (both modes) and paged 0.5.23 index the SWA component's C4 state items by the window's
+    SWA pages: the factor is the ring size alone, as it always was. Unified 0.5.23 keeps one ring
+    per request slot and indexes those items by ``req_pool_idx``: the same item lengths, other
+    items, so the factor says so (a 0.5.19 and a 0.5.23 unified pool then differ here, and only
+    where the stage has C4 layers). The release itself is not a factor."""
+    if t.c4_state_addressing == "swa_page" or 4 not in t.stage_ratios:
+        return t.c4_ring_size
+    return {"ring": t.c4_ring_size, "items": t.c4_state_addressing}
+
+
+def _state_dtype_factor(t: PoolView, ratio: int) -> str | None:
+    """A compress-state dtype, ``None`` when the model has no layer of ``ratio`` (SGLang 0.5.23
+    keeps no state dtype for such a ratio)."""
+    if ratio not in t.compression_ratios:
+        return None
+    return dtype_name(getattr(t, f"c{ratio}_state_dtype"))
 
 
 def draft_descriptor(draft: object | None) -> dict | None:
@@ -65,11 +86,11 @@ def build_report(
         ("compression_ratios", t.stage_ratios),
         ("stage", [start, end]),
         ("sliding_window", t.sliding_window),
-        ("c4_ring", t.c4_ring_size),
+        ("c4_ring", c4_ring_factor(t)),
         ("c128_ring", t.c128_ring_size),
         ("online_c128", t.online_c128),
-        ("c4_state_dtype", dtype_name(t.c4_state_dtype)),
-        ("c128_state_dtype", dtype_name(t.c128_state_dtype)),
+        ("c4_state_dtype", _state_dtype_factor(t, 4)),
+        ("c128_state_dtype", _state_dtype_factor(t, 128)),
         ("draft", draft_descriptor(draft)),
         ("main_kv_item_lens", list(t.contiguous_buf_infos()[2])),
         ("components", _components(target, draft)),
