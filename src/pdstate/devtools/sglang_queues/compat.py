@@ -26,13 +26,13 @@ from sglang.srt.mem_cache.allocator import paged
 from sglang.srt.mem_cache.common import kv_to_page_indices, release_kv_cache
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-from pdstate.devtools.sglang_pair import pools as pair_pools
+from pdstate.devtools.sglang_queues import pools as side_pools
 
 NEW = not hasattr(disagg_utils, "get_dsv4_c128_state_indices")  # 0.5.23 and later
 HIDDEN_LAYERS = 43
 STATES = {KVPoll.Failed: "Failed", KVPoll.Bootstrapping: "Bootstrapping", KVPoll.WaitingForInput: "WaitingForInput",
           KVPoll.Transferring: "Transferring", KVPoll.Success: "Success"}  # fmt: skip
-buffers = pair_pools.buffers
+buffers = side_pools.buffers
 
 
 def poll_name(state) -> str:
@@ -54,11 +54,28 @@ paged.alloc_extend_kernel = _NaiveAllocKernel()
 _HELD: list = []
 
 
+def _group(group) -> SimpleNamespace:
+    """A coordinator group of one whose ``cpu_group`` is the gloo group."""
+    return SimpleNamespace(cpu_group=group, device_group=group, world_size=1, rank_in_group=0, rank=0, ranks=[0],
+                           is_first_rank=True, is_last_rank=True, local_rank=0)  # fmt: skip
+
+
 def parallel_context(group) -> None:
     """tp = cp = dp = pp = 1; the queues all-reduce over ``group`` (a gloo group of one)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    if NEW:  # 0.5.23: the queues read the groups and ranks from the parallel context
+        if not _HELD:
+            g = _group(group)
+            get_parallel().override_permanently(
+                tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, attn_tp_size=1, attn_tp_rank=0, attn_cp_size=1,
+                attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0, dp_size=1, dp_rank=0, dcp_size=1, dcp_rank=0,
+                attn_dcp_size=1, attn_dcp_rank=0, tp_group=g, pp_group=g, attn_tp_group=g, attn_cp_group=g,
+            )  # fmt: skip
+            _HELD.append(True)
+        return
     from sglang.srt.distributed import parallel_state
     from sglang.srt.layers import dp_attention
-    from sglang.srt.runtime_context import get_parallel
 
     ones = dict(world_size=1, tp_size=1, pp_size=1, attn_tp_size=1, attn_cp_size=1, dcp_size=1, attn_dcp_size=1,
                 attn_dp_size=1)  # fmt: skip
@@ -72,9 +89,9 @@ def parallel_context(group) -> None:
         parallel_state._PP = SimpleNamespace(world_size=1, rank_in_group=0, is_first_rank=True, is_last_rank=True)
 
 
-def build_pools(side, *, decode: bool) -> SimpleNamespace:
+def build_pools(side, req_to_token_pool, *, decode: bool) -> SimpleNamespace:
     """Real DSV4-Flash-shaped pools of ``side``; the decode holds a page first, so its pages differ."""
-    return pair_pools.build(side, hold_pages=1 if decode else 0)
+    return side_pools.build(side, req_to_token_pool, hold_pages=1 if decode else 0)
 
 
 def _ps(**kw) -> SimpleNamespace:
@@ -84,22 +101,37 @@ def _ps(**kw) -> SimpleNamespace:
 def _tp_worker(pools) -> SimpleNamespace:
     side = pools.side
     runner = SimpleNamespace(
-        kv_cache_dtype_str=pair_pools.KV_CACHE_DTYPE, effective_max_total_num_tokens=side.full_tokens,
-        swa_max_total_num_tokens=side.swa_tokens, max_token_pool_size=side.full_tokens,
+        kv_cache_dtype_str=side_pools.KV_CACHE_DTYPE, effective_max_total_num_tokens=side.full_tokens,
+        effective_logical_max_total_num_tokens=side.full_tokens, swa_max_total_num_tokens=side.swa_tokens,
+        max_token_pool_size=side.full_tokens, forward_stream=None, mtp_draft_mamba_pools=(),
     )  # fmt: skip
     return SimpleNamespace(model_runner=runner, is_hybrid_swa=True)
 
 
-def _tree_cache(pools, req_to_token_pool):
+def _tree_cache(pools, req_to_token_pool, args, sched, group):
+    """The tree cache a scheduler builds with the radix cache disabled: SWAChunkCache on 0.5.19,
+    the unified radix tree (SGLang's own factory) on 0.5.23."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.chunk_cache import SWAChunkCache
 
     params = CacheInitParams(
         disable=True, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=pools.alloc,
         page_size=pools.side.page_size, sliding_window_size=pools.side.sliding_window,
         chunked_prefill_size=512,
     )  # fmt: skip
-    return SWAChunkCache(params)
+    if not NEW:
+        from sglang.srt.mem_cache.chunk_cache import SWAChunkCache
+
+        return SWAChunkCache(params)
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+
+    params.tp_cache_group = params.attn_cp_cache_group = params.attn_tp_cache_group = group
+    params.pp_cache_group = group
+    ctx = TreeCacheBuildContext(
+        server_args=args, params=params, is_hybrid_swa=True, is_hybrid_ssm=False, enable_hierarchical_cache=False,
+        disable_radix_cache=True, tp_worker=sched.tp_worker, model_config=sched.model_config, tp_size=1, tp_rank=0,
+        tp_group=_group(group), full_tokens_per_layer=pools.side.full_tokens,
+    )  # fmt: skip
+    return create_tree_cache(ctx)
 
 
 class PrefillScheduler(SchedulerDisaggregationPrefillMixin):
@@ -117,7 +149,7 @@ def _common(sched, pools, args, group, streamer, req_to_token_pool) -> None:
     sched.model_config = SimpleNamespace(num_hidden_layers=HIDDEN_LAYERS, hf_text_config=None)
     sched.req_to_token_pool = req_to_token_pool
     sched.token_to_kv_pool_allocator = pools.alloc
-    sched.tree_cache = _tree_cache(pools, req_to_token_pool)
+    sched.tree_cache = _tree_cache(pools, req_to_token_pool, args, sched, group)
     sched.attn_cp_cpu_group = sched.attn_tp_cpu_group = sched.tp_cpu_group = group
     sched.output_streamer = streamer
     sched.metrics_reporter = SimpleNamespace(enable_metrics=False)
@@ -134,6 +166,15 @@ def _common(sched, pools, args, group, streamer, req_to_token_pool) -> None:
     sched.disagg_metadata_buffers = pools.meta
     sched.running_batch = SimpleNamespace(reqs=[])
     sched.last_batch = None
+    # read by 0.5.23's queues
+    sched.kv_shard_widening = 1
+    sched.rust_server = None
+    sched.processed_tokens_counter = 0
+    sched.random_seed = 0
+    sched.enable_lora = False
+    sched.pool_stats_observer = None
+    sched.kv_checksum_computer = None
+    sched.pp_group = _group(group)
 
 
 def _case(pools, sched, kv_args, **kw) -> SimpleNamespace:
@@ -141,47 +182,59 @@ def _case(pools, sched, kv_args, **kw) -> SimpleNamespace:
     return SimpleNamespace(pools=pools, sched=sched, kv_args=kv_args, aux_bufs=aux, cleared=[], commits={}, **kw)
 
 
-def prefill_queues(pools, args, backend: str, port: int, group, host: str, streamer) -> SimpleNamespace:
+def _only_known(cls, kw: dict) -> dict:
+    """The keywords of ``kw`` that ``cls.__init__`` takes (the releases' queue constructors differ)."""
+    import inspect
+
+    names = inspect.signature(cls.__init__).parameters
+    return {k: v for k, v in kw.items() if k in names}
+
+
+def prefill_queues(side, args, backend: str, port: int, group, host: str, streamer) -> SimpleNamespace:
     tb = TransferBackend(backend)
     server = get_kv_class(tb, KVClassType.BOOTSTRAP_SERVER)(host, port)
-    side = pools.side
-    sched = PrefillScheduler()
     rtp = ReqToTokenPool(side.max_num_reqs, side.full_tokens + side.page_size, "cpu", False)
+    pools = build_pools(side, rtp, decode=False)
+    sched = PrefillScheduler()
     _common(sched, pools, args, group, streamer, rtp)
     sched.disagg_prefill_inflight_queue = []
     sched.disagg_prefill_pending_chunk_rids = set()
-    sched.disagg_prefill_bootstrap_queue = PrefillBootstrapQueue(
+    kw = dict(
         token_to_kv_pool=pools.target, draft_token_to_kv_pool=pools.draft,
         req_to_metadata_buffer_idx_allocator=sched.req_to_metadata_buffer_idx_allocator,
         metadata_buffers=pools.meta, tp_rank=0, tp_size=1, gpu_id=0, bootstrap_port=port, gloo_group=group,
         max_total_num_tokens=side.full_tokens, scheduler=sched, pp_rank=0, pp_size=1, transfer_backend=tb,
+        scheduler_stage_metrics=None,
     )  # fmt: skip
+    sched.disagg_prefill_bootstrap_queue = PrefillBootstrapQueue(**_only_known(PrefillBootstrapQueue, kw))
     kv_args = sched.disagg_prefill_bootstrap_queue.kv_manager.kv_args
     return _case(pools, sched, kv_args, server=server)
 
 
-def decode_queues(pools, args, backend: str, port: int, group, streamer) -> SimpleNamespace:
-    tb = TransferBackend(backend)
-    side = pools.side
-    sched = DecodeScheduler()
-    rtp = DecodeReqToTokenPool(1, side.full_tokens + side.page_size, "cpu", False, 1)
-    _common(sched, pools, args, group, streamer, rtp)
+def decode_queues(side, args, backend: str, port: int, group, streamer) -> SimpleNamespace:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
+    tb = TransferBackend(backend)
+    rtp = DecodeReqToTokenPool(1, side.full_tokens + side.page_size, "cpu", False, 1)
+    pools = build_pools(side, rtp, decode=True)
+    sched = DecodeScheduler()
+    _common(sched, pools, args, group, streamer, rtp)
     sched.spec_algorithm = SpeculativeAlgorithm.from_string(args.speculative_algorithm)
     sched.disagg_decode_prealloc_queue = None
-    transfer = DecodeTransferQueue(
+    kw = dict(
         gloo_group=group, req_to_metadata_buffer_idx_allocator=sched.req_to_metadata_buffer_idx_allocator,
         tp_rank=0, metadata_buffers=pools.meta, scheduler=sched, tree_cache=sched.tree_cache,
     )  # fmt: skip
+    transfer = DecodeTransferQueue(**_only_known(DecodeTransferQueue, kw))
     sched.disagg_decode_transfer_queue = transfer
-    sched.disagg_decode_prealloc_queue = DecodePreallocQueue(
+    kw = dict(
         req_to_token_pool=rtp, token_to_kv_pool_allocator=pools.alloc, draft_token_to_kv_pool=pools.draft,
         req_to_metadata_buffer_idx_allocator=sched.req_to_metadata_buffer_idx_allocator,
         metadata_buffers=pools.meta, scheduler=sched, transfer_queue=transfer, tree_cache=sched.tree_cache,
         gloo_group=group, tp_rank=0, tp_size=1, dp_size=1, gpu_id=0, bootstrap_port=port,
         max_total_num_tokens=side.full_tokens, pp_rank=0, num_reserved_decode_tokens=8, transfer_backend=tb,
     )  # fmt: skip
+    sched.disagg_decode_prealloc_queue = DecodePreallocQueue(**_only_known(DecodePreallocQueue, kw))
     kv_args = sched.disagg_decode_prealloc_queue.kv_manager.kv_args
     case = _case(pools, sched, kv_args)
     _watch_decode(case, transfer)
@@ -249,7 +302,11 @@ def prefill_forward(case, req) -> None:
 
 
 def set_extend_range(req, start: int, end: int) -> None:
-    req.set_extend_range(start, end)
+    """The chunk a forward just computed: ``[start, end)`` of the prompt."""
+    if NEW:  # 0.5.23: chunk progress is prefix_len / extend_end
+        req.prefix_len, req.extend_end = start, end
+    else:
+        req.set_extend_range(start, end)
 
 
 def start_send(req) -> int:
@@ -279,7 +336,7 @@ def request_items(case, req, room: int) -> list:
         c128=_c128_rows(case, slot, tokens),
     )  # fmt: skip
     index = req.metadata_buffer_index if req.metadata_buffer_index >= 0 else 0
-    return pair_pools.request_items(pools, case.kv_args, ns, index)
+    return side_pools.request_items(pools, case.kv_args, ns, index)
 
 
 def placed(case, req) -> bool:
@@ -298,4 +355,7 @@ def receiver_of(sched, req):
 def release_decode(case, req) -> None:
     """The decode is done with the request: its KV goes back (as when it finishes decoding)."""
     if placed(case, req):
-        release_kv_cache(req, case.sched.tree_cache, is_insert=False)
+        if NEW:
+            release_kv_cache(req, case.sched.tree_cache, checkpoint=False)
+        else:
+            release_kv_cache(req, case.sched.tree_cache, is_insert=False)

@@ -90,11 +90,10 @@ def setup(role: str, backend: str, side: dict, port: int) -> dict:
 
         mte.init_mooncake_transfer_engine(hostname=HOST, gpu_id=0)
         S.engine = True
-    pools = compat.build_pools(s, decode=role == "decode")
     if role == "prefill":
-        S.case = compat.prefill_queues(pools, args, backend, port, group, HOST, Streamer())
+        S.case = compat.prefill_queues(s, args, backend, port, group, HOST, Streamer())
     else:
-        S.case = compat.decode_queues(pools, args, backend, port, group, Streamer())
+        S.case = compat.decode_queues(s, args, backend, port, group, Streamer())
     kv_args = S.case.kv_args
     for _, ptr, length, _ in compat.buffers(kv_args):
         pattern.memory(ptr, length).fill(pattern.SENTINEL if role == "decode" else pattern.FOREIGN)
