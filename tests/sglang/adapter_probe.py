@@ -1,5 +1,8 @@
 """Child process of the harness: pdstate's SGLang backend driven in SGLang's call order, in one process.
 
+Either release (0.5.19 or 0.5.23): the child follows the SGLang it imported (``boot.release()``):
+0.5.23's senders are made with keywords only, its request-state indices come from the pool.
+
 Both sides live here: real SGLang DSV4 pools (target + NextN draft, one allocator each), ``KVArgs``
 filled by SGLang's own functions (as ``_init_kv_manager`` fills them), SGLang's bootstrap server,
 and pdstate's manager, sender and receiver classes from ``get_kv_class`` over the ``loopback``
@@ -56,32 +59,54 @@ def _args(speculative: bool):
     )
 
 
+NEW_API = boot.at_least("0.5.23")
+
+
 def _context() -> None:
     """The parallel context a scheduler rank has (tp = cp = dp = pp = 1), without torch.distributed."""
-    from sglang.srt.disaggregation.common import conn as common
-    from sglang.srt.layers import dp_attention
-    from sglang.srt.runtime_context import get_parallel
+    if not _SCOPES:
+        boot.parallel_context()
+        _SCOPES.append(True)
 
-    scope = get_parallel().override(
-        attn_tp_size=1, attn_tp_rank=0, attn_cp_size=1, attn_cp_rank=0, attn_dcp_size=1, attn_dcp_rank=0
-    )
-    scope.__enter__()
-    _SCOPES.append(scope)  # held for the process's life (a collected scope would restore on exit)
-    dp_attention._ATTN_DP_RANK, dp_attention._ATTN_DP_SIZE = 0, 1
-    common.get_pp_group = lambda: None  # read only for pp > 1
+
+def _wider(**values) -> dict:
+    """Parallel overrides for a wider attention TP / PP (0.5.23 validates the whole topology)."""
+    if NEW_API:
+        width = values.get("attn_tp_size", 1) * values.get("attn_cp_size", 1)
+        if width > 1:  # the whole TP group is attention TP (x CP) here; this rank's place in it
+            rank = values.get("attn_cp_rank", 0) * values.get("attn_tp_size", 1) + values.get("attn_tp_rank", 0)
+            values.update(tp_size=width, moe_tp_size=width, tp_rank=rank)
+        if "pp_size" in values:
+            values.setdefault("pp_group", _StagesGroup(values["pp_size"]))
+    return values
+
+
+class _StagesGroup:
+    """The PP group of stages built one after another in this process: what 0.5.23's prefill
+    manager does with it for pp > 1 (its consensus store broadcasts rank 0's address)."""
+
+    def __init__(self, size: int) -> None:
+        self.world_size, self.rank_in_group = size, 0
+        self.is_first_rank, self.is_last_rank = True, size == 1
+        self._sent = None
+
+    def broadcast_object(self, obj, src: int = 0):
+        if obj is not None:
+            self._sent = obj
+        return self._sent
+
+
+def new_sender(cls, mgr, addr: str, room: int, rank: int = 0):
+    """A sender as the running release's prefill makes it."""
+    if NEW_API:
+        return cls(mgr=mgr, bootstrap_addr=addr, bootstrap_room=room, req_has_disagg_prefill_dp_rank=False)
+    return cls(mgr=mgr, bootstrap_addr=addr, bootstrap_room=room, dest_tp_ranks=[rank], pp_rank=0)
 
 
 def build_side(speculative: bool, shift_pages: int, own_draft_mapping: bool = False, unified: bool = False):
     """Real pools, SGLang-filled ``KVArgs`` and the request's indices, as one scheduler has them."""
     from sglang.srt.disaggregation.base.conn import KVArgs, StateType
-    from sglang.srt.disaggregation.utils import (
-        MetadataBuffers,
-        build_kv_layer_ids,
-        get_dsv4_c128_state_indices,
-        is_dsv4_c128_online_enabled,
-        setup_state_kv_args,
-    )
-    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.disaggregation.utils import build_kv_layer_ids, setup_state_kv_args
     from sglang.srt.mem_cache.common import kv_to_page_indices
 
     boot.publish(_args(speculative))
@@ -91,9 +116,7 @@ def build_side(speculative: bool, shift_pages: int, own_draft_mapping: bool = Fa
         draft = probe._real_pool(probe._kwargs(s, draft=True))
     page = target.page_size
     a = s["allocator"]
-    alloc = SWATokenToKVPoolAllocator(
-        a["size_full"], a["size_swa"], page, dtype=target.dtype, device="cpu", kvcache=target, need_sort=False
-    )
+    alloc = probe.sglang_allocator(a, page, target.dtype, target)
     draft.register_mapping(alloc.full_to_swa_index_mapping)  # upstream's wiring: one mapping object
     if shift_pages:  # the decode's pages are not the prefill's
         alloc.full_attn_allocator.alloc(shift_pages * page)
@@ -102,7 +125,7 @@ def build_side(speculative: bool, shift_pages: int, own_draft_mapping: bool = Fa
     if shift_pages:
         swa_locs = torch.cat([swa_locs[page:], swa_locs[:page]])
     alloc.set_full_to_swa_mapping(locs, swa_locs)
-    meta = MetadataBuffers(size=8, hidden_size=16, hidden_states_dtype=torch.float32)
+    meta = boot.metadata_buffers(8, 16, torch.float32)
     boot.publish(_args(True))
 
     kv = KVArgs()
@@ -112,13 +135,17 @@ def build_side(speculative: bool, shift_pages: int, own_draft_mapping: bool = Fa
     ptrs, lens, items = target.get_contiguous_buf_infos()
     d_ptrs, d_lens, d_items = draft.get_contiguous_buf_infos()
     kv.kv_data_ptrs, kv.kv_data_lens, kv.kv_item_lens = ptrs + d_ptrs, lens + d_lens, items + d_items
+    if NEW_API:  # what 0.5.23's schedulers add
+        from sglang.srt.disaggregation.utils import get_pd_kv_layout
+
+        kv.kv_layout, kv.num_draft_entries = get_pd_kv_layout(target), len(d_ptrs)
     kv.kv_layer_ids = build_kv_layer_ids(
         token_to_kv_pool=target, draft_token_to_kv_pool=draft, num_draft_entries=len(d_ptrs), num_hidden_layers=3
     )
     kv.page_size = page
     kv.aux_data_ptrs, kv.aux_data_lens, kv.aux_item_lens = meta.get_buf_infos()
     kv.ib_device, kv.gpu_id = None, 0
-    setup_state_kv_args(kv, target, draft, 3, req_to_token_pool=None)
+    setup_state_kv_args(kv, target, draft, 3, req_to_token_pool=getattr(alloc, "req_to_token_pool", None))
     kv.mla_compression_ratios = list(target.compression_ratios)
     if own_draft_mapping:  # rewired after SGLang filled the KVArgs: the pool pair now has the seed error
         draft.register_mapping(alloc.full_to_swa_index_mapping.clone())
@@ -126,8 +153,6 @@ def build_side(speculative: bool, shift_pages: int, own_draft_mapping: bool = Fa
     slot = 1 + shift_pages
     window_start = (max(0, SEQ_LEN - target.sliding_window) // page) * page
     swa = kv_to_page_indices(alloc.translate_loc_from_full_to_swa(locs[window_start:SEQ_LEN]), page)
-    online = is_dsv4_c128_online_enabled()
-    ring = 1 if online else target.get_ring_size(128)
 
     def ring_rows():  # the unified-KV SWA ring: slot * stride + position % stride, the window's positions
         stride = target.unified_swa_ring_size
@@ -137,7 +162,7 @@ def build_side(speculative: bool, shift_pages: int, own_draft_mapping: bool = Fa
     payloads = {
         StateType.SWA: lambda: swa,
         StateType.SWA_RING: ring_rows,
-        StateType.C128_STATE: lambda: get_dsv4_c128_state_indices(slot, SEQ_LEN, online=online, ring_size=ring),
+        boot.state_type("C128_STATE"): lambda: probe.sglang_c128_indices(target, slot, SEQ_LEN),
     }
     state = [np.asarray(payloads[t](), dtype=np.int64) for t in kv.state_types]
     pages = np.asarray(kv_to_page_indices(locs[:SEQ_LEN], page), dtype=np.int64)
@@ -232,9 +257,7 @@ class Harness:
         src = self.prefill
 
         def make_sender():
-            return self.cls["SENDER"](
-                mgr=self.pm, bootstrap_addr=self.addr, bootstrap_room=room, dest_tp_ranks=[0], pp_rank=0
-            )
+            return new_sender(self.cls["SENDER"], self.pm, self.addr, room)
 
         sender = None if sender_late else make_sender()
         recv = self.cls["RECEIVER"](mgr=mgr, bootstrap_addr=self.addr, bootstrap_room=room)
@@ -268,9 +291,26 @@ class Harness:
 
 
 def case_ok(h: Harness) -> dict:
+    import inspect
+
+    from sglang.srt.disaggregation.common import conn as common
+
     fill(h.prefill, seed=7)
     fill(h.decode, seed=None)
-    trace = h.pair(h.dm, h.decode, ROOM_OK)
+    sent = []  # SGLang's own ZMQ messages to a prefill rank (0.5.23's receiver registration goes there)
+    base = common.CommonKVReceiver
+    saved = {
+        n: base.__dict__[n] for n in ("_send_bootstrap_message", "_connect_to_bootstrap_server") if n in base.__dict__
+    }
+    for name in saved:
+        setattr(base, name, lambda *a, _n=name, **kw: sent.append(_n))
+    try:
+        trace = h.pair(h.dm, h.decode, ROOM_OK)
+    finally:
+        for name, fn in saved.items():
+            setattr(base, name, fn)
+    trace["sglang_zmq_calls"] = sent
+    trace["sender_params"] = list(inspect.signature(h.cls["SENDER"].__init__).parameters)[1:]
     want, got = expected(h.prefill, h.decode), landed(h.decode)
     trace["buffers"] = len(want)
     trace["bytes_differing"] = int(sum(int((w != g).sum()) for w, g in zip(want, got)))
@@ -343,7 +383,7 @@ def case_tp_dummy(h: Harness) -> dict:
     with get_disagg().override(disaggregation_bootstrap_port=port):
         for r, side in enumerate(ranks):
             side["kv"].engine_rank = r
-            with get_parallel().override(attn_tp_size=2, attn_tp_rank=r):
+            with get_parallel().override(**_wider(attn_tp_size=2, attn_tp_rank=r)):
                 managers.append(h.cls["MANAGER"](side["kv"], h.mode.PREFILL, get_server_args(), True))
     dm = h.cls["MANAGER"](h.decode["kv"], h.mode.DECODE, get_server_args(), True)
     addr = f"127.0.0.1:{port}"
@@ -351,10 +391,7 @@ def case_tp_dummy(h: Harness) -> dict:
         for seed, side in enumerate(ranks, start=11):
             fill(side, seed=seed)
         fill(h.decode, seed=None)
-        senders = [
-            h.cls["SENDER"](mgr=m, bootstrap_addr=addr, bootstrap_room=room, dest_tp_ranks=[r], pp_rank=0)
-            for r, m in enumerate(managers)
-        ]
+        senders = [new_sender(h.cls["SENDER"], m, addr, room, r) for r, m in enumerate(managers)]
         recv = h.cls["RECEIVER"](mgr=dm, bootstrap_addr=addr, bootstrap_room=room)
         _wait(lambda: dm.try_ensure_parallel_info(addr) or None, "prefill parallel info")
         recv.init(0)
@@ -389,7 +426,7 @@ def case_decode_tp_wider(h: Harness) -> dict:
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.runtime_context import get_parallel, get_server_args
 
-    with get_parallel().override(attn_tp_size=2, attn_tp_rank=0):
+    with get_parallel().override(**_wider(attn_tp_size=2, attn_tp_rank=0)):
         dm = h.cls["MANAGER"](h.decode["kv"], h.mode.DECODE, get_server_args(), True)
     try:
         recv = h.cls["RECEIVER"](mgr=dm, bootstrap_addr=h.addr, bootstrap_room=3001)
@@ -411,7 +448,7 @@ def case_pp_refused(h: Harness) -> dict:
     stages = [build_side(True, 0), build_side(True, 0)]  # (publishes the server args: before the overrides)
     _context()
     managers = []
-    with get_disagg().override(disaggregation_bootstrap_port=port), get_parallel().override(pp_size=2):
+    with get_disagg().override(disaggregation_bootstrap_port=port), get_parallel().override(**_wider(pp_size=2)):
         for stage, side in enumerate(stages):
             side["kv"].pp_rank = stage
             managers.append(h.cls["MANAGER"](side["kv"], h.mode.PREFILL, get_server_args(), True))
@@ -447,7 +484,7 @@ def case_io_thread_ends(h: Harness) -> dict:
             os.environ.pop(k)
     addr = f"127.0.0.1:{port}"
     try:
-        sender = h.cls["SENDER"](mgr=pm, bootstrap_addr=addr, bootstrap_room=6001, dest_tp_ranks=[0], pp_rank=0)
+        sender = new_sender(h.cls["SENDER"], pm, addr, 6001)
         recv = h.cls["RECEIVER"](mgr=dm, bootstrap_addr=addr, bootstrap_room=6001)
         _wait(lambda: dm.try_ensure_parallel_info(addr) or None, "prefill parallel info")
         recv.init(0)
@@ -469,7 +506,7 @@ def case_cp_refused(h: Harness) -> dict:
     """Context parallelism stops the rank's manager at construction, saying so."""
     from sglang.srt.runtime_context import get_parallel, get_server_args
 
-    with get_parallel().override(attn_cp_size=2):
+    with get_parallel().override(**_wider(attn_cp_size=2)):
         try:
             h.cls["MANAGER"](h.decode["kv"], h.mode.DECODE, get_server_args(), True)
         except ValueError as exc:
@@ -506,6 +543,7 @@ def main() -> None:
             results[name] = {"ok": False, "error": traceback.format_exc()}
     for m in (h.sm, h.bm, h.dm, h.pm):
         m.close()
+    results["sglang"] = {"ok": True, "release": boot.release()}
     print(json.dumps(results, default=str))
 
 

@@ -6,12 +6,18 @@ pdstate's pools built from the same constructor arguments, and what SGLang's own
 ``setup_state_kv_args`` fills from the real pools. Run only by ``runner.run_probe``: importing
 ``booted`` changes process-wide state.
 
+Both releases (0.5.19 and 0.5.23): the child follows the SGLang it imported (``boot.release()``,
+reported as ``sglang``); pdstate's own pools are built for that release (``upstream=``), and
+SGLang's request-state indices are 0.5.19's ``get_dsv4_c128_state_indices`` or 0.5.23's pool
+method ``request_state_transfer_indices``.
+
 Online C128 is read once when SGLang's pool module is imported (``SGLANG_OPT_USE_ONLINE_COMPRESS``,
 ``SGLANG_EXPERIMENTAL_ONLINE_C128_MTP``), so the caller sets those per process.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -22,7 +28,6 @@ from pdstate.devtools.sglang_pair import booted  # noqa: F401  (first: sys.path,
 # isort: split
 import torch
 from sglang.srt.disaggregation.base.conn import KVArgs as SglKVArgs
-from sglang.srt.disaggregation.utils import get_dsv4_c128_state_indices, is_dsv4_c128_online_enabled
 from sglang.srt.disaggregation.utils import setup_state_kv_args as sgl_setup_state_kv_args
 from sglang.srt.mem_cache import deepseek_v4_memory_pool as sgl_pool_module
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator as SglAllocator
@@ -35,7 +40,42 @@ from pdstate.pools.interface import is_dsv4_pool, pool_view
 from pdstate.pools.kvargs import KVArgs, fill_kv_args, setup_state_kv_args
 from pdstate.pools.reporting import build_report
 
+RELEASE = boot.release()
+NEW_API = boot.at_least("0.5.23")
 ONLINE_C128 = bool(sgl_pool_module.ONLINE_C128)
+# pdstate's pools reproduce the layout of the release asked for (when they take ``upstream``)
+UPSTREAM = (
+    {"upstream": "0.5.23" if NEW_API else "0.5.19"}
+    if "upstream" in inspect.signature(DeepSeekV4TokenToKVPool.__init__).parameters
+    else {}
+)
+
+
+def sglang_c128_indices(pool, slot: int, seq_len: int):
+    """SGLang's own request-state (C128) indices for one request, as its schedulers compute them."""
+    if NEW_API:
+        return pool.request_state_transfer_indices(slot, seq_len)
+    from sglang.srt.disaggregation.utils import get_dsv4_c128_state_indices, is_dsv4_c128_online_enabled
+
+    return get_dsv4_c128_state_indices(
+        slot, seq_len, online=is_dsv4_c128_online_enabled(), ring_size=pool.get_ring_size(128)
+    )
+
+
+def sglang_allocator(a: dict, page: int, dtype, kvcache, slots: int = 8):
+    """SGLang's SWA allocator (0.5.23's takes the request-to-token pool)."""
+    extra = {}
+    if NEW_API:
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+        extra["req_to_token_pool"] = ReqToTokenPool(
+            size=slots, max_context_len=a["size_full"], device="cpu", enable_memory_saver=False
+        )
+    return SglAllocator(
+        a["size_full"], a["size_swa"], page, dtype=dtype, device="cpu", kvcache=kvcache, need_sort=False, **extra
+    )
+
+
 ONLINE_C128_MTP = os.environ.get("SGLANG_EXPERIMENTAL_ONLINE_C128_MTP", "").lower() in ("1", "true")
 
 
@@ -81,6 +121,7 @@ def _pdstate_pool(kw: dict, s: dict, name: str, unified: bool):
         online_c128=ONLINE_C128,
         online_c128_mtp=ONLINE_C128_MTP,
         name=name,
+        **UPSTREAM,
     )
 
 
@@ -112,10 +153,7 @@ def build_pair(s: dict, real: bool):
                 return _real_pool(kw)
 
         def allocator(kvcache):
-            dtype = getattr(torch, s["pool"]["dtype"])
-            return SglAllocator(
-                a["size_full"], a["size_swa"], page, dtype=dtype, device="cpu", kvcache=kvcache, need_sort=False
-            )
+            return sglang_allocator(a, page, getattr(torch, s["pool"]["dtype"]), kvcache)
     else:
 
         def pool(kw: dict, unified: bool, name: str):
@@ -144,10 +182,8 @@ def request_indices(pool, alloc, locs) -> dict:
         for slot in (0, 1, 3):
             for seq_len in (0, 1, 127, 128, 129, 300, 511, 1000):
                 mine = indices.c128_state_indices(slot, seq_len, v.online_c128, v.c128_ring_size)
-                theirs = get_dsv4_c128_state_indices(
-                    slot, seq_len, online=is_dsv4_c128_online_enabled(), ring_size=pool.get_ring_size(128)
-                )
-                out["c128"].append([slot, seq_len, mine.tolist(), theirs.tolist()])
+                theirs = sglang_c128_indices(pool, slot, seq_len)
+                out["c128"].append([slot, seq_len, mine.tolist(), [int(x) for x in theirs]])
     if not v.unified_kv:
         for seq_len in (1, 100, 256, 300, 512):
             mine = indices.swa_page_indices(locs, seq_len, v.sliding_window, page, v.mapping)
@@ -204,7 +240,7 @@ def run_scenario(s: dict) -> dict:
 
 def main() -> None:
     scenarios = json.load(sys.stdin)
-    results = {"online_c128": ONLINE_C128, "online_c128_mtp": ONLINE_C128_MTP, "scenarios": {}}
+    results = {"sglang": RELEASE, "online_c128": ONLINE_C128, "online_c128_mtp": ONLINE_C128_MTP, "scenarios": {}}
     for s in scenarios:
         try:
             results["scenarios"][s["name"]] = run_scenario(s)

@@ -1,4 +1,7 @@
-"""pdstate as SGLang's transfer backend, driven in SGLang's call order against the real 0.5.19 code.
+"""pdstate as SGLang's transfer backend, driven in SGLang's call order against the real code of each release.
+
+Every test runs once per release (0.5.19 and 0.5.23: ``sglang_release``), on that release's
+base-class contract (0.5.23: keyword-only senders, ``init`` without SGLang's ZMQ registration).
 
 One child process (``adapter_probe.py``) holds both sides over the ``loopback`` engine: real
 DSV4 pools (target + NextN draft), ``KVArgs`` filled by SGLang's own functions, SGLang's bootstrap
@@ -24,7 +27,7 @@ CASES = [
     "cp_refused",
 ]
 ENV = {"PDSTATE_TRANSFER__ENGINE": "loopback", "SGLANG_HOST_IP": "127.0.0.1"}
-# KVPoll's values in SGLang 0.5.19 (sglang.srt.disaggregation.base.conn.KVPoll)
+# KVPoll's values in SGLang 0.5.19 and 0.5.23 (sglang.srt.disaggregation.base.conn.KVPoll)
 FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = 0, 1, 2, 3, 4
 C4_RING = (
     "DSV4 layout mismatch on c4_ring: prefill server has c4_ring=16, but decode server has c4_ring=8. "
@@ -34,9 +37,10 @@ SEED = "DSV4 target and draft pools must share the SWA index mapping"
 
 
 @pytest.fixture(scope="module")
-def results(sglang_env) -> dict:
-    out = runner.run_probe(sglang_env, ENV, CASES, 300, "adapter_probe.py")
+def results(sglang_release) -> dict:
+    out = runner.run_probe(sglang_release.env, ENV, CASES, 300, "adapter_probe.py")
     assert "setup" not in out, out["setup"].get("error")
+    assert out.pop("sglang")["release"] == sglang_release.version
     for name, r in out.items():
         assert r["ok"], f"{name}\n{r.get('error')}"
     return out
@@ -53,6 +57,17 @@ def test_a_correct_pair_moves_every_byte_where_sglang_puts_it(results):
     assert r["bytes_differing"] == 0  # every destination byte: the source item, or the sentinel
     assert r["bytes_moved"] > 2_000_000
     assert r["metric"]["transfer_total_bytes"] >= r["bytes_moved"]
+
+
+def test_the_adapter_follows_the_releases_base_class_contract(sglang_release, results):
+    r = results["ok"]
+    if sglang_release.new_api:  # 0.5.23's prefill: keywords only, no dest_tp_ranks / pp_rank
+        assert r["sender_params"] == ["mgr", "bootstrap_addr", "bootstrap_room", "req_has_disagg_prefill_dp_rank"]
+    else:
+        assert r["sender_params"] == [
+            "mgr", "bootstrap_addr", "bootstrap_room", "dest_tp_ranks", "pp_rank", "req_has_disagg_prefill_dp_rank"
+        ]  # fmt: skip
+    assert r["sglang_zmq_calls"] == []  # the receiver's init never takes SGLang's ZMQ registration
 
 
 def test_unified_kv_pools_move_their_swa_rings_byte_exact(results):

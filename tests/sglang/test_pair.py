@@ -1,13 +1,15 @@
-"""Two processes, the real SGLang 0.5.19 disaggregation code, every byte checked (``devtools.sglang_pair``).
+"""Two processes, the real SGLang disaggregation code (0.5.19 and 0.5.23), every byte checked (``devtools.sglang_pair``).
 
-One prefill child and one decode child (``sglang_pair``, shared by every case here) build real DeepSeek-V4-Flash
-pools, fill ``KVArgs`` with SGLang's own functions and drive the managers ``get_kv_class`` returns
-in SGLang's call order. With SGLang's own Mooncake backend (over TCP) a correct pair lands every
-byte, and the mismatches of ``cases.MISMATCHES`` do what SGLang alone does with them: Success with
-wrong bytes, a hang (cut by the driver's deadline), or a decode-side refusal the prefill never
-hears of. With backend ``pdstate`` each mismatch must end Failed on both sides in under a second,
-naming the factor, with no byte written. README's
-mismatch table must be what this run renders.
+One prefill child and one decode child (``sglang_pair``, shared by every case of a release) build
+real DeepSeek-V4-Flash pools, fill ``KVArgs`` with SGLang's own functions and drive the managers
+``get_kv_class`` returns in SGLang's call order. Every test runs once per release. With SGLang's
+own Mooncake backend (over TCP) a correct pair lands every byte, and the mismatches of
+``cases.MISMATCHES`` do what that release's backend alone does with them (measured; they differ:
+0.5.23 compares the state components' item lengths and refuses some pairs on both sides): Success
+with wrong bytes, a hang (cut by the driver's deadline), a refusal on both sides, or a decode-side
+refusal the prefill never hears of. With backend ``pdstate`` each mismatch must end Failed on both
+sides in under a second, naming the factor, with no byte written, on both releases. README's
+mismatch table must be what this run renders (the release's column and pdstate's).
 """
 
 from __future__ import annotations
@@ -21,11 +23,33 @@ from tests.support.paths import REPO
 HANG_S = 3.0  # the driver's deadline per side: what bounds SGLang's hangs here
 FAIL_FAST_S = 1.0
 
-# What SGLang 0.5.19's own backend does with each mismatch (measured; ../shared/reference/sglang_cpu.md).
-WRONG_BYTES = {"spec_vs_nospec", "nospec_vs_spec", "draft_decode_only", "c4_c128_order", "window_256", "window_64"}
-OUTSIDE_BYTES = {"spec_vs_nospec", "nospec_vs_spec"}  # ring rows of 16 vs 8: writes past the item
-HANGS = {"draft_prefill_only", "c4_c128_counts"}
-DECODE_REFUSES = {"page_size"}
+
+# What SGLang's own Mooncake backend does with each mismatch, per release (measured with this
+# driver; ../shared/reference/sglang_cpu.md).
+class V0519:
+    WRONG_BYTES = {"spec_vs_nospec", "nospec_vs_spec", "draft_decode_only", "c4_c128_order", "window_256", "window_64"}
+    OUTSIDE_BYTES = {"spec_vs_nospec", "nospec_vs_spec"}  # ring rows of 16 vs 8: writes past the item
+    HANGS = {"draft_prefill_only", "c4_c128_counts"}
+    REFUSED_BOTH = set()
+    DECODE_REFUSES = {"page_size"}
+
+
+class V0523:
+    # 0.5.23 compares each state component's item lengths (and their count) before it writes
+    REFUSED_BOTH = {
+        "spec_vs_nospec": "StateType.SWA item length mismatch for positional entry 43",
+        "nospec_vs_spec": "StateType.SWA item length mismatch for positional entry 43",
+        "c4_c128_counts": "StateType.SWA decode published 81 item lengths for this stage's 85 entries",
+    }
+    # the decode's extra draft SWA component is never written; a C4/C128 swap or another window
+    # has the same item lengths
+    WRONG_BYTES = {"draft_decode_only", "c4_c128_order", "window_256", "window_64"}
+    OUTSIDE_BYTES = set()
+    HANGS = {"draft_prefill_only"}  # one state list more on the prefill: its transfer thread stops
+    DECODE_REFUSES = {"page_size"}
+
+
+EXPECT = {"0.5.19": V0519, "0.5.23": V0523}
 
 
 @pytest.fixture(scope="module")
@@ -56,20 +80,30 @@ def test_sglang_mooncake_correct_pair_is_byte_exact(results):
 
 
 @pytest.mark.parametrize("name", [c.name for c in MISMATCHES])
-def test_sglang_alone_on_a_mismatch(results, name):
+def test_sglang_alone_on_a_mismatch(sglang_release, results, name):
+    expect = EXPECT[sglang_release.version]
     r = _only(results[0][name])
     pre, dec = r["prefill"], r["decode"]
-    if name in WRONG_BYTES:
+    if name in expect.WRONG_BYTES:
         assert pre["outcome"] == dec["outcome"] == "Success"
         assert dec["wrong_items"] > 0
-        assert (dec["outside_bytes"] > 0) == (name in OUTSIDE_BYTES)
-    elif name in HANGS:
+        assert (dec["outside_bytes"] > 0) == (name in expect.OUTSIDE_BYTES)
+    elif name in expect.HANGS:
         assert pre["outcome"].startswith("timeout") and dec["outcome"].startswith("timeout")
         assert r["elapsed_s"] < 3 * HANG_S  # the driver's deadline bounds it
+    elif name in expect.REFUSED_BOTH:
+        assert pre["outcome"] == dec["outcome"] == "Failed", (pre, dec)
+        assert table.reason_of(pre["failure"]) == expect.REFUSED_BOTH[name]
+        assert dec["changed_bytes"] == 0
     else:
-        assert name in DECODE_REFUSES
+        assert name in expect.DECODE_REFUSES
         assert dec["outcome"] == "refused" and dec["failure"].startswith("RuntimeError: Page size mismatch")
         assert pre["outcome"] == "timeout (Bootstrapping)"
+
+
+def test_the_children_run_the_release_asked_for(sglang_release, results):
+    for backend_results in results:
+        assert {r["sglang"] for r in backend_results.values()} == {sglang_release.version}
 
 
 def test_pdstate_backend_correct_pair_is_byte_exact(results):
@@ -91,10 +125,12 @@ def test_pdstate_backend_refuses_a_mismatch(results, name):
     assert dec["changed_bytes"] == 0  # not one byte of the decode's memory written
 
 
-def test_readme_table_is_the_rendered_one(results):
+def test_readme_table_is_the_rendered_one(sglang_release, results):
     sglang, ours = results
-    readme = [table.split_row(row) for row in table.readme_table((REPO / "README.md").read_text()).splitlines()]
-    rendered = [table.split_row(row) for row in table.render(sglang, ours).splitlines()]
-    assert [row[:2] for row in readme] == [row[:2] for row in rendered]  # case, SGLang alone
-    if ours is not None:
-        assert [row[2:] for row in readme] == [row[2:] for row in rendered]  # with pdstate (the rule row has one cell)
+    readme = table.columns(table.readme_table((REPO / "README.md").read_text()))
+    rendered = table.columns(table.render({sglang_release.version: sglang}, {sglang_release.version: ours}))
+    assert list(readme) == list(rendered)  # the same columns: case, one per release, pdstate
+    column = table.sglang_column(sglang_release.version)
+    assert readme[table.CASE_COLUMN] == rendered[table.CASE_COLUMN]
+    assert readme[column] == rendered[column]  # SGLang alone on this release
+    assert readme[table.OURS_COLUMN] == rendered[table.OURS_COLUMN]  # pdstate: the same on every release

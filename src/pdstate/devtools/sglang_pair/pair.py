@@ -217,6 +217,7 @@ class Pair:
         (the case's own lengths unless told)."""
         p, d = self.setup(case, backend)
         out = {"case": case.name, "what": case.what, "backend": backend, "deadline_s": deadline_s}
+        out["sglang"] = p.get("sglang") or d.get("sglang")  # the release the children imported
         if not (p["ok"] and d["ok"]):
             out["setup_error"] = p.get("error") or d.get("error")
             out["requests"] = []
