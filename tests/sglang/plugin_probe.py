@@ -1,8 +1,8 @@
 """Child process: SGLang's own ``load_plugins()`` registers backend pdstate, nothing imported by hand.
 
-Prints one JSON object on the last line of stdout: what this process saw (``main``) and what a
-child it spawns with multiprocessing's ``spawn`` method saw (``spawned``), as SGLang starts its
-schedulers. Each process imports only the CPU stand-ins (``booted``) and SGLang's modules; pdstate's
+Reads ``{"spawn": bool}`` on stdin; prints one JSON object on the last line of stdout: what this
+process saw (``main``) and, with ``spawn``, what a child it spawns with multiprocessing's ``spawn``
+method saw (``spawned``), as SGLang starts its schedulers. Each process imports only the CPU stand-ins (``booted``) and SGLang's modules; pdstate's
 SGLang integration must be loaded by SGLang's plugin loader alone. Run by ``test_plugin.py``.
 """
 
@@ -56,19 +56,21 @@ def _child(queue) -> None:
 
 
 def main() -> None:
+    spawn = bool(json.load(sys.stdin).get("spawn"))
     result: dict = {}
     try:
         result["main"] = {"ok": True, **observe()}
     except Exception:
         result["main"] = {"ok": False, "error": traceback.format_exc()}
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_child, args=(queue,))
-    child.start()
-    try:
-        result["spawned"] = queue.get(timeout=240)
-    finally:
-        child.join(30)
+    if spawn:
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_child, args=(queue,))
+        child.start()
+        try:
+            result["spawned"] = queue.get(timeout=240)
+        finally:
+            child.join(30)
     from pdstate.integrations.sglang import sglang_release  # after the checks: reading the release only
 
     result["release"] = sglang_release()
