@@ -187,3 +187,17 @@ def test_error_from_wire_knows_every_class_without_other_imports():
         "assert all(c.__module__ == 'pdstate.errors' for c in e.WIRE_TYPES.values())"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_swa_geometry_sentence_of_0_5_23():
+    """0.5.23's paged geometry refusal: its wording, a three-element tuple with ``None`` where a
+    pool has no request window / per-request ring; a ``PagedSWAGeometryMismatch`` and a RuntimeError."""
+    err = e.SWAGeometryMismatch.build((256, 128, None), [512, 128, None])
+    assert type(err) is e.SWAGeometryMismatch
+    assert isinstance(err, e.PagedSWAGeometryMismatch) and isinstance(err, RuntimeError)
+    assert str(err) == (
+        "DSV4 target and draft pools must share SWA geometry: target=(256, 128, None), draft=(512, 128, None)"
+    )
+    assert e.WIRE_TYPES["SWAGeometryMismatch"] is e.SWAGeometryMismatch
+    back = e.error_from_wire("SWAGeometryMismatch", str(err))
+    assert type(back) is e.SWAGeometryMismatch and str(back) == str(err)
