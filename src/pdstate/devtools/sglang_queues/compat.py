@@ -142,6 +142,18 @@ class DecodeScheduler(SchedulerDisaggregationDecodeMixin):
     """A decode scheduler holding only what the prealloc/transfer queue code reads."""
 
 
+def _batch_result_processor():
+    """0.5.23's decode accounts the handoff token's reasoning state through it: its own method, for
+    a model with no thinking tokens."""
+    from types import MethodType
+
+    from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+
+    proc = SimpleNamespace(model_config=SimpleNamespace(self_opened_think_start_ids=None, think_end_ids=None))
+    proc._maybe_update_reasoning_tokens = MethodType(SchedulerBatchResultProcessor._maybe_update_reasoning_tokens, proc)
+    return proc
+
+
 def _common(sched, pools, args, group, streamer, req_to_token_pool) -> None:
     sched.server_args = args
     sched.ps = _ps()
@@ -174,6 +186,8 @@ def _common(sched, pools, args, group, streamer, req_to_token_pool) -> None:
     sched.enable_lora = False
     sched.pool_stats_observer = None
     sched.kv_checksum_computer = None
+    sched.scheduler_stage_metrics = None
+    sched.batch_result_processor = _batch_result_processor()
     sched.pp_group = _group(group)
 
 
@@ -193,6 +207,11 @@ def _only_known(cls, kw: dict) -> dict:
 def prefill_queues(side, args, backend: str, port: int, group, host: str, streamer) -> SimpleNamespace:
     tb = TransferBackend(backend)
     server = get_kv_class(tb, KVClassType.BOOTSTRAP_SERVER)(host, port)
+    sender = get_kv_class(tb, KVClassType.SENDER)
+    if getattr(sender, "supports_host_tensor_indices", False):
+        # 0.5.23's Mooncake sender takes pinned host tensors and a CUDA event; with no CUDA,
+        # send_kv_chunk's other branch (kv_to_page_indices) serves, as for every other sender.
+        sender.supports_host_tensor_indices = False
     rtp = ReqToTokenPool(side.max_num_reqs, side.full_tokens + side.page_size, "cpu", False)
     pools = build_pools(side, rtp, decode=False)
     sched = PrefillScheduler()
