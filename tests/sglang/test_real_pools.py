@@ -1,4 +1,7 @@
-"""pdstate over SGLang 0.5.19's own DSV4 pool objects (built on CPU in child processes).
+"""pdstate over SGLang's own DSV4 pool objects, 0.5.19's and 0.5.23's (built on CPU in child processes).
+
+Every test runs once per release (``sglang_release``); pdstate's own pools are built for that
+release (``upstream=``), and a refusal is the class and text of that release (``scenarios.expected``).
 
 For every scenario the child builds the real ``DeepSeekV4TokenToKVPool`` target (+ NextN draft)
 and ``SWATokenToKVPoolAllocator``, and pdstate's pools from the same constructor arguments, and
@@ -19,7 +22,7 @@ import pytest
 from pdstate import errors
 from pdstate.protocol.compat import check_peer, compat_errors
 from pdstate.protocol.report import LayoutReport
-from tests.sglang.scenarios import SEED, STAGE, VARIANTS
+from tests.sglang.scenarios import SEED, STAGE, VARIANTS, expected
 
 ALL = [(variant, s) for variant, (_, scen) in VARIANTS.items() for s in scen if s not in STAGE]
 OK = [pytest.param(v, s, id=f"{v}:{s['name']}") for v, s in ALL if s["expect"] == "ok"]
@@ -52,7 +55,8 @@ def _shape(summary: dict) -> dict:
     }
 
 
-def test_the_children_built_real_sglang_pools(sglang_results):
+def test_the_children_built_real_sglang_pools(sglang_release, sglang_results):
+    assert {r["sglang"] for r in sglang_results.values()} == {sglang_release.version}
     offline = sglang_results["offline"]
     assert offline["online_c128"] is False
     assert sglang_results["online"]["online_c128"] is True
@@ -97,12 +101,13 @@ def test_main_kv_channel_equals_sglang(sglang_results, variant, s):
 
 
 @pytest.mark.parametrize("variant,s", REFUSED)
-def test_refusals_match_sglang(sglang_results, variant, s):
+def test_refusals_match_sglang(sglang_release, sglang_results, variant, s):
     r = _result(sglang_results, variant, s)
-    cls = getattr(errors, s["expect"])
+    expect = expected(s, sglang_release.version)
+    cls = getattr(errors, expect)
     mine, theirs = r["pdstate_on_real"], r["sglang_on_real"]
     assert not mine["ok"] and not theirs["ok"]
-    assert mine["error"]["type"] == s["expect"]
+    assert mine["error"]["type"] == expect
     assert mine["error"]["message"] == theirs["error"]["message"]
     # SGLang raises the builtin pdstate's error class derives from (RuntimeError / AttributeError)
     assert theirs["error"]["type"] in mine["error"]["mro"]
@@ -111,7 +116,7 @@ def test_refusals_match_sglang(sglang_results, variant, s):
     assert r["pdstate_on_own"]["error"]["message"] == theirs["error"]["message"]
     for key in ("report_real", "report_own"):
         check = _report(r[key]).local_check
-        assert not check.ok and check.error.type == s["expect"] and check.error.message == theirs["error"]["message"]
+        assert not check.ok and check.error.type == expect and check.error.message == theirs["error"]["message"]
 
 
 @pytest.mark.parametrize("variant,s", SEEDED)
