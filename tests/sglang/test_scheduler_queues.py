@@ -1,0 +1,102 @@
+"""Requests through SGLang's own scheduler queues, two processes, every byte checked (``devtools.sglang_queues``).
+
+The path a real scheduler takes, which ``test_pair.py`` (managers called directly) does not cover:
+on the prefill, ``PrefillBootstrapQueue`` (``add``, ``pop_bootstrapped``; it builds the manager
+from the pools itself), ``send_kv_chunk`` (a non-last chunk, then the last with the state) and
+``process_disagg_prefill_inflight_queue``; on the decode, ``process_decode_queue`` over
+``DecodePreallocQueue`` and ``DecodeTransferQueue``. Per release (0.5.19 and 0.5.23, each from its
+cached environment) one prefill child and one decode child run: with SGLang's own Mooncake backend
+and with backend ``pdstate``, a same-config pair ends Success on both sides with every landed
+byte right (main KV, SWA window of target and draft, C4/C128 state, aux); with ``pdstate``, a
+speculative-vs-not pair and a swapped C4/C128 order end Failed on both sides, naming the
+factor, in under a second, with no byte of the decode's memory written.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdstate.devtools.sglang_pair import table
+from pdstate.devtools.sglang_pair.cases import CASES
+from tests.sglang import runner
+
+RELEASES = ("0.5.19", "0.5.23")
+# The environment of each release: 0.5.19 is the suite's default one (runner.env_dir()); 0.5.23
+# sits beside it and is built by the same script with the version as third argument.
+ENV_NAMES = {"0.5.23": "sglang-env-0.5.23"}
+DEADLINE_S = 3.0  # per side and request: what bounds a hang
+FAIL_FAST_S = 1.0
+REFUSED = ("spec_vs_nospec", "c4_c128_order")
+RUNS = [("mooncake", "correct"), ("pdstate", "correct")] + [("pdstate", name) for name in REFUSED]
+
+
+def _ensure_env(release: str, request) -> Path:
+    if release not in ENV_NAMES:
+        return request.getfixturevalue("sglang_env")
+    target = Path(sys.prefix) / ENV_NAMES[release]
+    proc = subprocess.run(
+        ["bash", str(runner.BUILD_SCRIPT), sys.executable, str(target), release],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    if proc.returncode == runner.NO_WHEEL_STATUS:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(runner.NO_WHEEL)]
+        runner.skip(runner.EnvUnavailable(lines[-1] if lines else f"{runner.NO_WHEEL} the sglang {release} wheel"))
+    if proc.returncode != 0:
+        raise RuntimeError(f"building {target} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return target
+
+
+@pytest.fixture(scope="module", params=RELEASES)
+def queue_runs(request) -> tuple[str, dict]:
+    """``(release, {(backend, case): result})``: one pair of children per release, every run in it."""
+    from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, mooncake_missing
+    from pdstate.devtools.sglang_queues.pair import QueuePair
+
+    release = request.param
+    target = _ensure_env(release, request)
+    if why := mooncake_missing():
+        pytest.skip(why)
+    with QueuePair(target, extra_env=PDSTATE_ENGINE_ENV) as pair:
+        results = {(b, name): pair.run_case(CASES[name], b, deadline_s=DEADLINE_S) for b, name in RUNS}
+    return release, results
+
+
+def _only(queue_runs, backend: str, name: str) -> dict:
+    release, results = queue_runs
+    result = results[(backend, name)]
+    assert "setup_error" not in result, f"{release}: {result['setup_error']}\n{result.get('setup_trace')}"
+    assert len(result["requests"]) == 1
+    return result["requests"][0]
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "pdstate"])
+def test_correct_pair_through_the_queues_is_byte_exact(queue_runs, backend):
+    r = _only(queue_runs, backend, "correct")
+    pre, dec = r["prefill"], r["decode"]
+    assert pre["outcome"] == dec["outcome"] == "Success", (pre, dec)
+    assert pre["trace"] == ["add", "bootstrapped", "chunk", "last chunk", "inflight done"]
+    assert dec["placed"]  # pre-allocated by DecodePreallocQueue, still held by the request
+    assert dec["wrong_items"] == 0 and dec["outside_bytes"] == 0, dec
+    assert dec["items"] > 250 and dec["aux_items"] >= 10  # main KV, SWA, C4/C128 state, draft; aux rows
+    assert dec["bytes_checked"] > 10**8
+    assert dec["changed_bytes"] > 10**7  # the request's items, all of them right
+    assert r["send_to_success_ms"] > 0
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_pdstate_refuses_a_mismatch_through_the_queues(queue_runs, name):
+    r = _only(queue_runs, "pdstate", name)
+    pre, dec = r["prefill"], r["decode"]
+    assert pre["outcome"] == dec["outcome"] == "Failed", (pre, dec)
+    assert pre["trace"] == ["add", "bootstrap failed"]  # no forward, no chunk sent
+    factor = CASES[name].factor
+    assert table.factor_of(pre["failure"]) == factor, pre["failure"]
+    assert table.factor_of(dec["failure"]) == factor, dec["failure"]
+    assert not dec["placed"] and dec["changed_bytes"] == 0  # not one byte of the decode's memory written
+    assert r["elapsed_s"] < FAIL_FAST_S
