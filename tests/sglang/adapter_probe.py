@@ -514,7 +514,56 @@ def case_cp_refused(h: Harness) -> dict:
     return {"error": None}
 
 
+def case_hooks(h: Harness) -> dict:
+    """What the running release's schedulers call beyond ``BaseKV*`` (0.5.23: the sender's chunking
+    and prefix hooks, the receiver's abort notification and clear, the manager's teardown) runs
+    without SGLang's ZMQ messages and without raising."""
+    from sglang.srt.disaggregation.common import conn as common
+    from sglang.srt.runtime_context import get_server_args
+
+    out: dict = {}
+    sent = []
+    base = common.CommonKVReceiver
+    saved = {n: base.__dict__[n] for n in ("_send_bootstrap_message", "_send_abort_notification") if n in base.__dict__}
+    for name in saved:
+        setattr(base, name, lambda *a, _n=name, **kw: sent.append(_n))
+    try:
+        sender = new_sender(h.cls["SENDER"], h.pm, h.addr, 7001)
+        recv = h.cls["RECEIVER"](mgr=h.dm, bootstrap_addr=h.addr, bootstrap_room=7001)
+        _wait(lambda: h.dm.try_ensure_parallel_info(h.addr) or None, "prefill parallel info")
+        recv.init(0)
+        for name, call in (
+            ("max_transfer_tokens", lambda: sender.get_max_transfer_tokens()),
+            ("decode_prefix_len", lambda: sender.pop_decode_prefix_len()),
+            ("should_send", lambda: sender.should_send_kv_chunk(0, True)),
+            ("mark_prefill_complete", lambda: sender.mark_prefill_complete()),
+            ("ensure_abort_notified", lambda: recv.ensure_abort_notified(force_arm=True)),
+            ("receiver_abort", lambda: recv.abort()),
+            ("receiver_clear", lambda: recv.clear()),
+            ("sender_abort", lambda: sender.abort()),
+            ("sender_clear", lambda: sender.clear()),
+        ):
+            try:
+                out[name] = {"ok": True, "value": call()}
+            except AttributeError as exc:  # a hook this release does not have
+                out[name] = {"ok": None, "error": str(exc)}
+            except Exception as exc:
+                out[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        for name, fn in saved.items():
+            setattr(base, name, fn)
+    out["sglang_zmq_calls"] = sent
+    side = build_side(True, 0)  # held: the manager finds its pools among the live objects
+    mgr = h.cls["MANAGER"](side["kv"], h.mode.DECODE, get_server_args(), True)
+    out["deferred_release"] = bool(getattr(mgr, "enable_deferred_decode_kv_release", False))
+    out["supports_deferred"] = mgr.supports_deferred_decode_kv_release
+    mgr.teardown()
+    out["torn_down"] = mgr.agent._loop.closed
+    return out
+
+
 CASES = {
+    "hooks": case_hooks,
     "cp_refused": case_cp_refused,
     "io_thread_ends": case_io_thread_ends,
     "pp_refused": case_pp_refused,

@@ -15,6 +15,7 @@ import pytest
 from tests.sglang import runner
 
 CASES = [
+    "hooks",
     "ok",
     "ok_unified",
     "mismatch",
@@ -68,6 +69,20 @@ def test_the_adapter_follows_the_releases_base_class_contract(sglang_release, re
             "mgr", "bootstrap_addr", "bootstrap_room", "dest_tp_ranks", "pp_rank", "req_has_disagg_prefill_dp_rank"
         ]  # fmt: skip
     assert r["sglang_zmq_calls"] == []  # the receiver's init never takes SGLang's ZMQ registration
+
+
+def test_the_schedulers_other_hooks_run_without_sglangs_zmq(sglang_release, results):
+    r = results["hooks"]
+    assert r["sglang_zmq_calls"] == []
+    assert r["receiver_abort"]["ok"] and r["receiver_clear"]["ok"] and r["sender_abort"]["ok"]
+    assert r["sender_clear"]["ok"] and r["ensure_abort_notified"]["ok"]
+    if sglang_release.new_api:  # 0.5.23's hooks exist and answer as a whole-request backend
+        assert r["max_transfer_tokens"] == {"ok": True, "value": None}
+        assert r["decode_prefix_len"] == {"ok": True, "value": 0}
+        assert r["should_send"] == {"ok": True, "value": True}
+        assert r["mark_prefill_complete"]["ok"]
+    assert (r["supports_deferred"], r["deferred_release"]) == (False, False)
+    assert r["torn_down"] is True
 
 
 def test_unified_kv_pools_move_their_swa_rings_byte_exact(results):

@@ -1,8 +1,10 @@
 """``PdStateKVManager``: one per scheduler rank, a pdstate agent over the memory SGLang's ``KVArgs`` names.
 
-A subclass of SGLang's ``CommonKVManager`` (0.5.19's or 0.5.23's: the running SGLang's), so everything its schedulers read of a manager is
-SGLang's own (``try_ensure_parallel_info``, ``prefill_info_table``, ``kv_args``, the status and
-failure tables, the rebootstrap executor, ...). What differs:
+A subclass of SGLang's ``CommonKVManager`` (0.5.19's or 0.5.23's: the running SGLang's), so
+everything its schedulers read of a manager is SGLang's own (``try_ensure_parallel_info``,
+``prefill_info_table``, ``kv_args``, the status and failure tables, the rebootstrap executor, ...).
+0.5.23's optional hooks: ``teardown`` closes the agent; no deferred decode KV release, no role
+switch, no host destinations (the class attributes say so). What differs:
 
 * prefill: a ``PrefillAgent`` bound on this rank's address (SGLang's ``local_ip``, a free port);
   its port is what the rank registers at the bootstrap server, in SGLang's format (``PUT /route``

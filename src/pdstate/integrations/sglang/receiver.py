@@ -81,6 +81,11 @@ def build_receiver() -> type:
             prefill rank it resolved): this rank's agent shakes hands with the prefill's itself."""
             return True
 
+        def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+            """0.5.23 would send SGLang's ZMQ abort notification to each prefill rank: ``abort``
+            tells the prefill through the agent instead, and fences the writes itself."""
+            self.abort_notified = True
+
         def send_metadata(
             self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None, destination=None
         ):

@@ -13,12 +13,13 @@ from enum import Enum
 from typing import Any
 
 from pdstate.errors import SGLangUnavailable
-from pdstate.integrations.sglang import BACKEND, MEMBER
+from pdstate.integrations.sglang import BACKEND, MEMBER, SUPPORTED_RELEASES
 
 UTILS = "sglang.srt.disaggregation.utils"
 SERVER_ARGS = "sglang.srt.server_args"
 CHOICES = "DISAGG_TRANSFER_BACKEND_CHOICES"
-# The modules of SGLang 0.5.19 that import get_kv_class by name (``from ...utils import get_kv_class``):
+TESTED = "tested with sglang " + " and ".join(SUPPORTED_RELEASES)
+# The modules of SGLang (0.5.19 and 0.5.23 alike) that import get_kv_class by name (``from ...utils import get_kv_class``):
 # patched when already loaded; loaded later, they bind the wrapper from ``utils``.
 IMPORTERS = (
     "sglang.srt.disaggregation.prefill",
@@ -34,7 +35,7 @@ def _module(name: str):
     except ImportError as exc:
         raise SGLangUnavailable(
             f"pdstate's SGLang backend needs the module {name!r}, which cannot be imported: {exc}. "
-            "Install SGLang (tested with sglang==0.5.19) in this environment."
+            f"Install SGLang ({TESTED}) in this environment."
         ) from exc
 
 
@@ -43,8 +44,7 @@ def _attr(module, name: str):
         return getattr(module, name)
     except AttributeError as exc:
         raise SGLangUnavailable(
-            f"pdstate's SGLang backend needs {module.__name__}.{name}, which this SGLang does not have "
-            "(tested with sglang==0.5.19)."
+            f"pdstate's SGLang backend needs {module.__name__}.{name}, which this SGLang does not have ({TESTED})."
         ) from exc
 
 
