@@ -147,6 +147,52 @@ class LayoutMismatch(CrossSideMismatch):
         )
 
 
+class KVLayoutMismatch(CrossSideMismatch):
+    """The main or compressed KV byte layouts differ (SGLang 0.5.23's decode refuses at lookup)."""
+
+    @staticmethod
+    def build(prefill: str, decode: str) -> KVLayoutMismatch:
+        return KVLayoutMismatch(
+            f"KV layout mismatch: prefill server has kv_layout={prefill}, but decode server has kv_layout={decode}. "
+            "Both servers must use the same --dsv4-attn-backend and SGLANG_DSV4_KV_LAYOUT."
+        )
+
+
+class CompressedMLAPoolMismatch(CrossSideMismatch, ValueError):
+    """One side registers the compressed-MLA fp8 two-pool layout and the other one pool per layer
+    (SGLang 0.5.23 raises this ``ValueError`` when it slices the regions)."""
+
+    @staticmethod
+    def build(prefill: int, decode: int, single: int, two: int) -> CompressedMLAPoolMismatch:
+        return CompressedMLAPoolMismatch(
+            f"PD peers disagree on the compressed-MLA KV layout: prefill registered {prefill} regions, decode "
+            f"{decode} ({single} is one pool per layer, {two} is the fp8 two-pool). "
+            "SGLANG_DSV4_UNIFIED_KV_FP8 must be set the same on both sides."
+        )
+
+
+class DSparkLayoutMismatch(CrossSideMismatch):
+    """The DeepSeek-V4.1 DSpark transfer layouts differ (SGLang 0.5.23's decode refuses at lookup)."""
+
+    @staticmethod
+    def build(fields: list[str]) -> DSparkLayoutMismatch:
+        return DSparkLayoutMismatch(
+            f"DeepSeek-V4.1 DSpark PD layout mismatch ({', '.join(fields)}): both servers must enable DSpark "
+            "with the same block size and target/draft KV layout. Upgrade both servers together."
+        )
+
+
+class AllocationPolicyMismatch(CrossSideMismatch):
+    """The decode allocation policies differ (SGLang 0.5.23 fails each request with this reason)."""
+
+    @staticmethod
+    def build(prefill: str, decode: str) -> AllocationPolicyMismatch:
+        return AllocationPolicyMismatch(
+            f"Disaggregation decode allocation policy mismatch: prefill={prefill}, decode={decode}. "
+            "Set --disaggregation-decode-allocation-policy identically on both roles."
+        )
+
+
 class DescriptorMismatch(CrossSideMismatch):
     """The peer's registered buffers cannot pair with ours (counts, item lengths, ranges)."""
 

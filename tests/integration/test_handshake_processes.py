@@ -53,15 +53,15 @@ DRAFT_ERRORS = [
     ("mapping-view", dict(draft_mapping="view"), "SWAIndexMappingNotShared", MAPPING_ERROR),
     (
         "paged-geometry-page",
-        dict(draft_page_size=512),
+        dict(draft_page_size=512, upstream="0.5.19"),
         "PagedSWAGeometryMismatch",
         "DSV4 target and draft pools must share paged SWA geometry: target=(256, 128), draft=(512, 128)",
     ),
     (
         "paged-geometry-window",
         dict(draft_sliding_window=64),
-        "PagedSWAGeometryMismatch",
-        "DSV4 target and draft pools must share paged SWA geometry: target=(256, 128), draft=(256, 64)",
+        "SWAGeometryMismatch",
+        "DSV4 target and draft pools must share SWA geometry: target=(256, 128, None), draft=(256, 64, None)",
     ),
 ]
 
@@ -203,7 +203,7 @@ def test_local_check_failure_exits_nonzero_with_upstream_message(workers):
         (
             "prefill",
             dict(draft_page_size=512),
-            "DSV4 target and draft pools must share paged SWA geometry: target=(256, 128), draft=(512, 128)",
+            "DSV4 target and draft pools must share SWA geometry: target=(256, 128, None), draft=(512, 128, None)",
         ),
         ("decode", dict(draft_compression_ratios=(0, 128)), SWA_ONLY_ERROR),
     ],

@@ -14,7 +14,7 @@ from pdstate.pools.dsv4 import DeepSeekV4TokenToKVPool
 from pdstate.pools.presets import build_worker_pools, pool_kwargs
 from pdstate.pools.reporting import build_report
 from pdstate.protocol import compat
-from pdstate.protocol.report import LayoutReport
+from pdstate.protocol.report import FACTOR_NAMES, LayoutReport, fingerprint
 from tests.support.pools import TINY, keep, report_of, tiny
 from tests.support.upstream import MAPPING_ERROR, MISSING_MAPPING_ERROR, SWA_ONLY_ERROR, UNIFIED_ERROR
 
@@ -58,13 +58,21 @@ def test_peer_draft_without_the_shared_mapping(how):
 
 
 def test_peer_draft_that_never_registered_a_mapping():
-    peer = tiny(draft_mapping="none")
-    err = raises(e.DraftMappingMissing, MISSING_MAPPING_ERROR, tiny(), peer, "prefill")
+    # SGLang 0.5.19's pool has no attribute until a mapping is registered: its AttributeError
+    peer = tiny(draft_mapping="none", upstream="0.5.19")
+    err = raises(e.DraftMappingMissing, MISSING_MAPPING_ERROR, tiny(upstream="0.5.19"), peer, "prefill")
     assert isinstance(err, AttributeError) and isinstance(err, RuntimeError)
     assert (peer.local_check.error.type, peer.local_check.error.message) == (
         "DraftMappingMissing",
         MISSING_MAPPING_ERROR,
     )
+
+
+def test_peer_draft_that_never_registered_a_mapping_on_0523_is_the_seed_error():
+    # SGLang 0.5.23's pool holds None there, which is not the target's mapping
+    peer = tiny(draft_mapping="none", upstream="0.5.23")
+    raises(e.SWAIndexMappingNotShared, MAPPING_ERROR, tiny(), peer, "prefill")
+    assert (peer.local_check.error.type, peer.local_check.error.message) == ("SWAIndexMappingNotShared", MAPPING_ERROR)
 
 
 def test_peer_draft_with_compressed_layers():
@@ -109,11 +117,30 @@ def test_unified_branch_does_not_consult_the_mapping():
     ],
 )
 def test_peer_with_paged_geometry_mismatch(changes, tuples):
+    """In the peer's release's words: SGLang 0.5.19's paged check, whichever release we run."""
     raises(
         e.PagedSWAGeometryMismatch,
         f"DSV4 target and draft pools must share paged SWA geometry: {tuples}",
         tiny(),
-        tiny(**changes),
+        tiny(upstream="0.5.19", **changes),
+        "decode",
+    )
+
+
+@pytest.mark.parametrize(
+    "changes,tuples",
+    [
+        (dict(draft_page_size=512), "target=(256, 128, None), draft=(512, 128, None)"),
+        (dict(draft_sliding_window=64), "target=(256, 128, None), draft=(256, 64, None)"),
+    ],
+)
+def test_peer_with_swa_geometry_mismatch_on_0523(changes, tuples):
+    """SGLang 0.5.23's check adds the request window (none here) to the tuple."""
+    raises(
+        e.SWAGeometryMismatch,
+        f"DSV4 target and draft pools must share SWA geometry: {tuples}",
+        tiny(upstream="0.5.19"),
+        tiny(upstream="0.5.23", **changes),
         "decode",
     )
 
@@ -276,3 +303,91 @@ def test_check_no_overlap():
     with pytest.raises(e.DescriptorMismatch) as info:
         compat.check_no_overlap([(0x1100, 0x100, "b"), (0x1000, 0x101, "a")])
     assert str(info.value) == "registered ranges overlap: a [0x1000, +257) and b [0x1100, +256)"
+
+
+# --- what SGLang 0.5.23 compares beyond the state layout, in its own words ---------------------
+
+
+def with_factors(report: LayoutReport, **extra) -> LayoutReport:
+    """``report`` carrying the optional factors ``extra`` (fingerprint recomputed)."""
+    factors = tuple(report.factors) + tuple(extra.items())
+    return report.model_copy(
+        update={"factors": factors, "fingerprint": fingerprint(report.page_size, report.kv_dtype, factors)}
+    )
+
+
+def test_optional_factors_at_their_default_are_left_out_of_the_report_and_its_fingerprint():
+    r = tiny()
+    assert [n for n, _ in r.factors] == list(FACTOR_NAMES)
+    assert r.factor("kv_layout") is None and r.kv_layout() == "v4,c4:v4,c128:v4"
+    assert r.factor("allocation_policy") is None and r.allocation_policy() == "early"
+    assert build_report(*_tiny_pools(), allocation_policy="early")[0].fingerprint == r.fingerprint
+    policy = build_report(*_tiny_pools(), allocation_policy="prefill_complete")[0]
+    assert policy.factor("allocation_policy") == "prefill_complete" and policy.fingerprint != r.fingerprint
+
+
+def _tiny_pools():
+    pools = build_worker_pools(TINY)
+    keep(pools)
+    return pools.target, pools.draft
+
+
+def test_kv_layouts_that_differ_are_refused_with_sglangs_sentence_on_both_sides():
+    v41 = with_factors(tiny(), kv_layout="v41,c4:v41,c128:v4")
+    message = (
+        "KV layout mismatch: prefill server has kv_layout=v4,c4:v4,c128:v4, but decode server has "
+        "kv_layout=v41,c4:v41,c128:v4. Both servers must use the same --dsv4-attn-backend and SGLANG_DSV4_KV_LAYOUT."
+    )
+    raises(e.KVLayoutMismatch, message, tiny(), v41, "prefill")
+    raises(e.KVLayoutMismatch, message, v41, tiny(), "decode")
+    assert compat.compat_errors(tiny(), v41, "prefill")[0].message == message
+
+
+def test_one_pool_against_the_fp8_two_pool_is_refused_with_sglangs_sentence():
+    two = with_factors(tiny(), kv_fp8_two_pool=True)
+    message = (  # [0, 4, 128]: one C4 and one C128 layer
+        "PD peers disagree on the compressed-MLA KV layout: prefill registered 5 regions, decode 3 "
+        "(3 is one pool per layer, 5 is the fp8 two-pool). SGLANG_DSV4_UNIFIED_KV_FP8 must be set the same on both sides."
+    )
+    err = raises(e.CompressedMLAPoolMismatch, message, two, tiny(), "prefill")
+    assert isinstance(err, ValueError) and isinstance(err, e.CrossSideMismatch)
+
+
+def test_dspark_layouts_name_the_fields_that_differ():
+    a = with_factors(tiny(), dspark={"num_draft_tokens": 4, "compression_ratios": [0, 2]})
+    b = with_factors(tiny(), dspark={"num_draft_tokens": 8, "compression_ratios": [0, 2]})
+    raises(
+        e.DSparkLayoutMismatch,
+        "DeepSeek-V4.1 DSpark PD layout mismatch (num_draft_tokens): both servers must enable DSpark with the same "
+        "block size and target/draft KV layout. Upgrade both servers together.",
+        a,
+        b,
+        "prefill",
+    )
+    raises(
+        e.DSparkLayoutMismatch,
+        "DeepSeek-V4.1 DSpark PD layout mismatch (compression_ratios, num_draft_tokens): both servers must enable "
+        "DSpark with the same block size and target/draft KV layout. Upgrade both servers together.",
+        a,
+        tiny(),
+        "prefill",
+    )
+
+
+def test_allocation_policies_that_differ_are_refused_with_sglangs_sentence():
+    complete = with_factors(tiny(), allocation_policy="prefill_complete")
+    raises(
+        e.AllocationPolicyMismatch,
+        "Disaggregation decode allocation policy mismatch: prefill=early, decode=prefill_complete. "
+        "Set --disaggregation-decode-allocation-policy identically on both roles.",
+        tiny(),
+        complete,
+        "prefill",
+    )
+    compat.check_peer(complete, complete, "decode")
+
+
+def test_sglangs_sentences_come_before_the_state_factors_they_explain():
+    v41 = with_factors(report_of(TINY.with_(sliding_window=256)), kv_layout="v41,c4:v41,c128:v4")
+    errors = compat.compat_errors(tiny(), v41, "prefill")
+    assert [x.type for x in errors][:2] == ["KVLayoutMismatch", "LayoutMismatch"]

@@ -247,8 +247,34 @@ def test_version_mismatch_says_what_to_do_without_a_key():
     assert fix == "fix: run the same pdstate version on both workers (the protocol version is not configurable)"
 
 
+SGLANG_0523 = {
+    "KVLayoutMismatch": "fix: launch both servers with the same --dsv4-attn-backend and SGLANG_DSV4_KV_LAYOUT",
+    "CompressedMLAPoolMismatch": "fix: set SGLANG_DSV4_UNIFIED_KV_FP8 the same on both servers",
+    "DSparkLayoutMismatch": (
+        "fix: enable DSpark on both servers with the same block size and target/draft KV layout "
+        "(upgrade both servers together)"
+    ),
+    "AllocationPolicyMismatch": "fix: set --disaggregation-decode-allocation-policy identically on both servers",
+}
+
+
+SGLANG_0523_REFUSALS = [
+    e.KVLayoutMismatch.build("v4,c4:v4,c128:v4", "v41,c4:v41,c128:v4"),
+    e.CompressedMLAPoolMismatch.build(5, 3, 3, 5),
+    e.DSparkLayoutMismatch.build(["num_draft_tokens"]),
+    e.AllocationPolicyMismatch.build("early", "prefill_complete"),
+]
+
+
+@pytest.mark.parametrize("refusal", SGLANG_0523_REFUSALS, ids=lambda r: type(r).__name__)
+def test_sglang_0523_refusals_name_the_server_setting(refusal):
+    kind = type(refusal).__name__
+    assert fix_line(kind, str(refusal)) == SGLANG_0523[kind]
+
+
 def test_every_kind_with_a_fix_is_tested_here():
     tested = set(OWN_PAIR) | {"PageSizeMismatch", "KVCacheDtypeMismatch", "LayoutMismatch", "AuthError"}
+    tested |= set(SGLANG_0523)
     tested |= {"EngineError", "EngineUnavailable", "PoolConfigError", "DescriptorMismatch", "RoleMismatch"}
     tested |= {"VersionMismatch"}
     assert set(fixes_known()) == tested

@@ -97,12 +97,14 @@ def test_decode_with_unshared_draft_mapping_is_refused(how):
 
 
 def test_decode_with_a_draft_that_has_no_mapping_is_refused():
+    # each release's own refusal: 0.5.19's pool has no mapping attribute, 0.5.23's holds None
     assert_refused(
-        prefill(),
-        decode(draft_mapping="none"),
+        prefill(upstream="0.5.19"),
+        decode(draft_mapping="none", upstream="0.5.19"),
         e.DraftMappingMissing,
         MISSING_MAPPING_ERROR,
     )
+    assert_refused(prefill(), decode(draft_mapping="none"), e.SWAIndexMappingNotShared, MAPPING_ERROR)
 
 
 @pytest.mark.parametrize(
@@ -114,9 +116,14 @@ def test_decode_with_a_draft_that_has_no_mapping_is_refused():
             UNIFIED_ERROR,
         ),
         (
-            dict(draft_page_size=512),
+            dict(draft_page_size=512, upstream="0.5.19"),
             e.PagedSWAGeometryMismatch,
             "DSV4 target and draft pools must share paged SWA geometry: target=(256, 128), draft=(512, 128)",
+        ),
+        (
+            dict(draft_page_size=512),
+            e.SWAGeometryMismatch,
+            "DSV4 target and draft pools must share SWA geometry: target=(256, 128, None), draft=(512, 128, None)",
         ),
     ],
 )

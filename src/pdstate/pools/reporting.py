@@ -11,11 +11,13 @@ from pdstate.pools.dsv4 import dtype_name
 from pdstate.pools.interface import PoolView, is_dsv4_pool, pool_view
 from pdstate.pools.kvargs import KVArgs, fill_kv_args, state_components
 from pdstate.protocol.report import (
+    DEFAULT_ALLOCATION_POLICY,
     FACTOR_NAMES,
     ErrorInfo,
     LayoutReport,
     LocalCheck,
     PoolFactsModel,
+    default_kv_layout,
     fingerprint,
 )
 
@@ -61,16 +63,42 @@ def draft_descriptor(draft: object | None) -> dict | None:
     }
 
 
+def upstream_factors(
+    target: object, *, dspark: dict | None = None, allocation_policy: str = DEFAULT_ALLOCATION_POLICY
+) -> tuple[tuple[str, object], ...]:
+    """The optional factors (``report.OPTIONAL_FACTOR_NAMES``) that are not at their default.
+
+    ``kv_layout`` and ``kv_fp8_two_pool`` are read from the pool (SGLang 0.5.23's ``pd_kv_layout()``
+    and ``_unified_kv_fp8``; pdstate's pools and 0.5.19's have the default V4 layout, one pool per
+    layer); ``dspark`` and ``allocation_policy`` are the server's (the SGLang backend passes them)."""
+    out: list[tuple[str, object]] = []
+    layout = target.pd_kv_layout() if callable(getattr(target, "pd_kv_layout", None)) else None
+    if layout is not None and layout != default_kv_layout(pool_view(target).compression_ratios):
+        out.append(("kv_layout", str(layout)))
+    if getattr(target, "_unified_kv_fp8", False):
+        out.append(("kv_fp8_two_pool", True))
+    if dspark:
+        out.append(("dspark", dict(dspark)))
+    if allocation_policy != DEFAULT_ALLOCATION_POLICY:
+        out.append(("allocation_policy", allocation_policy))
+    return tuple(out)
+
+
 def build_report(
     target: object,
     draft: object | None,
     kv_args: KVArgs | None = None,
+    *,
+    dspark: dict | None = None,
+    allocation_policy: str = DEFAULT_ALLOCATION_POLICY,
 ) -> tuple[LayoutReport, KVArgs | None]:
     """Report a side's layout. Runs ``setup_state_kv_args`` and records its outcome.
 
     ``target`` is a DSV4 pool (pdstate's or SGLang's; anything else is a ``TypeError``); a draft
-    that is not a DSV4 pool is reported as no draft, as upstream skips it. Returns the report and the filled ``KVArgs`` (``None`` when the local check
-    failed).
+    that is not a DSV4 pool is reported as no draft, as upstream skips it. ``dspark`` (0.5.23's
+    DSpark transfer layout) and ``allocation_policy`` are the server's settings SGLang 0.5.23
+    compares across the pair (``upstream_factors``). Returns the report and the filled ``KVArgs``
+    (``None`` when the local check failed).
     """
     t = pool_view(target)
     error: BaseException | None = None
@@ -96,6 +124,7 @@ def build_report(
         ("components", _components(target, draft)),
     )
     assert tuple(n for n, _ in factors) == FACTOR_NAMES
+    factors += upstream_factors(target, dspark=dspark, allocation_policy=allocation_policy)
     kv_dtype = dtype_name(t.dtype)
     report = LayoutReport(
         page_size=t.page_size,

@@ -4,7 +4,11 @@
 1. what the peer would raise about its own target/draft pair: the five upstream checks re-run on
    the reported facts, the mapping check comparing recorded mapping identities (e.g. a peer whose
    draft has its own mapping -> ``SWAIndexMappingNotShared``);
-2. the upstream cross-side sentences: ``PageSizeMismatch``, then ``KVCacheDtypeMismatch``;
+2. the upstream cross-side sentences: ``PageSizeMismatch``, then ``KVCacheDtypeMismatch``, then
+   SGLang 0.5.23's (``upstream_mismatch``: ``KVLayoutMismatch``, ``CompressedMLAPoolMismatch``,
+   ``DSparkLayoutMismatch``, ``AllocationPolicyMismatch``). pdstate compares these whatever release
+   either side runs (a 0.5.19 pool states the default layout), where 0.5.23 compares them only
+   between two 0.5.23 servers;
 3. ``LayoutMismatch`` naming the first differing factor (in ``layout.FACTOR_NAMES`` order) with
    both values, prefill's first.
 
@@ -19,14 +23,23 @@ from collections.abc import Sequence
 from typing import Literal
 
 from pdstate.errors import (
+    WIRE_TYPES,
+    AllocationPolicyMismatch,
+    CompressedMLAPoolMismatch,
+    CrossSideMismatch,
     DescriptorMismatch,
     DraftMappingMissing,
+    DSparkLayoutMismatch,
+    DSV4StateError,
     KVCacheDtypeMismatch,
+    KVLayoutMismatch,
     LayoutMismatch,
     PageSizeMismatch,
+    PdStateError,
+    error_from_wire,
 )
 from pdstate.protocol.facts import check_draft_pair, identities_shared
-from pdstate.protocol.report import ErrorInfo, LayoutReport, diff
+from pdstate.protocol.report import OPTIONAL_FACTOR_NAMES, ErrorInfo, LayoutReport, diff
 
 Role = Literal["prefill", "decode"]
 
@@ -35,30 +48,86 @@ MAX_REGION_BYTES = 1 << 44
 
 
 def check_own_pair(report: LayoutReport) -> None:
-    """Re-run the five upstream checks on a report's target/draft facts."""
+    """Re-run the five upstream checks on a report's target/draft facts.
+
+    Where they refuse the pair and the side's own check refused it too, the side's own error is
+    raised (its class and text): the texts differ between SGLang releases (0.5.19's "paged SWA
+    geometry" is 0.5.23's "SWA geometry" with a third element), and the side's pools are of its
+    release. A pair the side itself passed is still refused by the re-run, in this side's words."""
+    try:
+        _recheck_own_pair(report)
+    except DSV4StateError:
+        own = report.local_check.error
+        if own is not None and issubclass(WIRE_TYPES.get(own.type, PdStateError), DSV4StateError):
+            raise error_from_wire(own.type, own.message) from None
+        raise
+
+
+def _recheck_own_pair(report: LayoutReport) -> None:
     if report.draft is None:
         return
     t, d = report.target.to_facts(), report.draft.to_facts()
 
     def mapping_shared() -> bool:
-        # In process, reading a pool's unregistered mapping raises ``DraftMappingMissing``
-        # before the identity comparison; the peer would have raised exactly that.
+        # In process, reading an unregistered mapping raises ``DraftMappingMissing`` on SGLang
+        # 0.5.19's pools, before the identity comparison; 0.5.23's pools hold ``None`` there, which
+        # is not the target's mapping (the seed error). The peer says which in its own check.
         if t.mapping_identity is None or d.mapping_identity is None:
-            raise DraftMappingMissing()
+            own = report.local_check.error
+            if own is None or own.type == DraftMappingMissing.__name__:
+                raise DraftMappingMissing()
+            return False
         return identities_shared(t, d)
 
     check_draft_pair(t, d, mapping_shared)
 
 
+def _regions(report: LayoutReport) -> tuple[int, int, int]:
+    """``(registered, one pool per layer, fp8 two-pool)`` main-KV region counts, as 0.5.23 counts them."""
+    ratios = report.factor("compression_ratios")
+    c4, c128 = sum(1 for r in ratios if r == 4), sum(1 for r in ratios if r == 128)
+    single, two = 2 * c4 + c128, 3 * c4 + 2 * c128
+    return (two if report.factor("kv_fp8_two_pool") else single), single, two
+
+
+def upstream_mismatch(name: str, prefill: LayoutReport, decode: LayoutReport) -> CrossSideMismatch:
+    """SGLang 0.5.23's refusal, in its own words, for a differing factor of ``OPTIONAL_FACTOR_NAMES``."""
+    if name == "kv_layout":
+        return KVLayoutMismatch.build(prefill.kv_layout(), decode.kv_layout())
+    if name == "kv_fp8_two_pool":
+        (p_regions, single, two), (d_regions, _, _) = _regions(prefill), _regions(decode)
+        return CompressedMLAPoolMismatch.build(p_regions, d_regions, single, two)
+    if name == "dspark":
+        p, d = prefill.factor("dspark") or {}, decode.factor("dspark") or {}
+        return DSparkLayoutMismatch.build(sorted(k for k in p.keys() | d.keys() if p.get(k) != d.get(k)))
+    if name == "allocation_policy":
+        return AllocationPolicyMismatch.build(prefill.allocation_policy(), decode.allocation_policy())
+    raise ValueError(f"{name!r} is not one of {OPTIONAL_FACTOR_NAMES}")
+
+
+def _cross_side(prefill: LayoutReport, decode: LayoutReport) -> list[CrossSideMismatch]:
+    """Every cross-side refusal of the pair, in the order ``check_peer`` raises them."""
+    out: list[CrossSideMismatch] = []
+    if prefill.page_size != decode.page_size:
+        out.append(PageSizeMismatch.build(prefill.page_size, decode.page_size))
+    if prefill.kv_dtype != decode.kv_dtype:
+        out.append(KVCacheDtypeMismatch.build(prefill.kv_dtype, decode.kv_dtype))
+    differing = diff(prefill, decode)
+    names = {name for name, _, _ in differing}
+    out += [upstream_mismatch(name, prefill, decode) for name in OPTIONAL_FACTOR_NAMES if name in names]
+    out += [
+        LayoutMismatch.build(name, p_val, d_val)
+        for name, p_val, d_val in differing
+        if name not in OPTIONAL_FACTOR_NAMES and name not in ("page_size", "kv_dtype")
+    ]
+    return out
+
+
 def check_peer(ours: LayoutReport, theirs: LayoutReport, our_role: Role) -> None:
     check_own_pair(theirs)
     prefill, decode = (ours, theirs) if our_role == "prefill" else (theirs, ours)
-    if prefill.page_size != decode.page_size:
-        raise PageSizeMismatch.build(prefill.page_size, decode.page_size)
-    if prefill.kv_dtype != decode.kv_dtype:
-        raise KVCacheDtypeMismatch.build(prefill.kv_dtype, decode.kv_dtype)
-    for name, p_val, d_val in diff(prefill, decode):
-        raise LayoutMismatch.build(name, p_val, d_val)
+    for refusal in _cross_side(prefill, decode):
+        raise refusal
 
 
 def compat_errors(ours: LayoutReport, theirs: LayoutReport, our_role: Role) -> list[ErrorInfo]:
@@ -74,13 +143,7 @@ def compat_errors(ours: LayoutReport, theirs: LayoutReport, our_role: Role) -> l
     except RuntimeError as exc:
         errors.append(ErrorInfo.of(exc))
     prefill, decode = (ours, theirs) if our_role == "prefill" else (theirs, ours)
-    for name, p_val, d_val in diff(prefill, decode):
-        if name == "page_size":
-            errors.append(ErrorInfo.of(PageSizeMismatch.build(p_val, d_val)))
-        elif name == "kv_dtype":
-            errors.append(ErrorInfo.of(KVCacheDtypeMismatch.build(p_val, d_val)))
-        else:
-            errors.append(ErrorInfo.of(LayoutMismatch.build(name, p_val, d_val)))
+    errors += [ErrorInfo.of(refusal) for refusal in _cross_side(prefill, decode)]
     return errors
 
 

@@ -319,6 +319,18 @@ _FIXES: dict[str, Callable[[str, Layouts | None], str | None]] = {
     "PageSizeMismatch": _page_fix,
     "KVCacheDtypeMismatch": _dtype_fix,
     "LayoutMismatch": lambda m, layouts: _layout_fix(m, layouts),
+    # what SGLang 0.5.23 compares beyond the state layout: server flags and environment, not pdstate keys
+    "KVLayoutMismatch": lambda m, _: (
+        "fix: launch both servers with the same --dsv4-attn-backend and SGLANG_DSV4_KV_LAYOUT"
+    ),
+    "CompressedMLAPoolMismatch": lambda m, _: "fix: set SGLANG_DSV4_UNIFIED_KV_FP8 the same on both servers",
+    "DSparkLayoutMismatch": lambda m, _: (
+        "fix: enable DSpark on both servers with the same block size and target/draft KV layout "
+        "(upgrade both servers together)"
+    ),
+    "AllocationPolicyMismatch": lambda m, _: (
+        "fix: set --disaggregation-decode-allocation-policy identically on both servers"
+    ),
     "DescriptorMismatch": lambda m, _: (
         "fix: the registered buffers do not pair: run one pdstate version with the same preset, [pool] and "
         "[draft] on both workers (pdstate check PREFILL.toml DECODE.toml shows the difference)"

@@ -39,6 +39,25 @@ FACTOR_NAMES: tuple[str, ...] = (
     "components",
 )
 
+# What SGLang 0.5.23 compares between its prefill and decode beyond the state layout above, each
+# carried only where it is not at its default (``None``): a report without them is byte-identical to
+# one made before they existed, and a report that lacks one states the default. In this order,
+# after page size and KV dtype, the handshake refuses a difference with 0.5.23's own sentence:
+# - ``kv_layout``: the main and compressed KV byte layouts (``pd_kv_layout()``: ``--dsv4-attn-backend``
+#   and ``SGLANG_DSV4_KV_LAYOUT``); the default is V4 throughout, which is also every 0.5.19 pool's;
+# - ``kv_fp8_two_pool``: the compressed-MLA fp8 two-pool layout (``SGLANG_DSV4_UNIFIED_KV_FP8``), ``True``;
+# - ``dspark``: a DeepSeek-V4.1 DSpark draft's transfer layout (0.5.23's ``get_dsv41_spec_layout``);
+# - ``allocation_policy``: ``--disaggregation-decode-allocation-policy`` where not ``"early"``.
+OPTIONAL_FACTOR_NAMES: tuple[str, ...] = ("kv_layout", "kv_fp8_two_pool", "dspark", "allocation_policy")
+DEFAULT_KV_LAYOUT = "v4"
+DEFAULT_ALLOCATION_POLICY = "early"
+
+
+def default_kv_layout(compression_ratios) -> str:
+    """0.5.23's ``pd_kv_layout()`` string for the default V4 layout of pools with these ratios."""
+    compressed = [f"c{r}:{DEFAULT_KV_LAYOUT}" for r in sorted(set(compression_ratios) - {0})]
+    return ",".join([DEFAULT_KV_LAYOUT, *compressed])
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -104,7 +123,16 @@ class LayoutReport(_Frozen):
     local_check: LocalCheck
 
     def factor(self, name: str) -> Any:
-        return dict(self.factors)[name]
+        """A factor's value; an optional factor the report does not carry is ``None`` (its default)."""
+        factors = dict(self.factors)
+        return factors.get(name) if name in OPTIONAL_FACTOR_NAMES else factors[name]
+
+    def kv_layout(self) -> str:
+        """The KV byte layout as 0.5.23 names it (the default V4 one where the report carries none)."""
+        return self.factor("kv_layout") or default_kv_layout(self.factor("compression_ratios"))
+
+    def allocation_policy(self) -> str:
+        return self.factor("allocation_policy") or DEFAULT_ALLOCATION_POLICY
 
 
 def _canon(value: Any) -> Any:
@@ -133,7 +161,7 @@ def diff(ours: LayoutReport, theirs: LayoutReport) -> list[tuple[str, Any, Any]]
     if ours.kv_dtype != theirs.kv_dtype:
         out.append(("kv_dtype", ours.kv_dtype, theirs.kv_dtype))
     a, b = dict(ours.factors), dict(theirs.factors)
-    for name in FACTOR_NAMES:
+    for name in FACTOR_NAMES + OPTIONAL_FACTOR_NAMES:
         if _canon(a.get(name)) != _canon(b.get(name)):
             out.append((name, a.get(name), b.get(name)))
     return out

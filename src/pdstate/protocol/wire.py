@@ -47,6 +47,13 @@ change of a message's fields):
   state and aux have) before its ``TransferDone``, so the decode hashes those bytes while the rest
   still copies. It is advisory: a decode without it drops the frame (unknown kind) and hashes
   everything after ``TransferDone``, the verdict is the same either way.
+  v1 then let a ``LayoutReport`` carry the optional factors of ``report.OPTIONAL_FACTOR_NAMES``
+  (``kv_layout``, ``kv_fp8_two_pool``, ``dspark``, ``allocation_policy``: what SGLang 0.5.23
+  compares between its servers), each only where it is not at its default, leaving every earlier
+  report, fingerprint and golden vector byte-identical. A peer that does not know them compares
+  only the factors it knows: for the default V4 layouts (every pdstate pool and every SGLang 0.5.19
+  one) nothing changes; a report that carries one differs in fingerprint, and a peer that knows
+  them refuses the pair with SGLang 0.5.23's own sentence (``compat.upstream_mismatch``).
 """
 
 from __future__ import annotations

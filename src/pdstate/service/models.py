@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validat
 
 from pdstate.errors import DocumentValueError
 from pdstate.protocol.fixes import fix_line
-from pdstate.protocol.report import FACTOR_NAMES, ErrorInfo, LayoutReport
+from pdstate.protocol.report import FACTOR_NAMES, OPTIONAL_FACTOR_NAMES, ErrorInfo, LayoutReport
 
 Role = Literal["prefill", "decode"]
 
@@ -218,7 +218,7 @@ class CompatCheckIn(CompatDocument):
             _check_value(r.page_size)
             where = "report.factors"
             names = [n for n, _ in r.factors]
-            if len(set(names)) != len(names) or not set(names) <= set(FACTOR_NAMES):
+            if len(set(names)) != len(names) or not set(names) <= set(FACTOR_NAMES + OPTIONAL_FACTOR_NAMES):
                 raise DocumentValueError("factor names must be distinct names of the protocol's factors")
             _check_value([v for _, v in r.factors])
             for side in ("target", "draft"):
