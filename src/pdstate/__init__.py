@@ -34,6 +34,19 @@ Version notes of the public API:
   start_layer + layer_num)``, ``end_layer`` inclusive, clipped to the list). A caller that gave
   ``start_layer`` or ``layer_num`` alone to build part of a ratio list now passes both bounds;
   ``build_worker_pools`` does, so its presets' layouts are unchanged.
+  Then SGLang 0.5.23 beside 0.5.19, one behaviour change and additions:
+  ``DeepSeekV4TokenToKVPool(upstream="0.5.19" | "0.5.23")`` (also ``PoolSettings.upstream``,
+  ``preset(..., upstream=)`` and the configuration key ``pool.upstream``) builds a release's pools;
+  **the default is the newest, 0.5.23**: more compressed-KV rows (capacity), unified-KV C4 states
+  by request slot, and 0.5.23's refusals (``SWAGeometryMismatch``, "must share SWA geometry" with
+  a three-element tuple; a draft with no mapping gets the seed error ``SWAIndexMappingNotShared``
+  where 0.5.19 raised ``DraftMappingMissing``). Pass ``upstream="0.5.19"`` for 0.5.19's. Added:
+  ``StateType.DSV4_REQUEST_STATE`` (another name of ``C128_STATE``, value ``"c128_state"``) and
+  ``StateType.REQUEST_ROW``; the errors ``KVLayoutMismatch``, ``CompressedMLAPoolMismatch``,
+  ``DSparkLayoutMismatch`` and ``AllocationPolicyMismatch`` (SGLang 0.5.23's cross-side
+  sentences, raised by ``check_peer`` from the optional report factors of
+  ``pdstate.protocol.report.OPTIONAL_FACTOR_NAMES``); ``build_report(..., dspark=,
+  allocation_policy=)``; the five new error classes in ``__all__``; and the SGLang plugin entry point (``sglang.srt.plugins``: ``pdstate``).
 """
 
 from __future__ import annotations
@@ -81,11 +94,16 @@ __all__ = [
     "SWAIndexMappingNotShared",
     "SWARingGeometryMismatch",
     "PagedSWAGeometryMismatch",
+    "SWAGeometryMismatch",
     "DraftMappingMissing",
     "CrossSideMismatch",
     "PageSizeMismatch",
     "KVCacheDtypeMismatch",
     "LayoutMismatch",
+    "KVLayoutMismatch",
+    "CompressedMLAPoolMismatch",
+    "DSparkLayoutMismatch",
+    "AllocationPolicyMismatch",
     "DescriptorMismatch",
     "PoolConfigError",
     "AllocationError",
