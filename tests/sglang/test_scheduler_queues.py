@@ -9,7 +9,8 @@ cached environment) one prefill child and one decode child run: with SGLang's ow
 and with backend ``pdstate``, a same-config pair ends Success on both sides with every landed
 byte right (main KV, SWA window of target and draft, C4/C128 state, aux); with ``pdstate``, a
 speculative-vs-not pair and a swapped C4/C128 order end Failed on both sides, naming the
-factor, in under a second, with no byte of the decode's memory written.
+factor, in under a second, with no byte of the decode's memory written. SGLang's own backend on
+the same two mismatches is recorded too: the byte check sees the wrong bytes it lands.
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ ENV_NAMES = {"0.5.23": "sglang-env-0.5.23"}
 DEADLINE_S = 3.0  # per side and request: what bounds a hang
 FAIL_FAST_S = 1.0
 REFUSED = ("spec_vs_nospec", "c4_c128_order")
-RUNS = [("mooncake", "correct"), ("pdstate", "correct")] + [("pdstate", name) for name in REFUSED]
+RUNS = [("mooncake", "correct"), ("pdstate", "correct")] + [
+    (b, name) for b in ("pdstate", "mooncake") for name in REFUSED
+]
+# What SGLang's own Mooncake backend does with them through its queues (as with the managers
+# called directly, ../shared/reference/sglang_cpu.md): Success with wrong bytes, except that 0.5.23
+# refuses speculative vs not itself.
+MOONCAKE_REFUSES = {("0.5.23", "spec_vs_nospec")}
 
 
 def _ensure_env(release: str, request) -> Path:
@@ -100,3 +107,16 @@ def test_pdstate_refuses_a_mismatch_through_the_queues(queue_runs, name):
     assert table.factor_of(dec["failure"]) == factor, dec["failure"]
     assert not dec["placed"] and dec["changed_bytes"] == 0  # not one byte of the decode's memory written
     assert r["elapsed_s"] < FAIL_FAST_S
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_sglang_mooncake_alone_on_a_mismatch_through_the_queues(queue_runs, name):
+    release = queue_runs[0]
+    r = _only(queue_runs, "mooncake", name)
+    pre, dec = r["prefill"], r["decode"]
+    if (release, name) in MOONCAKE_REFUSES:
+        assert pre["outcome"] == dec["outcome"] == "Failed", (pre, dec)
+        assert dec["changed_bytes"] == 0
+    else:
+        assert pre["outcome"] == dec["outcome"] == "Success", (pre, dec)
+        assert dec["wrong_items"] > 0  # landed, in the wrong places: only the byte check tells

@@ -8,6 +8,7 @@ its request-state indices.
 
 from __future__ import annotations
 
+import hashlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -26,6 +27,7 @@ from sglang.srt.mem_cache.allocator import paged
 from sglang.srt.mem_cache.common import kv_to_page_indices, release_kv_cache
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
+from pdstate.devtools.sglang_pair import pattern
 from pdstate.devtools.sglang_queues import pools as side_pools
 
 NEW = not hasattr(disagg_utils, "get_dsv4_c128_state_indices")  # 0.5.23 and later
@@ -136,6 +138,14 @@ def _tree_cache(pools, req_to_token_pool, args, sched, group):
 
 class PrefillScheduler(SchedulerDisaggregationPrefillMixin):
     """A prefill scheduler holding only what the bootstrap/inflight queue code reads."""
+
+    def _release_aborted_request(self, req) -> None:
+        """0.5.23's failed-transfer path calls the scheduler's abort cleanup: for a request with no
+        session, its multimodal inputs go and the tree cache closes its handle as aborted."""
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
+
+        req.release_mm_inputs_on_abort()
+        self.tree_cache.finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
 
 
 class DecodeScheduler(SchedulerDisaggregationDecodeMixin):
@@ -266,10 +276,8 @@ def _watch_decode(case, transfer) -> None:
     commit = transfer._commit_transfer_to_req
 
     def recorded_commit(decode_req):
-        from pdstate.devtools.sglang_queues.side import _row_digests
-
         index = decode_req.metadata_buffer_index
-        case.commits[decode_req.req.bootstrap_room] = {"index": index, "aux": _row_digests(case.aux_bufs, index)}
+        case.commits[decode_req.req.bootstrap_room] = {"index": index, "aux": row_digests(case.aux_bufs, index)}
         return commit(decode_req)
 
     transfer._commit_transfer_to_req = recorded_commit
@@ -284,6 +292,15 @@ def _watch_decode(case, transfer) -> None:
             return _clear(slot, *a, **kw)
 
         setattr(target, name, recorded_clear)
+
+
+def row_digests(aux_bufs: list[tuple[int, int, int]], index: int) -> list[str]:
+    """A digest of row ``index`` of every aux buffer ``(ptr, length, item length)``."""
+    out = []
+    for ptr, length, item in aux_bufs:
+        row = pattern.memory(ptr, length)[index * item : (index + 1) * item]
+        out.append(hashlib.sha256(row.tobytes()).hexdigest()[:16])
+    return out
 
 
 def cleared_rows(case) -> dict[tuple[int, int], list[int]]:

@@ -20,7 +20,6 @@ from pdstate.devtools.sglang_pair import booted  # noqa: F401  (first: the GPU-o
 
 # isort: split
 
-import hashlib
 import json
 import sys
 import time
@@ -121,14 +120,6 @@ def _request(room: int, tokens: int, mode):
     )  # fmt: skip
 
 
-def _row_digests(meta_bufs: list[tuple[int, int, int]], index: int) -> list[str]:
-    out = []
-    for ptr, length, item in meta_bufs:
-        view = pattern.memory(ptr, length)
-        out.append(hashlib.sha256(view[index * item : (index + 1) * item].tobytes()).hexdigest()[:16])
-    return out
-
-
 # -- prefill
 def run_prefill(room: int, tokens: int, deadline_s: float) -> dict:
     from sglang.srt.disaggregation.utils import DisaggregationMode
@@ -168,7 +159,7 @@ def run_prefill(room: int, tokens: int, deadline_s: float) -> dict:
     sched.disagg_prefill_inflight_queue.append(req)
     sched.send_kv_chunk(req, last_chunk=True)
     trace.append("last chunk")
-    aux = _row_digests(case.aux_bufs, req.metadata_buffer_index)
+    aux = compat.row_digests(case.aux_bufs, req.metadata_buffer_index)
     while True:
         done = sched.process_disagg_prefill_inflight_queue()
         if req in done:
