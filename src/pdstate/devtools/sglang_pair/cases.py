@@ -5,7 +5,7 @@ alternating) paged pools, as SGLang builds them from its constructor keywords, w
 speculative or not (the C4 state ring is 16 rows with speculation, 8 without), a NextN draft or
 none, the C4/C128 layer order, the sliding window and the page size. A *case* pairs a prefill side
 with a decode side; the mismatch cases are the ones SGLang 0.5.19 checks nothing of beyond the page
-size (``../shared/reference/sglang_cpu.md``).
+size (0.5.23's own backend refuses some of them: ``../shared/reference/sglang_cpu.md``).
 """
 
 from __future__ import annotations
