@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the cached SGLang 0.5.19 environment the tests in tests/sglang run the real code from.
+# Build a cached SGLang environment (0.5.19, or VERSION) the tests in tests/sglang run the real code from.
 #
 #   tools/sglang_env.sh PYTHON DIR [VERSION]
 #

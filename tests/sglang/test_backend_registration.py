@@ -24,7 +24,8 @@ INSTALLED_FIRST = ["install_twice", "kv_classes"]
 
 
 @pytest.fixture(scope="module")
-def probes(sglang_env) -> dict[str, dict]:
+def probes(sglang_release) -> dict[str, dict]:
+    sglang_env = sglang_release.env
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {
             name: pool.submit(runner.run_probe, sglang_env, {}, checks, 300, "backend_probe.py")

@@ -109,8 +109,34 @@ def find_pools(kv_args, candidates=None) -> tuple[object, object | None]:
     )
 
 
+def server_factors(kv_args) -> dict:
+    """What the running SGLang's server settings add to the report (0.5.23: the decode allocation
+    policy and a DSpark draft's transfer layout; 0.5.19 has neither, so both stay at the default)."""
+    out: dict = {}
+    try:
+        from sglang.srt.runtime_context import get_disagg
+
+        policy = getattr(get_disagg(), "disaggregation_decode_allocation_policy", None)
+    except Exception:  # no published server args (an embedding), or a release without the setting
+        policy = None
+    if policy:
+        out["allocation_policy"] = str(policy)
+    try:
+        from sglang.srt.disaggregation.utils import get_dsv41_spec_layout
+    except ImportError:  # 0.5.19
+        return out
+    try:
+        dspark = get_dsv41_spec_layout(kv_args)
+    except Exception:  # as SGLang's own manager would raise it: reported by the local check instead
+        dspark = None
+    if dspark:
+        out["dspark"] = dspark
+    return out
+
+
 def layout_report(kv_args, candidates=None):
-    """The ``LayoutReport`` of the pool pair behind ``kv_args`` (its local check included)."""
+    """The ``LayoutReport`` of the pool pair behind ``kv_args`` (its local check included), with
+    the server settings SGLang 0.5.23 compares across the pair (``server_factors``)."""
     target, draft = find_pools(kv_args, candidates)
-    report, _ = build_report(target, draft)
+    report, _ = build_report(target, draft, **server_factors(kv_args))
     return report
