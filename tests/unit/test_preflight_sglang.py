@@ -25,9 +25,23 @@ PREFILL = f"{MODEL} --disaggregation-mode prefill {SPEC}"
 DECODE = f"{MODEL} --disaggregation-mode decode --dp 8 --enable-dp-attention {SPEC}"
 
 
+RELEASES = ("0.5.19", "0.5.23")
+_release: list[str] = []  # the release every check() of the running test predicts both sides as
+
+
+@pytest.fixture(autouse=True, params=RELEASES, ids=lambda r: f"sglang-{r}")
+def sglang_release(request):
+    """Every test here runs once per SGLang release pdstate models (``--sglang-release``)."""
+    _release[:] = [request.param]
+    yield request.param
+    _release.clear()
+
+
 def check(capsys, prefill: str, decode: str, *extra: str) -> tuple[int, str]:
     p = argparse.ArgumentParser()
     preflight.configure_check(p)
+    if "--sglang-release" not in extra:
+        extra = (*extra, "--sglang-release", *_release)
     args = p.parse_args(["--sglang", prefill, decode, *extra])
     rc = args.func(args)
     out = capsys.readouterr()
@@ -439,3 +453,50 @@ def test_predict_resolves_speculative_defaults():
     assert side.speculative_num_draft_tokens == 3
     assert any("adjusted to 3" in n for n in side.notes)
     assert side.pool_settings().speculative_num_draft_tokens == 3
+
+
+# --- a pair on two releases (a rolling upgrade) ----------------------------------------------------
+
+UNIFIED = "SGLANG_HACK_FLASHMLA_BACKEND=unified_kv_triton "
+
+
+def test_paged_sides_on_two_releases_are_compatible(capsys):
+    rc, out = check(capsys, PREFILL, DECODE, "--sglang-release", "0.5.19", "--sglang-release", "0.5.23")
+    assert rc == 0, out
+    assert "SGLang 0.5.19 (--sglang-release)" in out and "SGLang 0.5.23 (--sglang-release)" in out
+    assert out.splitlines()[-1] == "compatible"
+
+
+def test_unified_sides_on_two_releases_address_c4_state_differently(capsys):
+    rc, out = check(
+        capsys, UNIFIED + PREFILL, UNIFIED + DECODE, "--sglang-release", "0.5.19", "--sglang-release", "0.5.23"
+    )
+    assert rc == 1, out
+    assert "c4_ring" in out
+    rc, out = check(capsys, UNIFIED + PREFILL, UNIFIED + DECODE, "--sglang-release", "0.5.23")
+    assert rc == 0, out
+
+
+def test_an_unknown_release_is_refused_in_one_line(capsys):
+    rc, out = check(capsys, PREFILL, DECODE, "--sglang-release", "0.5.20")
+    assert rc == 2
+    assert out.strip() == "pdstate check: --sglang-release 0.5.20: pdstate models SGLang 0.5.19 and 0.5.23"
+
+
+def test_the_preflight_models_the_releases_the_pools_build():
+    from pdstate.pools.dsv4 import UPSTREAM_RELEASES
+    from pdstate.service.sglang_args import SUPPORTED_RELEASES
+
+    assert tuple(SUPPORTED_RELEASES) == tuple(UPSTREAM_RELEASES) == RELEASES
+
+
+def test_a_running_server_says_its_own_release(sglang_server):
+    from pdstate.service.sglang_args import predict
+
+    old = predict("prefill", sglang_server(server_info("prefill", version="0.5.19")))
+    assert (old.release, old.release_source) == ("0.5.19", "the server's /get_server_info")
+    assert old.pool_settings().upstream == "0.5.19"
+    other = predict("decode", sglang_server(server_info("decode", version="0.6.0")))
+    assert other.release == "0.5.23"
+    assert "the server runs SGLang 0.6.0, which pdstate does not model; predicted as 0.5.23" in other.notes
+    assert predict("decode", sglang_server(server_info("decode")), release="0.5.19").release == "0.5.19"

@@ -88,15 +88,33 @@ def check_configs(paths: list[str], overrides: list[str]) -> int:
     return ExitCode.FAILED
 
 
-def check_sglang(prefill: str, decode: str, model_configs: list[str], strict: bool, timeout_s: float) -> int:
-    from pdstate.service.sglang_args import predict
+def check_sglang(
+    prefill: str,
+    decode: str,
+    model_configs: list[str],
+    strict: bool,
+    timeout_s: float,
+    releases: list[str] | None = None,
+) -> int:
+    from pdstate.service.sglang_args import SUPPORTED_RELEASES, predict
     from pdstate.service.sglang_check import compare, render
 
     if len(model_configs) > 2:
         raise ConfigError("--model-config: give it once (both sides) or twice (prefill, then decode)")
+    releases = releases or []
+    if len(releases) > 2:
+        raise ConfigError("--sglang-release: give it once (both sides) or twice (prefill, then decode)")
+    for r in releases:
+        if r not in SUPPORTED_RELEASES:
+            raise ConfigError(f"--sglang-release {r}: pdstate models SGLang {' and '.join(SUPPORTED_RELEASES)}")
     p_cfg = model_configs[0] if model_configs else None
     d_cfg = model_configs[-1] if model_configs else None
-    sides = predict("prefill", prefill, p_cfg, timeout_s), predict("decode", decode, d_cfg, timeout_s)
+    p_rel = releases[0] if releases else None
+    d_rel = releases[-1] if releases else None
+    sides = (
+        predict("prefill", prefill, p_cfg, timeout_s, release=p_rel),
+        predict("decode", decode, d_cfg, timeout_s, release=d_rel),
+    )
     from pdstate.service.sglang_args import FLASH, builtin_flash_config
 
     flash = builtin_flash_config()
@@ -111,7 +129,9 @@ def cmd_check(args) -> int:
         if args.sglang:
             if args.configs:
                 raise ConfigError("give either config files or --sglang PREFILL DECODE, not both")
-            return check_sglang(*args.sglang, args.model_config, args.strict, args.timeout)
+            return check_sglang(
+                *args.sglang, args.model_config, args.strict, args.timeout, getattr(args, "sglang_release", None)
+            )
         if not args.configs:
             raise ConfigError("nothing to check: give one or two config files, or --sglang PREFILL DECODE")
         if len(args.configs) > 2:
@@ -146,6 +166,14 @@ def configure_check(c: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="the model's config.json for --sglang (once: both sides; twice: prefill, decode); "
         "DeepSeek-V4-Flash is built in",
+    )
+    c.add_argument(
+        "--sglang-release",
+        action="append",
+        default=[],
+        metavar="VERSION",
+        help="the SGLang release each --sglang side runs, 0.5.19 or 0.5.23 (once: both sides; twice: prefill, "
+        "decode); a running server says its own; default the newest",
     )
     c.add_argument("--strict", action="store_true", help="--sglang: fail when an argument is not modelled")
     c.add_argument("--timeout", type=float, default=5.0, help="seconds per HTTP request (http:// launches)")

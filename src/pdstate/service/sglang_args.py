@@ -56,6 +56,10 @@ from pdstate.service.sglang_launch import (
     split_launch,
 )
 
+# The SGLang releases pdstate's pool model builds (``pdstate.pools.dsv4.UPSTREAM_RELEASES``; this
+# module stays torch-free, a test keeps the two equal).
+SUPPORTED_RELEASES = ("0.5.19", "0.5.23")
+
 # --- the prediction -------------------------------------------------------------------------------
 
 
@@ -91,6 +95,8 @@ class SGLangSide:
     enable_dp_attention: bool = False
     pp_size: int = 1
     env: dict[str, str] = field(default_factory=dict)
+    release: str = "0.5.23"  # the SGLang release whose pools this side builds (pdstate's pool model follows it)
+    release_source: str = "default: the newest release"
     given: dict[str, str] = field(default_factory=dict)  # ServerArgs field -> the flag as written
     notes: list[str] = field(default_factory=list)
     not_modelled: list[str] = field(default_factory=list)
@@ -137,6 +143,7 @@ class SGLangSide:
         if self.state_dtype != "float32":
             parts.append(f"state {self.state_dtype}")
         parts.append(f"tp {self.tp_size} dp {self.dp_size}" + (" dp-attention" if self.enable_dp_attention else ""))
+        parts.append(f"SGLang {self.release} ({self.release_source})")
         return ", ".join(parts)
 
     def pool_settings(self):
@@ -167,6 +174,7 @@ class SGLangSide:
             online_c128_mtp=self.online_c128_mtp,
             draft_enabled=self.speculative,
             draft_layers=1,
+            upstream=self.release,
         )
 
 
@@ -221,8 +229,20 @@ def _apply_model_config(side_kw: dict, cfg: dict, source: str, overrides: dict, 
     return [k for k in overrides if k not in CONFIG_KEYS]
 
 
-def predict(role: str, text: str, model_config: str | None = None, timeout_s: float = 5.0) -> SGLangSide:
-    """One server's resolved DSV4 layout settings from its launch string (see the module doc)."""
+def predict(
+    role: str, text: str, model_config: str | None = None, timeout_s: float = 5.0, release: str | None = None
+) -> SGLangSide:
+    """One server's resolved DSV4 layout settings from its launch string (see the module doc).
+
+    ``release`` is the SGLang release the server runs (``"0.5.19"`` / ``"0.5.23"``); a running
+    server's ``/get_server_info`` says it itself (its ``version``), else the newest is assumed."""
+    side = _predict(role, text, model_config, timeout_s)
+    if release is not None:
+        side.release, side.release_source = release, "--sglang-release"
+    return side
+
+
+def _predict(role: str, text: str, model_config: str | None, timeout_s: float) -> SGLangSide:
     origin = "arguments"
     env, argv, launcher = split_launch(text)
     if not argv and launcher.startswith("@") and " " not in launcher:
@@ -250,6 +270,13 @@ def _from_server_info(role: str, origin: str, info: dict, env: dict, model_confi
     values = {k: info[k] for k in MODELLED if k in info and info[k] is not None}
     given = {k: f"{MODELLED[k][0][0]} {v}" for k, v in values.items()}
     side = _resolve(role, origin, values, given, env, model_config, resolved=True)
+    version = str(info.get("version") or "")
+    if version in SUPPORTED_RELEASES:
+        side.release, side.release_source = version, "the server's /get_server_info"
+    elif version:
+        side.notes.append(
+            f"the server runs SGLang {version}, which pdstate does not model; predicted as {side.release}"
+        )
     side.notes.append(
         "from a running server's /get_server_info: SGLang's resolved values; its environment is not "
         "reported (give VAR=value before the URL)"
