@@ -15,20 +15,12 @@ the same two mismatches is recorded too: the byte check sees the wrong bytes it 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from pdstate.devtools.sglang_pair import table
 from pdstate.devtools.sglang_pair.cases import CASES
 from tests.sglang import runner
 
-RELEASES = ("0.5.19", "0.5.23")
-# The environment of each release: 0.5.19 is the suite's default one (runner.env_dir()); 0.5.23
-# sits beside it and is built by the same script with the version as third argument.
-ENV_NAMES = {"0.5.23": "sglang-env-0.5.23"}
 DEADLINE_S = 3.0  # per side and request: what bounds a hang
 FAIL_FAST_S = 1.0
 REFUSED = ("spec_vs_nospec", "c4_c128_order")
@@ -41,32 +33,17 @@ RUNS = [("mooncake", "correct"), ("pdstate", "correct")] + [
 MOONCAKE_REFUSES = {("0.5.23", "spec_vs_nospec")}
 
 
-def _ensure_env(release: str, request) -> Path:
-    if release not in ENV_NAMES:
-        return request.getfixturevalue("sglang_env")
-    target = Path(sys.prefix) / ENV_NAMES[release]
-    proc = subprocess.run(
-        ["bash", str(runner.BUILD_SCRIPT), sys.executable, str(target), release],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    if proc.returncode == runner.NO_WHEEL_STATUS:
-        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(runner.NO_WHEEL)]
-        runner.skip(runner.EnvUnavailable(lines[-1] if lines else f"{runner.NO_WHEEL} the sglang {release} wheel"))
-    if proc.returncode != 0:
-        raise RuntimeError(f"building {target} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return target
-
-
-@pytest.fixture(scope="module", params=RELEASES)
+@pytest.fixture(scope="module", params=runner.RELEASES, ids=lambda r: f"sglang-{r}")
 def queue_runs(request) -> tuple[str, dict]:
     """``(release, {(backend, case): result})``: one pair of children per release, every run in it."""
     from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, mooncake_missing
     from pdstate.devtools.sglang_queues.pair import QueuePair
 
     release = request.param
-    target = _ensure_env(release, request)
+    try:
+        target = runner.ensure_env(release)
+    except runner.EnvUnavailable as exc:
+        runner.skip(exc)
     if why := mooncake_missing():
         pytest.skip(why)
     with QueuePair(target, extra_env=PDSTATE_ENGINE_ENV) as pair:
