@@ -100,9 +100,11 @@ def test_unknown_key_is_named(toml):
     with pytest.raises(ConfigError, match=r"http\.colour: Extra inputs are not permitted \(in "):
         load_config(toml(BASE.replace("port = 9000", "port = 9000\ncolour = 1")), environ={})
     with pytest.raises(
-        ConfigError, match=r"nosuch: Extra inputs are not permitted \(from environment PDSTATE_NOSUCH\)"
+        ConfigError,
+        match=r"http\.portt: Extra inputs are not permitted \(from environment PDSTATE_HTTP__PORTT\); "
+        r"did you mean PDSTATE_HTTP__PORT\?",
     ):
-        load_config(toml(BASE), environ={"PDSTATE_NOSUCH": "1"})
+        load_config(toml(BASE), environ={"PDSTATE_HTTP__PORTT": "1"})
 
 
 def test_wrong_type_is_named(toml):
@@ -139,8 +141,54 @@ def test_missing_role_file_errors_and_bad_set_syntax(toml, tmp_path):
         load_config(toml(BASE), ["http=1", "http.port=2"], environ={})
 
 
-def test_pdstate_shared_is_not_a_key(toml):
+def test_pdstate_shared_is_not_a_key(toml, caplog):
     assert load_config(toml(BASE), environ={"PDSTATE_SHARED": "/somewhere"}).role == "decode"
+    assert not caplog.records
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    from pdstate.service import config
+
+    monkeypatch.setattr(config, "_WARNED", set())
+
+
+@pytest.mark.parametrize(
+    ("name", "nearest"),
+    [
+        ("PDSTATE_ENGINE", "PDSTATE_TRANSFER__ENGINE"),
+        ("PDSTATE_AUTH_TOKEN", "PDSTATE_AUTH__TOKEN"),
+        ("PDSTATE_TRANSFR__ENGINE", "PDSTATE_TRANSFER__ENGINE"),
+        ("PDSTATE_CONTROL_PEER_TIMEOUT_S", "PDSTATE_CONTROL__PEER_TIMEOUT_S"),
+    ],
+)
+def test_other_pdstate_names_warn_once_with_the_nearest_key(toml, caplog, fresh_warnings, name, nearest):
+    for _ in range(2):  # serve loads once, check once per file: one warning per process
+        cfg = load_config(toml(BASE), environ={name: "mooncake"})
+    assert cfg.transfer.engine == "shm" and cfg.auth.secret() is None  # ignored, not applied
+    [record] = caplog.records
+    assert record.levelname == "WARNING" and record.name == "pdstate.config"
+    assert f"environment {name} is not a configuration name" in record.getMessage()
+    assert f"did you mean {nearest}?" in record.getMessage()
+
+
+def test_a_name_near_nothing_and_the_backend_variable_warn_too(toml, caplog, fresh_warnings):
+    load_config(toml(BASE), environ={"PDSTATE_NOSUCH": "1", "PDSTATE_SGLANG_CONFIG": "/x.toml"})
+    texts = [r.getMessage() for r in caplog.records]
+    assert len(texts) == 2
+    assert "PDSTATE_NOSUCH is not a configuration name" in texts[0] and "PDSTATE_SECTION__KEY" in texts[0]
+    assert "PDSTATE_SGLANG_CONFIG is not configuration here: read by the SGLang backend only" in texts[1]
+    caplog.clear()
+    load_config(toml(BASE), environ={"PDSTATE_SGLANG_CONFIG": "/x.toml"}, known=("PDSTATE_SGLANG_CONFIG",))
+    assert not caplog.records
+
+
+def test_every_environment_name_is_a_key():
+    from pdstate.service.config import environment_names
+
+    names = environment_names()
+    assert {"PDSTATE_ROLE", "PDSTATE_HTTP__PORT", "PDSTATE_TRANSFER__MOONCAKE__HOST"} <= set(names)
+    assert all(name == name.upper() and name.startswith("PDSTATE_") for name in names)
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -197,3 +245,15 @@ def test_pool_upstream_other_value_is_named(toml, value):
     msg = str(info.value)
     assert msg.startswith("invalid configuration: pool.upstream: ")
     assert "unknown SGLang release" in msg and "choose one of '0.5.19', '0.5.23'" in msg
+
+
+def test_the_sglang_backend_warns_alike_and_reads_its_own_variable(tmp_path, caplog, fresh_warnings):
+    from pdstate.integrations.sglang.settings import CONFIG_ENV, load_settings
+
+    path = tmp_path / "pdstate.toml"
+    path.write_text("[control]\npeer_timeout_s = 7.5\n")
+    s = load_settings("decode", environ={CONFIG_ENV: str(path), "PDSTATE_TRANSFR__ENGINE": "nixl"})
+    assert (s.engine, s.peer_timeout_s) == ("mooncake", 7.5)  # the misspelled section is not applied...
+    [record] = caplog.records  # ...and says so, while the backend's own variable is read without a word
+    assert "PDSTATE_TRANSFR__ENGINE" in record.getMessage()
+    assert "did you mean PDSTATE_TRANSFER__ENGINE?" in record.getMessage()

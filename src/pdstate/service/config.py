@@ -5,6 +5,13 @@ key. ``PDSTATE_POOL__PAGE_SIZE=512`` sets ``pool.page_size``; ``--set pool.page_
 the same and wins over the environment. Values given as strings are parsed as TOML scalars
 (``true``, ``4``, ``"paged"``), falling back to the raw string.
 
+Environment names: only ``PDSTATE_SECTION__KEY`` (``PDSTATE_KEY`` for the top-level ``role``,
+``worker_id`` and ``preset``) is configuration, and an unknown key under a known section is an
+error like any other. Any other ``PDSTATE_*`` name (``PDSTATE_ENGINE``, ``PDSTATE_AUTH_TOKEN``, a
+misspelled section) is not configuration: it gets one warning per process naming the nearest
+valid key (``stray_environment``), and the load goes on. Serve, check and the SGLang backend all
+load through ``load_config``, so they warn alike.
+
 Auth fails closed, at load time (so ``pdstate serve`` exits 2 with one line before anything
 starts): a token file that cannot be read, is not UTF-8 or is empty, a known placeholder as the
 token (``REPLACE-ME...``, ``changeme``, ...), or HTTP / the prefill's control socket bound beyond
@@ -14,11 +21,13 @@ explicit opt-out of the last one (a trusted private network). Loopback without a
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
+import logging
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,7 +37,7 @@ from pdstate.errors import ConfigError
 from pdstate.pools.dsv4 import UPSTREAM_RELEASES
 from pdstate.pools.presets import PRESETS, PoolSettings
 from pdstate.pools.presets import preset as preset_settings
-from pdstate.runtime.options import WorkerOptions
+from pdstate.worker.options import WorkerOptions
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -36,6 +45,18 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ENV_PREFIX = "PDSTATE_"
+
+log = logging.getLogger("pdstate.config")
+
+# PDSTATE_* names that are not configuration but belong to pdstate's own tools: never warned about.
+TOOL_NAMES = {
+    "PDSTATE_SHARED": "the test harness's shared directory",
+    "PDSTATE_SGLANG_ENV": "the SGLang drivers' cached environment",
+}
+# Read by one part of pdstate only: warned about elsewhere, saying where it belongs.
+OWN_NAMES = {
+    "PDSTATE_SGLANG_CONFIG": "read by the SGLang backend only (its TOML file); pdstate serve and check take --config"
+}
 
 
 class _Section(BaseModel):
@@ -300,12 +321,89 @@ def _set_path(tree: dict, dotted: str, value: Any, origin: str) -> None:
     node[parts[-1]] = value
 
 
+def environment_names() -> list[str]:
+    """Every configuration key as its environment name, in model order (``PDSTATE_ROLE``,
+    ``PDSTATE_POOL__PAGE_SIZE``, ``PDSTATE_TRANSFER__MOONCAKE__HOST``, ...)."""
+    names: list[str] = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                walk(field.annotation, f"{prefix}{name}__")
+            else:
+                names.append(f"{ENV_PREFIX}{prefix}{name}".upper())
+
+    walk(WorkerConfig, "")
+    return names
+
+
+def nearest_name(name: str) -> str | None:
+    """The configuration name ``name`` most likely meant, or ``None`` when none is close.
+
+    A name equal to a key without its section (``PDSTATE_ENGINE``) means that key; otherwise the
+    closest by ``difflib``, with ``_`` and ``__`` counted alike (``PDSTATE_AUTH_TOKEN``)."""
+    names = environment_names()
+    rest = name[len(ENV_PREFIX) :].upper()
+    for candidate in names:
+        if candidate.rsplit("__", 1)[-1] == rest and "__" in candidate:
+            return candidate
+    flat = {candidate.replace("__", "_"): candidate for candidate in names}
+    close = difflib.get_close_matches(name.upper().replace("__", "_"), list(flat), n=1, cutoff=0.75)
+    return flat[close[0]] if close else None
+
+
+def stray_environment(environ: Mapping[str, str], known: Collection[str] = ()) -> tuple[dict[str, str], list[str]]:
+    """Split ``environ``'s ``PDSTATE_*`` names into configuration and warnings.
+
+    Returns ``(configuration, warnings)``: the names whose first part is a key or section of
+    ``WorkerConfig``, and one sentence per other ``PDSTATE_*`` name (``TOOL_NAMES`` and ``known``
+    aside) saying it is ignored and naming the nearest valid key."""
+    heads = set(WorkerConfig.model_fields)
+    config: dict[str, str] = {}
+    warnings: list[str] = []
+    for key in sorted(environ):
+        if not key.startswith(ENV_PREFIX) or key in TOOL_NAMES or key in known:
+            continue
+        if key[len(ENV_PREFIX) :].lower().split("__")[0] in heads:
+            config[key] = environ[key]
+            continue
+        if key in OWN_NAMES:
+            warnings.append(f"environment {key} is not configuration here: {OWN_NAMES[key]}; ignored")
+            continue
+        near = nearest_name(key)
+        hint = (
+            f"did you mean {near}?"
+            if near
+            else "configuration names are PDSTATE_SECTION__KEY, e.g. PDSTATE_TRANSFER__ENGINE"
+        )
+        warnings.append(f"environment {key} is not a configuration name and is ignored; {hint}")
+    return config, warnings
+
+
+_WARNED: set[str] = set()  # one warning per name per process, however many loads
+
+
+def warn_stray_environment(environ: Mapping[str, str], known: Collection[str] = ()) -> dict[str, str]:
+    """``stray_environment``, each warning logged once per process; returns the configuration."""
+    config, warnings = stray_environment(environ, known)
+    for text in warnings:
+        if text not in _WARNED:
+            _WARNED.add(text)
+            log.warning("%s", text)
+    return config
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: list[str] | tuple[str, ...] = (),
     environ: Mapping[str, str] | None = None,
+    known: Collection[str] = (),
 ) -> WorkerConfig:
-    """Load, merge and validate; raises ``ConfigError`` naming the offending key."""
+    """Load, merge and validate; raises ``ConfigError`` naming the offending key.
+
+    ``environ`` (default ``os.environ``) contributes its ``PDSTATE_SECTION__KEY`` names; any other
+    ``PDSTATE_*`` name is warned about once and ignored, except those in ``known`` (names the
+    caller reads itself, such as the SGLang backend's ``PDSTATE_SGLANG_CONFIG``)."""
     tree: dict = {}
     origins: dict[str, str] = {}  # dotted key -> where its value came from, for error messages
     if path is not None:
@@ -314,12 +412,11 @@ def load_config(
             tree = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: invalid TOML: {exc}") from None
-    env = os.environ if environ is None else environ
+    env = warn_stray_environment(os.environ if environ is None else environ, known)
     for key in sorted(env):
-        if key.startswith(ENV_PREFIX) and key not in ("PDSTATE_SHARED",):
-            dotted = key[len(ENV_PREFIX) :].lower().replace("__", ".")
-            _set_path(tree, dotted, _scalar(env[key]), f"environment {key}")
-            origins[dotted] = f"environment {key}"
+        dotted = key[len(ENV_PREFIX) :].lower().replace("__", ".")
+        _set_path(tree, dotted, _scalar(env[key]), f"environment {key}")
+        origins[dotted] = f"environment {key}"
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
@@ -333,7 +430,10 @@ def load_config(
         for e in exc.errors():
             loc = ".".join(str(p) for p in e["loc"]) or "<root>"
             where = f" (from {origins[loc]})" if loc in origins else (f" (in {path})" if path is not None else "")
-            msgs.append(f"{loc}: {e['msg']}{where}")
+            near = None
+            if e["type"] == "extra_forbidden" and origins.get(loc, "").startswith("environment "):
+                near = nearest_name(origins[loc].removeprefix("environment "))
+            msgs.append(f"{loc}: {e['msg']}{where}" + (f"; did you mean {near}?" if near else ""))
         raise ConfigError("invalid configuration: " + "; ".join(msgs)) from None
 
     def where(key: str) -> str:

@@ -2,11 +2,11 @@
 
 Configuration: the TOML file named by ``PDSTATE_SGLANG_CONFIG`` (optional), then the
 ``PDSTATE_SECTION__KEY`` variables of ``pdstate.service.config`` (``PDSTATE_TRANSFER__ENGINE=nixl``,
-``PDSTATE_AUTH__TOKEN_FILE=...``, ``PDSTATE_CONTROL__PEER_TIMEOUT_S=...``); ``PDSTATE_*`` variables
-that name no section of it (this one, the test harness's) are not configuration. The role is
-SGLang's disaggregation mode. SGLang's pools are private device memory, which the ``shm`` engine
-cannot reach across processes: unless the engine is named, the backend uses ``mooncake``
-(``nixl`` across hosts too; ``loopback`` within one process).
+``PDSTATE_AUTH__TOKEN_FILE=...``, ``PDSTATE_CONTROL__PEER_TIMEOUT_S=...``); any other ``PDSTATE_*``
+name (a misspelled section, ``PDSTATE_ENGINE``) is ignored with one warning naming the nearest key,
+never silently. The role is SGLang's disaggregation mode. SGLang's pools are private device memory,
+which the ``shm`` engine cannot reach across processes: unless the engine is named, the backend
+uses ``mooncake`` (``nixl`` across hosts too; ``loopback`` within one process).
 
 Layout: SGLang hands the manager a ``KVArgs`` only; the pools are in the same process (the
 scheduler built them), so the manager finds the DeepSeek-V4 target whose main-KV buffers are the
@@ -24,7 +24,7 @@ from typing import Any
 from pdstate.errors import ConfigError
 from pdstate.pools.interface import is_dsv4_pool
 from pdstate.pools.reporting import build_report
-from pdstate.service.config import ENV_PREFIX, WorkerConfig, load_config
+from pdstate.service.config import load_config
 
 CONFIG_ENV = "PDSTATE_SGLANG_CONFIG"
 DEFAULT_ENGINE = "mooncake"
@@ -41,19 +41,10 @@ class AgentSettings:
     peer_timeout_s: float
 
 
-def _config_environ(environ) -> dict[str, str]:
-    sections = set(WorkerConfig.model_fields)
-    return {
-        k: v
-        for k, v in environ.items()
-        if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX) :].lower().split("__")[0] in sections
-    }
-
-
 def load_settings(role: str, environ=None) -> AgentSettings:
     """The agent settings for ``role`` ("prefill" / "decode"); ``ConfigError`` names a bad key."""
     env = os.environ if environ is None else environ
-    cfg = load_config(env.get(CONFIG_ENV) or None, overrides=[f"role={role}"], environ=_config_environ(env))
+    cfg = load_config(env.get(CONFIG_ENV) or None, overrides=[f"role={role}"], environ=env, known=(CONFIG_ENV,))
     engine = cfg.transfer.engine if "engine" in cfg.transfer.model_fields_set else DEFAULT_ENGINE
     if engine == "shm":
         raise ConfigError(
