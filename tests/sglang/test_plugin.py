@@ -83,3 +83,15 @@ def test_the_plugin_without_sglang_logs_one_line_and_raises_nothing():
     assert len(lines) == 1, out.stderr
     assert lines[0].startswith("ERROR pdstate: backend pdstate not registered: pdstate's SGLang backend needs")
     assert "Traceback" not in out.stderr
+
+
+def test_the_old_launcher_without_sglang_says_so_in_one_line():
+    code = (
+        "import runpy, sys; sys.modules['sglang'] = None\n"
+        "runpy.run_module('pdstate.integrations.sglang.launch_server', run_name='__main__')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    out = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pdstate: pdstate's SGLang backend needs the module"), out.stderr

@@ -15,9 +15,16 @@ from __future__ import annotations
 import os
 import sys
 
+from pdstate.errors import ExitCode, SGLangUnavailable
 from pdstate.integrations.sglang import install
 
-install()
+try:
+    install()
+except SGLangUnavailable as exc:
+    if __name__ not in ("__main__", "__mp_main__"):
+        raise
+    print(f"pdstate: {exc}", file=sys.stderr)  # one line, no traceback: the command itself was run
+    raise SystemExit(ExitCode.CONFIG) from None
 
 
 def main(argv: list[str] | None = None) -> None:
