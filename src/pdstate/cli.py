@@ -1,18 +1,19 @@
-"""``pdstate`` command line: demo | check | serve | probe | bench.
+"""``pdstate`` command line: demo | check | serve | probe | bench, and ``--version``.
 
 This module only builds the parsers and dispatches; each command's body lives with its layer
 (``devtools.demo``, ``service.preflight``, ``service.server``, ``service.probe``,
 ``devtools.bench_report``). Every command returns an ``ExitCode``; a ``ConfigError`` from any of
-them exits ``ExitCode.CONFIG``, as argparse's own usage errors do. Importing this module loads no
-torch: the commands that need it import it when they run.
+them exits ``ExitCode.CONFIG``, as argparse's own usage errors do. Logging is set up here, once
+(``pdstate.logs``: ``--log-level``, ``--log-format`` and, for serve, ``--native-logs``).
+Importing this module loads no torch: the commands that need it import it when they run.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
+from pdstate import logs
 from pdstate.devtools import bench_report, demo
 from pdstate.errors import ConfigError, ExitCode
 from pdstate.service import preflight, probe, server
@@ -20,7 +21,7 @@ from pdstate.service import preflight, probe, server
 ENGINES = ("shm", "mooncake", "nixl")
 MODES = ("paged", "unified")
 PRESET_NAMES = ("tiny", "dsv4-flash")  # pools.presets.PRESETS' names (a test keeps them equal)
-LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_LEVELS = logs.LEVELS
 
 EPILOG = (
     "exit status (every command): 0 ok; 1 the command ran and the answer is no (a check found "
@@ -119,16 +120,16 @@ def _add_demo(sub) -> None:
 
 
 def _add_check(sub) -> None:
-    preflight.configure_check(
-        sub.add_parser(
-            "check",
-            help="offline preflight: build layout reports from config files and compare",
-            description="Build each config file's pools and layout report in this process (no worker needed), "
-            "run the local target/draft check on each and, with two files, the pair's compatibility check.",
-            epilog=EPILOG,
-            formatter_class=HelpFormatter,
-        )
+    c = sub.add_parser(
+        "check",
+        help="offline preflight: build layout reports from config files and compare",
+        description="Build each config file's pools and layout report in this process (no worker needed), "
+        "run the local target/draft check on each and, with two files, the pair's compatibility check.",
+        epilog=EPILOG,
+        formatter_class=HelpFormatter,
     )
+    preflight.configure_check(c)
+    _add_logging(c)
 
 
 def _add_serve(sub) -> None:
@@ -150,8 +151,26 @@ def _add_serve(sub) -> None:
         metavar="section.key=value",
         help="override one config key, repeatable; wins over PDSTATE_* environment and the file (default: none)",
     )
-    s.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="log level of the worker and uvicorn")
+    _add_logging(s, native=True)
     s.set_defaults(func=server.cmd_serve)
+
+
+def _add_logging(parser: argparse.ArgumentParser, native: bool = False) -> None:
+    parser.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="log level (and uvicorn's)")
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=logs.FORMATS,
+        help="log lines on stderr: text, or one JSON object per line",
+    )
+    if native:
+        parser.add_argument(
+            "--native-logs",
+            default="levelled",
+            choices=logs.NATIVE_MODES,
+            help="native engines' own log lines on stderr (Mooncake's glog): levelled re-logs each at its level "
+            "under pdstate.native (so --log-level and --log-format apply); raw shows them as written",
+        )
 
 
 def _add_probe(sub) -> None:
@@ -220,20 +239,40 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=HelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_demo, _add_check, _add_serve, _add_probe, _add_bench):
         add(sub)
     return p
 
 
+def version() -> str:
+    """The installed distribution's version (package metadata), else ``pdstate.__version__``."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("pdstate")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        from pdstate import __version__
+
+        return __version__
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(getattr(args, "log_level", "warning"), getattr(args, "log_format", "text"))
+    native = logs.NativeLogs(args.native_logs) if getattr(args, "native_logs", "raw") != "raw" else None
+    if native is not None:
+        native.start()
     try:
         return args.func(args)
     except ConfigError as exc:
         print(f"pdstate: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
+    finally:
+        if native is not None:
+            native.close()
 
 
 if __name__ == "__main__":

@@ -141,3 +141,44 @@ def test_bench_command_writes_its_files_and_ends_with_the_summary(tmp_path, monk
     assert seen["agent"] is False
     assert cli.main(["bench", "--json", "--no-sglang", "--engines", "shm", "--out", str(tmp_path)]) == ExitCode.OK
     assert seen["sglang"] is False
+
+
+def test_version_prints_the_package_version():
+    import pdstate
+
+    done = subprocess.run(
+        [sys.executable, "-m", "pdstate.cli", "--version"], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout.strip() == f"pdstate {pdstate.__version__}" == f"pdstate {cli.version()}"
+
+
+@pytest.mark.parametrize("command", ["serve", "check"])
+def test_serve_and_check_take_a_log_format(command):
+    p = subparsers()[command]
+    extra = ["--config", "x.toml"] if command == "serve" else []
+    args = p.parse_args([*extra, "--log-format", "json", "--log-level", "info"])
+    assert (args.log_format, args.log_level) == ("json", "info")
+    assert p.parse_args(extra).log_format == "text"
+
+
+def test_check_warns_once_about_a_stray_variable_in_json_and_still_checks():
+    import json
+    import os
+
+    from tests.support.paths import REPO
+
+    env = {**os.environ, "PDSTATE_ENGINE": "mooncake", "PDSTATE_AUTH_TOKEN": "x"}
+    configs = [str(REPO / "services" / role / "config.toml") for role in ("prefill", "decode")]
+    done = subprocess.run(
+        [sys.executable, "-m", "pdstate.cli", "check", *configs, "--log-format", "json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == ExitCode.OK, done.stderr
+    assert done.stdout.splitlines()[-1] == "compatible"
+    warnings = [json.loads(line) for line in done.stderr.splitlines()]
+    assert [(w["level"], w["logger"]) for w in warnings] == [("warning", "pdstate.config")] * 2
+    assert "PDSTATE_AUTH_TOKEN" in warnings[0]["msg"] and "did you mean PDSTATE_AUTH__TOKEN?" in warnings[0]["msg"]
+    assert "PDSTATE_ENGINE" in warnings[1]["msg"] and "did you mean PDSTATE_TRANSFER__ENGINE?" in warnings[1]["msg"]
