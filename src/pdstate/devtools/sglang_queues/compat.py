@@ -388,6 +388,12 @@ def receiver_of(sched, req):
     return None
 
 
+def deferred(sched, req) -> bool:
+    """Whether the request's pages are held for 0.5.23's deferred release (a prefill may still write)."""
+    held = getattr(sched.disagg_decode_transfer_queue, "_deferred_releases", ())
+    return any(entry[0].req is req for entry in held)
+
+
 def release_decode(case, req) -> None:
     """The decode is done with the request: its KV goes back (as when it finishes decoding)."""
     if placed(case, req):

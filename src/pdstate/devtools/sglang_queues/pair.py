@@ -102,14 +102,28 @@ class QueuePair:
         self.prefill.close()
         self.decode.close()
 
-    def request(self, tokens: int, deadline_s: float) -> dict:
-        self.room += 1
+    def request(
+        self,
+        tokens: int,
+        deadline_s: float,
+        prefill: dict | None = None,
+        decode: dict | bool | None = None,
+        room: int | None = None,
+    ) -> dict:
+        """One request on both sides at once (``decode=False``: on the prefill alone, no decode asks
+        for it); ``prefill`` / ``decode``: the sides' run options (``side.run_prefill`` /
+        ``side.run_decode``); ``room``: a room used before (a request sent again), else a new one."""
+        if room is None:
+            self.room += 1
+            room = self.room
         t0 = time.perf_counter()
-        kw = dict(room=self.room, tokens=tokens, deadline_s=deadline_s)
-        self.prefill.tell("run_prefill", **kw)
-        self.decode.tell("run_decode", **kw)
+        kw = dict(room=room, tokens=tokens, deadline_s=deadline_s)
+        self.prefill.tell("run_prefill", **kw, **(prefill or {}))
+        if decode is not False:
+            self.decode.tell("run_decode", **kw, **(decode or {}))
+        wait = deadline_s + SLACK_S + (decode or {}).get("settle_s", 0.0) if decode is not False else 0.0
         pre = _side(self.prefill.answer(deadline_s + SLACK_S))
-        dec = _side(self.decode.answer(deadline_s + SLACK_S))
+        dec = _side(self.decode.answer(wait)) if decode is not False else {"outcome": "not run"}
         elapsed = time.perf_counter() - t0
         sent, landed = pre.pop("aux", None), dec.pop("aux", None)
         if sent is not None and landed is not None:
@@ -118,27 +132,32 @@ class QueuePair:
             dec["wrong_items"] = dec.get("wrong_items", 0) + wrong_aux
             dec.setdefault("wrong_by", {})["aux"] = wrong_aux
         return {
-            "tokens": tokens, "room": self.room, "prefill": pre, "decode": dec,
+            "tokens": tokens, "room": room, "prefill": pre, "decode": dec,
             "send_to_success_ms": pre.pop("ms", None), "elapsed_s": elapsed,
         }  # fmt: skip
 
-    def run_case(self, case: Case, backend: str, tokens: tuple[int, ...] | None = None, deadline_s: float = 3.0):
+    def setup(self, case: Case, backend: str, env: dict | None = None) -> dict:
+        """Both sides set up for ``case`` (``env``: SGLang settings both managers read, e.g.
+        ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``); ``{"setup_s"}``, plus ``setup_error`` on failure."""
         port = free_port()
-        out = {"case": case.name, "what": case.what, "backend": backend, "deadline_s": deadline_s}
         t0 = time.perf_counter()
-        p = self.prefill.call("setup", SETUP_S, role="prefill", backend=backend, side=case.prefill.to_json(), port=port)
+        kw = dict(backend=backend, port=port, env=env or {})
+        p = self.prefill.call("setup", SETUP_S, role="prefill", side=case.prefill.to_json(), **kw)
         d = (
-            self.decode.call("setup", SETUP_S, role="decode", backend=backend, side=case.decode.to_json(), port=port)
+            self.decode.call("setup", SETUP_S, role="decode", side=case.decode.to_json(), **kw)
             if p["ok"]
             else {"ok": False, "error": "not set up (the prefill's setup failed)"}
         )
-        out["setup_s"] = time.perf_counter() - t0
+        out = {"setup_s": time.perf_counter() - t0}
         if not (p["ok"] and d["ok"]):
             out["setup_error"] = p.get("error") or d.get("error")
             out["setup_trace"] = p.get("trace") or d.get("trace")
-            out["requests"] = []
-            return out
-        out["requests"] = [self.request(n, deadline_s) for n in (tokens or case.tokens)]
+        return out
+
+    def run_case(self, case: Case, backend: str, tokens: tuple[int, ...] | None = None, deadline_s: float = 3.0):
+        out = {"case": case.name, "what": case.what, "backend": backend, "deadline_s": deadline_s}
+        out.update(self.setup(case, backend))
+        out["requests"] = [] if "setup_error" in out else [self.request(n, deadline_s) for n in (tokens or case.tokens)]
         return out
 
 

@@ -21,6 +21,7 @@ from pdstate.devtools.sglang_pair import booted  # noqa: F401  (first: the GPU-o
 # isort: split
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -38,7 +39,7 @@ HOST = "127.0.0.1"
 POLL_S = 0.0005
 CHUNK_TOKENS = 512  # the first chunk (two pages of 256): a non-last send_kv_chunk, then the last one
 
-S = SimpleNamespace(role="", backend="", port=0, installed=False, group=None, engine=False, case=None)
+S = SimpleNamespace(role="", backend="", port=0, installed=False, group=None, engine=False, case=None, env_set=[])
 
 
 def _text(exc: BaseException) -> str:
@@ -68,8 +69,12 @@ def _gloo_group():
 
 
 # -- both sides
-def setup(role: str, backend: str, side: dict, port: int) -> dict:
+def setup(role: str, backend: str, side: dict, port: int, env: dict | None = None) -> dict:
     S.role, S.backend, S.port = role, backend, port
+    for key in S.env_set:  # the previous case's SGLang settings go; this case's are read by its manager
+        os.environ.pop(key, None)
+    S.env_set = sorted(env or ())
+    os.environ.update({k: str(v) for k, v in (env or {}).items()})
     if backend == "pdstate" and not S.installed:
         import pdstate.integrations.sglang as integration
 
@@ -121,7 +126,7 @@ def _request(room: int, tokens: int, mode):
 
 
 # -- prefill
-def run_prefill(room: int, tokens: int, deadline_s: float) -> dict:
+def run_prefill(room: int, tokens: int, deadline_s: float, hold_s: float = 0.0) -> dict:
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     case, sched = S.case, S.case.sched
@@ -143,7 +148,9 @@ def run_prefill(room: int, tokens: int, deadline_s: float) -> dict:
             return {"outcome": f"timeout ({compat.poll_name(req.disagg_kv_sender.poll())})", "failure": None,
                     "trace": trace}  # fmt: skip
         time.sleep(POLL_S)
-    # The forward: KV for the whole prompt, the request's items patterned, the sampled token set.
+    # The forward: KV for the whole prompt, the request's items patterned, the sampled token set
+    # (``hold_s``: a forward that long, the scheduler busy meanwhile).
+    time.sleep(hold_s)
     compat.prefill_forward(case, req)
     items = compat.request_items(case, req, room)
     for (_, ptr, length, _), (_, item_len, keys) in zip(compat.buffers(case.kv_args), items):
@@ -174,45 +181,92 @@ def run_prefill(room: int, tokens: int, deadline_s: float) -> dict:
 
 
 # -- decode
-def run_decode(room: int, tokens: int, deadline_s: float) -> dict:
+def run_decode(
+    room: int, tokens: int, deadline_s: float, abort_after_s: float | None = None, settle_s: float = 0.0
+) -> dict:
+    """One request through the decode's queues. ``abort_after_s``: that long after its destination
+    was named (``send_metadata``), the request is aborted as the scheduler's ``abort_request``
+    does for a transfer-queue request (``kv_receiver.abort()``), and the queues are polled on
+    until its pages are released (0.5.23: deferred release, on the prefill's acknowledgement or
+    its timeout); ``settle_s``: how long to wait before the byte check (a prefill that sends
+    late). Times: ``failed_s`` / ``named_s`` from the request's arrival, ``abort_call_ms`` (the
+    abort itself), ``released_ms`` (abort to pages released)."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     case, sched = S.case, S.case.sched
-    deadline = time.perf_counter() + deadline_s
+    t0 = time.perf_counter()
+    deadline = t0 + deadline_s
     for _, ptr, length, _ in compat.buffers(case.kv_args):
         pattern.memory(ptr, length).fill(pattern.SENTINEL)
     case.cleared.clear()
     case.commits.clear()
     req = _request(room, tokens, DisaggregationMode.DECODE)
     sched.disagg_decode_prealloc_queue.add(req)
-    outcome = None
+    outcome, failure, times = None, None, {}
+    aborted_at = failed_at = None
+    placed = False
     while True:
         sched.process_decode_queue()
+        receiver = compat.receiver_of(sched, req)
+        now = time.perf_counter()
+        if outcome is not None and compat.deferred(sched, req):
+            times["deferred"] = True
+        if "named_s" not in times and receiver is not None and getattr(receiver, "init_time", None) is not None:
+            times["named_s"] = round(now - t0, 4)
+        if abort_after_s is not None and aborted_at is None and "named_s" in times:
+            if now - t0 - times["named_s"] >= abort_after_s:
+                aborted_at = time.perf_counter()
+                receiver.abort()
+                times["abort_call_ms"] = round((time.perf_counter() - aborted_at) * 1000, 2)
         if req in sched.waiting_queue:
             sched.waiting_queue.remove(req)
             outcome, failure = _outcome(req)
             break
-        if req in sched.output_streamer.streamed:
+        if req in sched.output_streamer.streamed and outcome is None:
             outcome, failure = _outcome(req)
+            failed_at = time.perf_counter()
+            times["failed_s"] = round(failed_at - t0, 4)
+            if not placed:  # refused before its pages were allocated: nothing to release
+                break
+        if receiver is not None:
+            meta = _meta_index(sched, req)
+            if meta is not None:
+                times["meta_index"] = meta
+        placed = compat.placed(case, req)
+        if outcome is not None and not placed:  # released, by the queues (0.5.23: deferred release)
+            times["released_ms"] = round((time.perf_counter() - (aborted_at or failed_at)) * 1000, 2)
             break
         if time.perf_counter() >= deadline:
-            receiver = compat.receiver_of(sched, req)
             state = compat.poll_name(receiver.poll()) if receiver is not None else "no receiver"
-            outcome, failure = f"timeout ({state})", None
-            if receiver is not None:  # what the scheduler's abort_request does for a queued request
+            if outcome is None:
+                outcome, failure = f"timeout ({state})", None
+            else:
+                times["released_ms"] = None  # still held at the deadline
+            if receiver is not None and aborted_at is None:  # as the scheduler's abort_request does
                 receiver.abort()
             break
         time.sleep(POLL_S)
-    out = {"outcome": outcome, "failure": failure}
-    out.update(_check(case, req, room))
+    times.setdefault("deferred", False)
+    time.sleep(settle_s)
+    out = {"outcome": outcome, "failure": failure, **times}
+    out.update(_check(case, req, room, times.pop("meta_index", None)))
     return out
 
 
-def _check(case, req, room: int) -> dict:
-    """Every byte of the request's items and of the rest of the decode's registered memory."""
+def _meta_index(sched, req) -> int | None:
+    for decode_req in [*sched.disagg_decode_prealloc_queue.queue, *sched.disagg_decode_transfer_queue.queue]:
+        if decode_req.req is req and decode_req.metadata_buffer_index is not None:
+            if decode_req.metadata_buffer_index >= 0:
+                return int(decode_req.metadata_buffer_index)
+    return None
+
+
+def _check(case, req, room: int, meta_index: int | None = None) -> dict:
+    """Every byte of the request's items and of the rest of the decode's registered memory (the
+    aux row the request held is the decode's own: SGLang clears it when it lets the request go)."""
     out = {"bytes_checked": 0, "items": 0, "wrong_items": 0, "outside_bytes": 0, "changed_bytes": 0}
     commit = case.commits.get(room)
-    row = commit["index"] if commit else None
+    row = commit["index"] if commit else meta_index
     out["aux"] = commit["aux"] if commit else None
     placed = compat.placed(case, req)
     items = compat.request_items(case, req, room) if placed else None

@@ -3,8 +3,9 @@
 A subclass of SGLang's ``CommonKVManager`` (0.5.19's or 0.5.23's: the running SGLang's), so
 everything its schedulers read of a manager is SGLang's own (``try_ensure_parallel_info``,
 ``prefill_info_table``, ``kv_args``, the status and failure tables, the rebootstrap executor, ...).
-0.5.23's optional hooks: ``teardown`` closes the agent; no deferred decode KV release, no role
-switch, no host destinations (the class attributes say so). What differs:
+0.5.23's optional hooks: ``teardown`` closes the agent; deferred decode KV release, acknowledged
+as soon as the agent's abort fence holds; no role switch, no host destinations (the class
+attributes say so). What differs:
 
 * prefill: a ``PrefillAgent`` bound on this rank's address (SGLang's ``local_ip``, a free port);
   its port is what the rank registers at the bootstrap server, in SGLang's format (``PUT /route``
@@ -47,10 +48,10 @@ def build_manager() -> type:
     class PdStateKVManager(CommonKVManager):
         """SGLang's KV manager for ``--disaggregation-transfer-backend pdstate``."""
 
-        # SGLang 0.5.23's optional hooks: a decode's pages are released at once on abort (no
-        # deferred release waiting for the prefill's acknowledgement: the agent's abort fences
-        # the writes itself), and no runtime role switch.
-        supports_deferred_decode_kv_release = False
+        # SGLang 0.5.23's optional hooks: deferred decode KV release, its acknowledgement recorded
+        # by the receiver the moment the agent's abort fence holds (``_send_abort_notification``),
+        # and no runtime role switch.
+        supports_deferred_decode_kv_release = True
         supports_role_switch = False
         supports_host_destination = False
 

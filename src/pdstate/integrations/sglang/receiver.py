@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 
 import numpy as np
 
@@ -81,10 +82,36 @@ def build_receiver() -> type:
             prefill rank it resolved): this rank's agent shakes hands with the prefill's itself."""
             return True
 
-        def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
-            """0.5.23 would send SGLang's ZMQ abort notification to each prefill rank: ``abort``
-            tells the prefill through the agent instead, and fences the writes itself."""
-            self.abort_notified = True
+        def _fence(self, reason: str) -> bool:
+            """Abort every agent receiver still live; returns once none of their writes can land
+            (the agents' fence), False when a prefill did not confirm within ``ABORT_FENCE_S``."""
+            fenced = True
+            for _, recv in self._recvs:
+                if not recv.poll().terminal:
+                    try:
+                        recv.abort(reason, timeout_s=ABORT_FENCE_S)
+                    except Exception as exc:  # not fenced in time: say so, the request fails all the same
+                        log.error("pdstate: room %s: abort not fenced: %s", self.bootstrap_room, exc)
+                        fenced = False
+            return fenced
+
+        def _send_abort_notification(self, *args, force_arm: bool = False, **kwargs) -> None:
+            """Where SGLang's own receivers send a ZMQ abort notification to each prefill rank
+            (its ``abort``, its waiting timeout, 0.5.23's ``ensure_abort_notified`` after a failure):
+            the agent tells the prefill and fences the writes, and the prefill ranks'
+            acknowledgements SGLang 0.5.23's deferred KV release waits for are recorded the moment
+            the fence holds, so the decode's pages are released at once, not after its timeout."""
+            fenced = self._fence(self.kv_mgr.failure_records.get(self.bootstrap_room) or "Aborted by AbortReq.")
+            mgr = self.kv_mgr
+            if not getattr(mgr, "enable_deferred_decode_kv_release", False):
+                return
+            if not (force_arm or self.init_time is not None):
+                return  # as SGLang's: a receiver that named no destination is released without waiting
+            generation = mgr.register_deferred_abort_room(self.bootstrap_room)
+            self._abort_generation = generation
+            if fenced:  # else SGLang's deferred-release deadline releases the pages
+                for rank in range(len(self.bootstrap_infos or ())):
+                    mgr.note_abort_ack(self.bootstrap_room, rank, generation)
 
         def send_metadata(
             self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None, destination=None
@@ -124,6 +151,8 @@ def build_receiver() -> type:
                         recv.init(kv_indices, lists, aux_index)
             except (PdStateError, ValueError) as exc:
                 self._fail(exc)
+                return
+            self.init_time = time.time()  # SGLang's waiting-timeout clock starts once the destination is named
 
         def poll(self) -> int:
             over = concluded(self)
@@ -140,21 +169,23 @@ def build_receiver() -> type:
                 for (_, recv), state in zip(self._recvs, states):
                     if kv_poll(state) == KVPoll.Failed:
                         return self._fail(recv.failure_exception() or TransferFailed("the pdstate receiver failed"))
+            if poll != KVPoll.Success and self.init_time is not None:
+                # SGLang's waiting timeout (SGLANG_DISAGGREGATION_WAITING_TIMEOUT), its own check and
+                # text ("Request N timed out after 3.0s in KVPoll.WaitingForInput"); the prefill is
+                # told, and the writes fenced, through ``_send_abort_notification``
+                timed_out = self._check_waiting_timeout()
+                if timed_out is not None:
+                    self.conclude_state = KVPoll.Failed
+                    return timed_out
             return conclude(self, poll)
 
         def failure_exception(self):
             raise_failure(self.bootstrap_room, self._error, self.kv_mgr.failure_records.get(self.bootstrap_room))
 
         def abort(self):
-            """Fail the request; returns once no write of it can land any more (the agent's fence)."""
-            for _, recv in self._recvs:
-                if not recv.poll().terminal:
-                    try:
-                        recv.abort("Aborted by AbortReq.", timeout_s=ABORT_FENCE_S)
-                    except Exception as exc:  # not fenced in time: say so, still fail the request
-                        log.error("pdstate: room %s: abort not fenced: %s", self.bootstrap_room, exc)
-            conclude_failed(self, "Aborted by AbortReq.")
-            self.abort_notified = True
+            """Fail the request (SGLang's own ``abort``: "Aborted by AbortReq."); returns once no
+            write of it can land any more (the agent's fence, through ``_send_abort_notification``)."""
+            super().abort()
 
     PdStateKVReceiver.__qualname__ = "PdStateKVReceiver"
     return PdStateKVReceiver
