@@ -14,10 +14,10 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
+from pdstate.integrations.sglang.launch.command import parse_argv, split_launch
+from pdstate.integrations.sglang.launch.prediction import predict
 from pdstate.pools.presets import DSV4_FLASH_RATIOS
 from pdstate.service import preflight
-from pdstate.service.sglang_args import predict
-from pdstate.service.sglang_launch import parse_argv, split_launch
 
 SPEC = "--speculative-algorithm EAGLE --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
 MODEL = "--model-path deepseek-ai/DeepSeek-V4-Flash --trust-remote-code --tp 8"
@@ -484,14 +484,14 @@ def test_an_unknown_release_is_refused_in_one_line(capsys):
 
 
 def test_the_preflight_models_the_releases_the_pools_build():
+    from pdstate.integrations.sglang.launch.prediction import SUPPORTED_RELEASES
     from pdstate.pools.dsv4 import UPSTREAM_RELEASES
-    from pdstate.service.sglang_args import SUPPORTED_RELEASES
 
     assert tuple(SUPPORTED_RELEASES) == tuple(UPSTREAM_RELEASES) == RELEASES
 
 
 def test_a_running_server_says_its_own_release(sglang_server):
-    from pdstate.service.sglang_args import predict
+    from pdstate.integrations.sglang.launch.prediction import predict
 
     old = predict("prefill", sglang_server(server_info("prefill", version="0.5.19")))
     assert (old.release, old.release_source) == ("0.5.19", "the server's /get_server_info")

@@ -6,10 +6,12 @@
   (``pdstate.protocol.fixes``).
 - ``pdstate check --sglang PREFILL DECODE``: each argument is one SGLang launch (a quoted string of
   arguments, ``@path``, or ``http://host:port`` of a running server); pdstate predicts what each
-  SGLang 0.5.19 server builds (``service.sglang_args``), builds the same layout with its own pool
-  model and runs the same checks (``service.sglang_check``). It prints "compatible", or every
-  differing factor with both values, what goes wrong at run time if the pair is launched anyway,
-  and the SGLang flag to change on which side. Arguments it does not model are listed.
+  SGLang server builds (0.5.19 or 0.5.23, ``--sglang-release``), builds the same layout with its
+  own pool model and runs the same checks. It prints "compatible", or every differing factor with
+  both values, what goes wrong at run time if the pair is launched anyway, and the SGLang flag to
+  change on which side. Arguments it does not model are listed. That modelling lives beside the
+  SGLang backend, in ``pdstate.integrations.sglang.launch`` (torch-free), imported only here and
+  only for ``--sglang``.
 
 Exit status (``pdstate.errors.ExitCode``): 0 compatible, 1 problems found (``--strict``: also
 anything not modelled), 2 unreadable input or configuration.
@@ -96,8 +98,8 @@ def check_sglang(
     timeout_s: float,
     releases: list[str] | None = None,
 ) -> int:
-    from pdstate.service.sglang_args import SUPPORTED_RELEASES, predict
-    from pdstate.service.sglang_check import compare, render
+    from pdstate.integrations.sglang.launch.comparison import compare, render
+    from pdstate.integrations.sglang.launch.prediction import SUPPORTED_RELEASES, predict
 
     if len(model_configs) > 2:
         raise ConfigError("--model-config: give it once (both sides) or twice (prefill, then decode)")
@@ -115,7 +117,7 @@ def check_sglang(
         predict("prefill", prefill, p_cfg, timeout_s, release=p_rel),
         predict("decode", decode, d_cfg, timeout_s, release=d_rel),
     )
-    from pdstate.service.sglang_args import FLASH, builtin_flash_config
+    from pdstate.integrations.sglang.launch.command import FLASH, builtin_flash_config
 
     flash = builtin_flash_config()
     layouts = {FLASH: flash["compress_ratios"][: flash["num_hidden_layers"]], **preset_layouts()}

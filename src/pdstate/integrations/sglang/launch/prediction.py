@@ -39,9 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from pdstate.errors import ConfigError, SGLangArgsError  # noqa: F401  (SGLangArgsError: re-exported)
-from pdstate.service.sglang_launch import (
+from pdstate.integrations.sglang.launch.command import (
     ARCH,
-    CONFIG_KEYS,
     FLASH,
     MODELLED,
     MODELLED_ENV,
@@ -50,9 +49,10 @@ from pdstate.service.sglang_launch import (
     SPEC_DEFAULTS,
     _bool_env,
     _int,
-    builtin_flash_config,
+    apply_model_config,
     fetch_server_info,
     parse_argv,
+    read_model_config,
     split_launch,
 )
 
@@ -176,57 +176,6 @@ class SGLangSide:
             draft_layers=1,
             upstream=self.release,
         )
-
-
-def _model_config(model_path: str | None, model_config: str | None) -> tuple[dict, str]:
-    """The model's ``config.json`` fields and where they came from."""
-    if model_config:
-        path = Path(model_config)
-        try:
-            cfg = json.loads(path.read_text())
-        except OSError as exc:
-            raise SGLangArgsError(f"--model-config {model_config}: {exc.strerror or exc}") from None
-        except ValueError as exc:
-            raise SGLangArgsError(f"--model-config {model_config}: not JSON: {exc}") from None
-        return cfg, f"config {model_config}"
-    if model_path and (Path(model_path) / "config.json").is_file():
-        path = Path(model_path) / "config.json"
-        try:
-            return json.loads(path.read_text()), f"config {path}"
-        except ValueError as exc:
-            raise SGLangArgsError(f"{path}: not JSON: {exc}") from None
-    if model_path is None or FLASH.lower() in model_path.lower():
-        return builtin_flash_config(), f"built-in {FLASH} layout"
-    raise SGLangArgsError(
-        f"cannot tell the layer layout of model {model_path!r}: give its config.json with --model-config PATH "
-        f"(built in: {FLASH})"
-    )
-
-
-def _apply_model_config(side_kw: dict, cfg: dict, source: str, overrides: dict, override_flag: str) -> list[str]:
-    """Fill the layout fields from ``cfg`` then ``overrides``; returns the override keys not modelled."""
-    archs = cfg.get("architectures") or []
-    if archs and archs[0] != ARCH:
-        raise SGLangArgsError(f"{source}: architecture {archs[0]} is not {ARCH} (pdstate models DeepSeek-V4)")
-    merged = {**cfg, **overrides}
-    missing = [k for k in ("compress_ratios", "num_hidden_layers", "sliding_window") if k not in merged]
-    if missing:
-        raise SGLangArgsError(f"{source}: missing {', '.join(missing)}")
-    ratios = merged["compress_ratios"]
-    if not isinstance(ratios, list) or not all(isinstance(r, int) for r in ratios):
-        raise SGLangArgsError(f"{source}: compress_ratios must be a list of integers")
-    side_kw.update(
-        compress_ratios=list(ratios),
-        num_hidden_layers=int(merged["num_hidden_layers"]),
-        sliding_window=int(merged["sliding_window"]),
-        head_dim=int(merged.get("head_dim", 512)),
-        qk_rope_head_dim=int(merged.get("qk_rope_head_dim", 64)),
-        index_head_dim=int(merged.get("index_head_dim", 128)),
-        window_source=f"{override_flag} sliding_window" if "sliding_window" in overrides else source,
-        layout_source=source
-        + ("" if not ({"compress_ratios", "num_hidden_layers"} & set(overrides)) else f" + {override_flag}"),
-    )
-    return [k for k in overrides if k not in CONFIG_KEYS]
 
 
 def predict(
@@ -418,7 +367,7 @@ def _resolve(
     the server's resolved values, from ``/get_server_info``)."""
     f = _Findings()
     model_path = values.get("model_path")
-    cfg, source = _model_config(model_path, model_config)
+    cfg, source = read_model_config(model_path, model_config)
     overrides: Any = {}
     raw = values.get("json_model_override_args")
     if raw not in (None, "", "{}"):
@@ -430,7 +379,7 @@ def _resolve(
             f.errors.append("--json-model-override-args is not a JSON object")
             overrides = {}
     kw: dict[str, Any] = {}
-    extra = _apply_model_config(kw, cfg, source, overrides, "--json-model-override-args")
+    extra = apply_model_config(kw, cfg, source, overrides, "--json-model-override-args")
     f.not_modelled += [f"--json-model-override-args {k}" for k in extra]
 
     device = values.get("device") or "cuda"

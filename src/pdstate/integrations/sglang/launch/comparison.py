@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdstate.integrations.sglang.launch.prediction import SGLangArgsError, SGLangSide
 from pdstate.protocol.fixes import count_layers, describe_value
 from pdstate.protocol.report import ErrorInfo, LayoutReport
-from pdstate.service.sglang_args import SGLangArgsError, SGLangSide
 
 SIDES = ("prefill", "decode")
 TIMEOUT = "the decode's timeout (300 s by default)"

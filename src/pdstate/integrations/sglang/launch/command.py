@@ -1,7 +1,8 @@
 """Reading one SGLang launch: the arguments as operators write them (``VAR=value`` tokens, a
 launcher, ``--flags``), ``@path`` files, a running server's ``/get_server_info``; and the tables of
 what ``pdstate check --sglang`` models, ignores as layout-neutral, or lists as not modelled.
-The prediction over what is read is ``sglang_args``."""
+The model's ``config.json`` (``read_model_config``, ``apply_model_config``) is read here too. The
+prediction over what is read is ``prediction``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import re
 import shlex
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 from pdstate.errors import SGLangArgsError
@@ -200,3 +202,54 @@ def _bool_env(env: dict[str, str], name: str) -> bool:
     if v.lower() in ("false", "0", "no", "n"):
         return False
     raise SGLangArgsError(f'{name}={v}: "{v}" is not a valid boolean value (SGLang reads true/1/yes/y or false/0/no/n)')
+
+
+def read_model_config(model_path: str | None, model_config: str | None) -> tuple[dict, str]:
+    """The model's ``config.json`` fields and where they came from."""
+    if model_config:
+        path = Path(model_config)
+        try:
+            cfg = json.loads(path.read_text())
+        except OSError as exc:
+            raise SGLangArgsError(f"--model-config {model_config}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise SGLangArgsError(f"--model-config {model_config}: not JSON: {exc}") from None
+        return cfg, f"config {model_config}"
+    if model_path and (Path(model_path) / "config.json").is_file():
+        path = Path(model_path) / "config.json"
+        try:
+            return json.loads(path.read_text()), f"config {path}"
+        except ValueError as exc:
+            raise SGLangArgsError(f"{path}: not JSON: {exc}") from None
+    if model_path is None or FLASH.lower() in model_path.lower():
+        return builtin_flash_config(), f"built-in {FLASH} layout"
+    raise SGLangArgsError(
+        f"cannot tell the layer layout of model {model_path!r}: give its config.json with --model-config PATH "
+        f"(built in: {FLASH})"
+    )
+
+
+def apply_model_config(side_kw: dict, cfg: dict, source: str, overrides: dict, override_flag: str) -> list[str]:
+    """Fill the layout fields from ``cfg`` then ``overrides``; returns the override keys not modelled."""
+    archs = cfg.get("architectures") or []
+    if archs and archs[0] != ARCH:
+        raise SGLangArgsError(f"{source}: architecture {archs[0]} is not {ARCH} (pdstate models DeepSeek-V4)")
+    merged = {**cfg, **overrides}
+    missing = [k for k in ("compress_ratios", "num_hidden_layers", "sliding_window") if k not in merged]
+    if missing:
+        raise SGLangArgsError(f"{source}: missing {', '.join(missing)}")
+    ratios = merged["compress_ratios"]
+    if not isinstance(ratios, list) or not all(isinstance(r, int) for r in ratios):
+        raise SGLangArgsError(f"{source}: compress_ratios must be a list of integers")
+    side_kw.update(
+        compress_ratios=list(ratios),
+        num_hidden_layers=int(merged["num_hidden_layers"]),
+        sliding_window=int(merged["sliding_window"]),
+        head_dim=int(merged.get("head_dim", 512)),
+        qk_rope_head_dim=int(merged.get("qk_rope_head_dim", 64)),
+        index_head_dim=int(merged.get("index_head_dim", 128)),
+        window_source=f"{override_flag} sliding_window" if "sliding_window" in overrides else source,
+        layout_source=source
+        + ("" if not ({"compress_ratios", "num_hidden_layers"} & set(overrides)) else f" + {override_flag}"),
+    )
+    return [k for k in overrides if k not in CONFIG_KEYS]
