@@ -6,54 +6,8 @@ registered for ``kind``. The auth tag, when a shared token is configured, is HMA
 ``v || kind || body`` and is compared in constant time. Index lists travel as packed
 little-endian integers (``PackedIndices``), never as msgpack arrays of ints.
 
-Version log (bump ``PROTOCOL_VERSION`` and add a golden vector in ``proto/vectors/`` for any
-change of a message's fields):
-- 1: Register, Accept, Reject, Heartbeat, TransferRequest, TransferDone, Abort, Busy, Error.
-  (Before the first release, v1 gained ``TransferDone.compute_s`` and ``TransferDone.copy_s``:
-  the prefill's time computing the request's state and moving it, so the decode can split a
-  request's latency; both default to 0. It also came to accept ``TransferRequest.seq_len`` 0,
-  an empty transfer: no pages or state move; the control path alone, for probes and for
-  measuring it. And the "not registered" ``Error`` came to carry the type ``NotRegistered``,
-  was ``ProtocolError``, same text: a decode matches the type, never the text.)
-  v1 then gained two kinds for the embeddable agent (``pdstate.agent``), leaving every earlier
-  message byte-identical: ``AgentRequest`` (decode -> prefill: one request's destination pages,
-  state indices and optional aux slot, with a digest flag) and ``AgentVerdict`` (decode ->
-  prefill: the decode's verdict after comparing digests). The prefill answers an ``AgentRequest``
-  with the existing ``TransferDone`` (its ``digest`` the sender's), and an ``Abort`` with a failed
-  ``TransferDone`` once no write of that room can still land. A peer without them answers an
-  unknown kind with ``Error``.
-  v1 then gained ``Goodbye`` (prefill -> decode), leaving every earlier message and golden vector
-  byte-identical: a prefill that stops says so to every accepted decode, which fails its
-  in-flight requests with the goodbye's reason at once and turns unready for that prefill
-  (registering again until it is back) instead of waiting out the heartbeat timeout. A decode
-  without it answers ``Error`` (unknown kind), which the prefill never answers.
-  v1 then gained ``Challenge`` (prefill -> decode), leaving every earlier message and golden
-  vector byte-identical (``Register``'s fields are unchanged; its engine endpoint is opaque to
-  the control plane): with an engine that proves ownership (shm), a prefill answers a
-  ``Register`` whose endpoint carries no answer with a ``Challenge`` (its worker id and
-  incarnation, a fresh nonce); the decode registers again with the nonce and, per segment it
-  names, a keyed digest of the segment's secret (``challenge`` and ``proofs`` in the shm
-  endpoint; PROTOCOL.md section 4). A nonce is good for one answer, from that decode incarnation,
-  for 60 s. A decode without ``Challenge`` cannot register over shm with such a prefill: it
-  answers ``Error`` (unknown kind), and the prefill answers that with a ``Reject`` saying so.
-  v1 then gained ``AgentRequest.seq_len`` (optional; golden vector ``agent_request.seq_len``),
-  leaving every earlier frame byte-identical: a field that is ``None`` is left out of the frame
-  (``OMIT_WHEN_NONE``). A decode sets it only for a prefill that computes the request's state on
-  demand (``pdstate serve`` on the agent); a prefill without the field refuses such a request
-  (``invalid agent_request: seq_len: Extra inputs are not permitted``), which fails it.
-  v1 then gained ``Landed`` (prefill -> decode, agents; golden vector ``landed``), leaving every
-  earlier message and golden vector byte-identical: for a request with ``digest`` set, the
-  prefill says how much of it has landed (a prefix of the decode's page list, and whether the
-  state and aux have) before its ``TransferDone``, so the decode hashes those bytes while the rest
-  still copies. It is advisory: a decode without it drops the frame (unknown kind) and hashes
-  everything after ``TransferDone``, the verdict is the same either way.
-  v1 then let a ``LayoutReport`` carry the optional factors of ``report.OPTIONAL_FACTOR_NAMES``
-  (``kv_layout``, ``kv_fp8_two_pool``, ``dspark``, ``allocation_policy``: what SGLang 0.5.23
-  compares between its servers), each only where it is not at its default, leaving every earlier
-  report, fingerprint and golden vector byte-identical. A peer that does not know them compares
-  only the factors it knows: for the default V4 layouts (every pdstate pool and every SGLang 0.5.19
-  one) nothing changes; a report that carries one differs in fingerprint, and a peer that knows
-  them refuses the pair with SGLang 0.5.23's own sentence (``compat.upstream_mismatch``).
+Version log: ``CHANGELOG.md`` (bump ``PROTOCOL_VERSION`` and add a golden vector in
+``proto/vectors/`` for any change of a message's fields, and say so there).
 """
 
 from __future__ import annotations
