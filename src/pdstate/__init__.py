@@ -15,38 +15,7 @@ Layers, each importing only those below it (a test enforces this)::
     protocol             facts, reports, compat, wire, handshake, lifecycles (no torch)
     errors               the exception tree, one root: PdStateError
 
-Version notes of the public API:
-- 0.1.0: first listed ``__all__`` (names unchanged from the modules they were imported from),
-  with the embeddable agent (``PrefillAgent``, ``DecodeAgent``, ``KVSender``, ``KVReceiver``).
-  Then, additions only (names of ``__all__`` unchanged), for callers that compute on demand
-  (``pdstate serve`` runs on them): ``PrefillAgent(on_request=...)``, ``refuse``, ``peers``,
-  ``alive``, ``handshakes`` and ``close(reason)`` (which now says ``Goodbye``);
-  ``DecodeAgent.connect``, ``reregister``, ``forget``, ``alive``, ``handshakes``,
-  ``receiver(..., redial_gone=...)``, and ``prefills()``'s keys ``error_info``,
-  ``fingerprint``, ``handshake_s`` and ``registered_s_ago``; ``KVReceiver.init(seq_len=...)``.
-  Then, additions only, for digests beside the copy (wire ``Landed``): ``PrefillAgent(
-  landed_piece_bytes=...)`` (default 0, whole chunks), and the receiver's metrics ``landed``
-  (notices hashed early) and ``digest_hashing_s`` (all hashing time; ``digest_s`` is now the part
-  after ``TransferDone``, the part not hidden).
-  Then one behaviour change, to match upstream: ``DeepSeekV4TokenToKVPool``'s PP stage is SGLang
-  0.5.19's — ``[start_layer, end_layer)`` when both are given and the ratio list reaches
-  ``end_layer``, else the whole ratio list, whatever ``layer_num`` says (it was ``[start_layer,
-  start_layer + layer_num)``, ``end_layer`` inclusive, clipped to the list). A caller that gave
-  ``start_layer`` or ``layer_num`` alone to build part of a ratio list now passes both bounds;
-  ``build_worker_pools`` does, so its presets' layouts are unchanged.
-  Then SGLang 0.5.23 beside 0.5.19, one behaviour change and additions:
-  ``DeepSeekV4TokenToKVPool(upstream="0.5.19" | "0.5.23")`` (also ``PoolSettings.upstream``,
-  ``preset(..., upstream=)`` and the configuration key ``pool.upstream``) builds a release's pools;
-  **the default is the newest, 0.5.23**: more compressed-KV rows (capacity), unified-KV C4 states
-  by request slot, and 0.5.23's refusals (``SWAGeometryMismatch``, "must share SWA geometry" with
-  a three-element tuple; a draft with no mapping gets the seed error ``SWAIndexMappingNotShared``
-  where 0.5.19 raised ``DraftMappingMissing``). Pass ``upstream="0.5.19"`` for 0.5.19's. Added:
-  ``StateType.DSV4_REQUEST_STATE`` (another name of ``C128_STATE``, value ``"c128_state"``) and
-  ``StateType.REQUEST_ROW``; the errors ``KVLayoutMismatch``, ``CompressedMLAPoolMismatch``,
-  ``DSparkLayoutMismatch`` and ``AllocationPolicyMismatch`` (SGLang 0.5.23's cross-side
-  sentences, raised by ``check_peer`` from the optional report factors of
-  ``pdstate.protocol.report.OPTIONAL_FACTOR_NAMES``); ``build_report(..., dspark=,
-  allocation_policy=)``; the five new error classes in ``__all__``; and the SGLang plugin entry point (``sglang.srt.plugins``: ``pdstate``).
+Version notes of the public API: ``CHANGELOG.md``.
 """
 
 from __future__ import annotations
