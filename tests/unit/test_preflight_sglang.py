@@ -99,7 +99,7 @@ def test_speculative_prefill_non_speculative_decode(capsys):
     rc, out = check(capsys, PREFILL, DECODE.replace(SPEC, ""))
     assert rc == 1
     assert "- --speculative-algorithm: prefill EAGLE (3 steps, 4 draft tokens), decode off" in out
-    assert "c4_ring: 16 vs 8 -> C4 state rings 16 vs 8: wrong state; SGLang reports Success" in out
+    assert "c4_ring: 16 vs 8 -> C4 state rings 16 vs 8: wrong state; SGLang 0.5.19 reports Success" in out
     assert "c128_ring: 256 vs 128 -> C128 state rings 256 vs 128: wrong state" in out
     assert "draft: 1-layer paged draft, page 256, window 128 vs none -> the prefill sends a draft SWA component" in out
     assert "requests hang until the decode's timeout (300 s by default)" in out

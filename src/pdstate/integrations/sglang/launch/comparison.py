@@ -240,8 +240,9 @@ def consequence(factor: str, p: Any, d: Any) -> str:
         )
     if factor == "c4_ring":
         return (
-            f"C4 state rings {p} vs {d}: wrong state; SGLang reports Success while C4 compressor state lands in "
-            "other ring slots (measured: 84 wrong destination items)"
+            f"C4 state rings {p} vs {d}: wrong state; SGLang 0.5.19 reports Success while C4 compressor state "
+            "lands in other ring slots (measured: 42 of 301 destination items wrong for a 700-token request), "
+            "0.5.23 refuses the pair on both sides"
         )
     if factor == "c128_ring":
         if None in (p, d):
