@@ -1,4 +1,4 @@
-"""README's "Embedding pdstate in a serving engine" example runs as written (docs/embedding_example.py)."""
+"""docs/library.md's "Embedding pdstate in a serving engine" example runs as written (docs/embedding_example.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_embedding_example_runs():
     )
 
 
-def test_readme_shows_the_example_verbatim():
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert "## Embedding pdstate in a serving engine" in readme
-    assert "```python\n" + EXAMPLE.read_text(encoding="utf-8").rstrip() + "\n```" in readme
+def test_the_docs_show_the_example_verbatim():
+    page = (REPO / "docs" / "library.md").read_text(encoding="utf-8")
+    assert "## Embedding pdstate in a serving engine" in page
+    assert "```python\n" + EXAMPLE.read_text(encoding="utf-8").rstrip() + "\n```" in page

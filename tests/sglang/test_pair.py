@@ -8,7 +8,7 @@ own Mooncake backend (over TCP) a correct pair lands every byte, and the mismatc
 0.5.23 compares the state components' item lengths and refuses some pairs on both sides): Success
 with wrong bytes, a hang (cut by the driver's deadline), a refusal on both sides, or a decode-side
 refusal the prefill never hears of. With backend ``pdstate`` each mismatch must end Failed on both
-sides in under a second, naming the factor, with no byte written, on both releases. README's
+sides in under a second, naming the factor, with no byte written, on both releases. docs/sglang.md's
 mismatch table must be what this run renders (the release's column and pdstate's).
 """
 
@@ -127,7 +127,7 @@ def test_pdstate_backend_refuses_a_mismatch(results, name):
 
 def test_readme_table_is_the_rendered_one(sglang_release, results):
     sglang, ours = results
-    readme = table.columns(table.readme_table((REPO / "README.md").read_text()))
+    readme = table.columns(table.readme_table((REPO / table.TARGET).read_text()))
     rendered = table.columns(table.render({sglang_release.version: sglang}, {sglang_release.version: ours}))
     assert list(readme) == list(rendered)  # the same columns: case, one per release, pdstate
     column = table.sglang_column(sglang_release.version)

@@ -1,4 +1,5 @@
-"""README's promises: the code map is the tree, and the library example runs as written."""
+"""The front door and the manual keep their promises: README.md stays short and links every page
+of docs/, the library example runs as written, and docs/architecture.md's code map is the tree."""
 
 from __future__ import annotations
 
@@ -9,18 +10,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+ARCHITECTURE = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
 PACKAGE = ROOT / "src" / "pdstate"
+MAX_README_LINES = 300
+PAGES = ("operations", "sglang", "configuration", "errors", "performance", "security", "architecture", "library")
 
 
-def _section(title: str) -> str:
-    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## )", README, re.S | re.M)
-    assert m, f"README has no section {title!r}"
+def _section(text: str, title: str) -> str:
+    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert m, f"no section {title!r}"
     return m.group(1)
 
 
 def _code_map() -> set[str]:
     """Paths listed in the code map's ``src/pdstate/`` block, from their indentation."""
-    block = re.search(r"```\nsrc/pdstate/\n(.*?)```", _section("Layout of the code"), re.S)
+    block = re.search(r"```\nsrc/pdstate/\n(.*?)```", _section(ARCHITECTURE, "Layers"), re.S)
     assert block, "the code map has no src/pdstate/ block"
     listed, stack = set(), []
     for line in block.group(1).splitlines():
@@ -49,13 +53,31 @@ def _tree() -> set[str]:
 
 def test_code_map_equals_the_tree():
     listed, tree = _code_map(), _tree()
-    assert sorted(tree - listed) == [], "in the tree but not in README's code map"
-    assert sorted(listed - tree) == [], "in README's code map but not in the tree"
+    assert sorted(tree - listed) == [], "in the tree but not in docs/architecture.md's code map"
+    assert sorted(listed - tree) == [], "in docs/architecture.md's code map but not in the tree"
+
+
+def test_readme_is_the_front_door():
+    assert len(README.splitlines()) <= MAX_README_LINES
+    first_screen = "\n".join(README.splitlines()[:12])
+    assert "DeepSeek-V4" in first_screen and "It is for" in first_screen
+    for heading in ("## The two commands", "## Three ways to use it", "## Documentation", "## License"):
+        assert f"\n{heading}\n" in README
+    assert "runtime/" not in README
+
+
+def test_readme_links_every_page_and_every_link_resolves():
+    for page in PAGES:
+        assert f"(docs/{page}.md)" in README, f"README does not link docs/{page}.md"
+    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for target in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", doc.read_text(encoding="utf-8")):
+            assert (doc.parent / target).exists(), f"{doc.relative_to(ROOT)} links {target}, which does not exist"
 
 
 def test_library_example_runs_as_written():
-    block = re.search(r"```python\n(.*?)```", _section("Library use"), re.S)
-    assert block, "README's Library use section has no python block"
+    start = README.index("\n### 3. The library\n")
+    block = re.compile(r"```python\n(.*?)```", re.S).search(README, start)
+    assert block, "README's library section has no python block"
     out = subprocess.run([sys.executable, "-c", block.group(1)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "SWAIndexMappingNotShared - DSV4 target and draft pools must share the SWA index mapping" in out.stdout
