@@ -8,8 +8,8 @@ Layers, each importing only those below it (a test enforces this)::
 
     cli, devtools        the command line; demo, worker processes, bench
     service              configuration, HTTP API, status, server, probe, preflight
-    runtime, agent       workers (control loop, prefill, decode, synthetic content); the
-                         embeddable agent over a caller's own pools (beside runtime, not on it)
+    worker               serve's prefill and decode over the agent (allocation, synthetic content)
+    agent                the embeddable agent over a caller's own pools
     transfer             TransferPlan, the descriptor planner, the engines (shm, Mooncake, NIXL)
     pools                the DSV4 memory model: allocator, pools, kvargs, indices, presets, reports
     protocol             facts, reports, compat, wire, handshake, lifecycles (no torch)

@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from pdstate.service import agent_prefill
-from pdstate.service.agent_decode import AgentDecodeWorker
-from pdstate.service.agent_prefill import AgentPrefillWorker
+from pdstate.worker import prefill as agent_prefill
+from pdstate.worker.decode import AgentDecodeWorker
+from pdstate.worker.prefill import AgentPrefillWorker
 from tests.support.pools import ROOMY
 from tests.support.waiting import wait_until
 from tests.support.workers import options

@@ -21,8 +21,8 @@ import pytest
 
 from pdstate.pools.presets import build_worker_pools, preset
 from pdstate.pools.reporting import build_report
-from pdstate.runtime.stats import Stats
 from pdstate.service.api import MAX_BODY_BYTES, MAX_COMPAT_BODY_BYTES, Readiness, create_app
+from pdstate.worker.stats import Stats
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

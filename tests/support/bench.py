@@ -35,9 +35,9 @@ def _row(seconds: float, nbytes: int = 10**9, spread: float = 0.0) -> dict[str, 
 
 
 def full_bench_result() -> dict[str, Any]:
-    """Two lengths (2048, 32768), 1 GB each, with the physical limit (1 and 2 threads), the shm
-    and agent phases, the M x N row, the pair's memory and the ZeroMQ round trip; ``ratios`` left
-    for ``bench_report.ratios`` to fill."""
+    """Two lengths (2048, 32768), 1 GB each, with the physical limit (1 and 2 threads), the agent
+    phase, the M x N row, the agent pair's memory and the ZeroMQ round trip; ``ratios`` left for
+    ``bench_report.ratios`` to fill."""
     lengths = ["2048", "32768"]
 
     def per_len(*secs: float, spread: float = 0.0) -> dict[str, Any]:
@@ -47,23 +47,15 @@ def full_bench_result() -> dict[str, Any]:
         lengths=[2048, 32768],
         modes=["paged"],
         paths={
-            "paged:shm:physical_1t": per_len(0.2, 0.1),
-            "paged:shm:physical_2t": per_len(0.25, 0.1),
-            "paged:shm:physical": per_len(0.2, 0.1),
-            "paged:shm:ceiling": per_len(0.4, 0.16),
-            "paged:shm:pdstate_shm": per_len(0.8, 0.2),
             "paged:agent:physical_1t": per_len(0.2, 0.1),
             "paged:agent:physical_2t": per_len(0.25, 0.08),
             "paged:agent:physical": per_len(0.2, 0.08),
             "paged:agent:ceiling": per_len(0.4, 0.16),
-            "paged:agent:pdstate_shm": per_len(0.8, 0.4),
             "paged:agent:agent_shm": per_len(0.5, 0.1, spread=0.1),
             "paged:agent:agent_shm_digest": per_len(0.5, 0.2),
         },
         mxn={"prefills": 2, "decodes": 2, "requests": 16, "request_tokens": 8192, "gbps": 4.0, "verified": 16},
         agent_memory={"peak_rss_mb": 3000.0, "rss_growth_mb": 0.5, "anon_growth_mb": -0.25, "requests": 1000},
-        memory={"peak_rss_mb": 3100.0, "rss_growth_mb": -1.5, "anon_growth_mb": -1.5, "requests": 1000},
     )
     r["control"]["zmq_round_trip_ms"] = {"median": 0.3}
-    r["control"]["worker_control_overhead_ms"] = {"median": 0.6}
     return r

@@ -1,9 +1,9 @@
-"""Fault injection: short timers, and the runtime's knob that holds a prefill's copies.
+"""Fault injection: short timers, and the workers' knob that holds a prefill's copies.
 
 This is the one place the tests name the knob (``WorkerHooks.delay_before_copy_s``, passed beside a
 worker's options, and the worker process's ``fault`` command): a test holds copies with
 ``**hold_copies()`` in ``Workers.prefill(...)`` (a worker process) or ``holding_hooks()`` as an in-process
-``PrefillWorker``'s hooks, and lets them go with ``release_copies(worker)``.
+``AgentPrefillWorker``'s hooks, and lets them go with ``release_copies(worker)``.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from pdstate.devtools.processes import WorkerProcess
-from pdstate.runtime.hooks import WorkerHooks
-from pdstate.runtime.prefill import PrefillWorker
+from pdstate.worker.options import WorkerHooks
+from pdstate.worker.prefill import AgentPrefillWorker
 
 HEARTBEAT_S = 0.2
 PEER_TIMEOUT_S = 1.0
@@ -36,7 +36,7 @@ def hold_copies(delay_s: float = LONG_DELAY_S) -> dict[str, Any]:
     return {"hooks": holding_hooks(delay_s)}
 
 
-def release_copies(prefill: PrefillWorker | WorkerProcess) -> None:
+def release_copies(prefill: AgentPrefillWorker | WorkerProcess) -> None:
     """Later copies of ``prefill`` (in this process, or a worker process) start without a wait."""
     if isinstance(prefill, WorkerProcess):
         prefill.command({"cmd": "fault", "delay_before_copy_s": 0.0}, "fault")

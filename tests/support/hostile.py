@@ -38,8 +38,8 @@ from pdstate.pools.memory import SharedMemory, prove_segment
 from pdstate.pools.presets import build_worker_pools
 from pdstate.pools.reporting import build_report
 from pdstate.protocol import wire
-from pdstate.runtime import requests as rq
 from pdstate.transfer.engines.base import create_engine
+from pdstate.worker import requests as rq
 from tests.support.paths import REPO, SRC_DIR
 from tests.support.pools import TINY
 
@@ -79,7 +79,7 @@ class RawDealer:
 
 
 class RawDecode:
-    """A decode's pools and shm engine without its runtime: what a forged ``Register`` needs."""
+    """A decode's pools and shm engine without its worker: what a forged ``Register`` needs."""
 
     def __init__(self, settings=TINY, worker_id: str = "attacker") -> None:
         self.worker_id = worker_id

@@ -11,8 +11,8 @@ import ctypes
 import numpy as np
 
 from pdstate.pools.memory import Region
-from pdstate.runtime import synth
 from pdstate.transfer.planner import channels_of
+from pdstate.worker import synth
 
 SENTINEL = 0xA5
 

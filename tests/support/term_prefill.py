@@ -1,4 +1,4 @@
-"""A prefill worker process that stops on SIGTERM through ``PrefillWorker.stop()``, the call
+"""A prefill worker process that stops on SIGTERM through ``AgentPrefillWorker.stop()``, the call
 ``pdstate serve`` makes on SIGTERM (``service.status.WorkerStatus.drain``), with the test seams
 (``WorkerHooks``) a served worker cannot take.
 
@@ -31,17 +31,18 @@ PREFILL_START_TIMEOUT_S = 90.0
 
 def main() -> None:
     from pdstate.devtools.processes import hooks_from_json, options_from_json
-    from pdstate.runtime.prefill import PrefillWorker
+    from pdstate.worker.prefill import AgentPrefillWorker
 
     line = sys.stdin.readline()
-    worker = PrefillWorker(options_from_json(line), hooks_from_json(line)).start()
+    worker = AgentPrefillWorker(options_from_json(line), hooks=hooks_from_json(line)).start()
     term = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: term.set())
     print(json.dumps({"event": "listening", "endpoint": worker.endpoint}), flush=True)
 
     def commands() -> None:  # {"cmd": "requests"}: the requests in flight
         for _ in sys.stdin:
-            print(json.dumps({"event": "requests", "in_flight": worker.jobs_snapshot()}), flush=True)
+            in_flight = [r.as_dict() for r in worker.status().requests]
+            print(json.dumps({"event": "requests", "in_flight": in_flight}), flush=True)
 
     threading.Thread(target=commands, daemon=True).start()
     while not term.wait(0.02):
@@ -49,7 +50,8 @@ def main() -> None:
     t0 = time.monotonic()
     worker.stop()
     stop_s = time.monotonic() - t0
-    print(json.dumps({"event": "stopped", "finished": worker.finished_records(), "stop_s": stop_s}), flush=True)
+    finished = [{**r, "peer": r["decode"]} for r in worker.finished_records()]
+    print(json.dumps({"event": "stopped", "finished": finished, "stop_s": stop_s}), flush=True)
 
 
 class _Signalled:

@@ -1,7 +1,7 @@
 """Workers for the tests: their options, worker processes, their events and status commands.
 
 Worker processes are real processes on 127.0.0.1 (port 0). Most tests start them with
-``launcher="fork"`` (forked from a fork server that already imported torch and the runtime, so a
+``launcher="fork"`` (forked from a fork server that already imported torch and the workers, so a
 worker starts in a fraction of a second on this small machine); the tests that are about the
 ``python -m pdstate.devtools.processes`` entry point itself (exit status and stderr of a failed
 local check, the ``pdstate demo`` command) use real ``subprocess`` launches. Every wait polls with
@@ -22,8 +22,7 @@ from typing import Any
 
 from pdstate.devtools.processes import WorkerProcess
 from pdstate.pools.presets import PoolSettings
-from pdstate.runtime.hooks import WorkerHooks
-from pdstate.runtime.options import WorkerOptions
+from pdstate.worker.options import WorkerHooks, WorkerOptions
 from tests.support.engines import ENGINE_OPTIONS
 from tests.support.pools import TINY
 from tests.support.waiting import wait_until

@@ -14,8 +14,8 @@ with warnings.catch_warnings():  # starlette nags about httpx vs httpx2 on impor
 
 from pdstate.protocol.report import ErrorInfo
 from pdstate.protocol.wire import PROTOCOL_VERSION
-from pdstate.runtime.stats import Stats
 from pdstate.service.api import Readiness, create_app, route_paths
+from pdstate.worker.stats import Stats
 from tests.support.pools import tiny
 from tests.support.upstream import MAPPING_ERROR, MAPPING_FIX
 

@@ -1,5 +1,5 @@
 """The benchmark's agent phase: on a small layout it measures the agent (digests off and on) beside
-today's worker path and the ceiling, and the summary carries its ratios and digest times as numbers."""
+the ceiling and the physical limit, and the summary carries its ratios and digest times as numbers."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ def test_agent_ratios_are_taken_within_the_agent_phase():
         "modes": ["paged"],
         "paths": {
             "paged:agent:ceiling": {"2048": _row(1.0)},
-            "paged:agent:pdstate_shm": {"2048": _row(2.0)},
             "paged:agent:agent_shm": {"2048": _row(4.0)},
             "paged:agent:agent_shm_digest": {"2048": _row(5.0)},
         },
@@ -27,8 +26,7 @@ def test_agent_ratios_are_taken_within_the_agent_phase():
     out = bench_report.ratios(r)
     assert out["agent_vs_ceiling_by_length"] == {"2048": 0.25}
     assert out["agent_digest_vs_ceiling_by_length"] == {"2048": 0.2}
-    assert out["agent_vs_worker_by_length"] == {"2048": 0.5}
-    assert out["agent_digest_vs_worker_by_length"] == {"2048": 0.4}
+    assert not [k for k in out if "worker" in k]
 
 
 def test_an_agent_phase_on_tiny_fills_the_summary_keys_with_numbers():
@@ -44,7 +42,6 @@ def test_an_agent_phase_on_tiny_fills_the_summary_keys_with_numbers():
             "ceiling",
             "ceiling_memmove",
             "ceiling_gather_scatter",
-            "pdstate_shm",
             "agent_shm",
             "agent_shm_digest",
         }
@@ -55,8 +52,6 @@ def test_an_agent_phase_on_tiny_fills_the_summary_keys_with_numbers():
     for key in (
         "agent_vs_ceiling",
         "agent_digest_vs_ceiling",
-        "agent_vs_worker",
-        "agent_digest_vs_worker",
         "shm_vs_physical",
     ):
         assert isinstance(results["ratios"][f"{key}_by_length"]["300"], float)
@@ -76,11 +71,11 @@ def test_an_agent_phase_on_tiny_fills_the_summary_keys_with_numbers():
 def test_summary_names_the_agent_keys_even_when_the_phase_did_not_run():
     r = fake_bench_result(ratios={"shm_vs_ceiling": 0.8})
     s = bench_report.summary(r)
-    assert {k: s["ratios"][k] for k in ("agent_vs_ceiling", "agent_vs_worker", "agent_digest_vs_worker")} == {
+    assert {k: s["ratios"][k] for k in ("agent_vs_ceiling", "agent_digest_vs_ceiling")} == {
         "agent_vs_ceiling": None,
-        "agent_vs_worker": None,
-        "agent_digest_vs_worker": None,
+        "agent_digest_vs_ceiling": None,
     }
+    assert not [k for k in s["ratios"] if "worker" in k]
     assert s["agent_digest_ms_p50_by_length"] == {}
     r["parts"] = {"paged:agent:agent_shm_digest:digest_s": {"2048": {"median": 0.002}}}
     assert bench_report.summary(r)["agent_digest_ms_p50_by_length"] == {"2048": {"decode": 2.0}}

@@ -120,7 +120,7 @@ def test_bench_command_writes_its_files_and_ends_with_the_summary(tmp_path, monk
     from pdstate.devtools import bench
 
     fake = fake_bench_result(
-        paths={"paged:shm:pdstate_shm": {"2048": {"gbps": {"median": 2.0, "min": 1.0, "max": 3.0}}}},
+        paths={"paged:agent:agent_shm": {"2048": {"gbps": {"median": 2.0, "min": 1.0, "max": 3.0}}}},
         ratios={"shm_vs_ceiling": 0.8},
     )
     seen = {}
@@ -130,11 +130,11 @@ def test_bench_command_writes_its_files_and_ends_with_the_summary(tmp_path, monk
         return fake
 
     monkeypatch.setattr(bench, "run_bench", run_bench)
-    monkeypatch.setattr("pdstate.runtime.worker.tune_interpreter", lambda: None)  # this process's switch interval
+    monkeypatch.setattr("pdstate.worker.base.tune_interpreter", lambda: None)  # this process's switch interval
     assert cli.main(["bench", "--quick", "--engines", "shm", "--modes", "paged", "--out", str(tmp_path)]) == ExitCode.OK
     assert seen == {"quick": True, "engines": ["shm"], "modes": ["paged"], "agent": True, "sglang": True}
     lines = capsys.readouterr().out.splitlines()
-    assert any(line.startswith("paged:shm:pdstate_shm") and "2.00" in line for line in lines)
+    assert any(line.startswith("paged:agent:agent_shm") and "2.00" in line for line in lines)
     assert json.loads(lines[-1])["ratios"]["shm_vs_ceiling"] == 0.8
     assert json.loads((tmp_path / "bench.json").read_text()) == fake
     assert cli.main(["bench", "--json", "--no-agent", "--engines", "shm", "--out", str(tmp_path)]) == ExitCode.OK

@@ -26,7 +26,7 @@ Threading contract (both agents):
 * Never call an agent's blocking methods from inside the I/O thread (there are no callbacks, so
   only a caller that hands the agent its own thread could).
 
-Layer: beside ``pdstate.runtime`` — imports errors, protocol, pools and transfer only.
+Layer: under ``pdstate.worker`` (serve's workers) — imports errors, protocol, pools and transfer only.
 """
 
 from pdstate.agent.decode import DecodeAgent, KVReceiver

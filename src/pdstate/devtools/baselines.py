@@ -76,8 +76,8 @@ def memmove_loop(plan: TransferPlan) -> None:
 
 
 def gather_scatter(src, dst, a, b) -> Callable[[], None]:
-    from pdstate.runtime.synth import _item_matrix
     from pdstate.transfer.planner import channels_of
+    from pdstate.worker.synth import _item_matrix
 
     ops = []
     for sc, dc, si, di in zip(channels_of(src.kv), channels_of(dst.kv), a.lists, b.lists):

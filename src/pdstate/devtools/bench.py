@@ -10,25 +10,26 @@ interleaved round-robin in one process run (these machines are shared; ratios, n
 - ``raw_<engine>``: the native engine (Mooncake, NIXL) writing the same pages and buffers from an
   agent in this process into the pdstate decode worker's registered memory (its own endpoint:
   the same destination process and path as pdstate's), with no pdstate code in the loop;
-- ``pdstate_<engine>``: a real prefill and decode process pair, from ``TransferRequest`` sent to
-  ``TransferDone`` received and verified (the decode's ``transfer_s``), less the time the prefill
-  spent synthesising the request's state (``TransferDone.compute_s``: the stand-in for the
-  model's prefill compute, which precedes any transfer in a real deployment). The decode checks
-  the request with ``verify="sample"`` (one word per item and the end of every run);
+- ``pdstate_<engine>`` (native engines): ``pdstate serve``'s prefill and decode workers
+  (``pdstate.worker``, over the agent) as a process pair (``devtools.processes``), from the
+  decode's request to its verified verdict (the decode's ``transfer_s``), less the time the
+  prefill spent synthesising the request's state (``compute_s``: the stand-in for the model's
+  prefill compute, which precedes any transfer in a real deployment). The decode checks the
+  request with ``verify="sample"`` (one word per item and the end of every run);
   ``pdstate_<engine>_full_verify`` is the same with every byte read back. The parts
   (``transfer_s``, ``copy_s``, ``verify_s``) are kept under ``parts``.
 
-``agent_shm`` / ``agent_shm_digest`` (the embeddable agent, digests off and on: ``pdstate serve``'s
-path and an engine's) run in a phase of their own beside today's path (``pdstate_shm``), the
-ceiling and the physical limit: see ``devtools.bench_agent``. The headline shm ratios
-(``shm_vs_ceiling``, ``shm_vs_physical``, ``shm_digest_vs_ceiling``) are that phase's; today's
-worker pair keeps its own (``worker_shm_vs_*``): see ``bench_report.ratios``.
+On shm, the embeddable agent (``agent_shm`` / ``agent_shm_digest``, digests off and on) runs in a
+phase of its own beside the ceiling and the physical limit: see ``devtools.bench_agent``. The
+headline shm ratios (``shm_vs_ceiling``, ``shm_vs_physical``, ``shm_digest_vs_ceiling``) are that
+phase's: see ``bench_report.ratios``.
 
-Each engine runs in its own phase (its pair and native agents alone, the ceiling measured again
-beside it): an idle NIXL agent keeps a core busy, which would tax everything else on a small host.
+Each native engine runs in its own phase (its pair and native agents alone, the ceiling measured
+again beside it): an idle NIXL agent keeps a core busy, which would tax everything else on a
+small host.
 
-The scale rows (``devtools.bench_scale``): the shm worker pair's peak RSS and its growth over
-1,000 small requests, and a 2 x 2 agent cluster's aggregate throughput (``mxn``).
+The scale rows (``devtools.bench_scale``): the agent pair's peak RSS and its growth over 1,000
+small requests, and a 2 x 2 agent cluster's aggregate throughput (``mxn``).
 
 Plus planner timings (fully fragmented and fully contiguous 128k-token requests against the
 per-run Python loop) and control costs (handshake round trip, an empty transfer, a 1-token
@@ -54,15 +55,14 @@ from pdstate.devtools.baselines import (
     gather_scatter,
     median_range,
     memmove_loop,
-    physical_copy,
     raw_engine,
 )
 from pdstate.devtools.bench_report import ratios
 from pdstate.pools.presets import build_worker_pools, preset
 from pdstate.pools.reporting import build_report
-from pdstate.runtime import requests as rq
 from pdstate.transfer.plan import TransferPlan
 from pdstate.transfer.planner import plan_request, plan_request_loop
+from pdstate.worker import requests as rq
 
 LENGTHS = (2048, 8192, 32768, 131072)
 CAPACITY = 131072 + 4 * 256
@@ -136,7 +136,7 @@ class _Pair(NamedTuple):
 def _pdstate_pair(engine: str, mode: str, preset_name: str = "dsv4-flash", pids: list | None = None) -> _Pair:
     """A prefill and a decode process, the decode registered (their pids appended to ``pids``)."""
     from pdstate.devtools.processes import WorkerProcess
-    from pdstate.runtime.options import WorkerOptions
+    from pdstate.worker.options import WorkerOptions
 
     s = _settings(mode, preset_name)
     eo = ENGINE_OPTIONS.get(engine, {})
@@ -247,18 +247,13 @@ def _phase(
     results: dict,
     progress,
     preset_name: str = "dsv4-flash",
-    memory_requests: int = 1000,
 ) -> None:
-    """One engine's variants, interleaved per length, next to the ceiling measured in the same
-    phase (only this phase's processes and agents are alive: an idle NIXL agent busy-polls a
-    core, which would tax every other variant on a 2-core machine). The paged shm phase also
-    measures the physical limit (``physical_<k>t``, one contiguous copy of the same byte count
-    with k threads; ``physical`` is the best) and, after its lengths, the worker pair's memory
-    (``bench_scale.worker_memory``: peak RSS, growth over ``memory_requests`` small requests)."""
+    """One native engine's variants (the raw engine, serve's worker pair over it), interleaved per
+    length, next to the ceiling measured in the same phase (only this phase's processes and
+    agents are alive: an idle NIXL agent busy-polls a core, which would tax every other variant
+    on a 2-core machine)."""
     progress(f"[{mode}:{engine}] starting a pdstate pair ...")
-    pids: list[int] = []
-    hs, run, describe, close = _pdstate_pair(engine, mode, preset_name, pids)
-    anchor = engine == "shm" and mode == "paged"  # the physical limit and the pair's memory: once per run
+    hs, run, describe, close = _pdstate_pair(engine, mode, preset_name)
     results.setdefault("handshake_ms", {})[f"{mode}:{engine}"] = hs
     raw, decode_kv = None, None
     try:
@@ -280,15 +275,10 @@ def _phase(
                 variants[f"raw_{engine}"] = raw[0](plan_request(src.kv, decode_kv, a.lists, b.lists))
             variants[f"pdstate_{engine}"] = lambda: run(n, "sample")
             variants[f"pdstate_{engine}_full_verify"] = lambda: run(n, "full")
-            if anchor:
-                variants.update(physical_copy(plan.total_bytes))
             times = measure(mode, engine, n, plan, variants, runs, results)
             progress(speeds_line(mode, engine, n, plan, times))
             rq.free(src.pools, a)
             rq.free(dst.pools, b)
-        if anchor:
-            progress(f"[{mode}:{engine}] the pair's memory: peak, then {memory_requests} small requests ...")
-            results["memory"] = bench_scale.worker_memory(run, pids, memory_requests)
     finally:
         close()
         if raw is not None:
@@ -316,9 +306,9 @@ def run_bench(
         progress(f"[{mode}] building in-process pools ...")
         src, dst = _Side(mode), _Side(mode)
         for e in available:
-            if mode == "paged" or e == "shm":  # the native engines' rows: paged only
+            if mode == "paged" and e != "shm":  # the native engines' rows: paged only
                 _phase(mode, e, src, dst, lengths, runs, results, progress)
-        if agent and mode == "paged":  # the agent beside today's path and the ceiling: shm, paged
+        if agent and mode == "paged" and "shm" in available:  # shm: the agent beside the ceiling, paged
             from pdstate.devtools import bench_agent
 
             bench_agent.phase(src, dst, lengths, runs, results, progress)
@@ -335,56 +325,55 @@ def run_bench(
     return results
 
 
+def _handshake_ms(decode, timeout_s: float, again: bool = False) -> float:
+    """A decode worker's handshake with its prefill, in ms: the first (``again=False``, waited
+    for), or a new one (the decode registers again, the prefill re-validates everything)."""
+    peer = decode.opts.peer
+    t0 = time.monotonic()
+    if again:
+        decode.agent.reregister(peer)
+    while time.monotonic() - t0 < timeout_s:
+        p = decode.agent.prefills().get(peer)
+        fresh = not again or (p is not None and p["registered_s_ago"] <= time.monotonic() - t0)
+        if p is not None and p["state"] == "accepted" and fresh and p.get("handshake_s"):
+            return p["handshake_s"] * 1e3
+        time.sleep(0.0005)
+    raise TimeoutError(f"no handshake with {peer} within {timeout_s:g} s")
+
+
 def bench_control(runs: int) -> dict:
     """Handshake round trips and the control path of a minimal request.
 
-    Handshakes are measured in-process on the ``dsv4-flash`` layout (the decode re-registers; the
-    prefill re-validates the whole report and descriptors each time) and, as a first contact,
-    with fresh ``tiny`` decodes. The control overhead (``control_overhead_ms``) is an empty
-    transfer (no pages, no state: a request on each side, no bytes) between a prefill agent and a
-    decode agent process (``bench_agent.AgentNodes``, digests off), the receiver's request sent ->
-    Success; ``worker_control_overhead_ms`` is the same between today's two worker processes
-    (``seq_len`` 0, request sent -> TransferDone received and verified). The agent pair's empty
-    transfers and the bare ZeroMQ round trip (``ZmqEcho``) they are compared with take turns, in
-    ``CONTROL_BLOCKS`` blocks of ``runs`` each, so both see the same host (measured one after the
-    other, their ratio swung from 1.6x to 3.1x between runs as this VM's load changed). Each
-    request within a block follows the last, as within the round trip's: interleaving single
-    requests of two pairs leaves each one's threads and caches cold and added ~0.2 ms to both;
-    today's worker pair runs after them, back to back. Beside them, a
-    1-token ``tiny`` request on today's pair (1.3 MB of state), interleaved with its empty
-    transfers: its latency, and what is left of it without the time spent on its bytes (the
-    prefill's synthetic compute and copy, the decode's verification).
+    Handshakes are measured in-process between ``pdstate serve``'s workers on the ``dsv4-flash``
+    layout (the decode re-registers; the prefill re-validates the whole report and descriptors
+    each time) and, as a first contact, with fresh ``tiny`` decodes. The control overhead
+    (``control_overhead_ms``) is an empty transfer (no pages, no state: a request on each side,
+    no bytes) between a prefill agent and a decode agent process (``bench_agent.AgentNodes``,
+    digests off), the receiver's request sent -> Success. It and the bare ZeroMQ round trip
+    (``ZmqEcho``) it is compared with take turns, in ``CONTROL_BLOCKS`` blocks of ``runs`` each,
+    so both see the same host (measured one after the other, their ratio swung from 1.6x to 3.1x
+    between runs as this VM's load changed). Then a 1-token ``tiny`` request on serve's worker
+    pair (1.3 MB of state): its latency, and what is left of it without the time spent on its
+    bytes (the prefill's synthetic compute and copy, the decode's verification).
     """
     from pdstate.devtools.bench_agent import AgentNodes
-    from pdstate.runtime.decode import DecodeWorker
-    from pdstate.runtime.options import WorkerOptions
-    from pdstate.runtime.prefill import PrefillWorker
+    from pdstate.worker.decode import AgentDecodeWorker
+    from pdstate.worker.options import WorkerOptions
+    from pdstate.worker.prefill import AgentPrefillWorker
 
     out: dict = {}
     flash = preset("dsv4-flash")
-    p = PrefillWorker(WorkerOptions(role="prefill", pool=flash, engine="shm")).start()
-    try:
-        d = DecodeWorker(WorkerOptions(role="decode", pool=flash, engine="shm", peer=p.endpoint)).start()
-        d.wait_ready(60)
-        out["first_handshake_flash_ms"] = d.handshake_s * 1e3
-        hs = [d.rehandshake(30) * 1e3 for _ in range(runs)]
-        out["handshake_ms"] = median_range(hs)
-        d.stop()
-    finally:
-        p.stop()
+    with AgentPrefillWorker(WorkerOptions(role="prefill", pool=flash, engine="shm")) as p:
+        with AgentDecodeWorker(WorkerOptions(role="decode", pool=flash, engine="shm", peer=p.endpoint)) as d:
+            out["first_handshake_flash_ms"] = _handshake_ms(d, 60)
+            out["handshake_ms"] = median_range([_handshake_ms(d, 30, again=True) for _ in range(runs)])
     tiny = preset("tiny")
-    p = PrefillWorker(WorkerOptions(role="prefill", pool=tiny, engine="shm")).start()
     first = []
-    try:
+    with AgentPrefillWorker(WorkerOptions(role="prefill", pool=tiny, engine="shm")) as p:
         for i in range(5):
-            d = DecodeWorker(
-                WorkerOptions(role="decode", pool=tiny, engine="shm", peer=p.endpoint, worker_id=f"hs-{i}")
-            ).start()
-            d.wait_ready(30)
-            first.append(d.handshake_s * 1e3)
-            d.stop()
-    finally:
-        p.stop()
+            opts = WorkerOptions(role="decode", pool=tiny, engine="shm", peer=p.endpoint, worker_id=f"hs-{i}")
+            with AgentDecodeWorker(opts) as d:
+                first.append(_handshake_ms(d, 30))
     out["first_handshake_tiny_ms"] = median_range(first)
     _, run, _, close = _pdstate_pair("shm", "paged", preset_name="tiny")
     try:
@@ -392,7 +381,7 @@ def bench_control(runs: int) -> dict:
     except BaseException:
         close()
         raise
-    empty, agent_empty, zmq_rt, total, rest = [], [], [], [], []
+    agent_empty, zmq_rt, total, rest = [], [], [], []
     parts: dict[str, list[float]] = {"compute_s": [], "copy_s": [], "verify_s": []}
     try:
         with ZmqEcho() as echo:  # the agent pair's empty transfers and the bare round trip, in turns
@@ -403,9 +392,8 @@ def bench_control(runs: int) -> dict:
                 agent_empty += [nodes.run(0, False)["transfer_s"] * 1e3 for _ in range(runs)]
                 zmq_rt += echo.round_trips(runs)
         for _ in range(3):
-            run(0), run(1)
-        for _ in range(runs * 5):  # today's pair: an empty transfer, then a 1-token request
-            empty.append(run(0, "sample")["transfer_s"] * 1e3)
+            run(1)
+        for _ in range(runs * 5):  # serve's pair: a 1-token request
             r = run(1, "sample")
             total.append(r["transfer_s"] * 1e3)
             rest.append((r["transfer_s"] - r["compute_s"] - r["copy_s"] - r["verify_s"]) * 1e3)
@@ -415,7 +403,6 @@ def bench_control(runs: int) -> dict:
         nodes.close()
         close()
     out["control_overhead_ms"] = median_range(agent_empty)
-    out["worker_control_overhead_ms"] = median_range(empty)
     out["zmq_round_trip_ms"] = median_range(zmq_rt)
     out["request_1_token_ms"] = median_range(total)
     out["request_1_token_overhead_ms"] = median_range(rest)

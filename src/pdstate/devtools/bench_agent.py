@@ -1,14 +1,11 @@
-"""``pdstate bench``'s agent phase: the embeddable agent against today's worker path and the
-in-process ceiling, interleaved in one phase (same run, so the ratios are same-run).
+"""``pdstate bench``'s agent phase: the embeddable agent against the in-process ceiling and the
+physical limit, interleaved in one phase (same run, so the ratios are same-run).
 
 On the shm engine and the paged ``dsv4-flash`` layout (target + draft), per request length:
 
 - ``ceiling_memmove`` / ``ceiling_gather_scatter`` (and ``ceiling``, the better): as in every phase;
 - ``physical_<k>t`` (and ``physical``, the best): the physical limit, as in the paged shm phase;
   the headline ``shm_vs_physical`` and ``physical_limit_gbps`` come from this phase;
-- ``pdstate_shm``: today's path, a prefill and decode worker process pair (``bench._pdstate_pair``),
-  measured as in the shm phase (the decode's ``transfer_s`` less the prefill's synthetic compute,
-  ``verify="sample"`` included);
 - ``agent_shm`` / ``agent_shm_digest``: a ``PrefillAgent`` process and two ``DecodeAgent`` processes
   (``devtools.cluster_node``; one with ``digest=False``, one with ``digest=True``), one request at
   a time, one chunk. The prefill fills its source pages first (the stand-in for prefill compute)
@@ -30,7 +27,7 @@ from collections.abc import Callable
 
 from pdstate.devtools import bench, bench_scale
 from pdstate.devtools.baselines import gather_scatter, memmove_loop, physical_copy
-from pdstate.runtime import requests as rq
+from pdstate.worker import requests as rq
 
 ENGINE = "agent"  # the phase's name in ``paths`` (``paged:agent:<variant>``); its engine is shm
 WAIT_S = 300.0
@@ -117,17 +114,12 @@ class AgentNodes:
 def phase(
     src, dst, lengths, runs: int, results: dict, progress, preset_name: str = "dsv4-flash", memory_requests: int = 1000
 ) -> None:
-    """The agent (digest off and on), today's worker path, the ceiling and the physical limit,
+    """The agent (digest off and on), the ceiling and the physical limit,
     interleaved per length; then the agent pair's memory (``agent_memory``: the prefill and the
     digest-on decode, ``bench_scale.worker_memory`` over ``memory_requests`` small requests)."""
     mode = "paged"
-    progress(f"[{mode}:{ENGINE}] starting a pdstate worker pair and agent nodes ...")
-    hs, run, _, close = bench._pdstate_pair("shm", mode, preset_name)
-    try:
-        nodes = AgentNodes(bench._settings(mode, preset_name))
-    except BaseException:
-        close()
-        raise
+    progress(f"[{mode}:{ENGINE}] starting agent nodes ...")
+    nodes = AgentNodes(bench._settings(mode, preset_name))
     results.setdefault("handshake_ms", {})[f"{mode}:{ENGINE}"] = nodes.handshake_ms[True]
     try:
         for n in lengths:
@@ -135,7 +127,6 @@ def phase(
             variants: dict[str, Callable[[], object]] = {
                 "ceiling_memmove": lambda: memmove_loop(plan),
                 "ceiling_gather_scatter": gather_scatter(src, dst, a, b),
-                "pdstate_shm": lambda: run(n, "sample"),
                 "agent_shm": lambda: nodes.run(n, False),
                 "agent_shm_digest": lambda: nodes.run(n, True),
                 **physical_copy(plan.total_bytes),
@@ -151,4 +142,3 @@ def phase(
         )
     finally:
         nodes.close()
-        close()

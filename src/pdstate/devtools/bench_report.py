@@ -22,12 +22,10 @@ def ratios(r: dict) -> dict:
 
     - the headline shm keys measure the agent (``pdstate serve``'s path and an engine's), in the
       agent phase: ``shm_vs_ceiling`` (= ``agent_vs_ceiling``), ``shm_vs_physical`` and
-      ``shm_digest_vs_ceiling`` (= ``agent_digest_vs_ceiling``); beside them today's worker path /
-      agent (``agent_vs_worker``, ``agent_digest_vs_worker``: above 1 the agent is faster);
-    - today's worker pair, in the shm phase: ``worker_shm_vs_ceiling``, ``worker_shm_vs_physical``,
-      ``shm_full_verify_vs_ceiling`` (every byte read back) and ``shm_vs_ceiling_unified``;
-    - raw engine / pdstate for the native engines; in the sglang phase, SGLang's Mooncake backend
-      / backend pdstate (above 1: pdstate is faster).
+      ``shm_digest_vs_ceiling`` (= ``agent_digest_vs_ceiling``);
+    - raw engine / serve's worker pair for the native engines (``<engine>_vs_raw``,
+      ``<engine>_full_verify_vs_raw``); in the sglang phase, SGLang's Mooncake backend / backend
+      pdstate (above 1: pdstate is faster).
 
     The keys without ``_by_length`` are the 32k-token values."""
     out: dict = {}
@@ -38,16 +36,6 @@ def ratios(r: dict) -> dict:
         return None if v is None else v["seconds"]["median"]
 
     for n in r["lengths"]:
-        for mode in r["modes"]:
-            sfx = "" if mode == "paged" else f"_{mode}"
-            c = med(f"{mode}:shm:ceiling", n)
-            for variant, key in (
-                ("pdstate_shm", "worker_shm_vs_ceiling" if mode == "paged" else "shm_vs_ceiling"),
-                ("pdstate_shm_full_verify", "shm_full_verify_vs_ceiling"),
-            ):
-                pd = med(f"{mode}:shm:{variant}", n)
-                if pd and c:
-                    out.setdefault(f"{key}{sfx}_by_length", {})[str(n)] = c / pd
         for e in ("mooncake", "nixl"):
             raw = med(f"paged:{e}:raw_{e}", n)
             for variant, key in (
@@ -57,20 +45,14 @@ def ratios(r: dict) -> dict:
                 pd = med(f"paged:{e}:{variant}", n)
                 if pd and raw:
                     out.setdefault(f"{key}_by_length", {})[str(n)] = raw / pd
-        c, worker = med("paged:agent:ceiling", n), med("paged:agent:pdstate_shm", n)
+        c = med("paged:agent:ceiling", n)
         for variant, key in (("agent_shm", "agent"), ("agent_shm_digest", "agent_digest")):
             ag = med(f"paged:agent:{variant}", n)
             if ag and c:
                 out.setdefault(f"{key}_vs_ceiling_by_length", {})[str(n)] = c / ag
-            if ag and worker:
-                out.setdefault(f"{key}_vs_worker_by_length", {})[str(n)] = worker / ag
-        for phase, variant, key in (
-            ("agent", "agent_shm", "shm_vs_physical"),
-            ("shm", "pdstate_shm", "worker_shm_vs_physical"),
-        ):
-            phys, pd = med(f"paged:{phase}:physical", n), med(f"paged:{phase}:{variant}", n)
-            if phys and pd:
-                out.setdefault(f"{key}_by_length", {})[str(n)] = phys / pd
+        phys, ag = med("paged:agent:physical", n), med("paged:agent:agent_shm", n)
+        if phys and ag:
+            out.setdefault("shm_vs_physical_by_length", {})[str(n)] = phys / ag
     for alias, key in (("shm_vs_ceiling", "agent_vs_ceiling"), ("shm_digest_vs_ceiling", "agent_digest_vs_ceiling")):
         if f"{key}_by_length" in out:  # the headline names, for the agent path
             out[f"{alias}_by_length"] = out[f"{key}_by_length"]
@@ -87,9 +69,8 @@ def ratios(r: dict) -> dict:
 
 
 def physical_phase(r: dict) -> str | None:
-    """The phase whose physical limit is the headline one: the agent's, else the shm phase's."""
-    paths = r.get("paths", {})
-    return next((ph for ph in ("agent", "shm") if f"paged:{ph}:physical" in paths), None)
+    """The phase that measures the physical limit: the agent's (``None`` when it did not run)."""
+    return "agent" if "paged:agent:physical" in r.get("paths", {}) else None
 
 
 def physical_limit(r: dict, n: int = 32768) -> dict:
@@ -112,15 +93,11 @@ NAMED_RATIOS = (
     "shm_vs_ceiling_by_length",
     "shm_vs_physical",
     "shm_digest_vs_ceiling",
-    "worker_shm_vs_ceiling",
-    "worker_shm_vs_physical",
     "mxn_vs_physical",
     "mooncake_vs_raw",
     "nixl_vs_raw",
     "agent_vs_ceiling",
     "agent_digest_vs_ceiling",
-    "agent_vs_worker",
-    "agent_digest_vs_worker",
     "sglang_backend_vs_sglang_mooncake",
     "sglang_backend_vs_sglang_mooncake_by_length",
 )
@@ -164,8 +141,7 @@ def scale_summary(r: dict) -> dict:
     limit = physical_limit(r)
     c = r.get("control", {})
     ctl, zmq = c.get("control_overhead_ms", {}).get("median"), c.get("zmq_round_trip_ms", {}).get("median")
-    worker = c.get("worker_control_overhead_ms", {}).get("median")
-    mxn, mem, worker_mem = r.get("mxn") or {}, r.get("agent_memory") or {}, r.get("memory") or {}
+    mxn, mem = r.get("mxn") or {}, r.get("agent_memory") or {}
     return {
         "physical_limit_gbps": limit["gbps"],
         "physical_limit_threads": limit["threads"],
@@ -173,22 +149,16 @@ def scale_summary(r: dict) -> dict:
             n: v["gbps"]["median"] for n, v in r.get("paths", {}).get(f"paged:{physical_phase(r)}:physical", {}).items()
         },
         "control_overhead_vs_zmq": ctl / zmq if ctl and zmq else None,
-        "worker_control_overhead_ms_p50": worker,
-        "worker_control_overhead_vs_zmq": worker / zmq if worker and zmq else None,
         "mxn_2x2_gbps": mxn.get("gbps"),
         "mxn_2x2": mxn or None,
         "peak_rss_mb": mem.get("peak_rss_mb"),
         "rss_growth_mb": mem.get("rss_growth_mb"),
         "rss_anon_growth_mb": mem.get("anon_growth_mb"),
         "rss_growth_requests": mem.get("requests"),
-        "worker_peak_rss_mb": worker_mem.get("peak_rss_mb"),
-        "worker_rss_growth_mb": worker_mem.get("rss_growth_mb"),
     }
 
 
 COLORS = {
-    ("paged", "shm"): "tab:blue",
-    ("unified", "shm"): "tab:cyan",
     ("paged", "mooncake"): "tab:green",
     ("paged", "nixl"): "tab:red",
     ("paged", "agent"): "tab:orange",
@@ -212,10 +182,8 @@ def write_outputs(r: dict, out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(8, 5))
     for path, per_len in sorted(r["paths"].items()):
         mode, engine, variant = path.split(":", 2)
-        if variant in ("ceiling_memmove", "ceiling_gather_scatter") or (
-            engine != "shm" and variant in ("ceiling", "pdstate_shm")
-        ):
-            continue  # one ceiling per mode and one shm path (the shm phase's); the others are in bench.json
+        if variant in ("ceiling_memmove", "ceiling_gather_scatter") or (engine != "agent" and variant == "ceiling"):
+            continue  # one ceiling (the agent phase's); the others are in bench.json
         pts = sorted((int(n), v["gbps"]["median"]) for n, v in per_len.items())
         style = "--" if variant.endswith(("full_verify", "digest")) else (":" if variant.startswith("raw") else "-")
         label = f"{mode}: {'ceiling (in-process copy)' if variant == 'ceiling' else variant}"
@@ -258,7 +226,7 @@ def summary_or_none(r: dict) -> dict | None:
 def cmd_bench(args) -> ExitCode:
     """Run the benchmark, write its files; the last stdout line is the summary as one JSON object."""
     from pdstate.devtools import bench
-    from pdstate.runtime.worker import tune_interpreter
+    from pdstate.worker.base import tune_interpreter
 
     tune_interpreter()
     say = (lambda *a: None) if args.json else (lambda m: print(m, flush=True))

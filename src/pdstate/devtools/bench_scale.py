@@ -1,7 +1,7 @@
-"""``pdstate bench``'s scale rows: a worker pair's memory (peak RSS during the bench, growth over
+"""``pdstate bench``'s scale rows: an agent pair's memory (peak RSS during the bench, growth over
 1,000 small requests) and an M x N cluster's aggregate throughput.
 
-- ``worker_memory``: after the shm phase ran its lengths on a ``dsv4-flash`` worker pair,
+- ``worker_memory``: after the agent phase ran its lengths on a ``dsv4-flash`` agent pair,
   ``requests`` small requests (128 tokens: one main-KV page, the SWA component and the draft,
   ~11 MB each) after a warm-up of ``requests // 10``: ``VmRSS`` and ``RssAnon`` (private memory:
   where a leak shows) before and after, summed over the pair; then the pair's peak resident set

@@ -13,12 +13,6 @@ RATIO_ROWS = (
     ("shm_vs_physical", "shm end to end (agent) / physical limit"),
     ("shm_vs_ceiling", "shm end to end (agent) / ceiling"),
     ("shm_digest_vs_ceiling", "agent with digests on both sides / ceiling"),
-    ("agent_vs_worker", "agent / today's worker pair"),
-    ("agent_digest_vs_worker", "agent with digests / today's worker pair"),
-    ("worker_shm_vs_physical", "today's worker pair / physical limit"),
-    ("worker_shm_vs_ceiling", "today's worker pair / ceiling, paged"),
-    ("shm_vs_ceiling_unified", "today's worker pair / ceiling, unified"),
-    ("shm_full_verify_vs_ceiling", "today's worker pair, every byte verified / ceiling"),
     ("mooncake_vs_raw", "Mooncake end to end / raw Mooncake"),
     ("mooncake_full_verify_vs_raw", "Mooncake, every byte verified / raw"),
     ("nixl_vs_raw", "NIXL end to end / raw NIXL"),
@@ -30,7 +24,6 @@ GBPS_ROWS = (
     ("paged:agent:ceiling", "ceiling (in-process copy of the same regions, 1 thread)"),
     ("paged:agent:agent_shm", "shm end to end (agent), digests off"),
     ("paged:agent:agent_shm_digest", "agent, digests on both sides"),
-    ("paged:shm:pdstate_shm", "today's worker pair, paged"),
 )
 
 
@@ -105,13 +98,6 @@ def figures_table(s: dict | None) -> list[str]:
                 f"{_num(s.get('zmq_round_trip_ms_p50'))} ms = {_num(s.get('control_overhead_vs_zmq'))}x",
             )
         )
-    if s.get("worker_control_overhead_ms_p50") is not None:
-        rows.append(
-            (
-                "empty transfer, today's worker pair p50 / the same round trip",
-                f"{s['worker_control_overhead_ms_p50']:.2f} ms = {_num(s.get('worker_control_overhead_vs_zmq'))}x",
-            )
-        )
     if s.get("mxn_2x2_gbps") is not None:
         m = s["mxn_2x2"]
         rows.append(
@@ -130,13 +116,6 @@ def figures_table(s: dict | None) -> list[str]:
             (
                 f"agent pair: RSS growth over {s['rss_growth_requests']} requests (`rss_growth_mb`)",
                 f"{s['rss_growth_mb']:+.1f} MB ({s['rss_anon_growth_mb']:+.1f} MB private)",
-            )
-        )
-    if s.get("worker_peak_rss_mb") is not None:
-        rows.append(
-            (
-                "today's worker pair: peak RSS, RSS growth over the same requests",
-                f"{s['worker_peak_rss_mb']:.0f} MB, {s['worker_rss_growth_mb']:+.1f} MB",
             )
         )
     if s.get("plan_fragmented_128k_ms") is not None:

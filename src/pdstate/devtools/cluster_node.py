@@ -9,7 +9,7 @@ as a dict, "engine", "engine_options", "segment_dir"?, "digest", "chunks", "hear
 object a line, from any of the node's threads):
 
 * prefill ``{"op": "send", "room", "seq_len", "hold"?}``: allocate the request, fill its source
-  items with ``runtime.synth``'s content for the room, and send the pages in ``chunks`` chunks
+  items with ``worker.synth``'s content for the room, and send the pages in ``chunks`` chunks
   (state indices with the last). ``hold`` sends all but the last chunk, prints ``{"event":
   "holding", "room"}`` once the sender is TRANSFERRING, and waits for ``{"op": "release", "room"}``.
   ``announce`` prints ``{"event": "queued", "room"}`` once every chunk is handed to the sender
@@ -71,8 +71,8 @@ class Node:
         from pdstate.pools.kvargs import fill_kv_args
         from pdstate.pools.memory import SharedMemory
         from pdstate.pools.presets import build_worker_pools
-        from pdstate.runtime.requests import channel_names
-        from pdstate.service.agent_worker import PagePool
+        from pdstate.worker.base import PagePool
+        from pdstate.worker.requests import channel_names
 
         self.np, self.emit, self.spec = np, emit, spec
         self.role, self.name = spec["role"], spec["name"]
@@ -126,7 +126,7 @@ class Node:
 
     def send(self, room: int, seq_len: int, hold: threading.Event | None, announce: bool = False) -> None:
         from pdstate.agent import RequestState
-        from pdstate.runtime import synth
+        from pdstate.worker import synth
 
         try:
             alloc = self._allocate(seq_len)
@@ -186,7 +186,7 @@ class Node:
     def recv(self, room: int, seq_len: int, prefill: str) -> None:
         """Allocate (the router tells the prefill only after ``allocated``), receive, verify."""
         from pdstate.agent import RequestState
-        from pdstate.runtime import synth
+        from pdstate.worker import synth
 
         t0 = time.perf_counter()
         try:

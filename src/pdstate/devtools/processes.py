@@ -1,4 +1,5 @@
-"""Worker processes for ``pdstate bench`` and the integration tests.
+"""Worker processes for the tests: ``pdstate serve``'s workers (``pdstate.worker``, over the
+agent), each in a child process driven by JSON command lines instead of HTTP.
 
 ``python -m pdstate.devtools.processes`` runs one worker from a JSON description on stdin's first line.
 A prefill prints ``{"event": "listening", "endpoint": ...}`` and serves until stdin closes; it
@@ -6,12 +7,12 @@ answers ``stats`` / ``{"cmd": "stats"}`` with ``{"event": "stats", ...}``, ``pee
 ``{"cmd": "peers"}`` with ``{"event": "peers", "peers": [...]}`` (what it recorded about every
 decode that registered: id, incarnation, state, error) and ``{"cmd": "requests"}`` with
 ``{"event": "requests", "in_flight": [...], "finished": [...]}`` (its request records);
-``{"cmd": "fault", "delay_before_copy_s": S}`` sets the fault-injection delay of later copies.
+``{"cmd": "fault", "delay_before_copy_s": S}`` sets the test seam ``WorkerHooks``.
 A decode prints ``{"event": "ready", "handshake_ms": ...}`` (or ``{"event": "refused", "type",
 "message"}`` and exits ``ExitCode.REFUSED``, 4), then runs each ``{"cmd": "run", "lengths": [...], "concurrency": N,
 "deadline_s": S?, "verify": "full"|"sample"?}`` line it reads, printing one ``{"event": "result", ...}`` per request and
 ``{"event": "batch_done"}``; ``{"cmd": "stats"}`` prints its peer state, stats, free counts and
-request bookkeeping (in flight, quarantined); ``{"cmd": "describe"}`` prints ``{"event":
+request bookkeeping (in flight, waiting for pages); ``{"cmd": "describe"}`` prints ``{"event":
 "describe", "register": hex}``, its encoded register message (layout, KVArgs, engine endpoint:
 what a raw engine needs to write into it). EOF ends it.
 A worker whose own target/draft pair fails ``setup_state_kv_args`` (with ``local_checks``) prints
@@ -21,7 +22,7 @@ an unreadable description line exits ``ExitCode.CONFIG`` (2), anything else that
 
 ``WorkerProcess(opts)`` spawns ``python -m pdstate.devtools.processes`` (``launcher="subprocess"``, the
 default). ``launcher="fork"`` forks the worker from a ``multiprocessing`` fork server that has
-already imported the runtime (and torch), so a worker starts in milliseconds instead of seconds;
+already imported the workers (and torch), so a worker starts in milliseconds instead of seconds;
 it is a separate process all the same (own pid, own memory, talks to its peer over TCP). Either
 way the worker's stderr is drained continuously (a full pipe would block the worker) and kept for
 ``stderr_text()``.
@@ -45,8 +46,7 @@ from typing import Any
 
 from pdstate.errors import ExitCode, LocalCheckFailed
 from pdstate.pools.presets import PoolSettings
-from pdstate.runtime.hooks import WorkerHooks
-from pdstate.runtime.options import WorkerOptions
+from pdstate.worker.options import WorkerHooks, WorkerOptions
 
 Emit = Callable[[dict], None]
 
@@ -98,32 +98,29 @@ def _commands(lines: Iterable[str], emit: Emit):
         yield cmd
 
 
-def _stats_dict(stats) -> dict:
-    return stats.as_dict()
-
-
 def _run_prefill(opts: WorkerOptions, lines: Iterable[str], emit: Emit, hooks: WorkerHooks | None = None) -> ExitCode:
-    from pdstate.runtime.prefill import PrefillWorker
+    from pdstate.worker.prefill import AgentPrefillWorker
 
-    w = PrefillWorker(opts, hooks).start()
+    w = AgentPrefillWorker(opts, hooks=hooks).start()
     emit({"event": "listening", "endpoint": w.endpoint, "pid": os.getpid()})
     try:
         for cmd in _commands(lines, emit):
             if cmd.get("cmd") == "stats":
-                emit({"event": "stats", "stats": _stats_dict(w.stats), "free": w.free_counts()})
+                emit({"event": "stats", "stats": w.stats.as_dict(), "free": w.free_counts()})
             elif cmd.get("cmd") == "peers":
-                emit({"event": "peers", "peers": w.peer_states()})
+                emit({"event": "peers", "peers": [p.as_dict() for p in w.status().peers]})
             elif cmd.get("cmd") == "fault":  # test knob: {"cmd": "fault", "delay_before_copy_s": S}
                 w.set_hooks(WorkerHooks(delay_before_copy_s=float(cmd.get("delay_before_copy_s", 0.0))))
                 emit({"event": "fault", "delay_before_copy_s": w.hooks.delay_before_copy_s})
             elif cmd.get("cmd") == "requests":
+                s = w.status()
                 emit(
                     {
                         "event": "requests",
-                        "in_flight": w.jobs_snapshot(),
-                        "finished": w.finished_records(),
+                        "in_flight": [r.as_dict() for r in s.requests],
+                        "finished": [{**r, "peer": r["decode"]} for r in w.finished_records()],
                         "free": w.free_counts(),
-                        "peak_in_flight": w.peak_in_flight,
+                        "peak_in_flight": s.peak_in_flight,
                     }
                 )
             else:
@@ -133,17 +130,47 @@ def _run_prefill(opts: WorkerOptions, lines: Iterable[str], emit: Emit, hooks: W
     return ExitCode.OK
 
 
-def _run_decode(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> ExitCode:
-    from pdstate.runtime.decode import DecodeWorker
+def _wait_handshake(w, timeout_s: float) -> dict:
+    """The decode's default prefill once it answered the handshake: accepted (its record), or
+    refused (raises the refusal); ``TimeoutError`` when it did not answer within ``timeout_s``."""
+    from pdstate.errors import error_from_wire
 
-    w = DecodeWorker(opts).start()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        p = w.agent.prefills().get(w.opts.peer) or {"state": "pending"}
+        if p["state"] == "accepted":
+            return p
+        if p["state"] == "rejected" and p["error_info"]:
+            raise error_from_wire(p["error_info"]["type"], p["error_info"]["message"])
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no handshake answer from the prefill at {w.opts.peer} within {timeout_s:g} s")
+        time.sleep(0.005)
+
+
+def _decode_snapshot(w) -> dict:
+    s = w.status()
+    return {
+        "peer_state": s.peer.state.value,
+        "prefill_incarnation": s.peer.incarnation,
+        "in_flight": s.in_flight,
+        "waiting": s.waiting,
+        "peak_in_flight": s.peak_in_flight,
+        "peer_error": None if s.peer.error is None else s.peer.error.model_dump(),
+    }
+
+
+def _run_decode(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> ExitCode:
+    from pdstate.worker.decode import AgentDecodeWorker
+
+    w = AgentDecodeWorker(opts).start()
     try:
         try:
-            w.wait_ready(timeout_s=opts.peer_timeout_s * 4)
+            accepted = _wait_handshake(w, opts.peer_timeout_s * 4)
         except Exception as exc:
             emit({"event": "refused", "type": type(exc).__name__, "message": str(exc)})
             return ExitCode.REFUSED
-        emit({"event": "ready", "handshake_ms": w.handshake_s * 1e3, "free": w.free_counts(), "pid": os.getpid()})
+        handshake_ms = (accepted.get("handshake_s") or 0.0) * 1e3
+        emit({"event": "ready", "handshake_ms": handshake_ms, "free": w.free_counts(), "pid": os.getpid()})
         for cmd in _commands(lines, emit):
             if cmd.get("cmd") == "run":
                 pending: deque = deque(cmd["lengths"])
@@ -158,17 +185,11 @@ def _run_decode(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> ExitCo
             elif cmd.get("cmd") == "describe":  # this decode's register message: layout, KVArgs, endpoint
                 from pdstate.protocol import wire
 
-                emit({"event": "describe", "register": wire.encode(w.handshake.register_message(), w.opts.token).hex()})
+                # what the agent sends a prefill: a test-only view (the agent offers no public one)
+                register = w.agent._handshake.register_message()
+                emit({"event": "describe", "register": wire.encode(register, w.opts.token).hex()})
             elif cmd.get("cmd") == "stats":
-                emit(
-                    {
-                        "event": "stats",
-                        **w.snapshot(),
-                        "peer_error": None if w.peer_error is None else w.peer_error.model_dump(),
-                        "stats": _stats_dict(w.stats),
-                        "free": w.free_counts(),
-                    }
-                )
+                emit({"event": "stats", **_decode_snapshot(w), "stats": w.stats.as_dict(), "free": w.free_counts()})
             else:
                 emit({"event": "error", "message": f"unknown decode command {cmd.get('cmd')!r}"})
     finally:
@@ -187,7 +208,7 @@ def serve(opts: WorkerOptions, lines: Iterable[str], emit: Emit, hooks: WorkerHo
 
 
 def main() -> ExitCode:
-    from pdstate.runtime.worker import tune_interpreter
+    from pdstate.worker.base import tune_interpreter
 
     tune_interpreter()
     line = sys.stdin.readline()
@@ -204,7 +225,7 @@ def main() -> ExitCode:
 
 # --- fork-server launcher --------------------------------------------------------------------
 
-_FORK_PRELOAD = ["pdstate.devtools.processes", "pdstate.runtime.prefill", "pdstate.runtime.decode"]
+_FORK_PRELOAD = ["pdstate.devtools.processes", "pdstate.worker.prefill", "pdstate.worker.decode", "pdstate.agent"]
 _fork_ctx = None
 _fork_lock = threading.Lock()
 
@@ -228,7 +249,7 @@ def _forked_main(opts_json: str, cmd_conn, event_conn, log_path: str) -> None:
     os.close(fd)
     rc = ExitCode.FAILED
     try:
-        from pdstate.runtime.worker import tune_interpreter
+        from pdstate.worker.base import tune_interpreter
 
         tune_interpreter()  # as ``main`` does for a subprocess worker
 

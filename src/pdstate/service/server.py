@@ -60,7 +60,7 @@ def _emit(obj: dict) -> None:
 
 
 def cmd_serve(args) -> ExitCode:
-    from pdstate.runtime.worker import tune_interpreter
+    from pdstate.worker.base import tune_interpreter
 
     tune_interpreter()
     from pdstate.service.config import load_config
@@ -86,10 +86,10 @@ def cmd_serve(args) -> ExitCode:
 
     from pdstate.errors import LocalCheckFailed
 
-    if cfg.role == "prefill":  # the workers are callers of the agent (``pdstate.agent``)
-        from pdstate.service.agent_prefill import AgentPrefillWorker as Worker
+    if cfg.role == "prefill":  # the workers (``pdstate.worker``) are callers of the agent
+        from pdstate.worker.prefill import AgentPrefillWorker as Worker
     else:
-        from pdstate.service.agent_decode import AgentDecodeWorker as Worker
+        from pdstate.worker.decode import AgentDecodeWorker as Worker
     worker = Worker(cfg.worker_options())
     try:
         worker.start()

@@ -11,7 +11,7 @@ log = logging.getLogger("pdstate.service.status")
 
 
 class WorkerStatus:
-    """``api.StatusSource`` over a started ``PrefillWorker`` or ``DecodeWorker``.
+    """``api.StatusSource`` over a started ``AgentPrefillWorker`` or ``AgentDecodeWorker``.
 
     ``drain()`` is the one way to stop the worker: idempotent, thread-safe; it marks the source
     as shutting down (so no new transfer is accepted), stops the worker, and completes any future
@@ -35,7 +35,7 @@ class WorkerStatus:
     # read side: everything that changes comes from the worker's ``status()`` snapshot
     @property
     def stats(self):
-        """A consistent copy of the worker's counters (``runtime.stats.Stats``)."""
+        """A consistent copy of the worker's counters (``worker.stats.Stats``)."""
         return self.worker.stats.snapshot()
 
     def local_check(self):
@@ -101,7 +101,7 @@ class WorkerStatus:
             self._futures[outer] = (room or 0, tokens)
 
         def relay(f: Future) -> None:
-            from pdstate.runtime.worker import settle
+            from pdstate.worker.base import settle
 
             if f.cancelled():
                 exc: BaseException | None = RuntimeError(f"transfer of room {room} was cancelled")
@@ -118,8 +118,8 @@ class WorkerStatus:
         return outer
 
     def lookup(self, room: int) -> dict | None:
-        from pdstate.runtime.snapshot import RequestStatus
-        from pdstate.runtime.worker import now
+        from pdstate.worker.base import now
+        from pdstate.worker.status import RequestStatus
 
         got = self.worker.lookup(room)
         if isinstance(got, RequestStatus):
@@ -158,7 +158,7 @@ class WorkerStatus:
             self.worker.stop()
         finally:
             with self._lock:
-                from pdstate.runtime.worker import settle
+                from pdstate.worker.base import settle
 
                 for f, (room, tokens) in self._futures.items():
                     settle(f, self._failed(room, tokens, f"{self.role} shutting down"))

@@ -1,8 +1,10 @@
-"""Per-request allocation on one side, and the index lists it yields for every channel.
+"""Per-request allocation on one side of ``pdstate serve``, and the index lists it yields for
+every channel (the rules are ``pools.indices``'s, by the pools' release).
 
 Both sides allocate the request's full pages and only the SWA tail (the window's pages) — the
 prefill keeps no SWA state beyond the window either — plus a request slot that addresses the
-unified ring rows and the C128 state slot.
+unified ring rows, the C128 state slot and, in unified SGLang 0.5.23 pools, the C4 state ring
+(``indices.swa_component_indices``).
 """
 
 from __future__ import annotations
@@ -83,13 +85,11 @@ def _list_for(name: str, pools: WorkerPools, slot: int, locs: np.ndarray, seq_le
     if name == "main_kv":
         return indices.main_kv_page_indices(locs, seq_len, t.page_size)
     if name == "swa":
-        return indices.swa_page_indices(
-            locs, seq_len, t.sliding_window, t.page_size, pools.allocator.full_to_swa_index_mapping
-        )
+        return indices.swa_component_indices(t, slot, locs, seq_len, pools.allocator.full_to_swa_index_mapping)
     if name == "swa_ring":
         return indices.swa_ring_rows(slot, seq_len, t.unified_swa_window, t.unified_swa_ring_size)
     if name == "c128_state":
-        return indices.c128_state_indices(slot, seq_len, t.online_c128, t.c128_ring_size)
+        return indices.request_state_indices(slot, seq_len, t.online_c128, t.c128_ring_size)
     raise ValueError(f"no index rule for state component {name!r}")
 
 

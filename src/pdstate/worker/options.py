@@ -1,7 +1,7 @@
-"""``WorkerOptions``: what a worker is configured with (built by ``service.config`` or a test).
+"""``WorkerOptions``: what a worker is configured with (built by ``service.config`` or a test),
+and ``WorkerHooks``, the test seams (fault injection) a prefill takes beside them.
 
-Production settings only; the test seams (fault injection) are ``runtime.hooks.WorkerHooks``,
-passed to a worker beside its options.
+Production settings only in ``WorkerOptions``; production never passes hooks.
 """
 
 from __future__ import annotations
@@ -29,13 +29,27 @@ class WorkerOptions:
     local_checks: bool = True
     # decode: how the bytes that landed are checked against the room's synthetic content:
     # "full" reads every byte (one pass over the request), "sample" the first word of every item
-    # and the last of every run of items (O(items)); see ``runtime.synth``
+    # and the last of every run of items (O(items)); see ``worker.synth``
     verify: str = "full"
-    # prefill: a request of at most this many bytes, on a synchronous engine (shm), is computed and
-    # copied on the control thread when the transfer thread is idle and no other frame waits: two
-    # thread wake-ups (0.15-0.3 ms on a small VM) saved per request, at most a few milliseconds of
-    # the control loop (a 2k ``dsv4-flash`` request is 18 MB: compute and copy take ~3.5 ms); 0: never
+    # accepted for configuration compatibility (``control.inline_max_bytes``); the agent's prefill
+    # decides itself when a small request skips its thread hand-offs
     inline_max_bytes: int = 32 << 20
     # prefill: on stop (SIGTERM), how long to let the requests in flight finish before the goodbye
     # (new requests are refused meanwhile); 0: end them at once with "prefill shutting down"
     drain_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class WorkerHooks:
+    """Fault-injection seams of a prefill worker, for tests; the defaults do nothing.
+
+    ``delay_before_copy_s``: a request thread waits this long after computing a request's
+    content and before handing its pages to the agent's sender, so a test can kill or freeze a
+    process while requests are ``TRANSFERRING``. The wait ends early when the decode gives the
+    request up or the worker stops.
+    """
+
+    delay_before_copy_s: float = 0.0
+
+
+NO_HOOKS = WorkerHooks()

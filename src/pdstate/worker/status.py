@@ -1,4 +1,5 @@
-"""``WorkerSnapshot``: a worker's ``status()``, a frozen copy taken under its lock.
+"""``WorkerSnapshot``: a worker's ``status()``, a frozen copy taken under its lock; and
+``TransferResult``, what a decode's request ended with.
 
 Everything another thread (the HTTP API, a status command, a test) may want to know about a
 running worker, so nothing outside the worker reads its records while its threads change them.
@@ -40,7 +41,7 @@ class RequestStatus:
     room: int
     state: RequestState
     seq_len: int
-    started: float  # ``runtime.worker.now()`` when it entered
+    started: float  # ``worker.base.now()`` when it entered
     peer: str = ""  # prefill: the decode's worker id; decode: the prefill's control address
     cancelled: str | None = None  # prefill: why, once given up (its copy may still be running)
 
@@ -60,9 +61,7 @@ class WorkerSnapshot:
     requests: tuple[RequestStatus, ...]  # in flight, oldest first
     dead_threads: tuple[str, ...]  # names of the worker's threads that ended (none while it serves)
     peak_in_flight: int  # most requests in flight at once
-    jobs_inline: int = 0  # prefill: requests run on its control thread
     waiting: int = 0  # decode: requests waiting for pages
-    quarantined: int = 0  # decode: pages of failed requests held until the prefill is done with them
     handshake_s: float | None = None  # decode: the latest accepted handshake's duration (its ``peer``)
 
     @property
@@ -73,3 +72,39 @@ class WorkerSnapshot:
     def peer(self) -> PeerStatus:
         """A decode's default prefill (its ``peer``)."""
         return self.peers[0]
+
+
+@dataclass
+class TransferResult:
+    """A decode request's outcome (the result of ``AgentDecodeWorker.submit``'s future)."""
+
+    room: int
+    status: str  # "success" | "failed"
+    seq_len: int
+    bytes: int = 0
+    descriptors: int = 0
+    seconds: float = 0.0
+    verified: bool = False
+    error: ErrorInfo | None = None
+    compute_s: float = 0.0  # the prefill's (synthesised) compute
+    copy_s: float = 0.0  # the prefill's engine copy
+    transfer_s: float = 0.0  # asked -> verdict received
+    verify_s: float = 0.0  # this decode's check of the bytes that landed
+    prefill: str = ""  # the control address of the prefill asked
+
+    def as_dict(self) -> dict:
+        return {
+            "room": self.room,
+            "status": self.status,
+            "seq_len": self.seq_len,
+            "bytes": self.bytes,
+            "descriptors": self.descriptors,
+            "seconds": self.seconds,
+            "verified": self.verified,
+            "error": None if self.error is None else self.error.model_dump(),
+            "compute_s": self.compute_s,
+            "copy_s": self.copy_s,
+            "transfer_s": self.transfer_s,
+            "verify_s": self.verify_s,
+            "prefill": self.prefill,
+        }

@@ -1,34 +1,93 @@
-"""What ``pdstate serve``'s two agent workers share: their side (pools, report, KVArgs, local
-check), an allocator that callers may wait on, the counters, and the request records kept for
+"""What ``pdstate serve``'s two workers share: their side (pools, report, KVArgs, local check),
+an allocator that callers may wait on, the counters, and the request records kept for
 ``/v1/transfers/{room}`` and status.
 
-The workers (``service.agent_prefill``, ``service.agent_decode``) are callers of the embeddable
-agent (``pdstate.agent``) like any serving engine: they own the pools, allocate and free the
-pages, and hand the agent index lists. The synthetic content (``runtime.synth``) is their stand-in
-for the model. They present the status surface ``service.status.WorkerStatus`` reads
-(``status()``, ``stats``, ``free_counts()``, ``lookup()``, ``submit()``, ``reregister()``,
+The workers (``worker.prefill``, ``worker.decode``) are callers of the embeddable agent
+(``pdstate.agent``) like any serving engine: they own the pools, allocate and free the pages
+(``worker.requests``), and hand the agent index lists. The synthetic content (``worker.synth``)
+is their stand-in for the model. They present the status surface ``service.status.WorkerStatus``
+reads (``status()``, ``stats``, ``free_counts()``, ``lookup()``, ``submit()``, ``reregister()``,
 ``stop()``).
 """
 
 from __future__ import annotations
 
+import secrets
+import sys
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from typing import Any
 
-from pdstate.errors import AgentClosed, AllocationError, LocalCheckFailed
-from pdstate.runtime import requests as rq
-from pdstate.runtime.options import WorkerOptions
-from pdstate.runtime.snapshot import RequestStatus
-from pdstate.runtime.stats import Stats
-from pdstate.runtime.worker import build_side, new_incarnation, now
+from pdstate.errors import AgentClosed, AllocationError, LocalCheckFailed, error_from_wire
+from pdstate.pools.kvargs import fill_kv_args
+from pdstate.pools.memory import PrivateMemory, SharedMemory, sweep_stale_segments
+from pdstate.pools.presets import build_worker_pools
+from pdstate.pools.reporting import build_report
+from pdstate.worker import requests as rq
+from pdstate.worker.options import WorkerOptions
+from pdstate.worker.stats import Stats
+from pdstate.worker.status import RequestStatus
 
 MAX_FINISHED = 10000  # finished requests kept for lookups (oldest dropped first)
 
+now = time.monotonic
+
+# A worker's request threads and the agent's I/O thread hand work to each other; with the
+# interpreter's default 5 ms switch interval a hand-off can wait that long behind a thread holding
+# the GIL in a numpy loop. The edges (serve, worker processes, bench) call this once at start.
+SWITCH_INTERVAL_S = 0.0005
+
+
+def tune_interpreter() -> None:
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+
+
+def new_incarnation() -> str:
+    return secrets.token_hex(8)
+
+
+def settle(fut: Future, result: Any = None, exc: BaseException | None = None) -> bool:
+    """Complete ``fut`` unless it is already done or its caller cancelled it (even concurrently,
+    between a ``done()`` check and the call): never raises ``InvalidStateError``. Returns whether
+    this call completed it."""
+    if fut.done():
+        return False
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        return False
+    return True
+
+
+def build_side(opts: WorkerOptions):
+    """Pools (in shared memory for a decode on the shm engine), report, KVArgs and local check.
+
+    Returns ``(pools, report, kv_args, local_error)``. ``local_error`` is the upstream refusal of
+    this side's own pair, or ``None``.
+    """
+    if opts.role == "decode" and opts.engine == "shm":
+        sweep_stale_segments()
+        memory = SharedMemory()
+    else:
+        memory = PrivateMemory()
+    pools = build_worker_pools(opts.pool, memory)
+    report, kv_args = build_report(pools.target, pools.draft)
+    err = None
+    if not report.local_check.ok:
+        err = error_from_wire(report.local_check.error.type, report.local_check.error.message)
+        if kv_args is None and not opts.local_checks:
+            kv_args = fill_kv_args(pools.target, pools.draft, check=False)
+    return pools, report, kv_args, err
+
 
 class AgentStats(Stats):
-    """``runtime.stats.Stats`` whose handshake counts are the agent's own (read at snapshot)."""
+    """``worker.stats.Stats`` whose handshake counts are the agent's own (read at snapshot)."""
 
     def __init__(self, handshakes: Callable[[], dict[str, int]]) -> None:
         super().__init__()
@@ -203,4 +262,14 @@ class AgentWorker:
         raise NotImplementedError
 
 
-__all__ = ["AgentStats", "AgentWorker", "MAX_FINISHED", "PagePool", "now"]
+__all__ = [
+    "AgentStats",
+    "AgentWorker",
+    "MAX_FINISHED",
+    "PagePool",
+    "build_side",
+    "new_incarnation",
+    "now",
+    "settle",
+    "tune_interpreter",
+]

@@ -28,15 +28,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pdstate.errors import AgentClosed, PdStateError, PrefillBusy, TransferFailed, TransferTimedOut, error_from_wire
 from pdstate.protocol.lifecycle import PeerState, RequestState
 from pdstate.protocol.report import ErrorInfo
-from pdstate.runtime import requests as rq
-from pdstate.runtime import synth
-from pdstate.runtime.options import WorkerOptions
-from pdstate.runtime.records import TransferResult
-from pdstate.runtime.snapshot import PeerStatus, RequestStatus, WorkerSnapshot
-from pdstate.runtime.worker import settle
-from pdstate.service.agent_worker import AgentWorker, now
+from pdstate.worker import requests as rq
+from pdstate.worker import synth
+from pdstate.worker.base import AgentWorker, now, settle
+from pdstate.worker.options import WorkerOptions
+from pdstate.worker.status import PeerStatus, RequestStatus, TransferResult, WorkerSnapshot
 
-log = logging.getLogger("pdstate.service.agent_decode")
+log = logging.getLogger("pdstate.worker.decode")
 
 MAX_PREFILLS = 64
 BUSY_BACKOFF_S = (0.002, 0.1)  # first and longest wait before asking a busy prefill again

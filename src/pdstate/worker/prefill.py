@@ -1,5 +1,5 @@
 """``pdstate serve``'s prefill: a ``PrefillAgent`` over this worker's pools, computing a request
-(``runtime.synth``'s content, the stand-in for the model) only once a decode asks for it.
+(``worker.synth``'s content, the stand-in for the model) only once a decode asks for it.
 
 A decode's ``AgentRequest`` for a room this worker has no sender for reaches ``_on_request`` (the
 agent's I/O thread): it refuses at once when the worker drains (``prefill shutting down``), when
@@ -22,18 +22,19 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 
 from pdstate.errors import AgentClosed, PdStateError, PrefillBusy, ProtocolError
 from pdstate.protocol.lifecycle import PeerState, RequestState
 from pdstate.protocol.report import ErrorInfo
-from pdstate.runtime import synth
-from pdstate.runtime.options import WorkerOptions
-from pdstate.runtime.snapshot import PeerStatus, RequestStatus, WorkerSnapshot
-from pdstate.service.agent_worker import AgentWorker, now
+from pdstate.worker import synth
+from pdstate.worker.base import AgentWorker, now
+from pdstate.worker.options import NO_HOOKS, WorkerHooks, WorkerOptions
+from pdstate.worker.status import PeerStatus, RequestStatus, WorkerSnapshot
 
-log = logging.getLogger("pdstate.service.agent_prefill")
+log = logging.getLogger("pdstate.worker.prefill")
 
 SHUTTING_DOWN = "prefill shutting down"
 REQUEST_THREADS = 16  # at most this many requests are filled and sent at once (the rest wait their turn)
@@ -44,8 +45,9 @@ class AgentPrefillWorker(AgentWorker):
 
     role = "prefill"
 
-    def __init__(self, opts: WorkerOptions, chunks: int = 1) -> None:
+    def __init__(self, opts: WorkerOptions, chunks: int = 1, hooks: WorkerHooks | None = None) -> None:
         super().__init__(opts)
+        self.hooks = hooks or NO_HOOKS  # test seams; swapped whole (one reference) by ``set_hooks``
         self.worker_id = opts.worker_id or "prefill"
         self.chunks = max(1, chunks)
         self.endpoint = ""
@@ -131,6 +133,8 @@ class AgentPrefillWorker(AgentWorker):
         try:
             synth.fill_source(self.kv_args, status.room, alloc.lists)  # the stand-in for the model
             compute_s = time.perf_counter() - t0
+            self._moved(status, RequestState.TRANSFERRING)
+            self._hold(status.room)
             given_up = self.agent.refusal(status.room)  # its decode aborted while this one waited or computed
             if given_up is not None:
                 raise given_up
@@ -155,6 +159,23 @@ class AgentPrefillWorker(AgentWorker):
                 sender.state.value,
             )
         self._done(status, sender, error, time.perf_counter() - t0, compute_s)
+
+    def set_hooks(self, hooks: WorkerHooks) -> None:
+        """Swap the fault-injection hooks (tests); requests computed later see the new ones."""
+        self.hooks = hooks
+
+    def _hold(self, room: int) -> None:
+        """The test seam ``delay_before_copy_s``: wait before sending, ending early once the decode
+        gave the request up or this worker stops."""
+        end = time.monotonic() + self.hooks.delay_before_copy_s
+        while (left := end - time.monotonic()) > 0 and self.hooks.delay_before_copy_s > 0:
+            if self.agent.refusal(room) is not None or self._draining.wait(min(left, 0.02)):
+                return
+
+    def _moved(self, status: RequestStatus, state: RequestState) -> None:
+        with self._lock:
+            if status.room in self._live:
+                self._live[status.room] = replace(self._live[status.room], state=state)
 
     def _refuse(self, room: int, error: PdStateError) -> None:
         try:
