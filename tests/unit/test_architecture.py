@@ -9,7 +9,7 @@ Layers (see the docstring of ``pdstate/__init__.py``)::
     4  agent/
     3  transfer/
     2  pools/
-    1  protocol/
+    1  protocol/, logs.py
     0  errors.py
 
 ``pdstate/__init__.py`` is the lazy public API: exempt from the layers, it may import only the
@@ -40,6 +40,7 @@ PACKAGE = SRC_DIR / "pdstate"
 LAYERS = {
     "pdstate.errors": 0,
     "pdstate.protocol": 1,
+    "pdstate.logs": 1,  # the log lines' helpers (refusals carry protocol.fixes' fix line): for every layer above
     "pdstate.pools": 2,
     "pdstate.transfer": 3,
     "pdstate.agent": 4,  # the embeddable agent
