@@ -169,8 +169,12 @@ GLOG_LINE = re.compile(
 )
 GLOG_LEVELS = {"I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR, "F": logging.CRITICAL}
 # Lines a native engine writes above their weight on every normal start: (file, message start) -> level.
-# Mooncake 0.3.13 logs "Local segment descriptor not found" at E while it publishes its own segment.
-NATIVE_LEVELS = {("transfer_metadata.cpp", "Local segment descriptor not found"): logging.INFO}
+# Mooncake 0.3.13 logs "Local segment descriptor not found" at E while it publishes its own segment,
+# and its TCP protocol's default allocator at W.
+NATIVE_LEVELS = {
+    ("transfer_metadata.cpp", "Local segment descriptor not found"): logging.INFO,
+    ("transfer_engine_py.cpp", "Using default malloc/free for protocol: tcp"): logging.INFO,
+}
 GLOG_PREAMBLE = "WARNING: Logging before InitGoogleLogging() is written to STDERR"
 
 
