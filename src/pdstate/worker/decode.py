@@ -25,7 +25,16 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from pdstate.errors import AgentClosed, PdStateError, PrefillBusy, TransferFailed, TransferTimedOut, error_from_wire
+from pdstate.errors import (
+    AgentClosed,
+    PdStateError,
+    PrefillBusy,
+    RoomInFlight,
+    TooManyPrefills,
+    TransferFailed,
+    TransferTimedOut,
+    error_from_wire,
+)
 from pdstate.protocol.lifecycle import PeerState, RequestState
 from pdstate.protocol.report import ErrorInfo
 from pdstate.worker import requests as rq
@@ -128,7 +137,7 @@ class AgentDecodeWorker(AgentWorker):
             settle(fut, _failed(room, seq_len, SHUTTING_DOWN, prefill))
             return fut
         if not self._enter(status):
-            settle(fut, exc=ValueError(f"room {room} is already in flight"))
+            settle(fut, exc=RoomInFlight(f"room {room} is already in flight"))
             return fut
         with self._lock:
             self._futures[room] = fut
@@ -263,7 +272,7 @@ class AgentDecodeWorker(AgentWorker):
         for address in known:
             if address != self.opts.peer and self.agent.forget(address):
                 return
-        raise ValueError(f"this decode already uses {MAX_PREFILLS} prefills, each with requests in flight")
+        raise TooManyPrefills(f"this decode already uses {MAX_PREFILLS} prefills, each with requests in flight")
 
     def _finish(self, status: RequestStatus, fut: Future, res: TransferResult) -> None:
         self._leave(status.room, res)

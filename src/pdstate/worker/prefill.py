@@ -26,7 +26,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from pdstate.errors import AgentClosed, PdStateError, PrefillBusy, ProtocolError
+from pdstate.errors import AgentClosed, PdStateError, PrefillBusy, ProtocolError, RoomInFlight
 from pdstate.protocol.lifecycle import PeerState, RequestState
 from pdstate.protocol.report import ErrorInfo
 from pdstate.worker import synth
@@ -113,7 +113,7 @@ class AgentPrefillWorker(AgentWorker):
             raise PrefillBusy(f"prefill busy: {n} requests in flight (max_inflight {self.opts.max_inflight})")
         status = RequestStatus(room, RequestState.BOOTSTRAPPING, seq_len, now(), peer=decode)
         if not self._enter(status):
-            raise ProtocolError(f"room {room} is already in flight on this prefill")
+            raise RoomInFlight(f"room {room} is already in flight on this prefill")
         try:
             self._threads.submit(self._serve, status)
         except RuntimeError as exc:  # shutting down: the executor takes no more
