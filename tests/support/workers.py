@@ -64,14 +64,19 @@ def transfer(decode, seq_len: int, timeout_s: float = 60.0, **kw: Any):
 
 @contextmanager
 def served_pair(
-    settings: PoolSettings = TINY, engine: str = "shm", hooks: WorkerHooks | None = None, **kw: Any
+    settings: PoolSettings = TINY,
+    engine: str = "shm",
+    hooks: WorkerHooks | None = None,
+    prefill: dict[str, Any] | None = None,
+    **kw: Any,
 ) -> Iterator[tuple[Any, Any]]:
     """``pdstate serve``'s prefill and decode workers in this process (threads, their own pools,
-    the control socket over TCP), the decode accepted; both stopped on leaving."""
+    the control socket over TCP), the decode accepted; both stopped on leaving. ``kw``: options of
+    both; ``prefill``: the prefill's own (``max_inflight=1``, ...)."""
     from pdstate.worker.decode import AgentDecodeWorker
     from pdstate.worker.prefill import AgentPrefillWorker
 
-    with AgentPrefillWorker(options("prefill", settings, engine, **kw), hooks=hooks) as p:
+    with AgentPrefillWorker(options("prefill", settings, engine, **kw, **(prefill or {})), hooks=hooks) as p:
         with AgentDecodeWorker(options("decode", settings, engine, peer=p.endpoint, **kw)) as d:
             wait_accepted(d)
             yield p, d
