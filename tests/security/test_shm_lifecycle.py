@@ -302,7 +302,7 @@ def test_decode_with_a_small_dev_shm_refuses_to_start_with_one_line():
     assert r.returncode == 1 and len(lines) == 1, (r.returncode, r.stderr)
     assert lines[0].startswith("pdstate serve: decode worker failed to start: AllocationError: ")
     assert lines[0].endswith(
-        "/dev/shm has 4194304 bytes free (4.0 MiB) but the 'target' segment needs 9277440 bytes (8.8 MiB); "
+        "/dev/shm has 4194304 bytes free (4.0 MiB) but the 'target' segment needs 9633792 bytes (9.2 MiB); "
         + FIX.format(d="/dev/shm")
     ), lines[0]
     assert r.stdout == ""

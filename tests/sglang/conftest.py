@@ -12,25 +12,9 @@ once per test function).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 import pytest
 
 from tests.sglang import runner, scenarios
-
-
-@dataclass(frozen=True)
-class Release:
-    """One SGLang release under test: its version and its environment's directory."""
-
-    version: str
-    env: Path
-
-    @property
-    def new_api(self) -> bool:
-        """0.5.23 or newer (keyword-only sender, ``DSV4_REQUEST_STATE``, refusing Mooncake)."""
-        return self.version != runner.DEFAULT_RELEASE
 
 
 @pytest.fixture(scope="session")
@@ -42,9 +26,9 @@ def sglang_env():
 
 
 @pytest.fixture(scope="session", params=list(runner.RELEASES), ids=lambda v: f"sglang-{v}")
-def sglang_release(request) -> Release:
+def sglang_release(request) -> runner.Release:
     try:
-        return Release(request.param, runner.ensure_env(request.param))
+        return runner.Release(request.param, runner.ensure_env(request.param))
     except runner.EnvUnavailable as exc:
         runner.skip(exc)
 

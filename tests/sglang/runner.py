@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,30 @@ from pdstate.devtools.sglang_pair.pair import DEFAULT_RELEASE, RELEASES
 from pdstate.devtools.sglang_pair.pair import env_dir as _release_env
 from tests.support.paths import REPO
 
-__all__ = ["DEFAULT_RELEASE", "RELEASES", "EnvUnavailable", "ensure_env", "env_dir", "run_probe", "run_variants"]
+__all__ = [
+    "DEFAULT_RELEASE",
+    "RELEASES",
+    "EnvUnavailable",
+    "Release",
+    "ensure_env",
+    "env_dir",
+    "run_probe",
+    "run_variants",
+]
+
+
+@dataclass(frozen=True)
+class Release:
+    """One SGLang release under test: its version and its environment's directory."""
+
+    version: str
+    env: Path
+
+    @property
+    def new_api(self) -> bool:
+        """0.5.23 or newer (keyword-only sender, ``DSV4_REQUEST_STATE``, refusing Mooncake)."""
+        return self.version != DEFAULT_RELEASE
+
 
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = REPO / "tools" / "sglang_env.sh"

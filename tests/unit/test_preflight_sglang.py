@@ -30,7 +30,7 @@ _release: list[str] = []  # the release every check() of the running test predic
 
 
 @pytest.fixture(autouse=True, params=RELEASES, ids=lambda r: f"sglang-{r}")
-def sglang_release(request):
+def predicted_release(request):
     """Every test here runs once per SGLang release pdstate models (``--sglang-release``)."""
     _release[:] = [request.param]
     yield request.param
