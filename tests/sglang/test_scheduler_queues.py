@@ -11,6 +11,19 @@ byte right (main KV, SWA window of target and draft, C4/C128 state, aux); with `
 speculative-vs-not pair and a swapped C4/C128 order end Failed on both sides, naming the
 factor, in under a second, with no byte of the decode's memory written. SGLang's own backend on
 the same two mismatches is recorded too: the byte check sees the wrong bytes it lands.
+
+SGLang's own request-lifecycle features through the same children, each backend in turn (SGLang's
+Mooncake backend beside pdstate on the same case), every byte of the decode checked:
+- an abort of a transfer-queue request (as the scheduler's ``abort_request`` does) while the
+  prefill is still in its forward: the decode fails with "Aborted by AbortReq.", its pages are
+  released in under 100 ms (0.5.23: held for its deferred release, then released on the
+  acknowledgement recorded as the fence held), and nothing lands, even when the prefill sends later;
+- SGLang's waiting timeout (``SGLANG_DISAGGREGATION_WAITING_TIMEOUT=3``) fails a request whose
+  prefill is stuck at 3.0 s with SGLang's text, and its bootstrap timeout
+  (``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=2``) a prefill request no decode asks for at 2.0 s;
+- a room sent again after its first attempt ended, aborted or succeeded (what a retracted request's
+  rebootstrap does over the same room): fresh pages, byte-exact; SGLang's rebootstrap resolves the
+  prefill's HTTP address (``submit_prefill_recompute``'s ``/generate`` target) with either backend.
 """
 
 from __future__ import annotations
@@ -48,7 +61,36 @@ def queue_runs(request) -> tuple[str, dict]:
         pytest.skip(why)
     with QueuePair(target, extra_env=PDSTATE_ENGINE_ENV) as pair:
         results = {(b, name): pair.run_case(CASES[name], b, deadline_s=DEADLINE_S) for b, name in RUNS}
+        for backend in ("pdstate", "mooncake"):
+            results[(backend, "features")] = _features(pair, backend)
     return release, results
+
+
+WAITING_TIMEOUT_S, BOOTSTRAP_TIMEOUT_S = 3.0, 2.0
+TIMEOUTS = {
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(int(WAITING_TIMEOUT_S)),  # an int setting on 0.5.19
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(int(BOOTSTRAP_TIMEOUT_S)),
+}
+RELEASE_MS = 100.0
+
+
+def _features(pair, backend: str) -> dict:
+    """The lifecycle cases, one set of managers (SGLang's timeouts set) for all of them."""
+    from pdstate.devtools.sglang_pair.cases import CORRECT
+
+    out = pair.setup(CORRECT, backend, env=TIMEOUTS)
+    if "setup_error" in out:
+        return out
+    n = CORRECT.tokens[0]
+    out["abort"] = pair.request(
+        n, DEADLINE_S, prefill={"hold_s": 1.0}, decode={"abort_after_s": 0.2, "settle_s": 1.2}
+    )  # the prefill sends after the abort: nothing of it may land
+    out["resent_after_abort"] = pair.request(n, DEADLINE_S, room=out["abort"]["room"])
+    out["waiting_timeout"] = pair.request(n, WAITING_TIMEOUT_S + 2.5, prefill={"hold_s": WAITING_TIMEOUT_S + 0.8})
+    out["bootstrap_timeout"] = pair.request(n, BOOTSTRAP_TIMEOUT_S + 1.5, decode=False)
+    out["first_attempt"] = pair.request(n, DEADLINE_S)
+    out["second_attempt"] = pair.request(n, DEADLINE_S, room=out["first_attempt"]["room"])
+    return out
 
 
 def _only(queue_runs, backend: str, name: str) -> dict:
@@ -97,3 +139,82 @@ def test_sglang_mooncake_alone_on_a_mismatch_through_the_queues(queue_runs, name
     else:
         assert pre["outcome"] == dec["outcome"] == "Success", (pre, dec)
         assert dec["wrong_items"] > 0  # landed, in the wrong places: only the byte check tells
+
+
+def _feature(queue_runs, backend: str, name: str) -> tuple[str, dict]:
+    release, results = queue_runs
+    runs = results[(backend, "features")]
+    assert "setup_error" not in runs, f"{release}: {runs['setup_error']}\n{runs.get('setup_trace')}"
+    return release, runs[name]
+
+
+def _byte_exact(r: dict) -> None:
+    pre, dec = r["prefill"], r["decode"]
+    assert pre["outcome"] == dec["outcome"] == "Success", (pre, dec)
+    assert dec["placed"] and dec["wrong_items"] == 0 and dec["outside_bytes"] == 0, dec
+    assert dec["items"] > 250 and dec["changed_bytes"] > 10**7
+
+
+@pytest.mark.parametrize("backend", ["pdstate", "mooncake"])
+def test_abort_fences_and_releases_the_pages_at_once(queue_runs, backend):
+    release, r = _feature(queue_runs, backend, "abort")
+    pre, dec = r["prefill"], r["decode"]
+    assert dec["outcome"] == "Failed" and dec["failure"].endswith("Aborted by AbortReq."), dec
+    assert pre["outcome"] == "Failed", pre  # its chunks, sent after the abort, go nowhere
+    assert dec["changed_bytes"] == 0 and dec["outside_bytes"] == 0, dec  # not one byte landed
+    assert not dec["placed"]
+    assert dec["released_ms"] is not None and dec["released_ms"] < RELEASE_MS, dec
+    # 0.5.23 defers the release until every prefill rank acknowledged the abort (both backends do it);
+    # pdstate's acknowledgement is recorded as its fence holds, so the hold ends at the next poll
+    assert dec["deferred"] == (release != "0.5.19"), dec
+    if backend == "pdstate":
+        assert "aborted by decode: Aborted by AbortReq." in pre["failure"], pre
+        assert dec["abort_call_ms"] < RELEASE_MS, dec  # the fence itself
+
+
+@pytest.mark.parametrize("backend", ["pdstate", "mooncake"])
+def test_a_room_sent_again_after_an_abort_is_byte_exact(queue_runs, backend):
+    _, r = _feature(queue_runs, backend, "resent_after_abort")
+    _byte_exact(r)
+
+
+@pytest.mark.parametrize("backend", ["pdstate", "mooncake"])
+def test_a_room_sent_again_after_success_is_byte_exact(queue_runs, backend):
+    """A retracted request's rebootstrap: the same room, a new receiver on fresh pages, a new sender."""
+    _, first = _feature(queue_runs, backend, "first_attempt")
+    _, second = _feature(queue_runs, backend, "second_attempt")
+    _byte_exact(first)
+    _byte_exact(second)
+    assert second["room"] == first["room"]
+
+
+@pytest.mark.parametrize("backend", ["pdstate", "mooncake"])
+def test_rebootstrap_finds_the_prefill_http_port(queue_runs, backend):
+    """SGLang's ``submit_prefill_recompute`` POSTs ``/generate`` where the prefill registered its
+    HTTP port: the same address with either backend (SGLang's own registration and lookup)."""
+    _, r = _feature(queue_runs, backend, "first_attempt")
+    url = r["decode"]["rebootstrap_url"]
+    assert url and url.startswith("http://127.0.0.1:"), r["decode"]
+
+
+@pytest.mark.parametrize("backend", ["pdstate", "mooncake"])
+def test_waiting_timeout_fails_a_stuck_request_at_the_configured_time(queue_runs, backend):
+    _, r = _feature(queue_runs, backend, "waiting_timeout")
+    pre, dec = r["prefill"], r["decode"]
+    want = f"Request {r['room']} timed out after {WAITING_TIMEOUT_S:.1f}s in KVPoll.WaitingForInput"
+    assert dec["outcome"] == "Failed" and dec["failure"].endswith(want), dec
+    waited = dec["failed_s"] - dec["named_s"]
+    assert WAITING_TIMEOUT_S - 0.05 <= waited < WAITING_TIMEOUT_S + 0.5, dec
+    assert dec["changed_bytes"] == 0 and not dec["placed"], dec  # released, nothing landed
+    assert pre["outcome"] == "Failed", pre  # the stuck prefill's late send goes nowhere
+    if backend == "pdstate":
+        assert f"aborted by decode: {want}" in pre["failure"], pre
+
+
+@pytest.mark.parametrize("backend", ["pdstate", "mooncake"])
+def test_bootstrap_timeout_fails_a_prefill_request_no_decode_asks_for(queue_runs, backend):
+    _, r = _feature(queue_runs, backend, "bootstrap_timeout")
+    pre = r["prefill"]
+    assert pre["outcome"] == "Failed" and pre["trace"] == ["add", "bootstrap failed"], pre
+    assert f"Request {r['room']} timed out after {BOOTSTRAP_TIMEOUT_S:.1f}s in KVPoll.Bootstrapping" in pre["failure"]
+    assert BOOTSTRAP_TIMEOUT_S <= r["elapsed_s"] < BOOTSTRAP_TIMEOUT_S + 0.5

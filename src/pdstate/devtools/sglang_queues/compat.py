@@ -203,7 +203,9 @@ def _common(sched, pools, args, group, streamer, req_to_token_pool) -> None:
 
 def _case(pools, sched, kv_args, **kw) -> SimpleNamespace:
     aux = list(zip(kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens))
-    return SimpleNamespace(pools=pools, sched=sched, kv_args=kv_args, aux_bufs=aux, cleared=[], commits={}, **kw)
+    return SimpleNamespace(
+        pools=pools, sched=sched, kv_args=kv_args, aux_bufs=aux, cleared=[], commits={}, deferred=set(), **kw
+    )
 
 
 def _only_known(cls, kw: dict) -> dict:
@@ -281,6 +283,14 @@ def _watch_decode(case, transfer) -> None:
         return commit(decode_req)
 
     transfer._commit_transfer_to_req = recorded_commit
+    defer = getattr(transfer, "_defer_release", None)
+    if defer is not None:  # 0.5.23: a failed request's pages held until the prefill acknowledged
+
+        def recorded_defer(decode_req):
+            case.deferred.add(decode_req.req.bootstrap_room)
+            return defer(decode_req)
+
+        transfer._defer_release = recorded_defer
     target = case.pools.target
     for name in ("clear_c128_req_state", "clear_request_scoped_state"):
         clear = getattr(target, name, None)
@@ -386,12 +396,6 @@ def receiver_of(sched, req):
         if decode_req.req is req:
             return decode_req.kv_receiver
     return None
-
-
-def deferred(sched, req) -> bool:
-    """Whether the request's pages are held for 0.5.23's deferred release (a prefill may still write)."""
-    held = getattr(sched.disagg_decode_transfer_queue, "_deferred_releases", ())
-    return any(entry[0].req is req for entry in held)
 
 
 def release_decode(case, req) -> None:

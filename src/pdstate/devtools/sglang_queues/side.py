@@ -200,6 +200,7 @@ def run_decode(
         pattern.memory(ptr, length).fill(pattern.SENTINEL)
     case.cleared.clear()
     case.commits.clear()
+    case.deferred.discard(room)
     req = _request(room, tokens, DisaggregationMode.DECODE)
     sched.disagg_decode_prealloc_queue.add(req)
     outcome, failure, times = None, None, {}
@@ -209,10 +210,11 @@ def run_decode(
         sched.process_decode_queue()
         receiver = compat.receiver_of(sched, req)
         now = time.perf_counter()
-        if outcome is not None and compat.deferred(sched, req):
-            times["deferred"] = True
         if "named_s" not in times and receiver is not None and getattr(receiver, "init_time", None) is not None:
             times["named_s"] = round(now - t0, 4)
+            resolve = getattr(receiver.kv_mgr, "_resolve_rebootstrap_prefill_url", None)
+            if resolve is not None:  # where SGLang's rebootstrap (submit_prefill_recompute) would POST /generate
+                times["rebootstrap_url"] = resolve(receiver)
         if abort_after_s is not None and aborted_at is None and "named_s" in times:
             if now - t0 - times["named_s"] >= abort_after_s:
                 aborted_at = time.perf_counter()
@@ -246,7 +248,7 @@ def run_decode(
                 receiver.abort()
             break
         time.sleep(POLL_S)
-    times.setdefault("deferred", False)
+    times["deferred"] = room in case.deferred
     time.sleep(settle_s)
     out = {"outcome": outcome, "failure": failure, **times}
     out.update(_check(case, req, room, times.pop("meta_index", None)))

@@ -32,8 +32,8 @@ from pdstate.integrations.sglang.states import (
     conclude,
     conclude_failed,
     concluded,
+    failure_exception,
     kv_poll,
-    raise_failure,
 )
 
 log = logging.getLogger("pdstate.integrations.sglang")
@@ -94,6 +94,13 @@ def build_receiver() -> type:
                         log.error("pdstate: room %s: abort not fenced: %s", self.bootstrap_room, exc)
                         fenced = False
             return fenced
+
+        def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+            """SGLang 0.5.23's: tell the prefill ranks once (and arm the deferred-release
+            acknowledgement); the same on 0.5.19, whose scheduler never calls it."""
+            if not self.abort_notified and getattr(self, "bootstrap_infos", None) is not None:
+                self._send_abort_notification(force_arm=force_arm)
+                self.abort_notified = True
 
         def _send_abort_notification(self, *args, force_arm: bool = False, **kwargs) -> None:
             """Where SGLang's own receivers send a ZMQ abort notification to each prefill rank
@@ -180,7 +187,7 @@ def build_receiver() -> type:
             return conclude(self, poll)
 
         def failure_exception(self):
-            raise_failure(self.bootstrap_room, self._error, self.kv_mgr.failure_records.get(self.bootstrap_room))
+            failure_exception(self)
 
         def abort(self):
             """Fail the request (SGLang's own ``abort``: "Aborted by AbortReq."); returns once no

@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from pdstate.errors import PdStateError, TransferFailed
-from pdstate.integrations.sglang.states import conclude, conclude_failed, concluded, kv_poll, raise_failure
+from pdstate.integrations.sglang.states import conclude, conclude_failed, concluded, failure_exception, kv_poll
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
@@ -176,7 +176,7 @@ def build_sender() -> type:
             return conclude(self, poll)
 
         def failure_exception(self):
-            raise_failure(self.bootstrap_room, self._error, self.kv_mgr.failure_records.get(self.bootstrap_room))
+            failure_exception(self)
 
         def get_transfer_metric(self) -> KVTransferMetric:
             metric = super().get_transfer_metric()

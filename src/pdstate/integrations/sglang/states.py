@@ -4,11 +4,12 @@ SGLang is imported when first needed (this module loads without it)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from pdstate.protocol.lifecycle import RequestState
 
-__all__ = ["combine", "conclude", "conclude_failed", "kv_poll", "raise_failure"]
+__all__ = ["combine", "conclude", "conclude_failed", "failure_exception", "kv_poll", "raise_failure"]
 
 
 @functools.cache
@@ -71,3 +72,17 @@ def raise_failure(room, error: BaseException | None, reason: str | None) -> None
     if error is not None:
         raise error
     raise KVTransferError(room, reason or "Failed due to an unknown reason")
+
+
+def failure_exception(side) -> None:
+    """SGLang's ``failure_exception()`` of a sender or receiver: the room's status and failure
+    record go with the request (SGLang's own ``clear``), so a later attempt over the same room
+    (a retracted request's rebootstrap) starts clean; then the failure is raised (the same on
+    every call: the reason is kept on ``side``)."""
+    mgr = side.kv_mgr
+    with getattr(mgr, "failure_lock", None) or contextlib.nullcontext():
+        reason = mgr.failure_records.pop(side.bootstrap_room, None)
+    if reason is not None:
+        side._failure_reason = reason
+    side.clear()
+    raise_failure(side.bootstrap_room, side._error, getattr(side, "_failure_reason", None))
