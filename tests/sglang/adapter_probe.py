@@ -319,6 +319,52 @@ def case_ok(h: Harness) -> dict:
     return trace
 
 
+def _reset_items(side: dict, lists: list) -> None:
+    """Sentinels back into the items ``lists`` names (main-KV pages, each state component, aux)."""
+    for (_, ptrs, lens, items), idx in zip(_buffers(side["kv"]), lists):
+        for ptr, n, item in zip(ptrs, lens, items):
+            view = _view(ptr, n)
+            for i in idx:
+                view[int(i) * item : (int(i) + 1) * item] = SENTINEL
+
+
+def case_prefix(h: Harness) -> dict:
+    """SGLang 0.5.23's decode radix cache: the decode holds the request's first page already
+    (``decode_prefix_len=256``) and names only the pages past it, and the SWA window from there
+    (as its ``_pre_alloc`` / ``_swa_payload`` compute them); the prefill's scheduler sends every page
+    as with no prefix. First a full transfer; then the suffix's items are reset and the room is sent
+    again with the prefix: the decode ends byte-equal to the full transfer, with fewer bytes moved."""
+    from sglang.srt.disaggregation.base.conn import StateType
+
+    fill(h.prefill, seed=17)
+    fill(h.decode, seed=None)
+    full = h.pair(h.dm, h.decode, 4101)
+    full_image = landed(h.decode)
+    page = h.decode["kv"].page_size
+    prefix = page
+    kv = h.decode["kv"]
+    swa_window_first = (max(prefix, SEQ_LEN - h.decode["pools"][0].sliding_window) // page) * page
+    whole_window_first = (max(0, SEQ_LEN - h.decode["pools"][0].sliding_window) // page) * page
+    drop_swa = (swa_window_first - whole_window_first) // page
+    state = [lst[drop_swa:] if t == StateType.SWA else lst for t, lst in zip(kv.state_types, h.decode["state"])]
+    suffix = dict(h.decode, pages=h.decode["pages"][prefix // page :], state=state)
+    _reset_items(h.decode, [suffix["pages"], *state, [suffix["aux"]]])
+    reset_image = landed(h.decode)
+    again = h.pair(h.dm, suffix, 4102)
+    got = landed(h.decode)
+    return {
+        "full": {k: full[k] for k in ("sender", "receiver")},
+        "prefix": {k: again[k] for k in ("sender", "receiver", "receiver_error", "sender_error")},
+        "bytes_full": full["metric"]["transfer_total_bytes"],
+        "bytes_prefix": again["metric"]["transfer_total_bytes"],
+        "pages_full": len(h.decode["pages"]),
+        "pages_prefix": len(suffix["pages"]),
+        "swa_pages_dropped": drop_swa,
+        "reset_bytes": int(sum(int((a != b).sum()) for a, b in zip(full_image, reset_image))),
+        "bytes_differing_from_full": int(sum(int((a != b).sum()) for a, b in zip(full_image, got))),
+    }
+
+
 def case_ok_unified(h: Harness) -> dict:
     """Unified-KV pools on both sides (the SWA ring components instead of SWA pages)."""
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
@@ -568,6 +614,7 @@ CASES = {
     "io_thread_ends": case_io_thread_ends,
     "pp_refused": case_pp_refused,
     "ok_unified": case_ok_unified,
+    "prefix": case_prefix,
     "decode_tp_wider": case_decode_tp_wider,
     "tp_dummy": case_tp_dummy,
     "ok": case_ok,

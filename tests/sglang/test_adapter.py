@@ -26,6 +26,7 @@ CASES = [
     "pp_refused",
     "io_thread_ends",
     "cp_refused",
+    "prefix",
 ]
 ENV = {"PDSTATE_TRANSFER__ENGINE": "loopback", "SGLANG_HOST_IP": "127.0.0.1"}
 # KVPoll's values in SGLang 0.5.19 and 0.5.23 (sglang.srt.disaggregation.base.conn.KVPoll)
@@ -84,6 +85,20 @@ def test_the_schedulers_other_hooks_run_without_sglangs_zmq(sglang_release, resu
     # deferred decode KV release (0.5.23's setting, on by default), acknowledged as the fence holds
     assert (r["supports_deferred"], r["deferred_release"]) == (True, bool(sglang_release.new_api))
     assert r["torn_down"] is True
+
+
+def test_a_decode_prefix_hit_moves_only_the_suffix_and_ends_as_a_full_transfer(results):
+    """decode_prefix_len (0.5.23's decode radix cache; on 0.5.19 SGLang itself refuses DSV4 with a
+    decode radix cache at launch, and the adapter's path is the same): only the pages past the
+    prefix and the SWA window from there move, state and aux whole, and the decode's memory ends
+    byte-equal to a full transfer's."""
+    r = results["prefix"]
+    assert r["full"] == {"sender": SUCCESS, "receiver": SUCCESS}, r
+    assert (r["prefix"]["sender"], r["prefix"]["receiver"]) == (SUCCESS, SUCCESS), r
+    assert (r["pages_full"], r["pages_prefix"], r["swa_pages_dropped"]) == (2, 1, 1)
+    assert r["reset_bytes"] > 0  # the suffix's items were reset, so the second transfer wrote them again
+    assert r["bytes_differing_from_full"] == 0
+    assert 0 < r["bytes_prefix"] < r["bytes_full"], r  # counted: the prefix page and its SWA page did not move
 
 
 def test_unified_kv_pools_move_their_swa_rings_byte_exact(results):

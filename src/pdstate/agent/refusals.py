@@ -41,6 +41,13 @@ class Refusals:
         pending = self._pending.get(room)  # type: ignore[attr-defined]
         return None if pending is None else len(pending.msg.dst_kv_pages)
 
+    def pending_state_lengths(self, room: int) -> list[int] | None:
+        """How many indices the waiting request for ``room`` names per state component, in
+        ``KVArgs.state_types`` order (``None``: none waits): with ``pending_pages``, what a caller
+        whose decode holds a prefix already (SGLang's ``decode_prefix_len``) sends of its lists."""
+        pending = self._pending.get(room)  # type: ignore[attr-defined]
+        return None if pending is None else [len(s) for s in pending.msg.dst_state_indices]
+
     def refusal(self, room: int) -> PdStateError | None:
         """The error a refused decode gave ``room`` up with before its sender was made."""
         return self._refused_rooms.get(room)

@@ -133,14 +133,9 @@ def build_receiver() -> type:
                     )
                 )
                 return
-            if decode_prefix_len:
-                self._fail(
-                    TransferFailed(
-                        f"decode_prefix_len={decode_prefix_len}: pdstate's SGLang backend moves whole requests "
-                        "(run the decode without --disaggregation-decode-enable-radix-cache)"
-                    )
-                )
-                return
+            # decode_prefix_len (0.5.23's decode radix cache): SGLang named only the pages past the
+            # prefix and the SWA window from there; the prefill's sender moves just those
+            self.decode_prefix_len = int(decode_prefix_len or 0)
             n = len(self.kv_mgr.kv_args.state_types)
             states = list(state_indices) if state_indices is not None else [None] * n
             if len(states) != n:

@@ -14,6 +14,13 @@ The constructor is the running SGLang's: 0.5.19's prefill passes ``dest_tp_ranks
 ``bootstrap_room``, ``req_has_disagg_prefill_dp_rank``). Whichever its ``CommonKVSender`` takes is
 the one this class defines.
 
+A decode that holds the request's prefix already (SGLang 0.5.23's decode radix cache:
+``decode_prefix_len``) names only the pages past it, and its SWA window from there: the prefill's
+scheduler still sends every page from the first (this backend's ``pop_decode_prefix_len`` is 0),
+and the sender moves only what the decode named, the leading pages and SWA window pages dropped
+(positionally the same as SGLang's own prefix-aware send); rings, request state and request rows
+go whole. The digest covers what moved.
+
 A prefill rank the decode does not take from (``is_dummy`` on the decode side: a wider prefill
 attention TP) gets a request naming no pages; it moves nothing and completes with the others.
 """
@@ -47,6 +54,18 @@ def _state_lists(state_indices, n: int):
     ]
 
 
+def _past_prefix(states: list, wanted: list[int], state_types) -> list:
+    """A request's state lists as a decode holding its prefix takes them: the SWA window's pages
+    past the prefix (the decode's window starts there: the last ``wanted`` of the prefill's window,
+    positionally), every other component whole (rings, request state, request rows)."""
+    out = []
+    for lst, n, st in zip(states, wanted, state_types):
+        if str(getattr(st, "value", st)) == "swa" and 0 <= n < lst.size:
+            lst = lst[lst.size - n :]
+        out.append(lst)
+    return out
+
+
 @functools.cache
 def build_sender() -> type:
     """``PdStateKVSender`` (SGLang imported here, on first install)."""
@@ -63,6 +82,8 @@ def build_sender() -> type:
             self._queued: list = []  # chunks sent before the decode's request arrived
             self._dummy = False
             self._dummy_done = False
+            self._skip_pages = 0  # the decode holds this request's first pages (its prefix): not sent
+            self._state_lens: list[int] | None = None  # what the decode names per state component
             self._error: BaseException | None = None
             CommonKVSender.__init__(self, *base_args, **base_kwargs)
             self.init_time = time.time()
@@ -114,7 +135,10 @@ def build_sender() -> type:
                     self._dummy = True  # the decode takes this room from another prefill rank
                     self._agent_send = self.agent.sender(room, 0, None)
                 else:
-                    self._agent_send = self.agent.sender(room, self.num_kv_indices, self.aux_index)
+                    if 0 < pages < self.num_kv_indices:  # a prefix hit on the decode (decode_prefix_len)
+                        self._skip_pages = self.num_kv_indices - pages
+                        self._state_lens = self.agent.pending_state_lengths(room)
+                    self._agent_send = self.agent.sender(room, self.num_kv_indices - self._skip_pages, self.aux_index)
                 for chunk in self._queued:
                     self._send_chunk(*chunk)
             except (PdStateError, ValueError) as exc:
@@ -142,8 +166,14 @@ def build_sender() -> type:
                     self._dummy_done = True
                     self._agent_send.send([], None)
                 return
-            n = len(self.kv_mgr.kv_args.state_types)
-            self._agent_send.send(pages, _state_lists(state_indices, n) if last else None)
+            state_types = self.kv_mgr.kv_args.state_types
+            states = _state_lists(state_indices, len(state_types)) if last else None
+            if self._skip_pages:
+                skip = min(self._skip_pages, pages.size)
+                pages, self._skip_pages = pages[skip:], self._skip_pages - skip
+            if states is not None and self._state_lens is not None:
+                states = _past_prefix(states, self._state_lens, state_types)
+            self._agent_send.send(pages, states)
 
         def poll(self) -> int:
             over = concluded(self)
