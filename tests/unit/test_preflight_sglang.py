@@ -80,7 +80,7 @@ def test_tp_dp_and_pool_sizes_do_not_matter(capsys):
     rc, out = check(
         capsys,
         PREFILL + " --mem-fraction-static 0.8 --max-running-requests 64 --chunked-prefill-size 8192",
-        DECODE.replace("--tp 8", "--tp-size 16") + " --dp-size 16 --cuda-graph-max-bs 64 --host 0.0.0.0 --port 30001",
+        DECODE.replace("--tp 8", "--tp-size 16") + " --dp-size 16 --stream-interval 4 --host 0.0.0.0 --port 30001",
     )
     assert rc == 0, out
     assert "not modelled" not in out
@@ -186,11 +186,12 @@ def test_sliding_window_from_the_model_config(tmp_path, capsys):
 # --- page size ------------------------------------------------------------------------------------------
 
 
-def test_page_size_flag_is_overridden_for_dsv4(capsys):
+def test_page_size_flag_is_overridden_for_dsv4(capsys, predicted_release):
     rc, out = check(capsys, PREFILL, DECODE + " --page-size 64")
     assert rc == 0, out
     assert (
-        "note: --page-size 64 is overridden: SGLang 0.5.19 runs DeepseekV4ForCausalLM with page_size 256 on CUDA" in out
+        f"note: --page-size 64 is overridden: SGLang {predicted_release} runs DeepseekV4ForCausalLM with page_size "
+        "256 on CUDA" in out
     )
 
 
@@ -281,15 +282,17 @@ def test_disaggregation_mode_and_backend(capsys):
 # --- arguments it does not model ------------------------------------------------------------------------
 
 
-def test_unmodelled_arguments_are_listed_not_guessed(capsys):
+def test_unmodelled_arguments_are_listed_not_guessed(capsys, predicted_release):
     rc, out = check(capsys, PREFILL + " --enable-hisparse --some-new-flag 7", DECODE + " --pp-size 2")
     assert rc == 0, out
-    assert "  not modelled: --some-new-flag 7" in out
+    assert f"  unknown: --some-new-flag 7 (SGLang {predicted_release}'s parser does not know it" in out
     assert "  not modelled: --enable-hisparse (HiSparse swaps the C4 pool)" in out
     assert "  not modelled: --pp-size 2" in out
     assert out.splitlines()[-1] == "compatible (in what is modelled; see 'not modelled' above)"
     rc, out = check(capsys, PREFILL + " --some-new-flag 7", DECODE, "--strict")
     assert rc == 1
+    assert "compatible" not in out.splitlines()[-1]
+    assert out.splitlines()[-1] == "not confirmed (--strict): 1 setting unknown to SGLang's parser above"
 
 
 def test_unknown_model_needs_its_config(tmp_path, capsys):
@@ -331,7 +334,7 @@ def test_at_file_reads_a_launch_script(tmp_path, capsys):
     rc, out = check(capsys, f"@{script}", DECODE)
     assert rc == 0, out
     assert f"prefill (@{script}):" in out
-    assert "note: launcher skipped: python3 -m sglang.launch_server" in out
+    assert "unknown" not in out and "python3" not in out
 
 
 def test_at_file_missing(tmp_path, capsys):
@@ -436,13 +439,18 @@ def test_split_launch_env_launcher_and_arguments():
     assert env == {"A": "1", "B": "x y"} and launcher == "python -m sglang.launch_server" and argv == ["--tp", "2"]
 
 
-def test_parse_argv_forms():
-    values, given, unknown, neutral = parse_argv(
-        ["--tp=4", "--dp", "2", "--enable-dp-attention", "--x", "--y", "v", "--host", "h", "--trust-remote-code"]
+def test_parse_argv_forms(predicted_release):
+    parsed = parse_argv(
+        ["--tp=4", "--dp", "2", "--enable-dp-attention", "--x", "--y", "v", "--host", "h", "--trust-remote-code"],
+        predicted_release,
     )
-    assert values == {"tp_size": "4", "dp_size": "2", "enable_dp_attention": True}
-    assert given["tp_size"] == "--tp 4"
-    assert unknown == ["--x", "--y v"] and neutral == ["--host", "--trust-remote-code"]
+    assert {k: parsed.values[k] for k in ("tp_size", "dp_size", "enable_dp_attention")} == {
+        "tp_size": 4,
+        "dp_size": 2,
+        "enable_dp_attention": True,
+    }
+    assert parsed.given["tp_size"] == "--tp-size 4"  # SGLang's parser takes the unique prefix
+    assert parsed.unknown == ["--x", "--y v"] and parsed.values["host"] == "h" and parsed.error is None
 
 
 def test_predict_resolves_speculative_defaults():
@@ -463,7 +471,7 @@ UNIFIED = "SGLANG_HACK_FLASHMLA_BACKEND=unified_kv_triton "
 def test_paged_sides_on_two_releases_are_compatible(capsys):
     rc, out = check(capsys, PREFILL, DECODE, "--sglang-release", "0.5.19", "--sglang-release", "0.5.23")
     assert rc == 0, out
-    assert "SGLang 0.5.19 (--sglang-release)" in out and "SGLang 0.5.23 (--sglang-release)" in out
+    assert "SGLang 0.5.19 (--sglang-version)" in out and "SGLang 0.5.23 (--sglang-version)" in out
     assert out.splitlines()[-1] == "compatible"
 
 
@@ -480,7 +488,7 @@ def test_unified_sides_on_two_releases_address_c4_state_differently(capsys):
 def test_an_unknown_release_is_refused_in_one_line(capsys):
     rc, out = check(capsys, PREFILL, DECODE, "--sglang-release", "0.5.20")
     assert rc == 2
-    assert out.strip() == "pdstate check: --sglang-release 0.5.20: pdstate models SGLang 0.5.19 and 0.5.23"
+    assert out.strip() == "pdstate check: --sglang-version 0.5.20: pdstate models SGLang 0.5.19 and 0.5.23"
 
 
 def test_the_preflight_models_the_releases_the_pools_build():

@@ -8,7 +8,7 @@ import sys
 
 from tests.support.paths import REPO
 
-MODULES = ("command", "prediction", "comparison")
+MODULES = ("argtable", "command", "prediction", "comparison", "backend", "recipe")
 
 
 def _run(code: str) -> subprocess.CompletedProcess:

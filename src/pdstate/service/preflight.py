@@ -6,7 +6,7 @@
   (``pdstate.protocol.fixes``).
 - ``pdstate check --sglang PREFILL DECODE``: each argument is one SGLang launch (a quoted string of
   arguments, ``@path``, or ``http://host:port`` of a running server); pdstate predicts what each
-  SGLang server builds (0.5.19 or 0.5.23, ``--sglang-release``), builds the same layout with its
+  SGLang server builds (0.5.19 or 0.5.23, ``--sglang-version``), builds the same layout with its
   own pool model and runs the same checks. It prints "compatible", or every differing factor with
   both values, what goes wrong at run time if the pair is launched anyway, and the SGLang flag to
   change on which side. Arguments it does not model are listed. That modelling lives beside the
@@ -14,7 +14,7 @@
   only for ``--sglang``.
 
 Exit status (``pdstate.errors.ExitCode``): 0 compatible, 1 problems found (``--strict``: also
-anything not modelled), 2 unreadable input or configuration.
+a setting unknown to SGLang's own parser), 2 unreadable input or configuration.
 """
 
 from __future__ import annotations
@@ -91,12 +91,14 @@ def check_configs(paths: list[str], overrides: list[str]) -> int:
 
 
 def check_sglang(
-    prefill: str,
-    decode: str,
+    prefill: str | None,
+    decode: str | None,
     model_configs: list[str],
     strict: bool,
     timeout_s: float,
     releases: list[str] | None = None,
+    recipe: str | None = None,
+    verbose: bool = False,
 ) -> int:
     from pdstate.integrations.sglang.launch.comparison import compare, render
     from pdstate.integrations.sglang.launch.prediction import SUPPORTED_RELEASES, predict
@@ -105,34 +107,50 @@ def check_sglang(
         raise ConfigError("--model-config: give it once (both sides) or twice (prefill, then decode)")
     releases = releases or []
     if len(releases) > 2:
-        raise ConfigError("--sglang-release: give it once (both sides) or twice (prefill, then decode)")
+        raise ConfigError("--sglang-version: give it once (both sides) or twice (prefill, then decode)")
     for r in releases:
         if r not in SUPPORTED_RELEASES:
-            raise ConfigError(f"--sglang-release {r}: pdstate models SGLang {' and '.join(SUPPORTED_RELEASES)}")
+            raise ConfigError(f"--sglang-version {r}: pdstate models SGLang {' and '.join(SUPPORTED_RELEASES)}")
     p_cfg = model_configs[0] if model_configs else None
     d_cfg = model_configs[-1] if model_configs else None
     p_rel = releases[0] if releases else None
     d_rel = releases[-1] if releases else None
-    sides = (
-        predict("prefill", prefill, p_cfg, timeout_s, release=p_rel),
-        predict("decode", decode, d_cfg, timeout_s, release=d_rel),
-    )
+    if recipe is not None:
+        from pdstate.integrations.sglang.launch.recipe import predict_recipe
+
+        sides = predict_recipe(recipe, (p_cfg, d_cfg), (p_rel, d_rel))
+    else:
+        sides = (
+            predict("prefill", prefill, p_cfg, timeout_s, release=p_rel),
+            predict("decode", decode, d_cfg, timeout_s, release=d_rel),
+        )
     from pdstate.integrations.sglang.launch.command import FLASH, builtin_flash_config
 
     flash = builtin_flash_config()
     layouts = {FLASH: flash["compress_ratios"][: flash["num_hidden_layers"]], **preset_layouts()}
-    text, ok = render(compare(*sides), strict=strict, layouts=layouts)
+    text, ok = render(compare(*sides), strict=strict, layouts=layouts, verbose=verbose)
     print(text)
     return ExitCode.OK if ok else ExitCode.FAILED
 
 
 def cmd_check(args) -> int:
     try:
-        if args.sglang:
+        recipe = getattr(args, "recipe", None)
+        if args.sglang or recipe:
             if args.configs:
-                raise ConfigError("give either config files or --sglang PREFILL DECODE, not both")
+                raise ConfigError("give either config files or --sglang PREFILL DECODE / --recipe FILE, not both")
+            if args.sglang and recipe:
+                raise ConfigError("give either --sglang PREFILL DECODE or --recipe FILE, not both")
+            prefill, decode = args.sglang or (None, None)
             return check_sglang(
-                *args.sglang, args.model_config, args.strict, args.timeout, getattr(args, "sglang_release", None)
+                prefill,
+                decode,
+                args.model_config,
+                args.strict,
+                args.timeout,
+                getattr(args, "sglang_release", None),
+                recipe=recipe,
+                verbose=getattr(args, "verbose", False),
             )
         if not args.configs:
             raise ConfigError("nothing to check: give one or two config files, or --sglang PREFILL DECODE")
@@ -170,13 +188,24 @@ def configure_check(c: argparse.ArgumentParser) -> None:
         "DeepSeek-V4-Flash is built in",
     )
     c.add_argument(
+        "--recipe",
+        metavar="FILE",
+        help="a recipe YAML holding both launches (backend.sglang_config.prefill/decode with "
+        "prefill_environment/decode_environment, as srt-slurm and Dynamo recipes keep them)",
+    )
+    c.add_argument(
+        "--sglang-version",
         "--sglang-release",
+        dest="sglang_release",
         action="append",
         default=[],
         metavar="VERSION",
         help="the SGLang release each --sglang side runs, 0.5.19 or 0.5.23 (once: both sides; twice: prefill, "
-        "decode); a running server says its own; default the newest",
+        "decode); a running server says its own; default the installed SGLang's, else the newest",
     )
-    c.add_argument("--strict", action="store_true", help="--sglang: fail when an argument is not modelled")
+    c.add_argument(
+        "--strict", action="store_true", help="--sglang: fail when a setting is unknown to SGLang's own parser"
+    )
+    c.add_argument("--verbose", action="store_true", help="--sglang: list the settings that do not affect the layout")
     c.add_argument("--timeout", type=float, default=5.0, help="seconds per HTTP request (http:// launches)")
     c.set_defaults(func=cmd_check)

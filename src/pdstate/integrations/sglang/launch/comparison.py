@@ -319,6 +319,10 @@ class Verdict:
     def not_modelled(self) -> bool:
         return bool(self.prefill.not_modelled or self.decode.not_modelled)
 
+    @property
+    def unknown(self) -> bool:
+        return bool(self.prefill.unknown or self.decode.unknown)
+
 
 def side_report(side: SGLangSide) -> LayoutReport:
     """The side's layout report from pdstate's pool model. A KV dtype the paged pool cannot store
@@ -376,6 +380,7 @@ def compare(prefill: SGLangSide, decode: SGLangSide) -> Verdict:
             )
         )
 
+    _backend_refusals(v)
     p_report, d_report = side_report(prefill), side_report(decode)
     v.handshake = compat_errors(p_report, d_report, "prefill")
     diffs = [FactorDiff(n, pv, dv, consequence(n, pv, dv)) for n, pv, dv in diff(p_report, d_report)]
@@ -396,8 +401,32 @@ def compare(prefill: SGLangSide, decode: SGLangSide) -> Verdict:
     return v
 
 
-def render(v: Verdict, strict: bool = False, layouts=None) -> tuple[str, bool]:
-    """The report as text, and whether the pair passes (``strict``: nothing may be unmodelled)."""
+def _backend_refusals(v: Verdict) -> None:
+    """What ``--disaggregation-transfer-backend pdstate`` refuses at start or at run time
+    (``launch.backend``, the backend's own rules), added to the verdict."""
+    from pdstate.integrations.sglang.launch.backend import context_parallel_refusal, topology_refusal
+
+    p, d = v.prefill, v.decode
+    for s in (p, d):
+        if s.transfer_backend == "pdstate":
+            why = context_parallel_refusal(s.attn_cp_size, s.dcp_size)
+            if why:
+                s.launch_errors.append(f"ValueError from pdstate's KV manager: {why}")
+    if p.transfer_backend == d.transfer_backend == "pdstate":
+        why = topology_refusal(p.pp_size, d.pp_size, p.attn_tp_size, d.attn_tp_size)
+        if why:
+            fix = (
+                f"launch both sides with one --pp-size (prefill {p.pp_size}, decode {d.pp_size})"
+                if p.pp_size != d.pp_size
+                else f"give the decode an attention TP of at most {p.attn_tp_size} (--tp / --dp with "
+                f"--enable-dp-attention: attention TP = tp / dp), or widen the prefill's"
+            )
+            v.pair.append((f"pdstate's SGLang backend fails every request of this pair: {why}", fix))
+
+
+def render(v: Verdict, strict: bool = False, layouts=None, verbose: bool = False) -> tuple[str, bool]:
+    """The report as text, and whether the pair passes (``strict``: no setting may be unknown to
+    SGLang's own parser). It never says "compatible" when the pair does not pass."""
     from pdstate.protocol.fixes import summarize
 
     out: list[str] = []
@@ -405,11 +434,29 @@ def render(v: Verdict, strict: bool = False, layouts=None) -> tuple[str, bool]:
         out.append(f"{s.role} ({s.origin}): {s.describe()}")
         out += [f"  note: {n}" for n in s.notes]
         out += [f"  not modelled: {n}" for n in s.not_modelled]
+        out += [
+            f"  unknown: {u} (SGLang {s.release}'s parser does not know it: SGLang exits with "
+            "'unrecognized arguments' unless a wrapper takes it)"
+            for u in s.unknown
+        ]
+        if verbose and s.neutral:
+            out.append(f"  layout-neutral: {', '.join(s.neutral)}")
+    n_neutral = len(v.prefill.neutral) + len(v.decode.neutral)
+    if n_neutral:
+        out.append(
+            f"{n_neutral} setting{'s' if n_neutral != 1 else ''} (prefill {len(v.prefill.neutral)}, decode "
+            f"{len(v.decode.neutral)}) do not affect the state layout" + ("" if verbose else " (--verbose lists them)")
+        )
     for h in v.harmless:
         out.append(f"same layout although {h}")
-    ok = v.compatible and not (strict and v.not_modelled)
+    ok = v.compatible and not (strict and v.unknown)
+    if v.compatible and not ok:
+        n = len(v.prefill.unknown) + len(v.decode.unknown)
+        out.append(f"not confirmed (--strict): {n} setting{'s' if n != 1 else ''} unknown to SGLang's parser above")
+        return "\n".join(out), ok
     if v.compatible:
         caveat = " (in what is modelled; see 'not modelled' above)" if v.not_modelled else ""
+        caveat = caveat or (" (see 'unknown' above)" if v.unknown else "")
         out.append(f"compatible{caveat}")
         return "\n".join(out), ok
     n_launch = len(v.prefill.launch_errors) + len(v.decode.launch_errors)

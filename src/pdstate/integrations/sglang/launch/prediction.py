@@ -43,22 +43,37 @@ from pdstate.integrations.sglang.launch.command import (
     ARCH,
     FLASH,
     MODELLED,
-    MODELLED_ENV,
-    NEUTRAL_ENV,
-    NEUTRAL_ENV_PREFIXES,
     SPEC_DEFAULTS,
+    Launch,
     _bool_env,
     _int,
     apply_model_config,
+    env_kind,
     fetch_server_info,
+    field_kind,
+    merge_config,
     parse_argv,
+    read_launch,
     read_model_config,
-    split_launch,
 )
 
 # The SGLang releases pdstate's pool model builds (``pdstate.pools.dsv4.UPSTREAM_RELEASES``; this
 # module stays torch-free, a test keeps the two equal).
 SUPPORTED_RELEASES = ("0.5.19", "0.5.23")
+
+
+def default_release() -> tuple[str, str]:
+    """``(release, why)``: the installed SGLang's when pdstate models it, else the newest."""
+    from importlib import metadata
+
+    try:
+        installed = metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        installed = None
+    if installed in SUPPORTED_RELEASES:
+        return installed, "the installed SGLang"
+    return SUPPORTED_RELEASES[-1], "default: the newest release"
+
 
 # --- the prediction -------------------------------------------------------------------------------
 
@@ -94,6 +109,10 @@ class SGLangSide:
     dp_size: int = 1
     enable_dp_attention: bool = False
     pp_size: int = 1
+    attn_tp_size: int = 1
+    attn_cp_size: int = 1
+    dcp_size: int = 1
+    decode_radix_cache: bool = False
     env: dict[str, str] = field(default_factory=dict)
     release: str = "0.5.23"  # the SGLang release whose pools this side builds (pdstate's pool model follows it)
     release_source: str = "default: the newest release"
@@ -101,7 +120,8 @@ class SGLangSide:
     notes: list[str] = field(default_factory=list)
     not_modelled: list[str] = field(default_factory=list)
     launch_errors: list[str] = field(default_factory=list)  # why SGLang would not start
-    neutral: list[str] = field(default_factory=list)
+    neutral: list[str] = field(default_factory=list)  # given settings that do not touch the layout
+    unknown: list[str] = field(default_factory=list)  # what SGLang's own parser does not know
 
     @property
     def speculative(self) -> bool:
@@ -184,43 +204,67 @@ def predict(
     """One server's resolved DSV4 layout settings from its launch string (see the module doc).
 
     ``release`` is the SGLang release the server runs (``"0.5.19"`` / ``"0.5.23"``); a running
-    server's ``/get_server_info`` says it itself (its ``version``), else the newest is assumed."""
-    side = _predict(role, text, model_config, timeout_s)
-    if release is not None:
-        side.release, side.release_source = release, "--sglang-release"
-    return side
-
-
-def _predict(role: str, text: str, model_config: str | None, timeout_s: float) -> SGLangSide:
+    server's ``/get_server_info`` says it itself (its ``version``), else the installed SGLang's, else
+    the newest, is assumed."""
+    rel, why = (release, "--sglang-version") if release is not None else default_release()
+    launch = read_launch(text)
+    ref = launch.launcher
+    if not launch.argv and not launch.entry and re.match(r"^https?://\S+$", ref):
+        info = fetch_server_info(ref, timeout_s)
+        side = _from_server_info(role, ref, info, launch.env, model_config, rel, why, explicit=release is not None)
+        return side
     origin = "arguments"
-    env, argv, launcher = split_launch(text)
-    if not argv and launcher.startswith("@") and " " not in launcher:
-        ref = launcher[1:]
+    if not launch.argv and not launch.entry and ref.startswith("@") and " " not in ref:
+        path = Path(ref[1:])
         try:
-            file_text = Path(ref).read_text()
+            file_text = path.read_text()
         except OSError as exc:
-            raise SGLangArgsError(f"@{ref}: {exc.strerror or exc}") from None
-        origin = f"@{ref}"
-        file_env, argv, launcher = split_launch(file_text)
-        env = {**file_env, **env}
-    elif not argv and re.match(r"^https?://\S+$", launcher):
-        info = fetch_server_info(launcher, timeout_s)
-        return _from_server_info(role, launcher, info, env, model_config)
-    values, given, unknown, neutral = parse_argv(argv)
-    side = _resolve(role, origin, values, given, env, model_config, resolved=False)
-    side.not_modelled[:0] = unknown
-    side.neutral = neutral
-    if launcher:
-        side.notes.append(f"launcher skipped: {launcher}")
+            raise SGLangArgsError(f"{ref}: {exc.strerror or exc}") from None
+        origin = ref
+        inner = read_launch(file_text, base_dir=path.parent)
+        inner.env = {**inner.env, **launch.env}
+        launch = inner
+    return predict_launch(role, origin, launch, model_config, rel, why)
+
+
+def predict_launch(
+    role: str, origin: str, launch: Launch, model_config: str | None, release: str, release_source: str
+) -> SGLangSide:
+    """One server from its ``Launch``, parsed by SGLang ``release``'s own parser (with its ``--config``)."""
+    argv, config_file = merge_config(launch.argv, release, launch.base_dir)
+    parsed = parse_argv(argv, release)
+    kinds = {dest: field_kind(dest) for dest in parsed.given}
+    values = {d: v for d, v in parsed.values.items() if kinds.get(d) == "modelled"}
+    given = {d: t for d, t in parsed.given.items() if kinds[d] == "modelled"}
+    side = _resolve(role, origin, values, given, launch.env, model_config, resolved=False, release=release)
+    side.release, side.release_source = release, release_source
+    side.not_modelled[:0] = [t for d, t in parsed.given.items() if kinds[d] == "not modelled"]
+    side.neutral = [t for d, t in parsed.given.items() if kinds[d] == "neutral"]
+    side.neutral += [f"{k}={v}" for k, v in launch.env.items() if env_kind(k) == "neutral"]
+    side.unknown = parsed.unknown
+    if parsed.error:
+        side.launch_errors.insert(0, parsed.error)
+    notes = list(launch.notes)
+    if launch.launcher:
+        notes.append(f"run by {launch.launcher} (its own flags are not SGLang's)")
+    if config_file:
+        notes.append(f"--config {config_file} read as SGLang merges it (the command line wins)")
+    notes += parsed.deprecated
+    side.notes[:0] = notes
     return side
 
 
-def _from_server_info(role: str, origin: str, info: dict, env: dict, model_config: str | None) -> SGLangSide:
+def _from_server_info(
+    role: str, origin: str, info: dict, env: dict, model_config: str | None, release: str, why: str, explicit: bool
+) -> SGLangSide:
     values = {k: info[k] for k in MODELLED if k in info and info[k] is not None}
-    given = {k: f"{MODELLED[k][0][0]} {v}" for k, v in values.items()}
-    side = _resolve(role, origin, values, given, env, model_config, resolved=True)
+    given = {k: f"--{k.replace('_', '-')} {v}" for k, v in values.items()}
     version = str(info.get("version") or "")
-    if version in SUPPORTED_RELEASES:
+    side = _resolve(role, origin, values, given, env, model_config, resolved=True, release=release)
+    side.release, side.release_source = release, why
+    if explicit:
+        pass
+    elif version in SUPPORTED_RELEASES:
         side.release, side.release_source = version, "the server's /get_server_info"
     elif version:
         side.notes.append(
@@ -260,7 +304,7 @@ def _resolve_env(env: dict[str, str], f: _Findings) -> dict[str, Any]:
         )
         state_dtype = "float32"
     for k in env:
-        if not (k in MODELLED_ENV or k in NEUTRAL_ENV or k.startswith(NEUTRAL_ENV_PREFIXES)):
+        if env_kind(k) == "not modelled":
             f.not_modelled.append(f"{k}={env[k]}")
     return {
         "unified_kv": unified,
@@ -270,7 +314,9 @@ def _resolve_env(env: dict[str, str], f: _Findings) -> dict[str, Any]:
     }
 
 
-def _resolve_page_and_kv(values: dict, npu: bool, unified: bool, resolved: bool, f: _Findings) -> dict[str, Any]:
+def _resolve_page_and_kv(
+    values: dict, npu: bool, unified: bool, resolved: bool, f: _Findings, release: str
+) -> dict[str, Any]:
     page = _int(values, "page_size", None)
     if resolved:
         page_size = page if page is not None else 256
@@ -278,14 +324,18 @@ def _resolve_page_and_kv(values: dict, npu: bool, unified: bool, resolved: bool,
         page_size = 128 if npu else 256
         if page is not None and page != page_size:
             f.notes.append(
-                f"--page-size {page} is overridden: SGLang 0.5.19 runs {ARCH} with page_size {page_size} "
+                f"--page-size {page} is overridden: SGLang {release} runs {ARCH} with page_size {page_size} "
                 f"on {'NPU' if npu else 'CUDA'}"
             )
     kv = str(values.get("kv_cache_dtype", "auto"))
     kv = {"bf16": "bfloat16"}.get(kv, kv)
+    if kv == "auto" and resolved:
+        f.notes.append(
+            f"the server reports kv_cache_dtype auto: SGLang runs {ARCH} with {'bfloat16' if npu else 'fp8_e4m3'}"
+        )
+    if kv == "auto" or (npu and not resolved):
+        kv = "bfloat16" if npu else "fp8_e4m3"
     if not resolved:
-        if kv == "auto" or npu:
-            kv = "bfloat16" if npu else "fp8_e4m3"
         if kv not in ("fp8_e4m3", "bfloat16"):
             f.errors.append(f"AssertionError: {kv} is not supported for {ARCH} (--kv-cache-dtype fp8_e4m3 or auto)")
     if kv == "bfloat16" and not unified and not npu:
@@ -362,8 +412,9 @@ def _resolve(
     model_config: str | None,
     *,
     resolved: bool,
+    release: str = SUPPORTED_RELEASES[-1],
 ) -> SGLangSide:
-    """Apply SGLang 0.5.19's DSV4 resolution to the given values (``resolved``: they are already
+    """Apply SGLang ``release``'s DSV4 resolution to the given values (``resolved``: they are already
     the server's resolved values, from ``/get_server_info``)."""
     f = _Findings()
     model_path = values.get("model_path")
@@ -390,7 +441,7 @@ def _resolve(
             else f"--device {device} (pdstate models DSV4 on CUDA)"
         )
     env_kw = _resolve_env(env, f)
-    kw.update(_resolve_page_and_kv(values, device == "npu", env_kw["unified_kv"], resolved, f))
+    kw.update(_resolve_page_and_kv(values, device == "npu", env_kw["unified_kv"], resolved, f, release))
     kw.update(_resolve_speculative(values, env_kw, kw["kv_cache_dtype"], resolved, f))
     kw.update(env_kw)
     if values.get("attention_backend") not in (None, "dsv4", "compressed") and not resolved:
@@ -401,24 +452,73 @@ def _resolve(
         ("enable_prefill_cp", "prefill context parallelism"),
     ):
         if values.get(fld) in (True, "true", "True"):
-            f.not_modelled.append(f"{MODELLED[fld][0][0]} ({why})")
-    pp = _int(values, "pp_size", 1) or 1
-    if pp > 1:
-        f.not_modelled.append(f"--pp-size {pp} (pdstate compares one whole-model stage)")
+            f.not_modelled.append(f"--{fld.replace('_', '-')} ({why})")
+    backend = str(values.get("disaggregation_transfer_backend", "mooncake"))
+    topo = _topology(values, release)
+    if topo["pp_size"] > 1 and backend != "pdstate":
+        f.not_modelled.append(f"--pp-size {topo['pp_size']} (pdstate compares one whole-model stage)")
+    if (topo["attn_cp_size"] > 1 or topo["dcp_size"] > 1) and backend != "pdstate":
+        f.not_modelled.append(
+            f"context parallelism (attn_cp_size {topo['attn_cp_size']}, dcp_size {topo['dcp_size']}): "
+            "pdstate compares one rank's state"
+        )
+    mode = str(values.get("disaggregation_mode", "null"))
+    radix = values.get("disaggregation_decode_enable_radix_cache") in (True, "true", "True")
+    algo = kw.get("speculative_algorithm")
+    if mode == "decode" and radix and not resolved:
+        f.errors += _decode_radix_errors(values, algo, backend, release)
     return SGLangSide(
         role=role,
         origin=origin,
         model=str(model_path or FLASH),
-        disaggregation_mode=str(values.get("disaggregation_mode", "null")),
-        transfer_backend=str(values.get("disaggregation_transfer_backend", "mooncake")),
+        disaggregation_mode=mode,
+        transfer_backend=backend,
         tp_size=_int(values, "tp_size", 1) or 1,
         dp_size=_int(values, "dp_size", 1) or 1,
-        enable_dp_attention=values.get("enable_dp_attention", False) in (True, "true", "True"),
-        pp_size=pp,
+        enable_dp_attention=topo.pop("attn_dp_size") > 1,
+        decode_radix_cache=mode == "decode" and radix,
         env=dict(env),
         given=given,
         notes=f.notes,
         not_modelled=f.not_modelled,
         launch_errors=f.errors,
+        release=release,
+        **topo,
         **kw,
     )
+
+
+def _topology(values: dict, release: str) -> dict[str, int]:
+    """Pipeline, attention-DP/TP and context-parallel widths as SGLang ``release`` derives them
+    (attention TP = TP / attention DP / attention CP; 0.5.23 also takes ``--attn-dp-size``)."""
+    tp = _int(values, "tp_size", 1) or 1
+    dp = _int(values, "dp_size", 1) or 1
+    dp_attention = values.get("enable_dp_attention") in (True, "true", "True")
+    attn_dp = dp if dp_attention else 1
+    if release != "0.5.19" and values.get("attn_dp_size") not in (None, 1):
+        attn_dp = _int(values, "attn_dp_size", 1) or 1
+    cp = _int(values, "attn_cp_size", 1) or 1
+    return {
+        "pp_size": _int(values, "pp_size", 1) or 1,
+        "attn_dp_size": attn_dp,
+        "attn_tp_size": max(tp // attn_dp // cp, 1),
+        "attn_cp_size": cp,
+        "dcp_size": _int(values, "dcp_size", 1) or 1,
+    }
+
+
+def _decode_radix_errors(values: dict, algo: str | None, backend: str, release: str) -> list[str]:
+    """SGLang ``release``'s refusals of ``--disaggregation-decode-enable-radix-cache`` on a decode."""
+    flag = "--disaggregation-decode-enable-radix-cache"
+    errors = []
+    if values.get("enable_hisparse") in (True, "true", "True"):
+        errors.append(f"ValueError: {flag} is incompatible with --enable-hisparse")
+    if backend == "fake":
+        errors.append(f"ValueError: {flag} is incompatible with --disaggregation-transfer-backend fake")
+    allowed = (None,) if release == "0.5.19" else (None, "DSPARK", "EAGLE", "EAGLE3")
+    if algo not in allowed:
+        errors.append(
+            f"ValueError: {flag} is incompatible with speculative decoding (--speculative-algorithm {algo}; "
+            f"SGLang {release}{' allows EAGLE and DSPARK from 0.5.23' if release == '0.5.19' else ''})"
+        )
+    return errors
