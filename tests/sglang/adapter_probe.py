@@ -603,6 +603,8 @@ def case_hooks(h: Harness) -> dict:
     mgr = h.cls["MANAGER"](side["kv"], h.mode.DECODE, get_server_args(), True)
     out["deferred_release"] = bool(getattr(mgr, "enable_deferred_decode_kv_release", False))
     out["supports_deferred"] = mgr.supports_deferred_decode_kv_release
+    # the agents' own timeouts: backstops past SGLang's waiting / bootstrap timeouts (300 s by default)
+    out["agent_timeouts"] = [mgr.agent.transfer_timeout_s, h.pm.agent.bootstrap_timeout_s]
     mgr.teardown()
     out["torn_down"] = mgr.agent._loop.closed
     return out

@@ -85,6 +85,7 @@ def test_the_schedulers_other_hooks_run_without_sglangs_zmq(sglang_release, resu
     # deferred decode KV release (0.5.23's setting, on by default), acknowledged as the fence holds
     assert (r["supports_deferred"], r["deferred_release"]) == (True, bool(sglang_release.new_api))
     assert r["torn_down"] is True
+    assert r["agent_timeouts"] == [330.0, 330.0]  # SGLang's own timeouts fail a request first, with its text
 
 
 def test_a_decode_prefix_hit_moves_only_the_suffix_and_ends_as_a_full_transfer(results):

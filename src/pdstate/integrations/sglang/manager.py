@@ -35,6 +35,20 @@ log = logging.getLogger("pdstate.integrations.sglang")
 
 __all__ = ["build_manager"]
 
+BACKSTOP_S = 30.0  # how long past SGLang's own timeout an agent gives up on a request by itself
+MAX_TRANSFER_S = 3600.0  # the longest transfer deadline the protocol carries
+
+
+def _sglang_timeouts() -> tuple[float, float]:
+    """SGLang's waiting and bootstrap timeouts (``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` /
+    ``..._BOOTSTRAP_TIMEOUT``, 300 s each by default), as its own managers read them."""
+    from sglang.srt.environ import envs
+
+    return (
+        float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()),
+        float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()),
+    )
+
 
 @functools.cache
 def build_manager() -> type:
@@ -78,12 +92,19 @@ def build_manager() -> type:
             # unique per process: a prefill tells its decodes apart by worker id
             rank = f"sglang-{self.role}-tp{getattr(args, 'engine_rank', 0)}-pp{getattr(args, 'pp_rank', 0)}"
             rank = f"{rank}-{socket.gethostname()[:48]}-{os.getpid()}-{secrets.token_hex(2)}"
+            # SGLang's own timeouts decide (its checks, its texts, in the sender's and receiver's
+            # poll); the agents' are backstops just past them, never earlier than the operator's
+            waiting_s, bootstrap_s = _sglang_timeouts()
             if self.role == "prefill":
                 host = NetworkAddress(get_local_ip_auto(), 0)
                 bind = host.to_tcp()
-                self.agent = PrefillAgent(args, bind=bind, worker_id=rank, **common)
+                self.agent = PrefillAgent(
+                    args, bind=bind, worker_id=rank, bootstrap_timeout_s=bootstrap_s + BACKSTOP_S, **common
+                )
             else:
-                self.agent = DecodeAgent(args, worker_id=rank, **common)
+                self.agent = DecodeAgent(
+                    args, worker_id=rank, transfer_timeout_s=min(MAX_TRANSFER_S, waiting_s + BACKSTOP_S), **common
+                )
             self.topology_errors: dict[str, str] = {}
             try:
                 super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
