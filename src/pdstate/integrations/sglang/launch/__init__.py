@@ -4,11 +4,17 @@ What ``pdstate check --sglang PREFILL DECODE`` runs, offline: no SGLang and no t
 (``pdstate.service.preflight`` imports this package lazily, when ``--sglang`` is given; a test
 imports it with both blocked). The pool model is imported only when a side is compared.
 
-- ``command``: reading one launch (``VAR=value`` tokens, ``--flags``, ``@path``, a running
-  server's ``/get_server_info``) and the tables of what is modelled, layout-neutral or not modelled;
+- ``argtable``: SGLang's own argument parser per release, rebuilt from ``args-<release>.json``
+  (extracted from each release's ``ServerArgs`` by ``pdstate.devtools.sglang_args``);
+- ``command``: reading one launch (``VAR=value`` tokens, scripts with ``export`` lines, ``sglang
+  serve`` / ``python -m sglang.launch_server`` and wrappers, ``@path``, SGLang's ``--config`` YAML,
+  a running server's ``/get_server_info``) and which settings are modelled, layout-neutral or not
+  modelled; ``recipe``: both launches from one srt-slurm / Dynamo recipe YAML;
 - ``prediction``: ``predict(role, launch)`` -> ``SGLangSide``, what a release (0.5.19 or 0.5.23)
   resolves the arguments to, and ``SGLangSide.pool_settings()`` for pdstate's own pool model;
 - ``comparison``: ``compare(prefill, decode)`` runs the handshake's checks on the two predicted
   layouts and ``render`` explains each differing factor: both values, what SGLang's own backend
-  does at run time, and the flag to change on which side.
+  does at run time, and the flag to change on which side;
+- ``backend``: what pdstate's own SGLang backend refuses (context parallelism, pipeline sizes that
+  differ, a decode attention TP wider than the prefill's), in its words.
 """

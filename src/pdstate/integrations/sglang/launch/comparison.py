@@ -445,7 +445,8 @@ def render(v: Verdict, strict: bool = False, layouts=None, verbose: bool = False
     if n_neutral:
         out.append(
             f"{n_neutral} setting{'s' if n_neutral != 1 else ''} (prefill {len(v.prefill.neutral)}, decode "
-            f"{len(v.decode.neutral)}) do not affect the state layout" + ("" if verbose else " (--verbose lists them)")
+            f"{len(v.decode.neutral)}) {'do' if n_neutral != 1 else 'does'} not affect the state layout"
+            + ("" if verbose else " (--verbose lists them)")
         )
     for h in v.harmless:
         out.append(f"same layout although {h}")

@@ -5,15 +5,16 @@ it::
 
     SGLANG_OPT_USE_ONLINE_COMPRESS=1 python -m sglang.launch_server --model-path ... --tp 8 ...
 
-(leading ``VAR=value`` tokens are its environment; a launcher before the first ``--`` flag is
-skipped), or ``@path`` (the same, read from a file), or ``http://host:port`` (a running server's
+(leading ``VAR=value`` tokens are its environment; SGLang's entry point and a wrapper before it are
+recognised, ``command.read_launch``), or ``@path`` (a launch script), or ``http://host:port`` (a running server's
 ``/get_server_info``, read-only; leading ``VAR=value`` tokens still give the environment, which a
-server does not report). It returns an ``SGLangSide``: what SGLang 0.5.19 resolves those arguments
+server does not report). The arguments are parsed by the release's own parser (``argtable``), with
+SGLang's ``--config`` YAML merged. It returns an ``SGLangSide``: what the release resolves those arguments
 to for a ``DeepseekV4ForCausalLM`` — the values that shape the transferred state — plus notes
 (flags SGLang overrides), what pdstate does not model (listed, never guessed) and what would stop
 the server from starting. ``SGLangSide.pool_settings()`` turns it into pdstate's own pool model.
 
-Facts of SGLang 0.5.19 used here (read from its source):
+Facts of SGLang 0.5.19 and 0.5.23 used here (read from their source):
 - DSV4 on CUDA runs with ``page_size`` 256 whatever ``--page-size`` says (NPU: 128);
 - ``--kv-cache-dtype auto`` resolves to ``fp8_e4m3``; DSV4 accepts only ``fp8_e4m3`` and
   ``bfloat16``, and the paged pool stores fp8 only (bfloat16 is the NPU dtype);
