@@ -468,6 +468,8 @@ def _resolve(
     algo = kw.get("speculative_algorithm")
     if mode == "decode" and radix and not resolved:
         f.errors += _decode_radix_errors(values, algo, backend, release)
+    if algo is not None and algo.upper() == "DSPARK" and not resolved:
+        f.errors += _dspark_errors(values, topo, mode, release)
     return SGLangSide(
         role=role,
         origin=origin,
@@ -506,6 +508,27 @@ def _topology(values: dict, release: str) -> dict[str, int]:
         "attn_cp_size": cp,
         "dcp_size": _int(values, "dcp_size", 1) or 1,
     }
+
+
+def _dspark_errors(values: dict, topo: dict, mode: str, release: str) -> list[str]:
+    """SGLang ``release``'s start-time refusals of a DSpark speculative server (its PD rules)."""
+    errors = []
+    dp = _int(values, "dp_size", 1) or 1
+    dp_attention = topo["attn_dp_size"] > 1 and (release != "0.5.19" or dp > 1)
+    if dp_attention and values.get("enable_dp_lm_head") not in (True, "true", "True"):
+        errors.append("ValueError: DSpark with dp attention requires --enable-dp-lm-head.")
+    if release != "0.5.19":
+        if dp_attention and topo["attn_cp_size"] > 1:
+            errors.append(
+                "ValueError: DSpark with dp attention does not support context parallel "
+                f"(attn_cp_size={topo['attn_cp_size']})."
+            )
+        if topo["pp_size"] != 1 and mode != "prefill":
+            errors.append(
+                "ValueError: DSpark pipeline parallelism requires PD prefill; decode and non-disaggregated "
+                "serving require pp_size == 1."
+            )
+    return errors
 
 
 def _decode_radix_errors(values: dict, algo: str | None, backend: str, release: str) -> list[str]:
