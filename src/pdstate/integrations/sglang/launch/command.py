@@ -30,8 +30,10 @@ MODELLED = frozenset(
     speculative_num_draft_tokens speculative_draft_model_path speculative_draft_kv_cache_dtype disaggregation_mode
     disaggregation_transfer_backend tp_size dp_size enable_dp_attention attn_dp_size pp_size attn_cp_size dcp_size
     json_model_override_args device attention_backend enable_hisparse enable_deepseek_v4_fp4_indexer enable_prefill_cp
-    disaggregation_decode_enable_radix_cache config enable_dp_lm_head""".split()
+    disaggregation_decode_enable_radix_cache config""".split()
 )
+# Layout-neutral fields that SGLang's start-time rules read (counted as neutral, passed to the rules).
+RULE_INPUTS = frozenset({"enable_dp_lm_head"})
 # Fields whose names say they may touch the DSV4 state layout: listed as "not modelled" when given,
 # unless NEUTRAL below says otherwise. Every other field SGLang knows sizes pools, picks kernels,
 # serves HTTP or logs: counted as layout-neutral.

@@ -44,6 +44,7 @@ from pdstate.integrations.sglang.launch.command import (
     ARCH,
     FLASH,
     MODELLED,
+    RULE_INPUTS,
     SPEC_DEFAULTS,
     Launch,
     _bool_env,
@@ -235,7 +236,7 @@ def predict_launch(
     argv, config_file = merge_config(launch.argv, release, launch.base_dir)
     parsed = parse_argv(argv, release)
     kinds = {dest: field_kind(dest) for dest in parsed.given}
-    values = {d: v for d, v in parsed.values.items() if kinds.get(d) == "modelled"}
+    values = {d: v for d, v in parsed.values.items() if kinds.get(d) == "modelled" or d in RULE_INPUTS}
     given = {d: t for d, t in parsed.given.items() if kinds[d] == "modelled"}
     side = _resolve(role, origin, values, given, launch.env, model_config, resolved=False, release=release)
     side.release, side.release_source = release, release_source
