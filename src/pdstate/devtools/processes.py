@@ -154,6 +154,7 @@ def _decode_snapshot(w) -> dict:
         "prefill_incarnation": s.peer.incarnation,
         "in_flight": s.in_flight,
         "waiting": s.waiting,
+        "quarantined": s.quarantined,
         "peak_in_flight": s.peak_in_flight,
         "peer_error": None if s.peer.error is None else s.peer.error.model_dump(),
     }
@@ -185,8 +186,7 @@ def _run_decode(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> ExitCo
             elif cmd.get("cmd") == "describe":  # this decode's register message: layout, KVArgs, endpoint
                 from pdstate.protocol import wire
 
-                # what the agent sends a prefill: a test-only view (the agent offers no public one)
-                register = w.agent._handshake.register_message()
+                register = w.agent._handshake.register_message()  # a test-only view: no public one
                 emit({"event": "describe", "register": wire.encode(register, w.opts.token).hex()})
             elif cmd.get("cmd") == "stats":
                 emit({"event": "stats", **_decode_snapshot(w), "stats": w.stats.as_dict(), "free": w.free_counts()})

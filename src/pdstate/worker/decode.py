@@ -10,7 +10,10 @@ content (``checks.verify``: ``full`` or ``sample``) and frees the pages. A prefi
 aborted; the abort is fenced (the prefill confirms nothing more of it lands) before its pages are
 freed. A prefill that is gone (goodbye, missed heartbeats) fails its requests at once; the pages
 are freed then (a gone prefill writes no more: it fenced before its goodbye, or it is dead or
-frozen, and a frozen one that wakes has lost this decode's registration first).
+frozen, and a frozen one that wakes has lost this decode's registration first). An abort the
+prefill never confirms (this decode was frozen past the prefill's timeout, which forgot it) keeps
+the pages quarantined until the prefill is gone or has accepted this decode again (a prefill
+that accepts a decode again has failed, and fenced, everything of its former registration).
 
 The default prefill is dialled at start and again whenever it is gone (``/readyz`` follows it);
 any other is dialled on first use, at most ``MAX_PREFILLS`` at once (an idle one is closed to make
@@ -64,6 +67,7 @@ class AgentDecodeWorker(AgentWorker):
             max_workers=max(1, opts.max_inflight), thread_name_prefix="pdstate-decode-request"
         )
         self._futures: dict[int, Future] = {}  # room -> its future, until it completes
+        self._quarantine: list[tuple[str, float, object]] = []  # (prefill, since, allocation), under _lock
 
     def start(self) -> AgentDecodeWorker:
         """Raises ``LocalCheckFailed`` (own pair refused, with ``local_checks``) or ``EngineError``;
@@ -112,10 +116,34 @@ class AgentDecodeWorker(AgentWorker):
                     p = known.get(address)
                     if p is None or p["state"] == "gone":
                         self.agent.connect(address)
+                self._release_quarantine(known)
             except (AgentClosed, TimeoutError):
                 return
             except Exception:  # keep watching: readiness depends on it
                 log.exception("decode watcher")
+
+    def _release_quarantine(self, known: dict[str, dict]) -> None:
+        """Free the quarantined pages whose prefill is gone, or accepted this decode again after
+        the request's abort went out."""
+        now_s = time.monotonic()
+        with self._lock:
+            held, self._quarantine = self._quarantine, []
+        keep = []
+        for prefill, since, alloc in held:
+            p = known.get(prefill)
+            ago = None if p is None else p.get("registered_s_ago")
+            again = p is not None and p["state"] == "accepted" and ago is not None and ago < now_s - since
+            if p is None or p["state"] == "gone" or again:
+                self.page_pool.free(alloc)
+            else:
+                keep.append((prefill, since, alloc))
+        with self._lock:
+            self._quarantine.extend(keep)
+
+    def quarantined(self) -> int:
+        """Requests whose pages wait for their prefill's fence (an abort it did not confirm)."""
+        with self._lock:
+            return len(self._quarantine)
 
     # -- API for other threads ----------------------------------------------------------------
     def submit(
@@ -172,6 +200,7 @@ class AgentDecodeWorker(AgentWorker):
             dead_threads=self._dead_threads(),
             peak_in_flight=self.peak_in_flight,
             waiting=0 if self._closed else self.page_pool.waiting,
+            quarantined=self.quarantined(),
             handshake_s=None if default is None else default.get("handshake_s"),
         )
 
@@ -211,8 +240,10 @@ class AgentDecodeWorker(AgentWorker):
         if alloc is not None:
             if fenced:
                 self.page_pool.free(alloc)
-            else:  # the prefill never confirmed the abort: keep the pages out of use
-                log.error("room %d: abort not confirmed by %s; its pages stay allocated", room, prefill)
+            else:  # the prefill never confirmed the abort: out of use until it is gone or accepts us again
+                log.warning("room %d: abort not confirmed by %s; its pages wait for its fence", room, prefill)
+                with self._lock:  # (since its deadline: when its abort went out)
+                    self._quarantine.append((prefill, end, alloc))
         res.seconds = time.perf_counter() - t0
         if res.status == "success":
             self.stats.success(res.bytes, res.seconds)

@@ -26,7 +26,16 @@ from dataclasses import replace
 
 import numpy as np
 
-from pdstate.errors import AgentClosed, PdStateError, PrefillBusy, ProtocolError, RoomInFlight
+from pdstate.errors import (
+    AgentClosed,
+    EngineError,
+    PdStateError,
+    PeerGone,
+    PrefillBusy,
+    ProtocolError,
+    RoomInFlight,
+    error_from_wire,
+)
 from pdstate.protocol.lifecycle import PeerState, RequestState
 from pdstate.protocol.report import ErrorInfo
 from pdstate.worker import synth
@@ -134,9 +143,10 @@ class AgentPrefillWorker(AgentWorker):
             synth.fill_source(self.kv_args, status.room, alloc.lists)  # the stand-in for the model
             compute_s = time.perf_counter() - t0
             self._moved(status, RequestState.TRANSFERRING)
-            self._hold(status.room)
-            given_up = self.agent.refusal(status.room)  # its decode aborted while this one waited or computed
+            self._hold(status)
+            given_up = self._given_up(status)  # its decode aborted, or went, while this one waited or computed
             if given_up is not None:
+                self._refuse(status.room, given_up)  # (a gone decode's request still waits at the agent)
                 raise given_up
             pages = alloc.lists[0]
             sender = self.agent.sender(status.room, int(pages.size))
@@ -164,13 +174,27 @@ class AgentPrefillWorker(AgentWorker):
         """Swap the fault-injection hooks (tests); requests computed later see the new ones."""
         self.hooks = hooks
 
-    def _hold(self, room: int) -> None:
+    def _hold(self, status: RequestStatus) -> None:
         """The test seam ``delay_before_copy_s``: wait before sending, ending early once the decode
-        gave the request up or this worker stops."""
+        gave the request up (or is gone) or this worker stops."""
         end = time.monotonic() + self.hooks.delay_before_copy_s
         while (left := end - time.monotonic()) > 0 and self.hooks.delay_before_copy_s > 0:
-            if self.agent.refusal(room) is not None or self._draining.wait(min(left, 0.02)):
+            if self._given_up(status) is not None or self._draining.wait(min(left, 0.02)):
                 return
+
+    def _given_up(self, status: RequestStatus) -> PdStateError | None:
+        """Why the request is not to be sent after all: its decode's abort or refusal, or the
+        decode gone (silent past ``peer_timeout_s``, or said goodbye) since it asked."""
+        refused = self.agent.refusal(status.room)
+        if refused is not None:
+            return refused
+        for d in self._ask_agent(lambda a: a.peers(), []):
+            if d["id"] == status.peer and d["state"] == "gone":
+                err = d.get("error") or {"type": "PeerGone", "message": f"decode {status.peer} is gone"}
+                return error_from_wire(err["type"], err["message"])
+        if self.agent.alive and not self.agent.requested(status.room):  # dropped: its decode registered again
+            return PeerGone(f"decode {status.peer} registered again or went before room {status.room} was sent")
+        return None
 
     def _moved(self, status: RequestStatus, state: RequestState) -> None:
         with self._lock:
@@ -193,6 +217,8 @@ class AgentPrefillWorker(AgentWorker):
         else:
             reason = str(error) if error is not None else f"ended {sender.state.value if sender else 'unsent'}"
             self.stats.fail(reason)
+            if isinstance(error, EngineError):  # counted by class (``TransferTimedOut`` is one)
+                self.stats.engine_error()
         self._leave(
             status.room,
             {

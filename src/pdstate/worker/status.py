@@ -62,6 +62,7 @@ class WorkerSnapshot:
     dead_threads: tuple[str, ...]  # names of the worker's threads that ended (none while it serves)
     peak_in_flight: int  # most requests in flight at once
     waiting: int = 0  # decode: requests waiting for pages
+    quarantined: int = 0  # decode: requests whose pages wait for their prefill's fence
     handshake_s: float | None = None  # decode: the latest accepted handshake's duration (its ``peer``)
 
     @property
