@@ -1,8 +1,9 @@
 """Transfers land byte-exact in the decode's target AND draft buffers, and nowhere else.
 
-In-process matrix (every engine x {paged, unified} x {draft on, off}): a ``PrefillWorker`` and a
-``DecodeWorker`` in this process (threads; their own pools, control sockets over TCP, the engine's
-real data path — shm still maps the decode's ``/dev/shm`` segments through a second mapping). Before
+In-process matrix (every engine x {paged, unified} x {draft on, off}): ``pdstate serve``'s prefill
+and decode workers (``pdstate.worker``, over the agent) in this process (threads; their own pools,
+control sockets over TCP, the engine's real data path — shm still maps the decode's ``/dev/shm``
+segments through a second mapping). Before
 each transfer every byte of the decode's pools is set to a sentinel; afterwards the pools must
 equal, byte for byte, the sentinel everywhere except the items the request's index lists address,
 which must hold the room's deterministic content.
@@ -20,14 +21,12 @@ import subprocess
 import numpy as np
 import pytest
 
-from pdstate.runtime import requests as rq
-from pdstate.runtime.decode import DecodeWorker
-from pdstate.runtime.prefill import PrefillWorker
+from pdstate.worker import requests as rq
 from tests.support.engines import ENGINE_PARAMS, require_engine
 from tests.support.images import SENTINEL, compare_images, expected_images, fill_regions
 from tests.support.pools import TINY
 from tests.support.waiting import wait_until
-from tests.support.workers import assert_all_verified, first_event, options, pdstate_command, run_batch
+from tests.support.workers import assert_all_verified, first_event, pdstate_command, run_batch, served_pair, transfer
 
 # empty (the control path alone: nothing may change), shorter than the window, exactly the window
 # / one C128 group, C128 +1, page -1, one page, page +1, three C128 groups, across many pages
@@ -37,7 +36,7 @@ LENGTHS = [0, 100, 128, 129, 255, 256, 257, 384, 1000]
 
 @pytest.fixture
 def decode_allocations(monkeypatch):
-    """Every allocation the runtime makes, as ``(pools, seq_len, Allocation)``."""
+    """Every allocation the workers make, as ``(pools, seq_len, Allocation)``."""
     seen: list = []
     real = rq.allocate
 
@@ -51,7 +50,8 @@ def decode_allocations(monkeypatch):
 
 
 def _expected_count(name: str, seq_len: int, window: int, page: int) -> int:
-    """Index-list length per channel (spec section 5)."""
+    """Index-list length per channel (spec section 5; serve's workers address the SWA component
+    by the window's pages in every release: ``worker.requests``)."""
     if name == "main_kv":
         return math.ceil(seq_len / page)
     if name == "swa":
@@ -70,11 +70,7 @@ def _expected_count(name: str, seq_len: int, window: int, page: int) -> int:
 def test_transfers_land_exactly_in_target_and_draft(engine, mode, draft, decode_allocations):
     require_engine(engine)
     s = TINY.with_(unified_kv=(mode == "unified"), draft_enabled=draft)
-    with (
-        PrefillWorker(options("prefill", s, engine)) as p,
-        DecodeWorker(options("decode", s, engine, peer=p.endpoint)) as d,
-    ):
-        d.wait_ready(15)
+    with served_pair(s, engine) as (p, d):
         regions = d.pools.memory.regions()
         names = rq.channel_names(d.kv_args)
         draft_regions = [i for i, r in enumerate(regions) if r.name.endswith("draft")]
@@ -87,13 +83,14 @@ def test_transfers_land_exactly_in_target_and_draft(engine, mode, draft, decode_
         for n, seq_len in enumerate(LENGTHS):
             fill_regions(regions, SENTINEL)
             room = 7_000_000 + 1000 * n + seq_len
-            res = d.transfer(seq_len, room=room, deadline_s=20)
+            res = transfer(d, seq_len, room=room, deadline_s=20)
             assert res.status == "success" and res.verified, (seq_len, res.error)
             allocs = [a for pools, _, a in decode_allocations if pools is d.pools]
             lists = allocs[-1].lists
             assert len(lists) == len(names)
             for name, idx in zip(names, lists):
-                assert len(idx) == _expected_count(name, seq_len, s.sliding_window, s.page_size), (name, seq_len)
+                want = _expected_count(name, seq_len, s.sliding_window, s.page_size)
+                assert len(idx) == want, (name, seq_len)
             expected = expected_images(regions, d.kv_args, room, lists)
             problem = compare_images(regions, expected)
             assert problem is None, f"{seq_len} tokens: {problem}"
@@ -101,9 +98,10 @@ def test_transfers_land_exactly_in_target_and_draft(engine, mode, draft, decode_
                 assert (expected[i] != SENTINEL).any() == (seq_len > 0)
             if seq_len == 0:
                 assert res.bytes == 0 and res.descriptors == 0
-            assert d.free_counts() == free_d and p.free_counts() == free_p, f"pages leaked after {seq_len} tokens"
+            assert d.free_counts() == free_d, f"decode pages leaked after {seq_len} tokens"
+            wait_until(f"the prefill's pages back after {seq_len} tokens", lambda: p.free_counts() == free_p, 10)
         assert len([1 for pools, _, _ in decode_allocations if pools is d.pools]) == len(LENGTHS)
-        assert d.stats.transfers["failed"] == 0 and p.stats.transfers["failed"] == 0
+        assert d.stats.snapshot().transfers["failed"] == 0 and p.stats.snapshot().transfers["failed"] == 0
 
 
 PROCESS_MATRIX = [
@@ -153,42 +151,3 @@ def test_demo_json(tmp_path):
     assert summary["requests"] == 4 and summary["verified"] == summary["requests"] and summary["failed"] == 0
     assert summary["bytes"] > 0 and summary["seconds"] > 0 and summary["gbps"] > 0 and summary["handshake_ms"] > 0
     assert np.isfinite(summary["gbps"])
-
-
-def test_small_requests_run_on_the_control_thread_only_while_the_transfer_thread_is_idle():
-    """shm is synchronous: a request of at most ``inline_max_bytes`` is copied on the prefill's
-    control thread (two thread hand-offs saved), but never while a bigger one is queued or
-    copying, so copies stay one at a time and in order."""
-    import threading
-
-    one_token = 1_334_784  # bytes of a 1-token tiny request (target + draft)
-    roomy = TINY.with_(swa_tokens=1024)  # SWA pages for both requests at once
-    with (
-        PrefillWorker(options("prefill", roomy, "shm", inline_max_bytes=one_token)) as p,
-        DecodeWorker(options("decode", roomy, "shm", peer=p.endpoint)) as d,
-    ):
-        d.wait_ready(10)
-        r = d.transfer(1)
-        assert r.verified and r.bytes == one_token and p.jobs_inline == 1
-
-        release, order = threading.Event(), []
-        submit = p.engine.submit
-
-        def gated(peer, plan, *a, **k):  # hold the big copy until the small request is in
-            if plan.total_bytes > one_token:
-                assert release.wait(10)
-            order.append(plan.total_bytes)
-            return submit(peer, plan, *a, **k)
-
-        p.engine.submit = gated
-        big = d.submit(300)
-        wait_until(
-            "the big request copying", lambda: any(j.state.value == "transferring" for j in list(p.jobs.values()))
-        )
-        small = d.submit(1)
-        wait_until("the small request queued", lambda: len(p.jobs) == 2)
-        assert not small.done() and p.jobs_inline == 1  # not run inline past the busy thread
-        release.set()
-        assert big.result(10).verified and small.result(10).verified
-        assert order == [max(order), one_token] and p.jobs_inline == 1
-        assert d.transfer(1).verified and p.jobs_inline == 2  # idle again: inline again

@@ -3,8 +3,13 @@ every channel (the rules are ``pools.indices``'s, by the pools' release).
 
 Both sides allocate the request's full pages and only the SWA tail (the window's pages) — the
 prefill keeps no SWA state beyond the window either — plus a request slot that addresses the
-unified ring rows, the C128 state slot and, in unified SGLang 0.5.23 pools, the C4 state ring
-(``indices.swa_component_indices``).
+unified ring rows and the C128 state slot.
+
+The SWA component is addressed by the window's SWA pages (``indices.swa_page_indices``) in every
+release and mode, the same rule on both sides of a serve pair. Unified SGLang 0.5.23 pools address
+their C4 states by request slot (``indices.swa_component_indices``), but request slot 0 is then
+index 0, which the planner refuses as the reserved padding page (``PaddingPageIndex``); until the
+planner tells a slot from a page there, serve's workers keep the page rule.
 """
 
 from __future__ import annotations
@@ -84,8 +89,9 @@ def _list_for(name: str, pools: WorkerPools, slot: int, locs: np.ndarray, seq_le
     t = pools.target
     if name == "main_kv":
         return indices.main_kv_page_indices(locs, seq_len, t.page_size)
-    if name == "swa":
-        return indices.swa_component_indices(t, slot, locs, seq_len, pools.allocator.full_to_swa_index_mapping)
+    if name == "swa":  # by the window's SWA pages in every release and mode: see the module docstring
+        mapping = pools.allocator.full_to_swa_index_mapping
+        return indices.swa_page_indices(locs, seq_len, t.sliding_window, t.page_size, mapping)
     if name == "swa_ring":
         return indices.swa_ring_rows(slot, seq_len, t.unified_swa_window, t.unified_swa_ring_size)
     if name == "c128_state":
