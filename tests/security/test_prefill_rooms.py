@@ -4,7 +4,7 @@ A decode that uses two prefills keys its requests by room; a prefill that sends 
 ``Error`` or ``Busy`` naming a room the decode sent to *another* prefill must change nothing of
 that request (it would otherwise mark unverified pages done, or end another prefill's request).
 Here the second prefill is a raw ROUTER that accepts the decode's handshake and then forges
-answers; the first is a real ``PrefillWorker`` whose copy waits a second (fault injection) so the
+answers; the first is ``pdstate serve``'s prefill worker whose copy waits a second (fault injection) so the
 forgeries arrive while its request is in flight. A forged success would fail verification (no
 byte was copied) and a forged error would fail it outright: only an untouched request succeeds.
 """
@@ -16,14 +16,13 @@ import secrets
 import zmq
 
 from pdstate.protocol import wire
-from pdstate.protocol.lifecycle import RequestState
 from pdstate.protocol.report import ErrorInfo
-from pdstate.runtime.decode import DecodeWorker
-from pdstate.runtime.prefill import PrefillWorker
+from pdstate.worker.decode import AgentDecodeWorker
+from pdstate.worker.prefill import AgentPrefillWorker
 from tests.support.faults import holding_hooks
 from tests.support.pools import ROOMY
 from tests.support.waiting import wait_until
-from tests.support.workers import options
+from tests.support.workers import options, wait_accepted
 
 
 class RogueRouter:
@@ -68,21 +67,17 @@ class RogueRouter:
 
 
 def test_a_prefill_cannot_answer_for_another_prefills_request():
-    prefill = PrefillWorker(options("prefill", ROOMY), hooks=holding_hooks(1.0)).start()
+    prefill = AgentPrefillWorker(options("prefill", ROOMY), hooks=holding_hooks(1.0)).start()
     rogue = RogueRouter()
     decode = None
     try:
-        decode = DecodeWorker(options("decode", ROOMY, peer=prefill.status().endpoint)).start()
-        decode.wait_ready(10)
+        decode = AgentDecodeWorker(options("decode", ROOMY, peer=prefill.status().endpoint)).start()
+        wait_accepted(decode)
         held = decode.submit(300, room=11)  # the real prefill's copy waits a second
-        wait_until(
-            "room 11 sent",
-            lambda: [r for r in decode.status().requests if r.state == RequestState.WAITING_FOR_INPUT],
-            10,
-        )
+        wait_until("room 11 on the prefill", lambda: prefill.in_flight() == 1, 10)
         asked = decode.submit(200, room=22, prefill=rogue.endpoint)
         rogue.accept()
-        sent = rogue.recv(wire.TransferRequest)
+        sent = rogue.recv(wire.AgentRequest)
         assert sent.room == 22 and sent.seq_len == 200
         # forgeries naming room 11, which went to the real prefill
         rogue.send(wire.TransferDone(room=11, status="success", bytes=1, descriptors=1))
