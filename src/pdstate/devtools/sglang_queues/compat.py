@@ -115,8 +115,9 @@ def _tree_cache(pools, req_to_token_pool, args, sched, group):
     the unified radix tree (SGLang's own factory) on 0.5.23."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
+    radix = not args.disable_radix_cache  # a decode radix cache (disaggregation_decode_enable_radix_cache)
     params = CacheInitParams(
-        disable=True, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=pools.alloc,
+        disable=not radix, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=pools.alloc,
         page_size=pools.side.page_size, sliding_window_size=pools.side.sliding_window,
         chunked_prefill_size=512,
     )  # fmt: skip
@@ -130,7 +131,7 @@ def _tree_cache(pools, req_to_token_pool, args, sched, group):
     params.pp_cache_group = group
     ctx = TreeCacheBuildContext(
         server_args=args, params=params, is_hybrid_swa=True, is_hybrid_ssm=False, enable_hierarchical_cache=False,
-        disable_radix_cache=True, tp_worker=sched.tp_worker, model_config=sched.model_config, tp_size=1, tp_rank=0,
+        disable_radix_cache=not radix, tp_worker=sched.tp_worker, model_config=sched.model_config, tp_size=1, tp_rank=0,
         tp_group=_group(group), full_tokens_per_layer=pools.side.full_tokens,
     )  # fmt: skip
     return create_tree_cache(ctx)
@@ -204,7 +205,15 @@ def _common(sched, pools, args, group, streamer, req_to_token_pool) -> None:
 def _case(pools, sched, kv_args, **kw) -> SimpleNamespace:
     aux = list(zip(kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens))
     return SimpleNamespace(
-        pools=pools, sched=sched, kv_args=kv_args, aux_bufs=aux, cleared=[], commits={}, deferred=set(), **kw
+        pools=pools,
+        sched=sched,
+        kv_args=kv_args,
+        aux_bufs=aux,
+        cleared=[],
+        commits={},
+        deferred=set(),
+        published={},
+        **kw,
     )
 
 
@@ -291,6 +300,19 @@ def _watch_decode(case, transfer) -> None:
             return defer(decode_req)
 
         transfer._defer_release = recorded_defer
+    prealloc = case.sched.disagg_decode_prealloc_queue
+    publish = getattr(prealloc, "_send_kv_metadata", None)  # 0.5.23
+
+    def recorded_publish(decode_req, kv_indices, page_size, state_indices=None, **kw):
+        """What the decode names: its pages (past a cached prefix) and ``decode_prefix_len``."""
+        case.published[decode_req.req.bootstrap_room] = {
+            "named_pages": len(kv_to_page_indices(kv_indices, page_size)),
+            "decode_prefix_len": int(kw.get("decode_prefix_len") or 0),
+        }
+        return publish(decode_req, kv_indices, page_size, state_indices, **kw)
+
+    if publish is not None:
+        prealloc._send_kv_metadata = recorded_publish
     target = case.pools.target
     for name in ("clear_c128_req_state", "clear_request_scoped_state"):
         clear = getattr(target, name, None)
@@ -402,6 +424,12 @@ def release_decode(case, req) -> None:
     """The decode is done with the request: its KV goes back (as when it finishes decoding)."""
     if placed(case, req):
         if NEW:
-            release_kv_cache(req, case.sched.tree_cache, checkpoint=False)
+            # a decode radix cache keeps what it can key of a finished request (its prompt's pages)
+            keep = not case.sched.server_args.disable_radix_cache and req.finished_reason is None
+            if keep:
+                from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+                req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+            release_kv_cache(req, case.sched.tree_cache, checkpoint=keep)
         else:
             release_kv_cache(req, case.sched.tree_cache, is_insert=False)

@@ -69,7 +69,7 @@ def _gloo_group():
 
 
 # -- both sides
-def setup(role: str, backend: str, side: dict, port: int, env: dict | None = None) -> dict:
+def setup(role: str, backend: str, side: dict, port: int, env: dict | None = None, radix: bool = False) -> dict:
     S.role, S.backend, S.port = role, backend, port
     for key in S.env_set:  # the previous case's SGLang settings go; this case's are read by its manager
         os.environ.pop(key, None)
@@ -84,7 +84,8 @@ def setup(role: str, backend: str, side: dict, port: int, env: dict | None = Non
     args = boot.server_args(
         speculative=s.speculative, page_size=s.page_size, disaggregation_mode=role,
         disaggregation_transfer_backend=backend, disaggregation_bootstrap_port=port, host=HOST,
-        chunked_prefill_size=CHUNK_TOKENS, disable_radix_cache=True,
+        chunked_prefill_size=CHUNK_TOKENS, disable_radix_cache=not (radix and role == "decode"),
+        **({"disaggregation_decode_enable_radix_cache": True} if radix and role == "decode" else {}),
     )  # fmt: skip
     boot.publish(args)
     group = _gloo_group()
@@ -172,8 +173,10 @@ def run_prefill(room: int, tokens: int, deadline_s: float, hold_s: float = 0.0) 
         if req in done:
             outcome, failure = _outcome(req)
             ms = (time.perf_counter() - t0) * 1000
+            metric = req.disagg_kv_sender.get_transfer_metric() if req.disagg_kv_sender is not None else None
             return {"outcome": outcome, "failure": failure, "trace": trace + ["inflight done"], "aux": aux,
-                    "ms": ms if outcome == "Success" else None}  # fmt: skip
+                    "ms": ms if outcome == "Success" else None,
+                    "bytes": getattr(metric, "transfer_total_bytes", None)}  # fmt: skip
         if time.perf_counter() >= deadline:
             state = compat.poll_name(req.disagg_kv_sender.poll())
             return {"outcome": f"timeout ({state})", "failure": None, "trace": trace, "aux": aux}
@@ -182,7 +185,12 @@ def run_prefill(room: int, tokens: int, deadline_s: float, hold_s: float = 0.0) 
 
 # -- decode
 def run_decode(
-    room: int, tokens: int, deadline_s: float, abort_after_s: float | None = None, settle_s: float = 0.0
+    room: int,
+    tokens: int,
+    deadline_s: float,
+    abort_after_s: float | None = None,
+    settle_s: float = 0.0,
+    keep_memory: bool = False,
 ) -> dict:
     """One request through the decode's queues. ``abort_after_s``: that long after its destination
     was named (``send_metadata``), the request is aborted as the scheduler's ``abort_request``
@@ -196,11 +204,13 @@ def run_decode(
     case, sched = S.case, S.case.sched
     t0 = time.perf_counter()
     deadline = t0 + deadline_s
-    for _, ptr, length, _ in compat.buffers(case.kv_args):
-        pattern.memory(ptr, length).fill(pattern.SENTINEL)
+    if not keep_memory:
+        for _, ptr, length, _ in compat.buffers(case.kv_args):
+            pattern.memory(ptr, length).fill(pattern.SENTINEL)
     case.cleared.clear()
     case.commits.clear()
     case.deferred.discard(room)
+    case.published.pop(room, None)
     req = _request(room, tokens, DisaggregationMode.DECODE)
     sched.disagg_decode_prealloc_queue.add(req)
     outcome, failure, times = None, None, {}
@@ -250,7 +260,7 @@ def run_decode(
         time.sleep(POLL_S)
     times["deferred"] = room in case.deferred
     time.sleep(settle_s)
-    out = {"outcome": outcome, "failure": failure, **times}
+    out = {"outcome": outcome, "failure": failure, **times, **case.published.get(room, {})}
     out.update(_check(case, req, room, times.pop("meta_index", None)))
     return out
 
