@@ -12,6 +12,14 @@ process-wide state). One JSON command per stdin line, one ``@@queues {json}`` li
   polls the inflight queue; the decode polls ``process_decode_queue`` and then checks every byte
   its request's items hold (main KV pages, SWA window pages of target and draft, C4 ring and C128
   rows, the aux row as it was when SGLang read it).
+
+Per case, ``setup`` takes SGLang settings for the managers (``env``: its waiting and bootstrap
+timeouts) and, on the decode, SGLang 0.5.23's decode radix cache (``radix``: its own tree; a
+finished request is kept in it). Per request: the prefill's forward may take a while (``hold_s``);
+the decode may abort the request as the scheduler's ``abort_request`` does (``abort_after_s``, then
+polled until its pages are released: 0.5.23 defers that until the prefill acknowledged), wait before
+its byte check (``settle_s``), and keep its memory (``keep_memory``: a cached prefix stays). A room
+may be sent again (a retracted request's rebootstrap).
 """
 
 from __future__ import annotations
