@@ -32,6 +32,9 @@ Mooncake backend beside pdstate on the same case), every byte of the decode chec
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 
 from pdstate.devtools.sglang_pair import table
@@ -109,13 +112,62 @@ def _prefix(pair, backend: str) -> dict:
     return out
 
 
+class _PrefillHttp:
+    """Stands for the prefill's HTTP server: records the ``/generate`` SGLang's rebootstrap POSTs."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        from pdstate.devtools.sglang_pair.pair import free_port
+
+        self.posts: list = []
+        self.port = free_port()
+        posts = self.posts
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                posts.append({"path": self.path, "json": json.loads(body)})
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def wait(self, timeout_s: float = 5.0) -> dict | None:
+        deadline = time.monotonic() + timeout_s
+        while not self.posts and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.posts[0] if self.posts else None
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def _features(pair, backend: str) -> dict:
     """The lifecycle cases, one set of managers (SGLang's timeouts set) for all of them."""
     from pdstate.devtools.sglang_pair.cases import CORRECT
 
-    out = pair.setup(CORRECT, backend, env=TIMEOUTS)
-    if "setup_error" in out:
-        return out
+    http = _PrefillHttp()
+    try:
+        out = pair.setup(CORRECT, backend, env=TIMEOUTS, http_port=http.port)
+        if "setup_error" in out:
+            return out
+        _lifecycle_requests(pair, out, http)
+    finally:
+        http.close()
+    return out
+
+
+def _lifecycle_requests(pair, out: dict, http) -> None:
+    from pdstate.devtools.sglang_pair.cases import CORRECT
+
     n = CORRECT.tokens[0]
     out["abort"] = pair.request(
         n, DEADLINE_S, prefill={"hold_s": 1.0}, decode={"abort_after_s": 0.2, "settle_s": 1.2}
@@ -123,9 +175,15 @@ def _features(pair, backend: str) -> dict:
     out["resent_after_abort"] = pair.request(n, DEADLINE_S, room=out["abort"]["room"])
     out["waiting_timeout"] = pair.request(n, WAITING_TIMEOUT_S + 2.5, prefill={"hold_s": WAITING_TIMEOUT_S + 0.8})
     out["bootstrap_timeout"] = pair.request(n, BOOTSTRAP_TIMEOUT_S + 1.5, decode=False)
-    out["first_attempt"] = pair.request(n, DEADLINE_S)
-    out["second_attempt"] = pair.request(n, DEADLINE_S, room=out["first_attempt"]["room"])
-    return out
+    # a retracted request: it landed, then the decode dispatches the prefill's recompute through
+    # SGLang's own rebootstrap (POST /generate to the prefill's registered HTTP port); the
+    # prefill then sends the same room again, into the decode's fresh pages
+    out["first_attempt"] = pair.request(n, DEADLINE_S, decode={"rebootstrap": True})
+    post = http.wait()
+    out["rebootstrap_post"] = post
+    if post is not None:
+        n_again = len(post["json"]["input_ids"])
+        out["second_attempt"] = pair.request(n_again, DEADLINE_S, room=post["json"]["bootstrap_room"])
 
 
 def _only(queue_runs, backend: str, name: str) -> dict:
@@ -224,12 +282,18 @@ def test_a_room_sent_again_after_success_is_byte_exact(queue_runs, backend):
 
 
 @pytest.mark.parametrize("backend", ["pdstate", "mooncake"])
-def test_rebootstrap_finds_the_prefill_http_port(queue_runs, backend):
+def test_rebootstrap_posts_the_recompute_to_the_prefill(queue_runs, backend):
     """SGLang's ``submit_prefill_recompute`` POSTs ``/generate`` where the prefill registered its
-    HTTP port: the same address with either backend (SGLang's own registration and lookup)."""
-    _, r = _feature(queue_runs, backend, "first_attempt")
-    url = r["decode"]["rebootstrap_url"]
-    assert url and url.startswith("http://127.0.0.1:"), r["decode"]
+    HTTP port (SGLang's own registration and lookup, with either backend): the room, the prompt and
+    the token already emitted, one new token."""
+    release, results = queue_runs
+    runs = results[(backend, "features")]
+    r, post = runs["first_attempt"], runs["rebootstrap_post"]
+    assert post is not None, r["decode"]
+    assert post["path"] == "/generate" and post["json"]["bootstrap_room"] == r["room"], post
+    assert len(post["json"]["input_ids"]) == r["tokens"] + 1  # the prompt and the token it emitted
+    assert post["json"]["sampling_params"]["max_new_tokens"] == 1
+    assert r["decode"]["rebootstrap_url"].startswith("http://127.0.0.1:"), r["decode"]
 
 
 @pytest.mark.parametrize("backend", ["pdstate", "mooncake"])

@@ -136,12 +136,14 @@ class QueuePair:
             "send_to_success_ms": pre.pop("ms", None), "elapsed_s": elapsed,
         }  # fmt: skip
 
-    def setup(self, case: Case, backend: str, env: dict | None = None, radix: bool = False) -> dict:
+    def setup(
+        self, case: Case, backend: str, env: dict | None = None, radix: bool = False, http_port: int | None = None
+    ) -> dict:
         """Both sides set up for ``case`` (``env``: SGLang settings both managers read, e.g.
         ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``); ``{"setup_s"}``, plus ``setup_error`` on failure."""
         port = free_port()
         t0 = time.perf_counter()
-        kw = dict(backend=backend, port=port, env=env or {}, radix=radix)
+        kw = dict(backend=backend, port=port, env=env or {}, radix=radix, http_port=http_port)
         p = self.prefill.call("setup", SETUP_S, role="prefill", side=case.prefill.to_json(), **kw)
         d = (
             self.decode.call("setup", SETUP_S, role="decode", side=case.decode.to_json(), **kw)

@@ -19,7 +19,9 @@ finished request is kept in it). Per request: the prefill's forward may take a w
 the decode may abort the request as the scheduler's ``abort_request`` does (``abort_after_s``, then
 polled until its pages are released: 0.5.23 defers that until the prefill acknowledged), wait before
 its byte check (``settle_s``), and keep its memory (``keep_memory``: a cached prefix stays). A room
-may be sent again (a retracted request's rebootstrap).
+may be sent again (a retracted request's rebootstrap); ``rebootstrap`` has the decode dispatch
+the prefill's recompute after the request landed, through SGLang's own ``submit_prefill_recompute``
+(``POST /generate`` to the HTTP port the prefill registered: ``setup``'s ``http_port``).
 """
 
 from __future__ import annotations
@@ -77,7 +79,15 @@ def _gloo_group():
 
 
 # -- both sides
-def setup(role: str, backend: str, side: dict, port: int, env: dict | None = None, radix: bool = False) -> dict:
+def setup(
+    role: str,
+    backend: str,
+    side: dict,
+    port: int,
+    env: dict | None = None,
+    radix: bool = False,
+    http_port: int | None = None,
+) -> dict:
     S.role, S.backend, S.port = role, backend, port
     for key in S.env_set:  # the previous case's SGLang settings go; this case's are read by its manager
         os.environ.pop(key, None)
@@ -94,6 +104,7 @@ def setup(role: str, backend: str, side: dict, port: int, env: dict | None = Non
         disaggregation_transfer_backend=backend, disaggregation_bootstrap_port=port, host=HOST,
         chunked_prefill_size=CHUNK_TOKENS, disable_radix_cache=not (radix and role == "decode"),
         **({"disaggregation_decode_enable_radix_cache": True} if radix and role == "decode" else {}),
+        **({"port": http_port} if http_port else {}),
     )  # fmt: skip
     boot.publish(args)
     group = _gloo_group()
@@ -199,6 +210,7 @@ def run_decode(
     abort_after_s: float | None = None,
     settle_s: float = 0.0,
     keep_memory: bool = False,
+    rebootstrap: bool = False,
 ) -> dict:
     """One request through the decode's queues. ``abort_after_s``: that long after its destination
     was named (``send_metadata``), the request is aborted as the scheduler's ``abort_request``
@@ -222,11 +234,12 @@ def run_decode(
     req = _request(room, tokens, DisaggregationMode.DECODE)
     sched.disagg_decode_prealloc_queue.add(req)
     outcome, failure, times = None, None, {}
-    aborted_at = failed_at = None
+    aborted_at = failed_at = last_receiver = None
     placed = False
     while True:
         sched.process_decode_queue()
         receiver = compat.receiver_of(sched, req)
+        last_receiver = receiver or last_receiver
         now = time.perf_counter()
         if "named_s" not in times and receiver is not None and getattr(receiver, "init_time", None) is not None:
             times["named_s"] = round(now - t0, 4)
@@ -241,6 +254,10 @@ def run_decode(
         if req in sched.waiting_queue:
             sched.waiting_queue.remove(req)
             outcome, failure = _outcome(req)
+            if rebootstrap:  # retracted: SGLang's own dispatch of the prefill's recompute (POST /generate)
+                mgr = sched.disagg_decode_prealloc_queue.kv_manager
+                times["rebootstrap_url"] = mgr._resolve_rebootstrap_prefill_url(last_receiver)
+                mgr.submit_prefill_recompute(last_receiver, req.build_rebootstrap_payload())
             break
         if req in sched.output_streamer.streamed and outcome is None:
             outcome, failure = _outcome(req)
