@@ -365,6 +365,24 @@ def case_prefix(h: Harness) -> dict:
     }
 
 
+def case_prefill_complete(h: Harness) -> dict:
+    """0.5.23's ``--disaggregation-decode-allocation-policy prefill_complete``: SGLang's own manager
+    refuses DSV4's state components at start, for every backend, with one line; the role switch
+    is refused by SGLang's own check from the class attribute."""
+    from sglang.srt.runtime_context import get_disagg, get_server_args
+
+    out = {"supports_role_switch": h.cls["MANAGER"].supports_role_switch}
+    if not NEW_API:
+        return {**out, "policy": None}
+    with get_disagg().override(disaggregation_decode_allocation_policy="prefill_complete"):
+        try:
+            mgr = h.cls["MANAGER"](h.decode["kv"], h.mode.DECODE, get_server_args(), True)
+        except Exception as exc:  # the point: the refusal at start
+            return {**out, "policy": "prefill_complete", "error": {"type": type(exc).__name__, "message": str(exc)}}
+    mgr.close()
+    return {**out, "policy": "prefill_complete", "error": None}
+
+
 def case_ok_unified(h: Harness) -> dict:
     """Unified-KV pools on both sides (the SWA ring components instead of SWA pages)."""
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
@@ -617,6 +635,7 @@ CASES = {
     "pp_refused": case_pp_refused,
     "ok_unified": case_ok_unified,
     "prefix": case_prefix,
+    "prefill_complete": case_prefill_complete,
     "decode_tp_wider": case_decode_tp_wider,
     "tp_dummy": case_tp_dummy,
     "ok": case_ok,

@@ -27,6 +27,7 @@ CASES = [
     "io_thread_ends",
     "cp_refused",
     "prefix",
+    "prefill_complete",
 ]
 ENV = {"PDSTATE_TRANSFER__ENGINE": "loopback", "SGLANG_HOST_IP": "127.0.0.1"}
 # KVPoll's values in SGLang 0.5.19 and 0.5.23 (sglang.srt.disaggregation.base.conn.KVPoll)
@@ -100,6 +101,19 @@ def test_a_decode_prefix_hit_moves_only_the_suffix_and_ends_as_a_full_transfer(r
     assert r["reset_bytes"] > 0  # the suffix's items were reset, so the second transfer wrote them again
     assert r["bytes_differing_from_full"] == 0
     assert 0 < r["bytes_prefix"] < r["bytes_full"], r  # counted: the prefix page and its SWA page did not move
+
+
+def test_what_sglang_refuses_at_start_stays_sglangs(sglang_release, results):
+    """0.5.23's prefill_complete allocation: SGLang's own manager refuses DSV4's state components at
+    start (one line, any backend); runtime role switch: SGLang's own check refuses it from the
+    manager's ``supports_role_switch``."""
+    r = results["prefill_complete"]
+    assert r["supports_role_switch"] is False
+    if sglang_release.new_api:
+        assert r["error"] == {
+            "type": "ValueError",
+            "message": "prefill_complete currently supports full-attention and DSA KV pools only",
+        }, r
 
 
 def test_unified_kv_pools_move_their_swa_rings_byte_exact(results):
