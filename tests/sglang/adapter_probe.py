@@ -485,6 +485,63 @@ def case_tp_dummy(h: Harness) -> dict:
             m.close()
 
 
+def case_prefill_dp(h: Harness) -> dict:
+    """A prefill with DP attention (two DP ranks of attention TP 1, one bootstrap server) feeding a
+    decode of DP 1: the room's prefill DP rank (here 1, as a router names it) picks the prefill
+    rank through SGLang's own ``/route``; only that rank's bytes land."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+    from sglang.srt.runtime_context import get_disagg, get_parallel, get_server_args
+
+    if not NEW_API:  # 0.5.19 reads the DP width from process globals set once per process here
+        return {"skipped": "0.5.19"}
+    port, room = _free_port(), 2101
+    ranks = [build_side(True, 0), build_side(True, 0)]
+    _context()
+    get_kv_class(TransferBackend("pdstate"), KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
+    managers = []
+    with get_disagg().override(disaggregation_bootstrap_port=port):
+        for r, side in enumerate(ranks):
+            side["kv"].system_dp_rank = r
+            # 0.5.23 validates the whole topology: DP 2 x attention TP 1 is a TP group of 2
+            dp = dict(attn_dp_size=2, attn_dp_rank=r, dp_size=2, dp_rank=r, tp_size=2, tp_rank=r, moe_tp_size=2)
+            with get_parallel().override(**dp):
+                managers.append(h.cls["MANAGER"](side["kv"], h.mode.PREFILL, get_server_args(), True))
+    dm = h.cls["MANAGER"](h.decode["kv"], h.mode.DECODE, get_server_args(), True)
+    addr = f"127.0.0.1:{port}"
+    try:
+        for seed, side in enumerate(ranks, start=21):
+            fill(side, seed=seed)
+        fill(h.decode, seed=None)
+        sender = new_sender(h.cls["SENDER"], managers[1], addr, room)
+        recv = h.cls["RECEIVER"](mgr=dm, bootstrap_addr=addr, bootstrap_room=room)
+        _wait(lambda: dm.try_ensure_parallel_info(addr) or None, "prefill parallel info")
+        recv.init(1)
+        trace = {
+            "agents": [m.agent_port for m in managers],
+            "routed": [int(i["rank_port"]) for i in recv.bootstrap_infos],
+        }
+        trace["receiver_bootstrapped"] = int(
+            _wait(lambda: p if (p := recv.poll()) != KVPoll.Bootstrapping else None, "decode bootstrap")
+        )
+        dst, src = h.decode, ranks[1]
+        recv.send_metadata(dst["pages"].astype(np.int32), dst["aux"], [x.astype(np.int32) for x in dst["state"]], 0)
+        _wait(lambda: sender.poll() == KVPoll.WaitingForInput or None, "prefill bootstrap")
+        sender.init(len(src["pages"]), src["aux"])
+        sender.send(src["pages"][:1].astype(np.int32), None)
+        sender.send(src["pages"][1:].astype(np.int32), [x.astype(np.int32) for x in src["state"]])
+        done = (KVPoll.Success, KVPoll.Failed)
+        trace["sender"] = int(_wait(lambda: p if (p := sender.poll()) in done else None, "prefill end"))
+        trace["receiver"] = int(_wait(lambda: p if (p := recv.poll()) in done else None, "decode end"))
+        trace["receiver_error"] = _exc(recv)
+        want, got = expected(src, dst), landed(dst)
+        trace["bytes_differing"] = int(sum(int((w != g).sum()) for w, g in zip(want, got)))
+        return trace
+    finally:
+        for m in (dm, *managers):
+            m.close()
+
+
 def case_decode_tp_wider(h: Harness) -> dict:
     """A decode of attention TP 2 facing the prefill of TP 1: refused, with the reason, at once."""
     from sglang.srt.disaggregation.base.conn import KVPoll
@@ -636,6 +693,7 @@ CASES = {
     "ok_unified": case_ok_unified,
     "prefix": case_prefix,
     "prefill_complete": case_prefill_complete,
+    "prefill_dp": case_prefill_dp,
     "decode_tp_wider": case_decode_tp_wider,
     "tp_dummy": case_tp_dummy,
     "ok": case_ok,

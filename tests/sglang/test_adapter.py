@@ -28,6 +28,7 @@ CASES = [
     "cp_refused",
     "prefix",
     "prefill_complete",
+    "prefill_dp",
 ]
 ENV = {"PDSTATE_TRANSFER__ENGINE": "loopback", "SGLANG_HOST_IP": "127.0.0.1"}
 # KVPoll's values in SGLang 0.5.19 and 0.5.23 (sglang.srt.disaggregation.base.conn.KVPoll)
@@ -114,6 +115,17 @@ def test_what_sglang_refuses_at_start_stays_sglangs(sglang_release, results):
             "type": "ValueError",
             "message": "prefill_complete currently supports full-attention and DSA KV pools only",
         }, r
+
+
+def test_a_prefill_with_dp_attention_serves_the_room_from_its_dp_rank(sglang_release, results):
+    """Two prefill DP ranks behind one bootstrap server: the room's prefill DP rank (as a router
+    names it) picks the rank through SGLang's own ``/route``; that rank's bytes land, byte-exact."""
+    r = results["prefill_dp"]
+    if not sglang_release.new_api:
+        pytest.skip("0.5.19 reads the DP width from process globals this one-process probe sets once")
+    assert r["routed"] == [r["agents"][1]], r
+    assert (r["sender"], r["receiver"]) == (SUCCESS, SUCCESS), r
+    assert r["bytes_differing"] == 0
 
 
 def test_unified_kv_pools_move_their_swa_rings_byte_exact(results):
