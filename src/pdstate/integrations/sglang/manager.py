@@ -13,10 +13,13 @@ attributes say so). What differs:
 * decode: a ``DecodeAgent``; a receiver resolves the prefill rank's ``rank_ip:rank_port`` from that
   server and its agent connects there and shakes hands (layout reports, upstream's refusals);
 * the topologies the agents cannot serve are refused per prefill, with the reason, on every
-  request aimed at it: pipeline-parallel sizes that differ, and a decode attention-TP wider than
-  the prefill's (one prefill rank would feed several decode ranks the same room).
-  A prefill attention-TP wider than the decode's works as SGLang maps it for MLA-like KV: one
-  prefill rank sends, the others complete as dummies.
+  request aimed at it (known only once that prefill's parallel info is read): pipeline-parallel
+  sizes that differ, and a decode attention-TP wider than the prefill's (one prefill rank would
+  feed several decode ranks the same room). A prefill attention-TP wider than the decode's works
+  as SGLang maps it for MLA-like KV: one prefill rank sends, the others complete as dummies; a
+  prefill with DP attention serves each room from the DP rank SGLang routes it to;
+* SGLang's waiting and bootstrap timeouts decide (its checks and texts, in the receiver and the
+  sender); the agents' own are backstops ``BACKSTOP_S`` past them.
 """
 
 from __future__ import annotations

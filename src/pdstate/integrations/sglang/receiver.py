@@ -16,6 +16,16 @@ destination; only device memory is taken.
 A refused handshake (a layout factor differs) fails the request at once with the prefill's error
 (upstream's class and text) before any byte moves; the agent tells that prefill, whose sender of
 the room fails with the same error.
+
+SGLang's request lifecycle, as its own receivers do it: its waiting timeout
+(``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``, from ``send_metadata`` on) fails the request with its
+text; an abort ("Aborted by AbortReq."), the timeout and 0.5.23's notification after any failure all
+go through ``_send_abort_notification``, where the agent's abort fences the writes and, for 0.5.23's
+deferred decode KV release, every prefill rank's acknowledgement is recorded the moment the fence
+holds (the pages go back at the queue's next poll). ``failure_exception`` clears the room's status
+and failure record as SGLang's does, so the room can be sent again (a retracted request's
+rebootstrap). With ``decode_prefix_len`` (0.5.23's decode radix cache) SGLang names only the pages
+past the prefix; the prefill's sender moves just those.
 """
 
 from __future__ import annotations
