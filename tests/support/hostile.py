@@ -127,17 +127,27 @@ class RawDecode:
             answer = dealer.ask(self.register({**ep, **self.proof(ep, answer.nonce, steal)}, **kw))
         return answer
 
-    def request(self, room: int, seq_len: int) -> wire.TransferRequest:
-        """A valid request for ``seq_len`` tokens into this decode's own free pages."""
+    def request(self, room: int, seq_len: int) -> wire.AgentRequest:
+        """A valid request for ``seq_len`` tokens into this decode's own free pages (a prefill
+        that computes on demand, ``pdstate serve``'s, needs the token count; no digests)."""
         a = rq.allocate(self.pools, rq.channel_names(self.kv_args), seq_len)
         rq.free(self.pools, a)
-        return wire.TransferRequest(
+        return wire.AgentRequest(
             room=room,
             seq_len=seq_len,
             dst_kv_pages=wire.PackedIndices.pack(a.lists[0]),
             dst_state_indices=[wire.PackedIndices.pack(x) for x in a.lists[1:]],
             deadline_s=5,
+            digest=False,
         )
+
+    @staticmethod
+    def settle(dealer: RawDealer, reply: wire.Message) -> wire.Message:
+        """Send the verdict a decode agent sends for ``reply`` (a ``TransferDone``), so the prefill
+        frees the request's pages; returns ``reply``."""
+        if isinstance(reply, wire.TransferDone) and reply.status == "success":
+            dealer.send(wire.AgentVerdict(room=reply.room, status="success"))
+        return reply
 
     def own_paths(self) -> list[str]:
         return sorted({str(r["path"]) for r in self.endpoint["regions"]})
@@ -279,12 +289,13 @@ def claim(address: str, theirs: wire.Register, try_read: bool) -> dict:
         if isinstance(answer, wire.Reject):
             out["error"] = answer.error.model_dump()
         n = len(theirs.kv.components) if theirs.kv is not None else 0
-        request = wire.TransferRequest(
+        request = wire.AgentRequest(
             room=1,
             seq_len=256,
             dst_kv_pages=wire.PackedIndices.pack([1]),
             dst_state_indices=[wire.PackedIndices.pack([1])] * n,
             deadline_s=5,
+            digest=False,
         )
         then = dealer.ask(request)
         out["request"] = then.error.model_dump() if isinstance(then, wire.Error) else then.KIND

@@ -159,7 +159,7 @@ class AgentPrefillWorker(AgentWorker):
                 sender.abort(f"prefill: no verdict within {self.opts.request_deadline_s:g} s")
             error = sender.failure_exception()
         except Exception as exc:  # AgentClosed at shutdown, a refused chunk, a timed-out fence
-            error = exc
+            error = AgentClosed(SHUTTING_DOWN) if isinstance(exc, AgentClosed) and self._draining.is_set() else exc
         if sender is None or sender.state.terminal:
             self.page_pool.free(alloc)  # terminal: fenced, nothing reads these pages any more
         else:  # pragma: no cover - a wedged engine: keep the pages out of use rather than reuse them
