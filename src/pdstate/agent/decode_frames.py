@@ -3,11 +3,13 @@ goodbyes, ``TransferDone`` (the landed bytes' digest compared before the verdict
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
 import zmq
 
+from pdstate import logs
 from pdstate.agent.digest import RequestDigest
 from pdstate.agent.receiver import _Prefill, _Recv
 from pdstate.errors import DigestMismatch, PdStateError, PeerGone, TransferAborted, error_from_wire
@@ -16,6 +18,8 @@ from pdstate.protocol.lifecycle import PeerState, RequestState, move
 from pdstate.protocol.report import ErrorInfo
 
 __all__ = ["DecodeFrames"]
+
+log = logging.getLogger("pdstate.agent")
 
 _S = RequestState
 
@@ -75,6 +79,7 @@ class DecodeFrames:
         except (PdStateError, RuntimeError, ValueError) as exc:
             err = exc if isinstance(exc, PdStateError) else error_from_wire(type(exc).__name__, str(exc))
             self.handshakes["rejected"] += 1
+            logs.refusal(log, what="handshake", peer=p.address, error_type=type(err).__name__, message=str(err))
             self._fail_prefill(p, err, PeerState.REJECTED)
             return
         self.handshakes["accepted"] += 1
@@ -86,6 +91,7 @@ class DecodeFrames:
         p.fingerprint = accept.report.fingerprint
         p.last_seen = time.monotonic()
         p.handshake_s = round(p.last_seen - p.registered_at, 6)
+        logs.handshake(log, peer=p.address, fingerprint=p.fingerprint, seconds=p.handshake_s)
         for recv in list(self._live(p.address)):
             if recv.record.state is _S.BOOTSTRAPPING:
                 recv.record.move(_S.WAITING_FOR_INPUT)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections import OrderedDict
@@ -9,6 +10,7 @@ from collections.abc import Callable
 
 import zmq
 
+from pdstate import logs
 from pdstate.agent.admission import bind_router, gatekeep
 from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.digest import RequestDigest
@@ -32,6 +34,8 @@ from pdstate.protocol.report import ErrorInfo
 from pdstate.transfer.engines.base import TransferEngine, create_engine
 from pdstate.transfer.engines.shm_owner import challenge_unknown, challenge_unknown_error
 from pdstate.transfer.planner import PairPlanner
+
+log = logging.getLogger("pdstate.agent")
 
 __all__ = ["KVSender", "PrefillAgent"]
 
@@ -316,6 +320,8 @@ class PrefillAgent(CopyPipeline, Refusals):
 
     def _log_peer(self, msg: wire.Register, state: str, error: ErrorInfo | None) -> None:
         self.handshakes[state] += 1
+        if error is not None:  # an accepted one is logged by the decode, which times its round trip
+            logs.refusal(log, what="handshake", peer=msg.worker_id, error_type=error.type, message=error.message)
         self._peer_log.pop(msg.worker_id, None)
         self._peer_log[msg.worker_id] = {
             "id": msg.worker_id,
