@@ -6,9 +6,10 @@ waits for its pages (up to the request's deadline), asks the prefill through a `
 (``seq_len`` included: the prefill computes on demand), waits for the verdict (the agent compares
 the digests of the bytes sent and landed), then checks what landed against the room's synthetic
 content (``checks.verify``: ``full`` or ``sample``) and frees the pages. A prefill that answers
-``PrefillBusy`` is asked again, backing off, until the deadline. A request past its deadline is
-aborted; the abort is fenced (the prefill confirms nothing more of it lands) before its pages are
-freed. A prefill that is gone (goodbye, missed heartbeats) fails its requests at once; the pages
+``PrefillBusy`` is asked again once one of this decode's requests ended (a slot it held is free)
+or, at the latest, after a backoff, until the deadline: no request thread sleeps through it. A
+request past its deadline is aborted; the abort is fenced (the prefill confirms nothing more of
+it lands) before its pages are freed; one the prefill never confirms fails with ``AgentTimeout``. A prefill that is gone (goodbye, missed heartbeats) fails its requests at once; the pages
 are freed then (a gone prefill writes no more: it fenced before its goodbye, or it is dead or
 frozen, and a frozen one that wakes has lost this decode's registration first). An abort the
 prefill never confirms (this decode was frozen past the prefill's timeout, which forgot it) keeps
@@ -30,6 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from pdstate.errors import (
     AgentClosed,
+    AgentTimeout,
     PdStateError,
     PrefillBusy,
     RoomInFlight,
@@ -68,6 +70,8 @@ class AgentDecodeWorker(AgentWorker):
         )
         self._futures: dict[int, Future] = {}  # room -> its future, until it completes
         self._quarantine: list[tuple[str, float, object]] = []  # (prefill, since, allocation), under _lock
+        self._ended = threading.Condition()  # notified when a request ends (``_ends`` counts them)
+        self._ends = 0
 
     def start(self) -> AgentDecodeWorker:
         """Raises ``LocalCheckFailed`` (own pair refused, with ``local_checks``) or ``EngineError``;
@@ -89,6 +93,8 @@ class AgentDecodeWorker(AgentWorker):
     def stop(self) -> None:
         """Fail the requests in flight (``decode shutting down``) and release everything. Idempotent."""
         self._stop.set()
+        with self._ended:  # a request waiting out a busy prefill ends now
+            self._ended.notify_all()
         self.close_side()
 
     def close_side(self) -> None:
@@ -221,7 +227,11 @@ class AgentDecodeWorker(AgentWorker):
             self._refuse_if_down(prefill, known)
             # a prefill gone while this request waited for pages fails it in ``receiver`` (redial_gone=False)
             alloc = self.page_pool.allocate(self.names, seq_len, wait_s=deadline_s)
-            recv, fenced = self._ask(room, seq_len, prefill, alloc, end)
+            try:
+                recv = self._ask(room, seq_len, prefill, alloc, end)
+            except AgentTimeout:  # the abort was not confirmed: the pages wait for the prefill's fence
+                fenced = False
+                raise
             m = recv.metrics
             res.bytes, res.descriptors = int(m.get("bytes", 0)), int(m.get("descriptors", 0))
             res.transfer_s, res.copy_s = float(m.get("transfer_s", 0.0)), float(m.get("copy_s", 0.0))
@@ -267,8 +277,9 @@ class AgentDecodeWorker(AgentWorker):
 
     def _ask(self, room, seq_len, prefill, alloc, end: float):
         """Receive ``room`` into ``alloc``, asking a busy prefill again until ``end``. Returns
-        the terminal receiver and whether nothing of it can land any more (fenced); raises
-        ``TransferFailed`` at the deadline (after the abort's fence)."""
+        the terminal receiver (nothing of it can land any more); raises ``TransferFailed`` at the
+        deadline (after the abort's fence), ``AgentTimeout`` when the prefill never confirmed
+        the abort."""
         backoff = BUSY_BACKOFF_S[0]
         while True:
             recv = self.agent.receiver(prefill, room, redial_gone=False)  # the watcher redials
@@ -280,17 +291,30 @@ class AgentDecodeWorker(AgentWorker):
                     why = f"deadline exceeded: no handshake answer from the prefill at {prefill}"
                 try:
                     recv.abort("deadline exceeded on decode", timeout_s=self.opts.peer_timeout_s + 5)
-                except TransferTimedOut:
-                    return recv, False
+                except TransferTimedOut:  # the pages wait for the prefill's fence (quarantine)
+                    raise AgentTimeout(
+                        f"{why}; the prefill at {prefill} did not confirm the abort within "
+                        f"{self.opts.peer_timeout_s + 5:g} s"
+                    ) from None
                 if recv.state is RequestState.SUCCESS:  # the verdict came first
-                    return recv, True
+                    return recv
                 raise TransferFailed(why)  # fenced: the pages are free to reuse
             if isinstance(recv.failure_exception(), PrefillBusy) and time.monotonic() + backoff < end:
                 self.stats.busy()
-                time.sleep(backoff)
+                self._await_an_end(backoff)
+                if self._stop.is_set():
+                    raise AgentClosed(SHUTTING_DOWN)
                 backoff = min(BUSY_BACKOFF_S[1], backoff * 2)
                 continue
-            return recv, True
+            return recv
+
+    def _await_an_end(self, longest_s: float) -> None:
+        """Wait, after a ``PrefillBusy``, until one of this decode's requests ends (a prefill slot it
+        held is free again), this decode stops, or ``longest_s`` passed (slots other decodes free
+        send no word here)."""
+        with self._ended:
+            seen = self._ends
+            self._ended.wait_for(lambda: self._ends != seen or self._stop.is_set(), longest_s)
 
     def _check(self, room: int, lists, verify: str) -> str | None:
         if verify == "sample":
@@ -311,6 +335,9 @@ class AgentDecodeWorker(AgentWorker):
         self._leave(status.room, res)
         with self._lock:
             self._futures.pop(status.room, None)
+        with self._ended:
+            self._ends += 1
+            self._ended.notify_all()
         settle(fut, res)
 
 
