@@ -332,6 +332,11 @@ class SGLangArgsError(ConfigError):
     """An SGLang launch string (or its source) cannot be read or does not describe a DSV4 server."""
 
 
+class SGLangArgsParseError(SGLangArgsError):
+    """What SGLang's own argument parser would stop a launch with (``sglang serve: error: ...``);
+    ``pdstate check --sglang`` reports it as a launch error of that side."""
+
+
 class DocumentValueError(PdStateError, ValueError):
     """A posted document holds a value no worker reports (the message never quotes it)."""
 

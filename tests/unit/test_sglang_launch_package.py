@@ -8,7 +8,20 @@ import sys
 
 from tests.support.paths import REPO
 
-MODULES = ("argtable", "command", "prediction", "comparison", "backend", "recipe")
+MODULES = (
+    "argtable",
+    "command",
+    "coverage",
+    "model",
+    "side",
+    "rules",
+    "prediction",
+    "knobs",
+    "consequences",
+    "comparison",
+    "backend",
+    "recipe",
+)
 
 
 def _run(code: str) -> subprocess.CompletedProcess:

@@ -124,7 +124,7 @@ def check_sglang(
             predict("prefill", prefill, p_cfg, timeout_s, release=p_rel),
             predict("decode", decode, d_cfg, timeout_s, release=d_rel),
         )
-    from pdstate.integrations.sglang.launch.command import FLASH, builtin_flash_config
+    from pdstate.integrations.sglang.launch.model import FLASH, builtin_flash_config
 
     flash = builtin_flash_config()
     layouts = {FLASH: flash["compress_ratios"][: flash["num_hidden_layers"]], **preset_layouts()}

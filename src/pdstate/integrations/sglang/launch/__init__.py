@@ -8,13 +8,15 @@ imports it with both blocked). The pool model is imported only when a side is co
   (extracted from each release's ``ServerArgs`` by ``pdstate.devtools.sglang_args``);
 - ``command``: reading one launch (``VAR=value`` tokens, scripts with ``export`` lines, ``sglang
   serve`` / ``python -m sglang.launch_server`` and wrappers, ``@path``, SGLang's ``--config`` YAML,
-  a running server's ``/get_server_info``) and which settings are modelled, layout-neutral or not
-  modelled; ``recipe``: both launches from one srt-slurm / Dynamo recipe YAML;
-- ``prediction``: ``predict(role, launch)`` -> ``SGLangSide``, what a release (0.5.19 or 0.5.23)
-  resolves the arguments to, and ``SGLangSide.pool_settings()`` for pdstate's own pool model;
+  a running server's ``/get_server_info``); ``coverage``: which settings are modelled, layout-neutral
+  or not modelled; ``model``: the model served and its ``config.json``; ``recipe``: both launches
+  from one srt-slurm / Dynamo recipe YAML;
+- ``prediction``: ``predict(role, launch)`` -> ``SGLangSide`` (``side``), what a release (0.5.19 or
+  0.5.23) resolves the arguments to (its rules: ``rules``), and ``SGLangSide.pool_settings()`` for
+  pdstate's own pool model;
 - ``comparison``: ``compare(prefill, decode)`` runs the handshake's checks on the two predicted
   layouts and ``render`` explains each differing factor: both values, what SGLang's own backend
-  does at run time, and the flag to change on which side;
+  does at run time (``consequences``), and the flag to change on which side (``knobs``);
 - ``backend``: what pdstate's own SGLang backend refuses (context parallelism, pipeline sizes that
   differ, a decode attention TP wider than the prefill's), in its words.
 """

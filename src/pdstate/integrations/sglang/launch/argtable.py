@@ -20,11 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdstate.errors import SGLangArgsParseError
+
 DATA_DIR = Path(__file__).resolve().parent
-
-
-class ParseError(Exception):
-    """What SGLang's parser would stop with (``sglang serve: error: ...``)."""
 
 
 @dataclass
@@ -85,7 +83,7 @@ def _typed(name: str | None):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's hook: raise instead of exiting
-        raise ParseError(f"{self.prog}: error: {message}")
+        raise SGLangArgsParseError(f"{self.prog}: error: {message}")
 
 
 def _record(namespace, action: argparse.Action, option_string: str | None, values) -> None:
@@ -214,7 +212,7 @@ def parse(argv: list[str], release: str) -> Parsed:
     out = Parsed()
     try:
         ns, extras = parser(release).parse_known_args(list(argv))
-    except ParseError as exc:
+    except SGLangArgsParseError as exc:
         out.error = str(exc)
         return out
     seen = ns.__dict__.pop("_pdstate_seen", [])

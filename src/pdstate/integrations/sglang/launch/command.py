@@ -1,8 +1,8 @@
 """Reading one SGLang launch: the arguments as operators write them (``VAR=value`` tokens, a
-launcher, ``--flags``), ``@path`` files, a running server's ``/get_server_info``; and the tables of
-what ``pdstate check --sglang`` models, ignores as layout-neutral, or lists as not modelled.
-The model's ``config.json`` (``read_model_config``, ``apply_model_config``) is read here too. The
-prediction over what is read is ``prediction``."""
+launcher, ``--flags``), ``@path`` files, a running server's ``/get_server_info``, SGLang's
+``--config`` YAML merged, and SGLang's own parser over the result (``parse_argv``). What is modelled
+of what is read is ``coverage``; the model's ``config.json`` is ``model``; the prediction over it
+all is ``prediction``."""
 
 from __future__ import annotations
 
@@ -13,131 +13,15 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any  # noqa: F401
 
 from pdstate.errors import SGLangArgsError
 
-ARCH = "DeepseekV4ForCausalLM"
-FLASH = "DeepSeek-V4-Flash"
-SPEC_DEFAULTS = (3, 1, 4)  # SGLang's auto-chosen (steps, topk, draft tokens) for DeepSeek models
-
-PRO = "DeepSeek-V4-Pro"
 NEWEST = "0.5.23"  # the newest SGLang release pdstate models (``prediction.SUPPORTED_RELEASES[-1]``)
-
-# ServerArgs fields the prediction reads (SGLang's ``dest`` names; its parser gives the flags).
-MODELLED = frozenset(
-    """model_path page_size kv_cache_dtype speculative_algorithm speculative_num_steps speculative_eagle_topk
-    speculative_num_draft_tokens speculative_draft_model_path speculative_draft_kv_cache_dtype disaggregation_mode
-    disaggregation_transfer_backend tp_size dp_size enable_dp_attention attn_dp_size pp_size attn_cp_size dcp_size
-    json_model_override_args device attention_backend enable_hisparse enable_deepseek_v4_fp4_indexer enable_prefill_cp
-    disaggregation_decode_enable_radix_cache config""".split()
-)
-# Layout-neutral fields that SGLang's start-time rules read (counted as neutral, passed to the rules).
-RULE_INPUTS = frozenset({"enable_dp_lm_head"})
-# Fields whose names say they may touch the DSV4 state layout: listed as "not modelled" when given,
-# unless NEUTRAL below says otherwise. Every other field SGLang knows sizes pools, picks kernels,
-# serves HTTP or logs: counted as layout-neutral.
-_LAYOUT_HINT = re.compile(
-    r"kv_cache|kv_layout|dsv4|dsa_|nsa_|hisparse|c128|compress|indexer|swa|draft|eagle|dspark|speculative|"
-    r"page_major|kv_canary|linker|sharding|prefill_cp|context_parallel|cp_strategy|cp_mode|revision|kv_layer"
-)
-NEUTRAL = frozenset(
-    """swa_full_tokens_ratio speculative_accept_threshold_acc speculative_accept_threshold_single
-    speculative_moe_a2a_backend speculative_moe_runner_backend speculative_draft_load_format
-    speculative_draft_model_quantization speculative_attention_mode speculative_skip_dp_mlp_sync
-    speculative_use_rejection_sampling speculative_adaptive speculative_adaptive_config
-    speculative_enable_w4a4_mxfp4_megamoe speculative_draft_attention_backend speculative_dsa_topk_backend
-    enable_draft_weights_cpu_backup kv_canary_sweep_interval kv_canary_real_data disable_hybrid_swa_memory
-    dsv4_prefill_backend enable_decoder_swa_bounded_replay enable_encoder_swa_bounded_replay""".split()
-)
-# Environment variables the prediction reads.
-MODELLED_ENV = (
-    "SGLANG_OPT_USE_ONLINE_COMPRESS",
-    "SGLANG_EXPERIMENTAL_ONLINE_C128_MTP",
-    "SGLANG_DSV4_COMPRESS_STATE_DTYPE",
-    "SGLANG_HACK_FLASHMLA_BACKEND",
-)
-# Variables SGLang reads that do not touch the layout: transport, timeouts, logging, kernels, MoE,
-# scheduling. Anything not SGLang's (no SGLANG_/SGL_ prefix) is not read by SGLang for the layout.
-NEUTRAL_ENV_PREFIXES = (
-    "SGLANG_DISAGGREGATION_",
-    "SGLANG_LOG",
-    "SGLANG_TORCH_PROFILER",
-    "SGLANG_PROFILE",
-    "SGLANG_DUMPER",
-    "SGLANG_EXPERT_DISTRIBUTION",
-    "SGLANG_MOONCAKE_",
-    "SGLANG_DEEPEP_",
-    "SGLANG_FLASHINFER_",
-    "SGLANG_JIT_DEEPGEMM",
-    "SGLANG_ENABLE_JIT_DEEPGEMM",
-    "SGLANG_MOE_",
-    "SGLANG_NCCL",
-    "SGLANG_OPT_SWA_",  # radix-tree eviction of SWA pages: which pages live, not how they are laid out
-    "SGL_DG_",
-    "SGL_JIT_",
-    "SGL_ENABLE_JIT_DEEPGEMM",
-)
-NEUTRAL_ENV = frozenset(
-    """SGLANG_HOST_IP SGLANG_LOCAL_IP_NIC SGLANG_PORT SGLANG_USE_MESSAGE_QUEUE_BROADCASTER SGLANG_SET_CPU_AFFINITY
-    SGLANG_REQUEST_STATE_WAIT_TIMEOUT SGLANG_DEFAULT_THINKING SGLANG_DSV4_REASONING_EFFORT
-    SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION SGLANG_RADIX_FORCE_MISS SGLANG_HACK_SEQ_BOOTSTRAP_ROOM
-    SGLANG_NVFP4_CKPT_FP8_GEMM_IN_ATTN SGLANG_PER_TOKEN_GROUP_QUANT_8BIT_V2 SGLANG_ENABLE_SPEC_V2
-    SGLANG_ENABLE_OVERLAP_PLAN_STREAM SGLANG_PLUGINS SGLANG_WATCHDOG_TIMEOUT
-    SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK""".split()
-)
-# Keys of --json-model-override-args / config.json the prediction reads.
-CONFIG_KEYS = (
-    "compress_ratios",
-    "num_hidden_layers",
-    "sliding_window",
-    "head_dim",
-    "qk_rope_head_dim",
-    "index_head_dim",
-)
-
-_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
-
-
-def field_kind(dest: str) -> str:
-    """``"modelled"``, ``"neutral"`` or ``"not modelled"`` for one of SGLang's ServerArgs fields."""
-    if dest in MODELLED:
-        return "modelled"
-    if dest in NEUTRAL or not _LAYOUT_HINT.search(dest):
-        return "neutral"
-    return "not modelled"
-
-
-def env_kind(name: str) -> str:
-    """``"modelled"``, ``"neutral"`` or ``"not modelled"`` for one environment variable."""
-    if name in MODELLED_ENV:
-        return "modelled"
-    if not name.startswith(("SGLANG_", "SGL_")) or name in NEUTRAL_ENV or name.startswith(NEUTRAL_ENV_PREFIXES):
-        return "neutral"
-    return "not modelled"
-
-
-def builtin_flash_config() -> dict:
-    """DeepSeek-V4-Flash's ``config.json`` fields that shape the state (pdstate's ``dsv4-flash``)."""
-    from pdstate.pools.presets import DSV4_FLASH_RATIOS
-
-    return {
-        "architectures": [ARCH],
-        "num_hidden_layers": 43,
-        "num_nextn_predict_layers": 1,
-        "compress_ratios": list(DSV4_FLASH_RATIOS),
-        "sliding_window": 128,
-        "head_dim": 512,
-        "qk_rope_head_dim": 64,
-        "index_head_dim": 128,
-    }
-
-
-# --- reading the source ---------------------------------------------------------------------------
 
 # Modules that run SGLang's server on SGLang's own arguments (``python -m MODULE ARGS``).
 ENTRY_MODULES = ("sglang.launch_server", "pdstate.integrations.sglang.launch_server", "dynamo.sglang")
 _SHELL_STOP = ("|", "||", "&&", ";", "&")
+_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _VAR_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
 
@@ -271,7 +155,7 @@ def fetch_server_info(url: str, timeout_s: float = 5.0) -> dict:
     raise SGLangArgsError(f"{base}: neither /get_server_info nor /server_info answered")  # pragma: no cover
 
 
-def _yaml():
+def yaml_module():
     try:
         import yaml
     except ImportError:  # pragma: no cover (a dependency)
@@ -337,7 +221,7 @@ def merge_config(argv: list[str], release: str, base_dir: Path | None) -> tuple[
     if not path.is_absolute() and not path.exists() and base_dir is not None and (base_dir / path).exists():
         path = base_dir / path
     try:
-        data = _yaml().safe_load(path.read_text())
+        data = yaml_module().safe_load(path.read_text())
     except OSError as exc:
         raise SGLangArgsError(f"--config {name}: {exc.strerror or exc}") from None
     except Exception as exc:  # yaml's errors
@@ -384,118 +268,3 @@ def parse_argv(argv: list[str], release: str = NEWEST):
         del argv[k:end]
     parsed = argtable.Parsed(error="; ".join(errors))
     return parsed
-
-
-def _int(values: dict, fld: str, default: int | None) -> int | None:
-    v = values.get(fld, default)
-    if v is None or isinstance(v, int):
-        return v
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        raise SGLangArgsError(f"--{fld.replace('_', '-')}: expected an integer, got {v!r}") from None
-
-
-def _bool_env(env: dict[str, str], name: str) -> bool:
-    v = env.get(name)
-    if v is None:
-        return False
-    if v.lower() in ("true", "1", "yes", "y"):
-        return True
-    if v.lower() in ("false", "0", "no", "n"):
-        return False
-    raise SGLangArgsError(f'{name}={v}: "{v}" is not a valid boolean value (SGLang reads true/1/yes/y or false/0/no/n)')
-
-
-_FLASH_NAME = re.compile(r"(deepseek[-_ ]?v4|dsv4)[-_. ]?flash", re.I)
-_PRO_NAME = re.compile(r"(deepseek[-_ ]?v4|dsv4)[-_. ]?pro", re.I)
-_OTHER_NAME = re.compile(
-    r"deepseek[-_ ]?(v2|v3|r1|coder|vl|math|moe|llm|prover|ocr)|qwen|llama|mistral|mixtral|glm|kimi|gemma|gpt|"
-    r"phi-?\d|minimax|nemotron|mimo|granite|olmo",
-    re.I,
-)
-
-
-def not_dsv4(what: str) -> str:
-    """The one line for a model that is not DeepSeek-V4."""
-    return (
-        f"{what} is not a DeepSeek-V4 model: pdstate models DeepSeek-V4 state ({ARCH}); it does not check "
-        "other architectures' KV layouts (SGLang's own bootstrap still compares page size and KV dtype)"
-    )
-
-
-def model_family(name: str | None) -> str | None:
-    """``"flash"``, ``"pro"`` or ``"other"`` from a model path or served name, ``None`` when unknown."""
-    if not name:
-        return None
-    if _FLASH_NAME.search(name):
-        return "flash"
-    if _PRO_NAME.search(name):
-        return "pro"
-    if _OTHER_NAME.search(name):
-        return "other"
-    return None
-
-
-def read_model_config(model_path: str | None, model_config: str | None) -> tuple[dict, str]:
-    """The model's ``config.json`` fields and where they came from: ``--model-config``, the
-    checkpoint directory's ``config.json``, else DeepSeek-V4-Flash's built-in layout when the name
-    says Flash (the FP8, NVFP4 and dated checkpoints too)."""
-    if model_config:
-        path = Path(model_config)
-        try:
-            cfg = json.loads(path.read_text())
-        except OSError as exc:
-            raise SGLangArgsError(f"--model-config {model_config}: {exc.strerror or exc}") from None
-        except ValueError as exc:
-            raise SGLangArgsError(f"--model-config {model_config}: not JSON: {exc}") from None
-        return cfg, f"config {model_config}"
-    if model_path and (Path(model_path) / "config.json").is_file():
-        path = Path(model_path) / "config.json"
-        try:
-            return json.loads(path.read_text()), f"config {path}"
-        except ValueError as exc:
-            raise SGLangArgsError(f"{path}: not JSON: {exc}") from None
-    family = model_family(model_path)
-    if model_path is None:
-        return builtin_flash_config(), f"built-in {FLASH} layout"
-    if family == "flash":
-        named = "" if Path(model_path).name == FLASH else f", recognised from {Path(model_path).name!r}"
-        return builtin_flash_config(), f"built-in {FLASH} layout{named}"
-    if family == "pro":
-        raise SGLangArgsError(
-            f"model {model_path!r} is {PRO}: its published config.json is not built into pdstate; give it with "
-            "--model-config PATH (or --model-path to the checkpoint directory)"
-        )
-    if family == "other":
-        raise SGLangArgsError(not_dsv4(f"model {model_path!r}"))
-    raise SGLangArgsError(
-        f"cannot tell the layer layout of model {model_path!r}: give its config.json with --model-config PATH "
-        f"(built in: {FLASH} and its FP8/NVFP4 checkpoints)"
-    )
-
-
-def apply_model_config(side_kw: dict, cfg: dict, source: str, overrides: dict, override_flag: str) -> list[str]:
-    """Fill the layout fields from ``cfg`` then ``overrides``; returns the override keys not modelled."""
-    archs = cfg.get("architectures") or []
-    if archs and archs[0] != ARCH:
-        raise SGLangArgsError(not_dsv4(f"{source}: architecture {archs[0]}"))
-    merged = {**cfg, **overrides}
-    missing = [k for k in ("compress_ratios", "num_hidden_layers", "sliding_window") if k not in merged]
-    if missing:
-        raise SGLangArgsError(f"{source}: missing {', '.join(missing)}")
-    ratios = merged["compress_ratios"]
-    if not isinstance(ratios, list) or not all(isinstance(r, int) for r in ratios):
-        raise SGLangArgsError(f"{source}: compress_ratios must be a list of integers")
-    side_kw.update(
-        compress_ratios=list(ratios),
-        num_hidden_layers=int(merged["num_hidden_layers"]),
-        sliding_window=int(merged["sliding_window"]),
-        head_dim=int(merged.get("head_dim", 512)),
-        qk_rope_head_dim=int(merged.get("qk_rope_head_dim", 64)),
-        index_head_dim=int(merged.get("index_head_dim", 128)),
-        window_source=f"{override_flag} sliding_window" if "sliding_window" in overrides else source,
-        layout_source=source
-        + ("" if not ({"compress_ratios", "num_hidden_layers"} & set(overrides)) else f" + {override_flag}"),
-    )
-    return [k for k in overrides if k not in CONFIG_KEYS]

@@ -5,278 +5,24 @@
 ``protocol.compat.compat_errors`` on the pair — the handshake's checks — and explains every
 differing factor: its two values, what SGLang 0.5.19's own backend does at run time when the pair
 is launched anyway (measured, ``shared/reference/sglang_cpu.md``), and which SGLang flag to change
-on which side. Differing factors are grouped under the SGLang setting ("knob") that explains them:
-speculative decoding on one side changes the C4 and C128 rings, the draft and the components.
+on which side. Differing factors are grouped under the SGLang setting ("knob", ``knobs``) that
+explains them: speculative decoding on one side changes the C4 and C128 rings, the draft and the
+components. Each factor's run-time effect is ``consequences``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdstate.integrations.sglang.launch.prediction import SGLangArgsError, SGLangSide
-from pdstate.protocol.fixes import count_layers, describe_value
+from pdstate.errors import SGLangArgsError
+from pdstate.integrations.sglang.launch.consequences import consequence
+from pdstate.integrations.sglang.launch.knobs import KNOBS, knob_differs
+from pdstate.integrations.sglang.launch.side import SGLangSide
+from pdstate.protocol.fixes import describe_value
 from pdstate.protocol.report import ErrorInfo, LayoutReport
 
 SIDES = ("prefill", "decode")
-TIMEOUT = "the decode's timeout (300 s by default)"
-
-
-# --- the SGLang settings that shape the layout, and the factors each one moves -------------------
-
-
-@dataclass(frozen=True)
-class Knob:
-    name: str
-    heading: str  # the flag / variable / config field an operator changes
-    factors: tuple[str, ...]  # layout factors it can move
-    value: Callable[[SGLangSide], Any]
-    show: Callable[[SGLangSide], str]
-    fix: Callable[[SGLangSide, SGLangSide], str]
-
-
-def _has(p: SGLangSide, d: SGLangSide, pred: Callable[[SGLangSide], bool]) -> tuple[SGLangSide, SGLangSide]:
-    """(the side where ``pred`` holds, the other)."""
-    return (p, d) if pred(p) else (d, p)
-
-
-def _spec_show(s: SGLangSide) -> str:
-    if not s.speculative:
-        return "off"
-    return f"{s.speculative_algorithm} ({s.speculative_num_steps} steps, {s.speculative_num_draft_tokens} draft tokens)"
-
-
-def _spec_fix(p: SGLangSide, d: SGLangSide) -> str:
-    on, off = _has(p, d, lambda s: s.speculative)
-    return f"add `{on.spec_flags()}` to the {off.role} (or remove the --speculative-* flags from the {on.role})"
-
-
-def _steps_fix(p: SGLangSide, d: SGLangSide) -> str:
-    return (
-        f"set `--speculative-num-steps {p.speculative_num_steps}` on the decode to match the prefill, or "
-        f"`--speculative-num-steps {d.speculative_num_steps}` on the prefill (draft tokens = steps + 1 with topk 1)"
-    )
-
-
-def _env_fix(var: str, value: str, pred: Callable[[SGLangSide], bool], extra: str = "") -> Callable:
-    def fix(p: SGLangSide, d: SGLangSide) -> str:
-        on, off = _has(p, d, pred)
-        return f"set {var}={value} on the {off.role} too{extra} (or unset it on the {on.role})"
-
-    return fix
-
-
-def _online_fix(p: SGLangSide, d: SGLangSide) -> str:
-    on, off = _has(p, d, lambda s: s.online_c128)
-    mtp = " with SGLANG_EXPERIMENTAL_ONLINE_C128_MTP=1" if off.speculative else ""
-    return f"set SGLANG_OPT_USE_ONLINE_COMPRESS=1 on the {off.role} too{mtp} (or unset it on the {on.role})"
-
-
-def _window_fix(p: SGLangSide, d: SGLangSide) -> str:
-    flag = "--json-model-override-args"
-    overridden = [s for s in (p, d) if s.window_source.startswith(flag)]
-    if len(overridden) == 1:
-        o = overridden[0]
-        other = d if o is p else p
-        return (
-            f'remove "sliding_window" from {flag} on the {o.role} (or give the {other.role} the same '
-            f"{flag} '{{\"sliding_window\": {o.sliding_window}}}')"
-        )
-    if len(overridden) == 2:
-        return f'give the same "sliding_window" in {flag} on both sides'
-    return (
-        f"serve one model config on both sides: sliding_window {p.sliding_window} ({p.window_source}) vs "
-        f"{d.sliding_window} ({d.window_source}); --model-path / --model-config"
-    )
-
-
-def _layers_fix(p: SGLangSide, d: SGLangSide) -> str:
-    return (
-        "serve the same model on both sides (its config.json compress_ratios and num_hidden_layers): "
-        f"prefill {p.layout_source}, decode {d.layout_source}; --model-path / --model-config"
-    )
-
-
-def _page_fix(p: SGLangSide, d: SGLangSide) -> str:
-    return (
-        f"run both sides with one page size (--page-size; SGLang 0.5.19 runs DSV4 on CUDA at 256): "
-        f"prefill {p.page_size}, decode {d.page_size}"
-    )
-
-
-def _kv_fix(p: SGLangSide, d: SGLangSide) -> str:
-    fp8 = [s for s in (p, d) if s.kv_cache_dtype == "fp8_e4m3"]
-    if len(fp8) == 1:
-        other = d if fp8[0] is p else p
-        return f"set `--kv-cache-dtype fp8_e4m3` (or auto) on the {other.role} (it has {other.kv_cache_dtype})"
-    return f"set one --kv-cache-dtype on both sides (prefill {p.kv_cache_dtype}, decode {d.kv_cache_dtype})"
-
-
-def _state_fix(p: SGLangSide, d: SGLangSide) -> str:
-    return (
-        f"set SGLANG_DSV4_COMPRESS_STATE_DTYPE to one value on both sides "
-        f"(prefill {p.state_dtype}, decode {d.state_dtype}; unset means float32)"
-    )
-
-
-KNOBS: tuple[Knob, ...] = (
-    Knob(
-        "layers",
-        "compress_ratios / num_hidden_layers (the model's config.json)",
-        ("compression_ratios", "stage", "main_kv_item_lens", "components", "c128_ring"),
-        lambda s: tuple(s.stage_ratios),
-        lambda s: f"{count_layers(s.stage_ratios)} ({s.layout_source})",
-        _layers_fix,
-    ),
-    Knob(
-        "page_size",
-        "--page-size",
-        ("page_size", "main_kv_item_lens", "components", "draft"),
-        lambda s: s.page_size,
-        lambda s: str(s.page_size),
-        _page_fix,
-    ),
-    Knob(
-        "kv_cache_dtype",
-        "--kv-cache-dtype",
-        ("kv_dtype",),
-        lambda s: s.kv_cache_dtype,
-        lambda s: s.kv_cache_dtype,
-        _kv_fix,
-    ),
-    Knob(
-        "unified_kv",
-        "SGLANG_HACK_FLASHMLA_BACKEND=unified_kv_triton (ROCm unified KV)",
-        ("layout", "main_kv_item_lens", "components", "draft"),
-        lambda s: s.unified_kv,
-        lambda s: "unified" if s.unified_kv else "paged",
-        _env_fix("SGLANG_HACK_FLASHMLA_BACKEND", "unified_kv_triton", lambda s: s.unified_kv),
-    ),
-    Knob(
-        "online_c128",
-        "SGLANG_OPT_USE_ONLINE_COMPRESS (online C128)",
-        ("online_c128", "c128_ring", "components"),
-        lambda s: s.online_c128,
-        lambda s: "on" if s.online_c128 else "off",
-        _online_fix,
-    ),
-    Knob(
-        "speculative",
-        "--speculative-algorithm",
-        ("c4_ring", "c128_ring", "draft", "components"),
-        lambda s: s.speculative,
-        _spec_show,
-        _spec_fix,
-    ),
-    Knob(
-        "draft_tokens",
-        "--speculative-num-steps (draft tokens)",
-        ("draft", "components"),
-        lambda s: s.speculative_num_draft_tokens if s.speculative else None,
-        _spec_show,
-        _steps_fix,
-    ),
-    Knob(
-        "sliding_window",
-        "sliding_window (config.json / --json-model-override-args)",
-        ("sliding_window", "draft"),
-        lambda s: s.sliding_window,
-        lambda s: f"{s.sliding_window} ({s.window_source})",
-        _window_fix,
-    ),
-    Knob(
-        "state_dtype",
-        "SGLANG_DSV4_COMPRESS_STATE_DTYPE",
-        ("c4_state_dtype", "c128_state_dtype", "components"),
-        lambda s: s.state_dtype,
-        lambda s: s.state_dtype,
-        _state_fix,
-    ),
-)
-
-
-def _knob_differs(k: Knob, p: SGLangSide, d: SGLangSide) -> bool:
-    if k.name == "draft_tokens" and not (p.speculative and d.speculative):
-        return False  # "on one side only" belongs to the speculative knob
-    return k.value(p) != k.value(d)
-
-
-# --- what SGLang's own backend does when the pair is launched anyway -------------------------------
-
-
-def consequence(factor: str, p: Any, d: Any) -> str:
-    """Run-time effect of one differing factor under SGLang 0.5.19's own transfer backend."""
-    if factor == "page_size":
-        return (
-            "SGLang's decode refuses the bootstrap (\"Page size mismatch ... Both servers must use the same "
-            '--page-size value."), but the prefill waits in Bootstrapping until its timeout'
-        )
-    if factor == "kv_dtype":
-        return (
-            'SGLang\'s decode refuses the bootstrap ("KV cache dtype mismatch", the check beside the page '
-            "size's), and the prefill waits in Bootstrapping until its timeout"
-        )
-    if factor == "layout":
-        return (
-            "paged and unified state components do not pair: wrong bytes or a failed transfer (SGLang compares neither)"
-        )
-    if factor == "compression_ratios":
-        if isinstance(p, list) and isinstance(d, list) and sorted(p) == sorted(d):
-            return (
-                "same C4/C128 counts in another order: SGLang reports Success, but (layer, page) slots receive "
-                "another layer's KV (measured: 640 of 750 slots wrong)"
-            )
-        return (
-            f"different C4/C128 counts: SGLang's prefill transfer thread dies; requests hang until {TIMEOUT} "
-            "and that prefill queue stays dead"
-        )
-    if factor == "stage":
-        return "the buffers pair with other layers: wrong KV"
-    if factor == "sliding_window":
-        return (
-            f"sliding window {p} vs {d}: SGLang reports Success (a log warning only), but every SWA entry lands "
-            "one page off: wrong sliding-window KV"
-        )
-    if factor == "c4_ring":
-        return (
-            f"C4 state rings {p} vs {d}: wrong state; SGLang 0.5.19 reports Success while C4 compressor state "
-            "lands in other ring slots (measured: 42 of 301 destination items wrong for a 700-token request), "
-            "0.5.23 refuses the pair on both sides"
-        )
-    if factor == "c128_ring":
-        if None in (p, d):
-            return "one side has no C128 state: the components pair with the wrong buffers"
-        if 1 in (p, d):
-            return f"C128 state ring {p} vs {d} (online vs offline): wrong C128 state, no error (SGLang does not compare item lengths)"
-        return (
-            f"C128 state rings {p} vs {d}: wrong state; the partial 128-token group's state goes to another "
-            "ring block, no error"
-        )
-    if factor == "online_c128":
-        return "online vs offline C128 state: item sizes differ, wrong C128 state, no error"
-    if factor in ("c4_state_dtype", "c128_state_dtype"):
-        return f"compressor state in {p} vs {d}: item sizes differ, the decode reads misaligned state (SGLang does not compare item lengths)"
-    if factor == "draft":
-        if p and not d:
-            return (
-                "the prefill sends a draft SWA component the decode has no buffers for: SGLang's prefill transfer "
-                f"thread dies; requests hang until {TIMEOUT} and that prefill queue stays dead"
-            )
-        if d and not p:
-            return (
-                "SGLang reports Success, but the decode's draft SWA KV is never written: the draft starts from "
-                "stale state"
-            )
-        return "the two drafts' SWA geometry differs: the draft SWA lands at the wrong slots or sizes"
-    if factor == "main_kv_item_lens":
-        return "main KV pages of different sizes: misaligned KV (SGLang does not compare item lengths)"
-    if factor == "components":
-        return "state components pair by position: every one after the first difference meets the wrong buffers"
-    return "the state layouts differ: wrong bytes"
-
-
-# --- the comparison --------------------------------------------------------------------------------
 
 
 @dataclass
@@ -386,7 +132,7 @@ def compare(prefill: SGLangSide, decode: SGLangSide) -> Verdict:
     diffs = [FactorDiff(n, pv, dv, consequence(n, pv, dv)) for n, pv, dv in diff(p_report, d_report)]
     placed: set[str] = set()
     for knob in KNOBS:
-        if not _knob_differs(knob, prefill, decode):
+        if not knob_differs(knob, prefill, decode):
             continue
         mine = [f for f in diffs if f.name in knob.factors and f.name not in placed]
         placed.update(f.name for f in mine)

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 from pdstate.errors import SGLangArgsError
-from pdstate.integrations.sglang.launch.command import Launch, _yaml
+from pdstate.integrations.sglang.launch.command import Launch, yaml_module
 
 
 def _flags(mapping: dict) -> list[str]:
@@ -46,7 +46,7 @@ def read_recipe(path: str) -> tuple[Launch, Launch]:
     """The prefill's and the decode's ``Launch`` from one recipe file."""
     p = Path(path)
     try:
-        doc = _yaml().safe_load(p.read_text())
+        doc = yaml_module().safe_load(p.read_text())
     except OSError as exc:
         raise SGLangArgsError(f"--recipe {path}: {exc.strerror or exc}") from None
     except Exception as exc:  # yaml's errors
