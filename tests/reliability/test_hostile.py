@@ -85,6 +85,8 @@ class Dealer:
             msg = wire.decode(self.sock.recv())
             key = f"{msg.KIND}:{msg.status}" if isinstance(msg, wire.TransferDone) else msg.KIND
             Dealer.seen[key] = Dealer.seen.get(key, 0) + 1
+            if key == "transfer_done:success":  # as a decode agent does: the prefill frees the pages
+                self.send(wire.encode(wire.AgentVerdict(room=msg.room, status="success")))
             got.append(msg)
             if until(msg):
                 return got
@@ -354,7 +356,9 @@ def _control_fuzz_then_serve(workers, examples: int) -> None:
     assert "Traceback" not in p.stderr_text(), p.stderr_text()[-3000:]
     # nothing of the fuzz is left in flight, no page leaked, and a good decode is served
     # (a request the fuzz sent last may still be finishing its copy on a busy host)
-    r = wait_until("the fuzz's requests to end", lambda: (lambda r: None if r["in_flight"] else r)(prefill_requests(p)))
+    r = wait_until(  # (a request the fuzz left without a verdict ends at its deadline)
+        "the fuzz's requests to end", lambda: (lambda r: None if r["in_flight"] else r)(prefill_requests(p)), 40
+    )
     assert r["in_flight"] == [] and r["free"] == free0, r["in_flight"]
     d = workers.decode(ep, ROOMY, worker_id="decode-after-fuzz", **FAULT)
     ev = first_event(d)
