@@ -12,9 +12,9 @@ interleaved round-robin in one process run (these machines are shared; ratios, n
   the same destination process and path as pdstate's), with no pdstate code in the loop;
 - ``pdstate_<engine>`` (native engines): ``pdstate serve``'s prefill and decode workers
   (``pdstate.worker``, over the agent) as a process pair (``devtools.processes``), from the
-  decode's request to its verified verdict (the decode's ``transfer_s``), less the time the
-  prefill spent synthesising the request's state (``compute_s``: the stand-in for the model's
-  prefill compute, which precedes any transfer in a real deployment). The decode checks the
+  decode's request to the bytes verified (the receiver's ``transfer_s`` plus the decode's
+  ``verify_s``). The prefill's synthetic compute (the stand-in for the model's prefill) is inside
+  that time: the agent's wire does not carry it back (``compute_s`` is 0). The decode checks the
   request with ``verify="sample"`` (one word per item and the end of every run);
   ``pdstate_<engine>_full_verify`` is the same with every byte read back. The parts
   (``transfer_s``, ``copy_s``, ``verify_s``) are kept under ``parts``.
@@ -162,7 +162,8 @@ def _pdstate_pair(engine: str, mode: str, preset_name: str = "dsv4-flash", pids:
         assert done["event"] == "batch_done"
         if not res["verified"]:
             raise RuntimeError(f"{engine}: request of {n} tokens failed: {res['error']}")
-        return res
+        # the decode's ``transfer_s`` ends at the agent's verdict; its check of the bytes follows
+        return {**res, "transfer_s": res["transfer_s"] + res["verify_s"]}
 
     def describe() -> tuple:
         """The decode's KVArgs (``wire.KVDesc``) and engine endpoint, from its register message."""
