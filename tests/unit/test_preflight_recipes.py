@@ -8,15 +8,14 @@ refusals, the models, and the noise. Every test runs once per SGLang release pds
 from __future__ import annotations
 
 import argparse
-import json
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from pdstate.pools.presets import DSV4_FLASH_RATIOS
 from pdstate.service import preflight
 from tests.support.paths import REPO
+from tests.support.preflight import model_config
 
 RELEASES = ("0.5.19", "0.5.23")
 _release: list[str] = []
@@ -44,23 +43,6 @@ def check(capsys, prefill: str | None, decode: str | None, *extra: str) -> tuple
     return int(rc), out.out + out.err
 
 
-def model_config(tmp_path, name: str = "model.json", **changes) -> str:
-    """A DSV4 config.json with Flash's layer layout (a stand-in where a test needs a config file)."""
-    cfg = {
-        "architectures": ["DeepseekV4ForCausalLM"],
-        "num_hidden_layers": 43,
-        "compress_ratios": list(DSV4_FLASH_RATIOS),
-        "sliding_window": 128,
-        "head_dim": 512,
-        "qk_rope_head_dim": 64,
-        "index_head_dim": 128,
-        **changes,
-    }
-    path = tmp_path / name
-    path.write_text(json.dumps(cfg))
-    return str(path)
-
-
 # --- SGLang's own parser: abbreviations, nargs ------------------------------------------------------
 
 # NVIDIA's DeepSeek-V4 disaggregated recipe writes the speculative flags on the decode only, the
@@ -70,6 +52,11 @@ NV_DECODE = (
     "--speculative-algo EAGLE --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
 )
 NV_PREFILL = f"{FLASH} --disaggregation-mode prefill --tp 8"
+
+
+def flash_pair(prefill: str, decode: str) -> tuple[str, str]:
+    """DeepSeek-V4-Flash's prefill and decode launch lines, each side with its own flags."""
+    return f"{FLASH} --disaggregation-mode prefill {prefill}", f"{FLASH} --disaggregation-mode decode {decode}"
 
 
 def test_an_abbreviated_flag_is_read_as_sglang_reads_it(capsys):
@@ -194,9 +181,33 @@ def test_a_config_that_is_not_yaml_stops_sglang(tmp_path, capsys):
 
 # --- recipe files (srt-slurm / Dynamo) ---------------------------------------------------------------
 
+# The recipe's two environments share these lines (the decode's adds three of its own).
+_ENV_HEAD = """\
+      PYTHONUNBUFFERED: "1"
+      SGLANG_RADIX_FORCE_MISS: "1"
+      SGLANG_JIT_DEEPGEMM_FAST_WARMUP: "1"
+      SGLANG_DEFAULT_THINKING: "1"
+      SGLANG_DSV4_REASONING_EFFORT: "max"
+      SGLANG_OPT_SWA_SPLIT_LEAF_ON_INSERT: "1"
+      SGLANG_OPT_SWA_EVICT_DROP_PAGE_MARGIN: "1"
+      SGLANG_OPT_USE_ONLINE_COMPRESS: "1"
+      NCCL_MNNVL_ENABLE: "1"
+      NCCL_CUMEM_ENABLE: "1"
+      SGLANG_MOONCAKE_CUSTOM_MEM_POOL: "True"
+"""
+_ENV_TAIL = """\
+      MC_FORCE_MNNVL: "1"
+      SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT: "100000"
+      SGLANG_DISAGGREGATION_WAITING_TIMEOUT: "100000"
+      SGLANG_OPT_SWA_RELEASE_LEAF_LOCK_AFTER_WINDOW: "1"
+      DYN_SKIP_SGLANG_LOG_FORMATTING: "1"
+      SGLANG_LOG_FORWARD_ITERS: "1"
+      SGLANG_LOG_MS: "1"
+      SGLANG_REQUEST_STATE_WAIT_TIMEOUT: "60"
+"""
 # The srt-slurm recipe of SGLang issue #30242 ("Deepseek V4 NVFP4 Disagg Decode node failure",
 # github.com/sgl-project/sglang/issues/30242): DeepSeek-V4-Pro NVFP4, 1 prefill DEP4, 1 decode DEP16.
-SRT_SLURM_RECIPE = """\
+SRT_SLURM_RECIPE = f"""\
 base:
   name: "dsv4-pro-gb300-disagg-1p1d-dep4-dep16-8k1k-nvfp4-trttlm-gen"
   model:
@@ -206,47 +217,9 @@ base:
   backend:
     type: sglang
     prefill_environment:
-      PYTHONUNBUFFERED: "1"
-      SGLANG_RADIX_FORCE_MISS: "1"
-      SGLANG_JIT_DEEPGEMM_FAST_WARMUP: "1"
-      SGLANG_DEFAULT_THINKING: "1"
-      SGLANG_DSV4_REASONING_EFFORT: "max"
-      SGLANG_OPT_SWA_SPLIT_LEAF_ON_INSERT: "1"
-      SGLANG_OPT_SWA_EVICT_DROP_PAGE_MARGIN: "1"
-      SGLANG_OPT_USE_ONLINE_COMPRESS: "1"
-      NCCL_MNNVL_ENABLE: "1"
-      NCCL_CUMEM_ENABLE: "1"
-      SGLANG_MOONCAKE_CUSTOM_MEM_POOL: "True"
-      MC_FORCE_MNNVL: "1"
-      SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT: "100000"
-      SGLANG_DISAGGREGATION_WAITING_TIMEOUT: "100000"
-      SGLANG_OPT_SWA_RELEASE_LEAF_LOCK_AFTER_WINDOW: "1"
-      DYN_SKIP_SGLANG_LOG_FORMATTING: "1"
-      SGLANG_LOG_FORWARD_ITERS: "1"
-      SGLANG_LOG_MS: "1"
-      SGLANG_REQUEST_STATE_WAIT_TIMEOUT: "60"
-    decode_environment:
-      PYTHONUNBUFFERED: "1"
-      SGLANG_RADIX_FORCE_MISS: "1"
-      SGLANG_JIT_DEEPGEMM_FAST_WARMUP: "1"
-      SGLANG_DEFAULT_THINKING: "1"
-      SGLANG_DSV4_REASONING_EFFORT: "max"
-      SGLANG_OPT_SWA_SPLIT_LEAF_ON_INSERT: "1"
-      SGLANG_OPT_SWA_EVICT_DROP_PAGE_MARGIN: "1"
-      SGLANG_OPT_USE_ONLINE_COMPRESS: "1"
-      NCCL_MNNVL_ENABLE: "1"
-      NCCL_CUMEM_ENABLE: "1"
-      SGLANG_MOONCAKE_CUSTOM_MEM_POOL: "True"
-      SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: "8"
-      MC_FORCE_MNNVL: "1"
-      SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT: "100000"
-      SGLANG_DISAGGREGATION_WAITING_TIMEOUT: "100000"
-      SGLANG_OPT_SWA_RELEASE_LEAF_LOCK_AFTER_WINDOW: "1"
-      DYN_SKIP_SGLANG_LOG_FORMATTING: "1"
-      SGLANG_LOG_FORWARD_ITERS: "1"
-      SGLANG_LOG_MS: "1"
-      SGLANG_REQUEST_STATE_WAIT_TIMEOUT: "60"
-      SGLANG_FLASHINFER_NUM_MAX_DISPATCH_TOKENS_PER_RANK: "1024"
+{_ENV_HEAD}{_ENV_TAIL}    decode_environment:
+{_ENV_HEAD}      SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: "8"
+{_ENV_TAIL}      SGLANG_FLASHINFER_NUM_MAX_DISPATCH_TOKENS_PER_RANK: "1024"
       SGLANG_MOE_NVFP4_DISPATCH: "1"
     sglang_config:
       prefill:
@@ -297,15 +270,18 @@ override_cutedsl:
 """
 
 
-def _recipe(tmp_path, text: str = SRT_SLURM_RECIPE) -> str:
+def check_recipe(capsys, tmp_path, text: str = SRT_SLURM_RECIPE, *extra: str) -> tuple[int, str]:
+    """``check --recipe`` on ``text`` (written to a file); DeepSeek-V4-Pro's config.json is not built
+    in: a stand-in config file goes with it."""
     path = tmp_path / "recipe.yaml"
     path.write_text(text)
-    return str(path)
+    return check(
+        capsys, None, None, "--recipe", str(path), "--model-config", model_config(tmp_path, nextn=False), *extra
+    )
 
 
 def test_an_srt_slurm_recipe_pair(tmp_path, capsys, release):
-    # DeepSeek-V4-Pro's config.json is not built in: the test gives a stand-in config file.
-    rc, out = check(capsys, None, None, "--recipe", _recipe(tmp_path), "--model-config", model_config(tmp_path))
+    rc, out = check_recipe(capsys, tmp_path)
     if release == "0.5.23":  # --cuda-graph-max-bs is ambiguous there (-decode / -prefill)
         assert rc == 1
         assert "- the decode: SGLang would not start: sglang serve: error: ambiguous option: --cuda-graph-max-bs" in out
@@ -323,16 +299,14 @@ def test_a_recipe_with_online_c128_on_one_side(tmp_path, capsys):
     decode_env = text.index("decode_environment:")
     i = text.index('SGLANG_OPT_USE_ONLINE_COMPRESS: "1"', decode_env)
     text = text[:i] + 'SGLANG_OPT_USE_ONLINE_COMPRESS: "0"' + text[i + len('SGLANG_OPT_USE_ONLINE_COMPRESS: "1"') :]
-    rc, out = check(capsys, None, None, "--recipe", _recipe(tmp_path, text), "--model-config", model_config(tmp_path))
+    rc, out = check_recipe(capsys, tmp_path, text)
     assert rc == 1, out
     assert "- SGLANG_OPT_USE_ONLINE_COMPRESS (online C128): prefill on, decode off" in out
 
 
 def test_verbose_lists_the_layout_neutral_settings(tmp_path, capsys):
     text = SRT_SLURM_RECIPE.replace("cuda-graph-max-bs: 256", "cuda-graph-max-bs-decode: 256")
-    rc, out = check(
-        capsys, None, None, "--recipe", _recipe(tmp_path, text), "--model-config", model_config(tmp_path), "--verbose"
-    )
+    rc, out = check_recipe(capsys, tmp_path, text, "--verbose")
     assert rc == 0, out
     assert "--disable-flashinfer-autotune" in out and "SGLANG_DISAGGREGATION_WAITING_TIMEOUT=100000" in out
 
@@ -342,58 +316,55 @@ def test_verbose_lists_the_layout_neutral_settings(tmp_path, capsys):
 PDSTATE = "--disaggregation-transfer-backend pdstate"
 
 
-def test_a_decode_attention_tp_wider_than_the_prefills(capsys):
-    rc, out = check(
-        capsys,
-        f"{FLASH} --disaggregation-mode prefill --tp 8 --dp 8 --enable-dp-attention {PDSTATE}",
-        f"{FLASH} --disaggregation-mode decode --tp 8 {PDSTATE}",
-    )
+@pytest.mark.parametrize(
+    "prefill, decode, said",
+    [
+        pytest.param(
+            f"--tp 8 --dp 8 --enable-dp-attention {PDSTATE}",
+            f"--tp 8 {PDSTATE}",
+            [
+                "- pdstate's SGLang backend fails every request of this pair: decode attention TP size 8 is larger "
+                "than the prefill's 1",
+                "fix: give the decode an attention TP of at most 1",
+            ],
+            id="a-decode-attention-tp-wider-than-the-prefills",
+        ),
+        pytest.param(
+            f"--tp 4 --pp-size 2 {PDSTATE}",
+            f"--tp 4 {PDSTATE}",
+            [
+                "pipeline-parallel sizes differ: prefill pp_size=2, decode pp_size=1",
+                "fix: launch both sides with one --pp-size (prefill 2, decode 1)",
+            ],
+            id="different-pipeline-parallel-sizes",
+        ),
+        pytest.param(
+            f"--tp 8 --attn-cp-size 2 --enable-prefill-cp {PDSTATE}",
+            f"--tp 8 {PDSTATE}",
+            [
+                "- the prefill: SGLang would not start: ValueError from pdstate's KV manager: pdstate's SGLang "
+                "backend does not support context parallelism yet (attn_cp_size=2, attn_dcp_size=1)"
+            ],
+            id="context-parallelism-stops-the-backend",
+        ),
+    ],
+)
+def test_the_backends_refusal_is_predicted(capsys, prefill, decode, said):
+    rc, out = check(capsys, *flash_pair(prefill, decode))
     assert rc == 1, out
-    assert (
-        "- pdstate's SGLang backend fails every request of this pair: decode attention TP size 8 is larger than "
-        "the prefill's 1" in out
-    )
-    assert "fix: give the decode an attention TP of at most 1" in out
+    for line in said:
+        assert line in out
 
 
 def test_a_prefill_attention_tp_wider_than_the_decodes_works(capsys):
-    rc, out = check(
-        capsys,
-        f"{FLASH} --disaggregation-mode prefill --tp 8 {PDSTATE}",
-        f"{FLASH} --disaggregation-mode decode --tp 8 --dp 8 --enable-dp-attention {PDSTATE}",
-    )
+    rc, out = check(capsys, *flash_pair(f"--tp 8 {PDSTATE}", f"--tp 8 --dp 8 --enable-dp-attention {PDSTATE}"))
     assert rc == 0, out
-
-
-def test_different_pipeline_parallel_sizes(capsys):
-    rc, out = check(
-        capsys,
-        f"{FLASH} --disaggregation-mode prefill --tp 4 --pp-size 2 {PDSTATE}",
-        f"{FLASH} --disaggregation-mode decode --tp 4 {PDSTATE}",
-    )
-    assert rc == 1, out
-    assert "pipeline-parallel sizes differ: prefill pp_size=2, decode pp_size=1" in out
-    assert "fix: launch both sides with one --pp-size (prefill 2, decode 1)" in out
-
-
-def test_context_parallelism_stops_the_backend(capsys):
-    rc, out = check(
-        capsys,
-        f"{FLASH} --disaggregation-mode prefill --tp 8 --attn-cp-size 2 --enable-prefill-cp {PDSTATE}",
-        f"{FLASH} --disaggregation-mode decode --tp 8 {PDSTATE}",
-    )
-    assert rc == 1, out
-    assert (
-        "- the prefill: SGLang would not start: ValueError from pdstate's KV manager: pdstate's SGLang backend "
-        "does not support context parallelism yet (attn_cp_size=2, attn_dcp_size=1)" in out
-    )
 
 
 def test_decode_radix_cache_per_release(capsys, release):
     rc, out = check(
         capsys,
-        f"{FLASH} --disaggregation-mode prefill --tp 8 {SPEC} {PDSTATE}",
-        f"{FLASH} --disaggregation-mode decode --tp 8 {SPEC} --disaggregation-decode-enable-radix-cache {PDSTATE}",
+        *flash_pair(f"--tp 8 {SPEC} {PDSTATE}", f"--tp 8 {SPEC} --disaggregation-decode-enable-radix-cache {PDSTATE}"),
     )
     if release == "0.5.19":
         assert rc == 1
@@ -469,7 +440,7 @@ def test_another_architecture_is_one_clear_line(capsys, tmp_path):
         "bootstrap still compares page size and KV dtype)"
     )
     assert "config.json" not in out
-    v3 = model_config(tmp_path, "v3.json", architectures=["DeepseekV3ForCausalLM"])
+    v3 = model_config(tmp_path, "v3.json", nextn=False, architectures=["DeepseekV3ForCausalLM"])
     rc, out = check(capsys, "--disaggregation-mode prefill", "--disaggregation-mode decode", "--model-config", v3)
     assert rc == 2 and "architecture DeepseekV3ForCausalLM is not a DeepSeek-V4 model" in out
 
@@ -534,16 +505,10 @@ def test_the_committed_argument_tables_are_sglangs(release):
 
 def test_dspark_with_dp_attention_needs_the_dp_lm_head(capsys):
     dspark = "--speculative-algorithm DSPARK --tp 8 --dp 8 --enable-dp-attention"
-    rc, out = check(
-        capsys, f"{FLASH} --disaggregation-mode prefill {dspark}", f"{FLASH} --disaggregation-mode decode {dspark}"
-    )
+    rc, out = check(capsys, *flash_pair(dspark, dspark))
     assert rc == 1
     assert out.count("SGLang would not start: ValueError: DSpark with dp attention requires --enable-dp-lm-head.") == 2
-    rc, out = check(
-        capsys,
-        f"{FLASH} --disaggregation-mode prefill {dspark} --enable-dp-lm-head",
-        f"{FLASH} --disaggregation-mode decode {dspark} --enable-dp-lm-head",
-    )
+    rc, out = check(capsys, *flash_pair(f"{dspark} --enable-dp-lm-head", f"{dspark} --enable-dp-lm-head"))
     assert "SGLang would not start" not in out
     assert "not modelled: --speculative-algorithm DSPARK" in out
 
@@ -551,8 +516,7 @@ def test_dspark_with_dp_attention_needs_the_dp_lm_head(capsys):
 def test_dspark_pipeline_parallelism_is_for_the_prefill_only(capsys, release):
     rc, out = check(
         capsys,
-        f"{FLASH} --disaggregation-mode prefill --speculative-algorithm DSPARK --tp 4",
-        f"{FLASH} --disaggregation-mode decode --speculative-algorithm DSPARK --tp 4 --pp-size 2",
+        *flash_pair("--speculative-algorithm DSPARK --tp 4", "--speculative-algorithm DSPARK --tp 4 --pp-size 2"),
     )
     said = "the decode: SGLang would not start: ValueError: DSpark pipeline parallelism requires PD prefill" in out
     assert said == (release == "0.5.23")

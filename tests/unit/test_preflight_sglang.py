@@ -18,6 +18,7 @@ from pdstate.integrations.sglang.launch.command import parse_argv, split_launch
 from pdstate.integrations.sglang.launch.prediction import predict
 from pdstate.pools.presets import DSV4_FLASH_RATIOS
 from pdstate.service import preflight
+from tests.support.preflight import model_config
 
 SPEC = "--speculative-algorithm EAGLE --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
 MODEL = "--model-path deepseek-ai/DeepSeek-V4-Flash --trust-remote-code --tp 8"
@@ -46,23 +47,6 @@ def check(capsys, prefill: str, decode: str, *extra: str) -> tuple[int, str]:
     rc = args.func(args)
     out = capsys.readouterr()
     return int(rc), out.out + out.err
-
-
-def model_config(tmp_path, name: str, **changes) -> str:
-    cfg = {
-        "architectures": ["DeepseekV4ForCausalLM"],
-        "num_hidden_layers": 43,
-        "num_nextn_predict_layers": 1,
-        "compress_ratios": list(DSV4_FLASH_RATIOS),
-        "sliding_window": 128,
-        "head_dim": 512,
-        "qk_rope_head_dim": 64,
-        "index_head_dim": 128,
-        **changes,
-    }
-    path = tmp_path / name
-    path.write_text(json.dumps(cfg))
-    return str(path)
 
 
 # --- a compatible pair ---------------------------------------------------------------------------

@@ -11,20 +11,17 @@ while the decode polls; every decode byte is checked. Nothing waits past ``deadl
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import socket
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 
 from pdstate.devtools.sglang_pair.cases import Case
+from pdstate.devtools.sglang_pair.child import ChildPair
 
 REPLY = "@@pair "
+SIDE_MODULE = "pdstate.devtools.sglang_pair.side"  # what each child runs
 REPO_SRC = Path(__file__).resolve().parents[3]
 # SGLang's Mooncake backend over TCP on one host (no RDMA here).
 MOONCAKE_TCP = {"MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1", "SGLANG_HOST_IP": "127.0.0.1"}
@@ -91,73 +88,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Child:
-    def __init__(self, role: str, env: dict[str, str]) -> None:
-        self.role = role
-        self.err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdstate.devtools.sglang_pair.side"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True, env=env,
-        )  # fmt: skip
-        self.replies: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith(REPLY):
-                self.replies.put(json.loads(line[len(REPLY) :]))
-        self.replies.put(None)
-
-    def tell(self, op: str, **kw) -> None:
-        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self.proc.stdin.flush()
-
-    def answer(self, timeout: float) -> dict:
-        try:
-            reply = self.replies.get(timeout=timeout)
-        except queue.Empty:
-            reply = None
-        if reply is None:
-            raise RuntimeError(f"the {self.role} child did not answer in {timeout:.0f} s:\n{self.stderr_tail()}")
-        return reply
-
-    def call(self, op: str, timeout: float, **kw) -> dict:
-        self.tell(op, **kw)
-        return self.answer(timeout)
-
-    def stderr_tail(self, n: int = 4000) -> str:
-        self.err.seek(0)
-        return self.err.read().decode(errors="replace")[-n:]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.err.close()
-
-
-class Pair:
+class Pair(ChildPair):
     """A prefill child and a decode child; ``extra_env`` for both (e.g. ``PDSTATE_TRANSFER__ENGINE``)."""
 
     def __init__(self, target: Path | None = None, extra_env: dict[str, str] | None = None) -> None:
-        env = child_env(target or env_dir(), extra_env)
-        self.prefill = Child("prefill", env)
-        self.decode = Child("decode", env)
+        super().__init__(child_env(target or env_dir(), extra_env), SIDE_MODULE, REPLY)
         self.room = 1000
-
-    def __enter__(self) -> Pair:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self.prefill.close()
-        self.decode.close()
 
     def setup(self, case: Case, backend: str) -> tuple[dict, dict]:
         port = free_port()

@@ -7,8 +7,10 @@ pools; ``KVArgs`` is filled the way ``disaggregation/prefill.py`` ``_init_kv_man
 ``setup_state_kv_args``, ``mla_compression_ratios`` on the prefill); the per-request page and
 state indices are computed as ``send_kv_chunk`` (prefill) and the decode's pre-allocation do.
 Both releases: 0.5.23's request-state indices come from the pool's own
-``request_state_transfer_indices`` (0.5.19's from ``get_dsv4_c128_state_indices``), its allocator
-takes the request-to-token pool, and its ``MetadataBuffers`` the sampling-mask width (``boot``).
+``request_state_transfer_indices`` (0.5.19's from ``get_dsv4_c128_state_indices``), a ring size is
+asked for by draft token count, its allocator takes the request-to-token pool, and its
+``MetadataBuffers`` the sampling-mask width. ``sglang_queues`` builds its pools here too (its own
+request-to-token pool, a sampling mask) and reads their items with ``request_items``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from sglang.srt.disaggregation.base.conn import StateType
 from sglang.srt.disaggregation.utils import (
     KVClassType,
+    MetadataBuffers,
     TransferBackend,
     build_kv_layer_ids,
     get_kv_class,
@@ -37,18 +40,27 @@ REQUEST_STATE = boot.state_type("C128_STATE")  # DSV4_REQUEST_STATE in 0.5.23, s
 
 HIDDEN_SIZE = 4096  # DeepSeek-V4-Flash's hidden size (the aux hidden-states row)
 KV_CACHE_DTYPE = "fp8_e4m3"
+DRAFT_TOKENS = 4  # boot.server_args' speculative draft tokens
 NEXTN_DRAFT = dict(c4_size=0, c128_size=0, c4_state_pool_size=0, c128_state_pool_size=0, layer_num=1)
 
 
-def _pool_kwargs(side: Side, ring4: int, ring128: int) -> dict:
+def ring_size(ratio: int, speculative: bool) -> int:
+    """SGLang's compressed-state ring for ``ratio`` (0.5.23 asks for the draft token count, 0 when
+    not speculative; 0.5.19 whether it is speculative)."""
+    if NEW_API:
+        return get_compress_state_ring_size(ratio, DRAFT_TOKENS if speculative else 0)
+    return get_compress_state_ring_size(ratio, is_speculative=speculative)
+
+
+def _pool_kwargs(side: Side) -> dict:
     slots = side.max_num_reqs + 1
     return dict(
         max_num_reqs=side.max_num_reqs,
         swa_size=side.swa_tokens,
         c4_size=side.full_tokens // 4,
         c128_size=side.full_tokens // 128,
-        c4_state_pool_size=side.swa_tokens // side.page_size * ring4,
-        c128_state_pool_size=slots * ring128,
+        c4_state_pool_size=side.swa_tokens // side.page_size * ring_size(4, side.speculative),
+        c128_state_pool_size=slots * ring_size(128, side.speculative),
         page_size=side.page_size,
         swa_page_size=side.page_size,
         dtype=torch.float8_e4m3fn,
@@ -62,7 +74,7 @@ def _pool_kwargs(side: Side, ring4: int, ring128: int) -> dict:
         enable_memory_saver=False,
         compression_ratios=list(side.ratios),
         sliding_window=side.sliding_window,
-        online_mtp_max_draft_tokens=4 if side.speculative else 0,
+        online_mtp_max_draft_tokens=DRAFT_TOKENS if side.speculative else 0,
         num_req_slots=slots,
     )
 
@@ -87,20 +99,19 @@ def _labels(pool: DeepSeekV4TokenToKVPool, role: str) -> tuple[list, list, list]
     return main, swa, [(role, "c128_state", i) for i in c128]
 
 
-def build(side: Side, *, hold_pages: int = 0) -> SimpleNamespace:
+def build(side: Side, *, hold_pages: int = 0, req_pool=None, sampling_mask_tokens: int = 0) -> SimpleNamespace:
     """The pools of ``side`` (the server args they read must be published first): ``target``,
-    ``draft`` (or None), ``alloc``, ``meta`` (aux), ``labels`` (what each buffer entry holds) and
-    ``pad``, pages held so that the decode's pages differ from the prefill's."""
-    if NEW_API:  # the ring follows the number of draft tokens (0: not speculative)
-        ring = lambda r: get_compress_state_ring_size(r, 4 if side.speculative else 0)  # noqa: E731
-    else:
-        ring = lambda r: get_compress_state_ring_size(r, is_speculative=side.speculative)  # noqa: E731
-    kw = _pool_kwargs(side, ring(4), ring(128))
+    ``draft`` (or None), ``alloc``, ``meta`` (aux), ``req_pool``, ``labels`` (what each buffer entry
+    holds) and ``pad``, pages held so that the decode's pages differ from the prefill's. 0.5.23's
+    allocator takes ``req_pool`` (a new one of ``req_to_token_pool`` unless given) and its
+    ``MetadataBuffers`` ``sampling_mask_tokens``."""
+    kw = _pool_kwargs(side)
     target = DeepSeekV4TokenToKVPool(**kw)
     draft = None
     if side.draft:
         draft = DeepSeekV4TokenToKVPool(**{**kw, **NEXTN_DRAFT, "compression_ratios": [0]})
-    req_pool = req_to_token_pool(side) if NEW_API else None
+    if req_pool is None and NEW_API:
+        req_pool = req_to_token_pool(side)
     extra = {"req_to_token_pool": req_pool} if NEW_API else {}
     alloc = SWATokenToKVPoolAllocator(
         side.full_tokens, side.swa_tokens, side.page_size, dtype=torch.float8_e4m3fn, device="cpu",
@@ -108,7 +119,8 @@ def build(side: Side, *, hold_pages: int = 0) -> SimpleNamespace:
     )  # fmt: skip
     if draft is not None:
         draft.register_mapping(alloc.full_to_swa_index_mapping)
-    meta = boot.metadata_buffers(side.max_num_reqs + 1, HIDDEN_SIZE, torch.bfloat16)
+    meta_kw = {"max_sampling_mask_tokens": sampling_mask_tokens} if NEW_API else {}
+    meta = MetadataBuffers(side.max_num_reqs + 1, HIDDEN_SIZE, torch.bfloat16, **meta_kw)
     pools = SimpleNamespace(
         side=side, target=target, draft=draft, alloc=alloc, meta=meta, req_pool=req_pool, pad=None, labels={}
     )
@@ -211,25 +223,36 @@ def release(pools: SimpleNamespace, req: SimpleNamespace) -> None:
     pools.alloc.swa_attn_allocator.free(req.swa_locs)
 
 
+def _name(names: list, j: int, kind: str):
+    return names[j] if j < len(names) else (kind, j)
+
+
 def request_items(pools: SimpleNamespace, args, req: SimpleNamespace, aux_index: int) -> list[tuple[int, int, dict]]:
-    """Per buffer of ``buffers(args)``, in that order: ``(ptr, item length, {item: key})``."""
+    """Per buffer of ``buffers(args)``, in that order: ``(ptr, item length, {item: key})``. ``req``
+    has ``room``, ``tokens``, ``pages``, ``window_first_page``, ``swa_pages`` and ``c128`` (rows)."""
     room, labels, out = req.room, pools.labels, []
     for j, (p, i) in enumerate(zip(args.kv_data_ptrs, args.kv_item_lens)):
-        out.append((p, i, {int(pg): ("kv", room, labels["main"][j], k, i) for k, pg in enumerate(req.pages)}))
+        name = _name(labels["main"], j, "main")
+        out.append((p, i, {int(pg): ("kv", room, name, k, i) for k, pg in enumerate(req.pages)}))
     for j, (p, i) in enumerate(zip(args.aux_data_ptrs, args.aux_item_lens)):
         out.append((p, i, {aux_index: ("aux", room, j, i)}))
     swa_components = 0
     for c, st in enumerate(args.state_types):
+        pairs = list(zip(args.state_data_ptrs[c], args.state_item_lens[c]))
         if st == StateType.SWA:
             names = labels["swa"] if swa_components == 0 else labels["swa_draft"]
             swa_components += 1
-            for j, (p, i) in enumerate(zip(args.state_data_ptrs[c], args.state_item_lens[c])):
+            for j, (p, i) in enumerate(pairs):
+                name = _name(names, j, "swa")
                 keys = {
-                    int(sp): ("swa", room, names[j], req.window_first_page + k, i) for k, sp in enumerate(req.swa_pages)
+                    int(sp): ("swa", room, name, req.window_first_page + k, i) for k, sp in enumerate(req.swa_pages)
                 }
                 out.append((p, i, keys))
-        else:  # the request state (C128): the block being compressed
+        elif st == REQUEST_STATE:  # the C128 block being compressed
             block = (req.tokens - 1) // 128
-            for j, (p, i) in enumerate(zip(args.state_data_ptrs[c], args.state_item_lens[c])):
-                out.append((p, i, {int(r): ("c128", room, labels["c128"][j], block, i) for r in req.c128}))
+            for j, (p, i) in enumerate(pairs):
+                name = _name(labels["c128"], j, "c128")
+                out.append((p, i, {int(r): ("c128", room, name, block, i) for r in req.c128}))
+        else:  # not in these pools' layouts: nothing of the request is expected there
+            out.extend((p, i, {}) for p, i in pairs)
     return out

@@ -23,10 +23,7 @@ from pdstate.devtools.sglang_pair import booted  # noqa: F401  (first: the GPU-o
 
 # isort: split
 
-import json
-import sys
 import time
-import traceback
 from types import SimpleNamespace
 
 from sglang.srt.disaggregation.base.conn import KVPoll
@@ -34,6 +31,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, Tra
 
 from pdstate.devtools.sglang_pair import boot, pattern, pools
 from pdstate.devtools.sglang_pair.cases import Side
+from pdstate.devtools.sglang_pair.child import error_text, serve
 
 REPLY = "@@pair "
 HOST = "127.0.0.1"
@@ -41,10 +39,6 @@ POLL_S = 0.0002
 STATES = {KVPoll.Failed: "Failed", KVPoll.Bootstrapping: "Bootstrapping", KVPoll.WaitingForInput: "WaitingForInput",
           KVPoll.Transferring: "Transferring", KVPoll.Success: "Success"}  # fmt: skip
 PREFILL_SLOT, DECODE_SLOT = 0, 2  # request slots (and aux rows): different on the two sides on purpose
-
-
-def _text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _parallel_context() -> None:
@@ -130,7 +124,7 @@ def _failure() -> str | None:
     try:
         S.conn.failure_exception()
     except Exception as exc:  # the failure's text is the point
-        return _text(exc)
+        return error_text(exc)
     return None
 
 
@@ -140,7 +134,7 @@ def _end(outcome: str) -> str | None:
         try:
             S.conn.abort()
         except Exception as exc:  # recorded, not raised: the request is over either way
-            failure = f"abort: {_text(exc)}"
+            failure = f"abort: {error_text(exc)}"
     if S.req is not None:
         pools.release(S.cur, S.req)
     return failure
@@ -185,7 +179,7 @@ def recv(room: int, tokens: int, deadline_s: float) -> dict:
                 return {"outcome": "timeout (no parallel info)", "failure": None}
             time.sleep(0.01)
     except Exception as exc:  # SGLang's own refusal (page size, dtype) raises here
-        return {"outcome": "refused", "failure": _text(exc)}
+        return {"outcome": "refused", "failure": error_text(exc)}
     S.req = pools.allocate(S.cur, S.args, room, tokens, DECODE_SLOT)
     cls = get_kv_class(TransferBackend(S.backend), KVClassType.RECEIVER)
     S.conn = cls(S.mgr, S.addr, room)
@@ -217,17 +211,7 @@ def wait(deadline_s: float) -> dict:
 
 def main() -> None:
     ops = {"setup": setup, "use": use, "open": open_request, "send": send, "recv": recv, "wait": wait}
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        cmd = json.loads(line)
-        op = cmd.pop("op")
-        try:
-            reply = {"ok": True, **ops[op](**cmd)}
-        except Exception as exc:  # reported to the parent, which decides; the child keeps serving
-            reply = {"ok": False, "error": _text(exc), "trace": traceback.format_exc()[-3000:]}
-        sys.stdout.write(REPLY + json.dumps(reply, default=str) + "\n")
-        sys.stdout.flush()
+    serve(ops, REPLY, trace_chars=3000)
 
 
 if __name__ == "__main__":

@@ -11,69 +11,19 @@ request on the prefill, so it is compared as the prefill left it and as the deco
 from __future__ import annotations
 
 import json
-import queue
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 
 from pdstate.devtools.sglang_pair.cases import Case
+from pdstate.devtools.sglang_pair.child import ChildPair
 from pdstate.devtools.sglang_pair.pair import child_env, env_dir, free_port
 
 REPLY = "@@queues "
+SIDE_MODULE = "pdstate.devtools.sglang_queues.side"  # what each child runs
+STDERR_TAIL = 6000  # characters of a silent child's stderr in its error
 SLACK_S = 30.0  # what a child may take beyond a request's deadline to answer (setup, byte checks)
 SETUP_S = 120.0
-
-
-class Child:
-    def __init__(self, role: str, env: dict[str, str]) -> None:
-        self.role = role
-        self.err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdstate.devtools.sglang_queues.side"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True, env=env,
-        )  # fmt: skip
-        self.replies: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith(REPLY):
-                self.replies.put(json.loads(line[len(REPLY) :]))
-        self.replies.put(None)
-
-    def tell(self, op: str, **kw) -> None:
-        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self.proc.stdin.flush()
-
-    def answer(self, timeout: float) -> dict:
-        try:
-            reply = self.replies.get(timeout=timeout)
-        except queue.Empty:
-            reply = None
-        if reply is None:
-            raise RuntimeError(f"the {self.role} child did not answer in {timeout:.0f} s:\n{self.stderr_tail()}")
-        return reply
-
-    def call(self, op: str, timeout: float, **kw) -> dict:
-        self.tell(op, **kw)
-        return self.answer(timeout)
-
-    def stderr_tail(self, n: int = 6000) -> str:
-        self.err.seek(0)
-        return self.err.read().decode(errors="replace")[-n:]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.err.close()
 
 
 def _side(reply: dict) -> dict:
@@ -83,24 +33,12 @@ def _side(reply: dict) -> dict:
     return reply
 
 
-class QueuePair:
+class QueuePair(ChildPair):
     """A prefill child and a decode child under the SGLang environment ``target``."""
 
     def __init__(self, target: Path | None = None, extra_env: dict[str, str] | None = None) -> None:
-        env = child_env(target or env_dir(), extra_env)
-        self.prefill = Child("prefill", env)
-        self.decode = Child("decode", env)
+        super().__init__(child_env(target or env_dir(), extra_env), SIDE_MODULE, REPLY, STDERR_TAIL)
         self.room = 5000
-
-    def __enter__(self) -> QueuePair:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self.prefill.close()
-        self.decode.close()
 
     def request(
         self,

@@ -30,11 +30,8 @@ from pdstate.devtools.sglang_pair import booted  # noqa: F401  (first: the GPU-o
 
 # isort: split
 
-import json
 import os
-import sys
 import time
-import traceback
 from array import array
 from types import SimpleNamespace
 
@@ -42,6 +39,7 @@ import numpy as np
 
 from pdstate.devtools.sglang_pair import boot, pattern
 from pdstate.devtools.sglang_pair.cases import Side
+from pdstate.devtools.sglang_pair.child import serve
 from pdstate.devtools.sglang_queues import compat
 
 REPLY = "@@queues "
@@ -50,10 +48,6 @@ POLL_S = 0.0005
 CHUNK_TOKENS = 512  # the first chunk (two pages of 256): a non-last send_kv_chunk, then the last one
 
 S = SimpleNamespace(role="", backend="", port=0, installed=False, group=None, engine=False, case=None, env_set=[])
-
-
-def _text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 class Streamer:
@@ -351,17 +345,7 @@ def _check(case, req, room: int, meta_index: int | None = None) -> dict:
 
 def main() -> None:
     ops = {"setup": setup, "run_prefill": run_prefill, "run_decode": run_decode}
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        cmd = json.loads(line)
-        op = cmd.pop("op")
-        try:
-            reply = {"ok": True, **ops[op](**cmd)}
-        except Exception as exc:  # reported to the parent, which decides; the child keeps serving
-            reply = {"ok": False, "error": _text(exc), "trace": traceback.format_exc()[-4000:]}
-        sys.stdout.write(REPLY + json.dumps(reply, default=str) + "\n")
-        sys.stdout.flush()
+    serve(ops, REPLY, trace_chars=4000)
 
 
 if __name__ == "__main__":

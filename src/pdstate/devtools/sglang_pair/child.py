@@ -1,0 +1,116 @@
+"""A driver's child process, from both ends: ``Child`` (the parent's handle; ``ChildPair``, a prefill
+child and a decode child) and ``serve`` (the child's loop).
+
+Both SGLang drivers (``sglang_pair``, ``sglang_queues``) talk to their children the same way: one
+JSON command per stdin line (``{"op": ..., **arguments}``), one answer per command as a stdout line
+``<reply prefix>{json}`` (anything else on stdout is SGLang's and ignored), stderr kept aside for
+the error a child that stops answering leaves behind. Nothing here imports SGLang.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from collections.abc import Callable
+from typing import TypeVar
+
+_P = TypeVar("_P", bound="ChildPair")
+
+
+def error_text(exc: BaseException) -> str:
+    """An exception as one line: its type and message."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+class Child:
+    """The child ``python -m <module>`` playing ``role``, under ``env``; its answers are the stdout
+    lines that start with ``reply``; ``tail_chars`` of its stderr go with a missing answer's error."""
+
+    def __init__(self, role: str, env: dict[str, str], module: str, reply: str, tail_chars: int = 4000) -> None:
+        self.role = role
+        self.reply = reply
+        self.tail_chars = tail_chars
+        self.err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True, env=env,
+        )  # fmt: skip
+        self.replies: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith(self.reply):
+                self.replies.put(json.loads(line[len(self.reply) :]))
+        self.replies.put(None)
+
+    def tell(self, op: str, **kw) -> None:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self, timeout: float) -> dict:
+        try:
+            reply = self.replies.get(timeout=timeout)
+        except queue.Empty:
+            reply = None
+        if reply is None:
+            raise RuntimeError(f"the {self.role} child did not answer in {timeout:.0f} s:\n{self.stderr_tail()}")
+        return reply
+
+    def call(self, op: str, timeout: float, **kw) -> dict:
+        self.tell(op, **kw)
+        return self.answer(timeout)
+
+    def stderr_tail(self, n: int | None = None) -> str:
+        self.err.seek(0)
+        return self.err.read().decode(errors="replace")[-(self.tail_chars if n is None else n) :]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.err.close()
+
+
+class ChildPair:
+    """A prefill child and a decode child of ``module`` under ``env`` (``Child``), closed together."""
+
+    def __init__(self, env: dict[str, str], module: str, reply: str, tail_chars: int = 4000) -> None:
+        self.prefill = Child("prefill", env, module, reply, tail_chars)
+        self.decode = Child("decode", env, module, reply, tail_chars)
+
+    def __enter__(self: _P) -> _P:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.decode.close()
+
+
+def serve(ops: dict[str, Callable[..., dict]], reply: str, trace_chars: int) -> None:
+    """The child's loop: each stdin command runs ``ops[op]`` and is answered on stdout, prefixed with
+    ``reply``: ``{"ok": True, **result}``, or ``{"ok": False, "error", "trace"}`` (the trace's last
+    ``trace_chars``) when it raised; the child keeps serving until stdin closes."""
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        try:
+            answer = {"ok": True, **ops[op](**cmd)}
+        except Exception as exc:  # reported to the parent, which decides; the child keeps serving
+            answer = {"ok": False, "error": error_text(exc), "trace": traceback.format_exc()[-trace_chars:]}
+        sys.stdout.write(reply + json.dumps(answer, default=str) + "\n")
+        sys.stdout.flush()
