@@ -377,21 +377,28 @@ def test_decode_radix_cache_per_release(capsys, release):
 
 
 def test_each_backend_refusal_is_the_backends_own_text():
-    """The preflight's refusals (``launch.backend``) are the texts the backend raises today; when the
-    backend's change, change ``launch.backend`` with them (one truth)."""
+    """The preflight's refusals (``launch.backend``) are the very functions the backend calls (one
+    truth): the manager raises and records what they return, and nothing of its own."""
+    import ast
+
     from pdstate.integrations.sglang.launch.backend import context_parallel_refusal, topology_refusal
 
     manager = (REPO / "src/pdstate/integrations/sglang/manager.py").read_text()
-    pairs = {
-        "pdstate's SGLang backend does not support context parallelism yet": context_parallel_refusal(2, 1),
-        "pipeline-parallel sizes differ": topology_refusal(2, 1, 1, 1),
-        "is larger than the prefill's": topology_refusal(1, 1, 1, 8),
-        "feeds each decode rank from one prefill rank": topology_refusal(1, 1, 1, 8),
-        "moves a whole layer stack per rank (use the same --pp-size)": topology_refusal(2, 1, 1, 1),
+    called = {
+        n.func.id for n in ast.walk(ast.parse(manager)) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
     }
-    for phrase, ours in pairs.items():
-        assert ours is not None and phrase in ours
-        assert phrase in manager, f"the backend no longer says {phrase!r}: update launch/backend.py"
+    assert {"context_parallel_refusal", "topology_refusal"} <= called
+    for phrase in (
+        "does not support context parallelism",
+        "pipeline-parallel sizes differ",
+        "is larger than the prefill's",
+    ):
+        assert phrase not in manager, f"the backend words {phrase!r} itself: call launch/backend.py instead"
+    assert "context parallelism yet (attn_cp_size=2, attn_dcp_size=1)" in context_parallel_refusal(2, 1)
+    assert topology_refusal(2, 1, 1, 1).startswith(
+        "pipeline-parallel sizes differ: prefill pp_size=2, decode pp_size=1"
+    )
+    assert topology_refusal(1, 1, 1, 8).startswith("decode attention TP size 8 is larger than the prefill's 1")
     assert topology_refusal(1, 1, 8, 1) is None and context_parallel_refusal(1, 1) is None
 
 

@@ -32,6 +32,7 @@ import socket
 
 from pdstate.agent import DecodeAgent, PrefillAgent
 from pdstate.errors import AgentClosed
+from pdstate.integrations.sglang.launch.backend import context_parallel_refusal, topology_refusal
 from pdstate.integrations.sglang.settings import layout_report, load_settings
 
 log = logging.getLogger("pdstate.integrations.sglang")
@@ -76,12 +77,9 @@ def build_manager() -> type:
             self.role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
             if disaggregation_mode not in (DisaggregationMode.PREFILL, DisaggregationMode.DECODE):
                 raise ValueError(f"Unsupported DisaggregationMode: {disaggregation_mode}")
-            cp, dcp = get_parallel().attn_cp_size, get_parallel().attn_dcp_size
-            if cp > 1 or dcp > 1:  # before anything is registered anywhere
-                raise ValueError(
-                    f"pdstate's SGLang backend does not support context parallelism yet (attn_cp_size={cp}, "
-                    f"attn_dcp_size={dcp}): use --disaggregation-transfer-backend mooncake"
-                )
+            refusal = context_parallel_refusal(get_parallel().attn_cp_size, get_parallel().attn_dcp_size)
+            if refusal is not None:  # before anything is registered anywhere
+                raise ValueError(refusal)
             settings = load_settings(self.role)
             report = layout_report(args)
             common = dict(
@@ -158,18 +156,7 @@ def build_manager() -> type:
 
         def _check_topology(self, bootstrap_addr: str, info) -> None:
             """Keep the reason this backend cannot serve that prefill's topology, if any."""
-            reason = None
-            if info.pp_size != self.pp_size:
-                reason = (
-                    f"pipeline-parallel sizes differ: prefill pp_size={info.pp_size}, decode pp_size={self.pp_size}; "
-                    "pdstate's SGLang backend moves a whole layer stack per rank (use the same --pp-size)"
-                )
-            elif self.attn_tp_size > info.attn_tp_size:
-                reason = (
-                    f"decode attention TP size {self.attn_tp_size} is larger than the prefill's "
-                    f"{info.attn_tp_size}: pdstate's SGLang backend feeds each decode rank from one prefill rank "
-                    "that sends to it alone (use a decode attention TP no larger than the prefill's)"
-                )
+            reason = topology_refusal(info.pp_size, self.pp_size, info.attn_tp_size, self.attn_tp_size)
             if reason is not None:
                 self.topology_errors[bootstrap_addr] = reason
                 log.error("pdstate: prefill %s: %s", bootstrap_addr, reason)

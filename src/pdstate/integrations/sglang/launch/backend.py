@@ -1,7 +1,7 @@
 """What pdstate's own SGLang backend (``--disaggregation-transfer-backend pdstate``) refuses, as
 functions of the launch's topology, so the preflight predicts exactly those refusals.
 
-``pdstate.integrations.sglang.manager`` refuses, today (its texts are these):
+``pdstate.integrations.sglang.manager`` refuses (with these functions' texts):
 
 - at start, on either side: context parallelism (``attn_cp_size`` or ``attn_dcp_size`` above 1):
   the KV manager raises ``ValueError`` while SGLang builds it, so the server does not start;
@@ -10,8 +10,8 @@ functions of the launch's topology, so the preflight predicts exactly those refu
 
 A prefill attention TP wider than the decode's works (one prefill rank sends, the others complete
 as dummies), and a decode radix cache is served (only the pages past the decode's prefix move).
-The backend can call these same functions with the widths it reads from SGLang; a unit test pairs
-each text here with the backend's source so the two do not drift.
+The backend calls these very functions with the widths it reads from SGLang, and a unit test checks
+that it words none of these refusals itself, so the preflight and the backend cannot drift.
 """
 
 from __future__ import annotations
