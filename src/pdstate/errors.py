@@ -238,7 +238,7 @@ class ItemLengthMismatch(IndexRefused):
     """A buffer's item length differs between the two sides."""
 
 
-# --- protocol, engines, runtime ---------------------------------------------------------------
+# --- protocol, engines, workers ---------------------------------------------------------------
 
 
 class ProtocolError(PdStateError):

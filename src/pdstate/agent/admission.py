@@ -6,7 +6,7 @@ The socket binds a ZeroMQ identity to its first connection (no ``ROUTER_HANDOVER
 connection copying a decode's identity is refused by ZeroMQ and cannot take over its pipe.
 ``ROUTER_MANDATORY`` makes a send to an identity with no connection fail (the liveness probe).
 
-Run on the prefill agent's I/O thread, as the runtime prefill does (``runtime.prefill_peers``):
+Run on the prefill agent's I/O thread:
 
 * a register whose ``worker_id`` an accepted decode on another connection still holds (heard
   from within the peer timeout, its connection open: a probe heartbeat can be queued to it) is

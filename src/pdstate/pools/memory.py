@@ -14,7 +14,7 @@ a peer of another uid, in another container without this ``/dev/shm``, or on the
 name a segment it does not own.
 
 The segment is removed by ``close()``; segments left behind by a crashed owner are removed by
-``sweep_stale_segments()`` (called on start by the worker runtime), which tells a dead owner from
+``sweep_stale_segments()`` (called on start by serve's workers), which tells a dead owner from
 a live one by the ``flock`` every owner holds on its segments for its lifetime (not by PID, which
 means nothing across PID namespaces and is reused). ``allocate`` refuses, with one line naming
 the bytes, a ``/dev/shm`` too small for the segment instead of letting the first write SIGBUS.

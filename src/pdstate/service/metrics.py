@@ -16,7 +16,7 @@ LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 class _Collector:
     """Reads the worker's counters at scrape time. The latency histogram is folded in
     incrementally: each scrape only bins what was appended since the last one. The worker keeps
-    a bounded window (``runtime.stats.RecentLatencies``: ``since(seen)`` and ``total``); a plain
+    a bounded window (``worker.stats.RecentLatencies``: ``since(seen)`` and ``total``); a plain
     list (tests' fakes) is read by position."""
 
     def __init__(self, source: StatusSource) -> None:

@@ -35,7 +35,7 @@ class StatusSource(Protocol):
     engine: str
     control: str  # prefill: the bound control endpoint; decode: the prefill endpoint it dials
     report: LayoutReport
-    stats: Any  # runtime.stats.Stats
+    stats: Any  # worker.stats.Stats
 
     def readiness(self) -> Readiness: ...
 

@@ -4,7 +4,7 @@ A started decode-side engine is listed in a module-level table under its ``engin
 endpoint carries that id and a prefill engine in the same process finds the decode engine there.
 Closing the decode engine removes it, so later submits to it fail like a vanished peer.
 
-Scriptable behaviour, so runtime tests need no real engine:
+Scriptable behaviour, so tests of the agent and the workers need no real engine:
 
 * ``delay_s``: a submitted plan lands only ``delay_s`` after ``submit`` (the copy happens at the
   first ``poll``/``wait`` after that), so ``poll`` returns False meanwhile and a short ``wait``
