@@ -1,4 +1,4 @@
-"""``pdstate.agent`` sits beside the runtime: it imports errors, protocol, pools and transfer only."""
+"""``pdstate.agent`` imports errors, logs, protocol, pools and transfer only (the layers below it)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 AGENT = Path(__file__).resolve().parents[2] / "src" / "pdstate" / "agent"
-ALLOWED = ("pdstate.errors", "pdstate.protocol", "pdstate.pools", "pdstate.transfer", "pdstate.agent")
+ALLOWED = ("pdstate.errors", "pdstate.logs", "pdstate.protocol", "pdstate.pools", "pdstate.transfer", "pdstate.agent")
 
 
 def test_agent_imports_only_lower_layers():
@@ -16,6 +16,8 @@ def test_agent_imports_only_lower_layers():
             names = []
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module == "pdstate":  # from pdstate import logs
+                names = [f"pdstate.{a.name}" for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
             for name in names:

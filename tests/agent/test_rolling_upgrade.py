@@ -93,8 +93,8 @@ def test_an_old_prefill_whose_layout_differs_is_refused_on_both_sides_with_the_f
     # is speculative with a NextN draft (C4 ring 16)
     pf = prefills(PREFILL_SEED, settings={"upstream": OLD, "speculative_num_draft_tokens": 0, "draft_enabled": False})
     before = snapshot(kv)
+    pf.ask(op="sender", room=52, num_pages=2)  # first: the live sender fails with the refusal
     recv = agent.receiver(pf.address, 52)
-    pf.ask(op="sender", room=52, num_pages=2)
     assert recv.wait(10) is RequestState.FAILED
     message = (
         "DSV4 layout mismatch on c4_ring: prefill server has c4_ring=8, but decode server has c4_ring=16. "
