@@ -124,3 +124,22 @@ def test_a_draining_prefill_finishes_what_it_holds_and_refuses_the_rest(pair, mo
     assert d.status().peer.error.message == "prefill shutting down"
     gone = d.submit(100).result(30)  # fails at once with the reason the prefill went
     assert (gone.status, gone.error.type, gone.error.message) == ("failed", "PeerGone", "prefill shutting down")
+
+
+def test_each_request_end_is_one_info_line_on_both_sides(pair, caplog):
+    p, d = pair
+    caplog.set_level("INFO", logger="pdstate.worker")
+    res = d.submit(700, verify="full").result(30).as_dict()
+    assert res["status"] == "success", res
+    room = res["room"]
+    wait_until(
+        "the prefill logged the request's end",
+        lambda: any(r.name == "pdstate.worker.prefill" and f"room={room}" in r.getMessage() for r in caplog.records),
+        10,
+    )
+    ends = [r for r in caplog.records if "request end" in r.getMessage() and f"room={room}" in r.getMessage()]
+    assert sorted(r.name for r in ends) == ["pdstate.worker.decode", "pdstate.worker.prefill"], ends
+    (dec,) = [r.getMessage() for r in ends if r.name == "pdstate.worker.decode"]
+    assert f"peer={p.endpoint}" in dec and f"bytes={res['bytes']}" in dec
+    assert "outcome=ok" in dec and "verification=full" in dec
+    assert all(r.levelname == "INFO" for r in ends)

@@ -29,6 +29,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from pdstate import logs
 from pdstate.errors import (
     AgentClosed,
     AgentTimeout,
@@ -261,6 +262,15 @@ class AgentDecodeWorker(AgentWorker):
             self.stats.success(res.bytes, res.seconds)
         else:
             self.stats.fail(res.error.message if res.error else "failed")
+        logs.request_end(
+            log,
+            room=room,
+            peer=prefill,
+            nbytes=res.bytes,
+            ms=res.seconds * 1e3,
+            outcome="ok" if res.error is None else f"failed: {res.error.type}",
+            verification=verify if res.verified else "none",
+        )
         self._finish(status, fut, res)
 
     def _refuse_if_down(self, prefill: str, known: dict[str, dict]) -> None:

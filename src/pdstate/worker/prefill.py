@@ -26,6 +26,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from pdstate import logs
 from pdstate.errors import (
     AgentClosed,
     EngineError,
@@ -219,6 +220,15 @@ class AgentPrefillWorker(AgentWorker):
             self.stats.fail(reason)
             if isinstance(error, EngineError):  # counted by class (``TransferTimedOut`` is one)
                 self.stats.engine_error()
+        logs.request_end(
+            log,
+            room=status.room,
+            peer=status.peer,
+            nbytes=int(metrics.get("bytes", 0)),
+            ms=seconds * 1e3,
+            outcome="ok" if ok else f"failed: {type(error).__name__}" if error is not None else reason,
+            verification="digest",
+        )
         self._leave(
             status.room,
             {
