@@ -6,6 +6,7 @@ import socket
 import time
 
 import numpy as np
+import pytest
 
 from pdstate.agent import RequestState
 from pdstate.errors import PeerGone, SWAIndexMappingNotShared
@@ -88,8 +89,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_rehandshake_after_prefill_restart(decode, prefills):  # noqa: F811
-    side, agent = decode
+@pytest.fixture
+def patient_decode():
+    """A decode whose peer timeout outlasts a prefill process's restart on a loaded host: the
+    restart is seen by the new incarnation's Accept, not raced against the heartbeat timeout."""
+    from pdstate.agent import DecodeAgent
+    from tests.agent.support import fill, make_side
+    from tests.agent.test_transfer import DECODE_SEED
+
+    side = make_side(True)
+    fill(side.kv_args, DECODE_SEED)
+    agent = DecodeAgent(side.kv_args, (side.pools.target, side.pools.draft), peer_timeout_s=15.0)
+    yield side, agent
+    agent.close()
+    side.close()
+
+
+def test_rehandshake_after_prefill_restart(patient_decode, prefills):
+    side, agent = patient_decode
     kv = side.kv_args
     bind = f"tcp://127.0.0.1:{free_port()}"
     first = prefills(PREFILL_SEED, bind=bind)
