@@ -209,8 +209,11 @@ def test_non_binary_tag_counts_as_missing():
     refused(data, AuthError, "heartbeat frame carries no auth tag, but this worker requires one", token=TOKEN)
 
 
-def test_worker_without_token_ignores_a_tag():
-    assert wire.decode(vector(export_proto.AUTHED_NAME)).seq == 43
+def test_worker_without_token_refuses_a_tag():
+    # was ignored: a token on one side only left the side with it waiting forever
+    refused(
+        vector(export_proto.AUTHED_NAME), AuthError, "heartbeat frame carries an auth tag, but this worker has no token"
+    )
 
 
 def test_auth_is_checked_before_the_version():

@@ -13,19 +13,57 @@ Run on the prefill agent's I/O thread:
   refused with ``WorkerIdInUse`` and that decode is left as it was; a killed decode's connection
   closes at once, so its restart is accepted without waiting for the timeout;
 * with an engine that proves ownership (shm), a compatible register whose endpoint does not
-  answer a challenge yet gets a ``Challenge``; the engine's ``connect`` checks the answer.
+  answer a challenge yet gets a ``Challenge``; the engine's ``connect`` checks the answer;
+* a frame that does not decode is answered with ``Error`` naming why, unless it is itself an
+  ``error`` frame (never answered: two peers must not bounce errors); an ``AuthError`` (a token
+  on one side only, or two different tokens) is counted, kept as the latest (``AuthFailures``)
+  and logged, at most once a second.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 import zmq
 
-from pdstate.errors import WorkerIdInUse
+from pdstate import logs
+from pdstate.errors import AuthError, PdStateError, WorkerIdInUse
 from pdstate.protocol import wire
 from pdstate.protocol.report import ErrorInfo
+
+log = logging.getLogger("pdstate.agent")
+
+
+class AuthFailures:
+    """Frames refused for their auth tag: how many, the latest (``ErrorInfo``) and when
+    (``time.monotonic()``); written by one I/O thread, read by any (a snapshot of ints)."""
+
+    def __init__(self) -> None:
+        self.count, self.latest, self.at, self._logged = 0, None, 0.0, -1.0
+
+    def note(self, err: AuthError, peer: str) -> AuthError:
+        """Count ``err`` from ``peer`` (the log line carries the fix); returns it."""
+        now = time.monotonic()
+        self.count, self.latest, self.at = self.count + 1, ErrorInfo.of(err), now
+        if now - self._logged >= 1.0:  # a flood of bad frames is one line a second
+            self._logged = now
+            logs.refusal(log, what="frame", peer=peer, error_type="AuthError", message=str(err))
+        return err
+
+    def recent(self, within_s: float) -> ErrorInfo | None:
+        """The latest refusal when it is at most ``within_s`` old."""
+        return self.latest if self.latest is not None and time.monotonic() - self.at <= within_s else None
+
+
+def refuse_frame(agent: Any, identity: bytes, frame: bytes, exc: PdStateError) -> None:
+    """A frame from ``identity`` that did not decode (``exc``): answered with ``Error`` unless it
+    is an ``error`` frame itself (PROTOCOL §7)."""
+    if isinstance(exc, AuthError):
+        exc = agent.auth_failures.note(exc, identity.decode("utf-8", "replace")[:64])
+    if wire.envelope_kind(frame) != "error":
+        agent._reply(identity, wire.Error(error=ErrorInfo.of(exc)))
 
 
 def bind_router(loop: Any, bind: str) -> tuple[zmq.Socket, str]:

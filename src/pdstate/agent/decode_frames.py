@@ -12,7 +12,7 @@ import zmq
 from pdstate import logs
 from pdstate.agent.digest import RequestDigest
 from pdstate.agent.receiver import _Prefill, _Recv
-from pdstate.errors import DigestMismatch, PdStateError, PeerGone, TransferAborted, error_from_wire
+from pdstate.errors import AuthError, DigestMismatch, PdStateError, PeerGone, TransferAborted, error_from_wire
 from pdstate.protocol import wire
 from pdstate.protocol.lifecycle import PeerState, RequestState, move
 from pdstate.protocol.report import ErrorInfo
@@ -26,7 +26,7 @@ _S = RequestState
 
 class DecodeFrames:
     """Mixed into ``DecodeAgent`` (its ``_prefills``, ``_recvs``, ``_handshake``, ``_engine``,
-    ``_layout``, ``digest``, ``token`` and the helpers ``_send``, ``_register``, ``_fail_prefill``,
+    ``_layout``, ``digest``, ``token``, ``auth_failures`` and the helpers ``_send``, ``_register``, ``_fail_prefill``,
     ``_restarted``, ``_live`` and ``_maybe_send``); every method runs on its I/O thread."""
 
     def _on_frame(self, address: str, sock: zmq.Socket) -> None:
@@ -36,6 +36,10 @@ class DecodeFrames:
             return
         try:
             msg = wire.decode(frame, self.token)
+        except AuthError as exc:
+            if p.state is PeerState.PENDING or p.redial:  # its answer to this register: a token on one side only
+                self._auth_refused(p, exc)
+            return
         except PdStateError:
             return
         p.last_seen = time.monotonic()
@@ -69,6 +73,12 @@ class DecodeFrames:
                 recv = self._recvs.get((address, msg.room))
                 if recv is not None:
                     recv.record.fail(error_from_wire(msg.error.type, msg.error.message))
+
+    def _auth_refused(self, p: _Prefill, exc: AuthError) -> None:
+        p.redial = False
+        err = self.auth_failures.note(AuthError(f"prefill {p.address} answered: {exc}"), p.address)
+        self.handshakes["rejected"] += 1
+        self._fail_prefill(p, err, PeerState.REJECTED)
 
     def _on_handshake(self, p: _Prefill, msg) -> None:
         if p.state is not PeerState.PENDING and not p.redial:

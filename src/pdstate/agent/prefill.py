@@ -11,7 +11,7 @@ from collections.abc import Callable
 import zmq
 
 from pdstate import logs
-from pdstate.agent.admission import bind_router, gatekeep
+from pdstate.agent.admission import AuthFailures, bind_router, gatekeep, refuse_frame
 from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.digest import RequestDigest
 from pdstate.agent.prefill_copy import CopyPipeline
@@ -147,6 +147,7 @@ class PrefillAgent(CopyPipeline, Refusals):
         self._sends: dict[int, _Send | _Ended] = {}  # live senders, and ended ones as tombstones
         self._pending: dict[int, _Pending] = {}
         self.handshakes = {"accepted": 0, "rejected": 0}  # answers given, written by the I/O thread only
+        self.auth_failures = AuthFailures()  # frames refused for their auth tag
         self._peer_log: OrderedDict[str, dict] = OrderedDict()  # worker id -> its latest record (``peers()``)
         self._init_refusals()
         self._last_tick = time.monotonic()
@@ -252,7 +253,7 @@ class PrefillAgent(CopyPipeline, Refusals):
         try:
             msg = wire.decode(frame, self.token)
         except PdStateError as exc:
-            self._reply(identity, wire.Error(error=ErrorInfo.of(exc)))
+            refuse_frame(self, identity, frame, exc)
             return
         decode = self._decodes.get(identity)
         if decode is not None:

@@ -331,7 +331,8 @@ def decode(frame: bytes, token: bytes | None = None, max_frame_bytes: int = MAX_
     """Decode and validate one frame. Raises ``ProtocolError`` (``VersionMismatch``) or ``AuthError``.
 
     Order: size, envelope, auth, version, kind, body. A side configured with a token refuses a
-    frame without one.
+    frame without one; a side without a token refuses a frame that carries one (the token is set
+    on one side only: both sides say so, instead of one waiting forever).
     """
     if len(frame) > max_frame_bytes:
         raise ProtocolError(f"frame of {len(frame)} bytes exceeds the limit of {max_frame_bytes} bytes")
@@ -353,6 +354,8 @@ def decode(frame: bytes, token: bytes | None = None, max_frame_bytes: int = MAX_
             raise AuthError(f"{kind[:64]} frame carries no auth tag, but this worker requires one")
         if not hmac.compare_digest(tag, _tag(token, v, kind, body)):
             raise AuthError(f"{kind[:64]} frame carries a wrong auth tag")
+    elif "auth" in env:
+        raise AuthError(f"{kind[:64]} frame carries an auth tag, but this worker has no token")
     if v != PROTOCOL_VERSION:
         raise VersionMismatch(f"protocol version mismatch: peer speaks v{v}, this worker speaks v{PROTOCOL_VERSION}")
     cls = MESSAGES.get(kind)

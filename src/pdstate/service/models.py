@@ -24,7 +24,7 @@ Role = Literal["prefill", "decode"]
 class Readiness:
     ready: bool
     reason: str | None = None  # the exact error text when a check failed
-    check: str | None = None  # which check: "local_check" | "handshake" | "peer" | "threads" | "shutdown"
+    check: str | None = None  # which check: "local_check" | "handshake" | "peer" | "threads" | "shutdown" | "auth"
     error: ErrorInfo | None = None
 
 
@@ -77,7 +77,10 @@ class Health(BaseModel):
 class Ready(BaseModel):
     ready: bool
     reason: str | None = Field(None, description="why not ready: the exact error text when a check failed")
-    check: str | None = Field(None, description="local_check | handshake | peer | threads | shutdown")
+    check: str | None = Field(
+        None,
+        description="local_check | handshake | peer | threads | shutdown; auth: ready, but decodes' frames fail auth",
+    )
     error: ErrorModel | None = None
 
 

@@ -57,6 +57,9 @@ class WorkerStatus:
         if self.role == "prefill":
             if not s.endpoint:
                 return Readiness(False, "control socket not listening", "peer")
+            if s.auth_error is not None and not any(p.state.value == "accepted" for p in s.peers):
+                # ready (a decode with the right token is served), but say why none is
+                return Readiness(True, f"decodes' frames fail auth: {s.auth_error.message}", "auth", s.auth_error)
             return Readiness(True)
         state = s.peer.state.value
         if state == "accepted":

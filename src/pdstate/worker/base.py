@@ -87,15 +87,18 @@ def build_side(opts: WorkerOptions):
 
 
 class AgentStats(Stats):
-    """``worker.stats.Stats`` whose handshake counts are the agent's own (read at snapshot)."""
+    """``worker.stats.Stats`` whose handshake and auth-failure counts are the agent's own (read
+    at snapshot); ``agent()`` returns the agent or ``None``."""
 
-    def __init__(self, handshakes: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, agent: Callable[[], object]) -> None:
         super().__init__()
-        self._agent_handshakes = handshakes
+        self._agent = agent
 
     def snapshot(self) -> Stats:
         s = super().snapshot()
-        s.handshakes = dict(self._agent_handshakes())
+        agent = self._agent()
+        s.handshakes = dict(agent.handshakes) if agent is not None else {}
+        s.auth_failures = agent.auth_failures.count if agent is not None else 0
         return s
 
 
@@ -154,7 +157,7 @@ class AgentWorker:
         self.local_error: BaseException | None = None
         self.agent = None
         self.pools = None
-        self.stats = AgentStats(lambda: self.agent.handshakes if self.agent is not None else {})
+        self.stats = AgentStats(lambda: self.agent)
         self.finished: OrderedDict[int, object] = OrderedDict()
         self.peak_in_flight = 0
         self._live: dict[int, RequestStatus] = {}

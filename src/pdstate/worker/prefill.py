@@ -50,6 +50,9 @@ SHUTTING_DOWN = "prefill shutting down"
 REQUEST_THREADS = 16  # at most this many requests are filled and sent at once (the rest wait their turn)
 
 
+AUTH_RECENT_S = 60.0  # a frame refused for its auth tag is named on /readyz this long
+
+
 class AgentPrefillWorker(AgentWorker):
     """The prefill of ``pdstate serve``. ``start()`` builds pools and agent; ``stop()`` drains."""
 
@@ -255,6 +258,7 @@ class AgentPrefillWorker(AgentWorker):
             requests=self._requests(),
             dead_threads=self._dead_threads(),
             peak_in_flight=self.peak_in_flight,
+            auth_error=self._ask_agent(lambda a: a.auth_failures.recent(AUTH_RECENT_S), None),
         )
 
     def finished_records(self) -> list[dict]:

@@ -58,6 +58,7 @@ class Stats:
     bytes: int = 0
     engine_errors: int = 0
     protocol_errors: int = 0
+    auth_failures: int = 0  # control frames refused for their auth tag (the agent's count)
     latencies_s: RecentLatencies = field(default_factory=RecentLatencies)
     failure_reasons: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
@@ -103,6 +104,7 @@ class Stats:
                 self.protocol_errors,
                 self.latencies_s.snapshot(),
                 dict(self.failure_reasons),
+                self.auth_failures,
             )
 
     def as_dict(self) -> dict:
@@ -114,6 +116,7 @@ class Stats:
             "bytes": s.bytes,
             "engine_errors": s.engine_errors,
             "protocol_errors": s.protocol_errors,
+            "auth_failures": s.auth_failures,
             "latencies_s": [],
             "latency_count": s.latencies_s.total,
             "failure_reasons": s.failure_reasons,

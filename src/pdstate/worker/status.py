@@ -64,6 +64,7 @@ class WorkerSnapshot:
     waiting: int = 0  # decode: requests waiting for pages
     quarantined: int = 0  # decode: requests whose pages wait for their prefill's fence
     handshake_s: float | None = None  # decode: the latest accepted handshake's duration (its ``peer``)
+    auth_error: ErrorInfo | None = None  # prefill: the latest frame refused for its auth tag, if recent
 
     @property
     def in_flight(self) -> int:
