@@ -29,7 +29,7 @@ from typing import Any
 import zmq
 
 from pdstate import logs
-from pdstate.errors import AuthError, PdStateError, WorkerIdInUse
+from pdstate.errors import AuthError, PdStateError, ProtocolError, WorkerIdInUse
 from pdstate.protocol import wire
 from pdstate.protocol.report import ErrorInfo
 
@@ -64,6 +64,15 @@ def refuse_frame(agent: Any, identity: bytes, frame: bytes, exc: PdStateError) -
         exc = agent.auth_failures.note(exc, identity.decode("utf-8", "replace")[:64])
     if wire.envelope_kind(frame) != "error":
         agent._reply(identity, wire.Error(error=ErrorInfo.of(exc)))
+
+
+def refuse_parts(agent: Any, parts: list[bytes]) -> None:
+    """A message of other than one frame (PROTOCOL §1): answered with ``Error`` unless its first
+    frame is an ``error`` frame."""
+    if len(parts) < 2 or wire.envelope_kind(parts[1]) == "error":
+        return
+    err = ProtocolError(f"a message is one frame (one ZeroMQ part); this one has {len(parts) - 1}")
+    agent._reply(parts[0], wire.Error(error=ErrorInfo.of(err)))
 
 
 def bind_router(loop: Any, bind: str) -> tuple[zmq.Socket, str]:

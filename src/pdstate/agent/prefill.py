@@ -11,7 +11,7 @@ from collections.abc import Callable
 import zmq
 
 from pdstate import logs
-from pdstate.agent.admission import AuthFailures, bind_router, gatekeep, refuse_frame
+from pdstate.agent.admission import AuthFailures, bind_router, gatekeep, refuse_frame, refuse_parts
 from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.digest import RequestDigest
 from pdstate.agent.prefill_copy import CopyPipeline
@@ -248,6 +248,7 @@ class PrefillAgent(CopyPipeline, Refusals):
     def _on_frame(self, sock: zmq.Socket) -> None:
         parts = sock.recv_multipart()
         if len(parts) != 2:
+            refuse_parts(self, parts)
             return
         identity, frame = parts
         try:
@@ -260,10 +261,12 @@ class PrefillAgent(CopyPipeline, Refusals):
             decode.last_seen = time.monotonic()
         if isinstance(msg, wire.Register):
             self._on_register(identity, msg)
-        elif isinstance(msg, wire.Heartbeat):
+        elif isinstance(msg, wire.Heartbeat) and decode is not None:
             self._reply(identity, wire.Heartbeat(worker_id=self.worker_id, incarnation=self.incarnation, seq=msg.seq))
         elif isinstance(msg, wire.Error) and challenge_unknown(msg.error.message):  # an older decode: say why
             self._reply(identity, wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(challenge_unknown_error())))
+        elif isinstance(msg, wire.Error):  # never answered (PROTOCOL §7); a room of this decode's fails
+            self._on_error(identity, msg)
         elif decode is None and isinstance(msg, wire.Abort) and identity in self._refused:
             self._on_refused_abort(identity, msg)
         elif decode is None:

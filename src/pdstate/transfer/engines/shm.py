@@ -280,7 +280,12 @@ class ShmEngine(TransferEngine):
 
     def _connect(self, peer: Peer) -> None:
         theirs = str(peer.endpoint["boot_id"])
-        if theirs and self._boot_id and theirs != self._boot_id:
+        if not theirs or not self._boot_id:  # never skip the same-host check
+            raise InvalidEndpoint(
+                f"shm engine: {'peer ' + peer.peer_id + ' sent' if not theirs else 'this host has'} no boot id "
+                f"({BOOT_ID_PATH}); shared memory needs both sides on one host, which the boot id proves"
+            )
+        if theirs != self._boot_id:
             raise InvalidEndpoint(
                 f"shm engine: peer {peer.peer_id} runs under another kernel (boot id {theirs}); "
                 "shared memory needs both sides on one host"
