@@ -310,12 +310,15 @@ class PrefillAgent(CopyPipeline, Refusals):
             except (PdStateError, ValueError) as exc:
                 answer = wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(exc))
             else:
-                for key, d in list(self._decodes.items()):
-                    if d.worker_id == msg.worker_id and key != identity:
-                        self._decode_gone(key, f"decode {msg.worker_id} registered again (new incarnation)")
+                olds = [k for k, d in self._decodes.items() if d.worker_id == msg.worker_id and k != identity]
+                replaced = self._decodes.get(identity)
                 self._decodes[identity] = _Decode(
                     identity, msg.worker_id, msg.incarnation, peer_id, planner, time.monotonic()
                 )
+                for key in olds:  # after the new one is in: a peer id both share stays connected
+                    self._decode_gone(key, f"decode {msg.worker_id} registered again (new incarnation)")
+                if replaced is not None:
+                    self._release(replaced.peer_id)
         self._note_handshake(identity, answer)
         self._log_peer(
             msg, "accepted" if isinstance(answer, wire.Accept) else "rejected", getattr(answer, "error", None)
@@ -348,6 +351,14 @@ class PrefillAgent(CopyPipeline, Refusals):
         for room, p in list(self._pending.items()):
             if p.identity == identity:
                 del self._pending[room]
+        if gone is not None:
+            self._release(gone.peer_id)
+
+    def _release(self, peer_id: str) -> None:
+        """Disconnect ``peer_id`` (its mappings and claims) unless an accepted decode still uses it
+        (its requests were failed and fenced first)."""
+        if all(d.peer_id != peer_id for d in self._decodes.values()):
+            self._engine.disconnect(peer_id)
 
     def _attach(self, send: _Send, identity: bytes, msg: wire.AgentRequest) -> None:
         if send.request is not None:

@@ -54,10 +54,11 @@ class Refusals:
         return self._refused_rooms.get(room)
 
     def _note_handshake(self, identity: bytes, answer: wire.Message) -> None:
+        self._refused.pop(identity, None)
         if isinstance(answer, wire.Reject):
             self._refused[identity] = answer.error
-        else:
-            self._refused.pop(identity, None)
+            while len(self._refused) > MAX_REFUSED_ROOMS:  # refused identities: the oldest forgotten
+                del self._refused[next(iter(self._refused))]
 
     def _on_refused_abort(self, identity: bytes, msg: wire.Abort) -> None:
         info = self._refused[identity]
