@@ -127,6 +127,9 @@ def _early_answer(agent: Any, identity: bytes, msg: wire.Register) -> wire.Messa
         and "challenge" not in msg.engine.endpoint
         and isinstance(agent._handshake.receive(msg), wire.Accept)  # (an incompatible one: refused as ever)
     ):
-        nonce = engine.challenge(f"{msg.worker_id}/{msg.incarnation}")
+        try:
+            nonce = engine.challenge(f"{msg.worker_id}/{msg.incarnation}", identity.hex())
+        except PdStateError as exc:  # too many outstanding: the decode registers again (backoff)
+            return wire.Reject(worker_id=agent.worker_id, error=ErrorInfo.of(exc))
         return wire.Challenge(worker_id=agent.worker_id, incarnation=agent.incarnation, nonce=nonce)
     return None

@@ -10,7 +10,7 @@ import zmq
 
 from pdstate.agent.admission import AuthFailures
 from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
-from pdstate.agent.decode_frames import DecodeFrames
+from pdstate.agent.decode_frames import RETRY_MAX_S, DecodeFrames
 from pdstate.agent.receiver import KVReceiver, _Prefill, _Recv
 from pdstate.errors import (
     AgentClosed,
@@ -275,6 +275,13 @@ class DecodeAgent(DecodeFrames):
         p.error, p.registered_at, p.handshakes = None, time.monotonic(), p.handshakes + 1
         self._send(p, self._handshake.register_message())
 
+    def _retry(self, p: _Prefill) -> None:
+        """Register again with a prefill that refused this decode for a passing reason, keeping
+        it REJECTED (and its error) until it answers; the next try waits twice as long."""
+        p.retry_s = min(RETRY_MAX_S, 2 * p.retry_s)
+        p.registered_at, p.handshakes, p.redial = time.monotonic(), p.handshakes + 1, True
+        self._send(p, self._handshake.register_message())
+
     def _add(self, recv: _Recv, redial_gone: bool = True) -> _Recv:
         key = (recv.prefill, recv.record.room)
         old = self._recvs.get(key)
@@ -396,7 +403,9 @@ class DecodeAgent(DecodeFrames):
             if sent_at is not None and recv.aborting is None and now - sent_at > self.transfer_timeout_s:
                 self._abort(recv, f"no TransferDone within transfer_timeout_s={self.transfer_timeout_s:g} s")
         for p in list(self._prefills.values()):
-            if p.state is PeerState.PENDING and now - p.registered_at > self.handshake_timeout_s:
+            if p.state is PeerState.REJECTED and p.retry_s and now - p.registered_at >= p.retry_s:
+                self._retry(p)
+            elif p.state is PeerState.PENDING and now - p.registered_at > self.handshake_timeout_s:
                 self._fail_prefill(
                     p,
                     PeerGone(f"prefill {p.address} did not answer the handshake within {self.handshake_timeout_s:g} s"),

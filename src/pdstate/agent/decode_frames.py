@@ -22,6 +22,10 @@ __all__ = ["DecodeFrames"]
 log = logging.getLogger("pdstate.agent")
 
 _S = RequestState
+RETRY_MAX_S = 30.0  # the longest wait between two registers with a prefill that refused this decode
+# refusals that pass (another live incarnation holds the worker id, a challenge evicted or
+# expired, a prefill busy): registered again with backoff (``_retry``); any other is final
+PASSING_REFUSALS = frozenset({"WorkerIdInUse", "InvalidEndpoint", "PrefillBusy", "NotRegistered", "PeerGone"})
 
 
 class DecodeFrames:
@@ -91,8 +95,10 @@ class DecodeFrames:
             self.handshakes["rejected"] += 1
             logs.refusal(log, what="handshake", peer=p.address, error_type=type(err).__name__, message=str(err))
             self._fail_prefill(p, err, PeerState.REJECTED)
+            p.retry_s = (p.retry_s or self._redial_s) if type(err).__name__ in PASSING_REFUSALS else 0.0
             return
         self.handshakes["accepted"] += 1
+        p.retry_s = 0.0
         if p.incarnation and accept.incarnation != p.incarnation:
             self._restarted(p, accept.incarnation)
         if p.state is not PeerState.ACCEPTED:

@@ -213,10 +213,10 @@ class ShmEngine(TransferEngine):
         return prove_endpoint(self.endpoint(), nonce, claimant)
 
     # prefill side: ownership first, then map the peer's files
-    def challenge(self, claimant: str) -> bytes:
+    def challenge(self, claimant: str, holder: str = "") -> bytes:
         with self._lock:
             self._require_started("challenge")
-            return self._challenges.issue(claimant)
+            return self._challenges.issue(claimant, holder)
 
     def connect(self, endpoint: Mapping[str, Any], owner: str | None = None) -> str:
         with self._lock:
