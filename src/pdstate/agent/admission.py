@@ -16,7 +16,7 @@ Run on the prefill agent's I/O thread:
   answer a challenge yet gets a ``Challenge``; the engine's ``connect`` checks the answer;
 * a frame that does not decode is answered with ``Error`` naming why, unless it is itself an
   ``error`` frame (never answered: two peers must not bounce errors); an ``AuthError`` (a token
-  on one side only, or two different tokens) is counted, kept as the latest (``AuthFailures``)
+  on one side only, or two different tokens) is counted, kept as the latest (``Incidents``)
   and logged, at most once a second.
 """
 
@@ -36,20 +36,21 @@ from pdstate.protocol.report import ErrorInfo
 log = logging.getLogger("pdstate.agent")
 
 
-class AuthFailures:
-    """Frames refused for their auth tag: how many, the latest (``ErrorInfo``) and when
-    (``time.monotonic()``); written by one I/O thread, read by any (a snapshot of ints)."""
+class Incidents:
+    """Refusals of one kind (``what``: frames refused for their auth tag, decodes dropped for
+    withheld verdicts): how many, the latest (``ErrorInfo``) and when (``time.monotonic()``);
+    written by one I/O thread, read by any (a snapshot of plain values)."""
 
-    def __init__(self) -> None:
-        self.count, self.latest, self.at, self._logged = 0, None, 0.0, -1.0
+    def __init__(self, what: str = "frame") -> None:
+        self.what, self.count, self.latest, self.at, self._logged = what, 0, None, 0.0, -1.0
 
-    def note(self, err: AuthError, peer: str) -> AuthError:
-        """Count ``err`` from ``peer`` (the log line carries the fix); returns it."""
+    def note(self, err: PdStateError, peer: str) -> PdStateError:
+        """Count ``err`` from ``peer`` and log it (the line carries the fix); returns it."""
         now = time.monotonic()
         self.count, self.latest, self.at = self.count + 1, ErrorInfo.of(err), now
-        if now - self._logged >= 1.0:  # a flood of bad frames is one line a second
+        if now - self._logged >= 1.0:  # a flood is one line a second
             self._logged = now
-            logs.refusal(log, what="frame", peer=peer, error_type="AuthError", message=str(err))
+            logs.refusal(log, what=self.what, peer=peer, error_type=type(err).__name__, message=str(err))
         return err
 
     def recent(self, within_s: float) -> ErrorInfo | None:

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import zmq
 
-from pdstate.agent.admission import AuthFailures
+from pdstate.agent.admission import Incidents
 from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.decode_frames import RETRY_MAX_S, DecodeFrames
 from pdstate.agent.receiver import KVReceiver, _Prefill, _Recv
@@ -117,7 +117,7 @@ class DecodeAgent(DecodeFrames):
         self._layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
         self._prefills: dict[str, _Prefill] = {}
         self.handshakes = {"accepted": 0, "rejected": 0}  # answers received, written by the I/O thread only
-        self.auth_failures = AuthFailures()  # prefills' answers refused for their auth tag
+        self.auth_failures = Incidents()  # prefills' answers refused for their auth tag
         self._redial_s = max(1.0, 2 * heartbeat_interval_s)  # a gone prefill's register, sent again at most this often
         self._recvs: dict[tuple[str, int], _Recv] = {}
         self._last_tick = time.monotonic()

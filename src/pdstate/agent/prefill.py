@@ -11,9 +11,10 @@ from collections.abc import Callable
 import zmq
 
 from pdstate import logs
-from pdstate.agent.admission import AuthFailures, bind_router, gatekeep, refuse_frame, refuse_parts
+from pdstate.agent.admission import Incidents, bind_router, gatekeep, refuse_frame, refuse_parts
 from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.digest import RequestDigest
+from pdstate.agent.fairness import VERDICT_TIMEOUT_S, check_verdicts, verdict_heard
 from pdstate.agent.prefill_copy import CopyPipeline
 from pdstate.agent.refusals import Refusals
 from pdstate.agent.sender import KVSender, _Decode, _Ended, _Pending, _Send
@@ -66,7 +67,8 @@ class PrefillAgent(CopyPipeline, Refusals):
     ``bootstrap_timeout_s`` fails (``TransferFailed``). ``check_local=False`` serves even when that
     pair fails ``setup_state_kv_args`` (every decode is then refused with the same error). The
     memory behind ``kv_args`` is the caller's: registered with the engine, never allocated, freed
-    or written. A refused decode's rooms fail with the refusal (``pdstate.agent.refusals``).
+    or written. A refused decode's rooms fail with the refusal (``pdstate.agent.refusals``); a
+    verdict is awaited ``verdict_timeout_s`` (``pdstate.agent.fairness``).
 
     ``on_request(room, seq_len, decode_worker_id)``: for a caller that computes a request only
     once a decode asks for it (``pdstate serve``'s synthetic prefill). Called on the I/O thread
@@ -106,6 +108,7 @@ class PrefillAgent(CopyPipeline, Refusals):
         bootstrap_timeout_s: float = 300.0,
         on_request: Callable[[int, int | None, str], None] | None = None,
         landed_piece_bytes: int = 0,
+        verdict_timeout_s: float = VERDICT_TIMEOUT_S,
     ) -> None:
         if report is None:
             if pools is None:
@@ -147,7 +150,8 @@ class PrefillAgent(CopyPipeline, Refusals):
         self._sends: dict[int, _Send | _Ended] = {}  # live senders, and ended ones as tombstones
         self._pending: dict[int, _Pending] = {}
         self.handshakes = {"accepted": 0, "rejected": 0}  # answers given, written by the I/O thread only
-        self.auth_failures = AuthFailures()  # frames refused for their auth tag
+        self.auth_failures = Incidents()  # frames refused for their auth tag
+        self.withheld, self.verdict_timeout_s = Incidents("verdict"), verdict_timeout_s  # ``agent.fairness``
         self._peer_log: OrderedDict[str, dict] = OrderedDict()  # worker id -> its latest record (``peers()``)
         self._init_refusals()
         self._last_tick = time.monotonic()
@@ -289,6 +293,7 @@ class PrefillAgent(CopyPipeline, Refusals):
         elif isinstance(msg, wire.Abort):
             self._on_abort(identity, msg)
         elif isinstance(msg, wire.AgentVerdict):
+            verdict_heard(self, identity)
             self._on_verdict(msg)
 
     def _ask_caller(self, identity: bytes, worker_id: str, msg: wire.AgentRequest) -> None:
@@ -422,6 +427,7 @@ class PrefillAgent(CopyPipeline, Refusals):
         for identity, d in list(self._decodes.items()):
             if now - d.last_seen > self.peer_timeout_s:
                 self._decode_gone(identity, f"decode {d.worker_id} missed heartbeats for {self.peer_timeout_s:g} s")
+        check_verdicts(self, now)
         ended = 0
         for room, send in reversed(list(self._sends.items())):  # newest first
             if send.record.state.terminal:

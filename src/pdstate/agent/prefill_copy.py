@@ -179,7 +179,7 @@ class CopyPipeline:
         except EngineError as exc:
             self._fail(send, exc, tell_decode=True)
             return
-        send.done_sent = True
+        send.done_sent, send.done_at = True, time.monotonic()
         m = send.record.metrics
         m.update(bytes=send.bytes, descriptors=send.descriptors, chunks=send.chunks)
         if send.digest is not None:

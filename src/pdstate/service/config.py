@@ -113,6 +113,10 @@ class ControlSection(_Section):
     max_inflight: int = Field(64, gt=0)
     inline_max_bytes: int = Field(32 << 20, ge=0)
     drain_s: float = Field(0.0, ge=0, le=3600)
+    # prefill: a request's verdict is awaited this long; the most of the pools one decode may hold
+    # while another is registered (``pdstate.agent.fairness``)
+    verdict_timeout_s: float = Field(5.0, gt=0, le=3600)
+    decode_share: float = Field(0.5, gt=0, le=1)
 
 
 class HttpSection(_Section):
@@ -189,6 +193,8 @@ class WorkerConfig(_Section):
             max_inflight=self.control.max_inflight,
             inline_max_bytes=self.control.inline_max_bytes,
             drain_s=self.control.drain_s,
+            verdict_timeout_s=self.control.verdict_timeout_s,
+            decode_share=self.control.decode_share,
             local_checks=self.checks.local,
             verify=self.checks.verify,
         )

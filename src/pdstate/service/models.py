@@ -24,7 +24,9 @@ Role = Literal["prefill", "decode"]
 class Readiness:
     ready: bool
     reason: str | None = None  # the exact error text when a check failed
-    check: str | None = None  # which check: "local_check" | "handshake" | "peer" | "threads" | "shutdown" | "auth"
+    check: str | None = (
+        None  # which check: "local_check" | "handshake" | "peer" | "threads" | "shutdown" | "auth" | "fair_share"
+    )
     error: ErrorInfo | None = None
 
 
@@ -79,7 +81,7 @@ class Ready(BaseModel):
     reason: str | None = Field(None, description="why not ready: the exact error text when a check failed")
     check: str | None = Field(
         None,
-        description="local_check | handshake | peer | threads | shutdown; auth: ready, but decodes' frames fail auth",
+        description="local_check | handshake | peer | threads | shutdown; ready with auth (decodes' frames fail auth) or fair_share (a decode dropped for withholding verdicts)",
     )
     error: ErrorModel | None = None
 

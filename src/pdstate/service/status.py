@@ -60,6 +60,8 @@ class WorkerStatus:
             if s.auth_error is not None and not any(p.state.value == "accepted" for p in s.peers):
                 # ready (a decode with the right token is served), but say why none is
                 return Readiness(True, f"decodes' frames fail auth: {s.auth_error.message}", "auth", s.auth_error)
+            if s.dropped is not None:  # ready for the others; one decode starved them and was dropped
+                return Readiness(True, f"a decode was dropped: {s.dropped.message}", "fair_share", s.dropped)
             return Readiness(True)
         state = s.peer.state.value
         if state == "accepted":

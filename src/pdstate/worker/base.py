@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
-from pdstate.errors import AgentClosed, AllocationError, LocalCheckFailed, error_from_wire
+from pdstate.errors import AgentClosed, AllocationError, LocalCheckFailed, PrefillBusy, error_from_wire
 from pdstate.pools.kvargs import fill_kv_args
 from pdstate.pools.memory import PrivateMemory, SharedMemory, sweep_stale_segments
 from pdstate.pools.presets import build_worker_pools
@@ -99,20 +99,30 @@ class AgentStats(Stats):
         agent = self._agent()
         s.handshakes = dict(agent.handshakes) if agent is not None else {}
         s.auth_failures = agent.auth_failures.count if agent is not None else 0
+        s.decodes_dropped = agent.withheld.count if hasattr(agent, "withheld") else 0  # (a prefill agent)
         return s
 
 
 class PagePool:
     """The side's allocator behind a condition: ``allocate(seq_len, wait_s)`` waits (up to
-    ``wait_s``) for pages other requests free; ``free`` wakes the waiters. Safe from any thread."""
+    ``wait_s``) for pages other requests free; ``free`` wakes the waiters. Safe from any thread.
+
+    ``owner`` (a prefill: the decode asking) and ``share``: the owner may hold at most that
+    fraction of each of the pools' resources (full and SWA tokens, request slots) once it holds
+    one request; a request that would pass it is refused at once (``PrefillBusy``) rather than
+    kept, so one decode cannot take every page from the others."""
 
     def __init__(self, pools) -> None:
         self.pools = pools
         self.names: list[str] | None = None
         self._freed = threading.Condition()
         self.waiting = 0
+        self._total = rq.free_counts(pools)  # a fresh pool: everything free
+        self._held: dict[str, dict[str, int]] = {}  # owner -> what it holds, by resource
 
-    def allocate(self, names: list[str], seq_len: int, wait_s: float = 0.0) -> rq.Allocation:
+    def allocate(
+        self, names: list[str], seq_len: int, wait_s: float = 0.0, owner: str = "", share: float = 1.0
+    ) -> rq.Allocation:
         capacity = rq.capacity_tokens(self.pools)
         if seq_len > capacity:
             raise AllocationError(f"seq_len {seq_len} exceeds the pool of {capacity} tokens")
@@ -121,19 +131,42 @@ class PagePool:
             self.waiting += 1
             try:
                 while True:
+                    before = rq.free_counts(self.pools)
                     try:
-                        return rq.allocate(self.pools, names, seq_len)
+                        alloc = rq.allocate(self.pools, names, seq_len)
                     except AllocationError:
                         left = deadline - time.monotonic()
                         if left <= 0:
                             raise
                         self._freed.wait(left)
+                        continue
+                    after = rq.free_counts(self.pools)
+                    alloc.usage = {k: before[k] - after[k] for k in after}
+                    held = self._held.get(owner, {})
+                    mine = {k: held.get(k, 0) + n for k, n in alloc.usage.items()}
+                    if owner and share < 1.0 and held:  # (its first request may be any size)
+                        self._check_share(owner, alloc, mine, share)
+                    self._held[owner] = mine
+                    return alloc
             finally:
                 self.waiting -= 1
 
-    def free(self, alloc: rq.Allocation) -> None:
+    def _check_share(self, owner: str, alloc: rq.Allocation, mine: dict[str, int], share: float) -> None:
+        for k, total in self._total.items():
+            limit = max(1, int(total * share))
+            if mine[k] > limit:
+                rq.free(self.pools, alloc)
+                raise PrefillBusy(
+                    f"decode {owner} would hold {mine[k]} of this prefill's {total} {k}; its share is {limit} "
+                    f"(control.decode_share {share:g})"
+                )
+
+    def free(self, alloc: rq.Allocation, owner: str = "") -> None:
         with self._freed:
             rq.free(self.pools, alloc)
+            left = {k: v - alloc.usage.get(k, 0) for k, v in self._held.pop(owner, {}).items()}
+            if any(v > 0 for v in left.values()):
+                self._held[owner] = left
             self._freed.notify_all()
 
     def counts(self) -> dict[str, int]:

@@ -37,6 +37,10 @@ class WorkerOptions:
     # prefill: on stop (SIGTERM), how long to let the requests in flight finish before the goodbye
     # (new requests are refused meanwhile); 0: end them at once with "prefill shutting down"
     drain_s: float = 0.0
+    # prefill: how long a request's verdict is awaited (``pdstate.agent.fairness``), and the most of
+    # the pools one decode may hold while another decode is registered (1.0: no bound)
+    verdict_timeout_s: float = 5.0
+    decode_share: float = 0.5
 
 
 @dataclass(frozen=True)

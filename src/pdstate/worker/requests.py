@@ -14,7 +14,7 @@ planner tells a slot from a page there, serve's workers keep the page rule.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ class Allocation:
     locs: torch.Tensor
     lists: list[np.ndarray]
     freed: bool = False
+    usage: dict[str, int] = field(default_factory=dict)  # what it took of each ``free_counts`` resource
 
 
 _NO_LOCS = torch.empty(0, dtype=torch.int64)

@@ -65,6 +65,7 @@ class WorkerSnapshot:
     quarantined: int = 0  # decode: requests whose pages wait for their prefill's fence
     handshake_s: float | None = None  # decode: the latest accepted handshake's duration (its ``peer``)
     auth_error: ErrorInfo | None = None  # prefill: the latest frame refused for its auth tag, if recent
+    dropped: ErrorInfo | None = None  # prefill: the latest decode dropped for withholding verdicts, if recent
 
     @property
     def in_flight(self) -> int:
