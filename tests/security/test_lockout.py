@@ -35,7 +35,7 @@ def test_a_flood_naming_the_decode_does_not_evict_its_challenge():
             for attacker in flood:  # the victim's own register, from other connections, 40 times
                 for _ in range(10):
                     assert isinstance(attacker.ask(victim.register()), wire.Challenge)
-            proof = victim.proof(victim.endpoint, challenge.nonce)
+            proof = victim.proof(victim.endpoint, challenge.nonce, audience=endpoint)
             answer = dealer.ask(victim.register({**victim.endpoint, **proof}))
             assert isinstance(answer, wire.Accept), answer
         finally:

@@ -22,6 +22,7 @@ Run on the prefill agent's I/O thread:
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
 from typing import Any
@@ -29,7 +30,7 @@ from typing import Any
 import zmq
 
 from pdstate import logs
-from pdstate.errors import AuthError, PdStateError, ProtocolError, WorkerIdInUse
+from pdstate.errors import AuthError, InvalidEndpoint, PdStateError, ProtocolError, WorkerIdInUse
 from pdstate.protocol import wire
 from pdstate.protocol.report import ErrorInfo
 
@@ -74,6 +75,40 @@ def refuse_parts(agent: Any, parts: list[bytes]) -> None:
         return
     err = ProtocolError(f"a message is one frame (one ZeroMQ part); this one has {len(parts) - 1}")
     agent._reply(parts[0], wire.Error(error=ErrorInfo.of(err)))
+
+
+def audience_error(audience: object, address: str, advertise: tuple[str, ...]) -> InvalidEndpoint | None:
+    """Why a proof bound to ``audience`` (the address the decode dialled) was not given to this
+    prefill (bound at ``address``, also reached at ``advertise``); None when it was: the address
+    itself, an advertised one, or, for a wildcard or loopback bind, a loopback host on its port."""
+    if isinstance(audience, str) and (audience == address or audience in advertise or _same_host(audience, address)):
+        return None
+    names = ", ".join([address, *advertise])
+    return InvalidEndpoint(
+        f"shm proof of ownership was given to {audience!r}, not to this prefill ({names}): a register relayed "
+        "through another address; if decodes reach this prefill by another name, list it in control.advertise"
+    )
+
+
+def _same_host(audience: str, address: str) -> bool:
+    a_scheme, _, a_rest = audience.partition("://")
+    b_scheme, _, b_rest = address.partition("://")
+    a_host, _, a_port = a_rest.rpartition(":")
+    b_host, _, b_port = b_rest.rpartition(":")
+    if a_scheme != "tcp" or b_scheme != "tcp" or a_port != b_port:
+        return False
+    local = ("0.0.0.0", "*", "[::]", "::")
+    return (b_host in local or is_loopback(b_host)) and is_loopback(a_host)
+
+
+def is_loopback(host: str) -> bool:
+    h = host.strip("[]")
+    if h.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
 
 
 def bind_router(loop: Any, bind: str) -> tuple[zmq.Socket, str]:
@@ -122,6 +157,10 @@ def _early_answer(agent: Any, identity: bytes, msg: wire.Register) -> wire.Messa
         )
         return wire.Reject(worker_id=agent.worker_id, error=ErrorInfo.of(err))
     engine = agent._engine
+    if engine.proves_ownership and "challenge" in msg.engine.endpoint:
+        refused = audience_error(msg.engine.endpoint.get("audience"), agent.address, agent.advertise)
+        if refused is not None:
+            return wire.Reject(worker_id=agent.worker_id, error=ErrorInfo.of(refused))
     if (
         engine.proves_ownership
         and msg.engine.name == engine.name

@@ -51,8 +51,10 @@ class DecodeFrames:
             self._on_handshake(p, msg)
         elif isinstance(msg, wire.Challenge):
             if p.state is PeerState.PENDING or p.redial:  # prove the memory this decode named is its own
-                proof = self._engine.prove(msg.nonce, f"{self.worker_id}/{self.incarnation}")
-                self._send(p, self._handshake.register_message(proof))
+                # ... to the prefill at the address it dialled (``audience``): a proof relayed
+                # through another address is worthless to the prefill (``agent.admission``)
+                proof = self._engine.prove(msg.nonce, f"{self.worker_id}/{self.incarnation}@{p.address}")
+                self._send(p, self._handshake.register_message({**proof, "audience": p.address}))
         elif isinstance(msg, wire.Heartbeat):
             if p.state is PeerState.ACCEPTED and msg.incarnation != p.incarnation:
                 self._register(p)  # a new process at that address: what the old one had fails at its Accept

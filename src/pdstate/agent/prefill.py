@@ -68,7 +68,8 @@ class PrefillAgent(CopyPipeline, Refusals):
     pair fails ``setup_state_kv_args`` (every decode is then refused with the same error). The
     memory behind ``kv_args`` is the caller's: registered with the engine, never allocated, freed
     or written. A refused decode's rooms fail with the refusal (``pdstate.agent.refusals``); a
-    verdict is awaited ``verdict_timeout_s`` (``pdstate.agent.fairness``).
+    verdict is awaited ``verdict_timeout_s`` (``pdstate.agent.fairness``); ``advertise``: other
+    addresses decodes dial it at (a proof of ownership is bound to one, ``agent.admission``).
 
     ``on_request(room, seq_len, decode_worker_id)``: for a caller that computes a request only
     once a decode asks for it (``pdstate serve``'s synthetic prefill). Called on the I/O thread
@@ -109,6 +110,7 @@ class PrefillAgent(CopyPipeline, Refusals):
         on_request: Callable[[int, int | None, str], None] | None = None,
         landed_piece_bytes: int = 0,
         verdict_timeout_s: float = VERDICT_TIMEOUT_S,
+        advertise: tuple[str, ...] = (),
     ) -> None:
         if report is None:
             if pools is None:
@@ -118,7 +120,7 @@ class PrefillAgent(CopyPipeline, Refusals):
             report, _ = build_report(*pools)
         if check_local and not report.local_check.ok and report.local_check.error is not None:
             raise error_from_wire(report.local_check.error.type, report.local_check.error.message)
-        self.kv_args, self.worker_id, self.token = kv_args, worker_id, token
+        self.kv_args, self.worker_id, self.token, self.advertise = kv_args, worker_id, token, tuple(advertise)
         self.incarnation = secrets.token_hex(8)
         self.heartbeat_interval_s, self.peer_timeout_s = heartbeat_interval_s, peer_timeout_s
         self.bootstrap_timeout_s = bootstrap_timeout_s

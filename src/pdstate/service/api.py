@@ -233,7 +233,7 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         response_model=TransferOut,
         tags=["transfers"],
         dependencies=[Depends(auth)],
-        responses={401: {}, 409: {}, 503: {}, 504: {}},
+        responses={401: {}, 403: {}, 409: {}, 503: {}, 504: {}},
     )
     async def post_transfer(body: TransferIn) -> TransferOut:
         """Decode only: run one synthetic transfer from the named prefill (default: the decode's
@@ -248,6 +248,9 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
             raise HTTPException(503, detail=r.reason)
         if body.room is not None and source.lookup(body.room) is not None:
             raise HTTPException(409, detail=f"room {body.room} was already used")
+        refused = None if body.prefill is None else getattr(source, "prefill_refused", lambda _: None)(body.prefill)
+        if refused is not None:
+            raise HTTPException(403, detail=refused)
         named = {} if body.prefill is None else {"prefill": body.prefill}
         fut = source.submit(body.tokens, body.room, **named)
         try:

@@ -117,6 +117,11 @@ class ControlSection(_Section):
     # while another is registered (``pdstate.agent.fairness``)
     verdict_timeout_s: float = Field(5.0, gt=0, le=3600)
     decode_share: float = Field(0.5, gt=0, le=1)
+    # prefill: other addresses decodes dial it at (a DNS name, a proxy): a proof of ownership is
+    # bound to the address its decode dialled; decode: the prefills POST /v1/transfers may name
+    # (fnmatch patterns; empty: control.peer and loopback addresses)
+    advertise: list[str] = []
+    prefills: list[str] = []
 
 
 class HttpSection(_Section):
@@ -195,6 +200,8 @@ class WorkerConfig(_Section):
             drain_s=self.control.drain_s,
             verdict_timeout_s=self.control.verdict_timeout_s,
             decode_share=self.control.decode_share,
+            advertise=tuple(self.control.advertise),
+            prefills=tuple(self.control.prefills),
             local_checks=self.checks.local,
             verify=self.checks.verify,
         )

@@ -52,6 +52,9 @@ class StatusSource(Protocol):
     # decode; Future[dict]; ``prefill`` is passed only when the request names one
     def submit(self, tokens: int, room: int | None, prefill: str | None = None) -> Future: ...
 
+    # decode, optional: why a transfer may not name ``prefill`` (None: it may; control.prefills)
+    # def prefill_refused(self, prefill: str) -> str | None: ...
+
     def lookup(self, room: int) -> dict | None: ...  # decode; a TransferResult dict or in-flight
 
     def reregister(self) -> None: ...  # decode

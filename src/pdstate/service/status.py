@@ -3,9 +3,12 @@ the one way to stop it (``drain``)."""
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import threading
 from concurrent.futures import Future
+
+from pdstate.service.auth import control_bind_host, is_loopback_host
 
 log = logging.getLogger("pdstate.service.status")
 
@@ -95,6 +98,20 @@ class WorkerStatus:
         return o.request_deadline_s + o.peer_timeout_s + 5
 
     # decode actions
+    def prefill_refused(self, prefill: str) -> str | None:
+        """Why ``POST /v1/transfers`` may not name ``prefill`` (None: it may): it must match one
+        of ``control.prefills`` (fnmatch), by default ``control.peer`` or a loopback address. The
+        decode dials what a client names and shows it its memory: never any address at all."""
+        allowed = list(self.cfg.control.prefills) or [self.cfg.control.peer]
+        if any(fnmatch.fnmatchcase(prefill, p) for p in allowed):
+            return None
+        if not self.cfg.control.prefills and is_loopback_host(control_bind_host(prefill) or "-"):
+            return None
+        return (
+            f"prefill {prefill!r} is not one this decode may dial for a transfer "
+            f"(control.prefills: {allowed}{' and loopback' if not self.cfg.control.prefills else ''})"
+        )
+
     def submit(self, tokens: int, room: int | None, prefill: str | None = None) -> Future:
         with self._lock:
             if self.draining:

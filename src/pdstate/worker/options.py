@@ -41,6 +41,8 @@ class WorkerOptions:
     # the pools one decode may hold while another decode is registered (1.0: no bound)
     verdict_timeout_s: float = 5.0
     decode_share: float = 0.5
+    advertise: tuple[str, ...] = ()  # prefill: other addresses decodes dial it at
+    prefills: tuple[str, ...] = ()  # decode: the prefills a transfer may name (empty: peer and loopback)
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,7 @@ class AgentPrefillWorker(AgentWorker):
             bootstrap_timeout_s=o.request_deadline_s,
             on_request=self._on_request,
             verdict_timeout_s=o.verdict_timeout_s,
+            advertise=tuple(o.advertise),
         )
         self.endpoint = self.agent.address
         log.info("prefill %s listening on %s (engine %s, agent)", self.worker_id, self.endpoint, o.engine)

@@ -52,7 +52,7 @@ from pdstate.transfer.engines.shm_owner import Challenges, SegmentClaims, check_
 from pdstate.transfer.plan import TransferPlan
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
-PROOF_KEYS = ("challenge", "proofs")
+PROOF_KEYS = ("challenge", "proofs", "audience")
 MAPS_PATH = "/proc/self/maps"
 
 
@@ -249,6 +249,9 @@ class ShmEngine(TransferEngine):
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidEndpoint(f"shm endpoint of {who} is malformed: {exc!r}") from exc
         self._challenges.redeem(nonce, claimant)  # used up whatever follows
+        audience = endpoint.get("audience")  # the address the decode dialled: bound into each proof
+        if audience is not None:
+            claimant = f"{claimant}@{audience}"
         for path in paths:
             segment_owner(path, owner_pid, self.segment_dir)  # named by its live creator
             try:
