@@ -33,7 +33,7 @@ import socket
 from pdstate.agent import DecodeAgent, PrefillAgent
 from pdstate.errors import AgentClosed
 from pdstate.integrations.sglang.launch.backend import context_parallel_refusal, topology_refusal
-from pdstate.integrations.sglang.settings import layout_report, load_settings
+from pdstate.integrations.sglang.settings import check_rank_auth, layout_report, load_settings
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
@@ -81,6 +81,8 @@ def build_manager() -> type:
             if refusal is not None:  # before anything is registered anywhere
                 raise ValueError(refusal)
             settings = load_settings(self.role)
+            local_ip = get_local_ip_auto()  # what SGLang advertises for this rank (its prefill agent binds it)
+            check_rank_auth(settings, self.role, local_ip)
             report = layout_report(args)
             common = dict(
                 report=report,
@@ -97,7 +99,7 @@ def build_manager() -> type:
             # poll); the agents' are backstops just past them, never earlier than the operator's
             waiting_s, bootstrap_s = _sglang_timeouts()
             if self.role == "prefill":
-                host = NetworkAddress(get_local_ip_auto(), 0)
+                host = NetworkAddress(local_ip, 0)
                 bind = host.to_tcp()
                 self.agent = PrefillAgent(
                     args, bind=bind, worker_id=rank, bootstrap_timeout_s=bootstrap_s + BACKSTOP_S, **common
