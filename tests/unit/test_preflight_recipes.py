@@ -271,13 +271,11 @@ override_cutedsl:
 
 
 def check_recipe(capsys, tmp_path, text: str = SRT_SLURM_RECIPE, *extra: str) -> tuple[int, str]:
-    """``check --recipe`` on ``text`` (written to a file); DeepSeek-V4-Pro's config.json is not built
-    in: a stand-in config file goes with it."""
+    """``check --recipe`` on ``text`` (written to a file); its model alias ``dsv4-pro-nvfp4`` is
+    DeepSeek-V4-Pro, built in."""
     path = tmp_path / "recipe.yaml"
     path.write_text(text)
-    return check(
-        capsys, None, None, "--recipe", str(path), "--model-config", model_config(tmp_path, nextn=False), *extra
-    )
+    return check(capsys, None, None, "--recipe", str(path), *extra)
 
 
 def test_an_srt_slurm_recipe_pair(tmp_path, capsys, release):
@@ -291,6 +289,7 @@ def test_an_srt_slurm_recipe_pair(tmp_path, capsys, release):
     assert "not modelled" not in out and "unknown" not in out
     assert "settings (prefill" in out and "do not affect the state layout (--verbose lists them)" in out
     assert "note: recipe overrides not applied: override_cutedsl" in out
+    assert "[61 layers: 30 C4, 31 C128; built-in DeepSeek-V4-Pro layout, recognised from 'dsv4-pro-nvfp4']" in out
     assert len(out.splitlines()) <= 24  # one screen
 
 
@@ -422,16 +421,6 @@ def test_flash_variants_are_recognised_by_name(capsys, name):
     )
     assert rc == 0, out
     assert "built-in DeepSeek-V4-Flash layout" in out
-
-
-def test_deepseek_v4_pro_needs_its_config(capsys):
-    rc, out = check(
-        capsys,
-        "--model-path deepseek-ai/DeepSeek-V4-Pro --disaggregation-mode prefill",
-        "--model-path deepseek-ai/DeepSeek-V4-Pro --disaggregation-mode decode",
-    )
-    assert rc == 2
-    assert "is DeepSeek-V4-Pro: its published config.json is not built into pdstate" in out
 
 
 def test_another_architecture_is_one_clear_line(capsys, tmp_path):

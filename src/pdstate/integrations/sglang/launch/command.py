@@ -20,6 +20,8 @@ NEWEST = "0.5.23"  # the newest SGLang release pdstate models (``prediction.SUPP
 
 # Modules that run SGLang's server on SGLang's own arguments (``python -m MODULE ARGS``).
 ENTRY_MODULES = ("sglang.launch_server", "pdstate.integrations.sglang.launch_server", "dynamo.sglang")
+# Flags an entry point takes itself, beside SGLang's (Dynamo's SGLang worker: ``--dyn-*``).
+_ENTRY_OWN = {"dynamo.sglang": "--dyn-"}
 _SHELL_STOP = ("|", "||", "&&", ";", "&")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _VAR_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
@@ -35,6 +37,8 @@ class Launch:
     entry: str = ""  # "python3 -m sglang.launch_server", "sglang serve", ...
     notes: list[str] = field(default_factory=list)
     base_dir: Path | None = None  # where a relative --config path is also looked for
+    entry_flags: list[str] = field(default_factory=list)  # the entry point's own flags (Dynamo's --dyn-*)
+    model_names: list[str] = field(default_factory=list)  # other names of the model (a recipe's alias)
 
 
 def _expand(line: str, variables: dict[str, str]) -> str:
@@ -88,6 +92,27 @@ def _command(tokens: list[str], launch: Launch) -> None:
         return
     prog, args = found
     launch.launcher, launch.entry, launch.argv = " ".join(tokens[:prog]), " ".join(tokens[prog:args]), tokens[args:]
+    own = _ENTRY_OWN.get(tokens[args - 1])
+    if own:
+        launch.argv, launch.entry_flags = _take_flags(launch.argv, own)
+
+
+def _take_flags(argv: list[str], prefix: str) -> tuple[list[str], list[str]]:
+    """``(argv without the flags starting with prefix and their values, those flags)``."""
+    rest: list[str] = []
+    taken: list[str] = []
+    i = 0
+    while i < len(argv):
+        if not argv[i].startswith(prefix):
+            rest.append(argv[i])
+            i += 1
+            continue
+        taken.append(argv[i])
+        i += 1
+        while "=" not in taken[-1].split(" ")[0] and i < len(argv) and not argv[i].startswith("-"):
+            taken[-1] += f" {argv[i]}"
+            i += 1
+    return rest, taken
 
 
 def read_launch(text: str, base_dir: Path | None = None) -> Launch:

@@ -170,6 +170,22 @@ def _backend_refusals(v: Verdict) -> None:
             v.pair.append((f"pdstate's SGLang backend fails every request of this pair: {why}", fix))
 
 
+def wrap(text: str, width: int | None) -> str:
+    """``text`` with each line folded to ``width`` columns (continuations indented 4 more), as is
+    when ``width`` is ``None``."""
+    if not width:
+        return text
+    import textwrap
+
+    out: list[str] = []
+    for line in text.splitlines():
+        indent = line[: len(line) - len(line.lstrip(" "))]
+        out += textwrap.wrap(
+            line, width, subsequent_indent=indent + "    ", break_long_words=False, break_on_hyphens=False
+        ) or [line]
+    return "\n".join(out)
+
+
 def render(v: Verdict, strict: bool = False, layouts=None, verbose: bool = False) -> tuple[str, bool]:
     """The report as text, and whether the pair passes (``strict``: no setting may be unknown to
     SGLang's own parser). It never says "compatible" when the pair does not pass."""

@@ -174,12 +174,15 @@ def resolve(
     *,
     resolved: bool,
     release: str,
+    model_names: tuple[str, ...] = (),
 ) -> SGLangSide:
     """Apply SGLang ``release``'s DSV4 resolution to the given values (``resolved``: they are already
-    the server's resolved values, from ``/get_server_info``)."""
+    the server's resolved values, from ``/get_server_info``; ``model_names``: other names of the
+    model, such as a recipe's model alias, read after ``--model-path`` and ``--served-model-name``)."""
     f = _Findings()
     model_path = values.get("model_path")
-    cfg, source = read_model_config(model_path, model_config)
+    served = values.get("served_model_name")
+    cfg, source = read_model_config(model_path, model_config, (*([served] if served else []), *model_names))
     overrides: Any = {}
     raw = values.get("json_model_override_args")
     if raw not in (None, "", "{}"):
