@@ -147,6 +147,28 @@ def test_sglang_serve_and_a_wrapper_launcher(capsys):
     assert out.splitlines()[-1] == "compatible"
 
 
+@pytest.mark.parametrize(
+    "wrapper, said",
+    [
+        ("docker run --gpus all -e SGLANG_OPT_USE_ONLINE_COMPRESS=1 lmsysorg/sglang:latest", "docker run"),
+        ("podman run --env=SGLANG_OPT_USE_ONLINE_COMPRESS=1 sglang", "podman run"),
+        ("srun --export=ALL,SGLANG_OPT_USE_ONLINE_COMPRESS=1 --nodes 1", "srun"),
+        ("mpirun -np 1 -x SGLANG_OPT_USE_ONLINE_COMPRESS=1", "mpirun"),
+        ("numactl --cpunodebind 0 env SGLANG_OPT_USE_ONLINE_COMPRESS=1", "numactl"),
+    ],
+)
+def test_the_environment_a_wrapper_sets_is_the_servers(capsys, wrapper, said):
+    rc, out = check(
+        capsys,
+        f"{wrapper} python3 -m sglang.launch_server {FLASH} --disaggregation-mode prefill --tp 8",
+        f"{FLASH} --disaggregation-mode decode --tp 8",
+    )
+    assert rc == 1, out
+    assert f"note: run by {said}" in out
+    assert "the environment it sets is read: SGLANG_OPT_USE_ONLINE_COMPRESS)" in out
+    assert "- SGLANG_OPT_USE_ONLINE_COMPRESS (online C128): prefill on, decode off" in out
+
+
 # --- SGLang's --config YAML ---------------------------------------------------------------------------
 
 

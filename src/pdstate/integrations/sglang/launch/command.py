@@ -38,6 +38,7 @@ class Launch:
     notes: list[str] = field(default_factory=list)
     base_dir: Path | None = None  # where a relative --config path is also looked for
     entry_flags: list[str] = field(default_factory=list)  # the entry point's own flags (Dynamo's --dyn-*)
+    wrapper_env: dict[str, str] = field(default_factory=dict)  # what the wrapper's flags set (docker -e)
     model_names: list[str] = field(default_factory=list)  # other names of the model (a recipe's alias)
 
 
@@ -92,9 +93,41 @@ def _command(tokens: list[str], launch: Launch) -> None:
         return
     prog, args = found
     launch.launcher, launch.entry, launch.argv = " ".join(tokens[:prog]), " ".join(tokens[prog:args]), tokens[args:]
+    launch.wrapper_env = launcher_env(tokens[:prog])
+    launch.env.update(launch.wrapper_env)
     own = _ENTRY_OWN.get(tokens[args - 1])
     if own:
         launch.argv, launch.entry_flags = _take_flags(launch.argv, own)
+
+
+# A launcher's flags that set the server's environment: container runtimes' ``-e``/``--env``,
+# MPI's ``-x``; Slurm's ``--export=A,B=v`` items with a value; ``env VAR=v`` inside the launcher.
+_ENV_FLAGS = {"-e": "container", "--env": "container", "-x": "mpi"}
+
+
+def launcher_env(words: list[str]) -> dict[str, str]:
+    """The environment variables a wrapper before SGLang's entry point gives the server."""
+    env: dict[str, str] = {}
+    i = 0
+    while i < len(words):
+        word = words[i]
+        flag, eq, inline = word.partition("=")
+        if flag in _ENV_FLAGS:
+            value = inline if eq else (words[i + 1] if i + 1 < len(words) else "")
+            i += 1 if eq else 2
+            if _ENV_RE.match(value):
+                k, v = value.split("=", 1)
+                env[k] = v
+            continue
+        if flag == "--export" and eq:
+            env.update(item.split("=", 1) for item in inline.split(",") if _ENV_RE.match(item))
+        elif Path(word).name == "env":
+            while i + 1 < len(words) and _ENV_RE.match(words[i + 1]):
+                k, v = words[i + 1].split("=", 1)
+                env[k] = v
+                i += 1
+        i += 1
+    return env
 
 
 def _take_flags(argv: list[str], prefix: str) -> tuple[list[str], list[str]]:

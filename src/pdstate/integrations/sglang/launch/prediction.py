@@ -121,7 +121,8 @@ def predict_launch(
         side.launch_errors.insert(0, parsed.error)
     notes = list(launch.notes)
     if launch.launcher:
-        notes.append(f"run by {launch.launcher} (its own flags are not SGLang's)")
+        env = f"; the environment it sets is read: {', '.join(launch.wrapper_env)}" if launch.wrapper_env else ""
+        notes.append(f"run by {launch.launcher} (its own flags are not SGLang's{env})")
     if launch.entry_flags:
         notes.append(f"{launch.entry}'s own flags, not SGLang's: {' '.join(launch.entry_flags)}")
     if config_file:
