@@ -1,7 +1,8 @@
 """``pdstate check`` on launch lines copied from published DeepSeek-V4 deployments.
 
 The files under ``tests/preflight/recipes/`` are the published launches, each with its source URL
-in its first line: SGLang's own DSV4 PD CI pair, NVIDIA srt-slurm's DeepSeek-V4-Pro recipes, and
+at its top: SGLang's DeepSeek-V4 cookbook (a verified cell with its PD roles), SGLang's own DSV4 PD
+CI pair, NVIDIA srt-slurm's DeepSeek-V4-Pro recipes, and
 Dynamo's disaggregated SGLang recipe (its worker is a wrapper launcher with flags of its own).
 Correct pairs come out compatible; each one-sided change to them (an abbreviated flag, an exported
 variable, a setting kept in SGLang's ``--config`` YAML, a topology pdstate's backend refuses) comes
@@ -21,6 +22,11 @@ from tests.support.preflight import model_config
 
 RECIPES = REPO / "tests/preflight/recipes"
 CI_PREFILL, CI_DECODE = RECIPES / "sglang-ci-dsv4-prefill.sh", RECIPES / "sglang-ci-dsv4-decode.sh"
+COOKBOOK = (
+    "--sglang",
+    f"@{RECIPES / 'cookbook-dsv4-flash-b200-balanced-prefill.sh'}",
+    f"@{RECIPES / 'cookbook-dsv4-flash-b200-balanced-decode.sh'}",
+)
 SRT_MTP = RECIPES / "srt-slurm-disagg-low-latency-1p1d-tp4-tp4-mtp.yaml"
 SRT_DEP = RECIPES / "srt-slurm-disagg-1p1d-dep4-dep16.yaml"
 SRT_NIXL = RECIPES / "srt-slurm-disagg-1p1d-tp4-mxfp4.yaml"
@@ -57,6 +63,17 @@ def ci_pair(*argv: str) -> tuple[str, ...]:
 
 
 # --- the published pairs as published ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("release", ["0.5.19", "0.5.23"])
+def test_the_cookbooks_pd_pair(capsys, release):
+    rc, out = check(capsys, *COOKBOOK, "--sglang-version", release, "--strict", "--width", "100")
+    assert rc == 0, out
+    lines = out.splitlines()
+    assert lines[-1] == "compatible"
+    assert "14 settings (prefill 7, decode 7) do not affect the state layout (--verbose lists them)" in lines
+    assert "not modelled" not in out and "unknown" not in out
+    assert len(lines) <= 40 and max(map(len, lines)) <= 100, out  # one screen
 
 
 @pytest.mark.parametrize("release", ["0.5.19", "0.5.23"])
@@ -102,7 +119,7 @@ def test_srt_slurms_decode_only_abbreviated_speculation(capsys, release):
 
 
 def test_the_report_on_a_published_pair_fits_on_one_screen(capsys):
-    for argv in (("--recipe", str(SRT_MTP)), ci_pair()):
+    for argv in (("--recipe", str(SRT_MTP)), ci_pair(), COOKBOOK):
         rc, out = check(capsys, *argv, "--sglang-version", "0.5.19", "--width", "100")
         lines = out.splitlines()
         assert len(lines) <= 40, out
