@@ -132,6 +132,31 @@ def test_exported_variables_in_a_script_are_the_servers_environment(tmp_path, ca
     assert "GLOO_SOCKET_IFNAME" not in out and "unknown" not in out
 
 
+def test_exports_inside_shell_blocks_are_read_and_said(tmp_path, capsys):
+    script = tmp_path / "prefill.sh"
+    script.write_text(
+        textwrap.dedent(
+            """\
+            #!/bin/bash
+            if [ "$CONC" = "1" ]; then
+                MEM=0.9
+            else
+                export SGLANG_OPT_USE_ONLINE_COMPRESS=1
+            fi
+            python3 -m sglang.launch_server --model-path deepseek-ai/DeepSeek-V4-Flash --disaggregation-mode prefill
+            """
+        )
+    )
+    rc, out = check(capsys, f"@{script}", f"{FLASH} --disaggregation-mode decode")
+    assert rc == 1, out
+    assert (
+        "note: export lines inside shell blocks (if/case/for) read as if they ran: SGLANG_OPT_USE_ONLINE_COMPRESS "
+        "(the last value written wins; check the branch your deployment takes)"
+    ) in out
+    assert "- SGLANG_OPT_USE_ONLINE_COMPRESS (online C128): prefill on, decode off" in out
+    assert "other command line" not in out  # if/else/fi are the shell's structure, not commands
+
+
 def test_sglang_serve_and_a_wrapper_launcher(capsys):
     rc, out = check(
         capsys,

@@ -23,6 +23,8 @@ ENTRY_MODULES = ("sglang.launch_server", "pdstate.integrations.sglang.launch_ser
 # Flags an entry point takes itself, beside SGLang's (Dynamo's SGLang worker: ``--dyn-*``).
 _ENTRY_OWN = {"dynamo.sglang": "--dyn-"}
 _SHELL_STOP = ("|", "||", "&&", ";", "&")
+_BLOCK_OPEN = frozenset({"if", "case", "for", "while", "until"})
+_BLOCK_CLOSE = frozenset({"fi", "esac", "done"})
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _VAR_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
@@ -155,11 +157,17 @@ def read_launch(text: str, base_dir: Path | None = None) -> Launch:
     launch = Launch(base_dir=base_dir)
     variables: dict[str, str] = {}
     commands: list[list[str]] = []
+    depth, conditional = 0, []  # shell blocks (if/case/for/while) around the line; exports in them
     joined = re.sub(r"\\\r?\n", " ", text)
     for raw in joined.splitlines():
         tokens = _split(_expand(raw, {**variables, **launch.env}))
         if not tokens:
             continue
+        words = {t.rstrip(";") for t in tokens}
+        opened = tokens[0] in _BLOCK_OPEN and not words & _BLOCK_CLOSE
+        if tokens[0] in _BLOCK_CLOSE:
+            depth = max(depth - 1, 0)
+        depth += opened
         if tokens[0] == "export":
             for t in tokens[1:]:
                 if "=" in t:
@@ -167,10 +175,14 @@ def read_launch(text: str, base_dir: Path | None = None) -> Launch:
                     launch.env[k] = variables[k] = v
                 elif t in variables:  # export of a variable set before
                     launch.env[t] = variables[t]
+                if depth and t.split("=", 1)[0] in launch.env:
+                    conditional.append(t.split("=", 1)[0])
             continue
         if all(_ENV_RE.match(t) for t in tokens):  # shell variables: not in SGLang's environment
             variables.update(t.split("=", 1) for t in tokens)
             continue
+        if tokens[0] in _BLOCK_OPEN | _BLOCK_CLOSE | {"else", "elif", "then", "do", "esac", ";;"}:
+            continue  # the shell's block structure, not a command
         commands.append(tokens)
     chosen = next((c for c in commands if _entry_at(c) is not None), None)
     if chosen is None:
@@ -178,6 +190,12 @@ def read_launch(text: str, base_dir: Path | None = None) -> Launch:
     if chosen is None:
         chosen = commands[0] if commands else []
     _command(chosen, launch)
+    if conditional:
+        names = ", ".join(dict.fromkeys(conditional))
+        launch.notes.append(
+            f"export lines inside shell blocks (if/case/for) read as if they ran: {names} "
+            "(the last value written wins; check the branch your deployment takes)"
+        )
     skipped = len(commands) - (1 if chosen else 0)
     if skipped:
         launch.notes.append(f"{skipped} other command line{'s' if skipped != 1 else ''} of the script skipped")
