@@ -16,15 +16,15 @@ FLASH = "DeepSeek-V4-Flash"
 PRO = "DeepSeek-V4-Pro"
 
 
-def builtin_flash_config() -> dict:
-    """DeepSeek-V4-Flash's ``config.json`` fields that shape the state (pdstate's ``dsv4-flash``)."""
-    from pdstate.pools.presets import DSV4_FLASH_RATIOS
-
+def _dsv4_config(layers: int, ratios: list[int]) -> dict:
+    """A DeepSeek-V4 ``config.json``'s fields that shape the state; Flash and Pro share all but the
+    layer count and ``compress_ratios`` (window 128, head 512 with rope 64, indexer head 128, one
+    NextN layer)."""
     return {
         "architectures": [ARCH],
-        "num_hidden_layers": 43,
+        "num_hidden_layers": layers,
         "num_nextn_predict_layers": 1,
-        "compress_ratios": list(DSV4_FLASH_RATIOS),
+        "compress_ratios": list(ratios),
         "sliding_window": 128,
         "head_dim": 512,
         "qk_rope_head_dim": 64,
@@ -32,24 +32,23 @@ def builtin_flash_config() -> dict:
     }
 
 
+def builtin_flash_config() -> dict:
+    """DeepSeek-V4-Flash's ``config.json`` fields that shape the state (pdstate's ``dsv4-flash``)."""
+    from pdstate.pools.presets import DSV4_FLASH_RATIOS
+
+    return _dsv4_config(43, DSV4_FLASH_RATIOS)
+
+
 # DeepSeek-V4-Pro's published config.json (huggingface.co/deepseek-ai/DeepSeek-V4-Pro, config.json),
 # the fields that shape the state: 61 layers, layers 0 and 1 C128, then C4 and C128 alternating
-# from layer 2 (30 C4, 31 C128), and the NextN layer's placeholder 0 at the end (62 entries).
+# from layer 2 (30 C4, 31 C128), and the NextN layer's placeholder 0 at the end (62 entries);
+# sliding_window 128, head_dim 512, qk_rope_head_dim 64, index_head_dim 128, as Flash's.
 PRO_RATIOS = [128, 128] + [4, 128] * 29 + [4, 0]
 
 
 def builtin_pro_config() -> dict:
     """DeepSeek-V4-Pro's ``config.json`` fields that shape the state."""
-    return {
-        "architectures": [ARCH],
-        "num_hidden_layers": 61,
-        "num_nextn_predict_layers": 1,
-        "compress_ratios": list(PRO_RATIOS),
-        "sliding_window": 128,
-        "head_dim": 512,
-        "qk_rope_head_dim": 64,
-        "index_head_dim": 128,
-    }
+    return _dsv4_config(61, PRO_RATIOS)
 
 
 _FLASH_NAME = re.compile(r"(deepseek[-_ ]?v4|dsv4)[-_. ]?flash", re.I)
