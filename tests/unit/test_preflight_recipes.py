@@ -585,3 +585,50 @@ def test_dynamos_sglang_worker_reads_sglangs_flags(capsys):
     )
     assert rc == 1
     assert "c4_ring: 16 vs 8" in out
+
+
+POLICY = "--disaggregation-decode-allocation-policy prefill_complete"
+
+
+def test_a_decode_allocation_policy_on_one_side(capsys, release):
+    rc, out = check(capsys, *flash_pair(POLICY, ""))
+    if release == "0.5.19":  # no such flag there: unknown to its parser (--strict fails on it)
+        assert rc == 0 and f"unknown: {POLICY}" in out, out
+        return
+    assert rc == 1, out
+    lines = out.splitlines()
+    assert "- --disaggregation-decode-allocation-policy: prefill prefill_complete, decode early" in lines
+    assert (
+        "  fix: set `--disaggregation-decode-allocation-policy early` on the prefill (or `prefill_complete` on "
+        "the decode): SGLang 0.5.23 wants it identical on both roles"
+    ) in lines
+    assert lines[-1] == (
+        "pdstate's handshake refuses the pair with AllocationPolicyMismatch: Disaggregation decode allocation "
+        "policy mismatch: prefill=prefill_complete, decode=early. Set --disaggregation-decode-allocation-policy "
+        "identically on both roles."
+    )
+    rc, out = check(capsys, *flash_pair(POLICY, POLICY))
+    assert rc == 0, out
+    assert out.splitlines()[-1] == "compatible"
+
+
+@pytest.mark.parametrize(
+    "extra, unsupported",
+    [
+        ("--tp 8", "attention tensor parallelism greater than one"),
+        ("--tp 8 --dp 8 --enable-dp-attention --pp-size 2", "pipeline or attention context parallelism"),
+        ("--disaggregation-transfer-backend pdstate", "transfer backends other than Mooncake"),
+        ("--enable-hisparse", "HiSparse"),
+    ],
+)
+def test_prefill_complete_refuses_what_it_does_not_support_yet(capsys, release, extra, unsupported):
+    rc, out = check(capsys, *flash_pair(f"{POLICY} {extra}", f"{POLICY} {extra}"))
+    if release == "0.5.19":  # the flag is SGLang 0.5.23's: 0.5.19's parser does not know it
+        assert f"unknown: {POLICY}" in out and "prefill_complete does not yet support" not in out
+        return
+    assert rc == 1, out
+    said = (
+        "SGLang would not start: ValueError: --disaggregation-decode-allocation-policy prefill_complete does "
+        f"not yet support {unsupported}"
+    )
+    assert f"- the prefill: {said}" in out and f"- the decode: {said}" in out
