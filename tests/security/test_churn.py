@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from tests.support.hostile import segment_paths
-from tests.support.services import Service, ready, wait_for
+from tests.support.services import Services, ready, wait_for
 
 TIMERS = ["control.heartbeat_interval_s=0.2", "control.peer_timeout_s=1.5"]
 RESTARTS = 8
@@ -35,33 +35,25 @@ def _transfer(http: httpx.Client, url: str) -> None:
 
 
 def test_decode_restarts_leave_the_prefill_mapping_only_the_live_decode():
-    started: list[Service] = []
-    with httpx.Client(timeout=30.0) as http:
-        try:
-            prefill = Service("prefill", ["http.port=0", "control.bind=tcp://127.0.0.1:0", *TIMERS])
-            started.append(prefill)
-            ctl = prefill.wait_listening()["control"]
-            for i in range(RESTARTS + 1):
-                # the same worker id (a restarted pod) on even turns, a fresh one (a replacement) on odd
-                wid = "churn" if i % 2 == 0 else f"churn-{i}"
-                decode = Service("decode", ["http.port=0", f"control.peer={ctl}", f"worker_id={wid}", *TIMERS])
-                started.append(decode)
-                wait_for(lambda d=decode: ready(http, d.url), 60, f"decode {i} ready")
-                _transfer(http, decode.url)
-                live = set(segment_paths(decode.pid))
-                assert live and live <= mapped_segments(prefill.pid)
-                if i == RESTARTS:
-                    break
-                if i % 3 == 2:
-                    decode.stop()  # SIGTERM: a clean exit
-                else:
-                    os.kill(decode.pid, signal.SIGKILL)  # a crash: its segments stay until swept
-                    decode.wait()
-            # the old decodes are released at the new incarnation or at their heartbeat timeout
-            wait_for(lambda: mapped_segments(prefill.pid) == live or None, 30, "only the live decode mapped")
-            assert len(mapped_segments(prefill.pid)) == len(live)
-            r = http.get(f"{prefill.url}/v1/compat").json()
-            assert [p["state"] for p in r["peers"]].count("accepted") == 1
-        finally:
-            for s in reversed(started):
-                s.stop()
+    with httpx.Client(timeout=30.0) as http, Services() as services:
+        prefill, ctl = services.prefill(*TIMERS)
+        for i in range(RESTARTS + 1):
+            # the same worker id (a restarted pod) on even turns, a fresh one (a replacement) on odd
+            wid = "churn" if i % 2 == 0 else f"churn-{i}"
+            decode = services.start("decode", ["http.port=0", f"control.peer={ctl}", f"worker_id={wid}", *TIMERS])
+            wait_for(lambda d=decode: ready(http, d.url), 60, f"decode {i} ready")
+            _transfer(http, decode.url)
+            live = set(segment_paths(decode.pid))
+            assert live and live <= mapped_segments(prefill.pid)
+            if i == RESTARTS:
+                break
+            if i % 3 == 2:
+                decode.stop()  # SIGTERM: a clean exit
+            else:
+                os.kill(decode.pid, signal.SIGKILL)  # a crash: its segments stay until swept
+                decode.wait()
+        # the old decodes are released at the new incarnation or at their heartbeat timeout
+        wait_for(lambda: mapped_segments(prefill.pid) == live or None, 30, "only the live decode mapped")
+        assert len(mapped_segments(prefill.pid)) == len(live)
+        r = http.get(f"{prefill.url}/v1/compat").json()
+        assert [p["state"] for p in r["peers"]].count("accepted") == 1

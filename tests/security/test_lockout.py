@@ -17,7 +17,7 @@ from pdstate.agent import DecodeAgent
 from pdstate.pools.memory import SharedMemory
 from pdstate.protocol import wire
 from tests.support.hostile import RawDealer, RawDecode, agent_pair, agent_transfer
-from tests.support.services import Service, ready, wait_for
+from tests.support.services import Services, ready, wait_for
 from tests.support.waiting import wait_until
 from tests.support.workers import Workers
 
@@ -45,33 +45,24 @@ def test_a_flood_naming_the_decode_does_not_evict_its_challenge():
 
 
 def test_a_refused_decode_registers_again_by_itself_once_the_reason_passes():
-    started: list[Service] = []
-    with httpx.Client(timeout=30.0) as http:
-        try:
-            prefill = Service("prefill", ["http.port=0", "control.bind=tcp://127.0.0.1:0", *TIMERS])
-            started.append(prefill)
-            ctl = prefill.wait_listening()["control"]
-            overrides = ["http.port=0", f"control.peer={ctl}", "worker_id=twin", *TIMERS]
-            holder = Service("decode", overrides)
-            started.append(holder)
-            wait_for(lambda: ready(http, holder.url), 60, "the first decode ready")
-            second = Service("decode", overrides)
-            started.append(second)
+    with httpx.Client(timeout=30.0) as http, Services() as services:
+        _, ctl = services.prefill(*TIMERS)
+        overrides = ["http.port=0", f"control.peer={ctl}", "worker_id=twin", *TIMERS]
+        holder = services.start("decode", overrides)
+        wait_for(lambda: ready(http, holder.url), 60, "the first decode ready")
+        second = services.start("decode", overrides)
 
-            def refused():
-                r = http.get(f"{second.url}/readyz")
-                return r.json() if r.status_code == 503 and r.json().get("check") == "handshake" else None
+        def refused():
+            r = http.get(f"{second.url}/readyz")
+            return r.json() if r.status_code == 503 and r.json().get("check") == "handshake" else None
 
-            body = wait_for(refused, 60, "the second decode refused")
-            assert body["error"]["type"] == "WorkerIdInUse"
-            holder.stop()
-            # nothing calls it again: the decode registers by itself (1 s, then 2 s, ...)
-            wait_for(lambda: ready(http, second.url), 30, "the second decode accepted after the first left")
-            r = http.post(f"{second.url}/v1/transfers", json={"tokens": 300})
-            assert r.status_code == 200 and r.json()["status"] == "success", r.text
-        finally:
-            for s in reversed(started):
-                s.stop()
+        body = wait_for(refused, 60, "the second decode refused")
+        assert body["error"]["type"] == "WorkerIdInUse"
+        holder.stop()
+        # nothing calls it again: the decode registers by itself (1 s, then 2 s, ...)
+        wait_for(lambda: ready(http, second.url), 30, "the second decode accepted after the first left")
+        r = http.post(f"{second.url}/v1/transfers", json={"tokens": 300})
+        assert r.status_code == 200 and r.json()["status"] == "success", r.text
 
 
 def test_a_refused_decode_agent_registers_again_with_backoff():
