@@ -75,13 +75,15 @@ from pdstate.service.models import (  # noqa: F401  (Readiness and the limits: p
 )
 
 
-def compat_document(source: StatusSource) -> CompatDocument:
+def compat_document(source: StatusSource, reveal: bool = True) -> CompatDocument:
+    """``reveal=False``: without this worker's and its peers' incarnations (a caller that did not
+    authenticate: an incarnation names a live process to impersonate)."""
     r = source.report
     ok, err = source.local_check()
     return CompatDocument(
         role=source.role,
         worker_id=source.worker_id,
-        incarnation=source.incarnation,
+        incarnation=source.incarnation if reveal else "",
         protocol_version=PROTOCOL_VERSION,
         pdstate_version=__version__,
         engine=source.engine,
@@ -89,7 +91,7 @@ def compat_document(source: StatusSource) -> CompatDocument:
         fingerprint=r.fingerprint,
         layout={"page_size": r.page_size, "kv_dtype": r.kv_dtype, **dict(r.factors)},
         local_check=LocalCheckModel(ok=ok, error=None if err is None else ErrorModel(**err.model_dump())),
-        peers=[PeerModel(**p) for p in source.peers()],
+        peers=[PeerModel(**(p if reveal else {**p, "incarnation": None})) for p in source.peers()],
         report=r,
     )
 
@@ -143,6 +145,12 @@ def _safe_loc(part: Any) -> int | str:
     return text if len(text) <= 64 and _WORD_RE.fullmatch(text) else "<key>"
 
 
+def _bearer_ok(token: bytes | None, creds: HTTPAuthorizationCredentials | None) -> bool:
+    """Whether ``creds`` carry ``token`` (False when no token is configured: nobody is known)."""
+    given = creds.credentials.encode() if creds is not None and creds.scheme.lower() == "bearer" else b""
+    return token is not None and hmac.compare_digest(given, token)
+
+
 def _auth(token: bytes | None):
     bearer = HTTPBearer(auto_error=False, description="the [auth] token, when one is configured")
 
@@ -169,6 +177,7 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
     )
     app.add_middleware(BodyLimit)
     auth = _auth(token)
+    bearer = HTTPBearer(auto_error=False, description="the [auth] token, when one is configured")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(source))
     app.state.source = source
@@ -211,9 +220,10 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         return JSONResponse(status_code=503, content=body.model_dump())
 
     @app.get("/v1/compat", response_model=CompatDocument, tags=["compat"])
-    async def get_compat() -> CompatDocument:
-        """What this worker states about its layout, its local check and its peers."""
-        return compat_document(source)
+    async def get_compat(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> CompatDocument:
+        """What this worker states about its layout, its local check and its peers; the
+        incarnations only to a caller with the token (none when no token is configured)."""
+        return compat_document(source, reveal=_bearer_ok(token, creds))
 
     @app.post("/v1/compat/check", response_model=CompatVerdict, tags=["compat"], responses={413: {}})
     async def post_compat_check(theirs: CompatCheckIn) -> CompatVerdict:
