@@ -213,6 +213,21 @@ def test_compose_command_without_its_token_volume_is_refused(prefill_cfg):
     )
 
 
+# --- transfer engines whose native listeners cannot be restricted ---------------------------
+
+
+def test_mooncake_without_the_open_listener_acknowledgement_is_refused(prefill_cfg):
+    # Mooncake 0.3.13 listens on 0.0.0.0 and [::] whatever its host (docs/security.md)
+    refused(
+        "pdstate: transfer.mooncake.allow_open_listener: the mooncake engine listens on every interface and "
+        "authenticates nobody (whoever reaches its ports can write into this worker's registered memory); keep "
+        "the workers on a private network (deploy/k8s/networkpolicy.yaml) and set "
+        "transfer.mooncake.allow_open_listener = true to acknowledge it",
+        prefill_cfg,
+        "transfer.engine=mooncake",
+    )
+
+
 # --- the config path itself ------------------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ from pdstate.errors import ConfigError
 from pdstate.integrations.sglang.settings import check_rank_auth, load_settings
 
 TOKEN = "sglang-rank-token-0b7e4f21"
+ACK = {"PDSTATE_TRANSFER__MOONCAKE__ALLOW_OPEN_LISTENER": "true"}  # the default engine's open listener, acknowledged
 REFUSAL = (
     "auth: this SGLang prefill rank's agent is reachable at 10.1.2.3 (the address SGLang advertises for the rank) "
     "but no auth token is configured; set PDSTATE_AUTH__TOKEN_FILE (or PDSTATE_AUTH__TOKEN) on every prefill and "
@@ -24,7 +25,7 @@ REFUSAL = (
 
 
 def test_a_rank_on_a_network_address_without_a_token_refuses_with_one_line():
-    settings = load_settings("prefill", environ={})
+    settings = load_settings("prefill", environ=ACK)
     with pytest.raises(ConfigError) as info:
         check_rank_auth(settings, "prefill", "10.1.2.3")
     assert str(info.value) == REFUSAL
@@ -35,12 +36,27 @@ def test_a_rank_on_a_network_address_without_a_token_refuses_with_one_line():
     [{"PDSTATE_AUTH__TOKEN": TOKEN}, {"PDSTATE_AUTH__ALLOW_INSECURE_BIND": "true"}],
 )
 def test_a_token_or_the_explicit_opt_out_lets_it_start(environ):
-    check_rank_auth(load_settings("prefill", environ=environ), "prefill", "10.1.2.3")
+    check_rank_auth(load_settings("prefill", environ={**ACK, **environ}), "prefill", "10.1.2.3")
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost"])
 def test_loopback_needs_no_token(host):
-    check_rank_auth(load_settings("decode", environ={}), "decode", host)
+    check_rank_auth(load_settings("decode", environ=ACK), "decode", host)
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_an_engine_with_an_open_listener_needs_the_acknowledgement(engine):
+    environ = {"PDSTATE_TRANSFER__ENGINE": engine, "PDSTATE_AUTH__TOKEN": TOKEN}
+    with pytest.raises(ConfigError) as info:
+        check_rank_auth(load_settings("prefill", environ=environ), "prefill", "127.0.0.1")
+    assert str(info.value) == (
+        f"transfer.{engine}.allow_open_listener: the {engine} engine listens on every interface and authenticates "
+        "nobody (whoever reaches its ports can write into this worker's registered memory); keep the workers on a "
+        f"private network (deploy/k8s/networkpolicy.yaml) and set transfer.{engine}.allow_open_listener = true to "
+        "acknowledge it"
+    )
+    ack = {f"PDSTATE_TRANSFER__{engine.upper()}__ALLOW_OPEN_LISTENER": "true"}
+    check_rank_auth(load_settings("prefill", environ={**environ, **ack}), "prefill", "127.0.0.1")
 
 
 def test_a_weak_token_is_refused_for_a_rank_too():

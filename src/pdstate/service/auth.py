@@ -139,3 +139,18 @@ def check_auth(cfg: Any, where: Callable[[str], str]) -> None:
             f"{key}: {value!r} is reachable beyond loopback but no auth token is configured{where(key)}; "
             "set auth.token_file (or PDSTATE_AUTH__TOKEN), or auth.allow_insecure_bind = true to serve without auth"
         )
+
+
+OPEN_ENGINES = ("mooncake", "nixl")  # native listeners pdstate cannot restrict (docs/security.md)
+
+
+def check_open_listener(engine: str, acknowledged: bool) -> None:
+    """``engine``'s native listeners accept anyone on every interface (Mooncake 0.3.13: 0.0.0.0 and
+    [::] whatever its host, measured): a worker starts with it only when the operator said so."""
+    if engine in OPEN_ENGINES and not acknowledged:
+        raise ConfigError(
+            f"transfer.{engine}.allow_open_listener: the {engine} engine listens on every interface and "
+            "authenticates nobody (whoever reaches its ports can write into this worker's registered memory); "
+            f"keep the workers on a private network (deploy/k8s/networkpolicy.yaml) and set "
+            f"transfer.{engine}.allow_open_listener = true to acknowledge it"
+        )

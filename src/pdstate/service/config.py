@@ -133,11 +133,18 @@ class MooncakeSection(_Section):
     host: str = "127.0.0.1"
     protocol: Literal["tcp", "rdma"] = "tcp"
     device: str = ""
+    # the native listeners are on every interface, unauthenticated: start only when acknowledged
+    allow_open_listener: bool = False
+
+
+class NixlSection(_Section):
+    allow_open_listener: bool = False
 
 
 class TransferSection(_Section):
     engine: Literal["shm", "mooncake", "nixl", "loopback"] = "shm"
     mooncake: MooncakeSection = MooncakeSection()
+    nixl: NixlSection = NixlSection()
 
 
 class AuthSection(_Section):
