@@ -270,7 +270,7 @@ def _with_kv(fields: dict, **kv_changes) -> dict:
     return {**fields, "kv": {**fields["kv"], **kv_changes}}
 
 
-def _bad_frames() -> list[tuple[str, list[bytes], str, str]]:
+def _bad_frames(endpoint: str) -> list[tuple[str, list[bytes], str, str]]:
     """(id, frames, expected reply kind, text the reply's message contains): the agent's prefill
     answers each with an error or a refusal (a heartbeat before a register: ``NotRegistered``;
     two frames in one message: a ``ProtocolError``, PROTOCOL §1)."""
@@ -364,6 +364,7 @@ def _bad_frames() -> list[tuple[str, list[bytes], str, str]]:
                                 "boot_id": "",
                                 "regions": [{"bogus": 1}],
                                 "challenge": "00" * 16,  # (past the challenge: the endpoint is read)
+                                "audience": endpoint,
                                 "proofs": {},
                             },
                         },
@@ -381,7 +382,7 @@ def test_bad_control_input_gets_clear_errors_and_never_wedges_the_prefill(prefil
     before = p.command({"cmd": "stats"}, "stats")["stats"]
     dealer = RawDealer(ep)
     try:
-        for case, frames, kind, text in _bad_frames():
+        for case, frames, kind, text in _bad_frames(ep):
             if len(frames) > 1:
                 dealer.sock.send_multipart(frames)
                 assert dealer.sock.poll(10_000), case
