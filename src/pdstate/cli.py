@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from pdstate import logs
-from pdstate.devtools import bench_report, demo
+from pdstate.devtools import demo
 from pdstate.errors import ConfigError, ExitCode
 from pdstate.service import preflight, probe, server
 
@@ -229,7 +229,13 @@ def _add_bench(sub) -> None:
         help="the sglang phase: SGLang 0.5.19's own Mooncake backend against backend pdstate, per request "
         "(about a minute; skipped, saying why, without make sglang-env's environment or Mooncake)",
     )
-    b.set_defaults(func=bench_report.cmd_bench)
+    b.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args) -> ExitCode:
+    from pdstate.devtools import bench  # torch and the pools: loaded once the command is known
+
+    return bench.cmd_bench(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
