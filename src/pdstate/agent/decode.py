@@ -162,6 +162,16 @@ class DecodeAgent(DecodeFrames):
         """Whether the I/O thread runs (nothing is received without it)."""
         return self._loop.alive
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called (not alive and not closed: the I/O thread died)."""
+        return self._loop.closed
+
+    def register_message(self) -> wire.Register:
+        """The ``Register`` this agent sends its prefills, without an ownership proof: its
+        identity, layout, KVArgs and endpoint (a test or a probe that speaks for it)."""
+        return self._handshake.register_message()
+
     def connect(self, prefill: str) -> None:
         """Shake hands with the prefill at ``prefill`` now, before any request names it (a
         service's readiness). A new address is dialled (PENDING until it answers). A gone prefill

@@ -200,6 +200,11 @@ class PrefillAgent(CopyPipeline, Refusals):
         """Whether the I/O thread runs (nothing is served without it)."""
         return self._loop.alive
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called (not alive and not closed: the I/O thread died)."""
+        return self._loop.closed
+
     def close(self, reason: str = "prefill shutting down") -> None:
         """Fail live requests with ``reason`` (``AgentClosed``), say ``Goodbye`` with it to every
         accepted decode (which fails what it still has here at once and turns this prefill

@@ -140,6 +140,11 @@ class MooncakeEngine(TransferEngine):
     def check_available(cls) -> None:
         import_native(NATIVE_MODULE, cls.name, "mooncake")
 
+    @property
+    def native(self) -> Any:
+        """Mooncake's own ``TransferEngine`` once started, else ``None`` (the bench's raw rows)."""
+        return self._native
+
     @staticmethod
     def _check(rc: int, what: str) -> None:
         """The one place native return codes become errors."""

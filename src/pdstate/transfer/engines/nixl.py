@@ -112,6 +112,11 @@ class NixlEngine(TransferEngine):
     def check_available(cls) -> None:
         import_native(NATIVE_MODULE, cls.name, "nixl")
 
+    @property
+    def native(self) -> Any:
+        """NIXL's own ``nixl_agent`` once started, else ``None`` (the bench's raw rows)."""
+        return self._agent
+
     def _start(self) -> None:
         api = import_native(NATIVE_MODULE, self.name, "nixl")
         if self.agent_name is None:
