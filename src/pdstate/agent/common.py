@@ -54,15 +54,16 @@ def channel_layout(desc, aux_ptrs=None, aux_items=None) -> list[tuple[list[int],
 
 
 _AT_KEY = {s: f"{s.value}_at_s" for s in RequestState}  # the metric each move stamps
-_FIRST_WAIT = threading.Lock()  # orders a record's first waiter (who makes its condition) with its moves
 
 
 @dataclass(slots=True)
 class RequestRecord:
     """A request's lifecycle on one side; written by the I/O thread, read by any thread.
 
-    Its condition is made by the first thread that waits on it: most requests are never waited
-    on by a thread of their own (an ended sender is kept a while, and a condition is ~1.5 KB)."""
+    Each record has its own small lock; its condition (~1.5 KB) is made over that lock by the
+    first thread that waits on it: most requests are never waited on by a thread of their own (an
+    ended sender is kept a while). A caller that would rather not wait with a thread asks to be
+    told at the end (``add_done_callback``)."""
 
     room: int
     state: RequestState = RequestState.BOOTSTRAPPING
@@ -72,24 +73,46 @@ class RequestRecord:
     watchers: int = 0  # threads in ``wait`` with a predicate of their own (others wait for the end)
     waiters: int = 0  # threads in ``wait``
     changed: threading.Condition | None = None
+    lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
+    done_callbacks: list[Callable[[RequestRecord], None]] | None = field(default=None, repr=False, compare=False)
 
     def move(self, new: RequestState) -> None:
         self._change(new, lambda: self._apply(new))
 
     def _change(self, new: RequestState, step: Callable[[], bool]) -> bool:
-        """Run ``step`` (which moves to ``new`` or not, and says so) under the record's lock: its
-        condition once a thread waits on it, else ``_FIRST_WAIT`` (no condition to take or notify)."""
-        cond = self.changed
-        if cond is None:
-            with _FIRST_WAIT:
-                if self.changed is None:
-                    return step()
-            cond = self.changed
-        with cond:
+        """Run ``step`` (which moves to ``new`` or not, and says so) under the record's lock,
+        wake the threads that wait for this move, then (at the end) run the done callbacks."""
+        callbacks = None
+        with self.lock:
             moved = step()
-            if moved and (new.terminal or self.watchers):  # a waiter for the end sleeps through steps
+            cond = self.changed
+            if (
+                moved and cond is not None and (new.terminal or self.watchers)
+            ):  # a waiter for the end sleeps through steps
                 cond.notify_all()
-            return moved
+            if moved and new.terminal and self.done_callbacks:
+                callbacks, self.done_callbacks = self.done_callbacks, None
+        for fn in callbacks or ():
+            self._run_callback(fn)
+        return moved
+
+    def _run_callback(self, fn: Callable[[RequestRecord], None]) -> None:
+        try:
+            fn(self)
+        except Exception:  # a caller's callback must not break the thread that ended the request
+            log.exception("room %d: a done callback failed", self.room)
+
+    def add_done_callback(self, fn: Callable[[RequestRecord], None]) -> None:
+        """Call ``fn(record)`` once the request is terminal (SUCCESS or FAILED): on the thread
+        that ends it (the agent's I/O thread: ``fn`` must be quick and must not block), or at once
+        on this thread if it has already ended. An exception in ``fn`` is logged, not raised."""
+        with self.lock:
+            if not self.state.terminal:
+                if self.done_callbacks is None:
+                    self.done_callbacks = []
+                self.done_callbacks.append(fn)
+                return
+        self._run_callback(fn)
 
     def _apply(self, new: RequestState) -> bool:
         if self.state is new:
@@ -109,24 +132,19 @@ class RequestRecord:
 
         return self._change(RequestState.FAILED, step)
 
-    def _condition(self, waiting: bool = False) -> threading.Condition:
-        with _FIRST_WAIT:
-            if self.changed is None:
-                self.changed = threading.Condition()
-            if waiting:
-                self.waiters += 1
-            return self.changed
-
     def release(self) -> None:
         """Drop the condition of an ended record no thread waits on (a later ``wait`` makes one)."""
-        with _FIRST_WAIT:
+        with self.lock:
             if self.state.terminal and not self.waiters:
                 self.changed = None
 
     def wait(self, timeout_s: float, until: Callable[[RequestState], bool] | None = None) -> RequestState:
         deadline = time.monotonic() + timeout_s
-        cond = self._condition(waiting=True)
-        with cond:
+        with self.lock:
+            if self.changed is None:
+                self.changed = threading.Condition(self.lock)
+            cond = self.changed
+            self.waiters += 1
             if until is not None:
                 self.watchers += 1
             try:
@@ -139,8 +157,7 @@ class RequestRecord:
             finally:
                 if until is not None:
                     self.watchers -= 1
-                with _FIRST_WAIT:
-                    self.waiters -= 1
+                self.waiters -= 1
 
 
 CALL_CHECK_S = 0.05  # how often a waiting ``call`` looks whether the loop ended under it

@@ -113,6 +113,12 @@ class KVReceiver:
         """Block until terminal (or ``until(state)`` is true) or ``timeout_s``; returns the state."""
         return self._recv.record.wait(timeout_s, until)
 
+    def add_done_callback(self, fn: Callable[[KVReceiver], None]) -> None:
+        """Call ``fn(receiver)`` once the request is terminal, with no thread waiting for it: on
+        the agent's I/O thread (``fn`` must be quick and must not block), or at once if it has
+        ended (``concurrent.futures`` or asyncio: set a future's result from ``fn``)."""
+        self._recv.record.add_done_callback(lambda _record: fn(self))
+
     @property
     def metrics(self) -> dict:
         return dict(self._recv.record.metrics)

@@ -149,6 +149,11 @@ class KVSender:
         """Block until terminal (or ``until(state)`` is true) or ``timeout_s``; returns the state."""
         return self._send.record.wait(timeout_s, until)
 
+    def add_done_callback(self, fn: Callable[[KVSender], None]) -> None:
+        """Call ``fn(sender)`` once the request is terminal, with no thread waiting for it: on the
+        agent's I/O thread (``fn`` must be quick and must not block), or at once if it has ended."""
+        self._send.record.add_done_callback(lambda _record: fn(self))
+
     @property
     def landed(self) -> bool:
         """Whether every chunk was submitted and has finished on the engine."""
