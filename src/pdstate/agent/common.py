@@ -7,9 +7,9 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import zmq
 
@@ -21,7 +21,7 @@ from pdstate.protocol.wire import MAX_FRAME_BYTES
 
 log = logging.getLogger("pdstate.agent")
 
-__all__ = ["AgentLoop", "RequestRecord", "channel_layout", "regions_of"]
+__all__ = ["AgentLifetime", "AgentLoop", "RequestRecord", "channel_layout", "regions_of"]
 
 AGAIN_MS = 1  # how soon ``AgentLoop.again`` checks run
 
@@ -320,3 +320,51 @@ class AgentLoop:
             if time.monotonic() >= next_tick:
                 self._guard(self._on_tick)
                 next_tick = time.monotonic() + self._tick_s
+
+
+class AgentLifetime:
+    """What both agents share over their I/O thread (``_loop``) and engine (``_engine``): whether
+    they run, ``with`` closing them, the last step of ``close``, and a tick's clock."""
+
+    _loop: AgentLoop
+    _engine: Any
+    _last_tick: float
+    heartbeat_interval_s: float
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def alive(self) -> bool:
+        """Whether the I/O thread runs (nothing is sent or received without it)."""
+        return self._loop.alive
+
+    def _tick_time(self, peers: Iterable[Any]) -> float:
+        """Now, for a tick: a tick more than two heartbeat intervals late means this process did
+        not run for a while (frozen, swapped out), so ``peers`` (their ``last_seen``) are not
+        blamed for that time."""
+        now = time.monotonic()
+        stalled = now - self._last_tick - 2 * self.heartbeat_interval_s
+        self._last_tick = now
+        if stalled > 0:
+            for peer in peers:
+                peer.last_seen += stalled
+        return now
+
+    def _stop(self, final: Callable[[], None]) -> None:
+        """Run ``final`` on the I/O thread as it stops, then close the engine."""
+        try:
+            self._loop.stop(final)
+        finally:
+            self._engine.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called (neither alive nor closed: the I/O thread died)."""
+        return self._loop.closed
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

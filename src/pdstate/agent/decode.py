@@ -8,7 +8,7 @@ import time
 import numpy as np
 import zmq
 
-from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
+from pdstate.agent.common import AgentLifetime, AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.decode_frames import DecodeFrames
 from pdstate.agent.receiver import KVReceiver, PrefillPeer, Receiving
 from pdstate.errors import (
@@ -30,7 +30,7 @@ __all__ = ["DecodeAgent", "KVReceiver"]
 _S = RequestState
 
 
-class DecodeAgent(DecodeFrames):
+class DecodeAgent(AgentLifetime, DecodeFrames):
     """Receives DSV4 state into the caller's memory from any number of prefill agents.
 
     ``kv_args``: the caller's filled ``KVArgs`` (``aux_data_*`` too when metadata moves);
@@ -157,16 +157,6 @@ class DecodeAgent(DecodeFrames):
 
         return self._loop.call(snap)
 
-    @property
-    def alive(self) -> bool:
-        """Whether the I/O thread runs (nothing is received without it)."""
-        return self._loop.alive
-
-    @property
-    def closed(self) -> bool:
-        """Whether ``close()`` was called (not alive and not closed: the I/O thread died)."""
-        return self._loop.closed
-
     def register_message(self) -> wire.Register:
         """The ``Register`` this agent sends its prefills, without an ownership proof: its
         identity, layout, KVArgs and endpoint (a test or a probe that speaks for it)."""
@@ -229,16 +219,7 @@ class DecodeAgent(DecodeFrames):
                 recv.record.fail(AgentClosed("decode shutting down"))
                 self._drop_digest(recv)  # after close returns no thread reads the caller's memory
 
-        try:
-            self._loop.stop(final)
-        finally:
-            self._engine.close()
-
-    def __enter__(self) -> DecodeAgent:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._stop(final)
 
     # --- I/O thread -------------------------------------------------------------------------------
 
@@ -390,12 +371,7 @@ class DecodeAgent(DecodeFrames):
             recv.digest = None
 
     def _tick(self) -> None:
-        now = time.monotonic()
-        stalled = now - self._last_tick - 2 * self.heartbeat_interval_s
-        self._last_tick = now
-        if stalled > 0:  # this process did not run for a while: do not blame the peers for it
-            for peer in self._prefills.values():
-                peer.last_seen += stalled
+        now = self._tick_time(self._prefills.values())
         for key, recv in list(self._recvs.items()):
             if recv.record.state.terminal:
                 del self._recvs[key]  # the caller holds its KVReceiver; the agent forgets it

@@ -12,7 +12,7 @@ import zmq
 
 from pdstate import logs
 from pdstate.agent.admission import bind_router, gatekeep
-from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
+from pdstate.agent.common import AgentLifetime, AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.digest import RequestDigest
 from pdstate.agent.prefill_copy import CopyPipeline
 from pdstate.agent.refusals import Refusals
@@ -57,7 +57,7 @@ def _trim(send: Sending) -> None:
         send.request = ANSWERED
 
 
-class PrefillAgent(CopyPipeline, Refusals):
+class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
     """Serves decode agents over ZeroMQ (a ROUTER bound at ``bind``) and one transfer engine.
 
     ``kv_args``: the caller's filled ``KVArgs`` (``fill_kv_args`` / ``setup_state_kv_args``, plus
@@ -195,16 +195,6 @@ class PrefillAgent(CopyPipeline, Refusals):
         (its layout's, from its Register) and ``error`` (``{"type", "message"}`` or ``None``)."""
         return self._loop.call(lambda: [dict(d) for d in self._peer_log.values()])
 
-    @property
-    def alive(self) -> bool:
-        """Whether the I/O thread runs (nothing is served without it)."""
-        return self._loop.alive
-
-    @property
-    def closed(self) -> bool:
-        """Whether ``close()`` was called (not alive and not closed: the I/O thread died)."""
-        return self._loop.closed
-
     def close(self, reason: str = "prefill shutting down") -> None:
         """Fail live requests with ``reason`` (``AgentClosed``), say ``Goodbye`` with it to every
         accepted decode (which fails what it still has here at once and turns this prefill
@@ -220,16 +210,7 @@ class PrefillAgent(CopyPipeline, Refusals):
             for identity in list(self._decodes):
                 self._reply(identity, bye)
 
-        try:
-            self._loop.stop(final)
-        finally:
-            self._engine.close()
-
-    def __enter__(self) -> PrefillAgent:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._stop(final)
 
     # --- I/O thread -------------------------------------------------------------------------------
 
@@ -404,12 +385,7 @@ class PrefillAgent(CopyPipeline, Refusals):
             send.record.fail(error_from_wire(err.type, err.message))
 
     def _tick(self) -> None:
-        now = time.monotonic()
-        stalled = now - self._last_tick - 2 * self.heartbeat_interval_s
-        self._last_tick = now
-        if stalled > 0:  # this process did not run for a while: do not blame the peers for it
-            for peer in self._decodes.values():
-                peer.last_seen += stalled
+        now = self._tick_time(self._decodes.values())
         for identity, d in list(self._decodes.items()):
             if now - d.last_seen > self.peer_timeout_s:
                 self._decode_gone(identity, f"decode {d.worker_id} missed heartbeats for {self.peer_timeout_s:g} s")
