@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdstate.agent.sender import _Send
+from pdstate.agent.sender import Sending
 from pdstate.errors import PeerGone, TransferFailed
 
 MAX_WITHHELD = 3  # verdicts missed in a row before the decode is dropped
@@ -35,7 +35,7 @@ def check_verdicts(agent: Any, now: float) -> None:
     overdue = [
         s
         for s in agent._sends.values()
-        if isinstance(s, _Send) and s.done_sent and not s.record.state.terminal
+        if isinstance(s, Sending) and s.done_sent and not s.record.state.terminal
         if now - s.done_at > agent.verdict_timeout_s
     ]
     for send in overdue:
