@@ -5,6 +5,7 @@ request with the decode's reason; the prefill keeps answering throughout."""
 from __future__ import annotations
 
 import msgpack
+import pytest
 
 from pdstate.protocol import wire
 from pdstate.protocol.report import ErrorInfo
@@ -13,6 +14,18 @@ from tests.support.hostile import RawDealer, RawDecode
 from tests.support.workers import Workers, wait_transferring
 
 QUIET_MS = 300
+
+
+@pytest.fixture
+def dealer():
+    """A raw ZeroMQ client on a fresh prefill worker process."""
+    with Workers() as ws:
+        _, endpoint = ws.prefill()
+        d = RawDealer(endpoint)
+        try:
+            yield d
+        finally:
+            d.close()
 
 
 def _error(room=None) -> wire.Error:
@@ -63,46 +76,31 @@ def test_an_error_for_a_room_in_flight_ends_that_request_with_the_decodes_reason
             fake.close()
 
 
-def test_an_unregistered_heartbeat_gets_not_registered():
+def test_an_unregistered_heartbeat_gets_not_registered(dealer):
     # was answered with the prefill's own heartbeat: its incarnation to anyone who asked
-    with Workers() as ws:
-        _, endpoint = ws.prefill()
-        dealer = RawDealer(endpoint)
-        try:
-            answer = dealer.ask(wire.Heartbeat(worker_id="stranger", incarnation="0", seq=5))
-            assert answer == wire.Error(
-                error=ErrorInfo(type="NotRegistered", message="decode is not registered with this prefill")
-            )
-        finally:
-            dealer.close()
+    answer = dealer.ask(wire.Heartbeat(worker_id="stranger", incarnation="0", seq=5))
+    assert answer == wire.Error(
+        error=ErrorInfo(type="NotRegistered", message="decode is not registered with this prefill")
+    )
 
 
-def test_multipart_and_oversized_frames_get_a_typed_error():
+def test_multipart_and_oversized_frames_get_a_typed_error(dealer):
     # both were dropped without a word
-    with Workers() as ws:
-        _, endpoint = ws.prefill()
-        dealer = RawDealer(endpoint)
-        try:
-            hb = wire.encode(wire.Heartbeat(worker_id="probe", incarnation="0", seq=1))
-            dealer.sock.send_multipart([hb, hb, hb])
-            answer = wire.decode(dealer.sock.recv()) if dealer.sock.poll(10_000) else None
-            assert answer == wire.Error(
-                error=ErrorInfo(
-                    type="ProtocolError", message="a message is one frame (one ZeroMQ part); this one has 3"
-                )
-            )
-            big = wire.MAX_FRAME_BYTES + 100  # past the frame limit, within the transport's (PROTOCOL §2.5)
-            dealer.send(b"\x00" * big)
-            answer = wire.decode(dealer.sock.recv()) if dealer.sock.poll(10_000) else None
-            assert answer == wire.Error(
-                error=ErrorInfo(
-                    type="ProtocolError",
-                    message=f"frame of {big} bytes exceeds the limit of {wire.MAX_FRAME_BYTES} bytes",
-                )
-            )
-            _assert_still_answers(dealer)
-        finally:
-            dealer.close()
+    hb = wire.encode(wire.Heartbeat(worker_id="probe", incarnation="0", seq=1))
+    dealer.sock.send_multipart([hb, hb, hb])
+    answer = wire.decode(dealer.sock.recv()) if dealer.sock.poll(10_000) else None
+    assert answer == wire.Error(
+        error=ErrorInfo(type="ProtocolError", message="a message is one frame (one ZeroMQ part); this one has 3")
+    )
+    big = wire.MAX_FRAME_BYTES + 100  # past the frame limit, within the transport's (PROTOCOL §2.5)
+    dealer.send(b"\x00" * big)
+    answer = wire.decode(dealer.sock.recv()) if dealer.sock.poll(10_000) else None
+    assert answer == wire.Error(
+        error=ErrorInfo(
+            type="ProtocolError", message=f"frame of {big} bytes exceeds the limit of {wire.MAX_FRAME_BYTES} bytes"
+        )
+    )
+    _assert_still_answers(dealer)
 
 
 def test_an_empty_boot_id_is_refused():

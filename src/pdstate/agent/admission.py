@@ -22,7 +22,6 @@ Run on the prefill agent's I/O thread:
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import time
 from typing import Any
@@ -98,17 +97,7 @@ def _same_host(audience: str, address: str) -> bool:
     if a_scheme != "tcp" or b_scheme != "tcp" or a_port != b_port:
         return False
     local = ("0.0.0.0", "*", "[::]", "::")
-    return (b_host in local or is_loopback(b_host)) and is_loopback(a_host)
-
-
-def is_loopback(host: str) -> bool:
-    h = host.strip("[]")
-    if h.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(h).is_loopback
-    except ValueError:
-        return False
+    return (b_host in local or wire.is_loopback_host(b_host)) and wire.is_loopback_host(a_host)
 
 
 def bind_router(loop: Any, bind: str) -> tuple[zmq.Socket, str]:

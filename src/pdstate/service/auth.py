@@ -9,13 +9,13 @@ one line naming the key, where its value came from, and the fix.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pdstate.errors import ConfigError
+from pdstate.protocol.wire import is_loopback_host
 
 GENERATE_HINT = "openssl rand -hex 32"
 MIN_TOKEN_BYTES = 16  # a shared token's least length once trimmed (``openssl rand -hex 32`` gives 64)
@@ -55,22 +55,6 @@ def read_token_file(path: str) -> bytes:
     if not text:
         raise ConfigError(f"auth.token_file: {path} is empty; {fix}")
     return text.encode()
-
-
-def is_loopback_host(host: str) -> bool:
-    """``host`` (an IP literal, ``[v6]`` or ``localhost``) names only this machine's loopback.
-
-    Anything else, including ``""``, ``*``, interface names and host names (no DNS lookup at load
-    time), counts as reachable from outside: the checks built on this fail closed."""
-    h = host.strip()
-    if h.startswith("[") and h.endswith("]"):
-        h = h[1:-1]
-    if h.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(h).is_loopback
-    except ValueError:
-        return False
 
 
 def control_bind_host(endpoint: str) -> str | None:
