@@ -28,16 +28,11 @@ KINDS = {"main", "aux"}  # besides every StateType of the release's KVArgs
 def tp_runs(request) -> tuple[str, dict]:
     """``(release, {backend: result})``: per backend, fresh children (a prefill of attention TP 1,
     a decode of attention TP 2), the same-pools case, one request in two chunks."""
-    from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, mooncake_missing
+    from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV
     from pdstate.devtools.sglang_queues.pair import QueuePair
 
     release = request.param
-    try:
-        target = runner.ensure_env(release)
-    except runner.EnvUnavailable as exc:
-        runner.skip(exc)
-    if why := mooncake_missing():
-        pytest.skip(why)
+    target = runner.queue_env(release)
     results = {}
     for backend in BACKENDS:
         with QueuePair(target, extra_env=PDSTATE_ENGINE_ENV, decode_ranks=2) as pair:

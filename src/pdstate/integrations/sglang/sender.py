@@ -39,15 +39,8 @@ import time
 import numpy as np
 
 from pdstate.errors import PdStateError, TransferFailed
+from pdstate.integrations.sglang import states as lifecycle
 from pdstate.integrations.sglang.replicas import asked_rooms, refused_room
-from pdstate.integrations.sglang.states import (
-    combine,
-    conclude,
-    conclude_failed,
-    concluded,
-    failure_exception,
-    kv_poll,
-)
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
@@ -155,7 +148,7 @@ def build_sender() -> type:
         def _fail(self, error: BaseException, reason: str | None = None) -> int:
             if self._error is None:
                 self._error = error
-            return conclude_failed(self, reason or f"{type(error).__name__}: {error}")
+            return lifecycle.conclude_failed(self, reason or f"{type(error).__name__}: {error}")
 
         def init(self, num_kv_indices: int, aux_index=None):
             super().init(num_kv_indices, aux_index)
@@ -201,7 +194,7 @@ def build_sender() -> type:
                 out.send_chunk(pages, states, last, state_types)
 
         def poll(self) -> int:
-            over = concluded(self)
+            over = lifecycle.concluded(self)
             if over is not None:
                 return over
             status = self.kv_mgr.request_status.get(self.bootstrap_room)
@@ -225,15 +218,15 @@ def build_sender() -> type:
                         return timed_out
                     return KVPoll.Bootstrapping
             states = [out.send.poll() for out in self._outs]
-            poll = combine(kv_poll(s) for s in states)
+            poll = lifecycle.combine(lifecycle.kv_poll(s) for s in states)
             if poll == KVPoll.Failed:
-                failed = next(out for out, s in zip(self._outs, states) if kv_poll(s) == KVPoll.Failed)
+                failed = next(out for out, s in zip(self._outs, states) if lifecycle.kv_poll(s) == KVPoll.Failed)
                 err = failed.send.failure_exception() or TransferFailed("the pdstate sender failed")
                 return self._fail(err)
-            return conclude(self, poll)
+            return lifecycle.conclude(self, poll)
 
         def failure_exception(self):
-            failure_exception(self)
+            lifecycle.failure_exception(self)
 
         def get_transfer_metric(self) -> KVTransferMetric:
             metric = super().get_transfer_metric()
