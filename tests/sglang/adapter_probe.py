@@ -566,16 +566,22 @@ def case_decode_tp_wider(h: Harness) -> dict:
     return out
 
 
-def case_pp_refused(h: Harness) -> dict:
-    """A prefill stage of a two-stage pipeline stops its manager at construction, saying so."""
+def _refused_at_start(h: Harness, side: str, **widths) -> dict:
+    """The manager of ``side`` ("prefill" / "decode") built under ``widths``: the error it stops with."""
     from sglang.srt.runtime_context import get_parallel, get_server_args
 
-    with get_parallel().override(**_wider(pp_size=2)):
+    mode = h.mode.PREFILL if side == "prefill" else h.mode.DECODE
+    with get_parallel().override(**_wider(**widths)):
         try:
-            h.cls["MANAGER"](h.prefill["kv"], h.mode.PREFILL, get_server_args(), True)
+            h.cls["MANAGER"](getattr(h, side)["kv"], mode, get_server_args(), True)
         except ValueError as exc:
             return {"error": str(exc)}
     return {"error": None}
+
+
+def case_pp_refused(h: Harness) -> dict:
+    """A prefill stage of a two-stage pipeline stops its manager at construction, saying so."""
+    return _refused_at_start(h, "prefill", pp_size=2)
 
 
 def case_io_thread_ends(h: Harness) -> dict:
@@ -619,14 +625,7 @@ def case_io_thread_ends(h: Harness) -> dict:
 
 def case_cp_refused(h: Harness) -> dict:
     """Context parallelism stops the rank's manager at construction, saying so."""
-    from sglang.srt.runtime_context import get_parallel, get_server_args
-
-    with get_parallel().override(**_wider(attn_cp_size=2)):
-        try:
-            h.cls["MANAGER"](h.decode["kv"], h.mode.DECODE, get_server_args(), True)
-        except ValueError as exc:
-            return {"error": str(exc)}
-    return {"error": None}
+    return _refused_at_start(h, "decode", attn_cp_size=2)
 
 
 def case_hooks(h: Harness) -> dict:
