@@ -118,7 +118,7 @@ def build_sender() -> type:
             self._outs: list[_Out] = []  # one per decode rank fed (several: a wider decode attention TP)
             self._inited = False
             self._queued: list = []  # chunks sent before the decode's request arrived
-            self._error: BaseException | None = None
+            self.pdstate_error: BaseException | None = None
             CommonKVSender.__init__(self, *base_args, **base_kwargs)
             self.init_time = time.time()
 
@@ -145,9 +145,9 @@ def build_sender() -> type:
         def agent(self):
             return self.kv_mgr.agent
 
-        def _fail(self, error: BaseException, reason: str | None = None) -> int:
-            if self._error is None:
-                self._error = error
+        def pdstate_fail(self, error: BaseException, reason: str | None = None) -> int:
+            if self.pdstate_error is None:
+                self.pdstate_error = error
             return lifecycle.conclude_failed(self, reason or f"{type(error).__name__}: {error}")
 
         def init(self, num_kv_indices: int, aux_index=None):
@@ -169,7 +169,7 @@ def build_sender() -> type:
                 for chunk in self._queued:
                     self._send_chunk(*chunk)
             except (PdStateError, ValueError) as exc:
-                self._fail(exc)
+                self.pdstate_fail(exc)
             self._queued.clear()
 
         def send(self, kv_indices, state_indices=None, num_kv_tokens=None):
@@ -185,7 +185,7 @@ def build_sender() -> type:
             try:
                 self._send_chunk(pages, state_indices, last)
             except (PdStateError, ValueError) as exc:
-                self._fail(exc)
+                self.pdstate_fail(exc)
 
         def _send_chunk(self, pages, state_indices, last: bool) -> None:
             state_types = self.kv_mgr.kv_args.state_types
@@ -204,7 +204,7 @@ def build_sender() -> type:
             if not self._outs:
                 refusal = refused_room(self.agent, self.bootstrap_room)
                 if refusal is not None:
-                    return self._fail(refusal)
+                    return self.pdstate_fail(refusal)
                 if asked_rooms(self.agent, self.bootstrap_room) is not None:
                     if not self._inited:
                         return KVPoll.WaitingForInput
@@ -222,7 +222,7 @@ def build_sender() -> type:
             if poll == KVPoll.Failed:
                 failed = next(out for out, s in zip(self._outs, states) if lifecycle.kv_poll(s) == KVPoll.Failed)
                 err = failed.send.failure_exception() or TransferFailed("the pdstate sender failed")
-                return self._fail(err)
+                return self.pdstate_fail(err)
             return lifecycle.conclude(self, poll)
 
         def failure_exception(self):
