@@ -123,7 +123,8 @@ class AgentDecodeWorker(AgentWorker):
                     p = known.get(address)
                     if p is None or p["state"] == "gone":
                         self.agent.connect(address)
-                    # (a refusal that passes, e.g. WorkerIdInUse: the agent registers again itself)
+                    elif _held_elsewhere(p, self.opts.peer_timeout_s):
+                        self.agent.reregister(address)
                 self._release_quarantine(known)
             except (AgentClosed, TimeoutError):
                 return
@@ -348,6 +349,15 @@ class AgentDecodeWorker(AgentWorker):
             self._ends += 1
             self._ended.notify_all()
         settle(fut, res)
+
+
+def _held_elsewhere(p: dict, peer_timeout_s: float) -> bool:
+    """A refusal that passes by itself: the prefill still holds this decode's former connection
+    (``WorkerIdInUse``, after this decode was frozen or its socket renewed) until it times it out;
+    asked again once that long went by."""
+    info = p.get("error_info") or {}
+    ago = p.get("registered_s_ago")
+    return p["state"] == "rejected" and info.get("type") == "WorkerIdInUse" and ago is not None and ago > peer_timeout_s
 
 
 def _failed(room: int, seq_len: int, reason: str, prefill: str) -> TransferResult:
