@@ -98,6 +98,8 @@ class RequestDigest:
         self._flat: tuple | None = None  # sorted buffer addresses, their stream index, hashers
         self.fused = False  # hashed by the copy itself (``streams``): its time is in the copy's
 
+    fusable = True  # ``streams`` can hash it inside the shm copy
+
     def _rows(self, channel: int, indices) -> list:
         """``(hasher, addresses, sizes)`` per buffer of ``channel`` for the items ``indices``."""
         starts, lengths = index_runs(indices)
@@ -205,7 +207,7 @@ def submit_digested(engine, peer_id: str, plan, digest: RequestDigest | None, up
     (shm), else in the background beside the engine's copy. Returns the engine's handle."""
     if digest is None:
         return engine.submit(peer_id, plan)
-    if getattr(engine, "supports_hashed_copy", False):
+    if getattr(engine, "supports_hashed_copy", False) and digest.fusable:
         return engine.submit(peer_id, plan, hash_src=digest.streams)
     handle = engine.submit(peer_id, plan)  # the copy first: hashing the same bytes waits behind it
     digest.update_async(updates)

@@ -10,6 +10,7 @@ import numpy as np
 
 from pdstate.agent.digest import submit_digested
 from pdstate.agent.sender import _Decode, _Send, _with_aux, wake_when_landed
+from pdstate.agent.verify import wire_form
 from pdstate.errors import (
     EngineError,
     IndexCountMismatch,
@@ -195,6 +196,7 @@ class CopyPipeline:
                 descriptors=send.descriptors,
                 digest=send.digest.digest() if send.digest is not None else None,
                 copy_s=m["transfer_s"],
+                digest_form=wire_form(send.digest),
             ),
         )
 
