@@ -124,6 +124,8 @@ class MooncakeSection(_Section):
 class TransferSection(_Section):
     engine: Literal["shm", "mooncake", "nixl", "loopback"] = "shm"
     mooncake: MooncakeSection = MooncakeSection()
+    # what each request's digests cover (``pdstate.agent.verify``): a sample, every byte, nothing
+    verify: Literal["sampled", "full", "off"] = "sampled"
 
 
 class AuthSection(_Section):
@@ -185,6 +187,7 @@ class WorkerConfig(_Section):
             drain_s=self.control.drain_s,
             local_checks=self.checks.local,
             verify=self.checks.verify,
+            transfer_verify=self.transfer.verify,
         )
 
 

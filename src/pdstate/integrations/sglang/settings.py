@@ -39,6 +39,7 @@ class AgentSettings:
     token: bytes | None
     heartbeat_interval_s: float
     peer_timeout_s: float
+    verify: str = "sampled"  # transfer.verify
 
 
 def load_settings(role: str, environ=None) -> AgentSettings:
@@ -58,6 +59,7 @@ def load_settings(role: str, environ=None) -> AgentSettings:
         token=options.token,
         heartbeat_interval_s=options.heartbeat_interval_s,
         peer_timeout_s=options.peer_timeout_s,
+        verify=options.transfer_verify,
     )
 
 
