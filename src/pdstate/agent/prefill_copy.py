@@ -186,6 +186,7 @@ class CopyPipeline:
         if send.digest is not None:
             m["digest_wait_s"] = round(send.digest.wait(), 6)  # what the copy did not hide
             m["digest_s"], m["digest_fused"] = round(send.digest.seconds, 6), send.digest.fused  # fused: in the copy
+            m["digest_form"] = getattr(send.digest, "form", "host")
         m["transfer_s"] = round(time.monotonic() - send.started, 6)
         self._reply(
             send.identity,

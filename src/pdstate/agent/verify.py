@@ -32,6 +32,7 @@ import numpy as np
 import xxhash
 
 from pdstate.agent.digest import RequestDigest
+from pdstate.pools.placement import memory_devices
 
 __all__ = [
     "DEFAULT_LEVEL",
@@ -154,29 +155,6 @@ def _device_items(ptr: int, item_len: int, idx: np.ndarray, device: str):
     else:
         base = torch.as_tensor(_CudaSpan(ptr + lo * item_len, nbytes), device=device)
     return base.view(-1, item_len)[torch.from_numpy(idx - lo).to(base.device)]
-
-
-def memory_devices(ptrs: list[int]) -> list[str | None]:
-    """Where each address lives: ``None`` for host memory, ``"cuda:N"`` for a device's. Without
-    CUDA every address is host memory; with it, the driver is asked (``cuPointerGetAttribute``)."""
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return [None] * len(ptrs)
-        lib = ctypes.CDLL("libcuda.so.1")
-    except (ImportError, OSError):
-        return [None] * len(ptrs)
-    out: list[str | None] = []
-    for p in ptrs:
-        kind, ordinal = ctypes.c_uint(0), ctypes.c_int(0)
-        ok = lib.cuPointerGetAttribute(ctypes.byref(kind), 2, ctypes.c_uint64(p)) == 0  # MEMORY_TYPE
-        if ok and kind.value == 2:  # CU_MEMORYTYPE_DEVICE
-            lib.cuPointerGetAttribute(ctypes.byref(ordinal), 9, ctypes.c_uint64(p))  # DEVICE_ORDINAL
-            out.append(f"cuda:{ordinal.value}")
-        else:
-            out.append(None)
-    return out
 
 
 class PositionDigest(RequestDigest):
