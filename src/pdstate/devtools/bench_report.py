@@ -46,7 +46,11 @@ def ratios(r: dict) -> dict:
                 if pd and raw:
                     out.setdefault(f"{key}_by_length", {})[str(n)] = raw / pd
         c = med("paged:agent:ceiling", n)
-        for variant, key in (("agent_shm", "agent"), ("agent_shm_digest", "agent_digest")):
+        for variant, key in (
+            ("agent_shm", "agent"),
+            ("agent_shm_sampled", "agent_sampled"),
+            ("agent_shm_digest", "agent_digest"),
+        ):
             ag = med(f"paged:agent:{variant}", n)
             if ag and c:
                 out.setdefault(f"{key}_vs_ceiling_by_length", {})[str(n)] = c / ag
