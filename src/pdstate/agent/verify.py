@@ -31,7 +31,7 @@ from typing import Literal
 import numpy as np
 import xxhash
 
-from pdstate.agent.digest import RequestDigest
+from pdstate.agent.digest import RequestDigest, index_runs
 from pdstate.pools.placement import memory_devices
 
 __all__ = [
@@ -209,7 +209,8 @@ class PositionDigest(RequestDigest):
             device = self._devices[channel][b]
             posb = pos.astype("<u8").view(np.uint8).reshape(-1, 8)
             if self.form == "host":
-                rec = np.concatenate([posb, _host_items(ptr, n, idx)], axis=1)
+                self._hash_host(self._hashers[channel][b], ptr, n, idx, pos, sampled=channel == 0)
+                continue
             else:
                 if device is not None or self._torch_on_host:
                     vals = lane_values(_device_items(ptr, n, idx, device or "cpu"))
@@ -218,6 +219,21 @@ class PositionDigest(RequestDigest):
                 rec = np.concatenate([posb, vals.astype("<u8").view(np.uint8).reshape(-1, 8)], axis=1)
             self._hashers[channel][b].update(np.ascontiguousarray(rec))
         self.seconds += time.perf_counter() - t0
+
+    @staticmethod
+    def _hash_host(h, ptr: int, n: int, idx: np.ndarray, pos: np.ndarray, sampled: bool) -> None:
+        """Host form, read in place: a sampled item as ``u64le(position) ++ bytes``; the items of
+        a channel taken whole (state, aux) as their bytes in list order, contiguous ones in one
+        read (their positions are their order: the count is in the digest's head)."""
+        char, update = ctypes.c_char, h.update
+        if sampled:
+            for i, p in zip(idx.tolist(), pos.tolist()):
+                update(p.to_bytes(8, "little"))
+                update((char * n).from_address(ptr + i * n))
+            return
+        starts, lengths = index_runs(idx)
+        for s, k in zip(starts.tolist(), lengths.tolist()):
+            update((char * (k * n)).from_address(ptr + s * n))
 
     def update_many(self, updates, threads: int | None = None) -> None:
         for channel, indices in updates:
@@ -228,7 +244,13 @@ class PositionDigest(RequestDigest):
 
     def digest(self) -> bytes:
         self.wait()
-        head = b"pdstate-verify|%s|%s|%d|%d|" % (self.level.encode(), self.form.encode(), self.seed, self.n_pages)
+        head = b"pdstate-verify|%s|%s|%d|%d|%s|" % (
+            self.level.encode(),
+            self.form.encode(),
+            self.seed,
+            self.n_pages,
+            ",".join(map(str, self._next)).encode(),
+        )
         return xxhash.xxh3_128(head + b"".join(h.digest() for hs in self._hashers for h in hs)).digest()
 
 
