@@ -102,6 +102,9 @@ class RequestDigest:
 
     def _rows(self, channel: int, indices) -> list:
         """``(hasher, addresses, sizes)`` per buffer of ``channel`` for the items ``indices``."""
+        return self._rows_of(channel, indices)
+
+    def _rows_of(self, channel: int, indices) -> list:
         starts, lengths = index_runs(indices)
         if starts.size == 0:
             return []
@@ -209,6 +212,9 @@ def submit_digested(engine, peer_id: str, plan, digest: RequestDigest | None, up
         return engine.submit(peer_id, plan)
     if getattr(engine, "supports_hashed_copy", False) and digest.fusable:
         return engine.submit(peer_id, plan, hash_src=digest.streams)
+    if not digest.fusable:  # a sample: hashed beside the copy (the copy need not wait for it)
+        digest.update_async(updates)
+        return engine.submit(peer_id, plan)
     handle = engine.submit(peer_id, plan)  # the copy first: hashing the same bytes waits behind it
     digest.update_async(updates)
     return handle

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import time
 from typing import Literal
 
 import numpy as np
 import xxhash
 
-from pdstate.agent.digest import RequestDigest, index_runs
+from pdstate.agent.digest import RequestDigest
 from pdstate.pools.placement import memory_devices
 
 __all__ = [
@@ -180,62 +181,66 @@ class PositionDigest(RequestDigest):
         self._devices = devices or [[None] * len(p) for p, _ in layout]
         self._torch_on_host = torch_on_host
         self._next = [0] * len(layout)  # per channel: list positions taken so far
+        self._positions: list[np.ndarray] = []  # the position words sampled items are hashed with
 
     fusable = False  # never hashed inside the shm copy (the sample is not every descriptor)
 
     def _rows(self, channel: int, indices) -> list:
+        """Host form: ``RequestDigest``'s rows ``(hasher, addresses, sizes)``, a sampled item
+        read as its position (8 bytes kept in ``_positions``) then its bytes, a whole channel's
+        items (state, aux) by runs in list order (their count is in the digest's head), so the
+        threaded and background hashing of ``RequestDigest`` apply; device form:
+        ``(channel, buffer, items, positions)``."""
         idx = np.asarray(indices, dtype=np.int64)
         start = self._next[channel]
         self._next[channel] += idx.size
         pos = np.arange(start, start + idx.size, dtype=np.int64)
-        if channel == 0 and self.level == "sampled":
+        sampled = channel == 0 and self.level == "sampled"
+        if sampled:
             keep = sample_mask(self.seed, pos, self.n_pages)
             idx, pos = idx[keep], pos[keep]
         if idx.size == 0:
             return []
         ptrs, items = self._layout[channel]
+        if self.form == "host" and not sampled:
+            return super()._rows_of(channel, idx)  # counts its bytes
         self.bytes += int(idx.size * int(items.sum()))
-        return [(channel, b, idx, pos) for b in range(len(ptrs))]
+        if self.form != "host":
+            return [(channel, b, idx, pos) for b in range(len(ptrs))]
+        heads = pos.astype("<u8")
+        self._positions.append(heads)  # read by the hashing, maybe in the background
+        head_addr = heads.ctypes.data + 8 * np.arange(idx.size, dtype=np.uint64)
+        rows = []
+        for h, p, n in zip(self._hashers[channel], ptrs.tolist(), items.tolist()):
+            addr = np.empty(2 * idx.size, dtype=np.uint64)
+            addr[0::2], addr[1::2] = head_addr, np.uint64(p) + idx.astype(np.uint64) * np.uint64(n)
+            size = np.empty(2 * idx.size, dtype=np.uint64)
+            size[0::2], size[1::2] = 8, n
+            rows.append((h, addr.tolist(), size.tolist()))
+        return rows
 
     def _run(self, rows: list) -> None:
-        import time
-
+        if self.form == "host":
+            super()._run(rows)
+            return
         t0 = time.perf_counter()
         for channel, b, idx, pos in rows:
             ptrs, items = self._layout[channel]
-            ptr, n = int(ptrs[b]), int(items[b])
+            ptr, n, device = int(ptrs[b]), int(items[b]), self._devices[channel][b]
             if n == 0:
                 continue
-            device = self._devices[channel][b]
-            posb = pos.astype("<u8").view(np.uint8).reshape(-1, 8)
-            if self.form == "host":
-                self._hash_host(self._hashers[channel][b], ptr, n, idx, pos, sampled=channel == 0)
-                continue
+            if device is not None or self._torch_on_host:
+                vals = lane_values(_device_items(ptr, n, idx, device or "cpu"))
             else:
-                if device is not None or self._torch_on_host:
-                    vals = lane_values(_device_items(ptr, n, idx, device or "cpu"))
-                else:
-                    vals = lane_values_host(_host_items(ptr, n, idx))
-                rec = np.concatenate([posb, vals.astype("<u8").view(np.uint8).reshape(-1, 8)], axis=1)
-            self._hashers[channel][b].update(np.ascontiguousarray(rec))
+                vals = lane_values_host(_host_items(ptr, n, idx))
+            rec = np.stack([pos.astype(np.uint64), vals.astype(np.uint64)], axis=1).astype("<u8")
+            self._hashers[channel][b].update(rec.tobytes())
         self.seconds += time.perf_counter() - t0
 
-    @staticmethod
-    def _hash_host(h, ptr: int, n: int, idx: np.ndarray, pos: np.ndarray, sampled: bool) -> None:
-        """Host form, read in place: a sampled item as ``u64le(position) ++ bytes``; the items of
-        a channel taken whole (state, aux) as their bytes in list order, contiguous ones in one
-        read (their positions are their order: the count is in the digest's head)."""
-        char, update = ctypes.c_char, h.update
-        if sampled:
-            for i, p in zip(idx.tolist(), pos.tolist()):
-                update(p.to_bytes(8, "little"))
-                update((char * n).from_address(ptr + i * n))
-            return
-        starts, lengths = index_runs(idx)
-        for s, k in zip(starts.tolist(), lengths.tolist()):
-            update((char * (k * n)).from_address(ptr + s * n))
-
     def update_many(self, updates, threads: int | None = None) -> None:
+        if self.form == "host":
+            super().update_many(updates, threads)
+            return
         for channel, indices in updates:
             self.update(channel, indices)
 
