@@ -176,7 +176,11 @@ def send(deadline_s: float) -> dict:
     S.conn.send(pages[:first], None)
     S.conn.send(pages[first:], S.req.state_indices)
     state, t1 = _poll((KVPoll.Success,), deadline)
-    return {"outcome": state, "failure": _end(state), "ms": (t1 - t0) * 1000 if state == "Success" else None}
+    out = {"outcome": state, "failure": _end(state), "ms": (t1 - t0) * 1000 if state == "Success" else None}
+    agent_send = getattr(S.conn, "_agent_send", None)  # backend pdstate: the agent sender's timers
+    if agent_send is not None:
+        out["metrics"] = dict(agent_send.metrics)
+    return out
 
 
 # -- decode
