@@ -11,6 +11,8 @@ Importing this module loads no torch: the commands that need it import it when t
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 from pdstate import logs
@@ -266,10 +268,17 @@ def main(argv: list[str] | None = None) -> int:
     if native is not None:
         native.start()
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler below, not at exit
+        return rc
     except ConfigError as exc:
         print(f"pdstate: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
+    except BrokenPipeError:
+        # The reader went away (`pdstate check ... | head`): no traceback, and no second
+        # BrokenPipeError when the interpreter flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE  # the shell's status for a process ended by a closed pipe
     finally:
         if native is not None:
             native.close()

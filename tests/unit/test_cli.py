@@ -182,3 +182,37 @@ def test_check_warns_once_about_a_stray_variable_in_json_and_still_checks():
     assert [(w["level"], w["logger"]) for w in warnings] == [("warning", "pdstate.config")] * 2
     assert "PDSTATE_AUTH_TOKEN" in warnings[0]["msg"] and "did you mean PDSTATE_AUTH__TOKEN?" in warnings[0]["msg"]
     assert "PDSTATE_ENGINE" in warnings[1]["msg"] and "did you mean PDSTATE_TRANSFER__ENGINE?" in warnings[1]["msg"]
+
+
+def test_a_reader_that_goes_away_ends_the_command_without_a_traceback():
+    """``pdstate check ... | head -0``: the pipe is closed before anything is written."""
+    import os
+
+    from tests.support.paths import REPO
+
+    recipes = REPO / "tests/preflight/recipes"
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pdstate.cli",
+                "check",
+                "--sglang",
+                f"@{recipes / 'sglang-ci-dsv4-prefill.sh'}",
+                f"@{recipes / 'sglang-ci-dsv4-decode.sh'}",
+                "--sglang-version",
+                "0.5.19",
+                "--verbose",
+            ],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141, done.stderr
+    assert done.stderr == ""

@@ -132,6 +132,31 @@ def test_exported_variables_in_a_script_are_the_servers_environment(tmp_path, ca
     assert "GLOO_SOCKET_IFNAME" not in out and "unknown" not in out
 
 
+def test_exports_inside_shell_blocks_are_read_and_said(tmp_path, capsys):
+    script = tmp_path / "prefill.sh"
+    script.write_text(
+        textwrap.dedent(
+            """\
+            #!/bin/bash
+            if [ "$CONC" = "1" ]; then
+                MEM=0.9
+            else
+                export SGLANG_OPT_USE_ONLINE_COMPRESS=1
+            fi
+            python3 -m sglang.launch_server --model-path deepseek-ai/DeepSeek-V4-Flash --disaggregation-mode prefill
+            """
+        )
+    )
+    rc, out = check(capsys, f"@{script}", f"{FLASH} --disaggregation-mode decode")
+    assert rc == 1, out
+    assert (
+        "note: export lines inside shell blocks (if/case/for) read as if they ran: SGLANG_OPT_USE_ONLINE_COMPRESS "
+        "(the last value written wins; check the branch your deployment takes)"
+    ) in out
+    assert "- SGLANG_OPT_USE_ONLINE_COMPRESS (online C128): prefill on, decode off" in out
+    assert "other command line" not in out  # if/else/fi are the shell's structure, not commands
+
+
 def test_sglang_serve_and_a_wrapper_launcher(capsys):
     rc, out = check(
         capsys,
@@ -145,6 +170,28 @@ def test_sglang_serve_and_a_wrapper_launcher(capsys):
         in out
     )
     assert out.splitlines()[-1] == "compatible"
+
+
+@pytest.mark.parametrize(
+    "wrapper, said",
+    [
+        ("docker run --gpus all -e SGLANG_OPT_USE_ONLINE_COMPRESS=1 lmsysorg/sglang:latest", "docker run"),
+        ("podman run --env=SGLANG_OPT_USE_ONLINE_COMPRESS=1 sglang", "podman run"),
+        ("srun --export=ALL,SGLANG_OPT_USE_ONLINE_COMPRESS=1 --nodes 1", "srun"),
+        ("mpirun -np 1 -x SGLANG_OPT_USE_ONLINE_COMPRESS=1", "mpirun"),
+        ("numactl --cpunodebind 0 env SGLANG_OPT_USE_ONLINE_COMPRESS=1", "numactl"),
+    ],
+)
+def test_the_environment_a_wrapper_sets_is_the_servers(capsys, wrapper, said):
+    rc, out = check(
+        capsys,
+        f"{wrapper} python3 -m sglang.launch_server {FLASH} --disaggregation-mode prefill --tp 8",
+        f"{FLASH} --disaggregation-mode decode --tp 8",
+    )
+    assert rc == 1, out
+    assert f"note: run by {said}" in out
+    assert "the environment it sets is read: SGLANG_OPT_USE_ONLINE_COMPRESS)" in out
+    assert "- SGLANG_OPT_USE_ONLINE_COMPRESS (online C128): prefill on, decode off" in out
 
 
 # --- SGLang's --config YAML ---------------------------------------------------------------------------
@@ -271,13 +318,11 @@ override_cutedsl:
 
 
 def check_recipe(capsys, tmp_path, text: str = SRT_SLURM_RECIPE, *extra: str) -> tuple[int, str]:
-    """``check --recipe`` on ``text`` (written to a file); DeepSeek-V4-Pro's config.json is not built
-    in: a stand-in config file goes with it."""
+    """``check --recipe`` on ``text`` (written to a file); its model alias ``dsv4-pro-nvfp4`` is
+    DeepSeek-V4-Pro, built in."""
     path = tmp_path / "recipe.yaml"
     path.write_text(text)
-    return check(
-        capsys, None, None, "--recipe", str(path), "--model-config", model_config(tmp_path, nextn=False), *extra
-    )
+    return check(capsys, None, None, "--recipe", str(path), *extra)
 
 
 def test_an_srt_slurm_recipe_pair(tmp_path, capsys, release):
@@ -291,6 +336,7 @@ def test_an_srt_slurm_recipe_pair(tmp_path, capsys, release):
     assert "not modelled" not in out and "unknown" not in out
     assert "settings (prefill" in out and "do not affect the state layout (--verbose lists them)" in out
     assert "note: recipe overrides not applied: override_cutedsl" in out
+    assert "[61 layers: 30 C4, 31 C128; built-in DeepSeek-V4-Pro layout, recognised from 'dsv4-pro-nvfp4']" in out
     assert len(out.splitlines()) <= 24  # one screen
 
 
@@ -424,16 +470,6 @@ def test_flash_variants_are_recognised_by_name(capsys, name):
     assert "built-in DeepSeek-V4-Flash layout" in out
 
 
-def test_deepseek_v4_pro_needs_its_config(capsys):
-    rc, out = check(
-        capsys,
-        "--model-path deepseek-ai/DeepSeek-V4-Pro --disaggregation-mode prefill",
-        "--model-path deepseek-ai/DeepSeek-V4-Pro --disaggregation-mode decode",
-    )
-    assert rc == 2
-    assert "is DeepSeek-V4-Pro: its published config.json is not built into pdstate" in out
-
-
 def test_another_architecture_is_one_clear_line(capsys, tmp_path):
     rc, out = check(
         capsys,
@@ -549,3 +585,50 @@ def test_dynamos_sglang_worker_reads_sglangs_flags(capsys):
     )
     assert rc == 1
     assert "c4_ring: 16 vs 8" in out
+
+
+POLICY = "--disaggregation-decode-allocation-policy prefill_complete"
+
+
+def test_a_decode_allocation_policy_on_one_side(capsys, release):
+    rc, out = check(capsys, *flash_pair(POLICY, ""))
+    if release == "0.5.19":  # no such flag there: unknown to its parser (--strict fails on it)
+        assert rc == 0 and f"unknown: {POLICY}" in out, out
+        return
+    assert rc == 1, out
+    lines = out.splitlines()
+    assert "- --disaggregation-decode-allocation-policy: prefill prefill_complete, decode early" in lines
+    assert (
+        "  fix: set `--disaggregation-decode-allocation-policy early` on the prefill (or `prefill_complete` on "
+        "the decode): SGLang 0.5.23 wants it identical on both roles"
+    ) in lines
+    assert lines[-1] == (
+        "pdstate's handshake refuses the pair with AllocationPolicyMismatch: Disaggregation decode allocation "
+        "policy mismatch: prefill=prefill_complete, decode=early. Set --disaggregation-decode-allocation-policy "
+        "identically on both roles."
+    )
+    rc, out = check(capsys, *flash_pair(POLICY, POLICY))
+    assert rc == 0, out
+    assert out.splitlines()[-1] == "compatible"
+
+
+@pytest.mark.parametrize(
+    "extra, unsupported",
+    [
+        ("--tp 8", "attention tensor parallelism greater than one"),
+        ("--tp 8 --dp 8 --enable-dp-attention --pp-size 2", "pipeline or attention context parallelism"),
+        ("--disaggregation-transfer-backend pdstate", "transfer backends other than Mooncake"),
+        ("--enable-hisparse", "HiSparse"),
+    ],
+)
+def test_prefill_complete_refuses_what_it_does_not_support_yet(capsys, release, extra, unsupported):
+    rc, out = check(capsys, *flash_pair(f"{POLICY} {extra}", f"{POLICY} {extra}"))
+    if release == "0.5.19":  # the flag is SGLang 0.5.23's: 0.5.19's parser does not know it
+        assert f"unknown: {POLICY}" in out and "prefill_complete does not yet support" not in out
+        return
+    assert rc == 1, out
+    said = (
+        "SGLang would not start: ValueError: --disaggregation-decode-allocation-policy prefill_complete does "
+        f"not yet support {unsupported}"
+    )
+    assert f"- the prefill: {said}" in out and f"- the decode: {said}" in out

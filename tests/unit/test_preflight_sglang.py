@@ -410,6 +410,16 @@ def test_http_running_servers_speculative_mismatch(sglang_server, capsys):
     assert f"fix: add `{SPEC}` to the decode" in out
 
 
+def test_http_a_server_reporting_auto_kv_cache_dtype(sglang_server, capsys):
+    """SGLang's /get_server_info keeps ``kv_cache_dtype: "auto"`` as given: the check reads it as
+    the fp8_e4m3 that SGLang runs DSV4 with, and goes on."""
+    p = sglang_server(server_info("prefill", kv_cache_dtype="auto"))
+    rc, out = check(capsys, p, DECODE)
+    assert rc == 0, out
+    assert "note: the server reports kv_cache_dtype auto: SGLang runs DeepseekV4ForCausalLM with fp8_e4m3" in out
+    assert out.splitlines()[-1].startswith("compatible")
+
+
 def test_http_unreachable(capsys):
     rc, out = check(capsys, "http://127.0.0.1:9", DECODE, "--timeout", "1")
     assert rc == 2 and "GET http://127.0.0.1:9/get_server_info" in out

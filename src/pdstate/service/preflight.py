@@ -99,8 +99,9 @@ def check_sglang(
     releases: list[str] | None = None,
     recipe: str | None = None,
     verbose: bool = False,
+    width: int | None = None,
 ) -> int:
-    from pdstate.integrations.sglang.launch.comparison import compare, render
+    from pdstate.integrations.sglang.launch.comparison import compare, render, wrap
     from pdstate.integrations.sglang.launch.prediction import SUPPORTED_RELEASES, predict
 
     if len(model_configs) > 2:
@@ -124,13 +125,25 @@ def check_sglang(
             predict("prefill", prefill, p_cfg, timeout_s, release=p_rel),
             predict("decode", decode, d_cfg, timeout_s, release=d_rel),
         )
-    from pdstate.integrations.sglang.launch.model import FLASH, builtin_flash_config
+    from pdstate.integrations.sglang.launch.model import FLASH, PRO, builtin_flash_config, builtin_pro_config
 
-    flash = builtin_flash_config()
-    layouts = {FLASH: flash["compress_ratios"][: flash["num_hidden_layers"]], **preset_layouts()}
+    builtin = {name: cfg() for name, cfg in ((FLASH, builtin_flash_config), (PRO, builtin_pro_config))}
+    layouts = {name: c["compress_ratios"][: c["num_hidden_layers"]] for name, c in builtin.items()}
+    layouts.update(preset_layouts())
     text, ok = render(compare(*sides), strict=strict, layouts=layouts, verbose=verbose)
-    print(text)
+    print(wrap(text, width))
     return ExitCode.OK if ok else ExitCode.FAILED
+
+
+def _width(given: int | None) -> int | None:
+    """The columns to fold the report to: ``--width``, else the terminal's when printing to one."""
+    if given is not None:
+        return given if given > 0 else None
+    if sys.stdout.isatty():
+        import shutil
+
+        return shutil.get_terminal_size().columns
+    return None
 
 
 def cmd_check(args) -> int:
@@ -151,6 +164,7 @@ def cmd_check(args) -> int:
                 getattr(args, "sglang_release", None),
                 recipe=recipe,
                 verbose=getattr(args, "verbose", False),
+                width=_width(getattr(args, "width", None)),
             )
         if not args.configs:
             raise ConfigError("nothing to check: give one or two config files, or --sglang PREFILL DECODE")
@@ -207,5 +221,11 @@ def configure_check(c: argparse.ArgumentParser) -> None:
         "--strict", action="store_true", help="--sglang: fail when a setting is unknown to SGLang's own parser"
     )
     c.add_argument("--verbose", action="store_true", help="--sglang: list the settings that do not affect the layout")
+    c.add_argument(
+        "--width",
+        type=int,
+        metavar="COLUMNS",
+        help="--sglang: fold the report to COLUMNS (default: the terminal's width on a terminal, else no folding; 0: none)",
+    )
     c.add_argument("--timeout", type=float, default=5.0, help="seconds per HTTP request (http:// launches)")
     c.set_defaults(func=cmd_check)

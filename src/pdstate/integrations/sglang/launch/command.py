@@ -20,7 +20,11 @@ NEWEST = "0.5.23"  # the newest SGLang release pdstate models (``prediction.SUPP
 
 # Modules that run SGLang's server on SGLang's own arguments (``python -m MODULE ARGS``).
 ENTRY_MODULES = ("sglang.launch_server", "pdstate.integrations.sglang.launch_server", "dynamo.sglang")
+# Flags an entry point takes itself, beside SGLang's (Dynamo's SGLang worker: ``--dyn-*``).
+_ENTRY_OWN = {"dynamo.sglang": "--dyn-"}
 _SHELL_STOP = ("|", "||", "&&", ";", "&")
+_BLOCK_OPEN = frozenset({"if", "case", "for", "while", "until"})
+_BLOCK_CLOSE = frozenset({"fi", "esac", "done"})
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _VAR_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
@@ -35,6 +39,9 @@ class Launch:
     entry: str = ""  # "python3 -m sglang.launch_server", "sglang serve", ...
     notes: list[str] = field(default_factory=list)
     base_dir: Path | None = None  # where a relative --config path is also looked for
+    entry_flags: list[str] = field(default_factory=list)  # the entry point's own flags (Dynamo's --dyn-*)
+    wrapper_env: dict[str, str] = field(default_factory=dict)  # what the wrapper's flags set (docker -e)
+    model_names: list[str] = field(default_factory=list)  # other names of the model (a recipe's alias)
 
 
 def _expand(line: str, variables: dict[str, str]) -> str:
@@ -88,6 +95,59 @@ def _command(tokens: list[str], launch: Launch) -> None:
         return
     prog, args = found
     launch.launcher, launch.entry, launch.argv = " ".join(tokens[:prog]), " ".join(tokens[prog:args]), tokens[args:]
+    launch.wrapper_env = launcher_env(tokens[:prog])
+    launch.env.update(launch.wrapper_env)
+    own = _ENTRY_OWN.get(tokens[args - 1])
+    if own:
+        launch.argv, launch.entry_flags = _take_flags(launch.argv, own)
+
+
+# A launcher's flags that set the server's environment: container runtimes' ``-e``/``--env``,
+# MPI's ``-x``; Slurm's ``--export=A,B=v`` items with a value; ``env VAR=v`` inside the launcher.
+_ENV_FLAGS = {"-e": "container", "--env": "container", "-x": "mpi"}
+
+
+def launcher_env(words: list[str]) -> dict[str, str]:
+    """The environment variables a wrapper before SGLang's entry point gives the server."""
+    env: dict[str, str] = {}
+    i = 0
+    while i < len(words):
+        word = words[i]
+        flag, eq, inline = word.partition("=")
+        if flag in _ENV_FLAGS:
+            value = inline if eq else (words[i + 1] if i + 1 < len(words) else "")
+            i += 1 if eq else 2
+            if _ENV_RE.match(value):
+                k, v = value.split("=", 1)
+                env[k] = v
+            continue
+        if flag == "--export" and eq:
+            env.update(item.split("=", 1) for item in inline.split(",") if _ENV_RE.match(item))
+        elif Path(word).name == "env":
+            while i + 1 < len(words) and _ENV_RE.match(words[i + 1]):
+                k, v = words[i + 1].split("=", 1)
+                env[k] = v
+                i += 1
+        i += 1
+    return env
+
+
+def _take_flags(argv: list[str], prefix: str) -> tuple[list[str], list[str]]:
+    """``(argv without the flags starting with prefix and their values, those flags)``."""
+    rest: list[str] = []
+    taken: list[str] = []
+    i = 0
+    while i < len(argv):
+        if not argv[i].startswith(prefix):
+            rest.append(argv[i])
+            i += 1
+            continue
+        taken.append(argv[i])
+        i += 1
+        while "=" not in taken[-1].split(" ")[0] and i < len(argv) and not argv[i].startswith("-"):
+            taken[-1] += f" {argv[i]}"
+            i += 1
+    return rest, taken
 
 
 def read_launch(text: str, base_dir: Path | None = None) -> Launch:
@@ -97,11 +157,17 @@ def read_launch(text: str, base_dir: Path | None = None) -> Launch:
     launch = Launch(base_dir=base_dir)
     variables: dict[str, str] = {}
     commands: list[list[str]] = []
+    depth, conditional = 0, []  # shell blocks (if/case/for/while) around the line; exports in them
     joined = re.sub(r"\\\r?\n", " ", text)
     for raw in joined.splitlines():
         tokens = _split(_expand(raw, {**variables, **launch.env}))
         if not tokens:
             continue
+        words = {t.rstrip(";") for t in tokens}
+        opened = tokens[0] in _BLOCK_OPEN and not words & _BLOCK_CLOSE
+        if tokens[0] in _BLOCK_CLOSE:
+            depth = max(depth - 1, 0)
+        depth += opened
         if tokens[0] == "export":
             for t in tokens[1:]:
                 if "=" in t:
@@ -109,10 +175,14 @@ def read_launch(text: str, base_dir: Path | None = None) -> Launch:
                     launch.env[k] = variables[k] = v
                 elif t in variables:  # export of a variable set before
                     launch.env[t] = variables[t]
+                if depth and t.split("=", 1)[0] in launch.env:
+                    conditional.append(t.split("=", 1)[0])
             continue
         if all(_ENV_RE.match(t) for t in tokens):  # shell variables: not in SGLang's environment
             variables.update(t.split("=", 1) for t in tokens)
             continue
+        if tokens[0] in _BLOCK_OPEN | _BLOCK_CLOSE | {"else", "elif", "then", "do", "esac", ";;"}:
+            continue  # the shell's block structure, not a command
         commands.append(tokens)
     chosen = next((c for c in commands if _entry_at(c) is not None), None)
     if chosen is None:
@@ -120,6 +190,12 @@ def read_launch(text: str, base_dir: Path | None = None) -> Launch:
     if chosen is None:
         chosen = commands[0] if commands else []
     _command(chosen, launch)
+    if conditional:
+        names = ", ".join(dict.fromkeys(conditional))
+        launch.notes.append(
+            f"export lines inside shell blocks (if/case/for) read as if they ran: {names} "
+            "(the last value written wins; check the branch your deployment takes)"
+        )
     skipped = len(commands) - (1 if chosen else 0)
     if skipped:
         launch.notes.append(f"{skipped} other command line{'s' if skipped != 1 else ''} of the script skipped")

@@ -91,7 +91,7 @@ def side_report(side: SGLangSide) -> LayoutReport:
     except (PoolConfigError, OnlineC128MTPUnsupported) as exc:
         raise SGLangArgsError(f"{side.role}: pdstate cannot build this layout: {type(exc).__name__}: {exc}") from None
     try:
-        report, _ = build_report(pools.target, pools.draft)
+        report, _ = build_report(pools.target, pools.draft, allocation_policy=side.allocation_policy)
     finally:
         pools.close()
     if report.kv_dtype != asked:
@@ -103,7 +103,6 @@ def side_report(side: SGLangSide) -> LayoutReport:
 
 def compare(prefill: SGLangSide, decode: SGLangSide) -> Verdict:
     from pdstate.protocol.compat import compat_errors
-    from pdstate.protocol.report import diff
 
     v = Verdict(prefill, decode)
     for side, want in ((prefill, "prefill"), (decode, "decode")):
@@ -129,7 +128,7 @@ def compare(prefill: SGLangSide, decode: SGLangSide) -> Verdict:
     _backend_refusals(v)
     p_report, d_report = side_report(prefill), side_report(decode)
     v.handshake = compat_errors(p_report, d_report, "prefill")
-    diffs = [FactorDiff(n, pv, dv, consequence(n, pv, dv)) for n, pv, dv in diff(p_report, d_report)]
+    diffs = [FactorDiff(n, pv, dv, consequence(n, pv, dv)) for n, pv, dv in _diff(p_report, d_report)]
     placed: set[str] = set()
     for knob in KNOBS:
         if not knob_differs(knob, prefill, decode):
@@ -145,6 +144,17 @@ def compare(prefill: SGLangSide, decode: SGLangSide) -> Verdict:
             )
     v.unexplained = [f for f in diffs if f.name not in placed]
     return v
+
+
+def _diff(p_report: LayoutReport, d_report: LayoutReport) -> list[tuple[str, Any, Any]]:
+    """The differing factors, an optional one at its default shown by its default value."""
+    from pdstate.protocol.report import DEFAULT_ALLOCATION_POLICY, diff
+
+    default = {"allocation_policy": DEFAULT_ALLOCATION_POLICY}
+    return [
+        (n, default.get(n, pv) if pv is None else pv, default.get(n, dv) if dv is None else dv)
+        for n, pv, dv in diff(p_report, d_report)
+    ]
 
 
 def _backend_refusals(v: Verdict) -> None:
@@ -168,6 +178,22 @@ def _backend_refusals(v: Verdict) -> None:
                 f"--enable-dp-attention: attention TP = tp / dp), or widen the prefill's"
             )
             v.pair.append((f"pdstate's SGLang backend fails every request of this pair: {why}", fix))
+
+
+def wrap(text: str, width: int | None) -> str:
+    """``text`` with each line folded to ``width`` columns (continuations indented 4 more), as is
+    when ``width`` is ``None``."""
+    if not width:
+        return text
+    import textwrap
+
+    out: list[str] = []
+    for line in text.splitlines():
+        indent = line[: len(line) - len(line.lstrip(" "))]
+        out += textwrap.wrap(
+            line, width, subsequent_indent=indent + "    ", break_long_words=False, break_on_hyphens=False
+        ) or [line]
+    return "\n".join(out)
 
 
 def render(v: Verdict, strict: bool = False, layouts=None, verbose: bool = False) -> tuple[str, bool]:

@@ -72,6 +72,11 @@ def consequence(factor: str, p: Any, d: Any) -> str:
                 "stale state"
             )
         return "the two drafts' SWA geometry differs: the draft SWA lands at the wrong slots or sizes"
+    if factor == "allocation_policy":
+        return (
+            "SGLang 0.5.23's decode fails every request of the pair (\"Disaggregation decode allocation policy "
+            f"mismatch: prefill={p}, decode={d}\"), and pdstate's handshake refuses it"
+        )
     if factor == "main_kv_item_lens":
         return "main KV pages of different sizes: misaligned KV (SGLang does not compare item lengths)"
     if factor == "components":

@@ -11,10 +11,14 @@ MODELLED = frozenset(
     speculative_num_draft_tokens speculative_draft_model_path speculative_draft_kv_cache_dtype disaggregation_mode
     disaggregation_transfer_backend tp_size dp_size enable_dp_attention attn_dp_size pp_size attn_cp_size dcp_size
     json_model_override_args device attention_backend enable_hisparse enable_deepseek_v4_fp4_indexer enable_prefill_cp
-    disaggregation_decode_enable_radix_cache config""".split()
+    disaggregation_decode_enable_radix_cache disaggregation_decode_allocation_policy config""".split()
 )
-# Layout-neutral fields that SGLang's start-time rules read (counted as neutral, passed to the rules).
-RULE_INPUTS = frozenset({"enable_dp_lm_head"})
+# Layout-neutral fields that SGLang's start-time rules or the model's name read (counted as neutral,
+# passed to the rules).
+RULE_INPUTS = frozenset(
+    """enable_dp_lm_head served_model_name enable_pdmux decoupled_spec_role enable_pd_role_switch encoder_only
+    language_only enable_hierarchical_cache disaggregation_decode_host_receive_threshold""".split()
+)
 # Fields whose names say they may touch the DSV4 state layout: listed as "not modelled" when given,
 # unless NEUTRAL below says otherwise. Every other field SGLang knows sizes pools, picks kernels,
 # serves HTTP or logs: counted as layout-neutral.
@@ -55,6 +59,8 @@ NEUTRAL_ENV_PREFIXES = (
     "SGLANG_MOE_",
     "SGLANG_NCCL",
     "SGLANG_OPT_SWA_",  # radix-tree eviction of SWA pages: which pages live, not how they are laid out
+    "SGLANG_OPT_DEEPGEMM_",  # DeepGEMM MoE kernels (MegaMoE token budget, FP4 activations)
+    "SGLANG_RADIX_",  # prefix reuse in the radix cache: which pages are reused, not their layout
     "SGL_DG_",
     "SGL_JIT_",
     "SGL_ENABLE_JIT_DEEPGEMM",
@@ -65,7 +71,7 @@ NEUTRAL_ENV = frozenset(
     SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION SGLANG_RADIX_FORCE_MISS SGLANG_HACK_SEQ_BOOTSTRAP_ROOM
     SGLANG_NVFP4_CKPT_FP8_GEMM_IN_ATTN SGLANG_PER_TOKEN_GROUP_QUANT_8BIT_V2 SGLANG_ENABLE_SPEC_V2
     SGLANG_ENABLE_OVERLAP_PLAN_STREAM SGLANG_PLUGINS SGLANG_WATCHDOG_TIMEOUT
-    SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK""".split()
+    SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK SGLANG_DSV4_FP4_EXPERTS SGLANG_DISAGG_STAGING_BUFFER SGLANG_RUST_SERVER""".split()
 )
 # Keys of --json-model-override-args / config.json the prediction reads.
 CONFIG_KEYS = (

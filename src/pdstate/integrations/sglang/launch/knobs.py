@@ -106,6 +106,13 @@ def _state_fix(p: SGLangSide, d: SGLangSide) -> str:
     )
 
 
+def _policy_fix(p: SGLangSide, d: SGLangSide) -> str:
+    return (
+        f"set `--disaggregation-decode-allocation-policy {d.allocation_policy}` on the prefill (or "
+        f"`{p.allocation_policy}` on the decode): SGLang 0.5.23 wants it identical on both roles"
+    )
+
+
 KNOBS: tuple[Knob, ...] = (
     Knob(
         "layers",
@@ -170,6 +177,14 @@ KNOBS: tuple[Knob, ...] = (
         lambda s: s.sliding_window,
         lambda s: f"{s.sliding_window} ({s.window_source})",
         _window_fix,
+    ),
+    Knob(
+        "allocation_policy",
+        "--disaggregation-decode-allocation-policy",
+        ("allocation_policy",),
+        lambda s: s.allocation_policy,
+        lambda s: s.allocation_policy,
+        _policy_fix,
     ),
     Knob(
         "state_dtype",

@@ -101,7 +101,17 @@ def predict_launch(
     kinds = {dest: field_kind(dest) for dest in parsed.given}
     values = {d: v for d, v in parsed.values.items() if kinds.get(d) == "modelled" or d in RULE_INPUTS}
     given = {d: t for d, t in parsed.given.items() if kinds[d] == "modelled"}
-    side = resolve(role, origin, values, given, launch.env, model_config, resolved=False, release=release)
+    side = resolve(
+        role,
+        origin,
+        values,
+        given,
+        launch.env,
+        model_config,
+        resolved=False,
+        release=release,
+        model_names=tuple(launch.model_names),
+    )
     side.release, side.release_source = release, release_source
     side.not_modelled[:0] = [t for d, t in parsed.given.items() if kinds[d] == "not modelled"]
     side.neutral = [t for d, t in parsed.given.items() if kinds[d] == "neutral"]
@@ -111,7 +121,10 @@ def predict_launch(
         side.launch_errors.insert(0, parsed.error)
     notes = list(launch.notes)
     if launch.launcher:
-        notes.append(f"run by {launch.launcher} (its own flags are not SGLang's)")
+        env = f"; the environment it sets is read: {', '.join(launch.wrapper_env)}" if launch.wrapper_env else ""
+        notes.append(f"run by {launch.launcher} (its own flags are not SGLang's{env})")
+    if launch.entry_flags:
+        notes.append(f"{launch.entry}'s own flags, not SGLang's: {' '.join(launch.entry_flags)}")
     if config_file:
         notes.append(f"--config {config_file} read as SGLang merges it (the command line wins)")
     notes += parsed.deprecated
@@ -122,7 +135,7 @@ def predict_launch(
 def _from_server_info(
     role: str, origin: str, info: dict, env: dict, model_config: str | None, release: str, why: str, explicit: bool
 ) -> SGLangSide:
-    values = {k: info[k] for k in MODELLED if k in info and info[k] is not None}
+    values = {k: info[k] for k in MODELLED | RULE_INPUTS if k in info and info[k] is not None}
     given = {k: f"--{k.replace('_', '-')} {v}" for k, v in values.items()}
     version = str(info.get("version") or "")
     side = resolve(role, origin, values, given, env, model_config, resolved=True, release=release)

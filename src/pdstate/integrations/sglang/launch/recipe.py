@@ -13,7 +13,8 @@ The shape srt-slurm and Dynamo recipes use::
 (the whole mapping may sit under ``base:`` beside named overrides, which are not applied). Each
 side's mapping becomes SGLang arguments the way those launchers write them: ``true`` is the bare
 flag, ``false`` and null are left out, a list is the flag and its items, a mapping is JSON. The
-model is ``model.path`` unless the side names its own ``model-path``.
+model is ``model.path`` unless the side names its own ``model-path``; ``model.path`` (srt-slurm's model
+alias, such as ``deepseek-v4-pro``) still names the model when the side's path (``/model/``) does not.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def read_recipe(path: str) -> tuple[Launch, Launch]:
             entry=f"recipe {p.name} (backend.sglang_config.{role})",
             notes=list(notes),
             base_dir=p.parent,
+            model_names=[str(model)] if model else [],
         )
         launches.append(launch)
     return launches[0], launches[1]

@@ -174,12 +174,15 @@ def resolve(
     *,
     resolved: bool,
     release: str,
+    model_names: tuple[str, ...] = (),
 ) -> SGLangSide:
     """Apply SGLang ``release``'s DSV4 resolution to the given values (``resolved``: they are already
-    the server's resolved values, from ``/get_server_info``)."""
+    the server's resolved values, from ``/get_server_info``; ``model_names``: other names of the
+    model, such as a recipe's model alias, read after ``--model-path`` and ``--served-model-name``)."""
     f = _Findings()
     model_path = values.get("model_path")
-    cfg, source = read_model_config(model_path, model_config)
+    served = values.get("served_model_name")
+    cfg, source = read_model_config(model_path, model_config, (*([served] if served else []), *model_names))
     overrides: Any = {}
     raw = values.get("json_model_override_args")
     if raw not in (None, "", "{}"):
@@ -228,6 +231,9 @@ def resolve(
     algo = kw.get("speculative_algorithm")
     if mode == "decode" and radix and not resolved:
         f.errors += _decode_radix_errors(values, algo, backend, release)
+    policy = str(values.get("disaggregation_decode_allocation_policy") or "early")
+    if policy == "prefill_complete" and not resolved:
+        f.errors += _prefill_complete_errors(values, topo, mode, backend, env, f)
     if algo is not None and algo.upper() == "DSPARK" and not resolved:
         f.errors += _dspark_errors(values, topo, mode, release)
     return SGLangSide(
@@ -240,6 +246,7 @@ def resolve(
         dp_size=_int(values, "dp_size", 1) or 1,
         enable_dp_attention=topo.pop("attn_dp_size") > 1,
         decode_radix_cache=mode == "decode" and radix,
+        allocation_policy=policy,
         env=dict(env),
         given=given,
         notes=f.notes,
@@ -306,3 +313,53 @@ def _decode_radix_errors(values: dict, algo: str | None, backend: str, release: 
             f"SGLang {release}{' allows EAGLE and DSPARK from 0.5.23' if release == '0.5.19' else ''})"
         )
     return errors
+
+
+def _on(values: dict, fld: str) -> bool:
+    return values.get(fld) in (True, "true", "True")
+
+
+def _prefill_complete_errors(values: dict, topo: dict, mode: str, backend: str, env: dict, f: _Findings) -> list[str]:
+    """SGLang 0.5.23's start-time refusal of ``--disaggregation-decode-allocation-policy
+    prefill_complete`` (its PD hook lists what that policy does not support yet)."""
+    tp = _int(values, "tp_size", 1) or 1
+    unsupported = [
+        what
+        for what, yes in (
+            ("aggregated serving", mode not in ("prefill", "decode")),
+            ("transfer backends other than Mooncake", backend != "mooncake"),
+            (
+                "pipeline or attention context parallelism",
+                topo["pp_size"] != 1 or topo["attn_cp_size"] != 1 or topo["dcp_size"] != 1,
+            ),
+            ("attention tensor parallelism greater than one", tp != topo["attn_dp_size"]),
+            (
+                "PD multiplexing or decoupled speculation",
+                _on(values, "enable_pdmux") or str(values.get("decoupled_spec_role") or "null") != "null",
+            ),
+            ("runtime PD role switching", _on(values, "enable_pd_role_switch")),
+            ("encoder disaggregation", _on(values, "encoder_only") or _on(values, "language_only")),
+            ("HiSparse", _on(values, "enable_hisparse")),
+            ("decode host KV buffering", float(values.get("disaggregation_decode_host_receive_threshold", 1)) < 1),
+            (
+                "decode radix cache or decode HiCache",
+                mode == "decode"
+                and (
+                    _on(values, "disaggregation_decode_enable_radix_cache") or _on(values, "enable_hierarchical_cache")
+                ),
+            ),
+            ("staging buffers", _bool_env(env, "SGLANG_DISAGG_STAGING_BUFFER")),
+            ("the Rust bootstrap registry", _bool_env(env, "SGLANG_RUST_SERVER")),
+        )
+        if yes
+    ]
+    if mode == "prefill" and _on(values, "enable_hierarchical_cache"):
+        f.not_modelled.append(
+            "--enable-hierarchical-cache on a prefill_complete prefill (SGLang checks its write policy)"
+        )
+    if not unsupported:
+        return []
+    return [
+        "ValueError: --disaggregation-decode-allocation-policy prefill_complete does not yet support "
+        + ", ".join(unsupported)
+    ]

@@ -42,6 +42,7 @@ class SGLangSide:
     attn_cp_size: int = 1
     dcp_size: int = 1
     decode_radix_cache: bool = False
+    allocation_policy: str = "early"  # --disaggregation-decode-allocation-policy (0.5.23)
     env: dict[str, str] = field(default_factory=dict)
     release: str = "0.5.23"  # the SGLang release whose pools this side builds (pdstate's pool model follows it)
     release_source: str = "default: the newest release"
