@@ -15,7 +15,7 @@ from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
 from pdstate.agent.verify import sample_mask, sample_seed
 from pdstate.errors import DigestMismatch, PageSizeMismatch, VerifyLevelRefused
 from pdstate.protocol import wire
-from tests.agent.support import fill, make_side
+from tests.agent.support import make_side
 
 ROOM = 41
 SRC_PAGES, DST_PAGES = list(range(1, 13)), list(range(4, 16))  # 12 pages
@@ -67,16 +67,6 @@ def flip(position: int):
         _item(d.kv_data_ptrs[0], d.kv_item_lens[0], DST_PAGES[position])[100] ^= 0x5A
 
     return fault
-
-
-@pytest.fixture
-def sides():
-    p, d = make_side(False), make_side(False)
-    fill(p.kv_args, 1)
-    fill(d.kv_args, 2)
-    yield p, d
-    p.close()
-    d.close()
 
 
 def run(sides, level: str, fault=None, prefill_level: str | None = None, send_pages: bool = True):

@@ -9,9 +9,9 @@ nothing (the handshake's checks alone). The decode names the level in its ``Agen
 a request that asks less than its own level, so what ran is what both sides agreed to.
 
 The sample is a pure function of the request (``sample_seed``: its room and the decode's packed
-page list, which both sides hold), so both sides pick the same list positions. Every item digested
-at ``sampled`` goes into its stream with its list position, so a shifted, stale, misplaced or
-missing write changes the digest even where its bytes equal another position's.
+page list, which both sides hold), so both sides pick the same list positions. The digest is bound
+to them: the sampled items' list positions are hashed with the items (in device form each item's
+value beside its position), so a shifted, stale, misplaced or missing write changes the digest.
 
 Forms: ``host`` hashes item bytes with xxh3 on the CPU. ``device`` reduces each item where its
 memory lives to one 64-bit value (``lane_values``: the sum of its words times fixed odd
@@ -32,7 +32,7 @@ from typing import Literal
 import numpy as np
 import xxhash
 
-from pdstate.agent.digest import RequestDigest
+from pdstate.agent.digest import PARALLEL_MIN_BYTES, RequestDigest, digest_threads, executor, hash_rows
 from pdstate.pools.placement import memory_devices
 
 __all__ = [
@@ -181,16 +181,16 @@ class PositionDigest(RequestDigest):
         self._devices = devices or [[None] * len(p) for p, _ in layout]
         self._torch_on_host = torch_on_host
         self._next = [0] * len(layout)  # per channel: list positions taken so far
-        self._positions: list[np.ndarray] = []  # the position words sampled items are hashed with
+        # per channel: the list positions of the items sampled, in order (both sides' are the same)
+        self._pos_hashers = [xxhash.xxh3_128() for _ in layout]
 
     fusable = False  # never hashed inside the shm copy (the sample is not every descriptor)
 
     def _rows(self, channel: int, indices) -> list:
-        """Host form: ``RequestDigest``'s rows ``(hasher, addresses, sizes)``, a sampled item
-        read as its position (8 bytes kept in ``_positions``) then its bytes, a whole channel's
-        items (state, aux) by runs in list order (their count is in the digest's head), so the
-        threaded and background hashing of ``RequestDigest`` apply; device form:
-        ``(channel, buffer, items, positions)``."""
+        """What one update hashes. Host form: a whole channel's items (state, aux) as
+        ``RequestDigest``'s rows ``(hasher, addresses, sizes)``, by runs in list order; the
+        sample's items as ``(hasher, ptr, item_len, items)``, gathered per buffer, their positions
+        into the channel's positions stream. Device form: ``(channel, buffer, items, positions)``."""
         idx = np.asarray(indices, dtype=np.int64)
         start = self._next[channel]
         self._next[channel] += idx.size
@@ -207,23 +207,17 @@ class PositionDigest(RequestDigest):
         self.bytes += int(idx.size * int(items.sum()))
         if self.form != "host":
             return [(channel, b, idx, pos) for b in range(len(ptrs))]
-        heads = pos.astype("<u8")
-        self._positions.append(heads)  # read by the hashing, maybe in the background
-        head_addr = heads.ctypes.data + 8 * np.arange(idx.size, dtype=np.uint64)
-        rows = []
-        for h, p, n in zip(self._hashers[channel], ptrs.tolist(), items.tolist()):
-            addr = np.empty(2 * idx.size, dtype=np.uint64)
-            addr[0::2], addr[1::2] = head_addr, np.uint64(p) + idx.astype(np.uint64) * np.uint64(n)
-            size = np.empty(2 * idx.size, dtype=np.uint64)
-            size[0::2], size[1::2] = 8, n
-            rows.append((h, addr.tolist(), size.tolist()))
-        return rows
+        self._pos_hashers[channel].update(pos.astype("<u8").tobytes())
+        return [(h, p, n, idx) for h, p, n in zip(self._hashers[channel], ptrs.tolist(), items.tolist()) if n]
 
     def _run(self, rows: list) -> None:
-        if self.form == "host":
-            super()._run(rows)
-            return
         t0 = time.perf_counter()
+        if self.form == "host":
+            hash_rows([r for r in rows if len(r) == 3])
+            for h, ptr, n, idx in (r for r in rows if len(r) == 4):
+                h.update(_host_items(ptr, n, idx))
+            self.seconds += time.perf_counter() - t0
+            return
         for channel, b, idx, pos in rows:
             ptrs, items = self._layout[channel]
             ptr, n, device = int(ptrs[b]), int(items[b]), self._devices[channel][b]
@@ -238,11 +232,27 @@ class PositionDigest(RequestDigest):
         self.seconds += time.perf_counter() - t0
 
     def update_many(self, updates, threads: int | None = None) -> None:
-        if self.form == "host":
-            super().update_many(updates, threads)
-            return
-        for channel, indices in updates:
-            self.update(channel, indices)
+        """``update`` for each ``(channel, indices)``; in host form the streams split between
+        this thread and one more when there are enough bytes (the streams are independent)."""
+        self.wait()
+        with self._lock:
+            rows = [r for c, idx in updates for r in self._rows(c, idx)]
+            size = [sum(r[2]) if len(r) == 3 else r[2] * len(r[3]) for r in rows] if self.form == "host" else []
+            if self.form != "host" or sum(size) < 2 * PARALLEL_MIN_BYTES or (threads or digest_threads()) < 2:
+                self._run(rows)
+                return
+            order = sorted(range(len(rows)), key=lambda k: -size[k])
+            halves: list[list] = [[], []]
+            load = [0, 0]
+            for k in order:  # largest first, to the lighter half
+                j = 0 if load[0] <= load[1] else 1
+                halves[j].append(rows[k])
+                load[j] += size[k]
+            other = executor().submit(self._run, halves[1])
+            try:
+                self._run(halves[0])
+            finally:
+                other.result()
 
     def streams(self, src, length):
         raise ValueError("a sampled or device-form digest is never fused into the copy")
@@ -256,6 +266,7 @@ class PositionDigest(RequestDigest):
             self.n_pages,
             ",".join(map(str, self._next)).encode(),
         )
+        head += b"".join(h.digest() for h in self._pos_hashers)
         return xxhash.xxh3_128(head + b"".join(h.digest() for hs in self._hashers for h in hs)).digest()
 
 
