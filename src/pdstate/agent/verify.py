@@ -160,8 +160,9 @@ def _device_items(ptr: int, item_len: int, idx: np.ndarray, device: str):
 
 class PositionDigest(RequestDigest):
     """A request's digest at ``sampled`` (host or device form) or ``full`` in device form: per
-    (channel, buffer) one xxh3_128 stream of ``(list position, item)`` records, the item as its
-    bytes (host form) or its lane value (device form). ``devices``: per channel, per buffer,
+    (channel, buffer) one xxh3_128 stream of its items in list order — their bytes (host form; the
+    sample's positions in a stream per channel) or ``(list position, lane value)`` records (device
+    form) — see ``proto/PROTOCOL.md`` §3. ``devices``: per channel, per buffer,
     ``None`` (host memory) or a torch device; the device form on a host buffer uses numpy unless
     ``torch_on_host`` (the device path on CPU tensors)."""
 
