@@ -11,12 +11,13 @@ Importing this module loads no torch: the commands that need it import it when t
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
 
 from pdstate import logs
-from pdstate.devtools import bench_report, demo
+from pdstate.devtools import demo
 from pdstate.errors import ConfigError, ExitCode
 from pdstate.service import preflight, probe, server
 
@@ -86,7 +87,6 @@ def _add_demo(sub) -> None:
         "room id) and a summary table with per-pair counts.",
         epilog="exit status: 0 every request verified and no page leaked; 1 a request failed or leaked, or the "
         "pair did not start; 2 bad arguments",
-        formatter_class=HelpFormatter,
     )
     d.add_argument("--engine", choices=ENGINES, default="shm", help="transfer engine moving the bytes")
     d.add_argument("--mode", choices=MODES, default="paged", help="pool layout: paged SWA or unified KV")
@@ -128,7 +128,6 @@ def _add_check(sub) -> None:
         description="Build each config file's pools and layout report in this process (no worker needed), "
         "run the local target/draft check on each and, with two files, the pair's compatibility check.",
         epilog=EPILOG,
-        formatter_class=HelpFormatter,
     )
     preflight.configure_check(c)
     _add_logging(c)
@@ -143,7 +142,6 @@ def _add_serve(sub) -> None:
         epilog="exit status: 0 stopped by SIGTERM/SIGINT; 1 the worker could not start (engine, bind, HTTP "
         "port); 2 bad arguments or configuration; 3 the worker's own target/draft pair fails "
         "setup_state_kv_args (with checks.local = true)",
-        formatter_class=HelpFormatter,
     )
     s.add_argument("--config", required=True, metavar="FILE", help="worker config (TOML)")
     s.add_argument(
@@ -183,7 +181,6 @@ def _add_probe(sub) -> None:
         "the first one's compat document to the second's /v1/compat/check.",
         epilog="exit status: 0 every worker ready and, with two, the pair compatible; 1 a worker unreachable "
         "or not ready, or the pair incompatible; 2 bad arguments",
-        formatter_class=HelpFormatter,
     )
     p.add_argument("urls", nargs="+", metavar="URL", help="worker base URL, e.g. http://127.0.0.1:8101; one or two")
     p.add_argument("--token", default=None, help="bearer token (only needed by mutating endpoints) (default: none)")
@@ -199,7 +196,6 @@ def _add_bench(sub) -> None:
         description="Measure the dsv4-flash layout at 2k, 8k, 32k and 128k tokens: pdstate end to end against "
         "an in-process copy and the raw native engines, plus planner and control costs.",
         epilog="exit status: 0 measured and written; 1 a measurement failed; 2 bad arguments",
-        formatter_class=HelpFormatter,
     )
     b.add_argument("--json", action="store_true", help="print no progress; the last line is one JSON object")
     b.add_argument("--out", default="bench-out", metavar="DIR", help="directory for bench.json and bench.png")
@@ -231,7 +227,13 @@ def _add_bench(sub) -> None:
         help="the sglang phase: SGLang 0.5.19's own Mooncake backend against backend pdstate, per request "
         "(about a minute; skipped, saying why, without make sglang-env's environment or Mooncake)",
     )
-    b.set_defaults(func=bench_report.cmd_bench)
+    b.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args) -> ExitCode:
+    from pdstate.devtools import bench  # torch and the pools: loaded once the command is known
+
+    return bench.cmd_bench(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,7 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # every command's parser formats its help the same way (defaults shown, text kept)
+    sub = p.add_subparsers(
+        dest="command",
+        required=True,
+        metavar="COMMAND",
+        parser_class=functools.partial(argparse.ArgumentParser, formatter_class=HelpFormatter),
+    )
     for add in (_add_demo, _add_check, _add_serve, _add_probe, _add_bench):
         add(sub)
     return p

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
-from pdstate.agent.sender import _Ended
+from pdstate.agent.sender import EndedSender
 from pdstate.errors import AllocationError, PeerGone, PrefillBusy, ProtocolError
 from tests.support.waiting import wait_until
 
@@ -162,7 +162,7 @@ def test_ended_senders_are_trimmed_and_capped(sides, monkeypatch):
         wait_until("the oldest ended senders forgotten", lambda: sorted(pa._sends) == [53, 54], 5)
         for room in (53, 54):
             kept = pa._sends[room]
-            assert type(kept) is _Ended and kept.request is prefill_module.ANSWERED
+            assert type(kept) is EndedSender and kept.request is prefill_module.ANSWERED
             assert kept.record.state is S.SUCCESS and kept.record.error is None and kept.handles == ()
         assert all(s.metrics["bytes"] > 0 and s.state is S.SUCCESS for s in senders)  # the caller's own
         # a late request for a kept room is not served twice: it waits for a new sender
@@ -181,7 +181,7 @@ def test_a_late_request_for_a_failed_senders_tombstone_gets_its_failure(sides):
         send = pa.sender(61, 1)
         send.abort("the prefill gave up first")
         assert send.state is S.FAILED
-        wait_until("the sender kept as a tombstone", lambda: type(pa._sends.get(61)) is _Ended, 5)
+        wait_until("the sender kept as a tombstone", lambda: type(pa._sends.get(61)) is EndedSender, 5)
         assert pa._sends[61].record.state is S.FAILED and pa._sends[61].request is None
         recv = da.receiver(pa.address, 61)
         recv.init([3], [[1], [0], [1]])

@@ -94,3 +94,45 @@ def test_a_failure_nobody_waits_for_makes_no_condition_and_one_waited_for_wakes_
     assert waited.fail(TransferFailed("seen")) is True
     t.join(5)
     assert [s for s, _ in out] == [S.FAILED] and str(waited.error) == "seen"
+
+
+def test_done_callbacks_run_once_at_the_end_on_the_ending_thread_or_at_once_when_ended():
+    from pdstate.errors import TransferFailed
+
+    r = RequestRecord(6)
+    seen: list = []
+    r.add_done_callback(lambda rec: seen.append(("first", rec.state, threading.get_ident())))
+    r.move(S.WAITING_FOR_INPUT)
+    r.move(S.TRANSFERRING)
+    assert seen == []  # steps are not the end
+    ender = threading.Thread(target=lambda: r.fail(TransferFailed("gone")))
+    ender.start()
+    ender.join(5)
+    assert seen == [("first", S.FAILED, ender.ident)]
+    assert r.fail(TransferFailed("again")) is False and len(seen) == 1  # once
+    r.add_done_callback(lambda rec: seen.append(("late", rec.state, threading.get_ident())))
+    assert seen[-1] == ("late", S.FAILED, threading.get_ident())  # already ended: at once, here
+
+
+def test_a_failing_done_callback_is_logged_and_the_others_still_run(caplog):
+    r = RequestRecord(7)
+    seen: list = []
+    r.add_done_callback(lambda rec: 1 / 0)
+    r.add_done_callback(lambda rec: seen.append(rec.state))
+    r.move(S.WAITING_FOR_INPUT)
+    r.move(S.TRANSFERRING)
+    r.move(S.SUCCESS)
+    assert seen == [S.SUCCESS]
+    assert any("room 7: a done callback failed" in m for m in caplog.messages)
+
+
+def test_records_share_no_lock():
+    """Each record has its own lock: one held does not stop another record's move."""
+    a, b = RequestRecord(8), RequestRecord(9)
+    with a.lock:
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (b.move(S.WAITING_FOR_INPUT), done.set()))
+        t.start()
+        assert done.wait(5)
+    t.join(5)
+    assert b.state is S.WAITING_FOR_INPUT

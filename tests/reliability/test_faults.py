@@ -69,6 +69,31 @@ def _ready(d) -> dict:
     return ev
 
 
+def _serves_again(p, d, free0: dict, p_free: dict) -> tuple[list, dict]:
+    """The ``AFTER`` batch through the recovered pair: every request verified, neither side's
+    pages leaked. Returns the batch's results and its final event."""
+    after, done = run_batch(d, AFTER, concurrency=2)
+    assert_all_verified(after, AFTER)
+    assert done["free"] == free0
+    _prefill_free(p, p_free)
+    return after, done
+
+
+def _frozen_mid_batch(workers, worker_id: str) -> tuple:
+    """A prefill holding its copies and a decode ``worker_id`` with a batch in flight there:
+    ``(p, ep, p_free, d, free0, inc, lengths)``, ``inc`` the prefill's incarnation as the
+    decode knew it before the batch."""
+    p, ep = workers.prefill(ROOMY, **hold_copies(), **FAULT)
+    p_free = prefill_requests(p)["free"]
+    d = workers.decode(ep, ROOMY, worker_id=worker_id, **FAULT)
+    free0 = _ready(d)["free"]
+    inc = decode_stats(d)["prefill_incarnation"]
+    lengths = LENGTHS[:3]
+    start_batch(d, lengths, concurrency=len(lengths))
+    wait_transferring(p, worker_id, jobs=len(lengths))
+    return p, ep, p_free, d, free0, inc, lengths
+
+
 def test_decode_killed_mid_transfer(workers):
     p, ep = workers.prefill(ROOMY, **hold_copies(), **FAULT)
     p_free = prefill_requests(p)["free"]
@@ -159,10 +184,7 @@ def test_prefill_killed_mid_transfer_and_restarted_after_timeout(workers):
     p_free = prefill_requests(p3)["free"]
     s = wait_decode(d, "a handshake with the third prefill", lambda s: s["peer_state"] == "accepted")
     assert s["prefill_incarnation"] not in (inc1, inc2)
-    after, done = run_batch(d, AFTER, concurrency=2)
-    assert_all_verified(after, AFTER)
-    assert done["free"] == free0
-    _prefill_free(p3, p_free)
+    after, done = _serves_again(p3, d, free0, p_free)
     tally(
         "prefill SIGKILL mid-transfer",
         results + after,
@@ -193,10 +215,7 @@ def test_prefill_restarted_while_decode_runs(workers):
     assert detect_s < 5.0, detect_s  # well before the 5 s heartbeat timeout
     s = wait_decode(d, "a handshake with the new prefill", lambda s: s["peer_state"] == "accepted")
     assert s["prefill_incarnation"] != inc1
-    after, done = run_batch(d, AFTER, concurrency=2)
-    assert_all_verified(after, AFTER)
-    assert done["free"] == free0
-    _prefill_free(p2, p_free)
+    after, done = _serves_again(p2, d, free0, p_free)
     assert peer_record(p2, "runner")["state"] == "accepted"
     tally(
         "prefill restarted (same endpoint)",
@@ -208,14 +227,7 @@ def test_prefill_restarted_while_decode_runs(workers):
 
 
 def test_prefill_frozen_past_timeout_then_thawed(workers):
-    p, ep = workers.prefill(ROOMY, **hold_copies(), **FAULT)
-    p_free = prefill_requests(p)["free"]
-    d = workers.decode(ep, ROOMY, worker_id="patient", **FAULT)
-    free0 = _ready(d)["free"]
-    inc = decode_stats(d)["prefill_incarnation"]
-    lengths = LENGTHS[:3]
-    start_batch(d, lengths, concurrency=len(lengths))
-    wait_transferring(p, "patient", jobs=len(lengths))
+    p, ep, p_free, d, free0, inc, lengths = _frozen_mid_batch(workers, "patient")
     t_stop = kill(p, signal.SIGSTOP)
     try:
         results, done, t_done = collect_batch(d)
@@ -238,10 +250,7 @@ def test_prefill_frozen_past_timeout_then_thawed(workers):
     s = wait_decode(d, "the decode accepted again", lambda s: s["peer_state"] == "accepted", timeout_s=30)
     assert s["prefill_incarnation"] == inc
     release_copies(p)
-    after, done = run_batch(d, AFTER, concurrency=2)
-    assert_all_verified(after, AFTER)
-    assert done["free"] == free0
-    _prefill_free(p, p_free)
+    after, done = _serves_again(p, d, free0, p_free)
     tally(
         "prefill SIGSTOP > timeout, SIGCONT",
         results + after,
@@ -258,13 +267,7 @@ def test_prefill_frozen_past_timeout_then_thawed(workers):
     "asked before (an agent fix; see the worker's quarantine for the unconfirmed aborts)",
 )
 def test_decode_frozen_past_timeout_then_thawed(workers):
-    p, ep = workers.prefill(ROOMY, **hold_copies(), **FAULT)
-    p_free = prefill_requests(p)["free"]
-    d = workers.decode(ep, ROOMY, worker_id="sleeper", **FAULT)
-    free0 = _ready(d)["free"]
-    lengths = LENGTHS[:3]
-    start_batch(d, lengths, concurrency=len(lengths))
-    wait_transferring(p, "sleeper", jobs=len(lengths))
+    p, ep, p_free, d, free0, _, lengths = _frozen_mid_batch(workers, "sleeper")
     t_stop = kill(d, signal.SIGSTOP)
     try:
         records, free = wait_prefill_settled(p, "sleeper", len(lengths), timeout_s=PEER_TIMEOUT_S + 10)
@@ -287,10 +290,7 @@ def test_decode_frozen_past_timeout_then_thawed(workers):
     wait_decode(d, "the decode's pages back", lambda s: s["free"] == free0 and s["quarantined"] == 0)
     peer_record(p, "sleeper", "accepted")
     release_copies(p)
-    after, done = run_batch(d, AFTER, concurrency=2)
-    assert_all_verified(after, AFTER)
-    assert done["free"] == free0
-    _prefill_free(p, p_free)
+    after, done = _serves_again(p, d, free0, p_free)
     tally(
         "decode SIGSTOP > timeout, SIGCONT",
         records + after,

@@ -26,7 +26,7 @@ import zmq
 
 from pdstate.errors import ExitCode, LocalCheckFailed, RoomInFlight
 from pdstate.protocol import wire
-from pdstate.service.api import _Collector
+from pdstate.service.api import Collector
 from pdstate.worker.base import settle
 from pdstate.worker.decode import AgentDecodeWorker
 from pdstate.worker.prefill import AgentPrefillWorker
@@ -107,7 +107,7 @@ def test_latency_window_is_bounded_and_metrics_still_count_everything():
     lat = stats.latencies_s
     assert lat.maxlen == LATENCY_WINDOW
 
-    class Source:  # what _Collector reads
+    class Source:  # what Collector reads
         role, worker_id, engine = "decode", "w", "shm"
 
         def __init__(self) -> None:
@@ -128,7 +128,7 @@ def test_latency_window_is_bounded_and_metrics_still_count_everything():
         def free_counts(self):
             return {}
 
-    col = _Collector(Source())
+    col = Collector(Source())
 
     def count() -> float:
         hist = [m for m in col.collect() if m.name == "pdstate_transfer_latency_seconds"][0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdstate.devtools import bench, bench_report
+from pdstate.devtools import bench, bench_measure, bench_report
 from tests.support.bench import fake_bench_result
 
 
@@ -34,7 +34,7 @@ def test_ratios_are_taken_within_each_phase():
 def test_a_phase_on_tiny_measures_every_variant_and_verifies():
     """An engine phase (run here on shm, the engine every host has): serve's worker pair beside the
     ceiling, each request verified."""
-    src, dst = bench._Side("paged", "tiny"), bench._Side("paged", "tiny")
+    src, dst = bench_measure.Side("paged", "tiny"), bench_measure.Side("paged", "tiny")
     results: dict = {"paths": {}, "lengths": [300], "modes": ["paged"]}
     lines: list[str] = []
     bench._phase("paged", "shm", src, dst, [300], 2, results, lines.append, preset_name="tiny")
@@ -109,7 +109,7 @@ def test_a_native_engine_phase_writes_raw_into_the_decode_worker():
         engine_class("mooncake").check_available()
     except EngineUnavailable as exc:
         pytest.skip(str(exc))
-    src, dst = bench._Side("paged", "tiny"), bench._Side("paged", "tiny")
+    src, dst = bench_measure.Side("paged", "tiny"), bench_measure.Side("paged", "tiny")
     results: dict = {"paths": {}, "lengths": [300], "modes": ["paged"]}
     bench._phase("paged", "mooncake", src, dst, [300], 2, results, lambda m: None, preset_name="tiny")
     raw = results["paths"]["paged:mooncake:raw_mooncake"]["300"]

@@ -3,7 +3,7 @@ the ceiling and the physical limit, and the summary carries its ratios and diges
 
 from __future__ import annotations
 
-from pdstate.devtools import bench, bench_agent, bench_report
+from pdstate.devtools import bench_agent, bench_measure, bench_report
 from pdstate.devtools.baselines import thread_counts
 from pdstate.transfer.engines.shm_copy import host_cores
 from tests.support.bench import fake_bench_result
@@ -30,7 +30,7 @@ def test_agent_ratios_are_taken_within_the_agent_phase():
 
 
 def test_an_agent_phase_on_tiny_fills_the_summary_keys_with_numbers():
-    src, dst = bench._Side("paged", "tiny"), bench._Side("paged", "tiny")
+    src, dst = bench_measure.Side("paged", "tiny"), bench_measure.Side("paged", "tiny")
     results: dict = {"paths": {}, "lengths": [300], "modes": ["paged"]}
     lines: list[str] = []
     bench_agent.phase(src, dst, [300], 2, results, lines.append, preset_name="tiny", memory_requests=20)

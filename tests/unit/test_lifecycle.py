@@ -44,18 +44,23 @@ def test_a_decode_registers_again_after_gone_or_rejected():
         assert link.state is state
 
 
+def _moves_by_its_table(obj, a, b, table, kind: str) -> None:
+    """``move(obj, b)`` from ``a``: done where ``table`` allows it, else refused, ``obj`` unchanged."""
+    if b in table[a]:
+        move(obj, b)
+        assert obj.state is b
+    else:
+        with pytest.raises(IllegalTransition) as info:
+            move(obj, b)
+        assert str(info.value) == f"{kind} cannot move from {a.value} to {b.value}"
+        assert obj.state is a
+
+
 @pytest.mark.parametrize("a,b", list(itertools.product(P, P)))
 def test_peer_moves_outside_the_table_raise(a, b):
     link = PrefillLink("tcp://127.0.0.1:1")
     object.__setattr__(link, "state", a)  # the scan below allows nothing but move(); tests set up freely
-    if b in PEER_TRANSITIONS[a]:
-        move(link, b)
-        assert link.state is b
-    else:
-        with pytest.raises(IllegalTransition) as info:
-            move(link, b)
-        assert str(info.value) == f"peer cannot move from {a.value} to {b.value}"
-        assert link.state is a  # unchanged
+    _moves_by_its_table(link, a, b, PEER_TRANSITIONS, "peer")
 
 
 @pytest.mark.parametrize("a,b", list(itertools.product(R, R)))
@@ -63,15 +68,7 @@ def test_request_moves_follow_their_table(a, b):
     class Rec:
         state = a
 
-    rec = Rec()
-    if b in TRANSITIONS[a]:
-        move(rec, b)
-        assert rec.state is b
-    else:
-        with pytest.raises(IllegalTransition) as info:
-            move(rec, b)
-        assert str(info.value) == f"request cannot move from {a.value} to {b.value}"
-        assert rec.state is a
+    _moves_by_its_table(Rec(), a, b, TRANSITIONS, "request")
 
 
 def test_a_state_of_the_other_kind_is_refused():

@@ -419,13 +419,18 @@ class _Path:
         planner.SMALL_LIST = self.saved
 
 
+def _planned(small_list, req):
+    """``plan_request`` of ``req`` on the path ``small_list`` picks; and ``req``."""
+    src, dst, si, di = req
+    with _Path(small_list):
+        return plan_request(src, dst, si, di), req
+
+
 @PATHS
 @_PROPS
 @given(req=requests())
 def test_plan_covers_exactly_the_reference_bytes(small_list, req):
-    src, dst, si, di = req
-    with _Path(small_list):
-        p = plan_request(src, dst, si, di)
+    p, (src, dst, si, di) = _planned(small_list, req)
     ref = reference(src, dst, si, di)
     assert byte_ranges(_rows(p)) == byte_ranges(ref)
     assert byte_map(_rows(p)) == byte_map(ref)
@@ -437,9 +442,7 @@ def test_plan_covers_exactly_the_reference_bytes(small_list, req):
 @_PROPS
 @given(req=requests(contiguous=True))
 def test_a_contiguous_list_gives_one_descriptor_per_buffer(small_list, req):
-    src, dst, si, di = req
-    with _Path(small_list):
-        p = plan_request(src, dst, si, di)
+    p, (src, dst, si, di) = _planned(small_list, req)
     expected = sum(c.items.size for c, lst in zip(planner.channels_of(src), si) if len(lst))
     assert len(p) == expected
     assert byte_ranges(_rows(p)) == byte_ranges(reference(src, dst, si, di))

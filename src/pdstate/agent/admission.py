@@ -42,7 +42,7 @@ def bind_router(loop: Any, bind: str) -> tuple[zmq.Socket, str]:
 
 
 def live_holder(agent: Any, identity: bytes, worker_id: str):
-    """The accepted decode (``_Decode``) holding ``worker_id`` on another live connection."""
+    """The accepted decode (``DecodePeer``) holding ``worker_id`` on another live connection."""
     now = time.monotonic()
     for key, d in agent._decodes.items():
         if d.worker_id != worker_id or key == identity or now - d.last_seen > agent.peer_timeout_s:

@@ -7,9 +7,9 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import zmq
 
@@ -21,7 +21,7 @@ from pdstate.protocol.wire import MAX_FRAME_BYTES
 
 log = logging.getLogger("pdstate.agent")
 
-__all__ = ["AgentLoop", "RequestRecord", "channel_layout", "regions_of"]
+__all__ = ["AgentLifetime", "AgentLoop", "RequestRecord", "channel_layout", "regions_of"]
 
 AGAIN_MS = 1  # how soon ``AgentLoop.again`` checks run
 
@@ -54,15 +54,16 @@ def channel_layout(desc, aux_ptrs=None, aux_items=None) -> list[tuple[list[int],
 
 
 _AT_KEY = {s: f"{s.value}_at_s" for s in RequestState}  # the metric each move stamps
-_FIRST_WAIT = threading.Lock()  # orders a record's first waiter (who makes its condition) with its moves
 
 
 @dataclass(slots=True)
 class RequestRecord:
     """A request's lifecycle on one side; written by the I/O thread, read by any thread.
 
-    Its condition is made by the first thread that waits on it: most requests are never waited
-    on by a thread of their own (an ended sender is kept a while, and a condition is ~1.5 KB)."""
+    Each record has its own small lock; its condition (~1.5 KB) is made over that lock by the
+    first thread that waits on it: most requests are never waited on by a thread of their own (an
+    ended sender is kept a while). A caller that would rather not wait with a thread asks to be
+    told at the end (``add_done_callback``)."""
 
     room: int
     state: RequestState = RequestState.BOOTSTRAPPING
@@ -72,24 +73,46 @@ class RequestRecord:
     watchers: int = 0  # threads in ``wait`` with a predicate of their own (others wait for the end)
     waiters: int = 0  # threads in ``wait``
     changed: threading.Condition | None = None
+    lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
+    done_callbacks: list[Callable[[RequestRecord], None]] | None = field(default=None, repr=False, compare=False)
 
     def move(self, new: RequestState) -> None:
         self._change(new, lambda: self._apply(new))
 
     def _change(self, new: RequestState, step: Callable[[], bool]) -> bool:
-        """Run ``step`` (which moves to ``new`` or not, and says so) under the record's lock: its
-        condition once a thread waits on it, else ``_FIRST_WAIT`` (no condition to take or notify)."""
-        cond = self.changed
-        if cond is None:
-            with _FIRST_WAIT:
-                if self.changed is None:
-                    return step()
-            cond = self.changed
-        with cond:
+        """Run ``step`` (which moves to ``new`` or not, and says so) under the record's lock,
+        wake the threads that wait for this move, then (at the end) run the done callbacks."""
+        callbacks = None
+        with self.lock:
             moved = step()
-            if moved and (new.terminal or self.watchers):  # a waiter for the end sleeps through steps
+            cond = self.changed
+            if (
+                moved and cond is not None and (new.terminal or self.watchers)
+            ):  # a waiter for the end sleeps through steps
                 cond.notify_all()
-            return moved
+            if moved and new.terminal and self.done_callbacks:
+                callbacks, self.done_callbacks = self.done_callbacks, None
+        for fn in callbacks or ():
+            self._run_callback(fn)
+        return moved
+
+    def _run_callback(self, fn: Callable[[RequestRecord], None]) -> None:
+        try:
+            fn(self)
+        except Exception:  # a caller's callback must not break the thread that ended the request
+            log.exception("room %d: a done callback failed", self.room)
+
+    def add_done_callback(self, fn: Callable[[RequestRecord], None]) -> None:
+        """Call ``fn(record)`` once the request is terminal (SUCCESS or FAILED): on the thread
+        that ends it (the agent's I/O thread: ``fn`` must be quick and must not block), or at once
+        on this thread if it has already ended. An exception in ``fn`` is logged, not raised."""
+        with self.lock:
+            if not self.state.terminal:
+                if self.done_callbacks is None:
+                    self.done_callbacks = []
+                self.done_callbacks.append(fn)
+                return
+        self._run_callback(fn)
 
     def _apply(self, new: RequestState) -> bool:
         if self.state is new:
@@ -109,24 +132,19 @@ class RequestRecord:
 
         return self._change(RequestState.FAILED, step)
 
-    def _condition(self, waiting: bool = False) -> threading.Condition:
-        with _FIRST_WAIT:
-            if self.changed is None:
-                self.changed = threading.Condition()
-            if waiting:
-                self.waiters += 1
-            return self.changed
-
     def release(self) -> None:
         """Drop the condition of an ended record no thread waits on (a later ``wait`` makes one)."""
-        with _FIRST_WAIT:
+        with self.lock:
             if self.state.terminal and not self.waiters:
                 self.changed = None
 
     def wait(self, timeout_s: float, until: Callable[[RequestState], bool] | None = None) -> RequestState:
         deadline = time.monotonic() + timeout_s
-        cond = self._condition(waiting=True)
-        with cond:
+        with self.lock:
+            if self.changed is None:
+                self.changed = threading.Condition(self.lock)
+            cond = self.changed
+            self.waiters += 1
             if until is not None:
                 self.watchers += 1
             try:
@@ -139,8 +157,7 @@ class RequestRecord:
             finally:
                 if until is not None:
                     self.watchers -= 1
-                with _FIRST_WAIT:
-                    self.waiters -= 1
+                self.waiters -= 1
 
 
 CALL_CHECK_S = 0.05  # how often a waiting ``call`` looks whether the loop ended under it
@@ -303,3 +320,51 @@ class AgentLoop:
             if time.monotonic() >= next_tick:
                 self._guard(self._on_tick)
                 next_tick = time.monotonic() + self._tick_s
+
+
+class AgentLifetime:
+    """What both agents share over their I/O thread (``_loop``) and engine (``_engine``): whether
+    they run, ``with`` closing them, the last step of ``close``, and a tick's clock."""
+
+    _loop: AgentLoop
+    _engine: Any
+    _last_tick: float
+    heartbeat_interval_s: float
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def alive(self) -> bool:
+        """Whether the I/O thread runs (nothing is sent or received without it)."""
+        return self._loop.alive
+
+    def _tick_time(self, peers: Iterable[Any]) -> float:
+        """Now, for a tick: a tick more than two heartbeat intervals late means this process did
+        not run for a while (frozen, swapped out), so ``peers`` (their ``last_seen``) are not
+        blamed for that time."""
+        now = time.monotonic()
+        stalled = now - self._last_tick - 2 * self.heartbeat_interval_s
+        self._last_tick = now
+        if stalled > 0:
+            for peer in peers:
+                peer.last_seen += stalled
+        return now
+
+    def _stop(self, final: Callable[[], None]) -> None:
+        """Run ``final`` on the I/O thread as it stops, then close the engine."""
+        try:
+            self._loop.stop(final)
+        finally:
+            self._engine.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called (neither alive nor closed: the I/O thread died)."""
+        return self._loop.closed
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -8,9 +8,9 @@ import time
 import numpy as np
 import zmq
 
-from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
+from pdstate.agent.common import AgentLifetime, AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.decode_frames import DecodeFrames
-from pdstate.agent.receiver import KVReceiver, _Prefill, _Recv
+from pdstate.agent.receiver import KVReceiver, PrefillPeer, Receiving
 from pdstate.agent.verify import DEFAULT_LEVEL, check_level, layout_devices, on_device
 from pdstate.errors import (
     AgentClosed,
@@ -31,7 +31,7 @@ __all__ = ["DecodeAgent", "KVReceiver"]
 _S = RequestState
 
 
-class DecodeAgent(DecodeFrames):
+class DecodeAgent(AgentLifetime, DecodeFrames):
     """Receives DSV4 state into the caller's memory from any number of prefill agents.
 
     ``kv_args``: the caller's filled ``KVArgs`` (``aux_data_*`` too when metadata moves);
@@ -123,10 +123,10 @@ class DecodeAgent(DecodeFrames):
         )
         self._layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
         self._devices = layout_devices(self._layout)  # host (None) or device, per buffer
-        self._prefills: dict[str, _Prefill] = {}
+        self._prefills: dict[str, PrefillPeer] = {}
         self.handshakes = {"accepted": 0, "rejected": 0}  # answers received, written by the I/O thread only
         self._redial_s = max(1.0, 2 * heartbeat_interval_s)  # a gone prefill's register, sent again at most this often
-        self._recvs: dict[tuple[str, int], _Recv] = {}
+        self._recvs: dict[tuple[str, int], Receiving] = {}
         self._last_tick = time.monotonic()
         self._loop = AgentLoop(f"pdstate-decode-{self.worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
         self._loop.start()
@@ -137,8 +137,9 @@ class DecodeAgent(DecodeFrames):
         """The receiver of request ``room`` from the prefill agent at ``prefill`` (its address).
         A gone prefill is dialled afresh for it; with ``redial_gone=False`` the receiver fails at
         once with the reason that prefill went instead (a caller that redials with ``connect``)."""
-        recv = _Recv(RequestRecord(room), prefill)
-        return KVReceiver(self, self._loop.call(lambda: self._add(recv, redial_gone)))
+        recv = Receiving(RequestRecord(room), prefill)
+        added = self._loop.call(lambda: self._add(recv, redial_gone))
+        return KVReceiver(added, call=self._loop.call, init=self._init, abort=self._abort)
 
     def prefills(self) -> dict[str, dict]:
         """Every prefill this agent used, by address: ``state``, ``worker_id``, ``incarnation``,
@@ -165,10 +166,10 @@ class DecodeAgent(DecodeFrames):
 
         return self._loop.call(snap)
 
-    @property
-    def alive(self) -> bool:
-        """Whether the I/O thread runs (nothing is received without it)."""
-        return self._loop.alive
+    def register_message(self) -> wire.Register:
+        """The ``Register`` this agent sends its prefills, without an ownership proof: its
+        identity, layout, KVArgs and endpoint (a test or a probe that speaks for it)."""
+        return self._handshake.register_message()
 
     def connect(self, prefill: str) -> None:
         """Shake hands with the prefill at ``prefill`` now, before any request names it (a
@@ -227,43 +228,34 @@ class DecodeAgent(DecodeFrames):
                 recv.record.fail(AgentClosed("decode shutting down"))
                 self._drop_digest(recv)  # after close returns no thread reads the caller's memory
 
-        try:
-            self._loop.stop(final)
-        finally:
-            self._engine.close()
-
-    def __enter__(self) -> DecodeAgent:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._stop(final)
 
     # --- I/O thread -------------------------------------------------------------------------------
 
-    def _send(self, p: _Prefill, msg: wire.Message) -> None:
+    def _send(self, p: PrefillPeer, msg: wire.Message) -> None:
         try:
             p.sock.send(wire.encode(msg, self.token), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # not connected yet or gone: heartbeats and timeouts decide
 
-    def _connect(self, address: str, handshakes: int = 0) -> _Prefill:
+    def _connect(self, address: str, handshakes: int = 0) -> PrefillPeer:
         sock = self._loop.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}/{self.incarnation}/{secrets.token_hex(4)}".encode())
         sock.setsockopt(zmq.SNDHWM, 10000)
         sock.connect(address)
-        p = _Prefill(address, sock, handshakes=handshakes)
+        p = PrefillPeer(address, sock, handshakes=handshakes)
         self._loop.watch(sock, lambda s, a=address: self._on_frame(a, s))
         self._prefills[address] = p
         self._register(p)
         return p
 
-    def _reconnect(self, address: str, old: _Prefill | None) -> _Prefill:
+    def _reconnect(self, address: str, old: PrefillPeer | None) -> PrefillPeer:
         if old is None:
             return self._connect(address)
         self._loop.unwatch(old.sock)  # a fresh socket: nothing queued for the dead process
         return self._connect(address, old.handshakes)
 
-    def _redial(self, p: _Prefill) -> None:
+    def _redial(self, p: PrefillPeer) -> None:
         """Register with a gone prefill again on a fresh socket, keeping it GONE (and its error)
         until it answers. The register waits in the socket until a process listens there; it is
         sent afresh (new socket, nothing stale queued) only after ``_redial_s`` without an answer
@@ -276,13 +268,13 @@ class DecodeAgent(DecodeFrames):
         move(q, PeerState.GONE)
         q.error, q.redial = error, True
 
-    def _register(self, p: _Prefill) -> None:
+    def _register(self, p: PrefillPeer) -> None:
         if p.state is not PeerState.PENDING:
             move(p, PeerState.PENDING)
         p.error, p.registered_at, p.handshakes = None, time.monotonic(), p.handshakes + 1
         self._send(p, self._handshake.register_message())
 
-    def _add(self, recv: _Recv, redial_gone: bool = True) -> _Recv:
+    def _add(self, recv: Receiving, redial_gone: bool = True) -> Receiving:
         key = (recv.prefill, recv.record.room)
         old = self._recvs.get(key)
         if old is not None and not old.record.state.terminal:
@@ -302,7 +294,7 @@ class DecodeAgent(DecodeFrames):
         return recv
 
     def _init(
-        self, recv: _Recv, pages: np.ndarray, state: list[np.ndarray], aux_index: int | None, seq_len: int | None
+        self, recv: Receiving, pages: np.ndarray, state: list[np.ndarray], aux_index: int | None, seq_len: int | None
     ) -> None:
         if recv.record.state.terminal:
             raise recv.record.error or ProtocolError(f"room {recv.record.room} is finished")
@@ -331,7 +323,7 @@ class DecodeAgent(DecodeFrames):
         )
         self._maybe_send(recv)
 
-    def _maybe_send(self, recv: _Recv) -> None:
+    def _maybe_send(self, recv: Receiving) -> None:
         p = self._prefills.get(recv.prefill)
         if recv.sent or recv.request is None or p is None or p.state is not PeerState.ACCEPTED:
             return
@@ -344,7 +336,7 @@ class DecodeAgent(DecodeFrames):
         recv.digest, recv.hashed = None, (0, False)  # sent again: everything lands again
         self._send(p, recv.request)
 
-    def _abort(self, recv: _Recv, reason: str) -> None:
+    def _abort(self, recv: Receiving, reason: str) -> None:
         if recv.record.state.terminal or recv.aborting is not None:
             return
         recv.aborting = reason
@@ -360,7 +352,7 @@ class DecodeAgent(DecodeFrames):
             if a == address and not recv.record.state.terminal:
                 yield recv
 
-    def _fail_prefill(self, p: _Prefill, error: PdStateError, state: PeerState) -> None:
+    def _fail_prefill(self, p: PrefillPeer, error: PdStateError, state: PeerState) -> None:
         if p.state is not state:
             move(p, state)
         p.error = error
@@ -369,7 +361,7 @@ class DecodeAgent(DecodeFrames):
             if state is PeerState.REJECTED:  # the prefill fails its sender of this room too
                 self._send(p, wire.Abort(room=recv.record.room, reason=f"refused: {error}"[:1024]))
 
-    def _restarted(self, p: _Prefill, incarnation: str) -> None:
+    def _restarted(self, p: PrefillPeer, incarnation: str) -> None:
         """The prefill at ``p.address`` is a new process: what the old one was sending is lost.
 
         Called at the new process's Accept. ZeroMQ delivers in order, so every request this
@@ -382,7 +374,7 @@ class DecodeAgent(DecodeFrames):
                 recv.record.fail(PeerGone(str(err)))
 
     @staticmethod
-    def _drop_digest(recv: _Recv) -> None:
+    def _drop_digest(recv: Receiving) -> None:
         """Stop hashing an ended request's pages early (``wire.Landed``): the work not started is
         dropped and the running part waited for, so nothing reads pages the caller may free."""
         if recv.digest is not None:
@@ -390,12 +382,7 @@ class DecodeAgent(DecodeFrames):
             recv.digest = None
 
     def _tick(self) -> None:
-        now = time.monotonic()
-        stalled = now - self._last_tick - 2 * self.heartbeat_interval_s
-        self._last_tick = now
-        if stalled > 0:  # this process did not run for a while: do not blame the peers for it
-            for peer in self._prefills.values():
-                peer.last_seen += stalled
+        now = self._tick_time(self._prefills.values())
         for key, recv in list(self._recvs.items()):
             if recv.record.state.terminal:
                 del self._recvs[key]  # the caller holds its KVReceiver; the agent forgets it

@@ -11,7 +11,7 @@ import zmq
 
 from pdstate import logs
 from pdstate.agent.digest import RequestDigest
-from pdstate.agent.receiver import _Prefill, _Recv
+from pdstate.agent.receiver import PrefillPeer, Receiving
 from pdstate.agent.verify import level_of, request_digest
 from pdstate.errors import DigestMismatch, PdStateError, PeerGone, TransferAborted, error_from_wire
 from pdstate.protocol import wire
@@ -71,7 +71,7 @@ class DecodeFrames:
                 if recv is not None:
                     recv.record.fail(error_from_wire(msg.error.type, msg.error.message))
 
-    def _on_handshake(self, p: _Prefill, msg) -> None:
+    def _on_handshake(self, p: PrefillPeer, msg) -> None:
         if p.state is not PeerState.PENDING and not p.redial:
             return
         p.redial = False
@@ -98,7 +98,7 @@ class DecodeFrames:
                 recv.record.move(_S.WAITING_FOR_INPUT)
             self._maybe_send(recv)
 
-    def _on_done(self, p: _Prefill, msg: wire.TransferDone) -> None:
+    def _on_done(self, p: PrefillPeer, msg: wire.TransferDone) -> None:
         recv = self._recvs.get((p.address, msg.room))
         if recv is None or recv.record.state.terminal:
             return
@@ -140,7 +140,7 @@ class DecodeFrames:
             rec.fail(verdict_error)
             self._send(p, wire.AgentVerdict(room=msg.room, status="failed", error=ErrorInfo.of(verdict_error)))
 
-    def _on_landed(self, p: _Prefill, msg: wire.Landed) -> None:
+    def _on_landed(self, p: PrefillPeer, msg: wire.Landed) -> None:
         """Hash what the prefill says has landed, in the background, while the rest copies."""
         recv = self._recvs.get((p.address, msg.room))
         if not self.digest or recv is None or recv.record.state.terminal or recv.request is None or not recv.sent:
@@ -149,7 +149,9 @@ class DecodeFrames:
             recv.record.metrics["landed"] = recv.record.metrics.get("landed", 0) + 1
             self._hash_landed(recv, msg.pages, msg.state_landed, wait=False)
 
-    def _hash_landed(self, recv: _Recv, pages: int, state: bool, wait: bool, form: str | None = None) -> RequestDigest:
+    def _hash_landed(
+        self, recv: Receiving, pages: int, state: bool, wait: bool, form: str | None = None
+    ) -> RequestDigest:
         """Hash this request's destination bytes up to ``pages`` main-KV pages (and, with ``state``,
         its state and aux) beyond what is hashed already: in the background (``wait=False``), or
         here, spread over the host's cores, after the background work (``wait=True``)."""

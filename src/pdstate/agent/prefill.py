@@ -12,10 +12,10 @@ import zmq
 
 from pdstate import logs
 from pdstate.agent.admission import bind_router, gatekeep
-from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
+from pdstate.agent.common import AgentLifetime, AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.prefill_copy import CopyPipeline
 from pdstate.agent.refusals import Refusals
-from pdstate.agent.sender import KVSender, _Decode, _Ended, _Pending, _Send
+from pdstate.agent.sender import DecodePeer, EndedSender, KVSender, PendingRequest, Sending
 from pdstate.agent.verify import check_level, layout_devices, level_of, request_digest, weaker
 from pdstate.errors import (
     AgentClosed,
@@ -49,7 +49,7 @@ ANSWERED = wire.AgentRequest(
 )
 
 
-def _trim(send: _Send) -> None:
+def _trim(send: Sending) -> None:
     """What an ended sender no longer needs: its handles, digest, queued chunks, index lists."""
     send.handles, send.digest, send.marks = [], None, []
     send.queued.clear()
@@ -58,7 +58,7 @@ def _trim(send: _Send) -> None:
         send.request = ANSWERED
 
 
-class PrefillAgent(CopyPipeline, Refusals):
+class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
     """Serves decode agents over ZeroMQ (a ROUTER bound at ``bind``) and one transfer engine.
 
     ``kv_args``: the caller's filled ``KVArgs`` (``fill_kv_args`` / ``setup_state_kv_args``, plus
@@ -151,9 +151,9 @@ class PrefillAgent(CopyPipeline, Refusals):
         )
         self._layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
         self._devices = layout_devices(self._layout)  # host (None) or device, per buffer
-        self._decodes: dict[bytes, _Decode] = {}
-        self._sends: dict[int, _Send | _Ended] = {}  # live senders, and ended ones as tombstones
-        self._pending: dict[int, _Pending] = {}
+        self._decodes: dict[bytes, DecodePeer] = {}
+        self._sends: dict[int, Sending | EndedSender] = {}  # live senders, and ended ones as tombstones
+        self._pending: dict[int, PendingRequest] = {}
         self.handshakes = {"accepted": 0, "rejected": 0}  # answers given, written by the I/O thread only
         self._peer_log: OrderedDict[str, dict] = OrderedDict()  # worker id -> its latest record (``peers()``)
         self._init_refusals()
@@ -170,8 +170,9 @@ class PrefillAgent(CopyPipeline, Refusals):
         caller's aux slot, moved with the last chunk when both sides have aux buffers)."""
         if num_pages < 0:
             raise ValueError(f"num_pages must not be negative, got {num_pages}")
-        send = _Send(RequestRecord(room), num_pages, aux_index)
-        return KVSender(self, self._loop.call(lambda: self._add_sender(send)))
+        send = Sending(RequestRecord(room), num_pages, aux_index)
+        added = self._loop.call(lambda: self._add_sender(send))
+        return KVSender(added, call=self._loop.call, queue_chunk=self._queue_chunk, abort=self._abort)
 
     def decodes(self) -> list[dict]:
         """The accepted decode agents: worker id, incarnation, seconds since last heard."""
@@ -202,11 +203,6 @@ class PrefillAgent(CopyPipeline, Refusals):
         (its layout's, from its Register) and ``error`` (``{"type", "message"}`` or ``None``)."""
         return self._loop.call(lambda: [dict(d) for d in self._peer_log.values()])
 
-    @property
-    def alive(self) -> bool:
-        """Whether the I/O thread runs (nothing is served without it)."""
-        return self._loop.alive
-
     def close(self, reason: str = "prefill shutting down") -> None:
         """Fail live requests with ``reason`` (``AgentClosed``), say ``Goodbye`` with it to every
         accepted decode (which fails what it still has here at once and turns this prefill
@@ -222,16 +218,7 @@ class PrefillAgent(CopyPipeline, Refusals):
             for identity in list(self._decodes):
                 self._reply(identity, bye)
 
-        try:
-            self._loop.stop(final)
-        finally:
-            self._engine.close()
-
-    def __enter__(self) -> PrefillAgent:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._stop(final)
 
     # --- I/O thread -------------------------------------------------------------------------------
 
@@ -241,7 +228,7 @@ class PrefillAgent(CopyPipeline, Refusals):
         except zmq.ZMQError:
             pass  # gone or full: its heartbeats stop and it fails its own requests
 
-    def _add_sender(self, send: _Send) -> _Send:
+    def _add_sender(self, send: Sending) -> Sending:
         room = send.record.room
         old = self._sends.get(room)
         if old is not None and not old.record.state.terminal:
@@ -284,7 +271,7 @@ class PrefillAgent(CopyPipeline, Refusals):
         elif isinstance(msg, wire.AgentRequest):
             send = self._sends.get(msg.room)
             if send is None or send.record.state.terminal and send.request is not None:
-                self._pending[msg.room] = _Pending(identity, msg)
+                self._pending[msg.room] = PendingRequest(identity, msg)
                 self._refused_rooms.pop(msg.room, None)  # asked for (again): not given up
                 if self._on_request is not None:
                     self._ask_caller(identity, decode.worker_id, msg)
@@ -317,7 +304,7 @@ class PrefillAgent(CopyPipeline, Refusals):
                 for key, d in list(self._decodes.items()):
                     if d.worker_id == msg.worker_id and key != identity:
                         self._decode_gone(key, f"decode {msg.worker_id} registered again (new incarnation)")
-                self._decodes[identity] = _Decode(
+                self._decodes[identity] = DecodePeer(
                     identity, msg.worker_id, msg.incarnation, peer_id, planner, time.monotonic()
                 )
         self._note_handshake(identity, answer)
@@ -353,7 +340,7 @@ class PrefillAgent(CopyPipeline, Refusals):
             if p.identity == identity:
                 del self._pending[room]
 
-    def _attach(self, send: _Send, identity: bytes, msg: wire.AgentRequest) -> None:
+    def _attach(self, send: Sending, identity: bytes, msg: wire.AgentRequest) -> None:
         if send.request is not None:
             first = self._decodes.get(send.identity)
             by = f"decode {first.worker_id}" if first is not None else "another decode"
@@ -412,12 +399,7 @@ class PrefillAgent(CopyPipeline, Refusals):
             send.record.fail(error_from_wire(err.type, err.message))
 
     def _tick(self) -> None:
-        now = time.monotonic()
-        stalled = now - self._last_tick - 2 * self.heartbeat_interval_s
-        self._last_tick = now
-        if stalled > 0:  # this process did not run for a while: do not blame the peers for it
-            for peer in self._decodes.values():
-                peer.last_seen += stalled
+        now = self._tick_time(self._decodes.values())
         for identity, d in list(self._decodes.items()):
             if now - d.last_seen > self.peer_timeout_s:
                 self._decode_gone(identity, f"decode {d.worker_id} missed heartbeats for {self.peer_timeout_s:g} s")
@@ -427,9 +409,9 @@ class PrefillAgent(CopyPipeline, Refusals):
                 ended += 1
                 if now - send.record.created > KEEP_ENDED_S or ended > MAX_ENDED:
                     del self._sends[room]  # kept a while so a late AgentRequest or Abort is answered
-                elif isinstance(send, _Send):
+                elif isinstance(send, Sending):
                     _trim(send)  # the caller's KVSender may keep it a while: drop what it no longer needs
-                    self._sends[room] = _Ended.of(send, ANSWERED)
+                    self._sends[room] = EndedSender.of(send, ANSWERED)
                 continue
             if send.record.state is RequestState.BOOTSTRAPPING and now - send.record.created > self.bootstrap_timeout_s:
                 self._fail(

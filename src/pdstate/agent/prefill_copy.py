@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from pdstate.agent.digest import submit_digested
-from pdstate.agent.sender import _Decode, _Send, _with_aux, wake_when_landed
+from pdstate.agent.sender import DecodePeer, Sending, wake_when_landed, with_aux
 from pdstate.agent.verify import wire_form
 from pdstate.errors import (
     EngineError,
@@ -30,7 +30,7 @@ __all__ = ["CopyPipeline", "FENCE_TIMEOUT_S"]
 FENCE_TIMEOUT_S = 60.0
 
 
-def _moves_nothing(decode: _Decode, pages: np.ndarray, state, req: wire.AgentRequest, aux: bool) -> bool:
+def _moves_nothing(decode: DecodePeer, pages: np.ndarray, state, req: wire.AgentRequest, aux: bool) -> bool:
     """Whether a chunk has nothing to move and nothing the planner would refuse: no pages, no aux,
     no state on either side (a last chunk), and a pair whose channels plan without error."""
     if pages.size or aux or decode.planner.channel_error is not None:
@@ -42,7 +42,7 @@ class CopyPipeline:
     """Mixed into ``PrefillAgent`` (which has ``_engine``, ``_loop``, ``_decodes``, ``kv_args``,
     ``_reply`` and ``_n_channels``); every method runs on its I/O thread."""
 
-    def _queue_chunk(self, send: _Send, pages: np.ndarray, state: list[np.ndarray] | None) -> None:
+    def _queue_chunk(self, send: Sending, pages: np.ndarray, state: list[np.ndarray] | None) -> None:
         if send.record.state.terminal:
             raise send.record.error or ProtocolError(f"room {send.record.room} is finished")
         queued = sum(p.size for p, _ in send.queued)
@@ -60,7 +60,7 @@ class CopyPipeline:
         send.queued.append((pages, state))
         self._loop.post(lambda: self._pump(send))  # after send() returned: it does not wait for the copy
 
-    def _pump(self, send: _Send) -> None:
+    def _pump(self, send: Sending) -> None:
         """Submit queued chunks once the decode's request is known; finish when all landed."""
         if send.request is None or send.record.state.terminal:
             return
@@ -83,7 +83,7 @@ class CopyPipeline:
         elif send.marks:  # a digest request's chunk still copying: tell the decode once it landed
             wake_when_landed(self._engine, self._loop, send, self._finish_if_landed)
 
-    def _submit_chunk(self, send: _Send, decode: _Decode, pages: np.ndarray, state) -> None:
+    def _submit_chunk(self, send: Sending, decode: DecodePeer, pages: np.ndarray, state) -> None:
         req = send.request
         dst_pages = req.dst_kv_pages.unpack()[send.pages_sent : send.pages_sent + pages.size]
         n_comp = len(self.kv_args.state_types)
@@ -107,7 +107,7 @@ class CopyPipeline:
             dst_lists = [dst_pages[lo:hi], *(dst_state if with_state else none)]
             plan = decode.planner.plan(src_lists, dst_lists)
             if with_state and aux:
-                plan = _with_aux(plan, self.kv_args, req.dst_aux, send.aux_index)
+                plan = with_aux(plan, self.kv_args, req.dst_aux, send.aux_index)
             updates = [
                 *enumerate(src_lists),
                 *([(len(src_lists), np.array([send.aux_index]))] if with_state and aux else []),
@@ -127,7 +127,7 @@ class CopyPipeline:
         if last:
             send.all_submitted = True
 
-    def _pieces(self, send: _Send, n_pages: int, state) -> list[tuple[int, int, bool]]:
+    def _pieces(self, send: Sending, n_pages: int, state) -> list[tuple[int, int, bool]]:
         """How one chunk is submitted: ``(first page, end page, with state and aux)`` per piece.
         One piece, unless the decode hashes what landed (digest) and ``landed_piece_bytes`` is
         set: then a chunk over twice that goes in pieces of about that size, state and aux first,
@@ -149,7 +149,7 @@ class CopyPipeline:
         main = [(lo, hi, False) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
         return ([(0, 0, True)] if state is not None else []) + main
 
-    def _tell_landed(self, send: _Send) -> None:
+    def _tell_landed(self, send: Sending) -> None:
         """Tell the decode how much of the request has landed (``wire.Landed``), if more than it
         was told and not all of it (``TransferDone`` says that)."""
         told = send.told
@@ -165,7 +165,7 @@ class CopyPipeline:
         send.told = told
         self._reply(send.identity, wire.Landed(room=send.record.room, pages=told[0], state_landed=told[1]))
 
-    def _finish_if_landed(self, send: _Send) -> None:
+    def _finish_if_landed(self, send: Sending) -> None:
         if send.done_sent or send.record.state.terminal:
             return
         if send.marks:
@@ -201,7 +201,7 @@ class CopyPipeline:
             ),
         )
 
-    def _fence(self, send: _Send) -> bool:
+    def _fence(self, send: Sending) -> bool:
         """Wait for every in-flight handle (the fence: nothing of this request lands after).
 
         Returns False when a handle is still in flight after ``FENCE_TIMEOUT_S`` (a wedged native
@@ -222,7 +222,7 @@ class CopyPipeline:
         info = ErrorInfo.of(error) if error is not None else ErrorInfo(type="TransferFailed", message="failed")
         return wire.TransferDone(room=room, status="failed", error=info)
 
-    def _fail(self, send: _Send, error: PdStateError, tell_decode: bool) -> None:
+    def _fail(self, send: Sending, error: PdStateError, tell_decode: bool) -> None:
         if not self._fence(send):
             tell_decode = False
         send.queued.clear()
@@ -230,7 +230,7 @@ class CopyPipeline:
         if tell_decode and send.identity is not None and send.identity in self._decodes:
             self._reply(send.identity, self._done_failed(send.record.room, error))
 
-    def _abort(self, send: _Send, reason: str) -> None:
+    def _abort(self, send: Sending, reason: str) -> None:
         if send.record.state.terminal:
             return
         self._fail(send, TransferAborted(reason), tell_decode=True)

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import zmq
@@ -19,17 +19,13 @@ from pdstate.errors import (
 from pdstate.protocol import wire
 from pdstate.protocol.lifecycle import PeerState, RequestState
 
-__all__ = ["DecodeAgent", "KVReceiver"]
+__all__ = ["KVReceiver"]
 
 _S = RequestState
 
 
-if TYPE_CHECKING:
-    from pdstate.agent.decode import DecodeAgent
-
-
 @dataclass(slots=True)
-class _Prefill:
+class PrefillPeer:
     address: str
     sock: zmq.Socket
     state: PeerState = PeerState.PENDING
@@ -48,7 +44,7 @@ class _Prefill:
 
 
 @dataclass(slots=True)
-class _Recv:
+class Receiving:
     record: RequestRecord
     prefill: str
     request: wire.AgentRequest | None = None
@@ -71,8 +67,17 @@ class KVReceiver:
     otherwise, with ``failure_exception()``.
     """
 
-    def __init__(self, agent: DecodeAgent, recv: _Recv) -> None:
-        self._agent, self._recv = agent, recv
+    def __init__(
+        self,
+        recv: Receiving,
+        *,
+        call: Callable[..., object],
+        init: Callable[[Receiving, np.ndarray, list[np.ndarray], int | None, int | None], None],
+        abort: Callable[[Receiving, str], None],
+    ) -> None:
+        """``call(fn)``: run ``fn`` on the agent's I/O thread and return its result; ``init`` and
+        ``abort``: the agent's handlers of this request, run there."""
+        self._recv, self._call, self._init, self._abort = recv, call, init, abort
         self.room, self.prefill = recv.record.room, recv.prefill
 
     def poll(self) -> RequestState:
@@ -89,14 +94,14 @@ class KVReceiver:
         asked (``pdstate serve``'s); an engine's prefill knows it and needs none."""
         pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
         st = [np.asarray(x, dtype=np.int64).reshape(-1) for x in state_indices]
-        self._agent._loop.call(lambda: self._agent._init(self._recv, pages, st, aux_index, seq_len))
+        self._call(lambda: self._init(self._recv, pages, st, aux_index, seq_len))
 
     def abort(self, reason: str = "aborted by decode", timeout_s: float = 30.0) -> None:
         """Abort the request; returns once FAILED and fenced: the prefill confirmed that nothing
         of this room can land any more (or the prefill is dead: heartbeats missed). Raises
         ``TransferTimedOut`` if neither happened within ``timeout_s`` (the request then stays
         TRANSFERRING until one does)."""
-        self._agent._loop.call(lambda: self._agent._abort(self._recv, reason))
+        self._call(lambda: self._abort(self._recv, reason))
         rec = self._recv.record
         if rec.wait(timeout_s) is not _S.FAILED and not rec.state.terminal:
             raise TransferTimedOut(f"room {self.room}: the prefill did not confirm the abort within {timeout_s:g} s")
@@ -107,6 +112,12 @@ class KVReceiver:
     def wait(self, timeout_s: float, until=None) -> RequestState:
         """Block until terminal (or ``until(state)`` is true) or ``timeout_s``; returns the state."""
         return self._recv.record.wait(timeout_s, until)
+
+    def add_done_callback(self, fn: Callable[[KVReceiver], None]) -> None:
+        """Call ``fn(receiver)`` once the request is terminal, with no thread waiting for it: on
+        the agent's I/O thread (``fn`` must be quick and must not block), or at once if it has
+        ended (``concurrent.futures`` or asyncio: set a future's result from ``fn``)."""
+        self._recv.record.add_done_callback(lambda _record: fn(self))
 
     @property
     def metrics(self) -> dict:

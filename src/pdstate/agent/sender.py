@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -21,17 +21,14 @@ from pdstate.transfer.engines.base import TransferHandle
 from pdstate.transfer.plan import TransferPlan
 from pdstate.transfer.planner import PairPlanner
 
-__all__ = ["KVSender", "PrefillAgent"]
+__all__ = ["KVSender"]
 
 
 _S = RequestState
 
-if TYPE_CHECKING:
-    from pdstate.agent.prefill import PrefillAgent
-
 
 @dataclass(slots=True)
-class _Decode:
+class DecodePeer:
     identity: bytes
     worker_id: str
     incarnation: str
@@ -41,7 +38,7 @@ class _Decode:
 
 
 @dataclass(slots=True)
-class _Pending:
+class PendingRequest:
     """An ``AgentRequest`` (or its abort) that arrived before the caller made its sender."""
 
     identity: bytes
@@ -49,7 +46,7 @@ class _Pending:
 
 
 @dataclass(slots=True)
-class _Send:
+class Sending:
     record: RequestRecord
     num_pages: int
     aux_index: int | None
@@ -87,7 +84,7 @@ class _EndedRecord:
 
 
 @dataclass(slots=True)
-class _Ended:
+class EndedSender:
     """What the prefill keeps of an ended sender (a tombstone, ~200 bytes): enough to answer a
     late ``AgentRequest`` or ``Abort`` for its room. The caller's ``KVSender`` keeps the sender
     itself (its metrics) for as long as the caller wants it."""
@@ -99,7 +96,7 @@ class _Ended:
     digest: None = None
 
     @classmethod
-    def of(cls, send: _Send, answered: wire.AgentRequest) -> _Ended:
+    def of(cls, send: Sending, answered: wire.AgentRequest) -> EndedSender:
         r = send.record
         return cls(_EndedRecord(r.room, r.error, r.created), send.identity, None if send.request is None else answered)
 
@@ -112,8 +109,17 @@ class KVSender:
     the decode accepted the bytes (digests equal), FAILED otherwise (``failure_exception()``).
     """
 
-    def __init__(self, agent: PrefillAgent, send: _Send) -> None:
-        self._agent, self._send = agent, send
+    def __init__(
+        self,
+        send: Sending,
+        *,
+        call: Callable[..., object],
+        queue_chunk: Callable[[Sending, np.ndarray, list[np.ndarray] | None], None],
+        abort: Callable[[Sending, str], None],
+    ) -> None:
+        """``call(fn, timeout_s)``: run ``fn`` on the agent's I/O thread and return its result;
+        ``queue_chunk`` and ``abort``: the agent's handlers of this request, run there."""
+        self._send, self._call, self._queue_chunk, self._abort = send, call, queue_chunk, abort
         self.room = send.record.room
 
     def poll(self) -> RequestState:
@@ -129,12 +135,12 @@ class KVSender:
         the pages sent to ``num_pages``. Returns at once; the I/O thread moves the bytes."""
         pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
         st = None if state_indices is None else [np.asarray(x, dtype=np.int64).reshape(-1) for x in state_indices]
-        self._agent._loop.call(lambda: self._agent._queue_chunk(self._send, pages, st))
+        self._call(lambda: self._queue_chunk(self._send, pages, st))
 
     def abort(self, reason: str = "aborted by prefill", timeout_s: float = 30.0) -> None:
         """Stop sending; returns once no write of this request can land any more (in-flight
         engine handles finished), the decode told with a failed ``TransferDone``."""
-        self._agent._loop.call(lambda: self._agent._abort(self._send, f"aborted by prefill: {reason}"), timeout_s)
+        self._call(lambda: self._abort(self._send, f"aborted by prefill: {reason}"), timeout_s)
 
     def failure_exception(self) -> PdStateError | None:
         return self._send.record.error
@@ -142,6 +148,11 @@ class KVSender:
     def wait(self, timeout_s: float, until=None) -> RequestState:
         """Block until terminal (or ``until(state)`` is true) or ``timeout_s``; returns the state."""
         return self._send.record.wait(timeout_s, until)
+
+    def add_done_callback(self, fn: Callable[[KVSender], None]) -> None:
+        """Call ``fn(sender)`` once the request is terminal, with no thread waiting for it: on the
+        agent's I/O thread (``fn`` must be quick and must not block), or at once if it has ended."""
+        self._send.record.add_done_callback(lambda _record: fn(self))
 
     @property
     def landed(self) -> bool:
@@ -153,7 +164,7 @@ class KVSender:
         return dict(self._send.record.metrics)
 
 
-def _with_aux(plan: TransferPlan, kv_args, dst_aux: wire.AuxDest, aux_index: int) -> TransferPlan:
+def with_aux(plan: TransferPlan, kv_args, dst_aux: wire.AuxDest, aux_index: int) -> TransferPlan:
     src_items = list(kv_args.aux_item_lens)
     if len(src_items) != len(dst_aux.item_lens) or src_items != list(dst_aux.item_lens):
         raise ItemLengthMismatch(
@@ -170,7 +181,7 @@ def _with_aux(plan: TransferPlan, kv_args, dst_aux: wire.AuxDest, aux_index: int
     )
 
 
-def wake_when_landed(engine, loop, send: _Send, landed) -> bool:
+def wake_when_landed(engine, loop, send: Sending, landed) -> bool:
     """Run ``landed(send)`` on the I/O thread as soon as each of the request's handles finishes, on
     engines that say when (``on_done``: Mooncake's worker), with no polling meanwhile; asked once
     per handle (those submitted since the last call). False when the engine cannot say (the

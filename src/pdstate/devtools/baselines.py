@@ -77,7 +77,7 @@ def memmove_loop(plan: TransferPlan) -> None:
 
 def gather_scatter(src, dst, a, b) -> Callable[[], None]:
     from pdstate.transfer.planner import channels_of
-    from pdstate.worker.synth import _item_matrix
+    from pdstate.worker.synth import item_matrix
 
     ops = []
     for sc, dc, si, di in zip(channels_of(src.kv), channels_of(dst.kv), a.lists, b.lists):
@@ -87,8 +87,8 @@ def gather_scatter(src, dst, a, b) -> Callable[[], None]:
             item = int(sc.items[j])
             ops.append(
                 (
-                    _item_matrix(int(sc.ptrs[j]), int(sc.lens[j]), item),
-                    _item_matrix(int(dc.ptrs[j]), int(dc.lens[j]), item),
+                    item_matrix(int(sc.ptrs[j]), int(sc.lens[j]), item),
+                    item_matrix(int(dc.ptrs[j]), int(dc.lens[j]), item),
                     si,
                     di,
                 )
@@ -117,7 +117,7 @@ def raw_engine(name: str):
         src_eng.register(src.pools.memory.regions())
         src_eng.connect(endpoint)  # the agents' own handshake (metadata, sessions)
         if name == "mooncake":
-            native, session = src_eng._native, str(endpoint["session_id"])
+            native, session = src_eng.native, str(endpoint["session_id"])
 
             def prepare(plan: TransferPlan) -> Callable[[], None]:
                 batches = [
@@ -134,7 +134,7 @@ def raw_engine(name: str):
 
             return prepare
 
-        agent, remote_name = src_eng._agent, str(endpoint["agent_name"])
+        agent, remote_name = src_eng.native, str(endpoint["agent_name"])
 
         def prepare_nixl(plan: TransferPlan) -> Callable[[], None]:
             def rows(addr):

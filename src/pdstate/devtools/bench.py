@@ -35,7 +35,7 @@ Plus planner timings (fully fragmented and fully contiguous 128k-token requests 
 per-run Python loop) and control costs (handshake round trip, an empty transfer, a 1-token
 request).
 
-The ratios, summary, output files and the command are ``devtools.bench_report``.
+The ratios, summary and output files are ``devtools.bench_report``; the command is ``cmd_bench`` here.
 """
 
 from __future__ import annotations
@@ -44,11 +44,12 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
-from pdstate.devtools import bench_scale
+from pdstate.devtools import bench_report, bench_scale
 from pdstate.devtools.baselines import (
     ENGINE_OPTIONS,
     ZmqEcho,
@@ -57,52 +58,19 @@ from pdstate.devtools.baselines import (
     memmove_loop,
     raw_engine,
 )
-from pdstate.devtools.bench_report import ratios
-from pdstate.pools.presets import build_worker_pools, preset
-from pdstate.pools.reporting import build_report
-from pdstate.transfer.plan import TransferPlan
+from pdstate.devtools.bench_measure import Side, measure, plan_for, settings, speeds_line, timeit
+from pdstate.errors import ExitCode
+from pdstate.pools.presets import preset
 from pdstate.transfer.planner import plan_request, plan_request_loop
 from pdstate.worker import requests as rq
 
 LENGTHS = (2048, 8192, 32768, 131072)
-CAPACITY = 131072 + 4 * 256
 CONTROL_BLOCKS = 5  # the empty transfers and the bare round trips, measured in this many turns each
-PARTS = ("transfer_s", "copy_s", "verify_s", "digest_s", "prefill_digest_s")
-
-
-def _settings(mode: str, preset_name: str = "dsv4-flash"):
-    if preset_name != "dsv4-flash":
-        return preset(preset_name).with_(unified_kv=(mode == "unified"))
-    return preset("dsv4-flash").with_(unified_kv=(mode == "unified"), full_tokens=CAPACITY, max_num_reqs=2)
-
-
-class _Side:
-    def __init__(self, mode: str, preset_name: str = "dsv4-flash") -> None:
-        self.pools = build_worker_pools(_settings(mode, preset_name))
-        _, self.kv = build_report(self.pools.target, self.pools.draft)
-        for t in self.pools.target.buffers.values():
-            t.view(-1)[:] = 0  # first touch outside any timing
-
-
-def _plan_for(src: _Side, dst: _Side, n: int) -> tuple[TransferPlan, rq.Allocation, rq.Allocation]:
-    a = rq.allocate(src.pools, rq.channel_names(src.kv), n)
-    b = rq.allocate(dst.pools, rq.channel_names(dst.kv), n)
-    return plan_request(src.kv, dst.kv, a.lists, b.lists), a, b
-
-
-def _timeit(fn: Callable[[], object], runs: int) -> list[float]:
-    fn()
-    out = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def bench_planner(runs: int) -> dict:
-    side = _Side("paged")
-    other = _Side("paged")
+    side = Side("paged")
+    other = Side("paged")
     n_pages = 131072 // 256
     rng = np.random.default_rng(7)
     names = rq.channel_names(side.kv)
@@ -110,9 +78,9 @@ def bench_planner(runs: int) -> dict:
     b = rq.allocate(other.pools, names, 131072)
     frag_s = [rng.permutation(a.lists[0])] + a.lists[1:]
     frag_d = [rng.permutation(b.lists[0])] + b.lists[1:]
-    contig = _timeit(lambda: plan_request(side.kv, other.kv, a.lists, b.lists), runs * 4)
-    frag = _timeit(lambda: plan_request(side.kv, other.kv, frag_s, frag_d), runs * 4)
-    loop = _timeit(lambda: plan_request_loop(side.kv, other.kv, frag_s, frag_d), max(3, runs // 2))
+    contig = timeit(lambda: plan_request(side.kv, other.kv, a.lists, b.lists), runs * 4)
+    frag = timeit(lambda: plan_request(side.kv, other.kv, frag_s, frag_d), runs * 4)
+    loop = timeit(lambda: plan_request_loop(side.kv, other.kv, frag_s, frag_d), max(3, runs // 2))
     plan_f = plan_request(side.kv, other.kv, frag_s, frag_d)
     plan_c = plan_request(side.kv, other.kv, a.lists, b.lists)
     return {
@@ -138,7 +106,7 @@ def _pdstate_pair(engine: str, mode: str, preset_name: str = "dsv4-flash", pids:
     from pdstate.devtools.processes import WorkerProcess
     from pdstate.worker.options import WorkerOptions
 
-    s = _settings(mode, preset_name)
+    s = settings(mode, preset_name)
     eo = ENGINE_OPTIONS.get(engine, {})
     prefill = WorkerProcess(
         WorkerOptions(role="prefill", pool=s, engine=engine, engine_options=eo, worker_id="bench-prefill")
@@ -180,69 +148,11 @@ def _pdstate_pair(engine: str, mode: str, preset_name: str = "dsv4-flash", pids:
     return _Pair(ev["handshake_ms"], run, describe, close)
 
 
-def speeds_line(mode: str, engine: str, n: int, plan: TransferPlan, times: dict[str, list[float]]) -> str:
-    """One progress line: the request's size and each variant's median GB/s."""
-    return (
-        f"[{mode}:{engine}] {n:>6} tokens: {plan.total_bytes / 1e6:8.1f} MB, {len(plan)} descriptors: "
-        + ", ".join(f"{k} {plan.total_bytes / statistics.median(v) / 1e9:.2f}" for k, v in times.items())
-        + " GB/s"
-    )
-
-
-def measure(mode: str, engine: str, n: int, plan: TransferPlan, variants: dict, runs: int, results: dict) -> dict:
-    """Warm every variant up, run them interleaved ``runs`` times, and record each one's row under
-    ``paths`` (plus the phase's ``ceiling``: the better of the two in-process copies) and its parts
-    under ``parts``. A variant that returns a dict reports its own time: ``transfer_s`` less
-    ``compute_s`` (the prefill's synthetic compute, where there is one); the other parts it names
-    (``copy_s``, ``verify_s``, ``digest_s``, ``prefill_digest_s``) are kept. Returns the times."""
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    extra: dict[str, list[float]] = {}
-    for fn in variants.values():
-        fn()  # warm-up
-    for _ in range(runs):
-        for k, fn in variants.items():  # interleaved
-            t0 = time.perf_counter()
-            out = fn()
-            if isinstance(out, dict):
-                # request sent -> TransferDone received and verified, less the prefill's
-                # synthetic compute (the model's prefill, which precedes any transfer)
-                dt = out["transfer_s"] - out.get("compute_s", 0.0)
-                for part in PARTS:
-                    if part in out:
-                        extra.setdefault(f"{k}:{part}", []).append(out[part])
-            else:
-                dt = time.perf_counter() - t0
-            times[k].append(dt)
-    ceiling = min(statistics.median(times["ceiling_memmove"]), statistics.median(times["ceiling_gather_scatter"]))
-    row = results["paths"]
-    for k, ts in times.items():
-        row.setdefault(f"{mode}:{engine}:{k}", {})[str(n)] = {
-            "bytes": plan.total_bytes,
-            "descriptors": len(plan),
-            "seconds": median_range(ts),
-            "gbps": median_range([plan.total_bytes / t / 1e9 for t in ts]),
-        }
-    best = {"ceiling": ceiling}
-    physical = {k: statistics.median(ts) for k, ts in times.items() if k.startswith("physical_")}
-    if physical:  # the physical limit: the best thread count's median (``baselines.physical_copy``)
-        best["physical"] = min(physical.values())
-    for name, t in best.items():
-        row.setdefault(f"{mode}:{engine}:{name}", {})[str(n)] = {
-            "bytes": plan.total_bytes,
-            "descriptors": len(plan),
-            "seconds": {"median": t},
-            "gbps": {"median": plan.total_bytes / t / 1e9},
-        }
-    for k, ts in extra.items():
-        results.setdefault("parts", {}).setdefault(f"{mode}:{engine}:{k}", {})[str(n)] = median_range(ts)
-    return times
-
-
 def _phase(
     mode: str,
     engine: str,
-    src: _Side,
-    dst: _Side,
+    src: Side,
+    dst: Side,
     lengths,
     runs: int,
     results: dict,
@@ -267,7 +177,7 @@ def _phase(
                 raw_close()
                 raise
         for n in lengths:
-            plan, a, b = _plan_for(src, dst, n)
+            plan, a, b = plan_for(src, dst, n)
             variants: dict[str, Callable[[], object]] = {
                 "ceiling_memmove": lambda: memmove_loop(plan),
                 "ceiling_gather_scatter": gather_scatter(src, dst, a, b),
@@ -305,7 +215,7 @@ def run_bench(
     results["planner"] = bench_planner(runs)
     for mode in modes:
         progress(f"[{mode}] building in-process pools ...")
-        src, dst = _Side(mode), _Side(mode)
+        src, dst = Side(mode), Side(mode)
         for e in available:
             if mode == "paged" and e != "shm":  # the native engines' rows: paged only
                 _phase(mode, e, src, dst, lengths, runs, results, progress)
@@ -322,7 +232,7 @@ def run_bench(
         bench_sglang.phase(bench_sglang.RUNS[quick], results, progress)
     progress("control ...")
     results["control"] = bench_control(runs * 4)
-    results["ratios"] = ratios(results)
+    results["ratios"] = bench_report.ratios(results)
     return results
 
 
@@ -378,7 +288,7 @@ def bench_control(runs: int) -> dict:
     out["first_handshake_tiny_ms"] = median_range(first)
     _, run, _, close = _pdstate_pair("shm", "paged", preset_name="tiny")
     try:
-        nodes = AgentNodes(_settings("paged", "tiny"))
+        nodes = AgentNodes(settings("paged", "tiny"))
     except BaseException:
         close()
         raise
@@ -409,3 +319,30 @@ def bench_control(runs: int) -> dict:
     out["request_1_token_overhead_ms"] = median_range(rest)
     out["request_1_token_parts_ms"] = {k: median_range(v) for k, v in parts.items()}
     return out
+
+
+def cmd_bench(args) -> ExitCode:
+    """Run the benchmark, write its files; the last stdout line is the summary as one JSON object."""
+    from pdstate.worker.base import tune_interpreter
+
+    tune_interpreter()
+    say = (lambda *a: None) if args.json else (lambda m: print(m, flush=True))
+    r = run_bench(
+        args.quick,
+        args.engines,
+        args.modes,
+        progress=say,
+        agent=getattr(args, "agent", True),
+        sglang=getattr(args, "sglang", True),
+    )
+    files = bench_report.write_outputs(r, Path(args.out))
+    s = bench_report.summary(r)
+    if not args.json:
+        print()
+        print(bench_report.format_table(r))
+        print()
+        for k, v in s.items():
+            print(f"{k}: {v}")
+        print("wrote " + ", ".join(str(f) for f in files))
+    print(json.dumps(s))
+    return ExitCode.OK

@@ -26,8 +26,9 @@ import secrets
 import time
 from collections.abc import Callable
 
-from pdstate.devtools import bench, bench_scale
+from pdstate.devtools import bench_scale
 from pdstate.devtools.baselines import gather_scatter, memmove_loop, physical_copy
+from pdstate.devtools.bench_measure import measure, plan_for, settings, speeds_line
 from pdstate.worker import requests as rq
 
 ENGINE = "agent"  # the phase's name in ``paths`` (``paged:agent:<variant>``); its engine is shm
@@ -124,19 +125,19 @@ def phase(
     ``full`` decode, ``bench_scale.worker_memory`` over ``memory_requests`` small requests)."""
     mode = "paged"
     progress(f"[{mode}:{ENGINE}] starting agent nodes ...")
-    nodes = AgentNodes(bench._settings(mode, preset_name))
+    nodes = AgentNodes(settings(mode, preset_name))
     results.setdefault("handshake_ms", {})[f"{mode}:{ENGINE}"] = nodes.handshake_ms["full"]
     try:
         for n in lengths:
-            plan, a, b = bench._plan_for(src, dst, n)
+            plan, a, b = plan_for(src, dst, n)
             variants: dict[str, Callable[[], object]] = {
                 "ceiling_memmove": lambda: memmove_loop(plan),
                 "ceiling_gather_scatter": gather_scatter(src, dst, a, b),
                 **{v: (lambda level=level: nodes.run(n, level)) for level, v in VARIANTS.items()},
                 **physical_copy(plan.total_bytes),
             }
-            times = bench.measure(mode, ENGINE, n, plan, variants, runs, results)
-            progress(bench.speeds_line(mode, ENGINE, n, plan, times))
+            times = measure(mode, ENGINE, n, plan, variants, runs, results)
+            progress(speeds_line(mode, ENGINE, n, plan, times))
             rq.free(src.pools, a)
             rq.free(dst.pools, b)
         progress(f"[{mode}:{ENGINE}] the agent pair's memory: peak, then {memory_requests} small requests ...")

@@ -1,12 +1,11 @@
 """What ``pdstate bench`` makes of its measurements (``bench.run_bench``'s result): the ratios, the
 one-line summary, ``bench.json``, ``bench.md`` (the README's performance tables, from this one
-run) and ``bench.png``, the console table; and the command itself.
+run) and ``bench.png``, the console table (``pdstate bench`` itself is ``bench.cmd_bench``).
 
 ``python -m pdstate.devtools.bench_report bench-out/bench.json`` prints the tables of a saved run
 again (``devtools.bench_tables``).
 
-Light to import (``pdstate.cli`` does so before parsing argv): the benchmark, and torch with it,
-load inside ``cmd_bench``.
+Light to import: no benchmark, no torch.
 """
 
 from __future__ import annotations
@@ -249,34 +248,6 @@ def summary_or_none(r: dict) -> dict | None:
         return summary(r)
     except (KeyError, TypeError, ZeroDivisionError):
         return None
-
-
-def cmd_bench(args) -> ExitCode:
-    """Run the benchmark, write its files; the last stdout line is the summary as one JSON object."""
-    from pdstate.devtools import bench
-    from pdstate.worker.base import tune_interpreter
-
-    tune_interpreter()
-    say = (lambda *a: None) if args.json else (lambda m: print(m, flush=True))
-    r = bench.run_bench(
-        args.quick,
-        args.engines,
-        args.modes,
-        progress=say,
-        agent=getattr(args, "agent", True),
-        sglang=getattr(args, "sglang", True),
-    )
-    files = write_outputs(r, Path(args.out))
-    s = summary(r)
-    if not args.json:
-        print()
-        print(format_table(r))
-        print()
-        for k, v in s.items():
-            print(f"{k}: {v}")
-        print("wrote " + ", ".join(str(f) for f in files))
-    print(json.dumps(s))
-    return ExitCode.OK
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -186,7 +186,7 @@ def _run_decode(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> ExitCo
             elif cmd.get("cmd") == "describe":  # this decode's register message: layout, KVArgs, endpoint
                 from pdstate.protocol import wire
 
-                register = w.agent._handshake.register_message()  # a test-only view: no public one
+                register = w.agent.register_message()
                 emit({"event": "describe", "register": wire.encode(register, w.opts.token).hex()})
             elif cmd.get("cmd") == "stats":
                 emit({"event": "stats", **_decode_snapshot(w), "stats": w.stats.as_dict(), "free": w.free_counts()})

@@ -54,11 +54,11 @@ from pdstate.protocol.compat import compat_errors
 from pdstate.protocol.report import ErrorInfo
 from pdstate.protocol.wire import PROTOCOL_VERSION
 from pdstate.service.limits import BodyLimit
-from pdstate.service.metrics import _Collector
+from pdstate.service.metrics import Collector
 from pdstate.service.models import (  # noqa: F401  (Readiness and the limits: part of this module's surface)
-    _WORD_RE,
     MAX_BODY_BYTES,
     MAX_COMPAT_BODY_BYTES,
+    WORD_RE,
     Accepted,
     CompatCheckIn,
     CompatDocument,
@@ -140,7 +140,7 @@ def _safe_loc(part: Any) -> int | str:
     if isinstance(part, int):
         return part
     text = str(part)
-    return text if len(text) <= 64 and _WORD_RE.fullmatch(text) else "<key>"
+    return text if len(text) <= 64 and WORD_RE.fullmatch(text) else "<key>"
 
 
 def _auth(token: bytes | None):
@@ -170,7 +170,7 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
     app.add_middleware(BodyLimit)
     auth = _auth(token)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(source))
+    registry.register(Collector(source))
     app.state.source = source
     app.state.registry = registry
 

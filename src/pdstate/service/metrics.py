@@ -13,7 +13,7 @@ from pdstate.service.models import StatusSource
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-class _Collector:
+class Collector:
     """Reads the worker's counters at scrape time. The latency histogram is folded in
     incrementally: each scrape only bins what was appended since the last one. The worker keeps
     a bounded window (``worker.stats.RecentLatencies``: ``since(seen)`` and ``total``); a plain

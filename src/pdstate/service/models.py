@@ -124,7 +124,7 @@ BODY_LIMITS = {"/v1/compat/check": MAX_COMPAT_BODY_BYTES}
 
 _WORD = r"^[A-Za-z0-9_.+-]{0,64}$"  # dtype, layout and component names, engine, versions
 _HEX = r"^[0-9a-f]{32}$"  # a layout fingerprint: blake2b-128
-_WORD_RE = re.compile(_WORD)
+WORD_RE = re.compile(_WORD)
 MAX_INT = 1 << 63
 MAX_PEERS = 8192
 MAX_MESSAGE = 4096
@@ -145,7 +145,7 @@ def _check_value(value: Any, depth: int = 0, budget: list[int] | None = None) ->
         return
     if isinstance(value, dict):
         for k, v in value.items():
-            if not isinstance(k, str) or not _WORD_RE.fullmatch(k):
+            if not isinstance(k, str) or not WORD_RE.fullmatch(k):
                 raise DocumentValueError("an object key is not a short word")
             _check_value(v, depth + 1, budget)
         return
@@ -159,7 +159,7 @@ def _check_value(value: Any, depth: int = 0, budget: list[int] | None = None) ->
             raise DocumentValueError("an integer outside 64 bits")
         return
     if isinstance(value, str):
-        if not _WORD_RE.fullmatch(value):
+        if not WORD_RE.fullmatch(value):
             raise DocumentValueError("a string that is not a short word")
         return
     raise DocumentValueError(f"a {type(value).__name__} where layouts hold none")
@@ -209,7 +209,7 @@ class CompatCheckIn(CompatDocument):
             where = "layout"
             _check_value(self.layout)
             where = "report.kv_dtype"
-            if not _WORD_RE.fullmatch(r.kv_dtype):
+            if not WORD_RE.fullmatch(r.kv_dtype):
                 raise DocumentValueError("not a short word")
             where = "report.fingerprint"
             if not re.fullmatch(_HEX, r.fingerprint):
@@ -232,7 +232,7 @@ class CompatCheckIn(CompatDocument):
                     _check_value([mi.nonce, mi.data_ptr, mi.numel, mi.dtype])
             where = "report.local_check"
             err = r.local_check.error
-            if err is not None and (not _WORD_RE.fullmatch(err.type) or len(err.message) > MAX_MESSAGE):
+            if err is not None and (not WORD_RE.fullmatch(err.type) or len(err.message) > MAX_MESSAGE):
                 raise DocumentValueError("error type must be a short word, message at most 4096 characters")
         except DocumentValueError as exc:
             raise ValueError(f"{where}: {exc}") from None

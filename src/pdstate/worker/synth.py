@@ -57,7 +57,7 @@ def words_view(ptr: int, nbytes: int) -> np.ndarray:
     return np.ctypeslib.as_array(buf)
 
 
-def _item_matrix(ptr: int, data_len: int, item_len: int) -> np.ndarray:
+def item_matrix(ptr: int, data_len: int, item_len: int) -> np.ndarray:
     n_items = data_len // item_len
     return words_view(ptr, n_items * item_len).reshape(n_items, item_len // 8)
 
@@ -69,7 +69,7 @@ def _items(ptr: int, data_len: int, item_len: int) -> np.ndarray:
     Cached: registered buffers live as long as their worker, and building a view through ctypes
     costs ~100 us, which would dominate a small request's 150 buffers.
     """
-    return _item_matrix(ptr, data_len, item_len)
+    return item_matrix(ptr, data_len, item_len)
 
 
 @functools.lru_cache(maxsize=64)

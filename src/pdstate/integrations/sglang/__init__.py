@@ -38,9 +38,8 @@ from __future__ import annotations
 import threading
 from importlib import metadata
 
-BACKEND = "pdstate"  # the value of the TransferBackend member and of the command-line choice
-MEMBER = "PDSTATE"  # the TransferBackend member's name
-SUPPORTED_RELEASES = ("0.5.19", "0.5.23")  # the SGLang releases the adapter is tested against
+from pdstate.integrations.sglang import registry
+from pdstate.integrations.sglang.registry import BACKEND, MEMBER, SUPPORTED_RELEASES
 
 _lock = threading.Lock()
 _installed = False
@@ -52,8 +51,6 @@ def install() -> None:
     with _lock:
         if _installed:
             return
-        from pdstate.integrations.sglang import registry
-
         registry.register()
         _installed = True
 

@@ -177,8 +177,7 @@ def build_manager() -> type:
         def agent_failure(self):
             """Why this rank's agent can no longer serve a request (its one I/O thread has ended
             while the agent is open), else ``None``: every live request then fails with it."""
-            loop = self.agent._loop  # the agent's I/O thread (pdstate.agent.common.AgentLoop)
-            if loop.closed or loop._thread.is_alive():
+            if self.agent.closed or self.agent.alive:
                 return None
             return AgentClosed(
                 f"the pdstate {self.role} agent's I/O thread has ended unexpectedly (see the log); "

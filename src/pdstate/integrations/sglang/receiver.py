@@ -62,18 +62,18 @@ def build_receiver() -> type:
     class PdStateKVReceiver(CommonKVReceiver):
         def __init__(self, mgr, bootstrap_addr, bootstrap_room=None):
             self._recvs: list[tuple[bool, object]] = []  # (is_dummy, agent receiver)
-            self._error: BaseException | None = None
+            self.pdstate_error: BaseException | None = None
             super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
-        def _fail(self, error: BaseException, reason: str | None = None) -> int:
-            if self._error is None:
-                self._error = error
+        def pdstate_fail(self, error: BaseException, reason: str | None = None) -> int:
+            if self.pdstate_error is None:
+                self.pdstate_error = error
             return conclude_failed(self, reason or f"{type(error).__name__}: {error}")
 
         def init(self, prefill_dp_rank: int):
             reason = self.kv_mgr.topology_errors.get(self.bootstrap_addr)
             if reason is not None:
-                self._fail(TransferFailed(reason))
+                self.pdstate_fail(TransferFailed(reason))
                 return
             super().init(prefill_dp_rank)  # SGLang's rank mapping and /route lookups (not its registration)
             if self.conclude_state == KVPoll.Failed or not self.bootstrap_infos:
@@ -85,7 +85,7 @@ def build_receiver() -> type:
                         (bool(info.get("is_dummy")), self.kv_mgr.agent.receiver(address, self.bootstrap_room))
                     )
             except (PdStateError, ValueError) as exc:
-                self._fail(exc)
+                self.pdstate_fail(exc)
 
         def _register_kv_args(self) -> bool:
             """No registration through SGLang's ZMQ socket (0.5.23's ``init`` sends one to each
@@ -136,7 +136,7 @@ def build_receiver() -> type:
             if self.conclude_state is not None:
                 return
             if destination is not None and getattr(destination, "value", destination) != "device":
-                self._fail(
+                self.pdstate_fail(
                     TransferFailed(
                         f"destination={getattr(destination, 'value', destination)}: pdstate's SGLang backend "
                         "receives into device memory only"
@@ -149,7 +149,7 @@ def build_receiver() -> type:
             n = len(self.kv_mgr.kv_args.state_types)
             states = list(state_indices) if state_indices is not None else [None] * n
             if len(states) != n:
-                self._fail(ValueError(f"state_indices: {len(states)} lists for {n} state components"))
+                self.pdstate_fail(ValueError(f"state_indices: {len(states)} lists for {n} state components"))
                 return
             lists = [
                 np.empty(0, dtype=np.int64) if s is None else np.asarray(s, dtype=np.int64).reshape(-1) for s in states
@@ -162,7 +162,7 @@ def build_receiver() -> type:
                     else:
                         recv.init(kv_indices, lists, aux_index)
             except (PdStateError, ValueError) as exc:
-                self._fail(exc)
+                self.pdstate_fail(exc)
                 return
             self.init_time = time.time()  # SGLang's waiting-timeout clock starts once the destination is named
 
@@ -180,7 +180,9 @@ def build_receiver() -> type:
             if poll == KVPoll.Failed:
                 for (_, recv), state in zip(self._recvs, states):
                     if kv_poll(state) == KVPoll.Failed:
-                        return self._fail(recv.failure_exception() or TransferFailed("the pdstate receiver failed"))
+                        return self.pdstate_fail(
+                            recv.failure_exception() or TransferFailed("the pdstate receiver failed")
+                        )
             if poll != KVPoll.Success and self.init_time is not None:
                 # SGLang's waiting timeout (SGLANG_DISAGGREGATION_WAITING_TIMEOUT), its own check and
                 # text ("Request N timed out after 3.0s in KVPoll.WaitingForInput"); the prefill is

@@ -13,11 +13,13 @@ from enum import Enum
 from typing import Any
 
 from pdstate.errors import SGLangUnavailable
-from pdstate.integrations.sglang import BACKEND, MEMBER, SUPPORTED_RELEASES
 
 UTILS = "sglang.srt.disaggregation.utils"
 SERVER_ARGS = "sglang.srt.server_args"
 CHOICES = "DISAGG_TRANSFER_BACKEND_CHOICES"
+BACKEND = "pdstate"  # the value of the TransferBackend member and of the command-line choice
+MEMBER = "PDSTATE"  # the TransferBackend member's name
+SUPPORTED_RELEASES = ("0.5.19", "0.5.23")  # the SGLang releases the adapter is tested against
 TESTED = "tested with sglang " + " and ".join(SUPPORTED_RELEASES)
 # The modules of SGLang (0.5.19 and 0.5.23 alike) that import get_kv_class by name (``from ...utils import get_kv_class``):
 # patched when already loaded; loaded later, they bind the wrapper from ``utils``.

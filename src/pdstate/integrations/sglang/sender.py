@@ -84,7 +84,7 @@ def build_sender() -> type:
             self._dummy_done = False
             self._skip_pages = 0  # the decode holds this request's first pages (its prefix): not sent
             self._state_lens: list[int] | None = None  # what the decode names per state component
-            self._error: BaseException | None = None
+            self.pdstate_error: BaseException | None = None
             CommonKVSender.__init__(self, *base_args, **base_kwargs)
             self.init_time = time.time()
 
@@ -111,9 +111,9 @@ def build_sender() -> type:
         def agent(self):
             return self.kv_mgr.agent
 
-        def _fail(self, error: BaseException, reason: str | None = None) -> int:
-            if self._error is None:
-                self._error = error
+        def pdstate_fail(self, error: BaseException, reason: str | None = None) -> int:
+            if self.pdstate_error is None:
+                self.pdstate_error = error
             return conclude_failed(self, reason or f"{type(error).__name__}: {error}")
 
         def init(self, num_kv_indices: int, aux_index=None):
@@ -142,7 +142,7 @@ def build_sender() -> type:
                 for chunk in self._queued:
                     self._send_chunk(*chunk)
             except (PdStateError, ValueError) as exc:
-                self._fail(exc)
+                self.pdstate_fail(exc)
             self._queued.clear()
 
         def send(self, kv_indices, state_indices=None, num_kv_tokens=None):
@@ -158,7 +158,7 @@ def build_sender() -> type:
             try:
                 self._send_chunk(pages, state_indices, last)
             except (PdStateError, ValueError) as exc:
-                self._fail(exc)
+                self.pdstate_fail(exc)
 
         def _send_chunk(self, pages, state_indices, last: bool) -> None:
             if self._dummy:
@@ -186,7 +186,7 @@ def build_sender() -> type:
             if self._agent_send is None:
                 refusal = self.agent.refusal(self.bootstrap_room)
                 if refusal is not None:
-                    return self._fail(refusal)
+                    return self.pdstate_fail(refusal)
                 if self.agent.requested(self.bootstrap_room):
                     if not self._inited:
                         return KVPoll.WaitingForInput
@@ -202,7 +202,7 @@ def build_sender() -> type:
             poll = kv_poll(self._agent_send.poll())
             if poll == KVPoll.Failed:
                 err = self._agent_send.failure_exception() or TransferFailed("the pdstate sender failed")
-                return self._fail(err)
+                return self.pdstate_fail(err)
             return conclude(self, poll)
 
         def failure_exception(self):

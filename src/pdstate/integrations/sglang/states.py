@@ -47,11 +47,11 @@ def conclude(side, poll: int) -> int:
 
 def concluded(side) -> int | None:
     """What ``side.poll()`` returns before it looks at its requests: its conclusion, or Failed
-    (through ``side._fail``) when its rank's agent died; ``None`` when neither."""
+    (through ``side.pdstate_fail``) when its rank's agent died; ``None`` when neither."""
     if side.conclude_state is not None:
         return side.conclude_state
     dead = side.kv_mgr.agent_failure()
-    return None if dead is None else side._fail(dead)
+    return None if dead is None else side.pdstate_fail(dead)
 
 
 def conclude_failed(side, reason: str) -> int:
@@ -85,4 +85,4 @@ def failure_exception(side) -> None:
     if reason is not None:
         side._failure_reason = reason
     side.clear()
-    raise_failure(side.bootstrap_room, side._error, getattr(side, "_failure_reason", None))
+    raise_failure(side.bootstrap_room, side.pdstate_error, getattr(side, "_failure_reason", None))

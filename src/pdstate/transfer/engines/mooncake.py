@@ -131,7 +131,7 @@ class MooncakeEngine(TransferEngine):
         self.probe_on_connect = probe_on_connect
         self.connect_timeout_s = connect_timeout_s
         self.close_timeout_s = close_timeout_s
-        self._native: Any = None
+        self.native: Any = None  # Mooncake's own TransferEngine, once started (the bench's raw rows)
         self._worker: _Worker | None = None
         self._registered_ptrs: list[int] = []
         self.session_id = ""
@@ -152,7 +152,7 @@ class MooncakeEngine(TransferEngine):
             native.initialize(self.host, "P2PHANDSHAKE", self.protocol, self.device_name),
             f"initialize(host={self.host!r}, protocol={self.protocol!r}, device={self.device_name!r})",
         )
-        self._native = native
+        self.native = native
         self.session_id = f"{self.host}:{native.get_rpc_port()}"
         self._worker = _Worker(f"pdstate-mooncake-{self.session_id}")
         self._worker.start()
@@ -160,7 +160,7 @@ class MooncakeEngine(TransferEngine):
     def _register(self, regions: list[Region]) -> None:
         for r in regions:
             self._check(
-                self._native.register_memory(r.base_ptr, r.nbytes),
+                self.native.register_memory(r.base_ptr, r.nbytes),
                 f"register_memory(region {r.name!r} at 0x{r.base_ptr:x}, {r.nbytes} bytes)",
             )
             self._registered_ptrs.append(r.base_ptr)
@@ -174,7 +174,7 @@ class MooncakeEngine(TransferEngine):
         if not self.probe_on_connect:
             return
         assert self._worker is not None
-        future = self._worker.call(self._native.send_probe, session_id)
+        future = self._worker.call(self.native.send_probe, session_id)
         try:
             rc = future.result(timeout=self.connect_timeout_s)
         except FutureTimeout as exc:
@@ -190,7 +190,7 @@ class MooncakeEngine(TransferEngine):
     def _write(self, session_id: str, plan: TransferPlan) -> None:
         """Runs on the worker: one sync batch per chunk, stopping at the first failure."""
         num_chunks = -(-len(plan) // self.max_batch_descriptors)
-        write = self._native.batch_transfer_sync_write
+        write = self.native.batch_transfer_sync_write
         for k, chunk in enumerate(plan.chunks(self.max_batch_descriptors)):
             rc = write(session_id, chunk.src.tolist(), chunk.dst.tolist(), chunk.length.tolist())
             if rc < 0:
@@ -238,7 +238,7 @@ class MooncakeEngine(TransferEngine):
 
     def _close(self) -> None:
         stopped = self._worker.stop(self.close_timeout_s) if self._worker is not None else True
-        native, self._native, self._worker = self._native, None, None
+        native, self.native, self._worker = self.native, None, None
         if native is None:
             return
         if not stopped:

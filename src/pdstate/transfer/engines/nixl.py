@@ -117,7 +117,7 @@ class NixlEngine(TransferEngine):
         self.backends = tuple(backends)
         self.ucx_env = dict(ucx_env or {})
         self.num_threads = num_threads
-        self._agent: Any = None
+        self.native: Any = None  # NIXL's own nixl_agent, once started (the bench's raw rows)
         self._reg_dlists: list[Any] = []
         self._inflight: dict[TransferHandle, Any] = {}  # handle -> native xfer handle (until settled)
         self._mem: tuple[str, int] = (MEM_TYPE, 0)  # where this engine's regions live
@@ -138,25 +138,25 @@ class NixlEngine(TransferEngine):
         missing = [b for b in self.backends if b not in agent.backends]
         if missing:
             raise NativeEngineError(f"nixl agent {self.agent_name}: backend(s) {missing} could not be created")
-        self._agent = agent
+        self.native = agent
 
     def _register(self, regions: list[Region]) -> None:
         addrs = np.array([r.base_ptr for r in regions], dtype=np.uint64)
         lengths = np.array([r.nbytes for r in regions], dtype=np.uint64)
         self._mem = mem, device = _placement(regions)
         with _native_call(f"register_memory ({', '.join(r.name for r in regions)})"):
-            self._reg_dlists.append(self._agent.register_memory(_rows(addrs, lengths, device), mem))
+            self._reg_dlists.append(self.native.register_memory(_rows(addrs, lengths, device), mem))
 
     def _endpoint_fields(self) -> dict:
         with _native_call("get_agent_metadata"):
-            metadata = bytes(self._agent.get_agent_metadata())
+            metadata = bytes(self.native.get_agent_metadata())
         where = {} if self._mem[0] == MEM_TYPE else {"mem_type": self._mem[0], "device": self._mem[1]}
         return {"agent_name": self.agent_name, "metadata": metadata, **where}
 
     def _connect(self, peer: Peer) -> None:
         expected = str(peer.endpoint["agent_name"])
         with _native_call(f"add_remote_agent ({expected})"):
-            name = self._agent.add_remote_agent(bytes(peer.endpoint["metadata"]))
+            name = self.native.add_remote_agent(bytes(peer.endpoint["metadata"]))
         name = name.decode() if isinstance(name, bytes) else str(name)
         if name != expected:
             raise InvalidEndpoint(f"nixl endpoint names agent {expected!r} but its metadata is {name!r}")
@@ -166,7 +166,7 @@ class NixlEngine(TransferEngine):
     def _disconnect(self, peer: Peer) -> None:
         if peer.native is not None:
             with _native_call(f"remove_remote_agent ({peer.native})"):
-                self._agent.remove_remote_agent(peer.native)
+                self.native.remove_remote_agent(peer.native)
             self._peer_mem.pop(peer.native, None)
             peer.native = None
 
@@ -174,12 +174,12 @@ class NixlEngine(TransferEngine):
         what = f"WRITE of {len(plan)} descriptors to {peer.native}"
         with _native_call(what):
             (lmem, ldev), (rmem, rdev) = self._mem, self._peer_mem.get(peer.native, (MEM_TYPE, 0))
-            local = self._agent.get_xfer_descs(_rows(plan.src, plan.length, ldev), lmem)
-            remote = self._agent.get_xfer_descs(_rows(plan.dst, plan.length, rdev), rmem)
-            xfer = self._agent.initialize_xfer("WRITE", local, remote, peer.native, notify)
+            local = self.native.get_xfer_descs(_rows(plan.src, plan.length, ldev), lmem)
+            remote = self.native.get_xfer_descs(_rows(plan.dst, plan.length, rdev), rmem)
+            xfer = self.native.initialize_xfer("WRITE", local, remote, peer.native, notify)
         try:
             with _native_call(what):
-                state = self._agent.transfer(xfer)
+                state = self.native.transfer(xfer)
         except EngineError:
             self._release(xfer)
             raise
@@ -189,7 +189,7 @@ class NixlEngine(TransferEngine):
 
     def _poll(self, handle: TransferHandle) -> None:
         with _native_call(f"check_xfer_state ({handle.peer_id})"):
-            state = self._agent.check_xfer_state(handle.native)
+            state = self.native.check_xfer_state(handle.native)
         self._settle(handle, state)
 
     def _settle(self, handle: TransferHandle, state: str) -> None:
@@ -210,21 +210,21 @@ class NixlEngine(TransferEngine):
 
     def _release(self, xfer: Any) -> None:
         try:
-            self._agent.release_xfer_handle(xfer)
+            self.native.release_xfer_handle(xfer)
         except Exception:  # releasing is best effort; the transfer's own state was reported
             pass
 
     def _notify(self, peer: Peer, message: bytes) -> None:
         with _native_call(f"send_notif to {peer.native}"):
-            self._agent.send_notif(peer.native, message)
+            self.native.send_notif(peer.native, message)
 
     def _notifications(self) -> list[tuple[str, bytes]]:
         with _native_call("get_new_notifs"):
-            notifs = self._agent.get_new_notifs()
+            notifs = self.native.get_new_notifs()
         return [(str(sender), bytes(m)) for sender, msgs in notifs.items() for m in msgs]
 
     def _close(self) -> None:
-        agent = self._agent
+        agent = self.native
         if agent is None:
             return
         for xfer in self._inflight.values():
@@ -241,4 +241,4 @@ class NixlEngine(TransferEngine):
             except Exception:
                 pass
         self._reg_dlists.clear()
-        self._agent = None
+        self.native = None
