@@ -102,9 +102,11 @@ class RequestDigest:
 
     def _rows(self, channel: int, indices) -> list:
         """``(hasher, addresses, sizes)`` per buffer of ``channel`` for the items ``indices``."""
-        return self._rows_of(channel, indices)
+        return self.rows_of(channel, indices)
 
-    def _rows_of(self, channel: int, indices) -> list:
+    def rows_of(self, channel: int, indices) -> list:
+        """The rows of ``channel``'s items ``indices``, by runs (what ``_rows`` returns here;
+        a subclass that hashes some channels otherwise calls it for the rest)."""
         starts, lengths = index_runs(indices)
         if starts.size == 0:
             return []

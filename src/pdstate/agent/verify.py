@@ -204,7 +204,7 @@ class PositionDigest(RequestDigest):
             return []
         ptrs, items = self._layout[channel]
         if self.form == "host" and not sampled:
-            return super()._rows_of(channel, idx)  # counts its bytes
+            return super().rows_of(channel, idx)  # counts its bytes
         self.bytes += int(idx.size * int(items.sum()))
         if self.form != "host":
             return [(channel, b, idx, pos) for b in range(len(ptrs))]
