@@ -12,6 +12,7 @@ from pdstate.agent.admission import Incidents
 from pdstate.agent.common import AgentLifetime, AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.decode_frames import RETRY_MAX_S, DecodeFrames
 from pdstate.agent.receiver import KVReceiver, PrefillPeer, Receiving
+from pdstate.agent.verify import DEFAULT_LEVEL, check_level, layout_devices, on_device
 from pdstate.errors import (
     AgentClosed,
     EngineError,
@@ -49,6 +50,10 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
     heartbeat answers) or stops answering for ``peer_timeout_s`` fails its requests with
     ``PeerGone`` and is shaken hands with again on next use.
 
+    ``verify`` (``sampled`` by default, ``full``, ``off``; ``digest=False`` means ``off``) is the
+    verification level every request asks (``pdstate.agent.verify``); each receiver's metrics
+    name the level that ran (``verify``).
+
     Threading contract:
 
     * One I/O thread per agent owns the sockets and every request's state; it starts in the
@@ -71,6 +76,7 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
         worker_id: str | None = None,
         report=None,
         digest: bool = True,
+        verify: str = DEFAULT_LEVEL,
         heartbeat_interval_s: float = 0.5,
         peer_timeout_s: float = 3.0,
         handshake_timeout_s: float = 10.0,
@@ -83,7 +89,9 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
             from pdstate.pools.reporting import build_report
 
             report, _ = build_report(*pools)
-        self.kv_args, self.token, self.digest = kv_args, token, digest
+        self.kv_args, self.token = kv_args, token
+        self.verify = check_level(verify) if digest else "off"  # ``digest=False``: off, as before the levels
+        self.digest = self.verify != "off"
         self.worker_id = worker_id or f"decode-{secrets.token_hex(4)}"
         self.incarnation = secrets.token_hex(8)
         self.heartbeat_interval_s, self.peer_timeout_s = heartbeat_interval_s, peer_timeout_s
@@ -115,6 +123,7 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
             else None
         )
         self._layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
+        self._devices = layout_devices(self._layout)  # host (None) or device, per buffer
         self._prefills: dict[str, PrefillPeer] = {}
         self.handshakes = {"accepted": 0, "rejected": 0}  # answers received, written by the I/O thread only
         self.auth_failures = Incidents()  # prefills' answers refused for their auth tag
@@ -316,6 +325,8 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
             dst_state_indices=[wire.PackedIndices.pack(s) for s in state],
             dst_aux=aux,
             digest=self.digest,
+            verify="sampled" if self.verify == "sampled" else None,
+            digest_form="device" if self.digest and on_device(self._devices) else None,
             deadline_s=min(3600.0, self.transfer_timeout_s),
             seq_len=seq_len,
         )

@@ -12,6 +12,7 @@ import zmq
 from pdstate import logs
 from pdstate.agent.digest import RequestDigest
 from pdstate.agent.receiver import PrefillPeer, Receiving
+from pdstate.agent.verify import level_of, request_digest
 from pdstate.errors import AuthError, DigestMismatch, PdStateError, PeerGone, TransferAborted, error_from_wire
 from pdstate.protocol import wire
 from pdstate.protocol.lifecycle import PeerState, RequestState, move
@@ -30,7 +31,7 @@ PASSING_REFUSALS = frozenset({"WorkerIdInUse", "InvalidEndpoint", "PrefillBusy",
 
 class DecodeFrames:
     """Mixed into ``DecodeAgent`` (its ``_prefills``, ``_recvs``, ``_handshake``, ``_engine``,
-    ``_layout``, ``digest``, ``token``, ``auth_failures`` and the helpers ``_send``, ``_register``, ``_fail_prefill``,
+    ``_layout``, ``_devices``, ``digest``, ``token``, ``auth_failures`` and the helpers ``_send``, ``_register``, ``_fail_prefill``,
     ``_restarted``, ``_live`` and ``_maybe_send``); every method runs on its I/O thread."""
 
     def _on_frame(self, address: str, sock: zmq.Socket) -> None:
@@ -132,9 +133,14 @@ class DecodeFrames:
             rec.fail(error_from_wire(err.type, err.message))
             return
         verdict_error: PdStateError | None = None
+        rec.metrics["verify"] = level_of(recv.request.digest, recv.request.verify)
         if self.digest:
             t0 = time.perf_counter()
-            d = self._hash_landed(recv, len(recv.request.dst_kv_pages), True, wait=True)
+            form = msg.digest_form or "host"  # the prefill's; hashed again in it if the early hashing was not
+            if recv.digest is not None and getattr(recv.digest, "form", "host") != form:
+                recv.digest.cancel()
+                recv.digest, recv.hashed = None, (0, False)
+            d = self._hash_landed(recv, len(recv.request.dst_kv_pages), True, wait=True, form=form)
             mine = d.digest()
             rec.metrics["digest_s"] = round(time.perf_counter() - t0, 6)  # after TransferDone: the part not hidden
             rec.metrics["digest_hashing_s"] = round(d.seconds, 6)  # all of it, early parts included
@@ -161,14 +167,17 @@ class DecodeFrames:
             recv.record.metrics["landed"] = recv.record.metrics.get("landed", 0) + 1
             self._hash_landed(recv, msg.pages, msg.state_landed, wait=False)
 
-    def _hash_landed(self, recv: Receiving, pages: int, state: bool, wait: bool) -> RequestDigest:
+    def _hash_landed(
+        self, recv: Receiving, pages: int, state: bool, wait: bool, form: str | None = None
+    ) -> RequestDigest:
         """Hash this request's destination bytes up to ``pages`` main-KV pages (and, with ``state``,
         its state and aux) beyond what is hashed already: in the background (``wait=False``), or
         here, spread over the host's cores, after the background work (``wait=True``)."""
         req = recv.request
         n = 1 + len(req.dst_state_indices)
         if recv.digest is None:
-            recv.digest = RequestDigest(self._layout if req.dst_aux is not None else self._layout[:n])
+            level = level_of(req.digest, req.verify)
+            recv.digest = request_digest(self._layout, self._devices, req, n, level, form)
         done_pages, done_state = recv.hashed
         pages = min(pages, len(req.dst_kv_pages))
         updates = []

@@ -13,11 +13,11 @@ import zmq
 from pdstate import logs
 from pdstate.agent.admission import Incidents, bind_router, gatekeep, refuse_frame, refuse_parts
 from pdstate.agent.common import AgentLifetime, AgentLoop, RequestRecord, channel_layout, regions_of
-from pdstate.agent.digest import RequestDigest
 from pdstate.agent.fairness import VERDICT_TIMEOUT_S, check_verdicts, verdict_heard
 from pdstate.agent.prefill_copy import CopyPipeline
 from pdstate.agent.refusals import Refusals
 from pdstate.agent.sender import DecodePeer, EndedSender, KVSender, PendingRequest, Sending
+from pdstate.agent.verify import check_level, layout_devices, level_of, request_digest, weaker
 from pdstate.errors import (
     AgentClosed,
     IndexCountMismatch,
@@ -26,6 +26,7 @@ from pdstate.errors import (
     ProtocolError,
     TransferAborted,
     TransferFailed,
+    VerifyLevelRefused,
     error_from_wire,
 )
 from pdstate.protocol import wire
@@ -78,6 +79,10 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
     the request: the decode's receiver fails with that error. ``seq_len`` is the decode's
     ``KVReceiver.init(seq_len=...)``, ``None`` when it gave none.
 
+    Verification (``pdstate.agent.verify``): the decode's request names its level (``sampled``,
+    ``full`` or ``off``); ``verify`` (``None``: any) is the least this prefill takes, a request
+    asking less fails on both sides (``VerifyLevelRefused``).
+
     Digests: for a decode that asked for them, each chunk that lands before the last is told to
     the decode (``wire.Landed``), which hashes it while the rest copies. ``landed_piece_bytes``
     (0: off) cuts a chunk of over twice that into pieces of about that size, state and aux first,
@@ -111,6 +116,7 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
         landed_piece_bytes: int = 0,
         verdict_timeout_s: float = VERDICT_TIMEOUT_S,
         advertise: tuple[str, ...] = (),
+        verify: str | None = None,
     ) -> None:
         if report is None:
             if pools is None:
@@ -135,6 +141,7 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
             self._engine.close()
             raise
         self.landed_piece_bytes = landed_piece_bytes
+        self.verify = check_level(verify) if verify is not None else None  # the least a decode may ask
         kv = wire.KVDesc.of(kv_args)
         self._handshake = PrefillHandshake(
             LocalSide(
@@ -148,6 +155,7 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
             )
         )
         self._layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
+        self._devices = layout_devices(self._layout)  # host (None) or device, per buffer
         self._decodes: dict[bytes, DecodePeer] = {}
         self._sends: dict[int, Sending | EndedSender] = {}  # live senders, and ended ones as tombstones
         self._pending: dict[int, PendingRequest] = {}
@@ -378,8 +386,14 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
             )
             self._fail(send, err, tell_decode=True)
             return
-        if msg.digest:
-            send.digest = RequestDigest(self._layout if msg.dst_aux is not None else self._layout[: self._n_channels()])
+        level = send.record.metrics["verify"] = level_of(msg.digest, msg.verify)
+        if self.verify is not None and weaker(level, self.verify):
+            err = VerifyLevelRefused(
+                f"room {msg.room}: the decode asks verification {level!r}, below this prefill's transfer.verify {self.verify!r}"
+            )
+            self._fail(send, err, tell_decode=True)
+            return
+        send.digest = request_digest(self._layout, self._devices, msg, self._n_channels(), level)
         send.record.move(RequestState.WAITING_FOR_INPUT)
         self._pump(send)
 

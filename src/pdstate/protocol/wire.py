@@ -176,6 +176,11 @@ class TransferDone(Message):
     error: ErrorInfo | None = None
     compute_s: float = Field(0.0, ge=0)
     copy_s: float = Field(0.0, ge=0)
+    # the form of ``digest`` when it is not the host form (``pdstate.agent.verify``); left out of
+    # the frame when ``None`` (``OMIT_WHEN_NONE``)
+    digest_form: Literal["device"] | None = None
+
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"digest_form"})
 
 
 class AuxDest(BaseModel):
@@ -200,8 +205,13 @@ class AgentRequest(Message):
     # the request's token count, for a prefill that computes on demand (``pdstate serve``'s
     # synthetic prefill); left out of the frame when ``None`` (``OMIT_WHEN_NONE``)
     seq_len: Annotated[int, Field(ge=0, le=1 << 24)] | None = None
+    # the verification level (``transfer.verify``) when it is not ``full`` (``None`` with ``digest``:
+    # every byte), and ``"device"`` when the decode digests its memory on its device; both left out
+    # of the frame when ``None``
+    verify: Literal["sampled"] | None = None
+    digest_form: Literal["device"] | None = None
 
-    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"seq_len"})
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"seq_len", "verify", "digest_form"})
 
 
 class AgentVerdict(Message):

@@ -145,6 +145,8 @@ class TransferSection(_Section):
     engine: Literal["shm", "mooncake", "nixl", "loopback"] = "shm"
     mooncake: MooncakeSection = MooncakeSection()
     nixl: NixlSection = NixlSection()
+    # what each request's digests cover (``pdstate.agent.verify``): a sample, every byte, nothing
+    verify: Literal["sampled", "full", "off"] = "sampled"
 
 
 class AuthSection(_Section):
@@ -211,6 +213,7 @@ class WorkerConfig(_Section):
             prefills=tuple(self.control.prefills),
             local_checks=self.checks.local,
             verify=self.checks.verify,
+            transfer_verify=self.transfer.verify,
         )
 
 

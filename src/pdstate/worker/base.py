@@ -219,6 +219,7 @@ class AgentWorker:
                 heartbeat_interval_s=o.heartbeat_interval_s,
                 peer_timeout_s=o.peer_timeout_s,
                 token=o.token,
+                verify=o.transfer_verify,
                 **role_options,
             )
         except BaseException:

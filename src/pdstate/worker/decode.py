@@ -218,7 +218,7 @@ class AgentDecodeWorker(AgentWorker):
         room, seq_len, prefill = status.room, status.seq_len, status.peer
         t0 = time.perf_counter()
         end = time.monotonic() + deadline_s
-        res = TransferResult(room, "failed", seq_len, prefill=prefill)
+        res = TransferResult(room, "failed", seq_len, prefill=prefill, verify_level=self.opts.transfer_verify)
         alloc, fenced = None, True
         try:
             if self._stop.is_set():
@@ -234,6 +234,7 @@ class AgentDecodeWorker(AgentWorker):
                 fenced = False
                 raise
             m = recv.metrics
+            res.verify_level = str(m.get("verify", self.opts.transfer_verify))
             res.bytes, res.descriptors = int(m.get("bytes", 0)), int(m.get("descriptors", 0))
             res.transfer_s, res.copy_s = float(m.get("transfer_s", 0.0)), float(m.get("copy_s", 0.0))
             if recv.state is not RequestState.SUCCESS:
@@ -269,7 +270,7 @@ class AgentDecodeWorker(AgentWorker):
             nbytes=res.bytes,
             ms=res.seconds * 1e3,
             outcome="ok" if res.error is None else f"failed: {res.error.type}",
-            verification=verify if res.verified else "none",
+            verification=f"{res.verify_level}+{verify if res.verified else 'none'}",
         )
         self._finish(status, fut, res)
 

@@ -31,6 +31,9 @@ class WorkerOptions:
     # "full" reads every byte (one pass over the request), "sample" the first word of every item
     # and the last of every run of items (O(items)); see ``worker.synth``
     verify: str = "full"
+    # the agent's verification level (``transfer.verify``): what the digests cover; the decode's
+    # requests ask it, the prefill takes no less
+    transfer_verify: str = "sampled"
     # accepted for configuration compatibility (``control.inline_max_bytes``); the agent's prefill
     # decides itself when a small request skips its thread hand-offs
     inline_max_bytes: int = 32 << 20

@@ -240,7 +240,7 @@ class AgentPrefillWorker(AgentWorker):
             nbytes=int(metrics.get("bytes", 0)),
             ms=seconds * 1e3,
             outcome="ok" if ok else f"failed: {type(error).__name__}" if error is not None else reason,
-            verification="digest",
+            verification=str(metrics.get("verify", "off")),
         )
         self._leave(
             status.room,

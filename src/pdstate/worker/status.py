@@ -94,6 +94,7 @@ class TransferResult:
     transfer_s: float = 0.0  # asked -> verdict received
     verify_s: float = 0.0  # this decode's check of the bytes that landed
     prefill: str = ""  # the control address of the prefill asked
+    verify_level: str = ""  # the agent's verification level that ran (``transfer.verify``)
 
     def as_dict(self) -> dict:
         return {

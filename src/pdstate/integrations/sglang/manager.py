@@ -93,6 +93,7 @@ def build_manager() -> type:
                 token=settings.token,
                 heartbeat_interval_s=settings.heartbeat_interval_s,
                 peer_timeout_s=settings.peer_timeout_s,
+                verify=settings.verify,
             )
             # unique per process: a prefill tells its decodes apart by worker id
             rank = f"sglang-{self.role}-tp{getattr(args, 'engine_rank', 0)}-pp{getattr(args, 'pp_rank', 0)}"

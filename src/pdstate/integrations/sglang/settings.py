@@ -42,6 +42,7 @@ class AgentSettings:
     peer_timeout_s: float
     allow_insecure_bind: bool = False
     allow_open_listener: bool = False  # transfer.<engine>.allow_open_listener
+    verify: str = "sampled"  # transfer.verify
 
 
 def check_rank_auth(settings: AgentSettings, role: str, host: str) -> None:
@@ -77,6 +78,7 @@ def load_settings(role: str, environ=None) -> AgentSettings:
         peer_timeout_s=options.peer_timeout_s,
         allow_insecure_bind=cfg.auth.allow_insecure_bind,
         allow_open_listener=getattr(cfg.transfer, engine).allow_open_listener if engine in OPEN_ENGINES else True,
+        verify=options.transfer_verify,
     )
 
 
