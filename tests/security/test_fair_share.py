@@ -51,7 +51,13 @@ def test_a_decode_withholding_verdicts_does_not_delay_another():
         try:
             prefill = Service(
                 "prefill",
-                ["http.port=0", "control.bind=tcp://127.0.0.1:0", f"control.verdict_timeout_s={VERDICT_S}", *TIMERS],
+                [
+                    "http.port=0",
+                    "control.bind=tcp://127.0.0.1:0",
+                    f"control.verdict_timeout_s={VERDICT_S}",
+                    "transfer.verify=off",  # the raw decode asks for no digest
+                    *TIMERS,
+                ],
             )
             started.append(prefill)
             ctl = prefill.wait_listening()["control"]
