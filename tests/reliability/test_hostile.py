@@ -541,7 +541,9 @@ def _packed(xs, dtype="<i4") -> wire.PackedIndices:
 
 
 def test_crafted_transfer_requests_are_refused_and_touch_nothing():
-    with served_pair(TINY, **FAULT) as (p, d):
+    # the crafted requests ask for no digest: the prefill takes them (transfer.verify = off), so
+    # what refuses them is the planner, as it would a digested one
+    with served_pair(TINY, prefill={"transfer_verify": "off"}, **FAULT) as (p, d):
         free_p = p.free_counts()
         # the crafter owns its memory (a decode can only ever name its own segments)
         crafter = FakeDecode(TINY, worker_id="crafter")

@@ -31,6 +31,7 @@ import zmq
 from pdstate import logs
 from pdstate.errors import AuthError, InvalidEndpoint, PdStateError, ProtocolError, WorkerIdInUse
 from pdstate.protocol import wire
+from pdstate.protocol.hosts import is_loopback_host
 from pdstate.protocol.report import ErrorInfo
 
 log = logging.getLogger("pdstate.agent")
@@ -97,7 +98,7 @@ def _same_host(audience: str, address: str) -> bool:
     if a_scheme != "tcp" or b_scheme != "tcp" or a_port != b_port:
         return False
     local = ("0.0.0.0", "*", "[::]", "::")
-    return (b_host in local or wire.is_loopback_host(b_host)) and wire.is_loopback_host(a_host)
+    return (b_host in local or is_loopback_host(b_host)) and is_loopback_host(a_host)
 
 
 def bind_router(loop: Any, bind: str) -> tuple[zmq.Socket, str]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import builtins
 import hashlib
 import hmac
-import ipaddress
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgpack
@@ -406,19 +405,3 @@ def envelope_kind(frame: bytes) -> str | None:
         return None
     kind = env.get("kind") if isinstance(env, dict) else None
     return kind if isinstance(kind, str) else None
-
-
-def is_loopback_host(host: str) -> bool:
-    """``host`` (an IP literal, ``[v6]`` or ``localhost``) names only this machine's loopback.
-
-    Anything else, including ``""``, ``*``, interface names and host names (no DNS lookup at load
-    time), counts as reachable from outside: the checks built on this fail closed."""
-    h = host.strip()
-    if h.startswith("[") and h.endswith("]"):
-        h = h[1:-1]
-    if h.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(h).is_loopback
-    except ValueError:
-        return False

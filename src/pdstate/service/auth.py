@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pdstate.errors import ConfigError
-from pdstate.protocol.wire import is_loopback_host
+from pdstate.protocol.hosts import is_loopback_host
 
 GENERATE_HINT = "openssl rand -hex 32"
 MIN_TOKEN_BYTES = 16  # a shared token's least length once trimmed (``openssl rand -hex 32`` gives 64)
