@@ -19,7 +19,7 @@ import sys
 from pdstate import logs
 from pdstate.devtools import demo
 from pdstate.errors import ConfigError, ExitCode
-from pdstate.service import preflight, probe, server
+from pdstate.service import preflight, probe, probe_ranks, server
 
 ENGINES = ("shm", "mooncake", "nixl")
 MODES = ("paged", "unified")
@@ -176,17 +176,41 @@ def _add_logging(parser: argparse.ArgumentParser, native: bool = False) -> None:
 def _add_probe(sub) -> None:
     p = sub.add_parser(
         "probe",
-        help="query running workers' /v1/compat and /readyz; with two, check the pair",
+        help="query running workers' /v1/compat and /readyz; with two, check the pair; SGLang ranks: the pair matrix",
         description="GET /readyz and /v1/compat of each worker and print a readable report; with two URLs, post "
         "the first one's compat document to the second's /v1/compat/check.",
-        epilog="exit status: 0 every worker ready and, with two, the pair compatible; 1 a worker unreachable "
-        "or not ready, or the pair incompatible; 2 bad arguments",
+        epilog="exit status: 0 every worker ready and, with two, the pair compatible (SGLang ranks: every decode "
+        "rank has an accepted prefill); 1 a worker unreachable or not ready, the pair incompatible (a decode rank "
+        "without an accepted prefill); 2 bad arguments",
     )
-    p.add_argument("urls", nargs="+", metavar="URL", help="worker base URL, e.g. http://127.0.0.1:8101; one or two")
+    p.add_argument(
+        "urls", nargs="*", metavar="URL", help="pdstate serve worker's base URL, e.g. http://127.0.0.1:8101; one or two"
+    )
+    r = p.add_argument_group(
+        "SGLang ranks",
+        "the endpoints of SGLang ranks running backend pdstate (http.port + rank): print the pair matrix of "
+        "decode and prefill ranks (accepted, refused with the factor, silent); exit 0 only when every decode "
+        "rank has an accepted prefill",
+    )
+    r.add_argument("--ranks", nargs="+", metavar="URL", help="rank endpoints, any roles, e.g. http://10.0.0.5:30100")
+    r.add_argument("--prefill", metavar="URL", help="the prefill's rank 0 endpoint (its http.port)")
+    r.add_argument("--prefill-ranks", type=int, default=1, metavar="N", help="prefill ranks: ports + 0 .. N-1")
+    r.add_argument("--decode", metavar="URL", help="the decode's rank 0 endpoint (its http.port)")
+    r.add_argument("--decode-ranks", type=int, default=1, metavar="N", help="decode ranks: ports + 0 .. N-1")
     p.add_argument("--token", default=None, help="bearer token (only needed by mutating endpoints) (default: none)")
     p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="seconds per HTTP call")
     p.add_argument("--json", action="store_true", help="print the findings as one JSON object")
-    p.set_defaults(func=probe.cmd_probe)
+    p.set_defaults(func=_probe)
+
+
+def _probe(args) -> ExitCode:
+    """Serve workers' URLs (``service.probe``), or SGLang rank endpoints (``service.probe_ranks``)."""
+    if args.ranks or args.prefill or args.decode:
+        if args.urls:
+            print("pdstate probe: give worker URLs or rank endpoints (--ranks, --prefill, --decode), not both")
+            return ExitCode.CONFIG
+        return probe_ranks.cmd_probe_ranks(args)
+    return probe.cmd_probe(args)
 
 
 def _add_bench(sub) -> None:

@@ -18,6 +18,9 @@ POST     /v1/handshake              decode: register again (after the prefill wa
 GET      /metrics                   Prometheus text, from a per-app ``CollectorRegistry``
 =======  =========================  ==========================================================
 
+A source whose ``serves_transfers`` is false (an SGLang rank's endpoint) has no transfer or
+handshake routes: its transfers are SGLang's requests.
+
 Auth: when a token is configured, the endpoints that change something (``POST /v1/transfers``,
 ``POST /v1/handshake``) need ``Authorization: Bearer <token>`` (constant-time compare; 401
 otherwise). ``POST /v1/compat/check`` is a pure function of the posted document and ours (it
@@ -92,6 +95,8 @@ def compat_document(source: StatusSource, reveal: bool = True) -> CompatDocument
         layout={"page_size": r.page_size, "kv_dtype": r.kv_dtype, **dict(r.factors)},
         local_check=LocalCheckModel(ok=ok, error=None if err is None else ErrorModel(**err.model_dump())),
         peers=[PeerModel(**(p if reveal else {**p, "incarnation": None})) for p in source.peers()],
+        transport=getattr(source, "transport", None),
+        rank=getattr(source, "rank", None),
         report=r,
     )
 
@@ -304,7 +309,14 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         """Prometheus text exposition."""
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    if not getattr(source, "serves_transfers", True):  # an SGLang rank: its transfers are SGLang's requests
+        app.router.routes = [r for r in app.router.routes if getattr(r, "path", "") not in TRANSFER_ROUTES]
     return app
+
+
+# the routes of serve's synthetic transfers and re-registration: not on a source without
+# ``serves_transfers`` (an SGLang rank's endpoint, ``integrations.sglang.endpoint``)
+TRANSFER_ROUTES = frozenset({"/v1/transfers", "/v1/transfers/{room}", "/v1/handshake"})
 
 
 def route_paths(app: FastAPI) -> set[str]:

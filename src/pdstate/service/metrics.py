@@ -80,6 +80,28 @@ class Collector:
         g = GaugeMetricFamily("pdstate_transfers_in_flight", "Requests entered and not yet finished")
         g.add_metric([], src.in_flight())
         yield g
+        failures = CounterMetricFamily(
+            "pdstate_transfer_failures",
+            "Failed transfers by kind (the error's class) and factor (the layout factor a refusal names, "
+            "else the class)",
+            labels=["kind", "factor"],
+        )
+        for (kind, factor), n in getattr(stats, "failures", {}).items():
+            failures.add_metric([kind, factor], n)
+        yield failures
+        verified = CounterMetricFamily(
+            "pdstate_transfers_verified", "Successful transfers by the verification level that ran", labels=["level"]
+        )
+        for level, n in getattr(stats, "verified", {}).items():
+            verified.add_metric([level], n)
+        yield verified
+        level = getattr(src, "verify", None)
+        if level is not None:
+            lv = GaugeMetricFamily(
+                "pdstate_verify_level", "The verification level configured (value 1)", labels=["level"]
+            )
+            lv.add_metric([str(level)], 1)
+            yield lv
         yield CounterMetricFamily("pdstate_engine_errors", "Transfer engine failures", value=stats.engine_errors)
         yield CounterMetricFamily(
             "pdstate_protocol_errors",

@@ -11,6 +11,7 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from pdstate.errors import DocumentValueError
+from pdstate.logs import refusal_factor
 from pdstate.protocol.fixes import fix_line
 from pdstate.protocol.report import FACTOR_NAMES, OPTIONAL_FACTOR_NAMES, ErrorInfo, LayoutReport
 
@@ -100,6 +101,29 @@ class PeerModel(BaseModel):
     error: ErrorModel | None = None
     incarnation: str | None = None
     fingerprint: str | None = Field(None, description="the peer's layout fingerprint, once its handshake came")
+    transport: str | None = Field(
+        None, description="how bytes move with this peer once accepted: the engine and its protocol (mooncake/tcp)"
+    )
+
+    @computed_field(description="what a refusal is about: the layout factor it names, else the error's class")
+    @property
+    def factor(self) -> str | None:
+        return None if self.error is None else refusal_factor(self.error.type, self.error.message)
+
+
+class RankModel(BaseModel):
+    """An SGLang scheduler rank serving backend pdstate (``pdstate.integrations.sglang.endpoint``):
+    where it sits, which SGLang runs it, and the HTTP port it answers on (``http.port + rank``)."""
+
+    rank: int = Field(ge=0, lt=1 << 20, description="dp_rank * pp_size * tp_size + pp_rank * tp_size + tp_rank")
+    tp_rank: int = Field(ge=0, lt=1 << 20)
+    tp_size: int = Field(ge=1, lt=1 << 20)
+    pp_rank: int = Field(ge=0, lt=1 << 20)
+    pp_size: int = Field(ge=1, lt=1 << 20)
+    dp_rank: int = Field(0, ge=0, lt=1 << 20, description="the data-parallel replica (0 with DP attention)")
+    dp_size: int = Field(1, ge=1, lt=1 << 20)
+    sglang: str | None = Field(None, max_length=32, description="the SGLang release running this rank")
+    http_port: int = Field(ge=0, lt=65536)
 
 
 class CompatDocument(BaseModel):
@@ -117,6 +141,8 @@ class CompatDocument(BaseModel):
     layout: dict[str, Any] = Field(description="page_size, kv_dtype and every layout factor by name")
     local_check: LocalCheckModel
     peers: list[PeerModel] = []
+    transport: str | None = Field(None, max_length=64, description="this side's engine and its protocol")
+    rank: RankModel | None = Field(None, description="an SGLang rank's place (none for pdstate serve)")
     report: LayoutReport = Field(description="the full layout report, as sent in the handshake")
 
 
@@ -190,6 +216,7 @@ class PeerIn(BaseModel):
     error: ErrorIn | None = None
     incarnation: str | None = Field(None, max_length=256)
     fingerprint: str | None = Field(None, max_length=64)
+    transport: str | None = Field(None, max_length=64)
 
 
 class CompatCheckIn(CompatDocument):

@@ -1,5 +1,6 @@
 """``pdstate probe URL [URL]``: GET ``/v1/compat`` and ``/readyz`` of running workers and print a
 readable report; with two URLs, POST the first one's document to the second's ``/v1/compat/check``.
+SGLang ranks' endpoints (``--ranks``, ``--prefill`` / ``--decode``): ``probe_ranks``' pair matrix.
 
 Probe only needs the standard library (httpx when installed), not torch.
 """
@@ -12,7 +13,7 @@ from typing import Any
 from pdstate.errors import ExitCode, ProbeError
 
 
-def _http(method: str, url: str, body: dict | None = None, token: str | None = None, timeout_s: float = 5.0):
+def http_call(method: str, url: str, body: dict | None = None, token: str | None = None, timeout_s: float = 5.0):
     """``(status, json_or_text)``; raises ``ProbeError`` when the worker cannot be reached."""
     headers = {"Accept": "application/json"}
     if token:
@@ -65,9 +66,9 @@ def probe(urls: list[str], token: str | None = None, timeout_s: float = 5.0) -> 
         base = url.rstrip("/")
         w: dict[str, Any] = {"url": base}
         try:
-            status, ready = _http("GET", f"{base}/readyz", token=token, timeout_s=timeout_s)
+            status, ready = http_call("GET", f"{base}/readyz", token=token, timeout_s=timeout_s)
             w["ready"] = ready if isinstance(ready, dict) else {"ready": False, "reason": str(ready)}
-            status, doc = _http("GET", f"{base}/v1/compat", token=token, timeout_s=timeout_s)
+            status, doc = http_call("GET", f"{base}/v1/compat", token=token, timeout_s=timeout_s)
             if status != 200 or not isinstance(doc, dict):
                 raise ProbeError(f"GET {base}/v1/compat answered {status}: {_short(doc, 200)}")
             w["compat"] = doc
@@ -79,7 +80,9 @@ def probe(urls: list[str], token: str | None = None, timeout_s: float = 5.0) -> 
     if len(urls) == 2 and all(docs):
         base = urls[1].rstrip("/")
         try:
-            status, verdict = _http("POST", f"{base}/v1/compat/check", body=docs[0], token=token, timeout_s=timeout_s)
+            status, verdict = http_call(
+                "POST", f"{base}/v1/compat/check", body=docs[0], token=token, timeout_s=timeout_s
+            )
             if status != 200 or not isinstance(verdict, dict):
                 raise ProbeError(f"POST {base}/v1/compat/check answered {status}: {_short(verdict, 300)}")
             out["pair"] = verdict
@@ -140,7 +143,11 @@ def format_probe(found: dict) -> str:
 
 
 def cmd_probe(args) -> ExitCode:
-    """OK when every worker answered ready (and, with two, the pair is compatible); else FAILED."""
+    """OK when every worker answered ready (and, with two, the pair is compatible); else FAILED.
+    SGLang rank endpoints (``--ranks``, ``--prefill`` / ``--decode``) go to ``probe_ranks`` (``cli``)."""
+    if not args.urls:
+        print("pdstate probe: give one or two worker URLs, or rank endpoints (--ranks, --prefill, --decode)")
+        return ExitCode.CONFIG
     found = probe(args.urls, token=args.token or None, timeout_s=args.timeout)
     print(json.dumps(found) if args.json else format_probe(found))
     return ExitCode.OK if found["ok"] else ExitCode.FAILED

@@ -39,7 +39,7 @@ log = logging.getLogger("pdstate.service.server")
 _T_IMPORTED = time.perf_counter()  # cli imports this module before parsing argv: ~process start
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -49,7 +49,7 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _url(sock: socket.socket) -> str:
+def http_url(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -116,7 +116,7 @@ def cmd_serve(args) -> ExitCode:
         source.drain()
         return ExitCode.OK
     try:
-        sock = _listen(cfg.http.host, cfg.http.port)
+        sock = listen_socket(cfg.http.host, cfg.http.port)
     except OSError as exc:
         source.drain()
         print(f"pdstate serve: cannot listen on {cfg.http.host}:{cfg.http.port}: {exc}", file=sys.stderr)
@@ -141,7 +141,7 @@ def cmd_serve(args) -> ExitCode:
                         "event": "listening",
                         "role": cfg.role,
                         "worker_id": source.worker_id,
-                        "http": _url(sock),
+                        "http": http_url(sock),
                         "control": source.control,
                         "pid": os.getpid(),
                         "startup_s": round(time.perf_counter() - t0, 3),

@@ -28,6 +28,7 @@ class WorkerStatus:
         self.worker_id: str = worker.worker_id
         self.incarnation: str = worker.incarnation
         self.engine: str = cfg.transfer.engine
+        self.verify: str = cfg.transfer.verify  # the level asked (``/metrics``: pdstate_verify_level)
         self.control: str = worker.status().endpoint if cfg.role == "prefill" else cfg.control.peer
         self.report = worker.report
         self.draining = False

@@ -260,9 +260,12 @@ class AgentDecodeWorker(AgentWorker):
                     self._quarantine.append((prefill, end, alloc))
         res.seconds = time.perf_counter() - t0
         if res.status == "success":
-            self.stats.success(res.bytes, res.seconds)
+            self.stats.success(res.bytes, res.seconds, res.verify_level)
+        elif res.error is not None:
+            kind = res.error.type
+            self.stats.fail(res.error.message, kind, logs.refusal_factor(kind, res.error.message))
         else:
-            self.stats.fail(res.error.message if res.error else "failed")
+            self.stats.fail("failed")
         logs.request_end(
             log,
             room=room,

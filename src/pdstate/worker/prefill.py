@@ -236,10 +236,11 @@ class AgentPrefillWorker(AgentWorker):
         metrics = {} if sender is None else sender.metrics
         ok = error is None and sender is not None and sender.state is RequestState.SUCCESS
         if ok:
-            self.stats.success(int(metrics.get("bytes", 0)), seconds)
+            self.stats.success(int(metrics.get("bytes", 0)), seconds, metrics.get("verify"))
         else:
             reason = str(error) if error is not None else f"ended {sender.state.value if sender else 'unsent'}"
-            self.stats.fail(reason)
+            kind = None if error is None else type(error).__name__
+            self.stats.fail(reason, kind, None if kind is None else logs.refusal_factor(kind, reason))
             if isinstance(error, EngineError):  # counted by class (``TransferTimedOut`` is one)
                 self.stats.engine_error()
         logs.request_end(

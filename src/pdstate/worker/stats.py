@@ -62,6 +62,10 @@ class Stats:
     decodes_dropped: int = 0  # prefill: decodes dropped for withholding verdicts (the agent's count)
     latencies_s: RecentLatencies = field(default_factory=RecentLatencies)
     failure_reasons: dict[str, int] = field(default_factory=dict)
+    # failed transfers by (kind: the error's class, factor: the layout factor a refusal names, else
+    # the class again: ``logs.refusal_factor``), and transfers verified by the level that ran
+    failures: dict[tuple[str, str], int] = field(default_factory=dict)
+    verified: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def handshake(self, outcome: str, n: int = 1) -> None:
@@ -76,23 +80,26 @@ class Stats:
         with self._lock:
             self.transfers["busy"] += 1
 
-    def success(self, nbytes: int, latency_s: float) -> None:
+    def success(self, nbytes: int, latency_s: float, verify: str | None = None) -> None:
         with self._lock:
             self.transfers["success"] += 1
             self.bytes += nbytes
+            if verify:
+                self.verified[verify] = self.verified.get(verify, 0) + 1
         self.latencies_s.append(latency_s)
 
     def engine_error(self, n: int = 1) -> None:
         with self._lock:
             self.engine_errors += n
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, kind: str | None = None, factor: str | None = None) -> None:
+        """One failed transfer; ``kind`` (the error's class) and ``factor`` (what a refusal is
+        about) count it in ``failures`` too."""
         with self._lock:
             self.transfers["failed"] += 1
-            key = reason.split(":")[0][:80]
-            if key not in self.failure_reasons and len(self.failure_reasons) >= MAX_FAILURE_REASONS:
-                key = "other"  # hostile peers must not grow this map without bound
-            self.failure_reasons[key] = self.failure_reasons.get(key, 0) + 1
+            _bump(self.failure_reasons, reason.split(":")[0][:80], "other")
+            if kind is not None:
+                _bump(self.failures, (kind[:80], (factor or kind)[:80]), ("other", "other"))
 
     def snapshot(self) -> Stats:
         """A consistent copy (its own lock), for a reader on another thread."""
@@ -107,6 +114,8 @@ class Stats:
                 decodes_dropped=self.decodes_dropped,
                 latencies_s=self.latencies_s.snapshot(),
                 failure_reasons=dict(self.failure_reasons),
+                failures=dict(self.failures),
+                verified=dict(self.verified),
             )
 
     def as_dict(self) -> dict:
@@ -123,4 +132,14 @@ class Stats:
             "latencies_s": [],
             "latency_count": s.latencies_s.total,
             "failure_reasons": s.failure_reasons,
+            "failures": [{"kind": k, "factor": f, "count": n} for (k, f), n in s.failures.items()],
+            "verified": s.verified,
         }
+
+
+def _bump(counts: dict, key, other) -> None:
+    """``counts[key] += 1``, at most ``MAX_FAILURE_REASONS`` keys (then ``other``): hostile peers
+    must not grow the map without bound."""
+    if key not in counts and len(counts) >= MAX_FAILURE_REASONS:
+        key = other
+    counts[key] = counts.get(key, 0) + 1

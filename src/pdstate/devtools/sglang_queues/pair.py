@@ -103,19 +103,27 @@ class QueuePair(ChildPair):
         return out
 
     def setup(
-        self, case: Case, backend: str, env: dict | None = None, radix: bool = False, http_port: int | None = None
+        self,
+        case: Case,
+        backend: str,
+        env: dict | None = None,
+        radix: bool = False,
+        http_port: int | None = None,
+        role_env: dict[str, dict] | None = None,
     ) -> dict:
         """Both sides set up for ``case`` (``env``: SGLang settings both managers read, e.g.
-        ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``); ``{"setup_s"}``, plus ``setup_error`` on failure."""
+        ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``; ``role_env``: more, by role, e.g. each side's
+        ``PDSTATE_HTTP__PORT``); ``{"setup_s"}``, plus ``setup_error`` on failure."""
         port = free_port()
         t0 = time.perf_counter()
-        kw = dict(backend=backend, port=port, env=env or {}, radix=radix, http_port=http_port)
-        p = self.prefill.call("setup", SETUP_S, role="prefill", side=case.prefill.to_json(), **kw)
+        kw = dict(backend=backend, port=port, radix=radix, http_port=http_port)
+        envs = {role: {**(env or {}), **(role_env or {}).get(role, {})} for role in ("prefill", "decode")}
+        p = self.prefill.call("setup", SETUP_S, role="prefill", side=case.prefill.to_json(), env=envs["prefill"], **kw)
         d = {"ok": False, "error": "not set up (the prefill's setup failed)"}
         if p["ok"]:
             n = len(self.decodes)
             for i, child in enumerate(self.decodes):
-                child.tell("setup", role="decode", side=case.decode.to_json(), **kw, **_rank(n, i))
+                child.tell("setup", role="decode", side=case.decode.to_json(), env=envs["decode"], **kw, **_rank(n, i))
             answers = [child.answer(SETUP_S) for child in self.decodes]
             d = next((a for a in answers if not a["ok"]), answers[0])
         out = {"setup_s": time.perf_counter() - t0}

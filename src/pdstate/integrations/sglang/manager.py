@@ -18,6 +18,8 @@ attributes say so). What differs:
   TP wider than the prefill's (each prefill rank sends the whole request to every decode rank
   SGLang maps to it, each under a room of its own: ``replicas``); a prefill with DP attention
   serves each room from the DP rank SGLang routes it to;
+* with ``http.port`` configured, the rank serves pdstate's HTTP app on ``http.port + rank``
+  (``endpoint``: health, readiness, compat with every peer, metrics), off the scheduler's thread;
 * SGLang's waiting and bootstrap timeouts decide (its checks and texts, in the receiver and the
   sender); the agents' own are backstops ``BACKSTOP_S`` past them.
 """
@@ -32,7 +34,9 @@ import socket
 
 from pdstate.agent import DecodeAgent, PrefillAgent
 from pdstate.errors import AgentClosed
+from pdstate.integrations.sglang.endpoint import serve_rank
 from pdstate.integrations.sglang.launch.backend import context_parallel_refusal, pipeline_parallel_refusal
+from pdstate.integrations.sglang.rank_status import RankCounters
 from pdstate.integrations.sglang.settings import check_rank_auth, layout_report, load_settings
 
 log = logging.getLogger("pdstate.integrations.sglang")
@@ -112,10 +116,13 @@ def build_manager() -> type:
                     args, worker_id=rank, transfer_timeout_s=min(MAX_TRANSFER_S, waiting_s + BACKSTOP_S), **common
                 )
             self.topology_errors: dict[str, str] = {}
+            self.layout_report, self.counters, self.endpoint = report, RankCounters(lambda: self.agent), None
             try:
                 super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+                if settings.http_port is not None:  # the rank's HTTP endpoint (``endpoint``)
+                    self.endpoint = serve_rank(self, settings, args, local_ip)
             except BaseException:
-                self.agent.close()
+                self.close()
                 raise
             self.server_socket.close(0)  # SGLang's per-rank PULL socket: this backend talks through the agent
             self._kv_replica_factor = 1  # one prefill rank sends each decode rank its copy, once
@@ -184,6 +191,8 @@ def build_manager() -> type:
             """Kept registered: the agent owns the registration for its whole life."""
 
         def close(self) -> None:
+            if self.endpoint is not None:
+                self.endpoint.close()
             self.agent.close()
 
         def teardown(self) -> None:

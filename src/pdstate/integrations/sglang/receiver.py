@@ -70,6 +70,8 @@ def build_receiver() -> type:
         def pdstate_fail(self, error: BaseException, reason: str | None = None) -> int:
             if self.pdstate_error is None:
                 self.pdstate_error = error
+                if not self._recvs:  # no agent request to count it when it ends (``rank_status``)
+                    self.kv_mgr.counters.failed(error)
             return conclude_failed(self, reason or f"{type(error).__name__}: {error}")
 
         def init(self, prefill_dp_rank: int):
@@ -87,7 +89,10 @@ def build_receiver() -> type:
             try:
                 for info in self.bootstrap_infos:
                     address = self.kv_mgr.agent_address(info)
-                    self._recvs.append((bool(info.get("is_dummy")), self.kv_mgr.agent.receiver(address, room)))
+                    recv = self.kv_mgr.agent.receiver(address, room)
+                    self._recvs.append((bool(info.get("is_dummy")), recv))
+                    if not info.get("is_dummy"):
+                        self.kv_mgr.counters.watch(recv, address)
             except (PdStateError, ValueError) as exc:
                 self.pdstate_fail(exc)
 

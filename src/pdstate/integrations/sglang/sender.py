@@ -148,6 +148,8 @@ def build_sender() -> type:
         def pdstate_fail(self, error: BaseException, reason: str | None = None) -> int:
             if self.pdstate_error is None:
                 self.pdstate_error = error
+                if not self._outs:  # no agent request to count it when it ends (``rank_status``)
+                    self.kv_mgr.counters.failed(error)
             return lifecycle.conclude_failed(self, reason or f"{type(error).__name__}: {error}")
 
         def init(self, num_kv_indices: int, aux_index=None):
@@ -165,7 +167,10 @@ def build_sender() -> type:
                 return
             try:
                 for room in rooms:
-                    self._outs.append(_Out.made(self.agent, room, self.num_kv_indices, self.aux_index))
+                    out = _Out.made(self.agent, room, self.num_kv_indices, self.aux_index)
+                    self._outs.append(out)
+                    if not out.dummy:
+                        self.kv_mgr.counters.watch(out.send, f"decode of room {room}")
                 for chunk in self._queued:
                     self._send_chunk(*chunk)
             except (PdStateError, ValueError) as exc:

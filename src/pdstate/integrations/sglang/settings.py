@@ -2,7 +2,8 @@
 
 Configuration: the TOML file named by ``PDSTATE_SGLANG_CONFIG`` (optional), then the
 ``PDSTATE_SECTION__KEY`` variables of ``pdstate.service.config`` (``PDSTATE_TRANSFER__ENGINE=nixl``,
-``PDSTATE_AUTH__TOKEN_FILE=...``, ``PDSTATE_CONTROL__PEER_TIMEOUT_S=...``); any other ``PDSTATE_*``
+``PDSTATE_AUTH__TOKEN_FILE=...``, ``PDSTATE_CONTROL__PEER_TIMEOUT_S=...``, ``PDSTATE_HTTP__PORT=...``
+for the rank's HTTP endpoint, ``endpoint``); any other ``PDSTATE_*``
 name (a misspelled section, ``PDSTATE_ENGINE``) is ignored with one warning naming the nearest key,
 never silently. The role is SGLang's disaggregation mode. SGLang's pools are private device memory,
 which the ``shm`` engine cannot reach across processes: unless the engine is named, the backend
@@ -43,6 +44,10 @@ class AgentSettings:
     allow_insecure_bind: bool = False
     allow_open_listener: bool = False  # transfer.<engine>.allow_open_listener
     verify: str = "sampled"  # transfer.verify
+    # the rank's HTTP endpoint (``endpoint``): ``http.port`` when configured (the rank's port is
+    # ``http_port + rank``), none otherwise; ``http.host`` when configured, else the rank's address
+    http_port: int | None = None
+    http_host: str | None = None
 
 
 def check_rank_auth(settings: AgentSettings, role: str, host: str) -> None:
@@ -79,6 +84,8 @@ def load_settings(role: str, environ=None) -> AgentSettings:
         allow_insecure_bind=cfg.auth.allow_insecure_bind,
         allow_open_listener=getattr(cfg.transfer, engine).allow_open_listener if engine in OPEN_ENGINES else True,
         verify=options.transfer_verify,
+        http_port=cfg.http.port if "port" in cfg.http.model_fields_set else None,
+        http_host=cfg.http.host if "host" in cfg.http.model_fields_set else None,
     )
 
 

@@ -1,0 +1,124 @@
+"""An SGLang rank's HTTP endpoint: ``pdstate serve``'s own app (``service.api.create_app``) over
+one scheduler rank running backend pdstate, when ``http.port`` is configured
+(``PDSTATE_HTTP__PORT``, or ``[http] port`` in the file ``PDSTATE_SGLANG_CONFIG`` names).
+
+Ranks. Every SGLang scheduler process is one rank, numbered
+
+    rank = dp_rank * pp_size * tp_size + pp_rank * tp_size + tp_rank
+
+``tp_rank``: SGLang's TP rank within the pipeline stage (attention-DP and attention-TP ranks are
+TP ranks: DP attention adds nothing); ``pp_rank``: the pipeline stage; ``dp_rank``: the replica
+SGLang starts for ``--dp-size`` without DP attention (0 with it). The rank answers on
+``http.port + rank``, bound where its agent binds: the address SGLang advertises for the rank
+(``http.host`` when that is configured), under the same auth as serve (the token, when one is
+configured: ``/v1/compat`` shows incarnations only to its holder; an address beyond loopback
+needs one, ``settings.check_rank_auth``). Routes: ``/healthz``, ``/readyz``, ``/v1/compat``,
+``/v1/compat/check`` and ``/metrics`` (``rank_status``); no transfer routes.
+
+The scheduler is not slowed: uvicorn runs on a daemon thread of its own (its event loop there,
+no signal handlers: the scheduler's stay), every read is a snapshot (``rank_status``), and the
+counters are fed on the agent's I/O thread. The socket is bound in the manager's constructor, so a
+port already taken fails the rank at start, naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from pdstate.errors import ConfigError
+
+log = logging.getLogger("pdstate.integrations.sglang")
+
+__all__ = ["RankEndpoint", "rank_number", "rank_place"]
+
+STOP_S = 5.0
+
+
+def rank_number(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1, dp_rank: int = 0) -> int:
+    """The rank's number across TP, PP and DP (module docstring)."""
+    return dp_rank * pp_size * tp_size + pp_rank * tp_size + tp_rank
+
+
+def rank_place(kv_args, http_port: int, release: str | None) -> dict:
+    """The running rank's ``RankModel`` fields, read from SGLang's parallel context."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+
+    def read(name: str, default: int) -> int:
+        try:
+            value = getattr(parallel, name)
+        except Exception:  # a leaf this release does not publish
+            return default
+        return int(value) if value is not None else default
+
+    tp_size, pp_size = read("tp_size", 1), read("pp_size", 1)
+    tp_rank = read("tp_rank", int(getattr(kv_args, "engine_rank", 0) or 0))
+    pp_rank = int(getattr(kv_args, "pp_rank", 0) or 0)
+    dp_attention = bool(getattr(parallel, "enable_dp_attention", False))
+    dp_size = 1 if dp_attention else read("dp_size", 1)
+    dp_rank = 0 if dp_attention else int(getattr(kv_args, "system_dp_rank", 0) or 0)
+    rank = rank_number(tp_rank, tp_size, pp_rank, pp_size, dp_rank)
+    return dict(
+        rank=rank, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, dp_rank=dp_rank,
+        dp_size=dp_size, sglang=release, http_port=http_port + rank,
+    )  # fmt: skip
+
+
+class RankEndpoint:
+    """The app over ``source`` on ``host:port`` (bound here), served by uvicorn on its own thread."""
+
+    def __init__(self, source, host: str, port: int, token: bytes | None) -> None:
+        import uvicorn
+
+        from pdstate.service.api import create_app
+        from pdstate.service.server import http_url, listen_socket
+
+        try:
+            self.sock = listen_socket(host, port)
+        except OSError as exc:
+            raise ConfigError(
+                f"http.port: this SGLang {source.role} rank cannot listen on {host}:{port} "
+                f"(http.port + rank {source.rank['rank']}): {exc}"
+            ) from None
+        self.url = http_url(self.sock)
+        config = uvicorn.Config(
+            create_app(source, token=token), log_config=None, access_log=False, lifespan="off", log_level="warning"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, name=f"pdstate-http-{port}", daemon=True
+        )
+        self.thread.start()
+        log.info("pdstate: %s rank %d answers on %s", source.role, source.rank["rank"], self.url)
+
+    def close(self) -> None:
+        """Stop serving (idempotent); returns once the server's thread ended (at most ``STOP_S``)."""
+        self.server.should_exit = True
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join(STOP_S)
+        self.sock.close()
+
+
+def serve_rank(mgr, settings, kv_args, host: str) -> RankEndpoint:
+    """Start the endpoint of the rank ``mgr`` manages (``settings.http_port`` is set): on
+    ``settings.http_host`` or ``host`` (the rank's advertised address), port ``http_port + rank``."""
+    from importlib import metadata
+
+    from pdstate.integrations.sglang.rank_status import RankStatus, transport_of
+
+    try:
+        release: str | None = metadata.version("sglang")  # the running SGLang's distribution
+    except metadata.PackageNotFoundError:
+        release = None
+    place = rank_place(kv_args, settings.http_port, release)
+    source = RankStatus(
+        mgr,
+        engine=settings.engine,
+        transport=transport_of(settings.engine, settings.engine_options),
+        verify=settings.verify,
+        place=place,
+    )
+    port = place["http_port"] if settings.http_port else 0
+    return RankEndpoint(source, settings.http_host or host, port, settings.token)

@@ -1,0 +1,166 @@
+"""What an SGLang rank's HTTP endpoint reads (``service.api``'s status source over one manager),
+and what the rank counts for it.
+
+``RankCounters``: the rank's transfers, bytes, latencies, failures by kind and factor and the
+verification level that ran. A request is counted when it ends, by a done callback on its agent
+sender or receiver (``watch``): that runs on the agent's I/O thread, never on the scheduler's,
+and only adds to counters under a lock. A request that failed before it had an agent request (a
+decode the prefill refused, a topology SGLang cannot map) is counted where SGLang's side fails it
+(``failed``). One ``request_end`` log line per request (``pdstate.logs``, INFO).
+
+``RankStatus``: ``api.StatusSource`` over the manager: every read is a snapshot (the agent's
+peers, taken on its I/O thread in one call; the counters' copy); none touches SGLang's scheduler.
+It serves no synthetic transfers (``serves_transfers``): the rank's transfers are SGLang's
+requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from pdstate import logs
+from pdstate.errors import AgentClosed
+from pdstate.protocol.lifecycle import RequestState
+from pdstate.protocol.report import ErrorInfo
+from pdstate.service.models import Readiness
+from pdstate.worker.base import AgentStats
+
+log = logging.getLogger("pdstate.integrations.sglang")
+
+__all__ = ["RankCounters", "RankStatus", "transport_of"]
+
+
+def transport_of(engine: str, options: dict) -> str:
+    """How this rank's bytes move: the engine and, where it has one, its protocol (``mooncake/tcp``,
+    ``mooncake/rdma``). What the engine is configured with: the place a report of the transport the
+    engine actually runs goes when the engines expose it."""
+    protocol = options.get("protocol")
+    return f"{engine}/{protocol}" if protocol else engine
+
+
+class RankCounters:
+    """The rank's counters (``worker.stats.Stats``, the agent's handshake counts read at snapshot)."""
+
+    def __init__(self, agent) -> None:
+        self.stats = AgentStats(agent)
+        self._lock = threading.Lock()
+        self.begun = 0
+        self.ended = 0
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return self.begun - self.ended
+
+    def watch(self, handle, peer: str) -> None:
+        """Count the agent request ``handle`` (a ``KVSender`` or ``KVReceiver``) when it ends."""
+        with self._lock:
+            self.begun += 1
+        handle.add_done_callback(lambda h: self._ended(h, peer))
+
+    def _ended(self, handle, peer: str) -> None:
+        with self._lock:
+            self.ended += 1
+        m = handle.metrics
+        nbytes = int(m.get("bytes", 0))
+        seconds = float(m.get("transfer_s") or 0.0)
+        level = str(m.get("verify", "off"))
+        if handle.poll() is RequestState.SUCCESS:
+            self.stats.success(nbytes, seconds, level)
+            outcome = "ok"
+        else:
+            error = handle.failure_exception()
+            self.failed(error)
+            outcome = f"failed: {type(error).__name__ if error is not None else 'TransferFailed'}"
+        logs.request_end(
+            log, room=handle.room, peer=peer, nbytes=nbytes, ms=seconds * 1e3, outcome=outcome, verification=level
+        )
+
+    def failed(self, error: BaseException | None) -> None:
+        """One failed request (``watch``'s, or one that never had an agent request)."""
+        kind = type(error).__name__ if error is not None else "TransferFailed"
+        message = str(error) if error is not None else "failed"
+        self.stats.fail(f"{kind}: {message}", kind, logs.refusal_factor(kind, message))
+
+
+class RankStatus:
+    """``api.StatusSource`` over a ``PdStateKVManager`` (``mgr``: its ``role``, ``agent``,
+    ``agent_failure()`` and ``counters``); ``place``: the rank's ``RankModel`` fields."""
+
+    serves_transfers = False
+
+    def __init__(self, mgr, *, engine: str, transport: str, verify: str, place: dict) -> None:
+        self._mgr = mgr
+        agent = mgr.agent
+        self.role: str = mgr.role
+        self.worker_id: str = agent.worker_id
+        self.incarnation: str = agent.incarnation
+        self.engine = engine
+        self.transport = transport
+        self.verify = verify
+        self.rank = place
+        self.control: str = agent.address if mgr.role == "prefill" else ""
+        self.report = mgr.layout_report
+
+    @property
+    def stats(self):
+        return self._mgr.counters.stats.snapshot()
+
+    def local_check(self):
+        r = self.report.local_check
+        return r.ok, r.error
+
+    def _snapshot(self) -> list[dict] | None:
+        """The agent's peers in ``/v1/compat``'s form (``None``: the agent is closed)."""
+        agent = self._mgr.agent
+        try:
+            if self.role == "prefill":
+                found = agent.peers()
+            else:
+                found = [{"id": a, **p, "error": p["error_info"]} for a, p in agent.prefills().items()]
+        except (AgentClosed, TimeoutError):
+            return None
+        for p in found:
+            p["transport"] = self.transport if p["state"] == "accepted" else None
+        return found
+
+    def peers(self) -> list[dict]:
+        return self._snapshot() or []
+
+    def readiness(self) -> Readiness:
+        """Ready: the agent alive (and its pair's local check passed) and, on a decode, at least
+        one prefill accepted this rank; else why not."""
+        mgr = self._mgr
+        if mgr.agent.closed:
+            return Readiness(False, "the pdstate agent of this rank is closed", "shutdown")
+        dead = mgr.agent_failure()
+        if dead is not None:
+            return Readiness(False, str(dead), "threads")
+        ok, err = self.local_check()
+        if not ok:
+            return Readiness(False, err.message, "local_check", err)
+        peers = self._snapshot()
+        if peers is None:
+            return Readiness(False, "the pdstate agent of this rank is closed", "shutdown")
+        if self.role == "prefill" or any(p["state"] == "accepted" for p in peers):
+            return Readiness(True)
+        for p in peers:
+            if p["state"] == "rejected":
+                e = ErrorInfo(**(p["error"] or {"type": "RuntimeError", "message": "handshake refused"}))
+                return Readiness(False, f"refused by the prefill at {p['id']}: {e.message}", "handshake", e)
+        for p in peers:
+            if p["state"] == "gone":
+                why = p["error"]["message"] if p["error"] else "no heartbeat"
+                return Readiness(False, f"the prefill at {p['id']} is gone ({why})", "peer")
+        if peers:
+            return Readiness(False, f"waiting for the prefill at {peers[0]['id']} to answer the handshake", "peer")
+        return Readiness(False, "no prefill accepted yet: a decode rank dials the prefill of its first request", "peer")
+
+    def in_flight(self) -> int:
+        return self._mgr.counters.in_flight()
+
+    def free_counts(self) -> dict[str, int]:
+        return {}  # SGLang's allocators own the pages
+
+    def result_timeout_s(self) -> float:
+        return 0.0

@@ -1,0 +1,175 @@
+"""Each SGLang rank's HTTP endpoint (``integrations.sglang.endpoint``), through SGLang's own scheduler
+queues (``devtools.sglang_queues``), and ``pdstate probe`` over the ranks.
+
+Per release (0.5.19 and 0.5.23), one prefill child and one decode child, each with
+``PDSTATE_HTTP__PORT`` set (a port of its own: both ranks are rank 0 on one host), run two cases
+with backend ``pdstate``, one request each:
+
+- the same DSV4-Flash layout on both: the request succeeds; each rank's ``/v1/compat`` lists the
+  other as accepted, with its fingerprint and the transport (``mooncake/tcp``); both ranks'
+  ``/readyz`` are 200; ``/metrics`` counts one successful transfer, its bytes and its verification
+  level; ``pdstate probe --prefill URL --decode URL`` prints ``accepted`` and exits 0;
+- the same C4/C128 layer counts in another order: the request fails on both sides; each rank
+  lists the other as rejected with the factor (``compression_ratios``), upstream's text and the
+  fix line; the decode rank's ``/readyz`` is 503 with that reason; both ranks' ``/metrics`` count
+  the failed request by kind and factor; ``pdstate probe`` prints ``refused
+  (compression_ratios)`` with the fix, and exits 1.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import httpx
+import pytest
+
+from pdstate.devtools.sglang_pair.cases import CASES
+from tests.sglang import runner
+from tests.support.paths import REPO, SRC_DIR
+from tests.support.workers import pdstate_command
+
+DEADLINE_S = 3.0
+MISMATCH = "c4_c128_order"  # its factor: compression_ratios
+ROLES = ("prefill", "decode")
+
+
+def _ask(port: int) -> dict:
+    base = f"http://127.0.0.1:{port}"
+    ready = httpx.get(f"{base}/readyz", timeout=10)
+    return {
+        "url": base,
+        "ready_status": ready.status_code,
+        "ready": ready.json(),
+        "compat": httpx.get(f"{base}/v1/compat", timeout=10).json(),
+        "metrics": httpx.get(f"{base}/metrics", timeout=10).text,
+        "transfers": httpx.post(f"{base}/v1/transfers", json={"tokens": 1}, timeout=10).status_code,
+    }
+
+
+def _probe(ports: dict[str, int]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC_DIR), str(REPO)])}
+    argv = ["probe", "--prefill", f"http://127.0.0.1:{ports['prefill']}"]
+    argv += ["--decode", f"http://127.0.0.1:{ports['decode']}"]
+    return subprocess.run(pdstate_command() + argv, capture_output=True, text=True, timeout=60, env=env)
+
+
+@pytest.fixture(scope="module", params=runner.RELEASES, ids=lambda r: f"sglang-{r}")
+def ranks(request) -> tuple[str, dict]:
+    """``(release, {case: {"request", "prefill", "decode", "probe"}})``."""
+    from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, free_port
+    from pdstate.devtools.sglang_queues.pair import QueuePair
+
+    release = request.param
+    target = runner.queue_env(release)
+    out: dict = {}
+    with QueuePair(target, extra_env=PDSTATE_ENGINE_ENV) as pair:
+        for name in ("correct", MISMATCH):
+            ports = {role: free_port() for role in ROLES}  # each case's managers answer on ports of their own
+            role_env = {role: {"PDSTATE_HTTP__PORT": str(port)} for role, port in ports.items()}
+            setup = pair.setup(CASES[name], "pdstate", role_env=role_env)
+            assert "setup_error" not in setup, setup
+            res = {"request": pair.request(600, DEADLINE_S)}
+            res.update({role: _ask(port) for role, port in ports.items()})
+            res["probe"] = _probe(ports)
+            out[name] = res
+    return release, out
+
+
+def _peer(side: dict) -> dict:
+    peers = side["compat"]["peers"]
+    assert len(peers) == 1, peers
+    return peers[0]
+
+
+def _metric(text: str, line_start: str) -> float:
+    found = [line for line in text.splitlines() if line.startswith(line_start + " ")]
+    assert len(found) == 1, (line_start, [x for x in text.splitlines() if x.startswith("pdstate_transfer")])
+    return float(found[0].rsplit(" ", 1)[1])
+
+
+def test_same_config_pair_lists_its_peer_accepted(ranks):
+    release, out = ranks
+    res = out["correct"]
+    assert res["request"]["prefill"]["outcome"] == "Success" and res["request"]["decode"]["outcome"] == "Success"
+    pre, dec = res["prefill"], res["decode"]
+    for side, other in ((pre, dec), (dec, pre)):
+        doc = side["compat"]
+        assert doc["rank"] == {
+            "rank": 0, "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "dp_rank": 0, "dp_size": 1,
+            "sglang": release, "http_port": int(side["url"].rsplit(":", 1)[1]),
+        }  # fmt: skip
+        assert doc["transport"] == "mooncake/tcp" and doc["engine"] == "mooncake"
+        peer = _peer(side)
+        assert peer["state"] == "accepted" and peer["error"] is None and peer["factor"] is None
+        assert peer["fingerprint"] == other["compat"]["fingerprint"] == doc["fingerprint"]
+        assert peer["transport"] == "mooncake/tcp"
+        assert peer["incarnation"] is None  # no token configured: nobody is shown incarnations
+        assert side["ready_status"] == 200 and side["ready"]["ready"] is True
+        assert side["transfers"] == 404  # a rank's transfers are SGLang's requests: no synthetic ones
+        m = side["metrics"]
+        assert _metric(m, 'pdstate_transfers_total{outcome="success"}') == 1
+        assert _metric(m, 'pdstate_transfers_total{outcome="failed"}') == 0
+        assert _metric(m, 'pdstate_transfers_verified_total{level="sampled"}') == 1
+        assert _metric(m, 'pdstate_verify_level{level="sampled"}') == 1
+        assert _metric(m, "pdstate_transfer_latency_seconds_count") == 1
+        assert _metric(m, 'pdstate_peers{state="accepted"}') == 1
+    moved = res["request"]["prefill"]["bytes"]
+    assert moved > 0 and _metric(pre["metrics"], "pdstate_transfer_bytes_total") == moved
+    assert _metric(dec["metrics"], "pdstate_transfer_bytes_total") == moved
+    assert _peer(dec)["id"] == pre["compat"]["control"]  # a decode lists prefills by agent address
+    assert _peer(pre)["id"] == dec["compat"]["worker_id"]  # a prefill lists decodes by worker id
+
+
+def test_same_config_pair_probe_prints_accepted_and_exits_0(ranks):
+    _, out = ranks
+    probe = out["correct"]["probe"]
+    assert probe.returncode == 0, probe.stdout + probe.stderr
+    lines = probe.stdout.splitlines()
+    assert lines[-3:] == [
+        "            prefill 0",
+        "decode 0    accepted",
+        "every decode rank has an accepted prefill",
+    ], probe.stdout
+
+
+def test_mismatched_pair_is_refused_with_factor_and_fix_on_both_ranks(ranks):
+    _, out = ranks
+    res = out[MISMATCH]
+    assert res["request"]["prefill"]["outcome"] == "Failed" and res["request"]["decode"]["outcome"] == "Failed"
+    pre, dec = res["prefill"], res["decode"]
+    for side in (pre, dec):
+        peer = _peer(side)
+        assert peer["state"] == "rejected" and peer["factor"] == "compression_ratios"
+        assert peer["error"]["type"] == "LayoutMismatch"
+        assert peer["error"]["message"].startswith("DSV4 layout mismatch on compression_ratios: prefill server has")
+        assert peer["error"]["fix"].startswith("fix: ") and "another order" in peer["error"]["fix"]
+        assert peer["transport"] is None
+        m = side["metrics"]
+        assert _metric(m, 'pdstate_transfers_total{outcome="failed"}') == 1
+        assert _metric(m, 'pdstate_transfer_failures_total{factor="compression_ratios",kind="LayoutMismatch"}') == 1
+        assert _metric(m, 'pdstate_peers{state="rejected"}') == 1
+    assert _peer(pre)["fingerprint"] == dec["compat"]["fingerprint"] != pre["compat"]["fingerprint"]
+    assert pre["ready_status"] == 200  # a prefill rank is ready while its agent serves
+    assert dec["ready_status"] == 503
+    message = _peer(dec)["error"]["message"]
+    assert dec["ready"]["reason"] == f"refused by the prefill at {pre['compat']['control']}: {message}"
+    assert dec["ready"]["check"] == "handshake" and dec["ready"]["error"]["fix"] == _peer(dec)["error"]["fix"]
+    assert _metric(dec["metrics"], "pdstate_ready") == 0
+
+
+def test_mismatched_pair_probe_prints_the_refusal_and_exits_1(ranks):
+    _, out = ranks
+    res = out[MISMATCH]
+    probe = res["probe"]
+    assert probe.returncode == 1, probe.stdout + probe.stderr
+    lines = probe.stdout.splitlines()
+    fix = _peer(res["decode"])["error"]["fix"]
+    assert "decode 0    refused (compression_ratios)" in lines, probe.stdout
+    assert lines[-3:] == [f"  {fix}", "", "NO accepted prefill: decode 0"] or lines[-2:] == [
+        f"  {fix}",
+        "NO accepted prefill: decode 0",
+    ], probe.stdout
+    assert any(
+        x.startswith("decode 0 / prefill 0: LayoutMismatch: DSV4 layout mismatch on compression_ratios") for x in lines
+    )
