@@ -58,22 +58,28 @@ def _fmt_error(e: dict | None) -> str:
     return "" if not e else f"{e['type']}: {e['message']}"
 
 
+def ask_worker(base: str, token: str | None, timeout_s: float) -> dict[str, Any]:
+    """``{"url", "ready", "compat"}`` of the worker (or rank endpoint) at ``base``, or
+    ``{"url", "unreachable": why}``."""
+    w: dict[str, Any] = {"url": base}
+    try:
+        _, ready = http_call("GET", f"{base}/readyz", token=token, timeout_s=timeout_s)
+        w["ready"] = ready if isinstance(ready, dict) else {"ready": False, "reason": str(ready)}
+        status, doc = http_call("GET", f"{base}/v1/compat", token=token, timeout_s=timeout_s)
+        if status != 200 or not isinstance(doc, dict):
+            raise ProbeError(f"GET {base}/v1/compat answered {status}: {_short(doc, 200)}")
+        w["compat"] = doc
+    except ProbeError as exc:
+        w["unreachable"] = str(exc)
+    return w
+
+
 def probe(urls: list[str], token: str | None = None, timeout_s: float = 5.0) -> dict:
     """Query each worker; with two, ask the second to check the first. Returns the findings."""
     out: dict[str, Any] = {"workers": [], "pair": None, "ok": True}
     docs = []
     for url in urls:
-        base = url.rstrip("/")
-        w: dict[str, Any] = {"url": base}
-        try:
-            status, ready = http_call("GET", f"{base}/readyz", token=token, timeout_s=timeout_s)
-            w["ready"] = ready if isinstance(ready, dict) else {"ready": False, "reason": str(ready)}
-            status, doc = http_call("GET", f"{base}/v1/compat", token=token, timeout_s=timeout_s)
-            if status != 200 or not isinstance(doc, dict):
-                raise ProbeError(f"GET {base}/v1/compat answered {status}: {_short(doc, 200)}")
-            w["compat"] = doc
-        except ProbeError as exc:
-            w["unreachable"] = str(exc)
+        w = ask_worker(url.rstrip("/"), token, timeout_s)
         docs.append(w.get("compat"))
         out["ok"] &= bool(w.get("ready", {}).get("ready")) and "compat" in w
         out["workers"].append(w)

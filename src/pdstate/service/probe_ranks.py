@@ -22,7 +22,7 @@ import json
 from typing import Any
 from urllib.parse import urlparse, urlunparse
 
-from pdstate.errors import ExitCode, ProbeError
+from pdstate.errors import ExitCode
 
 ORDER = ("accepted", "rejected", "gone", "pending")  # what a cell shows when the two sides differ
 
@@ -39,19 +39,13 @@ def rank_urls(base: str, count: int) -> list[str]:
 def _ask(url: str, token: str | None, timeout_s: float, hint: tuple[str, int] | None = None) -> dict[str, Any]:
     """One rank's answers; ``hint``: the role and rank it was named as (``--prefill``, ``--decode``),
     what places it in the matrix when it does not answer."""
-    from pdstate.service.probe import http_call
+    from pdstate.service.probe import ask_worker
 
-    w: dict[str, Any] = {"url": url, "role": hint[0] if hint else None, "rank": hint[1] if hint else None}
-    try:
-        _, ready = http_call("GET", f"{url}/readyz", token=token, timeout_s=timeout_s)
-        w["ready"] = ready if isinstance(ready, dict) else {"ready": False, "reason": str(ready)}
-        status, doc = http_call("GET", f"{url}/v1/compat", token=token, timeout_s=timeout_s)
-        if status != 200 or not isinstance(doc, dict):
-            raise ProbeError(f"GET {url}/v1/compat answered {status}")
-        w["compat"] = doc
+    w = ask_worker(url, token, timeout_s)
+    w["role"], w["rank"] = hint if hint else (None, None)
+    if "compat" in w:
+        doc = w["compat"]
         w["role"], w["rank"] = doc.get("role"), (doc.get("rank") or {}).get("rank", w["rank"])
-    except ProbeError as exc:
-        w["unreachable"] = str(exc)
     return w
 
 
