@@ -98,8 +98,11 @@ def test_readyz_and_compat(cluster, http):
             "error": None,
             "incarnation": pd["incarnation"],
             "fingerprint": pd["fingerprint"],
+            "transport": "shm",
+            "factor": None,
         }
     ]
+    assert pd["transport"] == dd["transport"] == "shm" and pd["rank"] is None
     mine = [x for x in pd["peers"] if x["id"] == dd["worker_id"]]
     assert mine and mine[0]["state"] == "accepted" and mine[0]["incarnation"] == dd["incarnation"]
     assert mine[0]["fingerprint"] == dd["fingerprint"]

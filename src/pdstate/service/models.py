@@ -63,6 +63,14 @@ class StatusSource(Protocol):
     def result_timeout_s(self) -> float: ...
 
 
+def transport_of(engine: str, options: dict) -> str:
+    """How a side's bytes move: the engine and, where it has one, its protocol (``mooncake/tcp``,
+    ``mooncake/rdma``). What the engine is configured with: where a report of the transport the
+    engine actually runs goes, once the engines expose one."""
+    protocol = options.get("protocol")
+    return f"{engine}/{protocol}" if protocol else engine
+
+
 # --- response and request models --------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ import threading
 from concurrent.futures import Future
 
 from pdstate.service.auth import control_bind_host, is_loopback_host
+from pdstate.service.models import transport_of
 
 log = logging.getLogger("pdstate.service.status")
 
@@ -29,6 +30,7 @@ class WorkerStatus:
         self.incarnation: str = worker.incarnation
         self.engine: str = cfg.transfer.engine
         self.verify: str = cfg.transfer.verify  # the level asked (``/metrics``: pdstate_verify_level)
+        self.transport: str = transport_of(self.engine, worker.opts.engine_options)
         self.control: str = worker.status().endpoint if cfg.role == "prefill" else cfg.control.peer
         self.report = worker.report
         self.draining = False
@@ -82,9 +84,12 @@ class WorkerStatus:
 
     def peers(self) -> list[dict]:
         """Every peer: a prefill's decodes (by worker id), a decode's prefills (by the control
-        address it dials, ``control.peer`` first), each with state, error, incarnation and
-        layout fingerprint."""
-        return [p.as_dict() for p in self.worker.status().peers]
+        address it dials, ``control.peer`` first), each with state, error, incarnation,
+        layout fingerprint and, once accepted, the transport."""
+        out = [p.as_dict() for p in self.worker.status().peers]
+        for p in out:
+            p["transport"] = self.transport if p["state"] == "accepted" else None
+        return out
 
     def in_flight(self) -> int:
         return self.worker.status().in_flight

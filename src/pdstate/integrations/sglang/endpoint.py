@@ -106,7 +106,8 @@ def serve_rank(mgr, settings, kv_args, host: str) -> RankEndpoint:
     ``settings.http_host`` or ``host`` (the rank's advertised address), port ``http_port + rank``."""
     from importlib import metadata
 
-    from pdstate.integrations.sglang.rank_status import RankStatus, transport_of
+    from pdstate.integrations.sglang.rank_status import RankStatus
+    from pdstate.service.models import transport_of
 
     try:
         release: str | None = metadata.version("sglang")  # the running SGLang's distribution

@@ -23,27 +23,34 @@ from pdstate import logs
 from pdstate.errors import AgentClosed
 from pdstate.protocol.lifecycle import RequestState
 from pdstate.protocol.report import ErrorInfo
-from pdstate.service.models import Readiness
-from pdstate.worker.base import AgentStats
+from pdstate.worker.stats import Stats
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
-__all__ = ["RankCounters", "RankStatus", "transport_of"]
+__all__ = ["RankCounters", "RankStatus"]
 
 
-def transport_of(engine: str, options: dict) -> str:
-    """How this rank's bytes move: the engine and, where it has one, its protocol (``mooncake/tcp``,
-    ``mooncake/rdma``). What the engine is configured with: the place a report of the transport the
-    engine actually runs goes when the engines expose it."""
-    protocol = options.get("protocol")
-    return f"{engine}/{protocol}" if protocol else engine
+class _AgentCounts(Stats):
+    """``worker.stats.Stats`` with the agent's own handshake and auth-failure counts, read at snapshot."""
+
+    def __init__(self, agent) -> None:
+        super().__init__()
+        self._agent = agent
+
+    def snapshot(self) -> Stats:
+        s = super().snapshot()
+        agent = self._agent()
+        s.handshakes = dict(agent.handshakes)
+        s.auth_failures = agent.auth_failures.count
+        s.decodes_dropped = agent.withheld.count if hasattr(agent, "withheld") else 0  # (a prefill agent)
+        return s
 
 
 class RankCounters:
     """The rank's counters (``worker.stats.Stats``, the agent's handshake counts read at snapshot)."""
 
     def __init__(self, agent) -> None:
-        self.stats = AgentStats(agent)
+        self.stats = _AgentCounts(agent)
         self._lock = threading.Lock()
         self.begun = 0
         self.ended = 0
@@ -127,9 +134,11 @@ class RankStatus:
     def peers(self) -> list[dict]:
         return self._snapshot() or []
 
-    def readiness(self) -> Readiness:
+    def readiness(self):
         """Ready: the agent alive (and its pair's local check passed) and, on a decode, at least
         one prefill accepted this rank; else why not."""
+        from pdstate.service.models import Readiness  # only where the endpoint runs (``endpoint``)
+
         mgr = self._mgr
         if mgr.agent.closed:
             return Readiness(False, "the pdstate agent of this rank is closed", "shutdown")
