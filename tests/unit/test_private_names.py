@@ -34,6 +34,7 @@ ALLOWED: dict[str, dict[str, str]] = {
         "_reply": "the agent's own method",
         "_engine": "the agent's own state",
         "_handshake": "the agent's own state",
+        "_release": "the agent's own method",
     },
     # The pool is SGLang's (DeepSeekV4TokenToKVPool) or pools.dsv4's stand-in, which keeps
     # upstream's attribute names; SGLang offers its PP stage's layer range under no public name.

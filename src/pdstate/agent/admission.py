@@ -14,6 +14,9 @@ Run on the prefill agent's I/O thread:
   closes at once, so its restart is accepted without waiting for the timeout;
 * with an engine that proves ownership (shm), a compatible register whose endpoint does not
   answer a challenge yet gets a ``Challenge``; the engine's ``connect`` checks the answer;
+* every buffer a register's ``KVDesc`` names must lie inside the regions its engine endpoint
+  published (and, with shm, proved its own): the planner's destination addresses are then the
+  decode's own memory before any request is planned (``connect_decode``);
 * a frame that does not decode is answered with ``Error`` naming why, unless it is itself an
   ``error`` frame (never answered: two peers must not bounce errors); an ``AuthError`` (a token
   on one side only, or two different tokens) is counted, kept as the latest (``Incidents``)
@@ -163,3 +166,26 @@ def _early_answer(agent: Any, identity: bytes, msg: wire.Register) -> wire.Messa
             return wire.Reject(worker_id=agent.worker_id, error=ErrorInfo.of(exc))
         return wire.Challenge(worker_id=agent.worker_id, incarnation=agent.incarnation, nonce=nonce)
     return None
+
+
+def registered_ranges(kv: wire.KVDesc | None) -> list[tuple[str, int, int]]:
+    """``(label, ptr, nbytes)`` of every buffer a decode registered (main KV, then components)."""
+    if kv is None:
+        return []
+    out = [(f"main KV[{i}]", p, n) for i, (p, n) in enumerate(zip(kv.kv_data_ptrs, kv.kv_data_lens))]
+    for c, comp in enumerate(kv.components):
+        out += [(f"component {c} ({comp.state_type})[{i}]", p, n) for i, (p, n) in enumerate(zip(comp.ptrs, comp.lens))]
+    return out
+
+
+def connect_decode(agent: Any, msg: wire.Register) -> str:
+    """Connect the decode's engine endpoint for this registrant only, then check that every buffer
+    its ``KVDesc`` names lies inside the regions that endpoint published (``DescriptorMismatch``
+    otherwise; the peer is released again unless an accepted decode shares it). Returns the peer id."""
+    peer_id = agent._engine.connect(msg.engine.endpoint, owner=f"{msg.worker_id}/{msg.incarnation}")
+    try:
+        agent._engine.peer_regions(peer_id).check_inside(registered_ranges(msg.kv), f"decode {msg.worker_id}")
+    except PdStateError:
+        agent._release(peer_id)
+        raise
+    return peer_id
