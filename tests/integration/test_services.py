@@ -72,11 +72,13 @@ def test_listening_line(cluster):
 
 def test_readyz_and_compat(cluster, http):
     p, d = cluster["prefill"].url, cluster["decode"].url
+    shm = {"engine": "shm", "configured": "shm", "in_use": "shm", "listening": [], "open": False, "problem": None}
     assert wait_for(lambda: ready(http, p), 20, "prefill ready") == {
         "ready": True,
         "reason": None,
         "check": None,
         "error": None,
+        "transport": shm,  # no native listener: shm has no port
     }
     assert wait_for(lambda: ready(http, d), 20, "decode ready")["ready"] is True
     bearer = {"Authorization": f"Bearer {TOKEN}"}  # incarnations only to a holder of the token
@@ -90,7 +92,7 @@ def test_readyz_and_compat(cluster, http):
     assert dd["layout"]["page_size"] == 256 and dd["layout"]["kv_dtype"] == "float8_e4m3fn"
     assert dd["layout"]["compression_ratios"] == [0, 4, 128] and dd["layout"]["layout"] == "paged"
     assert pd["local_check"] == dd["local_check"] == {"ok": True, "error": None}
-    assert pd["engine"] == dd["engine"] == "shm"
+    assert pd["engine"] == dd["engine"] == "shm" and pd["transport"] == dd["transport"] == shm
     assert dd["peers"] == [
         {
             "id": cluster["prefill"].wait_listening()["control"],

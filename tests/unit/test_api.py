@@ -30,6 +30,9 @@ def own_report():
     return tiny(draft_mapping="own")
 
 
+SHM_TRANSPORT = {"engine": "shm", "configured": "shm", "in_use": "shm", "listening": [], "open": False, "problem": None}
+
+
 @dataclass
 class FakeSource:
     role: str
@@ -38,6 +41,7 @@ class FakeSource:
     incarnation: str = "inc"
     engine: str = "shm"
     control: str = "tcp://127.0.0.1:5601"
+    transport: dict = field(default_factory=lambda: dict(SHM_TRANSPORT))
     stats: Stats = field(default_factory=Stats)
     ready: Readiness = field(default_factory=lambda: Readiness(True))
     peer_list: list = field(default_factory=list)
@@ -101,7 +105,13 @@ def test_health_and_ready(good_report):
     src = FakeSource("prefill", good_report)
     c = client(src)
     assert c.get("/healthz").json() == {"status": "ok"}
-    assert c.get("/readyz").json() == {"ready": True, "reason": None, "check": None, "error": None}
+    assert c.get("/readyz").json() == {
+        "ready": True,
+        "reason": None,
+        "check": None,
+        "error": None,
+        "transport": SHM_TRANSPORT,
+    }
     err = ErrorInfo(type="SWAIndexMappingNotShared", message=MAPPING_ERROR)
     src.ready = Readiness(False, MAPPING_ERROR, "handshake", err)
     r = c.get("/readyz")
@@ -111,6 +121,7 @@ def test_health_and_ready(good_report):
         "reason": MAPPING_ERROR,
         "check": "handshake",
         "error": {**err.model_dump(), "fix": MAPPING_FIX},
+        "transport": SHM_TRANSPORT,
     }
 
 
@@ -129,6 +140,7 @@ def test_compat_document(own_report):
     doc = client(src).get("/v1/compat").json()
     assert doc["role"] == "decode" and doc["protocol_version"] == PROTOCOL_VERSION
     assert doc["fingerprint"] == own_report.fingerprint
+    assert doc["transport"] == SHM_TRANSPORT
     assert doc["layout"]["page_size"] == 256 and doc["layout"]["kv_dtype"] == "float8_e4m3fn"
     assert list(doc["layout"])[2:] == [n for n, _ in own_report.factors]
     assert doc["local_check"] == {

@@ -72,7 +72,14 @@ from pdstate.service.models import (  # noqa: F401  (Readiness and the limits: p
     StatusSource,
     TransferIn,
     TransferOut,
+    TransportModel,
 )
+
+
+def transport_model(source: StatusSource) -> TransportModel | None:
+    """The engine's transport and listeners (``None`` for a source that does not say)."""
+    t = getattr(source, "transport", None)
+    return TransportModel(**t) if t else None
 
 
 def compat_document(source: StatusSource, reveal: bool = True) -> CompatDocument:
@@ -88,6 +95,7 @@ def compat_document(source: StatusSource, reveal: bool = True) -> CompatDocument
         pdstate_version=__version__,
         engine=source.engine,
         control=source.control,
+        transport=transport_model(source),
         fingerprint=r.fingerprint,
         layout={"page_size": r.page_size, "kv_dtype": r.kv_dtype, **dict(r.factors)},
         local_check=LocalCheckModel(ok=ok, error=None if err is None else ErrorModel(**err.model_dump())),
@@ -214,6 +222,7 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
             reason=r.reason,
             check=r.check,
             error=None if r.error is None else ErrorModel(**r.error.model_dump()),
+            transport=transport_model(source),
         )
         if r.ready:
             return body

@@ -139,6 +139,8 @@ class MooncakeSection(_Section):
 
 class NixlSection(_Section):
     allow_open_listener: bool = False
+    # UCX_NET_DEVICES for the agent ("lo": its TCP listener on loopback only); "": UCX's choice (all)
+    net_devices: str = ""
 
 
 class TransferSection(_Section):
@@ -192,6 +194,8 @@ class WorkerConfig(_Section):
         if self.transfer.engine == "mooncake":
             m = self.transfer.mooncake  # MooncakeEngine names the NIC list ``device_name``
             engine_options = {"host": m.host, "protocol": m.protocol, "device_name": m.device}
+        elif self.transfer.engine == "nixl" and self.transfer.nixl.net_devices:
+            engine_options = {"ucx_env": {"UCX_NET_DEVICES": self.transfer.nixl.net_devices}}
         return WorkerOptions(
             role=self.role,
             pool=self.pool_settings(),

@@ -28,6 +28,7 @@ class WorkerStatus:
         self.worker_id: str = worker.worker_id
         self.incarnation: str = worker.incarnation
         self.engine: str = cfg.transfer.engine
+        self.transport: dict = worker.transport  # fixed once the engine started
         self.control: str = worker.status().endpoint if cfg.role == "prefill" else cfg.control.peer
         self.report = worker.report
         self.draining = False
@@ -55,6 +56,9 @@ class WorkerStatus:
         if not ok:
             return Readiness(False, err.message, "local_check", err)
         s = self.worker.status()
+        problem = self.transport.get("problem")
+        if problem:  # e.g. RDMA configured, TCP in use: never serve on a silent fallback
+            return Readiness(False, problem, "transport", ErrorInfo(type="EngineError", message=problem))
         if s.dead_threads:  # a worker thread died: nothing would answer (see the worker's log for why)
             return Readiness(False, f"worker thread stopped: {', '.join(s.dead_threads)}", "threads")
         if self.role == "prefill":

@@ -189,6 +189,7 @@ class AgentWorker:
         self.incarnation = new_incarnation()
         self.local_error: BaseException | None = None
         self.agent = None
+        self.transport: dict = {}  # the agent engine's, once started (``AgentLifetime.transport``)
         self.pools = None
         self.stats = AgentStats(lambda: self.agent)
         self.finished: OrderedDict[int, object] = OrderedDict()
@@ -225,7 +226,7 @@ class AgentWorker:
         except BaseException:
             self.close_side()
             raise
-        self.incarnation = self.agent.incarnation
+        self.incarnation, self.transport = self.agent.incarnation, self.agent.transport()
 
     # -- requests -----------------------------------------------------------------------------
     def _enter(self, status: RequestStatus) -> bool:
