@@ -31,7 +31,7 @@ import secrets
 import socket
 
 from pdstate.agent import DecodeAgent, PrefillAgent
-from pdstate.errors import AgentClosed
+from pdstate.errors import AgentClosed, EngineError
 from pdstate.integrations.sglang.launch.backend import context_parallel_refusal, pipeline_parallel_refusal
 from pdstate.integrations.sglang.settings import check_rank_auth, layout_report, load_settings
 
@@ -111,6 +111,10 @@ def build_manager() -> type:
                 self.agent = DecodeAgent(
                     args, worker_id=rank, transfer_timeout_s=min(MAX_TRANSFER_S, waiting_s + BACKSTOP_S), **common
                 )
+            problem = self.agent.transport()["problem"]
+            if problem:  # a silent fallback (Mooncake configured for RDMA, running on TCP): never serve on it
+                self.agent.close()
+                raise EngineError(problem)
             self.topology_errors: dict[str, str] = {}
             try:
                 super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
