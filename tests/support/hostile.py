@@ -14,6 +14,8 @@ encoded ``Register``) from stdin, registers the victim's segments under its own 
 challenge (reading the segment secrets if ``try_read``, else guessing), then asks for a transfer,
 and prints what it got as one JSON line. ``GatedRelay`` holds a decode's frames on their way to
 its prefill until opened: a decode whose segments exist but that has not registered yet.
+``RelayProcess`` is such a relay, open, as a process of its own (another uid where the tests run
+as root): the fake prefill of ``test_relay.py`` run by a second user.
 """
 
 from __future__ import annotations
@@ -350,12 +352,54 @@ def run(spec: dict, as_other_uid: bool = False) -> dict:
     return json.loads(r.stdout.splitlines()[-1])
 
 
+class RelayProcess:
+    """An open ``GatedRelay`` to ``upstream`` in a process of its own, as ``NOBODY`` when the tests
+    run as root; ``address`` its front, ``uid`` the uid it runs as. ``close`` ends it."""
+
+    def __init__(self, upstream: str, as_other_uid: bool = True) -> None:
+        spec = {"relay": upstream, "uid": NOBODY if as_other_uid and os.getuid() == 0 else None}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC_DIR), str(REPO)])}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-B", "-m", "tests.support.hostile"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=env,
+        )
+        self.proc.stdin.write(json.dumps(spec) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()  # once listening (or empty: it died, see its stderr)
+        assert line, f"the relay process ended: {self.proc.wait(10)}"
+        started = json.loads(line)
+        self.address, self.uid = started["address"], started["uid"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()  # the relay's cue to stop
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _relay(upstream: str) -> None:
+    relay = GatedRelay(upstream)
+    relay.open.set()
+    print(json.dumps({"address": relay.address, "uid": os.getuid()}), flush=True)
+    sys.stdin.read()  # until the test closes it
+    relay.close()
+
+
 def main() -> None:
     spec = json.loads(sys.stdin.readline())
     if spec.get("uid") is not None:
         os.setgroups([])
         os.setgid(spec["uid"])
         os.setuid(spec["uid"])
+    if spec.get("relay"):
+        _relay(spec["relay"])
+        return
     theirs = wire.decode(bytes.fromhex(spec["register"]))
     if spec.get("identity"):
         out = reuse_identity(spec["address"], theirs, bytes.fromhex(spec["identity"]))
