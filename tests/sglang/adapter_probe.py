@@ -584,6 +584,24 @@ def case_pp_refused(h: Harness) -> dict:
     return _refused_at_start(h, "prefill", pp_size=2)
 
 
+def case_auth_refused(h: Harness) -> dict:
+    """A prefill rank SGLang advertises beyond loopback (``SGLANG_HOST_IP``), with no token and no
+    opt-out: its manager stops at construction, with one line (``refused``; None if it started)."""
+    from sglang.srt.runtime_context import get_server_args
+
+    saved = os.environ.get("SGLANG_HOST_IP")
+    os.environ["SGLANG_HOST_IP"] = "10.1.2.3"
+    try:
+        h.cls["MANAGER"](h.prefill["kv"], h.mode.PREFILL, get_server_args(), True).close()
+    except Exception as exc:
+        return {"refused": f"{type(exc).__name__}: {exc}"}
+    finally:
+        os.environ.pop("SGLANG_HOST_IP")
+        if saved is not None:
+            os.environ["SGLANG_HOST_IP"] = saved
+    return {"refused": None}
+
+
 def case_io_thread_ends(h: Harness) -> dict:
     """The prefill agent's I/O thread ends while a request is in bootstrap: the prefill's request
     fails at once saying so, and the decode's when that prefill stops answering heartbeats."""
@@ -683,6 +701,7 @@ CASES = {
     "cp_refused": case_cp_refused,
     "io_thread_ends": case_io_thread_ends,
     "pp_refused": case_pp_refused,
+    "auth_refused": case_auth_refused,
     "ok_unified": case_ok_unified,
     "prefix": case_prefix,
     "prefill_complete": case_prefill_complete,
