@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from pdstate.transfer.engines.listeners import beyond_loopback, tcp_listeners
+from tests.sglang import runner
 from tests.support.hostile import NOBODY, segment_paths
 from tests.support.services import Services, ready, wait_for
 from tests.support.workers import pdstate_command
@@ -150,6 +151,20 @@ def test_mooncake_configured_for_rdma_that_fell_back_to_tcp_is_not_ready_with_th
             f"  transport    tcp (configured rdma), listening on {', '.join(t['listening'])} (beyond loopback)" in lines
         )
         assert f"  transport    PROBLEM: {FALLBACK}" in lines
+
+
+def test_an_sglang_rank_configured_for_rdma_that_fell_back_to_tcp_refuses_to_start():
+    _native("mooncake.engine")
+    _no_rdma_device()
+    try:
+        env = runner.ensure_env()
+    except runner.EnvUnavailable as exc:
+        runner.skip(exc)
+    extra = {"PDSTATE_TRANSFER__ENGINE": "loopback", "SGLANG_HOST_IP": "127.0.0.1"}
+    got = runner.run_probe(env, extra, ["rdma_fallback_refused"], 300, "adapter_probe.py")
+    assert "setup" not in got, got["setup"].get("error")
+    assert got["rdma_fallback_refused"]["ok"], got["rdma_fallback_refused"].get("error")
+    assert got["rdma_fallback_refused"]["refused"] == f"EngineError: {FALLBACK}"
 
 
 def test_nixl_net_devices_lo_keeps_its_listener_on_loopback():

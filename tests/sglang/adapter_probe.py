@@ -602,6 +602,30 @@ def case_auth_refused(h: Harness) -> dict:
     return {"refused": None}
 
 
+def case_rdma_fallback_refused(h: Harness) -> dict:
+    """A prefill rank configured for Mooncake over RDMA on a host without an RDMA device (Mooncake
+    then runs on TCP by itself): its manager stops at construction, saying why (``refused``)."""
+    from sglang.srt.runtime_context import get_server_args
+
+    env = {
+        "PDSTATE_TRANSFER__ENGINE": "mooncake",
+        "PDSTATE_TRANSFER__MOONCAKE__PROTOCOL": "rdma",
+        "PDSTATE_TRANSFER__MOONCAKE__ALLOW_OPEN_LISTENER": "true",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        h.cls["MANAGER"](h.prefill["kv"], h.mode.PREFILL, get_server_args(), True).close()
+    except Exception as exc:
+        return {"refused": f"{type(exc).__name__}: {exc}"}
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k)
+            if v is not None:
+                os.environ[k] = v
+    return {"refused": None}
+
+
 def case_io_thread_ends(h: Harness) -> dict:
     """The prefill agent's I/O thread ends while a request is in bootstrap: the prefill's request
     fails at once saying so, and the decode's when that prefill stops answering heartbeats."""
@@ -702,6 +726,7 @@ CASES = {
     "io_thread_ends": case_io_thread_ends,
     "pp_refused": case_pp_refused,
     "auth_refused": case_auth_refused,
+    "rdma_fallback_refused": case_rdma_fallback_refused,
     "ok_unified": case_ok_unified,
     "prefix": case_prefix,
     "prefill_complete": case_prefill_complete,
