@@ -584,34 +584,11 @@ def case_pp_refused(h: Harness) -> dict:
     return _refused_at_start(h, "prefill", pp_size=2)
 
 
-def case_auth_refused(h: Harness) -> dict:
-    """A prefill rank SGLang advertises beyond loopback (``SGLANG_HOST_IP``), with no token and no
-    opt-out: its manager stops at construction, with one line (``refused``; None if it started)."""
+def _refused_under(h: Harness, env: dict[str, str]) -> dict:
+    """A prefill rank's manager built under the environment ``env`` (restored after): the error it
+    stops with, as ``Type: message`` (``refused``; None when it started)."""
     from sglang.srt.runtime_context import get_server_args
 
-    saved = os.environ.get("SGLANG_HOST_IP")
-    os.environ["SGLANG_HOST_IP"] = "10.1.2.3"
-    try:
-        h.cls["MANAGER"](h.prefill["kv"], h.mode.PREFILL, get_server_args(), True).close()
-    except Exception as exc:
-        return {"refused": f"{type(exc).__name__}: {exc}"}
-    finally:
-        os.environ.pop("SGLANG_HOST_IP")
-        if saved is not None:
-            os.environ["SGLANG_HOST_IP"] = saved
-    return {"refused": None}
-
-
-def case_rdma_fallback_refused(h: Harness) -> dict:
-    """A prefill rank configured for Mooncake over RDMA on a host without an RDMA device (Mooncake
-    then runs on TCP by itself): its manager stops at construction, saying why (``refused``)."""
-    from sglang.srt.runtime_context import get_server_args
-
-    env = {
-        "PDSTATE_TRANSFER__ENGINE": "mooncake",
-        "PDSTATE_TRANSFER__MOONCAKE__PROTOCOL": "rdma",
-        "PDSTATE_TRANSFER__MOONCAKE__ALLOW_OPEN_LISTENER": "true",
-    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -624,6 +601,25 @@ def case_rdma_fallback_refused(h: Harness) -> dict:
             if v is not None:
                 os.environ[k] = v
     return {"refused": None}
+
+
+def case_auth_refused(h: Harness) -> dict:
+    """A prefill rank SGLang advertises beyond loopback (``SGLANG_HOST_IP``), with no token and no
+    opt-out: its manager stops at construction, with one line."""
+    return _refused_under(h, {"SGLANG_HOST_IP": "10.1.2.3"})
+
+
+def case_rdma_fallback_refused(h: Harness) -> dict:
+    """A prefill rank configured for Mooncake over RDMA on a host without an RDMA device (Mooncake
+    then runs on TCP by itself): its manager stops at construction, saying why."""
+    return _refused_under(
+        h,
+        {
+            "PDSTATE_TRANSFER__ENGINE": "mooncake",
+            "PDSTATE_TRANSFER__MOONCAKE__PROTOCOL": "rdma",
+            "PDSTATE_TRANSFER__MOONCAKE__ALLOW_OPEN_LISTENER": "true",
+        },
+    )
 
 
 def case_io_thread_ends(h: Harness) -> dict:
