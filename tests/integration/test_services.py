@@ -20,7 +20,7 @@ import pytest
 
 from pdstate.errors import ExitCode
 from pdstate.protocol.wire import PROTOCOL_VERSION
-from tests.support.services import START_TIMEOUT_S, Service, ready, wait_for
+from tests.support.services import SHM_TRANSPORT, START_TIMEOUT_S, Service, ready, wait_for
 from tests.support.services import serve_env as _env
 from tests.support.upstream import MAPPING_ERROR, MAPPING_FIX
 from tests.support.workers import pdstate_command, segments
@@ -72,13 +72,12 @@ def test_listening_line(cluster):
 
 def test_readyz_and_compat(cluster, http):
     p, d = cluster["prefill"].url, cluster["decode"].url
-    shm = {"engine": "shm", "configured": "shm", "in_use": "shm", "listening": [], "open": False, "problem": None}
     assert wait_for(lambda: ready(http, p), 20, "prefill ready") == {
         "ready": True,
         "reason": None,
         "check": None,
         "error": None,
-        "transport": shm,  # no native listener: shm has no port
+        "transport": SHM_TRANSPORT,  # no native listener: shm has no port
     }
     assert wait_for(lambda: ready(http, d), 20, "decode ready")["ready"] is True
     bearer = {"Authorization": f"Bearer {TOKEN}"}  # incarnations only to a holder of the token
@@ -92,7 +91,7 @@ def test_readyz_and_compat(cluster, http):
     assert dd["layout"]["page_size"] == 256 and dd["layout"]["kv_dtype"] == "float8_e4m3fn"
     assert dd["layout"]["compression_ratios"] == [0, 4, 128] and dd["layout"]["layout"] == "paged"
     assert pd["local_check"] == dd["local_check"] == {"ok": True, "error": None}
-    assert pd["engine"] == dd["engine"] == "shm" and pd["transport"] == dd["transport"] == shm
+    assert pd["engine"] == dd["engine"] == "shm" and pd["transport"] == dd["transport"] == SHM_TRANSPORT
     assert dd["peers"] == [
         {
             "id": cluster["prefill"].wait_listening()["control"],

@@ -28,7 +28,7 @@ import pytest
 from pdstate.transfer.engines.listeners import beyond_loopback, tcp_listeners
 from tests.sglang import runner
 from tests.support.hostile import NOBODY, segment_paths
-from tests.support.services import Services, ready, wait_for
+from tests.support.services import SHM_TRANSPORT, Services, ready, wait_for
 from tests.support.workers import pdstate_command
 
 ACK = "transfer.{}.allow_open_listener=true"
@@ -84,9 +84,8 @@ def test_shm_a_process_that_never_shook_hands_cannot_write_the_decodes_segments(
         decode = s.start("decode", ["http.port=0", f"control.peer={control}"])
         url = decode.url
         body = wait_for(lambda: ready(httpx.Client(timeout=5), url), 60, "the decode ready")
-        shm = {"engine": "shm", "configured": "shm", "in_use": "shm", "listening": [], "open": False, "problem": None}
-        assert body["transport"] == shm  # no port to write through
-        assert _compat(url)["transport"] == shm
+        assert body["transport"] == SHM_TRANSPORT  # no port to write through
+        assert _compat(url)["transport"] == SHM_TRANSPORT
         paths = segment_paths(decode.pid)
         assert paths, "the decode has no shm segments"
         for p in paths:

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.support.services import Service, wait_for
+from tests.support.services import SHM_TRANSPORT, Service, wait_for
 
 TOKEN = "one-side-token-5be1c0d2"
 TIMEOUT_S = 2.0
@@ -74,6 +74,7 @@ def test_token_on_one_side_only_is_an_auth_error_on_both(side_with_token, decode
                 "reason": said,
                 "check": "handshake",
                 "error": {"type": "AuthError", "message": said, "fix": f"fix: {FIX}"},
+                "transport": SHM_TRANSPORT,
             }
             r = http.get(f"{prefill.url}/readyz")
             assert r.status_code == 200  # a decode with the right token is still served
@@ -82,6 +83,7 @@ def test_token_on_one_side_only_is_an_auth_error_on_both(side_with_token, decode
                 "reason": f"decodes' frames fail auth: {prefill_sees}",
                 "check": "auth",
                 "error": {"type": "AuthError", "message": prefill_sees, "fix": f"fix: {FIX}"},
+                "transport": SHM_TRANSPORT,
             }
             assert _metric(http, prefill.url, "pdstate_auth_failures_total") >= 1
             assert _metric(http, decode.url, "pdstate_auth_failures_total") >= 1

@@ -17,6 +17,7 @@ from pdstate.protocol.wire import PROTOCOL_VERSION
 from pdstate.service.api import Readiness, create_app, route_paths
 from pdstate.worker.stats import Stats
 from tests.support.pools import tiny
+from tests.support.services import SHM_TRANSPORT
 from tests.support.upstream import MAPPING_ERROR, MAPPING_FIX
 
 
@@ -28,9 +29,6 @@ def good_report():
 @pytest.fixture(scope="module")
 def own_report():
     return tiny(draft_mapping="own")
-
-
-SHM_TRANSPORT = {"engine": "shm", "configured": "shm", "in_use": "shm", "listening": [], "open": False, "problem": None}
 
 
 @dataclass
