@@ -137,7 +137,11 @@ def test_mooncake_configured_for_rdma_that_fell_back_to_tcp_is_not_ready_with_th
         assert r.status_code == 503, r.text
         body = r.json()
         assert (body["ready"], body["check"], body["reason"]) == (False, "transport", FALLBACK)
-        assert body["error"]["type"] == "EngineError"
+        assert body["error"] == {
+            "type": "EngineError",
+            "message": FALLBACK,
+            "fix": 'fix: make the RDMA devices visible (ibv_devices lists them), or set transfer.mooncake.protocol = "tcp"',
+        }
         t = body["transport"]
         assert (t["configured"], t["in_use"], t["problem"]) == ("rdma", "tcp", FALLBACK)
         _listening_for_real(prefill.pid, t["listening"])
