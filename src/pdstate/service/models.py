@@ -47,7 +47,7 @@ class StatusSource(Protocol):
 
     def free_counts(self) -> dict[str, int]: ...
 
-    # decode; Future[dict]; ``prefill`` is passed only when the request names one
+    # decode; Future of a dict or a TransferResult (``as_dict``); ``prefill`` only when the request names one
     def submit(self, tokens: int, room: int | None, prefill: str | None = None) -> Future: ...
 
     def lookup(self, room: int) -> dict | None: ...  # decode; a TransferResult dict or in-flight

@@ -12,6 +12,7 @@ reads (``status()``, ``stats``, ``free_counts()``, ``lookup()``, ``submit()``, `
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import sys
 import threading
@@ -109,10 +110,23 @@ class PagePool:
         self._freed = threading.Condition()
         self.waiting = 0
 
-    def allocate(self, names: list[str], seq_len: int, wait_s: float = 0.0) -> rq.Allocation:
+    def try_allocate(self, names: list[str], seq_len: int) -> rq.Allocation | None:
+        """The request's pages now, or ``None`` while the pool is full (never waits); raises
+        ``AllocationError`` for a request larger than the whole pool."""
+        self._fits(seq_len)
+        with self._freed:
+            try:
+                return rq.allocate(self.pools, names, seq_len)
+            except AllocationError:
+                return None
+
+    def _fits(self, seq_len: int) -> None:
         capacity = rq.capacity_tokens(self.pools)
         if seq_len > capacity:
             raise AllocationError(f"seq_len {seq_len} exceeds the pool of {capacity} tokens")
+
+    def allocate(self, names: list[str], seq_len: int, wait_s: float = 0.0) -> rq.Allocation:
+        self._fits(seq_len)
         deadline = time.monotonic() + wait_s
         with self._freed:
             self.waiting += 1
@@ -136,6 +150,42 @@ class PagePool:
     def counts(self) -> dict[str, int]:
         with self._freed:
             return rq.free_counts(self.pools)
+
+
+class Timers:
+    """One thread running an event loop: a worker's request steps run there one at a time, and
+    its deadlines, backoffs and fences are timers on it (no thread per request, none asleep
+    through a wait). ``post`` is safe from any thread; ``at``/``later`` only on the loop's own."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """Run ``fn(*args)`` on the loop soon; False once the loop has stopped."""
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # closed
+            return False
+        return True
+
+    def later(self, delay_s: float, fn: Callable[..., Any], *args: Any) -> asyncio.TimerHandle:
+        return self.loop.call_later(max(0.0, delay_s), fn, *args)
+
+    def at(self, when: float, fn: Callable[..., Any], *args: Any) -> asyncio.TimerHandle:
+        """``fn(*args)`` at ``when`` (``time.monotonic()``'s clock)."""
+        return self.later(when - time.monotonic(), fn, *args)
+
+    def stop(self) -> None:
+        """Run what was posted before, then end the thread. Idempotent."""
+        if self.post(self.loop.stop):
+            self._thread.join()
+            self.loop.close()
 
 
 class AgentWorker:
@@ -267,6 +317,7 @@ __all__ = [
     "AgentWorker",
     "MAX_FINISHED",
     "PagePool",
+    "Timers",
     "build_side",
     "new_incarnation",
     "now",
