@@ -92,6 +92,24 @@ def test_a_busy_prefill_is_asked_again_until_it_has_room(pair, monkeypatch):
     assert d.stats.snapshot().transfers["busy"] >= 1 and d.stats.snapshot().transfers["failed"] == 0
 
 
+@pytest.mark.parametrize("pair", [{"prefill": {"max_inflight": 1}}], indirect=True)
+def test_requests_waiting_out_a_busy_prefill_hold_no_thread_each(pair, monkeypatch):
+    p, d = pair
+    held = Held(monkeypatch)
+    before = {t.name for t in threading.enumerate()}
+    futs = [d.submit(100)]
+    held.wait_entered()
+    futs += [d.submit(100 + i) for i in range(40)]  # asked again on timers, not on threads
+    wait_until("the prefill said busy to many", lambda: p.stats.snapshot().transfers["busy"] >= 40, 10)
+    assert d.in_flight() == 41
+    new = {t.name for t in threading.enumerate()} - before
+    assert not any(n.startswith("pdstate-decode") for n in new), new
+    held.release()
+    for i, fut in enumerate(futs):
+        res = fut.result(30)
+        assert (res.status, res.verified, res.seq_len) == ("success", True, 100 + max(0, i - 1)), res
+
+
 def test_a_request_past_its_deadline_fails_and_its_pages_are_free_after_the_fence(pair, monkeypatch):
     p, d = pair
     held = Held(monkeypatch)
