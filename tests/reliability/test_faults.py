@@ -118,10 +118,7 @@ def test_decode_killed_mid_transfer(workers):
     assert segments(d.pid) == [], "a new decode must remove the crashed decode's stale segments"
     rec = peer_record(p, "victim", "accepted")
     assert rec["incarnation"] != old_incarnation
-    results, done = run_batch(d2, AFTER, concurrency=2)
-    assert_all_verified(results, AFTER)
-    assert done["free"] == ready["free"]
-    _prefill_free(p, p_free)
+    results, _ = _serves_again(p, d2, ready["free"], p_free)
     tally(
         "decode SIGKILL mid-transfer (shm)",
         records + results,
@@ -366,11 +363,7 @@ def test_mooncake_session_torn_down(workers):
     assert stats["engine_errors"] == len(engine_failures)
     release_copies(p)
     d2 = workers.decode(ep, ROOMY, engine="mooncake", worker_id="mc-victim", **FAULT)
-    ready = _ready(d2)
-    after, done = run_batch(d2, AFTER, concurrency=2)
-    assert_all_verified(after, AFTER)
-    assert done["free"] == ready["free"]
-    _prefill_free(p, p_free)
+    after, _ = _serves_again(p, d2, _ready(d2)["free"], p_free)
     tally(
         "mooncake session torn down",
         records + after,

@@ -52,6 +52,17 @@ _UPSTREAM_ATTRS = (
 )
 
 
+def compress_state_pools(pool: PdPool) -> list:
+    """Upstream's per-layer compress-state pools (``None`` for an uncompressed layer) of ``pool``'s stage."""
+    pools: list = [None] * len(pool.compression_ratios)
+    for layer in range(pool._stage_start, pool._stage_end):
+        r = pool.compression_ratios[layer]
+        if r:
+            ring = pool.c4_ring_size if r == 4 else pool.c128_ring_size
+            pools[layer] = SimpleNamespace(ratio=r, ring_size=ring, online=r == 128 and pool.online_c128)
+    return pools
+
+
 class _Shaped:
     def __init__(self, pool: PdPool) -> None:
         for name in _UPSTREAM_ATTRS:
@@ -61,13 +72,7 @@ class _Shaped:
             self.unified_swa_ring_size = pool.unified_swa_ring_size
             self.unified_swa_pages = pool.unified_swa_pages
         self._spec = pool.speculative
-        self.compress_state_pools = [None] * len(pool.compression_ratios)
-        for layer in range(pool._stage_start, pool._stage_end):
-            r = pool.compression_ratios[layer]
-            if r:
-                ring = pool.c4_ring_size if r == 4 else pool.c128_ring_size
-                online = r == 128 and pool.online_c128
-                self.compress_state_pools[layer] = SimpleNamespace(ratio=r, ring_size=ring, online=online)
+        self.compress_state_pools = compress_state_pools(pool)
 
     def register_mapping(self, mapping: torch.Tensor) -> None:
         self.full_to_swa_index_mapping = mapping
@@ -273,13 +278,7 @@ class DeepSeekV4TokenToKVPool23:
             for r in (4, 128)
             if r in pool.compression_ratios
         }
-        self.compress_state_pools = [None] * len(pool.compression_ratios)
-        for layer in range(pool._stage_start, pool._stage_end):
-            r = pool.compression_ratios[layer]
-            if r:
-                ring = pool.c4_ring_size if r == 4 else pool.c128_ring_size
-                online = r == 128 and pool.online_c128
-                self.compress_state_pools[layer] = SimpleNamespace(ratio=r, ring_size=ring, online=online)
+        self.compress_state_pools = compress_state_pools(pool)
 
     def register_mapping(self, mapping: torch.Tensor) -> None:
         self.full_to_swa_index_mapping = mapping

@@ -204,16 +204,25 @@ def is_placeholder_token(token: str) -> bool:
     return norm in PLACEHOLDER_TOKENS or any(m in norm for m in _PLACEHOLDER_MARKERS)
 
 
+def _read_bytes(path: str | Path, *, directory: str, unreadable, missing: str | None = None) -> bytes:
+    """The file's bytes, or ``ConfigError``: ``directory``, ``missing``, else ``unreadable(why)``."""
+    try:
+        return Path(path).read_bytes()
+    except IsADirectoryError:
+        raise ConfigError(directory) from None
+    except OSError as exc:
+        if missing is not None and isinstance(exc, FileNotFoundError):
+            raise ConfigError(missing) from None
+        raise ConfigError(unreadable(exc.strerror or exc)) from None
+
+
 def _read_token_file(path: str) -> bytes:
     fix = f"write the shared token into it, e.g. {GENERATE_HINT} > {path}"
-    try:
-        data = Path(path).read_bytes()
-    except IsADirectoryError:
-        raise ConfigError(f"auth.token_file: {path} is a directory; name the file that holds the token") from None
-    except OSError as exc:
-        raise ConfigError(
-            f"auth.token_file: cannot read {path}: {exc.strerror or exc}; make it a file readable by this user"
-        ) from None
+    data = _read_bytes(
+        path,
+        directory=f"auth.token_file: {path} is a directory; name the file that holds the token",
+        unreadable=lambda why: f"auth.token_file: cannot read {path}: {why}; make it a file readable by this user",
+    )
     try:
         text = data.decode("utf-8").strip()
     except UnicodeDecodeError:
@@ -282,17 +291,13 @@ def _check_auth(cfg: WorkerConfig, where: Callable[[str], str]) -> None:
 
 
 def _read_config_text(path: str | Path) -> str:
-    p = Path(path)
-    try:
-        data = p.read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {path} is a directory; --config takes a TOML file") from None
-    except OSError as exc:
-        raise ConfigError(
-            f"config file {path}: cannot read: {exc.strerror or exc}; --config takes a TOML file readable by this user"
-        ) from None
+    toml = "--config takes a TOML file"
+    data = _read_bytes(
+        path,
+        directory=f"config file {path} is a directory; {toml}",
+        unreadable=lambda why: f"config file {path}: cannot read: {why}; {toml} readable by this user",
+        missing=f"config file not found: {path}",
+    )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

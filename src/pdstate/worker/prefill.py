@@ -62,6 +62,7 @@ class AgentPrefillWorker(AgentWorker):
         self.chunks = max(1, chunks)
         self.endpoint = ""
         self._draining = threading.Event()
+        self._drain_end = float("inf")  # set (before ``_draining``) by ``stop``
         self._threads = ThreadPoolExecutor(
             max_workers=max(1, min(opts.max_inflight, REQUEST_THREADS)), thread_name_prefix="pdstate-prefill-request"
         )
@@ -86,9 +87,9 @@ class AgentPrefillWorker(AgentWorker):
     def stop(self) -> None:
         """Refuse new requests, let those in flight finish for up to ``drain_s``, then end the
         rest (``prefill shutting down``), say goodbye and release everything. Idempotent."""
+        self._drain_end = time.monotonic() + self.opts.drain_s
         self._draining.set()
-        deadline = time.monotonic() + self.opts.drain_s
-        while self.in_flight() and time.monotonic() < deadline:
+        while self.in_flight() and time.monotonic() < self._drain_end:
             time.sleep(0.01)
         self.close_side()
 
@@ -145,7 +146,8 @@ class AgentPrefillWorker(AgentWorker):
             compute_s = time.perf_counter() - t0
             self._moved(status, RequestState.TRANSFERRING)
             self._hold(status)
-            given_up = self._given_up(status)  # its decode aborted, or went, while this one waited or computed
+            # its decode aborted, or went, while this one waited or computed; or this worker stops
+            given_up = self._given_up(status) or self._past_drain()
             if given_up is not None:
                 self._refuse(status.room, given_up)  # (a gone decode's request still waits at the agent)
                 raise given_up
@@ -182,6 +184,13 @@ class AgentPrefillWorker(AgentWorker):
         while (left := end - time.monotonic()) > 0 and self.hooks.delay_before_copy_s > 0:
             if self._given_up(status) is not None or self._draining.wait(min(left, 0.02)):
                 return
+
+    def _past_drain(self) -> PdStateError | None:
+        """A request not sent yet when the drain's time is up is not sent at all: it ends with
+        ``prefill shutting down`` (with ``drain_s = 0``, every request not yet sending)."""
+        if self._draining.is_set() and time.monotonic() >= self._drain_end:
+            return AgentClosed(SHUTTING_DOWN)
+        return None
 
     def _given_up(self, status: RequestStatus) -> PdStateError | None:
         """Why the request is not to be sent after all: its decode's abort or refusal, or the
