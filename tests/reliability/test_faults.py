@@ -79,6 +79,19 @@ def _serves_again(p, d, free0: dict, p_free: dict) -> tuple[list, dict]:
     return after, done
 
 
+def _silence_fails_the_batch(d, ep: str, timeout_s: float, t_fault: float, free0: dict) -> tuple[list, float]:
+    """The batch in flight fails ``PeerGone`` (missed heartbeats) within ``timeout_s`` of the
+    prefill's fault at ``t_fault`` (plus slack), the decode's pages all free again. Returns the
+    results and how long the decode took to see it."""
+    results, done, t_done = collect_batch(d)
+    detect_s = t_done - t_fault
+    for r in results:
+        _specific(r, "PeerGone", f"prefill {ep} missed heartbeats for {timeout_s:g} s")
+    assert done["free"] == free0
+    assert detect_s <= timeout_s + DETECT_SLACK_S, detect_s
+    return results, detect_s
+
+
 def _frozen_mid_batch(workers, worker_id: str) -> tuple:
     """A prefill holding its copies and a decode ``worker_id`` with a batch in flight there:
     ``(p, ep, p_free, d, free0, inc, lengths)``, ``inc`` the prefill's incarnation as the
@@ -169,12 +182,7 @@ def test_prefill_killed_mid_transfer_and_restarted_after_timeout(workers):
     start_batch(d, LENGTHS, concurrency=len(LENGTHS))
     wait_transferring(p2, "survivor", jobs=len(LENGTHS))
     t_kill = kill(p2)
-    results, done, t_done = collect_batch(d)
-    detect_s = t_done - t_kill
-    for r in results:
-        _specific(r, "PeerGone", f"prefill {ep} missed heartbeats for {timeout_s:g} s")
-    assert done["free"] == free0
-    assert detect_s <= timeout_s + DETECT_SLACK_S, detect_s
+    results, detect_s = _silence_fails_the_batch(d, ep, timeout_s, t_kill, free0)
 
     # 3. The same endpoint comes back: a new handshake, verified transfers, nothing leaked.
     p3, _ = workers.prefill(ROOMY, bind=ep, **timers)
@@ -227,12 +235,7 @@ def test_prefill_frozen_past_timeout_then_thawed(workers):
     p, ep, p_free, d, free0, inc, lengths = _frozen_mid_batch(workers, "patient")
     t_stop = kill(p, signal.SIGSTOP)
     try:
-        results, done, t_done = collect_batch(d)
-        detect_s = t_done - t_stop
-        for r in results:
-            _specific(r, "PeerGone", f"prefill {ep} missed heartbeats for {PEER_TIMEOUT_S:g} s")
-        assert done["free"] == free0
-        assert detect_s <= PEER_TIMEOUT_S + DETECT_SLACK_S, detect_s
+        results, detect_s = _silence_fails_the_batch(d, ep, PEER_TIMEOUT_S, t_stop, free0)
     finally:
         kill(p, signal.SIGCONT)
     # thawed: the prefill ends the abandoned requests (the decode registered again), and the

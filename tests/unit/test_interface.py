@@ -34,7 +34,7 @@ def draft(**over) -> PdPool:
     return PdPool(**{**UPSTREAM_TINY, **NEXTN, **over})
 
 
-_UPSTREAM_ATTRS = (
+_GEOMETRY = (  # what both releases' pools name alike
     "compression_ratios",
     "_unified_kv",
     "_stage_start",
@@ -43,6 +43,9 @@ _UPSTREAM_ATTRS = (
     "swa_page_size",
     "sliding_window",
     "dtype",
+)
+_UPSTREAM_ATTRS = (
+    *_GEOMETRY,
     "c4_state_dtype",
     "c128_state_dtype",
     "get_contiguous_buf_infos",
@@ -251,14 +254,7 @@ class DeepSeekV4TokenToKVPool23:
     def __init__(self, pool: PdPool) -> None:
         assert pool.upstream == "0.5.23"
         for name in (
-            "compression_ratios",
-            "_unified_kv",
-            "_stage_start",
-            "_stage_end",
-            "page_size",
-            "swa_page_size",
-            "sliding_window",
-            "dtype",
+            *_GEOMETRY,
             "get_contiguous_buf_infos",
             "get_state_buf_infos",
             "get_unified_swa_ring_buf_infos",
