@@ -478,7 +478,7 @@ def case_tp_dummy(h: Harness) -> dict:
         trace["receiver_error"] = _exc(recv)
         want, got = expected(ranks[0], dst), landed(dst)
         trace["bytes_differing"] = int(sum(int((w != g).sum()) for w, g in zip(want, got)))
-        trace["sent_bytes"] = [int(s._agent_send.metrics.get("bytes", -1)) for s in senders]
+        trace["sent_bytes"] = [int(s.get_transfer_metric().transfer_total_bytes or 0) for s in senders]
         return trace
     finally:
         for m in (dm, *managers):
@@ -543,45 +543,45 @@ def case_prefill_dp(h: Harness) -> dict:
 
 
 def case_decode_tp_wider(h: Harness) -> dict:
-    """A decode of attention TP 2 facing the prefill of TP 1: refused, with the reason, at once."""
-    from sglang.srt.disaggregation.base.conn import KVPoll
+    """A decode of attention TP 2 facing the prefill of TP 1: SGLang maps both decode ranks to
+    prefill rank 0 (``required_dst_info_num`` 2); each asks under a room of its own."""
     from sglang.srt.runtime_context import get_parallel, get_server_args
 
-    with get_parallel().override(**_wider(attn_tp_size=2, attn_tp_rank=0)):
-        dm = h.cls["MANAGER"](h.decode["kv"], h.mode.DECODE, get_server_args(), True)
-    try:
-        recv = h.cls["RECEIVER"](mgr=dm, bootstrap_addr=h.addr, bootstrap_room=3001)
-        _wait(lambda: dm.try_ensure_parallel_info(h.addr) or None, "prefill parallel info")
-        recv.init(0)
-        return {"receiver": int(recv.poll()), "receiver_error": _exc(recv), "failed": recv.poll() == KVPoll.Failed}
-    finally:
-        dm.close()
+    out: dict = {"receivers": [], "rooms": []}
+    for rank in (0, 1):
+        h.decode["kv"].engine_rank = rank
+        with get_parallel().override(**_wider(attn_tp_size=2, attn_tp_rank=rank)):
+            dm = h.cls["MANAGER"](h.decode["kv"], h.mode.DECODE, get_server_args(), True)
+        try:
+            recv = h.cls["RECEIVER"](mgr=dm, bootstrap_addr=h.addr, bootstrap_room=3001)
+            _wait(lambda dm=dm: dm.try_ensure_parallel_info(h.addr) or None, "prefill parallel info")
+            recv.init(0)
+            out["receivers"].append(int(recv.poll()))
+            out["rooms"].append(recv.agent_rooms)
+            out["required_dst_info_num"] = recv.required_dst_info_num
+            recv.abort()
+        finally:
+            dm.close()
+    h.decode["kv"].engine_rank = 0
+    return out
+
+
+def _refused_at_start(h: Harness, side: str, **widths) -> dict:
+    """The manager of ``side`` ("prefill" / "decode") built under ``widths``: the error it stops with."""
+    from sglang.srt.runtime_context import get_parallel, get_server_args
+
+    mode = h.mode.PREFILL if side == "prefill" else h.mode.DECODE
+    with get_parallel().override(**_wider(**widths)):
+        try:
+            h.cls["MANAGER"](getattr(h, side)["kv"], mode, get_server_args(), True)
+        except ValueError as exc:
+            return {"error": str(exc)}
+    return {"error": None}
 
 
 def case_pp_refused(h: Harness) -> dict:
-    """A prefill of two pipeline stages facing a decode of one: refused at once with the reason
-    (SGLang would send each stage's layers into the full decode; pdstate does not, yet)."""
-    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
-    from sglang.srt.runtime_context import get_disagg, get_parallel, get_server_args
-
-    port = _free_port()
-    get_kv_class(TransferBackend("pdstate"), KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
-    stages = [build_side(True, 0), build_side(True, 0)]  # (publishes the server args: before the overrides)
-    _context()
-    managers = []
-    with get_disagg().override(disaggregation_bootstrap_port=port), get_parallel().override(**_wider(pp_size=2)):
-        for stage, side in enumerate(stages):
-            side["kv"].pp_rank = stage
-            managers.append(h.cls["MANAGER"](side["kv"], h.mode.PREFILL, get_server_args(), True))
-    addr = f"127.0.0.1:{port}"
-    try:
-        recv = h.cls["RECEIVER"](mgr=h.dm, bootstrap_addr=addr, bootstrap_room=5001)
-        _wait(lambda: h.dm.try_ensure_parallel_info(addr) or None, "prefill parallel info")
-        recv.init(0)
-        return {"receiver": int(recv.poll()), "receiver_error": _exc(recv)}
-    finally:
-        for m in managers:
-            m.close()
+    """A prefill stage of a two-stage pipeline stops its manager at construction, saying so."""
+    return _refused_at_start(h, "prefill", pp_size=2)
 
 
 def case_io_thread_ends(h: Harness) -> dict:
@@ -625,14 +625,7 @@ def case_io_thread_ends(h: Harness) -> dict:
 
 def case_cp_refused(h: Harness) -> dict:
     """Context parallelism stops the rank's manager at construction, saying so."""
-    from sglang.srt.runtime_context import get_parallel, get_server_args
-
-    with get_parallel().override(**_wider(attn_cp_size=2)):
-        try:
-            h.cls["MANAGER"](h.decode["kv"], h.mode.DECODE, get_server_args(), True)
-        except ValueError as exc:
-            return {"error": str(exc)}
-    return {"error": None}
+    return _refused_at_start(h, "decode", attn_cp_size=2)
 
 
 def case_hooks(h: Harness) -> dict:

@@ -32,6 +32,7 @@ __all__ = [
     "EnvUnavailable",
     "Release",
     "ensure_env",
+    "queue_env",
     "env_dir",
     "run_probe",
     "run_variants",
@@ -128,6 +129,20 @@ def run_variants(
 def skip(exc: EnvUnavailable):
     """Skip the current test with the build script's one line."""
     pytest.skip(str(exc))
+
+
+def queue_env(release: str) -> Path:
+    """``release``'s environment for the two-process queue drivers; their tests skip with one line
+    when it cannot be built or Mooncake's transfer engine (SGLang's own backend there) is missing."""
+    from pdstate.devtools.sglang_pair.pair import mooncake_missing
+
+    try:
+        target = ensure_env(release)
+    except EnvUnavailable as exc:
+        skip(exc)
+    if why := mooncake_missing():
+        pytest.skip(why)
+    return target
 
 
 # Where every such skip is reported from, so pytest's summary folds them into one line.

@@ -162,17 +162,22 @@ def test_a_wider_prefill_tp_sends_from_one_rank_the_others_complete_as_dummies(r
     assert r["bytes_differing"] == 0  # rank 0's bytes, none of rank 1's
 
 
-def test_a_wider_decode_tp_is_refused_with_the_reason(results):
+def test_a_wider_decode_tp_asks_under_a_room_per_decode_rank(results):
+    """Both decode ranks of attention TP 2 take the room from prefill rank 0 (SGLang's mapping), each
+    under a room of its own (the prefill's sender sends to both: ``replicas``); none is refused."""
+    from pdstate.integrations.sglang.replicas import replica_room
+
     r = results["decode_tp_wider"]
-    assert r["receiver"] == FAILED
-    assert r["receiver_error"]["message"].startswith("decode attention TP size 2 is larger than the prefill's 1")
+    assert r["required_dst_info_num"] == 2
+    assert FAILED not in r["receivers"], r
+    assert r["rooms"] == [[replica_room(3001, 0, 2)], [replica_room(3001, 1, 2)]]
+    assert len({3001, replica_room(3001, 0, 2), replica_room(3001, 1, 2)}) == 3
 
 
-def test_pipeline_parallel_sizes_that_differ_are_refused_with_the_reason(results):
-    r = results["pp_refused"]
-    assert r["receiver"] == FAILED
-    assert r["receiver_error"]["message"].startswith(
-        "pipeline-parallel sizes differ: prefill pp_size=2, decode pp_size=1"
+def test_pipeline_parallelism_stops_the_manager_saying_so(results):
+    assert results["pp_refused"]["error"] == (
+        "pdstate's SGLang backend does not support pipeline parallelism yet (pp_size=2): "
+        "use --disaggregation-transfer-backend mooncake"
     )
 
 

@@ -50,3 +50,31 @@ def test_a_kvargs_no_live_pool_owns_is_refused():
     kv.kv_data_ptrs = [p + 64 for p in kv.kv_data_ptrs]
     with pytest.raises(TypeError, match="moves DeepSeek-V4 state only: no DeepSeekV4TokenToKVPool pair"):
         find_pools(kv, [])
+
+
+def test_each_decode_rank_fed_by_one_prefill_rank_asks_under_a_room_of_its_own():
+    """A decode attention TP ``N`` times the prefill's: ranks ``k*N .. k*N+N-1`` take prefill rank
+    ``k`` (SGLang's mapping), each under its own room in the protocol's 63-bit range; a decode of
+    one rank per prefill rank keeps SGLang's room."""
+    from types import SimpleNamespace
+
+    from pdstate.integrations.sglang.replicas import asked_rooms, replica_index, replica_room
+
+    assert [replica_index(rank, 4, 2) for rank in range(4)] == [0, 1, 0, 1]
+    assert [replica_index(rank, 2, 1) for rank in range(2)] == [0, 0]
+    big = (1 << 63) - 1
+    for room in (0, 7, 5006, big):
+        assert replica_room(room, 0, 1) == room
+        rooms = [replica_room(room, i, n) for n in (2, 3, 4) for i in range(n)]
+        assert len(set(rooms) | {room}) == len(rooms) + 1
+        assert all(0 <= r <= big for r in rooms)
+    with pytest.raises(ValueError):
+        replica_room(1, 2, 2)
+    asked: set[int] = set()
+    agent = SimpleNamespace(requested=asked.__contains__)
+    assert asked_rooms(agent, 5006) is None
+    asked.add(replica_room(5006, 0, 2))
+    assert asked_rooms(agent, 5006) is None  # the prefill waits for every decode rank
+    asked.add(replica_room(5006, 1, 2))
+    assert asked_rooms(agent, 5006) == [replica_room(5006, 0, 2), replica_room(5006, 1, 2)]
+    assert asked_rooms(SimpleNamespace(requested={5006}.__contains__), 5006) == [5006]

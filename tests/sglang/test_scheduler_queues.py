@@ -56,16 +56,11 @@ MOONCAKE_REFUSES = {("0.5.23", "spec_vs_nospec")}
 @pytest.fixture(scope="module", params=runner.RELEASES, ids=lambda r: f"sglang-{r}")
 def queue_runs(request) -> tuple[str, dict]:
     """``(release, {(backend, case): result})``: one pair of children per release, every run in it."""
-    from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, mooncake_missing
+    from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV
     from pdstate.devtools.sglang_queues.pair import QueuePair
 
     release = request.param
-    try:
-        target = runner.ensure_env(release)
-    except runner.EnvUnavailable as exc:
-        runner.skip(exc)
-    if why := mooncake_missing():
-        pytest.skip(why)
+    target = runner.queue_env(release)
     results: dict = {}
     with QueuePair(target, extra_env=PDSTATE_ENGINE_ENV) as pair:
         results.update({(b, name): pair.run_case(CASES[name], b, deadline_s=DEADLINE_S) for b, name in RUNS})

@@ -202,24 +202,14 @@ def test_pdstates_backend_on_the_ci_pair(capsys, tmp_path, release):
     "prefill, decode, said",
     [
         pytest.param(
-            (),
-            (("  --dp 4 \\\n  --enable-dp-attention \\\n", ""),),
-            [
-                "- pdstate's SGLang backend fails every request of this pair: decode attention TP size 4 is larger "
-                "than the prefill's 1",
-                "  fix: give the decode an attention TP of at most 1",
-            ],
-            id="decode-attention-tp-wider",
-        ),
-        pytest.param(
             (("  --tp 4 \\\n", "  --tp 4 \\\n  --pp-size 2 \\\n"),),
             (),
             [
-                "- pdstate's SGLang backend fails every request of this pair: pipeline-parallel sizes differ: "
-                "prefill pp_size=2, decode pp_size=1",
-                "  fix: launch both sides with one --pp-size (prefill 2, decode 1)",
+                "- the prefill: SGLang would not start: ValueError from pdstate's KV manager: pdstate's SGLang "
+                "backend does not support pipeline parallelism yet (pp_size=2): use "
+                "--disaggregation-transfer-backend mooncake"
             ],
-            id="pipeline-sizes-differ",
+            id="pipeline-parallelism",
         ),
         pytest.param(
             (("  --tp 4 \\\n", "  --tp 4 \\\n  --attn-cp-size 2 \\\n  --enable-prefill-cp \\\n"),),
@@ -240,6 +230,15 @@ def test_a_topology_pdstates_backend_refuses(capsys, tmp_path, prefill, decode, 
     for line in said:
         assert any(x.startswith(line) for x in lines), (line, out)
     assert not any(x.startswith("compatible") for x in lines)
+
+
+def test_a_decode_attention_tp_wider_than_the_prefills_with_pdstates_backend(capsys, tmp_path):
+    """Served: each prefill rank sends the whole request to every decode rank SGLang maps to it."""
+    graphs = ("--cuda-graph-max-bs 128", "--cuda-graph-max-bs-decode 128")
+    wider = ("  --dp 4 \\\n  --enable-dp-attention \\\n", "")
+    rc, out = check(capsys, *pdstate_pair(tmp_path, (graphs,), (graphs, wider)), "--sglang-version", "0.5.19")
+    assert rc == 0, out
+    assert out.splitlines()[-1] == "compatible"
 
 
 @pytest.mark.parametrize("release", ["0.5.19", "0.5.23"])

@@ -56,36 +56,44 @@ paged.alloc_extend_kernel = _NaiveAllocKernel()
 _HELD: list = []
 
 
-def _group(group) -> SimpleNamespace:
-    """A coordinator group of one whose ``cpu_group`` is the gloo group."""
-    return SimpleNamespace(cpu_group=group, device_group=group, world_size=1, rank_in_group=0, rank=0, ranks=[0],
-                           is_first_rank=True, is_last_rank=True, local_rank=0)  # fmt: skip
+def _group(group, size: int = 1, rank: int = 0) -> SimpleNamespace:
+    """A coordinator group (rank ``rank`` of ``size``) whose ``cpu_group`` is the gloo group of one."""
+    return SimpleNamespace(cpu_group=group, device_group=group, world_size=size, rank_in_group=rank, rank=rank,
+                           ranks=list(range(size)), is_first_rank=rank == 0, is_last_rank=rank == size - 1,
+                           local_rank=rank)  # fmt: skip
 
 
-def parallel_context(group) -> None:
-    """tp = cp = dp = pp = 1; the queues all-reduce over ``group`` (a gloo group of one)."""
+def parallel_context(group, attn_tp: tuple[int, int] = (1, 0)) -> None:
+    """cp = dp = pp = 1 and ``attn_tp = (size, rank)`` (tp the same); the queues all-reduce over
+    ``group`` (a gloo group of one: each attention-TP rank of a wider decode is a process of its
+    own, polling alone). Set once per process."""
     from sglang.srt.runtime_context import get_parallel
 
+    size, rank = attn_tp = tuple(attn_tp)
+    if _HELD and _HELD[0] != attn_tp:
+        raise RuntimeError(f"this child runs attention TP {_HELD[0]}; a new child is needed for {attn_tp}")
     if NEW:  # 0.5.23: the queues read the groups and ranks from the parallel context
         if not _HELD:
-            g = _group(group)
+            g, tp = _group(group), _group(group, size, rank)
             get_parallel().override_permanently(
-                tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, attn_tp_size=1, attn_tp_rank=0, attn_cp_size=1,
-                attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0, dp_size=1, dp_rank=0, dcp_size=1, dcp_rank=0,
-                attn_dcp_size=1, attn_dcp_rank=0, tp_group=g, pp_group=g, attn_tp_group=g, attn_cp_group=g,
+                tp_size=size, tp_rank=rank, pp_size=1, pp_rank=0, attn_tp_size=size, attn_tp_rank=rank,
+                attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0, dp_size=1, dp_rank=0, dcp_size=1,
+                dcp_rank=0, attn_dcp_size=1, attn_dcp_rank=0, moe_tp_size=size, moe_tp_rank=rank, tp_group=tp,
+                pp_group=g, attn_tp_group=tp, attn_cp_group=g,
             )  # fmt: skip
-            _HELD.append(True)
+            _HELD.append(attn_tp)
         return
     from sglang.srt.distributed import parallel_state
     from sglang.srt.layers import dp_attention
 
-    ones = dict(world_size=1, tp_size=1, pp_size=1, attn_tp_size=1, attn_cp_size=1, dcp_size=1, attn_dcp_size=1,
-                attn_dp_size=1)  # fmt: skip
-    zeros = dict(world_rank=0, tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_cp_rank=0, dcp_rank=0, attn_dcp_rank=0,
-                 attn_dp_rank=0)  # fmt: skip
     if not _HELD:
-        _HELD.append(get_parallel().override(**ones, **zeros, dcp_enabled=False))
-        _HELD[0].__enter__()
+        sizes = dict(world_size=size, tp_size=size, pp_size=1, attn_tp_size=size, attn_cp_size=1, dcp_size=1,
+                     attn_dcp_size=1, attn_dp_size=1)  # fmt: skip
+        ranks = dict(world_rank=rank, tp_rank=rank, pp_rank=0, attn_tp_rank=rank, attn_cp_rank=0, dcp_rank=0,
+                     attn_dcp_rank=0, attn_dp_rank=0)  # fmt: skip
+        held = get_parallel().override(**sizes, **ranks, dcp_enabled=False)
+        held.__enter__()  # entered for the process's life (kept referenced: never exited)
+        _HELD.extend((attn_tp, held))
     dp_attention._ATTN_DP_RANK, dp_attention._ATTN_DP_SIZE = 0, 1
     if parallel_state._PP is None:
         parallel_state._PP = SimpleNamespace(world_size=1, rank_in_group=0, is_first_rank=True, is_last_rank=True)
@@ -251,7 +259,7 @@ def prefill_queues(side, args, backend: str, port: int, group, host: str, stream
     return _case(pools, sched, kv_args, server=server)
 
 
-def decode_queues(side, args, backend: str, port: int, group, streamer) -> SimpleNamespace:
+def decode_queues(side, args, backend: str, port: int, group, streamer, attn_tp=(1, 0)) -> SimpleNamespace:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     tb = TransferBackend(backend)
@@ -263,7 +271,7 @@ def decode_queues(side, args, backend: str, port: int, group, streamer) -> Simpl
     sched.disagg_decode_prealloc_queue = None
     kw = dict(
         gloo_group=group, req_to_metadata_buffer_idx_allocator=sched.req_to_metadata_buffer_idx_allocator,
-        tp_rank=0, metadata_buffers=pools.meta, scheduler=sched, tree_cache=sched.tree_cache,
+        tp_rank=attn_tp[1], metadata_buffers=pools.meta, scheduler=sched, tree_cache=sched.tree_cache,
     )  # fmt: skip
     transfer = DecodeTransferQueue(**_only_known(DecodeTransferQueue, kw))
     sched.disagg_decode_transfer_queue = transfer
@@ -271,7 +279,7 @@ def decode_queues(side, args, backend: str, port: int, group, streamer) -> Simpl
         req_to_token_pool=rtp, token_to_kv_pool_allocator=pools.alloc, draft_token_to_kv_pool=pools.draft,
         req_to_metadata_buffer_idx_allocator=sched.req_to_metadata_buffer_idx_allocator,
         metadata_buffers=pools.meta, scheduler=sched, transfer_queue=transfer, tree_cache=sched.tree_cache,
-        gloo_group=group, tp_rank=0, tp_size=1, dp_size=1, gpu_id=0, bootstrap_port=port,
+        gloo_group=group, tp_rank=attn_tp[1], tp_size=attn_tp[0], dp_size=1, gpu_id=0, bootstrap_port=port,
         max_total_num_tokens=side.full_tokens, pp_rank=0, num_reserved_decode_tokens=8, transfer_backend=tb,
     )  # fmt: skip
     sched.disagg_decode_prealloc_queue = DecodePreallocQueue(**_only_known(DecodePreallocQueue, kw))

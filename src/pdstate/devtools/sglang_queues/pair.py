@@ -11,12 +11,11 @@ request on the prefill, so it is compared as the prefill left it and as the deco
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 from pdstate.devtools.sglang_pair.cases import Case
-from pdstate.devtools.sglang_pair.child import ChildPair
+from pdstate.devtools.sglang_pair.child import Child, ChildPair
 from pdstate.devtools.sglang_pair.pair import child_env, env_dir, free_port
 
 REPLY = "@@queues "
@@ -33,12 +32,40 @@ def _side(reply: dict) -> dict:
     return reply
 
 
-class QueuePair(ChildPair):
-    """A prefill child and a decode child under the SGLang environment ``target``."""
+def _compare_aux(sent: list | None, dec: dict) -> None:
+    """The aux row as the prefill left it against the row the decode read, counted in ``dec``."""
+    landed = dec.pop("aux", None)
+    if sent is not None and landed is not None:
+        wrong_aux = sum(a != b for a, b in zip(sent, landed))
+        dec["aux_items"] = len(sent)
+        dec["wrong_items"] = dec.get("wrong_items", 0) + wrong_aux
+        dec.setdefault("wrong_by", {})["aux"] = wrong_aux
 
-    def __init__(self, target: Path | None = None, extra_env: dict[str, str] | None = None) -> None:
-        super().__init__(child_env(target or env_dir(), extra_env), SIDE_MODULE, REPLY, STDERR_TAIL)
+
+def _rank(n: int, i: int) -> dict:
+    """Decode rank ``i`` of ``n``'s setup options (none for a decode of one rank)."""
+    return {"attn_tp": [n, i]} if n > 1 else {}
+
+
+class QueuePair(ChildPair):
+    """A prefill child and a decode child under the SGLang environment ``target``; with
+    ``decode_ranks`` above 1, that many decode children, the attention-TP ranks of one decode
+    (each request runs on all of them; ``decode`` is rank 0's answer, ``decode_ranks`` all)."""
+
+    def __init__(
+        self, target: Path | None = None, extra_env: dict[str, str] | None = None, decode_ranks: int = 1
+    ) -> None:
+        env = child_env(target or env_dir(), extra_env)
+        super().__init__(env, SIDE_MODULE, REPLY, STDERR_TAIL)
+        self.decodes = [self.decode] + [
+            Child(f"decode rank {i}", env, SIDE_MODULE, REPLY, STDERR_TAIL) for i in range(1, decode_ranks)
+        ]
         self.room = 5000
+
+    def close(self) -> None:
+        super().close()
+        for child in self.decodes[1:]:
+            child.close()
 
     def request(
         self,
@@ -57,22 +84,23 @@ class QueuePair(ChildPair):
         t0 = time.perf_counter()
         kw = dict(room=room, tokens=tokens, deadline_s=deadline_s)
         self.prefill.tell("run_prefill", **kw, **(prefill or {}))
-        if decode is not False:
-            self.decode.tell("run_decode", **kw, **(decode or {}))
+        decodes = self.decodes if decode is not False else []
+        for child in decodes:
+            child.tell("run_decode", **kw, **(decode or {}))
         wait = deadline_s + SLACK_S + (decode or {}).get("settle_s", 0.0) if decode is not False else 0.0
         pre = _side(self.prefill.answer(deadline_s + SLACK_S))
-        dec = _side(self.decode.answer(wait)) if decode is not False else {"outcome": "not run"}
+        ranks = [_side(child.answer(wait)) for child in decodes] or [{"outcome": "not run"}]
         elapsed = time.perf_counter() - t0
-        sent, landed = pre.pop("aux", None), dec.pop("aux", None)
-        if sent is not None and landed is not None:
-            wrong_aux = sum(a != b for a, b in zip(sent, landed))
-            dec["aux_items"] = len(sent)
-            dec["wrong_items"] = dec.get("wrong_items", 0) + wrong_aux
-            dec.setdefault("wrong_by", {})["aux"] = wrong_aux
-        return {
-            "tokens": tokens, "room": room, "prefill": pre, "decode": dec,
+        sent = pre.pop("aux", None)
+        for dec in ranks:
+            _compare_aux(sent, dec)
+        out = {
+            "tokens": tokens, "room": room, "prefill": pre, "decode": ranks[0],
             "send_to_success_ms": pre.pop("ms", None), "elapsed_s": elapsed,
         }  # fmt: skip
+        if len(ranks) > 1:
+            out["decode_ranks"] = ranks
+        return out
 
     def setup(
         self, case: Case, backend: str, env: dict | None = None, radix: bool = False, http_port: int | None = None
@@ -83,11 +111,13 @@ class QueuePair(ChildPair):
         t0 = time.perf_counter()
         kw = dict(backend=backend, port=port, env=env or {}, radix=radix, http_port=http_port)
         p = self.prefill.call("setup", SETUP_S, role="prefill", side=case.prefill.to_json(), **kw)
-        d = (
-            self.decode.call("setup", SETUP_S, role="decode", side=case.decode.to_json(), **kw)
-            if p["ok"]
-            else {"ok": False, "error": "not set up (the prefill's setup failed)"}
-        )
+        d = {"ok": False, "error": "not set up (the prefill's setup failed)"}
+        if p["ok"]:
+            n = len(self.decodes)
+            for i, child in enumerate(self.decodes):
+                child.tell("setup", role="decode", side=case.decode.to_json(), **kw, **_rank(n, i))
+            answers = [child.answer(SETUP_S) for child in self.decodes]
+            d = next((a for a in answers if not a["ok"]), answers[0])
         out = {"setup_s": time.perf_counter() - t0}
         if not (p["ok"] and d["ok"]):
             out["setup_error"] = p.get("error") or d.get("error")
@@ -102,13 +132,20 @@ class QueuePair(ChildPair):
 
 
 def main() -> None:
-    """``python -m pdstate.devtools.sglang_queues.pair BACKEND CASE...``: JSON results on stdout."""
+    """``python -m pdstate.devtools.sglang_queues.pair BACKEND CASE... [--decode-ranks N]``: JSON
+    results on stdout (``--decode-ranks``: a decode of that many attention-TP ranks)."""
+    import argparse
+
     from pdstate.devtools.sglang_pair.cases import CASES
     from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV
 
-    backend, names = sys.argv[1], sys.argv[2:] or ["correct"]
-    with QueuePair(extra_env=PDSTATE_ENGINE_ENV) as pair:
-        results = [pair.run_case(CASES[n], backend) for n in names]
+    parser = argparse.ArgumentParser(prog="python -m pdstate.devtools.sglang_queues.pair")
+    parser.add_argument("backend")
+    parser.add_argument("cases", nargs="*", default=["correct"])
+    parser.add_argument("--decode-ranks", type=int, default=1)
+    a = parser.parse_args()
+    with QueuePair(extra_env=PDSTATE_ENGINE_ENV, decode_ranks=a.decode_ranks) as pair:
+        results = [pair.run_case(CASES[n], a.backend) for n in a.cases]
     print(json.dumps(results, indent=1, default=str))
 
 

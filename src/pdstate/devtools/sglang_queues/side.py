@@ -81,7 +81,10 @@ def setup(
     env: dict | None = None,
     radix: bool = False,
     http_port: int | None = None,
+    attn_tp: tuple[int, int] = (1, 0),
 ) -> dict:
+    """This side's queues, pools and manager for one case (``attn_tp``: the decode rank's
+    attention-TP ``(size, rank)``, a child per rank)."""
     S.role, S.backend, S.port = role, backend, port
     for key in S.env_set:  # the previous case's SGLang settings go; this case's are read by its manager
         os.environ.pop(key, None)
@@ -102,7 +105,7 @@ def setup(
     )  # fmt: skip
     boot.publish(args)
     group = _gloo_group()
-    compat.parallel_context(group)
+    compat.parallel_context(group, attn_tp)
     if backend == "mooncake" and not S.engine:  # as SGLang's scheduler does for its own Mooncake backend
         from sglang.srt.distributed.device_communicators import mooncake_transfer_engine as mte
 
@@ -111,7 +114,7 @@ def setup(
     if role == "prefill":
         S.case = compat.prefill_queues(s, args, backend, port, group, HOST, Streamer())
     else:
-        S.case = compat.decode_queues(s, args, backend, port, group, Streamer())
+        S.case = compat.decode_queues(s, args, backend, port, group, Streamer(), tuple(attn_tp))
     kv_args = S.case.kv_args
     for _, ptr, length, _ in compat.buffers(kv_args):
         pattern.memory(ptr, length).fill(pattern.SENTINEL if role == "decode" else pattern.FOREIGN)
@@ -302,7 +305,8 @@ def _check(case, req, room: int, meta_index: int | None = None) -> dict:
     placed = compat.placed(case, req)
     items = compat.request_items(case, req, room) if placed else None
     own = compat.cleared_rows(case)  # rows the decode itself reset (C128 state of its slot)
-    wrong_by: dict[str, int] = {}
+    wrong_by: dict[str, int] = {}  # per kind of state moved: main KV, each StateType, aux (the parent's)
+    items_by: dict[str, int] = {}
     for k, (what, ptr, length, item_len) in enumerate(compat.buffers(case.kv_args)):
         view = pattern.memory(ptr, length)
         mask = np.zeros(length, dtype=bool)
@@ -335,9 +339,10 @@ def _check(case, req, room: int, meta_index: int | None = None) -> dict:
             int(np.count_nonzero(view[r * item_len : (r + 1) * item_len] != pattern.SENTINEL))
             for r in own.get((ptr, item_len), ())
         )
-        kind = what if what == "main" else "state"
+        kind = what if what == "main" else str(case.kv_args.state_types[int(what[len("state") :])].value)
         wrong_by[kind] = wrong_by.get(kind, 0) + wrong
-    out["wrong_by"] = wrong_by
+        items_by[kind] = items_by.get(kind, 0) + len(keys)
+    out["wrong_by"], out["items_by"] = wrong_by, items_by
     out["placed"] = placed
     compat.release_decode(case, req)
     return out

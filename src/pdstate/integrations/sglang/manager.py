@@ -12,12 +12,12 @@ attributes say so). What differs:
   with ``rank_ip`` / ``rank_port``), so routers and decodes find it through SGLang's own routes;
 * decode: a ``DecodeAgent``; a receiver resolves the prefill rank's ``rank_ip:rank_port`` from that
   server and its agent connects there and shakes hands (layout reports, upstream's refusals);
-* the topologies the agents cannot serve are refused per prefill, with the reason, on every
-  request aimed at it (known only once that prefill's parallel info is read): pipeline-parallel
-  sizes that differ, and a decode attention-TP wider than the prefill's (one prefill rank would
-  feed several decode ranks the same room). A prefill attention-TP wider than the decode's works
-  as SGLang maps it for MLA-like KV: one prefill rank sends, the others complete as dummies; a
-  prefill with DP attention serves each room from the DP rank SGLang routes it to;
+* what the agents cannot serve is refused at start (``launch.backend``): context and pipeline
+  parallelism. Every attention-TP pairing SGLang maps is served: a prefill attention TP wider
+  than the decode's (one prefill rank sends, the others complete as dummies), a decode attention
+  TP wider than the prefill's (each prefill rank sends the whole request to every decode rank
+  SGLang maps to it, each under a room of its own: ``replicas``); a prefill with DP attention
+  serves each room from the DP rank SGLang routes it to;
 * SGLang's waiting and bootstrap timeouts decide (its checks and texts, in the receiver and the
   sender); the agents' own are backstops ``BACKSTOP_S`` past them.
 """
@@ -32,7 +32,7 @@ import socket
 
 from pdstate.agent import DecodeAgent, PrefillAgent
 from pdstate.errors import AgentClosed
-from pdstate.integrations.sglang.launch.backend import context_parallel_refusal, topology_refusal
+from pdstate.integrations.sglang.launch.backend import context_parallel_refusal, pipeline_parallel_refusal
 from pdstate.integrations.sglang.settings import layout_report, load_settings
 
 log = logging.getLogger("pdstate.integrations.sglang")
@@ -77,7 +77,9 @@ def build_manager() -> type:
             self.role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
             if disaggregation_mode not in (DisaggregationMode.PREFILL, DisaggregationMode.DECODE):
                 raise ValueError(f"Unsupported DisaggregationMode: {disaggregation_mode}")
-            refusal = context_parallel_refusal(get_parallel().attn_cp_size, get_parallel().attn_dcp_size)
+            parallel = get_parallel()
+            refusal = context_parallel_refusal(parallel.attn_cp_size, parallel.attn_dcp_size)
+            refusal = refusal or pipeline_parallel_refusal(parallel.pp_size)
             if refusal is not None:  # before anything is registered anywhere
                 raise ValueError(refusal)
             settings = load_settings(self.role)
@@ -129,37 +131,26 @@ def build_manager() -> type:
             return NetworkAddress(bootstrap_info["rank_ip"], int(bootstrap_info["rank_port"])).to_tcp()
 
         def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-            """SGLang's own lookup; a topology this backend cannot serve is kept as the reason every
-            receiver aimed at that prefill fails with (raising here would stop the decode scheduler).
+            """SGLang's own lookup; a topology SGLang's rank mapping refuses is kept as the reason
+            every receiver aimed at that prefill fails with (raising here would stop the decode
+            scheduler).
 
             SGLang's page-size and KV-dtype checks raise here, and the prefill would then wait for its
             requests until its bootstrap timeout: those pairs go on to the agents' handshake instead,
             which refuses them on both sides with the factor named."""
             try:
-                if not super().try_ensure_parallel_info(bootstrap_addr):
-                    return False
-                self._check_topology(bootstrap_addr, self.prefill_info_table[bootstrap_addr])
-                return True
+                return super().try_ensure_parallel_info(bootstrap_addr)
             except (RuntimeError, AssertionError) as exc:  # SGLang's checks and its rank-mapping asserts
                 log.error("pdstate: prefill %s: %s", bootstrap_addr, exc)
             info = self._info_unchecked(bootstrap_addr)
             if info is None:
                 return False
-            self._check_topology(bootstrap_addr, info)
-            if bootstrap_addr not in self.topology_errors:
-                try:
-                    self._resolve_rank_mapping(info)
-                except AssertionError as exc:  # a topology SGLang's mapping refuses: every request fails with it
-                    self.topology_errors[bootstrap_addr] = f"SGLang cannot map these ranks: {exc}"
+            try:
+                self._resolve_rank_mapping(info)
+            except AssertionError as exc:  # a topology SGLang's mapping refuses: every request fails with it
+                self.topology_errors[bootstrap_addr] = f"SGLang cannot map these ranks: {exc}"
             self.prefill_info_table[bootstrap_addr] = info
             return True
-
-        def _check_topology(self, bootstrap_addr: str, info) -> None:
-            """Keep the reason this backend cannot serve that prefill's topology, if any."""
-            reason = topology_refusal(info.pp_size, self.pp_size, info.attn_tp_size, self.attn_tp_size)
-            if reason is not None:
-                self.topology_errors[bootstrap_addr] = reason
-                log.error("pdstate: prefill %s: %s", bootstrap_addr, reason)
 
         def _info_unchecked(self, bootstrap_addr: str):
             """SGLang's ``/route`` answer, without its page-size and dtype checks (``None``: not yet)."""

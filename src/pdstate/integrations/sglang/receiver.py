@@ -3,7 +3,8 @@
 SGLang's order: made when the request reaches the decode (``Bootstrapping``); ``init(prefill_dp_rank)``
 resolves the prefill ranks of that DP group through SGLang's bootstrap server (SGLang's own code:
 ``rank_ip`` / ``rank_port`` per rank, the real one and, for a wider prefill attention TP, dummies)
-and opens one agent receiver per rank, whose first use connects and shakes hands: ``poll()`` is
+and opens one agent receiver per rank (a decode attention TP wider than the prefill's: under a
+room of this decode rank's own, ``replicas``), whose first use connects and shakes hands: ``poll()`` is
 ``WaitingForInput`` once every one was accepted. ``send_metadata(pages, aux_index, state_indices,
 decode_prefix_len)`` tells the real rank where everything lands (the dummies: nothing), and
 ``poll()`` follows the agent receivers to ``Success`` (digests equal) or ``Failed``.
@@ -37,6 +38,7 @@ import time
 import numpy as np
 
 from pdstate.errors import PdStateError, TransferFailed
+from pdstate.integrations.sglang.replicas import replica_index, replica_room
 from pdstate.integrations.sglang.states import (
     combine,
     conclude,
@@ -78,14 +80,22 @@ def build_receiver() -> type:
             super().init(prefill_dp_rank)  # SGLang's rank mapping and /route lookups (not its registration)
             if self.conclude_state == KVPoll.Failed or not self.bootstrap_infos:
                 return
+            # a decode attention TP wider than the prefill's: this rank asks under a room of its own
+            count = int(getattr(self, "required_dst_info_num", None) or 1)
+            index = replica_index(self.kv_mgr.kv_args.engine_rank, self.kv_mgr.attn_tp_size, count)
+            room = replica_room(self.bootstrap_room, index, count)
             try:
                 for info in self.bootstrap_infos:
                     address = self.kv_mgr.agent_address(info)
-                    self._recvs.append(
-                        (bool(info.get("is_dummy")), self.kv_mgr.agent.receiver(address, self.bootstrap_room))
-                    )
+                    self._recvs.append((bool(info.get("is_dummy")), self.kv_mgr.agent.receiver(address, room)))
             except (PdStateError, ValueError) as exc:
                 self.pdstate_fail(exc)
+
+        @property
+        def agent_rooms(self) -> list[int]:
+            """The rooms this rank's agent asks its prefill ranks under (SGLang's own, or, fed with
+            other decode ranks by one prefill rank, this rank's own: ``replicas``)."""
+            return [recv.room for _, recv in self._recvs]
 
         def _register_kv_args(self) -> bool:
             """No registration through SGLang's ZMQ socket (0.5.23's ``init`` sends one to each

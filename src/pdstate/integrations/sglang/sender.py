@@ -21,6 +21,10 @@ and the sender moves only what the decode named, the leading pages and SWA windo
 (positionally the same as SGLang's own prefix-aware send); rings, request state and request rows
 go whole. The digest covers what moved.
 
+A decode attention TP ``N`` times the prefill's: the ``N`` decode ranks SGLang maps to this rank
+each ask under a room of their own (``replicas``); the sender waits for all of them, then sends
+every chunk to each, and succeeds once every one of them verified its copy.
+
 A prefill rank the decode does not take from (``is_dummy`` on the decode side: a wider prefill
 attention TP) gets a request naming no pages; it moves nothing and completes with the others.
 """
@@ -35,7 +39,8 @@ import time
 import numpy as np
 
 from pdstate.errors import PdStateError, TransferFailed
-from pdstate.integrations.sglang.states import conclude, conclude_failed, concluded, failure_exception, kv_poll
+from pdstate.integrations.sglang import states as lifecycle
+from pdstate.integrations.sglang.replicas import asked_rooms, refused_room
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
@@ -66,6 +71,39 @@ def _past_prefix(states: list, wanted: list[int], state_types) -> list:
     return out
 
 
+class _Out:
+    """One decode rank's copy of a request: the agent's sender under that rank's room, the leading
+    pages its decode holds already (its prefix), and whether it is a dummy (named no pages)."""
+
+    def __init__(self, send, dummy: bool = False, skip_pages: int = 0, state_lens: list[int] | None = None):
+        self.send, self.dummy, self.dummy_done = send, dummy, False
+        self.skip_pages, self.state_lens = skip_pages, state_lens
+
+    @classmethod
+    def made(cls, agent, room: int, num_pages: int, aux_index) -> _Out:
+        pages = agent.pending_pages(room)
+        pages = num_pages if pages is None else pages
+        if num_pages > 0 and pages == 0:  # the decode takes this room from another prefill rank
+            return cls(agent.sender(room, 0, None), dummy=True)
+        skip, lens = 0, None
+        if 0 < pages < num_pages:  # a prefix hit on the decode (decode_prefix_len)
+            skip, lens = num_pages - pages, agent.pending_state_lengths(room)
+        return cls(agent.sender(room, num_pages - skip, aux_index), skip_pages=skip, state_lens=lens)
+
+    def send_chunk(self, pages: np.ndarray, states, last: bool, state_types) -> None:
+        if self.dummy:
+            if last and not self.dummy_done:
+                self.dummy_done = True
+                self.send.send([], None)
+            return
+        if self.skip_pages:
+            skip = min(self.skip_pages, pages.size)
+            pages, self.skip_pages = pages[skip:], self.skip_pages - skip
+        if states is not None and self.state_lens is not None:
+            states = _past_prefix(states, self.state_lens, state_types)
+        self.send.send(pages, states)
+
+
 @functools.cache
 def build_sender() -> type:
     """``PdStateKVSender`` (SGLang imported here, on first install)."""
@@ -77,13 +115,9 @@ def build_sender() -> type:
 
     class PdStateKVSender(CommonKVSender):
         def _pdstate_init(self, base_args: tuple, base_kwargs: dict) -> None:
-            self._agent_send = None
+            self._outs: list[_Out] = []  # one per decode rank fed (several: a wider decode attention TP)
             self._inited = False
             self._queued: list = []  # chunks sent before the decode's request arrived
-            self._dummy = False
-            self._dummy_done = False
-            self._skip_pages = 0  # the decode holds this request's first pages (its prefix): not sent
-            self._state_lens: list[int] | None = None  # what the decode names per state component
             self.pdstate_error: BaseException | None = None
             CommonKVSender.__init__(self, *base_args, **base_kwargs)
             self.init_time = time.time()
@@ -114,7 +148,7 @@ def build_sender() -> type:
         def pdstate_fail(self, error: BaseException, reason: str | None = None) -> int:
             if self.pdstate_error is None:
                 self.pdstate_error = error
-            return conclude_failed(self, reason or f"{type(error).__name__}: {error}")
+            return lifecycle.conclude_failed(self, reason or f"{type(error).__name__}: {error}")
 
         def init(self, num_kv_indices: int, aux_index=None):
             super().init(num_kv_indices, aux_index)
@@ -123,22 +157,15 @@ def build_sender() -> type:
                 self._make_agent_sender()
 
         def _make_agent_sender(self) -> None:
-            """Made once the decode's request is here (SGLang calls ``init`` after that; a caller
-            that calls it before gets its sender then), so a dummy rank is known: the decode named
-            no pages for a request that has some."""
-            room = self.bootstrap_room
-            pages = self.agent.pending_pages(room)
-            if pages is None:
+            """Made once every decode rank's request is here (SGLang calls ``init`` after that; a
+            caller that calls it before gets its senders then), so a dummy rank is known: the
+            decode named no pages for a request that has some."""
+            rooms = asked_rooms(self.agent, self.bootstrap_room)
+            if rooms is None:
                 return
             try:
-                if self.num_kv_indices > 0 and pages == 0:
-                    self._dummy = True  # the decode takes this room from another prefill rank
-                    self._agent_send = self.agent.sender(room, 0, None)
-                else:
-                    if 0 < pages < self.num_kv_indices:  # a prefix hit on the decode (decode_prefix_len)
-                        self._skip_pages = self.num_kv_indices - pages
-                        self._state_lens = self.agent.pending_state_lengths(room)
-                    self._agent_send = self.agent.sender(room, self.num_kv_indices - self._skip_pages, self.aux_index)
+                for room in rooms:
+                    self._outs.append(_Out.made(self.agent, room, self.num_kv_indices, self.aux_index))
                 for chunk in self._queued:
                     self._send_chunk(*chunk)
             except (PdStateError, ValueError) as exc:
@@ -152,7 +179,7 @@ def build_sender() -> type:
             self._record_transfer_indices(pages, state_indices if last else None)
             if self.conclude_state is not None:
                 return
-            if self._agent_send is None:
+            if not self._outs:
                 self._queued.append((pages, state_indices, last))
                 return
             try:
@@ -161,33 +188,24 @@ def build_sender() -> type:
                 self.pdstate_fail(exc)
 
         def _send_chunk(self, pages, state_indices, last: bool) -> None:
-            if self._dummy:
-                if last and not self._dummy_done:
-                    self._dummy_done = True
-                    self._agent_send.send([], None)
-                return
             state_types = self.kv_mgr.kv_args.state_types
             states = _state_lists(state_indices, len(state_types)) if last else None
-            if self._skip_pages:
-                skip = min(self._skip_pages, pages.size)
-                pages, self._skip_pages = pages[skip:], self._skip_pages - skip
-            if states is not None and self._state_lens is not None:
-                states = _past_prefix(states, self._state_lens, state_types)
-            self._agent_send.send(pages, states)
+            for out in self._outs:
+                out.send_chunk(pages, states, last, state_types)
 
         def poll(self) -> int:
-            over = concluded(self)
+            over = lifecycle.concluded(self)
             if over is not None:
                 return over
             status = self.kv_mgr.request_status.get(self.bootstrap_room)
             if status == KVPoll.Failed:  # SGLang's own checks (DP routing conflict, ...)
                 self.conclude_state = KVPoll.Failed
                 return KVPoll.Failed
-            if self._agent_send is None:
-                refusal = self.agent.refusal(self.bootstrap_room)
+            if not self._outs:
+                refusal = refused_room(self.agent, self.bootstrap_room)
                 if refusal is not None:
                     return self.pdstate_fail(refusal)
-                if self.agent.requested(self.bootstrap_room):
+                if asked_rooms(self.agent, self.bootstrap_room) is not None:
                     if not self._inited:
                         return KVPoll.WaitingForInput
                     self._make_agent_sender()
@@ -199,29 +217,34 @@ def build_sender() -> type:
                         self.conclude_state = timed_out
                         return timed_out
                     return KVPoll.Bootstrapping
-            poll = kv_poll(self._agent_send.poll())
+            states = [out.send.poll() for out in self._outs]
+            poll = lifecycle.combine(lifecycle.kv_poll(s) for s in states)
             if poll == KVPoll.Failed:
-                err = self._agent_send.failure_exception() or TransferFailed("the pdstate sender failed")
+                failed = next(out for out, s in zip(self._outs, states) if lifecycle.kv_poll(s) == KVPoll.Failed)
+                err = failed.send.failure_exception() or TransferFailed("the pdstate sender failed")
                 return self.pdstate_fail(err)
-            return conclude(self, poll)
+            return lifecycle.conclude(self, poll)
 
         def failure_exception(self):
-            failure_exception(self)
+            lifecycle.failure_exception(self)
 
         def get_transfer_metric(self) -> KVTransferMetric:
             metric = super().get_transfer_metric()
-            if self._agent_send is not None:
-                m = self._agent_send.metrics
-                metric.transfer_latency_s = m.get("transfer_s")
-                if "bytes" in m:
-                    metric.transfer_total_bytes = int(m["bytes"])
+            metrics = [out.send.metrics for out in self._outs]
+            if metrics:
+                latencies = [m["transfer_s"] for m in metrics if m.get("transfer_s") is not None]
+                metric.transfer_latency_s = max(latencies) if latencies else None
+                if all("bytes" in m for m in metrics):
+                    metric.transfer_total_bytes = sum(int(m["bytes"]) for m in metrics)
             return metric
 
         def abort(self):
             """Fail the request; returns once nothing of it can land any more (the agent's fence)."""
-            if self._agent_send is not None and not self._agent_send.poll().terminal:
+            for out in self._outs:
+                if out.send.poll().terminal:
+                    continue
                 try:
-                    self._agent_send.abort("Aborted by AbortReq.", timeout_s=ABORT_FENCE_S)
+                    out.send.abort("Aborted by AbortReq.", timeout_s=ABORT_FENCE_S)
                 except Exception as exc:  # the fence could not be confirmed: say so, still fail the request
                     log.error("pdstate: room %s: abort not fenced: %s", self.bootstrap_room, exc)
             super().abort()

@@ -17,6 +17,6 @@ imports it with both blocked). The pool model is imported only when a side is co
 - ``comparison``: ``compare(prefill, decode)`` runs the handshake's checks on the two predicted
   layouts and ``render`` explains each differing factor: both values, what SGLang's own backend
   does at run time (``consequences``), and the flag to change on which side (``knobs``);
-- ``backend``: what pdstate's own SGLang backend refuses (context parallelism, pipeline sizes that
-  differ, a decode attention TP wider than the prefill's), in its words.
+- ``backend``: what pdstate's own SGLang backend refuses at start (context and pipeline
+  parallelism), in its words.
 """

@@ -3,13 +3,17 @@ functions of the launch's topology, so the preflight predicts exactly those refu
 
 ``pdstate.integrations.sglang.manager`` refuses (with these functions' texts):
 
-- at start, on either side: context parallelism (``attn_cp_size`` or ``attn_dcp_size`` above 1):
-  the KV manager raises ``ValueError`` while SGLang builds it, so the server does not start;
-- per prefill, on every request aimed at it (the decode's scheduler keeps running):
-  pipeline-parallel sizes that differ, and a decode attention TP wider than the prefill's.
+at start, on either side, where the KV manager raises ``ValueError`` while SGLang builds it, so
+the server does not start: context parallelism (``attn_cp_size`` or ``attn_dcp_size`` above 1),
+and pipeline parallelism (``pp_size`` above 1: SGLang pairs a PP prefill with a decode of the same
+PP size or of one stage, and pdstate moves no stage's layers into their slice of a decode's yet).
+Nothing is refused per request: no pair of servers that both started is refused for its topology.
 
 A prefill attention TP wider than the decode's works (one prefill rank sends, the others complete
-as dummies), and a decode radix cache is served (only the pages past the decode's prefix move).
+as dummies), so does a decode attention TP wider than the prefill's (each prefill rank sends the
+whole request to every decode rank SGLang maps to it: DeepSeek-V4's KV is replicated across
+attention-TP ranks), and a decode radix cache is served (only the pages past the decode's prefix
+move).
 The backend calls these very functions with the widths it reads from SGLang, and a unit test checks
 that it words none of these refusals itself, so the preflight and the backend cannot drift.
 """
@@ -27,17 +31,11 @@ def context_parallel_refusal(attn_cp_size: int, attn_dcp_size: int) -> str | Non
     return None
 
 
-def topology_refusal(prefill_pp: int, decode_pp: int, prefill_attn_tp: int, decode_attn_tp: int) -> str | None:
-    """Why the backend fails every request from that prefill to this decode, else ``None``."""
-    if prefill_pp != decode_pp:
+def pipeline_parallel_refusal(pp_size: int) -> str | None:
+    """Why the backend's KV manager refuses to start on a server with pipeline parallelism, else ``None``."""
+    if pp_size > 1:
         return (
-            f"pipeline-parallel sizes differ: prefill pp_size={prefill_pp}, decode pp_size={decode_pp}; "
-            "pdstate's SGLang backend moves a whole layer stack per rank (use the same --pp-size)"
-        )
-    if decode_attn_tp > prefill_attn_tp:
-        return (
-            f"decode attention TP size {decode_attn_tp} is larger than the prefill's {prefill_attn_tp}: "
-            "pdstate's SGLang backend feeds each decode rank from one prefill rank that sends to it alone "
-            "(use a decode attention TP no larger than the prefill's)"
+            f"pdstate's SGLang backend does not support pipeline parallelism yet (pp_size={pp_size}): "
+            "use --disaggregation-transfer-backend mooncake"
         )
     return None

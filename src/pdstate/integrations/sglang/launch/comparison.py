@@ -158,26 +158,15 @@ def _diff(p_report: LayoutReport, d_report: LayoutReport) -> list[tuple[str, Any
 
 
 def _backend_refusals(v: Verdict) -> None:
-    """What ``--disaggregation-transfer-backend pdstate`` refuses at start or at run time
-    (``launch.backend``, the backend's own rules), added to the verdict."""
-    from pdstate.integrations.sglang.launch.backend import context_parallel_refusal, topology_refusal
+    """What ``--disaggregation-transfer-backend pdstate`` refuses at start (``launch.backend``, the
+    backend's own rules), added to the verdict."""
+    from pdstate.integrations.sglang.launch.backend import context_parallel_refusal, pipeline_parallel_refusal
 
-    p, d = v.prefill, v.decode
-    for s in (p, d):
+    for s in (v.prefill, v.decode):
         if s.transfer_backend == "pdstate":
-            why = context_parallel_refusal(s.attn_cp_size, s.dcp_size)
-            if why:
-                s.launch_errors.append(f"ValueError from pdstate's KV manager: {why}")
-    if p.transfer_backend == d.transfer_backend == "pdstate":
-        why = topology_refusal(p.pp_size, d.pp_size, p.attn_tp_size, d.attn_tp_size)
-        if why:
-            fix = (
-                f"launch both sides with one --pp-size (prefill {p.pp_size}, decode {d.pp_size})"
-                if p.pp_size != d.pp_size
-                else f"give the decode an attention TP of at most {p.attn_tp_size} (--tp / --dp with "
-                f"--enable-dp-attention: attention TP = tp / dp), or widen the prefill's"
-            )
-            v.pair.append((f"pdstate's SGLang backend fails every request of this pair: {why}", fix))
+            for why in (context_parallel_refusal(s.attn_cp_size, s.dcp_size), pipeline_parallel_refusal(s.pp_size)):
+                if why:
+                    s.launch_errors.append(f"ValueError from pdstate's KV manager: {why}")
 
 
 def wrap(text: str, width: int | None) -> str:

@@ -1,0 +1,98 @@
+"""Unlike topologies through SGLang's own scheduler queues (``devtools.sglang_queues``), every byte checked.
+
+A decode of attention TP 2 fed by a prefill of TP 1: one prefill child and two decode children
+(attention-TP ranks 0 and 1 of one decode, each its own process with its own pools), on both
+releases, with SGLang's own Mooncake backend and with backend ``pdstate``. SGLang maps both decode
+ranks to prefill rank 0 (``required_dst_info_num`` 2: DeepSeek-V4's KV is replicated across
+attention-TP ranks); the prefill rank sends the whole request to each. Both decode ranks end
+Success with every item of every kind moved (main KV, each ``StateType``, aux) equal to the
+prefill's and nothing written elsewhere; pdstate moves the request's bytes once per decode rank.
+Then both decode ranks abort a request while the prefill computes it (each fails and releases its
+pages at once, nothing lands), and the same room is sent again, byte-exact on both ranks.
+
+Pipeline-parallel prefill stages are refused at start by backend ``pdstate``
+(``tests/sglang/test_adapter.py``, ``launch.backend.pipeline_parallel_refusal``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pdstate.devtools.sglang_pair.cases import CASES
+from tests.sglang import runner
+
+DEADLINE_S = 3.0
+BACKENDS = ("mooncake", "pdstate")
+RELEASE_MS = 100.0
+KINDS = {"main", "aux"}  # besides every StateType of the release's KVArgs
+
+
+@pytest.fixture(scope="module", params=runner.RELEASES, ids=lambda r: f"sglang-{r}")
+def tp_runs(request) -> tuple[str, dict]:
+    """``(release, {backend: result})``: per backend, fresh children (a prefill of attention TP 1,
+    a decode of attention TP 2), the same-pools case, one request in two chunks."""
+    from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV
+    from pdstate.devtools.sglang_queues.pair import QueuePair
+
+    release = request.param
+    target = runner.queue_env(release)
+    results = {}
+    for backend in BACKENDS:
+        with QueuePair(target, extra_env=PDSTATE_ENGINE_ENV, decode_ranks=2) as pair:
+            results[backend] = r = pair.run_case(CASES["correct"], backend, deadline_s=DEADLINE_S)
+            if "setup_error" not in r:  # both decode ranks abort (as each rank's scheduler does), then again
+                n = CASES["correct"].tokens[0]
+                abort = {"abort_after_s": 0.2, "settle_s": 1.2}
+                r["abort"] = pair.request(n, DEADLINE_S, prefill={"hold_s": 1.0}, decode=abort)
+                r["resent"] = pair.request(n, DEADLINE_S, room=r["abort"]["room"])
+    return release, results
+
+
+def _request(tp_runs, backend: str, name: str | None = None) -> dict:
+    release, results = tp_runs
+    result = results[backend]
+    assert "setup_error" not in result, f"{release}: {result['setup_error']}\n{result.get('setup_trace')}"
+    assert len(result["requests"]) == 1
+    return result["requests"][0] if name is None else result[name]
+
+
+@pytest.mark.parametrize("name", [None, "resent"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_tp1_prefill_feeds_a_tp2_decode_byte_exact(tp_runs, backend, name):
+    """The request, and the same room sent again after both decode ranks aborted it."""
+    r = _request(tp_runs, backend, name)
+    pre, ranks = r["prefill"], r["decode_ranks"]
+    assert pre["outcome"] == "Success", pre
+    assert pre["trace"] == ["add", "bootstrapped", "chunk", "last chunk", "inflight done"]
+    assert len(ranks) == 2
+    for dec in ranks:
+        assert dec["outcome"] == "Success" and dec["placed"], dec
+        assert dec["wrong_items"] == 0 and dec["outside_bytes"] == 0, dec
+        assert set(dec["wrong_by"]) >= KINDS and len(dec["wrong_by"]) > len(KINDS), dec["wrong_by"]
+        assert all(dec["items_by"][kind] > 0 for kind in dec["items_by"]), dec["items_by"]  # each kind moved
+        assert dec["items"] > 250 and dec["aux_items"] >= 10
+        assert dec["changed_bytes"] > 10**7
+    assert ranks[0]["items_by"] == ranks[1]["items_by"]  # the same request, whole, on each rank
+
+
+def test_pdstate_moves_the_request_once_per_decode_rank(tp_runs):
+    """The prefill's transfer metric counts both copies: twice what a TP 1 decode takes."""
+    r = _request(tp_runs, "pdstate")
+    moved = r["prefill"]["bytes"]
+    assert moved > 0 and moved % 2 == 0
+    assert moved // 2 > 10**7  # each decode rank's copy: main KV, state, aux
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_abort_on_both_decode_ranks_fences_and_releases_at_once(tp_runs, backend):
+    """Both decode ranks abort while the prefill is still in its forward: each fails with SGLang's
+    text and releases its pages in under 100 ms (0.5.23: after the acknowledgement its deferred
+    release waits for); the prefill's later send lands nowhere."""
+    release = tp_runs[0]
+    r = _request(tp_runs, backend, "abort")
+    assert r["prefill"]["outcome"] == "Failed", r["prefill"]
+    for dec in r["decode_ranks"]:
+        assert dec["outcome"] == "Failed" and dec["failure"].endswith("Aborted by AbortReq."), dec
+        assert dec["changed_bytes"] == 0 and dec["outside_bytes"] == 0 and not dec["placed"], dec
+        assert dec["released_ms"] is not None and dec["released_ms"] < RELEASE_MS, dec
+        assert dec["deferred"] == (release != "0.5.19"), dec
