@@ -92,6 +92,12 @@ def _silence_fails_the_batch(d, ep: str, timeout_s: float, t_fault: float, free0
     return results, detect_s
 
 
+def _serves_again_and_tally(p, d, free0: dict, p_free: dict, case: str, failed: list, detect_s: float, note: str):
+    """``_serves_again``, then the case's row: the failed batch and the one served after it."""
+    after, done = _serves_again(p, d, free0, p_free)
+    tally(case, failed + after, leaked(free0, done["free"]), detect_s, note)
+
+
 def _frozen_mid_batch(workers, worker_id: str) -> tuple:
     """A prefill holding its copies and a decode ``worker_id`` with a batch in flight there:
     ``(p, ep, p_free, d, free0, inc, lengths)``, ``inc`` the prefill's incarnation as the
@@ -189,11 +195,13 @@ def test_prefill_killed_mid_transfer_and_restarted_after_timeout(workers):
     p_free = prefill_requests(p3)["free"]
     s = wait_decode(d, "a handshake with the third prefill", lambda s: s["peer_state"] == "accepted")
     assert s["prefill_incarnation"] not in (inc1, inc2)
-    after, done = _serves_again(p3, d, free0, p_free)
-    tally(
+    _serves_again_and_tally(
+        p3,
+        d,
+        free0,
+        p_free,
         "prefill SIGKILL mid-transfer",
-        results + after,
-        leaked(free0, done["free"]),
+        results,
         detect_s,
         f"decode: PeerGone ({timeout_s:.0f} s timeout); same endpoint re-handshaken",
     )
@@ -250,11 +258,13 @@ def test_prefill_frozen_past_timeout_then_thawed(workers):
     s = wait_decode(d, "the decode accepted again", lambda s: s["peer_state"] == "accepted", timeout_s=30)
     assert s["prefill_incarnation"] == inc
     release_copies(p)
-    after, done = _serves_again(p, d, free0, p_free)
-    tally(
+    _serves_again_and_tally(
+        p,
+        d,
+        free0,
+        p_free,
         "prefill SIGSTOP > timeout, SIGCONT",
-        results + after,
-        leaked(free0, done["free"]),
+        results,
         detect_s,
         "both sides failed the frozen requests",
     )

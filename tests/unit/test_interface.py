@@ -101,7 +101,12 @@ def shaped(pool: PdPool, cls=DeepSeekV4TokenToKVPool):
 
 
 def pair(how: str = "shared", unified: bool = False, cls=DeepSeekV4TokenToKVPool):
-    t, d = shaped(target(unified_kv=unified), cls), shaped(draft(unified_kv=unified), cls)
+    return _mapped(how, shaped(target(unified_kv=unified), cls), shaped(draft(unified_kv=unified), cls))
+
+
+def _mapped(how: str, t, d) -> tuple:
+    """``t`` given an allocator; the draft ``d`` shares its mapping (``shared``), has its own
+    (``own``) or none."""
     a = SWATokenToKVPoolAllocator(1024, 512, 256, kvcache=t)
     if how == "shared":
         d.register_mapping(a.full_to_swa_index_mapping)
@@ -285,13 +290,7 @@ DeepSeekV4TokenToKVPool23.__name__ = "DeepSeekV4TokenToKVPool"
 
 def pair23(how: str = "shared", unified: bool = False, **over):
     t = DeepSeekV4TokenToKVPool23(target(unified_kv=unified, upstream="0.5.23", **over))
-    d = DeepSeekV4TokenToKVPool23(draft(unified_kv=unified, upstream="0.5.23", **over))
-    a = SWATokenToKVPoolAllocator(1024, 512, 256, kvcache=t)
-    if how == "shared":
-        d.register_mapping(a.full_to_swa_index_mapping)
-    elif how == "own":
-        SWATokenToKVPoolAllocator(1024, 512, 256, kvcache=d)
-    return t, d
+    return _mapped(how, t, DeepSeekV4TokenToKVPool23(draft(unified_kv=unified, upstream="0.5.23", **over)))
 
 
 def test_release_of_pools():
