@@ -344,7 +344,7 @@ def test_engine_failure_on_one_request_in_process():
         detect_s = time.monotonic() - t0
         p.agent._engine.delay_s = 0.0
         ok = transfer(d, 640, deadline_s=10)
-        assert ok.status == "success" and ok.verified
+        assert ok.status == "success" and ok.verified, ok
         wait_until("the prefill's pages back", lambda: p.free_counts() == free_p, 10)
         assert d.free_counts() == free_d
         outs = [r.as_dict() for r in results + [late, ok]]
