@@ -5,7 +5,7 @@ PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint venv clean bench sglang-env
+.PHONY: demo test test-gpu lint venv clean bench sglang-env
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ venv: $(STAMP)
 
 test: $(STAMP) lint sglang-env
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Pools on a GPU moved by NIXL with device digests (skipped where there is no CUDA GPU).
+test-gpu: $(STAMP)
+	$(PY) -m pytest tests/gpu -v -rs $(PYTEST_ARGS)
 
 # Real SGLang 0.5.19 and 0.5.23 for tests/sglang, cached in $(VENV)/sglang-env and
 # $(VENV)/sglang-env-0.5.23 (stamped; never touches the venv).

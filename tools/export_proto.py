@@ -12,7 +12,9 @@ Writes
 - ``proto/vectors/heartbeat.authed.msgpack`` (+ ``.json``): a frame carrying an auth tag made with
   ``GOLDEN_TOKEN`` (documented in ``proto/vectors/README.md``);
 - ``proto/vectors/agent_request.seq_len.msgpack`` (+ ``.json``): the ``agent_request`` example with
-  its later, optional ``seq_len`` set (absent from ``agent_request.msgpack``).
+  its later, optional ``seq_len`` set (absent from ``agent_request.msgpack``);
+- ``proto/vectors/agent_request.verify.msgpack`` and ``transfer_done.digest_form.msgpack`` (+ ``.json``):
+  the later, optional verification fields set (``verify: "sampled"``, ``digest_form: "device"``).
 
 Every example is deterministic: the layout reports come from ``build_report`` on the ``tiny``
 preset, with the process-specific fields (mapping-identity nonces and data pointers, buffer
@@ -42,6 +44,8 @@ PROTO = REPO / "proto"
 GOLDEN_TOKEN = b"pdstate-golden-vector-token"
 AUTHED_NAME = "heartbeat.authed"
 SEQ_LEN_NAME = "agent_request.seq_len"  # AgentRequest with its later, optional field set
+VERIFY_NAME = "agent_request.verify"  # AgentRequest asking a sampled, device-form digest
+DIGEST_FORM_NAME = "transfer_done.digest_form"  # TransferDone with a device-form digest
 
 # Fixed stand-ins for what differs per process.
 FIXED_MAPPING_NONCE = "00112233aabbccdd"
@@ -242,6 +246,9 @@ def outputs() -> dict[Path, bytes]:
     frames = {kind: wire.encode(msg) for kind, msg in examples().items()}
     frames[AUTHED_NAME] = wire.encode(authed_example(), token=GOLDEN_TOKEN)
     frames[SEQ_LEN_NAME] = wire.encode(examples()["agent_request"].model_copy(update={"seq_len": 300}))
+    asks = {"verify": "sampled", "digest_form": "device"}
+    frames[VERIFY_NAME] = wire.encode(examples()["agent_request"].model_copy(update=asks))
+    frames[DIGEST_FORM_NAME] = wire.encode(examples()["transfer_done"].model_copy(update={"digest_form": "device"}))
     for name, frame in frames.items():
         files[Path("vectors") / f"{name}.msgpack"] = frame
         files[Path("vectors") / f"{name}.json"] = human_text(frame).encode()

@@ -245,6 +245,10 @@ class ProtocolError(PdStateError):
     """A control frame could not be decoded or validated."""
 
 
+class VerifyLevelRefused(ProtocolError):
+    """A decode asked a verification level below the prefill's ``transfer.verify``."""
+
+
 class VersionMismatch(ProtocolError):
     """The peer speaks another protocol version."""
 

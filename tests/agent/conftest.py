@@ -2,7 +2,7 @@ import shutil
 
 import pytest
 
-from tests.agent.support import SHM_DIR, PrefillProcess
+from tests.agent.support import SHM_DIR, PrefillProcess, fill, make_side
 
 
 @pytest.fixture
@@ -24,3 +24,14 @@ def prefills():
 def _segment_dir():
     yield
     shutil.rmtree(SHM_DIR, ignore_errors=True)
+
+
+@pytest.fixture
+def sides():
+    """Two private-memory sides of the tiny layout, filled with different seeds (prefill 1, decode 2)."""
+    p, d = make_side(False), make_side(False)
+    fill(p.kv_args, 1)
+    fill(d.kv_args, 2)
+    yield p, d
+    p.close()
+    d.close()

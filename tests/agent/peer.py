@@ -1,6 +1,6 @@
 """A prefill agent as a child process for the agent tests.
 
-argv[1]: JSON options ``{"seed", "bad_pair"?, "aux"?, "engine"?}``. Prints ``{"address", "pid"}``,
+argv[1]: JSON options ``{"seed", "bad_pair"?, "aux"?, "engine"?, "engine_options"?, "device"?}``. Prints ``{"address", "pid"}``,
 then answers one JSON line per command line on stdin until EOF:
 ``{"op": "sender", "room", "num_pages", "aux_index"?}``, ``{"op": "send", "room", "pages", "state"?}``,
 ``{"op": "wait", "room", "timeout"}``, ``{"op": "abort", "room", "reason"}``, ``{"op": "decodes"}``.
@@ -23,13 +23,18 @@ def main() -> None:
     opts = json.loads(sys.argv[1])
     bad = bool(opts.get("bad_pair"))
     changes = dict(opts.get("settings", {}), **({"draft_mapping": "clone"} if bad else {}))
-    side = make_side(False, opts.get("preset", "tiny"), check=not bad, aux=opts.get("aux", True), **changes)
-    fill(side.kv_args, opts["seed"])
+    device = opts.get("device", "cpu")
+    side = make_side(
+        False, opts.get("preset", "tiny"), check=not bad, aux=opts.get("aux", True), device=device, **changes
+    )
+    fill(side.kv_args, opts["seed"], device)
     agent = PrefillAgent(
         side.kv_args,
         (side.pools.target, side.pools.draft),
         engine=opts.get("engine", "shm"),
-        engine_options={"segment_dir": opts["segment_dir"]} if opts.get("engine", "shm") == "shm" else None,
+        engine_options={"segment_dir": opts["segment_dir"]}
+        if opts.get("engine", "shm") == "shm"
+        else opts.get("engine_options"),
         worker_id=opts.get("worker_id", "prefill"),
         check_local=not bad,
         bind=opts.get("bind", "tcp://127.0.0.1:0"),

@@ -44,12 +44,16 @@ class Side:
         self.memory.close()
 
 
-def make_side(shared: bool, name: str = "tiny", check: bool = True, aux: bool = True, **changes) -> Side:
+def make_side(
+    shared: bool, name: str = "tiny", check: bool = True, aux: bool = True, device: str = "cpu", **changes
+) -> Side:
+    """A side's pools (in /dev/shm with ``shared``, else private memory on ``device``), its
+    KVArgs and, with ``aux``, two aux buffers."""
     import torch
 
     if shared:
         SHM_DIR.mkdir(mode=0o700, exist_ok=True)
-    mem = SharedMemory(SHM_DIR) if shared else PrivateMemory()
+    mem = SharedMemory(SHM_DIR) if shared else PrivateMemory(device)
     pools = build_worker_pools(settings(name, **changes), memory=mem)
     kv = fill_kv_args(pools.target, pools.draft, check=check)
     if aux:
@@ -75,10 +79,33 @@ def view(ptr: int, n: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(ptr))
 
 
-def fill(kv, seed: int) -> None:
-    """Every buffer filled with seeded random bytes (the same on any side of the same layout)."""
+def fill(kv, seed: int, device: str = "cpu") -> None:
+    """Every buffer filled with seeded random bytes (the same on any side of the same layout);
+    buffers on a GPU (``device``) are written there, from the same bytes."""
     for j, (p, n, _) in enumerate(buffers(kv)):
-        view(p, n)[:] = np.random.default_rng([seed, j]).integers(0, 256, n, dtype=np.uint8)
+        data = np.random.default_rng([seed, j]).integers(0, 256, n, dtype=np.uint8)
+        if device == "cpu":
+            view(p, n)[:] = data
+        else:
+            device_view(p, n, device).copy_(torch_of(data).to(device))
+
+
+def torch_of(a: np.ndarray):
+    import torch
+
+    return torch.from_numpy(a)
+
+
+class _CudaSpan:
+    def __init__(self, ptr: int, n: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+def device_view(ptr: int, n: int, device: str):
+    """The ``n`` bytes at device address ``ptr`` as a uint8 tensor on ``device`` (no copy)."""
+    import torch
+
+    return torch.as_tensor(_CudaSpan(ptr, n), device=device)
 
 
 def snapshot(kv) -> list[np.ndarray]:

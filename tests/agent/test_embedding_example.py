@@ -19,7 +19,7 @@ def test_embedding_example_runs():
     assert lines[0] == "pages landed: True aux: True"
     assert (
         lines[1]
-        == "metrics: ['bytes', 'copy_s', 'descriptors', 'digest_hashing_s', 'digest_s', 'landed', 'success_at_s', 'transfer_s', 'transferring_at_s', 'waiting_for_input_at_s']"
+        == "metrics: ['bytes', 'copy_s', 'descriptors', 'digest_hashing_s', 'digest_s', 'landed', 'success_at_s', 'transfer_s', 'transferring_at_s', 'verify', 'waiting_for_input_at_s']"
     )
 
 

@@ -13,20 +13,9 @@ import pytest
 from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
 from pdstate.agent.sender import EndedSender
 from pdstate.errors import AllocationError, PeerGone, PrefillBusy, ProtocolError
-from tests.agent.support import fill, make_side
 from tests.support.waiting import wait_until
 
 S = RequestState
-
-
-@pytest.fixture
-def sides():
-    p, d = make_side(False), make_side(False)
-    fill(p.kv_args, 1)
-    fill(d.kv_args, 2)
-    yield p, d
-    p.close()
-    d.close()
 
 
 def _prefill(side, **kw) -> PrefillAgent:

@@ -103,7 +103,7 @@ def test_each_request_goes_to_the_prefill_it_names(trio, http):
 
 def test_compat_lists_every_prefill_and_every_decode(trio, http):
     svc, ctl = trio["services"], trio["control"]
-    docs = {name: http.get(f"{s.url}/v1/compat").json() for name, s in svc.items()}
+    docs = {name: http.get(f"{s.url}/v1/compat", headers=AUTH).json() for name, s in svc.items()}
     dd = docs["decode"]
     ids = [p["id"] for p in dd["peers"]]
     assert ids[0] == ctl["a"] and sorted(ids[1:]) == sorted([ctl["b"], ctl["c"]])  # control.peer first
@@ -150,7 +150,7 @@ def test_bad_and_silent_prefill_addresses(trio, http):
 def test_a_killed_prefill_fails_only_its_requests_and_is_shaken_hands_with_again(trio, http):
     svc, ctl = trio["services"], trio["control"]
     d = svc["decode"].url
-    old = http.get(f"{svc['b'].url}/v1/compat").json()["incarnation"]
+    old = http.get(f"{svc['b'].url}/v1/compat", headers=AUTH).json()["incarnation"]  # (the token reveals it)
     # b freezes with requests on their way to it: they fail with b's reason once b is silent for
     # the peer timeout (1 s); a's request, sent meanwhile, goes through
     os.kill(svc["b"].pid, signal.SIGSTOP)
@@ -182,10 +182,10 @@ def test_a_killed_prefill_fails_only_its_requests_and_is_shaken_hands_with_again
     # b comes back on the same address: the decode registers again and b's requests go through
     svc["b"] = _prefill(bind=ctl["b"])
     assert svc["b"].wait_listening()["control"] == ctl["b"]
-    new = http.get(f"{svc['b'].url}/v1/compat").json()["incarnation"]
+    new = http.get(f"{svc['b'].url}/v1/compat", headers=AUTH).json()["incarnation"]
     assert new != old
     wait_for(lambda: _post(http, d, 300, ctl["b"])["status"] == "success", 20, "a transfer from the restarted b")
-    peer = [p for p in http.get(f"{d}/v1/compat").json()["peers"] if p["id"] == ctl["b"]][0]
+    peer = [p for p in http.get(f"{d}/v1/compat", headers=AUTH).json()["peers"] if p["id"] == ctl["b"]][0]
     assert peer["state"] == "accepted" and peer["incarnation"] == new and peer["error"] is None
 
 

@@ -159,5 +159,5 @@ def test_each_request_end_is_one_info_line_on_both_sides(pair, caplog):
     assert sorted(r.name for r in ends) == ["pdstate.worker.decode", "pdstate.worker.prefill"], ends
     (dec,) = [r.getMessage() for r in ends if r.name == "pdstate.worker.decode"]
     assert f"peer={p.endpoint}" in dec and f"bytes={res['bytes']}" in dec
-    assert "outcome=ok" in dec and "verification=full" in dec
+    assert "outcome=ok" in dec and "verification=sampled+full" in dec
     assert all(r.levelname == "INFO" for r in ends)

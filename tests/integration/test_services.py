@@ -79,7 +79,11 @@ def test_readyz_and_compat(cluster, http):
         "error": None,
     }
     assert wait_for(lambda: ready(http, d), 20, "decode ready")["ready"] is True
-    pd, dd = http.get(f"{p}/v1/compat").json(), http.get(f"{d}/v1/compat").json()
+    bearer = {"Authorization": f"Bearer {TOKEN}"}  # incarnations only to a holder of the token
+    pd, dd = http.get(f"{p}/v1/compat", headers=bearer).json(), http.get(f"{d}/v1/compat", headers=bearer).json()
+    for url in (p, d):
+        anonymous = http.get(f"{url}/v1/compat").json()
+        assert anonymous["incarnation"] == "" and {x["incarnation"] for x in anonymous["peers"]} == {None}
     assert pd["role"] == "prefill" and dd["role"] == "decode"
     assert pd["protocol_version"] == dd["protocol_version"] == PROTOCOL_VERSION
     assert pd["fingerprint"] == dd["fingerprint"] == dd["report"]["fingerprint"]

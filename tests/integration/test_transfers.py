@@ -127,12 +127,15 @@ def test_process_pair_batch_verified_without_leaks(workers, engine, mode, draft)
     results, done = run_batch(d, lengths, concurrency=3)
     assert_all_verified(results, lengths)
     assert done["free"] == ready["free"]
-    # the prefill frees a request's pages once its sender ended, a moment after the decode's verdict
-    stats = wait_until(
-        "the prefill's pages back",
-        lambda: (lambda st: st if st["free"] == prefill_free else None)(p.command({"cmd": "stats"}, "stats")),
-        10,
-    )
+
+    # the prefill frees a request's pages once its sender ended, a moment after the decode's verdict,
+    # and counts the request when its worker thread sees that end: wait (bounded) for both
+    def settled():
+        st = p.command({"cmd": "stats"}, "stats")
+        counted = sum(st["stats"]["transfers"][k] for k in ("success", "failed"))
+        return st if st["free"] == prefill_free and counted == len(lengths) else None
+
+    stats = wait_until("the prefill's pages back and every request counted", settled, 10)
     assert stats["stats"]["transfers"]["success"] == len(lengths) and stats["stats"]["transfers"]["failed"] == 0
     assert d.close() == 0 and p.close() == 0
 

@@ -270,12 +270,6 @@ def test_prefill_frozen_past_timeout_then_thawed(workers):
     )
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="on the agent path a decode frozen past the prefill's timeout can still be written into "
-    "after it failed (and freed) those requests: the prefill keeps serving what the thawed decode "
-    "asked before (an agent fix; see the worker's quarantine for the unconfirmed aborts)",
-)
 def test_decode_frozen_past_timeout_then_thawed(workers):
     p, ep, p_free, d, free0, _, lengths = _frozen_mid_batch(workers, "sleeper")
     t_stop = kill(d, signal.SIGSTOP)

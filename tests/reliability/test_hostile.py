@@ -71,6 +71,7 @@ class Dealer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, identity or b"raw-" + secrets.token_hex(4).encode())
         self.sock.connect(endpoint)
+        self.endpoint = endpoint
 
     def send(self, *frames: bytes) -> None:
         self.sock.send_multipart(list(frames))
@@ -120,16 +121,16 @@ class FakeDecode:
             engine=wire.EngineDesc(name="shm", endpoint=self.engine.endpoint()),
         )
 
-    def proven(self, nonce: bytes) -> wire.Register:
-        """The register again, answering the prefill's ownership ``challenge``."""
-        claimant = f"{self.register.worker_id}/{self.register.incarnation}"
-        endpoint = {**self.register.engine.endpoint, **self.engine.prove(nonce, claimant)}
+    def proven(self, nonce: bytes, audience: str) -> wire.Register:
+        """The register again, answering the prefill's ownership ``challenge`` (dialled at ``audience``)."""
+        claimant = f"{self.register.worker_id}/{self.register.incarnation}@{audience}"
+        endpoint = {**self.register.engine.endpoint, **self.engine.prove(nonce, claimant), "audience": audience}
         return self.register.model_copy(update={"engine": wire.EngineDesc(name="shm", endpoint=endpoint)})
 
     def handshake(self, dealer: Dealer) -> wire.Message:
         """Register, answering the challenge; the prefill's last answer."""
         answer = dealer.ask(self.register)
-        return dealer.ask(self.proven(answer.nonce)) if isinstance(answer, wire.Challenge) else answer
+        return dealer.ask(self.proven(answer.nonce, dealer.endpoint)) if isinstance(answer, wire.Challenge) else answer
 
     def request(self, room: int, seq_len: int) -> wire.AgentRequest:
         """A decode agent's request of ``seq_len`` tokens into this decode's own free pages (the
@@ -299,7 +300,7 @@ def _fuzz_control(endpoint: str, fake: FakeDecode, examples: int) -> int:
         registered.send(wire.encode(fake.register))
         got = registered.replies(lambda m: isinstance(m, (wire.Accept, wire.Reject, wire.Challenge)))
         if isinstance(got[-1], wire.Challenge):  # prove the segments are ours
-            registered.send(wire.encode(fake.proven(got[-1].nonce)))
+            registered.send(wire.encode(fake.proven(got[-1].nonce, endpoint)))
             got = registered.replies(lambda m: isinstance(m, (wire.Accept, wire.Reject)))
         assert isinstance(got[-1], wire.Accept), got[-1]
 
@@ -532,7 +533,9 @@ def _packed(xs, dtype="<i4") -> wire.PackedIndices:
 
 
 def test_crafted_transfer_requests_are_refused_and_touch_nothing():
-    with served_pair(TINY, **FAULT) as (p, d):
+    # the crafted requests ask for no digest: the prefill takes them (transfer.verify = off), so
+    # what refuses them is the planner, as it would a digested one
+    with served_pair(TINY, prefill={"transfer_verify": "off"}, **FAULT) as (p, d):
         free_p = p.free_counts()
         # the crafter owns its memory (a decode can only ever name its own segments)
         crafter = FakeDecode(TINY, worker_id="crafter")

@@ -1,11 +1,12 @@
 """The shm proof-of-ownership nonces a prefill issues (``shm_owner.Challenges``): single use, bound
-to one claimant, expiring, and bounded per claimant and in all, the oldest forgotten first."""
+to one claimant, expiring, bounded per connection (its oldest forgotten first) and in all (a new
+one refused, none evicted)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdstate.errors import InvalidEndpoint
+from pdstate.errors import InvalidEndpoint, PrefillBusy
 from pdstate.transfer.engines import shm_owner
 from pdstate.transfer.engines.shm_owner import MAX_CHALLENGES_PER_CLAIMANT, Challenges
 
@@ -37,18 +38,27 @@ def test_each_claimant_keeps_its_newest_nonces_only():
     assert len(c) == 0
 
 
-def test_all_claimants_together_keep_the_newest_and_expired_ones_go(monkeypatch):
+def test_registers_on_other_connections_never_evict_a_pending_nonce():
+    # the claimant's name is public: registers naming it used to evict its nonce (a lockout)
+    c = Challenges()
+    mine = c.issue("d/1", "conn-a")
+    for i in range(10 * MAX_CHALLENGES_PER_CLAIMANT):
+        c.issue("d/1", f"conn-{i % 3}")
+    c.redeem(mine, "d/1")
+
+
+def test_past_the_cap_new_nonces_are_refused_and_expired_ones_go(monkeypatch):
     monkeypatch.setattr(shm_owner, "MAX_CHALLENGES", 3)
     clock = [1000.0]
     monkeypatch.setattr(shm_owner.time, "monotonic", lambda: clock[0])
     c = Challenges()
     first, second, third = (c.issue(f"d{i}/1") for i in range(3))
-    fourth = c.issue("d3/1")
-    _refused(c, first, "d0/1")  # the oldest of all
+    with pytest.raises(PrefillBusy, match="3 ownership challenges outstanding"):
+        c.issue("d3/1")
+    c.redeem(first, "d0/1")  # none was evicted
     c.redeem(second, "d1/1")
     clock[0] += shm_owner.CHALLENGE_TTL_S + 1
     _refused(c, third, "d2/1")  # expired
+    assert len(c) == 0
+    c.issue("d4/1")
     assert len(c) == 1
-    c.issue("d4/1")  # forgets the expired one first
-    assert len(c) == 1
-    _refused(c, fourth, "d3/1")

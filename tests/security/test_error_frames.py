@@ -16,6 +16,18 @@ from tests.support.workers import Workers, wait_transferring
 QUIET_MS = 300
 
 
+@pytest.fixture
+def dealer():
+    """A raw ZeroMQ client on a fresh prefill worker process."""
+    with Workers() as ws:
+        _, endpoint = ws.prefill()
+        d = RawDealer(endpoint)
+        try:
+            yield d
+        finally:
+            d.close()
+
+
 def _error(room=None) -> wire.Error:
     return wire.Error(error=ErrorInfo(type="ProtocolError", message="decode could not read a frame"), room=room)
 
@@ -26,7 +38,6 @@ def _assert_still_answers(dealer: RawDealer) -> None:
     assert isinstance(answer, wire.Error) and answer.error.type == "NotRegistered", answer
 
 
-@pytest.mark.xfail(strict=True, reason="the agent's prefill answers an unregistered peer's error frame NotRegistered")
 def test_error_frames_are_never_answered_with_error_frames():
     with Workers() as ws:
         _, endpoint = ws.prefill()
@@ -46,7 +57,6 @@ def test_error_frames_are_never_answered_with_error_frames():
             dealer.close()
 
 
-@pytest.mark.xfail(strict=True, reason="the agent's prefill ignores a registered decode's error frame naming a room")
 def test_an_error_for_a_room_in_flight_ends_that_request_with_the_decodes_reason():
     with Workers() as ws:
         prefill, endpoint = ws.prefill(**hold_copies())
@@ -61,6 +71,52 @@ def test_an_error_for_a_room_in_flight_ends_that_request_with_the_decodes_reason
             assert done.room == 9 and done.status == "failed"
             assert done.error.message == "decode reported: ProtocolError: decode could not read a frame"
             release_copies(prefill)
+        finally:
+            dealer.close()
+            fake.close()
+
+
+def test_an_unregistered_heartbeat_gets_not_registered(dealer):
+    # was answered with the prefill's own heartbeat: its incarnation to anyone who asked
+    answer = dealer.ask(wire.Heartbeat(worker_id="stranger", incarnation="0", seq=5))
+    assert answer == wire.Error(
+        error=ErrorInfo(type="NotRegistered", message="decode is not registered with this prefill")
+    )
+
+
+def test_multipart_and_oversized_frames_get_a_typed_error(dealer):
+    # both were dropped without a word
+    hb = wire.encode(wire.Heartbeat(worker_id="probe", incarnation="0", seq=1))
+    dealer.sock.send_multipart([hb, hb, hb])
+    answer = wire.decode(dealer.sock.recv()) if dealer.sock.poll(10_000) else None
+    assert answer == wire.Error(
+        error=ErrorInfo(type="ProtocolError", message="a message is one frame (one ZeroMQ part); this one has 3")
+    )
+    big = wire.MAX_FRAME_BYTES + 100  # past the frame limit, within the transport's (PROTOCOL §2.5)
+    dealer.send(b"\x00" * big)
+    answer = wire.decode(dealer.sock.recv()) if dealer.sock.poll(10_000) else None
+    assert answer == wire.Error(
+        error=ErrorInfo(
+            type="ProtocolError", message=f"frame of {big} bytes exceeds the limit of {wire.MAX_FRAME_BYTES} bytes"
+        )
+    )
+    _assert_still_answers(dealer)
+
+
+def test_an_empty_boot_id_is_refused():
+    # was: the same-host check skipped, the segments mapped
+    with Workers() as ws:
+        _, endpoint = ws.prefill()
+        fake = RawDecode(worker_id="no-boot-id")
+        dealer = RawDealer(endpoint)
+        try:
+            answer = fake.handshake(dealer, {**fake.endpoint, "boot_id": ""})
+            assert isinstance(answer, wire.Reject), answer
+            assert answer.error.type == "InvalidEndpoint"
+            assert answer.error.message == (
+                f"shm engine: peer shm:{fake.endpoint['engine_id']} sent no boot id (/proc/sys/kernel/random/boot_id); "
+                "shared memory needs both sides on one host, which the boot id proves"
+            )
         finally:
             dealer.close()
             fake.close()

@@ -136,6 +136,39 @@ def test_placeholder_token_in_the_environment_is_refused(decode_cfg):
     )
 
 
+@pytest.mark.parametrize(("token", "n"), [("x", 1), ("  short-token-15b  ", 15), ("123456789", 9)])
+def test_short_token_in_the_environment_is_refused(decode_cfg, token, n):
+    # each used to pass the non-loopback rule
+    refused(
+        "pdstate: auth.token: the configured value (from environment PDSTATE_AUTH__TOKEN) is a token of "
+        f"{n} bytes once trimmed; a token needs at least 16, e.g. PDSTATE_AUTH__TOKEN=$({HINT})",
+        decode_cfg,
+        "http.host=0.0.0.0",
+        env={"PDSTATE_AUTH__TOKEN": token},
+    )
+
+
+def test_whitespace_token_is_refused(decode_cfg):
+    refused(
+        "pdstate: auth.token: the configured value is only whitespace (from environment PDSTATE_AUTH__TOKEN); "
+        f"set a real one, e.g. PDSTATE_AUTH__TOKEN=$({HINT}), or leave it unset for no auth",
+        decode_cfg,
+        "http.host=0.0.0.0",
+        env={"PDSTATE_AUTH__TOKEN": "    "},
+    )
+
+
+def test_short_token_file_is_refused(decode_cfg, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("abc\n")
+    refused(
+        f"pdstate: auth.token_file: {token} holds a token of 3 bytes once trimmed; a token needs at least 16, "
+        f"e.g. {HINT} > {token}",
+        decode_cfg,
+        f"auth.token_file={token}",
+    )
+
+
 # --- listeners beyond loopback without a token -----------------------------------------------
 
 
@@ -177,6 +210,21 @@ def test_compose_command_without_its_token_volume_is_refused(prefill_cfg):
         "control.bind=tcp://0.0.0.0:5601",
         "http.host=0.0.0.0",
         "auth.token_file=/run/pdstate/token",
+    )
+
+
+# --- transfer engines whose native listeners cannot be restricted ---------------------------
+
+
+def test_mooncake_without_the_open_listener_acknowledgement_is_refused(prefill_cfg):
+    # Mooncake 0.3.13 listens on 0.0.0.0 and [::] whatever its host (docs/security.md)
+    refused(
+        "pdstate: transfer.mooncake.allow_open_listener: the mooncake engine listens on every interface and "
+        "authenticates nobody (whoever reaches its ports can write into this worker's registered memory); keep "
+        "the workers on a private network (deploy/k8s/networkpolicy.yaml) and set "
+        "transfer.mooncake.allow_open_listener = true to acknowledge it",
+        prefill_cfg,
+        "transfer.engine=mooncake",
     )
 
 
@@ -324,9 +372,23 @@ def test_placeholders_are_refused(tmp_path, token):
         load(tmp_path, environ={"PDSTATE_AUTH__TOKEN": token})
 
 
-@pytest.mark.parametrize("token", ["t", "reliability-secret", "integration-token-7f3a", "0" * 64])
+@pytest.mark.parametrize("token", ["reliability-secret", "integration-token-7f3a", "0" * 64, "0123456789012345"])
 def test_real_looking_tokens_are_accepted(tmp_path, token):
     assert load(tmp_path, environ={"PDSTATE_AUTH__TOKEN": token}).auth.secret() == token.encode()
+
+
+def test_an_all_digit_token_stays_a_string(tmp_path):
+    # was parsed as a TOML integer: "auth.token: Input should be a valid string"
+    digits = "12345678901234567890"
+    assert load(tmp_path, environ={"PDSTATE_AUTH__TOKEN": digits}).auth.secret() == digits.encode()
+    assert load(tmp_path, f"auth.token={digits}").auth.secret() == digits.encode()
+    assert load(tmp_path, f'auth.token="{digits}"').auth.secret() == digits.encode()
+
+
+def test_a_token_is_trimmed(tmp_path):
+    assert load(tmp_path, environ={"PDSTATE_AUTH__TOKEN": " tok-0123456789abcdef\n"}).auth.secret() == (
+        b"tok-0123456789abcdef"
+    )
 
 
 def test_the_refusals_are_one_line(tmp_path):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 
+import zmq
+
 from pdstate.errors import ProtocolError
 from pdstate.protocol import wire
 from pdstate.protocol.report import ErrorInfo
@@ -25,6 +27,7 @@ from tests.support.hostile import (
     RawDecode,
     agent_pair,
     agent_transfer,
+    bound_router,
     changed_bytes,
     segment_image,
     segment_paths,
@@ -54,8 +57,9 @@ def _claim(address: str, theirs: wire.Register) -> dict:
 
 def test_another_uid_naming_a_not_yet_registered_decodes_segments_is_refused():
     with Workers() as ws:
-        prefill, endpoint = ws.prefill()
-        relay = GatedRelay(endpoint)
+        front = bound_router()  # the victim dials the prefill through it: a name the prefill advertises
+        prefill, endpoint = ws.prefill(advertise=(front.getsockopt_string(zmq.LAST_ENDPOINT),))
+        relay = GatedRelay(endpoint, front)
         try:
             victim = ws.decode(relay.address, worker_id="victim", peer_timeout_s=5.0)
             held = wait_until("the victim's register, held by the relay", lambda: relay.held[:1], 30)
@@ -88,12 +92,14 @@ def test_a_captured_register_replayed_to_a_restarted_prefill_is_refused():
             dealer = RawDealer(endpoint)
             challenge = dealer.ask(owner.register())
             assert isinstance(challenge, wire.Challenge), challenge
-            captured = wire.encode(owner.register({**owner.endpoint, **owner.proof(owner.endpoint, challenge.nonce)}))
+            captured = wire.encode(
+                owner.register({**owner.endpoint, **owner.proof(owner.endpoint, challenge.nonce, audience=endpoint)})
+            )
             assert isinstance(dealer.ask(captured), wire.Accept)
             dealer.close()
             first.close()
 
-            again, endpoint = ws.prefill()  # a new incarnation: it never issued that nonce
+            again, endpoint = ws.prefill(bind=endpoint)  # a new incarnation, same address: it never issued that nonce
             replayer = RawDealer(endpoint)
             answer = replayer.ask(captured)
             assert isinstance(answer, wire.Reject), answer

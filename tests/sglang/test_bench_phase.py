@@ -16,5 +16,9 @@ def test_phase_times_both_backends_on_the_same_requests(sglang_release, sglang_p
     bench_sglang.phase(1, results, progress=said.append, lengths=(2048,), pair=sglang_pair)
     assert 0 < results["sglang_mooncake_ms_by_length"]["2048"] < bench_sglang.DEADLINE_S * 1000
     assert 0 < results["sglang_backend_ms_by_length"]["2048"] < bench_sglang.DEADLINE_S * 1000
+    assert 0 < results["sglang_backend_full_ms_by_length"]["2048"] < bench_sglang.DEADLINE_S * 1000
+    assert results["sglang"]["versions"] == ["0.5.19"]
     results.update(lengths=[], modes=[], paths={})
-    assert bench_report.ratios(results)["sglang_backend_vs_sglang_mooncake_by_length"]["2048"] > 0
+    ratios = bench_report.ratios(results)
+    assert ratios["sglang_backend_vs_sglang_mooncake_by_length"]["2048"] > 0
+    assert ratios["sglang_backend_full_vs_sglang_mooncake_by_length"]["2048"] > 0

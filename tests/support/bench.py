@@ -52,6 +52,7 @@ def full_bench_result() -> dict[str, Any]:
             "paged:agent:physical": per_len(0.2, 0.08),
             "paged:agent:ceiling": per_len(0.4, 0.16),
             "paged:agent:agent_shm": per_len(0.5, 0.1, spread=0.1),
+            "paged:agent:agent_shm_sampled": per_len(0.55, 0.105),
             "paged:agent:agent_shm_digest": per_len(0.5, 0.2),
         },
         mxn={"prefills": 2, "decodes": 2, "requests": 16, "request_tokens": 8192, "gbps": 4.0, "verified": 16},

@@ -65,7 +65,7 @@ class RawDealer:
     """A DEALER on a prefill's control socket; ``ask`` sends one frame and reads the answer."""
 
     def __init__(self, endpoint: str, identity: bytes | None = None, token: bytes | None = None) -> None:
-        self.token = token
+        self.token, self.endpoint = token, endpoint
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, identity or b"raw-" + secrets.token_hex(4).encode())
@@ -118,10 +118,11 @@ class RawDecode:
         )
         return wire.Register(**{**fields, **kw})
 
-    def proof(self, endpoint: dict, nonce: bytes, steal: bool = False) -> dict:
-        """Endpoint fields answering ``nonce``: real proofs for this decode's own segments (and,
-        with ``steal``, for any segment this process can read), a random guess for the others."""
-        claimant, own = f"{self.worker_id}/{self.incarnation}", set(self.own_paths())
+    def proof(self, endpoint: dict, nonce: bytes, steal: bool = False, audience: str = "") -> dict:
+        """Endpoint fields answering ``nonce`` for the prefill dialled at ``audience``: real proofs
+        for this decode's own segments (and, with ``steal``, for any segment this process can
+        read), a random guess for the others."""
+        claimant, own = f"{self.worker_id}/{self.incarnation}@{audience}", set(self.own_paths())
         proofs = {}
         for path in sorted({str(r.get("path")) for r in endpoint.get("regions", []) if isinstance(r, dict)}):
             real = None
@@ -131,7 +132,7 @@ class RawDecode:
                 except OSError:
                     real = None
             proofs[path] = (real or secrets.token_bytes(32)).hex()
-        return {"challenge": nonce.hex(), "proofs": proofs}
+        return {"challenge": nonce.hex(), "proofs": proofs, "audience": audience}
 
     def handshake(self, dealer: RawDealer, endpoint: dict | None = None, steal: bool = False, **kw) -> wire.Message:
         """Register (``register``'s arguments) and answer the prefill's challenge, if it sends one;
@@ -139,7 +140,7 @@ class RawDecode:
         ep = endpoint if endpoint is not None else self.endpoint
         answer = dealer.ask(self.register(ep, **kw))
         if isinstance(answer, wire.Challenge):
-            answer = dealer.ask(self.register({**ep, **self.proof(ep, answer.nonce, steal)}, **kw))
+            answer = dealer.ask(self.register({**ep, **self.proof(ep, answer.nonce, steal, dealer.endpoint)}, **kw))
         return answer
 
     def request(self, room: int, seq_len: int) -> wire.AgentRequest:
@@ -225,17 +226,26 @@ def with_region(endpoint: dict, i: int, **fields) -> dict:
     return {**endpoint, "regions": regions}
 
 
+def bound_router() -> zmq.Socket:
+    """A ROUTER bound on 127.0.0.1 (port 0): a relay's front, its address known before its upstream."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind_to_random_port("tcp://127.0.0.1")
+    return sock
+
+
 class GatedRelay:
-    """A ROUTER on 127.0.0.1 (port 0) for one decode, relaying to ``upstream`` through a DEALER:
+    """A ROUTER on 127.0.0.1 (port 0, or ``front``) for one decode, relaying to ``upstream`` through a DEALER:
     the decode's frames are held (dropped, counted, the last one kept) until ``open`` is set;
     the prefill's answers always go back. The relay's thread alone uses its sockets."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, front: zmq.Socket | None = None) -> None:
         ctx = zmq.Context.instance()
-        self.front, self.back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        self.front, self.back = front or ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
         for sock in (self.front, self.back):
             sock.setsockopt(zmq.LINGER, 0)
-        self.address = f"tcp://127.0.0.1:{self.front.bind_to_random_port('tcp://127.0.0.1')}"
+        if front is None:
+            self.front.bind_to_random_port("tcp://127.0.0.1")
+        self.address = self.front.getsockopt_string(zmq.LAST_ENDPOINT)
         self.back.connect(upstream)
         self.open, self._stop = threading.Event(), threading.Event()
         self.held: list[bytes] = []
@@ -285,11 +295,11 @@ def claim(address: str, theirs: wire.Register, try_read: bool) -> dict:
                 real = None
                 if try_read:
                     try:
-                        real = prove_segment(path, answer.nonce, f"attacker/{incarnation}")
+                        real = prove_segment(path, answer.nonce, f"attacker/{incarnation}@{address}")
                     except OSError as exc:
                         out["read_error"] = type(exc).__name__
                 proofs[path] = (real or secrets.token_bytes(32)).hex()
-            proven = {**ep, "challenge": answer.nonce.hex(), "proofs": proofs}
+            proven = {**ep, "challenge": answer.nonce.hex(), "proofs": proofs, "audience": address}
             answer = dealer.ask(ours.model_copy(update={"engine": wire.EngineDesc(name="shm", endpoint=proven)}))
             out["answers"].append(answer.KIND)
         if isinstance(answer, wire.Reject):

@@ -115,3 +115,27 @@ class Service:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+class Services:
+    """``pdstate serve`` processes started through it, stopped in reverse order on exit."""
+
+    def __init__(self) -> None:
+        self.started: list[Service] = []
+
+    def start(self, role: str, overrides: list[str], env: dict[str, str] | None = None) -> Service:
+        service = Service(role, overrides, env)
+        self.started.append(service)
+        return service
+
+    def prefill(self, *overrides: str, env: dict[str, str] | None = None) -> tuple[Service, str]:
+        """A prefill on 127.0.0.1 (ports 0), once listening, and its control address."""
+        service = self.start("prefill", ["http.port=0", "control.bind=tcp://127.0.0.1:0", *overrides], env)
+        return service, service.wait_listening()["control"]
+
+    def __enter__(self) -> Services:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for service in reversed(self.started):
+            service.stop()

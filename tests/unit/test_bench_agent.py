@@ -43,6 +43,7 @@ def test_an_agent_phase_on_tiny_fills_the_summary_keys_with_numbers():
             "ceiling_memmove",
             "ceiling_gather_scatter",
             "agent_shm",
+            "agent_shm_sampled",
             "agent_shm_digest",
         }
         | physical
@@ -60,12 +61,30 @@ def test_an_agent_phase_on_tiny_fills_the_summary_keys_with_numbers():
     assert isinstance(digest["300"]["decode"], float) and digest["300"]["decode"] > 0
     assert digest["300"]["prefill"] == 0  # shm: the prefill's digest is fused into the copy
     assert results["parts"]["paged:agent:agent_shm:digest_s"]["300"]["median"] == 0  # digest off: none
+    cost = bench_report.verify_cost(results)
+    assert set(cost) == {"sampled", "full"} and all(isinstance(cost[m]["300"], float) for m in cost)
     assert isinstance(results["handshake_ms"]["paged:agent"], float)
     assert any("300 tokens" in line for line in lines)
     mem = results["agent_memory"]
     assert mem["requests"] == 20 and mem["request_tokens"] == 128
     assert mem["peak_rss_mb"] >= mem["rss_after_mb"] > 0 and abs(mem["rss_growth_mb"]) < mem["rss_before_mb"]
     assert src.pools.allocator.full_available_size() == dst.pools.allocator.full_available_size()
+
+
+def test_verify_cost_is_each_levels_median_over_offs_less_one():
+    r = {
+        "paths": {
+            "paged:agent:agent_shm": {"2048": _row(4.0), "32768": _row(10.0)},
+            "paged:agent:agent_shm_sampled": {"2048": _row(4.2), "32768": _row(10.5)},
+            "paged:agent:agent_shm_digest": {"2048": _row(6.0)},
+        }
+    }
+    cost = bench_report.verify_cost(r)
+    assert {m: {n: round(v, 6) for n, v in c.items()} for m, c in cost.items()} == {
+        "sampled": {"2048": 0.05, "32768": 0.05},
+        "full": {"2048": 0.5},
+    }
+    assert bench_report.verify_cost({"paths": {}}) == {}
 
 
 def test_summary_names_the_agent_keys_even_when_the_phase_did_not_run():
@@ -77,5 +96,6 @@ def test_summary_names_the_agent_keys_even_when_the_phase_did_not_run():
     }
     assert not [k for k in s["ratios"] if "worker" in k]
     assert s["agent_digest_ms_p50_by_length"] == {}
+    assert s["verify_cost_by_mode"] == {} and s["sglang_versions"] == []
     r["parts"] = {"paged:agent:agent_shm_digest:digest_s": {"2048": {"median": 0.002}}}
     assert bench_report.summary(r)["agent_digest_ms_p50_by_length"] == {"2048": {"decode": 2.0}}

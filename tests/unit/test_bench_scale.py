@@ -84,7 +84,9 @@ def test_the_readme_tables_render_from_one_run():
     assert md[0] == "| ratio (medians, one run) | 2k | 32k |"
     assert "| shm end to end (agent) / physical limit | 0.40 | 0.80 |" in md
     assert "| shm end to end (agent) / ceiling | 0.80 | 1.60 |" in md
-    assert "| agent with digests on both sides / ceiling | 0.80 | 0.80 |" in md
+    assert "| agent, every byte digested (full) / ceiling | 0.80 | 0.80 |" in md
+    assert "| agent, sampled digests (the default) / ceiling | 0.73 | 1.52 |" in md
+    assert "| `sampled` | +10.0% | +5.0% |" in md and "| `full` | +0.0% | +100.0% |" in md
     assert not any(line.startswith("| Mooncake") for line in md)  # not measured: no row
     assert "| shm end to end (agent), digests off | 2.00 (1.80–2.20) | 10.00 (9.00–11.00) |" in md
     assert "| physical limit (one contiguous copy, best thread count) | 5.00 | 12.50 |" in md
@@ -136,7 +138,16 @@ def test_the_sglang_row_renders_both_backends_and_their_ratio() -> None:
         "| SGLang 0.5.19, send -> Success, ms (median) | 2k | 32k |",
         "|---|---|---|",
         "| SGLang's own Mooncake backend | 20.0 | 80.0 |",
-        "| backend pdstate (Mooncake engine, digests on) | 25.0 | 64.0 |",
-        "| ratio (above 1: pdstate faster) | 0.80 | 1.25 |",
+        "| backend pdstate (Mooncake engine, `sampled`) | 25.0 | 64.0 |",
+        "| ratio, `sampled` (above 1: pdstate faster) | 0.80 | 1.25 |",
+    ]
+    r["sglang_backend_full_ms_by_length"] = {"2048": 40.0, "32768": 100.0}
+    r["sglang"] = {"versions": ["0.5.23"]}
+    table = bench_tables.sglang_table(r)
+    assert table[0] == "| SGLang 0.5.23, send -> Success, ms (median) | 2k | 32k |"
+    assert table[4:] == [
+        "| backend pdstate, `full` | 40.0 | 100.0 |",
+        "| ratio, `sampled` (above 1: pdstate faster) | 0.80 | 1.25 |",
+        "| ratio, `full` | 0.50 | 0.80 |",
     ]
     assert bench_tables.sglang_table({"sglang_mooncake_ms_by_length": {"2048": 20.0}}) == []

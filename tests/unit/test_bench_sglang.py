@@ -14,10 +14,12 @@ def test_ratio_is_sglang_mooncake_over_backend_pdstate_per_length():
         "paths": {},
         "sglang_mooncake_ms_by_length": {"2048": 30.0, "8192": 50.0, "32768": 90.0},
         "sglang_backend_ms_by_length": {"2048": 20.0, "32768": 120.0},
+        "sglang_backend_full_ms_by_length": {"2048": 60.0},
     }
     out = bench_report.ratios(r)
     assert out["sglang_backend_vs_sglang_mooncake_by_length"] == {"2048": 1.5, "32768": 0.75}
     assert out["sglang_backend_vs_sglang_mooncake"] == 0.75  # the 32k-token value
+    assert out["sglang_backend_full_vs_sglang_mooncake_by_length"] == {"2048": 0.5}
 
 
 def test_no_ratio_without_the_pdstate_backend():

@@ -67,9 +67,12 @@ def test_values_parse_as_toml_scalars(toml):
 
 
 def test_nested_environment_key(toml):
-    cfg = load_config(toml(BASE), environ={"PDSTATE_TRANSFER__MOONCAKE__HOST": "10.1.2.3", "PDSTATE_AUTH__TOKEN": "t"})
+    cfg = load_config(
+        toml(BASE),
+        environ={"PDSTATE_TRANSFER__MOONCAKE__HOST": "10.1.2.3", "PDSTATE_AUTH__TOKEN": "t0k3n-of-sixteen-bytes"},
+    )
     assert cfg.transfer.mooncake.host == "10.1.2.3"
-    assert cfg.auth.secret() == b"t"
+    assert cfg.auth.secret() == b"t0k3n-of-sixteen-bytes"
 
 
 def test_mooncake_options_reach_the_engine_constructor(toml):
@@ -85,9 +88,9 @@ def test_mooncake_options_reach_the_engine_constructor(toml):
 
 def test_token_file(toml, tmp_path):
     secret = tmp_path / "token"
-    secret.write_text("from-file\n")
+    secret.write_text("from-file-0123456789\n")
     cfg = load_config(toml(BASE), [f'auth.token_file="{secret}"'], environ={})
-    assert cfg.auth.secret() == b"from-file"
+    assert cfg.auth.secret() == b"from-file-0123456789"
     assert load_config(toml(BASE), environ={}).auth.secret() is None
     # fails closed at load time (tests/security/test_fail_closed.py has every case)
     with pytest.raises(ConfigError, match=r"^auth\.token_file: cannot read .*absent: No such file or directory; "):

@@ -101,7 +101,7 @@ def compose_config(svc: dict, env_extra: dict | None = None):
     if token_file:  # a file of a mounted volume (tests/security/test_deploy_secrets.py checks which)
         assert any(v.split(":")[1] == token_file.rsplit("/", 1)[0] for v in svc.get("volumes", [])), token_file
         local = Path(tempfile.mkdtemp()) / "token"
-        local.write_text("t")
+        local.write_text("a-local-test-token-0123")
         overrides = [o if o != f"auth.token_file={token_file}" else f"auth.token_file={local}" for o in overrides]
     return args, load_config(image_path_to_repo(args.config), overrides, environ=env)
 
@@ -211,7 +211,7 @@ def k8s_config(k8s, role, tmp_path):
         (gen,) = [g for g in kust.get("secretGenerator", []) if g["name"] == secret_name]  # no Secret manifest
         assert secret_key in [f.split("=", 1)[0] for f in gen["files"]]
         local = tmp_path / f"{role}-token"
-        local.write_text("t")
+        local.write_text("a-local-test-token-0123")
         overrides = [o if not o.startswith("auth.token_file=") else f"auth.token_file={local}" for o in overrides]
     return dep, pod, c, load_config(path, overrides, environ=env), token_file
 
@@ -221,7 +221,7 @@ def test_k8s_deployments(k8s, routes, tmp_path):
     for role in ROLES:
         dep, pod, c, cfg, token_file = k8s_config(k8s, role, tmp_path)
         cfgs[role] = cfg
-        assert cfg.role == role and token_file and cfg.auth.secret() == b"t"
+        assert cfg.role == role and token_file and cfg.auth.secret() == b"a-local-test-token-0123"
         assert cfg.transfer.engine == "mooncake" and cfg.transfer.mooncake.host == "10.1.2.3"
         assert cfg.http.host == "0.0.0.0" and cfg.http.port == service_config(role).http.port
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}

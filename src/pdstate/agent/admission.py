@@ -13,19 +13,92 @@ Run on the prefill agent's I/O thread:
   refused with ``WorkerIdInUse`` and that decode is left as it was; a killed decode's connection
   closes at once, so its restart is accepted without waiting for the timeout;
 * with an engine that proves ownership (shm), a compatible register whose endpoint does not
-  answer a challenge yet gets a ``Challenge``; the engine's ``connect`` checks the answer.
+  answer a challenge yet gets a ``Challenge``; the engine's ``connect`` checks the answer;
+* a frame that does not decode is answered with ``Error`` naming why, unless it is itself an
+  ``error`` frame (never answered: two peers must not bounce errors); an ``AuthError`` (a token
+  on one side only, or two different tokens) is counted, kept as the latest (``Incidents``)
+  and logged, at most once a second.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 import zmq
 
-from pdstate.errors import WorkerIdInUse
+from pdstate import logs
+from pdstate.errors import AuthError, InvalidEndpoint, PdStateError, ProtocolError, WorkerIdInUse
 from pdstate.protocol import wire
+from pdstate.protocol.hosts import is_loopback_host
 from pdstate.protocol.report import ErrorInfo
+
+log = logging.getLogger("pdstate.agent")
+
+
+class Incidents:
+    """Refusals of one kind (``what``: frames refused for their auth tag, decodes dropped for
+    withheld verdicts): how many, the latest (``ErrorInfo``) and when (``time.monotonic()``);
+    written by one I/O thread, read by any (a snapshot of plain values)."""
+
+    def __init__(self, what: str = "frame") -> None:
+        self.what, self.count, self.latest, self.at, self._logged = what, 0, None, 0.0, -1.0
+
+    def note(self, err: PdStateError, peer: str) -> PdStateError:
+        """Count ``err`` from ``peer`` and log it (the line carries the fix); returns it."""
+        now = time.monotonic()
+        self.count, self.latest, self.at = self.count + 1, ErrorInfo.of(err), now
+        if now - self._logged >= 1.0:  # a flood is one line a second
+            self._logged = now
+            logs.refusal(log, what=self.what, peer=peer, error_type=type(err).__name__, message=str(err))
+        return err
+
+    def recent(self, within_s: float) -> ErrorInfo | None:
+        """The latest refusal when it is at most ``within_s`` old."""
+        return self.latest if self.latest is not None and time.monotonic() - self.at <= within_s else None
+
+
+def refuse_frame(agent: Any, identity: bytes, frame: bytes, exc: PdStateError) -> None:
+    """A frame from ``identity`` that did not decode (``exc``): answered with ``Error`` unless it
+    is an ``error`` frame itself (PROTOCOL §7)."""
+    if isinstance(exc, AuthError):
+        exc = agent.auth_failures.note(exc, identity.decode("utf-8", "replace")[:64])
+    if wire.envelope_kind(frame) != "error":
+        agent._reply(identity, wire.Error(error=ErrorInfo.of(exc)))
+
+
+def refuse_parts(agent: Any, parts: list[bytes]) -> None:
+    """A message of other than one frame (PROTOCOL §1): answered with ``Error`` unless its first
+    frame is an ``error`` frame."""
+    if len(parts) < 2 or wire.envelope_kind(parts[1]) == "error":
+        return
+    err = ProtocolError(f"a message is one frame (one ZeroMQ part); this one has {len(parts) - 1}")
+    agent._reply(parts[0], wire.Error(error=ErrorInfo.of(err)))
+
+
+def audience_error(audience: object, address: str, advertise: tuple[str, ...]) -> InvalidEndpoint | None:
+    """Why a proof bound to ``audience`` (the address the decode dialled) was not given to this
+    prefill (bound at ``address``, also reached at ``advertise``); None when it was: the address
+    itself, an advertised one, or, for a wildcard or loopback bind, a loopback host on its port."""
+    if isinstance(audience, str) and (audience == address or audience in advertise or _same_host(audience, address)):
+        return None
+    names = ", ".join([address, *advertise])
+    return InvalidEndpoint(
+        f"shm proof of ownership was given to {audience!r}, not to this prefill ({names}): a register relayed "
+        "through another address; if decodes reach this prefill by another name, list it in control.advertise"
+    )
+
+
+def _same_host(audience: str, address: str) -> bool:
+    a_scheme, _, a_rest = audience.partition("://")
+    b_scheme, _, b_rest = address.partition("://")
+    a_host, _, a_port = a_rest.rpartition(":")
+    b_host, _, b_port = b_rest.rpartition(":")
+    if a_scheme != "tcp" or b_scheme != "tcp" or a_port != b_port:
+        return False
+    local = ("0.0.0.0", "*", "[::]", "::")
+    return (b_host in local or is_loopback_host(b_host)) and is_loopback_host(a_host)
 
 
 def bind_router(loop: Any, bind: str) -> tuple[zmq.Socket, str]:
@@ -74,12 +147,19 @@ def _early_answer(agent: Any, identity: bytes, msg: wire.Register) -> wire.Messa
         )
         return wire.Reject(worker_id=agent.worker_id, error=ErrorInfo.of(err))
     engine = agent._engine
+    if engine.proves_ownership and "challenge" in msg.engine.endpoint:
+        refused = audience_error(msg.engine.endpoint.get("audience"), agent.address, agent.advertise)
+        if refused is not None:
+            return wire.Reject(worker_id=agent.worker_id, error=ErrorInfo.of(refused))
     if (
         engine.proves_ownership
         and msg.engine.name == engine.name
         and "challenge" not in msg.engine.endpoint
         and isinstance(agent._handshake.receive(msg), wire.Accept)  # (an incompatible one: refused as ever)
     ):
-        nonce = engine.challenge(f"{msg.worker_id}/{msg.incarnation}")
+        try:
+            nonce = engine.challenge(f"{msg.worker_id}/{msg.incarnation}", identity.hex())
+        except PdStateError as exc:  # too many outstanding: the decode registers again (backoff)
+            return wire.Reject(worker_id=agent.worker_id, error=ErrorInfo.of(exc))
         return wire.Challenge(worker_id=agent.worker_id, incarnation=agent.incarnation, nonce=nonce)
     return None

@@ -8,9 +8,11 @@ import time
 import numpy as np
 import zmq
 
+from pdstate.agent.admission import Incidents
 from pdstate.agent.common import AgentLifetime, AgentLoop, RequestRecord, channel_layout, regions_of
-from pdstate.agent.decode_frames import DecodeFrames
+from pdstate.agent.decode_frames import RETRY_MAX_S, DecodeFrames
 from pdstate.agent.receiver import KVReceiver, PrefillPeer, Receiving
+from pdstate.agent.verify import DEFAULT_LEVEL, check_level, layout_devices, on_device
 from pdstate.errors import (
     AgentClosed,
     EngineError,
@@ -48,6 +50,10 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
     heartbeat answers) or stops answering for ``peer_timeout_s`` fails its requests with
     ``PeerGone`` and is shaken hands with again on next use.
 
+    ``verify`` (``sampled`` by default, ``full``, ``off``; ``digest=False`` means ``off``) is the
+    verification level every request asks (``pdstate.agent.verify``); each receiver's metrics
+    name the level that ran (``verify``).
+
     Threading contract:
 
     * One I/O thread per agent owns the sockets and every request's state; it starts in the
@@ -70,6 +76,7 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
         worker_id: str | None = None,
         report=None,
         digest: bool = True,
+        verify: str = DEFAULT_LEVEL,
         heartbeat_interval_s: float = 0.5,
         peer_timeout_s: float = 3.0,
         handshake_timeout_s: float = 10.0,
@@ -82,7 +89,9 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
             from pdstate.pools.reporting import build_report
 
             report, _ = build_report(*pools)
-        self.kv_args, self.token, self.digest = kv_args, token, digest
+        self.kv_args, self.token = kv_args, token
+        self.verify = check_level(verify) if digest else "off"  # ``digest=False``: off, as before the levels
+        self.digest = self.verify != "off"
         self.worker_id = worker_id or f"decode-{secrets.token_hex(4)}"
         self.incarnation = secrets.token_hex(8)
         self.heartbeat_interval_s, self.peer_timeout_s = heartbeat_interval_s, peer_timeout_s
@@ -114,8 +123,10 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
             else None
         )
         self._layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
+        self._devices = layout_devices(self._layout)  # host (None) or device, per buffer
         self._prefills: dict[str, PrefillPeer] = {}
         self.handshakes = {"accepted": 0, "rejected": 0}  # answers received, written by the I/O thread only
+        self.auth_failures = Incidents()  # prefills' answers refused for their auth tag
         self._redial_s = max(1.0, 2 * heartbeat_interval_s)  # a gone prefill's register, sent again at most this often
         self._recvs: dict[tuple[str, int], Receiving] = {}
         self._last_tick = time.monotonic()
@@ -265,6 +276,13 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
         p.error, p.registered_at, p.handshakes = None, time.monotonic(), p.handshakes + 1
         self._send(p, self._handshake.register_message())
 
+    def _retry(self, p: PrefillPeer) -> None:
+        """Register again with a prefill that refused this decode for a passing reason, keeping
+        it REJECTED (and its error) until it answers; the next try waits twice as long."""
+        p.retry_s = min(RETRY_MAX_S, 2 * p.retry_s)
+        p.registered_at, p.handshakes, p.redial = time.monotonic(), p.handshakes + 1, True
+        self._send(p, self._handshake.register_message())
+
     def _add(self, recv: Receiving, redial_gone: bool = True) -> Receiving:
         key = (recv.prefill, recv.record.room)
         old = self._recvs.get(key)
@@ -307,6 +325,8 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
             dst_state_indices=[wire.PackedIndices.pack(s) for s in state],
             dst_aux=aux,
             digest=self.digest,
+            verify="sampled" if self.verify == "sampled" else None,
+            digest_form="device" if self.digest and on_device(self._devices) else None,
             deadline_s=min(3600.0, self.transfer_timeout_s),
             seq_len=seq_len,
         )
@@ -381,7 +401,9 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
             if sent_at is not None and recv.aborting is None and now - sent_at > self.transfer_timeout_s:
                 self._abort(recv, f"no TransferDone within transfer_timeout_s={self.transfer_timeout_s:g} s")
         for p in list(self._prefills.values()):
-            if p.state is PeerState.PENDING and now - p.registered_at > self.handshake_timeout_s:
+            if p.state is PeerState.REJECTED and p.retry_s and now - p.registered_at >= p.retry_s:
+                self._retry(p)
+            elif p.state is PeerState.PENDING and now - p.registered_at > self.handshake_timeout_s:
                 self._fail_prefill(
                     p,
                     PeerGone(f"prefill {p.address} did not answer the handshake within {self.handshake_timeout_s:g} s"),

@@ -12,7 +12,8 @@ import zmq
 from pdstate import logs
 from pdstate.agent.digest import RequestDigest
 from pdstate.agent.receiver import PrefillPeer, Receiving
-from pdstate.errors import DigestMismatch, PdStateError, PeerGone, TransferAborted, error_from_wire
+from pdstate.agent.verify import level_of, request_digest
+from pdstate.errors import AuthError, DigestMismatch, PdStateError, PeerGone, TransferAborted, error_from_wire
 from pdstate.protocol import wire
 from pdstate.protocol.lifecycle import PeerState, RequestState, move
 from pdstate.protocol.report import ErrorInfo
@@ -22,11 +23,15 @@ __all__ = ["DecodeFrames"]
 log = logging.getLogger("pdstate.agent")
 
 _S = RequestState
+RETRY_MAX_S = 30.0  # the longest wait between two registers with a prefill that refused this decode
+# refusals that pass (another live incarnation holds the worker id, a challenge evicted or
+# expired, a prefill busy): registered again with backoff (``_retry``); any other is final
+PASSING_REFUSALS = frozenset({"WorkerIdInUse", "InvalidEndpoint", "PrefillBusy", "NotRegistered", "PeerGone"})
 
 
 class DecodeFrames:
     """Mixed into ``DecodeAgent`` (its ``_prefills``, ``_recvs``, ``_handshake``, ``_engine``,
-    ``_layout``, ``digest``, ``token`` and the helpers ``_send``, ``_register``, ``_fail_prefill``,
+    ``_layout``, ``_devices``, ``digest``, ``token``, ``auth_failures`` and the helpers ``_send``, ``_register``, ``_fail_prefill``,
     ``_restarted``, ``_live`` and ``_maybe_send``); every method runs on its I/O thread."""
 
     def _on_frame(self, address: str, sock: zmq.Socket) -> None:
@@ -36,6 +41,10 @@ class DecodeFrames:
             return
         try:
             msg = wire.decode(frame, self.token)
+        except AuthError as exc:
+            if p.state is PeerState.PENDING or p.redial:  # its answer to this register: a token on one side only
+                self._auth_refused(p, exc)
+            return
         except PdStateError:
             return
         p.last_seen = time.monotonic()
@@ -43,8 +52,10 @@ class DecodeFrames:
             self._on_handshake(p, msg)
         elif isinstance(msg, wire.Challenge):
             if p.state is PeerState.PENDING or p.redial:  # prove the memory this decode named is its own
-                proof = self._engine.prove(msg.nonce, f"{self.worker_id}/{self.incarnation}")
-                self._send(p, self._handshake.register_message(proof))
+                # ... to the prefill at the address it dialled (``audience``): a proof relayed
+                # through another address is worthless to the prefill (``agent.admission``)
+                proof = self._engine.prove(msg.nonce, f"{self.worker_id}/{self.incarnation}@{p.address}")
+                self._send(p, self._handshake.register_message({**proof, "audience": p.address}))
         elif isinstance(msg, wire.Heartbeat):
             if p.state is PeerState.ACCEPTED and msg.incarnation != p.incarnation:
                 self._register(p)  # a new process at that address: what the old one had fails at its Accept
@@ -70,6 +81,12 @@ class DecodeFrames:
                 if recv is not None:
                     recv.record.fail(error_from_wire(msg.error.type, msg.error.message))
 
+    def _auth_refused(self, p: PrefillPeer, exc: AuthError) -> None:
+        p.redial = False
+        err = self.auth_failures.note(AuthError(f"prefill {p.address} answered: {exc}"), p.address)
+        self.handshakes["rejected"] += 1
+        self._fail_prefill(p, err, PeerState.REJECTED)
+
     def _on_handshake(self, p: PrefillPeer, msg) -> None:
         if p.state is not PeerState.PENDING and not p.redial:
             return
@@ -81,8 +98,10 @@ class DecodeFrames:
             self.handshakes["rejected"] += 1
             logs.refusal(log, what="handshake", peer=p.address, error_type=type(err).__name__, message=str(err))
             self._fail_prefill(p, err, PeerState.REJECTED)
+            p.retry_s = (p.retry_s or self._redial_s) if type(err).__name__ in PASSING_REFUSALS else 0.0
             return
         self.handshakes["accepted"] += 1
+        p.retry_s = 0.0
         if p.incarnation and accept.incarnation != p.incarnation:
             self._restarted(p, accept.incarnation)
         if p.state is not PeerState.ACCEPTED:
@@ -114,9 +133,14 @@ class DecodeFrames:
             rec.fail(error_from_wire(err.type, err.message))
             return
         verdict_error: PdStateError | None = None
+        rec.metrics["verify"] = level_of(recv.request.digest, recv.request.verify)
         if self.digest:
             t0 = time.perf_counter()
-            d = self._hash_landed(recv, len(recv.request.dst_kv_pages), True, wait=True)
+            form = msg.digest_form or "host"  # the prefill's; hashed again in it if the early hashing was not
+            if recv.digest is not None and getattr(recv.digest, "form", "host") != form:
+                recv.digest.cancel()
+                recv.digest, recv.hashed = None, (0, False)
+            d = self._hash_landed(recv, len(recv.request.dst_kv_pages), True, wait=True, form=form)
             mine = d.digest()
             rec.metrics["digest_s"] = round(time.perf_counter() - t0, 6)  # after TransferDone: the part not hidden
             rec.metrics["digest_hashing_s"] = round(d.seconds, 6)  # all of it, early parts included
@@ -143,14 +167,17 @@ class DecodeFrames:
             recv.record.metrics["landed"] = recv.record.metrics.get("landed", 0) + 1
             self._hash_landed(recv, msg.pages, msg.state_landed, wait=False)
 
-    def _hash_landed(self, recv: Receiving, pages: int, state: bool, wait: bool) -> RequestDigest:
+    def _hash_landed(
+        self, recv: Receiving, pages: int, state: bool, wait: bool, form: str | None = None
+    ) -> RequestDigest:
         """Hash this request's destination bytes up to ``pages`` main-KV pages (and, with ``state``,
         its state and aux) beyond what is hashed already: in the background (``wait=False``), or
         here, spread over the host's cores, after the background work (``wait=True``)."""
         req = recv.request
         n = 1 + len(req.dst_state_indices)
         if recv.digest is None:
-            recv.digest = RequestDigest(self._layout if req.dst_aux is not None else self._layout[:n])
+            level = level_of(req.digest, req.verify)
+            recv.digest = request_digest(self._layout, self._devices, req, n, level, form)
         done_pages, done_state = recv.hashed
         pages = min(pages, len(req.dst_kv_pages))
         updates = []

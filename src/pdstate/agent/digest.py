@@ -35,7 +35,7 @@ import xxhash
 
 from pdstate.transfer.engines.shm_copy import host_cores
 
-__all__ = ["RequestDigest", "index_runs", "submit_digested"]
+__all__ = ["RequestDigest", "executor", "hash_rows", "index_runs", "submit_digested"]
 
 PARALLEL_MIN_BYTES = 4 << 20  # below this a digest runs on the calling thread alone
 MAX_DIGEST_THREADS = 8
@@ -44,7 +44,7 @@ _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 
 
-def _executor() -> ThreadPoolExecutor:
+def executor() -> ThreadPoolExecutor:
     """One process-wide pool for background and parallel hashing (threads started on first use)."""
     global _pool
     with _pool_lock:
@@ -71,7 +71,7 @@ def index_runs(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return idx[first], lengths
 
 
-def _hash_rows(rows: list) -> None:
+def hash_rows(rows: list) -> None:
     char = ctypes.c_char
     for h, a_row, n_row in rows:
         update = h.update
@@ -98,8 +98,15 @@ class RequestDigest:
         self._flat: tuple | None = None  # sorted buffer addresses, their stream index, hashers
         self.fused = False  # hashed by the copy itself (``streams``): its time is in the copy's
 
+    fusable = True  # ``streams`` can hash it inside the shm copy
+
     def _rows(self, channel: int, indices) -> list:
         """``(hasher, addresses, sizes)`` per buffer of ``channel`` for the items ``indices``."""
+        return self.rows_of(channel, indices)
+
+    def rows_of(self, channel: int, indices) -> list:
+        """The rows of ``channel``'s items ``indices``, by runs (what ``_rows`` returns here;
+        a subclass that hashes some channels otherwise calls it for the rest)."""
         starts, lengths = index_runs(indices)
         if starts.size == 0:
             return []
@@ -111,7 +118,7 @@ class RequestDigest:
 
     def _run(self, rows: list) -> None:
         t0 = time.perf_counter()
-        _hash_rows(rows)
+        hash_rows(rows)
         self.seconds += time.perf_counter() - t0
 
     def update(self, channel: int, indices) -> None:
@@ -138,9 +145,9 @@ class RequestDigest:
                 groups[j].append(row)
                 load[j] += n
             t0 = time.perf_counter()
-            futures = [_executor().submit(_hash_rows, g) for g in groups[1:]]
+            futures = [executor().submit(hash_rows, g) for g in groups[1:]]
             try:
-                _hash_rows(groups[0])
+                hash_rows(groups[0])
             finally:
                 for f in futures:
                     f.result()
@@ -152,7 +159,7 @@ class RequestDigest:
         change until then."""
         with self._qlock:
             self._queue.append([r for c, idx in updates for r in self._rows(c, idx)])
-        self._pending.append(_executor().submit(self._drain))
+        self._pending.append(executor().submit(self._drain))
 
     def _drain(self) -> None:
         with self._lock:
@@ -205,8 +212,11 @@ def submit_digested(engine, peer_id: str, plan, digest: RequestDigest | None, up
     (shm), else in the background beside the engine's copy. Returns the engine's handle."""
     if digest is None:
         return engine.submit(peer_id, plan)
-    if getattr(engine, "supports_hashed_copy", False):
+    if getattr(engine, "supports_hashed_copy", False) and digest.fusable:
         return engine.submit(peer_id, plan, hash_src=digest.streams)
+    if not digest.fusable:  # a sample: hashed beside the copy (the copy need not wait for it)
+        digest.update_async(updates)
+        return engine.submit(peer_id, plan)
     handle = engine.submit(peer_id, plan)  # the copy first: hashing the same bytes waits behind it
     digest.update_async(updates)
     return handle

@@ -11,12 +11,13 @@ from collections.abc import Callable
 import zmq
 
 from pdstate import logs
-from pdstate.agent.admission import bind_router, gatekeep
+from pdstate.agent.admission import Incidents, bind_router, gatekeep, refuse_frame, refuse_parts
 from pdstate.agent.common import AgentLifetime, AgentLoop, RequestRecord, channel_layout, regions_of
-from pdstate.agent.digest import RequestDigest
+from pdstate.agent.fairness import VERDICT_TIMEOUT_S, check_verdicts, verdict_heard
 from pdstate.agent.prefill_copy import CopyPipeline
 from pdstate.agent.refusals import Refusals
 from pdstate.agent.sender import DecodePeer, EndedSender, KVSender, PendingRequest, Sending
+from pdstate.agent.verify import check_level, layout_devices, level_of, request_digest, weaker
 from pdstate.errors import (
     AgentClosed,
     IndexCountMismatch,
@@ -25,6 +26,7 @@ from pdstate.errors import (
     ProtocolError,
     TransferAborted,
     TransferFailed,
+    VerifyLevelRefused,
     error_from_wire,
 )
 from pdstate.protocol import wire
@@ -66,7 +68,9 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
     ``bootstrap_timeout_s`` fails (``TransferFailed``). ``check_local=False`` serves even when that
     pair fails ``setup_state_kv_args`` (every decode is then refused with the same error). The
     memory behind ``kv_args`` is the caller's: registered with the engine, never allocated, freed
-    or written. A refused decode's rooms fail with the refusal (``pdstate.agent.refusals``).
+    or written. A refused decode's rooms fail with the refusal (``pdstate.agent.refusals``); a
+    verdict is awaited ``verdict_timeout_s`` (``pdstate.agent.fairness``); ``advertise``: other
+    addresses decodes dial it at (a proof of ownership is bound to one, ``agent.admission``).
 
     ``on_request(room, seq_len, decode_worker_id)``: for a caller that computes a request only
     once a decode asks for it (``pdstate serve``'s synthetic prefill). Called on the I/O thread
@@ -74,6 +78,10 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
     work to another thread, which then makes the sender), or raise a ``PdStateError`` to refuse
     the request: the decode's receiver fails with that error. ``seq_len`` is the decode's
     ``KVReceiver.init(seq_len=...)``, ``None`` when it gave none.
+
+    Verification (``pdstate.agent.verify``): the decode's request names its level (``sampled``,
+    ``full`` or ``off``); ``verify`` (``None``: any) is the least this prefill takes, a request
+    asking less fails on both sides (``VerifyLevelRefused``).
 
     Digests: for a decode that asked for them, each chunk that lands before the last is told to
     the decode (``wire.Landed``), which hashes it while the rest copies. ``landed_piece_bytes``
@@ -106,6 +114,9 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
         bootstrap_timeout_s: float = 300.0,
         on_request: Callable[[int, int | None, str], None] | None = None,
         landed_piece_bytes: int = 0,
+        verdict_timeout_s: float = VERDICT_TIMEOUT_S,
+        advertise: tuple[str, ...] = (),
+        verify: str | None = None,
     ) -> None:
         if report is None:
             if pools is None:
@@ -115,7 +126,7 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
             report, _ = build_report(*pools)
         if check_local and not report.local_check.ok and report.local_check.error is not None:
             raise error_from_wire(report.local_check.error.type, report.local_check.error.message)
-        self.kv_args, self.worker_id, self.token = kv_args, worker_id, token
+        self.kv_args, self.worker_id, self.token, self.advertise = kv_args, worker_id, token, tuple(advertise)
         self.incarnation = secrets.token_hex(8)
         self.heartbeat_interval_s, self.peer_timeout_s = heartbeat_interval_s, peer_timeout_s
         self.bootstrap_timeout_s = bootstrap_timeout_s
@@ -130,6 +141,7 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
             self._engine.close()
             raise
         self.landed_piece_bytes = landed_piece_bytes
+        self.verify = check_level(verify) if verify is not None else None  # the least a decode may ask
         kv = wire.KVDesc.of(kv_args)
         self._handshake = PrefillHandshake(
             LocalSide(
@@ -143,10 +155,13 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
             )
         )
         self._layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
+        self._devices = layout_devices(self._layout)  # host (None) or device, per buffer
         self._decodes: dict[bytes, DecodePeer] = {}
         self._sends: dict[int, Sending | EndedSender] = {}  # live senders, and ended ones as tombstones
         self._pending: dict[int, PendingRequest] = {}
         self.handshakes = {"accepted": 0, "rejected": 0}  # answers given, written by the I/O thread only
+        self.auth_failures = Incidents()  # frames refused for their auth tag
+        self.withheld, self.verdict_timeout_s = Incidents("verdict"), verdict_timeout_s  # ``agent.fairness``
         self._peer_log: OrderedDict[str, dict] = OrderedDict()  # worker id -> its latest record (``peers()``)
         self._init_refusals()
         self._last_tick = time.monotonic()
@@ -234,22 +249,25 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
     def _on_frame(self, sock: zmq.Socket) -> None:
         parts = sock.recv_multipart()
         if len(parts) != 2:
+            refuse_parts(self, parts)
             return
         identity, frame = parts
         try:
             msg = wire.decode(frame, self.token)
         except PdStateError as exc:
-            self._reply(identity, wire.Error(error=ErrorInfo.of(exc)))
+            refuse_frame(self, identity, frame, exc)
             return
         decode = self._decodes.get(identity)
         if decode is not None:
             decode.last_seen = time.monotonic()
         if isinstance(msg, wire.Register):
             self._on_register(identity, msg)
-        elif isinstance(msg, wire.Heartbeat):
+        elif isinstance(msg, wire.Heartbeat) and decode is not None:
             self._reply(identity, wire.Heartbeat(worker_id=self.worker_id, incarnation=self.incarnation, seq=msg.seq))
         elif isinstance(msg, wire.Error) and challenge_unknown(msg.error.message):  # an older decode: say why
             self._reply(identity, wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(challenge_unknown_error())))
+        elif isinstance(msg, wire.Error):  # never answered (PROTOCOL §7); a room of this decode's fails
+            self._on_error(identity, msg)
         elif decode is None and isinstance(msg, wire.Abort) and identity in self._refused:
             self._on_refused_abort(identity, msg)
         elif decode is None:
@@ -272,6 +290,7 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
         elif isinstance(msg, wire.Abort):
             self._on_abort(identity, msg)
         elif isinstance(msg, wire.AgentVerdict):
+            verdict_heard(self, identity)
             self._on_verdict(msg)
 
     def _ask_caller(self, identity: bytes, worker_id: str, msg: wire.AgentRequest) -> None:
@@ -293,12 +312,15 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
             except (PdStateError, ValueError) as exc:
                 answer = wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(exc))
             else:
-                for key, d in list(self._decodes.items()):
-                    if d.worker_id == msg.worker_id and key != identity:
-                        self._decode_gone(key, f"decode {msg.worker_id} registered again (new incarnation)")
+                olds = [k for k, d in self._decodes.items() if d.worker_id == msg.worker_id and k != identity]
+                replaced = self._decodes.get(identity)
                 self._decodes[identity] = DecodePeer(
                     identity, msg.worker_id, msg.incarnation, peer_id, planner, time.monotonic()
                 )
+                for key in olds:  # after the new one is in: a peer id both share stays connected
+                    self._decode_gone(key, f"decode {msg.worker_id} registered again (new incarnation)")
+                if replaced is not None:
+                    self._release(replaced.peer_id)
         self._note_handshake(identity, answer)
         self._log_peer(
             msg, "accepted" if isinstance(answer, wire.Accept) else "rejected", getattr(answer, "error", None)
@@ -331,6 +353,14 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
         for room, p in list(self._pending.items()):
             if p.identity == identity:
                 del self._pending[room]
+        if gone is not None:
+            self._release(gone.peer_id)
+
+    def _release(self, peer_id: str) -> None:
+        """Disconnect ``peer_id`` (its mappings and claims) unless an accepted decode still uses it
+        (its requests were failed and fenced first)."""
+        if all(d.peer_id != peer_id for d in self._decodes.values()):
+            self._engine.disconnect(peer_id)
 
     def _attach(self, send: Sending, identity: bytes, msg: wire.AgentRequest) -> None:
         if send.request is not None:
@@ -356,8 +386,14 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
             )
             self._fail(send, err, tell_decode=True)
             return
-        if msg.digest:
-            send.digest = RequestDigest(self._layout if msg.dst_aux is not None else self._layout[: self._n_channels()])
+        level = send.record.metrics["verify"] = level_of(msg.digest, msg.verify)
+        if self.verify is not None and weaker(level, self.verify):
+            err = VerifyLevelRefused(
+                f"room {msg.room}: the decode asks verification {level!r}, below this prefill's transfer.verify {self.verify!r}"
+            )
+            self._fail(send, err, tell_decode=True)
+            return
+        send.digest = request_digest(self._layout, self._devices, msg, self._n_channels(), level)
         send.record.move(RequestState.WAITING_FOR_INPUT)
         self._pump(send)
 
@@ -389,6 +425,7 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
         for identity, d in list(self._decodes.items()):
             if now - d.last_seen > self.peer_timeout_s:
                 self._decode_gone(identity, f"decode {d.worker_id} missed heartbeats for {self.peer_timeout_s:g} s")
+        check_verdicts(self, now)
         ended = 0
         for room, send in reversed(list(self._sends.items())):  # newest first
             if send.record.state.terminal:

@@ -10,6 +10,7 @@ import numpy as np
 
 from pdstate.agent.digest import submit_digested
 from pdstate.agent.sender import DecodePeer, Sending, wake_when_landed, with_aux
+from pdstate.agent.verify import wire_form
 from pdstate.errors import (
     EngineError,
     IndexCountMismatch,
@@ -179,12 +180,13 @@ class CopyPipeline:
         except EngineError as exc:
             self._fail(send, exc, tell_decode=True)
             return
-        send.done_sent = True
+        send.done_sent, send.done_at = True, time.monotonic()
         m = send.record.metrics
         m.update(bytes=send.bytes, descriptors=send.descriptors, chunks=send.chunks)
         if send.digest is not None:
             m["digest_wait_s"] = round(send.digest.wait(), 6)  # what the copy did not hide
             m["digest_s"], m["digest_fused"] = round(send.digest.seconds, 6), send.digest.fused  # fused: in the copy
+            m["digest_form"] = getattr(send.digest, "form", "host")
         m["transfer_s"] = round(time.monotonic() - send.started, 6)
         self._reply(
             send.identity,
@@ -195,6 +197,7 @@ class CopyPipeline:
                 descriptors=send.descriptors,
                 digest=send.digest.digest() if send.digest is not None else None,
                 copy_s=m["transfer_s"],
+                digest_form=wire_form(send.digest),
             ),
         )
 

@@ -35,6 +35,7 @@ class PrefillPeer:
     fingerprint: str | None = None  # the prefill's layout fingerprint, from its Accept
     handshake_s: float | None = None  # the latest accepted handshake's round trip
     redial: bool = False  # GONE, dialled again by ``connect``: its answer is awaited all the same
+    retry_s: float = 0.0  # REJECTED for a passing reason: registers again after this long (doubling)
     registered_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
     last_heartbeat: float = 0.0

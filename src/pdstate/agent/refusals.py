@@ -5,7 +5,8 @@ the prefill's senders for those rooms would wait for a request that never comes.
 decode sends an ``Abort`` for each room it gives up, and the prefill fails that room with the very
 error it refused the decode with (upstream's class and text): the live sender at once, or, when
 the caller has not made it yet, the sender made later (``refusal(room)`` tells the caller before).
-A request its decode aborts while it waits for its sender is given up the same way.
+A request its decode aborts while it waits for its sender is given up the same way, and so is
+one its decode reports an ``error`` for (``_on_error``; the live sender fails, fenced, at once).
 
 ``requested(room)`` says whether a decode's request for ``room`` is waiting for its sender: an
 engine whose prefill learns the page count only after the decode asked (SGLang's scheduler) polls
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from pdstate.errors import PdStateError, error_from_wire
+from pdstate.errors import PdStateError, TransferFailed, error_from_wire
 from pdstate.protocol import wire
 from pdstate.protocol.report import ErrorInfo
 
@@ -53,10 +54,11 @@ class Refusals:
         return self._refused_rooms.get(room)
 
     def _note_handshake(self, identity: bytes, answer: wire.Message) -> None:
+        self._refused.pop(identity, None)
         if isinstance(answer, wire.Reject):
             self._refused[identity] = answer.error
-        else:
-            self._refused.pop(identity, None)
+            while len(self._refused) > MAX_REFUSED_ROOMS:  # refused identities: the oldest forgotten
+                del self._refused[next(iter(self._refused))]
 
     def _on_refused_abort(self, identity: bytes, msg: wire.Abort) -> None:
         info = self._refused[identity]
@@ -66,6 +68,19 @@ class Refusals:
             self._fail(send, error, tell_decode=False)  # type: ignore[attr-defined]
             return
         self._give_up(msg.room, error)
+
+    def _on_error(self, identity: bytes, msg: wire.Error) -> None:
+        """A decode's ``error`` naming one of its rooms in flight fails that request (never answered)."""
+        room = msg.room
+        send = self._sends.get(room) if room is not None else None  # type: ignore[attr-defined]
+        pending = self._pending.get(room) if room is not None else None  # type: ignore[attr-defined]
+        err = TransferFailed(f"decode reported: {msg.error.type}: {msg.error.message}")
+        if send is not None and send.identity == identity and not send.record.state.terminal:
+            self._fail(send, err, tell_decode=True)  # type: ignore[attr-defined]
+        elif pending is not None and pending.identity == identity:
+            del self._pending[room]  # type: ignore[attr-defined]
+            self._give_up(room, err)  # a sender made later for it fails with this
+            self._reply(identity, self._done_failed(room, err))  # type: ignore[attr-defined]
 
     def _give_up(self, room: int, error: PdStateError) -> None:
         """``room`` was given up before its sender was made (a refused decode's room, or a

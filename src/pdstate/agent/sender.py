@@ -35,6 +35,7 @@ class DecodePeer:
     peer_id: str
     planner: PairPlanner
     last_seen: float
+    withheld: int = 0  # verdicts this decode let pass their deadline in a row (``agent.fairness``)
 
 
 @dataclass(slots=True)
@@ -61,6 +62,7 @@ class Sending:
     chunks: int = 0
     all_submitted: bool = False
     done_sent: bool = False
+    done_at: float = 0.0  # when TransferDone went out: the verdict is awaited from then
     watched: int = 0  # handles[:watched] have a wake-up asked of the engine for when they finish
     started: float = 0.0
     # digest requests: (handle, main-KV pages landed once it finishes, state and aux landed then),

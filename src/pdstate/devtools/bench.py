@@ -298,9 +298,9 @@ def bench_control(runs: int) -> dict:
         with ZmqEcho() as echo:  # the agent pair's empty transfers and the bare round trip, in turns
             echo.round_trips(10)
             for _ in range(5):
-                nodes.run(0, False)
+                nodes.run(0, "off")
             for _ in range(CONTROL_BLOCKS):
-                agent_empty += [nodes.run(0, False)["transfer_s"] * 1e3 for _ in range(runs)]
+                agent_empty += [nodes.run(0, "off")["transfer_s"] * 1e3 for _ in range(runs)]
                 zmq_rt += echo.round_trips(runs)
         for _ in range(3):
             run(1)

@@ -6,9 +6,10 @@ On the shm engine and the paged ``dsv4-flash`` layout (target + draft), per requ
 - ``ceiling_memmove`` / ``ceiling_gather_scatter`` (and ``ceiling``, the better): as in every phase;
 - ``physical_<k>t`` (and ``physical``, the best): the physical limit, as in the paged shm phase;
   the headline ``shm_vs_physical`` and ``physical_limit_gbps`` come from this phase;
-- ``agent_shm`` / ``agent_shm_digest``: a ``PrefillAgent`` process and two ``DecodeAgent`` processes
-  (``devtools.cluster_node``; one with ``digest=False``, one with ``digest=True``), one request at
-  a time, one chunk. The prefill fills its source pages first (the stand-in for prefill compute)
+- ``agent_shm`` / ``agent_shm_sampled`` / ``agent_shm_digest``: a ``PrefillAgent`` process and
+  three ``DecodeAgent`` processes (``devtools.cluster_node``; ``verify`` ``off``, ``sampled`` (the
+  default) and ``full``: every byte), one request at a time, one chunk, interleaved; the cost of
+  each level is ``bench_report.verify_cost`` (``verify_cost_by_mode``). The prefill fills its source pages first (the stand-in for prefill compute)
   and hands the whole request to its sender; only then is the decode told. The time is the
   receiver's own: request issued -> Success (its ``success_at_s`` less its
   ``transferring_at_s``), which holds the prefill's submit, the copy, the prefill's digest of
@@ -31,11 +32,13 @@ from pdstate.devtools.bench_measure import measure, plan_for, settings, speeds_l
 from pdstate.worker import requests as rq
 
 ENGINE = "agent"  # the phase's name in ``paths`` (``paged:agent:<variant>``); its engine is shm
+LEVELS = ("off", "sampled", "full")
+VARIANTS = {"off": "agent_shm", "sampled": "agent_shm_sampled", "full": "agent_shm_digest"}  # per level
 WAIT_S = 300.0
 
 
 class AgentNodes:
-    """A prefill agent node and two decode agent nodes (digest off, digest on), hands shaken."""
+    """A prefill agent node and a decode agent node per verification level, hands shaken."""
 
     def __init__(self, settings, start_timeout_s: float = 180.0) -> None:
         from pdstate.devtools.cluster import NodeProcess
@@ -47,18 +50,20 @@ class AgentNodes:
         try:
             self.prefill = self._start(NodeProcess, dict(base, role="prefill", name="bench-p"))
             self.decodes = {
-                digest: self._start(NodeProcess, dict(base, role="decode", name=f"bench-d{int(digest)}", digest=digest))
-                for digest in (False, True)
+                level: self._start(
+                    NodeProcess, dict(base, role="decode", name=f"bench-d-{level}", digest=level != "off", verify=level)
+                )
+                for level in LEVELS
             }
-            self.handshake_ms: dict[bool, float] = {}
+            self.handshake_ms: dict[str, float] = {}
             ready = self._await_all([(n, "ready") for n in self.nodes], start_timeout_s)
             self.prefill.address = ready[0]["address"]
-            for digest, d in self.decodes.items():
+            for level, d in self.decodes.items():
                 d.send({"op": "connect", "prefill": self.prefill.address})
                 ev = self._await(d, "connected", start_timeout_s)
                 if ev["error"] is not None:
                     raise RuntimeError(f"agent handshake refused: {ev['error']}")
-                self.handshake_ms[digest] = ev["handshake_ms"]
+                self.handshake_ms[level] = ev["handshake_ms"]
         except BaseException:
             self.close()
             raise
@@ -90,15 +95,15 @@ class AgentNodes:
                 got[key] = ev
         return [got[k] for k in wanted]
 
-    def run(self, n: int, digest: bool) -> dict:
+    def run(self, n: int, level: str) -> dict:
         """One request of ``n`` tokens; the receiver's request issued -> Success, and the parts."""
-        room, d = secrets.randbits(63), self.decodes[digest]
+        room, d = secrets.randbits(63), self.decodes[level]
         self.prefill.send({"op": "send", "room": room, "seq_len": n, "announce": True})
         self._await(self.prefill, "queued", WAIT_S, room)
         d.send({"op": "recv", "room": room, "seq_len": n, "prefill": self.prefill.address})
         res, sent = self._await_all([(d, "result"), (self.prefill, "sent")], WAIT_S, room)
         if not res["verified"]:
-            raise RuntimeError(f"agent (digest {'on' if digest else 'off'}): {n} tokens failed: {res['error']}")
+            raise RuntimeError(f"agent (verify {level}): {n} tokens failed: {res['error']}")
         m = res["metrics"]
         return {
             "transfer_s": m["success_at_s"] - m["transferring_at_s"],
@@ -115,21 +120,20 @@ class AgentNodes:
 def phase(
     src, dst, lengths, runs: int, results: dict, progress, preset_name: str = "dsv4-flash", memory_requests: int = 1000
 ) -> None:
-    """The agent (digest off and on), the ceiling and the physical limit,
+    """The agent (at each verification level), the ceiling and the physical limit,
     interleaved per length; then the agent pair's memory (``agent_memory``: the prefill and the
-    digest-on decode, ``bench_scale.worker_memory`` over ``memory_requests`` small requests)."""
+    ``full`` decode, ``bench_scale.worker_memory`` over ``memory_requests`` small requests)."""
     mode = "paged"
     progress(f"[{mode}:{ENGINE}] starting agent nodes ...")
     nodes = AgentNodes(settings(mode, preset_name))
-    results.setdefault("handshake_ms", {})[f"{mode}:{ENGINE}"] = nodes.handshake_ms[True]
+    results.setdefault("handshake_ms", {})[f"{mode}:{ENGINE}"] = nodes.handshake_ms["full"]
     try:
         for n in lengths:
             plan, a, b = plan_for(src, dst, n)
             variants: dict[str, Callable[[], object]] = {
                 "ceiling_memmove": lambda: memmove_loop(plan),
                 "ceiling_gather_scatter": gather_scatter(src, dst, a, b),
-                "agent_shm": lambda: nodes.run(n, False),
-                "agent_shm_digest": lambda: nodes.run(n, True),
+                **{v: (lambda level=level: nodes.run(n, level)) for level, v in VARIANTS.items()},
                 **physical_copy(plan.total_bytes),
             }
             times = measure(mode, ENGINE, n, plan, variants, runs, results)
@@ -137,9 +141,9 @@ def phase(
             rq.free(src.pools, a)
             rq.free(dst.pools, b)
         progress(f"[{mode}:{ENGINE}] the agent pair's memory: peak, then {memory_requests} small requests ...")
-        pids = [nodes.prefill.proc.pid, nodes.decodes[True].proc.pid]
+        pids = [nodes.prefill.proc.pid, nodes.decodes["full"].proc.pid]
         results["agent_memory"] = bench_scale.worker_memory(
-            lambda n, _verify: nodes.run(n, True), pids, memory_requests
+            lambda n, _verify: nodes.run(n, "full"), pids, memory_requests
         )
     finally:
         nodes.close()

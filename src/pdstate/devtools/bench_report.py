@@ -45,7 +45,11 @@ def ratios(r: dict) -> dict:
                 if pd and raw:
                     out.setdefault(f"{key}_by_length", {})[str(n)] = raw / pd
         c = med("paged:agent:ceiling", n)
-        for variant, key in (("agent_shm", "agent"), ("agent_shm_digest", "agent_digest")):
+        for variant, key in (
+            ("agent_shm", "agent"),
+            ("agent_shm_sampled", "agent_sampled"),
+            ("agent_shm_digest", "agent_digest"),
+        ):
             ag = med(f"paged:agent:{variant}", n)
             if ag and c:
                 out.setdefault(f"{key}_vs_ceiling_by_length", {})[str(n)] = c / ag
@@ -56,14 +60,31 @@ def ratios(r: dict) -> dict:
         if f"{key}_by_length" in out:  # the headline names, for the agent path
             out[f"{alias}_by_length"] = out[f"{key}_by_length"]
     for n, sgl in r.get("sglang_mooncake_ms_by_length", {}).items():  # the sglang phase
-        ours = r.get("sglang_backend_ms_by_length", {}).get(n)
-        if ours:
-            out.setdefault("sglang_backend_vs_sglang_mooncake_by_length", {})[n] = sgl / ours
+        for mine, key in (
+            ("sglang_backend_ms_by_length", "sglang_backend_vs_sglang_mooncake_by_length"),
+            ("sglang_backend_full_ms_by_length", "sglang_backend_full_vs_sglang_mooncake_by_length"),
+        ):
+            ours = r.get(mine, {}).get(n)
+            if ours:
+                out.setdefault(key, {})[n] = sgl / ours
     for key in [k[: -len("_by_length")] for k in list(out)]:
         out[key] = out[f"{key}_by_length"].get("32768")
     limit = physical_limit(r)
     if r.get("mxn") and limit["gbps"]:
         out["mxn_vs_physical"] = r["mxn"]["gbps"] / limit["gbps"]
+    return out
+
+
+def verify_cost(r: dict) -> dict:
+    """``verify_cost_by_mode``: per level (``sampled``, ``full``) and length, the agent's median
+    time at that level / its median with ``off`` - 1 (agent phase, interleaved runs)."""
+    paths, out = r.get("paths", {}), {}
+    off = paths.get("paged:agent:agent_shm", {})
+    for level, variant in (("sampled", "agent_shm_sampled"), ("full", "agent_shm_digest")):
+        for n, row in paths.get(f"paged:agent:{variant}", {}).items():
+            if n in off:
+                base = off[n]["seconds"]["median"]
+                out.setdefault(level, {})[n] = row["seconds"]["median"] / base - 1
     return out
 
 
@@ -99,6 +120,8 @@ NAMED_RATIOS = (
     "agent_digest_vs_ceiling",
     "sglang_backend_vs_sglang_mooncake",
     "sglang_backend_vs_sglang_mooncake_by_length",
+    "sglang_backend_full_vs_sglang_mooncake",
+    "sglang_backend_full_vs_sglang_mooncake_by_length",
 )
 
 
@@ -118,6 +141,8 @@ def summary(r: dict) -> dict:
             "ratios": {k: r["ratios"].get(k) for k in NAMED_RATIOS}
             | {k: v for k, v in r["ratios"].items() if k not in NAMED_RATIOS},
             "agent_digest_ms_p50_by_length": agent_digest_ms(r),
+            "verify_cost_by_mode": verify_cost(r),
+            "sglang_versions": r.get("sglang", {}).get("versions", []),
             "plan_fragmented_128k_ms": r["planner"]["fragmented_ms"],
             "plan_contiguous_128k_ms": r["planner"]["contiguous_ms"],
             "plan_speedup_vs_loop": r["planner"]["loop_fragmented_ms"] / r["planner"]["fragmented_ms"],
@@ -131,7 +156,10 @@ def summary(r: dict) -> dict:
             "descriptors_fragmented_128k": r["planner"]["descriptors_fragmented"],
         }
         | scale_summary(r)
-        | {k: r.get(k) for k in ("sglang_mooncake_ms_by_length", "sglang_backend_ms_by_length")}
+        | {
+            k: r.get(k)
+            for k in ("sglang_mooncake_ms_by_length", "sglang_backend_ms_by_length", "sglang_backend_full_ms_by_length")
+        }
     )
 
 

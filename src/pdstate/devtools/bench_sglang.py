@@ -11,10 +11,14 @@ request (two chunks, state on the last) to its sender's ``poll()`` returning Suc
 checks every byte after each request, outside the time; a request that does not end in Success
 with every byte right fails the phase.
 
-Results: ``sglang_mooncake_ms_by_length`` and ``sglang_backend_ms_by_length`` (median ms by length),
-``sglang`` (the runs, min/median/max, and why a backend did not run). The ratio
-``sglang_backend_vs_sglang_mooncake_by_length`` (SGLang's time / pdstate's: above 1 pdstate is
-faster) is ``bench_report.ratios``'. Skipped, saying why, where the SGLang environment is not
+Backend pdstate runs twice: at the default level (``sampled``) and, as ``pdstate@full``, with every
+byte digested (its own managers, ``PDSTATE_TRANSFER__VERIFY=full``), interleaved with the others.
+
+Results: ``sglang_mooncake_ms_by_length``, ``sglang_backend_ms_by_length`` and
+``sglang_backend_full_ms_by_length`` (median ms by length), ``sglang`` (the runs, min/median/max,
+the SGLang ``versions`` the children imported, and why a backend did not run). The ratios
+``sglang_backend_vs_sglang_mooncake_by_length`` and ``sglang_backend_full_vs_sglang_mooncake_by_length``
+(SGLang's time / pdstate's: above 1 pdstate is faster) are ``bench_report.ratios``'. Skipped, saying why, where the SGLang environment is not
 built (``make sglang-env``) or Mooncake cannot be imported.
 """
 
@@ -26,7 +30,11 @@ from pdstate.devtools.sglang_pair.cases import BENCH_SIDE, BENCH_TOKENS, Case
 from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, Pair, env_dir, mooncake_missing
 
 RUNS = {True: 7, False: 11}  # requests per backend and length (--quick, full): medians of 3 moved by 30%
-BACKENDS = {"mooncake": "sglang_mooncake_ms_by_length", "pdstate": "sglang_backend_ms_by_length"}
+BACKENDS = {
+    "mooncake": "sglang_mooncake_ms_by_length",
+    "pdstate": "sglang_backend_ms_by_length",  # at the default level (transfer.verify: sampled)
+    "pdstate@full": "sglang_backend_full_ms_by_length",  # every byte digested
+}
 DEADLINE_S = 60.0
 CASE = Case("bench", "the same pools on both sides, room for 32k tokens", BENCH_SIDE, BENCH_SIDE)
 
@@ -71,6 +79,9 @@ def phase(
             if "setup_error" in out:
                 raise RuntimeError(f"sglang phase: backend {b} could not be set up: {out['setup_error']}")
             _check(b, out["requests"][0])
+            info.setdefault("versions", [])
+            if out.get("sglang") and out["sglang"] not in info["versions"]:
+                info["versions"].append(out["sglang"])
         for _ in range(runs):
             for n in lengths:
                 for b in backends:

@@ -12,7 +12,8 @@ from __future__ import annotations
 RATIO_ROWS = (
     ("shm_vs_physical", "shm end to end (agent) / physical limit"),
     ("shm_vs_ceiling", "shm end to end (agent) / ceiling"),
-    ("shm_digest_vs_ceiling", "agent with digests on both sides / ceiling"),
+    ("agent_sampled_vs_ceiling", "agent, sampled digests (the default) / ceiling"),
+    ("shm_digest_vs_ceiling", "agent, every byte digested (full) / ceiling"),
     ("mooncake_vs_raw", "Mooncake end to end / raw Mooncake"),
     ("mooncake_full_verify_vs_raw", "Mooncake, every byte verified / raw"),
     ("nixl_vs_raw", "NIXL end to end / raw NIXL"),
@@ -23,7 +24,8 @@ GBPS_ROWS = (
     ("paged:agent:physical", "physical limit (one contiguous copy, best thread count)"),
     ("paged:agent:ceiling", "ceiling (in-process copy of the same regions, 1 thread)"),
     ("paged:agent:agent_shm", "shm end to end (agent), digests off"),
-    ("paged:agent:agent_shm_digest", "agent, digests on both sides"),
+    ("paged:agent:agent_shm_sampled", "agent, sampled digests (the default)"),
+    ("paged:agent:agent_shm_digest", "agent, every byte digested (full)"),
 )
 
 
@@ -145,23 +147,55 @@ def figures_table(s: dict | None) -> list[str]:
     return ["| figure | value |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
 
 
+def verify_table(s: dict | None) -> list[str]:
+    """What each verification level costs the agent over ``off`` (``verify_cost_by_mode``)."""
+    cost = (s or {}).get("verify_cost_by_mode") or {}
+    lengths = sorted({n for per in cost.values() for n in per}, key=int)
+    if not lengths:
+        return []
+    out = [
+        "| verification cost: time / time with `off` - 1 (agent, medians) | "
+        + " | ".join(_label(n) for n in lengths)
+        + " |"
+    ]
+    out.append("|---" * (len(lengths) + 1) + "|")
+    for level in ("sampled", "full"):
+        if level in cost:
+            cells = [_num(None if cost[level].get(n) is None else 100 * cost[level][n], "{:+.1f}%") for n in lengths]
+            out.append(f"| `{level}` | " + " | ".join(cells) + " |")
+    return out
+
+
 def sglang_table(r: dict) -> list[str]:
-    """The sglang phase's row: per-request send -> Success, SGLang's Mooncake backend and backend pdstate."""
+    """The sglang phase's rows: per-request send -> Success, SGLang's Mooncake backend and backend
+    pdstate at the default level and at ``full``, and the ratios."""
     theirs, ours = r.get("sglang_mooncake_ms_by_length") or {}, r.get("sglang_backend_ms_by_length") or {}
+    full = r.get("sglang_backend_full_ms_by_length") or {}
     lengths = [n for n in sorted(theirs, key=int) if n in ours]
     if not lengths:
         return []
-    head = "| SGLang 0.5.19, send -> Success, ms (median) | " + " | ".join(_label(n) for n in lengths) + " |"
-    return [
+    versions = ", ".join((r.get("sglang") or {}).get("versions") or ["0.5.19"])
+    head = f"| SGLang {versions}, send -> Success, ms (median) | " + " | ".join(_label(n) for n in lengths) + " |"
+    out = [
         head,
         "|---" * (len(lengths) + 1) + "|",
         "| SGLang's own Mooncake backend | " + " | ".join(f"{theirs[n]:.1f}" for n in lengths) + " |",
-        "| backend pdstate (Mooncake engine, digests on) | " + " | ".join(f"{ours[n]:.1f}" for n in lengths) + " |",
-        "| ratio (above 1: pdstate faster) | " + " | ".join(f"{theirs[n] / ours[n]:.2f}" for n in lengths) + " |",
+        "| backend pdstate (Mooncake engine, `sampled`) | " + " | ".join(f"{ours[n]:.1f}" for n in lengths) + " |",
     ]
+    if all(n in full for n in lengths):
+        out.append("| backend pdstate, `full` | " + " | ".join(f"{full[n]:.1f}" for n in lengths) + " |")
+    out.append(
+        "| ratio, `sampled` (above 1: pdstate faster) | "
+        + " | ".join(f"{theirs[n] / ours[n]:.2f}" for n in lengths)
+        + " |"
+    )
+    if all(n in full for n in lengths):
+        out.append("| ratio, `full` | " + " | ".join(f"{theirs[n] / full[n]:.2f}" for n in lengths) + " |")
+    return out
 
 
 def markdown(r: dict, s: dict | None) -> str:
     """Every table with data in it, blank-line separated, ending with a newline."""
-    blocks = [t for t in (ratio_table(r), gbps_table(r), figures_table(s), sglang_table(r)) if t]
+    tables = (ratio_table(r), gbps_table(r), verify_table(s), figures_table(s), sglang_table(r))
+    blocks = [t for t in tables if t]
     return "\n\n".join("\n".join(t) for t in blocks) + "\n"

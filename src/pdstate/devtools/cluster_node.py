@@ -2,7 +2,7 @@
 child process (``python -m pdstate.devtools.cluster_node``), driven by JSON lines.
 
 The first stdin line describes the node: ``{"role": "prefill"|"decode", "name", "pool": PoolSettings
-as a dict, "engine", "engine_options", "segment_dir"?, "digest", "chunks", "heartbeat_interval_s",
+as a dict, "engine", "engine_options", "segment_dir"?, "digest", "verify"?, "chunks", "heartbeat_interval_s",
 "peer_timeout_s"}``. The node builds its pools with pdstate's presets (a decode's on
 ``SharedMemory`` for the shm engine), its agent over them, and prints ``{"event": "ready", "name",
 "address"?, "pid", "free"}``. Then one command per line, answered by events on stdout (one JSON
@@ -106,7 +106,8 @@ class Node:
         else:
             from pdstate.agent import DecodeAgent
 
-            self.agent = DecodeAgent(self.kv, pair, digest=bool(spec.get("digest", True)), **common)
+            digest, verify = bool(spec.get("digest", True)), spec.get("verify", "sampled")
+            self.agent = DecodeAgent(self.kv, pair, digest=digest, verify=verify, **common)
             self.address = None
 
     def free(self) -> dict:

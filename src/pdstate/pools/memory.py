@@ -104,14 +104,16 @@ def _carve(arena: torch.Tensor, specs: Sequence[BufferSpec], offsets: list[int])
 
 
 class PrivateMemory:
-    """Tensors in this process's memory; one zeroed arena per ``allocate`` call."""
+    """Tensors in this process's memory; one zeroed arena per ``allocate`` call (on ``device``:
+    ``"cpu"``, or a GPU's memory, e.g. ``"cuda:0"``, as a serving engine's pools are)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
         self._arenas: list[tuple[str, torch.Tensor]] = []
+        self.device = device
 
     def allocate(self, name: str, specs: Sequence[BufferSpec]) -> list[torch.Tensor]:
         offsets, total = _layout(specs)
-        arena = torch.zeros(total, dtype=torch.uint8)
+        arena = torch.zeros(total, dtype=torch.uint8, device=self.device)
         self._arenas.append((name, arena))
         return _carve(arena, specs, offsets)
 

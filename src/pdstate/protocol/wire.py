@@ -177,6 +177,11 @@ class TransferDone(Message):
     error: ErrorInfo | None = None
     compute_s: float = Field(0.0, ge=0)
     copy_s: float = Field(0.0, ge=0)
+    # the form of ``digest`` when it is not the host form (``pdstate.agent.verify``); left out of
+    # the frame when ``None`` (``OMIT_WHEN_NONE``)
+    digest_form: Literal["device"] | None = None
+
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"digest_form"})
 
 
 class AuxDest(BaseModel):
@@ -201,8 +206,13 @@ class AgentRequest(Message):
     # the request's token count, for a prefill that computes on demand (``pdstate serve``'s
     # synthetic prefill); left out of the frame when ``None`` (``OMIT_WHEN_NONE``)
     seq_len: Annotated[int, Field(ge=0, le=1 << 24)] | None = None
+    # the verification level (``transfer.verify``) when it is not ``full`` (``None`` with ``digest``:
+    # every byte), and ``"device"`` when the decode digests its memory on its device; both left out
+    # of the frame when ``None``
+    verify: Literal["sampled"] | None = None
+    digest_form: Literal["device"] | None = None
 
-    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"seq_len"})
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"seq_len", "verify", "digest_form"})
 
 
 class AgentVerdict(Message):
@@ -333,7 +343,8 @@ def decode(frame: bytes, token: bytes | None = None, max_frame_bytes: int = MAX_
     """Decode and validate one frame. Raises ``ProtocolError`` (``VersionMismatch``) or ``AuthError``.
 
     Order: size, envelope, auth, version, kind, body. A side configured with a token refuses a
-    frame without one.
+    frame without one; a side without a token refuses a frame that carries one (the token is set
+    on one side only: both sides say so, instead of one waiting forever).
     """
     if len(frame) > max_frame_bytes:
         raise ProtocolError(f"frame of {len(frame)} bytes exceeds the limit of {max_frame_bytes} bytes")
@@ -355,6 +366,8 @@ def decode(frame: bytes, token: bytes | None = None, max_frame_bytes: int = MAX_
             raise AuthError(f"{kind[:64]} frame carries no auth tag, but this worker requires one")
         if not hmac.compare_digest(tag, _tag(token, v, kind, body)):
             raise AuthError(f"{kind[:64]} frame carries a wrong auth tag")
+    elif "auth" in env:
+        raise AuthError(f"{kind[:64]} frame carries an auth tag, but this worker has no token")
     if v != PROTOCOL_VERSION:
         raise VersionMismatch(f"protocol version mismatch: peer speaks v{v}, this worker speaks v{PROTOCOL_VERSION}")
     cls = MESSAGES.get(kind)

@@ -76,13 +76,15 @@ from pdstate.service.models import (  # noqa: F401  (Readiness and the limits: p
 )
 
 
-def compat_document(source: StatusSource) -> CompatDocument:
+def compat_document(source: StatusSource, reveal: bool = True) -> CompatDocument:
+    """``reveal=False``: without this worker's and its peers' incarnations (a caller that did not
+    authenticate: an incarnation names a live process to impersonate)."""
     r = source.report
     ok, err = source.local_check()
     return CompatDocument(
         role=source.role,
         worker_id=source.worker_id,
-        incarnation=source.incarnation,
+        incarnation=source.incarnation if reveal else "",
         protocol_version=PROTOCOL_VERSION,
         pdstate_version=__version__,
         engine=source.engine,
@@ -90,7 +92,7 @@ def compat_document(source: StatusSource) -> CompatDocument:
         fingerprint=r.fingerprint,
         layout={"page_size": r.page_size, "kv_dtype": r.kv_dtype, **dict(r.factors)},
         local_check=LocalCheckModel(ok=ok, error=None if err is None else ErrorModel(**err.model_dump())),
-        peers=[PeerModel(**p) for p in source.peers()],
+        peers=[PeerModel(**(p if reveal else {**p, "incarnation": None})) for p in source.peers()],
         report=r,
     )
 
@@ -144,6 +146,12 @@ def _safe_loc(part: Any) -> int | str:
     return text if len(text) <= 64 and WORD_RE.fullmatch(text) else "<key>"
 
 
+def _bearer_ok(token: bytes | None, creds: HTTPAuthorizationCredentials | None) -> bool:
+    """Whether ``creds`` carry ``token`` (False when no token is configured: nobody is known)."""
+    given = creds.credentials.encode() if creds is not None and creds.scheme.lower() == "bearer" else b""
+    return token is not None and hmac.compare_digest(given, token)
+
+
 def _auth(token: bytes | None):
     bearer = HTTPBearer(auto_error=False, description="the [auth] token, when one is configured")
 
@@ -170,6 +178,7 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
     )
     app.add_middleware(BodyLimit)
     auth = _auth(token)
+    bearer = HTTPBearer(auto_error=False, description="the [auth] token, when one is configured")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Collector(source))
     app.state.source = source
@@ -212,9 +221,10 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         return JSONResponse(status_code=503, content=body.model_dump())
 
     @app.get("/v1/compat", response_model=CompatDocument, tags=["compat"])
-    async def get_compat() -> CompatDocument:
-        """What this worker states about its layout, its local check and its peers."""
-        return compat_document(source)
+    async def get_compat(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> CompatDocument:
+        """What this worker states about its layout, its local check and its peers; the
+        incarnations only to a caller with the token (none when no token is configured)."""
+        return compat_document(source, reveal=_bearer_ok(token, creds))
 
     @app.post("/v1/compat/check", response_model=CompatVerdict, tags=["compat"], responses={413: {}})
     async def post_compat_check(theirs: CompatCheckIn) -> CompatVerdict:
@@ -234,7 +244,7 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         response_model=TransferOut,
         tags=["transfers"],
         dependencies=[Depends(auth)],
-        responses={401: {}, 409: {}, 503: {}, 504: {}},
+        responses={401: {}, 403: {}, 409: {}, 503: {}, 504: {}},
     )
     async def post_transfer(body: TransferIn) -> TransferOut:
         """Decode only: run one synthetic transfer from the named prefill (default: the decode's
@@ -249,6 +259,9 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
             raise HTTPException(503, detail=r.reason)
         if body.room is not None and source.lookup(body.room) is not None:
             raise HTTPException(409, detail=f"room {body.room} was already used")
+        refused = None if body.prefill is None else getattr(source, "prefill_refused", lambda _: None)(body.prefill)
+        if refused is not None:
+            raise HTTPException(403, detail=refused)
         named = {} if body.prefill is None else {"prefill": body.prefill}
         fut = source.submit(body.tokens, body.room, **named)
         try:

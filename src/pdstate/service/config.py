@@ -3,7 +3,8 @@
 Parsed once, strictly (unknown keys are errors), into frozen pydantic models; errors name the
 key. ``PDSTATE_POOL__PAGE_SIZE=512`` sets ``pool.page_size``; ``--set pool.page_size=512`` does
 the same and wins over the environment. Values given as strings are parsed as TOML scalars
-(``true``, ``4``, ``"paged"``), falling back to the raw string.
+(``true``, ``4``, ``"paged"``), falling back to the raw string; ``auth.token`` and
+``auth.token_file`` are always taken as the string given.
 
 Environment names: only ``PDSTATE_SECTION__KEY`` (``PDSTATE_KEY`` for the top-level ``role``,
 ``worker_id`` and ``preset``) is configuration, and an unknown key under a known section is an
@@ -13,21 +14,16 @@ valid key (``stray_environment``), and the load goes on. Serve, check and the SG
 load through ``load_config``, so they warn alike.
 
 Auth fails closed, at load time (so ``pdstate serve`` exits 2 with one line before anything
-starts): a token file that cannot be read, is not UTF-8 or is empty, a known placeholder as the
-token (``REPLACE-ME...``, ``changeme``, ...), or HTTP / the prefill's control socket bound beyond
-loopback with no token at all is a ``ConfigError``. ``auth.allow_insecure_bind = true`` is the
-explicit opt-out of the last one (a trusted private network). Loopback without a token is fine.
+starts): the rules are in ``pdstate.service.auth``.
 """
 
 from __future__ import annotations
 
 import difflib
-import ipaddress
 import logging
 import os
-import re
 import sys
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +33,16 @@ from pdstate.errors import ConfigError
 from pdstate.pools.dsv4 import UPSTREAM_RELEASES
 from pdstate.pools.presets import PRESETS, PoolSettings
 from pdstate.pools.presets import preset as preset_settings
+from pdstate.service.auth import (  # noqa: F401  (re-exported: the auth rules' old home)
+    GENERATE_HINT,
+    STRING_KEYS,
+    check_auth,
+    control_bind_host,
+    is_loopback_host,
+    is_placeholder_token,
+    read_file_bytes,
+    read_token_file,
+)
 from pdstate.worker.options import WorkerOptions
 
 if sys.version_info >= (3, 11):
@@ -108,6 +114,15 @@ class ControlSection(_Section):
     max_inflight: int = Field(64, gt=0)
     inline_max_bytes: int = Field(32 << 20, ge=0)
     drain_s: float = Field(0.0, ge=0, le=3600)
+    # prefill: a request's verdict is awaited this long; the most of the pools one decode may hold
+    # while another is registered (``pdstate.agent.fairness``)
+    verdict_timeout_s: float = Field(5.0, gt=0, le=3600)
+    decode_share: float = Field(0.5, gt=0, le=1)
+    # prefill: other addresses decodes dial it at (a DNS name, a proxy): a proof of ownership is
+    # bound to the address its decode dialled; decode: the prefills POST /v1/transfers may name
+    # (fnmatch patterns; empty: control.peer and loopback addresses)
+    advertise: list[str] = []
+    prefills: list[str] = []
 
 
 class HttpSection(_Section):
@@ -119,11 +134,20 @@ class MooncakeSection(_Section):
     host: str = "127.0.0.1"
     protocol: Literal["tcp", "rdma"] = "tcp"
     device: str = ""
+    # the native listeners are on every interface, unauthenticated: start only when acknowledged
+    allow_open_listener: bool = False
+
+
+class NixlSection(_Section):
+    allow_open_listener: bool = False
 
 
 class TransferSection(_Section):
     engine: Literal["shm", "mooncake", "nixl", "loopback"] = "shm"
     mooncake: MooncakeSection = MooncakeSection()
+    nixl: NixlSection = NixlSection()
+    # what each request's digests cover (``pdstate.agent.verify``): a sample, every byte, nothing
+    verify: Literal["sampled", "full", "off"] = "sampled"
 
 
 class AuthSection(_Section):
@@ -133,12 +157,13 @@ class AuthSection(_Section):
     allow_insecure_bind: bool = False
 
     def secret(self) -> bytes | None:
-        """The shared token, or ``None`` when none is configured. ``token_file`` wins over
-        ``token``; a token file that cannot be read, is not UTF-8 or is empty is a ``ConfigError``
-        (an operator who names a file means to turn auth on: never fall back to no auth)."""
+        """The shared token (trimmed), or ``None`` when none is configured. ``token_file`` wins
+        over ``token``; a token file that cannot be read, is not UTF-8 or is empty is a
+        ``ConfigError`` (an operator who names a file means to turn auth on: never fall back to no
+        auth)."""
         if self.token_file:
-            return _read_token_file(self.token_file)
-        return self.token.encode() or None
+            return read_token_file(self.token_file)
+        return self.token.strip().encode() or None
 
 
 class WorkerConfig(_Section):
@@ -183,116 +208,19 @@ class WorkerConfig(_Section):
             max_inflight=self.control.max_inflight,
             inline_max_bytes=self.control.inline_max_bytes,
             drain_s=self.control.drain_s,
+            verdict_timeout_s=self.control.verdict_timeout_s,
+            decode_share=self.control.decode_share,
+            advertise=tuple(self.control.advertise),
+            prefills=tuple(self.control.prefills),
             local_checks=self.checks.local,
             verify=self.checks.verify,
-        )
-
-
-GENERATE_HINT = "openssl rand -hex 32"
-
-# Tokens shipped in examples and templates: never a secret, whatever the file they come from.
-# Compared after lower-casing and dropping everything but letters and digits.
-PLACEHOLDER_TOKENS = frozenset(
-    {"changeme", "replaceme", "secret", "token", "password", "example", "placeholder", "yourtoken", "yoursecret"}
-)
-_PLACEHOLDER_MARKERS = ("replaceme", "changeme", "placeholder", "yourtoken", "yoursecret")
-
-
-def is_placeholder_token(token: str) -> bool:
-    """A value from an example or template (``REPLACE-ME...``, ``changeme``, ``<your-token>``)."""
-    norm = re.sub(r"[^a-z0-9]", "", token.lower())
-    return norm in PLACEHOLDER_TOKENS or any(m in norm for m in _PLACEHOLDER_MARKERS)
-
-
-def _read_bytes(path: str | Path, *, directory: str, unreadable, missing: str | None = None) -> bytes:
-    """The file's bytes, or ``ConfigError``: ``directory``, ``missing``, else ``unreadable(why)``."""
-    try:
-        return Path(path).read_bytes()
-    except IsADirectoryError:
-        raise ConfigError(directory) from None
-    except OSError as exc:
-        if missing is not None and isinstance(exc, FileNotFoundError):
-            raise ConfigError(missing) from None
-        raise ConfigError(unreadable(exc.strerror or exc)) from None
-
-
-def _read_token_file(path: str) -> bytes:
-    fix = f"write the shared token into it, e.g. {GENERATE_HINT} > {path}"
-    data = _read_bytes(
-        path,
-        directory=f"auth.token_file: {path} is a directory; name the file that holds the token",
-        unreadable=lambda why: f"auth.token_file: cannot read {path}: {why}; make it a file readable by this user",
-    )
-    try:
-        text = data.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise ConfigError(f"auth.token_file: {path} is not UTF-8 text; {fix}") from None
-    if not text:
-        raise ConfigError(f"auth.token_file: {path} is empty; {fix}")
-    return text.encode()
-
-
-def is_loopback_host(host: str) -> bool:
-    """``host`` (an IP literal, ``[v6]`` or ``localhost``) names only this machine's loopback.
-
-    Anything else, including ``""``, ``*``, interface names and host names (no DNS lookup at load
-    time), counts as reachable from outside: the checks built on this fail closed."""
-    h = host.strip()
-    if h.startswith("[") and h.endswith("]"):
-        h = h[1:-1]
-    if h.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(h).is_loopback
-    except ValueError:
-        return False
-
-
-def control_bind_host(endpoint: str) -> str | None:
-    """The host part of a ZeroMQ ``tcp://`` bind endpoint; ``None`` for transports that never
-    leave the host (``ipc://``, ``inproc://``)."""
-    scheme, sep, rest = endpoint.partition("://")
-    if not sep or scheme in ("ipc", "inproc"):
-        return None
-    host, _, _port = rest.rpartition(":")
-    return host or rest
-
-
-def _check_auth(cfg: WorkerConfig, where: Callable[[str], str]) -> None:
-    """Fail closed: a placeholder token, or a listener beyond loopback with no token at all."""
-    auth = cfg.auth
-    if auth.token_file:
-        token = auth.secret().decode()  # raises ConfigError for unreadable / non-UTF-8 / empty
-        if is_placeholder_token(token):
-            raise ConfigError(
-                f"auth.token_file: {auth.token_file} holds a placeholder, not a secret; "
-                f"replace it with a real one, e.g. {GENERATE_HINT} > {auth.token_file}"
-            )
-    elif auth.token.strip() and is_placeholder_token(auth.token):
-        raise ConfigError(
-            f"auth.token: the configured value is a placeholder, not a secret{where('auth.token')}; "
-            f"set a real one, e.g. PDSTATE_AUTH__TOKEN=$({GENERATE_HINT})"
-        )
-    if auth.secret() is not None or auth.allow_insecure_bind:
-        return
-    exposed = []
-    if not is_loopback_host(cfg.http.host):
-        exposed.append(("http.host", cfg.http.host))
-    if cfg.role == "prefill":
-        host = control_bind_host(cfg.control.bind)
-        if host is not None and not is_loopback_host(host):
-            exposed.append(("control.bind", cfg.control.bind))
-    if exposed:
-        key, value = exposed[0]
-        raise ConfigError(
-            f"{key}: {value!r} is reachable beyond loopback but no auth token is configured{where(key)}; "
-            "set auth.token_file (or PDSTATE_AUTH__TOKEN), or auth.allow_insecure_bind = true to serve without auth"
+            transfer_verify=self.transfer.verify,
         )
 
 
 def _read_config_text(path: str | Path) -> str:
     toml = "--config takes a TOML file"
-    data = _read_bytes(
+    data = read_file_bytes(
         path,
         directory=f"config file {path} is a directory; {toml}",
         unreadable=lambda why: f"config file {path}: cannot read: {why}; {toml} readable by this user",
@@ -306,11 +234,14 @@ def _read_config_text(path: str | Path) -> str:
         ) from None
 
 
-def _scalar(text: str) -> Any:
+def _scalar(text: str, key: str = "") -> Any:
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    if key in STRING_KEYS and not isinstance(value, str):  # a secret as given: an all-digit token is no integer
+        return text
+    return value
 
 
 def _set_path(tree: dict, dotted: str, value: Any, origin: str) -> None:
@@ -420,13 +351,13 @@ def load_config(
     env = warn_stray_environment(os.environ if environ is None else environ, known)
     for key in sorted(env):
         dotted = key[len(ENV_PREFIX) :].lower().replace("__", ".")
-        _set_path(tree, dotted, _scalar(env[key]), f"environment {key}")
+        _set_path(tree, dotted, _scalar(env[key], dotted), f"environment {key}")
         origins[dotted] = f"environment {key}"
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
         k, v = item.split("=", 1)
-        _set_path(tree, k.strip(), _scalar(v.strip()), f"--set {item}")
+        _set_path(tree, k.strip(), _scalar(v.strip(), k.strip()), f"--set {item}")
         origins[".".join(p for p in k.strip().split(".") if p)] = f"--set {item}"
     try:
         cfg = WorkerConfig.model_validate(tree)
@@ -446,5 +377,5 @@ def load_config(
 
     if cfg.preset not in PRESETS:
         raise ConfigError(f"preset: unknown preset {cfg.preset!r}; choose one of {sorted(PRESETS)}{where('preset')}")
-    _check_auth(cfg, where)
+    check_auth(cfg, where)
     return cfg

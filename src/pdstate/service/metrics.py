@@ -86,6 +86,16 @@ class Collector:
             "Control frames refused (undecodable, bad auth, bad version)",
             value=stats.protocol_errors,
         )
+        yield CounterMetricFamily(
+            "pdstate_auth_failures",
+            "Control frames refused for their auth tag (a token on one side only, or two tokens)",
+            value=stats.auth_failures,
+        )
+        yield CounterMetricFamily(
+            "pdstate_decodes_dropped",
+            "Decodes a prefill dropped for withholding their verdicts (control.verdict_timeout_s)",
+            value=stats.decodes_dropped,
+        )
         peers = GaugeMetricFamily("pdstate_peers", "Peers by handshake state", labels=["state"])
         counts = {k: 0 for k in ("accepted", "rejected", "pending", "gone")}
         for p in src.peers():

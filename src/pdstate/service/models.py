@@ -24,7 +24,9 @@ Role = Literal["prefill", "decode"]
 class Readiness:
     ready: bool
     reason: str | None = None  # the exact error text when a check failed
-    check: str | None = None  # which check: "local_check" | "handshake" | "peer" | "threads" | "shutdown"
+    check: str | None = (
+        None  # which check: "local_check" | "handshake" | "peer" | "threads" | "shutdown" | "auth" | "fair_share"
+    )
     error: ErrorInfo | None = None
 
 
@@ -49,6 +51,9 @@ class StatusSource(Protocol):
 
     # decode; Future of a dict or a TransferResult (``as_dict``); ``prefill`` only when the request names one
     def submit(self, tokens: int, room: int | None, prefill: str | None = None) -> Future: ...
+
+    # decode, optional: why a transfer may not name ``prefill`` (None: it may; control.prefills)
+    # def prefill_refused(self, prefill: str) -> str | None: ...
 
     def lookup(self, room: int) -> dict | None: ...  # decode; a TransferResult dict or in-flight
 
@@ -77,7 +82,10 @@ class Health(BaseModel):
 class Ready(BaseModel):
     ready: bool
     reason: str | None = Field(None, description="why not ready: the exact error text when a check failed")
-    check: str | None = Field(None, description="local_check | handshake | peer | threads | shutdown")
+    check: str | None = Field(
+        None,
+        description="local_check | handshake | peer | threads | shutdown; ready with auth (decodes' frames fail auth) or fair_share (a decode dropped for withholding verdicts)",
+    )
     error: ErrorModel | None = None
 
 

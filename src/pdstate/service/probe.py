@@ -102,7 +102,7 @@ def format_probe(found: dict) -> str:
         state = "ready" if r.get("ready") else f"NOT READY: {r.get('reason')}"
         lines.append(f"{d['role']:<8} {w['url']}  {state}")
         lines.append(
-            f"  worker       {d.get('worker_id')} (incarnation {d.get('incarnation')}), "
+            f"  worker       {d.get('worker_id')} (incarnation {d.get('incarnation') or 'shown with the token only'}), "
             f"protocol v{d['protocol_version']}, engine {d.get('engine')}, control {d.get('control')}"
         )
         lines.append(f"  fingerprint  {d['fingerprint']}")

@@ -63,9 +63,12 @@ def cmd_serve(args) -> ExitCode:
     from pdstate.worker.base import tune_interpreter
 
     tune_interpreter()
+    from pdstate.service.auth import OPEN_ENGINES, check_open_listener
     from pdstate.service.config import load_config
 
     cfg = load_config(args.config, args.set)  # ConfigError -> ExitCode.CONFIG in cli.main
+    engine = cfg.transfer.engine
+    check_open_listener(engine, getattr(cfg.transfer, engine).allow_open_listener if engine in OPEN_ENGINES else True)
     logging.getLogger().setLevel(args.log_level.upper())
     t0 = _T_IMPORTED
 

@@ -3,9 +3,12 @@ the one way to stop it (``drain``)."""
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import threading
 from concurrent.futures import Future
+
+from pdstate.service.auth import control_bind_host, is_loopback_host
 
 log = logging.getLogger("pdstate.service.status")
 
@@ -56,6 +59,11 @@ class WorkerStatus:
         if self.role == "prefill":
             if not s.endpoint:
                 return Readiness(False, "control socket not listening", "peer")
+            if s.auth_error is not None and not any(p.state.value == "accepted" for p in s.peers):
+                # ready (a decode with the right token is served), but say why none is
+                return Readiness(True, f"decodes' frames fail auth: {s.auth_error.message}", "auth", s.auth_error)
+            if s.dropped is not None:  # ready for the others; one decode starved them and was dropped
+                return Readiness(True, f"a decode was dropped: {s.dropped.message}", "fair_share", s.dropped)
             return Readiness(True)
         state = s.peer.state.value
         if state == "accepted":
@@ -89,6 +97,20 @@ class WorkerStatus:
         return o.request_deadline_s + o.peer_timeout_s + 5
 
     # decode actions
+    def prefill_refused(self, prefill: str) -> str | None:
+        """Why ``POST /v1/transfers`` may not name ``prefill`` (None: it may): it must match one
+        of ``control.prefills`` (fnmatch), by default ``control.peer`` or a loopback address. The
+        decode dials what a client names and shows it its memory: never any address at all."""
+        allowed = list(self.cfg.control.prefills) or [self.cfg.control.peer]
+        if any(fnmatch.fnmatchcase(prefill, p) for p in allowed):
+            return None
+        if not self.cfg.control.prefills and is_loopback_host(control_bind_host(prefill) or "-"):
+            return None
+        return (
+            f"prefill {prefill!r} is not one this decode may dial for a transfer "
+            f"(control.prefills: {allowed}{' and loopback' if not self.cfg.control.prefills else ''})"
+        )
+
     def submit(self, tokens: int, room: int | None, prefill: str | None = None) -> Future:
         """The worker's own future (its map room -> future is the only one): its result is a
         ``TransferResult``; the worker settles it when it ends, at ``drain`` too."""

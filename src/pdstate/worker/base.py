@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
-from pdstate.errors import AgentClosed, AllocationError, LocalCheckFailed, error_from_wire
+from pdstate.errors import AgentClosed, AllocationError, LocalCheckFailed, PrefillBusy, error_from_wire
 from pdstate.pools.kvargs import fill_kv_args
 from pdstate.pools.memory import PrivateMemory, SharedMemory, sweep_stale_segments
 from pdstate.pools.presets import build_worker_pools
@@ -88,35 +88,48 @@ def build_side(opts: WorkerOptions):
 
 
 class AgentStats(Stats):
-    """``worker.stats.Stats`` whose handshake counts are the agent's own (read at snapshot)."""
+    """``worker.stats.Stats`` whose handshake and auth-failure counts are the agent's own (read
+    at snapshot); ``agent()`` returns the agent or ``None``."""
 
-    def __init__(self, handshakes: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, agent: Callable[[], object]) -> None:
         super().__init__()
-        self._agent_handshakes = handshakes
+        self._agent = agent
 
     def snapshot(self) -> Stats:
         s = super().snapshot()
-        s.handshakes = dict(self._agent_handshakes())
+        agent = self._agent()
+        s.handshakes = dict(agent.handshakes) if agent is not None else {}
+        s.auth_failures = agent.auth_failures.count if agent is not None else 0
+        s.decodes_dropped = agent.withheld.count if hasattr(agent, "withheld") else 0  # (a prefill agent)
         return s
 
 
 class PagePool:
     """The side's allocator behind a condition: ``allocate(seq_len, wait_s)`` waits (up to
-    ``wait_s``) for pages other requests free; ``free`` wakes the waiters. Safe from any thread."""
+    ``wait_s``) for pages other requests free; ``try_allocate`` never waits (``None``: full);
+    ``free`` wakes the waiters. Safe from any thread.
+
+    ``owner`` (a prefill: the decode asking) and ``share``: the owner may hold at most that
+    fraction of each of the pools' resources (full and SWA tokens, request slots) once it holds
+    one request; a request that would pass it is refused at once (``PrefillBusy``) rather than
+    kept, so one decode cannot take every page from the others."""
 
     def __init__(self, pools) -> None:
         self.pools = pools
         self.names: list[str] | None = None
         self._freed = threading.Condition()
         self.waiting = 0
+        self._total = rq.free_counts(pools)  # a fresh pool: everything free
+        self._held: dict[str, dict[str, int]] = {}  # owner -> what it holds, by resource
 
-    def try_allocate(self, names: list[str], seq_len: int) -> rq.Allocation | None:
+    def try_allocate(self, names: list[str], seq_len: int, owner: str = "", share: float = 1.0) -> rq.Allocation | None:
         """The request's pages now, or ``None`` while the pool is full (never waits); raises
-        ``AllocationError`` for a request larger than the whole pool."""
+        ``AllocationError`` for a request larger than the whole pool (and ``PrefillBusy`` past
+        the owner's share, as ``allocate``)."""
         self._fits(seq_len)
         with self._freed:
             try:
-                return rq.allocate(self.pools, names, seq_len)
+                return self._take(names, seq_len, owner, share)
             except AllocationError:
                 return None
 
@@ -125,7 +138,9 @@ class PagePool:
         if seq_len > capacity:
             raise AllocationError(f"seq_len {seq_len} exceeds the pool of {capacity} tokens")
 
-    def allocate(self, names: list[str], seq_len: int, wait_s: float = 0.0) -> rq.Allocation:
+    def allocate(
+        self, names: list[str], seq_len: int, wait_s: float = 0.0, owner: str = "", share: float = 1.0
+    ) -> rq.Allocation:
         self._fits(seq_len)
         deadline = time.monotonic() + wait_s
         with self._freed:
@@ -133,7 +148,7 @@ class PagePool:
             try:
                 while True:
                     try:
-                        return rq.allocate(self.pools, names, seq_len)
+                        return self._take(names, seq_len, owner, share)
                     except AllocationError:
                         left = deadline - time.monotonic()
                         if left <= 0:
@@ -142,9 +157,35 @@ class PagePool:
             finally:
                 self.waiting -= 1
 
-    def free(self, alloc: rq.Allocation) -> None:
+    def _take(self, names: list[str], seq_len: int, owner: str, share: float) -> rq.Allocation:
+        """Allocate (under the condition) and count it against ``owner`` (``AllocationError``: full)."""
+        before = rq.free_counts(self.pools)
+        alloc = rq.allocate(self.pools, names, seq_len)
+        after = rq.free_counts(self.pools)
+        alloc.usage = {k: before[k] - after[k] for k in after}
+        held = self._held.get(owner, {})
+        mine = {k: held.get(k, 0) + n for k, n in alloc.usage.items()}
+        if owner and share < 1.0 and held:  # (its first request may be any size)
+            self._check_share(owner, alloc, mine, share)
+        self._held[owner] = mine
+        return alloc
+
+    def _check_share(self, owner: str, alloc: rq.Allocation, mine: dict[str, int], share: float) -> None:
+        for k, total in self._total.items():
+            limit = max(1, int(total * share))
+            if mine[k] > limit:
+                rq.free(self.pools, alloc)
+                raise PrefillBusy(
+                    f"decode {owner} would hold {mine[k]} of this prefill's {total} {k}; its share is {limit} "
+                    f"(control.decode_share {share:g})"
+                )
+
+    def free(self, alloc: rq.Allocation, owner: str = "") -> None:
         with self._freed:
             rq.free(self.pools, alloc)
+            left = {k: v - alloc.usage.get(k, 0) for k, v in self._held.pop(owner, {}).items()}
+            if any(v > 0 for v in left.values()):
+                self._held[owner] = left
             self._freed.notify_all()
 
     def counts(self) -> dict[str, int]:
@@ -204,7 +245,7 @@ class AgentWorker:
         self.local_error: BaseException | None = None
         self.agent = None
         self.pools = None
-        self.stats = AgentStats(lambda: self.agent.handshakes if self.agent is not None else {})
+        self.stats = AgentStats(lambda: self.agent)
         self.finished: OrderedDict[int, object] = OrderedDict()
         self.peak_in_flight = 0
         self._live: dict[int, RequestStatus] = {}
@@ -233,6 +274,7 @@ class AgentWorker:
                 heartbeat_interval_s=o.heartbeat_interval_s,
                 peer_timeout_s=o.peer_timeout_s,
                 token=o.token,
+                verify=o.transfer_verify,
                 **role_options,
             )
         except BaseException:

@@ -178,7 +178,7 @@ class AgentDecodeWorker(AgentWorker):
             return fut
         with self._lock:
             self._futures[room] = fut
-        res = TransferResult(room, "failed", seq_len, prefill=prefill)
+        res = TransferResult(room, "failed", seq_len, prefill=prefill, verify_level=self.opts.transfer_verify)
         req = rq.Pending(status, fut, verify or self.opts.verify, deadline_s or self.opts.request_deadline_s, res)
         if not self._timers.post(self._step, self._begin, req):  # stopped meanwhile
             self._finish(status, fut, _failed(room, seq_len, SHUTTING_DOWN, prefill))
@@ -301,6 +301,7 @@ class AgentDecodeWorker(AgentWorker):
 
     def _verify(self, req: rq.Pending, recv) -> None:
         res, m = req.res, recv.metrics
+        res.verify_level = str(m.get("verify", self.opts.transfer_verify))
         res.bytes, res.descriptors = int(m.get("bytes", 0)), int(m.get("descriptors", 0))
         res.transfer_s, res.copy_s = float(m.get("transfer_s", 0.0)), float(m.get("copy_s", 0.0))
         if recv.state is not RequestState.SUCCESS:
@@ -349,7 +350,7 @@ class AgentDecodeWorker(AgentWorker):
             nbytes=res.bytes,
             ms=res.seconds * 1e3,
             outcome="ok" if res.error is None else f"failed: {res.error.type}",
-            verification=req.verify if res.verified else "none",
+            verification=f"{res.verify_level}+{req.verify if res.verified else 'none'}",
         )
         self._finish(req.status, req.fut, res)
         for other in list(self._busy.values()):  # a prefill slot this request held is free again

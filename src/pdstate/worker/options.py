@@ -31,12 +31,21 @@ class WorkerOptions:
     # "full" reads every byte (one pass over the request), "sample" the first word of every item
     # and the last of every run of items (O(items)); see ``worker.synth``
     verify: str = "full"
+    # the agent's verification level (``transfer.verify``): what the digests cover; the decode's
+    # requests ask it, the prefill takes no less
+    transfer_verify: str = "sampled"
     # accepted for configuration compatibility (``control.inline_max_bytes``); the agent's prefill
     # decides itself when a small request skips its thread hand-offs
     inline_max_bytes: int = 32 << 20
     # prefill: on stop (SIGTERM), how long to let the requests in flight finish before the goodbye
     # (new requests are refused meanwhile); 0: end them at once with "prefill shutting down"
     drain_s: float = 0.0
+    # prefill: how long a request's verdict is awaited (``pdstate.agent.fairness``), and the most of
+    # the pools one decode may hold while another decode is registered (1.0: no bound)
+    verdict_timeout_s: float = 5.0
+    decode_share: float = 0.5
+    advertise: tuple[str, ...] = ()  # prefill: other addresses decodes dial it at
+    prefills: tuple[str, ...] = ()  # decode: the prefills a transfer may name (empty: peer and loopback)
 
 
 @dataclass(frozen=True)

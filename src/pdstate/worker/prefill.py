@@ -50,6 +50,9 @@ SHUTTING_DOWN = "prefill shutting down"
 REQUEST_THREADS = 16  # at most this many requests are filled and sent at once (the rest wait their turn)
 
 
+AUTH_RECENT_S = 60.0  # a frame refused for its auth tag, a decode dropped: named on /readyz this long
+
+
 class AgentPrefillWorker(AgentWorker):
     """The prefill of ``pdstate serve``. ``start()`` builds pools and agent; ``stop()`` drains."""
 
@@ -79,6 +82,8 @@ class AgentPrefillWorker(AgentWorker):
             check_local=o.local_checks,
             bootstrap_timeout_s=o.request_deadline_s,
             on_request=self._on_request,
+            verdict_timeout_s=o.verdict_timeout_s,
+            advertise=tuple(o.advertise),
         )
         self.endpoint = self.agent.address
         log.info("prefill %s listening on %s (engine %s, agent)", self.worker_id, self.endpoint, o.engine)
@@ -136,7 +141,9 @@ class AgentPrefillWorker(AgentWorker):
         sender, error, compute_s = None, None, 0.0
         t0 = time.perf_counter()
         try:  # pages other requests still hold are waited for (their senders end soon)
-            alloc = self.page_pool.allocate(self.names, status.seq_len, wait_s=self.opts.request_deadline_s)
+            alloc = self.page_pool.allocate(
+                self.names, status.seq_len, wait_s=self.opts.request_deadline_s, owner=status.peer, share=self._share()
+            )
         except PdStateError as exc:
             self._refuse(status.room, exc)
             self._done(status, None, exc, time.perf_counter() - t0)
@@ -164,7 +171,7 @@ class AgentPrefillWorker(AgentWorker):
         except Exception as exc:  # AgentClosed at shutdown, a refused chunk, a timed-out fence
             error = AgentClosed(SHUTTING_DOWN) if isinstance(exc, AgentClosed) and self._draining.is_set() else exc
         if sender is None or sender.state.terminal:
-            self.page_pool.free(alloc)  # terminal: fenced, nothing reads these pages any more
+            self.page_pool.free(alloc, owner=status.peer)  # terminal: fenced, nothing reads these pages any more
         else:  # pragma: no cover - a wedged engine: keep the pages out of use rather than reuse them
             log.error(
                 "room %d: the sender is still %s after its abort; its pages stay allocated",
@@ -172,6 +179,12 @@ class AgentPrefillWorker(AgentWorker):
                 sender.state.value,
             )
         self._done(status, sender, error, time.perf_counter() - t0, compute_s)
+
+    def _share(self) -> float:
+        """The most of the pools one decode may hold now: ``decode_share`` while another decode
+        is registered, else all of them."""
+        others = len(self._ask_agent(lambda a: a.decodes(), [])) > 1
+        return self.opts.decode_share if others else 1.0
 
     def set_hooks(self, hooks: WorkerHooks) -> None:
         """Swap the fault-injection hooks (tests); requests computed later see the new ones."""
@@ -236,7 +249,7 @@ class AgentPrefillWorker(AgentWorker):
             nbytes=int(metrics.get("bytes", 0)),
             ms=seconds * 1e3,
             outcome="ok" if ok else f"failed: {type(error).__name__}" if error is not None else reason,
-            verification="digest",
+            verification=str(metrics.get("verify", "off")),
         )
         self._leave(
             status.room,
@@ -264,6 +277,8 @@ class AgentPrefillWorker(AgentWorker):
             requests=self._requests(),
             dead_threads=self._dead_threads(),
             peak_in_flight=self.peak_in_flight,
+            auth_error=self._ask_agent(lambda a: a.auth_failures.recent(AUTH_RECENT_S), None),
+            dropped=self._ask_agent(lambda a: a.withheld.recent(AUTH_RECENT_S), None),
         )
 
     def finished_records(self) -> list[dict]:

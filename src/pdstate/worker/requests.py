@@ -36,6 +36,7 @@ class Allocation:
     locs: torch.Tensor
     lists: list[np.ndarray]
     freed: bool = False
+    usage: dict[str, int] = field(default_factory=dict)  # what it took of each ``free_counts`` resource
 
 
 @dataclass(eq=False)

@@ -58,6 +58,8 @@ class Stats:
     bytes: int = 0
     engine_errors: int = 0
     protocol_errors: int = 0
+    auth_failures: int = 0  # control frames refused for their auth tag (the agent's count)
+    decodes_dropped: int = 0  # prefill: decodes dropped for withholding verdicts (the agent's count)
     latencies_s: RecentLatencies = field(default_factory=RecentLatencies)
     failure_reasons: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
@@ -96,13 +98,15 @@ class Stats:
         """A consistent copy (its own lock), for a reader on another thread."""
         with self._lock:
             return Stats(
-                dict(self.handshakes),
-                dict(self.transfers),
-                self.bytes,
-                self.engine_errors,
-                self.protocol_errors,
-                self.latencies_s.snapshot(),
-                dict(self.failure_reasons),
+                handshakes=dict(self.handshakes),
+                transfers=dict(self.transfers),
+                bytes=self.bytes,
+                engine_errors=self.engine_errors,
+                protocol_errors=self.protocol_errors,
+                auth_failures=self.auth_failures,
+                decodes_dropped=self.decodes_dropped,
+                latencies_s=self.latencies_s.snapshot(),
+                failure_reasons=dict(self.failure_reasons),
             )
 
     def as_dict(self) -> dict:
@@ -114,6 +118,8 @@ class Stats:
             "bytes": s.bytes,
             "engine_errors": s.engine_errors,
             "protocol_errors": s.protocol_errors,
+            "auth_failures": s.auth_failures,
+            "decodes_dropped": s.decodes_dropped,
             "latencies_s": [],
             "latency_count": s.latencies_s.total,
             "failure_reasons": s.failure_reasons,

@@ -64,6 +64,8 @@ class WorkerSnapshot:
     waiting: int = 0  # decode: requests waiting for pages
     quarantined: int = 0  # decode: requests whose pages wait for their prefill's fence
     handshake_s: float | None = None  # decode: the latest accepted handshake's duration (its ``peer``)
+    auth_error: ErrorInfo | None = None  # prefill: the latest frame refused for its auth tag, if recent
+    dropped: ErrorInfo | None = None  # prefill: the latest decode dropped for withholding verdicts, if recent
 
     @property
     def in_flight(self) -> int:
@@ -92,6 +94,7 @@ class TransferResult:
     transfer_s: float = 0.0  # asked -> verdict received
     verify_s: float = 0.0  # this decode's check of the bytes that landed
     prefill: str = ""  # the control address of the prefill asked
+    verify_level: str = ""  # the agent's verification level that ran (``transfer.verify``)
 
     def as_dict(self) -> dict:
         return {

@@ -24,7 +24,12 @@ REPLY = "@@pair "
 SIDE_MODULE = "pdstate.devtools.sglang_pair.side"  # what each child runs
 REPO_SRC = Path(__file__).resolve().parents[3]
 # SGLang's Mooncake backend over TCP on one host (no RDMA here).
-MOONCAKE_TCP = {"MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1", "SGLANG_HOST_IP": "127.0.0.1"}
+MOONCAKE_TCP = {
+    "MOONCAKE_PROTOCOL": "tcp",
+    "MC_FORCE_TCP": "1",
+    "SGLANG_HOST_IP": "127.0.0.1",
+    "PDSTATE_TRANSFER__MOONCAKE__ALLOW_OPEN_LISTENER": "true",  # one host, the tests' own processes
+}
 # Backend "pdstate" moves the bytes with pdstate's Mooncake engine (its usual configuration).
 PDSTATE_ENGINE_ENV = {"PDSTATE_TRANSFER__ENGINE": "mooncake"}
 SLACK_S = 30.0  # what a child may take beyond a request's deadline to answer (setup, byte checks)

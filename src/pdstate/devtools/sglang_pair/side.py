@@ -10,7 +10,9 @@ reports; 0.5.23's prefill makes its sender with keywords only.
 - ``setup``: publish the side's server args, build (or reuse) its pools, fill ``KVArgs``, and
   create the manager of ``backend`` through ``get_kv_class`` (the prefill starts the bootstrap
   server first, through ``get_kv_class(backend, BOOTSTRAP_SERVER)``); ``use`` makes an earlier
-  setup of a backend current again (the bench interleaves two backends on the same pools);
+  setup of a backend current again (the bench interleaves backends on the same pools);
+  ``pdstate@LEVEL`` is backend ``pdstate`` with ``PDSTATE_TRANSFER__VERIFY=LEVEL`` when its manager
+  is made (a session of its own beside plain ``pdstate``, which takes the configured default);
 - prefill ``open`` (sender created and ``init``-ed, sources patterned) then ``send`` (two chunks,
   state on the last, polled to Success/Failed or the deadline);
 - decode ``recv`` (destinations reset to the sentinel, parallel info fetched, receiver ``init``,
@@ -23,6 +25,7 @@ from pdstate.devtools.sglang_pair import booted  # noqa: F401  (first: the GPU-o
 
 # isort: split
 
+import os
 import time
 from types import SimpleNamespace
 
@@ -63,6 +66,10 @@ SESSION = ("backend", "addr", "cur", "args", "mgr")  # what ``use`` brings back
 
 # -- both sides
 def setup(role: str, backend: str, side: dict, port: int) -> dict:
+    session = backend
+    backend, _, verify = backend.partition("@")
+    if verify:
+        os.environ["PDSTATE_TRANSFER__VERIFY"] = verify
     S.role, S.backend, S.addr = role, backend, f"{HOST}:{port}"
     S.mgr = S.conn = S.req = None
     if backend == "pdstate" and not S.installed:
@@ -93,8 +100,12 @@ def setup(role: str, backend: str, side: dict, port: int) -> dict:
     from sglang.srt.runtime_context import get_context
 
     mode = DisaggregationMode.PREFILL if prefill else DisaggregationMode.DECODE
-    S.mgr = get_kv_class(tb, KVClassType.MANAGER)(S.args, mode, get_context().server_args, True)
-    S.sessions[backend] = {k: getattr(S, k) for k in SESSION}
+    try:
+        S.mgr = get_kv_class(tb, KVClassType.MANAGER)(S.args, mode, get_context().server_args, True)
+    finally:
+        if verify:
+            os.environ.pop("PDSTATE_TRANSFER__VERIFY", None)
+    S.sessions[session] = {k: getattr(S, k) for k in SESSION}
     return {
         "buffers": len(pools.buffers(S.args)),
         "state_types": [str(t.value) for t in S.args.state_types],
@@ -165,7 +176,11 @@ def send(deadline_s: float) -> dict:
     S.conn.send(pages[:first], None)
     S.conn.send(pages[first:], S.req.state_indices)
     state, t1 = _poll((KVPoll.Success,), deadline)
-    return {"outcome": state, "failure": _end(state), "ms": (t1 - t0) * 1000 if state == "Success" else None}
+    out = {"outcome": state, "failure": _end(state), "ms": (t1 - t0) * 1000 if state == "Success" else None}
+    agent_send = getattr(S.conn, "_agent_send", None)  # backend pdstate: the agent sender's timers
+    if agent_send is not None:
+        out["metrics"] = dict(agent_send.metrics)
+    return out
 
 
 # -- decode

@@ -33,7 +33,7 @@ import socket
 from pdstate.agent import DecodeAgent, PrefillAgent
 from pdstate.errors import AgentClosed
 from pdstate.integrations.sglang.launch.backend import context_parallel_refusal, pipeline_parallel_refusal
-from pdstate.integrations.sglang.settings import layout_report, load_settings
+from pdstate.integrations.sglang.settings import check_rank_auth, layout_report, load_settings
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
@@ -83,6 +83,8 @@ def build_manager() -> type:
             if refusal is not None:  # before anything is registered anywhere
                 raise ValueError(refusal)
             settings = load_settings(self.role)
+            local_ip = get_local_ip_auto()  # what SGLang advertises for this rank (its prefill agent binds it)
+            check_rank_auth(settings, self.role, local_ip)
             report = layout_report(args)
             common = dict(
                 report=report,
@@ -91,6 +93,7 @@ def build_manager() -> type:
                 token=settings.token,
                 heartbeat_interval_s=settings.heartbeat_interval_s,
                 peer_timeout_s=settings.peer_timeout_s,
+                verify=settings.verify,
             )
             # unique per process: a prefill tells its decodes apart by worker id
             rank = f"sglang-{self.role}-tp{getattr(args, 'engine_rank', 0)}-pp{getattr(args, 'pp_rank', 0)}"
@@ -99,7 +102,7 @@ def build_manager() -> type:
             # poll); the agents' are backstops just past them, never earlier than the operator's
             waiting_s, bootstrap_s = _sglang_timeouts()
             if self.role == "prefill":
-                host = NetworkAddress(get_local_ip_auto(), 0)
+                host = NetworkAddress(local_ip, 0)
                 bind = host.to_tcp()
                 self.agent = PrefillAgent(
                     args, bind=bind, worker_id=rank, bootstrap_timeout_s=bootstrap_s + BACKSTOP_S, **common

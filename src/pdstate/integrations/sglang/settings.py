@@ -24,12 +24,13 @@ from typing import Any
 from pdstate.errors import ConfigError
 from pdstate.pools.interface import is_dsv4_pool
 from pdstate.pools.reporting import build_report
+from pdstate.service.auth import OPEN_ENGINES, check_open_listener, is_loopback_host
 from pdstate.service.config import load_config
 
 CONFIG_ENV = "PDSTATE_SGLANG_CONFIG"
 DEFAULT_ENGINE = "mooncake"
 
-__all__ = ["CONFIG_ENV", "AgentSettings", "find_pools", "layout_report", "load_settings"]
+__all__ = ["CONFIG_ENV", "AgentSettings", "check_rank_auth", "find_pools", "layout_report", "load_settings"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,23 @@ class AgentSettings:
     token: bytes | None
     heartbeat_interval_s: float
     peer_timeout_s: float
+    allow_insecure_bind: bool = False
+    allow_open_listener: bool = False  # transfer.<engine>.allow_open_listener
+    verify: str = "sampled"  # transfer.verify
+
+
+def check_rank_auth(settings: AgentSettings, role: str, host: str) -> None:
+    """Fail closed, as ``pdstate serve`` does: the engine's open listener acknowledged
+    (``check_open_listener``), and a rank whose agent is reachable beyond loopback
+    (``host``: the address SGLang advertises for the rank, which its prefill agent binds) needs an
+    auth token, unless ``auth.allow_insecure_bind`` says otherwise. One line."""
+    check_open_listener(settings.engine, settings.allow_open_listener)
+    if settings.token is None and not settings.allow_insecure_bind and not is_loopback_host(host):
+        raise ConfigError(
+            f"auth: this SGLang {role} rank's agent is reachable at {host} (the address SGLang advertises for the "
+            "rank) but no auth token is configured; set PDSTATE_AUTH__TOKEN_FILE (or PDSTATE_AUTH__TOKEN) on every "
+            "prefill and decode, or PDSTATE_AUTH__ALLOW_INSECURE_BIND=true to run without auth"
+        )
 
 
 def load_settings(role: str, environ=None) -> AgentSettings:
@@ -58,6 +76,9 @@ def load_settings(role: str, environ=None) -> AgentSettings:
         token=options.token,
         heartbeat_interval_s=options.heartbeat_interval_s,
         peer_timeout_s=options.peer_timeout_s,
+        allow_insecure_bind=cfg.auth.allow_insecure_bind,
+        allow_open_listener=getattr(cfg.transfer, engine).allow_open_listener if engine in OPEN_ENGINES else True,
+        verify=options.transfer_verify,
     )
 
 

@@ -235,8 +235,9 @@ class TransferEngine(ABC):
 
     # --- prefill side --------------------------------------------------------------------------
 
-    def challenge(self, claimant: str) -> bytes:
-        """A nonce decode ``claimant`` (``worker_id/incarnation``) answers with ``prove`` before ``connect``."""
+    def challenge(self, claimant: str, holder: str = "") -> bytes:
+        """A nonce decode ``claimant`` (``worker_id/incarnation``) answers with ``prove`` before
+        ``connect``; ``holder``: the connection it came on (no other connection's register evicts it)."""
         raise EngineError(f"{self.name} engine does not challenge its peers")
 
     @_locked

@@ -1,8 +1,10 @@
-"""NIXL adapter, UCX backend, DRAM to DRAM (``pip install 'pdstate[nixl]'``).
+"""NIXL adapter, UCX backend, DRAM or VRAM (``pip install 'pdstate[nixl]'``).
 
 Each engine owns one ``nixl_agent`` named ``agent_name`` (default ``pdstate-<pid>-<engine_id>``,
-unique per start). Regions are registered as ``Nx3`` uint64 rows ``(addr, len, 0)`` of type
-"DRAM". The decode endpoint carries the agent metadata (``get_agent_metadata()``, taken when
+unique per start). Regions are registered as ``Nx3`` uint64 rows ``(addr, len, device)`` of type
+"DRAM" (host memory, device 0) or "VRAM" (a CUDA device's memory, ``pools.placement``: all of one
+engine's regions on one device; UCX then moves them with ``cuda_ipc``/``cuda_copy``); a decode on
+a device says so in its endpoint (``mem_type``, ``device``: absent for DRAM). The decode endpoint carries the agent metadata (``get_agent_metadata()``, taken when
 ``endpoint()`` is called, so register first); ``connect`` loads it with ``add_remote_agent``.
 ``submit`` builds both descriptor lists from the plan's columns and posts one WRITE with
 ``initialize_xfer`` + ``transfer``; ``poll`` maps ``check_xfer_state``: "DONE" -> done,
@@ -53,6 +55,7 @@ import numpy as np
 
 from pdstate.errors import EngineError, InvalidEndpoint, NativeEngineError
 from pdstate.pools.memory import Region
+from pdstate.pools.placement import memory_devices
 from pdstate.transfer.engines.base import Peer, TransferEngine, TransferHandle, import_native
 from pdstate.transfer.plan import TransferPlan
 
@@ -72,12 +75,22 @@ def _native_call(what: str) -> Iterator[None]:
         raise NativeEngineError(f"nixl {what} failed: {type(exc).__name__}: {exc}", code=str(exc)) from exc
 
 
-def _rows(addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """NIXL descriptor rows ``(addr, len, device 0)``, Nx3 uint64."""
+def _rows(addrs: np.ndarray, lengths: np.ndarray, device: int = 0) -> np.ndarray:
+    """NIXL descriptor rows ``(addr, len, device)``, Nx3 uint64."""
     rows = np.zeros((addrs.shape[0], 3), dtype=np.uint64)
     rows[:, 0] = addrs
     rows[:, 1] = lengths
+    rows[:, 2] = device
     return rows
+
+
+def _placement(regions: list[Region]) -> tuple[str, int]:
+    """``("DRAM", 0)`` for host regions, ``("VRAM", N)`` for regions on CUDA device ``N``."""
+    devices = set(memory_devices([int(r.base_ptr) for r in regions]))
+    if len(devices) > 1:
+        raise EngineError(f"nixl: registered regions lie in more than one place ({sorted(map(str, devices))})")
+    (device,) = devices or {None}
+    return (MEM_TYPE, 0) if device is None else ("VRAM", int(device.split(":")[1]))
 
 
 class NixlEngine(TransferEngine):
@@ -107,6 +120,8 @@ class NixlEngine(TransferEngine):
         self.native: Any = None  # NIXL's own nixl_agent, once started (the bench's raw rows)
         self._reg_dlists: list[Any] = []
         self._inflight: dict[TransferHandle, Any] = {}  # handle -> native xfer handle (until settled)
+        self._mem: tuple[str, int] = (MEM_TYPE, 0)  # where this engine's regions live
+        self._peer_mem: dict[str, tuple[str, int]] = {}  # remote agent name -> where its regions live
 
     @classmethod
     def check_available(cls) -> None:
@@ -128,13 +143,15 @@ class NixlEngine(TransferEngine):
     def _register(self, regions: list[Region]) -> None:
         addrs = np.array([r.base_ptr for r in regions], dtype=np.uint64)
         lengths = np.array([r.nbytes for r in regions], dtype=np.uint64)
+        self._mem = mem, device = _placement(regions)
         with _native_call(f"register_memory ({', '.join(r.name for r in regions)})"):
-            self._reg_dlists.append(self.native.register_memory(_rows(addrs, lengths), MEM_TYPE))
+            self._reg_dlists.append(self.native.register_memory(_rows(addrs, lengths, device), mem))
 
     def _endpoint_fields(self) -> dict:
         with _native_call("get_agent_metadata"):
             metadata = bytes(self.native.get_agent_metadata())
-        return {"agent_name": self.agent_name, "metadata": metadata}
+        where = {} if self._mem[0] == MEM_TYPE else {"mem_type": self._mem[0], "device": self._mem[1]}
+        return {"agent_name": self.agent_name, "metadata": metadata, **where}
 
     def _connect(self, peer: Peer) -> None:
         expected = str(peer.endpoint["agent_name"])
@@ -144,18 +161,21 @@ class NixlEngine(TransferEngine):
         if name != expected:
             raise InvalidEndpoint(f"nixl endpoint names agent {expected!r} but its metadata is {name!r}")
         peer.native = name
+        self._peer_mem[name] = (str(peer.endpoint.get("mem_type", MEM_TYPE)), int(peer.endpoint.get("device", 0)))
 
     def _disconnect(self, peer: Peer) -> None:
         if peer.native is not None:
             with _native_call(f"remove_remote_agent ({peer.native})"):
                 self.native.remove_remote_agent(peer.native)
+            self._peer_mem.pop(peer.native, None)
             peer.native = None
 
     def _submit(self, peer: Peer, plan: TransferPlan, handle: TransferHandle, notify: bytes) -> None:
         what = f"WRITE of {len(plan)} descriptors to {peer.native}"
         with _native_call(what):
-            local = self.native.get_xfer_descs(_rows(plan.src, plan.length), MEM_TYPE)
-            remote = self.native.get_xfer_descs(_rows(plan.dst, plan.length), MEM_TYPE)
+            (lmem, ldev), (rmem, rdev) = self._mem, self._peer_mem.get(peer.native, (MEM_TYPE, 0))
+            local = self.native.get_xfer_descs(_rows(plan.src, plan.length, ldev), lmem)
+            remote = self.native.get_xfer_descs(_rows(plan.dst, plan.length, rdev), rmem)
             xfer = self.native.initialize_xfer("WRITE", local, remote, peer.native, notify)
         try:
             with _native_call(what):

@@ -52,7 +52,7 @@ from pdstate.transfer.engines.shm_owner import Challenges, SegmentClaims, check_
 from pdstate.transfer.plan import TransferPlan
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
-PROOF_KEYS = ("challenge", "proofs")
+PROOF_KEYS = ("challenge", "proofs", "audience")
 MAPS_PATH = "/proc/self/maps"
 
 
@@ -213,10 +213,10 @@ class ShmEngine(TransferEngine):
         return prove_endpoint(self.endpoint(), nonce, claimant)
 
     # prefill side: ownership first, then map the peer's files
-    def challenge(self, claimant: str) -> bytes:
+    def challenge(self, claimant: str, holder: str = "") -> bytes:
         with self._lock:
             self._require_started("challenge")
-            return self._challenges.issue(claimant)
+            return self._challenges.issue(claimant, holder)
 
     def connect(self, endpoint: Mapping[str, Any], owner: str | None = None) -> str:
         with self._lock:
@@ -249,6 +249,9 @@ class ShmEngine(TransferEngine):
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidEndpoint(f"shm endpoint of {who} is malformed: {exc!r}") from exc
         self._challenges.redeem(nonce, claimant)  # used up whatever follows
+        audience = endpoint.get("audience")  # the address the decode dialled: bound into each proof
+        if audience is not None:
+            claimant = f"{claimant}@{audience}"
         for path in paths:
             segment_owner(path, owner_pid, self.segment_dir)  # named by its live creator
             try:
@@ -280,7 +283,12 @@ class ShmEngine(TransferEngine):
 
     def _connect(self, peer: Peer) -> None:
         theirs = str(peer.endpoint["boot_id"])
-        if theirs and self._boot_id and theirs != self._boot_id:
+        if not theirs or not self._boot_id:  # never skip the same-host check
+            raise InvalidEndpoint(
+                f"shm engine: {'peer ' + peer.peer_id + ' sent' if not theirs else 'this host has'} no boot id "
+                f"({BOOT_ID_PATH}); shared memory needs both sides on one host, which the boot id proves"
+            )
+        if theirs != self._boot_id:
             raise InvalidEndpoint(
                 f"shm engine: peer {peer.peer_id} runs under another kernel (boot id {theirs}); "
                 "shared memory needs both sides on one host"

@@ -36,13 +36,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from pdstate.errors import EngineError, InvalidEndpoint
+from pdstate.errors import EngineError, InvalidEndpoint, PrefillBusy
 from pdstate.pools.memory import LEGACY_NONCE_HEX, SEGMENT_HEADER_BYTES, SEGMENT_NAME_RE, SEGMENT_PREFIX, owner_alive
 
 CHALLENGE_BYTES = 16
-CHALLENGE_TTL_S = 60.0
-MAX_CHALLENGES = 4096  # outstanding, all registrants together (the oldest go first)
-MAX_CHALLENGES_PER_CLAIMANT = 8
+CHALLENGE_TTL_S = 10.0  # a decode answers in a round trip; a flood's nonces go soon
+MAX_CHALLENGES = 4096  # outstanding, all registrants together (more are refused, none evicted)
+MAX_CHALLENGES_PER_CLAIMANT = 8  # per connection (holder): its oldest go first
 
 
 def segment_owner(path: str, owner_pid: int, segment_dir: str) -> str:
@@ -110,45 +110,53 @@ class SegmentClaims:
 
 
 class Challenges:
-    """Nonces this prefill issued, each to one claimant (``worker_id/incarnation``); each can be
-    redeemed once, by that claimant, within ``CHALLENGE_TTL_S``. A new engine (a restarted
-    prefill) knows none of an earlier one's."""
+    """Nonces this prefill issued, each to one claimant (``worker_id/incarnation``) on one
+    connection (its holder); each can be redeemed once, by that claimant, within
+    ``CHALLENGE_TTL_S``. A new engine (a restarted prefill) knows none of an earlier one's.
+
+    Registers from other connections never evict a holder's nonces (the claimant's name is no
+    secret: a flood naming it used to lock its decode out): each holder keeps its newest
+    ``MAX_CHALLENGES_PER_CLAIMANT``, and past ``MAX_CHALLENGES`` in all a new one is refused
+    (``PrefillBusy``; the decode registers again) rather than an old one forgotten."""
 
     def __init__(self) -> None:
         # oldest first: every nonce lives CHALLENGE_TTL_S, so the expired ones are at the front
-        self._issued: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
-        self._by_claimant: dict[str, OrderedDict[bytes, None]] = {}  # each claimant's, oldest first
+        self._issued: OrderedDict[bytes, tuple[str, float, str]] = OrderedDict()
+        self._by_claimant: dict[str, OrderedDict[bytes, None]] = {}  # each holder's, oldest first
 
     def __len__(self) -> int:
         return len(self._issued)
 
-    def _drop(self, nonce: bytes) -> tuple[str, float] | None:
+    def _drop(self, nonce: bytes) -> tuple[str, float, str] | None:
         issued = self._issued.pop(nonce, None)
         if issued is not None:
-            mine = self._by_claimant[issued[0]]
+            mine = self._by_claimant[issued[2]]
             del mine[nonce]
             if not mine:
-                del self._by_claimant[issued[0]]
+                del self._by_claimant[issued[2]]
         return issued
 
-    def issue(self, claimant: str) -> bytes:
-        """A fresh nonce for ``claimant``; the expired ones, that claimant's oldest beyond
-        ``MAX_CHALLENGES_PER_CLAIMANT`` and everyone's oldest beyond ``MAX_CHALLENGES`` are
-        forgotten first. Constant time per call (a flood of registers costs no scan)."""
-        now = time.monotonic()
+    def issue(self, claimant: str, holder: str = "") -> bytes:
+        """A fresh nonce for ``claimant`` on connection ``holder`` (default: the claimant); the
+        expired ones and that holder's oldest beyond ``MAX_CHALLENGES_PER_CLAIMANT`` are forgotten
+        first. Constant time per call (a flood of registers costs no scan)."""
+        now, holder = time.monotonic(), holder or claimant
         while self._issued:
             oldest = next(iter(self._issued))
             if self._issued[oldest][1] >= now:
                 break
             self._drop(oldest)
-        mine = self._by_claimant.get(claimant)
+        mine = self._by_claimant.get(holder)
         if mine is not None and len(mine) >= MAX_CHALLENGES_PER_CLAIMANT:  # it holds at most the cap
             self._drop(next(iter(mine)))
-        while len(self._issued) >= MAX_CHALLENGES:
-            self._drop(next(iter(self._issued)))
+        if len(self._issued) >= MAX_CHALLENGES:
+            raise PrefillBusy(
+                f"this prefill has {len(self._issued)} ownership challenges outstanding (the most it keeps); "
+                "register again shortly"
+            )
         nonce = secrets.token_bytes(CHALLENGE_BYTES)
-        self._issued[nonce] = (claimant, now + CHALLENGE_TTL_S)
-        self._by_claimant.setdefault(claimant, OrderedDict())[nonce] = None
+        self._issued[nonce] = (claimant, now + CHALLENGE_TTL_S, holder)
+        self._by_claimant.setdefault(holder, OrderedDict())[nonce] = None
         return nonce
 
     def redeem(self, nonce: bytes, claimant: str) -> None:

@@ -1,0 +1,110 @@
+"""The device form of a digest, run on CPU tensors through the same code a GPU runs: it gives the
+host (numpy) path's value, for every item width, at ``sampled`` and ``full``; a changed word
+changes it; and two agents whose decode digests "on its device" (here: CPU tensors) agree with a
+prefill that digests on the host, and still catch a damaged page."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
+from pdstate.agent.verify import PositionDigest, lane_values, lane_values_host
+from pdstate.errors import DigestMismatch
+from pdstate.pools.placement import memory_devices
+from tests.agent.support import fill, make_side
+
+# main KV: item lengths a multiple of 8, of 4 only, and odd (each word width of the lane value)
+ITEMS = [(4096, 3), (100, 1), (37, 2)]
+
+
+@pytest.fixture
+def layout():
+    rng = np.random.default_rng(7)
+    bufs, lay = [], []
+    for item, count in ITEMS:
+        bs = [rng.integers(0, 256, 64 * item, dtype=np.uint8) for _ in range(count)]
+        bufs += bs
+        lay.append(([b.ctypes.data for b in bs], [item] * count))
+    return bufs, lay
+
+
+UPDATES = [(0, list(range(3, 20))), (0, list(range(20, 40))), (1, [5, 6, 60]), (2, [0, 63, 9])]
+
+
+def digest(lay, level: str, form: str, torch_on_host: bool) -> bytes:
+    d = PositionDigest(lay, level=level, seed=12345, n_pages=37, form=form, torch_on_host=torch_on_host)
+    d.update(*UPDATES[0])
+    d.update_async(UPDATES[1:2])
+    for u in UPDATES[2:]:
+        d.update(*u)
+    return d.digest()
+
+
+@pytest.mark.parametrize("level", ["sampled", "full"])
+def test_the_device_path_on_cpu_tensors_gives_the_host_paths_value(layout, level):
+    bufs, lay = layout
+    on_device = digest(lay, level, "device", torch_on_host=True)
+    assert on_device == digest(lay, level, "device", torch_on_host=False)
+    assert on_device != digest(lay, level, "host", torch_on_host=False)  # the forms are distinct values
+    bufs[0][25 * 4096 + 8] ^= 1  # one bit of a page every level digests (list position 22 of 37)
+    changed = digest(lay, level, "device", torch_on_host=True)
+    assert changed == digest(lay, level, "device", torch_on_host=False)
+    if level == "full":
+        assert changed != on_device
+
+
+@pytest.mark.parametrize("item", [64, 100, 37])
+def test_lane_values_agree_and_see_any_one_changed_word(item):
+    rng = np.random.default_rng(item)
+    items = rng.integers(0, 256, (16, item), dtype=np.uint8)
+    host = lane_values_host(items)
+    assert np.array_equal(lane_values(torch.from_numpy(items)), host)
+    for pos in (0, item // 2, item - 1):
+        bad = items.copy()
+        bad[3, pos] ^= 0x80
+        vals = lane_values_host(bad)
+        assert vals[3] != host[3] and np.array_equal(np.delete(vals, 3), np.delete(host, 3))
+        assert np.array_equal(lane_values(torch.from_numpy(bad)), vals)
+
+
+def test_host_memory_is_host_memory_without_cuda():
+    t = torch.zeros(64, dtype=torch.uint8)
+    assert memory_devices([t.data_ptr(), 4096]) == [None, None]
+
+
+@pytest.mark.parametrize("damage", [False, True])
+def test_a_decode_digesting_on_its_device_agrees_with_a_host_prefill(damage):
+    p, d = make_side(False), make_side(False)
+    fill(p.kv_args, 1)
+    fill(d.kv_args, 2)
+    pa = PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), engine="loopback")
+    da = DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine="loopback", verify="full")
+    try:
+        da._devices = [["cpu"] * len(ds) for ds in da._devices]  # the device path, on CPU tensors
+        if damage:
+            original = pa._engine._submit
+
+            def corrupting_submit(peer, plan, handle, notify):
+                original(peer, plan, handle, notify)
+                ptr, n = d.kv_args.kv_data_ptrs[1], d.kv_args.kv_item_lens[1]
+                (np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * n).from_address(ptr + 6 * n)))[7] ^= 1
+
+            pa._engine._submit = corrupting_submit
+        recv, send = da.receiver(pa.address, 9), pa.sender(9, 3)
+        recv.init([5, 6, 7], [[1], [0], [1]])
+        send.send([1, 2, 3], [[2], [1], [2]])
+        states = recv.wait(10), send.wait(10)
+        if damage:
+            assert states == (RequestState.FAILED, RequestState.FAILED)
+            assert type(recv.failure_exception()) is DigestMismatch
+        else:
+            assert states == (RequestState.SUCCESS, RequestState.SUCCESS), recv.failure_exception()
+        assert recv.metrics["verify"] == send.metrics["verify"] == "full"
+        assert send.metrics["digest_form"] == "device"  # asked by the decode, computed by numpy here
+    finally:
+        da.close()
+        pa.close()
+        p.close()
+        d.close()
