@@ -109,40 +109,24 @@ def test_unified_branch_does_not_consult_the_mapping():
     compat.check_peer(tiny(unified_kv=True), peer, "prefill")
 
 
-@pytest.mark.parametrize(
-    "changes,tuples",
-    [
-        (dict(draft_page_size=512), "target=(256, 128), draft=(512, 128)"),
-        (dict(draft_sliding_window=64), "target=(256, 128), draft=(256, 64)"),
-    ],
-)
-def test_peer_with_paged_geometry_mismatch(changes, tuples):
-    """In the peer's release's words: SGLang 0.5.19's paged check, whichever release we run."""
-    raises(
-        e.PagedSWAGeometryMismatch,
-        f"DSV4 target and draft pools must share paged SWA geometry: {tuples}",
-        tiny(),
-        tiny(upstream="0.5.19", **changes),
-        "decode",
-    )
+PAGED = (e.PagedSWAGeometryMismatch, "DSV4 target and draft pools must share paged SWA geometry: ", "0.5.19")
+SWA = (e.SWAGeometryMismatch, "DSV4 target and draft pools must share SWA geometry: ", "0.5.23")
 
 
 @pytest.mark.parametrize(
-    "changes,tuples",
+    "check,ours,changes,tuples",
     [
-        (dict(draft_page_size=512), "target=(256, 128, None), draft=(512, 128, None)"),
-        (dict(draft_sliding_window=64), "target=(256, 128, None), draft=(256, 64, None)"),
+        # in the peer's release's words: SGLang 0.5.19's paged check, whichever release we run
+        (PAGED, "0.5.23", dict(draft_page_size=512), "target=(256, 128), draft=(512, 128)"),
+        (PAGED, "0.5.23", dict(draft_sliding_window=64), "target=(256, 128), draft=(256, 64)"),
+        # SGLang 0.5.23's check adds the request window (none here) to the tuple
+        (SWA, "0.5.19", dict(draft_page_size=512), "target=(256, 128, None), draft=(512, 128, None)"),
+        (SWA, "0.5.19", dict(draft_sliding_window=64), "target=(256, 128, None), draft=(256, 64, None)"),
     ],
 )
-def test_peer_with_swa_geometry_mismatch_on_0523(changes, tuples):
-    """SGLang 0.5.23's check adds the request window (none here) to the tuple."""
-    raises(
-        e.SWAGeometryMismatch,
-        f"DSV4 target and draft pools must share SWA geometry: {tuples}",
-        tiny(upstream="0.5.19"),
-        tiny(upstream="0.5.23", **changes),
-        "decode",
-    )
+def test_peer_with_swa_geometry_mismatch_in_its_release_words(check, ours, changes, tuples):
+    error, message, theirs = check
+    raises(error, message + tuples, tiny(upstream=ours), tiny(upstream=theirs, **changes), "decode")
 
 
 def test_own_pair_checks_come_before_cross_side_checks():
