@@ -41,6 +41,7 @@ from tests.support.workers import (
     served_pair,
     start_batch,
     transfer,
+    wait_accepted,
     wait_decode,
     wait_prefill_settled,
     wait_transferring,
@@ -337,8 +338,11 @@ def test_engine_failure_on_one_request_in_process():
         wait_until("the decode's pages back", lambda: d.free_counts() == free_d and not d.in_flight(), 10)
         detect_s = time.monotonic() - t0
         p.agent._engine.delay_s = 0.0
+        # the prefill fenced the late copy on its I/O thread (up to the 2 s delay, past the 1 s
+        # peer timeout): the decode may have found it silent (PeerGone) and registers again first
+        wait_accepted(d)
         ok = transfer(d, 640, deadline_s=10)
-        assert ok.status == "success" and ok.verified, ok
+        assert ok.status == "success" and ok.verified, (ok.status, ok.error)
         wait_until("the prefill's pages back", lambda: p.free_counts() == free_p, 10)
         assert d.free_counts() == free_d
         outs = [r.as_dict() for r in results + [late, ok]]
