@@ -38,6 +38,12 @@ def raises(exc_type, message, ours, theirs, role):
     return info.value
 
 
+def raises_both(exc_type, message, prefill, decode):
+    """The same sentence (prefill named first) whichever side checks."""
+    raises(exc_type, message, prefill, decode, "prefill")
+    raises(exc_type, message, decode, prefill, "decode")
+
+
 def test_equal_layouts_pass_both_ways():
     a, b = tiny(), report_of(TINY.with_(full_tokens=2048, num_req_slots=9))
     compat.check_peer(a, b, "prefill")
@@ -154,8 +160,7 @@ PAGE = (
 
 def test_page_size_sentence_names_prefill_first_whichever_side_checks():
     p, d = tiny(), tiny(page_size=128, swa_page_size=128)
-    raises(e.PageSizeMismatch, PAGE, p, d, "prefill")
-    raises(e.PageSizeMismatch, PAGE, d, p, "decode")
+    raises_both(e.PageSizeMismatch, PAGE, p, d)
 
 
 def test_kv_dtype_sentence():
@@ -164,8 +169,7 @@ def test_kv_dtype_sentence():
         "KV cache dtype mismatch: prefill server has kv_cache_dtype=float8_e4m3fn, but decode server has "
         "kv_cache_dtype=float8_e5m2. Both servers must use the same --kv-cache-dtype value."
     )
-    raises(e.KVCacheDtypeMismatch, message, p, d, "prefill")
-    raises(e.KVCacheDtypeMismatch, message, d, p, "decode")
+    raises_both(e.KVCacheDtypeMismatch, message, p, d)
 
 
 def test_page_size_before_kv_dtype():
@@ -181,13 +185,10 @@ def layout_sentence(factor, p, d):
 
 
 def test_speculative_on_one_side_names_c4_ring():
-    p, d = tiny(), tiny(speculative_num_draft_tokens=None)
-    message = (
-        "DSV4 layout mismatch on c4_ring: prefill server has c4_ring=16, but decode server has c4_ring=8. "
-        "Both servers must build the same state layout."
-    )
-    raises(e.LayoutMismatch, message, p, d, "prefill")
-    raises(e.LayoutMismatch, message, d, p, "decode")
+    message = layout_sentence(
+        "c4_ring", 16, 8
+    )  # "... prefill server has c4_ring=16, but decode server has c4_ring=8. ..."
+    raises_both(e.LayoutMismatch, message, tiny(), tiny(speculative_num_draft_tokens=None))
 
 
 def test_unified_on_one_side_names_layout():
