@@ -27,8 +27,9 @@ import pytest
 
 from pdstate.transfer.engines.listeners import beyond_loopback, tcp_listeners
 from tests.sglang import runner
+from tests.support.api_source import SHM_TRANSPORT
 from tests.support.hostile import NOBODY, segment_paths
-from tests.support.services import SHM_TRANSPORT, Services, ready, wait_for
+from tests.support.services import Services, ready, wait_for
 from tests.support.workers import pdstate_command
 
 ACK = "transfer.{}.allow_open_listener=true"

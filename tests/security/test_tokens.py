@@ -12,7 +12,8 @@ import time
 import httpx
 import pytest
 
-from tests.support.services import SHM_TRANSPORT, Service, wait_for
+from tests.support.api_source import SHM_TRANSPORT
+from tests.support.services import Service, wait_for
 
 TOKEN = "one-side-token-5be1c0d2"
 TIMEOUT_S = 2.0

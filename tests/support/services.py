@@ -19,8 +19,6 @@ from tests.support.waiting import wait_until
 from tests.support.workers import pdstate_command
 
 START_TIMEOUT_S = 60.0
-# ``transport`` on /readyz and /v1/compat of a worker over shm: no native listener (no port)
-SHM_TRANSPORT = {"engine": "shm", "configured": "shm", "in_use": "shm", "listening": [], "open": False, "problem": None}
 
 
 def serve_env(extra: dict[str, str] | None = None) -> dict[str, str]:
