@@ -127,6 +127,7 @@ def test_process_pair_batch_verified_without_leaks(workers, engine, mode, draft)
     results, done = run_batch(d, lengths, concurrency=3)
     assert_all_verified(results, lengths)
     assert done["free"] == ready["free"]
+
     # the prefill frees a request's pages once its sender ended, a moment after the decode's verdict,
     # and counts the request when its worker thread sees that end: wait (bounded) for both
     def settled():

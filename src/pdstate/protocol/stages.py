@@ -15,7 +15,9 @@ the stage's buffers. The groups, as SGLang's DeepSeek-V4 pools list them:
 - the C128 (request) state component: by C128 layer offset; a unified SWA ring: by layer.
 
 The aux buffers go whole (every stage sends the request's row, as SGLang's do). A draft model's
-KV (entries past the target's, or a second SWA component) has no stage slice here: ``ValueError``.
+KV (entries past the target's, or a second SWA component), and a stage with no layer of one of
+the decode's state components (its pools have no such component), have no stage slice here:
+``ValueError``.
 """
 
 from __future__ import annotations
@@ -83,6 +85,12 @@ def stage_slice(ratios, start: int, end: int, main_len: int, components: list[tu
                 f"state component {kind!r} ({n} buffers) has no PP stage slice: pdstate's SGLang backend moves "
                 "no draft state from a pipeline-parallel prefill"
             )
+    empty = [_value(t) for (t, _), idx in zip(components, out) if not idx]
+    if empty:  # such a stage's pools have no such component at all: the lists would not pair up
+        raise ValueError(
+            f"PP stage [{start}, {end}) has no layer of the decode's state components {empty}: pdstate's SGLang "
+            "backend pairs a stage's state components with the decode's one for one"
+        )
     return StageSlice(start, end, tuple(main), tuple(out))
 
 
