@@ -12,8 +12,10 @@ attributes say so). What differs:
   with ``rank_ip`` / ``rank_port``), so routers and decodes find it through SGLang's own routes;
 * decode: a ``DecodeAgent``; a receiver resolves the prefill rank's ``rank_ip:rank_port`` from that
   server and its agent connects there and shakes hands (layout reports, upstream's refusals);
-* what the agents cannot serve is refused at start (``launch.backend``): context and pipeline
-  parallelism. Every attention-TP pairing SGLang maps is served: a prefill attention TP wider
+* what the agents cannot serve is refused at start (``launch.backend``): context parallelism,
+  pipeline parallelism on a decode, a PP prefill with a draft model. A PP prefill's stages feed
+  a decode of one stage, which faces each through an agent of its memory sliced to the stage's
+  layers (``stages``). Every attention-TP pairing SGLang maps is served: a prefill attention TP wider
   than the decode's (one prefill rank sends, the others complete as dummies), a decode attention
   TP wider than the prefill's (each prefill rank sends the whole request to every decode rank
   SGLang maps to it, each under a room of its own: ``replicas``); a prefill with DP attention
