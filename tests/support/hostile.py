@@ -46,6 +46,21 @@ from tests.support.pools import TINY
 NOBODY = 65534  # the uid a hostile process runs as when the tests run as root
 
 
+def agent_request(pools, kv_args, room: int, seq_len: int) -> wire.AgentRequest:
+    """A valid ``AgentRequest`` for ``seq_len`` tokens into free pages of ``pools`` (allocated to
+    name them, then freed again; no digests)."""
+    a = rq.allocate(pools, rq.channel_names(kv_args), seq_len)
+    rq.free(pools, a)
+    return wire.AgentRequest(
+        room=room,
+        seq_len=seq_len,
+        dst_kv_pages=wire.PackedIndices.pack(a.lists[0]),
+        dst_state_indices=[wire.PackedIndices.pack(x) for x in a.lists[1:]],
+        deadline_s=5,
+        digest=False,
+    )
+
+
 class RawDealer:
     """A DEALER on a prefill's control socket; ``ask`` sends one frame and reads the answer."""
 
@@ -131,16 +146,7 @@ class RawDecode:
     def request(self, room: int, seq_len: int) -> wire.AgentRequest:
         """A valid request for ``seq_len`` tokens into this decode's own free pages (a prefill
         that computes on demand, ``pdstate serve``'s, needs the token count; no digests)."""
-        a = rq.allocate(self.pools, rq.channel_names(self.kv_args), seq_len)
-        rq.free(self.pools, a)
-        return wire.AgentRequest(
-            room=room,
-            seq_len=seq_len,
-            dst_kv_pages=wire.PackedIndices.pack(a.lists[0]),
-            dst_state_indices=[wire.PackedIndices.pack(x) for x in a.lists[1:]],
-            deadline_s=5,
-            digest=False,
-        )
+        return agent_request(self.pools, self.kv_args, room, seq_len)
 
     @staticmethod
     def settle(dealer: RawDealer, reply: wire.Message) -> wire.Message:

@@ -33,6 +33,7 @@ names where the input is wrong, never what it was.
 
 Contract of the source: every method is safe to call from the event loop thread while the worker
 runs (reads of counters and small dicts), and ``submit`` returns a ``concurrent.futures.Future``
+(the worker's own: one future per request, awaited here; a room in flight fails it with ``RoomInFlight``)
 that always completes (the worker fails in-flight requests with a reason when it stops).
 """
 
@@ -49,7 +50,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from pdstate import __version__
-from pdstate.errors import EngineError, VersionMismatch
+from pdstate.errors import EngineError, RoomInFlight, VersionMismatch
 from pdstate.protocol.compat import compat_errors
 from pdstate.protocol.report import ErrorInfo
 from pdstate.protocol.wire import PROTOCOL_VERSION
@@ -266,11 +267,11 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         try:
             # shield: a client that hangs up must not cancel the worker's future
             res = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), source.result_timeout_s())
-        except ValueError as exc:  # the room is already in flight
+        except RoomInFlight as exc:
             raise HTTPException(409, detail=str(exc)) from None
         except asyncio.TimeoutError:
             raise HTTPException(504, detail="no outcome within the request deadline") from None
-        return TransferOut(**res)
+        return TransferOut(**(res if isinstance(res, dict) else res.as_dict()))
 
     @app.get("/v1/transfers/{room}", response_model=TransferOut, tags=["transfers"], responses={404: {}, 409: {}})
     async def get_transfer(room: int) -> TransferOut:

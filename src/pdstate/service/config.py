@@ -40,6 +40,7 @@ from pdstate.service.auth import (  # noqa: F401  (re-exported: the auth rules' 
     control_bind_host,
     is_loopback_host,
     is_placeholder_token,
+    read_file_bytes,
     read_token_file,
 )
 from pdstate.worker.options import WorkerOptions
@@ -218,17 +219,13 @@ class WorkerConfig(_Section):
 
 
 def _read_config_text(path: str | Path) -> str:
-    p = Path(path)
-    try:
-        data = p.read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {path} is a directory; --config takes a TOML file") from None
-    except OSError as exc:
-        raise ConfigError(
-            f"config file {path}: cannot read: {exc.strerror or exc}; --config takes a TOML file readable by this user"
-        ) from None
+    toml = "--config takes a TOML file"
+    data = read_file_bytes(
+        path,
+        directory=f"config file {path} is a directory; {toml}",
+        unreadable=lambda why: f"config file {path}: cannot read: {why}; {toml} readable by this user",
+        missing=f"config file not found: {path}",
+    )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -49,7 +49,7 @@ class StatusSource(Protocol):
 
     def free_counts(self) -> dict[str, int]: ...
 
-    # decode; Future[dict]; ``prefill`` is passed only when the request names one
+    # decode; Future of a dict or a TransferResult (``as_dict``); ``prefill`` only when the request names one
     def submit(self, tokens: int, room: int | None, prefill: str | None = None) -> Future: ...
 
     # decode, optional: why a transfer may not name ``prefill`` (None: it may; control.prefills)

@@ -33,7 +33,6 @@ class WorkerStatus:
         self.draining = False
         self._lock = threading.Lock()
         self._stopped = False
-        self._futures: dict[Future, tuple[int, int]] = {}  # submitted by us -> (room, tokens)
 
     # read side: everything that changes comes from the worker's ``status()`` snapshot
     @property
@@ -113,31 +112,14 @@ class WorkerStatus:
         )
 
     def submit(self, tokens: int, room: int | None, prefill: str | None = None) -> Future:
+        """The worker's own future (its map room -> future is the only one): its result is a
+        ``TransferResult``; the worker settles it when it ends, at ``drain`` too."""
         with self._lock:
             if self.draining:
                 fut: Future = Future()
                 fut.set_result(self._failed(room or 0, tokens, "decode shutting down"))
                 return fut
-            inner = self.worker.submit(tokens, room, prefill=prefill)
-            outer: Future = Future()
-            self._futures[outer] = (room or 0, tokens)
-
-        def relay(f: Future) -> None:
-            from pdstate.worker.base import settle
-
-            if f.cancelled():
-                exc: BaseException | None = RuntimeError(f"transfer of room {room} was cancelled")
-            else:
-                exc = f.exception()
-            with self._lock:  # drain() may have completed ``outer`` already, its caller cancelled it
-                self._futures.pop(outer, None)
-                if exc is not None:
-                    settle(outer, exc=exc)
-                else:
-                    settle(outer, f.result().as_dict())
-
-        inner.add_done_callback(relay)
-        return outer
+            return self.worker.submit(tokens, room, prefill=prefill)
 
     def lookup(self, room: int) -> dict | None:
         from pdstate.worker.base import now
@@ -176,15 +158,7 @@ class WorkerStatus:
             if self._stopped:
                 return
             self._stopped = True
-        try:
-            self.worker.stop()
-        finally:
-            with self._lock:
-                from pdstate.worker.base import settle
-
-                for f, (room, tokens) in self._futures.items():
-                    settle(f, self._failed(room, tokens, f"{self.role} shutting down"))
-                self._futures.clear()
+        self.worker.stop()  # settles every future it returned (``decode shutting down``)
 
 
 def release_partial(worker) -> None:
