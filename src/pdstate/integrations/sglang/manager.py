@@ -13,7 +13,7 @@ attributes say so). What differs:
 * decode: a ``DecodeAgent``; a receiver resolves the prefill rank's ``rank_ip:rank_port`` from that
   server and its agent connects there and shakes hands (layout reports, upstream's refusals);
 * what the agents cannot serve is refused at start (``launch.backend``): context parallelism,
-  pipeline parallelism on a decode, a PP prefill with a draft model. A PP prefill's stages feed
+  a decode of several PP stages, a PP prefill with a draft model. A PP prefill's stages feed
   a decode of one stage, which faces each through an agent of its memory sliced to the stage's
   layers (``stages``). Every attention-TP pairing SGLang maps is served: a prefill attention TP wider
   than the decode's (one prefill rank sends, the others complete as dummies), a decode attention
