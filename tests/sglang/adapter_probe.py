@@ -579,8 +579,12 @@ def _refused_at_start(h: Harness, side: str, **widths) -> dict:
 
 
 def case_pp_refused(h: Harness) -> dict:
-    """A prefill stage of a two-stage pipeline stops its manager at construction, saying so."""
-    return _refused_at_start(h, "prefill", pp_size=2)
+    """What stays refused of pipeline parallelism stops the manager at construction, saying so: a
+    prefill stage with a draft model (these sides have one), and a decode of two stages."""
+    return {
+        "prefill_with_draft": _refused_at_start(h, "prefill", pp_size=2)["error"],
+        "decode": _refused_at_start(h, "decode", pp_size=2)["error"],
+    }
 
 
 def _refused_under(h: Harness, env: dict[str, str]) -> dict:
