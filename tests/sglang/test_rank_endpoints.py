@@ -99,11 +99,11 @@ def test_same_config_pair_lists_its_peer_accepted(ranks):
             "rank": 0, "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "dp_rank": 0, "dp_size": 1,
             "sglang": release, "http_port": int(side["url"].rsplit(":", 1)[1]),
         }  # fmt: skip
-        assert doc["transport"] == "mooncake/tcp" and doc["engine"] == "mooncake"
+        assert doc["transport"]["engine"] == doc["engine"] == "mooncake" and doc["transport"]["in_use"] == "tcp"
         peer = _peer(side)
         assert peer["state"] == "accepted" and peer["error"] is None and peer["factor"] is None
         assert peer["fingerprint"] == other["compat"]["fingerprint"] == doc["fingerprint"]
-        assert peer["transport"] == "mooncake/tcp"
+        assert peer["transport"] == "mooncake/tcp"  # the engine and the transport it has in use
         assert peer["incarnation"] is None  # no token configured: nobody is shown incarnations
         assert side["ready_status"] == 200 and side["ready"]["ready"] is True
         assert side["transfers"] == 404  # a rank's transfers are SGLang's requests: no synthetic ones

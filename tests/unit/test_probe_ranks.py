@@ -33,7 +33,9 @@ def rank(role: str, n: int, peers: list[dict], worker_id: str = "", control: str
         "ready": {"ready": True},
         "compat": {
             "role": role, "worker_id": worker_id or f"{role}-{n}", "control": control, "fingerprint": "ab" * 16,
-            "peers": peers, "transport": "mooncake/tcp", "engine": "mooncake",
+            "peers": peers, "engine": "mooncake",
+            "transport": {"engine": "mooncake", "configured": "tcp", "in_use": "tcp", "listening": [], "open": False,
+                          "problem": None},
             "rank": {"rank": n, "tp_rank": n, "tp_size": 2, "pp_rank": 0, "pp_size": 1, "dp_rank": 0,
                      "dp_size": 1, "sglang": "0.5.19", "http_port": 30100 + n},
         },
@@ -100,7 +102,8 @@ class _Rank:
         from pdstate.worker.stats import Stats
 
         self.role, self.worker_id, self.incarnation, self.engine, self.control = "decode", "d0", "i", "mooncake", ""
-        self.report, self.stats, self.transport = report, Stats(), "mooncake/tcp"
+        self.report, self.stats = report, Stats()
+        self.transport = {"engine": "mooncake", "configured": "tcp", "in_use": "tcp", "listening": []}
         self.rank = {"rank": 0, "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "http_port": 0}
         self._peers = [{"id": control, "state": "rejected", "error": {k: MISMATCH[k] for k in ("type", "message")}}]
         self._ready = Readiness(False, f"refused by the prefill at {control}: {MISMATCH['message']}", "handshake")
@@ -153,7 +156,7 @@ def test_probe_command_over_a_refused_rank_and_a_silent_one(served_rank, capsys)
     found = probe_ranks([f"http://127.0.0.1:{served_rank}"])
     assert found["ok"] is False and found["prefills"] == [] and found["matrix"] == [[]]
     (d,) = found["decodes"]
-    assert d["compat"]["peers"][0]["factor"] == "c4_ring" and d["compat"]["transport"] == "mooncake/tcp"
+    assert d["compat"]["peers"][0]["factor"] == "c4_ring" and d["compat"]["transport"]["in_use"] == "tcp"
     assert d["ready"]["reason"] == f"refused by the prefill at tcp://10.0.0.1:41000: {MISMATCH['message']}"
     assert cli.main(["probe", "http://127.0.0.1:1", "--ranks", "http://127.0.0.1:2"]) == ExitCode.CONFIG
     assert cli.main(["probe"]) == ExitCode.CONFIG

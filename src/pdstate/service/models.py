@@ -26,7 +26,7 @@ class Readiness:
     ready: bool
     reason: str | None = None  # the exact error text when a check failed
     check: str | None = (
-        None  # which check: "local_check" | "handshake" | "peer" | "threads" | "shutdown" | "auth" | "fair_share"
+        None  # "local_check" | "transport" | "handshake" | "peer" | "threads" | "shutdown" | "auth" | "fair_share"
     )
     error: ErrorInfo | None = None
 
@@ -37,6 +37,7 @@ class StatusSource(Protocol):
     incarnation: str
     engine: str
     control: str  # prefill: the bound control endpoint; decode: the prefill endpoint it dials
+    transport: dict  # optional: ``engines.listeners.Transport.as_dict()`` (read with getattr)
     report: LayoutReport
     stats: Any  # worker.stats.Stats
 
@@ -50,7 +51,7 @@ class StatusSource(Protocol):
 
     def free_counts(self) -> dict[str, int]: ...
 
-    # decode; Future[dict]; ``prefill`` is passed only when the request names one
+    # decode; Future of a dict or a TransferResult (``as_dict``); ``prefill`` only when the request names one
     def submit(self, tokens: int, room: int | None, prefill: str | None = None) -> Future: ...
 
     # decode, optional: why a transfer may not name ``prefill`` (None: it may; control.prefills)
@@ -63,12 +64,13 @@ class StatusSource(Protocol):
     def result_timeout_s(self) -> float: ...
 
 
-def transport_of(engine: str, options: dict) -> str:
-    """How a side's bytes move: the engine and, where it has one, its protocol (``mooncake/tcp``,
-    ``mooncake/rdma``). What the engine is configured with: where a report of the transport the
-    engine actually runs goes, once the engines expose one."""
-    protocol = options.get("protocol")
-    return f"{engine}/{protocol}" if protocol else engine
+def peer_transport(transport: dict | None) -> str | None:
+    """How bytes move with an accepted peer: this side's engine and the transport it has in use
+    (``engines.listeners.Transport.as_dict``: ``mooncake/tcp``, ``mooncake/rdma``; ``shm``)."""
+    if not transport:
+        return None
+    engine, in_use = transport.get("engine") or "", transport.get("in_use") or ""
+    return f"{engine}/{in_use}" if in_use and in_use != engine else engine or None
 
 
 # --- response and request models --------------------------------------------------------------
@@ -88,14 +90,27 @@ class Health(BaseModel):
     status: Literal["ok"] = "ok"
 
 
+class TransportModel(BaseModel):
+    """The engine's transport as configured and as in use, and where its native side listens
+    (measured from the process's sockets at start). ``problem``: a silent fallback (not ready)."""
+
+    engine: str = Field("", max_length=64)
+    configured: str = Field("", max_length=256)
+    in_use: str = Field("", max_length=256)
+    listening: list[str] = Field([], max_length=64)
+    open: bool = Field(False, description="whether a listener accepts connections beyond loopback")
+    problem: str | None = Field(None, max_length=1024)
+
+
 class Ready(BaseModel):
     ready: bool
     reason: str | None = Field(None, description="why not ready: the exact error text when a check failed")
     check: str | None = Field(
         None,
-        description="local_check | handshake | peer | threads | shutdown; ready with auth (decodes' frames fail auth) or fair_share (a decode dropped for withholding verdicts)",
+        description="local_check | transport | handshake | peer | threads | shutdown; ready with auth (decodes' frames fail auth) or fair_share (a decode dropped for withholding verdicts)",
     )
     error: ErrorModel | None = None
+    transport: TransportModel | None = None
 
 
 class LocalCheckModel(BaseModel):
@@ -110,7 +125,8 @@ class PeerModel(BaseModel):
     incarnation: str | None = None
     fingerprint: str | None = Field(None, description="the peer's layout fingerprint, once its handshake came")
     transport: str | None = Field(
-        None, description="how bytes move with this peer once accepted: the engine and its protocol (mooncake/tcp)"
+        None,
+        description="how bytes move with this peer once accepted: the engine and the transport in use (mooncake/tcp)",
     )
 
     @computed_field(description="what a refusal is about: the layout factor it names, else the error's class")
@@ -145,11 +161,11 @@ class CompatDocument(BaseModel):
     pdstate_version: str = ""
     engine: str = ""
     control: str = ""
+    transport: TransportModel | None = None
     fingerprint: str
     layout: dict[str, Any] = Field(description="page_size, kv_dtype and every layout factor by name")
     local_check: LocalCheckModel
     peers: list[PeerModel] = []
-    transport: str | None = Field(None, max_length=64, description="this side's engine and its protocol")
     rank: RankModel | None = Field(None, description="an SGLang rank's place (none for pdstate serve)")
     report: LayoutReport = Field(description="the full layout report, as sent in the handshake")
 

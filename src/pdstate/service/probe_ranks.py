@@ -90,6 +90,14 @@ def _label(w: dict) -> str:
     return f"{w['role']} {w['rank'] if w['rank'] is not None else '?'}"
 
 
+def _transport(doc: dict) -> str:
+    t = doc.get("transport")
+    if not isinstance(t, dict):
+        return str(t or doc.get("engine") or "?")
+    in_use = t.get("in_use") or ""
+    return f"{t.get('engine')}/{in_use}" if in_use and in_use != t.get("engine") else str(t.get("engine"))
+
+
 def _line(w: dict) -> str:
     if "compat" not in w:
         return f"{_label(w):<10} {w['url']}  UNREACHABLE: {w['unreachable']}"
@@ -102,10 +110,7 @@ def _line(w: dict) -> str:
         else "not an SGLang rank"
     )
     state = "ready" if r.get("ready") else f"NOT READY: {r.get('reason')}"
-    return (
-        f"{_label(w):<10} {w['url']}  {where}, fingerprint {d['fingerprint'][:12]}, "
-        f"{d.get('transport') or d.get('engine')}; {state}"
-    )
+    return f"{_label(w):<10} {w['url']}  {where}, fingerprint {d['fingerprint'][:12]}, {_transport(d)}; {state}"
 
 
 def format_ranks(found: dict) -> str:

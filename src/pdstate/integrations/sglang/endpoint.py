@@ -107,7 +107,6 @@ def serve_rank(mgr, settings, kv_args, host: str) -> RankEndpoint:
     from importlib import metadata
 
     from pdstate.integrations.sglang.rank_status import RankStatus
-    from pdstate.service.models import transport_of
 
     try:
         release: str | None = metadata.version("sglang")  # the running SGLang's distribution
@@ -117,7 +116,7 @@ def serve_rank(mgr, settings, kv_args, host: str) -> RankEndpoint:
     source = RankStatus(
         mgr,
         engine=settings.engine,
-        transport=transport_of(settings.engine, settings.engine_options),
+        transport=mgr.agent.transport(),
         verify=settings.verify,
         place=place,
     )

@@ -96,14 +96,17 @@ class RankStatus:
 
     serves_transfers = False
 
-    def __init__(self, mgr, *, engine: str, transport: str, verify: str, place: dict) -> None:
+    def __init__(self, mgr, *, engine: str, transport: dict, verify: str, place: dict) -> None:
         self._mgr = mgr
         agent = mgr.agent
         self.role: str = mgr.role
         self.worker_id: str = agent.worker_id
         self.incarnation: str = agent.incarnation
         self.engine = engine
-        self.transport = transport
+        self.transport = transport  # the agent engine's (``AgentLifetime.transport``), fixed at start
+        from pdstate.service.models import peer_transport  # only where the endpoint runs
+
+        self._peer_transport = peer_transport(transport)
         self.verify = verify
         self.rank = place
         self.control: str = agent.address if mgr.role == "prefill" else ""
@@ -128,7 +131,7 @@ class RankStatus:
         except (AgentClosed, TimeoutError):
             return None
         for p in found:
-            p["transport"] = self.transport if p["state"] == "accepted" else None
+            p["transport"] = self._peer_transport if p["state"] == "accepted" else None
         return found
 
     def peers(self) -> list[dict]:
