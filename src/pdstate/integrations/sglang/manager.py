@@ -211,6 +211,12 @@ def build_manager() -> type:
             stages = getattr(self, "_stages", None)
             if stages is not None:
                 stages.close()
+            # SGLang's own context (its PULL socket, cached PUSH sockets): destroyed here, while its
+            # sockets are reachable, never by the garbage collector, whose ``term()`` can block
+            # for good on a socket freed in the same cycle (seen: the next manager's start hung)
+            ctx = getattr(self, "_zmq_ctx", None)
+            if ctx is not None and not ctx.closed:
+                ctx.destroy(linger=0)
 
         def teardown(self) -> None:
             """SGLang 0.5.23's release of a manager's transfer resources: the agent closes."""
