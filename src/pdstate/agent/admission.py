@@ -13,7 +13,9 @@ Run on the prefill agent's I/O thread:
   refused with ``WorkerIdInUse`` and that decode is left as it was; a killed decode's connection
   closes at once, so its restart is accepted without waiting for the timeout;
 * with an engine that proves ownership (shm), a compatible register whose endpoint does not
-  answer a challenge yet gets a ``Challenge``; the engine's ``connect`` checks the answer;
+  answer a challenge yet gets a ``Challenge``; the engine's ``connect`` checks the answer; a
+  register of the incarnation accepted on the same connection, with the same endpoint, is
+  taken without one (``proven_already``: proven there, mapped already);
 * a frame that does not decode is answered with ``Error`` naming why, unless it is itself an
   ``error`` frame (never answered: two peers must not bounce errors); an ``AuthError`` (a token
   on one side only, or two different tokens) is counted, kept as the latest (``Incidents``)
@@ -33,6 +35,7 @@ from pdstate.errors import AuthError, InvalidEndpoint, PdStateError, ProtocolErr
 from pdstate.protocol import wire
 from pdstate.protocol.hosts import is_loopback_host
 from pdstate.protocol.report import ErrorInfo
+from pdstate.transfer.engines.shm import PROOF_KEYS
 
 log = logging.getLogger("pdstate.agent")
 
@@ -129,6 +132,36 @@ def live_holder(agent: Any, identity: bytes, worker_id: str):
     return None
 
 
+def plain_endpoint(endpoint: dict) -> dict:
+    """An engine endpoint without the fields answering a challenge."""
+    return {k: v for k, v in endpoint.items() if k not in PROOF_KEYS}
+
+
+def proven_already(agent: Any, identity: bytes, msg: wire.Register) -> str | None:
+    """The engine peer id of the decode accepted on this very connection when ``msg`` registers
+    the same incarnation again with the same endpoint and no proof: its memory was proven on this
+    connection (ZeroMQ binds an identity to its first connection, so nobody else sends on it) and
+    is mapped, so no new challenge is due and nothing is mapped again. ``None`` otherwise."""
+    known = agent._decodes.get(identity)
+    if (
+        known is None
+        or not agent._engine.proves_ownership
+        or (known.worker_id, known.incarnation) != (msg.worker_id, msg.incarnation)
+        or "challenge" in msg.engine.endpoint
+        or known.endpoint != msg.engine.endpoint
+    ):
+        return None
+    return known.peer_id
+
+
+def connect_decode(agent: Any, identity: bytes, msg: wire.Register) -> tuple[str, dict]:
+    """The engine peer id for a register that passed (``proven_already``'s, else the engine's
+    ``connect``, which checks a challenge's answer) and its endpoint without that answer."""
+    owner = f"{msg.worker_id}/{msg.incarnation}"
+    peer_id = proven_already(agent, identity, msg) or agent._engine.connect(msg.engine.endpoint, owner=owner)
+    return peer_id, plain_endpoint(msg.engine.endpoint)
+
+
 def gatekeep(agent: Any, identity: bytes, msg: wire.Register) -> bool:
     """Answer ``msg`` here if it ends here (a ``Reject`` or a ``Challenge``; True), else False: go
     on to the handshake's checks and the engine's ``connect``."""
@@ -147,6 +180,8 @@ def _early_answer(agent: Any, identity: bytes, msg: wire.Register) -> wire.Messa
         )
         return wire.Reject(worker_id=agent.worker_id, error=ErrorInfo.of(err))
     engine = agent._engine
+    if proven_already(agent, identity, msg) is not None:
+        return None  # the same incarnation on the same connection, the same memory: proven and mapped
     if engine.proves_ownership and "challenge" in msg.engine.endpoint:
         refused = audience_error(msg.engine.endpoint.get("audience"), agent.address, agent.advertise)
         if refused is not None:

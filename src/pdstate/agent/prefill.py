@@ -11,7 +11,7 @@ from collections.abc import Callable
 import zmq
 
 from pdstate import logs
-from pdstate.agent.admission import Incidents, bind_router, gatekeep, refuse_frame, refuse_parts
+from pdstate.agent.admission import Incidents, bind_router, connect_decode, gatekeep, refuse_frame, refuse_parts
 from pdstate.agent.common import AgentLifetime, AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.fairness import VERDICT_TIMEOUT_S, check_verdicts, verdict_heard
 from pdstate.agent.prefill_copy import CopyPipeline
@@ -307,7 +307,7 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
         answer = self._handshake.receive(msg)
         if isinstance(answer, wire.Accept):
             try:
-                peer_id = self._engine.connect(msg.engine.endpoint, owner=f"{msg.worker_id}/{msg.incarnation}")
+                peer_id, endpoint = connect_decode(self, identity, msg)
                 planner = PairPlanner(self.kv_args, msg.kv)
             except (PdStateError, ValueError) as exc:
                 answer = wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(exc))
@@ -315,7 +315,7 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
                 olds = [k for k, d in self._decodes.items() if d.worker_id == msg.worker_id and k != identity]
                 replaced = self._decodes.get(identity)
                 self._decodes[identity] = DecodePeer(
-                    identity, msg.worker_id, msg.incarnation, peer_id, planner, time.monotonic()
+                    identity, msg.worker_id, msg.incarnation, peer_id, planner, time.monotonic(), endpoint=endpoint
                 )
                 for key in olds:  # after the new one is in: a peer id both share stays connected
                     self._decode_gone(key, f"decode {msg.worker_id} registered again (new incarnation)")
