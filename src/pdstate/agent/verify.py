@@ -242,14 +242,15 @@ class PositionDigest(RequestDigest):
             self.fused = True
             subs: list = [None] * len(index)
             ptrs, items = self._layout[0]
-            for k in np.flatnonzero(index < n_main).tolist():
-                b = int(index[k])
-                n = int(items[b])
-                first = (int(src[k]) - int(ptrs[b])) // n
-                lo, hi = np.searchsorted(picked, [first, first + int(length[k]) // n])
-                subs[k] = [(off, n) for off in ((picked[lo:hi] - first) * n).tolist()]
-                self.bytes += int(hi - lo) * n
-            self.bytes += int(np.asarray(length, dtype=np.uint64)[index >= n_main].sum())
+            length = np.asarray(length, dtype=np.int64)
+            main = np.flatnonzero(index < n_main)
+            n = np.maximum(items[index[main]].astype(np.int64), 1)
+            first = (np.asarray(src, dtype=np.uint64)[main] - ptrs[index[main]]).astype(np.int64) // n
+            lo = np.searchsorted(picked, first)
+            hi = np.searchsorted(picked, first + length[main] // n)
+            for k, f, a, z, m in zip(main.tolist(), first.tolist(), lo.tolist(), hi.tolist(), n.tolist()):
+                subs[k] = [((p - f) * m, m) for p in picked[a:z].tolist()]
+            self.bytes += int(((hi - lo) * n).sum()) + int(length[index >= n_main].sum())
             return hashers, index, subs
 
         return streams
