@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -196,3 +198,20 @@ class PrefillProcess:
                 self.proc.wait(15)
             except Exception:
                 self.kill()
+
+
+@contextmanager
+def loopback_agents(p: Side, d: Side) -> Iterator[tuple]:
+    """A ``PrefillAgent`` over side ``p`` and a ``DecodeAgent`` over side ``d`` (loopback engine);
+    at the end both agents close, then both sides."""
+    from pdstate.agent import DecodeAgent, PrefillAgent
+
+    pa = PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), engine="loopback")
+    da = DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine="loopback")
+    try:
+        yield pa, da
+    finally:
+        da.close()
+        pa.close()
+        p.close()
+        d.close()

@@ -3,8 +3,6 @@ summary, the router, and one of two prefills SIGKILLed mid-batch."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import time
 
 import pytest
@@ -13,22 +11,11 @@ from pdstate.devtools.cluster import Cluster, Router
 from tests.agent.support import SHM_DIR
 from tests.support.cluster import collect, router_nodes
 from tests.support.pools import ROOMY
-from tests.support.workers import pdstate_command
+from tests.support.workers import demo_summary
 
 
 def test_demo_two_prefills_two_decodes_json(tmp_path):
-    out = subprocess.run(
-        [*pdstate_command(), "demo", "--json", "--preset", "tiny", "--prefills", "2", "--decodes", "2"]
-        + ["--requests", "8"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = [line for line in out.stdout.splitlines() if line.strip()]
-    assert len(lines) == 1, out.stdout
-    s = json.loads(lines[0])
+    s = demo_summary(["--preset", "tiny", "--prefills", "2", "--decodes", "2", "--requests", "8"], tmp_path, 240)
     assert (s["requests"], s["verified"], s["failed"]) == (8, 8, 0), s["errors"]
     assert s["gbps"] > 0 and s["bytes"] > 0 and not s["leaked"] and s["worker_exit_codes"] == [0, 0, 0, 0]
     assert set(s["pairs"]) == {"p0->d0", "p1->d0", "p0->d1", "p1->d1"}

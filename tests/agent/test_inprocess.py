@@ -10,7 +10,7 @@ import pytest
 from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
 from pdstate.agent.digest import RequestDigest, index_runs
 from pdstate.errors import DigestMismatch, EngineError
-from tests.agent.support import fill, make_side
+from tests.agent.support import fill, loopback_agents, make_side
 
 
 @pytest.fixture
@@ -18,13 +18,8 @@ def pair():
     p, d = make_side(False), make_side(False)
     fill(p.kv_args, 1)
     fill(d.kv_args, 2)
-    pa = PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), engine="loopback")
-    da = DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine="loopback")
-    yield pa, da
-    da.close()
-    pa.close()
-    p.close()
-    d.close()
+    with loopback_agents(p, d) as agents:
+        yield agents
 
 
 def test_corrupted_copy_fails_both_sides(pair):

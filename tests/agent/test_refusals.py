@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
-from tests.agent.support import make_side
+from tests.agent.support import loopback_agents, make_side
 from tests.support.waiting import wait_until
 
 SEED = "DSV4 target and draft pools must share the SWA index mapping"
@@ -16,13 +16,8 @@ def refused():
     """A prefill, and a decode whose draft holds a copy of the mapping (the seed error)."""
     p = make_side(False)
     d = make_side(False, check=False, draft_mapping="clone")
-    pa = PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), engine="loopback")
-    da = DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine="loopback")
-    yield pa, da
-    da.close()
-    pa.close()
-    p.close()
-    d.close()
+    with loopback_agents(p, d) as agents:
+        yield agents
 
 
 def test_the_live_sender_of_a_refused_room_fails_with_the_refusal(refused):

@@ -34,6 +34,12 @@ class Held:
         for _ in range(n):
             assert self.entered.acquire(timeout=10), "no request reached the prefill's compute"
 
+    def submit(self, decode, tokens: int, **kw):
+        """``decode.submit(tokens)``, once its request reached the prefill's compute (held there)."""
+        fut = decode.submit(tokens, **kw)
+        self.wait_entered()
+        return fut
+
     def release(self) -> None:
         self.gate.set()
 
@@ -80,8 +86,7 @@ def test_requests_are_computed_on_demand_sent_and_checked(pair):
 def test_a_busy_prefill_is_asked_again_until_it_has_room(pair, monkeypatch):
     p, d = pair
     held = Held(monkeypatch)
-    first = d.submit(300)
-    held.wait_entered()
+    first = held.submit(d, 300)
     second = d.submit(500)
     wait_until("the prefill said busy", lambda: p.stats.snapshot().transfers["busy"] >= 1, 10)
     assert not second.done()
@@ -92,11 +97,28 @@ def test_a_busy_prefill_is_asked_again_until_it_has_room(pair, monkeypatch):
     assert d.stats.snapshot().transfers["busy"] >= 1 and d.stats.snapshot().transfers["failed"] == 0
 
 
+@pytest.mark.parametrize("pair", [{"prefill": {"max_inflight": 1}}], indirect=True)
+def test_requests_waiting_out_a_busy_prefill_hold_no_thread_each(pair, monkeypatch):
+    p, d = pair
+    held = Held(monkeypatch)
+    before = {t.name for t in threading.enumerate()}
+    futs = [d.submit(100)]
+    held.wait_entered()
+    futs += [d.submit(100 + i) for i in range(40)]  # asked again on timers, not on threads
+    wait_until("the prefill said busy to many", lambda: p.stats.snapshot().transfers["busy"] >= 40, 10)
+    assert d.in_flight() == 41
+    new = {t.name for t in threading.enumerate()} - before
+    assert not any(n.startswith("pdstate-decode") for n in new), new
+    held.release()
+    for i, fut in enumerate(futs):
+        res = fut.result(30)
+        assert (res.status, res.verified, res.seq_len) == ("success", True, 100 + max(0, i - 1)), res
+
+
 def test_a_request_past_its_deadline_fails_and_its_pages_are_free_after_the_fence(pair, monkeypatch):
     p, d = pair
     held = Held(monkeypatch)
-    fut = d.submit(300, deadline_s=0.5)
-    held.wait_entered()
+    fut = held.submit(d, 300, deadline_s=0.5)
     res = fut.result(30)
     assert (res.status, res.error.type, res.error.message) == ("failed", "TransferFailed", "deadline exceeded")
     held.release()  # the prefill finds the decode gone: it frees its pages too (the fixture checks)
@@ -108,8 +130,7 @@ def test_a_request_past_its_deadline_fails_and_its_pages_are_free_after_the_fenc
 def test_a_draining_prefill_finishes_what_it_holds_and_refuses_the_rest(pair, monkeypatch):
     p, d = pair
     held = Held(monkeypatch)
-    running = d.submit(300)
-    held.wait_entered()
+    running = held.submit(d, 300)
     stopper = threading.Thread(target=p.stop)
     stopper.start()
     wait_until("draining", p._draining.is_set, 5)

@@ -14,9 +14,7 @@ command (every result verified, no page leaked on either side), and ``pdstate de
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
 
 import numpy as np
 import pytest
@@ -26,7 +24,14 @@ from tests.support.engines import ENGINE_PARAMS, require_engine
 from tests.support.images import SENTINEL, compare_images, expected_images, fill_regions
 from tests.support.pools import TINY
 from tests.support.waiting import wait_until
-from tests.support.workers import assert_all_verified, first_event, pdstate_command, run_batch, served_pair, transfer
+from tests.support.workers import (
+    assert_all_verified,
+    demo_summary,
+    first_event,
+    run_batch,
+    served_pair,
+    transfer,
+)
 
 # empty (the control path alone: nothing may change), shorter than the window, exactly the window
 # / one C128 group, C128 +1, page -1, one page, page +1, three C128 groups, across many pages
@@ -127,6 +132,7 @@ def test_process_pair_batch_verified_without_leaks(workers, engine, mode, draft)
     results, done = run_batch(d, lengths, concurrency=3)
     assert_all_verified(results, lengths)
     assert done["free"] == ready["free"]
+
     # the prefill frees a request's pages once its sender ended, a moment after the decode's verdict,
     # and counts the request when its worker thread sees that end: wait (bounded) for both
     def settled():
@@ -140,17 +146,7 @@ def test_process_pair_batch_verified_without_leaks(workers, engine, mode, draft)
 
 
 def test_demo_json(tmp_path):
-    out = subprocess.run(
-        [*pdstate_command(), "demo", "--json", "--preset", "tiny", "--requests", "4"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=tmp_path,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = [line for line in out.stdout.splitlines() if line.strip()]
-    assert len(lines) == 1, out.stdout
-    summary = json.loads(lines[0])
+    summary = demo_summary(["--preset", "tiny", "--requests", "4"], tmp_path, 180)
     for key in ("engine", "mode", "requests", "verified", "failed", "bytes", "seconds", "gbps", "handshake_ms"):
         assert key in summary, key
     assert summary["engine"] == "shm" and summary["mode"] == "paged"

@@ -35,6 +35,7 @@ from pdstate.transfer.engines.base import create_engine
 from pdstate.transfer.planner import channels_of
 from pdstate.worker import requests as rq
 from tests.support.faults import FAULT
+from tests.support.hostile import agent_request
 from tests.support.images import SENTINEL, compare_images, expected_images, fill_regions
 from tests.support.pools import ROOMY, TINY
 from tests.support.summary import tally
@@ -134,16 +135,7 @@ class FakeDecode:
     def request(self, room: int, seq_len: int) -> wire.AgentRequest:
         """A decode agent's request of ``seq_len`` tokens into this decode's own free pages (the
         prefill computes it on demand; no digests)."""
-        a = rq.allocate(self.pools, rq.channel_names(self.kv_args), seq_len)
-        rq.free(self.pools, a)
-        return wire.AgentRequest(
-            room=room,
-            seq_len=seq_len,
-            dst_kv_pages=wire.PackedIndices.pack(a.lists[0]),
-            dst_state_indices=[wire.PackedIndices.pack(x) for x in a.lists[1:]],
-            deadline_s=5,
-            digest=False,
-        )
+        return agent_request(self.pools, self.kv_args, room, seq_len)
 
     def close(self) -> None:
         self.engine.close()

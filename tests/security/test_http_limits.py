@@ -14,15 +14,13 @@ import socket
 import threading
 import time
 import warnings
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import pytest
 
 from pdstate.pools.presets import build_worker_pools, preset
 from pdstate.pools.reporting import build_report
-from pdstate.service.api import MAX_BODY_BYTES, MAX_COMPAT_BODY_BYTES, Readiness, create_app
-from pdstate.worker.stats import Stats
+from pdstate.service.api import MAX_BODY_BYTES, MAX_COMPAT_BODY_BYTES, create_app
+from tests.support.api_source import FakeSource
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -40,47 +38,6 @@ def _report(**changes):
         pools.close()
 
 
-@dataclass
-class Source:
-    role: str
-    report: object
-    worker_id: str = "w-0"
-    incarnation: str = "0123456789abcdef"
-    engine: str = "shm"
-    control: str = "tcp://127.0.0.1:5601"
-    stats: Stats = field(default_factory=Stats)
-    peer_list: list = field(default_factory=list)
-
-    def readiness(self):
-        return Readiness(True)
-
-    def local_check(self):
-        return True, None
-
-    def peers(self):
-        return self.peer_list
-
-    def in_flight(self):
-        return 0
-
-    def free_counts(self):
-        return {"kv_pages": 10}
-
-    def submit(self, tokens, room):
-        f: Future = Future()
-        f.set_result({"room": room or 1, "status": "success", "seq_len": tokens, "verified": True})
-        return f
-
-    def lookup(self, room):
-        return None
-
-    def reregister(self):
-        pass
-
-    def result_timeout_s(self):
-        return 5.0
-
-
 @pytest.fixture(scope="module")
 def report():
     return _report()
@@ -88,13 +45,13 @@ def report():
 
 @pytest.fixture(scope="module")
 def prefill(report):
-    return TestClient(create_app(Source("prefill", report), token=TOKEN), raise_server_exceptions=False)
+    return TestClient(create_app(FakeSource("prefill", report), token=TOKEN), raise_server_exceptions=False)
 
 
 @pytest.fixture(scope="module")
 def decode_doc(report):
     peers = [{"id": "tcp://127.0.0.1:5601", "state": "accepted", "error": None, "incarnation": "ab" * 8}]
-    c = TestClient(create_app(Source("decode", report, peer_list=peers)))
+    c = TestClient(create_app(FakeSource("decode", report, peer_list=peers)))
     return c.get("/v1/compat").json()
 
 
@@ -258,7 +215,7 @@ def server(report):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)
-    app = create_app(Source("decode", report), token=TOKEN)
+    app = create_app(FakeSource("decode", report), token=TOKEN)
     srv = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off"))
     t = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     t.start()

@@ -9,9 +9,11 @@ then maps the victim's segments for the relay. Now the victim's proof names the 
 the prefill refuses it, 0 bytes of the victim change, and the victim registers directly and is
 served once the relay is gone.
 
-Single-uid variant: the relay never reads a segment (that is the point of the attack), so running
-it as another uid (root + ``setpriv``, as ``test_ownership.py`` runs its hostile process) changes
-nothing of what it can do; it runs in this process, on real sockets on 127.0.0.1.
+Two uids: the relay runs as a process of its own as ``nobody`` where the tests run as root
+(``other_uid``; the victim decode and the prefill are root's). The single-uid variant
+(``same_process``: the relay in this process, on real sockets on 127.0.0.1) runs everywhere: the
+relay never reads a segment (that is the point of the attack), so its uid changes nothing of what
+it can do.
 """
 
 from __future__ import annotations
@@ -19,14 +21,37 @@ from __future__ import annotations
 import os
 
 import httpx
+import pytest
 
 from pdstate.agent import PrefillAgent
-from tests.support.hostile import GatedRelay, agent_pair, agent_transfer, changed_bytes, segment_image, segment_paths
+from tests.support.hostile import (
+    NOBODY,
+    GatedRelay,
+    RelayProcess,
+    agent_pair,
+    agent_transfer,
+    changed_bytes,
+    segment_image,
+    segment_paths,
+)
 from tests.support.services import Service, ready, wait_for
 from tests.support.waiting import wait_until
 
 
-def test_a_relay_through_a_fake_prefill_after_a_restart_writes_nothing():
+def _open_relay(kind: str, upstream: str):
+    if kind == "same_process":
+        relay = GatedRelay(upstream)
+        relay.open.set()
+        return relay
+    if os.getuid() != 0:
+        pytest.skip("not root: no second uid to run the relay as (the same_process variant covers it)")
+    relay = RelayProcess(upstream, as_other_uid=True)
+    assert relay.uid == NOBODY
+    return relay
+
+
+@pytest.mark.parametrize("kind", ["same_process", "other_uid"])
+def test_a_relay_through_a_fake_prefill_after_a_restart_writes_nothing(kind):
     prefill, prefill_pools, victim, victim_pools, memory = agent_pair()
     relay = None
     try:
@@ -39,8 +64,7 @@ def test_a_relay_through_a_fake_prefill_after_a_restart_writes_nothing():
         assert paths
         before = segment_image(paths)
 
-        relay = GatedRelay(address)
-        relay.open.set()
+        relay = _open_relay(kind, address)
         victim.connect(relay.address)  # what POST /v1/transfers {"prefill": relay} made it do
         state = wait_until(
             "the relayed register answered",

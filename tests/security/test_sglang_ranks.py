@@ -4,8 +4,10 @@ interfaces) needs an auth token, unless ``auth.allow_insecure_bind = true``; the
 line. It used to bind a network address with no token, unseen by the fail-closed check.
 
 The manager (``PdStateKVManager``) calls ``check_rank_auth`` with SGLang's ``get_local_ip_auto()``
-before it builds its agent; here the same settings are loaded from the environment as a rank
-loads them (``load_settings``), without SGLang.
+before it builds its agent: the first test builds a real SGLang 0.5.19 prefill rank's manager (a
+child process over SGLang's own code, ``tests/sglang/adapter_probe.py``) advertised at a network
+address; the others load the same settings from the environment as a rank loads them
+(``load_settings``), without SGLang.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 
 from pdstate.errors import ConfigError
 from pdstate.integrations.sglang.settings import check_rank_auth, load_settings
+from tests.sglang import runner
 
 TOKEN = "sglang-rank-token-0b7e4f21"
 ACK = {"PDSTATE_TRANSFER__MOONCAKE__ALLOW_OPEN_LISTENER": "true"}  # the default engine's open listener, acknowledged
@@ -22,6 +25,23 @@ REFUSAL = (
     "but no auth token is configured; set PDSTATE_AUTH__TOKEN_FILE (or PDSTATE_AUTH__TOKEN) on every prefill and "
     "decode, or PDSTATE_AUTH__ALLOW_INSECURE_BIND=true to run without auth"
 )
+
+
+def test_a_real_sglang_prefill_rank_without_a_token_refuses_to_start_with_one_line():
+    try:
+        env = runner.ensure_env()
+    except runner.EnvUnavailable as exc:
+        runner.skip(exc)
+    got = runner.run_probe(
+        env,
+        {"PDSTATE_TRANSFER__ENGINE": "loopback", "SGLANG_HOST_IP": "127.0.0.1"},
+        ["auth_refused"],
+        300,
+        "adapter_probe.py",
+    )
+    assert "setup" not in got, got["setup"].get("error")
+    assert got["auth_refused"]["ok"], got["auth_refused"].get("error")
+    assert got["auth_refused"]["refused"] == f"ConfigError: {REFUSAL}"
 
 
 def test_a_rank_on_a_network_address_without_a_token_refuses_with_one_line():

@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from tests.support.api_source import SHM_TRANSPORT
 from tests.support.services import Service, wait_for
 
 TOKEN = "one-side-token-5be1c0d2"
@@ -74,6 +75,7 @@ def test_token_on_one_side_only_is_an_auth_error_on_both(side_with_token, decode
                 "reason": said,
                 "check": "handshake",
                 "error": {"type": "AuthError", "message": said, "fix": f"fix: {FIX}"},
+                "transport": SHM_TRANSPORT,
             }
             r = http.get(f"{prefill.url}/readyz")
             assert r.status_code == 200  # a decode with the right token is still served
@@ -82,6 +84,7 @@ def test_token_on_one_side_only_is_an_auth_error_on_both(side_with_token, decode
                 "reason": f"decodes' frames fail auth: {prefill_sees}",
                 "check": "auth",
                 "error": {"type": "AuthError", "message": prefill_sees, "fix": f"fix: {FIX}"},
+                "transport": SHM_TRANSPORT,
             }
             assert _metric(http, prefill.url, "pdstate_auth_failures_total") >= 1
             assert _metric(http, decode.url, "pdstate_auth_failures_total") >= 1

@@ -122,16 +122,8 @@ def _victim_register(victim) -> wire.Register:
     return wire.decode(bytes.fromhex(victim.command({"cmd": "describe"}, "describe")["register"]))
 
 
-KV_OUTSIDE = pytest.param(
-    "kv_outside",
-    marks=pytest.mark.xfail(
-        strict=True, reason="the agent's prefill accepts descriptors outside the regions a decode published"
-    ),
-)
-
-
 @pytest.mark.parametrize(
-    "forgery", ["owner_pid", "owner_pid_stolen", "engine_id", "whole_endpoint", "whole_endpoint_stolen", KV_OUTSIDE]
+    "forgery", ["owner_pid", "owner_pid_stolen", "engine_id", "whole_endpoint", "whole_endpoint_stolen", "kv_outside"]
 )
 def test_forged_ownership_is_refused_and_the_victim_keeps_working(pair, forgery):
     """The victim's pid claimed as the attacker's, the victim's engine id, the victim's whole

@@ -432,25 +432,33 @@ def case_seed(h: Harness) -> dict:
     return trace
 
 
-def case_tp_dummy(h: Harness) -> dict:
-    """A prefill of attention TP 2 feeding a decode of TP 1 (SGLang's MLA mapping): prefill rank 0
-    sends, rank 1 completes as a dummy and moves nothing."""
-    from sglang.srt.disaggregation.base.conn import KVPoll
+def _two_prefill_ranks(h: Harness, rank_attr: str, parallel) -> tuple:
+    """Two prefill ranks behind one bootstrap server (each named by ``rank_attr`` on its kv args,
+    built under ``parallel(rank)``) and a decode manager: ``(ranks, managers, decode manager, addr)``."""
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
     from sglang.srt.runtime_context import get_disagg, get_parallel, get_server_args
 
-    port, room = _free_port(), 2001
+    port = _free_port()
     ranks = [build_side(True, 0), build_side(True, 0)]
     _context()
     get_kv_class(TransferBackend("pdstate"), KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
     managers = []
     with get_disagg().override(disaggregation_bootstrap_port=port):
         for r, side in enumerate(ranks):
-            side["kv"].engine_rank = r
-            with get_parallel().override(**_wider(attn_tp_size=2, attn_tp_rank=r)):
+            setattr(side["kv"], rank_attr, r)
+            with get_parallel().override(**parallel(r)):
                 managers.append(h.cls["MANAGER"](side["kv"], h.mode.PREFILL, get_server_args(), True))
     dm = h.cls["MANAGER"](h.decode["kv"], h.mode.DECODE, get_server_args(), True)
-    addr = f"127.0.0.1:{port}"
+    return ranks, managers, dm, f"127.0.0.1:{port}"
+
+
+def case_tp_dummy(h: Harness) -> dict:
+    """A prefill of attention TP 2 feeding a decode of TP 1 (SGLang's MLA mapping): prefill rank 0
+    sends, rank 1 completes as a dummy and moves nothing."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    room = 2001
+    ranks, managers, dm, addr = _two_prefill_ranks(h, "engine_rank", lambda r: _wider(attn_tp_size=2, attn_tp_rank=r))
     try:
         for seed, side in enumerate(ranks, start=11):
             fill(side, seed=seed)
@@ -490,25 +498,16 @@ def case_prefill_dp(h: Harness) -> dict:
     decode of DP 1: the room's prefill DP rank (here 1, as a router names it) picks the prefill
     rank through SGLang's own ``/route``; only that rank's bytes land."""
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
-    from sglang.srt.runtime_context import get_disagg, get_parallel, get_server_args
 
     if not NEW_API:  # 0.5.19 reads the DP width from process globals set once per process here
         return {"skipped": "0.5.19"}
-    port, room = _free_port(), 2101
-    ranks = [build_side(True, 0), build_side(True, 0)]
-    _context()
-    get_kv_class(TransferBackend("pdstate"), KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
-    managers = []
-    with get_disagg().override(disaggregation_bootstrap_port=port):
-        for r, side in enumerate(ranks):
-            side["kv"].system_dp_rank = r
-            # 0.5.23 validates the whole topology: DP 2 x attention TP 1 is a TP group of 2
-            dp = dict(attn_dp_size=2, attn_dp_rank=r, dp_size=2, dp_rank=r, tp_size=2, tp_rank=r, moe_tp_size=2)
-            with get_parallel().override(**dp):
-                managers.append(h.cls["MANAGER"](side["kv"], h.mode.PREFILL, get_server_args(), True))
-    dm = h.cls["MANAGER"](h.decode["kv"], h.mode.DECODE, get_server_args(), True)
-    addr = f"127.0.0.1:{port}"
+    room = 2101
+    # 0.5.23 validates the whole topology: DP 2 x attention TP 1 is a TP group of 2
+    ranks, managers, dm, addr = _two_prefill_ranks(
+        h,
+        "system_dp_rank",
+        lambda r: dict(attn_dp_size=2, attn_dp_rank=r, dp_size=2, dp_rank=r, tp_size=2, tp_rank=r, moe_tp_size=2),
+    )
     try:
         for seed, side in enumerate(ranks, start=21):
             fill(side, seed=seed)
@@ -580,8 +579,50 @@ def _refused_at_start(h: Harness, side: str, **widths) -> dict:
 
 
 def case_pp_refused(h: Harness) -> dict:
-    """A prefill stage of a two-stage pipeline stops its manager at construction, saying so."""
-    return _refused_at_start(h, "prefill", pp_size=2)
+    """What stays refused of pipeline parallelism stops the manager at construction, saying so: a
+    prefill stage with a draft model (these sides have one), and a decode of two stages."""
+    return {
+        "prefill_with_draft": _refused_at_start(h, "prefill", pp_size=2)["error"],
+        "decode": _refused_at_start(h, "decode", pp_size=2)["error"],
+    }
+
+
+def _refused_under(h: Harness, env: dict[str, str]) -> dict:
+    """A prefill rank's manager built under the environment ``env`` (restored after): the error it
+    stops with, as ``Type: message`` (``refused``; None when it started)."""
+    from sglang.srt.runtime_context import get_server_args
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        h.cls["MANAGER"](h.prefill["kv"], h.mode.PREFILL, get_server_args(), True).close()
+    except Exception as exc:
+        return {"refused": f"{type(exc).__name__}: {exc}"}
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k)
+            if v is not None:
+                os.environ[k] = v
+    return {"refused": None}
+
+
+def case_auth_refused(h: Harness) -> dict:
+    """A prefill rank SGLang advertises beyond loopback (``SGLANG_HOST_IP``), with no token and no
+    opt-out: its manager stops at construction, with one line."""
+    return _refused_under(h, {"SGLANG_HOST_IP": "10.1.2.3"})
+
+
+def case_rdma_fallback_refused(h: Harness) -> dict:
+    """A prefill rank configured for Mooncake over RDMA on a host without an RDMA device (Mooncake
+    then runs on TCP by itself): its manager stops at construction, saying why."""
+    return _refused_under(
+        h,
+        {
+            "PDSTATE_TRANSFER__ENGINE": "mooncake",
+            "PDSTATE_TRANSFER__MOONCAKE__PROTOCOL": "rdma",
+            "PDSTATE_TRANSFER__MOONCAKE__ALLOW_OPEN_LISTENER": "true",
+        },
+    )
 
 
 def case_io_thread_ends(h: Harness) -> dict:
@@ -683,6 +724,8 @@ CASES = {
     "cp_refused": case_cp_refused,
     "io_thread_ends": case_io_thread_ends,
     "pp_refused": case_pp_refused,
+    "auth_refused": case_auth_refused,
+    "rdma_fallback_refused": case_rdma_fallback_refused,
     "ok_unified": case_ok_unified,
     "prefix": case_prefix,
     "prefill_complete": case_prefill_complete,

@@ -174,11 +174,16 @@ def test_a_wider_decode_tp_asks_under_a_room_per_decode_rank(results):
     assert len({3001, replica_room(3001, 0, 2), replica_room(3001, 1, 2)}) == 3
 
 
-def test_pipeline_parallelism_stops_the_manager_saying_so(results):
-    assert results["pp_refused"]["error"] == (
-        "pdstate's SGLang backend does not support pipeline parallelism yet (pp_size=2): "
-        "use --disaggregation-transfer-backend mooncake"
-    )
+def test_what_stays_refused_of_pipeline_parallelism_stops_the_manager_saying_so(results):
+    """A PP prefill without a draft is served (``test_scheduler_queues_topologies.py``); a stage
+    with a draft model, and a decode of several stages, are refused at start."""
+    r = results["pp_refused"]
+    assert {side: r[side] for side in ("prefill_with_draft", "decode")} == {
+        "prefill_with_draft": "pdstate's SGLang backend does not move a draft model's KV from a pipeline-parallel "
+        "prefill yet (pp_size=2): use --disaggregation-transfer-backend mooncake",
+        "decode": "pdstate's SGLang backend does not support pipeline parallelism on a decode yet (pp_size=2; "
+        "a PP prefill is served into a decode of one stage): use --disaggregation-transfer-backend mooncake",
+    }
 
 
 def test_an_agent_thread_that_ends_fails_the_requests_with_a_reason(results):

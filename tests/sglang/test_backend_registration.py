@@ -8,15 +8,12 @@ wrapper when loaded). Without SGLang, importing the package works and ``install(
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests.sglang import runner
-from tests.support.paths import REPO
+from tests.support.paths import run_python
 
 KINDS = ("MANAGER", "SENDER", "RECEIVER", "BOOTSTRAP_SERVER")
 LOADED_FIRST = ["before_install", "install_twice", "enum_member", "server_args", "kv_classes", "launcher"]
@@ -116,8 +113,7 @@ def test_import_without_sglang_and_a_clear_install_error():
         "else:\n"
         "    raise SystemExit('install() did not raise')\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    out = run_python(code)
     assert out.returncode == 0, out.stderr
     assert "'sglang.srt.disaggregation.utils'" in out.stdout
     assert "Install SGLang" in out.stdout

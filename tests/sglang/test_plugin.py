@@ -9,15 +9,12 @@ work; ``SGLANG_PLUGINS`` without ``pdstate`` must leave it out.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests.sglang import runner
-from tests.support.paths import REPO
+from tests.support.paths import run_python
 
 CLASSES = {
     "MANAGER": "PdStateKVManager",
@@ -76,8 +73,7 @@ def test_the_plugin_without_sglang_logs_one_line_and_raises_nothing():
         "plugin.load()\n"
         "assert not is_installed()\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    out = run_python(code)
     assert out.returncode == 0, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
@@ -90,8 +86,7 @@ def test_the_old_launcher_without_sglang_says_so_in_one_line():
         "import runpy, sys; sys.modules['sglang'] = None\n"
         "runpy.run_module('pdstate.integrations.sglang.launch_server', run_name='__main__')\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    out = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True, timeout=60, env=env)
+    out = run_python(code, "--help")
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pdstate: pdstate's SGLang backend needs the module"), out.stderr

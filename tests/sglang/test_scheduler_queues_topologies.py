@@ -10,7 +10,12 @@ prefill's and nothing written elsewhere; pdstate moves the request's bytes once 
 Then both decode ranks abort a request while the prefill computes it (each fails and releases its
 pages at once, nothing lands), and the same room is sent again, byte-exact on both ranks.
 
-Pipeline-parallel prefill stages are refused at start by backend ``pdstate``
+A prefill of two PP stages feeding a decode of one: two prefill children (stages 0 and 1 of one
+prefill, each with the pools of its layers as SGLang partitions the 43, stage 0 running the
+bootstrap server) and one decode child, no draft model, on both releases and both backends. The
+decode's receiver takes the request from both stages (SGLang: ``target_pp_ranks`` [0, 1]); every
+item of every kind lands equal to the stage that holds its layer, nothing elsewhere. What stays
+refused of PP (a decode of several stages, a stage with a draft) is refused at start
 (``tests/sglang/test_adapter.py``, ``launch.backend.pipeline_parallel_refusal``).
 """
 
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdstate.devtools.sglang_pair.cases import CASES
+from pdstate.devtools.sglang_pair.cases import CASES, NO_DRAFT
 from tests.sglang import runner
 
 DEADLINE_S = 3.0
@@ -45,6 +50,22 @@ def tp_runs(request) -> tuple[str, dict]:
                 abort = {"abort_after_s": 0.2, "settle_s": 1.2}
                 r["abort"] = pair.request(n, DEADLINE_S, prefill={"hold_s": 1.0}, decode=abort)
                 r["resent"] = pair.request(n, DEADLINE_S, room=r["abort"]["room"])
+    return release, results
+
+
+@pytest.fixture(scope="module", params=runner.RELEASES, ids=lambda r: f"sglang-{r}")
+def pp_runs(request) -> tuple[str, dict]:
+    """``(release, {backend: result})``: per backend, fresh children (a prefill of two PP stages, a
+    decode of one), pools without a draft, one request in two chunks."""
+    from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV
+    from pdstate.devtools.sglang_queues.pair import QueuePair
+
+    release = request.param
+    target = runner.queue_env(release)
+    results = {}
+    for backend in BACKENDS:
+        with QueuePair(target, extra_env=PDSTATE_ENGINE_ENV, prefill_stages=2) as pair:
+            results[backend] = pair.run_case(NO_DRAFT, backend, deadline_s=DEADLINE_S)
     return release, results
 
 
@@ -96,3 +117,29 @@ def test_an_abort_on_both_decode_ranks_fences_and_releases_at_once(tp_runs, back
         assert dec["changed_bytes"] == 0 and dec["outside_bytes"] == 0 and not dec["placed"], dec
         assert dec["released_ms"] is not None and dec["released_ms"] < RELEASE_MS, dec
         assert dec["deferred"] == (release != "0.5.19"), dec
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_pp2_prefill_feeds_a_pp1_decode_byte_exact(pp_runs, backend):
+    """Both stages send their layers (main KV, SWA and C4 state, C128 state) and the aux row; the
+    decode of the whole model ends Success with every item equal and nothing written elsewhere."""
+    r = _request(pp_runs, backend)
+    stages, dec = r["prefill_stages"], r["decode"]
+    assert len(stages) == 2
+    for stage in stages:
+        assert stage["outcome"] == "Success", stage
+        assert stage["trace"] == ["add", "bootstrapped", "chunk", "last chunk", "inflight done"]
+        assert stage["bytes"] > 10**6, stage  # each stage moved its own layers
+    assert dec["outcome"] == "Success" and dec["placed"], dec
+    assert dec["wrong_items"] == 0 and dec["outside_bytes"] == 0, dec
+    assert set(dec["wrong_by"]) >= KINDS and len(dec["wrong_by"]) > len(KINDS), dec["wrong_by"]
+    assert dec["items_by"] == {"main": 186, "swa": 85, "c128_state": 20}  # every layer's, from both stages
+    assert dec["aux_items"] >= 10 and dec["changed_bytes"] > 10**7
+    assert r["send_to_success_ms"] is not None
+
+
+def test_pdstate_moves_each_stages_layers_once(pp_runs):
+    """pdstate's stages move disjoint layer slices: stage 1 holds one layer more (22 of 43)."""
+    stages = _request(pp_runs, "pdstate")["prefill_stages"]
+    first, second = (stage["bytes"] for stage in stages)
+    assert 10**6 < first < second

@@ -14,6 +14,8 @@ encoded ``Register``) from stdin, registers the victim's segments under its own 
 challenge (reading the segment secrets if ``try_read``, else guessing), then asks for a transfer,
 and prints what it got as one JSON line. ``GatedRelay`` holds a decode's frames on their way to
 its prefill until opened: a decode whose segments exist but that has not registered yet.
+``RelayProcess`` is such a relay, open, as a process of its own (another uid where the tests run
+as root): the fake prefill of ``test_relay.py`` run by a second user.
 """
 
 from __future__ import annotations
@@ -44,6 +46,21 @@ from tests.support.paths import REPO, SRC_DIR
 from tests.support.pools import TINY
 
 NOBODY = 65534  # the uid a hostile process runs as when the tests run as root
+
+
+def agent_request(pools, kv_args, room: int, seq_len: int) -> wire.AgentRequest:
+    """A valid ``AgentRequest`` for ``seq_len`` tokens into free pages of ``pools`` (allocated to
+    name them, then freed again; no digests)."""
+    a = rq.allocate(pools, rq.channel_names(kv_args), seq_len)
+    rq.free(pools, a)
+    return wire.AgentRequest(
+        room=room,
+        seq_len=seq_len,
+        dst_kv_pages=wire.PackedIndices.pack(a.lists[0]),
+        dst_state_indices=[wire.PackedIndices.pack(x) for x in a.lists[1:]],
+        deadline_s=5,
+        digest=False,
+    )
 
 
 class RawDealer:
@@ -131,16 +148,7 @@ class RawDecode:
     def request(self, room: int, seq_len: int) -> wire.AgentRequest:
         """A valid request for ``seq_len`` tokens into this decode's own free pages (a prefill
         that computes on demand, ``pdstate serve``'s, needs the token count; no digests)."""
-        a = rq.allocate(self.pools, rq.channel_names(self.kv_args), seq_len)
-        rq.free(self.pools, a)
-        return wire.AgentRequest(
-            room=room,
-            seq_len=seq_len,
-            dst_kv_pages=wire.PackedIndices.pack(a.lists[0]),
-            dst_state_indices=[wire.PackedIndices.pack(x) for x in a.lists[1:]],
-            deadline_s=5,
-            digest=False,
-        )
+        return agent_request(self.pools, self.kv_args, room, seq_len)
 
     @staticmethod
     def settle(dealer: RawDealer, reply: wire.Message) -> wire.Message:
@@ -350,12 +358,54 @@ def run(spec: dict, as_other_uid: bool = False) -> dict:
     return json.loads(r.stdout.splitlines()[-1])
 
 
+class RelayProcess:
+    """An open ``GatedRelay`` to ``upstream`` in a process of its own, as ``NOBODY`` when the tests
+    run as root; ``address`` its front, ``uid`` the uid it runs as. ``close`` ends it."""
+
+    def __init__(self, upstream: str, as_other_uid: bool = True) -> None:
+        spec = {"relay": upstream, "uid": NOBODY if as_other_uid and os.getuid() == 0 else None}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC_DIR), str(REPO)])}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-B", "-m", "tests.support.hostile"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=env,
+        )
+        self.proc.stdin.write(json.dumps(spec) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()  # once listening (or empty: it died, see its stderr)
+        assert line, f"the relay process ended: {self.proc.wait(10)}"
+        started = json.loads(line)
+        self.address, self.uid = started["address"], started["uid"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()  # the relay's cue to stop
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _relay(upstream: str) -> None:
+    relay = GatedRelay(upstream)
+    relay.open.set()
+    print(json.dumps({"address": relay.address, "uid": os.getuid()}), flush=True)
+    sys.stdin.read()  # until the test closes it
+    relay.close()
+
+
 def main() -> None:
     spec = json.loads(sys.stdin.readline())
     if spec.get("uid") is not None:
         os.setgroups([])
         os.setgid(spec["uid"])
         os.setuid(spec["uid"])
+    if spec.get("relay"):
+        _relay(spec["relay"])
+        return
     theirs = wire.decode(bytes.fromhex(spec["register"]))
     if spec.get("identity"):
         out = reuse_identity(spec["address"], theirs, bytes.fromhex(spec["identity"]))

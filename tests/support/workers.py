@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -47,6 +48,17 @@ def pdstate_command() -> list[str]:
         return [str(exe)]
     found = shutil.which("pdstate")
     return [found] if found else [sys.executable, "-m", "pdstate.cli"]
+
+
+def demo_summary(args: list[str], cwd: Path, timeout_s: float) -> dict:
+    """Run ``pdstate demo --json ARGS``; it exits 0 and prints one line: its summary."""
+    out = subprocess.run(
+        [*pdstate_command(), "demo", "--json", *args], capture_output=True, text=True, timeout=timeout_s, cwd=cwd
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, out.stdout
+    return json.loads(lines[0])
 
 
 # --- serve's workers in this process -------------------------------------------------------------

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -15,7 +13,7 @@ with warnings.catch_warnings():  # starlette nags about httpx vs httpx2 on impor
 from pdstate.protocol.report import ErrorInfo
 from pdstate.protocol.wire import PROTOCOL_VERSION
 from pdstate.service.api import Readiness, create_app, route_paths
-from pdstate.worker.stats import Stats
+from tests.support.api_source import API_PATHS, SHM_TRANSPORT, FakeSource
 from tests.support.pools import tiny
 from tests.support.upstream import MAPPING_ERROR, MAPPING_FIX
 
@@ -30,69 +28,6 @@ def own_report():
     return tiny(draft_mapping="own")
 
 
-@dataclass
-class FakeSource:
-    role: str
-    report: object
-    worker_id: str = "w-0"
-    incarnation: str = "inc"
-    engine: str = "shm"
-    control: str = "tcp://127.0.0.1:5601"
-    stats: Stats = field(default_factory=Stats)
-    ready: Readiness = field(default_factory=lambda: Readiness(True))
-    peer_list: list = field(default_factory=list)
-    finished: dict = field(default_factory=dict)
-    submitted: list = field(default_factory=list)
-    named: list = field(default_factory=list)  # the keywords of each submit (``prefill`` when named)
-    reregistered: int = 0
-
-    def readiness(self):
-        return self.ready
-
-    def local_check(self):
-        return self.report.local_check.ok, self.report.local_check.error
-
-    def peers(self):
-        return self.peer_list
-
-    def in_flight(self):
-        return 0
-
-    def free_counts(self):
-        return {"full_tokens": 1024}
-
-    def result_timeout_s(self):
-        return 5.0
-
-    def submit(self, tokens, room, **named):
-        self.named.append(named)
-        room = 7 if room is None else room
-        res = {
-            "room": room,
-            "status": "success",
-            "seq_len": tokens,
-            "bytes": tokens * 10,
-            "descriptors": 3,
-            "seconds": 0.01,
-            "verified": True,
-            "error": None,
-        }
-        self.finished[room] = res
-        self.submitted.append((tokens, room))
-        self.stats.transfers["success"] += 1
-        self.stats.bytes += res["bytes"]
-        self.stats.latencies_s.append(0.01)
-        f: Future = Future()
-        f.set_result(res)
-        return f
-
-    def lookup(self, room):
-        return self.finished.get(room)
-
-    def reregister(self):
-        self.reregistered += 1
-
-
 def client(source, token=None):
     return TestClient(create_app(source, token=token))
 
@@ -101,7 +36,13 @@ def test_health_and_ready(good_report):
     src = FakeSource("prefill", good_report)
     c = client(src)
     assert c.get("/healthz").json() == {"status": "ok"}
-    assert c.get("/readyz").json() == {"ready": True, "reason": None, "check": None, "error": None}
+    assert c.get("/readyz").json() == {
+        "ready": True,
+        "reason": None,
+        "check": None,
+        "error": None,
+        "transport": SHM_TRANSPORT,
+    }
     err = ErrorInfo(type="SWAIndexMappingNotShared", message=MAPPING_ERROR)
     src.ready = Readiness(False, MAPPING_ERROR, "handshake", err)
     r = c.get("/readyz")
@@ -111,6 +52,7 @@ def test_health_and_ready(good_report):
         "reason": MAPPING_ERROR,
         "check": "handshake",
         "error": {**err.model_dump(), "fix": MAPPING_FIX},
+        "transport": SHM_TRANSPORT,
     }
 
 
@@ -129,6 +71,7 @@ def test_compat_document(own_report):
     doc = client(src).get("/v1/compat").json()
     assert doc["role"] == "decode" and doc["protocol_version"] == PROTOCOL_VERSION
     assert doc["fingerprint"] == own_report.fingerprint
+    assert doc["transport"] == SHM_TRANSPORT
     assert doc["layout"]["page_size"] == 256 and doc["layout"]["kv_dtype"] == "float8_e4m3fn"
     assert list(doc["layout"])[2:] == [n for n, _ in own_report.factors]
     assert doc["local_check"] == {
@@ -245,15 +188,6 @@ def test_openapi(good_report):
     c = client(FakeSource("decode", good_report))
     assert c.get("/docs").status_code == 200
     schema = c.get("/openapi.json").json()
-    assert {
-        "/healthz",
-        "/readyz",
-        "/v1/compat",
-        "/v1/compat/check",
-        "/v1/transfers",
-        "/v1/transfers/{room}",
-        "/v1/handshake",
-        "/metrics",
-    } <= set(schema["paths"])
+    assert API_PATHS <= set(schema["paths"])
     assert "CompatDocument" in schema["components"]["schemas"]
     assert route_paths(create_app(None)) >= {"/healthz", "/readyz"}

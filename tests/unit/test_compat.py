@@ -38,6 +38,12 @@ def raises(exc_type, message, ours, theirs, role):
     return info.value
 
 
+def raises_both(exc_type, message, prefill, decode):
+    """The same sentence (prefill named first) whichever side checks."""
+    raises(exc_type, message, prefill, decode, "prefill")
+    raises(exc_type, message, decode, prefill, "decode")
+
+
 def test_equal_layouts_pass_both_ways():
     a, b = tiny(), report_of(TINY.with_(full_tokens=2048, num_req_slots=9))
     compat.check_peer(a, b, "prefill")
@@ -109,40 +115,24 @@ def test_unified_branch_does_not_consult_the_mapping():
     compat.check_peer(tiny(unified_kv=True), peer, "prefill")
 
 
-@pytest.mark.parametrize(
-    "changes,tuples",
-    [
-        (dict(draft_page_size=512), "target=(256, 128), draft=(512, 128)"),
-        (dict(draft_sliding_window=64), "target=(256, 128), draft=(256, 64)"),
-    ],
-)
-def test_peer_with_paged_geometry_mismatch(changes, tuples):
-    """In the peer's release's words: SGLang 0.5.19's paged check, whichever release we run."""
-    raises(
-        e.PagedSWAGeometryMismatch,
-        f"DSV4 target and draft pools must share paged SWA geometry: {tuples}",
-        tiny(),
-        tiny(upstream="0.5.19", **changes),
-        "decode",
-    )
+PAGED = (e.PagedSWAGeometryMismatch, "DSV4 target and draft pools must share paged SWA geometry: ", "0.5.19")
+SWA = (e.SWAGeometryMismatch, "DSV4 target and draft pools must share SWA geometry: ", "0.5.23")
 
 
 @pytest.mark.parametrize(
-    "changes,tuples",
+    "check,ours,changes,tuples",
     [
-        (dict(draft_page_size=512), "target=(256, 128, None), draft=(512, 128, None)"),
-        (dict(draft_sliding_window=64), "target=(256, 128, None), draft=(256, 64, None)"),
+        # in the peer's release's words: SGLang 0.5.19's paged check, whichever release we run
+        (PAGED, "0.5.23", dict(draft_page_size=512), "target=(256, 128), draft=(512, 128)"),
+        (PAGED, "0.5.23", dict(draft_sliding_window=64), "target=(256, 128), draft=(256, 64)"),
+        # SGLang 0.5.23's check adds the request window (none here) to the tuple
+        (SWA, "0.5.19", dict(draft_page_size=512), "target=(256, 128, None), draft=(512, 128, None)"),
+        (SWA, "0.5.19", dict(draft_sliding_window=64), "target=(256, 128, None), draft=(256, 64, None)"),
     ],
 )
-def test_peer_with_swa_geometry_mismatch_on_0523(changes, tuples):
-    """SGLang 0.5.23's check adds the request window (none here) to the tuple."""
-    raises(
-        e.SWAGeometryMismatch,
-        f"DSV4 target and draft pools must share SWA geometry: {tuples}",
-        tiny(upstream="0.5.19"),
-        tiny(upstream="0.5.23", **changes),
-        "decode",
-    )
+def test_peer_with_swa_geometry_mismatch_in_its_release_words(check, ours, changes, tuples):
+    error, message, theirs = check
+    raises(error, message + tuples, tiny(upstream=ours), tiny(upstream=theirs, **changes), "decode")
 
 
 def test_own_pair_checks_come_before_cross_side_checks():
@@ -170,8 +160,7 @@ PAGE = (
 
 def test_page_size_sentence_names_prefill_first_whichever_side_checks():
     p, d = tiny(), tiny(page_size=128, swa_page_size=128)
-    raises(e.PageSizeMismatch, PAGE, p, d, "prefill")
-    raises(e.PageSizeMismatch, PAGE, d, p, "decode")
+    raises_both(e.PageSizeMismatch, PAGE, p, d)
 
 
 def test_kv_dtype_sentence():
@@ -180,8 +169,7 @@ def test_kv_dtype_sentence():
         "KV cache dtype mismatch: prefill server has kv_cache_dtype=float8_e4m3fn, but decode server has "
         "kv_cache_dtype=float8_e5m2. Both servers must use the same --kv-cache-dtype value."
     )
-    raises(e.KVCacheDtypeMismatch, message, p, d, "prefill")
-    raises(e.KVCacheDtypeMismatch, message, d, p, "decode")
+    raises_both(e.KVCacheDtypeMismatch, message, p, d)
 
 
 def test_page_size_before_kv_dtype():
@@ -197,13 +185,10 @@ def layout_sentence(factor, p, d):
 
 
 def test_speculative_on_one_side_names_c4_ring():
-    p, d = tiny(), tiny(speculative_num_draft_tokens=None)
-    message = (
-        "DSV4 layout mismatch on c4_ring: prefill server has c4_ring=16, but decode server has c4_ring=8. "
-        "Both servers must build the same state layout."
-    )
-    raises(e.LayoutMismatch, message, p, d, "prefill")
-    raises(e.LayoutMismatch, message, d, p, "decode")
+    message = layout_sentence(
+        "c4_ring", 16, 8
+    )  # "... prefill server has c4_ring=16, but decode server has c4_ring=8. ..."
+    raises_both(e.LayoutMismatch, message, tiny(), tiny(speculative_num_draft_tokens=None))
 
 
 def test_unified_on_one_side_names_layout():

@@ -128,11 +128,12 @@ def test_compose_services(compose, routes):
         m = re.search(r"http://127\.0\.0\.1:(\d+)(/\w+)", test)
         assert m and int(m.group(1)) == cfg.http.port and m.group(2) == "/readyz" and m.group(2) in routes
         assert cfg.transfer.engine == "shm"  # ${PDSTATE_ENGINE:-shm}
-        assert cfg.transfer.mooncake.host == role  # each engine is reached at its container name
-    # the decode dials the prefill's control port by its service name, once the prefill is healthy
+        assert cfg.transfer.mooncake.host == f"{role}-data"  # each engine: its name on the data plane
+    # the decode dials the prefill's control port by its data-plane name, once the prefill is healthy
     host, port = port_of(cfgs["decode"].control.peer)
+    assert cfgs["prefill"].control.advertise == [f"tcp://prefill-data:{port}"]
     assert (
-        host == "prefill"
+        host == "prefill-data"
         and port == port_of(cfgs["prefill"].control.bind)[1] == port_of(service_config("prefill").control.bind)[1]
     )
     assert str(port) in [str(p) for p in services["prefill"]["expose"]]
@@ -146,9 +147,30 @@ def test_compose_mooncake_switch(compose):
     for role in ROLES:
         _, cfg = compose_config(compose["services"][role], {"PDSTATE_TRANSFER__ENGINE": "mooncake"})
         assert cfg.transfer.engine == "mooncake"
-        assert cfg.worker_options().engine_options == {"host": role, "protocol": "tcp", "device_name": ""}
+        assert cfg.worker_options().engine_options == {"host": f"{role}-data", "protocol": "tcp", "device_name": ""}
     text = (REPO / "docker-compose.yml").read_text()
     assert "PDSTATE_ENGINE=mooncake" in text and "--set transfer.engine=mooncake" in text
+
+
+def test_compose_data_plane_is_an_internal_network(compose):
+    """Control and engine ports travel on ``dataplane`` (internal: no route out, nothing
+    published), the names each worker is dialled by are its aliases there; only the HTTP port is
+    published, from ``edge``; the one-shot token writer has no network at all."""
+    nets = compose["networks"]
+    assert nets["dataplane"] == {"internal": True} and not (nets["edge"] or {}).get("internal")
+    services = compose["services"]
+    for role in ROLES:
+        svc = services[role]
+        assert set(svc["networks"]) == {"dataplane", "edge"}
+        assert svc["networks"]["dataplane"]["aliases"] == [f"{role}-data"]
+        _, cfg = compose_config(svc, {"PDSTATE_TRANSFER__ENGINE": "mooncake"})
+        assert cfg.worker_options().engine_options["host"] == f"{role}-data"
+        assert svc["ports"] == [f"127.0.0.1:{cfg.http.port}:{cfg.http.port}"]  # HTTP alone, host loopback
+        if role == "decode":
+            assert port_of(cfg.control.peer)[0] == "prefill-data"
+    assert services["secret"]["network_mode"] == "none"
+    used = {n for role in ROLES for n in services[role]["networks"]}
+    assert used == set(nets)
 
 
 # --- kubernetes --------------------------------------------------------------------------------

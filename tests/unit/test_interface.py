@@ -34,7 +34,7 @@ def draft(**over) -> PdPool:
     return PdPool(**{**UPSTREAM_TINY, **NEXTN, **over})
 
 
-_UPSTREAM_ATTRS = (
+_GEOMETRY = (  # what both releases' pools name alike
     "compression_ratios",
     "_unified_kv",
     "_stage_start",
@@ -43,6 +43,9 @@ _UPSTREAM_ATTRS = (
     "swa_page_size",
     "sliding_window",
     "dtype",
+)
+_UPSTREAM_ATTRS = (
+    *_GEOMETRY,
     "c4_state_dtype",
     "c128_state_dtype",
     "get_contiguous_buf_infos",
@@ -50,6 +53,17 @@ _UPSTREAM_ATTRS = (
     "get_unified_swa_ring_buf_infos",
     "get_c128_state_buf_infos",
 )
+
+
+def compress_state_pools(pool: PdPool) -> list:
+    """Upstream's per-layer compress-state pools (``None`` for an uncompressed layer) of ``pool``'s stage."""
+    pools: list = [None] * len(pool.compression_ratios)
+    for layer in range(pool._stage_start, pool._stage_end):
+        r = pool.compression_ratios[layer]
+        if r:
+            ring = pool.c4_ring_size if r == 4 else pool.c128_ring_size
+            pools[layer] = SimpleNamespace(ratio=r, ring_size=ring, online=r == 128 and pool.online_c128)
+    return pools
 
 
 class _Shaped:
@@ -61,13 +75,7 @@ class _Shaped:
             self.unified_swa_ring_size = pool.unified_swa_ring_size
             self.unified_swa_pages = pool.unified_swa_pages
         self._spec = pool.speculative
-        self.compress_state_pools = [None] * len(pool.compression_ratios)
-        for layer in range(pool._stage_start, pool._stage_end):
-            r = pool.compression_ratios[layer]
-            if r:
-                ring = pool.c4_ring_size if r == 4 else pool.c128_ring_size
-                online = r == 128 and pool.online_c128
-                self.compress_state_pools[layer] = SimpleNamespace(ratio=r, ring_size=ring, online=online)
+        self.compress_state_pools = compress_state_pools(pool)
 
     def register_mapping(self, mapping: torch.Tensor) -> None:
         self.full_to_swa_index_mapping = mapping
@@ -93,7 +101,12 @@ def shaped(pool: PdPool, cls=DeepSeekV4TokenToKVPool):
 
 
 def pair(how: str = "shared", unified: bool = False, cls=DeepSeekV4TokenToKVPool):
-    t, d = shaped(target(unified_kv=unified), cls), shaped(draft(unified_kv=unified), cls)
+    return _mapped(how, shaped(target(unified_kv=unified), cls), shaped(draft(unified_kv=unified), cls))
+
+
+def _mapped(how: str, t, d) -> tuple:
+    """``t`` given an allocator; the draft ``d`` shares its mapping (``shared``), has its own
+    (``own``) or none."""
     a = SWATokenToKVPoolAllocator(1024, 512, 256, kvcache=t)
     if how == "shared":
         d.register_mapping(a.full_to_swa_index_mapping)
@@ -246,14 +259,7 @@ class DeepSeekV4TokenToKVPool23:
     def __init__(self, pool: PdPool) -> None:
         assert pool.upstream == "0.5.23"
         for name in (
-            "compression_ratios",
-            "_unified_kv",
-            "_stage_start",
-            "_stage_end",
-            "page_size",
-            "swa_page_size",
-            "sliding_window",
-            "dtype",
+            *_GEOMETRY,
             "get_contiguous_buf_infos",
             "get_state_buf_infos",
             "get_unified_swa_ring_buf_infos",
@@ -273,13 +279,7 @@ class DeepSeekV4TokenToKVPool23:
             for r in (4, 128)
             if r in pool.compression_ratios
         }
-        self.compress_state_pools = [None] * len(pool.compression_ratios)
-        for layer in range(pool._stage_start, pool._stage_end):
-            r = pool.compression_ratios[layer]
-            if r:
-                ring = pool.c4_ring_size if r == 4 else pool.c128_ring_size
-                online = r == 128 and pool.online_c128
-                self.compress_state_pools[layer] = SimpleNamespace(ratio=r, ring_size=ring, online=online)
+        self.compress_state_pools = compress_state_pools(pool)
 
     def register_mapping(self, mapping: torch.Tensor) -> None:
         self.full_to_swa_index_mapping = mapping
@@ -290,13 +290,7 @@ DeepSeekV4TokenToKVPool23.__name__ = "DeepSeekV4TokenToKVPool"
 
 def pair23(how: str = "shared", unified: bool = False, **over):
     t = DeepSeekV4TokenToKVPool23(target(unified_kv=unified, upstream="0.5.23", **over))
-    d = DeepSeekV4TokenToKVPool23(draft(unified_kv=unified, upstream="0.5.23", **over))
-    a = SWATokenToKVPoolAllocator(1024, 512, 256, kvcache=t)
-    if how == "shared":
-        d.register_mapping(a.full_to_swa_index_mapping)
-    elif how == "own":
-        SWATokenToKVPoolAllocator(1024, 512, 256, kvcache=d)
-    return t, d
+    return _mapped(how, t, DeepSeekV4TokenToKVPool23(draft(unified_kv=unified, upstream="0.5.23", **over)))
 
 
 def test_release_of_pools():

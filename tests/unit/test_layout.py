@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import msgpack
 import pytest
 
@@ -10,6 +12,7 @@ from pdstate.pools.presets import pool_kwargs
 from pdstate.pools.reporting import build_report
 from pdstate.protocol import report as layout
 from pdstate.protocol.report import FACTOR_NAMES, LayoutReport, diff, fingerprint
+from tests.support.paths import REPO
 from tests.support.pools import TINY, TINY_DRAFT_FACTOR, keep, kept_pools, tiny
 from tests.support.upstream import MAPPING_ERROR, MISSING_MAPPING_ERROR, UNIFIED_ERROR
 
@@ -22,20 +25,10 @@ def report_with_target_kwargs(**kw) -> LayoutReport:
 
 
 def test_factor_names_are_the_protocol_order():
-    assert FACTOR_NAMES == (
-        "layout",
-        "compression_ratios",
-        "stage",
-        "sliding_window",
-        "c4_ring",
-        "c128_ring",
-        "online_c128",
-        "c4_state_dtype",
-        "c128_state_dtype",
-        "draft",
-        "main_kv_item_lens",
-        "components",
-    )
+    # the normative vector (proto/vectors, exported from the codec) names them in this order too
+    vector = json.loads((REPO / "proto" / "vectors" / "register.json").read_text())
+    assert FACTOR_NAMES == tuple(name for name, _ in vector["body"]["report"]["factors"])
+    assert FACTOR_NAMES[0] == "layout" and FACTOR_NAMES[-1] == "components" and len(FACTOR_NAMES) == 12
 
 
 def test_tiny_report_values():

@@ -206,10 +206,10 @@ def test_pdstates_backend_on_the_ci_pair(capsys, tmp_path, release):
             (),
             [
                 "- the prefill: SGLang would not start: ValueError from pdstate's KV manager: pdstate's SGLang "
-                "backend does not support pipeline parallelism yet (pp_size=2): use "
+                "backend does not move a draft model's KV from a pipeline-parallel prefill yet (pp_size=2): use "
                 "--disaggregation-transfer-backend mooncake"
             ],
-            id="pipeline-parallelism",
+            id="pipeline-parallelism-with-the-ci-pairs-draft",
         ),
         pytest.param(
             (("  --tp 4 \\\n", "  --tp 4 \\\n  --attn-cp-size 2 \\\n  --enable-prefill-cp \\\n"),),

@@ -367,12 +367,22 @@ PDSTATE = "--disaggregation-transfer-backend pdstate"
     [
         pytest.param(
             f"--tp 4 --pp-size 2 {PDSTATE}",
-            f"--tp 4 {PDSTATE}",
+            f"--tp 4 --pp-size 2 {PDSTATE}",
+            [
+                "- the decode: SGLang would not start: ValueError from pdstate's KV manager: pdstate's SGLang "
+                "backend does not support pipeline parallelism on a decode yet (pp_size=2; a PP prefill is served "
+                "into a decode of one stage)"
+            ],
+            id="pipeline-parallelism-on-a-decode-stops-the-backend",
+        ),
+        pytest.param(
+            f"--tp 4 --pp-size 2 {SPEC} {PDSTATE}",
+            f"--tp 4 {SPEC} {PDSTATE}",
             [
                 "- the prefill: SGLang would not start: ValueError from pdstate's KV manager: pdstate's SGLang "
-                "backend does not support pipeline parallelism yet (pp_size=2)"
+                "backend does not move a draft model's KV from a pipeline-parallel prefill yet (pp_size=2)"
             ],
-            id="pipeline-parallelism-stops-the-backend",
+            id="a-pp-prefill-with-a-draft-stops-the-backend",
         ),
         pytest.param(
             f"--tp 8 --attn-cp-size 2 --enable-prefill-cp {PDSTATE}",
@@ -390,6 +400,12 @@ def test_the_backends_refusal_is_predicted(capsys, prefill, decode, said):
     assert rc == 1, out
     for line in said:
         assert line in out
+
+
+def test_a_pp_prefill_without_a_draft_into_a_decode_of_one_stage_works(capsys):
+    rc, out = check(capsys, *flash_pair(f"--tp 4 --pp-size 2 {PDSTATE}", f"--tp 4 {PDSTATE}"))
+    assert rc == 0, out
+    assert out.splitlines()[-1] == "compatible"
 
 
 def test_a_prefill_attention_tp_wider_than_the_decodes_works(capsys):
@@ -429,11 +445,15 @@ def test_each_backend_refusal_is_the_backends_own_text():
         n.func.id for n in ast.walk(ast.parse(manager)) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
     }
     assert {"context_parallel_refusal", "pipeline_parallel_refusal"} <= called
-    for phrase in ("does not support context parallelism", "does not support pipeline parallelism"):
+    for phrase in ("does not support context parallelism", "pipeline parallelism on a decode", "pipeline-parallel"):
         assert phrase not in manager, f"the backend words {phrase!r} itself: call launch/backend.py instead"
     assert "context parallelism yet (attn_cp_size=2, attn_dcp_size=1)" in context_parallel_refusal(2, 1)
-    assert "pipeline parallelism yet (pp_size=2)" in pipeline_parallel_refusal(2)
-    assert context_parallel_refusal(1, 1) is None and pipeline_parallel_refusal(1) is None
+    assert "pipeline parallelism on a decode yet (pp_size=2;" in pipeline_parallel_refusal(2, "decode")
+    assert "draft model's KV from a pipeline-parallel prefill yet (pp_size=2)" in pipeline_parallel_refusal(
+        2, "prefill", draft=True
+    )
+    assert pipeline_parallel_refusal(2, "prefill") is None  # served: into a decode of one stage
+    assert context_parallel_refusal(1, 1) is None and pipeline_parallel_refusal(1, "decode", draft=True) is None
 
 
 # --- models ----------------------------------------------------------------------------------------------

@@ -18,23 +18,6 @@ PACKAGE = SRC_DIR / "pdstate"
 
 # module path -> the private names it may read of another module, each with its reason. Keep short.
 ALLOWED: dict[str, dict[str, str]] = {
-    # The prefill agent's admission rules, run on its I/O thread as functions of the agent itself
-    # (they read its decodes, socket, engine, handshake and reply as the agent's own methods do).
-    # The prefill agent's verdict deadlines and per-decode drops, likewise run on its I/O thread
-    # (both go when the prefill side gets its I/O-free core).
-    "src/pdstate/agent/fairness.py": {
-        "_sends": "the agent's own state",
-        "_decodes": "the agent's own state",
-        "_fail": "the agent's own method",
-        "_decode_gone": "the agent's own method",
-    },
-    "src/pdstate/agent/admission.py": {
-        "_decodes": "the agent's own state",
-        "_sock": "the agent's own state",
-        "_reply": "the agent's own method",
-        "_engine": "the agent's own state",
-        "_handshake": "the agent's own state",
-    },
     # The pool is SGLang's (DeepSeekV4TokenToKVPool) or pools.dsv4's stand-in, which keeps
     # upstream's attribute names; SGLang offers its PP stage's layer range under no public name.
     "src/pdstate/pools/interface.py": {

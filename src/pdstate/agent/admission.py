@@ -6,7 +6,7 @@ The socket binds a ZeroMQ identity to its first connection (no ``ROUTER_HANDOVER
 connection copying a decode's identity is refused by ZeroMQ and cannot take over its pipe.
 ``ROUTER_MANDATORY`` makes a send to an identity with no connection fail (the liveness probe).
 
-Run on the prefill agent's I/O thread:
+Run on the prefill agent's I/O thread (``Gate``, over what the agent hands it):
 
 * a register whose ``worker_id`` an accepted decode on another connection still holds (heard
   from within the peer timeout, its connection open: a probe heartbeat can be queued to it) is
@@ -15,7 +15,10 @@ Run on the prefill agent's I/O thread:
 * with an engine that proves ownership (shm), a compatible register whose endpoint does not
   answer a challenge yet gets a ``Challenge``; the engine's ``connect`` checks the answer; a
   register of the incarnation accepted on the same connection, with the same endpoint, is
-  taken without one (``proven_already``: proven there, mapped already);
+  taken without one (``Gate.proven_already``: proven there, mapped already);
+* every buffer a register's ``KVDesc`` names must lie inside the regions its engine endpoint
+  published (and, with shm, proved its own): the planner's destination addresses are then the
+  decode's own memory before any request is planned (``Gate.connect``);
 * a frame that does not decode is answered with ``Error`` naming why, unless it is itself an
   ``error`` frame (never answered: two peers must not bounce errors); an ``AuthError`` (a token
   on one side only, or two different tokens) is counted, kept as the latest (``Incidents``)
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -60,24 +64,6 @@ class Incidents:
     def recent(self, within_s: float) -> ErrorInfo | None:
         """The latest refusal when it is at most ``within_s`` old."""
         return self.latest if self.latest is not None and time.monotonic() - self.at <= within_s else None
-
-
-def refuse_frame(agent: Any, identity: bytes, frame: bytes, exc: PdStateError) -> None:
-    """A frame from ``identity`` that did not decode (``exc``): answered with ``Error`` unless it
-    is an ``error`` frame itself (PROTOCOL §7)."""
-    if isinstance(exc, AuthError):
-        exc = agent.auth_failures.note(exc, identity.decode("utf-8", "replace")[:64])
-    if wire.envelope_kind(frame) != "error":
-        agent._reply(identity, wire.Error(error=ErrorInfo.of(exc)))
-
-
-def refuse_parts(agent: Any, parts: list[bytes]) -> None:
-    """A message of other than one frame (PROTOCOL §1): answered with ``Error`` unless its first
-    frame is an ``error`` frame."""
-    if len(parts) < 2 or wire.envelope_kind(parts[1]) == "error":
-        return
-    err = ProtocolError(f"a message is one frame (one ZeroMQ part); this one has {len(parts) - 1}")
-    agent._reply(parts[0], wire.Error(error=ErrorInfo.of(err)))
 
 
 def audience_error(audience: object, address: str, advertise: tuple[str, ...]) -> InvalidEndpoint | None:
@@ -117,19 +103,122 @@ def bind_router(loop: Any, bind: str) -> tuple[zmq.Socket, str]:
     return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-def live_holder(agent: Any, identity: bytes, worker_id: str):
-    """The accepted decode (``DecodePeer``) holding ``worker_id`` on another live connection."""
-    now = time.monotonic()
-    for key, d in agent._decodes.items():
-        if d.worker_id != worker_id or key == identity or now - d.last_seen > agent.peer_timeout_s:
-            continue
-        probe = wire.Heartbeat(worker_id=agent.worker_id, incarnation=agent.incarnation, seq=int(now * 1000))
+class Gate:
+    """The admission rules of one ``PrefillAgent``, over what the agent hands it at start: its
+    decodes (``identity -> DecodePeer``, the I/O thread's own map), its engine and handshake, its
+    ROUTER socket (the liveness probe) and its ``reply(identity, msg)``. The agent's public
+    values (``worker_id``, ``incarnation``, ``token``, ``peer_timeout_s``, ``address``,
+    ``advertise``, ``auth_failures``) are read from ``agent``. Run on the agent's I/O thread."""
+
+    def __init__(
+        self,
+        agent: Any,
+        decodes: dict[bytes, Any],
+        engine: Any,
+        handshake: Any,
+        sock: zmq.Socket,
+        reply: Callable[[bytes, wire.Message], None],
+    ) -> None:
+        self.agent, self.decodes, self.engine, self.handshake = agent, decodes, engine, handshake
+        self.sock, self.reply = sock, reply
+
+    def refuse_frame(self, identity: bytes, frame: bytes, exc: PdStateError) -> None:
+        """A frame from ``identity`` that did not decode (``exc``): answered with ``Error`` unless
+        it is an ``error`` frame itself (PROTOCOL §7)."""
+        if isinstance(exc, AuthError):
+            exc = self.agent.auth_failures.note(exc, identity.decode("utf-8", "replace")[:64])
+        if wire.envelope_kind(frame) != "error":
+            self.reply(identity, wire.Error(error=ErrorInfo.of(exc)))
+
+    def refuse_parts(self, parts: list[bytes]) -> None:
+        """A message of other than one frame (PROTOCOL §1): answered with ``Error`` unless its
+        first frame is an ``error`` frame."""
+        if len(parts) < 2 or wire.envelope_kind(parts[1]) == "error":
+            return
+        err = ProtocolError(f"a message is one frame (one ZeroMQ part); this one has {len(parts) - 1}")
+        self.reply(parts[0], wire.Error(error=ErrorInfo.of(err)))
+
+    def live_holder(self, identity: bytes, worker_id: str):
+        """The accepted decode (``DecodePeer``) holding ``worker_id`` on another live connection."""
+        agent, now = self.agent, time.monotonic()
+        for key, d in self.decodes.items():
+            if d.worker_id != worker_id or key == identity or now - d.last_seen > agent.peer_timeout_s:
+                continue
+            probe = wire.Heartbeat(worker_id=agent.worker_id, incarnation=agent.incarnation, seq=int(now * 1000))
+            try:
+                self.sock.send_multipart([key, wire.encode(probe, agent.token)], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:  # no connection with that identity any more (ROUTER_MANDATORY), or full
+                continue
+            return d
+        return None
+
+    def gatekeep(self, identity: bytes, msg: wire.Register) -> bool:
+        """Answer ``msg`` here if it ends here (a ``Reject`` or a ``Challenge``; True), else
+        False: go on to the handshake's checks and the engine's ``connect``."""
+        answer = self._early_answer(identity, msg)
+        if answer is not None:
+            self.reply(identity, answer)
+        return answer is not None
+
+    def proven_already(self, identity: bytes, msg: wire.Register) -> str | None:
+        """The engine peer id of the decode accepted on this very connection when ``msg``
+        registers the same incarnation again with the same endpoint and no proof: its memory was
+        proven on this connection (ZeroMQ binds an identity to its first connection, so nobody
+        else sends on it) and is mapped, so no new challenge is due and nothing is mapped again."""
+        known = self.decodes.get(identity)
+        if (
+            known is None
+            or not self.engine.proves_ownership
+            or (known.worker_id, known.incarnation) != (msg.worker_id, msg.incarnation)
+            or "challenge" in msg.engine.endpoint
+            or known.endpoint != msg.engine.endpoint
+        ):
+            return None
+        return known.peer_id
+
+    def connect(self, msg: wire.Register, identity: bytes = b"") -> tuple[str, dict]:
+        """Connect the decode's engine endpoint for this registrant only (or keep the peer of
+        ``proven_already``), then check that every buffer its ``KVDesc`` names lies inside the
+        regions that endpoint published (``DescriptorMismatch`` otherwise; the engine peer is
+        disconnected again unless an accepted decode shares it). Returns the peer id and the
+        endpoint without a challenge's answer (``DecodePeer.endpoint``)."""
+        owner = f"{msg.worker_id}/{msg.incarnation}"
+        peer_id = self.proven_already(identity, msg) or self.engine.connect(msg.engine.endpoint, owner=owner)
         try:
-            agent._sock.send_multipart([key, wire.encode(probe, agent.token)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError:  # no connection with that identity any more (ROUTER_MANDATORY), or full
-            continue
-        return d
-    return None
+            self.engine.peer_regions(peer_id).check_inside(registered_ranges(msg.kv), f"decode {msg.worker_id}")
+        except PdStateError:
+            if all(d.peer_id != peer_id for d in self.decodes.values()):
+                self.engine.disconnect(peer_id)
+            raise
+        return peer_id, plain_endpoint(msg.engine.endpoint)
+
+    def _early_answer(self, identity: bytes, msg: wire.Register) -> wire.Message | None:
+        agent, engine = self.agent, self.engine
+        holder = self.live_holder(identity, msg.worker_id)
+        if holder is not None:
+            err = WorkerIdInUse(
+                f"worker_id {msg.worker_id!r} is held by a live decode (incarnation {holder.incarnation}); "
+                "a new incarnation is accepted once that one is gone"
+            )
+            return wire.Reject(worker_id=agent.worker_id, error=ErrorInfo.of(err))
+        if self.proven_already(identity, msg) is not None:
+            return None  # the same incarnation on the same connection, the same memory: proven and mapped
+        if engine.proves_ownership and "challenge" in msg.engine.endpoint:
+            refused = audience_error(msg.engine.endpoint.get("audience"), agent.address, agent.advertise)
+            if refused is not None:
+                return wire.Reject(worker_id=agent.worker_id, error=ErrorInfo.of(refused))
+        if (
+            engine.proves_ownership
+            and msg.engine.name == engine.name
+            and "challenge" not in msg.engine.endpoint
+            and isinstance(self.handshake.receive(msg), wire.Accept)  # (an incompatible one: refused as ever)
+        ):
+            try:
+                nonce = engine.challenge(f"{msg.worker_id}/{msg.incarnation}", identity.hex())
+            except PdStateError as exc:  # too many outstanding: the decode registers again (backoff)
+                return wire.Reject(worker_id=agent.worker_id, error=ErrorInfo.of(exc))
+            return wire.Challenge(worker_id=agent.worker_id, incarnation=agent.incarnation, nonce=nonce)
+        return None
 
 
 def plain_endpoint(endpoint: dict) -> dict:
@@ -137,64 +226,11 @@ def plain_endpoint(endpoint: dict) -> dict:
     return {k: v for k, v in endpoint.items() if k not in PROOF_KEYS}
 
 
-def proven_already(agent: Any, identity: bytes, msg: wire.Register) -> str | None:
-    """The engine peer id of the decode accepted on this very connection when ``msg`` registers
-    the same incarnation again with the same endpoint and no proof: its memory was proven on this
-    connection (ZeroMQ binds an identity to its first connection, so nobody else sends on it) and
-    is mapped, so no new challenge is due and nothing is mapped again. ``None`` otherwise."""
-    known = agent._decodes.get(identity)
-    if (
-        known is None
-        or not agent._engine.proves_ownership
-        or (known.worker_id, known.incarnation) != (msg.worker_id, msg.incarnation)
-        or "challenge" in msg.engine.endpoint
-        or known.endpoint != msg.engine.endpoint
-    ):
-        return None
-    return known.peer_id
-
-
-def connect_decode(agent: Any, identity: bytes, msg: wire.Register) -> tuple[str, dict]:
-    """The engine peer id for a register that passed (``proven_already``'s, else the engine's
-    ``connect``, which checks a challenge's answer) and its endpoint without that answer."""
-    owner = f"{msg.worker_id}/{msg.incarnation}"
-    peer_id = proven_already(agent, identity, msg) or agent._engine.connect(msg.engine.endpoint, owner=owner)
-    return peer_id, plain_endpoint(msg.engine.endpoint)
-
-
-def gatekeep(agent: Any, identity: bytes, msg: wire.Register) -> bool:
-    """Answer ``msg`` here if it ends here (a ``Reject`` or a ``Challenge``; True), else False: go
-    on to the handshake's checks and the engine's ``connect``."""
-    answer = _early_answer(agent, identity, msg)
-    if answer is not None:
-        agent._reply(identity, answer)
-    return answer is not None
-
-
-def _early_answer(agent: Any, identity: bytes, msg: wire.Register) -> wire.Message | None:
-    holder = live_holder(agent, identity, msg.worker_id)
-    if holder is not None:
-        err = WorkerIdInUse(
-            f"worker_id {msg.worker_id!r} is held by a live decode (incarnation {holder.incarnation}); "
-            "a new incarnation is accepted once that one is gone"
-        )
-        return wire.Reject(worker_id=agent.worker_id, error=ErrorInfo.of(err))
-    engine = agent._engine
-    if proven_already(agent, identity, msg) is not None:
-        return None  # the same incarnation on the same connection, the same memory: proven and mapped
-    if engine.proves_ownership and "challenge" in msg.engine.endpoint:
-        refused = audience_error(msg.engine.endpoint.get("audience"), agent.address, agent.advertise)
-        if refused is not None:
-            return wire.Reject(worker_id=agent.worker_id, error=ErrorInfo.of(refused))
-    if (
-        engine.proves_ownership
-        and msg.engine.name == engine.name
-        and "challenge" not in msg.engine.endpoint
-        and isinstance(agent._handshake.receive(msg), wire.Accept)  # (an incompatible one: refused as ever)
-    ):
-        try:
-            nonce = engine.challenge(f"{msg.worker_id}/{msg.incarnation}", identity.hex())
-        except PdStateError as exc:  # too many outstanding: the decode registers again (backoff)
-            return wire.Reject(worker_id=agent.worker_id, error=ErrorInfo.of(exc))
-        return wire.Challenge(worker_id=agent.worker_id, incarnation=agent.incarnation, nonce=nonce)
-    return None
+def registered_ranges(kv: wire.KVDesc | None) -> list[tuple[str, int, int]]:
+    """``(label, ptr, nbytes)`` of every buffer a decode registered (main KV, then components)."""
+    if kv is None:
+        return []
+    out = [(f"main KV[{i}]", p, n) for i, (p, n) in enumerate(zip(kv.kv_data_ptrs, kv.kv_data_lens))]
+    for c, comp in enumerate(kv.components):
+        out += [(f"component {c} ({comp.state_type})[{i}]", p, n) for i, (p, n) in enumerate(zip(comp.ptrs, comp.lens))]
+    return out

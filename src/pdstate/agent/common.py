@@ -339,6 +339,11 @@ class AgentLifetime:
         """Whether the I/O thread runs (nothing is sent or received without it)."""
         return self._loop.alive
 
+    def transport(self) -> dict:
+        """The engine's transport (``engines.listeners.Transport.as_dict``): configured, in use,
+        the TCP addresses its native side listens on, and ``problem`` (a silent fallback)."""
+        return self._engine.transport().as_dict()
+
     def _tick_time(self, peers: Iterable[Any]) -> float:
         """Now, for a tick: a tick more than two heartbeat intervals late means this process did
         not run for a while (frozen, swapped out), so ``peers`` (their ``last_seen``) are not

@@ -11,9 +11,9 @@ from collections.abc import Callable
 import zmq
 
 from pdstate import logs
-from pdstate.agent.admission import Incidents, bind_router, connect_decode, gatekeep, refuse_frame, refuse_parts
+from pdstate.agent.admission import Gate, Incidents, bind_router
 from pdstate.agent.common import AgentLifetime, AgentLoop, RequestRecord, channel_layout, regions_of
-from pdstate.agent.fairness import VERDICT_TIMEOUT_S, check_verdicts, verdict_heard
+from pdstate.agent.fairness import VERDICT_TIMEOUT_S, Verdicts
 from pdstate.agent.prefill_copy import CopyPipeline
 from pdstate.agent.refusals import Refusals
 from pdstate.agent.sender import DecodePeer, EndedSender, KVSender, PendingRequest, Sending
@@ -162,11 +162,13 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
         self.handshakes = {"accepted": 0, "rejected": 0}  # answers given, written by the I/O thread only
         self.auth_failures = Incidents()  # frames refused for their auth tag
         self.withheld, self.verdict_timeout_s = Incidents("verdict"), verdict_timeout_s  # ``agent.fairness``
+        self._verdicts = Verdicts(self, self._decodes, self._fail, self._decode_gone)
         self._peer_log: OrderedDict[str, dict] = OrderedDict()  # worker id -> its latest record (``peers()``)
         self._init_refusals()
         self._last_tick = time.monotonic()
         self._loop = AgentLoop(f"pdstate-prefill-{worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
         self._sock, self.address = bind_router(self._loop, bind)
+        self._gate = Gate(self, self._decodes, self._engine, self._handshake, self._sock, self._reply)
         self._loop.watch(self._sock, self._on_frame)
         self._loop.start()
 
@@ -249,13 +251,13 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
     def _on_frame(self, sock: zmq.Socket) -> None:
         parts = sock.recv_multipart()
         if len(parts) != 2:
-            refuse_parts(self, parts)
+            self._gate.refuse_parts(parts)
             return
         identity, frame = parts
         try:
             msg = wire.decode(frame, self.token)
         except PdStateError as exc:
-            refuse_frame(self, identity, frame, exc)
+            self._gate.refuse_frame(identity, frame, exc)
             return
         decode = self._decodes.get(identity)
         if decode is not None:
@@ -290,7 +292,7 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
         elif isinstance(msg, wire.Abort):
             self._on_abort(identity, msg)
         elif isinstance(msg, wire.AgentVerdict):
-            verdict_heard(self, identity)
+            self._verdicts.heard(identity)
             self._on_verdict(msg)
 
     def _ask_caller(self, identity: bytes, worker_id: str, msg: wire.AgentRequest) -> None:
@@ -302,12 +304,12 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
             self._reply(identity, self._done_failed(msg.room, exc))
 
     def _on_register(self, identity: bytes, msg: wire.Register) -> None:
-        if gatekeep(self, identity, msg):  # another live decode's worker_id, or memory not proven yet
+        if self._gate.gatekeep(identity, msg):  # another live decode's worker_id, or memory not proven yet
             return
         answer = self._handshake.receive(msg)
         if isinstance(answer, wire.Accept):
             try:
-                peer_id, endpoint = connect_decode(self, identity, msg)
+                peer_id, endpoint = self._gate.connect(msg, identity)  # its buffers inside the regions it published
                 planner = PairPlanner(self.kv_args, msg.kv)
             except (PdStateError, ValueError) as exc:
                 answer = wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(exc))
@@ -425,7 +427,7 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
         for identity, d in list(self._decodes.items()):
             if now - d.last_seen > self.peer_timeout_s:
                 self._decode_gone(identity, f"decode {d.worker_id} missed heartbeats for {self.peer_timeout_s:g} s")
-        check_verdicts(self, now)
+        self._verdicts.check(self._sends.values(), now)
         ended = 0
         for room, send in reversed(list(self._sends.items())):  # newest first
             if send.record.state.terminal:

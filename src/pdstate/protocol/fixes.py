@@ -274,6 +274,8 @@ def _engine_fix(message: str, _layouts: Layouts | None) -> str | None:
         return f"fix: set transfer.engine to one engine on both workers ({_sides(p, d, str)})"
     if "pip install" in message or "extra" in message:
         return 'fix: install the extra the message names, or set transfer.engine = "shm" on both workers'
+    if "fell back to TCP" in message:
+        return 'fix: make the RDMA devices visible (ibv_devices lists them), or set transfer.mooncake.protocol = "tcp"'
     return None
 
 

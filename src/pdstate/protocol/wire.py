@@ -31,6 +31,8 @@ MAX_BUFFERS = 4096  # per component / main KV
 MAX_COMPONENTS = 16
 U64 = Annotated[int, Field(ge=0, lt=1 << 64)]
 I63 = Annotated[int, Field(ge=0, lt=1 << 63)]
+WorkerId = Annotated[str, Field(max_length=128)]
+Incarnation = Annotated[str, Field(max_length=64)]
 
 
 class Message(BaseModel):
@@ -126,8 +128,8 @@ class EngineDesc(BaseModel):
 
 class Register(Message):
     KIND: ClassVar[str] = "register"
-    worker_id: str = Field(max_length=128)
-    incarnation: str = Field(max_length=64)
+    worker_id: WorkerId
+    incarnation: Incarnation
     role: Literal["decode"]
     report: LayoutReport
     kv: KVDesc | None
@@ -136,8 +138,8 @@ class Register(Message):
 
 class Accept(Message):
     KIND: ClassVar[str] = "accept"
-    worker_id: str = Field(max_length=128)
-    incarnation: str = Field(max_length=64)
+    worker_id: WorkerId
+    incarnation: Incarnation
     report: LayoutReport
     heartbeat_interval_s: float = Field(gt=0)
     peer_timeout_s: float = Field(gt=0)
@@ -145,14 +147,14 @@ class Accept(Message):
 
 class Reject(Message):
     KIND: ClassVar[str] = "reject"
-    worker_id: str = Field(max_length=128)
+    worker_id: WorkerId
     error: ErrorInfo
 
 
 class Heartbeat(Message):
     KIND: ClassVar[str] = "heartbeat"
-    worker_id: str = Field(max_length=128)
-    incarnation: str = Field(max_length=64)
+    worker_id: WorkerId
+    incarnation: Incarnation
     seq: I63
 
 
@@ -261,8 +263,8 @@ class Goodbye(Message):
     (with ``reason``), and no write of it can still land."""
 
     KIND: ClassVar[str] = "goodbye"
-    worker_id: str = Field(max_length=128)
-    incarnation: str = Field(max_length=64)
+    worker_id: WorkerId
+    incarnation: Incarnation
     reason: str = Field(max_length=1024)
 
 
@@ -271,8 +273,8 @@ class Challenge(Message):
     this nonce answered (see ``transfer.engines.shm``)."""
 
     KIND: ClassVar[str] = "challenge"
-    worker_id: str = Field(max_length=128)
-    incarnation: str = Field(max_length=64)
+    worker_id: WorkerId
+    incarnation: Incarnation
     nonce: bytes = Field(min_length=16, max_length=64)
 
 

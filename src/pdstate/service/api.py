@@ -33,6 +33,7 @@ names where the input is wrong, never what it was.
 
 Contract of the source: every method is safe to call from the event loop thread while the worker
 runs (reads of counters and small dicts), and ``submit`` returns a ``concurrent.futures.Future``
+(the worker's own: one future per request, awaited here; a room in flight fails it with ``RoomInFlight``)
 that always completes (the worker fails in-flight requests with a reason when it stops).
 """
 
@@ -49,7 +50,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from pdstate import __version__
-from pdstate.errors import EngineError, VersionMismatch
+from pdstate.errors import EngineError, RoomInFlight, VersionMismatch
 from pdstate.protocol.compat import compat_errors
 from pdstate.protocol.report import ErrorInfo
 from pdstate.protocol.wire import PROTOCOL_VERSION
@@ -72,7 +73,14 @@ from pdstate.service.models import (  # noqa: F401  (Readiness and the limits: p
     StatusSource,
     TransferIn,
     TransferOut,
+    TransportModel,
 )
+
+
+def transport_model(source: StatusSource) -> TransportModel | None:
+    """The engine's transport and listeners (``None`` for a source that does not say)."""
+    t = getattr(source, "transport", None)
+    return TransportModel(**t) if t else None
 
 
 def compat_document(source: StatusSource, reveal: bool = True) -> CompatDocument:
@@ -88,6 +96,7 @@ def compat_document(source: StatusSource, reveal: bool = True) -> CompatDocument
         pdstate_version=__version__,
         engine=source.engine,
         control=source.control,
+        transport=transport_model(source),
         fingerprint=r.fingerprint,
         layout={"page_size": r.page_size, "kv_dtype": r.kv_dtype, **dict(r.factors)},
         local_check=LocalCheckModel(ok=ok, error=None if err is None else ErrorModel(**err.model_dump())),
@@ -214,6 +223,7 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
             reason=r.reason,
             check=r.check,
             error=None if r.error is None else ErrorModel(**r.error.model_dump()),
+            transport=transport_model(source),
         )
         if r.ready:
             return body
@@ -266,11 +276,11 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         try:
             # shield: a client that hangs up must not cancel the worker's future
             res = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), source.result_timeout_s())
-        except ValueError as exc:  # the room is already in flight
+        except RoomInFlight as exc:
             raise HTTPException(409, detail=str(exc)) from None
         except asyncio.TimeoutError:
             raise HTTPException(504, detail="no outcome within the request deadline") from None
-        return TransferOut(**res)
+        return TransferOut(**(res if isinstance(res, dict) else res.as_dict()))
 
     @app.get("/v1/transfers/{room}", response_model=TransferOut, tags=["transfers"], responses={404: {}, 409: {}})
     async def get_transfer(room: int) -> TransferOut:

@@ -37,17 +37,29 @@ def is_placeholder_token(token: str) -> bool:
     return norm in PLACEHOLDER_TOKENS or any(m in norm for m in _PLACEHOLDER_MARKERS)
 
 
+def read_file_bytes(
+    path: str | Path, *, directory: str, unreadable: Callable[[Any], str], missing: str | None = None
+) -> bytes:
+    """The file's bytes, or a one-line ``ConfigError``: ``directory`` when it is a directory,
+    ``missing`` (when given) when it does not exist, else ``unreadable(why)``."""
+    try:
+        return Path(path).read_bytes()
+    except IsADirectoryError:
+        raise ConfigError(directory) from None
+    except OSError as exc:
+        if missing is not None and isinstance(exc, FileNotFoundError):
+            raise ConfigError(missing) from None
+        raise ConfigError(unreadable(exc.strerror or exc)) from None
+
+
 def read_token_file(path: str) -> bytes:
     """The trimmed token in ``path``; ``ConfigError`` when unreadable, not UTF-8 or empty."""
     fix = f"write the shared token into it, e.g. {GENERATE_HINT} > {path}"
-    try:
-        data = Path(path).read_bytes()
-    except IsADirectoryError:
-        raise ConfigError(f"auth.token_file: {path} is a directory; name the file that holds the token") from None
-    except OSError as exc:
-        raise ConfigError(
-            f"auth.token_file: cannot read {path}: {exc.strerror or exc}; make it a file readable by this user"
-        ) from None
+    data = read_file_bytes(
+        path,
+        directory=f"auth.token_file: {path} is a directory; name the file that holds the token",
+        unreadable=lambda why: f"auth.token_file: cannot read {path}: {why}; make it a file readable by this user",
+    )
     try:
         text = data.decode("utf-8").strip()
     except UnicodeDecodeError:

@@ -40,6 +40,7 @@ from pdstate.service.auth import (  # noqa: F401  (re-exported: the auth rules' 
     control_bind_host,
     is_loopback_host,
     is_placeholder_token,
+    read_file_bytes,
     read_token_file,
 )
 from pdstate.worker.options import WorkerOptions
@@ -139,6 +140,8 @@ class MooncakeSection(_Section):
 
 class NixlSection(_Section):
     allow_open_listener: bool = False
+    # UCX_NET_DEVICES for the agent ("lo": its TCP listener on loopback only); "": UCX's choice (all)
+    net_devices: str = ""
 
 
 class TransferSection(_Section):
@@ -192,6 +195,8 @@ class WorkerConfig(_Section):
         if self.transfer.engine == "mooncake":
             m = self.transfer.mooncake  # MooncakeEngine names the NIC list ``device_name``
             engine_options = {"host": m.host, "protocol": m.protocol, "device_name": m.device}
+        elif self.transfer.engine == "nixl" and self.transfer.nixl.net_devices:
+            engine_options = {"ucx_env": {"UCX_NET_DEVICES": self.transfer.nixl.net_devices}}
         return WorkerOptions(
             role=self.role,
             pool=self.pool_settings(),
@@ -218,17 +223,13 @@ class WorkerConfig(_Section):
 
 
 def _read_config_text(path: str | Path) -> str:
-    p = Path(path)
-    try:
-        data = p.read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {path} is a directory; --config takes a TOML file") from None
-    except OSError as exc:
-        raise ConfigError(
-            f"config file {path}: cannot read: {exc.strerror or exc}; --config takes a TOML file readable by this user"
-        ) from None
+    toml = "--config takes a TOML file"
+    data = read_file_bytes(
+        path,
+        directory=f"config file {path} is a directory; {toml}",
+        unreadable=lambda why: f"config file {path}: cannot read: {why}; {toml} readable by this user",
+        missing=f"config file not found: {path}",
+    )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -25,7 +25,7 @@ class Readiness:
     ready: bool
     reason: str | None = None  # the exact error text when a check failed
     check: str | None = (
-        None  # which check: "local_check" | "handshake" | "peer" | "threads" | "shutdown" | "auth" | "fair_share"
+        None  # "local_check" | "transport" | "handshake" | "peer" | "threads" | "shutdown" | "auth" | "fair_share"
     )
     error: ErrorInfo | None = None
 
@@ -36,6 +36,7 @@ class StatusSource(Protocol):
     incarnation: str
     engine: str
     control: str  # prefill: the bound control endpoint; decode: the prefill endpoint it dials
+    transport: dict  # optional: ``engines.listeners.Transport.as_dict()`` (read with getattr)
     report: LayoutReport
     stats: Any  # worker.stats.Stats
 
@@ -49,7 +50,7 @@ class StatusSource(Protocol):
 
     def free_counts(self) -> dict[str, int]: ...
 
-    # decode; Future[dict]; ``prefill`` is passed only when the request names one
+    # decode; Future of a dict or a TransferResult (``as_dict``); ``prefill`` only when the request names one
     def submit(self, tokens: int, room: int | None, prefill: str | None = None) -> Future: ...
 
     # decode, optional: why a transfer may not name ``prefill`` (None: it may; control.prefills)
@@ -79,14 +80,27 @@ class Health(BaseModel):
     status: Literal["ok"] = "ok"
 
 
+class TransportModel(BaseModel):
+    """The engine's transport as configured and as in use, and where its native side listens
+    (measured from the process's sockets at start). ``problem``: a silent fallback (not ready)."""
+
+    engine: str = Field("", max_length=64)
+    configured: str = Field("", max_length=256)
+    in_use: str = Field("", max_length=256)
+    listening: list[str] = Field([], max_length=64)
+    open: bool = Field(False, description="whether a listener accepts connections beyond loopback")
+    problem: str | None = Field(None, max_length=1024)
+
+
 class Ready(BaseModel):
     ready: bool
     reason: str | None = Field(None, description="why not ready: the exact error text when a check failed")
     check: str | None = Field(
         None,
-        description="local_check | handshake | peer | threads | shutdown; ready with auth (decodes' frames fail auth) or fair_share (a decode dropped for withholding verdicts)",
+        description="local_check | transport | handshake | peer | threads | shutdown; ready with auth (decodes' frames fail auth) or fair_share (a decode dropped for withholding verdicts)",
     )
     error: ErrorModel | None = None
+    transport: TransportModel | None = None
 
 
 class LocalCheckModel(BaseModel):
@@ -113,6 +127,7 @@ class CompatDocument(BaseModel):
     pdstate_version: str = ""
     engine: str = ""
     control: str = ""
+    transport: TransportModel | None = None
     fingerprint: str
     layout: dict[str, Any] = Field(description="page_size, kv_dtype and every layout factor by name")
     local_check: LocalCheckModel

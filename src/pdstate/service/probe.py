@@ -105,6 +105,12 @@ def format_probe(found: dict) -> str:
             f"  worker       {d.get('worker_id')} (incarnation {d.get('incarnation') or 'shown with the token only'}), "
             f"protocol v{d['protocol_version']}, engine {d.get('engine')}, control {d.get('control')}"
         )
+        if t := d.get("transport"):
+            listens = ", ".join(t.get("listening") or []) or "nothing (no native listener)"
+            scope = " (beyond loopback)" if t.get("open") else ""
+            lines.append(f"  transport    {t['in_use']} (configured {t['configured']}), listening on {listens}{scope}")
+            if t.get("problem"):
+                lines.append(f"  transport    PROBLEM: {t['problem']}")
         lines.append(f"  fingerprint  {d['fingerprint']}")
         lay = d.get("layout", {})
         scalars = [

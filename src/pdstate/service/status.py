@@ -28,12 +28,12 @@ class WorkerStatus:
         self.worker_id: str = worker.worker_id
         self.incarnation: str = worker.incarnation
         self.engine: str = cfg.transfer.engine
+        self.transport: dict = worker.transport  # fixed once the engine started
         self.control: str = worker.status().endpoint if cfg.role == "prefill" else cfg.control.peer
         self.report = worker.report
         self.draining = False
         self._lock = threading.Lock()
         self._stopped = False
-        self._futures: dict[Future, tuple[int, int]] = {}  # submitted by us -> (room, tokens)
 
     # read side: everything that changes comes from the worker's ``status()`` snapshot
     @property
@@ -55,6 +55,9 @@ class WorkerStatus:
         if not ok:
             return Readiness(False, err.message, "local_check", err)
         s = self.worker.status()
+        problem = self.transport.get("problem")
+        if problem:  # e.g. RDMA configured, TCP in use: never serve on a silent fallback
+            return Readiness(False, problem, "transport", ErrorInfo(type="EngineError", message=problem))
         if s.dead_threads:  # a worker thread died: nothing would answer (see the worker's log for why)
             return Readiness(False, f"worker thread stopped: {', '.join(s.dead_threads)}", "threads")
         if self.role == "prefill":
@@ -113,31 +116,14 @@ class WorkerStatus:
         )
 
     def submit(self, tokens: int, room: int | None, prefill: str | None = None) -> Future:
+        """The worker's own future (its map room -> future is the only one): its result is a
+        ``TransferResult``; the worker settles it when it ends, at ``drain`` too."""
         with self._lock:
             if self.draining:
                 fut: Future = Future()
                 fut.set_result(self._failed(room or 0, tokens, "decode shutting down"))
                 return fut
-            inner = self.worker.submit(tokens, room, prefill=prefill)
-            outer: Future = Future()
-            self._futures[outer] = (room or 0, tokens)
-
-        def relay(f: Future) -> None:
-            from pdstate.worker.base import settle
-
-            if f.cancelled():
-                exc: BaseException | None = RuntimeError(f"transfer of room {room} was cancelled")
-            else:
-                exc = f.exception()
-            with self._lock:  # drain() may have completed ``outer`` already, its caller cancelled it
-                self._futures.pop(outer, None)
-                if exc is not None:
-                    settle(outer, exc=exc)
-                else:
-                    settle(outer, f.result().as_dict())
-
-        inner.add_done_callback(relay)
-        return outer
+            return self.worker.submit(tokens, room, prefill=prefill)
 
     def lookup(self, room: int) -> dict | None:
         from pdstate.worker.base import now
@@ -176,15 +162,7 @@ class WorkerStatus:
             if self._stopped:
                 return
             self._stopped = True
-        try:
-            self.worker.stop()
-        finally:
-            with self._lock:
-                from pdstate.worker.base import settle
-
-                for f, (room, tokens) in self._futures.items():
-                    settle(f, self._failed(room, tokens, f"{self.role} shutting down"))
-                self._futures.clear()
+        self.worker.stop()  # settles every future it returned (``decode shutting down``)
 
 
 def release_partial(worker) -> None:

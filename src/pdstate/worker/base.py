@@ -12,6 +12,7 @@ reads (``status()``, ``stats``, ``free_counts()``, ``lookup()``, ``submit()``, `
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import sys
 import threading
@@ -35,7 +36,7 @@ MAX_FINISHED = 10000  # finished requests kept for lookups (oldest dropped first
 
 now = time.monotonic
 
-# A worker's request threads and the agent's I/O thread hand work to each other; with the
+# A worker's request threads (or loop) and the agent's I/O thread hand work to each other; with the
 # interpreter's default 5 ms switch interval a hand-off can wait that long behind a thread holding
 # the GIL in a numpy loop. The edges (serve, worker processes, bench) call this once at start.
 SWITCH_INTERVAL_S = 0.0005
@@ -105,7 +106,8 @@ class AgentStats(Stats):
 
 class PagePool:
     """The side's allocator behind a condition: ``allocate(seq_len, wait_s)`` waits (up to
-    ``wait_s``) for pages other requests free; ``free`` wakes the waiters. Safe from any thread.
+    ``wait_s``) for pages other requests free; ``try_allocate`` never waits (``None``: full);
+    ``free`` wakes the waiters. Safe from any thread.
 
     ``owner`` (a prefill: the decode asking) and ``share``: the owner may hold at most that
     fraction of each of the pools' resources (full and SWA tokens, request slots) once it holds
@@ -120,36 +122,53 @@ class PagePool:
         self._total = rq.free_counts(pools)  # a fresh pool: everything free
         self._held: dict[str, dict[str, int]] = {}  # owner -> what it holds, by resource
 
-    def allocate(
-        self, names: list[str], seq_len: int, wait_s: float = 0.0, owner: str = "", share: float = 1.0
-    ) -> rq.Allocation:
+    def try_allocate(self, names: list[str], seq_len: int, owner: str = "", share: float = 1.0) -> rq.Allocation | None:
+        """The request's pages now, or ``None`` while the pool is full (never waits); raises
+        ``AllocationError`` for a request larger than the whole pool (and ``PrefillBusy`` past
+        the owner's share, as ``allocate``)."""
+        self._fits(seq_len)
+        with self._freed:
+            try:
+                return self._take(names, seq_len, owner, share)
+            except AllocationError:
+                return None
+
+    def _fits(self, seq_len: int) -> None:
         capacity = rq.capacity_tokens(self.pools)
         if seq_len > capacity:
             raise AllocationError(f"seq_len {seq_len} exceeds the pool of {capacity} tokens")
+
+    def allocate(
+        self, names: list[str], seq_len: int, wait_s: float = 0.0, owner: str = "", share: float = 1.0
+    ) -> rq.Allocation:
+        self._fits(seq_len)
         deadline = time.monotonic() + wait_s
         with self._freed:
             self.waiting += 1
             try:
                 while True:
-                    before = rq.free_counts(self.pools)
                     try:
-                        alloc = rq.allocate(self.pools, names, seq_len)
+                        return self._take(names, seq_len, owner, share)
                     except AllocationError:
                         left = deadline - time.monotonic()
                         if left <= 0:
                             raise
                         self._freed.wait(left)
-                        continue
-                    after = rq.free_counts(self.pools)
-                    alloc.usage = {k: before[k] - after[k] for k in after}
-                    held = self._held.get(owner, {})
-                    mine = {k: held.get(k, 0) + n for k, n in alloc.usage.items()}
-                    if owner and share < 1.0 and held:  # (its first request may be any size)
-                        self._check_share(owner, alloc, mine, share)
-                    self._held[owner] = mine
-                    return alloc
             finally:
                 self.waiting -= 1
+
+    def _take(self, names: list[str], seq_len: int, owner: str, share: float) -> rq.Allocation:
+        """Allocate (under the condition) and count it against ``owner`` (``AllocationError``: full)."""
+        before = rq.free_counts(self.pools)
+        alloc = rq.allocate(self.pools, names, seq_len)
+        after = rq.free_counts(self.pools)
+        alloc.usage = {k: before[k] - after[k] for k in after}
+        held = self._held.get(owner, {})
+        mine = {k: held.get(k, 0) + n for k, n in alloc.usage.items()}
+        if owner and share < 1.0 and held:  # (its first request may be any size)
+            self._check_share(owner, alloc, mine, share)
+        self._held[owner] = mine
+        return alloc
 
     def _check_share(self, owner: str, alloc: rq.Allocation, mine: dict[str, int], share: float) -> None:
         for k, total in self._total.items():
@@ -174,6 +193,42 @@ class PagePool:
             return rq.free_counts(self.pools)
 
 
+class Timers:
+    """One thread running an event loop: a worker's request steps run there one at a time, and
+    its deadlines, backoffs and fences are timers on it (no thread per request, none asleep
+    through a wait). ``post`` is safe from any thread; ``at``/``later`` only on the loop's own."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """Run ``fn(*args)`` on the loop soon; False once the loop has stopped."""
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # closed
+            return False
+        return True
+
+    def later(self, delay_s: float, fn: Callable[..., Any], *args: Any) -> asyncio.TimerHandle:
+        return self.loop.call_later(max(0.0, delay_s), fn, *args)
+
+    def at(self, when: float, fn: Callable[..., Any], *args: Any) -> asyncio.TimerHandle:
+        """``fn(*args)`` at ``when`` (``time.monotonic()``'s clock)."""
+        return self.later(when - time.monotonic(), fn, *args)
+
+    def stop(self) -> None:
+        """Run what was posted before, then end the thread. Idempotent."""
+        if self.post(self.loop.stop):
+            self._thread.join()
+            self.loop.close()
+
+
 class AgentWorker:
     """The side and the bookkeeping of one agent worker (subclassed per role).
 
@@ -189,6 +244,7 @@ class AgentWorker:
         self.incarnation = new_incarnation()
         self.local_error: BaseException | None = None
         self.agent = None
+        self.transport: dict = {}  # the agent engine's, once started (``AgentLifetime.transport``)
         self.pools = None
         self.stats = AgentStats(lambda: self.agent)
         self.finished: OrderedDict[int, object] = OrderedDict()
@@ -225,7 +281,7 @@ class AgentWorker:
         except BaseException:
             self.close_side()
             raise
-        self.incarnation = self.agent.incarnation
+        self.incarnation, self.transport = self.agent.incarnation, self.agent.transport()
 
     # -- requests -----------------------------------------------------------------------------
     def _enter(self, status: RequestStatus) -> bool:
@@ -304,6 +360,7 @@ __all__ = [
     "AgentWorker",
     "MAX_FINISHED",
     "PagePool",
+    "Timers",
     "build_side",
     "new_incarnation",
     "now",

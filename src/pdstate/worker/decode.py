@@ -1,20 +1,23 @@
 """``pdstate serve``'s decode: a ``DecodeAgent`` over this worker's pools (in shared memory on
 the shm engine), receiving a request from the prefill its caller names (default ``control.peer``).
 
-``submit(tokens, room, prefill=...)`` enters the request and returns a future; a request thread
-waits for its pages (up to the request's deadline), asks the prefill through a ``KVReceiver``
-(``seq_len`` included: the prefill computes on demand), waits for the verdict (the agent compares
-the digests of the bytes sent and landed), then checks what landed against the room's synthetic
-content (``checks.verify``: ``full`` or ``sample``) and frees the pages. A prefill that answers
-``PrefillBusy`` is asked again once one of this decode's requests ended (a slot it held is free)
-or, at the latest, after a backoff, until the deadline: no request thread sleeps through it. A
-request past its deadline is aborted; the abort is fenced (the prefill confirms nothing more of
-it lands) before its pages are freed; one the prefill never confirms fails with ``AgentTimeout``. A prefill that is gone (goodbye, missed heartbeats) fails its requests at once; the pages
-are freed then (a gone prefill writes no more: it fenced before its goodbye, or it is dead or
-frozen, and a frozen one that wakes has lost this decode's registration first). An abort the
-prefill never confirms (this decode was frozen past the prefill's timeout, which forgot it) keeps
-the pages quarantined until the prefill is gone or has accepted this decode again (a prefill
-that accepts a decode again has failed, and fenced, everything of its former registration).
+``submit(tokens, room, prefill=...)`` enters the request and returns its future (the one map from
+an HTTP request to its outcome: room -> future). No thread runs per request: each step runs on
+the worker's one request loop (``base.Timers``), and the agent's completion callback
+(``KVReceiver.add_done_callback``) brings the end of a transfer there. The request takes its pages
+(or waits in line, up to its deadline, for pages that ending requests free), asks the prefill
+through a ``KVReceiver`` (``seq_len`` included: the prefill computes on demand), gets the verdict
+(the agent compares the digests of the bytes sent and landed), then checks what landed against
+the room's synthetic content (``checks.verify``: ``full`` or ``sample``) and frees the pages. A
+prefill that answers ``PrefillBusy`` is asked again once one of this decode's requests ended (a
+slot it held is free) or, at the latest, after a backoff (a timer), until the deadline. A request
+past its deadline (a timer) is aborted; the abort is fenced (the prefill confirms nothing more of
+it lands) before its pages are freed; one the prefill never confirms (a second timer) fails with
+``AgentTimeout``. A gone prefill (goodbye, missed heartbeats) fails its requests at once and
+their pages are freed (it writes no more: it fenced before its goodbye, or it is dead or frozen,
+and a frozen one that wakes has lost this decode's registration first). An unconfirmed abort
+(this decode was frozen past the prefill's timeout) keeps the pages quarantined until the prefill
+is gone or has accepted this decode again (and so failed, and fenced, its former registration).
 
 The default prefill is dialled at start and again whenever it is gone (``/readyz`` follows it);
 any other is dialled on first use, at most ``MAX_PREFILLS`` at once (an idle one is closed to make
@@ -27,7 +30,8 @@ import logging
 import secrets
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future
 
 from pdstate import logs
 from pdstate.errors import (
@@ -45,14 +49,14 @@ from pdstate.protocol.lifecycle import PeerState, RequestState
 from pdstate.protocol.report import ErrorInfo
 from pdstate.worker import requests as rq
 from pdstate.worker import synth
-from pdstate.worker.base import AgentWorker, now, settle
+from pdstate.worker.base import AgentWorker, Timers, now, settle
 from pdstate.worker.options import WorkerOptions
 from pdstate.worker.status import PeerStatus, RequestStatus, TransferResult, WorkerSnapshot
 
 log = logging.getLogger("pdstate.worker.decode")
 
 MAX_PREFILLS = 64
-BUSY_BACKOFF_S = (0.002, 0.1)  # first and longest wait before asking a busy prefill again
+BUSY_BACKOFF_S = rq.BUSY_BACKOFF_S
 SHUTTING_DOWN = "decode shutting down"
 
 
@@ -66,13 +70,13 @@ class AgentDecodeWorker(AgentWorker):
         super().__init__(opts)
         self.worker_id = opts.worker_id or f"decode-{secrets.token_hex(3)}"
         self._stop = threading.Event()
-        self._threads = ThreadPoolExecutor(
-            max_workers=max(1, opts.max_inflight), thread_name_prefix="pdstate-decode-request"
-        )
-        self._futures: dict[int, Future] = {}  # room -> its future, until it completes
+        self._timers = Timers("pdstate-decode-requests")
+        self._futures: dict[int, Future] = {}  # room -> its future, until it completes (under _lock)
         self._quarantine: list[tuple[str, float, object]] = []  # (prefill, since, allocation), under _lock
-        self._ended = threading.Condition()  # notified when a request ends (``_ends`` counts them)
-        self._ends = 0
+        # request loop only:
+        self._pending: dict[int, rq.Pending] = {}  # room -> request, until it ends
+        self._for_pages: deque[rq.Pending] = deque()  # in line for pages, first come first served
+        self._busy: dict[int, rq.Pending] = {}  # waiting out a busy prefill
 
     def start(self) -> AgentDecodeWorker:
         """Raises ``LocalCheckFailed`` (own pair refused, with ``local_checks``) or ``EngineError``;
@@ -91,22 +95,17 @@ class AgentDecodeWorker(AgentWorker):
         self._watcher = watcher
         return self
 
-    def stop(self) -> None:
-        """Fail the requests in flight (``decode shutting down``) and release everything. Idempotent."""
-        self._stop.set()
-        with self._ended:  # a request waiting out a busy prefill ends now
-            self._ended.notify_all()
-        self.close_side()
-
     def close_side(self) -> None:
+        """Fail the requests in flight (``decode shutting down``) and release everything. Idempotent."""
         if self._closed:
             return
         self._stop.set()
         try:
             if self.agent is not None:
-                self.agent.close()  # every live receiver fails: the request threads finish
+                self.agent.close()  # every live receiver fails: its callback ends its request
         finally:
-            self._threads.shutdown(wait=True)  # no request thread touches the pools after this
+            self._timers.post(self._fail_all)
+            self._timers.stop()  # no request step touches the pools after this
             with self._lock:
                 left = list(self._futures.items())
             for room, fut in left:
@@ -143,7 +142,7 @@ class AgentDecodeWorker(AgentWorker):
             ago = None if p is None else p.get("registered_s_ago")
             again = p is not None and p["state"] == "accepted" and ago is not None and ago < now_s - since
             if p is None or p["state"] == "gone" or again:
-                self.page_pool.free(alloc)
+                self._timers.post(self._free, alloc)
             else:
                 keep.append((prefill, since, alloc))
         with self._lock:
@@ -164,7 +163,8 @@ class AgentDecodeWorker(AgentWorker):
         prefill: str | None = None,
     ) -> Future:
         """One request of ``seq_len`` tokens from ``prefill`` (a ``tcp://host:port`` control
-        address; default ``control.peer``); the future's result is a ``TransferResult``."""
+        address; default ``control.peer``); the future's result is a ``TransferResult``, or
+        ``RoomInFlight`` when ``room`` already has a request in flight here."""
         rq.check_submit(seq_len, verify, prefill)
         fut: Future = Future()
         room = room if room is not None else secrets.randbits(63)
@@ -178,10 +178,9 @@ class AgentDecodeWorker(AgentWorker):
             return fut
         with self._lock:
             self._futures[room] = fut
-        deadline = deadline_s or self.opts.request_deadline_s
-        try:
-            self._threads.submit(self._run, status, fut, deadline, verify or self.opts.verify)
-        except RuntimeError:  # stopped meanwhile
+        res = TransferResult(room, "failed", seq_len, prefill=prefill, verify_level=self.opts.transfer_verify)
+        req = rq.Pending(status, fut, verify or self.opts.verify, deadline_s or self.opts.request_deadline_s, res)
+        if not self._timers.post(self._step, self._begin, req):  # stopped meanwhile
             self._finish(status, fut, _failed(room, seq_len, SHUTTING_DOWN, prefill))
         return fut
 
@@ -199,6 +198,7 @@ class AgentDecodeWorker(AgentWorker):
         known: dict[str, dict] = self._ask_agent(lambda a: a.prefills(), {})
         default = known.get(self.opts.peer)
         peers = [_peer(self.opts.peer, default)] + [_peer(a, d) for a, d in known.items() if a != self.opts.peer]
+        loop_dead = () if self._closed or self._timers.alive else ("pdstate-decode-requests",)
         return WorkerSnapshot(
             role=self.role,
             worker_id=self.worker_id,
@@ -206,59 +206,139 @@ class AgentDecodeWorker(AgentWorker):
             endpoint=self.opts.peer,
             peers=tuple(peers),
             requests=self._requests(),
-            dead_threads=self._dead_threads(),
+            dead_threads=self._dead_threads() + loop_dead,
             peak_in_flight=self.peak_in_flight,
-            waiting=0 if self._closed else self.page_pool.waiting,
+            waiting=0 if self._closed else len(self._for_pages),
             quarantined=self.quarantined(),
             handshake_s=None if default is None else default.get("handshake_s"),
         )
 
-    # -- a request thread ---------------------------------------------------------------------
-    def _run(self, status: RequestStatus, fut: Future, deadline_s: float, verify: str) -> None:
-        room, seq_len, prefill = status.room, status.seq_len, status.peer
-        t0 = time.perf_counter()
-        end = time.monotonic() + deadline_s
-        res = TransferResult(room, "failed", seq_len, prefill=prefill, verify_level=self.opts.transfer_verify)
-        alloc, fenced = None, True
+    # -- the request loop: each step of a request -----------------------------------------------
+    def _step(self, fn, req: rq.Pending, *args) -> None:
+        """Run one step of ``req``; an exception ends the request with it."""
+        if req.done:
+            return
         try:
-            if self._stop.is_set():
-                raise AgentClosed(SHUTTING_DOWN)
-            known = self.agent.prefills()  # one snapshot: room for a new prefill, and whether it is down
-            self._make_room(prefill, known)
-            self._refuse_if_down(prefill, known)
-            # a prefill gone while this request waited for pages fails it in ``receiver`` (redial_gone=False)
-            alloc = self.page_pool.allocate(self.names, seq_len, wait_s=deadline_s)
-            try:
-                recv = self._ask(room, seq_len, prefill, alloc, end)
-            except AgentTimeout:  # the abort was not confirmed: the pages wait for the prefill's fence
-                fenced = False
-                raise
-            m = recv.metrics
-            res.verify_level = str(m.get("verify", self.opts.transfer_verify))
-            res.bytes, res.descriptors = int(m.get("bytes", 0)), int(m.get("descriptors", 0))
-            res.transfer_s, res.copy_s = float(m.get("transfer_s", 0.0)), float(m.get("copy_s", 0.0))
-            if recv.state is not RequestState.SUCCESS:
-                raise recv.failure_exception() or TransferFailed(f"room {room} ended {recv.state.value}")
-            t1 = time.perf_counter()
-            problem = self._check(room, alloc.lists, verify)
-            res.verify_s = time.perf_counter() - t1
-            if problem is not None:
-                raise TransferFailed(problem)
-            res.status, res.verified = "success", True
+            fn(req, *args)
         except Exception as exc:
+            self._end(req, exc)
+
+    def _begin(self, req: rq.Pending) -> None:
+        req.t0, req.end = time.perf_counter(), time.monotonic() + req.deadline_s
+        self._pending[req.status.room] = req
+        if self._stop.is_set():
+            raise AgentClosed(SHUTTING_DOWN)
+        prefill = req.status.peer
+        known = self.agent.prefills()  # one snapshot: room for a new prefill, and whether it is down
+        self._make_room(prefill, known)
+        self._refuse_if_down(prefill, known)
+        req.timers.append(self._timers.at(req.end, self._step, self._expire, req))
+        # a prefill gone while this request waits for pages fails it in ``receiver`` (redial_gone=False)
+        req.alloc = self.page_pool.try_allocate(self.names, req.status.seq_len)
+        if req.alloc is None:
+            self._for_pages.append(req)
+        else:
+            self._ask(req)
+
+    def _ask(self, req: rq.Pending) -> None:
+        """Ask the prefill for the room (again, after a ``PrefillBusy``); its end comes back
+        through the receiver's done callback."""
+        room, alloc = req.status.room, req.alloc
+        req.recv = recv = self.agent.receiver(req.status.peer, room, redial_gone=False)  # the watcher redials
+        recv.init(alloc.lists[0], alloc.lists[1:], seq_len=req.status.seq_len)
+        recv.add_done_callback(lambda r: self._timers.post(self._step, self._landed, req, r))
+
+    def _landed(self, req: rq.Pending, recv) -> None:
+        """The receiver ended (the agent's completion, brought to the request loop)."""
+        if recv is not req.recv:
+            return
+        if req.why is None and isinstance(recv.failure_exception(), PrefillBusy):
+            if time.monotonic() + req.backoff < req.end and not self._stop.is_set():
+                self.stats.busy()
+                self._busy[req.status.room] = req
+                req.timers.append(self._timers.later(req.backoff, self._step, self._again, req))
+                req.backoff = min(BUSY_BACKOFF_S[1], req.backoff * 2)
+                return
+        if req.why is not None and recv.state is not RequestState.SUCCESS:  # (a verdict may come first)
+            raise TransferFailed(req.why)  # fenced: the pages are free to reuse
+        self._verify(req, recv)
+
+    def _again(self, req: rq.Pending) -> None:
+        """Ask a busy prefill again: one of this decode's requests ended, or the backoff passed."""
+        if self._busy.pop(req.status.room, None) is None:
+            return
+        if self._stop.is_set():
+            raise AgentClosed(SHUTTING_DOWN)
+        self._ask(req)
+
+    def _expire(self, req: rq.Pending) -> None:
+        """The deadline: no pages yet, or the prefill still busy, end the request; a transfer in
+        flight is aborted, and ends when the prefill confirms the abort (its fence)."""
+        if req.alloc is None:
+            self._for_pages.remove(req)
+            req.alloc = self.page_pool.allocate(self.names, req.status.seq_len)  # AllocationError: still full
+            raise TransferFailed("deadline exceeded")  # (freed pages came just now)
+        recv = req.recv
+        if self._busy.pop(req.status.room, None) is not None or recv.state.terminal:
+            return self._verify(req, recv)
+        why = "deadline exceeded"
+        if recv.state is RequestState.BOOTSTRAPPING:
+            why = f"deadline exceeded: no handshake answer from the prefill at {req.status.peer}"
+        req.why = why
+        try:
+            recv.abort("deadline exceeded on decode", timeout_s=0)
+        except TransferTimedOut:  # not fenced yet: its callback ends it when the prefill confirms
+            req.timers.append(self._timers.later(self.opts.peer_timeout_s + 5, self._step, self._unfenced, req))
+
+    def _unfenced(self, req: rq.Pending) -> None:
+        if req.recv.state.terminal:
+            return
+        req.fenced = False  # the pages wait for the prefill's fence (quarantine)
+        raise AgentTimeout(
+            f"{req.why}; the prefill at {req.status.peer} did not confirm the abort within "
+            f"{self.opts.peer_timeout_s + 5:g} s"
+        )
+
+    def _verify(self, req: rq.Pending, recv) -> None:
+        res, m = req.res, recv.metrics
+        res.verify_level = str(m.get("verify", self.opts.transfer_verify))
+        res.bytes, res.descriptors = int(m.get("bytes", 0)), int(m.get("descriptors", 0))
+        res.transfer_s, res.copy_s = float(m.get("transfer_s", 0.0)), float(m.get("copy_s", 0.0))
+        if recv.state is not RequestState.SUCCESS:
+            raise recv.failure_exception() or TransferFailed(f"room {req.status.room} ended {recv.state.value}")
+        t1 = time.perf_counter()
+        problem = synth.verify(self.kv_args, req.status.room, req.alloc.lists, req.verify, self.pools.memory)
+        res.verify_s = time.perf_counter() - t1
+        if problem is not None:
+            raise TransferFailed(problem)
+        res.status, res.verified = "success", True
+        self._end(req)
+
+    def _end(self, req: rq.Pending, exc: BaseException | None = None) -> None:
+        """End ``req`` (with ``exc``, or as its result says): its pages, counters, log line, future."""
+        if req.done:
+            return
+        req.done = True
+        for t in req.timers:
+            t.cancel()
+        room, prefill, res = req.status.room, req.status.peer, req.res
+        self._pending.pop(room, None)
+        self._busy.pop(room, None)
+        if exc is not None:
+            res.status, res.verified = "failed", False
             res.error = (
                 ErrorInfo.of(exc)
                 if isinstance(exc, PdStateError)
                 else ErrorInfo(type=type(exc).__name__, message=str(exc))
             )
-        if alloc is not None:
-            if fenced:
-                self.page_pool.free(alloc)
+        if req.alloc is not None:
+            if req.fenced:
+                self._free(req.alloc)
             else:  # the prefill never confirmed the abort: out of use until it is gone or accepts us again
                 log.warning("room %d: abort not confirmed by %s; its pages wait for its fence", room, prefill)
                 with self._lock:  # (since its deadline: when its abort went out)
-                    self._quarantine.append((prefill, end, alloc))
-        res.seconds = time.perf_counter() - t0
+                    self._quarantine.append((prefill, req.end, req.alloc))
+        res.seconds = time.perf_counter() - req.t0 if req.t0 else 0.0
         if res.status == "success":
             self.stats.success(res.bytes, res.seconds)
         else:
@@ -270,9 +350,28 @@ class AgentDecodeWorker(AgentWorker):
             nbytes=res.bytes,
             ms=res.seconds * 1e3,
             outcome="ok" if res.error is None else f"failed: {res.error.type}",
-            verification=f"{res.verify_level}+{verify if res.verified else 'none'}",
+            verification=f"{res.verify_level}+{req.verify if res.verified else 'none'}",
         )
-        self._finish(status, fut, res)
+        self._finish(req.status, req.fut, res)
+        for other in list(self._busy.values()):  # a prefill slot this request held is free again
+            self._timers.post(self._step, self._again, other)
+
+    def _free(self, alloc: rq.Allocation) -> None:
+        """Free pages (on the request loop) and hand them to the requests in line, in order."""
+        self.page_pool.free(alloc)
+        while self._for_pages:
+            req = self._for_pages[0]
+            req.alloc = self.page_pool.try_allocate(self.names, req.status.seq_len)
+            if req.alloc is None:
+                return
+            self._for_pages.popleft()
+            self._step(self._ask, req)
+
+    def _fail_all(self) -> None:
+        """At close (the agent closed first): end every request left with ``decode shutting down``."""
+        self._for_pages.clear()
+        for req in list(self._pending.values()):
+            self._end(req, AgentClosed(SHUTTING_DOWN))
 
     def _refuse_if_down(self, prefill: str, known: dict[str, dict]) -> None:
         """A gone prefill (until it accepts again), or one that refused this decode within the
@@ -286,53 +385,6 @@ class AgentDecodeWorker(AgentWorker):
             info = p["error_info"] or {"type": "PeerGone", "message": f"prefill {prefill} is gone"}
             raise error_from_wire(info["type"], info["message"])
 
-    def _ask(self, room, seq_len, prefill, alloc, end: float):
-        """Receive ``room`` into ``alloc``, asking a busy prefill again until ``end``. Returns
-        the terminal receiver (nothing of it can land any more); raises ``TransferFailed`` at the
-        deadline (after the abort's fence), ``AgentTimeout`` when the prefill never confirmed
-        the abort."""
-        backoff = BUSY_BACKOFF_S[0]
-        while True:
-            recv = self.agent.receiver(prefill, room, redial_gone=False)  # the watcher redials
-            recv.init(alloc.lists[0], alloc.lists[1:], seq_len=seq_len)
-            state = recv.wait(max(0.0, end - time.monotonic()))
-            if not state.terminal:
-                why = "deadline exceeded"
-                if state is RequestState.BOOTSTRAPPING:
-                    why = f"deadline exceeded: no handshake answer from the prefill at {prefill}"
-                try:
-                    recv.abort("deadline exceeded on decode", timeout_s=self.opts.peer_timeout_s + 5)
-                except TransferTimedOut:  # the pages wait for the prefill's fence (quarantine)
-                    raise AgentTimeout(
-                        f"{why}; the prefill at {prefill} did not confirm the abort within "
-                        f"{self.opts.peer_timeout_s + 5:g} s"
-                    ) from None
-                if recv.state is RequestState.SUCCESS:  # the verdict came first
-                    return recv
-                raise TransferFailed(why)  # fenced: the pages are free to reuse
-            if isinstance(recv.failure_exception(), PrefillBusy) and time.monotonic() + backoff < end:
-                self.stats.busy()
-                self._await_an_end(backoff)
-                if self._stop.is_set():
-                    raise AgentClosed(SHUTTING_DOWN)
-                backoff = min(BUSY_BACKOFF_S[1], backoff * 2)
-                continue
-            return recv
-
-    def _await_an_end(self, longest_s: float) -> None:
-        """Wait, after a ``PrefillBusy``, until one of this decode's requests ends (a prefill slot it
-        held is free again), this decode stops, or ``longest_s`` passed (slots other decodes free
-        send no word here)."""
-        with self._ended:
-            seen = self._ends
-            self._ended.wait_for(lambda: self._ends != seen or self._stop.is_set(), longest_s)
-
-    def _check(self, room: int, lists, verify: str) -> str | None:
-        if verify == "sample":
-            spans = [(r.base_ptr, r.nbytes) for r in self.pools.memory.regions()]
-            return synth.verify_sample(self.kv_args, room, lists, spans)
-        return synth.verify_destination(self.kv_args, room, lists)
-
     def _make_room(self, prefill: str, known: dict[str, dict]) -> None:
         """At most ``MAX_PREFILLS`` prefills connected: close an idle one for a new address."""
         if prefill in known or len(known) < MAX_PREFILLS:
@@ -342,13 +394,12 @@ class AgentDecodeWorker(AgentWorker):
                 return
         raise TooManyPrefills(f"this decode already uses {MAX_PREFILLS} prefills, each with requests in flight")
 
+    stop = close_side
+
     def _finish(self, status: RequestStatus, fut: Future, res: TransferResult) -> None:
         self._leave(status.room, res)
         with self._lock:
             self._futures.pop(status.room, None)
-        with self._ended:
-            self._ends += 1
-            self._ended.notify_all()
         settle(fut, res)
 
 

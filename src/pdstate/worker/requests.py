@@ -14,7 +14,10 @@ planner tells a slot from a page there, serve's workers keep the page rule.
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,6 +25,9 @@ import torch
 from pdstate.errors import AllocationError
 from pdstate.pools import indices
 from pdstate.pools.presets import WorkerPools
+from pdstate.worker.status import RequestStatus, TransferResult
+
+BUSY_BACKOFF_S = (0.002, 0.1)  # first and longest wait before a decode asks a busy prefill again
 
 
 @dataclass
@@ -31,6 +37,26 @@ class Allocation:
     lists: list[np.ndarray]
     freed: bool = False
     usage: dict[str, int] = field(default_factory=dict)  # what it took of each ``free_counts`` resource
+
+
+@dataclass(eq=False)
+class Pending:
+    """One request of a decode on its request loop (touched only there, after ``submit``)."""
+
+    status: RequestStatus
+    fut: Future
+    verify: str
+    deadline_s: float
+    res: TransferResult
+    t0: float = 0.0
+    end: float = 0.0
+    alloc: Allocation | None = None
+    recv: Any = None  # its latest KVReceiver
+    backoff: float = BUSY_BACKOFF_S[0]
+    why: str | None = None  # set when its deadline passed and its abort went out
+    fenced: bool = True
+    done: bool = False
+    timers: list[asyncio.TimerHandle] = field(default_factory=list)  # deadline, backoff, fence
 
 
 _NO_LOCS = torch.empty(0, dtype=torch.int64)

@@ -221,6 +221,14 @@ class SampleCheck:
         return None
 
 
+def verify(desc, room: int, lists: list[np.ndarray], how: str, memory) -> str | None:
+    """What landed in ``lists`` against the room's content: ``full`` (every byte) or ``sample``
+    (over ``memory``'s regions); ``None`` when it matches, else the first mismatch."""
+    if how == "sample":
+        return verify_sample(desc, room, lists, [(r.base_ptr, r.nbytes) for r in memory.regions()])
+    return verify_destination(desc, room, lists)
+
+
 def sample_check(desc, room: int, lists: list[np.ndarray], spans: list[tuple[int, int]]) -> SampleCheck:
     """The prepared ``verify_sample`` of ``room`` (see ``SampleCheck``); raises ``ValueError``
     for a channel whose buffers lie outside ``spans``."""

@@ -86,6 +86,10 @@ MISMATCHES: tuple[Case, ...] = (
 
 CASES: dict[str, Case] = {c.name: c for c in (CORRECT, *MISMATCHES)}
 
+# Not speculative, no draft model: what a pipeline-parallel prefill runs (the scheduler-queue driver).
+NO_DRAFT = Case("no_draft", "the same pools, not speculative, no draft model", NOSPEC, NOSPEC)
+QUEUE_CASES: dict[str, Case] = {**CASES, NO_DRAFT.name: NO_DRAFT}
+
 # The bench's pools: room for one 32k-token request (plus the window) on each side.
 BENCH_SIDE = replace(BASE, full_tokens=36864, swa_tokens=4096)
 BENCH_TOKENS = (2048, 8192, 32768)

@@ -88,24 +88,37 @@ def req_to_token_pool(side: Side):
     )
 
 
-def _labels(pool: DeepSeekV4TokenToKVPool, role: str) -> tuple[list, list, list]:
-    """What each entry of the pool's main-KV, SWA-state and C128-state lists holds (role, layer)."""
+def _labels(pool: DeepSeekV4TokenToKVPool, role: str, stage: tuple[int, int] | None = None) -> tuple[list, list, list]:
+    """What each entry of the pool's main-KV, SWA-state and C128-state lists holds (role, layer);
+    a PP stage's pool holds its layers ``[start, end)`` only, named by their model-wide ids."""
     ratios = list(pool.compression_ratios)
-    c4 = [i for i, r in enumerate(ratios) if r == 4]
-    c128 = [i for i, r in enumerate(ratios) if r == 128]
+    start, end = stage or (0, len(ratios))
+    layers = range(start, end)
+    c4 = [i for i in layers if ratios[i] == 4]
+    c128 = [i for i in layers if ratios[i] == 128]
     main = [(role, "c4_kv", i) for i in c4] + [(role, "c4_index", i) for i in c4] + [(role, "c128_kv", i) for i in c128]
-    swa = [(role, "swa", i) for i in range(len(ratios))]
+    swa = [(role, "swa", i) for i in layers]
     swa += [(role, "c4_state", i) for i in c4] + [(role, "c4_index_state", i) for i in c4]
     return main, swa, [(role, "c128_state", i) for i in c128]
 
 
-def build(side: Side, *, hold_pages: int = 0, req_pool=None, sampling_mask_tokens: int = 0) -> SimpleNamespace:
+def build(
+    side: Side,
+    *,
+    hold_pages: int = 0,
+    req_pool=None,
+    sampling_mask_tokens: int = 0,
+    stage: tuple[int, int] | None = None,
+) -> SimpleNamespace:
     """The pools of ``side`` (the server args they read must be published first): ``target``,
     ``draft`` (or None), ``alloc``, ``meta`` (aux), ``req_pool``, ``labels`` (what each buffer entry
     holds) and ``pad``, pages held so that the decode's pages differ from the prefill's. 0.5.23's
     allocator takes ``req_pool`` (a new one of ``req_to_token_pool`` unless given) and its
-    ``MetadataBuffers`` ``sampling_mask_tokens``."""
+    ``MetadataBuffers`` ``sampling_mask_tokens``; ``stage``: a PP stage's layers ``[start, end)``
+    (SGLang's ``start_layer`` / ``end_layer``)."""
     kw = _pool_kwargs(side)
+    if stage is not None:
+        kw.update(start_layer=stage[0], end_layer=stage[1])
     target = DeepSeekV4TokenToKVPool(**kw)
     draft = None
     if side.draft:
@@ -126,7 +139,7 @@ def build(side: Side, *, hold_pages: int = 0, req_pool=None, sampling_mask_token
     )
     if hold_pages:
         pools.pad = alloc.full_attn_allocator.alloc(hold_pages * side.page_size)
-    main, swa, c128 = _labels(target, "target")
+    main, swa, c128 = _labels(target, "target", stage)
     if draft is not None:
         d_main, d_swa, _ = _labels(draft, "draft")
         main, swa_draft = main + d_main, d_swa

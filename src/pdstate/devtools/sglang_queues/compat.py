@@ -29,6 +29,7 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
 from pdstate.devtools.sglang_pair import pattern
 from pdstate.devtools.sglang_queues import pools as side_pools
+from pdstate.devtools.sglang_queues.parallel import group_of
 
 NEW = not hasattr(disagg_utils, "get_dsv4_c128_state_indices")  # 0.5.23 and later
 HIDDEN_LAYERS = 43
@@ -53,59 +54,23 @@ class _NaiveAllocKernel:
 
 paged.alloc_extend_kernel = _NaiveAllocKernel()
 
-_HELD: list = []
+
+def build_pools(side, req_to_token_pool, *, decode: bool, stage: tuple[int, int] | None = None) -> SimpleNamespace:
+    """Real DSV4-Flash-shaped pools of ``side`` (``stage``: a PP stage's layers); the decode holds a
+    page first, so its pages differ."""
+    return side_pools.build(side, req_to_token_pool, hold_pages=1 if decode else 0, stage=stage)
 
 
-def _group(group, size: int = 1, rank: int = 0) -> SimpleNamespace:
-    """A coordinator group (rank ``rank`` of ``size``) whose ``cpu_group`` is the gloo group of one."""
-    return SimpleNamespace(cpu_group=group, device_group=group, world_size=size, rank_in_group=rank, rank=rank,
-                           ranks=list(range(size)), is_first_rank=rank == 0, is_last_rank=rank == size - 1,
-                           local_rank=rank)  # fmt: skip
+def stage_layers(pp: tuple[int, int]) -> tuple[int, int] | None:
+    """A PP prefill stage's layers as SGLang partitions the model (``None``: one stage)."""
+    from sglang.srt.distributed.utils import get_pp_indices
+
+    size, rank = pp
+    return None if size == 1 else tuple(get_pp_indices(HIDDEN_LAYERS, rank, size))
 
 
-def parallel_context(group, attn_tp: tuple[int, int] = (1, 0)) -> None:
-    """cp = dp = pp = 1 and ``attn_tp = (size, rank)`` (tp the same); the queues all-reduce over
-    ``group`` (a gloo group of one: each attention-TP rank of a wider decode is a process of its
-    own, polling alone). Set once per process."""
-    from sglang.srt.runtime_context import get_parallel
-
-    size, rank = attn_tp = tuple(attn_tp)
-    if _HELD and _HELD[0] != attn_tp:
-        raise RuntimeError(f"this child runs attention TP {_HELD[0]}; a new child is needed for {attn_tp}")
-    if NEW:  # 0.5.23: the queues read the groups and ranks from the parallel context
-        if not _HELD:
-            g, tp = _group(group), _group(group, size, rank)
-            get_parallel().override_permanently(
-                tp_size=size, tp_rank=rank, pp_size=1, pp_rank=0, attn_tp_size=size, attn_tp_rank=rank,
-                attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0, dp_size=1, dp_rank=0, dcp_size=1,
-                dcp_rank=0, attn_dcp_size=1, attn_dcp_rank=0, moe_tp_size=size, moe_tp_rank=rank, tp_group=tp,
-                pp_group=g, attn_tp_group=tp, attn_cp_group=g,
-            )  # fmt: skip
-            _HELD.append(attn_tp)
-        return
-    from sglang.srt.distributed import parallel_state
-    from sglang.srt.layers import dp_attention
-
-    if not _HELD:
-        sizes = dict(world_size=size, tp_size=size, pp_size=1, attn_tp_size=size, attn_cp_size=1, dcp_size=1,
-                     attn_dcp_size=1, attn_dp_size=1)  # fmt: skip
-        ranks = dict(world_rank=rank, tp_rank=rank, pp_rank=0, attn_tp_rank=rank, attn_cp_rank=0, dcp_rank=0,
-                     attn_dcp_rank=0, attn_dp_rank=0)  # fmt: skip
-        held = get_parallel().override(**sizes, **ranks, dcp_enabled=False)
-        held.__enter__()  # entered for the process's life (kept referenced: never exited)
-        _HELD.extend((attn_tp, held))
-    dp_attention._ATTN_DP_RANK, dp_attention._ATTN_DP_SIZE = 0, 1
-    if parallel_state._PP is None:
-        parallel_state._PP = SimpleNamespace(world_size=1, rank_in_group=0, is_first_rank=True, is_last_rank=True)
-
-
-def build_pools(side, req_to_token_pool, *, decode: bool) -> SimpleNamespace:
-    """Real DSV4-Flash-shaped pools of ``side``; the decode holds a page first, so its pages differ."""
-    return side_pools.build(side, req_to_token_pool, hold_pages=1 if decode else 0)
-
-
-def _ps(**kw) -> SimpleNamespace:
-    return SimpleNamespace(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1, gpu_id=0, **kw)
+def _ps(pp: tuple[int, int] = (1, 0)) -> SimpleNamespace:
+    return SimpleNamespace(tp_rank=0, tp_size=1, pp_rank=pp[1], pp_size=pp[0], dp_rank=0, dp_size=1, gpu_id=0)
 
 
 def _tp_worker(pools) -> SimpleNamespace:
@@ -140,7 +105,7 @@ def _tree_cache(pools, req_to_token_pool, args, sched, group):
     ctx = TreeCacheBuildContext(
         server_args=args, params=params, is_hybrid_swa=True, is_hybrid_ssm=False, enable_hierarchical_cache=False,
         disable_radix_cache=not radix, tp_worker=sched.tp_worker, model_config=sched.model_config, tp_size=1, tp_rank=0,
-        tp_group=_group(group), full_tokens_per_layer=pools.side.full_tokens,
+        tp_group=group_of(group), full_tokens_per_layer=pools.side.full_tokens,
     )  # fmt: skip
     return create_tree_cache(ctx)
 
@@ -173,9 +138,9 @@ def _batch_result_processor():
     return proc
 
 
-def _common(sched, pools, args, group, streamer, req_to_token_pool) -> None:
+def _common(sched, pools, args, group, streamer, req_to_token_pool, pp: tuple[int, int] = (1, 0)) -> None:
     sched.server_args = args
-    sched.ps = _ps()
+    sched.ps = _ps(pp)
     sched.tp_worker = _tp_worker(pools)
     sched.model_config = SimpleNamespace(num_hidden_layers=HIDDEN_LAYERS, hf_text_config=None)
     sched.req_to_token_pool = req_to_token_pool
@@ -207,7 +172,7 @@ def _common(sched, pools, args, group, streamer, req_to_token_pool) -> None:
     sched.kv_checksum_computer = None
     sched.scheduler_stage_metrics = None
     sched.batch_result_processor = _batch_result_processor()
-    sched.pp_group = _group(group)
+    sched.pp_group = group_of(group)
 
 
 def _case(pools, sched, kv_args, **kw) -> SimpleNamespace:
@@ -233,28 +198,32 @@ def _only_known(cls, kw: dict) -> dict:
     return {k: v for k, v in kw.items() if k in names}
 
 
-def prefill_queues(side, args, backend: str, port: int, group, host: str, streamer) -> SimpleNamespace:
+def prefill_queues(side, args, backend: str, port: int, group, host: str, streamer, pp=(1, 0)) -> SimpleNamespace:
+    """A prefill rank's queues (``pp``: its PP ``(size, rank)``; the first stage runs the bootstrap server)."""
     tb = TransferBackend(backend)
-    server = get_kv_class(tb, KVClassType.BOOTSTRAP_SERVER)(host, port)
+    server = get_kv_class(tb, KVClassType.BOOTSTRAP_SERVER)(host, port) if pp[1] == 0 else None
     sender = get_kv_class(tb, KVClassType.SENDER)
     if getattr(sender, "supports_host_tensor_indices", False):
         # 0.5.23's Mooncake sender takes pinned host tensors and a CUDA event; with no CUDA,
         # send_kv_chunk's other branch (kv_to_page_indices) serves, as for every other sender.
         sender.supports_host_tensor_indices = False
     rtp = ReqToTokenPool(side.max_num_reqs, side.full_tokens + side.page_size, "cpu", False)
-    pools = build_pools(side, rtp, decode=False)
+    pools = build_pools(side, rtp, decode=False, stage=stage_layers(pp))
     sched = PrefillScheduler()
-    _common(sched, pools, args, group, streamer, rtp)
+    _common(sched, pools, args, group, streamer, rtp, pp)
     sched.disagg_prefill_inflight_queue = []
     sched.disagg_prefill_pending_chunk_rids = set()
     kw = dict(
         token_to_kv_pool=pools.target, draft_token_to_kv_pool=pools.draft,
         req_to_metadata_buffer_idx_allocator=sched.req_to_metadata_buffer_idx_allocator,
         metadata_buffers=pools.meta, tp_rank=0, tp_size=1, gpu_id=0, bootstrap_port=port, gloo_group=group,
-        max_total_num_tokens=side.full_tokens, scheduler=sched, pp_rank=0, pp_size=1, transfer_backend=tb,
+        max_total_num_tokens=side.full_tokens, scheduler=sched, pp_rank=pp[1], pp_size=pp[0], transfer_backend=tb,
         scheduler_stage_metrics=None,
     )  # fmt: skip
-    sched.disagg_prefill_bootstrap_queue = PrefillBootstrapQueue(**_only_known(PrefillBootstrapQueue, kw))
+    sched.disagg_prefill_bootstrap_queue = queue = PrefillBootstrapQueue(**_only_known(PrefillBootstrapQueue, kw))
+    # each stage is a child polling alone: the consensus SGLang's PP event loop passes from stage to
+    # stage (its senders' polls) is this stage's own poll, the queue polling as a queue of one stage
+    queue.pp_size = 1
     kv_args = sched.disagg_prefill_bootstrap_queue.kv_manager.kv_args
     return _case(pools, sched, kv_args, server=server)
 

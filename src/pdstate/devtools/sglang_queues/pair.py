@@ -47,24 +47,39 @@ def _rank(n: int, i: int) -> dict:
     return {"attn_tp": [n, i]} if n > 1 else {}
 
 
+def _stage(n: int, i: int) -> dict:
+    """Prefill stage ``i`` of ``n``'s setup options (none for a prefill of one stage)."""
+    return {"pp": [n, i]} if n > 1 else {}
+
+
 class QueuePair(ChildPair):
     """A prefill child and a decode child under the SGLang environment ``target``; with
     ``decode_ranks`` above 1, that many decode children, the attention-TP ranks of one decode
-    (each request runs on all of them; ``decode`` is rank 0's answer, ``decode_ranks`` all)."""
+    (each request runs on all of them; ``decode`` is rank 0's answer, ``decode_ranks`` all); with
+    ``prefill_stages`` above 1, that many prefill children, the PP stages of one prefill (each with
+    its layers' pools; the first runs the bootstrap server; ``prefill`` is the first's answer,
+    ``prefill_stages`` all, the time to Success the last stage's)."""
 
     def __init__(
-        self, target: Path | None = None, extra_env: dict[str, str] | None = None, decode_ranks: int = 1
+        self,
+        target: Path | None = None,
+        extra_env: dict[str, str] | None = None,
+        decode_ranks: int = 1,
+        prefill_stages: int = 1,
     ) -> None:
         env = child_env(target or env_dir(), extra_env)
         super().__init__(env, SIDE_MODULE, REPLY, STDERR_TAIL)
         self.decodes = [self.decode] + [
             Child(f"decode rank {i}", env, SIDE_MODULE, REPLY, STDERR_TAIL) for i in range(1, decode_ranks)
         ]
+        self.prefills = [self.prefill] + [
+            Child(f"prefill stage {i}", env, SIDE_MODULE, REPLY, STDERR_TAIL) for i in range(1, prefill_stages)
+        ]
         self.room = 5000
 
     def close(self) -> None:
         super().close()
-        for child in self.decodes[1:]:
+        for child in self.decodes[1:] + self.prefills[1:]:
             child.close()
 
     def request(
@@ -83,23 +98,29 @@ class QueuePair(ChildPair):
             room = self.room
         t0 = time.perf_counter()
         kw = dict(room=room, tokens=tokens, deadline_s=deadline_s)
-        self.prefill.tell("run_prefill", **kw, **(prefill or {}))
+        for child in self.prefills:
+            child.tell("run_prefill", **kw, **(prefill or {}))
         decodes = self.decodes if decode is not False else []
         for child in decodes:
             child.tell("run_decode", **kw, **(decode or {}))
         wait = deadline_s + SLACK_S + (decode or {}).get("settle_s", 0.0) if decode is not False else 0.0
-        pre = _side(self.prefill.answer(deadline_s + SLACK_S))
+        stages = [_side(child.answer(deadline_s + SLACK_S)) for child in self.prefills]
         ranks = [_side(child.answer(wait)) for child in decodes] or [{"outcome": "not run"}]
         elapsed = time.perf_counter() - t0
-        sent = pre.pop("aux", None)
+        pre, sent = stages[0], stages[-1].get("aux")
+        for stage in stages:
+            stage.pop("aux", None)
         for dec in ranks:
             _compare_aux(sent, dec)
+        times = [stage.pop("ms", None) for stage in stages]
         out = {
             "tokens": tokens, "room": room, "prefill": pre, "decode": ranks[0],
-            "send_to_success_ms": pre.pop("ms", None), "elapsed_s": elapsed,
+            "send_to_success_ms": None if None in times else max(times), "elapsed_s": elapsed,
         }  # fmt: skip
         if len(ranks) > 1:
             out["decode_ranks"] = ranks
+        if len(stages) > 1:
+            out["prefill_stages"] = stages
         return out
 
     def setup(
@@ -110,7 +131,11 @@ class QueuePair(ChildPair):
         port = free_port()
         t0 = time.perf_counter()
         kw = dict(backend=backend, port=port, env=env or {}, radix=radix, http_port=http_port)
-        p = self.prefill.call("setup", SETUP_S, role="prefill", side=case.prefill.to_json(), **kw)
+        n = len(self.prefills)
+        p = self.prefill.call("setup", SETUP_S, role="prefill", side=case.prefill.to_json(), **kw, **_stage(n, 0))
+        for i, child in enumerate(self.prefills[1:], 1):  # the bootstrap server (stage 0's) runs first
+            if p["ok"]:
+                p = child.call("setup", SETUP_S, role="prefill", side=case.prefill.to_json(), **kw, **_stage(n, i))
         d = {"ok": False, "error": "not set up (the prefill's setup failed)"}
         if p["ok"]:
             n = len(self.decodes)
@@ -132,20 +157,22 @@ class QueuePair(ChildPair):
 
 
 def main() -> None:
-    """``python -m pdstate.devtools.sglang_queues.pair BACKEND CASE... [--decode-ranks N]``: JSON
-    results on stdout (``--decode-ranks``: a decode of that many attention-TP ranks)."""
+    """``python -m pdstate.devtools.sglang_queues.pair BACKEND CASE... [--decode-ranks N]
+    [--prefill-stages N]``: JSON results on stdout (``--decode-ranks``: a decode of that many
+    attention-TP ranks; ``--prefill-stages``: a prefill of that many PP stages)."""
     import argparse
 
-    from pdstate.devtools.sglang_pair.cases import CASES
+    from pdstate.devtools.sglang_pair.cases import QUEUE_CASES
     from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV
 
     parser = argparse.ArgumentParser(prog="python -m pdstate.devtools.sglang_queues.pair")
     parser.add_argument("backend")
     parser.add_argument("cases", nargs="*", default=["correct"])
     parser.add_argument("--decode-ranks", type=int, default=1)
+    parser.add_argument("--prefill-stages", type=int, default=1)
     a = parser.parse_args()
-    with QueuePair(extra_env=PDSTATE_ENGINE_ENV, decode_ranks=a.decode_ranks) as pair:
-        results = [pair.run_case(CASES[n], a.backend) for n in a.cases]
+    with QueuePair(extra_env=PDSTATE_ENGINE_ENV, decode_ranks=a.decode_ranks, prefill_stages=a.prefill_stages) as pair:
+        results = [pair.run_case(QUEUE_CASES[n], a.backend) for n in a.cases]
     print(json.dumps(results, indent=1, default=str))
 
 

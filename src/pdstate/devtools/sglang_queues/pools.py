@@ -19,10 +19,10 @@ __all__ = ["KV_CACHE_DTYPE", "SAMPLING_MASK_TOKENS", "buffers", "build", "reques
 SAMPLING_MASK_TOKENS = 16  # MetadataBuffers' max_sampling_mask_tokens (0.5.23)
 
 
-def build(side, req_to_token_pool, *, hold_pages: int = 0) -> SimpleNamespace:
+def build(side, req_to_token_pool, *, hold_pages: int = 0, stage: tuple[int, int] | None = None) -> SimpleNamespace:
     """The pools of ``side`` (its server args published first): ``target``, ``draft`` (or None),
     ``alloc``, ``meta`` (aux), ``labels``; ``hold_pages`` pages are taken first, so that the
-    decode's pages differ from the prefill's."""
+    decode's pages differ from the prefill's; ``stage``: a PP stage's layers ``[start, end)``."""
     return pair_pools.build(
-        side, hold_pages=hold_pages, req_pool=req_to_token_pool, sampling_mask_tokens=SAMPLING_MASK_TOKENS
+        side, hold_pages=hold_pages, req_pool=req_to_token_pool, sampling_mask_tokens=SAMPLING_MASK_TOKENS, stage=stage
     )

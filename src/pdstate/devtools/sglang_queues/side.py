@@ -40,7 +40,7 @@ import numpy as np
 from pdstate.devtools.sglang_pair import boot, pattern
 from pdstate.devtools.sglang_pair.cases import Side
 from pdstate.devtools.sglang_pair.child import serve
-from pdstate.devtools.sglang_queues import compat
+from pdstate.devtools.sglang_queues import compat, parallel
 
 REPLY = "@@queues "
 HOST = "127.0.0.1"
@@ -82,9 +82,11 @@ def setup(
     radix: bool = False,
     http_port: int | None = None,
     attn_tp: tuple[int, int] = (1, 0),
+    pp: tuple[int, int] = (1, 0),
 ) -> dict:
     """This side's queues, pools and manager for one case (``attn_tp``: the decode rank's
-    attention-TP ``(size, rank)``, a child per rank)."""
+    attention-TP ``(size, rank)``, a child per rank; ``pp``: the prefill stage's PP ``(size, rank)``,
+    a child per stage)."""
     S.role, S.backend, S.port = role, backend, port
     for key in S.env_set:  # the previous case's SGLang settings go; this case's are read by its manager
         os.environ.pop(key, None)
@@ -101,18 +103,18 @@ def setup(
         disaggregation_transfer_backend=backend, disaggregation_bootstrap_port=port, host=HOST,
         chunked_prefill_size=CHUNK_TOKENS, disable_radix_cache=not (radix and role == "decode"),
         **({"disaggregation_decode_enable_radix_cache": True} if radix and role == "decode" else {}),
-        **({"port": http_port} if http_port else {}),
+        **({"port": http_port} if http_port else {}), **({"pp_size": pp[0]} if pp[0] > 1 else {}),
     )  # fmt: skip
     boot.publish(args)
     group = _gloo_group()
-    compat.parallel_context(group, attn_tp)
+    parallel.parallel_context(group, attn_tp, pp, rendezvous=port)
     if backend == "mooncake" and not S.engine:  # as SGLang's scheduler does for its own Mooncake backend
         from sglang.srt.distributed.device_communicators import mooncake_transfer_engine as mte
 
         mte.init_mooncake_transfer_engine(hostname=HOST, gpu_id=0)
         S.engine = True
     if role == "prefill":
-        S.case = compat.prefill_queues(s, args, backend, port, group, HOST, Streamer())
+        S.case = compat.prefill_queues(s, args, backend, port, group, HOST, Streamer(), tuple(pp))
     else:
         S.case = compat.decode_queues(s, args, backend, port, group, Streamer(), tuple(attn_tp))
     kv_args = S.case.kv_args

@@ -12,8 +12,10 @@ attributes say so). What differs:
   with ``rank_ip`` / ``rank_port``), so routers and decodes find it through SGLang's own routes;
 * decode: a ``DecodeAgent``; a receiver resolves the prefill rank's ``rank_ip:rank_port`` from that
   server and its agent connects there and shakes hands (layout reports, upstream's refusals);
-* what the agents cannot serve is refused at start (``launch.backend``): context and pipeline
-  parallelism. Every attention-TP pairing SGLang maps is served: a prefill attention TP wider
+* what the agents cannot serve is refused at start (``launch.backend``): context parallelism,
+  a decode of several PP stages, a PP prefill with a draft model. A PP prefill's stages feed
+  a decode of one stage, which faces each through an agent of its memory sliced to the stage's
+  layers (``stages``). Every attention-TP pairing SGLang maps is served: a prefill attention TP wider
   than the decode's (one prefill rank sends, the others complete as dummies), a decode attention
   TP wider than the prefill's (each prefill rank sends the whole request to every decode rank
   SGLang maps to it, each under a room of its own: ``replicas``); a prefill with DP attention
@@ -31,9 +33,10 @@ import secrets
 import socket
 
 from pdstate.agent import DecodeAgent, PrefillAgent
-from pdstate.errors import AgentClosed
+from pdstate.errors import AgentClosed, EngineError
 from pdstate.integrations.sglang.launch.backend import context_parallel_refusal, pipeline_parallel_refusal
 from pdstate.integrations.sglang.settings import check_rank_auth, layout_report, load_settings
+from pdstate.integrations.sglang.stages import StageAgents
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
@@ -79,13 +82,15 @@ def build_manager() -> type:
                 raise ValueError(f"Unsupported DisaggregationMode: {disaggregation_mode}")
             parallel = get_parallel()
             refusal = context_parallel_refusal(parallel.attn_cp_size, parallel.attn_dcp_size)
-            refusal = refusal or pipeline_parallel_refusal(parallel.pp_size)
             if refusal is not None:  # before anything is registered anywhere
                 raise ValueError(refusal)
             settings = load_settings(self.role)
             local_ip = get_local_ip_auto()  # what SGLang advertises for this rank (its prefill agent binds it)
             check_rank_auth(settings, self.role, local_ip)
             report = layout_report(args)
+            refusal = pipeline_parallel_refusal(parallel.pp_size, self.role, draft=report.factor("draft") is not None)
+            if refusal is not None:
+                raise ValueError(refusal)
             common = dict(
                 report=report,
                 engine=settings.engine,
@@ -108,9 +113,13 @@ def build_manager() -> type:
                     args, bind=bind, worker_id=rank, bootstrap_timeout_s=bootstrap_s + BACKSTOP_S, **common
                 )
             else:
-                self.agent = DecodeAgent(
-                    args, worker_id=rank, transfer_timeout_s=min(MAX_TRANSFER_S, waiting_s + BACKSTOP_S), **common
-                )
+                decode_kw = dict(transfer_timeout_s=min(MAX_TRANSFER_S, waiting_s + BACKSTOP_S), **common)
+                self.agent = DecodeAgent(args, worker_id=rank, **decode_kw)
+                self._stages = StageAgents(args, report, rank, decode_kw)
+            problem = self.agent.transport()["problem"]
+            if problem:  # a silent fallback (Mooncake configured for RDMA, running on TCP): never serve on it
+                self.agent.close()
+                raise EngineError(problem)
             self.topology_errors: dict[str, str] = {}
             try:
                 super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
@@ -183,8 +192,16 @@ def build_manager() -> type:
         def deregister_buffer_to_engine(self):
             """Kept registered: the agent owns the registration for its whole life."""
 
+        def agent_for(self, pp_rank: int, pp_size: int):
+            """The decode agent facing prefill stage ``pp_rank`` of ``pp_size`` (``stages``): this
+            rank's own agent for a prefill of one stage."""
+            return self.agent if pp_size <= 1 else self._stages.agent(pp_rank, pp_size)
+
         def close(self) -> None:
             self.agent.close()
+            stages = getattr(self, "_stages", None)
+            if stages is not None:
+                stages.close()
 
         def teardown(self) -> None:
             """SGLang 0.5.23's release of a manager's transfer resources: the agent closes."""

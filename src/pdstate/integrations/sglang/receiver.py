@@ -4,7 +4,8 @@ SGLang's order: made when the request reaches the decode (``Bootstrapping``); ``
 resolves the prefill ranks of that DP group through SGLang's bootstrap server (SGLang's own code:
 ``rank_ip`` / ``rank_port`` per rank, the real one and, for a wider prefill attention TP, dummies)
 and opens one agent receiver per rank (a decode attention TP wider than the prefill's: under a
-room of this decode rank's own, ``replicas``), whose first use connects and shakes hands: ``poll()`` is
+room of this decode rank's own, ``replicas``; a PP prefill: each stage's through the agent of
+that stage's slice of this rank's memory, ``stages``), whose first use connects and shakes hands: ``poll()`` is
 ``WaitingForInput`` once every one was accepted. ``send_metadata(pages, aux_index, state_indices,
 decode_prefix_len)`` tells the real rank where everything lands (the dummies: nothing), and
 ``poll()`` follows the agent receivers to ``Success`` (digests equal) or ``Failed``.
@@ -84,10 +85,12 @@ def build_receiver() -> type:
             count = int(getattr(self, "required_dst_info_num", None) or 1)
             index = replica_index(self.kv_mgr.kv_args.engine_rank, self.kv_mgr.attn_tp_size, count)
             room = replica_room(self.bootstrap_room, index, count)
+            stages = int(getattr(getattr(self, "prefill_info", None), "pp_size", 1) or 1)  # a PP prefill: ``stages``
             try:
                 for info in self.bootstrap_infos:
                     address = self.kv_mgr.agent_address(info)
-                    self._recvs.append((bool(info.get("is_dummy")), self.kv_mgr.agent.receiver(address, room)))
+                    agent = self.kv_mgr.agent_for(int(info.get("pp_rank", 0)), stages)
+                    self._recvs.append((bool(info.get("is_dummy")), agent.receiver(address, room)))
             except (PdStateError, ValueError) as exc:
                 self.pdstate_fail(exc)
 

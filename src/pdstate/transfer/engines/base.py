@@ -56,6 +56,7 @@ from pdstate.errors import (
     UnknownPeer,
 )
 from pdstate.pools.memory import Region
+from pdstate.transfer.engines.listeners import Transport, tcp_listeners
 from pdstate.transfer.engines.regions import RegionTable, check_plan, drop_empty
 from pdstate.transfer.plan import TransferPlan
 
@@ -180,9 +181,13 @@ class TransferEngine(ABC):
         """Create the native agent. Raises ``EngineError`` if it cannot be created."""
         if self._lifecycle is not _Lifecycle.NEW:
             raise EngineStateError(f"{self.name} engine: start() called twice or after close()")
-        self._engine_id = secrets.token_hex(8)
+        self._engine_id, before = secrets.token_hex(8), tcp_listeners()
         self._start()
-        self._lifecycle = _Lifecycle.STARTED
+        self._lifecycle, self._listening = _Lifecycle.STARTED, tuple(sorted(tcp_listeners() - before))
+
+    def transport(self) -> Transport:
+        """The transport configured and in use, and the listeners ``start`` opened (``engines.listeners``)."""
+        return Transport(self.name, self.name, self.name, getattr(self, "_listening", ()))
 
     @_locked
     def close(self) -> None:

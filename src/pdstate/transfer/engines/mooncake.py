@@ -33,10 +33,18 @@ Traps (measured, see ``shared/reference/engines_measured.md``):
 * Every failure is one native code (-1 mostly; ``send_probe`` returns e.g. -102 for a refused
   connection). Messages name the operation, the peer, the batch and the code.
 * Mooncake logs (glog) to stderr; that is expected.
+* SILENT FALLBACK. ``protocol="rdma"`` on a host whose topology has no RDMA device (0 HCAs)
+  starts anyway, on the TCP transport ("Found 0 HCAs", then "TcpTransport: listen on port").
+  ``transport()`` says so (``in_use`` "tcp", ``problem``): a worker is then not ready.
+* OPEN LISTENERS. Its P2P handshake RPC socket and its TCP transport's socket bind every
+  interface (``0.0.0.0`` / ``[::]``) whatever ``host`` says, and authenticate nobody;
+  ``MC_TCP_BIND_ADDRESS`` only names the advertised address outside P2P mode (source and
+  measurement: docs/security.md).
 """
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -48,6 +56,7 @@ from typing import Any
 from pdstate.errors import EngineError, NativeEngineError
 from pdstate.pools.memory import Region
 from pdstate.transfer.engines.base import Peer, TransferEngine, TransferHandle, import_native
+from pdstate.transfer.engines.listeners import Transport
 from pdstate.transfer.plan import TransferPlan
 
 NATIVE_MODULE = "mooncake.engine"
@@ -135,6 +144,7 @@ class MooncakeEngine(TransferEngine):
         self._worker: _Worker | None = None
         self._registered_ptrs: list[int] = []
         self.session_id = ""
+        self.hcas = 0  # RDMA devices in the native topology, read at start
 
     @classmethod
     def check_available(cls) -> None:
@@ -154,8 +164,23 @@ class MooncakeEngine(TransferEngine):
         )
         self.native = native
         self.session_id = f"{self.host}:{native.get_rpc_port()}"
+        self.hcas = count_hcas(native.get_local_topology())
         self._worker = _Worker(f"pdstate-mooncake-{self.session_id}")
         self._worker.start()
+
+    def transport(self) -> Transport:
+        """``rdma`` only when asked for and the topology has an RDMA device; else ``tcp`` (with
+        the fallback named as ``problem`` when ``rdma`` was asked for)."""
+        base = super().transport()
+        in_use = "rdma" if self.protocol == "rdma" and self.hcas else "tcp"
+        problem = None
+        if self.protocol == "rdma" and in_use == "tcp":
+            problem = (
+                f"mooncake was configured with protocol 'rdma' (device {self.device_name!r}) but found no RDMA "
+                "device (0 HCAs in its topology) and fell back to TCP; fix the RDMA set-up, or set "
+                'transfer.mooncake.protocol = "tcp"'
+            )
+        return Transport(self.name, self.protocol, in_use, base.listening, problem)
 
     def _register(self, regions: list[Region]) -> None:
         for r in regions:
@@ -248,3 +273,13 @@ class MooncakeEngine(TransferEngine):
             native.unregister_memory(ptr)  # best effort: the engine is dropped right after
         self._registered_ptrs.clear()
         del native
+
+
+def count_hcas(topology: str) -> int:
+    """RDMA devices named in Mooncake's topology JSON (``{"cpu:0": [[preferred], [available]]}``)."""
+    try:
+        doc = json.loads(topology or "{}")
+    except ValueError:
+        return 0
+    lists = [x for v in (doc.values() if isinstance(doc, dict) else ()) if isinstance(v, list) for x in v]
+    return len({h for hcas in lists if isinstance(hcas, list) for h in hcas if isinstance(h, str)})

@@ -36,6 +36,9 @@ Traps (measured on this box):
 * The agent is not thread-safe in its default sync mode; the engine's lock (``base.py``)
   serialises every call into it.
 * A peer that went away fails the next transfer at once with ``NIXL_ERR_REMOTE_DISCONNECT``.
+* LISTENERS. UCX's TCP transport listens on one socket per network device it uses (measured:
+  ``127.0.0.1`` and the host's LAN address), unauthenticated. ``UCX_NET_DEVICES=lo`` (the
+  ``ucx_env``; ``transfer.nixl.net_devices``) keeps it on loopback: then one host only (cma).
 * IDLE CPU. Each agent's progress thread (NIXL's default, ``enable_prog_thread=True``) keeps a
   core busy even with nothing to move: two idle agents used 5.9 s of CPU in 3 s (nixl-cu12
   1.5.1, UCX over cma/tcp; ``UCX_TLS`` did not change it). Without the progress thread a
@@ -57,6 +60,7 @@ from pdstate.errors import EngineError, InvalidEndpoint, NativeEngineError
 from pdstate.pools.memory import Region
 from pdstate.pools.placement import memory_devices
 from pdstate.transfer.engines.base import Peer, TransferEngine, TransferHandle, import_native
+from pdstate.transfer.engines.listeners import Transport
 from pdstate.transfer.plan import TransferPlan
 
 NATIVE_MODULE = "nixl_cu12._api"
@@ -126,6 +130,12 @@ class NixlEngine(TransferEngine):
     @classmethod
     def check_available(cls) -> None:
         import_native(NATIVE_MODULE, cls.name, "nixl")
+
+    def transport(self) -> Transport:
+        """UCX picks a transport per peer (``cma`` on one host, ``tcp``, ``rc`` ...): reported as
+        ``ucx`` with the ``UCX_TLS`` it was started with."""
+        tls = f"ucx ({os.environ.get('UCX_TLS', 'UCX_TLS unset: any')})"
+        return Transport(self.name, tls, tls, super().transport().listening)
 
     def _start(self) -> None:
         api = import_native(NATIVE_MODULE, self.name, "nixl")

@@ -3,10 +3,12 @@ functions of the launch's topology, so the preflight predicts exactly those refu
 
 ``pdstate.integrations.sglang.manager`` refuses (with these functions' texts):
 
-at start, on either side, where the KV manager raises ``ValueError`` while SGLang builds it, so
-the server does not start: context parallelism (``attn_cp_size`` or ``attn_dcp_size`` above 1),
-and pipeline parallelism (``pp_size`` above 1: SGLang pairs a PP prefill with a decode of the same
-PP size or of one stage, and pdstate moves no stage's layers into their slice of a decode's yet).
+at start, where the KV manager raises ``ValueError`` while SGLang builds it, so the server does
+not start: context parallelism on either side (``attn_cp_size`` or ``attn_dcp_size`` above 1),
+pipeline parallelism on a decode (``pp_size`` above 1: SGLang pairs a PP prefill with a decode of
+the same PP size or of one stage; pdstate serves the second only), and a PP prefill with a draft
+model (its draft KV has no stage slice in pdstate's decode yet). A PP prefill without a draft
+is served into a decode of one stage (``integrations.sglang.stages``).
 Nothing is refused per request: no pair of servers that both started is refused for its topology.
 
 A prefill attention TP wider than the decode's works (one prefill rank sends, the others complete
@@ -31,11 +33,19 @@ def context_parallel_refusal(attn_cp_size: int, attn_dcp_size: int) -> str | Non
     return None
 
 
-def pipeline_parallel_refusal(pp_size: int) -> str | None:
-    """Why the backend's KV manager refuses to start on a server with pipeline parallelism, else ``None``."""
-    if pp_size > 1:
+def pipeline_parallel_refusal(pp_size: int, role: str, draft: bool = False) -> str | None:
+    """Why the backend's KV manager refuses to start on a ``role`` server with pipeline parallelism,
+    else ``None``: a PP prefill is served into a decode of one stage, without a draft model's KV."""
+    if pp_size <= 1:
+        return None
+    if role == "decode":
         return (
-            f"pdstate's SGLang backend does not support pipeline parallelism yet (pp_size={pp_size}): "
-            "use --disaggregation-transfer-backend mooncake"
+            f"pdstate's SGLang backend does not support pipeline parallelism on a decode yet (pp_size={pp_size}; "
+            "a PP prefill is served into a decode of one stage): use --disaggregation-transfer-backend mooncake"
+        )
+    if draft:
+        return (
+            f"pdstate's SGLang backend does not move a draft model's KV from a pipeline-parallel prefill yet "
+            f"(pp_size={pp_size}): use --disaggregation-transfer-backend mooncake"
         )
     return None

@@ -162,9 +162,10 @@ def _backend_refusals(v: Verdict) -> None:
     backend's own rules), added to the verdict."""
     from pdstate.integrations.sglang.launch.backend import context_parallel_refusal, pipeline_parallel_refusal
 
-    for s in (v.prefill, v.decode):
+    for role, s in (("prefill", v.prefill), ("decode", v.decode)):
         if s.transfer_backend == "pdstate":
-            for why in (context_parallel_refusal(s.attn_cp_size, s.dcp_size), pipeline_parallel_refusal(s.pp_size)):
+            pp = pipeline_parallel_refusal(s.pp_size, role, draft=s.speculative)
+            for why in (context_parallel_refusal(s.attn_cp_size, s.dcp_size), pp):
                 if why:
                     s.launch_errors.append(f"ValueError from pdstate's KV manager: {why}")
 
