@@ -38,7 +38,8 @@ def test_mooncake_landing_wakes_the_prefill_without_a_tick(monkeypatch):
         assert recv.wait(20) is RequestState.SUCCESS, recv.failure_exception()
         assert send.wait(20) is RequestState.SUCCESS, send.failure_exception()
         assert send.landed and send.metrics["chunks"] == 2 and polled == []
-        assert recv.metrics["landed"] == 1  # the last chunk is told by TransferDone
+        # the last chunk's state goes first and is told landed; its main KV by TransferDone
+        assert recv.metrics["landed"] == 2
         moves = [(0, [1, 2], [3, 4]), (1, [2], [1]), (2, [1], [0]), (3, [2], [1])]
         assert_images_equal(snapshot(d.kv_args), expected(before, src, d.kv_args, moves))
     finally:

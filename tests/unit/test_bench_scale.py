@@ -151,3 +151,22 @@ def test_the_sglang_row_renders_both_backends_and_their_ratio() -> None:
         "| ratio, `full` | 0.50 | 0.80 |",
     ]
     assert bench_tables.sglang_table({"sglang_mooncake_ms_by_length": {"2048": 20.0}}) == []
+
+
+def test_the_sglang_rows_come_one_table_per_release() -> None:
+    r = {
+        "sglang_by_release": {
+            "0.5.19": {"mooncake": {"2048": 20.0}, "pdstate": {"2048": 25.0}, "pdstate@full": {"2048": 40.0}},
+            "0.5.23": {"mooncake": {"2048": 30.0}, "pdstate": {"2048": 20.0}, "pdstate@full": {}},
+        }
+    }
+    table = bench_tables.sglang_table(r)
+    assert table[0] == "| SGLang 0.5.19, send -> Success, ms (median) | 2k |"
+    assert table[7:] == [
+        "",
+        "| SGLang 0.5.23, send -> Success, ms (median) | 2k |",
+        "|---|---|",
+        "| SGLang's own Mooncake backend | 30.0 |",
+        "| backend pdstate (Mooncake engine, `sampled`) | 20.0 |",
+        "| ratio, `sampled` (above 1: pdstate faster) | 1.50 |",
+    ]

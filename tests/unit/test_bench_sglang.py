@@ -22,6 +22,21 @@ def test_ratio_is_sglang_mooncake_over_backend_pdstate_per_length():
     assert out["sglang_backend_full_vs_sglang_mooncake_by_length"] == {"2048": 0.5}
 
 
+def test_ratios_per_sglang_release():
+    r = {
+        "lengths": [],
+        "modes": [],
+        "paths": {},
+        "sglang_by_release": {
+            "0.5.19": {"mooncake": {"2048": 30.0}, "pdstate": {"2048": 20.0}, "pdstate@full": {"2048": 60.0}},
+            "0.5.23": {"mooncake": {"2048": 30.0, "8192": 40.0}, "pdstate": {"2048": 25.0}, "pdstate@full": {}},
+        },
+    }
+    out = bench_report.ratios(r)
+    assert out["sglang_backend_vs_sglang_mooncake_by_release"] == {"0.5.19": {"2048": 1.5}, "0.5.23": {"2048": 1.2}}
+    assert out["sglang_backend_full_vs_sglang_mooncake_by_release"] == {"0.5.19": {"2048": 0.5}, "0.5.23": {}}
+
+
 def test_no_ratio_without_the_pdstate_backend():
     r = {"lengths": [], "modes": [], "paths": {}, "sglang_mooncake_ms_by_length": {"2048": 30.0}}
     assert "sglang_backend_vs_sglang_mooncake_by_length" not in bench_report.ratios(r)

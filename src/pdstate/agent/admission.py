@@ -13,7 +13,9 @@ Run on the prefill agent's I/O thread (``Gate``, over what the agent hands it):
   refused with ``WorkerIdInUse`` and that decode is left as it was; a killed decode's connection
   closes at once, so its restart is accepted without waiting for the timeout;
 * with an engine that proves ownership (shm), a compatible register whose endpoint does not
-  answer a challenge yet gets a ``Challenge``; the engine's ``connect`` checks the answer;
+  answer a challenge yet gets a ``Challenge``; the engine's ``connect`` checks the answer; a
+  register of the incarnation accepted on the same connection, with the same endpoint, is
+  taken without one (``Gate.proven_already``: proven there, mapped already);
 * every buffer a register's ``KVDesc`` names must lie inside the regions its engine endpoint
   published (and, with shm, proved its own): the planner's destination addresses are then the
   decode's own memory before any request is planned (``Gate.connect``);
@@ -37,6 +39,7 @@ from pdstate.errors import AuthError, InvalidEndpoint, PdStateError, ProtocolErr
 from pdstate.protocol import wire
 from pdstate.protocol.hosts import is_loopback_host
 from pdstate.protocol.report import ErrorInfo
+from pdstate.transfer.engines.shm import PROOF_KEYS
 
 log = logging.getLogger("pdstate.agent")
 
@@ -157,19 +160,37 @@ class Gate:
             self.reply(identity, answer)
         return answer is not None
 
-    def connect(self, msg: wire.Register) -> str:
-        """Connect the decode's engine endpoint for this registrant only, then check that every
-        buffer its ``KVDesc`` names lies inside the regions that endpoint published
-        (``DescriptorMismatch`` otherwise; the engine peer is disconnected again unless an
-        accepted decode shares it). Returns the peer id."""
-        peer_id = self.engine.connect(msg.engine.endpoint, owner=f"{msg.worker_id}/{msg.incarnation}")
+    def proven_already(self, identity: bytes, msg: wire.Register) -> str | None:
+        """The engine peer id of the decode accepted on this very connection when ``msg``
+        registers the same incarnation again with the same endpoint and no proof: its memory was
+        proven on this connection (ZeroMQ binds an identity to its first connection, so nobody
+        else sends on it) and is mapped, so no new challenge is due and nothing is mapped again."""
+        known = self.decodes.get(identity)
+        if (
+            known is None
+            or not self.engine.proves_ownership
+            or (known.worker_id, known.incarnation) != (msg.worker_id, msg.incarnation)
+            or "challenge" in msg.engine.endpoint
+            or known.endpoint != msg.engine.endpoint
+        ):
+            return None
+        return known.peer_id
+
+    def connect(self, msg: wire.Register, identity: bytes = b"") -> tuple[str, dict]:
+        """Connect the decode's engine endpoint for this registrant only (or keep the peer of
+        ``proven_already``), then check that every buffer its ``KVDesc`` names lies inside the
+        regions that endpoint published (``DescriptorMismatch`` otherwise; the engine peer is
+        disconnected again unless an accepted decode shares it). Returns the peer id and the
+        endpoint without a challenge's answer (``DecodePeer.endpoint``)."""
+        owner = f"{msg.worker_id}/{msg.incarnation}"
+        peer_id = self.proven_already(identity, msg) or self.engine.connect(msg.engine.endpoint, owner=owner)
         try:
             self.engine.peer_regions(peer_id).check_inside(registered_ranges(msg.kv), f"decode {msg.worker_id}")
         except PdStateError:
             if all(d.peer_id != peer_id for d in self.decodes.values()):
                 self.engine.disconnect(peer_id)
             raise
-        return peer_id
+        return peer_id, plain_endpoint(msg.engine.endpoint)
 
     def _early_answer(self, identity: bytes, msg: wire.Register) -> wire.Message | None:
         agent, engine = self.agent, self.engine
@@ -180,6 +201,8 @@ class Gate:
                 "a new incarnation is accepted once that one is gone"
             )
             return wire.Reject(worker_id=agent.worker_id, error=ErrorInfo.of(err))
+        if self.proven_already(identity, msg) is not None:
+            return None  # the same incarnation on the same connection, the same memory: proven and mapped
         if engine.proves_ownership and "challenge" in msg.engine.endpoint:
             refused = audience_error(msg.engine.endpoint.get("audience"), agent.address, agent.advertise)
             if refused is not None:
@@ -196,6 +219,11 @@ class Gate:
                 return wire.Reject(worker_id=agent.worker_id, error=ErrorInfo.of(exc))
             return wire.Challenge(worker_id=agent.worker_id, incarnation=agent.incarnation, nonce=nonce)
         return None
+
+
+def plain_endpoint(endpoint: dict) -> dict:
+    """An engine endpoint without the fields answering a challenge."""
+    return {k: v for k, v in endpoint.items() if k not in PROOF_KEYS}
 
 
 def registered_ranges(kv: wire.KVDesc | None) -> list[tuple[str, int, int]]:

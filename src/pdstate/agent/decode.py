@@ -123,6 +123,7 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
             else None
         )
         self._layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
+        self._register_frame = wire.encode(self._handshake.register_message(), self.token)  # sent as it is
         self._devices = layout_devices(self._layout)  # host (None) or device, per buffer
         self._prefills: dict[str, PrefillPeer] = {}
         self.handshakes = {"accepted": 0, "rejected": 0}  # answers received, written by the I/O thread only
@@ -234,9 +235,9 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
 
     # --- I/O thread -------------------------------------------------------------------------------
 
-    def _send(self, p: PrefillPeer, msg: wire.Message) -> None:
+    def _send(self, p: PrefillPeer, msg: wire.Message | bytes) -> None:
         try:
-            p.sock.send(wire.encode(msg, self.token), flags=zmq.NOBLOCK)
+            p.sock.send(msg if isinstance(msg, bytes) else wire.encode(msg, self.token), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # not connected yet or gone: heartbeats and timeouts decide
 
@@ -274,14 +275,14 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
         if p.state is not PeerState.PENDING:
             move(p, PeerState.PENDING)
         p.error, p.registered_at, p.handshakes = None, time.monotonic(), p.handshakes + 1
-        self._send(p, self._handshake.register_message())
+        self._send(p, self._register_frame)
 
     def _retry(self, p: PrefillPeer) -> None:
         """Register again with a prefill that refused this decode for a passing reason, keeping
         it REJECTED (and its error) until it answers; the next try waits twice as long."""
         p.retry_s = min(RETRY_MAX_S, 2 * p.retry_s)
         p.registered_at, p.handshakes, p.redial = time.monotonic(), p.handshakes + 1, True
-        self._send(p, self._handshake.register_message())
+        self._send(p, self._register_frame)
 
     def _add(self, recv: Receiving, redial_gone: bool = True) -> Receiving:
         key = (recv.prefill, recv.record.room)

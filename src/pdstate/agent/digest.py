@@ -175,6 +175,14 @@ class RequestDigest:
         and for each descriptor (source address ``src[k]``, in a plan built from this side's
         lists: buffer-major, items in list order) the index of the stream it belongs to."""
         self.wait()
+        hashers, index = self.stream_index(src)
+        self.bytes += int(np.asarray(length, dtype=np.uint64).sum())
+        self.fused = True
+        return hashers, index
+
+    def stream_index(self, src: np.ndarray) -> tuple[list, np.ndarray]:
+        """Every hasher (channel by channel, buffer by buffer), and the stream of each descriptor
+        whose source address is ``src[k]``."""
         if self._flat is None:
             ptrs = np.concatenate([p for p, _ in self._layout]) if self._layout else np.empty(0, dtype=np.uint64)
             order = np.argsort(ptrs, kind="stable")
@@ -183,9 +191,13 @@ class RequestDigest:
         pos = np.searchsorted(sorted_ptrs, np.asarray(src, dtype=np.uint64), side="right") - 1
         if pos.size and int(pos.min()) < 0:
             raise ValueError("a descriptor's source lies below every buffer of the digest")
-        self.bytes += int(np.asarray(length, dtype=np.uint64).sum())
-        self.fused = True
         return hashers, order[pos]
+
+    def fused_streams(self, updates: list[tuple[int, object]]):
+        """What the copy of the plan made from ``updates`` hashes (``submit(hash_src=...)``):
+        here every byte of it, so ``streams`` (a subclass may return ``None``: it hashed the
+        updates otherwise)."""
+        return self.streams
 
     def wait(self) -> float:
         """Wait for the background work; returns the seconds waited."""
@@ -213,8 +225,8 @@ def submit_digested(engine, peer_id: str, plan, digest: RequestDigest | None, up
     if digest is None:
         return engine.submit(peer_id, plan)
     if getattr(engine, "supports_hashed_copy", False) and digest.fusable:
-        return engine.submit(peer_id, plan, hash_src=digest.streams)
-    if not digest.fusable:  # a sample: hashed beside the copy (the copy need not wait for it)
+        return engine.submit(peer_id, plan, hash_src=digest.fused_streams(updates))  # None: hashed beside it
+    if not digest.fusable:  # the device form: hashed beside the copy (the copy need not wait for it)
         digest.update_async(updates)
         return engine.submit(peer_id, plan)
     handle = engine.submit(peer_id, plan)  # the copy first: hashing the same bytes waits behind it

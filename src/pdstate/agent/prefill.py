@@ -309,7 +309,7 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
         answer = self._handshake.receive(msg)
         if isinstance(answer, wire.Accept):
             try:
-                peer_id = self._gate.connect(msg)  # its buffers inside the regions it published
+                peer_id, endpoint = self._gate.connect(msg, identity)  # its buffers inside the regions it published
                 planner = PairPlanner(self.kv_args, msg.kv)
             except (PdStateError, ValueError) as exc:
                 answer = wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(exc))
@@ -317,7 +317,7 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
                 olds = [k for k, d in self._decodes.items() if d.worker_id == msg.worker_id and k != identity]
                 replaced = self._decodes.get(identity)
                 self._decodes[identity] = DecodePeer(
-                    identity, msg.worker_id, msg.incarnation, peer_id, planner, time.monotonic()
+                    identity, msg.worker_id, msg.incarnation, peer_id, planner, time.monotonic(), endpoint=endpoint
                 )
                 for key in olds:  # after the new one is in: a peer id both share stays connected
                     self._decode_gone(key, f"decode {msg.worker_id} registered again (new incarnation)")

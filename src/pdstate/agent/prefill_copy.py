@@ -129,13 +129,16 @@ class CopyPipeline:
 
     def _pieces(self, send: Sending, n_pages: int, state) -> list[tuple[int, int, bool]]:
         """How one chunk is submitted: ``(first page, end page, with state and aux)`` per piece.
-        One piece, unless the decode hashes what landed (digest) and ``landed_piece_bytes`` is
-        set: then a chunk over twice that goes in pieces of about that size, state and aux first,
-        each told to the decode once landed (``wire.Landed``)."""
+        One piece without a digest. With one, a last chunk's state and aux go first, in a piece
+        of their own told to the decode once landed (``wire.Landed``: it hashes them while the
+        main KV copies); with ``landed_piece_bytes`` set, a chunk over twice that goes in pieces
+        of about that size, state and aux first, each told once landed."""
         whole = [(0, n_pages, state is not None)]
         piece = self.landed_piece_bytes
-        if send.digest is None or piece <= 0:
+        if send.digest is None:
             return whole
+        if piece <= 0:  # state first, told at once: the decode hashes it while the main KV copies
+            return [(0, 0, True), (0, n_pages, False)] if n_pages and state is not None else whole
         page_bytes = sum(self.kv_args.kv_item_lens)
         if page_bytes == 0:
             return whole

@@ -36,6 +36,7 @@ class DecodePeer:
     planner: PairPlanner
     last_seen: float
     withheld: int = 0  # verdicts this decode let pass their deadline in a row (``agent.fairness``)
+    endpoint: dict | None = None  # its engine endpoint, without a challenge's answer (``admission``)
 
 
 @dataclass(slots=True)

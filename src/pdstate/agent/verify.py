@@ -32,7 +32,7 @@ from typing import Literal
 import numpy as np
 import xxhash
 
-from pdstate.agent.digest import PARALLEL_MIN_BYTES, RequestDigest, digest_threads, executor, hash_rows
+from pdstate.agent.digest import RequestDigest, hash_rows
 from pdstate.pools.placement import memory_devices
 
 __all__ = [
@@ -185,14 +185,14 @@ class PositionDigest(RequestDigest):
         # per channel: the list positions of the items sampled, in order (both sides' are the same)
         self._pos_hashers = [xxhash.xxh3_128() for _ in layout]
 
-    fusable = False  # never hashed inside the shm copy (the sample is not every descriptor)
+    @property
+    def fusable(self) -> bool:
+        """The host form is hashed inside the shm copy (``fused_streams``); the device form is not."""
+        return self.form == "host"
 
-    def _rows(self, channel: int, indices) -> list:
-        """What one update hashes. Host form: a whole channel's items (state, aux) as
-        ``RequestDigest``'s rows ``(hasher, addresses, sizes)``, by runs in list order; the
-        sample's items as ``(hasher, ptr, item_len, items)``, gathered per buffer, their positions
-        into the channel's positions stream. Device form: ``(channel, buffer, items, positions)``."""
-        idx = np.asarray(indices, dtype=np.int64)
+    def _positions(self, channel: int, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+        """The items of ``idx`` this digest takes (all, or channel 0's sample) and their list
+        positions, the channel's count moved on; and whether it is the sample."""
         start = self._next[channel]
         self._next[channel] += idx.size
         pos = np.arange(start, start + idx.size, dtype=np.int64)
@@ -200,23 +200,65 @@ class PositionDigest(RequestDigest):
         if sampled:
             keep = sample_mask(self.seed, pos, self.n_pages)
             idx, pos = idx[keep], pos[keep]
+            if self.form == "host":
+                self._pos_hashers[channel].update(pos.astype("<u8").tobytes())
+        return idx, pos, sampled
+
+    def _rows(self, channel: int, indices) -> list:
+        """What one update hashes. Host form: ``RequestDigest``'s rows ``(hasher, addresses,
+        sizes)`` of the items taken (a whole state or aux channel; the sample of main KV, its
+        positions into the channel's positions stream), by runs in list order, never gathered.
+        Device form: ``(channel, buffer, items, positions)``."""
+        idx, pos, _ = self._positions(channel, np.asarray(indices, dtype=np.int64))
         if idx.size == 0:
             return []
-        ptrs, items = self._layout[channel]
-        if self.form == "host" and not sampled:
+        if self.form == "host":
             return super().rows_of(channel, idx)  # counts its bytes
+        ptrs, items = self._layout[channel]
         self.bytes += int(idx.size * int(items.sum()))
-        if self.form != "host":
-            return [(channel, b, idx, pos) for b in range(len(ptrs))]
-        self._pos_hashers[channel].update(pos.astype("<u8").tobytes())
-        return [(h, p, n, idx) for h, p, n in zip(self._hashers[channel], ptrs.tolist(), items.tolist()) if n]
+        return [(channel, b, idx, pos) for b in range(len(ptrs))]
+
+    def fused_streams(self, updates):
+        """``hash_src`` for the shm copy of the plan made from ``updates`` (host form): state and
+        aux descriptors hashed whole, as ``RequestDigest`` does; a main-KV descriptor copied
+        whole and only its sampled items hashed, from the cache, right after. ``None`` (hashed
+        beside the copy instead) when a main-KV page repeats in the list: the sample is picked by
+        page id there."""
+        main = [np.asarray(i) for c, i in updates if c == 0]
+        if any(np.unique(i).size != i.size for i in main):
+            self.update_async(updates)
+            return None
+        self.wait()
+        picked = np.empty(0, dtype=np.int64)
+        with self._lock:
+            for c, indices in updates:
+                idx, _, sampled = self._positions(c, np.asarray(indices, dtype=np.int64))
+                if sampled:
+                    picked = np.sort(idx)
+        n_main = len(self._layout[0][0])
+
+        def streams(src: np.ndarray, length: np.ndarray):
+            hashers, index = self.stream_index(src)
+            self.fused = True
+            subs: list = [None] * len(index)
+            ptrs, items = self._layout[0]
+            length = np.asarray(length, dtype=np.int64)
+            main = np.flatnonzero(index < n_main)
+            n = np.maximum(items[index[main]].astype(np.int64), 1)
+            first = (np.asarray(src, dtype=np.uint64)[main] - ptrs[index[main]]).astype(np.int64) // n
+            lo = np.searchsorted(picked, first)
+            hi = np.searchsorted(picked, first + length[main] // n)
+            for k, f, a, z, m in zip(main.tolist(), first.tolist(), lo.tolist(), hi.tolist(), n.tolist()):
+                subs[k] = [((p - f) * m, m) for p in picked[a:z].tolist()]
+            self.bytes += int(((hi - lo) * n).sum()) + int(length[index >= n_main].sum())
+            return hashers, index, subs
+
+        return streams
 
     def _run(self, rows: list) -> None:
         t0 = time.perf_counter()
         if self.form == "host":
-            hash_rows([r for r in rows if len(r) == 3])
-            for h, ptr, n, idx in (r for r in rows if len(r) == 4):
-                h.update(_host_items(ptr, n, idx))
+            hash_rows(rows)
             self.seconds += time.perf_counter() - t0
             return
         for channel, b, idx, pos in rows:
@@ -233,30 +275,18 @@ class PositionDigest(RequestDigest):
         self.seconds += time.perf_counter() - t0
 
     def update_many(self, updates, threads: int | None = None) -> None:
-        """``update`` for each ``(channel, indices)``; in host form the streams split between
-        this thread and one more when there are enough bytes (the streams are independent)."""
+        """``update`` for each ``(channel, indices)``: the host form's rows spread over the
+        host's cores as ``RequestDigest``'s; the device form's on this thread (only their
+        values cross to the CPU)."""
+        if self.form == "host":
+            super().update_many(updates, threads)
+            return
         self.wait()
         with self._lock:
-            rows = [r for c, idx in updates for r in self._rows(c, idx)]
-            size = [sum(r[2]) if len(r) == 3 else r[2] * len(r[3]) for r in rows] if self.form == "host" else []
-            if self.form != "host" or sum(size) < 2 * PARALLEL_MIN_BYTES or (threads or digest_threads()) < 2:
-                self._run(rows)
-                return
-            order = sorted(range(len(rows)), key=lambda k: -size[k])
-            halves: list[list] = [[], []]
-            load = [0, 0]
-            for k in order:  # largest first, to the lighter half
-                j = 0 if load[0] <= load[1] else 1
-                halves[j].append(rows[k])
-                load[j] += size[k]
-            other = executor().submit(self._run, halves[1])
-            try:
-                self._run(halves[0])
-            finally:
-                other.result()
+            self._run([r for c, idx in updates for r in self._rows(c, idx)])
 
     def streams(self, src, length):
-        raise ValueError("a sampled or device-form digest is never fused into the copy")
+        raise ValueError("a sampled or device-form digest is fused into the copy by fused_streams")
 
     def digest(self) -> bytes:
         self.wait()

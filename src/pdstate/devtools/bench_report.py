@@ -69,6 +69,13 @@ def ratios(r: dict) -> dict:
                 out.setdefault(key, {})[n] = sgl / ours
     for key in [k[: -len("_by_length")] for k in list(out)]:
         out[key] = out[f"{key}_by_length"].get("32768")
+    for release, by in r.get("sglang_by_release", {}).items():  # SGLang's time / pdstate's, per release
+        for mine, key in (
+            ("pdstate", "sglang_backend_vs_sglang_mooncake"),
+            ("pdstate@full", "sglang_backend_full_vs_sglang_mooncake"),
+        ):
+            ratio = {n: sgl / by[mine][n] for n, sgl in by.get("mooncake", {}).items() if by.get(mine, {}).get(n)}
+            out.setdefault(f"{key}_by_release", {})[release] = ratio
     limit = physical_limit(r)
     if r.get("mxn") and limit["gbps"]:
         out["mxn_vs_physical"] = r["mxn"]["gbps"] / limit["gbps"]

@@ -51,7 +51,8 @@ def worker_memory(run: Callable[..., dict], pids: list[int], requests: int, toke
     seconds = time.perf_counter() - t0
     after = {k: _sum_mb(pids, k) for k in ("VmRSS", "RssAnon")}
     return {
-        "peak_rss_mb": _sum_mb(pids, "VmHWM"),
+        # the kernel's VmHWM can lag an RSS just read (its high-water mark is folded in lazily)
+        "peak_rss_mb": max(_sum_mb(pids, "VmHWM"), after["VmRSS"]),
         "rss_before_mb": before["VmRSS"],
         "rss_after_mb": after["VmRSS"],
         "rss_growth_mb": after["VmRSS"] - before["VmRSS"],

@@ -1,7 +1,8 @@
 """``pdstate bench``'s sglang phase (on by default, ``--no-sglang`` skips it): SGLang's own Mooncake
 backend against backend ``pdstate``, per request.
 
-The two-process driver (``devtools.sglang_pair``) runs SGLang 0.5.19's disaggregation code on real
+The two-process driver (``devtools.sglang_pair``) runs SGLang's disaggregation code (0.5.19, then
+0.5.23: each release whose environment is built, ``sglang_by_release``) on real
 DeepSeek-V4-Flash pools (target + NextN draft, speculative) sized for a 32k-token request: one
 prefill child and one decode child, the same pools for both backends. Each backend gets its
 managers once (``get_kv_class``: SGLang's ``mooncake`` over TCP, and ``pdstate`` with
@@ -27,7 +28,7 @@ from __future__ import annotations
 import statistics
 
 from pdstate.devtools.sglang_pair.cases import BENCH_SIDE, BENCH_TOKENS, Case
-from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, Pair, env_dir, mooncake_missing
+from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, RELEASES, Pair, env_dir, mooncake_missing
 
 RUNS = {True: 7, False: 11}  # requests per backend and length (--quick, full): medians of 3 moved by 30%
 BACKENDS = {
@@ -55,11 +56,37 @@ def _check(backend: str, r: dict) -> float:
     return r["send_to_success_ms"]
 
 
+def releases() -> list[str]:
+    """The SGLang releases whose environment is built here, oldest first."""
+    return [r for r in RELEASES if (env_dir(r) / "sglang").is_dir()]
+
+
+def _measure(pair: Pair, runs: int, lengths: tuple[int, ...], info: dict, progress) -> dict:
+    """Each backend's managers and a warm-up, then ``runs`` interleaved turns: ms by backend and length."""
+    times: dict[str, dict[int, list[float]]] = {b: {n: [] for n in lengths} for b in BACKENDS}
+    for b in BACKENDS:
+        progress(f"[sglang] {b}: managers and a warm-up request ...")
+        out = pair.run_case(CASE, b, tokens=(lengths[0],), deadline_s=DEADLINE_S)
+        if "setup_error" in out:
+            raise RuntimeError(f"sglang phase: backend {b} could not be set up: {out['setup_error']}")
+        _check(b, out["requests"][0])
+        info.setdefault("versions", [])
+        if out.get("sglang") and out["sglang"] not in info["versions"]:
+            info["versions"].append(out["sglang"])
+    for _ in range(runs):
+        for n in lengths:
+            for b in BACKENDS:
+                pair.use(b)
+                times[b][n].append(_check(b, pair.request(n, DEADLINE_S)))
+    return times
+
+
 def phase(
     runs: int, results: dict, progress=print, lengths: tuple[int, ...] = BENCH_TOKENS, pair: Pair | None = None
 ) -> None:
-    """Measure and store the phase's keys in ``results`` (see the module's docstring); ``pair``: child
-    processes to reuse (started with ``PDSTATE_ENGINE_ENV``), else the phase starts and stops its own."""
+    """Measure and store the phase's keys in ``results`` (see the module's docstring), on every
+    SGLang release built here (``sglang_by_release``; the top-level keys are the first's); ``pair``:
+    child processes to reuse (one release; started with ``PDSTATE_ENGINE_ENV``)."""
     info: dict = {"lengths": list(lengths), "runs": runs, "skipped": {}}
     results["sglang"] = info
     why = unavailable()
@@ -67,31 +94,25 @@ def phase(
         progress(f"skipping the sglang phase: {why}")
         info["skipped"]["phase"] = why
         return
-    backends = list(BACKENDS)
-    times: dict[str, dict[int, list[float]]] = {b: {n: [] for n in lengths} for b in backends}
-    own = pair is None
-    if own:
-        pair = Pair(extra_env=PDSTATE_ENGINE_ENV)
-    try:
-        for b in backends:
-            progress(f"[sglang] {b}: managers and a warm-up request ...")
-            out = pair.run_case(CASE, b, tokens=(lengths[0],), deadline_s=DEADLINE_S)
-            if "setup_error" in out:
-                raise RuntimeError(f"sglang phase: backend {b} could not be set up: {out['setup_error']}")
-            _check(b, out["requests"][0])
-            info.setdefault("versions", [])
-            if out.get("sglang") and out["sglang"] not in info["versions"]:
-                info["versions"].append(out["sglang"])
-        for _ in range(runs):
-            for n in lengths:
-                for b in backends:
-                    pair.use(b)
-                    times[b][n].append(_check(b, pair.request(n, DEADLINE_S)))
-    finally:
-        if own:
-            pair.close()
-    for b in backends:
-        per = {str(n): statistics.median(v) for n, v in times[b].items()}
-        results[BACKENDS[b]] = per
-        info[b] = {str(n): {"min": min(v), "median": statistics.median(v), "max": max(v)} for n, v in times[b].items()}
-        progress(f"[sglang] {b}: " + ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in per.items()))
+    by_release: dict[str, dict] = {}
+    for release in [None] if pair is not None else releases():
+        own = Pair(target=env_dir(release), extra_env=PDSTATE_ENGINE_ENV) if pair is None else pair
+        try:
+            seen = len(info.get("versions", []))
+            times = _measure(own, runs, lengths, info, progress)
+        finally:
+            if pair is None:
+                own.close()
+        name = release or (info["versions"][seen] if len(info["versions"]) > seen else "?")
+        by_release[name] = {b: {str(n): statistics.median(v) for n, v in times[b].items()} for b in BACKENDS}
+        for b in BACKENDS:
+            stats = {
+                str(n): {"min": min(v), "median": statistics.median(v), "max": max(v)} for n, v in times[b].items()
+            }
+            info.setdefault(b, stats)  # the first release's, as before
+            info.setdefault("by_release", {}).setdefault(name, {})[b] = stats
+            progress(f"[sglang {name}] {b}: " + ", ".join(f"{n} ms {m:.1f}" for n, m in by_release[name][b].items()))
+    first = next(iter(by_release.values()))
+    for b in BACKENDS:
+        results[BACKENDS[b]] = first[b]
+    results["sglang_by_release"] = by_release

@@ -167,15 +167,28 @@ def verify_table(s: dict | None) -> list[str]:
 
 
 def sglang_table(r: dict) -> list[str]:
-    """The sglang phase's rows: per-request send -> Success, SGLang's Mooncake backend and backend
-    pdstate at the default level and at ``full``, and the ratios."""
-    theirs, ours = r.get("sglang_mooncake_ms_by_length") or {}, r.get("sglang_backend_ms_by_length") or {}
-    full = r.get("sglang_backend_full_ms_by_length") or {}
+    """The sglang phase's rows, one table per SGLang release measured (``sglang_by_release``):
+    per-request send -> Success, SGLang's Mooncake backend and backend pdstate at the default
+    level and at ``full``, and the ratios."""
+    by = r.get("sglang_by_release")
+    if not by:  # a run from before the releases were kept apart: the top-level keys
+        versions = ", ".join((r.get("sglang") or {}).get("versions") or ["0.5.19"])
+        keys = ("sglang_mooncake_ms_by_length", "sglang_backend_ms_by_length", "sglang_backend_full_ms_by_length")
+        by = {versions: dict(zip(("mooncake", "pdstate", "pdstate@full"), (r.get(k) or {} for k in keys)))}
+    out: list[str] = []
+    for release, times in by.items():
+        table = _sglang_rows(
+            release, times.get("mooncake") or {}, times.get("pdstate") or {}, times.get("pdstate@full") or {}
+        )
+        out += ([""] if out and table else []) + table
+    return out
+
+
+def _sglang_rows(release: str, theirs: dict, ours: dict, full: dict) -> list[str]:
     lengths = [n for n in sorted(theirs, key=int) if n in ours]
     if not lengths:
         return []
-    versions = ", ".join((r.get("sglang") or {}).get("versions") or ["0.5.19"])
-    head = f"| SGLang {versions}, send -> Success, ms (median) | " + " | ".join(_label(n) for n in lengths) + " |"
+    head = f"| SGLang {release}, send -> Success, ms (median) | " + " | ".join(_label(n) for n in lengths) + " |"
     out = [
         head,
         "|---" * (len(lengths) + 1) + "|",

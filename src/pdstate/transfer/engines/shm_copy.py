@@ -86,16 +86,26 @@ def _copy_list(dst: list[int], src: list[int], length: list[int]) -> None:
         memmove(d, s, n)
 
 
-def _copy_hash(dst: list[int], src: list[int], length: list[int], hashers: list, index: list[int]) -> None:
+def _copy_hash(
+    dst: list[int], src: list[int], length: list[int], hashers: list, index: list[int], subs: list | None = None
+) -> None:
     """Copy each descriptor in pieces of at most ``HASH_PIECE_BYTES`` and hash each piece's source
-    right after copying it (a stream hashed piece by piece has the same digest)."""
+    right after copying it (a stream hashed piece by piece has the same digest). With ``subs``, a
+    descriptor whose entry is not ``None`` is copied whole and then only its ``(offset, nbytes)``
+    ranges are hashed, in order (a sample of its items; still in cache)."""
     memmove, char, piece = ctypes.memmove, ctypes.c_char, HASH_PIECE_BYTES
-    for d, s, n, h in zip(dst, src, length, index):
+    for j, (d, s, n, h) in enumerate(zip(dst, src, length, index)):
         update = hashers[h].update
+        sub = None if subs is None else subs[j]
+        if sub is not None:
+            memmove(d, s, n)
+            for off, m in sub:
+                update((char * m).from_address(s + off))
+            continue
         for off in range(0, n, piece):
-            k = min(piece, n - off)
-            memmove(d + off, s + off, k)
-            update((char * k).from_address(s + off))
+            m = min(piece, n - off)
+            memmove(d + off, s + off, m)
+            update((char * m).from_address(s + off))
 
 
 class Copier:
@@ -125,15 +135,21 @@ class Copier:
         self, dst: np.ndarray, src: np.ndarray, length: np.ndarray, total_bytes: int, streams: tuple[list, np.ndarray]
     ) -> None:
         """Copy every descriptor and feed its source bytes, right after copying them (still in
-        cache), to its stream's hasher: ``streams = (hashers, index)``, ``index[k]`` naming the
-        hasher of descriptor ``k``. Each stream gets its descriptors in plan order, on one
-        thread; the streams are packed by bytes into jobs the threads take in turn."""
-        hashers, index = streams
-        index = np.asarray(index, dtype=np.int64)
+        cache), to its stream's hasher: ``streams = (hashers, index)`` or ``(hashers, index, subs)``,
+        ``index[k]`` naming the hasher of descriptor ``k`` and ``subs[k]`` (``None``: all of it)
+        the ``(offset, nbytes)`` ranges of it to hash. Each stream gets its descriptors in plan
+        order, on one thread; the streams are packed by bytes into jobs the threads take in turn."""
+        hashers, index = streams[0], np.asarray(streams[1], dtype=np.int64)
+        subs = streams[2] if len(streams) > 2 else None
         order = np.argsort(index, kind="stable")  # by stream, plan order within each
+
+        def job(sel: np.ndarray) -> tuple:
+            picked = None if subs is None else [subs[i] for i in sel.tolist()]
+            return (dst[sel].tolist(), src[sel].tolist(), length[sel].tolist(), hashers, index[sel].tolist(), picked)
+
         parts = min(self.shares_for(total_bytes), len(hashers))
         if parts <= 1:
-            _copy_hash(dst[order].tolist(), src[order].tolist(), length[order].tolist(), hashers, index[order].tolist())
+            _copy_hash(*job(order))
             return
         n_jobs = max(parts, min(MAX_JOBS, len(hashers), total_bytes // JOB_BYTES))
         load = np.bincount(index, weights=length.astype(np.float64), minlength=len(hashers))
@@ -147,7 +163,7 @@ class Copier:
         for g in range(n_jobs):
             sel = order[owner == g]
             if sel.size:
-                jobs.append((dst[sel].tolist(), src[sel].tolist(), length[sel].tolist(), hashers, index[sel].tolist()))
+                jobs.append(job(sel))
         self._run(_copy_hash, jobs, parts)
 
     def _run(self, fn, jobs: list[tuple], threads: int) -> None:
