@@ -115,12 +115,15 @@ def test_compat_lists_every_prefill_and_every_decode(trio, http):
             "error": None,
             "incarnation": docs[name]["incarnation"],
             "fingerprint": docs[name]["fingerprint"],
+            "factor": None,
+            "transport": "shm",
         }
         mine = [p for p in docs[name]["peers"] if p["id"] == dd["worker_id"]]
         assert len(mine) == 1 and mine[0]["state"] == "accepted" and mine[0]["fingerprint"] == dd["fingerprint"]
     refused = by_id[ctl["c"]]
     assert refused["state"] == "rejected" and refused["fingerprint"] is None and refused["incarnation"] is None
     assert refused["error"]["type"] == "PageSizeMismatch" and refused["error"]["message"] == PAGE_SIZE_ERROR
+    assert refused["factor"] == "PageSizeMismatch" and refused["transport"] is None
     assert docs["c"]["fingerprint"] != dd["fingerprint"]
     theirs = [p for p in docs["c"]["peers"] if p["id"] == dd["worker_id"]]
     assert len(theirs) == 1 and theirs[0]["state"] == "rejected" and theirs[0]["error"]["message"] == PAGE_SIZE_ERROR
