@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdstate.devtools import bench_report, bench_sglang
+from pdstate.devtools import bench_ranks, bench_report, bench_sglang
 
 
 # The bench measures on the lock's release (the pair suite covers both).
@@ -22,3 +22,20 @@ def test_phase_times_both_backends_on_the_same_requests(sglang_release, sglang_p
     ratios = bench_report.ratios(results)
     assert ratios["sglang_backend_vs_sglang_mooncake_by_length"]["2048"] > 0
     assert ratios["sglang_backend_full_vs_sglang_mooncake_by_length"]["2048"] > 0
+
+
+@pytest.mark.parametrize("sglang_release", ["0.5.19"], indirect=True, ids=["sglang-0.5.19"])
+def test_rank_endpoints_off_and_scraped_through_the_scheduler_queues(sglang_release, monkeypatch):
+    from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV
+    from pdstate.devtools.sglang_queues.pair import QueuePair
+
+    monkeypatch.setattr(bench_ranks, "BLOCKS", 1)
+    said, results = [], {"lengths": [], "modes": [], "paths": {}}
+    with QueuePair(sglang_release.env, extra_env=PDSTATE_ENGINE_ENV) as pair:
+        out = bench_ranks.measure(pair, 2, progress=said.append)
+    assert said == [f"[sglang rank endpoints] block 1/1, {m}: 2 x 4096 tokens ..." for m in ("off", "scraped")]
+    assert all(0 < ms < bench_ranks.DEADLINE_S * 1000 for v in out["times"].values() for ms in v)
+    assert [len(v) for v in out["times"].values()] == [2, 2]
+    assert out["scrapes"] >= 4  # GET /metrics and /v1/compat answered 200 on both ranks at least once
+    bench_ranks.store(results, "0.5.19", out)
+    assert bench_report.ratios(results)["sglang_rank_endpoint_scraped_vs_off"] > 0

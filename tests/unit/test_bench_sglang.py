@@ -3,7 +3,7 @@ SGLang environment is missing (the phase itself runs in ``tests/sglang/test_benc
 
 from __future__ import annotations
 
-from pdstate.devtools import bench_report, bench_sglang
+from pdstate.devtools import bench_ranks, bench_report, bench_sglang, bench_tables
 from tests.support.bench import fake_bench_result
 
 
@@ -57,3 +57,38 @@ def test_phase_skips_with_one_line_without_the_sglang_environment(tmp_path, monk
     why = f"no SGLang environment at {tmp_path / 'absent'} (make sglang-env builds it)"
     assert said == [f"skipping the sglang phase: {why}"]
     assert results == {"sglang": {"lengths": [2048, 8192, 32768], "runs": 1, "skipped": {"phase": why}}}
+
+
+def test_rank_endpoint_keys_ratio_summary_and_table():
+    r = {"lengths": [], "modes": [], "paths": {}}
+    out = {"times": {"off": [10.0, 12.0, 11.0], "scraped": [12.0, 13.0, 14.0, 13.2]}, "scrapes": 40}
+    bench_ranks.store(r, "0.5.19", out)
+    info = r["sglang_rank_endpoints"]
+    assert info["release"] == "0.5.19" and info["tokens"] == 4096 and info["http_requests"] == 40
+    assert info["off"] == {"min": 10.0, "median": 11.0, "max": 12.0, "ms": [10.0, 12.0, 11.0]}
+    assert info["scraped"]["median"] == 13.1
+    assert (r["sglang_rank_endpoint_off_ms"], r["sglang_rank_endpoint_scraped_ms"]) == (11.0, 13.1)
+    r["ratios"] = bench_report.ratios(r)
+    assert r["ratios"]["sglang_rank_endpoint_scraped_vs_off"] == 13.1 / 11.0
+    s = bench_report.summary(fake_bench_result(**r))
+    assert s["ratios"]["sglang_rank_endpoint_scraped_vs_off"] == 13.1 / 11.0
+    assert (s["sglang_rank_endpoint_off_ms"], s["sglang_rank_endpoint_scraped_ms"]) == (11.0, 13.1)
+    assert bench_tables.rank_endpoint_table(r) == [
+        "| SGLang 0.5.19 rank endpoints, 4k tokens, send -> Success, ms | median | min | max | requests |",
+        "|---|---|---|---|---|",
+        "| endpoints off | 11.0 | 10.0 | 12.0 | 3 |",
+        "| endpoints on, scraped every 50 ms | 13.1 | 12.0 | 14.0 | 4 |",
+        "| ratio scraped / off (above 1: slower) | 1.19 | | | |",
+    ]
+    assert "| endpoints off | 11.0 |" in bench_tables.markdown(r, s)
+
+
+def test_rank_endpoint_keys_null_without_the_measurement(tmp_path, monkeypatch):
+    s = bench_report.summary(fake_bench_result())
+    assert s["ratios"]["sglang_rank_endpoint_scraped_vs_off"] is None and s["sglang_rank_endpoint_off_ms"] is None
+    assert bench_tables.rank_endpoint_table({}) == []
+    monkeypatch.setenv("PDSTATE_SGLANG_ENV", str(tmp_path / "absent"))
+    results = {}
+    bench_ranks.phase(True, results, progress=None)
+    why = f"no SGLang environment at {tmp_path / 'absent'} (make sglang-env builds it)"
+    assert results == {"sglang_rank_endpoints": {"tokens": 4096, "runs": 8, "scrape_s": 0.05, "skipped": why}}

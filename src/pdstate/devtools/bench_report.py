@@ -24,7 +24,8 @@ def ratios(r: dict) -> dict:
       ``shm_digest_vs_ceiling`` (= ``agent_digest_vs_ceiling``);
     - raw engine / serve's worker pair for the native engines (``<engine>_vs_raw``,
       ``<engine>_full_verify_vs_raw``); in the sglang phase, SGLang's Mooncake backend / backend
-      pdstate (above 1: pdstate is faster).
+      pdstate (above 1: pdstate is faster), and the SGLang ranks' endpoints scraped / off
+      (``sglang_rank_endpoint_scraped_vs_off``, above 1: they cost time).
 
     The keys without ``_by_length`` are the 32k-token values."""
     out: dict = {}
@@ -76,6 +77,9 @@ def ratios(r: dict) -> dict:
         ):
             ratio = {n: sgl / by[mine][n] for n, sgl in by.get("mooncake", {}).items() if by.get(mine, {}).get(n)}
             out.setdefault(f"{key}_by_release", {})[release] = ratio
+    off, on = r.get("sglang_rank_endpoint_off_ms"), r.get("sglang_rank_endpoint_scraped_ms")
+    if off and on:  # the rank endpoints scraped / off (devtools.bench_ranks): above 1 they cost time
+        out["sglang_rank_endpoint_scraped_vs_off"] = on / off
     limit = physical_limit(r)
     if r.get("mxn") and limit["gbps"]:
         out["mxn_vs_physical"] = r["mxn"]["gbps"] / limit["gbps"]
@@ -129,6 +133,7 @@ NAMED_RATIOS = (
     "sglang_backend_vs_sglang_mooncake_by_length",
     "sglang_backend_full_vs_sglang_mooncake",
     "sglang_backend_full_vs_sglang_mooncake_by_length",
+    "sglang_rank_endpoint_scraped_vs_off",
 )
 
 
@@ -165,7 +170,13 @@ def summary(r: dict) -> dict:
         | scale_summary(r)
         | {
             k: r.get(k)
-            for k in ("sglang_mooncake_ms_by_length", "sglang_backend_ms_by_length", "sglang_backend_full_ms_by_length")
+            for k in (
+                "sglang_mooncake_ms_by_length",
+                "sglang_backend_ms_by_length",
+                "sglang_backend_full_ms_by_length",
+                "sglang_rank_endpoint_off_ms",
+                "sglang_rank_endpoint_scraped_ms",
+            )
         }
     )
 

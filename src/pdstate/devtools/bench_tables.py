@@ -207,8 +207,26 @@ def _sglang_rows(release: str, theirs: dict, ours: dict, full: dict) -> list[str
     return out
 
 
+def rank_endpoint_table(r: dict) -> list[str]:
+    """The SGLang ranks' endpoints off against on and scraped (``devtools.bench_ranks``):
+    send -> Success per request, ms."""
+    info = r.get("sglang_rank_endpoints") or {}
+    if "off" not in info or "scraped" not in info:
+        return []
+    off, on = info["off"], info["scraped"]
+    out = [
+        f"| SGLang {info.get('release', '?')} rank endpoints, {_label(str(info['tokens']))} tokens, send -> Success, ms"
+        " | median | min | max | requests |",
+        "|---|---|---|---|---|",
+    ]
+    for name, row in (("endpoints off", off), ("endpoints on, scraped every 50 ms", on)):
+        out.append(f"| {name} | {row['median']:.1f} | {row['min']:.1f} | {row['max']:.1f} | {len(row['ms'])} |")
+    out.append(f"| ratio scraped / off (above 1: slower) | {on['median'] / off['median']:.2f} | | | |")
+    return out
+
+
 def markdown(r: dict, s: dict | None) -> str:
     """Every table with data in it, blank-line separated, ending with a newline."""
-    tables = (ratio_table(r), gbps_table(r), verify_table(s), figures_table(s), sglang_table(r))
+    tables = (ratio_table(r), gbps_table(r), verify_table(s), figures_table(s), sglang_table(r), rank_endpoint_table(r))
     blocks = [t for t in tables if t]
     return "\n\n".join("\n".join(t) for t in blocks) + "\n"
