@@ -27,7 +27,8 @@ Mooncake backend beside pdstate on the same case), every byte of the decode chec
 - 0.5.23's decode radix cache (SGLang's own tree and prefix match in the prealloc queue): a turn of
   1,024 tokens cached, the next turn of 1,100 tokens gets ``decode_prefix_len=768`` and names only
   the pages past it; the decode's whole row ends byte-exact, and fewer bytes move than in a full
-  transfer of the same turn.
+  transfer of the same turn; on the paged layout and on the unified KV layout (the SWA window in
+  each request slot's ring, ``SWA_RING``, moved whole).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def _lifecycle(pair, backend: str, release: str, results: dict) -> None:
     results[(backend, "features")] = _features(pair, backend)
     if release != "0.5.19":  # 0.5.19 refuses DSV4 with a decode radix cache at launch
         results[(backend, "prefix")] = _prefix(pair, backend)
+        results[(backend, "prefix_unified")] = _prefix(pair, backend, unified=True)
 
 
 WAITING_TIMEOUT_S, BOOTSTRAP_TIMEOUT_S = 3.0, 2.0
@@ -89,15 +91,18 @@ RELEASE_MS = 100.0
 PREFIX_TOKENS, SUFFIX_TOKENS = 1024, 1100  # a cached 1,024-token turn, then the next turn's 1,100 tokens
 
 
-def _prefix(pair, backend: str) -> dict:
+def _prefix(pair, backend: str, unified: bool = False) -> dict:
     """0.5.23's decode radix cache: a first turn is cached by the decode's own tree when it
     finishes; the next turn (the same room, the same first tokens) is matched against it by
-    SGLang's prealloc queue, which names only the pages past ``decode_prefix_len``."""
+    SGLang's prealloc queue, which names only the pages past ``decode_prefix_len`` (``unified``:
+    on unified-KV pools, the SWA window in per-slot rings)."""
     from dataclasses import replace
 
     from pdstate.devtools.sglang_pair.cases import BASE, Case
 
     side = replace(BASE, full_tokens=4096, swa_tokens=2048)  # room for the cached turn and the next
+    if unified:  # its SWA room is a ring per request slot: a slot more for the radix cache's reserve
+        side = replace(side, unified=True, max_num_reqs=3)
     out = pair.setup(Case("prefix", "a decode radix cache", side, side), backend, radix=True)
     if "setup_error" in out:
         return out
@@ -314,15 +319,11 @@ def test_bootstrap_timeout_fails_a_prefill_request_no_decode_asks_for(queue_runs
     assert BOOTSTRAP_TIMEOUT_S <= r["elapsed_s"] < BOOTSTRAP_TIMEOUT_S + 0.5
 
 
-@pytest.mark.parametrize("backend", ["pdstate", "mooncake"])
-def test_a_decode_prefix_hit_moves_only_the_suffix_byte_exact(queue_runs, backend):
-    """The decode's full row after a prefix hit holds what a full transfer lands (every item of the
-    request, prefix pages included, checked); only the pages past the prefix moved, and the SWA
-    window, request state, draft and aux whole (fewer bytes counted than the full transfer)."""
+def _prefix_runs(queue_runs, backend: str, key: str) -> tuple[dict, dict, dict]:
     release, results = queue_runs
     if release == "0.5.19":
         pytest.skip("SGLang 0.5.19 refuses DeepSeek-V4 with a decode radix cache at launch, for every backend")
-    runs = results[(backend, "prefix")]
+    runs = results[(backend, key)]
     assert "setup_error" not in runs, f"{runs['setup_error']}\n{runs.get('setup_trace')}"
     first, nxt, full = runs["first"], runs["next"], runs["full"]
     for r in (first, nxt, full):
@@ -334,3 +335,27 @@ def test_a_decode_prefix_hit_moves_only_the_suffix_byte_exact(queue_runs, backen
     assert nxt["decode"]["named_pages"] == full["decode"]["named_pages"] - prefix // 256
     assert nxt["decode"]["items"] == full["decode"]["items"]  # the whole row checked, prefix pages included
     assert 0 < nxt["prefill"]["bytes"] < full["prefill"]["bytes"], (nxt["prefill"], full["prefill"])
+    return first, nxt, full
+
+
+@pytest.mark.parametrize("backend", ["pdstate", "mooncake"])
+def test_a_decode_prefix_hit_on_unified_kv_moves_the_suffix_and_the_whole_ring(queue_runs, backend):
+    """Unified KV (0.5.23, DeepSeek-V4's layout for a decode radix cache): after a prefix hit the
+    request slot's SWA ring (every window position, target and draft) and request state are checked
+    item by item beside the main KV; only main-KV pages past the prefix move. SGLang names the SWA
+    component (C4 states) as the padding page on both sides there: pdstate moves nothing of it."""
+    _, nxt, full = _prefix_runs(queue_runs, backend, "prefix_unified")
+    ring = nxt["decode"]["items_by"].get("swa_ring", 0)
+    assert ring == full["decode"]["items_by"].get("swa_ring") > 0, (nxt["decode"], full["decode"])
+    assert nxt["decode"]["items_by"] == full["decode"]["items_by"]
+    assert nxt["decode"]["wrong_by"] == full["decode"]["wrong_by"] == dict.fromkeys(full["decode"]["wrong_by"], 0)
+    if backend == "pdstate":  # SGLang's own backend also copies the SWA component's padding page
+        assert full["decode"]["outside_bytes"] == 0, full["decode"]
+
+
+@pytest.mark.parametrize("backend", ["pdstate", "mooncake"])
+def test_a_decode_prefix_hit_moves_only_the_suffix_byte_exact(queue_runs, backend):
+    """The decode's full row after a prefix hit holds what a full transfer lands (every item of the
+    request, prefix pages included, checked); only the pages past the prefix moved, and the SWA
+    window, request state, draft and aux whole (fewer bytes counted than the full transfer)."""
+    _prefix_runs(queue_runs, backend, "prefix")

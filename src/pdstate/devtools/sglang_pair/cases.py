@@ -32,6 +32,7 @@ class Side:
     full_tokens: int = 2048  # capacity of the full (compressed) pools, in tokens
     swa_tokens: int = 1024
     max_num_reqs: int = 2  # request slots 0..2 (SGLang adds one): the prefill uses 0, the decode 2
+    unified: bool = False  # 0.5.23's unified KV layout (the SWA window in per-slot rings, SWA_RING)
 
     def key(self) -> str:
         """A stable name for a child's pool cache."""

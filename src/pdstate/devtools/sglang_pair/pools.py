@@ -15,6 +15,7 @@ request-to-token pool, a sampling mask) and reads their items with ``request_ite
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -37,6 +38,7 @@ from pdstate.devtools.sglang_pair.cases import Side
 
 NEW_API = boot.at_least("0.5.23")
 REQUEST_STATE = boot.state_type("C128_STATE")  # DSV4_REQUEST_STATE in 0.5.23, same wire value
+SWA_RING = getattr(StateType, "SWA_RING", None)  # 0.5.23's unified-KV SWA ring rows
 
 HIDDEN_SIZE = 4096  # DeepSeek-V4-Flash's hidden size (the aux hidden-states row)
 KV_CACHE_DTYPE = "fp8_e4m3"
@@ -119,10 +121,11 @@ def build(
     kw = _pool_kwargs(side)
     if stage is not None:
         kw.update(start_layer=stage[0], end_layer=stage[1])
-    target = DeepSeekV4TokenToKVPool(**kw)
-    draft = None
-    if side.draft:
-        draft = DeepSeekV4TokenToKVPool(**{**kw, **NEXTN_DRAFT, "compression_ratios": [0]})
+    with boot.unified_kv(True) if side.unified else contextlib.nullcontext():
+        target = DeepSeekV4TokenToKVPool(**kw)
+        draft = None
+        if side.draft:
+            draft = DeepSeekV4TokenToKVPool(**{**kw, **NEXTN_DRAFT, "compression_ratios": [0]})
     if req_pool is None and NEW_API:
         req_pool = req_to_token_pool(side)
     extra = {"req_to_token_pool": req_pool} if NEW_API else {}
@@ -140,12 +143,21 @@ def build(
     if hold_pages:
         pools.pad = alloc.full_attn_allocator.alloc(hold_pages * side.page_size)
     main, swa, c128 = _labels(target, "target", stage)
+    ring, ring_draft, swa_draft = [], [], []
     if draft is not None:
         d_main, d_swa, _ = _labels(draft, "draft")
         main, swa_draft = main + d_main, d_swa
-    else:
-        swa_draft = []
-    pools.labels = {"main": main, "swa": swa, "swa_draft": swa_draft, "c128": c128}
+    if side.unified:  # each layer's SWA window is in its ring; the SWA component holds the C4 states
+        ring, swa = [n for n in swa if n[1] == "swa"], [n for n in swa if n[1] != "swa"]
+        ring_draft, swa_draft = [n for n in swa_draft if n[1] == "swa"], [n for n in swa_draft if n[1] != "swa"]
+    pools.labels = {
+        "main": main,
+        "swa": swa,
+        "swa_draft": swa_draft,
+        "c128": c128,
+        "ring": ring,
+        "ring_draft": ring_draft,
+    }
     return pools
 
 
@@ -242,17 +254,25 @@ def _name(names: list, j: int, kind: str):
 
 def request_items(pools: SimpleNamespace, args, req: SimpleNamespace, aux_index: int) -> list[tuple[int, int, dict]]:
     """Per buffer of ``buffers(args)``, in that order: ``(ptr, item length, {item: key})``. ``req``
-    has ``room``, ``tokens``, ``pages``, ``window_first_page``, ``swa_pages`` and ``c128`` (rows)."""
+    has ``room``, ``tokens``, ``pages``, ``window_first_page``, ``swa_pages`` and ``c128`` (rows),
+    and on unified-KV pools ``ring``: the SWA ring's ``(rows, positions)``."""
     room, labels, out = req.room, pools.labels, []
     for j, (p, i) in enumerate(zip(args.kv_data_ptrs, args.kv_item_lens)):
         name = _name(labels["main"], j, "main")
         out.append((p, i, {int(pg): ("kv", room, name, k, i) for k, pg in enumerate(req.pages)}))
     for j, (p, i) in enumerate(zip(args.aux_data_ptrs, args.aux_item_lens)):
         out.append((p, i, {aux_index: ("aux", room, j, i)}))
-    swa_components = 0
+    swa_components = rings = 0
     for c, st in enumerate(args.state_types):
         pairs = list(zip(args.state_data_ptrs[c], args.state_item_lens[c]))
-        if st == StateType.SWA:
+        if st == SWA_RING:  # unified KV: the window's rows of the request slot's ring, by position
+            names = labels["ring"] if rings == 0 else labels["ring_draft"]
+            rings += 1
+            rows, positions = req.ring
+            for j, (p, i) in enumerate(pairs):
+                name = _name(names, j, "ring")
+                out.append((p, i, {int(r): ("ring", room, name, int(t), i) for r, t in zip(rows, positions)}))
+        elif st == StateType.SWA:
             names = labels["swa"] if swa_components == 0 else labels["swa_draft"]
             swa_components += 1
             for j, (p, i) in enumerate(pairs):

@@ -232,7 +232,8 @@ def decode_queues(side, args, backend: str, port: int, group, streamer, attn_tp=
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     tb = TransferBackend(backend)
-    rtp = DecodeReqToTokenPool(1, side.full_tokens + side.page_size, "cpu", False, 1)
+    # one slot pre-allocated beside the rest (unified KV counts its SWA room in request slots)
+    rtp = DecodeReqToTokenPool(side.max_num_reqs - 1, side.full_tokens + side.page_size, "cpu", False, 1)
     pools = build_pools(side, rtp, decode=True)
     sched = DecodeScheduler()
     _common(sched, pools, args, group, streamer, rtp)
@@ -317,7 +318,7 @@ def cleared_rows(case) -> dict[tuple[int, int], list[int]]:
     args, out = case.kv_args, {}
     per_slot = case.pools.target.get_ring_size(128) // 128  # a slot's ring, in items of 128 rows
     for c, st in enumerate(args.state_types):
-        if st == StateType.SWA:
+        if st in (StateType.SWA, side_pools.SWA_RING):
             continue
         for p, i in zip(args.state_data_ptrs[c], args.state_item_lens[c]):
             out[(p, i)] = [slot * per_slot + r for slot in case.cleared for r in range(per_slot)]
@@ -367,6 +368,16 @@ def _c128_rows(case, slot: int, tokens: int) -> np.ndarray:
     )
 
 
+def _ring_rows(target, slot: int, tokens: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Unified KV: the request slot's SWA ring rows of the window's positions, and the positions
+    (``slot * stride + position % stride``, as the queues name them); ``None`` on paged pools."""
+    if not getattr(target, "_unified_kv", False):
+        return None
+    stride = target.unified_swa_ring_size
+    positions = np.arange(max(0, tokens - target.unified_swa_window), tokens, dtype=np.int64)
+    return slot * stride + positions % stride, positions
+
+
 def request_items(case, req, room: int) -> list:
     """Per buffer of ``buffers(kv_args)``: ``(ptr, item length, {item: key})`` for the request as
     it sits in this side's pools (its own token-pool row, SWA mapping and state slot)."""
@@ -375,10 +386,13 @@ def request_items(case, req, room: int) -> list:
     row = case.sched.req_to_token_pool.req_to_token[slot, :tokens].to(torch.int64)
     window_start = max(0, tokens - pools.target.sliding_window) // page * page
     swa = pools.alloc.translate_loc_from_full_to_swa(row[window_start:tokens])
+    ring = _ring_rows(pools.target, slot, tokens)
+    if ring is not None:  # SGLang's ring-mode allocator maps no SWA page: nothing of the request there
+        swa = swa[:0]
     ns = SimpleNamespace(
         room=room, tokens=tokens, pages=np.asarray(kv_to_page_indices(row, page)),
         window_first_page=window_start // page, swa_pages=np.asarray(kv_to_page_indices(swa, page)),
-        c128=_c128_rows(case, slot, tokens),
+        c128=_c128_rows(case, slot, tokens), ring=ring,
     )  # fmt: skip
     index = req.metadata_buffer_index if req.metadata_buffer_index >= 0 else 0
     return side_pools.request_items(pools, case.kv_args, ns, index)

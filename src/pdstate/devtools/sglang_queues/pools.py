@@ -12,9 +12,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from pdstate.devtools.sglang_pair import pools as pair_pools
-from pdstate.devtools.sglang_pair.pools import KV_CACHE_DTYPE, buffers, request_items
+from pdstate.devtools.sglang_pair.pools import KV_CACHE_DTYPE, SWA_RING, buffers, request_items
 
-__all__ = ["KV_CACHE_DTYPE", "SAMPLING_MASK_TOKENS", "buffers", "build", "request_items"]
+__all__ = ["KV_CACHE_DTYPE", "SAMPLING_MASK_TOKENS", "SWA_RING", "buffers", "build", "request_items"]
 
 SAMPLING_MASK_TOKENS = 16  # MetadataBuffers' max_sampling_mask_tokens (0.5.23)
 

@@ -47,6 +47,7 @@ from pdstate.integrations.sglang.states import (
     concluded,
     failure_exception,
     kv_poll,
+    state_lists,
 )
 
 log = logging.getLogger("pdstate.integrations.sglang")
@@ -164,14 +165,13 @@ def build_receiver() -> type:
             # decode_prefix_len (0.5.23's decode radix cache): SGLang named only the pages past the
             # prefix and the SWA window from there; the prefill's sender moves just those
             self.decode_prefix_len = int(decode_prefix_len or 0)
-            n = len(self.kv_mgr.kv_args.state_types)
-            states = list(state_indices) if state_indices is not None else [None] * n
-            if len(states) != n:
-                self.pdstate_fail(ValueError(f"state_indices: {len(states)} lists for {n} state components"))
+            state_types = self.kv_mgr.kv_args.state_types
+            n = len(state_types)
+            try:
+                lists = state_lists(list(state_indices) if state_indices is not None else [None] * n, state_types)
+            except ValueError as exc:
+                self.pdstate_fail(exc)
                 return
-            lists = [
-                np.empty(0, dtype=np.int64) if s is None else np.asarray(s, dtype=np.int64).reshape(-1) for s in states
-            ]
             empty = [np.empty(0, dtype=np.int64)] * n
             try:
                 for dummy, recv in self._recvs:

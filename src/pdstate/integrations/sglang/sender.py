@@ -49,16 +49,6 @@ __all__ = ["build_sender"]
 ABORT_FENCE_S = 5.0
 
 
-def _state_lists(state_indices, n: int):
-    if state_indices is None:
-        return None
-    if len(state_indices) != n:
-        raise ValueError(f"state_indices: {len(state_indices)} lists for {n} state components")
-    return [
-        np.empty(0, dtype=np.int64) if s is None else np.asarray(s, dtype=np.int64).reshape(-1) for s in state_indices
-    ]
-
-
 def _past_prefix(states: list, wanted: list[int], state_types) -> list:
     """A request's state lists as a decode holding its prefix takes them: the SWA window's pages
     past the prefix (the decode's window starts there: the last ``wanted`` of the prefill's window,
@@ -194,7 +184,7 @@ def build_sender() -> type:
 
         def _send_chunk(self, pages, state_indices, last: bool) -> None:
             state_types = self.kv_mgr.kv_args.state_types
-            states = _state_lists(state_indices, len(state_types)) if last else None
+            states = lifecycle.state_lists(state_indices, state_types) if last and state_indices is not None else None
             for out in self._outs:
                 out.send_chunk(pages, states, last, state_types)
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import numpy as np
+
 from pdstate.protocol.lifecycle import RequestState
 
-__all__ = ["combine", "conclude", "conclude_failed", "failure_exception", "kv_poll", "raise_failure"]
+__all__ = ["combine", "conclude", "conclude_failed", "failure_exception", "kv_poll", "raise_failure", "state_lists"]
 
 
 @functools.cache
@@ -86,3 +88,22 @@ def failure_exception(side) -> None:
         side._failure_reason = reason
     side.clear()
     raise_failure(side.bootstrap_room, side.pdstate_error, getattr(side, "_failure_reason", None))
+
+
+def state_lists(state_indices, state_types) -> list[np.ndarray]:
+    """SGLang's request-state index lists, one int64 array per component (``None``: empty).
+
+    An SWA list naming only the padding page (0) is emptied: on the unified KV layout (0.5.23, a
+    per-request SWA ring) SGLang's allocator leaves its full-to-SWA mapping unwritten, so both
+    sides name their SWA component (the C4 states) as page 0 only. SGLang's own backend copies
+    padding to padding; pdstate moves nothing there (the window itself moves as the SWA ring)."""
+    n = len(state_types)
+    if len(state_indices) != n:
+        raise ValueError(f"state_indices: {len(state_indices)} lists for {n} state components")
+    out = []
+    for s, st in zip(state_indices, state_types):
+        lst = np.empty(0, dtype=np.int64) if s is None else np.asarray(s, dtype=np.int64).reshape(-1)
+        if str(getattr(st, "value", st)) == "swa" and lst.size and not lst.any():
+            lst = lst[:0]
+        out.append(lst)
+    return out
