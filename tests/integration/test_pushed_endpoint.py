@@ -168,3 +168,15 @@ def test_a_child_that_fails_inside_names_the_error():
     with listen_socket("127.0.0.1", 0) as sock, pytest.raises(ConfigError) as info:
         pushed.Child(sock, {}, {}, None)  # facts without a local check: the child cannot build its source
     assert str(info.value) == "KeyError: 'local_check'"
+
+
+def test_a_manager_dropped_without_close_ends_its_child():
+    import gc
+
+    endpoint = RankEndpoint(RankLike(), "127.0.0.1", 0, None)
+    proc = endpoint.child.proc
+    endpoint.source.mgr_endpoint = endpoint  # as a manager holds its endpoint: a cycle only the collector frees
+    del endpoint
+    gc.collect()
+    assert _until(lambda: proc.poll() is not None, 10.0), "the child outlived its dropped manager"
+    assert proc.returncode == 0

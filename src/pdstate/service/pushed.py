@@ -23,6 +23,7 @@ import os
 import pickle
 import sys
 import threading
+import weakref
 from dataclasses import fields
 
 from pdstate.errors import ConfigError
@@ -189,18 +190,31 @@ class Child:
 
 
 class Publisher:
-    """Sends ``snapshot()`` to ``child`` when it changed: when ``changed`` is set, when ``key()``
-    moved (compared every ``POLL_S``) and every ``FULL_S``; at most one per ``PUSH_S``. Runs on a
-    daemon thread of its own; the worker's cost is one snapshot per change, none per scrape."""
+    """Sends ``source.status()`` to ``child`` when it changed: when ``source.changed`` is set, when
+    ``source.status_key()`` moved (compared every ``POLL_S``) and every ``FULL_S``; at most one per
+    ``PUSH_S``. Runs on a daemon thread of its own; the worker's cost is one snapshot per change,
+    none per scrape. It holds ``source`` weakly: a source dropped without ``close`` (its manager
+    gone) ends the thread and the child too."""
 
-    def __init__(self, child: Child, snapshot, key, changed: threading.Event, first: dict, name: str) -> None:
-        self.child, self._snapshot, self._key, self._changed = child, snapshot, key, changed
+    def __init__(self, child: Child, source, first: dict, name: str) -> None:
+        self.child, self._source, self._changed = child, weakref.ref(source), source.changed
         self._stop = threading.Event()
         self._last = pickle.dumps(first)
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            if self._source() is None:
+                self.child.close()
+
+    def _key(self):
+        source = self._source()
+        return None if source is None else source.status_key()
+
+    def _loop(self) -> None:
         import logging
         import time
 
@@ -208,7 +222,7 @@ class Publisher:
         pushed = full
         while not self._stop.is_set():
             event = self._changed.wait(POLL_S)
-            if self._stop.is_set():
+            if self._stop.is_set() or self._source() is None:
                 return
             now = time.monotonic()
             if not (event or now - full >= FULL_S or self._key() != key):
@@ -216,8 +230,12 @@ class Publisher:
             if now < pushed + PUSH_S and self._stop.wait(pushed + PUSH_S - now):
                 return
             self._changed.clear()  # before the snapshot: a later count sets it again
-            key, full = self._key(), time.monotonic()
-            blob = pickle.dumps(self._snapshot())
+            source = self._source()
+            if source is None:
+                return
+            key, full = source.status_key(), time.monotonic()
+            blob = pickle.dumps(source.status())
+            del source  # not held while waiting
             if blob == self._last:
                 continue
             try:

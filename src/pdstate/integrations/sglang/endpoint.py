@@ -94,9 +94,8 @@ class RankEndpoint:
             raise ConfigError(f"http.port: {what} cannot serve its endpoint on {self.url}: {exc}") from None
         finally:
             sock.close()  # the child's now
-        self.publisher = Publisher(
-            self.child, source.status, source.status_key, source.changed, first, name=f"pdstate-http-{port}"
-        )
+        self.source = source  # the publisher holds it weakly: a manager dropped unclosed ends the child too
+        self.publisher = Publisher(self.child, source, first, name=f"pdstate-http-{port}")
         log.info("pdstate: %s rank %d answers on %s", source.role, source.rank["rank"], self.url)
 
     def close(self) -> None:
