@@ -182,6 +182,8 @@ class Child:
         import subprocess
 
         self.conn.close()
+        if not self.proc.stdout.closed:  # a child that never said its line
+            self.proc.stdout.close()
         try:
             self.proc.wait(STOP_S)
         except subprocess.TimeoutExpired:
