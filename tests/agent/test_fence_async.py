@@ -109,3 +109,17 @@ def test_gone_decode_is_released_only_after_its_fence(slow_pair):
     assert type(send1.failure_exception()) is PeerGone
     assert str(send1.failure_exception()).endswith(f"missed heartbeats for {PEER_TIMEOUT_S:g} s")
     wait_until("the gone decode's mapping released after the fence", lambda: pa._engine.num_peers == 0, 5)
+
+
+def test_prefill_abort_returns_once_its_fence_held(slow_pair):
+    p, d, pa, da = slow_pair
+    recv1, send1, due = _slow_request(pa, da, 44)
+    with pytest.raises(TransferTimedOut, match=r"^room 44: the abort's fence did not hold within 0 s$"):
+        send1.abort("stop", timeout_s=0)  # handed over; its copy still in flight
+    assert not send1.state.terminal and not recv1.state.terminal
+    send1.abort("again", timeout_s=SLOW_S + 10)  # returns once the fence held: the first reason stands
+    assert time.monotonic() >= due and send1.state is RequestState.FAILED
+    assert str(send1.failure_exception()) == "aborted by prefill: stop"
+    assert recv1.wait(5) is RequestState.FAILED
+    assert str(recv1.failure_exception()) == "aborted by prefill: stop"
+    assert da.prefills()[pa.address]["handshakes"] == 1

@@ -158,7 +158,7 @@ class KVSender:
         engine handles finished: FAILED), the decode told with a failed ``TransferDone``. Raises
         ``TransferTimedOut`` if that did not happen within ``timeout_s`` (the I/O thread does
         not wait for the fence: ``agent.fence``)."""
-        self._call(lambda: self._abort(self._send, f"aborted by prefill: {reason}"), timeout_s)
+        self._call(lambda: self._abort(self._send, f"aborted by prefill: {reason}"))
         if not self._send.record.wait(timeout_s).terminal:
             raise TransferTimedOut(f"room {self.room}: the abort's fence did not hold within {timeout_s:g} s")
 
