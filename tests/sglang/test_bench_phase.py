@@ -38,4 +38,13 @@ def test_rank_endpoints_off_and_scraped_through_the_scheduler_queues(sglang_rele
     assert [len(v) for v in out["times"].values()] == [2, 2]
     assert out["scrapes"] >= 4  # GET /metrics and /v1/compat answered 200 on both ranks at least once
     bench_ranks.store(results, "0.5.19", out)
+    # Scrapes cost the ranks' own processes (the schedulers') nothing: each endpoint is another
+    # process, which spends ~1 ms a scrape. Served by a thread of the rank instead, each rank spent
+    # 1.2-1.9 ms per scrape here (no request running, 2 s, ~65 scrapes a rank; the CPU clock's 10 ms
+    # tick is ~0.15 ms of that per rank, and its processes spend ~10 ms per 2 s idle).
+    served = results["sglang_rank_endpoint_scrapes"]["served"]
+    assert 40 <= served <= results["sglang_rank_endpoint_scrapes"]["expected"] + 4
+    cost = results["sglang_rank_endpoint_cpu_ms_per_scrape"]
+    assert set(cost) == {"prefill", "decode"} and all(ms < 0.6 for ms in cost.values()), cost
+    assert results["sglang_rank_endpoint_child_cpu_ms_per_scrape"] > 0.2
     assert bench_report.ratios(results)["sglang_rank_endpoint_scraped_vs_off"] > 0

@@ -3,6 +3,8 @@ SGLang environment is missing (the phase itself runs in ``tests/sglang/test_benc
 
 from __future__ import annotations
 
+import pytest
+
 from pdstate.devtools import bench_ranks, bench_report, bench_sglang, bench_tables
 from tests.support.bench import fake_bench_result
 
@@ -61,24 +63,42 @@ def test_phase_skips_with_one_line_without_the_sglang_environment(tmp_path, monk
 
 def test_rank_endpoint_keys_ratio_summary_and_table():
     r = {"lengths": [], "modes": [], "paths": {}}
-    out = {"times": {"off": [10.0, 12.0, 11.0], "scraped": [12.0, 13.0, 14.0, 13.2]}, "scrapes": 40}
+    cpu = {
+        "off": {"prefill": 20.0, "decode": 30.0, "endpoint": 0.0, "wall_s": 4.0, "scrapes": 0},
+        "scraped": {"prefill": 30.0, "decode": 36.75, "endpoint": 150.0, "wall_s": 4.1, "scrapes": 100},
+    }
+    out = {"times": {"off": [10.0, 12.0, 11.0], "scraped": [12.0, 13.0, 14.0, 13.2]}, "scrapes": 40, "cpu": cpu}
     bench_ranks.store(r, "0.5.19", out)
     info = r["sglang_rank_endpoints"]
     assert info["release"] == "0.5.19" and info["tokens"] == 4096 and info["http_requests"] == 40
-    assert info["off"] == {"min": 10.0, "median": 11.0, "max": 12.0, "ms": [10.0, 12.0, 11.0]}
+    assert info["off"] == {
+        "min": 10.0, "median": 11.0, "max": 12.0, "ms": [10.0, 12.0, 11.0],
+        "cpu_ms": {"prefill": 20.0, "decode": 30.0, "endpoint": 0.0}, "window_s": 4.0,
+    }  # fmt: skip
     assert info["scraped"]["median"] == 13.1
     assert (r["sglang_rank_endpoint_off_ms"], r["sglang_rank_endpoint_scraped_ms"]) == (11.0, 13.1)
+    # beyond the off rate over as long (20 ms in 4 s -> 20.5 in 4.1 s), per scrape of that rank (50)
+    cost = r["sglang_rank_endpoint_cpu_ms_per_scrape"]
+    assert cost == {"prefill": pytest.approx((30.0 - 20.5) / 50), "decode": pytest.approx(6.0 / 50)}
+    assert r["sglang_rank_endpoint_child_cpu_ms_per_scrape"] == 1.5
+    assert r["sglang_rank_endpoint_scrapes"] == {"served": 100, "expected": 328}  # 4 GETs per 50 ms for 4.1 s
     r["ratios"] = bench_report.ratios(r)
     assert r["ratios"]["sglang_rank_endpoint_scraped_vs_off"] == 13.1 / 11.0
     s = bench_report.summary(fake_bench_result(**r))
     assert s["ratios"]["sglang_rank_endpoint_scraped_vs_off"] == 13.1 / 11.0
     assert (s["sglang_rank_endpoint_off_ms"], s["sglang_rank_endpoint_scraped_ms"]) == (11.0, 13.1)
+    assert s["sglang_rank_endpoint_child_cpu_ms_per_scrape"] == 1.5
+    assert s["sglang_rank_endpoint_scrapes"] == {"served": 100, "expected": 328}
     assert bench_tables.rank_endpoint_table(r) == [
         "| SGLang 0.5.19 rank endpoints, 4k tokens, send -> Success, ms | median | min | max | requests |",
         "|---|---|---|---|---|",
         "| endpoints off | 11.0 | 10.0 | 12.0 | 3 |",
         "| endpoints on, scraped every 50 ms | 13.1 | 12.0 | 14.0 | 4 |",
         "| ratio scraped / off (above 1: slower) | 1.19 | | | |",
+        "| prefill rank's own CPU per scrape it served, ms (no request running) | 0.19 | | | |",
+        "| decode rank's own CPU per scrape it served, ms (no request running) | 0.12 | | | |",
+        "| the endpoints' processes' CPU per scrape, ms | 1.50 | | | |",
+        "| scrapes served / expected (no request running) | 100 / 328 | | | |",
     ]
     assert "| endpoints off | 11.0 |" in bench_tables.markdown(r, s)
 
@@ -86,6 +106,7 @@ def test_rank_endpoint_keys_ratio_summary_and_table():
 def test_rank_endpoint_keys_null_without_the_measurement(tmp_path, monkeypatch):
     s = bench_report.summary(fake_bench_result())
     assert s["ratios"]["sglang_rank_endpoint_scraped_vs_off"] is None and s["sglang_rank_endpoint_off_ms"] is None
+    assert s["sglang_rank_endpoint_cpu_ms_per_scrape"] is None and s["sglang_rank_endpoint_scrapes"] is None
     assert bench_tables.rank_endpoint_table({}) == []
     monkeypatch.setenv("PDSTATE_SGLANG_ENV", str(tmp_path / "absent"))
     results = {}

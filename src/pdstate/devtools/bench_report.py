@@ -176,6 +176,9 @@ def summary(r: dict) -> dict:
                 "sglang_backend_full_ms_by_length",
                 "sglang_rank_endpoint_off_ms",
                 "sglang_rank_endpoint_scraped_ms",
+                "sglang_rank_endpoint_cpu_ms_per_scrape",
+                "sglang_rank_endpoint_child_cpu_ms_per_scrape",
+                "sglang_rank_endpoint_scrapes",
             )
         }
     )

@@ -222,7 +222,22 @@ def rank_endpoint_table(r: dict) -> list[str]:
     for name, row in (("endpoints off", off), ("endpoints on, scraped every 50 ms", on)):
         out.append(f"| {name} | {row['median']:.1f} | {row['min']:.1f} | {row['max']:.1f} | {len(row['ms'])} |")
     out.append(f"| ratio scraped / off (above 1: slower) | {on['median'] / off['median']:.2f} | | | |")
-    return out
+    return out + _rank_cpu_rows(r)
+
+
+def _rank_cpu_rows(r: dict) -> list[str]:
+    """The endpoints' CPU per scrape in the dwells without requests (``bench_ranks.store``)."""
+    cpu, child = r.get("sglang_rank_endpoint_cpu_ms_per_scrape"), r.get("sglang_rank_endpoint_child_cpu_ms_per_scrape")
+    if not cpu or None in cpu.values() or child is None:
+        return []
+    n = r["sglang_rank_endpoint_scrapes"]
+    return [
+        f"| {role} rank's own CPU per scrape it served, ms (no request running) | {cpu[role]:.2f} | | | |"
+        for role in ("prefill", "decode")
+    ] + [
+        f"| the endpoints' processes' CPU per scrape, ms | {child:.2f} | | | |",
+        f"| scrapes served / expected (no request running) | {n['served']} / {n['expected']} | | | |",
+    ]
 
 
 def markdown(r: dict, s: dict | None) -> str:
