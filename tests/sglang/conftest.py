@@ -3,9 +3,10 @@
 ``sglang_release`` is parametrised over ``runner.RELEASES`` (0.5.19 and 0.5.23): it builds that
 release's cached environment if needed (``tools/sglang_env.sh``) and every fixture over it runs
 once per release, so a test that uses ``sglang_results`` (every scenario of ``scenarios.VARIANTS``
-in child processes) or ``sglang_pair`` (the two-process driver's pair of children) or ``queue_pair`` (the
-scheduler-queue driver's) runs against each release, with the release in its id. ``sglang_env`` is 0.5.19's environment alone (the suites
-that have not moved to both releases). When a release's wheel cannot be fetched its tests skip
+in child processes), ``sglang_pair`` (the two-process driver's pair of children) or ``queue_pair``
+/ ``queue_runs`` (the scheduler-queue driver's) runs against each release, with the release in its
+id. ``sglang_env`` is 0.5.19's environment alone (the suites that have not moved to both releases).
+When a release's wheel cannot be fetched its tests skip
 with the build script's reason, reported as one line (pytest would otherwise list a fixture's skip
 once per test function).
 """

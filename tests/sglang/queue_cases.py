@@ -5,8 +5,9 @@ order: the same-config case with SGLang's Mooncake backend and with ``pdstate``,
 mismatches with each, and ``pdstate``'s lifecycle cases (abort, timeouts, rebootstrap, 0.5.23's
 decode radix cache); SGLang's Mooncake lifecycle runs in children of its own, on 0.5.23 alone.
 SGLang's Mooncake backend fails rooms in a process that already holds managers of several
-earlier cases (measured: the third and later Mooncake cases after a few others end Failed, "it
-might be dead"), which is why its cases go first and its lifecycle gets fresh children; the other
+earlier cases (measured on 0.5.23: after its three same-config and mismatch cases, its radix-cache
+case on unified KV ended Failed; after its lifecycle, the same-config case ended Failed, "it might
+be dead"), which is why its cases go first and its lifecycle gets fresh children; the other
 suites that share the pair (``test_rank_endpoints.py``, the bench's rank endpoints) run only
 ``pdstate`` and come after these runs (their fixtures request ``queue_runs``).
 """
