@@ -199,7 +199,7 @@ def configure_check(c: argparse.ArgumentParser) -> None:
         default=[],
         metavar="PATH",
         help="the model's config.json for --sglang (once: both sides; twice: prefill, decode); "
-        "DeepSeek-V4-Flash is built in",
+        "DeepSeek-V4-Flash and -Pro are built in",
     )
     c.add_argument(
         "--recipe",
