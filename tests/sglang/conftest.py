@@ -6,9 +6,8 @@ once per release, so a test that uses ``sglang_results`` (every scenario of ``sc
 in child processes), ``sglang_pair`` (the two-process driver's pair of children) or ``queue_pair``
 / ``queue_runs`` (the scheduler-queue driver's) runs against each release, with the release in its
 id. ``sglang_env`` is 0.5.19's environment alone (the suites that have not moved to both releases).
-When a release's wheel cannot be fetched its tests skip
-with the build script's reason, reported as one line (pytest would otherwise list a fixture's skip
-once per test function).
+When a release's wheel cannot be fetched its tests skip with the build script's reason, reported
+as one line (pytest would otherwise list a fixture's skip once per test function).
 """
 
 from __future__ import annotations
