@@ -41,7 +41,6 @@ from tests.support.workers import (
     served_pair,
     start_batch,
     transfer,
-    wait_accepted,
     wait_decode,
     wait_prefill_settled,
     wait_transferring,
@@ -339,9 +338,9 @@ def test_engine_failure_on_one_request_in_process():
         wait_until("the decode's pages back", lambda: d.free_counts() == free_d and not d.in_flight(), 10)
         detect_s = time.monotonic() - t0
         p.agent._engine.delay_s = 0.0
-        # the prefill fenced the late copy on its I/O thread (up to the 2 s delay, past the 1 s
-        # peer timeout): the decode may have found it silent (PeerGone) and registers again first
-        wait_accepted(d)
+        # the late copy's fence (up to the 2 s delay, past the 1 s peer timeout) is pending work on
+        # the prefill's I/O thread, which answers heartbeats meanwhile: the decode never lost it
+        assert d.status().peer.state.value == "accepted" and p.stats.snapshot().handshakes["accepted"] == 1
         ok = transfer(d, 640, deadline_s=10)
         assert ok.status == "success" and ok.verified, (ok.status, ok.error)
         wait_until("the prefill's pages back", lambda: p.free_counts() == free_p, 10)

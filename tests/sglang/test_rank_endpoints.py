@@ -15,12 +15,16 @@ with backend ``pdstate``, one request each:
   fix line; the decode rank's ``/readyz`` is 503 with that reason; both ranks' ``/metrics`` count
   the failed request by kind and factor; ``pdstate probe`` prints ``refused
   (compression_ratios)`` with the fix, and exits 1.
+
+A rank's endpoint is served by a child process fed with the rank's snapshots (at most one per
+0.1 s, at each change): the ranks are asked once their ``/metrics`` show the request ended.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+import time
 
 import httpx
 import pytest
@@ -30,6 +34,7 @@ from tests.support.paths import REPO, SRC_DIR
 from tests.support.workers import pdstate_command
 
 DEADLINE_S = 3.0
+SETTLE_S = 5.0
 MISMATCH = "c4_c128_order"  # its factor: compression_ratios
 ROLES = ("prefill", "decode")
 
@@ -45,6 +50,21 @@ def _ask(port: int) -> dict:
         "metrics": httpx.get(f"{base}/metrics", timeout=10).text,
         "transfers": httpx.post(f"{base}/v1/transfers", json={"tokens": 1}, timeout=10).status_code,
     }
+
+
+def _settled(port: int) -> None:
+    """Until the rank's endpoint shows no request in flight and one ended (bounded: ``SETTLE_S``)."""
+    deadline = time.monotonic() + SETTLE_S
+    while time.monotonic() < deadline:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        ended = [
+            line
+            for line in text.splitlines()
+            if line.startswith(('pdstate_transfers_total{outcome="success', 'pdstate_transfers_total{outcome="failed'))
+        ]
+        if "pdstate_transfers_in_flight 0.0" in text.splitlines() and sum(float(x.rsplit(" ", 1)[1]) for x in ended):
+            return
+        time.sleep(0.05)
 
 
 def _probe(ports: dict[str, int]) -> subprocess.CompletedProcess:
@@ -67,6 +87,8 @@ def ranks(sglang_release, queue_pair, queue_runs) -> tuple[str, dict]:
         setup = queue_pair.setup(CASES[name], "pdstate", role_env=role_env)
         assert "setup_error" not in setup, setup
         res = {"request": queue_pair.request(600, DEADLINE_S)}
+        for port in ports.values():
+            _settled(port)
         res.update({role: _ask(port) for role, port in ports.items()})
         res["probe"] = _probe(ports)
         out[name] = res

@@ -20,9 +20,10 @@ Threading contract (both agents):
 * ``KVReceiver.abort()`` blocks until the fence: the receiver is FAILED and no write of the
   request can land any more. The prefill confirms an abort (a failed ``TransferDone``) only after
   every engine handle of the request finished: shm copies synchronously on the prefill's I/O
-  thread; loopback, Mooncake and NIXL handles are waited for (a handle still in flight after
-  ``prefill_copy.FENCE_TIMEOUT_S`` is never confirmed, and the decode's ``abort`` raises
-  ``TransferTimedOut``). ``KVSender.abort()`` fences the same way before it tells the decode.
+  thread; loopback, Mooncake and NIXL handles are awaited as pending work while that thread goes
+  on serving (``agent.fence``; a handle still in flight after ``fence.FENCE_TIMEOUT_S`` is never
+  confirmed, and the decode's ``abort`` raises ``TransferTimedOut``). ``KVSender.abort()`` fences
+  the same way before it tells the decode, and returns once the fence held.
 * Never call an agent's blocking methods from inside the I/O thread (there are no callbacks, so
   only a caller that hands the agent its own thread could).
 

@@ -52,7 +52,7 @@ class Verdicts:
         overdue = [
             s
             for s in sends
-            if isinstance(s, Sending) and s.done_sent and not s.record.state.terminal
+            if isinstance(s, Sending) and s.done_sent and not s.record.state.terminal and s.fence is None
             if now - s.done_at > t
         ]
         for send in overdue:

@@ -14,6 +14,7 @@ from pdstate import logs
 from pdstate.agent.admission import Gate, Incidents, bind_router
 from pdstate.agent.common import AgentLifetime, AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.fairness import VERDICT_TIMEOUT_S, Verdicts
+from pdstate.agent.fence import Fences
 from pdstate.agent.prefill_copy import CopyPipeline
 from pdstate.agent.refusals import Refusals
 from pdstate.agent.sender import DecodePeer, EndedSender, KVSender, PendingRequest, Sending
@@ -59,7 +60,7 @@ def _trim(send: Sending) -> None:
         send.request = ANSWERED
 
 
-class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
+class PrefillAgent(AgentLifetime, CopyPipeline, Fences, Refusals):
     """Serves decode agents over ZeroMQ (a ROUTER bound at ``bind``) and one transfer engine.
 
     ``kv_args``: the caller's filled ``KVArgs`` (``fill_kv_args`` / ``setup_state_kv_args``, plus
@@ -165,6 +166,7 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
         self._verdicts = Verdicts(self, self._decodes, self._fail, self._decode_gone)
         self._peer_log: OrderedDict[str, dict] = OrderedDict()  # worker id -> its latest record (``peers()``)
         self._init_refusals()
+        self._init_fences()
         self._last_tick = time.monotonic()
         self._loop = AgentLoop(f"pdstate-prefill-{worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
         self._sock, self.address = bind_router(self._loop, bind)
@@ -223,6 +225,7 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
             for send in list(self._sends.values()):
                 if not send.record.state.terminal:
                     self._fail(send, AgentClosed(reason), tell_decode=True)
+            self._hold_fences()  # the engine closes next
             bye = wire.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation, reason=reason[:1024])
             for identity in list(self._decodes):
                 self._reply(identity, bye)
@@ -358,12 +361,6 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
         if gone is not None:
             self._release(gone.peer_id)
 
-    def _release(self, peer_id: str) -> None:
-        """Disconnect ``peer_id`` (its mappings and claims) unless an accepted decode still uses it
-        (its requests were failed and fenced first)."""
-        if all(d.peer_id != peer_id for d in self._decodes.values()):
-            self._engine.disconnect(peer_id)
-
     def _attach(self, send: Sending, identity: bytes, msg: wire.AgentRequest) -> None:
         if send.request is not None:
             first = self._decodes.get(send.identity)
@@ -406,7 +403,7 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
         send = self._sends.get(msg.room)
         err = TransferAborted(f"aborted by decode: {msg.reason}")
         if send is not None and send.identity == identity and not send.record.state.terminal:
-            self._fail(send, err, tell_decode=True)  # fences, then confirms
+            self._fail(send, err, tell_decode=True)  # confirmed once its fence holds
             return
         if self._pending.pop(msg.room, None) is not None:
             self._give_up(msg.room, err)  # a sender made later for it fails with this (``refusal``)
@@ -414,8 +411,8 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Refusals):
 
     def _on_verdict(self, msg: wire.AgentVerdict) -> None:
         send = self._sends.get(msg.room)
-        if send is None or send.record.state.terminal:
-            return
+        if send is None or send.record.state.terminal or send.fence is not None:
+            return  # a failing request ends with its fence
         if msg.status == "success":
             send.record.move(RequestState.SUCCESS)
         else:

@@ -1,6 +1,6 @@
 """The prefill agent's copy pipeline, on its I/O thread: a sender's chunks queued, planned and
 submitted to the engine once the decode's request is known, the ``TransferDone`` once every chunk
-landed, and the fence a failure waits for (no write of the request lands after it)."""
+landed, a failure handed to its fence (``agent.fence``)."""
 
 from __future__ import annotations
 
@@ -18,16 +18,11 @@ from pdstate.errors import (
     PdStateError,
     PeerGone,
     ProtocolError,
-    TransferAborted,
-    TransferTimedOut,
 )
 from pdstate.protocol import wire
 from pdstate.protocol.lifecycle import RequestState
-from pdstate.protocol.report import ErrorInfo
 
-__all__ = ["CopyPipeline", "FENCE_TIMEOUT_S"]
-
-FENCE_TIMEOUT_S = 60.0
+__all__ = ["CopyPipeline"]
 
 
 def _moves_nothing(decode: DecodePeer, pages: np.ndarray, state, req: wire.AgentRequest, aux: bool) -> bool:
@@ -40,9 +35,12 @@ def _moves_nothing(decode: DecodePeer, pages: np.ndarray, state, req: wire.Agent
 
 class CopyPipeline:
     """Mixed into ``PrefillAgent`` (which has ``_engine``, ``_loop``, ``_decodes``, ``kv_args``,
-    ``_reply`` and ``_n_channels``); every method runs on its I/O thread."""
+    ``_reply``, ``_n_channels`` and ``agent.fence``'s ``_fail`` and ``_fence_check``); every
+    method runs on its I/O thread."""
 
     def _queue_chunk(self, send: Sending, pages: np.ndarray, state: list[np.ndarray] | None) -> None:
+        if send.fence is not None:  # failing, its fence pending
+            raise send.fence.error
         if send.record.state.terminal:
             raise send.record.error or ProtocolError(f"room {send.record.room} is finished")
         queued = sum(p.size for p, _ in send.queued)
@@ -62,7 +60,7 @@ class CopyPipeline:
 
     def _pump(self, send: Sending) -> None:
         """Submit queued chunks once the decode's request is known; finish when all landed."""
-        if send.request is None or send.record.state.terminal:
+        if send.request is None or send.record.state.terminal or send.fence is not None:
             return
         decode = self._decodes.get(send.identity)
         if decode is None:
@@ -169,6 +167,9 @@ class CopyPipeline:
         self._reply(send.identity, wire.Landed(room=send.record.room, pages=told[0], state_landed=told[1]))
 
     def _finish_if_landed(self, send: Sending) -> None:
+        if send.fence is not None:  # failing: what landed ends its fence instead
+            self._fence_check(send)
+            return
         if send.done_sent or send.record.state.terminal:
             return
         if send.marks:
@@ -203,37 +204,3 @@ class CopyPipeline:
                 digest_form=wire_form(send.digest),
             ),
         )
-
-    def _fence(self, send: Sending) -> bool:
-        """Wait for every in-flight handle (the fence: nothing of this request lands after).
-
-        Returns False when a handle is still in flight after ``FENCE_TIMEOUT_S`` (a wedged native
-        engine): the decode is then NOT told, so it never reports the request fenced."""
-        fenced = True
-        if send.digest is not None:
-            send.digest.cancel()  # no thread reads the request's pages after the fence
-        for h in send.handles:
-            try:
-                self._engine.wait(h, FENCE_TIMEOUT_S)
-            except TransferTimedOut:
-                fenced = False
-            except EngineError:
-                pass  # failed: finished, nothing more of it lands
-        return fenced
-
-    def _done_failed(self, room: int, error: BaseException | None) -> wire.TransferDone:
-        info = ErrorInfo.of(error) if error is not None else ErrorInfo(type="TransferFailed", message="failed")
-        return wire.TransferDone(room=room, status="failed", error=info)
-
-    def _fail(self, send: Sending, error: PdStateError, tell_decode: bool) -> None:
-        if not self._fence(send):
-            tell_decode = False
-        send.queued.clear()
-        send.record.fail(error)
-        if tell_decode and send.identity is not None and send.identity in self._decodes:
-            self._reply(send.identity, self._done_failed(send.record.room, error))
-
-    def _abort(self, send: Sending, reason: str) -> None:
-        if send.record.state.terminal:
-            return
-        self._fail(send, TransferAborted(reason), tell_decode=True)

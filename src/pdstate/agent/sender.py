@@ -14,6 +14,7 @@ from pdstate.errors import (
     AgentClosed,
     ItemLengthMismatch,
     PdStateError,
+    TransferTimedOut,
 )
 from pdstate.protocol import wire
 from pdstate.protocol.lifecycle import RequestState
@@ -48,6 +49,16 @@ class PendingRequest:
 
 
 @dataclass(slots=True)
+class Fence:
+    """A failing request's fence, pending while its copies are in flight (``agent.fence``): the
+    failure it ends with, whether the decode is told once it holds, and how long it may take."""
+
+    error: PdStateError
+    tell: bool
+    deadline: float
+
+
+@dataclass(slots=True)
 class Sending:
     record: RequestRecord
     num_pages: int
@@ -70,6 +81,7 @@ class Sending:
     # in submission order, not yet told to the decode; and what was told (``wire.Landed``)
     marks: list[tuple[TransferHandle | None, int, bool]] = field(default_factory=list)  # None: nothing to move
     told: tuple[int, bool] = (0, False)
+    fence: Fence | None = None  # failing: ends FAILED once no copy of it is in flight (``agent.fence``)
 
 
 @dataclass(slots=True, frozen=True)
@@ -97,6 +109,7 @@ class EndedSender:
     request: wire.AgentRequest | None  # the sender's request once it had one (a stand-in), else None
     handles: tuple = ()
     digest: None = None
+    fence: None = None
 
     @classmethod
     def of(cls, send: Sending, answered: wire.AgentRequest) -> EndedSender:
@@ -142,8 +155,12 @@ class KVSender:
 
     def abort(self, reason: str = "aborted by prefill", timeout_s: float = 30.0) -> None:
         """Stop sending; returns once no write of this request can land any more (in-flight
-        engine handles finished), the decode told with a failed ``TransferDone``."""
-        self._call(lambda: self._abort(self._send, f"aborted by prefill: {reason}"), timeout_s)
+        engine handles finished: FAILED), the decode told with a failed ``TransferDone``. Raises
+        ``TransferTimedOut`` if that did not happen within ``timeout_s`` (the I/O thread does
+        not wait for the fence: ``agent.fence``)."""
+        self._call(lambda: self._abort(self._send, f"aborted by prefill: {reason}"))
+        if not self._send.record.wait(timeout_s).terminal:
+            raise TransferTimedOut(f"room {self.room}: the abort's fence did not hold within {timeout_s:g} s")
 
     def failure_exception(self) -> PdStateError | None:
         return self._send.record.error

@@ -15,24 +15,29 @@ configured: ``/v1/compat`` shows incarnations only to its holder; an address bey
 needs one, ``settings.check_rank_auth``). Routes: ``/healthz``, ``/readyz``, ``/v1/compat``,
 ``/v1/compat/check`` and ``/metrics`` (``rank_status``); no transfer routes.
 
-The scheduler is not slowed: uvicorn runs on a daemon thread of its own (its event loop there,
-no signal handlers: the scheduler's stay), every read is a snapshot (``rank_status``), and the
-counters are fed on the agent's I/O thread. The socket is bound in the manager's constructor, so a
-port already taken fails the rank at start, naming it.
+Where it runs. The app is served by a child process of the rank (``python -m
+pdstate.service.pushed``, started when the manager is built), never in the scheduler's process:
+rendering ``/metrics`` and ``/v1/compat``, HTTP parsing and uvicorn's event loop there would take
+the GIL from the scheduler at every scrape. The rank binds the socket itself (a port already
+taken fails the rank at start, naming it) and hands it to the child, then feeds the child
+snapshots of its status (``rank_status.RankStatus.status``) over a pipe, from a daemon thread
+(``service.pushed.Publisher``): only when the status changed (a request began or ended, a
+handshake was answered, the agent stopped; a peer's state is looked at once a second) and at
+most every 100 ms. So the scheduler's cost follows the rank's events, not the scrapes; the
+documents are those of the latest snapshot (at most ~0.1 s behind an event, ~1 s behind a
+peer gone). A child that does not serve within 60 s fails the rank's start, saying why; it exits
+when its pipe closes (the manager closed, or the rank's process ended).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 
 from pdstate.errors import ConfigError
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
 __all__ = ["RankEndpoint", "rank_number", "rank_place"]
-
-STOP_S = 5.0
 
 
 def rank_number(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1, dp_rank: int = 0) -> int:
@@ -67,38 +72,36 @@ def rank_place(kv_args, http_port: int, release: str | None) -> dict:
 
 
 class RankEndpoint:
-    """The app over ``source`` on ``host:port`` (bound here), served by uvicorn on its own thread."""
+    """The app over ``source`` on ``host:port`` (bound here), served by a child process fed with
+    ``source``'s snapshots (``service.pushed``)."""
 
     def __init__(self, source, host: str, port: int, token: bytes | None) -> None:
-        import uvicorn
-
-        from pdstate.service.api import create_app
+        from pdstate.service.pushed import Child, Publisher, facts_of
         from pdstate.service.server import http_url, listen_socket
 
+        what = f"this SGLang {source.role} rank"
         try:
-            self.sock = listen_socket(host, port)
+            sock = listen_socket(host, port)
         except OSError as exc:
             raise ConfigError(
-                f"http.port: this SGLang {source.role} rank cannot listen on {host}:{port} "
-                f"(http.port + rank {source.rank['rank']}): {exc}"
+                f"http.port: {what} cannot listen on {host}:{port} (http.port + rank {source.rank['rank']}): {exc}"
             ) from None
-        self.url = http_url(self.sock)
-        config = uvicorn.Config(
-            create_app(source, token=token), log_config=None, access_log=False, lifespan="off", log_level="warning"
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self.sock]}, name=f"pdstate-http-{port}", daemon=True
-        )
-        self.thread.start()
+        self.url = http_url(sock)
+        first = source.status()
+        try:
+            self.child = Child(sock, facts_of(source), first, token)
+        except ConfigError as exc:
+            raise ConfigError(f"http.port: {what} cannot serve its endpoint on {self.url}: {exc}") from None
+        finally:
+            sock.close()  # the child's now
+        self.source = source  # the publisher holds it weakly: a manager dropped unclosed ends the child too
+        self.publisher = Publisher(self.child, source, first, name=f"pdstate-http-{port}")
         log.info("pdstate: %s rank %d answers on %s", source.role, source.rank["rank"], self.url)
 
     def close(self) -> None:
-        """Stop serving (idempotent); returns once the server's thread ended (at most ``STOP_S``)."""
-        self.server.should_exit = True
-        if self.thread.is_alive() and threading.current_thread() is not self.thread:
-            self.thread.join(STOP_S)
-        self.sock.close()
+        """Stop serving (idempotent): the snapshots stop, the child exits (killed after 5 s)."""
+        self.publisher.close()
+        self.child.close()
 
 
 def serve_rank(mgr, settings, kv_args, host: str) -> RankEndpoint:

@@ -11,7 +11,9 @@ decode the prefill refused, a topology SGLang cannot map) is counted where SGLan
 ``RankStatus``: ``api.StatusSource`` over the manager: every read is a snapshot (the agent's
 peers, taken on its I/O thread in one call; the counters' copy); none touches SGLang's scheduler.
 It serves no synthetic transfers (``serves_transfers``): the rank's transfers are SGLang's
-requests.
+requests. The endpoint's process reads it as snapshots (``status``, ``service.pushed``), taken
+when ``changed`` is set (a request began or ended) or ``status_key`` moved (a handshake answered,
+an auth failure, the agent closed or its thread ended), and once a second besides.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from pdstate.worker.stats import Stats
 log = logging.getLogger("pdstate.integrations.sglang")
 
 __all__ = ["RankCounters", "RankStatus"]
+
+PEER_KEYS = ("id", "state", "error", "incarnation", "fingerprint", "transport")  # ``PeerModel``'s fields
 
 
 class _AgentCounts(Stats):
@@ -54,6 +58,7 @@ class RankCounters:
         self._lock = threading.Lock()
         self.begun = 0
         self.ended = 0
+        self.changed = threading.Event()  # set at every count: the endpoint's snapshots wait on it
 
     def in_flight(self) -> int:
         with self._lock:
@@ -63,6 +68,7 @@ class RankCounters:
         """Count the agent request ``handle`` (a ``KVSender`` or ``KVReceiver``) when it ends."""
         with self._lock:
             self.begun += 1
+        self.changed.set()
         handle.add_done_callback(lambda h: self._ended(h, peer))
 
     def _ended(self, handle, peer: str) -> None:
@@ -74,6 +80,7 @@ class RankCounters:
         level = str(m.get("verify", "off"))
         if handle.poll() is RequestState.SUCCESS:
             self.stats.success(nbytes, seconds, level)
+            self.changed.set()
             outcome = "ok"
         else:
             error = handle.failure_exception()
@@ -88,6 +95,7 @@ class RankCounters:
         kind = type(error).__name__ if error is not None else "TransferFailed"
         message = str(error) if error is not None else "failed"
         self.stats.fail(f"{kind}: {message}", kind, logs.refusal_factor(kind, message))
+        self.changed.set()
 
 
 class RankStatus:
@@ -111,6 +119,8 @@ class RankStatus:
         self.rank = place
         self.control: str = agent.address if mgr.role == "prefill" else ""
         self.report = mgr.layout_report
+        self.changed = mgr.counters.changed
+        self._seen = 0  # the latencies the snapshots carried so far
 
     @property
     def stats(self):
@@ -132,14 +142,31 @@ class RankStatus:
             return None
         for p in found:
             p["transport"] = self._peer_transport if p["state"] == "accepted" else None
-        return found
+        return [{k: p.get(k) for k in PEER_KEYS} for p in found]
 
     def peers(self) -> list[dict]:
         return self._snapshot() or []
 
-    def readiness(self):
+    def status(self) -> dict:
+        """One snapshot for the endpoint's process (``service.pushed.status_of``): one call on
+        the agent's I/O thread, the counters' copy, the latencies added since the previous one."""
+        from pdstate.service.pushed import status_of
+
+        peers = self._snapshot()
+        stats = self.stats
+        new, self._seen = stats.latencies_s.since(self._seen)
+        return status_of(self.readiness(peers), peers or [], stats, self.in_flight(), (new, self._seen))
+
+    def status_key(self) -> tuple:
+        """What moves, without a call on the agent's thread, when a peer's handshake is answered
+        or the agent stops: compared by the endpoint's snapshots, a few times a second."""
+        agent = self._mgr.agent
+        return (tuple(agent.handshakes.values()), agent.auth_failures.count, agent.closed, agent.alive)
+
+    def readiness(self, peers: list[dict] | None | bool = False):
         """Ready: the agent alive (and its pair's local check passed) and, on a decode, at least
-        one prefill accepted this rank; else why not."""
+        one prefill accepted this rank; else why not. ``peers``: the agent's, already taken
+        (``None``: the agent was closed); by default taken here."""
         from pdstate.service.models import Readiness  # only where the endpoint runs (``endpoint``)
 
         mgr = self._mgr
@@ -151,7 +178,8 @@ class RankStatus:
         ok, err = self.local_check()
         if not ok:
             return Readiness(False, err.message, "local_check", err)
-        peers = self._snapshot()
+        if peers is False:
+            peers = self._snapshot()
         if peers is None:
             return Readiness(False, "the pdstate agent of this rank is closed", "shutdown")
         if self.role == "prefill" or any(p["state"] == "accepted" for p in peers):

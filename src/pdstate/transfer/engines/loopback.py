@@ -14,6 +14,9 @@ Scriptable behaviour, so tests of the agent and the workers need no real engine:
   first ``after_bytes`` bytes (descriptor order, possibly splitting one) and then fails with
   ``EngineError(message)``: raised by ``submit`` itself if ``on_submit``, else by ``poll`` and
   ``wait``. ``LoopbackEngine(failures=[ScriptedFailure(...)])`` scripts them up front.
+* ``LoopbackEngine(delays=[ScriptedDelay(nth_submit, delay_s)])``: the ``nth_submit``-th submit
+  of a non-empty plan lands ``delay_s`` after it (instead of ``delay_s`` of the engine): one
+  slow copy among prompt ones.
 
 Notifications (``submit(..., notify=msg)``) are delivered to the decode engine's
 ``notifications()`` as ``("loopback:<sender engine_id>", msg)`` once the plan has landed.
@@ -43,6 +46,12 @@ class ScriptedFailure:
     on_submit: bool = False
 
 
+@dataclass(frozen=True)
+class ScriptedDelay:
+    nth_submit: int
+    delay_s: float
+
+
 @dataclass
 class _Pending:
     target_id: str  # the decode engine's engine_id, the key in _LIVE
@@ -53,15 +62,18 @@ class _Pending:
 
 
 class LoopbackEngine(TransferEngine):
-    """``LoopbackEngine(delay_s=0.0, failures=())``; see the module docstring."""
+    """``LoopbackEngine(delay_s=0.0, failures=(), delays=())``; see the module docstring."""
 
     name = "loopback"
     supports_notify = True
 
-    def __init__(self, delay_s: float = 0.0, failures: Sequence[ScriptedFailure] = ()) -> None:
+    def __init__(
+        self, delay_s: float = 0.0, failures: Sequence[ScriptedFailure] = (), delays: Sequence[ScriptedDelay] = ()
+    ) -> None:
         super().__init__()
         self.delay_s = float(delay_s)
         self._failures = list(failures)
+        self._delays = {d.nth_submit: float(d.delay_s) for d in delays}
         self._num_submits = 0
         self._inbox: list[tuple[str, bytes]] = []
 
@@ -96,8 +108,9 @@ class LoopbackEngine(TransferEngine):
         target_id = peer.endpoint["engine_id"]
         if failure is not None and failure.on_submit:
             self._land(target_id, plan, failure)  # raises
-        handle.native = _Pending(target_id, plan, time.monotonic() + self.delay_s, failure, notify)
-        if self.delay_s <= 0:
+        delay_s = self._delays.get(self._num_submits, self.delay_s)
+        handle.native = _Pending(target_id, plan, time.monotonic() + delay_s, failure, notify)
+        if delay_s <= 0:
             self._poll(handle)
 
     def _notify(self, peer: Peer, message: bytes) -> None:
