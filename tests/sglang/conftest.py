@@ -3,18 +3,18 @@
 ``sglang_release`` is parametrised over ``runner.RELEASES`` (0.5.19 and 0.5.23): it builds that
 release's cached environment if needed (``tools/sglang_env.sh``) and every fixture over it runs
 once per release, so a test that uses ``sglang_results`` (every scenario of ``scenarios.VARIANTS``
-in child processes) or ``sglang_pair`` (the two-process driver's pair of children) runs against
-each release, with the release in its id. ``sglang_env`` is 0.5.19's environment alone (the suites
-that have not moved to both releases). When a release's wheel cannot be fetched its tests skip
-with the build script's reason, reported as one line (pytest would otherwise list a fixture's skip
-once per test function).
+in child processes), ``sglang_pair`` (the two-process driver's pair of children) or ``queue_pair``
+/ ``queue_runs`` (the scheduler-queue driver's) runs against each release, with the release in its
+id. ``sglang_env`` is 0.5.19's environment alone (the suites that have not moved to both releases).
+When a release's wheel cannot be fetched its tests skip with the build script's reason, reported
+as one line (pytest would otherwise list a fixture's skip once per test function).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.sglang import runner, scenarios
+from tests.sglang import queue_cases, runner, scenarios
 
 
 @pytest.fixture(scope="session")
@@ -49,6 +49,27 @@ def sglang_pair(sglang_release):
     with Pair(sglang_release.env, extra_env=PDSTATE_ENGINE_ENV) as pair:
         pair.release = sglang_release.version
         yield pair
+
+
+@pytest.fixture(scope="session")
+def queue_pair(sglang_release):
+    """One prefill child and one decode child of ``devtools.sglang_queues`` per release (pdstate's
+    engine settings), shared by the suites that drive SGLang's scheduler queues in one prefill and
+    one decode: ``queue_runs`` first, then ``test_rank_endpoints`` and the bench's rank endpoints
+    (``pdstate`` alone; their fixtures request ``queue_runs`` so that SGLang's Mooncake cases run
+    in fresh children: ``queue_cases``). Every case sets up managers (and ports) of its own;
+    starting a pair costs two imports of SGLang (about 8.5 s of CPU each)."""
+    from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV
+    from pdstate.devtools.sglang_queues.pair import QueuePair
+
+    with QueuePair(runner.queue_env(sglang_release.version), extra_env=PDSTATE_ENGINE_ENV) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="session")
+def queue_runs(sglang_release, queue_pair) -> tuple[str, dict]:
+    """``(release, {(backend, case): result})``: ``test_scheduler_queues``' runs (``queue_cases.run``)."""
+    return sglang_release.version, queue_cases.run(queue_pair, sglang_release.version)
 
 
 @pytest.hookimpl(wrapper=True)

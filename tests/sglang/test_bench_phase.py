@@ -25,14 +25,13 @@ def test_phase_times_both_backends_on_the_same_requests(sglang_release, sglang_p
 
 
 @pytest.mark.parametrize("sglang_release", ["0.5.19"], indirect=True, ids=["sglang-0.5.19"])
-def test_rank_endpoints_off_and_scraped_through_the_scheduler_queues(sglang_release, monkeypatch):
-    from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV
-    from pdstate.devtools.sglang_queues.pair import QueuePair
-
+def test_rank_endpoints_off_and_scraped_through_the_scheduler_queues(
+    sglang_release, queue_pair, queue_runs, monkeypatch
+):
+    """On the shared scheduler-queue children, after ``queue_runs`` (SGLang's Mooncake cases first)."""
     monkeypatch.setattr(bench_ranks, "BLOCKS", 1)
     said, results = [], {"lengths": [], "modes": [], "paths": {}}
-    with QueuePair(sglang_release.env, extra_env=PDSTATE_ENGINE_ENV) as pair:
-        out = bench_ranks.measure(pair, 2, progress=said.append)
+    out = bench_ranks.measure(queue_pair, 2, progress=said.append)
     assert said == [f"[sglang rank endpoints] block 1/1, {m}: 2 x 4096 tokens ..." for m in ("off", "scraped")]
     assert all(0 < ms < bench_ranks.DEADLINE_S * 1000 for v in out["times"].values() for ms in v)
     assert [len(v) for v in out["times"].values()] == [2, 2]

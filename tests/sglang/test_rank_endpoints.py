@@ -1,8 +1,9 @@
 """Each SGLang rank's HTTP endpoint (``integrations.sglang.endpoint``), through SGLang's own scheduler
 queues (``devtools.sglang_queues``), and ``pdstate probe`` over the ranks.
 
-Per release (0.5.19 and 0.5.23), one prefill child and one decode child, each with
-``PDSTATE_HTTP__PORT`` set (a port of its own: both ranks are rank 0 on one host), run two cases
+Per release (0.5.19 and 0.5.23), one prefill child and one decode child (``queue_pair``, shared
+with ``test_scheduler_queues.py``), each case's managers with ``PDSTATE_HTTP__PORT`` set (a port
+of its own: both ranks are rank 0 on one host), run two cases
 with backend ``pdstate``, one request each:
 
 - the same DSV4-Flash layout on both: the request succeeds; each rank's ``/v1/compat`` lists the
@@ -29,7 +30,6 @@ import httpx
 import pytest
 
 from pdstate.devtools.sglang_pair.cases import CASES
-from tests.sglang import runner
 from tests.support.paths import REPO, SRC_DIR
 from tests.support.workers import pdstate_command
 
@@ -74,28 +74,25 @@ def _probe(ports: dict[str, int]) -> subprocess.CompletedProcess:
     return subprocess.run(pdstate_command() + argv, capture_output=True, text=True, timeout=60, env=env)
 
 
-@pytest.fixture(scope="module", params=runner.RELEASES, ids=lambda r: f"sglang-{r}")
-def ranks(request) -> tuple[str, dict]:
-    """``(release, {case: {"request", "prefill", "decode", "probe"}})``."""
-    from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, free_port
-    from pdstate.devtools.sglang_queues.pair import QueuePair
+@pytest.fixture(scope="module")
+def ranks(sglang_release, queue_pair, queue_runs) -> tuple[str, dict]:
+    """``(release, {case: {"request", "prefill", "decode", "probe"}})`` (after ``queue_runs``, whose
+    SGLang's Mooncake cases need the pair fresh)."""
+    from pdstate.devtools.sglang_pair.pair import free_port
 
-    release = request.param
-    target = runner.queue_env(release)
     out: dict = {}
-    with QueuePair(target, extra_env=PDSTATE_ENGINE_ENV) as pair:
-        for name in ("correct", MISMATCH):
-            ports = {role: free_port() for role in ROLES}  # each case's managers answer on ports of their own
-            role_env = {role: {"PDSTATE_HTTP__PORT": str(port)} for role, port in ports.items()}
-            setup = pair.setup(CASES[name], "pdstate", role_env=role_env)
-            assert "setup_error" not in setup, setup
-            res = {"request": pair.request(600, DEADLINE_S)}
-            for port in ports.values():
-                _settled(port)
-            res.update({role: _ask(port) for role, port in ports.items()})
-            res["probe"] = _probe(ports)
-            out[name] = res
-    return release, out
+    for name in ("correct", MISMATCH):
+        ports = {role: free_port() for role in ROLES}  # each case's managers answer on ports of their own
+        role_env = {role: {"PDSTATE_HTTP__PORT": str(port)} for role, port in ports.items()}
+        setup = queue_pair.setup(CASES[name], "pdstate", role_env=role_env)
+        assert "setup_error" not in setup, setup
+        res = {"request": queue_pair.request(600, DEADLINE_S)}
+        for port in ports.values():
+            _settled(port)
+        res.update({role: _ask(port) for role, port in ports.items()})
+        res["probe"] = _probe(ports)
+        out[name] = res
+    return sglang_release.version, out
 
 
 def _peer(side: dict) -> dict:

@@ -5,15 +5,19 @@ on the prefill, ``PrefillBootstrapQueue`` (``add``, ``pop_bootstrapped``; it bui
 from the pools itself), ``send_kv_chunk`` (a non-last chunk, then the last with the state) and
 ``process_disagg_prefill_inflight_queue``; on the decode, ``process_decode_queue`` over
 ``DecodePreallocQueue`` and ``DecodeTransferQueue``. Per release (0.5.19 and 0.5.23, each from its
-cached environment) one prefill child and one decode child run: with SGLang's own Mooncake backend
+cached environment) one prefill child and one decode child run (``queue_pair``, shared with
+``test_rank_endpoints.py`` and the bench's rank endpoints): with SGLang's own Mooncake backend
 and with backend ``pdstate``, a same-config pair ends Success on both sides with every landed
 byte right (main KV, SWA window of target and draft, C4/C128 state, aux); with ``pdstate``, a
 speculative-vs-not pair and a swapped C4/C128 order end Failed on both sides, naming the
 factor, in under a second, with no byte of the decode's memory written. SGLang's own backend on
 the same two mismatches is recorded too: the byte check sees the wrong bytes it lands.
 
-SGLang's own request-lifecycle features through the same children, each backend in turn (SGLang's
-Mooncake backend beside pdstate on the same case), every byte of the decode checked:
+SGLang's own request-lifecycle features, every byte of the decode checked, with backend
+``pdstate`` through the same children on both releases, and with SGLang's Mooncake backend (the
+control: what upstream does beside pdstate, in children of its own) on 0.5.23 alone, the release
+with every feature below; the one difference between the releases asserted here (0.5.23's deferred
+release of an aborted request) is asserted with ``pdstate`` on both:
 - an abort of a transfer-queue request (as the scheduler's ``abort_request`` does) while the
   prefill is still in its forward: the decode fails with "Aborted by AbortReq.", its pages are
   released in under 100 ms (0.5.23: held for its deferred release, then released on the
@@ -33,157 +37,20 @@ Mooncake backend beside pdstate on the same case), every byte of the decode chec
 
 from __future__ import annotations
 
-import json
-import time
-
 import pytest
 
 from pdstate.devtools.sglang_pair import table
 from pdstate.devtools.sglang_pair.cases import CASES
-from tests.sglang import runner
-
-DEADLINE_S = 3.0  # per side and request: what bounds a hang
-FAIL_FAST_S = 1.0
-REFUSED = ("spec_vs_nospec", "c4_c128_order")
-RUNS = [("mooncake", "correct"), ("pdstate", "correct")] + [
-    (b, name) for b in ("pdstate", "mooncake") for name in REFUSED
-]
-# What SGLang's own Mooncake backend does with them through its queues (as with the managers
-# called directly, ../shared/reference/sglang_cpu.md): Success with wrong bytes, except that 0.5.23
-# refuses speculative vs not itself.
-MOONCAKE_REFUSES = {("0.5.23", "spec_vs_nospec")}
-
-
-@pytest.fixture(scope="module", params=runner.RELEASES, ids=lambda r: f"sglang-{r}")
-def queue_runs(request) -> tuple[str, dict]:
-    """``(release, {(backend, case): result})``: one pair of children per release, every run in it."""
-    from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV
-    from pdstate.devtools.sglang_queues.pair import QueuePair
-
-    release = request.param
-    target = runner.queue_env(release)
-    results: dict = {}
-    with QueuePair(target, extra_env=PDSTATE_ENGINE_ENV) as pair:
-        results.update({(b, name): pair.run_case(CASES[name], b, deadline_s=DEADLINE_S) for b, name in RUNS})
-        _lifecycle(pair, "pdstate", release, results)
-    # SGLang's Mooncake backend in children of its own: observed here, in a process that already holds
-    # managers of earlier cases its prefill reports some later rooms failed ("it might be dead")
-    with QueuePair(target, extra_env=PDSTATE_ENGINE_ENV) as pair:
-        _lifecycle(pair, "mooncake", release, results)
-    return release, results
-
-
-def _lifecycle(pair, backend: str, release: str, results: dict) -> None:
-    results[(backend, "features")] = _features(pair, backend)
-    if release != "0.5.19":  # 0.5.19 refuses DSV4 with a decode radix cache at launch
-        results[(backend, "prefix")] = _prefix(pair, backend)
-        results[(backend, "prefix_unified")] = _prefix(pair, backend, unified=True)
-
-
-WAITING_TIMEOUT_S, BOOTSTRAP_TIMEOUT_S = 3.0, 2.0
-TIMEOUTS = {
-    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(int(WAITING_TIMEOUT_S)),  # an int setting on 0.5.19
-    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(int(BOOTSTRAP_TIMEOUT_S)),
-}
-RELEASE_MS = 100.0
-
-
-PREFIX_TOKENS, SUFFIX_TOKENS = 1024, 1100  # a cached 1,024-token turn, then the next turn's 1,100 tokens
-
-
-def _prefix(pair, backend: str, unified: bool = False) -> dict:
-    """0.5.23's decode radix cache: a first turn is cached by the decode's own tree when it
-    finishes; the next turn (the same room, the same first tokens) is matched against it by
-    SGLang's prealloc queue, which names only the pages past ``decode_prefix_len`` (``unified``:
-    on unified-KV pools, the SWA window in per-slot rings)."""
-    from dataclasses import replace
-
-    from pdstate.devtools.sglang_pair.cases import BASE, Case
-
-    side = replace(BASE, full_tokens=4096, swa_tokens=2048)  # room for the cached turn and the next
-    if unified:  # its SWA room is a ring per request slot: a slot more for the radix cache's reserve
-        side = replace(side, unified=True, max_num_reqs=3)
-    out = pair.setup(Case("prefix", "a decode radix cache", side, side), backend, radix=True)
-    if "setup_error" in out:
-        return out
-    out["first"] = pair.request(PREFIX_TOKENS, DEADLINE_S)
-    out["next"] = pair.request(SUFFIX_TOKENS, DEADLINE_S, room=out["first"]["room"], decode={"keep_memory": True})
-    out["full"] = pair.request(SUFFIX_TOKENS, DEADLINE_S)  # the same turn with nothing cached
-    return out
-
-
-class _PrefillHttp:
-    """Stands for the prefill's HTTP server: records the ``/generate`` SGLang's rebootstrap POSTs."""
-
-    def __init__(self) -> None:
-        import http.server
-        import threading
-
-        from pdstate.devtools.sglang_pair.pair import free_port
-
-        self.posts: list = []
-        self.port = free_port()
-        posts = self.posts
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                posts.append({"path": self.path, "json": json.loads(body)})
-                self.send_response(200)
-                self.end_headers()
-                self.wfile.write(b"{}")
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def wait(self, timeout_s: float = 5.0) -> dict | None:
-        deadline = time.monotonic() + timeout_s
-        while not self.posts and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return self.posts[0] if self.posts else None
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def _features(pair, backend: str) -> dict:
-    """The lifecycle cases, one set of managers (SGLang's timeouts set) for all of them."""
-    from pdstate.devtools.sglang_pair.cases import CORRECT
-
-    http = _PrefillHttp()
-    try:
-        out = pair.setup(CORRECT, backend, env=TIMEOUTS, http_port=http.port)
-        if "setup_error" in out:
-            return out
-        _lifecycle_requests(pair, out, http)
-    finally:
-        http.close()
-    return out
-
-
-def _lifecycle_requests(pair, out: dict, http) -> None:
-    from pdstate.devtools.sglang_pair.cases import CORRECT
-
-    n = CORRECT.tokens[0]
-    out["abort"] = pair.request(
-        n, DEADLINE_S, prefill={"hold_s": 1.0}, decode={"abort_after_s": 0.2, "settle_s": 1.2}
-    )  # the prefill sends after the abort: nothing of it may land
-    out["resent_after_abort"] = pair.request(n, DEADLINE_S, room=out["abort"]["room"])
-    out["waiting_timeout"] = pair.request(n, WAITING_TIMEOUT_S + 2.5, prefill={"hold_s": WAITING_TIMEOUT_S + 0.8})
-    out["bootstrap_timeout"] = pair.request(n, BOOTSTRAP_TIMEOUT_S + 1.5, decode=False)
-    # a retracted request: it landed, then the decode dispatches the prefill's recompute through
-    # SGLang's own rebootstrap (POST /generate to the prefill's registered HTTP port); the
-    # prefill then sends the same room again, into the decode's fresh pages
-    out["first_attempt"] = pair.request(n, DEADLINE_S, decode={"rebootstrap": True})
-    post = http.wait()
-    out["rebootstrap_post"] = post
-    if post is not None:
-        n_again = len(post["json"]["input_ids"])
-        out["second_attempt"] = pair.request(n_again, DEADLINE_S, room=post["json"]["bootstrap_room"])
+from tests.sglang.queue_cases import (
+    BOOTSTRAP_TIMEOUT_S,
+    FAIL_FAST_S,
+    MOONCAKE_LIFECYCLE,
+    MOONCAKE_REFUSES,
+    REFUSED,
+    RELEASE_MS,
+    SUFFIX_TOKENS,
+    WAITING_TIMEOUT_S,
+)
 
 
 def _only(queue_runs, backend: str, name: str) -> dict:
@@ -234,8 +101,14 @@ def test_sglang_mooncake_alone_on_a_mismatch_through_the_queues(queue_runs, name
         assert dec["wrong_items"] > 0  # landed, in the wrong places: only the byte check tells
 
 
+def _control(release: str, backend: str) -> None:
+    if backend == "mooncake" and release != MOONCAKE_LIFECYCLE:
+        pytest.skip(f"SGLang's Mooncake backend through the lifecycle is the control, run on {MOONCAKE_LIFECYCLE}")
+
+
 def _feature(queue_runs, backend: str, name: str) -> tuple[str, dict]:
     release, results = queue_runs
+    _control(release, backend)
     runs = results[(backend, "features")]
     assert "setup_error" not in runs, f"{release}: {runs['setup_error']}\n{runs.get('setup_trace')}"
     return release, runs[name]
@@ -286,9 +159,8 @@ def test_rebootstrap_posts_the_recompute_to_the_prefill(queue_runs, backend):
     """SGLang's ``submit_prefill_recompute`` POSTs ``/generate`` where the prefill registered its
     HTTP port (SGLang's own registration and lookup, with either backend): the room, the prompt and
     the token already emitted, one new token."""
-    release, results = queue_runs
-    runs = results[(backend, "features")]
-    r, post = runs["first_attempt"], runs["rebootstrap_post"]
+    _, r = _feature(queue_runs, backend, "first_attempt")
+    _, post = _feature(queue_runs, backend, "rebootstrap_post")
     assert post is not None, r["decode"]
     assert post["path"] == "/generate" and post["json"]["bootstrap_room"] == r["room"], post
     assert len(post["json"]["input_ids"]) == r["tokens"] + 1  # the prompt and the token it emitted

@@ -34,16 +34,16 @@ KINDS = {"main", "aux"}  # besides every StateType of the release's KVArgs
 
 @pytest.fixture(scope="module", params=runner.RELEASES, ids=lambda r: f"sglang-{r}")
 def tp_runs(request) -> tuple[str, dict]:
-    """``(release, {backend: result})``: per backend, fresh children (a prefill of attention TP 1,
-    a decode of attention TP 2), the same-pools case, one request in two chunks."""
+    """``(release, {backend: result})``: one set of children (a prefill of attention TP 1, a decode
+    of attention TP 2) for both backends in turn, the same-pools case, one request in two chunks."""
     from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV
     from pdstate.devtools.sglang_queues.pair import QueuePair
 
     release = request.param
     target = runner.queue_env(release)
     results = {}
-    for backend in BACKENDS:
-        with QueuePair(target, extra_env=PDSTATE_ENGINE_ENV, decode_ranks=2) as pair:
+    with QueuePair(target, extra_env=PDSTATE_ENGINE_ENV, decode_ranks=2) as pair:
+        for backend in BACKENDS:  # SGLang's Mooncake first, in children that hold no managers yet
             results[backend] = r = pair.run_case(CASES["correct"], backend, deadline_s=DEADLINE_S)
             if "setup_error" not in r:  # both decode ranks abort (as each rank's scheduler does), then again
                 n = CASES["correct"].tokens[0]
@@ -55,18 +55,15 @@ def tp_runs(request) -> tuple[str, dict]:
 
 @pytest.fixture(scope="module", params=runner.RELEASES, ids=lambda r: f"sglang-{r}")
 def pp_runs(request) -> tuple[str, dict]:
-    """``(release, {backend: result})``: per backend, fresh children (a prefill of two PP stages, a
-    decode of one), pools without a draft, one request in two chunks."""
+    """``(release, {backend: result})``: one set of children (a prefill of two PP stages, a decode
+    of one) for both backends in turn, pools without a draft, one request in two chunks."""
     from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV
     from pdstate.devtools.sglang_queues.pair import QueuePair
 
     release = request.param
     target = runner.queue_env(release)
-    results = {}
-    for backend in BACKENDS:
-        with QueuePair(target, extra_env=PDSTATE_ENGINE_ENV, prefill_stages=2) as pair:
-            results[backend] = pair.run_case(NO_DRAFT, backend, deadline_s=DEADLINE_S)
-    return release, results
+    with QueuePair(target, extra_env=PDSTATE_ENGINE_ENV, prefill_stages=2) as pair:
+        return release, {backend: pair.run_case(NO_DRAFT, backend, deadline_s=DEADLINE_S) for backend in BACKENDS}
 
 
 def _request(tp_runs, backend: str, name: str | None = None) -> dict:

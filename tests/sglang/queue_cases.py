@@ -1,0 +1,169 @@
+"""The runs behind ``test_scheduler_queues.py``: SGLang's scheduler queues, two processes, per release.
+
+``run`` takes the release's shared pair of children (``queue_pair``, fresh) and runs in it, in this
+order: the same-config case with SGLang's Mooncake backend and with ``pdstate``, the refused
+mismatches with each, and ``pdstate``'s lifecycle cases (abort, timeouts, rebootstrap, 0.5.23's
+decode radix cache); SGLang's Mooncake lifecycle runs in children of its own, on 0.5.23 alone.
+SGLang's Mooncake backend fails rooms in a process that already holds managers of several
+earlier cases (measured on 0.5.23: after its three same-config and mismatch cases, its radix-cache
+case on unified KV ended Failed; after its lifecycle, the same-config case ended Failed, "it might
+be dead"), which is why its cases go first and its lifecycle gets fresh children; the other
+suites that share the pair (``test_rank_endpoints.py``, the bench's rank endpoints) run only
+``pdstate`` and come after these runs (their fixtures request ``queue_runs``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from pdstate.devtools.sglang_pair.cases import CASES
+from tests.sglang import runner
+
+DEADLINE_S = 3.0  # per side and request: what bounds a hang
+FAIL_FAST_S = 1.0
+REFUSED = ("spec_vs_nospec", "c4_c128_order")
+RUNS = [("mooncake", "correct"), ("pdstate", "correct")] + [
+    (b, name) for b in ("pdstate", "mooncake") for name in REFUSED
+]
+# What SGLang's own Mooncake backend does with them through its queues (as with the managers
+# called directly, ../shared/reference/sglang_cpu.md): Success with wrong bytes, except that 0.5.23
+# refuses speculative vs not itself.
+MOONCAKE_REFUSES = {("0.5.23", "spec_vs_nospec")}
+
+
+# SGLang's Mooncake backend through the lifecycle cases is the control: what upstream does there
+# beside pdstate. It runs on 0.5.23 alone, the release with every feature here (the decode radix
+# cache, the deferred release of an aborted request): no test asserts a difference between the
+# releases that only the control shows (0.5.19's release without deferral is asserted with pdstate).
+MOONCAKE_LIFECYCLE = "0.5.23"
+
+
+def run(pair, release: str) -> dict:
+    """``{(backend, case): result}`` of ``release``: every run in ``pair`` (the release's shared
+    children, fresh: SGLang's Mooncake cases first), but SGLang's Mooncake lifecycle (children of its
+    own, on ``MOONCAKE_LIFECYCLE`` alone)."""
+    from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV
+    from pdstate.devtools.sglang_queues.pair import QueuePair
+
+    results: dict = {(b, name): pair.run_case(CASES[name], b, deadline_s=DEADLINE_S) for b, name in RUNS}
+    _lifecycle(pair, "pdstate", release, results)
+    # SGLang's Mooncake backend in children of its own: observed here, in a process that already holds
+    # managers of earlier cases its prefill reports some later rooms failed ("it might be dead")
+    if release == MOONCAKE_LIFECYCLE:
+        with QueuePair(runner.queue_env(release), extra_env=PDSTATE_ENGINE_ENV) as own:
+            _lifecycle(own, "mooncake", release, results)
+    return results
+
+
+def _lifecycle(pair, backend: str, release: str, results: dict) -> None:
+    results[(backend, "features")] = _features(pair, backend)
+    if release != "0.5.19":  # 0.5.19 refuses DSV4 with a decode radix cache at launch
+        results[(backend, "prefix")] = _prefix(pair, backend)
+        results[(backend, "prefix_unified")] = _prefix(pair, backend, unified=True)
+
+
+WAITING_TIMEOUT_S, BOOTSTRAP_TIMEOUT_S = 3.0, 2.0
+TIMEOUTS = {
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(int(WAITING_TIMEOUT_S)),  # an int setting on 0.5.19
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(int(BOOTSTRAP_TIMEOUT_S)),
+}
+RELEASE_MS = 100.0
+
+
+PREFIX_TOKENS, SUFFIX_TOKENS = 1024, 1100  # a cached 1,024-token turn, then the next turn's 1,100 tokens
+
+
+def _prefix(pair, backend: str, unified: bool = False) -> dict:
+    """0.5.23's decode radix cache: a first turn is cached by the decode's own tree when it
+    finishes; the next turn (the same room, the same first tokens) is matched against it by
+    SGLang's prealloc queue, which names only the pages past ``decode_prefix_len`` (``unified``:
+    on unified-KV pools, the SWA window in per-slot rings)."""
+    from dataclasses import replace
+
+    from pdstate.devtools.sglang_pair.cases import BASE, Case
+
+    side = replace(BASE, full_tokens=4096, swa_tokens=2048)  # room for the cached turn and the next
+    if unified:  # its SWA room is a ring per request slot: a slot more for the radix cache's reserve
+        side = replace(side, unified=True, max_num_reqs=3)
+    out = pair.setup(Case("prefix", "a decode radix cache", side, side), backend, radix=True)
+    if "setup_error" in out:
+        return out
+    out["first"] = pair.request(PREFIX_TOKENS, DEADLINE_S)
+    out["next"] = pair.request(SUFFIX_TOKENS, DEADLINE_S, room=out["first"]["room"], decode={"keep_memory": True})
+    out["full"] = pair.request(SUFFIX_TOKENS, DEADLINE_S)  # the same turn with nothing cached
+    return out
+
+
+class _PrefillHttp:
+    """Stands for the prefill's HTTP server: records the ``/generate`` SGLang's rebootstrap POSTs."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        from pdstate.devtools.sglang_pair.pair import free_port
+
+        self.posts: list = []
+        self.port = free_port()
+        posts = self.posts
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                posts.append({"path": self.path, "json": json.loads(body)})
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def wait(self, timeout_s: float = 5.0) -> dict | None:
+        deadline = time.monotonic() + timeout_s
+        while not self.posts and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.posts[0] if self.posts else None
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _features(pair, backend: str) -> dict:
+    """The lifecycle cases, one set of managers (SGLang's timeouts set) for all of them."""
+    from pdstate.devtools.sglang_pair.cases import CORRECT
+
+    http = _PrefillHttp()
+    try:
+        out = pair.setup(CORRECT, backend, env=TIMEOUTS, http_port=http.port)
+        if "setup_error" in out:
+            return out
+        _lifecycle_requests(pair, out, http)
+    finally:
+        http.close()
+    return out
+
+
+def _lifecycle_requests(pair, out: dict, http) -> None:
+    from pdstate.devtools.sglang_pair.cases import CORRECT
+
+    n = CORRECT.tokens[0]
+    out["abort"] = pair.request(
+        n, DEADLINE_S, prefill={"hold_s": 1.0}, decode={"abort_after_s": 0.2, "settle_s": 1.2}
+    )  # the prefill sends after the abort: nothing of it may land
+    out["resent_after_abort"] = pair.request(n, DEADLINE_S, room=out["abort"]["room"])
+    out["waiting_timeout"] = pair.request(n, WAITING_TIMEOUT_S + 2.5, prefill={"hold_s": WAITING_TIMEOUT_S + 0.8})
+    out["bootstrap_timeout"] = pair.request(n, BOOTSTRAP_TIMEOUT_S + 1.5, decode=False)
+    # a retracted request: it landed, then the decode dispatches the prefill's recompute through
+    # SGLang's own rebootstrap (POST /generate to the prefill's registered HTTP port); the
+    # prefill then sends the same room again, into the decode's fresh pages
+    out["first_attempt"] = pair.request(n, DEADLINE_S, decode={"rebootstrap": True})
+    post = http.wait()
+    out["rebootstrap_post"] = post
+    if post is not None:
+        n_again = len(post["json"]["input_ids"])
+        out["second_attempt"] = pair.request(n_again, DEADLINE_S, room=post["json"]["bootstrap_room"])
