@@ -15,7 +15,7 @@ a request (scraped or not): over it, the CPU time (``/proc/<pid>/stat`` utime + 
 prefill and decode processes and of the endpoints' processes (the ranks' children running
 ``pdstate.service.pushed``). A rank's cost: its CPU in the scraped dwells beyond its rate in the off
 dwells, per scrape it served (about 0 with each endpoint in its own process; served by a thread of
-the rank, 1.2-1.9 ms measured here). Outside the dwells the requests' own CPU (the decode's byte
+the rank, 0.9-1.9 ms measured here). Outside the dwells the requests' own CPU (the decode's byte
 checks: hundreds of ms a block, varying by more than the scrapes cost) would drown it.
 
 Results: ``sglang_rank_endpoints`` (release, tokens, per mode min/median/max ms and the runs, the
