@@ -56,3 +56,36 @@ def test_an_accepted_decodes_request_waits_for_its_sender():
         pa.close()
         p.close()
         d.close()
+
+
+def test_a_decode_abort_before_the_sender_fails_that_attempt_only():
+    """A decode rank aborts its waiting request (the prefill has made no sender yet): the prefill's
+    next look at the room (SGLang's sender, ``refused_room``) fails with the abort and takes it, so
+    the same room sent again (a retracted request's next attempt) does not meet it, even when the
+    prefill looks before a decode rank's new request has come. With a decode attention TP twice
+    the prefill's, each decode rank asks under a replica room; every replica's refusal goes."""
+    from pdstate.integrations.sglang.replicas import refused_room, replica_room
+
+    p, d = make_side(False), make_side(False)
+    pa = PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), engine="loopback")
+    da = DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine="loopback")
+    room = 11
+    rooms = [replica_room(room, i, 2) for i in range(2)]
+    try:
+        for r in rooms:
+            recv = da.receiver(pa.address, r)
+            assert recv.wait(5, lambda s: s is not RequestState.BOOTSTRAPPING) is RequestState.WAITING_FOR_INPUT
+            recv.init([3, 4], [[1], [0], [1]])
+            wait_until(f"the decode's request for room {r} to reach the prefill", lambda r=r: pa.requested(r), 5)
+            recv.abort("Aborted by AbortReq.", timeout_s=5)
+            wait_until(f"room {r} to be given up", lambda r=r: pa.refusal(r) is not None, 5)
+        first = refused_room(pa, room)
+        assert type(first).__name__ == "TransferAborted"
+        assert str(first) == "aborted by decode: Aborted by AbortReq."
+        assert refused_room(pa, room) is None  # the room's next attempt starts clean
+        assert [pa.refusal(r) for r in rooms] == [None, None]
+    finally:
+        da.close()
+        pa.close()
+        p.close()
+        d.close()

@@ -53,6 +53,12 @@ class Refusals:
         """The error a refused decode gave ``room`` up with before its sender was made."""
         return self._refused_rooms.get(room)
 
+    def take_refusal(self, room: int) -> PdStateError | None:
+        """``refusal(room)``, forgotten as it is read: for the caller whose sender it fails, so the
+        same room sent again later (a retracted request's next attempt) does not meet the refusal
+        meant for the attempt before it. A new request for the room from a decode forgets it too."""
+        return self._refused_rooms.pop(room, None)
+
     def _note_handshake(self, identity: bytes, answer: wire.Message) -> None:
         self._refused.pop(identity, None)
         if isinstance(answer, wire.Reject):

@@ -57,10 +57,15 @@ def asked_rooms(agent, room: int) -> list[int] | None:
 
 def refused_room(agent, room: int):
     """The refusal a decode gave SGLang's ``room`` up with (under its own room or a first
-    replica's), else ``None``."""
-    refusal = agent.refusal(room)
+    replica's), else ``None``; taken: the sender it fails is the attempt it was meant for, so the
+    room sent again later (a retracted request) starts clean, even if a decode rank's new request
+    comes after the prefill's first look. Every replica's refusal of that count goes with it."""
+    refusal = agent.take_refusal(room)
     for count in range(2, MAX_REPLICAS + 1):
         if refusal is not None:
             break
-        refusal = agent.refusal(replica_room(room, 0, count))
+        refusal = agent.take_refusal(replica_room(room, 0, count))
+        if refusal is not None:
+            for i in range(1, count):
+                agent.take_refusal(replica_room(room, i, count))
     return refusal
