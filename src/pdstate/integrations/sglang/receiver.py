@@ -194,7 +194,7 @@ def build_receiver() -> type:
                     self.conclude_state = KVPoll.Failed
                 return status
             states = [recv.poll() for _, recv in self._recvs]
-            poll = combine(kv_poll(s) for s in states)
+            poll = combine(states)
             if poll == KVPoll.Failed:
                 for (_, recv), state in zip(self._recvs, states):
                     if kv_poll(state) == KVPoll.Failed:

@@ -213,7 +213,7 @@ def build_sender() -> type:
                         return timed_out
                     return KVPoll.Bootstrapping
             states = [out.send.poll() for out in self._outs]
-            poll = lifecycle.combine(lifecycle.kv_poll(s) for s in states)
+            poll = lifecycle.combine(states)
             if poll == KVPoll.Failed:
                 failed = next(out for out, s in zip(self._outs, states) if lifecycle.kv_poll(s) == KVPoll.Failed)
                 err = failed.send.failure_exception() or TransferFailed("the pdstate sender failed")

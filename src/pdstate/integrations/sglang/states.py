@@ -32,10 +32,15 @@ def kv_poll(state: RequestState) -> int:
     return _table()[state]
 
 
-def combine(polls) -> int:
-    """Several agent requests behind one SGLang request: Failed if any failed, else the least advanced."""
-    failed = _table()[RequestState.FAILED]
-    polls = list(polls)
+def combine(states: list[RequestState]) -> int:
+    """The ``KVPoll`` of the agent requests behind one SGLang request (``states``): Failed if any
+    failed, else the least advanced. SGLang's scheduler polls every request in flight on every
+    turn, so one request (the usual case) is one lookup."""
+    table = _table()
+    if len(states) == 1:
+        return table[states[0]]
+    polls = [table[s] for s in states]
+    failed = table[RequestState.FAILED]
     return failed if failed in polls else min(polls)
 
 
