@@ -177,10 +177,6 @@ def send(deadline_s: float) -> dict:
     S.conn.send(pages[first:], S.req.state_indices)
     state, t1 = _poll((KVPoll.Success,), deadline)
     out = {"outcome": state, "failure": _end(state), "ms": (t1 - t0) * 1000 if state == "Success" else None}
-    metric = getattr(S.conn, "get_transfer_metric", None)  # SGLang's own per-request metric (both backends)
-    if state == "Success" and metric is not None:
-        m = metric()
-        out["metric"] = {"transfer_latency_s": m.transfer_latency_s, "transfer_total_bytes": m.transfer_total_bytes}
     return out
 
 

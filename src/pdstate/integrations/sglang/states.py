@@ -34,11 +34,8 @@ def kv_poll(state: RequestState) -> int:
 
 def combine(states: list[RequestState]) -> int:
     """The ``KVPoll`` of the agent requests behind one SGLang request (``states``): Failed if any
-    failed, else the least advanced. SGLang's scheduler polls every request in flight on every
-    turn, so one request (the usual case) is one lookup."""
+    failed, else the least advanced."""
     table = _table()
-    if len(states) == 1:
-        return table[states[0]]
     polls = [table[s] for s in states]
     failed = table[RequestState.FAILED]
     return failed if failed in polls else min(polls)
