@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 
@@ -28,6 +29,8 @@ from pdstate.protocol.report import ErrorInfo
 from pdstate.transfer.engines.base import TransferEngine, create_engine
 
 __all__ = ["DecodeAgent", "KVReceiver"]
+
+log = logging.getLogger("pdstate.agent")
 
 _S = RequestState
 
@@ -62,8 +65,12 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
       ``prefills()``, ``connect()``, ``reregister()``, ``forget()`` and ``close()`` are safe from
       any thread. ``init`` returns once the request
       is queued; ``abort`` blocks until the fence (see ``KVReceiver.abort``).
-    * The caller must not reuse a request's destination pages until its receiver is terminal;
-      after FAILED no write of it lands (the prefill fences before it confirms; see README).
+    * The caller must not reuse a request's destination pages until its receiver is ``fenced``
+      (terminal, and nothing more of it can land): a SUCCESS is; a FAILED one is once the
+      prefill confirmed (it fences before it confirms), was never told where to write, or is
+      proven gone (restarted). A prefill gone silent proves nothing (it, or this decode, may be
+      frozen): its requests fail at once but stay unfenced until it confirms, after this decode
+      registers with it again (``KVReceiver.add_fence_callback``).
     """
 
     def __init__(
@@ -130,6 +137,9 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
         self.auth_failures = Incidents()  # prefills' answers refused for their auth tag
         self._redial_s = max(1.0, 2 * heartbeat_interval_s)  # a gone prefill's register, sent again at most this often
         self._recvs: dict[tuple[str, int], Receiving] = {}
+        # ended requests a prefill may still write (``Receiving.fenced`` false), by (prefill, room),
+        # until it confirms or is proven gone
+        self._unfenced: dict[tuple[str, int], list[Receiving]] = {}
         self._last_tick = time.monotonic()
         self._loop = AgentLoop(f"pdstate-decode-{self.worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
         self._loop.start()
@@ -142,7 +152,7 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
         once with the reason that prefill went instead (a caller that redials with ``connect``)."""
         recv = Receiving(RequestRecord(room), prefill)
         added = self._loop.call(lambda: self._add(recv, redial_gone))
-        return KVReceiver(added, call=self._loop.call, init=self._init, abort=self._abort)
+        return KVReceiver(added, call=self._loop.call, init=self._init, abort=self._abort, on_fence=self._on_fence)
 
     def prefills(self) -> dict[str, dict]:
         """Every prefill this agent used, by address: ``state``, ``worker_id``, ``incarnation``,
@@ -199,8 +209,8 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
         def run() -> bool:
             p = self._prefills.get(prefill)
             if p is not None:
-                if any(True for _ in self._live(prefill)):
-                    return False
+                if any(True for _ in self._live(prefill)) or any(a == prefill for a, _ in self._unfenced):
+                    return False  # (an unconfirmed request is asked again at its next Accept)
                 self._loop.unwatch(p.sock)
                 del self._prefills[prefill]
             return True
@@ -256,7 +266,9 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
         if old is None:
             return self._connect(address)
         self._loop.unwatch(old.sock)  # a fresh socket: nothing queued for the dead process
-        return self._connect(address, old.handshakes)
+        p = self._connect(address, old.handshakes)
+        p.epoch = old.epoch  # registrations keep counting: what earlier ones asked is told apart
+        return p
 
     def _redial(self, p: PrefillPeer) -> None:
         """Register with a gone prefill again on a fresh socket, keeping it GONE (and its error)
@@ -290,6 +302,7 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
         if old is not None and not old.record.state.terminal:
             raise ProtocolError(f"room {recv.record.room} from {recv.prefill} already has a live receiver")
         self._recvs[key] = recv
+        recv.record.add_done_callback(lambda _record: self._ended(recv))
         p = self._prefills.get(recv.prefill)
         if p is not None and p.state is PeerState.GONE and not redial_gone:
             recv.record.fail(type(p.error)(str(p.error)) if p.error else PeerGone(f"prefill {p.address} is gone"))
@@ -339,7 +352,7 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
             return
         if recv.record.state is _S.BOOTSTRAPPING:
             recv.record.move(_S.WAITING_FOR_INPUT)
-        recv.sent = True
+        recv.sent, recv.sent_to = True, (p.incarnation, p.epoch)
         if recv.record.state is not _S.TRANSFERRING:  # else: sent again to a restarted prefill
             recv.record.move(_S.TRANSFERRING)
         recv.sent_at = time.monotonic()
@@ -382,6 +395,63 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
         for recv in list(self._live(p.address)):
             if recv.sent:
                 recv.record.fail(PeerGone(str(err)))
+        # a new process holds the address the old one listened on: the old one let its control
+        # socket go, which it does once its fences held, or it is dead; nothing of it lands any more
+        self._confirm(p.address, lambda r: r.sent_to is not None and r.sent_to[0] == p.incarnation)
+
+    # --- fences: when the caller may reuse an ended request's pages ----------------------------
+
+    def _ended(self, recv: Receiving) -> None:
+        """A request turned terminal (on the I/O thread): fenced, its callbacks run; else it is
+        kept until its prefill confirms or is proven gone."""
+        if recv.fenced:
+            self._run_fence_callbacks(recv)
+        else:
+            self._unfenced.setdefault((recv.prefill, recv.record.room), []).append(recv)
+
+    def _on_fence(self, recv: Receiving, fn) -> None:
+        if recv.record.state.terminal and recv.fenced:
+            fn()
+        else:
+            recv.fence_callbacks.append(fn)
+
+    def _acked(self, recv: Receiving) -> None:
+        """Nothing more of ``recv`` lands: its prefill said so, or is proven gone."""
+        if recv.acked:
+            return
+        recv.acked = True
+        if not recv.record.state.terminal:
+            return  # its end runs the callbacks
+        key = (recv.prefill, recv.record.room)
+        held = self._unfenced.get(key)
+        if held is not None and recv in held:
+            held.remove(recv)
+            if not held:
+                del self._unfenced[key]
+        self._run_fence_callbacks(recv)
+
+    def _run_fence_callbacks(self, recv: Receiving) -> None:
+        callbacks, recv.fence_callbacks = recv.fence_callbacks, []
+        for fn in callbacks:
+            try:
+                fn()
+            except Exception:  # a caller's callback must not break the I/O thread
+                log.exception("room %d: a fence callback failed", recv.record.room)
+
+    def _confirm(self, address: str, which, room: int | None = None) -> None:
+        """Every request from ``address`` (of ``room`` only, if given), live or ended unfenced,
+        for which ``which(recv)`` holds, is fenced."""
+        found = [r for (a, rm), r in self._recvs.items() if a == address and (room is None or rm == room)]
+        for (a, rm), held in self._unfenced.items():
+            if a == address and (room is None or rm == room):
+                found += held
+        for recv in found:
+            if which(recv):
+                self._acked(recv)
+
+    def unfenced(self) -> int:
+        """Ended requests whose prefill may still write their pages (not fenced yet)."""
+        return self._loop.call(lambda: sum(len(v) for v in self._unfenced.values()))
 
     @staticmethod
     def _drop_digest(recv: Receiving) -> None:

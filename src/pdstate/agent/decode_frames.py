@@ -32,7 +32,7 @@ PASSING_REFUSALS = frozenset({"WorkerIdInUse", "InvalidEndpoint", "PrefillBusy",
 class DecodeFrames:
     """Mixed into ``DecodeAgent`` (its ``_prefills``, ``_recvs``, ``_handshake``, ``_engine``,
     ``_layout``, ``_devices``, ``digest``, ``token``, ``auth_failures`` and the helpers ``_send``, ``_register``, ``_fail_prefill``,
-    ``_restarted``, ``_live`` and ``_maybe_send``); every method runs on its I/O thread."""
+    ``_restarted``, ``_live``, ``_maybe_send``, ``_confirm``, ``_acked`` and ``_unfenced``); every method runs on its I/O thread."""
 
     def _on_frame(self, address: str, sock: zmq.Socket) -> None:
         frame = sock.recv()
@@ -67,13 +67,14 @@ class DecodeFrames:
             if p.state is PeerState.ACCEPTED and msg.incarnation == p.incarnation:
                 # its requests have ended and nothing of them lands any more: fail them now
                 self._fail_prefill(p, PeerGone(msg.reason), PeerState.GONE)
+                self._confirm(p.address, lambda r: r.sent_to is not None and r.sent_to[0] == msg.incarnation)
         elif isinstance(msg, wire.Error):
             if msg.error.type == "NotRegistered":
                 # a new incarnation got this request, so the old one never did: send it again
                 # once the new one accepted this decode
                 recv = self._recvs.get((address, msg.room)) if msg.room is not None else None
                 if recv is not None and not recv.record.state.terminal:
-                    recv.sent = False
+                    recv.sent, recv.sent_to = False, None
                 if p.state is PeerState.ACCEPTED:
                     self._register(p)
             elif msg.room is not None:
@@ -106,6 +107,7 @@ class DecodeFrames:
             self._restarted(p, accept.incarnation)
         if p.state is not PeerState.ACCEPTED:
             move(p, PeerState.ACCEPTED)
+        p.epoch += 1  # a registration of its own: a late TransferDone names the ones before
         p.incarnation, p.worker_id, p.error = accept.incarnation, accept.worker_id, None
         p.fingerprint = accept.report.fingerprint
         p.last_seen = time.monotonic()
@@ -115,11 +117,18 @@ class DecodeFrames:
             if recv.record.state is _S.BOOTSTRAPPING:
                 recv.record.move(_S.WAITING_FOR_INPUT)
             self._maybe_send(recv)
+        # what an earlier registration with this process asked and has no confirmation of: ask
+        # again here; the prefill answers each once nothing of it can land
+        for recv in self._earlier(p):
+            self._send(p, wire.Abort(room=recv.record.room, reason="confirm the fence of an earlier registration"))
 
     def _on_done(self, p: PrefillPeer, msg: wire.TransferDone) -> None:
         recv = self._recvs.get((p.address, msg.room))
-        if recv is None or recv.record.state.terminal:
+        if recv is None or recv.record.state.terminal or not recv.sent:
+            # the confirmation of a request that ended here first (an abort, a silent prefill)
+            self._confirm(p.address, lambda r: r.record.state.terminal and r.sent_to is not None, msg.room)
             return
+        recv.acked = True  # the prefill sends TransferDone once no copy of the room is in flight
         rec = recv.record
         rec.metrics.update(bytes=msg.bytes, descriptors=msg.descriptors, copy_s=msg.copy_s)
         if recv.sent_at is not None:
@@ -157,6 +166,17 @@ class DecodeFrames:
         else:
             rec.fail(verdict_error)
             self._send(p, wire.AgentVerdict(room=msg.room, status="failed", error=ErrorInfo.of(verdict_error)))
+
+    def _earlier(self, p: PrefillPeer) -> list[Receiving]:
+        """The ended, unconfirmed requests sent to the prefill at ``p.address`` under an earlier
+        registration (its process then, or one before it, which gave up that address)."""
+        out = []
+        for (address, _), held in self._unfenced.items():
+            for recv in held if address == p.address else ():
+                to = recv.sent_to
+                if to is not None and to[1] < p.epoch and not recv.acked:
+                    out.append(recv)
+        return out
 
     def _on_landed(self, p: PrefillPeer, msg: wire.Landed) -> None:
         """Hash what the prefill says has landed, in the background, while the rest copies."""

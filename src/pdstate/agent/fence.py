@@ -12,6 +12,13 @@ the fence waits for it:
   lands; SGLang's deferred release relies on that) goes out;
 * a gone decode's mapping (``_release``) is disconnected only once no fence into it is pending.
 
+A dropped decode's request (silent past the timeout, or registered again on another connection)
+is confirmed on the connection it came on once its fence holds (a frozen decode reads it when it
+wakes). A decode that registered again on a new connection asks again for each request it has
+no confirmation of (an ``Abort`` of the room, after its Accept): ``PrefillAgent`` moves such a
+request, still failing, to the new connection, whose answer then waits for the fence, and
+answers at once for a room that ended or is unknown (nothing of it can land).
+
 A fence whose copies are still in flight after ``FENCE_TIMEOUT_S`` (a wedged native engine) ends
 the request without telling the decode, which then never reports it fenced. At ``close`` the
 pending fences are waited for on the I/O thread (the engine closes next).
@@ -84,8 +91,11 @@ class Fences:
     def _fence_end(self, send: Sending, fence: Fence, held: bool) -> None:
         send.fence = None
         del self._fencing[send.record.room]
+        if held:
+            send.record.metrics["bytes"] = send.bytes  # what landed before the fence held
         send.record.fail(fence.error)
-        if held and fence.tell and send.identity is not None and send.identity in self._decodes:
+        if held and send.identity is not None and (fence.tell or send.request is not None):
+            # the decode frees the pages on it (or reads it when it wakes, if it was dropped)
             self._reply(send.identity, self._done_failed(send.record.room, fence.error))
         for peer_id in [p for p in self._unreleased if not self._fenced_into(p)]:
             self._unreleased.discard(peer_id)

@@ -373,6 +373,7 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Fences, Refusals):
             self._reply(identity, self._done_failed(msg.room, send.record.error))
             return
         send.identity, send.request = identity, msg
+        send.decode_key = self._decode_key(identity)
         n_dst = len(msg.dst_kv_pages)
         if n_dst != send.num_pages:
             err = IndexCountMismatch(f"main KV: index count mismatch: prefill={send.num_pages}, decode={n_dst}")
@@ -399,10 +400,18 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Fences, Refusals):
     def _n_channels(self) -> int:
         return 1 + len(self.kv_args.state_types)
 
+    def _decode_key(self, identity: bytes) -> str | None:
+        d = self._decodes.get(identity)
+        return None if d is None else f"{d.worker_id}/{d.incarnation}"
+
     def _on_abort(self, identity: bytes, msg: wire.Abort) -> None:
         send = self._sends.get(msg.room)
         err = TransferAborted(f"aborted by decode: {msg.reason}")
-        if send is not None and send.identity == identity and not send.record.state.terminal:
+        if send is not None and not send.record.state.terminal and send.identity is not None:
+            mine = self._decode_key(identity)
+            if send.identity != identity and (mine is None or send.decode_key != mine):
+                return  # another decode's room: nothing to confirm to this one
+            send.identity = identity  # the same decode on a new connection: confirmed there
             self._fail(send, err, tell_decode=True)  # confirmed once its fence holds
             return
         if self._pending.pop(msg.room, None) is not None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class PrefillPeer:
     seq: int = 0
     handshakes: int = 0
     rooms: set[int] = field(default_factory=set)
+    epoch: int = 0  # Accepts received: a registration's number (what a late fence acknowledgement names)
 
 
 @dataclass(slots=True)
@@ -56,6 +58,17 @@ class Receiving:
     # got (main-KV pages of ``request.dst_kv_pages``, state and aux)
     digest: RequestDigest | None = None
     hashed: tuple[int, bool] = (0, False)
+    # where the request (its destination) went: the prefill's incarnation and this decode's
+    # registration with it (``PrefillPeer.epoch``); None while no prefill was told where to write
+    sent_to: tuple[str, int] | None = None
+    acked: bool = False  # that prefill confirmed nothing more of it lands, or was proven gone
+    fence_callbacks: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def fenced(self) -> bool:
+        """Whether nothing more of the request can land: no prefill was told where to write, or
+        the one told confirmed (its ``TransferDone``, goodbye) or is proven gone (restarted)."""
+        return self.sent_to is None or self.acked
 
 
 class KVReceiver:
@@ -75,10 +88,11 @@ class KVReceiver:
         call: Callable[..., object],
         init: Callable[[Receiving, np.ndarray, list[np.ndarray], int | None, int | None], None],
         abort: Callable[[Receiving, str], None],
+        on_fence: Callable[[Receiving, Callable[[], None]], None],
     ) -> None:
-        """``call(fn)``: run ``fn`` on the agent's I/O thread and return its result; ``init`` and
-        ``abort``: the agent's handlers of this request, run there."""
-        self._recv, self._call, self._init, self._abort = recv, call, init, abort
+        """``call(fn)``: run ``fn`` on the agent's I/O thread and return its result; ``init``,
+        ``abort`` and ``on_fence``: the agent's handlers of this request, run there."""
+        self._recv, self._call, self._init, self._abort, self._on_fence = recv, call, init, abort, on_fence
         self.room, self.prefill = recv.record.room, recv.prefill
 
     def poll(self) -> RequestState:
@@ -98,14 +112,30 @@ class KVReceiver:
         self._call(lambda: self._init(self._recv, pages, st, aux_index, seq_len))
 
     def abort(self, reason: str = "aborted by decode", timeout_s: float = 30.0) -> None:
-        """Abort the request; returns once FAILED and fenced: the prefill confirmed that nothing
-        of this room can land any more (or the prefill is dead: heartbeats missed). Raises
-        ``TransferTimedOut`` if neither happened within ``timeout_s`` (the request then stays
-        TRANSFERRING until one does)."""
+        """Abort the request; returns once it is terminal and fenced (``fenced``): the prefill
+        confirmed that nothing of this room can land any more, or it is proven gone (a new
+        incarnation took its address). Raises ``TransferTimedOut`` if that did not happen within
+        ``timeout_s``; the request may be FAILED by then (its prefill went silent), and its pages
+        stay the prefill's to write until ``add_fence_callback`` says otherwise."""
         self._call(lambda: self._abort(self._recv, reason))
-        rec = self._recv.record
-        if rec.wait(timeout_s) is not _S.FAILED and not rec.state.terminal:
+        held = threading.Event()
+        self.add_fence_callback(lambda _r: held.set())
+        if not held.wait(timeout_s):
             raise TransferTimedOut(f"room {self.room}: the prefill did not confirm the abort within {timeout_s:g} s")
+
+    @property
+    def fenced(self) -> bool:
+        """Terminal, and nothing more of the request can land in its destination: the caller may
+        reuse its pages. A request that failed because its prefill went silent (heartbeats missed,
+        a handshake unanswered) is FAILED but not fenced until that prefill confirms (a late
+        ``TransferDone`` once it accepts this decode again) or is proven gone (restarted)."""
+        return self._recv.record.state.terminal and self._recv.fenced
+
+    def add_fence_callback(self, fn: Callable[[KVReceiver], None]) -> None:
+        """Call ``fn(receiver)`` once ``fenced``: on the agent's I/O thread (quick, never
+        blocking), or at once on that thread if it is fenced already. Never called for a request
+        whose prefill never confirms (an agent closed meanwhile)."""
+        self._call(lambda: self._on_fence(self._recv, lambda: fn(self)))
 
     def failure_exception(self) -> PdStateError | None:
         return self._recv.record.error

@@ -82,6 +82,7 @@ class Sending:
     marks: list[tuple[TransferHandle | None, int, bool]] = field(default_factory=list)  # None: nothing to move
     told: tuple[int, bool] = (0, False)
     fence: Fence | None = None  # failing: ends FAILED once no copy of it is in flight (``agent.fence``)
+    decode_key: str | None = None  # "worker_id/incarnation" of the decode that asked for it
 
 
 @dataclass(slots=True, frozen=True)

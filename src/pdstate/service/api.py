@@ -104,6 +104,7 @@ def compat_document(source: StatusSource, reveal: bool = True) -> CompatDocument
         layout={"page_size": r.page_size, "kv_dtype": r.kv_dtype, **dict(r.factors)},
         local_check=LocalCheckModel(ok=ok, error=None if err is None else ErrorModel(**err.model_dump())),
         peers=[PeerModel(**(p if reveal else {**p, "incarnation": None})) for p in source.peers()],
+        quarantined=getattr(source, "quarantined", lambda: 0)(),
         rank=getattr(source, "rank", None),
         report=r,
     )

@@ -80,6 +80,12 @@ class Collector:
         g = GaugeMetricFamily("pdstate_transfers_in_flight", "Requests entered and not yet finished")
         g.add_metric([], src.in_flight())
         yield g
+        q = GaugeMetricFamily(
+            "pdstate_quarantined_requests",
+            "Decode: ended requests whose pages wait for their prefill's fence (it may still write them)",
+        )
+        q.add_metric([], getattr(src, "quarantined", lambda: 0)())
+        yield q
         failures = CounterMetricFamily(
             "pdstate_transfer_failures",
             "Failed transfers by kind (the error's class) and factor (the layout factor a refusal names, "

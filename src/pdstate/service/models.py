@@ -166,6 +166,9 @@ class CompatDocument(BaseModel):
     layout: dict[str, Any] = Field(description="page_size, kv_dtype and every layout factor by name")
     local_check: LocalCheckModel
     peers: list[PeerModel] = []
+    quarantined: int = Field(
+        0, description="decode: ended requests whose pages wait for their prefill's fence (it may still write them)"
+    )
     rank: RankModel | None = Field(None, description="an SGLang rank's place (none for pdstate serve)")
     report: LayoutReport = Field(description="the full layout report, as sent in the handshake")
 

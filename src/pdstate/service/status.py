@@ -96,6 +96,10 @@ class WorkerStatus:
     def in_flight(self) -> int:
         return self.worker.status().in_flight
 
+    def quarantined(self) -> int:
+        """Decode: requests whose pages wait for their prefill's fence (it may still write them)."""
+        return self.worker.status().quarantined
+
     def free_counts(self) -> dict[str, int]:
         if self._stopped:
             return {}

@@ -13,11 +13,13 @@ prefill that answers ``PrefillBusy`` is asked again once one of this decode's re
 slot it held is free) or, at the latest, after a backoff (a timer), until the deadline. A request
 past its deadline (a timer) is aborted; the abort is fenced (the prefill confirms nothing more of
 it lands) before its pages are freed; one the prefill never confirms (a second timer) fails with
-``AgentTimeout``. A gone prefill (goodbye, missed heartbeats) fails its requests at once and
-their pages are freed (it writes no more: it fenced before its goodbye, or it is dead or frozen,
-and a frozen one that wakes has lost this decode's registration first). An unconfirmed abort
-(this decode was frozen past the prefill's timeout) keeps the pages quarantined until the prefill
-is gone or has accepted this decode again (and so failed, and fenced, its former registration).
+``AgentTimeout``. A gone prefill fails its requests at once. Pages go back to the pool only once
+nothing of their request can land (``KVReceiver.fenced``): a prefill that said goodbye fenced
+first, a restarted one is proven gone, but one gone silent (missed heartbeats: it, or this decode,
+was frozen or slow) may still be copying. Its requests' pages are quarantined (counted on
+``/v1/compat`` and in ``pdstate_quarantined_requests``) until it confirms each one, which it does
+once its fence holds and this decode registered with it again (a late ``TransferDone``), or
+until a new incarnation takes its address. Never on a timer.
 
 The default prefill is dialled at start and again whenever it is gone (``/readyz`` follows it);
 any other is dialled on first use, at most ``MAX_PREFILLS`` at once (an idle one is closed to make
@@ -72,7 +74,7 @@ class AgentDecodeWorker(AgentWorker):
         self._stop = threading.Event()
         self._timers = Timers("pdstate-decode-requests")
         self._futures: dict[int, Future] = {}  # room -> its future, until it completes (under _lock)
-        self._quarantine: list[tuple[str, float, object]] = []  # (prefill, since, allocation), under _lock
+        self._quarantine: dict[int, rq.Allocation] = {}  # room -> pages its prefill may still write, under _lock
         # request loop only:
         self._pending: dict[int, rq.Pending] = {}  # room -> request, until it ends
         self._for_pages: deque[rq.Pending] = deque()  # in line for pages, first come first served
@@ -124,32 +126,22 @@ class AgentDecodeWorker(AgentWorker):
                         self.agent.connect(address)
                     elif _held_elsewhere(p, self.opts.peer_timeout_s):
                         self.agent.reregister(address)
-                self._release_quarantine(known)
             except (AgentClosed, TimeoutError):
                 return
             except Exception:  # keep watching: readiness depends on it
                 log.exception("decode watcher")
 
-    def _release_quarantine(self, known: dict[str, dict]) -> None:
-        """Free the quarantined pages whose prefill is gone, or accepted this decode again after
-        the request's abort went out."""
-        now_s = time.monotonic()
+    def _unquarantine(self, room: int, alloc: rq.Allocation) -> None:
+        """The prefill confirmed (or is proven gone): the pages are this decode's again."""
         with self._lock:
-            held, self._quarantine = self._quarantine, []
-        keep = []
-        for prefill, since, alloc in held:
-            p = known.get(prefill)
-            ago = None if p is None else p.get("registered_s_ago")
-            again = p is not None and p["state"] == "accepted" and ago is not None and ago < now_s - since
-            if p is None or p["state"] == "gone" or again:
-                self._timers.post(self._free, alloc)
-            else:
-                keep.append((prefill, since, alloc))
-        with self._lock:
-            self._quarantine.extend(keep)
+            if self._quarantine.get(room) is not alloc:
+                return
+            del self._quarantine[room]
+        log.info("room %d: its prefill's fence holds; %s pages back", room, _size(alloc))
+        self._free(alloc)
 
     def quarantined(self) -> int:
-        """Requests whose pages wait for their prefill's fence (an abort it did not confirm)."""
+        """Requests whose pages wait for their prefill's fence (it may still write them)."""
         with self._lock:
             return len(self._quarantine)
 
@@ -260,7 +252,7 @@ class AgentDecodeWorker(AgentWorker):
                 req.backoff = min(BUSY_BACKOFF_S[1], req.backoff * 2)
                 return
         if req.why is not None and recv.state is not RequestState.SUCCESS:  # (a verdict may come first)
-            raise TransferFailed(req.why)  # fenced: the pages are free to reuse
+            raise TransferFailed(req.why)  # its pages go back once fenced (``_end``)
         self._verify(req, recv)
 
     def _again(self, req: rq.Pending) -> None:
@@ -293,7 +285,6 @@ class AgentDecodeWorker(AgentWorker):
     def _unfenced(self, req: rq.Pending) -> None:
         if req.recv.state.terminal:
             return
-        req.fenced = False  # the pages wait for the prefill's fence (quarantine)
         raise AgentTimeout(
             f"{req.why}; the prefill at {req.status.peer} did not confirm the abort within "
             f"{self.opts.peer_timeout_s + 5:g} s"
@@ -332,12 +323,14 @@ class AgentDecodeWorker(AgentWorker):
                 else ErrorInfo(type=type(exc).__name__, message=str(exc))
             )
         if req.alloc is not None:
-            if req.fenced:
-                self._free(req.alloc)
-            else:  # the prefill never confirmed the abort: out of use until it is gone or accepts us again
-                log.warning("room %d: abort not confirmed by %s; its pages wait for its fence", room, prefill)
-                with self._lock:  # (since its deadline: when its abort went out)
-                    self._quarantine.append((prefill, req.end, req.alloc))
+            recv, alloc = req.recv, req.alloc
+            if recv is None or recv.fenced:
+                self._free(alloc)
+            else:  # its prefill may still write them: out of use until it confirms or is proven gone
+                log.warning("room %d: %s may still write its pages; they wait for its fence", room, prefill)
+                with self._lock:
+                    self._quarantine[room] = alloc
+                recv.add_fence_callback(lambda _r: self._timers.post(self._unquarantine, room, alloc))
         res.seconds = time.perf_counter() - req.t0 if req.t0 else 0.0
         if res.status == "success":
             self.stats.success(res.bytes, res.seconds, res.verify_level)
@@ -413,6 +406,10 @@ def _held_elsewhere(p: dict, peer_timeout_s: float) -> bool:
     info = p.get("error_info") or {}
     ago = p.get("registered_s_ago")
     return p["state"] == "rejected" and info.get("type") == "WorkerIdInUse" and ago is not None and ago > peer_timeout_s
+
+
+def _size(alloc: rq.Allocation) -> str:
+    return "+".join(str(len(x)) for x in alloc.lists)
 
 
 def _failed(room: int, seq_len: int, reason: str, prefill: str) -> TransferResult:

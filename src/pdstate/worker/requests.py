@@ -54,7 +54,6 @@ class Pending:
     recv: Any = None  # its latest KVReceiver
     backoff: float = BUSY_BACKOFF_S[0]
     why: str | None = None  # set when its deadline passed and its abort went out
-    fenced: bool = True
     done: bool = False
     timers: list[asyncio.TimerHandle] = field(default_factory=list)  # deadline, backoff, fence
 

@@ -55,6 +55,10 @@ log = logging.getLogger("pdstate.integrations.sglang")
 __all__ = ["build_receiver"]
 
 ABORT_FENCE_S = 5.0
+# SGLang 0.5.19 (no deferred decode KV release) frees a request's pages at Failed: a request that
+# failed while its prefill may still write them (the prefill gone silent) reports Failed only once
+# that prefill confirmed, or after this long (logged: the pages are SGLang's again unfenced)
+UNFENCED_FAILED_WAIT_S = 30.0
 
 
 @functools.cache
@@ -67,6 +71,7 @@ def build_receiver() -> type:
         def __init__(self, mgr, bootstrap_addr, bootstrap_room=None):
             self._recvs: list[tuple[bool, object]] = []  # (is_dummy, agent receiver)
             self.pdstate_error: BaseException | None = None
+            self._unfenced_since: float | None = None  # failed, a prefill may still write (0.5.19)
             super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
         def pdstate_fail(self, error: BaseException, reason: str | None = None) -> int:
@@ -113,7 +118,8 @@ def build_receiver() -> type:
 
         def _fence(self, reason: str) -> bool:
             """Abort every agent receiver still live; returns once none of their writes can land
-            (the agents' fence), False when a prefill did not confirm within ``ABORT_FENCE_S``."""
+            (the agents' fence), False when a prefill did not confirm within ``ABORT_FENCE_S`` or
+            a receiver ended unconfirmed (its prefill gone silent: it confirms later)."""
             fenced = True
             for _, recv in self._recvs:
                 if not recv.poll().terminal:
@@ -122,7 +128,32 @@ def build_receiver() -> type:
                     except Exception as exc:  # not fenced in time: say so, the request fails all the same
                         log.error("pdstate: room %s: abort not fenced: %s", self.bootstrap_room, exc)
                         fenced = False
+                elif not recv.fenced:
+                    fenced = False
             return fenced
+
+        def _ack_when_fenced(self, generation) -> None:
+            """0.5.23's deferred release: every prefill rank's acknowledgement, recorded once
+            every agent receiver is fenced (now, or from the agent's thread when its prefill
+            confirms)."""
+            mgr, room = self.kv_mgr, self.bootstrap_room
+            ranks = range(len(self.bootstrap_infos or ()))
+            left = [recv for _, recv in self._recvs if not recv.fenced]
+            if not left:
+                for rank in ranks:
+                    mgr.note_abort_ack(room, rank, generation)
+                return
+            waiting = {id(r) for r in left}
+
+            def one(recv) -> None:
+                waiting.discard(id(recv))
+                if not waiting:
+                    log.info("pdstate: room %s: its prefill confirmed; SGLang may free its pages", room)
+                    for rank in ranks:
+                        mgr.note_abort_ack(room, rank, generation)
+
+            for recv in left:
+                recv.add_fence_callback(one)
 
         def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
             """SGLang 0.5.23's: tell the prefill ranks once (and arm the deferred-release
@@ -145,9 +176,11 @@ def build_receiver() -> type:
                 return  # as SGLang's: a receiver that named no destination is released without waiting
             generation = mgr.register_deferred_abort_room(self.bootstrap_room)
             self._abort_generation = generation
-            if fenced:  # else SGLang's deferred-release deadline releases the pages
+            if fenced:
                 for rank in range(len(self.bootstrap_infos or ())):
                     mgr.note_abort_ack(self.bootstrap_room, rank, generation)
+            else:  # acknowledged once the prefill confirms (or SGLang's deferred-release deadline)
+                self._ack_when_fenced(generation)
 
         def send_metadata(
             self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None, destination=None
@@ -196,6 +229,8 @@ def build_receiver() -> type:
             states = [recv.poll() for _, recv in self._recvs]
             poll = combine(states)
             if poll == KVPoll.Failed:
+                if self._hold_unfenced():
+                    return KVPoll.Transferring
                 for (_, recv), state in zip(self._recvs, states):
                     if kv_poll(state) == KVPoll.Failed:
                         return self.pdstate_fail(
@@ -210,6 +245,27 @@ def build_receiver() -> type:
                     self.conclude_state = KVPoll.Failed
                     return timed_out
             return conclude(self, poll)
+
+        def _hold_unfenced(self) -> bool:
+            """Without deferred decode KV release (0.5.19), SGLang frees the pages at Failed: a
+            request whose prefill may still write them stays Transferring until it confirms, at
+            most ``UNFENCED_FAILED_WAIT_S`` (then Failed, logged as unfenced)."""
+            if getattr(self.kv_mgr, "enable_deferred_decode_kv_release", False):
+                return False  # SGLang holds the pages until the acknowledgements (``_ack_when_fenced``)
+            if all(recv.fenced for _, recv in self._recvs if recv.poll().terminal):
+                return False
+            now = time.monotonic()
+            if self._unfenced_since is None:
+                self._unfenced_since = now
+            if now - self._unfenced_since < UNFENCED_FAILED_WAIT_S:
+                return True
+            log.error(
+                "pdstate: room %s: failed, and its prefill did not confirm within %g s that nothing more of it "
+                "lands; SGLang frees its pages now",
+                self.bootstrap_room,
+                UNFENCED_FAILED_WAIT_S,
+            )
+            return False
 
         def failure_exception(self):
             failure_exception(self)

@@ -37,6 +37,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -184,9 +185,16 @@ class ShmEngine(TransferEngine):
     supports_hashed_copy = True
 
     def __init__(
-        self, populate: bool | str = "background", segment_dir: str = str(SHM_DIR), copy_threads: int | None = None
+        self,
+        populate: bool | str = "background",
+        segment_dir: str = str(SHM_DIR),
+        copy_threads: int | None = None,
+        copy_delay_s: float = 0.0,
     ) -> None:
+        """``copy_delay_s``: fault injection (tests): each copy starts this long after its submit,
+        on the submitting thread, as a copy held up by a slow or stalled prefill would."""
         super().__init__()
+        self.copy_delay_s = float(copy_delay_s)
         self._copier = Copier(copy_threads)
         self._hash_src = threading.local()  # submit's hash_src, for _submit on the same thread
         self.populate = populate
@@ -403,6 +411,8 @@ class ShmEngine(TransferEngine):
         idx = np.searchsorted(table.base, plan.dst, side="right") - 1
         local_dst = native.mapped_base[idx] + (plan.dst - table.base[idx])
         hash_src = getattr(self._hash_src, "fn", None)
+        if self.copy_delay_s > 0:
+            time.sleep(self.copy_delay_s)
         if hash_src is None:
             self._copier.copy(local_dst, plan.src, plan.length, plan.total_bytes)
         else:
