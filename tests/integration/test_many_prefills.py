@@ -11,6 +11,7 @@ prefill on the decode and the decode on each prefill. Every wait polls with a de
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ import pytest
 from tests.support.services import Service, ready, wait_for
 
 TOKEN = "many-prefills-token-1c9e"
+SILENT = "tcp://127.0.0.1:1"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 TIMERS = ["control.heartbeat_interval_s=0.2", "control.peer_timeout_s=1.0", "control.request_deadline_s=8.0"]
 PAGE_SIZE_ERROR = (
@@ -48,7 +50,10 @@ def trio(http):
         for name, extra in (("a", []), ("b", []), ("c", ["pool.page_size=512"])):
             started[name] = _prefill(extra)
         ctl = {name: s.wait_listening()["control"] for name, s in started.items()}
-        decode = Service("decode", ["http.port=0", f"control.peer={ctl['a']}", *TIMERS], {"PDSTATE_AUTH__TOKEN": TOKEN})
+        # the prefills a request may name, exactly (tcp://127.0.0.1:1: one where nothing answers)
+        named = json.dumps([ctl["b"], ctl["c"], SILENT])
+        overrides = ["http.port=0", f"control.peer={ctl['a']}", f"control.prefills={named}", *TIMERS]
+        decode = Service("decode", overrides, {"PDSTATE_AUTH__TOKEN": TOKEN})
         started["decode"] = decode
         wait_for(lambda: ready(http, decode.url), 30, "decode ready with prefill a")
         yield {"services": started, "control": ctl}
@@ -141,10 +146,10 @@ def test_bad_and_silent_prefill_addresses(trio, http):
         assert r.status_code == 422, (bad, r.text)
     assert http.post(f"{d}/v1/transfers", json={"tokens": 1, "prefill": trio["control"]["b"]}).status_code == 401
     # nothing answers there: the request fails at its deadline (8 s), naming the silent prefill
-    res = _post(http, d, 10, "tcp://127.0.0.1:1")
+    res = _post(http, d, 10, SILENT)
     assert res["status"] == "failed" and res["error"] == {
         "type": "TransferFailed",
-        "message": "deadline exceeded: no handshake answer from the prefill at tcp://127.0.0.1:1",
+        "message": f"deadline exceeded: no handshake answer from the prefill at {SILENT}",
         "fix": None,
     }
     assert _post(http, d, 10)["status"] == "success"  # and nothing else noticed

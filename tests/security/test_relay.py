@@ -1,6 +1,7 @@
 """Relay-proof ownership: a decode's proof of ownership is bound to the address it dialled, and a
-prefill takes only proofs given to one of its own addresses; a decode's HTTP clients may name
-only allowed prefills.
+prefill takes only proofs given to exactly its own address or an advertised one (a loopback alias
+of its port is not its address); a decode's HTTP clients may name only ``control.peer`` and
+``control.prefills``, exact addresses.
 
 The attack it stops (it used to write 1,477,632 bytes into the victim's segment): a fake prefill
 makes the victim decode dial it, relays the real prefill's challenge to the victim and the
@@ -14,6 +15,14 @@ Two uids: the relay runs as a process of its own as ``nobody`` where the tests r
 (``same_process``: the relay in this process, on real sockets on 127.0.0.1) runs everywhere: the
 relay never reads a segment (that is the point of the attack), so its uid changes nothing of what
 it can do.
+
+Through a loopback alias (``127.0.0.2`` at a prefill's port, bound by a process of another uid,
+skipped where the tests do not run as root): to a second prefill of the host, and to the only
+prefill while it restarts, the attacker redialling every 1 ms. Once its relayed proof is
+answered the attacker asks, as the victim, for a room the prefill's application sends. Measured
+on the code before (a prefill took a proof given to any loopback host on its port): accepted, the
+room written, ~74,600 bytes of the victim's segments changed (tiny, two pages), every run. Now:
+refused, the attacker's request answered ``NotRegistered``, 0 bytes changed, the victim served.
 """
 
 from __future__ import annotations
@@ -22,8 +31,12 @@ import os
 
 import httpx
 import pytest
+import torch
 
+import pdstate
 from pdstate.agent import PrefillAgent
+from pdstate.agent.admission import audience_error
+from pdstate.protocol import wire
 from tests.support.hostile import (
     NOBODY,
     GatedRelay,
@@ -94,6 +107,178 @@ def test_a_relay_through_a_fake_prefill_after_a_restart_writes_nothing(kind):
         memory.close()
 
 
+ROOM = 77  # a request of the prefill's own (its application made the sender); the attacker claims it
+
+
+def _as_second_uid() -> None:
+    if os.getuid() != 0:
+        pytest.skip("not root: the attacker must run as a second uid (65534), which only root can start")
+
+
+def _attack(victim) -> bytes:
+    """The ``AgentRequest`` the attacker sends as the victim once its relayed proof is answered:
+    pages 3 and 4 of the victim's pools and one slot of each state component (as
+    ``agent_transfer`` names them)."""
+    assert len(victim.register_message().kv.components) == 3
+    page = pdstate.preset("tiny").page_size
+    msg = wire.AgentRequest(
+        room=ROOM,
+        seq_len=2 * page,
+        dst_kv_pages=wire.PackedIndices.pack([3, 4]),
+        dst_state_indices=[wire.PackedIndices.pack(x) for x in ([1], [0], [1])],
+        deadline_s=5,
+        digest=False,
+    )
+    return wire.encode(msg)
+
+
+def _serve_room(prefill, pools):
+    """The prefill's application sending room ``ROOM`` (random bytes in its first pages) to
+    whichever decode asks for it."""
+    src = pools.target.c4_kv_buffers[0]
+    src[1:3] = torch.randint(0, 256, src[1:3].shape, dtype=torch.uint8)
+    send = prefill.sender(room=ROOM, num_pages=2)
+    send.send([1])
+    send.send([2], state_indices=[[2], [1], [2]])
+    return send
+
+
+def _answered(victim, address: str) -> dict:
+    return wait_until(
+        "the relayed register answered",
+        lambda: (lambda s: s if s["state"] != "pending" else None)(victim.prefills()[address]),
+        15,
+    )
+
+
+def _alias_refusal(alias: str, address: str) -> dict:
+    return {
+        "type": "InvalidEndpoint",
+        "message": f"shm proof of ownership was given to {alias!r}, not to this prefill ({address}): a register "
+        "relayed through another address; if decodes reach this prefill by another name, list it in "
+        "control.advertise",
+    }
+
+
+def test_a_relay_through_a_loopback_alias_to_a_second_prefill_writes_nothing():
+    """A process of another uid binds 127.0.0.2 on the port of a second prefill of the host and
+    makes the victim dial it: the second prefill (bound on 127.0.0.1) refuses the proof, which
+    names the alias (was: a loopback host on its port was taken; the attacker registered as the
+    victim and the prefill wrote its room into the victim's segment)."""
+    _as_second_uid()
+    prefill, prefill_pools, victim, victim_pools, memory = agent_pair()
+    second_pools = pdstate.build_worker_pools(pdstate.preset("tiny"))
+    kv = pdstate.fill_kv_args(second_pools.target, second_pools.draft)
+    second = PrefillAgent(kv, (second_pools.target, second_pools.draft))
+    relay = None
+    try:
+        victim.connect(prefill.address)
+        agent_transfer(prefill, prefill_pools, victim, victim_pools, room=1)
+        alias = f"tcp://127.0.0.2:{second.address.rpartition(':')[2]}"
+        paths = segment_paths(os.getpid())
+        assert paths
+        before = segment_image(paths)
+
+        relay = RelayProcess(second.address, front_bind=alias, inject=_attack(victim))
+        assert relay.uid == NOBODY and relay.address == alias
+        _serve_room(second, second_pools)
+        victim.connect(alias)  # what POST /v1/transfers {"prefill": alias} made it do
+        state = _answered(victim, alias)
+        assert state["state"] == "rejected", state
+        assert state["error_info"] == _alias_refusal(alias, second.address)
+        assert relay.injected(10) == {"kind": "error", "error": "NotRegistered"}
+        assert second.decodes() == []
+        assert changed_bytes(before, segment_image(paths)) == 0
+        relay.close()
+        relay = None
+
+        assert victim.prefills()[prefill.address]["state"] == "accepted"
+        agent_transfer(prefill, prefill_pools, victim, victim_pools, room=2)  # still served
+        victim.connect(second.address)  # and the second prefill, dialled directly, takes it
+        wait_until(
+            "the victim accepted by the second prefill",
+            lambda: victim.prefills()[second.address]["state"] == "accepted",
+            15,
+        )
+        agent_transfer(second, second_pools, victim, victim_pools, room=3)
+    finally:
+        if relay is not None:
+            relay.close()
+        victim.close()
+        second.close()
+        prefill.close()
+        memory.close()
+
+
+def test_a_relay_redialling_through_a_loopback_alias_during_a_restart_writes_nothing():
+    """The only prefill restarts; a process of another uid on 127.0.0.2 at its port, redialling
+    it every 1 ms, is the first to reach the new prefill with the victim's register: refused (was:
+    accepted as the victim, its room written into the victim's segment, the victim held off with
+    ``WorkerIdInUse``)."""
+    _as_second_uid()
+    prefill, prefill_pools, victim, victim_pools, memory = agent_pair()
+    relay = None
+    try:
+        victim.connect(prefill.address)
+        agent_transfer(prefill, prefill_pools, victim, victim_pools, room=1)
+        address = prefill.address
+        alias = f"tcp://127.0.0.2:{address.rpartition(':')[2]}"
+        prefill.close()  # SIGTERM: goodbye; the victim waits to be asked again
+        paths = segment_paths(os.getpid())
+        assert paths
+        before = segment_image(paths)
+
+        relay = RelayProcess(address, front_bind=alias, reconnect_ivl_ms=1, inject=_attack(victim))
+        assert relay.uid == NOBODY
+        victim.connect(alias)  # the register waits in the relay for the prefill to be back
+        prefill = PrefillAgent(prefill.kv_args, (prefill_pools.target, prefill_pools.draft), bind=address)
+        _serve_room(prefill, prefill_pools)
+        state = _answered(victim, alias)
+        assert state["state"] == "rejected", state
+        assert state["error_info"] == _alias_refusal(alias, address)
+        assert relay.injected(10) == {"kind": "error", "error": "NotRegistered"}
+        assert prefill.decodes() == []
+        assert changed_bytes(before, segment_image(paths)) == 0
+        relay.close()
+        relay = None
+
+        victim.connect(address)
+        wait_until("the victim accepted again", lambda: victim.prefills()[address]["state"] == "accepted", 15)
+        agent_transfer(prefill, prefill_pools, victim, victim_pools, room=2)
+    finally:
+        if relay is not None:
+            relay.close()
+        victim.close()
+        prefill.close()
+        memory.close()
+
+
+def test_a_proof_is_taken_for_the_exact_bound_or_advertised_address_only():
+    """``audience_error``: the bound address and an advertised one, as written; no other name of
+    the host (a loopback alias, ``localhost``), and a wildcard bind only at what it advertises,
+    its refusal saying so."""
+    bound, named = "tcp://127.0.0.1:5601", ("tcp://prefill:5601",)
+    assert audience_error(bound, bound, ()) is None
+    assert audience_error("tcp://prefill:5601", bound, named) is None
+    for audience in ("tcp://127.0.0.2:5601", "tcp://localhost:5601", "tcp://127.0.0.1:5602", None, 5601):
+        assert str(audience_error(audience, bound, named)) == (
+            f"shm proof of ownership was given to {audience!r}, not to this prefill (tcp://127.0.0.1:5601, "
+            "tcp://prefill:5601): a register relayed through another address; if decodes reach this prefill by "
+            "another name, list it in control.advertise"
+        )
+    for wildcard in ("tcp://*:5601", "tcp://0.0.0.0:5601", "tcp://[::]:5601"):
+        assert str(audience_error("tcp://127.0.0.1:5601", wildcard, ())) == (
+            f"shm proof of ownership was given to 'tcp://127.0.0.1:5601', not to this prefill ({wildcard}): a "
+            "register relayed through another address; this prefill binds a wildcard address: list every address "
+            "its decodes dial in control.advertise"
+        )
+        assert audience_error("tcp://127.0.0.1:5601", wildcard, ("tcp://127.0.0.1:5601",)) is None
+    long = "tcp://" + "x" * 1000 + ":1"
+    assert str(audience_error(long, bound, ())).startswith(
+        f"shm proof of ownership was given to {repr(long)[:256]}..., not to this prefill (tcp://127.0.0.1:5601): "
+    )
+
+
 def test_a_transfer_may_name_only_allowed_prefills():
     started: list[Service] = []
     with httpx.Client(timeout=30.0) as http:
@@ -104,13 +289,17 @@ def test_a_transfer_may_name_only_allowed_prefills():
             decode = Service("decode", ["http.port=0", f"control.peer={ctl}"])
             started.append(decode)
             wait_for(lambda: ready(http, decode.url), 60, "decode ready")
-            r = http.post(f"{decode.url}/v1/transfers", json={"tokens": 10, "prefill": "tcp://10.9.8.7:5601"})
-            assert r.status_code == 403
-            assert r.json()["detail"] == (
-                f"prefill 'tcp://10.9.8.7:5601' is not one this decode may dial for a transfer "
-                f"(control.prefills: [{ctl!r}] and loopback)"
-            )
-            assert "tcp://10.9.8.7:5601" not in {p["id"] for p in http.get(f"{decode.url}/v1/compat").json()["peers"]}
+            # another host, a loopback alias of the prefill's port, another port of this host:
+            # none configured, none dialled (the alias and the port were taken as loopback)
+            alias = f"tcp://127.0.0.2:{ctl.rpartition(':')[2]}"
+            for named in ("tcp://10.9.8.7:5601", alias, "tcp://127.0.0.1:1"):
+                r = http.post(f"{decode.url}/v1/transfers", json={"tokens": 10, "prefill": named})
+                assert r.status_code == 403, r.text
+                assert r.json()["detail"] == (
+                    f"prefill {named!r} is not one this decode may dial for a transfer "
+                    f"(control.peer and control.prefills, exact addresses: [{ctl!r}])"
+                )
+            assert {p["id"] for p in http.get(f"{decode.url}/v1/compat").json()["peers"]} == {ctl}
             r = http.post(f"{decode.url}/v1/transfers", json={"tokens": 10, "prefill": ctl})
             assert r.status_code == 200 and r.json()["status"] == "success", r.text
         finally:

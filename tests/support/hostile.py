@@ -236,21 +236,38 @@ def bound_router() -> zmq.Socket:
 
 
 class GatedRelay:
-    """A ROUTER on 127.0.0.1 (port 0, or ``front``) for one decode, relaying to ``upstream`` through a DEALER:
-    the decode's frames are held (dropped, counted, the last one kept) until ``open`` is set;
-    the prefill's answers always go back. The relay's thread alone uses its sockets."""
+    """A ROUTER on 127.0.0.1 (port 0, ``front``, or bound at ``front_bind``: a loopback alias such
+    as ``tcp://127.0.0.2:P``) for one decode, relaying to ``upstream`` through a DEALER that
+    redials every ``reconnect_ivl_ms`` (ZeroMQ's default: 100) while nothing listens there: the
+    decode's frames are held (dropped, counted, the last one kept) until ``open`` is set; the
+    prefill's answers go back. With ``inject`` (an encoded frame, an ``AgentRequest``), once the
+    prefill answered the relayed proof (``accept`` or ``reject``) the relay sends ``inject`` as
+    the decode it relayed and keeps the first answer to it (``injected``, its kind and error type;
+    set once it came) to itself. The relay's thread alone uses its sockets."""
 
-    def __init__(self, upstream: str, front: zmq.Socket | None = None) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        front: zmq.Socket | None = None,
+        front_bind: str | None = None,
+        reconnect_ivl_ms: int | None = None,
+        inject: bytes | None = None,
+    ) -> None:
         ctx = zmq.Context.instance()
         self.front, self.back = front or ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
         for sock in (self.front, self.back):
             sock.setsockopt(zmq.LINGER, 0)
-        if front is None:
+        if reconnect_ivl_ms is not None:
+            self.back.setsockopt(zmq.RECONNECT_IVL, reconnect_ivl_ms)
+        if front_bind is not None:
+            self.front.bind(front_bind)
+        elif front is None:
             self.front.bind_to_random_port("tcp://127.0.0.1")
         self.address = self.front.getsockopt_string(zmq.LAST_ENDPOINT)
         self.back.connect(upstream)
-        self.open, self._stop = threading.Event(), threading.Event()
+        self.open, self._stop, self.answered = threading.Event(), threading.Event(), threading.Event()
         self.held: list[bytes] = []
+        self.inject, self.injected = inject, None
         self._thread = threading.Thread(target=self._run, name="gated-relay", daemon=True)
         self._thread.start()
 
@@ -258,7 +275,7 @@ class GatedRelay:
         poller = zmq.Poller()
         poller.register(self.front, zmq.POLLIN)
         poller.register(self.back, zmq.POLLIN)
-        identity = None
+        identity, sent = None, False
         while not self._stop.is_set():
             for sock, _ in poller.poll(20):
                 if sock is self.front:
@@ -267,10 +284,20 @@ class GatedRelay:
                         self.back.send(frame)
                     else:
                         self.held.append(frame)
-                elif identity is not None:
-                    self.front.send_multipart([identity, self.back.recv()])
-                else:
-                    self.back.recv()
+                    continue
+                frame = self.back.recv()
+                kind = wire.envelope_kind(frame)
+                if sent:  # an answer to the injected request: the relay's own
+                    if kind != "heartbeat" and self.injected is None:
+                        msg = wire.decode(frame)
+                        self.injected = {"kind": kind, "error": getattr(getattr(msg, "error", None), "type", None)}
+                        self.answered.set()
+                    continue
+                if identity is not None:
+                    self.front.send_multipart([identity, frame])
+                if self.inject is not None and kind in ("accept", "reject"):
+                    self.back.send(self.inject)
+                    sent = True
 
     def close(self) -> None:
         self._stop.set()
@@ -360,10 +387,26 @@ def run(spec: dict, as_other_uid: bool = False) -> dict:
 
 class RelayProcess:
     """An open ``GatedRelay`` to ``upstream`` in a process of its own, as ``NOBODY`` when the tests
-    run as root; ``address`` its front, ``uid`` the uid it runs as. ``close`` ends it."""
+    run as root; ``address`` its front, ``uid`` the uid it runs as. ``front_bind``,
+    ``reconnect_ivl_ms`` and ``inject`` as ``GatedRelay`` takes them; ``injected(timeout_s)``: the
+    answer to the injected frame (``{"kind", "error"}``), or None when none came in time.
+    ``close`` ends it."""
 
-    def __init__(self, upstream: str, as_other_uid: bool = True) -> None:
-        spec = {"relay": upstream, "uid": NOBODY if as_other_uid and os.getuid() == 0 else None}
+    def __init__(
+        self,
+        upstream: str,
+        as_other_uid: bool = True,
+        front_bind: str | None = None,
+        reconnect_ivl_ms: int | None = None,
+        inject: bytes | None = None,
+    ) -> None:
+        spec = {
+            "relay": upstream,
+            "uid": NOBODY if as_other_uid and os.getuid() == 0 else None,
+            "front": front_bind,
+            "reconnect_ivl_ms": reconnect_ivl_ms,
+            "inject": None if inject is None else inject.hex(),
+        }
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC_DIR), str(REPO)])}
         self.proc = subprocess.Popen(
             [sys.executable, "-B", "-m", "tests.support.hostile"],
@@ -380,6 +423,11 @@ class RelayProcess:
         started = json.loads(line)
         self.address, self.uid = started["address"], started["uid"]
 
+    def injected(self, timeout_s: float) -> dict | None:
+        self.proc.stdin.write(json.dumps({"wait_s": timeout_s}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())["injected"]
+
     def close(self) -> None:
         self.proc.stdin.close()  # the relay's cue to stop
         try:
@@ -389,11 +437,16 @@ class RelayProcess:
             self.proc.wait()
 
 
-def _relay(upstream: str) -> None:
-    relay = GatedRelay(upstream)
+def _relay(spec: dict) -> None:
+    inject = None if spec.get("inject") is None else bytes.fromhex(spec["inject"])
+    relay = GatedRelay(
+        spec["relay"], front_bind=spec.get("front"), reconnect_ivl_ms=spec.get("reconnect_ivl_ms"), inject=inject
+    )
     relay.open.set()
     print(json.dumps({"address": relay.address, "uid": os.getuid()}), flush=True)
-    sys.stdin.read()  # until the test closes it
+    for line in sys.stdin:  # until the test closes it; a line asks for the injected frame's answer
+        relay.answered.wait(json.loads(line)["wait_s"])
+        print(json.dumps({"injected": relay.injected}), flush=True)
     relay.close()
 
 
@@ -404,7 +457,7 @@ def main() -> None:
         os.setgid(spec["uid"])
         os.setuid(spec["uid"])
     if spec.get("relay"):
-        _relay(spec["relay"])
+        _relay(spec)
         return
     theirs = wire.decode(bytes.fromhex(spec["register"]))
     if spec.get("identity"):

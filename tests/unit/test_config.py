@@ -260,3 +260,21 @@ def test_the_sglang_backend_warns_alike_and_reads_its_own_variable(tmp_path, cap
     [record] = caplog.records  # ...and says so, while the backend's own variable is read without a word
     assert "PDSTATE_TRANSFR__ENGINE" in record.getMessage()
     assert "did you mean PDSTATE_TRANSFER__ENGINE?" in record.getMessage()
+
+
+def test_control_prefills_are_exact_addresses():
+    """``control.prefills`` names prefills by exact address: a pattern is refused, one line (it
+    was an fnmatch pattern); a bracketed IPv6 host is an address."""
+    entry = "tcp://10.0.0.*:5601"
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["role=decode", f'control.prefills=["tcp://10.0.0.2:5601", "{entry}"]'])
+    assert str(exc.value) == (
+        f"invalid configuration: control.prefills: Value error, {entry!r} is a pattern; list each prefill a "
+        "transfer may name by its exact control address (tcp://host:port): a decode dials only addresses named "
+        f'exactly (from --set control.prefills=["tcp://10.0.0.2:5601", "{entry}"])'
+    )
+    for pattern in ("tcp://10.0.0.2:560?", "tcp://[::1]:56[01]", "tcp://prefill-[ab]:5601"):
+        with pytest.raises(ConfigError, match=r"is a pattern"):
+            load_config(None, ["role=decode", f'control.prefills=["{pattern}"]'])
+    cfg = load_config(None, ["role=decode", 'control.prefills=["tcp://[::1]:5601", "tcp://prefill-b:5601"]'])
+    assert cfg.control.prefills == ["tcp://[::1]:5601", "tcp://prefill-b:5601"]

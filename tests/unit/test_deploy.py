@@ -131,7 +131,7 @@ def test_compose_services(compose, routes):
         assert cfg.transfer.mooncake.host == f"{role}-data"  # each engine: its name on the data plane
     # the decode dials the prefill's control port by its data-plane name, once the prefill is healthy
     host, port = port_of(cfgs["decode"].control.peer)
-    assert cfgs["prefill"].control.advertise == [f"tcp://prefill-data:{port}"]
+    assert cfgs["prefill"].control.advertise == [f"tcp://prefill-data:{port}"] == [cfgs["decode"].control.peer]
     assert (
         host == "prefill-data"
         and port == port_of(cfgs["prefill"].control.bind)[1] == port_of(service_config("prefill").control.bind)[1]
@@ -274,3 +274,6 @@ def test_k8s_deployments(k8s, routes, tmp_path):
     )[1]
     assert cfgs["prefill"].transfer.engine == cfgs["decode"].transfer.engine
     assert cfgs["prefill"].pool_settings() == cfgs["decode"].pool_settings()
+    # a wildcard bind: the prefill takes shm proofs given to exactly the names it advertises
+    assert port_of(cfgs["prefill"].control.bind)[0] == "0.0.0.0"
+    assert cfgs["decode"].control.peer in cfgs["prefill"].control.advertise

@@ -37,7 +37,6 @@ import zmq
 from pdstate import logs
 from pdstate.errors import AuthError, InvalidEndpoint, PdStateError, ProtocolError, WorkerIdInUse
 from pdstate.protocol import wire
-from pdstate.protocol.hosts import is_loopback_host
 from pdstate.protocol.report import ErrorInfo
 from pdstate.transfer.engines.shm import PROOF_KEYS
 
@@ -68,26 +67,29 @@ class Incidents:
 
 def audience_error(audience: object, address: str, advertise: tuple[str, ...]) -> InvalidEndpoint | None:
     """Why a proof bound to ``audience`` (the address the decode dialled) was not given to this
-    prefill (bound at ``address``, also reached at ``advertise``); None when it was: the address
-    itself, an advertised one, or, for a wildcard or loopback bind, a loopback host on its port."""
-    if isinstance(audience, str) and (audience == address or audience in advertise or _same_host(audience, address)):
+    prefill (bound at ``address``, also reached at ``advertise``); None when it was: exactly the
+    address itself or an advertised one. No other name is taken, a loopback alias or another
+    interface of this host on the same port included: any local process can stand at those. A
+    wildcard bind (``tcp://*:P``, ``0.0.0.0``, ``[::]``) is dialled by no decode at its own
+    address: the names decodes dial must be advertised."""
+    if isinstance(audience, str) and (audience == address or audience in advertise):
         return None
     names = ", ".join([address, *advertise])
+    if _wildcard(address) and not advertise:
+        fix = "this prefill binds a wildcard address: list every address its decodes dial in control.advertise"
+    else:
+        fix = "if decodes reach this prefill by another name, list it in control.advertise"
+    shown = repr(audience)
+    shown = shown if len(shown) <= 256 else shown[:256] + "..."
     return InvalidEndpoint(
-        f"shm proof of ownership was given to {audience!r}, not to this prefill ({names}): a register relayed "
-        "through another address; if decodes reach this prefill by another name, list it in control.advertise"
+        f"shm proof of ownership was given to {shown}, not to this prefill ({names}): a register relayed "
+        f"through another address; {fix}"
     )
 
 
-def _same_host(audience: str, address: str) -> bool:
-    a_scheme, _, a_rest = audience.partition("://")
-    b_scheme, _, b_rest = address.partition("://")
-    a_host, _, a_port = a_rest.rpartition(":")
-    b_host, _, b_port = b_rest.rpartition(":")
-    if a_scheme != "tcp" or b_scheme != "tcp" or a_port != b_port:
-        return False
-    local = ("0.0.0.0", "*", "[::]", "::")
-    return (b_host in local or is_loopback_host(b_host)) and is_loopback_host(a_host)
+def _wildcard(address: str) -> bool:
+    scheme, _, rest = address.partition("://")
+    return scheme == "tcp" and rest.rpartition(":")[0] in ("*", "0.0.0.0", "[::]", "::", "[::0]")
 
 
 def bind_router(loop: Any, bind: str) -> tuple[zmq.Socket, str]:

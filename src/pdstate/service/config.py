@@ -22,6 +22,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import re
 import sys
 from collections.abc import Collection, Mapping
 from pathlib import Path
@@ -105,6 +106,12 @@ class ChecksSection(_Section):
     verify: Literal["full", "sample"] = "full"
 
 
+# fnmatch's pattern characters (``control.prefills`` were patterns; now exact addresses), outside
+# a bracketed IPv6 host
+_PATTERN = re.compile(r"[*?\[\]]")
+_IPV6_HOST = re.compile(r"^tcp://\[[0-9A-Fa-f:.]+\]")
+
+
 class ControlSection(_Section):
     bind: str = "tcp://127.0.0.1:5601"
     peer: str = "tcp://127.0.0.1:5601"
@@ -118,11 +125,23 @@ class ControlSection(_Section):
     # while another is registered (``pdstate.agent.fairness``)
     verdict_timeout_s: float = Field(5.0, gt=0, le=3600)
     decode_share: float = Field(0.5, gt=0, le=1)
-    # prefill: other addresses decodes dial it at (a DNS name, a proxy): a proof of ownership is
-    # bound to the address its decode dialled; decode: the prefills POST /v1/transfers may name
-    # (fnmatch patterns; empty: control.peer and loopback addresses)
+    # prefill: other addresses decodes dial it at (a DNS name, a proxy, the names of a wildcard
+    # bind): a proof of ownership is bound to the address its decode dialled, and a prefill takes
+    # only proofs given to its bind address or one of these; decode: the prefills POST
+    # /v1/transfers may name besides control.peer (exact addresses; patterns are refused)
     advertise: list[str] = []
     prefills: list[str] = []
+
+    @field_validator("prefills")
+    @classmethod
+    def _exact_prefills(cls, v: list[str]) -> list[str]:
+        for entry in v:
+            if _PATTERN.search(_IPV6_HOST.sub("tcp://", entry, count=1)):
+                raise ValueError(
+                    f"{entry[:200]!r} is a pattern; list each prefill a transfer may name by its exact "
+                    "control address (tcp://host:port): a decode dials only addresses named exactly"
+                )
+        return v
 
 
 class HttpSection(_Section):

@@ -3,12 +3,10 @@ the one way to stop it (``drain``)."""
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import threading
 from concurrent.futures import Future
 
-from pdstate.service.auth import control_bind_host, is_loopback_host
 from pdstate.service.models import peer_transport
 
 log = logging.getLogger("pdstate.service.status")
@@ -111,17 +109,16 @@ class WorkerStatus:
 
     # decode actions
     def prefill_refused(self, prefill: str) -> str | None:
-        """Why ``POST /v1/transfers`` may not name ``prefill`` (None: it may): it must match one
-        of ``control.prefills`` (fnmatch), by default ``control.peer`` or a loopback address. The
-        decode dials what a client names and shows it its memory: never any address at all."""
-        allowed = list(self.cfg.control.prefills) or [self.cfg.control.peer]
-        if any(fnmatch.fnmatchcase(prefill, p) for p in allowed):
-            return None
-        if not self.cfg.control.prefills and is_loopback_host(control_bind_host(prefill) or "-"):
+        """Why ``POST /v1/transfers`` may not name ``prefill`` (None: it may): it must be
+        ``control.peer`` or an entry of ``control.prefills``, the exact address. The decode dials
+        what a client names and shows it its memory: never an address nobody configured (a
+        loopback alias or another port of this host included)."""
+        allowed = [self.cfg.control.peer, *(p for p in self.cfg.control.prefills if p != self.cfg.control.peer)]
+        if prefill in allowed:
             return None
         return (
             f"prefill {prefill!r} is not one this decode may dial for a transfer "
-            f"(control.prefills: {allowed}{' and loopback' if not self.cfg.control.prefills else ''})"
+            f"(control.peer and control.prefills, exact addresses: {allowed})"
         )
 
     def submit(self, tokens: int, room: int | None, prefill: str | None = None) -> Future:
