@@ -16,6 +16,7 @@ import msgpack
 import pytest
 import zmq
 
+from pdstate.agent import curve
 from pdstate.errors import ExitCode
 from pdstate.protocol import wire
 from tests.support.pools import TINY, report_and_kv
@@ -229,6 +230,7 @@ class RawDealer:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, b"raw-" + secrets.token_hex(4).encode())
+        curve.dial(self.sock, curve.control_keys(None))  # a peer of the prefill's trust domain (this uid)
         self.sock.connect(endpoint)
 
     def ask(self, *frames: bytes, timeout_s: float = 10.0) -> wire.Message:

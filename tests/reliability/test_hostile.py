@@ -27,6 +27,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdstate.agent import curve
 from pdstate.pools.memory import SharedMemory
 from pdstate.pools.presets import build_worker_pools
 from pdstate.pools.reporting import build_report
@@ -70,6 +71,7 @@ class Dealer:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, identity or b"raw-" + secrets.token_hex(4).encode())
+        curve.dial(self.sock, curve.control_keys(None))  # a peer of the prefill's trust domain (this uid)
         self.sock.connect(endpoint)
         self.endpoint = endpoint
 

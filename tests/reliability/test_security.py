@@ -17,7 +17,7 @@ import secrets
 import stat
 import warnings
 
-import zmq
+import pytest
 
 from pdstate.pools.memory import SHM_DIR
 from pdstate.protocol import wire
@@ -27,6 +27,7 @@ from pdstate.worker.decode import AgentDecodeWorker
 from pdstate.worker.options import WorkerOptions
 from pdstate.worker.prefill import AgentPrefillWorker
 from tests.support.faults import FAULT, holding_hooks, release_copies
+from tests.support.hostile import HandshakeFailed, RawDealer
 from tests.support.pools import ROOMY, TINY, report_of
 from tests.support.summary import tally
 from tests.support.waiting import wait_until
@@ -47,16 +48,21 @@ with warnings.catch_warnings():
 
 
 def test_unauthenticated_frames_cannot_touch_a_running_session():
-    """Frames without the right tag, on a session that runs: each is answered ``AuthError`` and
-    acted on by nobody (the held request ends verified, the decode stays the only peer)."""
+    """A client without the token cannot join the control session: its CURVE handshake fails
+    (``agent.curve``), nothing is delivered or answered. A peer of the session whose frames lack
+    the right tag (the frame check behind it): each is answered ``AuthError`` and acted on by
+    nobody. The held request ends verified, the decode stays the only peer."""
     token = b"reliability-secret"
     with served_pair(ROOMY, hooks=holding_hooks(), token=token, **FAULT) as (p, d):
         fut = d.submit(300, room=777)
         wait_until("room 777 in flight", lambda: p.in_flight() == 1, 5)
-        attacker = zmq.Context.instance().socket(zmq.DEALER)
-        attacker.setsockopt(zmq.LINGER, 0)
-        attacker.setsockopt(zmq.IDENTITY, b"mallory-" + secrets.token_hex(4).encode())
-        attacker.connect(p.endpoint)
+        outsider = RawDealer(p.endpoint, identity=b"mallory-" + secrets.token_hex(4).encode())
+        try:
+            with pytest.raises(HandshakeFailed, match="HANDSHAKE_FAILED_NO_DETAIL"):
+                outsider.ask(wire.encode(wire.Abort(room=777, reason="mallory")))
+        finally:
+            outsider.close()
+        attacker = RawDealer(p.endpoint, identity=b"mallory-" + secrets.token_hex(4).encode(), token=token)
         frames = [
             wire.encode(wire.Abort(room=777, reason="mallory")),  # no tag
             wire.encode(wire.Abort(room=777, reason="mallory"), b"guessed"),  # wrong tag
@@ -69,11 +75,9 @@ def test_unauthenticated_frames_cannot_touch_a_running_session():
             ),
         ]
         for f in frames:
-            attacker.send(f)
-            assert attacker.poll(5000)
-            reply = wire.decode(attacker.recv(), token)
+            reply = attacker.ask(f, timeout_s=5)
             assert isinstance(reply, wire.Error) and reply.error.type == "AuthError", reply
-        attacker.close(0)
+        attacker.close()
         peers = p.status().peers
         assert [(x.id, x.state.value) for x in peers] == [(d.worker_id, "accepted")]
         release_copies(p)

@@ -24,6 +24,7 @@ import msgpack
 import pytest
 import zmq
 
+from pdstate.agent import curve
 from pdstate.errors import ExitCode, LocalCheckFailed, RoomInFlight
 from pdstate.protocol import wire
 from pdstate.service.api import Collector
@@ -156,6 +157,7 @@ def test_register_in_another_version_is_refused_naming_both():
     with AgentPrefillWorker(options("prefill", TINY, "shm", **FAULT)) as p:
         dealer = zmq.Context.instance().socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        curve.dial(dealer, curve.control_keys(None))  # a peer of the prefill's trust domain (this uid)
         dealer.connect(p.endpoint)
         body = msgpack.packb({"worker_id": "x"}, use_bin_type=True)
         for kind in ("register", "heartbeat"):

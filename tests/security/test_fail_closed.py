@@ -403,3 +403,19 @@ def test_the_refusals_are_one_line(tmp_path):
         with pytest.raises(ConfigError) as info:
             call()
         assert "\n" not in str(info.value) and str(info.value)
+
+
+def test_a_key_dir_open_to_others_is_refused(prefill_cfg, tmp_path):
+    """Without a token the control channel's keys come from ``auth.key_dir``'s ``control.key``
+    (``agent.curve``): a directory others may open is refused before anything starts."""
+    key_dir = tmp_path / "keys"
+    key_dir.mkdir()
+    os.chmod(key_dir, 0o755)
+    refused(
+        f"pdstate: auth.key_dir: directory {key_dir} has mode 0755: group or others may open it; remove it, or "
+        "make it yours with mode 0700; or set auth.key_dir",
+        prefill_cfg,
+        "http.port=0",
+        "control.bind=tcp://127.0.0.1:0",
+        f"auth.key_dir={key_dir}",
+    )

@@ -2,8 +2,10 @@
 prefill's challenge with a keyed digest of each segment's secret, which only a process that can
 read the segment file (its owner's uid) can compute.
 
-The hostile decode is a process of its own (``python -m tests.support.hostile``), run as another
-uid (``nobody``) when the tests run as root. It names the segments of a victim that exists but
+The hostile decode is a process of its own (``python -m tests.support.hostile``). Run as another
+uid (``nobody``, where the tests run as root) it is not of the prefill's trust domain and gets no
+answer at all (its CURVE handshake fails, ``test_curve.py``); run as a process of the domain that
+does not read the segment files, it stands for what the proof alone stops. It names the segments of a victim that exists but
 has not registered yet (its frames are held by a ``GatedRelay``; for the agent, a ``DecodeAgent``
 that has not met the prefill), so the claimed-by-another-peer rule cannot help: only the proof
 does. It is refused with one exact line, nothing of the victim changes, the prefill keeps serving
@@ -47,12 +49,15 @@ def unproven(path: str) -> dict:
 
 
 def _claim(address: str, theirs: wire.Register) -> dict:
-    got = hostile.run(
-        {"address": address, "register": wire.encode(theirs).hex(), "try_read": os.getuid() == 0}, as_other_uid=True
-    )
-    if os.getuid() == 0:  # the other uid could not read the 0600 segment files to learn the secrets
-        assert got["read_error"] == "PermissionError", got
-    return got
+    """``theirs``'s segments claimed by a process of its own. Where the tests run as root, first as
+    another uid: its CURVE handshake fails (``agent.curve``), so nothing is delivered or answered.
+    Then as a process of the prefill's trust domain (this uid) that does not read the segments:
+    the proof behind the session, answered ``challenge`` then ``Reject``; returned."""
+    spec = {"address": address, "register": wire.encode(theirs).hex()}
+    if os.getuid() == 0:
+        other = hostile.run({**spec, "try_read": True}, as_other_uid=True)
+        assert other == {"answers": [], "read_error": None, "handshake_failed": "HANDSHAKE_FAILED_NO_DETAIL"}
+    return hostile.run(spec)
 
 
 def test_another_uid_naming_a_not_yet_registered_decodes_segments_is_refused():

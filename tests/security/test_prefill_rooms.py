@@ -20,6 +20,7 @@ from pdstate.protocol.report import ErrorInfo
 from pdstate.worker.decode import AgentDecodeWorker
 from pdstate.worker.prefill import AgentPrefillWorker
 from tests.support.faults import holding_hooks
+from tests.support.hostile import curve_router
 from tests.support.pools import ROOMY
 from tests.support.waiting import wait_until
 from tests.support.workers import options, wait_accepted
@@ -30,7 +31,7 @@ class RogueRouter:
     the test tells it to."""
 
     def __init__(self) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock = curve_router(zmq.Context.instance())  # a fake prefill of the decode's trust domain
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind("tcp://127.0.0.1:0")
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)

@@ -18,11 +18,13 @@ it can do.
 
 Through a loopback alias (``127.0.0.2`` at a prefill's port, bound by a process of another uid,
 skipped where the tests do not run as root): to a second prefill of the host, and to the only
-prefill while it restarts, the attacker redialling every 1 ms. Once its relayed proof is
-answered the attacker asks, as the victim, for a room the prefill's application sends. Measured
-on the code before (a prefill took a proof given to any loopback host on its port): accepted, the
-room written, ~74,600 bytes of the victim's segments changed (tiny, two pages), every run. Now:
-refused, the attacker's request answered ``NotRegistered``, 0 bytes changed, the victim served.
+prefill while it restarts, the attacker redialling every 1 ms; it would ask, as the victim, for a
+room the prefill's application sends. Measured on the code before proofs named exact addresses
+(a prefill took a proof given to any loopback host on its port): accepted, the room written,
+~74,600 bytes of the victim's segments changed (tiny, two pages), every run; then refused by the
+proof's address. Now a relay of another uid is not of the trust domain (``agent.curve``): the
+victim's CURVE handshake with it fails and it receives no frame, 0 bytes change, the victim is
+served. The proof's address still stops a relay of the victim's own uid (``same_process``).
 """
 
 from __future__ import annotations
@@ -85,12 +87,16 @@ def test_a_relay_through_a_fake_prefill_after_a_restart_writes_nothing(kind):
             15,
         )
         assert state["state"] == "rejected", state
-        assert state["error_info"] == {
-            "type": "InvalidEndpoint",
-            "message": f"shm proof of ownership was given to {relay.address!r}, not to this prefill ({address}): "
-            "a register relayed through another address; if decodes reach this prefill by another name, "
-            "list it in control.advertise",
-        }
+        if kind == "same_process":  # a relay of the trust domain (this uid): the proof names its address
+            assert state["error_info"] == {
+                "type": "InvalidEndpoint",
+                "message": f"shm proof of ownership was given to {relay.address!r}, not to this prefill ({address}): "
+                "a register relayed through another address; if decodes reach this prefill by another name, "
+                "list it in control.advertise",
+            }
+        else:  # another uid: not of the domain, its CURVE handshake fails and it gets no frame
+            assert state["error_info"] == _curve_refusal(relay.address)
+            assert relay.frames() == 0
         assert prefill.decodes() == []  # nothing registered, nothing mapped for the relay
         assert changed_bytes(before, segment_image(paths)) == 0
         relay.close()
@@ -151,20 +157,22 @@ def _answered(victim, address: str) -> dict:
     )
 
 
-def _alias_refusal(alias: str, address: str) -> dict:
+def _curve_refusal(address: str) -> dict:
+    """The victim's refusal of a relay of another uid: it does not hold the domain's keys."""
     return {
-        "type": "InvalidEndpoint",
-        "message": f"shm proof of ownership was given to {alias!r}, not to this prefill ({address}): a register "
-        "relayed through another address; if decodes reach this prefill by another name, list it in "
-        "control.advertise",
+        "type": "AuthError",
+        "message": f"prefill {address} failed the CURVE handshake (no detail): it does not hold this worker's "
+        "control key (another auth token, a token on one side only, or without a token another uid or "
+        "auth.key_dir)",
     }
 
 
 def test_a_relay_through_a_loopback_alias_to_a_second_prefill_writes_nothing():
     """A process of another uid binds 127.0.0.2 on the port of a second prefill of the host and
-    makes the victim dial it: the second prefill (bound on 127.0.0.1) refuses the proof, which
-    names the alias (was: a loopback host on its port was taken; the attacker registered as the
-    victim and the prefill wrote its room into the victim's segment)."""
+    makes the victim dial it: the victim's CURVE handshake with it fails, it receives no frame
+    (was: a loopback host on its port was taken; the attacker registered as the victim and the
+    prefill wrote its room into the victim's segment; then, proofs bound to the exact address, the
+    relayed proof was refused)."""
     _as_second_uid()
     prefill, prefill_pools, victim, victim_pools, memory = agent_pair()
     second_pools = pdstate.build_worker_pools(pdstate.preset("tiny"))
@@ -185,8 +193,9 @@ def test_a_relay_through_a_loopback_alias_to_a_second_prefill_writes_nothing():
         victim.connect(alias)  # what POST /v1/transfers {"prefill": alias} made it do
         state = _answered(victim, alias)
         assert state["state"] == "rejected", state
-        assert state["error_info"] == _alias_refusal(alias, second.address)
-        assert relay.injected(10) == {"kind": "error", "error": "NotRegistered"}
+        assert state["error_info"] == _curve_refusal(alias)
+        assert relay.frames() == 0  # nothing of the victim's reached it: nothing to relay or inject after
+        assert relay.injected(0.0) is None
         assert second.decodes() == []
         assert changed_bytes(before, segment_image(paths)) == 0
         relay.close()
@@ -212,9 +221,9 @@ def test_a_relay_through_a_loopback_alias_to_a_second_prefill_writes_nothing():
 
 def test_a_relay_redialling_through_a_loopback_alias_during_a_restart_writes_nothing():
     """The only prefill restarts; a process of another uid on 127.0.0.2 at its port, redialling
-    it every 1 ms, is the first to reach the new prefill with the victim's register: refused (was:
-    accepted as the victim, its room written into the victim's segment, the victim held off with
-    ``WorkerIdInUse``)."""
+    it every 1 ms, gets no frame of the victim's: the CURVE handshake fails (was: first to reach the
+    new prefill with the victim's register, accepted as the victim, its room written into the
+    victim's segment, the victim held off with ``WorkerIdInUse``)."""
     _as_second_uid()
     prefill, prefill_pools, victim, victim_pools, memory = agent_pair()
     relay = None
@@ -235,8 +244,9 @@ def test_a_relay_redialling_through_a_loopback_alias_during_a_restart_writes_not
         _serve_room(prefill, prefill_pools)
         state = _answered(victim, alias)
         assert state["state"] == "rejected", state
-        assert state["error_info"] == _alias_refusal(alias, address)
-        assert relay.injected(10) == {"kind": "error", "error": "NotRegistered"}
+        assert state["error_info"] == _curve_refusal(alias)
+        assert relay.frames() == 0
+        assert relay.injected(0.0) is None
         assert prefill.decodes() == []
         assert changed_bytes(before, segment_image(paths)) == 0
         relay.close()

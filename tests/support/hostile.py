@@ -33,9 +33,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 import pdstate
 from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
+from pdstate.agent import curve as control_curve
 from pdstate.pools.memory import SharedMemory, prove_segment
 from pdstate.pools.presets import build_worker_pools
 from pdstate.pools.reporting import build_report
@@ -64,13 +66,29 @@ def agent_request(pools, kv_args, room: int, seq_len: int) -> wire.AgentRequest:
 
 
 class RawDealer:
-    """A DEALER on a prefill's control socket; ``ask`` sends one frame and reads the answer."""
+    """A DEALER on a prefill's control socket; ``ask`` sends one frame and reads the answer.
 
-    def __init__(self, endpoint: str, identity: bytes | None = None, token: bytes | None = None) -> None:
+    It dials with the CURVE keys of this process's trust domain (``agent.curve``: from ``token``,
+    else this uid's key file), as a decode of that domain would; ``curve=False``: without CURVE."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        identity: bytes | None = None,
+        token: bytes | None = None,
+        curve: bool = True,
+        server_public: bytes | None = None,
+    ) -> None:
         self.token, self.endpoint = token, endpoint
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, identity or b"raw-" + secrets.token_hex(4).encode())
+        if curve:  # ``server_public``: a server key given (its public key known), the client's own
+            keys = control_curve.control_keys(token)
+            if server_public is not None:
+                keys = control_curve.Keys(server_public, b"", keys.client_public, keys.client_secret)
+            control_curve.dial(self.sock, keys)
+        self.monitor = self.sock.get_monitor_socket(control_curve.HANDSHAKE_EVENTS)
         self.sock.connect(endpoint)
 
     def send(self, msg: wire.Message | bytes) -> None:
@@ -79,9 +97,15 @@ class RawDealer:
     def read_until(self, until: Callable[[wire.Message], bool], timeout_s: float = 10.0) -> list[wire.Message]:
         got: list[wire.Message] = []
         deadline = time.monotonic() + timeout_s
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not self.sock.poll(left_ms):
+            ready = dict(poller.poll(left_ms)) if left_ms > 0 else {}
+            if self.monitor in ready:  # the CURVE handshake failed: nothing goes either way
+                raise HandshakeFailed(zmq.Event(recv_monitor_message(self.monitor)["event"]).name)
+            if self.sock not in ready:
                 raise AssertionError(f"no answer within {timeout_s:g} s; replies so far: {got[-5:]}")
             got.append(wire.decode(self.sock.recv(), self.token))
             if until(got[-1]):
@@ -92,7 +116,14 @@ class RawDealer:
         return self.read_until(lambda m: True, timeout_s)[-1]
 
     def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(0)
         self.sock.close(0)
+
+
+class HandshakeFailed(AssertionError):
+    """A ``RawDealer``'s CURVE handshake failed (the monitor event's name): no frame was
+    delivered and none will be answered."""
 
 
 class RawDecode:
@@ -229,9 +260,19 @@ def with_region(endpoint: dict, i: int, **fields) -> dict:
 
 
 def bound_router() -> zmq.Socket:
-    """A ROUTER bound on 127.0.0.1 (port 0): a relay's front, its address known before its upstream."""
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    """A ROUTER bound on 127.0.0.1 (port 0): a relay's front, its address known before its
+    upstream; a CURVE server of this process's trust domain (``curve_router``)."""
+    sock = curve_router(zmq.Context.instance())
     sock.bind_to_random_port("tcp://127.0.0.1")
+    return sock
+
+
+def curve_router(ctx: zmq.Context, token: bytes | None = None) -> zmq.Socket:
+    """A ROUTER (not bound) that is a CURVE server of this process's trust domain: keys from
+    ``token``, else from this uid's key file. Without a ZAP handler in ``ctx`` it takes any
+    client that knows the domain's server key (what a peer that holds the secret can do)."""
+    sock = ctx.socket(zmq.ROUTER)
+    control_curve.serve(sock, control_curve.control_keys(token))
     return sock
 
 
@@ -254,7 +295,8 @@ class GatedRelay:
         inject: bytes | None = None,
     ) -> None:
         ctx = zmq.Context.instance()
-        self.front, self.back = front or ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        self.front, self.back = front or curve_router(ctx), ctx.socket(zmq.DEALER)
+        control_curve.dial(self.back, control_curve.control_keys(None))  # this process's uid's keys
         for sock in (self.front, self.back):
             sock.setsockopt(zmq.LINGER, 0)
         if reconnect_ivl_ms is not None:
@@ -267,6 +309,7 @@ class GatedRelay:
         self.back.connect(upstream)
         self.open, self._stop, self.answered = threading.Event(), threading.Event(), threading.Event()
         self.held: list[bytes] = []
+        self.frames = 0  # frames the decode's connection delivered to the front
         self.inject, self.injected = inject, None
         self._thread = threading.Thread(target=self._run, name="gated-relay", daemon=True)
         self._thread.start()
@@ -280,6 +323,7 @@ class GatedRelay:
             for sock, _ in poller.poll(20):
                 if sock is self.front:
                     identity, frame = self.front.recv_multipart()
+                    self.frames += 1
                     if self.open.is_set():
                         self.back.send(frame)
                     else:
@@ -306,17 +350,21 @@ class GatedRelay:
         self.back.close(0)
 
 
-def claim(address: str, theirs: wire.Register, try_read: bool) -> dict:
+def claim(address: str, theirs: wire.Register, try_read: bool, server_public: bytes | None = None) -> dict:
     """Register ``theirs``'s segments as decode ``attacker``; what came back, as JSON data."""
     ep = {**theirs.engine.endpoint, "engine_id": secrets.token_hex(8)}
     incarnation = secrets.token_hex(8)
     ours = theirs.model_copy(
         update={"worker_id": "attacker", "incarnation": incarnation, "engine": wire.EngineDesc(name="shm", endpoint=ep)}
     )
-    out: dict = {"answers": [], "read_error": None}
-    dealer = RawDealer(address)
+    out: dict = {"answers": [], "read_error": None, "handshake_failed": None}
+    dealer = RawDealer(address, server_public=server_public)
     try:
-        answer = dealer.ask(ours)
+        try:
+            answer = dealer.ask(ours)
+        except HandshakeFailed as exc:  # not of the prefill's trust domain: nothing was delivered
+            out["handshake_failed"] = str(exc)
+            return out
         out["answers"].append(answer.KIND)
         if isinstance(answer, wire.Challenge):
             proofs = {}
@@ -424,9 +472,16 @@ class RelayProcess:
         self.address, self.uid = started["address"], started["uid"]
 
     def injected(self, timeout_s: float) -> dict | None:
-        self.proc.stdin.write(json.dumps({"wait_s": timeout_s}) + "\n")
+        return self._ask(timeout_s)["injected"]
+
+    def frames(self) -> int:
+        """How many frames the relay's front received (from the decodes that dialled it)."""
+        return self._ask(0.0)["frames"]
+
+    def _ask(self, wait_s: float) -> dict:
+        self.proc.stdin.write(json.dumps({"wait_s": wait_s}) + "\n")
         self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())["injected"]
+        return json.loads(self.proc.stdout.readline())
 
     def close(self) -> None:
         self.proc.stdin.close()  # the relay's cue to stop
@@ -446,7 +501,7 @@ def _relay(spec: dict) -> None:
     print(json.dumps({"address": relay.address, "uid": os.getuid()}), flush=True)
     for line in sys.stdin:  # until the test closes it; a line asks for the injected frame's answer
         relay.answered.wait(json.loads(line)["wait_s"])
-        print(json.dumps({"injected": relay.injected}), flush=True)
+        print(json.dumps({"injected": relay.injected, "frames": relay.frames}), flush=True)
     relay.close()
 
 
@@ -456,6 +511,7 @@ def main() -> None:
         os.setgroups([])
         os.setgid(spec["uid"])
         os.setuid(spec["uid"])
+        os.environ.pop("XDG_RUNTIME_DIR", None)  # its own key file, not the tests' user's (``agent.curve``)
     if spec.get("relay"):
         _relay(spec)
         return
@@ -463,7 +519,8 @@ def main() -> None:
     if spec.get("identity"):
         out = reuse_identity(spec["address"], theirs, bytes.fromhex(spec["identity"]))
     else:
-        out = claim(spec["address"], theirs, bool(spec.get("try_read")))
+        server_public = spec.get("server_public")
+        out = claim(spec["address"], theirs, bool(spec.get("try_read")), server_public and server_public.encode())
     print(json.dumps(out), flush=True)
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import zmq
 
 from pdstate import logs
+from pdstate.agent import curve
 from pdstate.errors import AuthError, InvalidEndpoint, PdStateError, ProtocolError, WorkerIdInUse
 from pdstate.protocol import wire
 from pdstate.protocol.report import ErrorInfo
@@ -92,12 +93,13 @@ def _wildcard(address: str) -> bool:
     return scheme == "tcp" and rest.rpartition(":")[0] in ("*", "0.0.0.0", "[::]", "::", "[::0]")
 
 
-def bind_router(loop: Any, bind: str) -> tuple[zmq.Socket, str]:
-    """The prefill agent's ROUTER, bound to ``bind`` (``tcp://host:0``: a free port); returns it
-    and its address."""
+def bind_router(loop: Any, bind: str, keys: curve.Keys) -> tuple[zmq.Socket, str]:
+    """The prefill agent's ROUTER, the CURVE server of ``keys``' domain (``agent.curve``), bound
+    to ``bind`` (``tcp://host:0``: a free port); returns it and its address."""
     sock = loop.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    loop.serve_curve(sock, keys)
     if bind.startswith("tcp://") and bind.endswith(":0"):
         port = sock.bind_to_random_port(bind[: -len(":0")])
         return sock, f"{bind[: -len(':0')]}:{port}"
@@ -131,6 +133,11 @@ class Gate:
             exc = self.agent.auth_failures.note(exc, identity.decode("utf-8", "replace")[:64])
         if wire.envelope_kind(frame) != "error":
             self.reply(identity, wire.Error(error=ErrorInfo.of(exc)))
+
+    def refuse_handshake(self, event: dict) -> None:
+        """A connection that failed the CURVE handshake (a monitor event of the ROUTER): it sent
+        nothing this prefill reads; counted and logged as an ``AuthError``."""
+        self.agent.auth_failures.note(curve.handshake_error(event, None), "a connection to " + self.agent.address)
 
     def refuse_parts(self, parts: list[bytes]) -> None:
         """A message of other than one frame (PROTOCOL §1): answered with ``Error`` unless its

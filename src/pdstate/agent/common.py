@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Self
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
+from pdstate.agent import curve
 from pdstate.errors import AgentClosed, PdStateError
 from pdstate.pools.memory import Region
 from pdstate.protocol.lifecycle import RequestState
@@ -177,6 +179,8 @@ class AgentLoop:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._sockets: dict[zmq.Socket, Callable[[zmq.Socket], None]] = {}
+        self._monitors: dict[zmq.Socket, zmq.Socket] = {}  # a socket -> its monitor (``monitor``)
+        self._zap: Any = None  # the CURVE servers' ZAP handler (``serve_curve``)
         self._poller: zmq.Poller | None = None  # the wake pipe and every socket; None: rebuild it
         self._tick_s, self._on_tick = tick_s, on_tick
         self._stopping = False
@@ -200,9 +204,28 @@ class AgentLoop:
         self._poller = None  # rebuilt with it at the next turn
 
     def unwatch(self, sock: zmq.Socket) -> None:
+        mon = self._monitors.pop(sock, None)
+        if mon is not None:
+            self._sockets.pop(mon, None)
+            sock.disable_monitor()
+            mon.close(0)
         self._sockets.pop(sock, None)
         self._poller = None
         sock.close(0)
+
+    def monitor(self, sock: zmq.Socket, events: int, handler: Callable[[dict], None]) -> None:
+        """Call ``handler(event)`` (``zmq.utils.monitor``'s dict) on this thread for each of
+        ``events`` on ``sock``; ``unwatch(sock)`` ends it."""
+        mon = sock.get_monitor_socket(events)
+        self._monitors[sock] = mon
+        self.watch(mon, lambda m: handler(recv_monitor_message(m)))
+
+    def serve_curve(self, sock: zmq.Socket, keys: curve.Keys) -> None:
+        """Make ``sock`` (before it binds) a CURVE server of ``keys``' domain, with the ZAP
+        handler of this loop's context letting in the domain's client key only."""
+        if self._zap is None:
+            self._zap = curve.start_zap(self.ctx, keys)
+        curve.serve(sock, keys)
 
     def again(self, key: object, check: Callable[[], Any]) -> None:
         """Run ``check`` once in about ``AGAIN_MS`` ms (I/O thread only; one per ``key``, the last
@@ -267,6 +290,9 @@ class AgentLoop:
         for s in list(self._sockets):
             s.close(CLOSE_LINGER_MS)  # what ``final`` sent (failed TransferDones, Goodbyes) still goes out
         self._sockets.clear()
+        self._monitors.clear()
+        if self._zap is not None:
+            self._zap.stop()
         os.close(self._wake_r)
         os.close(self._wake_w)
         self.ctx.term()

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import zmq
 
+from pdstate.agent import curve
 from pdstate.agent.admission import Incidents
 from pdstate.agent.common import AgentLifetime, AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.decode_frames import RETRY_MAX_S, DecodeFrames
@@ -89,7 +90,9 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
         handshake_timeout_s: float = 10.0,
         transfer_timeout_s: float = 600.0,
         token: bytes | None = None,
+        key_dir: str | None = None,
     ) -> None:
+        self._keys = curve.control_keys(token, key_dir)  # first: a key file refused is a ConfigError
         if report is None:
             if pools is None:
                 raise ValueError("DecodeAgent needs pools=(target, draft) or report= for the handshake")
@@ -255,9 +258,13 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
         sock = self._loop.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}/{self.incarnation}/{secrets.token_hex(4)}".encode())
         sock.setsockopt(zmq.SNDHWM, 10000)
+        curve.dial(sock, self._keys)
         sock.connect(address)
         p = PrefillPeer(address, sock, handshakes=handshakes)
         self._loop.watch(sock, lambda s, a=address: self._on_frame(a, s))
+        self._loop.monitor(
+            sock, curve.HANDSHAKE_EVENTS, lambda e, a=address, s=sock: self._on_handshake_failed(a, s, e)
+        )
         self._prefills[address] = p
         self._register(p)
         return p

@@ -10,6 +10,7 @@ import numpy as np
 import zmq
 
 from pdstate import logs
+from pdstate.agent import curve
 from pdstate.agent.digest import RequestDigest
 from pdstate.agent.receiver import PrefillPeer, Receiving
 from pdstate.agent.verify import level_of, request_digest
@@ -82,9 +83,17 @@ class DecodeFrames:
                 if recv is not None:
                     recv.record.fail(error_from_wire(msg.error.type, msg.error.message))
 
-    def _auth_refused(self, p: PrefillPeer, exc: AuthError) -> None:
+    def _on_handshake_failed(self, address: str, sock: zmq.Socket, event: dict) -> None:
+        """The CURVE handshake with the prefill at ``address`` failed (``agent.curve``): nothing
+        of this decode's reached it; its register waits in the socket, which ZeroMQ dials again."""
+        p = self._prefills.get(address)
+        if p is not None and p.sock is sock and (p.state is PeerState.PENDING or p.redial):
+            self._auth_refused(p, curve.handshake_error(event, address), quoted=False)
+
+    def _auth_refused(self, p: PrefillPeer, exc: AuthError, quoted: bool = True) -> None:
         p.redial = False
-        err = self.auth_failures.note(AuthError(f"prefill {p.address} answered: {exc}"), p.address)
+        err = AuthError(f"prefill {p.address} answered: {exc}") if quoted else exc
+        err = self.auth_failures.note(err, p.address)
         self.handshakes["rejected"] += 1
         self._fail_prefill(p, err, PeerState.REJECTED)
 

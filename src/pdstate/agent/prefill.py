@@ -11,6 +11,7 @@ from collections.abc import Callable
 import zmq
 
 from pdstate import logs
+from pdstate.agent import curve
 from pdstate.agent.admission import Gate, Incidents, bind_router
 from pdstate.agent.common import AgentLifetime, AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.fairness import VERDICT_TIMEOUT_S, Verdicts
@@ -118,7 +119,9 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Fences, Refusals):
         verdict_timeout_s: float = VERDICT_TIMEOUT_S,
         advertise: tuple[str, ...] = (),
         verify: str | None = None,
+        key_dir: str | None = None,
     ) -> None:
+        keys = curve.control_keys(token, key_dir)  # first: a key file refused is a ConfigError, nothing started
         if report is None:
             if pools is None:
                 raise ValueError("PrefillAgent needs pools=(target, draft) or report= for the handshake")
@@ -169,9 +172,15 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Fences, Refusals):
         self._init_fences()
         self._last_tick = time.monotonic()
         self._loop = AgentLoop(f"pdstate-prefill-{worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
-        self._sock, self.address = bind_router(self._loop, bind)
+        try:
+            self._sock, self.address = bind_router(self._loop, bind, keys)
+        except BaseException:
+            self._loop.stop(lambda: None)
+            self._engine.close()
+            raise
         self._gate = Gate(self, self._decodes, self._engine, self._handshake, self._sock, self._reply)
         self._loop.watch(self._sock, self._on_frame)
+        self._loop.monitor(self._sock, curve.HANDSHAKE_EVENTS, self._gate.refuse_handshake)
         self._loop.start()
 
     # --- public ---------------------------------------------------------------------------------

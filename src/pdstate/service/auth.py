@@ -120,6 +120,10 @@ def check_auth(cfg: Any, where: Callable[[str], str]) -> None:
     """Fail closed: a weak or placeholder token, or a listener beyond loopback with no token."""
     auth = cfg.auth
     check_token(auth, where)
+    if auth.secret() is None:  # the control channel's keys come from the uid's key file: refused now, not at start
+        from pdstate.agent.curve import load_key
+
+        load_key(auth.key_dir or None)
     if auth.secret() is not None or auth.allow_insecure_bind:
         return
     exposed = []

@@ -176,6 +176,9 @@ class AuthSection(_Section):
     token_file: str = ""
     # Serve HTTP / the control socket beyond loopback without a token (refused unless true).
     allow_insecure_bind: bool = False
+    # Without a token: the directory of this uid's control key (``control.key``), which keys the
+    # control channel's CURVE session; "" is $XDG_RUNTIME_DIR/pdstate, else /tmp/pdstate-<uid>.
+    key_dir: str = ""
 
     def secret(self) -> bytes | None:
         """The shared token (trimmed), or ``None`` when none is configured. ``token_file`` wins
@@ -225,6 +228,7 @@ class WorkerConfig(_Section):
             peer=self.control.peer,
             worker_id=self.worker_id,
             token=self.auth.secret(),
+            key_dir=self.auth.key_dir or None,
             heartbeat_interval_s=self.control.heartbeat_interval_s,
             peer_timeout_s=self.control.peer_timeout_s,
             request_deadline_s=self.control.request_deadline_s,

@@ -107,7 +107,7 @@ class Ready(BaseModel):
     reason: str | None = Field(None, description="why not ready: the exact error text when a check failed")
     check: str | None = Field(
         None,
-        description="local_check | transport | handshake | peer | threads | shutdown; ready with auth (decodes' frames fail auth) or fair_share (a decode dropped for withholding verdicts)",
+        description="local_check | transport | handshake | peer | threads | shutdown; ready with auth (decodes fail auth: a CURVE handshake or a frame's tag) or fair_share (a decode dropped for withholding verdicts)",
     )
     error: ErrorModel | None = None
     transport: TransportModel | None = None

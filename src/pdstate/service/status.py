@@ -65,7 +65,7 @@ class WorkerStatus:
                 return Readiness(False, "control socket not listening", "peer")
             if s.auth_error is not None and not any(p.state.value == "accepted" for p in s.peers):
                 # ready (a decode with the right token is served), but say why none is
-                return Readiness(True, f"decodes' frames fail auth: {s.auth_error.message}", "auth", s.auth_error)
+                return Readiness(True, f"decodes fail auth: {s.auth_error.message}", "auth", s.auth_error)
             if s.dropped is not None:  # ready for the others; one decode starved them and was dropped
                 return Readiness(True, f"a decode was dropped: {s.dropped.message}", "fair_share", s.dropped)
             return Readiness(True)

@@ -275,6 +275,7 @@ class AgentWorker:
                 heartbeat_interval_s=o.heartbeat_interval_s,
                 peer_timeout_s=o.peer_timeout_s,
                 token=o.token,
+                key_dir=o.key_dir,
                 verify=o.transfer_verify,
                 **role_options,
             )

@@ -22,6 +22,7 @@ class WorkerOptions:
     peer: str = ""  # decode
     worker_id: str = ""
     token: bytes | None = None
+    key_dir: str | None = None  # without a token: where this uid's control key is (``agent.curve``)
     heartbeat_interval_s: float = 1.0
     peer_timeout_s: float = 5.0
     request_deadline_s: float = 30.0

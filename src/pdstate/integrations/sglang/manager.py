@@ -100,6 +100,7 @@ def build_manager() -> type:
                 engine=settings.engine,
                 engine_options=settings.engine_options,
                 token=settings.token,
+                key_dir=settings.key_dir,
                 heartbeat_interval_s=settings.heartbeat_interval_s,
                 peer_timeout_s=settings.peer_timeout_s,
                 verify=settings.verify,

@@ -48,6 +48,7 @@ class AgentSettings:
     # ``http_port + rank``), none otherwise; ``http.host`` when configured, else the rank's address
     http_port: int | None = None
     http_host: str | None = None
+    key_dir: str | None = None  # auth.key_dir: without a token, where this uid's control key is
 
 
 def check_rank_auth(settings: AgentSettings, role: str, host: str) -> None:
@@ -79,6 +80,7 @@ def load_settings(role: str, environ=None) -> AgentSettings:
         engine=engine,
         engine_options=dict(options.engine_options),
         token=options.token,
+        key_dir=options.key_dir,
         heartbeat_interval_s=options.heartbeat_interval_s,
         peer_timeout_s=options.peer_timeout_s,
         allow_insecure_bind=cfg.auth.allow_insecure_bind,
