@@ -63,8 +63,9 @@ def test_a_prefill_whose_bind_fails_releases_its_pools():
         assert good.status().endpoint == good.endpoint  # the first one serves on
 
 
-@pytest.mark.xfail(strict=True, reason="PrefillAgent() leaves its engine registered when its bind fails")
 def test_a_prefill_whose_bind_fails_releases_its_engine():
+    """(Was an expected failure: ``PrefillAgent()`` left its engine registered when its bind
+    failed; it now closes its loop, ZAP handler and engine.)"""
     with AgentPrefillWorker(options("prefill", TINY, "loopback")) as good:
         from pdstate.transfer.engines import loopback
 

@@ -14,7 +14,9 @@ import os
 
 import pytest
 
-from pdstate.agent import PrefillAgent, curve
+import pdstate
+from pdstate.agent import DecodeAgent, PrefillAgent, curve
+from pdstate.pools.memory import SharedMemory
 from pdstate.protocol import wire
 from tests.support import hostile
 from tests.support.hostile import (
@@ -121,5 +123,43 @@ def test_another_uids_client_gets_no_answer_from_a_token_less_prefill(knows_serv
         agent_transfer(prefill, prefill_pools, victim, victim_pools, room=2)
     finally:
         victim.close()
+        prefill.close()
+        memory.close()
+
+
+def test_a_decode_refused_at_the_handshake_is_taken_once_the_prefill_holds_its_key():
+    """A decode whose token differs from the prefill's is refused at the CURVE handshake, on both
+    sides, without a frame; its register stays queued while ZeroMQ dials again, so once a prefill
+    with its token listens at that address it is accepted without being asked to register again."""
+    pools = pdstate.build_worker_pools(pdstate.preset("tiny"))
+    kv = pdstate.fill_kv_args(pools.target, pools.draft)
+    memory = SharedMemory()
+    decode_pools = pdstate.build_worker_pools(pdstate.preset("tiny"), memory=memory)
+    decode_kv = pdstate.fill_kv_args(decode_pools.target, decode_pools.draft)
+    prefill = PrefillAgent(kv, (pools.target, pools.draft), token=b"b" * 32)
+    decode = DecodeAgent(decode_kv, (decode_pools.target, decode_pools.draft), token=b"a" * 32)
+    try:
+        address = prefill.address
+        decode.connect(address)
+        state = wait_until(
+            "the decode refused at the handshake",
+            lambda: (lambda s: s if s["state"] == "rejected" else None)(decode.prefills()[address]),
+            15,
+        )
+        assert state["error_info"] == {
+            "type": "AuthError",
+            "message": f"prefill {address} failed the CURVE handshake (no detail): {KEYS_DIFFER}",
+        }
+        wait_until("the prefill's count", lambda: prefill.auth_failures.count >= 1, 15)
+        assert prefill.auth_failures.latest.message == (
+            f"a decode's connection failed the CURVE handshake (zmtp_cryptographic): {KEYS_DIFFER}"
+        )
+        assert prefill.decodes() == []
+        prefill.close()
+        prefill = PrefillAgent(kv, (pools.target, pools.draft), token=b"a" * 32, bind=address)
+        wait_until("accepted by itself", lambda: decode.prefills()[address]["state"] == "accepted", 15)
+        agent_transfer(prefill, pools, decode, decode_pools, room=1)
+    finally:
+        decode.close()
         prefill.close()
         memory.close()

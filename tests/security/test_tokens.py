@@ -20,7 +20,7 @@ TIMEOUT_S = 2.0
 TIMERS = ["control.heartbeat_interval_s=0.2", f"control.peer_timeout_s={TIMEOUT_S}"]
 FIX = (
     "give both workers the same secret: auth.token_file (or auth.token, PDSTATE_AUTH__TOKEN) on both, or on neither "
-    "(then run both as one uid with the same auth.key_dir, or give both its control.key)"
+    "(then run both as one uid with the same auth.key_dir, or copy its key file to both)"
 )
 
 

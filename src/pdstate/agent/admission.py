@@ -99,11 +99,15 @@ def bind_router(loop: Any, bind: str, keys: curve.Keys) -> tuple[zmq.Socket, str
     sock = loop.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    loop.serve_curve(sock, keys)
-    if bind.startswith("tcp://") and bind.endswith(":0"):
-        port = sock.bind_to_random_port(bind[: -len(":0")])
-        return sock, f"{bind[: -len(':0')]}:{port}"
-    sock.bind(bind)
+    try:
+        loop.serve_curve(sock, keys)
+        if bind.startswith("tcp://") and bind.endswith(":0"):
+            port = sock.bind_to_random_port(bind[: -len(":0")])
+            return sock, f"{bind[: -len(':0')]}:{port}"
+        sock.bind(bind)
+    except BaseException:
+        sock.close(0)  # the loop's context can then end
+        raise
     return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 

@@ -85,10 +85,16 @@ class DecodeFrames:
 
     def _on_handshake_failed(self, address: str, sock: zmq.Socket, event: dict) -> None:
         """The CURVE handshake with the prefill at ``address`` failed (``agent.curve``): nothing
-        of this decode's reached it; its register waits in the socket, which ZeroMQ dials again."""
+        of this decode's reached it. Its register waits in the socket, which ZeroMQ dials again
+        (every ``RECONNECT_IVL``): the prefill is refused once, and its answer is still awaited
+        (``redial``), so a handshake that succeeds later (a prefill fixed, a failure in passing)
+        is taken as usual."""
         p = self._prefills.get(address)
-        if p is not None and p.sock is sock and (p.state is PeerState.PENDING or p.redial):
+        if p is None or p.sock is not sock or not (p.state is PeerState.PENDING or p.redial):
+            return
+        if not (p.state is PeerState.REJECTED and isinstance(p.error, AuthError)):  # told once per register
             self._auth_refused(p, curve.handshake_error(event, address), quoted=False)
+        p.redial = True
 
     def _auth_refused(self, p: PrefillPeer, exc: AuthError, quoted: bool = True) -> None:
         p.redial = False

@@ -347,7 +347,7 @@ _FIXES: dict[str, Callable[[str, Layouts | None], str | None]] = {
     ),
     "AuthError": lambda m, _: (
         "fix: give both workers the same secret: auth.token_file (or auth.token, PDSTATE_AUTH__TOKEN) "
-        "on both, or on neither (then run both as one uid with the same auth.key_dir, or give both its control.key)"
+        "on both, or on neither (then run both as one uid with the same auth.key_dir, or copy its key file to both)"
     ),
     "PoolConfigError": _pool_config_fix,
 }
