@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from pdstate.agent.admission import Incidents
 from pdstate.agent.common import AgentLifetime, AgentLoop, RequestRecord, channel_layout, regions_of
@@ -211,7 +212,7 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
             if p is not None:
                 if any(True for _ in self._live(prefill)) or any(a == prefill for a, _ in self._unfenced):
                     return False  # (an unconfirmed request is asked again at its next Accept)
-                self._loop.unwatch(p.sock)
+                self._close_peer(p)
                 del self._prefills[prefill]
             return True
 
@@ -255,9 +256,11 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
         sock = self._loop.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}/{self.incarnation}/{secrets.token_hex(4)}".encode())
         sock.setsockopt(zmq.SNDHWM, 10000)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         sock.connect(address)
-        p = PrefillPeer(address, sock, handshakes=handshakes)
+        p = PrefillPeer(address, sock, handshakes=handshakes, monitor=monitor)
         self._loop.watch(sock, lambda s, a=address: self._on_frame(a, s))
+        self._loop.watch(monitor, lambda m, a=address, s=sock: self._on_session(a, s, m))
         self._prefills[address] = p
         self._register(p)
         return p
@@ -265,10 +268,42 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
     def _reconnect(self, address: str, old: PrefillPeer | None) -> PrefillPeer:
         if old is None:
             return self._connect(address)
-        self._loop.unwatch(old.sock)  # a fresh socket: nothing queued for the dead process
+        self._close_peer(old)  # a fresh socket: nothing queued for the dead process
         p = self._connect(address, old.handshakes)
         p.epoch = old.epoch  # registrations keep counting: what earlier ones asked is told apart
+        p.last_incarnation = old.last_incarnation
         return p
+
+    def _close_peer(self, p: PrefillPeer) -> None:
+        if p.monitor is not None:
+            self._loop.unwatch(p.monitor)
+            p.monitor = None
+            try:
+                p.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        self._loop.unwatch(p.sock)
+
+    def _on_session(self, address: str, sock: zmq.Socket, monitor: zmq.Socket) -> None:
+        """A session event of the socket to ``address``. With a synchronous engine (shm: a copy
+        ends within its submit, on the prefill's own thread), a session that completed its
+        handshake and then closed means the prefill process exited (the kernel closes its sockets
+        after its memory is gone) or closed its control socket (after its fences held): nothing
+        it was told lands any more. A session that never completed (a frozen process) proves
+        nothing, nor does a closed one with an engine whose copies outlive the writer's process
+        (bytes in flight on the network)."""
+        event = recv_monitor_message(monitor)
+        p = self._prefills.get(address)
+        if p is None or p.sock is not sock:
+            return
+        if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            p.session_up = True
+            return
+        if not (p.session_up and self._engine.synchronous and p.last_incarnation):
+            return
+        p.session_up = False
+        inc = p.last_incarnation
+        self._confirm(address, lambda r: r.sent_to is not None and r.sent_to[0] == inc)
 
     def _redial(self, p: PrefillPeer) -> None:
         """Register with a gone prefill again on a fresh socket, keeping it GONE (and its error)

@@ -109,6 +109,7 @@ class DecodeFrames:
             move(p, PeerState.ACCEPTED)
         p.epoch += 1  # a registration of its own: a late TransferDone names the ones before
         p.incarnation, p.worker_id, p.error = accept.incarnation, accept.worker_id, None
+        p.last_incarnation = accept.incarnation
         p.fingerprint = accept.report.fingerprint
         p.last_seen = time.monotonic()
         p.handshake_s = round(p.last_seen - p.registered_at, 6)
