@@ -8,6 +8,11 @@ the caller has not made it yet, the sender made later (``refusal(room)`` tells t
 A request its decode aborts while it waits for its sender is given up the same way, and so is
 one its decode reports an ``error`` for (``_on_error``; the live sender fails, fenced, at once).
 
+What is kept is bounded whatever decodes send: the refusal of each of the latest
+``MAX_REFUSED_DECODES`` refused connections (an ``ErrorInfo``, its texts clipped where they
+entered: ``pdstate.protocol.report``), and the error of each of the latest ``MAX_REFUSED_ROOMS``
+rooms given up (built from such a refusal, or an abort's reason of at most 1024 characters).
+
 ``requested(room)`` says whether a decode's request for ``room`` is waiting for its sender: an
 engine whose prefill learns the page count only after the decode asked (SGLang's scheduler) polls
 it to leave its bootstrapping state. Both read without the I/O thread (a dict lookup).
@@ -24,6 +29,7 @@ from pdstate.protocol.report import ErrorInfo
 __all__ = ["Refusals"]
 
 MAX_REFUSED_ROOMS = 65536  # rooms given up before their sender existed, oldest forgotten first
+MAX_REFUSED_DECODES = 1024  # refused connections whose refusal is kept, oldest forgotten first
 
 
 class Refusals:
@@ -63,7 +69,7 @@ class Refusals:
         self._refused.pop(identity, None)
         if isinstance(answer, wire.Reject):
             self._refused[identity] = answer.error
-            while len(self._refused) > MAX_REFUSED_ROOMS:  # refused identities: the oldest forgotten
+            while len(self._refused) > MAX_REFUSED_DECODES:  # refused identities: the oldest forgotten
                 del self._refused[next(iter(self._refused))]
 
     def _on_refused_abort(self, identity: bytes, msg: wire.Abort) -> None:
