@@ -1,0 +1,169 @@
+"""Bounded peer input: a decode's strings are clipped where they enter a prefill
+(``pdstate.protocol.report``), so what the prefill keeps of refused registers (its peer records,
+the refusals), what it serves (``/v1/compat``) and what an SGLang prefill rank snapshots for its
+endpoint stay small whatever decodes send.
+
+Measured on this 2-core machine (tiny preset, a ``pdstate serve`` prefill): after 30 refused
+registers each carrying a 7 MiB ``kv_dtype`` (a 7.3 MB frame; the prefill's heap reaches its
+plateau, ~70 MB above start, holding one frame's transient buffers), 100 more grow its RSS by
+0.1 MiB (was: 812 MiB), and ``GET /v1/compat`` listing the 130 is 143 KB (was: 632 MB after 300
+of 1 MiB). An SGLang prefill rank's status snapshot after 100 registers with a 1 MiB ``kv_dtype``
+and a 1 MiB fingerprint is 58 KB pickled (was: 209,739,460 bytes).
+"""
+
+from __future__ import annotations
+
+import pickle
+import types
+
+import httpx
+import pytest
+
+from pdstate.agent import PrefillAgent
+from pdstate.integrations.sglang.rank_status import RankCounters, RankStatus
+from pdstate.pools.presets import build_worker_pools, preset
+from pdstate.pools.reporting import build_report
+from pdstate.protocol import wire
+from pdstate.protocol.report import ErrorInfo, LayoutReport
+from tests.support.hostile import RawDealer
+from tests.support.services import Services, ready, wait_for
+
+MIB = 1 << 20
+WARM_UP = 30  # registers before the baseline: the allocator's heap grows to its plateau for frames this size
+REGISTERS = 100
+LOG_LINE_CHARS = 4096  # a refusal line: its message, the fix and the fields
+
+
+@pytest.fixture(scope="module")
+def tiny_report() -> LayoutReport:
+    pools = build_worker_pools(preset("tiny"))
+    try:
+        return build_report(pools.target, pools.draft)[0]
+    finally:
+        pools.close()
+
+
+def _register(report: LayoutReport, worker_id: str, dtype_chars: int, fingerprint_chars: int = 0) -> bytes:
+    """A register refused for its KV dtype (``dtype_chars`` of it), with a fingerprint of
+    ``fingerprint_chars`` characters when not 0; encoded once."""
+    update = {"kv_dtype": "d" * dtype_chars}
+    if fingerprint_chars:
+        update["fingerprint"] = "f" * fingerprint_chars
+    # ``model_copy`` skips validation: the hostile values reach the wire whole, as a raw client sends them
+    hostile = report.model_copy(update=update)
+    msg = wire.Register.model_construct(
+        worker_id=worker_id,
+        incarnation="1",
+        role="decode",
+        report=hostile,
+        kv=None,
+        engine=wire.EngineDesc(name="shm", endpoint={}),
+    )
+    return wire.encode(msg)
+
+
+def _clipped(char: str, n: int, limit: int) -> str:
+    """``char * n`` as a worker keeps it: its first characters and ``…(+N chars)``, ``limit`` in all."""
+    keep = limit - len(f"…(+{n} chars)")
+    return char * keep + f"…(+{n - keep} chars)"
+
+
+def _dtype_refusal(theirs: str) -> str:
+    return (
+        "KV cache dtype mismatch: prefill server has kv_cache_dtype=float8_e4m3fn, but decode server has "
+        f"kv_cache_dtype={theirs}. Both servers must use the same --kv-cache-dtype value."
+    )
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def test_frame_sized_strings_in_refused_registers_keep_a_prefills_memory_and_compat_small(tiny_report):
+    clipped = _clipped("d", 7 * MIB, 256)
+    settle = wire.Heartbeat(worker_id="probe", incarnation="0", seq=1)  # answered once the frame before is done
+    with Services() as services, httpx.Client(timeout=60.0) as http:
+        prefill, control = services.prefill()
+        wait_for(lambda: ready(http, prefill.url), 30, "prefill ready")
+        dealer = RawDealer(control)
+        try:
+            answers = []
+            for i in range(WARM_UP + REGISTERS):
+                if i == WARM_UP:
+                    dealer.ask(settle)
+                    before = _rss_bytes(prefill.pid)
+                answers.append(dealer.ask(_register(tiny_report, f"hostile-{i}", 7 * MIB), timeout_s=60))
+            dealer.ask(settle)
+            grown = _rss_bytes(prefill.pid) - before
+        finally:
+            dealer.close()
+        assert grown < 50 * MIB, f"RSS grew by {grown / MIB:.1f} MiB over {REGISTERS} refused registers"
+        r = http.get(f"{prefill.url}/v1/compat")  # no token: what anyone on the host may read
+        assert r.status_code == 200 and len(r.content) < 200_000, f"/v1/compat is {len(r.content)} bytes"
+
+        refusal = ErrorInfo(type="KVCacheDtypeMismatch", message=_dtype_refusal(clipped))
+        assert all(isinstance(a, wire.Reject) and a.error == refusal for a in answers), answers[0]
+        peers = {p["id"]: p for p in r.json()["peers"]}
+        assert len(peers) == WARM_UP + REGISTERS
+        assert peers["hostile-7"] == {
+            "id": "hostile-7",
+            "state": "rejected",
+            "error": {
+                "type": "KVCacheDtypeMismatch",
+                "message": _dtype_refusal(clipped),
+                "fix": "fix: Both servers must use the same --kv-cache-dtype value: in pdstate, set pool.kv_dtype "
+                "to one value in both workers' configs (prefill float8_e4m3fn, decode "
+                + clipped.removesuffix(" chars)")
+                + ")",
+            },
+            "incarnation": None,
+            "fingerprint": tiny_report.fingerprint,
+            "transport": None,
+            "factor": "KVCacheDtypeMismatch",
+        }
+        # the refusal's log line quotes the clipped value, not the frame
+        lines = wait_for(lambda: [x for x in prefill.stderr if "peer=hostile-7 " in x], 10, "the refusal line")
+        assert len(lines) == 1 and len(lines[0]) < LOG_LINE_CHARS, len(lines[0])
+
+
+def test_an_sglang_prefill_ranks_status_snapshot_stays_small(tiny_report):
+    """The snapshot an SGLang prefill rank pickles for its endpoint's process
+    (``RankStatus.status``, over the rank's real ``PrefillAgent``) after refused registers with
+    strings of 1 MiB in their ``kv_dtype`` and their fingerprint."""
+    pools = build_worker_pools(preset("tiny"))
+    from pdstate.pools.kvargs import fill_kv_args
+
+    agent = PrefillAgent(fill_kv_args(pools.target, pools.draft), report=tiny_report)
+    manager = types.SimpleNamespace(
+        role="prefill",
+        agent=agent,
+        agent_failure=lambda: None,
+        counters=RankCounters(lambda: agent),
+        layout_report=tiny_report,
+    )
+    source = RankStatus(manager, engine="shm", transport=agent.transport(), verify="sampled", place={})
+    dealer = RawDealer(agent.address)
+    try:
+        for i in range(REGISTERS):
+            answer = dealer.ask(_register(tiny_report, f"rank-{i}", MIB, fingerprint_chars=MIB))
+            assert isinstance(answer, wire.Reject) and answer.error.type == "KVCacheDtypeMismatch", answer
+        blob = pickle.dumps(source.status())  # what ``service.pushed.Publisher`` sends the endpoint's process
+        peers = pickle.loads(blob)["peers"]
+    finally:
+        dealer.close()
+        agent.close()
+        pools.close()
+    assert len(blob) < 100_000, f"the snapshot is {len(blob)} bytes pickled"
+    assert len(peers) == REGISTERS
+    assert peers[0] == {
+        "id": "rank-0",
+        "state": "rejected",
+        "error": {"type": "KVCacheDtypeMismatch", "message": _dtype_refusal(_clipped("d", MIB, 256))},
+        "incarnation": "1",
+        "fingerprint": _clipped("f", MIB, 64),
+        "transport": None,
+    }
