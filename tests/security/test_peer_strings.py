@@ -1,7 +1,7 @@
 """Bounded peer input: a decode's strings are clipped where they enter a prefill
 (``pdstate.protocol.report``), so what the prefill keeps of refused registers (its peer records,
 the refusals), what it serves (``/v1/compat``) and what an SGLang prefill rank snapshots for its
-endpoint stay small whatever decodes send.
+endpoint stay small whatever decodes send; its text log keeps a forging worker id on one line.
 
 Measured on this 2-core machine (tiny preset, a ``pdstate serve`` prefill): after 30 refused
 registers each carrying a 7 MiB ``kv_dtype`` (a 7.3 MB frame; the prefill's heap reaches its
@@ -32,6 +32,8 @@ MIB = 1 << 20
 WARM_UP = 30  # registers before the baseline: the allocator's heap grows to its plateau for frames this size
 REGISTERS = 100
 LOG_LINE_CHARS = 4096  # a refusal line: its message, the fix and the fields
+FORGED = "hostile\n2026-12-06 02:41:03,000 CRITICAL pdstate.agent: \x1b[31mprefill compromised\x1b[0m"
+FORGED_ESCAPED = "hostile\\n2026-12-06 02:41:03,000 CRITICAL pdstate.agent: \\x1b[31mprefill compromised\\x1b[0m"
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +101,7 @@ def test_frame_sized_strings_in_refused_registers_keep_a_prefills_memory_and_com
                 answers.append(dealer.ask(_register(tiny_report, f"hostile-{i}", 7 * MIB), timeout_s=60))
             dealer.ask(settle)
             grown = _rss_bytes(prefill.pid) - before
+            forger = dealer.ask(_register(tiny_report, FORGED, 8))  # its refusal line, in the default text log
         finally:
             dealer.close()
         assert grown < 50 * MIB, f"RSS grew by {grown / MIB:.1f} MiB over {REGISTERS} refused registers"
@@ -108,7 +111,7 @@ def test_frame_sized_strings_in_refused_registers_keep_a_prefills_memory_and_com
         refusal = ErrorInfo(type="KVCacheDtypeMismatch", message=_dtype_refusal(clipped))
         assert all(isinstance(a, wire.Reject) and a.error == refusal for a in answers), answers[0]
         peers = {p["id"]: p for p in r.json()["peers"]}
-        assert len(peers) == WARM_UP + REGISTERS
+        assert len(peers) == WARM_UP + REGISTERS + 1 and peers[FORGED]["state"] == "rejected"
         assert peers["hostile-7"] == {
             "id": "hostile-7",
             "state": "rejected",
@@ -128,6 +131,11 @@ def test_frame_sized_strings_in_refused_registers_keep_a_prefills_memory_and_com
         # the refusal's log line quotes the clipped value, not the frame
         lines = wait_for(lambda: [x for x in prefill.stderr if "peer=hostile-7 " in x], 10, "the refusal line")
         assert len(lines) == 1 and len(lines[0]) < LOG_LINE_CHARS, len(lines[0])
+        # a worker id forging a CRITICAL record stays in its own line, its controls escaped
+        assert isinstance(forger, wire.Reject) and forger.error.type == "KVCacheDtypeMismatch"
+        lines = wait_for(lambda: [x for x in prefill.stderr if "prefill compromised" in x], 10, "the forger's line")
+        assert len(lines) == 1 and f" WARNING pdstate.agent: handshake refused peer={FORGED_ESCAPED} " in lines[0]
+        assert not any(x.startswith("2026-12-06 02:41:03,000") or "\x1b" in x for x in prefill.stderr)
 
 
 def test_an_sglang_prefill_ranks_status_snapshot_stays_small(tiny_report):
