@@ -1,7 +1,8 @@
 """Bounded peer input: a decode's strings are clipped where they enter a prefill
 (``pdstate.protocol.report``), so what the prefill keeps of refused registers (its peer records,
 the refusals), what it serves (``/v1/compat``) and what an SGLang prefill rank snapshots for its
-endpoint stay small whatever decodes send; its text log keeps a forging worker id on one line.
+endpoint stay small whatever decodes send, and refused registers cannot push an accepted decode
+out of its peer list; its text log keeps a forging worker id on one line.
 
 Measured on this 2-core machine (tiny preset, a ``pdstate serve`` prefill): after 30 refused
 registers each carrying a 7 MiB ``kv_dtype`` (a 7.3 MB frame; the prefill's heap reaches its
@@ -25,8 +26,9 @@ from pdstate.pools.presets import build_worker_pools, preset
 from pdstate.pools.reporting import build_report
 from pdstate.protocol import wire
 from pdstate.protocol.report import ErrorInfo, LayoutReport
-from tests.support.hostile import RawDealer
+from tests.support.hostile import RawDealer, agent_pair, agent_transfer
 from tests.support.services import Services, ready, wait_for
+from tests.support.waiting import wait_until
 
 MIB = 1 << 20
 WARM_UP = 30  # registers before the baseline: the allocator's heap grows to its plateau for frames this size
@@ -175,3 +177,61 @@ def test_an_sglang_prefill_ranks_status_snapshot_stays_small(tiny_report):
         "fingerprint": _clipped("f", MIB, 64),
         "transport": None,
     }
+
+
+def _refused_register(report: LayoutReport, worker_id: str, item_lens: int = 0) -> bytes:
+    """A register refused for its KV dtype (a short message) or, with ``item_lens``, for its
+    ``main_kv_item_lens``: a list of that many 6-digit lengths, quoted in the refusal."""
+    if item_lens:
+        factors = tuple((n, [100000] * item_lens if n == "main_kv_item_lens" else v) for n, v in report.factors)
+        report = report.model_copy(update={"factors": factors})
+    else:
+        report = report.model_copy(update={"kv_dtype": "bfloat16"})
+    msg = wire.Register(
+        worker_id=worker_id,
+        incarnation="1",
+        role="decode",
+        report=report,
+        kv=None,
+        engine=wire.EngineDesc(name="shm", endpoint={}),
+    )
+    return wire.encode(msg)
+
+
+def _drain(dealer: RawDealer) -> list[wire.Message]:
+    got = []
+    while dealer.sock.poll(0):
+        got.append(wire.decode(dealer.sock.recv()))
+    return got
+
+
+def test_refused_registers_cannot_push_an_accepted_decode_out_of_the_peer_log(tiny_report):
+    """1100 refused registers (over ``MAX_PEER_LOG``), then 200 whose refusals quote 6.6 KB each
+    (over the log's 1 MiB of error text): the accepted decode keeps its record and its
+    transfers; the log keeps the latest refusals within both bounds (was: the accepted decode's
+    record pushed out by the 1024th refusal)."""
+    prefill, prefill_pools, decode, decode_pools, memory = agent_pair()
+    dealer = RawDealer(prefill.address)
+    try:
+        agent_transfer(prefill, prefill_pools, decode, decode_pools, room=1)
+        for i in range(1100):
+            dealer.send(_refused_register(tiny_report, f"small-{i}"))
+        for i in range(200):
+            dealer.send(_refused_register(tiny_report, f"large-{i}", item_lens=800))
+        got: list[wire.Message] = []
+        wait_until("1300 refusals", lambda: got.extend(_drain(dealer)) or len(got) >= 1300, 60)
+        assert all(isinstance(m, wire.Reject) for m in got)
+        peers = prefill.peers()
+        agent_transfer(prefill, prefill_pools, decode, decode_pools, room=2)
+    finally:
+        dealer.close()
+        decode.close()
+        prefill.close()
+        memory.close()
+    by_id = {p["id"]: p for p in peers}
+    assert by_id["victim"]["state"] == "accepted" and by_id["victim"]["incarnation"] == decode.incarnation
+    text = sum(len(p["error"]["message"]) for p in peers if p["error"] is not None)
+    assert len(peers) <= 1024 and text <= 1 << 20, (len(peers), text)
+    large = [p["id"] for p in peers if p["id"].startswith("large-")]
+    assert len(large) > 150 and large == [f"large-{i}" for i in range(200 - len(large), 200)]
+    assert len(by_id["large-199"]["error"]["message"]) > 6400

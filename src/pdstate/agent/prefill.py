@@ -42,7 +42,8 @@ log = logging.getLogger("pdstate.agent")
 
 __all__ = ["KVSender", "PrefillAgent"]
 
-MAX_PEER_LOG = 1024  # decodes ``peers()`` remembers, the least recently registered forgotten first
+MAX_PEER_LOG = 1024  # decodes ``peers()`` remembers, the least recently registered forgotten first ...
+MAX_PEER_LOG_TEXT = 1 << 20  # ... and the characters of their errors' messages, all records together
 KEEP_ENDED_S = 600.0  # an ended sender is kept this long (a late AgentRequest or Abort is answered) ...
 MAX_ENDED = 8192  # ... but no more than this many, the oldest forgotten first
 # an ended sender keeps only that it was requested: this stands for its request (index lists dropped)
@@ -209,9 +210,13 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Fences, Refusals):
         return self._loop.call(run)
 
     def peers(self) -> list[dict]:
-        """Every decode that registered (the latest ``MAX_PEER_LOG``, by worker id): ``id``,
-        ``state`` (``accepted``, ``rejected`` or ``gone``), ``incarnation``, ``fingerprint``
-        (its layout's, from its Register) and ``error`` (``{"type", "message"}`` or ``None``)."""
+        """Every decode that registered (the latest, by worker id): ``id``, ``state``
+        (``accepted``, ``rejected`` or ``gone``), ``incarnation``, ``fingerprint`` (its layout's,
+        from its Register) and ``error`` (``{"type", "message"}`` or ``None``). Past
+        ``MAX_PEER_LOG`` records or ``MAX_PEER_LOG_TEXT`` characters of error messages, the least
+        recently registered decode not accepted is forgotten first (an accepted one only when
+        every record is of an accepted decode): refused registers cannot push an accepted decode
+        out, and what a status snapshot or ``/v1/compat`` carries of them stays bounded."""
         return self._loop.call(lambda: [dict(d) for d in self._peer_log.values()])
 
     def close(self, reason: str = "prefill shutting down") -> None:
@@ -344,8 +349,15 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Fences, Refusals):
             "fingerprint": msg.report.fingerprint,
             "error": None if error is None else error.model_dump(),
         }
-        while len(self._peer_log) > MAX_PEER_LOG:
-            self._peer_log.popitem(last=False)
+        self._trim_peer_log()
+
+    def _trim_peer_log(self) -> None:
+        log_ = self._peer_log
+        text = sum(len(e["error"]["message"]) for e in log_.values() if e["error"] is not None)
+        while len(log_) > MAX_PEER_LOG or text > MAX_PEER_LOG_TEXT:
+            oldest = next((k for k, e in log_.items() if e["state"] != "accepted"), None)
+            entry = log_.pop(oldest) if oldest is not None else log_.popitem(last=False)[1]
+            text -= len(entry["error"]["message"]) if entry["error"] is not None else 0
 
     def _decode_gone(self, identity: bytes, why: str) -> None:
         gone = self._decodes.pop(identity, None)
