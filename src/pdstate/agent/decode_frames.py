@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from pdstate import logs
 from pdstate.agent.digest import RequestDigest
@@ -32,7 +33,7 @@ PASSING_REFUSALS = frozenset({"WorkerIdInUse", "InvalidEndpoint", "PrefillBusy",
 class DecodeFrames:
     """Mixed into ``DecodeAgent`` (its ``_prefills``, ``_recvs``, ``_handshake``, ``_engine``,
     ``_layout``, ``_devices``, ``digest``, ``token``, ``auth_failures`` and the helpers ``_send``, ``_register``, ``_fail_prefill``,
-    ``_restarted``, ``_live``, ``_maybe_send``, ``_confirm``, ``_acked`` and ``_unfenced``); every method runs on its I/O thread."""
+    ``_restarted``, ``_live``, ``_maybe_send``, ``_confirm``, ``_landing`` and ``_loop``); every method runs on its I/O thread."""
 
     def _on_frame(self, address: str, sock: zmq.Socket) -> None:
         frame = sock.recv()
@@ -82,6 +83,37 @@ class DecodeFrames:
                 if recv is not None:
                     recv.record.fail(error_from_wire(msg.error.type, msg.error.message))
 
+    def _close_peer(self, p: PrefillPeer) -> None:
+        if p.monitor is not None:
+            self._loop.unwatch(p.monitor)
+            p.monitor = None
+            try:
+                p.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        self._loop.unwatch(p.sock)
+
+    def _on_session(self, address: str, sock: zmq.Socket, monitor: zmq.Socket) -> None:
+        """A session event of the socket to ``address``. With a synchronous engine (shm: a copy
+        ends within its submit, on the prefill's own thread), a session that completed its
+        handshake and then closed means the prefill process exited (the kernel closes its sockets
+        after its memory is gone) or closed its control socket (after its fences held): nothing
+        it was told lands any more. A session that never completed (a frozen process) proves
+        nothing, nor does a closed one with an engine whose copies outlive the writer's process
+        (bytes in flight on the network)."""
+        event = recv_monitor_message(monitor)
+        p = self._prefills.get(address)
+        if p is None or p.sock is not sock:
+            return
+        if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            p.session_up = True
+            return
+        if not (p.session_up and self._engine.synchronous and p.last_incarnation):
+            return
+        p.session_up = False
+        inc = p.last_incarnation
+        self._confirm(address, lambda r: r.sent_to is not None and r.sent_to[0] == inc)
+
     def _auth_refused(self, p: PrefillPeer, exc: AuthError) -> None:
         p.redial = False
         err = self.auth_failures.note(AuthError(f"prefill {p.address} answered: {exc}"), p.address)
@@ -120,7 +152,7 @@ class DecodeFrames:
             self._maybe_send(recv)
         # what an earlier registration with this process asked and has no confirmation of: ask
         # again here; the prefill answers each once nothing of it can land
-        for recv in self._earlier(p):
+        for recv in self._landing.earlier(p.address, p.epoch):
             self._send(p, wire.Abort(room=recv.record.room, reason="confirm the fence of an earlier registration"))
 
     def _on_done(self, p: PrefillPeer, msg: wire.TransferDone) -> None:
@@ -167,17 +199,6 @@ class DecodeFrames:
         else:
             rec.fail(verdict_error)
             self._send(p, wire.AgentVerdict(room=msg.room, status="failed", error=ErrorInfo.of(verdict_error)))
-
-    def _earlier(self, p: PrefillPeer) -> list[Receiving]:
-        """The ended, unconfirmed requests sent to the prefill at ``p.address`` under an earlier
-        registration (its process then, or one before it, which gave up that address)."""
-        out = []
-        for (address, _), held in self._unfenced.items():
-            for recv in held if address == p.address else ():
-                to = recv.sent_to
-                if to is not None and to[1] < p.epoch and not recv.acked:
-                    out.append(recv)
-        return out
 
     def _on_landed(self, p: PrefillPeer, msg: wire.Landed) -> None:
         """Hash what the prefill says has landed, in the background, while the rest copies."""
