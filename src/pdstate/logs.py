@@ -12,6 +12,13 @@ helpers below where an operator needs one line with fixed fields:
 Their fields travel on the record as ``record.fields``: the text format appends them as
 ``key=value``, the JSON format as keys of the line's object.
 
+A record is one line whatever it quotes (a peer's worker id, error or reason): the text format
+renders every control character of its message and fields visibly (``escape_controls``: ``\\n``,
+``\\r``, ``\\t``, ``\\x1b``, the other C0 and C1 controls and DEL as ``\\xNN``, the Unicode line
+and paragraph separators as ``\\u2028`` / ``\\u2029``), and the lines of a traceback
+are indented, so no text can start a line that reads as a record of its own; the JSON format escapes
+them as JSON does.
+
 Native engines (Mooncake's glog) write to file descriptor 2 from C++, beyond ``logging``.
 ``NativeLogs`` puts a pipe on descriptor 2 and re-logs each glog line under ``pdstate.native`` at
 its own level (``I`` info, ``W`` warning, ``E`` error, ``F`` critical; ``NATIVE_LEVELS`` lowers the
@@ -31,7 +38,17 @@ import threading
 import time
 from typing import Any, TextIO
 
-__all__ = ["FORMATS", "LEVELS", "NATIVE_MODES", "NativeLogs", "configure", "handshake", "refusal", "request_end"]
+__all__ = [
+    "FORMATS",
+    "LEVELS",
+    "NATIVE_MODES",
+    "NativeLogs",
+    "configure",
+    "escape_controls",
+    "handshake",
+    "refusal",
+    "request_end",
+]
 
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("text", "json")
@@ -40,17 +57,49 @@ NATIVE_MODES = ("levelled", "raw")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+_CONTROLS.update({0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r", 0x2028: "\\u2028", 0x2029: "\\u2029"})
+_CONTROLS_BUT_NEWLINE = {c: v for c, v in _CONTROLS.items() if c != 0x0A}
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with every C0 and C1 control character, DEL and the Unicode line and paragraph
+    separators written visibly (``\\n``, ``\\r``, ``\\t``, ``\\xNN``, ``\\u2028``): one line."""
+    return text.translate(_CONTROLS)
+
+
+def _indented(text: str) -> str:
+    """A traceback's text: controls escaped but its newlines, every line not indented yet
+    indented (it follows the record's line: none of its lines starts a record)."""
+    lines = text.translate(_CONTROLS_BUT_NEWLINE).split("\n")
+    return "\n".join(line if line[:1] in (" ", "") else "  " + line for line in lines)
+
+
 class TextFormatter(logging.Formatter):
-    """The usual one-line text, with a record's ``fields`` appended as ``key=value``."""
+    """The usual one-line text, with a record's ``fields`` appended as ``key=value``; control
+    characters in the message and the fields escaped (``escape_controls``), a traceback's lines
+    indented."""
 
     def __init__(self) -> None:
         super().__init__(TEXT_FORMAT)
 
     def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
+        # ``logging.Formatter.format``'s steps, the traceback not cached on the record (another
+        # handler's formatter renders its own)
+        record.message = record.getMessage()
+        if self.usesTime():
+            record.asctime = self.formatTime(record, self.datefmt)
+        text = self.formatMessage(record)
         fields = getattr(record, "fields", None)
         if fields and not getattr(record, "fields_in_message", False):
             text += " " + " ".join(f"{k}={v}" for k, v in fields.items())
+        text = text.translate(_CONTROLS)
+        if record.exc_info:
+            text += "\n" + _indented(self.formatException(record.exc_info))
+        elif record.exc_text:
+            text += "\n" + _indented(record.exc_text)
+        if record.stack_info:
+            text += "\n" + _indented(self.formatStack(record.stack_info))
         return text
 
 
@@ -91,7 +140,8 @@ def configure(level: str = "warning", fmt: str = "text", stream: TextIO | None =
 
 
 def _emit(log: logging.Logger, level: int, text: str, fields: dict[str, Any]) -> None:
-    log.log(level, "%s", text, extra={"fields": fields, "fields_in_message": True})
+    # escaped here too: a handler with a formatter of its own (an SGLang rank's) gets one line
+    log.log(level, "%s", escape_controls(text), extra={"fields": fields, "fields_in_message": True})
 
 
 def request_end(

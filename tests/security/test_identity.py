@@ -10,6 +10,7 @@ import time
 import zmq
 
 from pdstate.protocol import wire
+from pdstate.protocol.report import ErrorInfo
 from tests.support import hostile
 from tests.support.hostile import RawDealer, RawDecode, agent_pair, agent_transfer
 from tests.support.workers import (
@@ -40,7 +41,9 @@ def test_a_second_decode_with_a_live_decodes_worker_id_is_refused_and_the_victim
         ev = first_event(hijacker)
         assert ev["event"] == "refused", ev
         assert ev["type"] == "WorkerIdInUse"
-        assert ev["message"].startswith("worker_id 'victim' is held by a live decode (incarnation ")
+        assert ev["message"].startswith(
+            "worker_id 'victim' is held by another live decode (this register's incarnation is "
+        )
         assert ev["message"].endswith("a new incarnation is accepted once that one is gone")
         results, _, _ = collect_batch(victim)
         assert_all_verified(results, LENGTHS * 5)
@@ -111,13 +114,44 @@ def test_a_second_process_reusing_a_decode_agents_identity_never_disturbs_it():
             "answer": "reject",
             "error": {
                 "type": "WorkerIdInUse",
-                "message": f"worker_id 'victim' is held by a live decode (incarnation {decode.incarnation}); "
-                "a new incarnation is accepted once that one is gone",
+                "message": "worker_id 'victim' is held by another live decode (this register's incarnation is "
+                f"{theirs.incarnation}); a new incarnation is accepted once that one is gone",
             },
         }
         assert [(d["worker_id"], d["incarnation"]) for d in prefill.decodes()] == [("victim", decode.incarnation)]
         agent_transfer(prefill, prefill_pools, decode, decode_pools, room=2)
     finally:
+        decode.close()
+        prefill.close()
+        memory.close()
+
+
+def test_a_worker_id_in_use_refusal_names_no_incarnation_but_the_askers():
+    """A register under an accepted decode agent's worker_id (no token: anyone on the host may send
+    it) learns nothing it did not send: the ``WorkerIdInUse`` refusal names the register's own
+    incarnation, never the holder's (which ``/v1/compat`` shows only with the token); no byte of
+    the answer holds the holder's incarnation."""
+    prefill, prefill_pools, decode, decode_pools, memory = agent_pair()
+    intruder = RawDecode(worker_id="victim")
+    dealer = RawDealer(prefill.address)
+    try:
+        agent_transfer(prefill, prefill_pools, decode, decode_pools, room=1)
+        dealer.send(intruder.register())
+        assert dealer.sock.poll(10_000), "no answer within 10 s"
+        frame = dealer.sock.recv()
+        assert wire.decode(frame) == wire.Reject(
+            worker_id=prefill.worker_id,
+            error=ErrorInfo(
+                type="WorkerIdInUse",
+                message="worker_id 'victim' is held by another live decode (this register's incarnation is "
+                f"{intruder.incarnation}); a new incarnation is accepted once that one is gone",
+            ),
+        )
+        assert decode.incarnation.encode() not in frame
+        agent_transfer(prefill, prefill_pools, decode, decode_pools, room=2)
+    finally:
+        dealer.close()
+        intruder.close()
         decode.close()
         prefill.close()
         memory.close()

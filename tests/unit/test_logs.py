@@ -136,3 +136,43 @@ def test_native_lines_raw_pass_through_unchanged():
     assert "W1201 21:46:09.613765 29959 topology.cpp:201] No RDMA devices found" in out
     assert "not a glog line" in out and out[-1] == "done"
     assert any(line.endswith("WARNING pdstate.x: python side") for line in out)
+
+
+FORGED = "decode-0\n2026-12-06 02:41:03,000 CRITICAL pdstate.agent: \x1b[31mprefill compromised\x1b[0m\r\x85\u2028"
+ESCAPED = (
+    "decode-0\\n2026-12-06 02:41:03,000 CRITICAL pdstate.agent: \\x1b[31mprefill compromised\\x1b[0m\\r\\x85\\u2028"
+)
+
+
+def test_a_peers_text_cannot_forge_a_text_line(lines):
+    """A decode's worker id with a newline and ANSI escapes (the refusal line), the same text in a
+    plain record's arguments and fields, and in an exception's message: each record stays one line
+    (a traceback's further lines indented), every control character written visibly."""
+    out = lines("text")
+    log = logging.getLogger("pdstate.agent")
+    logs.refusal(log, what="handshake", peer=FORGED, error_type="WorkerIdInUse", message=f"worker_id {FORGED}")
+    log.warning("decode %s said %s", FORGED, "bye", extra={"fields": {"peer": FORGED}})
+    try:
+        raise ValueError(FORGED)
+    except ValueError:
+        log.exception("a callback failed")
+    text = out.getvalue()
+    assert "\x1b" not in text and "\r" not in text and "\x85" not in text and "\u2028" not in text
+    first, second, third, *traceback = text.split("\n")[:-1]
+    assert first.endswith(
+        f" WARNING pdstate.agent: handshake refused peer={ESCAPED} factor=WorkerIdInUse: WorkerIdInUse: "
+        f"worker_id {ESCAPED}"
+    )
+    assert second.endswith(f" WARNING pdstate.agent: decode {ESCAPED} said bye peer={ESCAPED}")
+    assert third.endswith(" ERROR pdstate.agent: a callback failed")
+    assert traceback[0] == "  Traceback (most recent call last):"  # not at the start of a line
+    assert traceback[-2:] == ["  ValueError: decode-0", "  " + ESCAPED.split("\\n", 1)[1]]
+    assert all(line.startswith("  ") for line in traceback)
+
+
+def test_json_lines_carry_a_peers_text_exactly(lines):
+    out = lines("json")
+    logs.refusal(logging.getLogger("x"), what="handshake", peer=FORGED, error_type="E", message="m")
+    [line] = out.getvalue().splitlines()
+    obj = json.loads(line)
+    assert obj["peer"] == FORGED and obj["msg"] == f"handshake refused peer={ESCAPED} factor=E: E: m"

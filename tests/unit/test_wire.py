@@ -743,3 +743,82 @@ def test_plain_kinds_encode_byte_for_byte_as_their_model_dump():
         assert wire.encode(msg) == _model_dump_encoding(msg), msg.KIND
         assert wire.encode(msg, b"t") != wire.encode(msg)  # (the tag is over the same body)
         assert wire.decode(wire.encode(msg)) == msg
+
+
+# --- peer strings: clipped or refused where they enter ------------------------------------------
+
+
+def _register_body(**report_update) -> dict:
+    body = body_of("register")
+    body["report"] = {**body["report"], **report_update}
+    return body
+
+
+def test_a_peers_long_texts_are_clipped_as_the_frame_decodes():
+    n = 3 << 20  # two of them: a frame near the 8 MiB limit
+    long_factors = [[k, v] for k, v in body_of("register")["report"]["factors"]] + [["x" * 300, "v" * 1000]]
+    reg = wire.decode(frame("register", _register_body(kv_dtype="d" * n, fingerprint="f" * n, factors=long_factors)))
+    assert reg.report.kv_dtype == "d" * 239 + "…(+3145489 chars)"  # 256 characters in all
+    assert reg.report.fingerprint == "f" * 47 + "…(+3145681 chars)"  # 64
+    assert reg.report.factors[-1] == ("x" * 115 + "…(+185 chars)", "v" * 242 + "…(+758 chars)")
+    rej = wire.decode(frame("reject", {"worker_id": "p", "error": {"type": "T" * 200, "message": "m" * n}}))
+    assert (rej.error.type, rej.error.message) == ("T" * 115 + "…(+85 chars)", "m" * 8175 + "…(+3137553 chars)")
+    assert ErrorInfo(**rej.error.model_dump()) == rej.error  # clipped once: the same when validated again
+
+
+def test_a_peers_texts_at_the_caps_are_kept_whole():
+    err = ErrorInfo(type="T" * 128, message="m" * 8192)
+    assert wire.decode(wire.encode(wire.Error(error=err))).error == err
+    reg = wire.decode(frame("register", _register_body(kv_dtype="d" * 256)))
+    assert reg.report.kv_dtype == "d" * 256
+
+
+@pytest.mark.parametrize(
+    "update,message",
+    [
+        (
+            {"factors": [["components", list(range(2000))]]},
+            "invalid register: report.factors: Value error, factor 'components' is 5619 bytes encoded, "
+            "over the limit of 4096 (1 error(s))",
+        ),
+        (
+            {"factors": [[f"f{i}", i] for i in range(65)]},
+            "invalid register: report.factors: Value error, 65 factors, over the limit of 64 (1 error(s))",
+        ),
+    ],
+)
+def test_a_peers_oversized_structures_are_refused_unquoted(update, message):
+    refused(frame("register", _register_body(**update)), ProtocolError, message)
+
+
+def test_a_peers_layer_list_and_mapping_identity_are_bounded():
+    body = body_of("register")
+    target = {**body["report"]["target"], "compression_ratios": [4] * 4097}
+    refused(
+        frame("register", _register_body(target=target)),
+        ProtocolError,
+        "invalid register: report.target.compression_ratios: Value error, 4097 layers, over the limit of 4096 "
+        "(1 error(s))",
+    )
+    mi = body["report"]["target"]["mapping_identity"]
+    target = {**body["report"]["target"], "mapping_identity": {**mi, "nonce": "n" * 257}}
+    refused(
+        frame("register", _register_body(target=target)),
+        ProtocolError,
+        "invalid register: report.target.mapping_identity.nonce: Value error, nonce has 257 characters, "
+        "over the limit of 256 (1 error(s))",
+    )
+
+
+def test_an_honest_refusal_of_the_longest_factor_travels_whole():
+    """The longest refusal an honest pair can meet: ``components`` of two DeepSeek-V4 layouts of
+    61 layers (Pro's), each value quoted whole, under the message cap."""
+    from pdstate.errors import LayoutMismatch
+
+    value = [["swa", 125, [149760] * 125], ["c4_kv", 60, [37440] * 60], ["c128_state", 31, [524288] * 31]]
+    err = LayoutMismatch.build("components", value, value[:2])
+    assert 2000 < len(str(err)) < 8192
+    assert (
+        error_from_wire(*wire.decode(wire.encode(wire.Error(error=ErrorInfo.of(err)))).error.model_dump().values()).args
+        == err.args
+    )

@@ -10,7 +10,9 @@ Run on the prefill agent's I/O thread (``Gate``, over what the agent hands it):
 
 * a register whose ``worker_id`` an accepted decode on another connection still holds (heard
   from within the peer timeout, its connection open: a probe heartbeat can be queued to it) is
-  refused with ``WorkerIdInUse`` and that decode is left as it was; a killed decode's connection
+  refused with ``WorkerIdInUse`` (naming the register's own incarnation, never the holder's: a
+  refusal tells an unauthenticated asker nothing it did not send) and that decode is left as it
+  was; a killed decode's connection
   closes at once, so its restart is accepted without waiting for the timeout;
 * with an engine that proves ownership (shm), a compatible register whose endpoint does not
   answer a challenge yet gets a ``Challenge``; the engine's ``connect`` checks the answer; a
@@ -93,9 +95,10 @@ def _wildcard(address: str) -> bool:
     return scheme == "tcp" and rest.rpartition(":")[0] in ("*", "0.0.0.0", "[::]", "::", "[::0]")
 
 
-def bind_router(loop: Any, bind: str, keys: curve.Keys) -> tuple[zmq.Socket, str]:
+def bind_router(loop: Any, bind: str, keys: curve.Keys, on_fail: Callable[[], None]) -> tuple[zmq.Socket, str]:
     """The prefill agent's ROUTER, the CURVE server of ``keys``' domain (``agent.curve``), bound
-    to ``bind`` (``tcp://host:0``: a free port); returns it and its address."""
+    to ``bind`` (``tcp://host:0``: a free port); returns it and its address. When that fails the
+    socket is closed and ``on_fail()`` runs (the agent releases its loop and engine)."""
     sock = loop.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -107,6 +110,7 @@ def bind_router(loop: Any, bind: str, keys: curve.Keys) -> tuple[zmq.Socket, str
         sock.bind(bind)
     except BaseException:
         sock.close(0)  # the loop's context can then end
+        on_fail()
         raise
     return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -209,9 +213,10 @@ class Gate:
         agent, engine = self.agent, self.engine
         holder = self.live_holder(identity, msg.worker_id)
         if holder is not None:
+            # naming only what the register gave: the holder's incarnation is not the asker's to learn
             err = WorkerIdInUse(
-                f"worker_id {msg.worker_id!r} is held by a live decode (incarnation {holder.incarnation}); "
-                "a new incarnation is accepted once that one is gone"
+                f"worker_id {msg.worker_id!r} is held by another live decode (this register's incarnation is "
+                f"{msg.incarnation}); a new incarnation is accepted once that one is gone"
             )
             return wire.Reject(worker_id=agent.worker_id, error=ErrorInfo.of(err))
         if self.proven_already(identity, msg) is not None:

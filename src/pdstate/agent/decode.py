@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import secrets
 import time
 
@@ -13,6 +12,7 @@ from pdstate.agent import curve
 from pdstate.agent.admission import Incidents
 from pdstate.agent.common import AgentLifetime, AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.decode_frames import RETRY_MAX_S, DecodeFrames
+from pdstate.agent.landing import Landing
 from pdstate.agent.receiver import KVReceiver, PrefillPeer, Receiving
 from pdstate.agent.verify import DEFAULT_LEVEL, check_level, layout_devices, on_device
 from pdstate.errors import (
@@ -30,8 +30,6 @@ from pdstate.protocol.report import ErrorInfo
 from pdstate.transfer.engines.base import TransferEngine, create_engine
 
 __all__ = ["DecodeAgent", "KVReceiver"]
-
-log = logging.getLogger("pdstate.agent")
 
 _S = RequestState
 
@@ -140,9 +138,7 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
         self.auth_failures = Incidents()  # prefills' answers refused for their auth tag
         self._redial_s = max(1.0, 2 * heartbeat_interval_s)  # a gone prefill's register, sent again at most this often
         self._recvs: dict[tuple[str, int], Receiving] = {}
-        # ended requests a prefill may still write (``Receiving.fenced`` false), by (prefill, room),
-        # until it confirms or is proven gone
-        self._unfenced: dict[tuple[str, int], list[Receiving]] = {}
+        self._landing = Landing()  # ended requests a prefill may still write, until it confirms
         self._last_tick = time.monotonic()
         self._loop = AgentLoop(f"pdstate-decode-{self.worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
         self._loop.start()
@@ -155,7 +151,9 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
         once with the reason that prefill went instead (a caller that redials with ``connect``)."""
         recv = Receiving(RequestRecord(room), prefill)
         added = self._loop.call(lambda: self._add(recv, redial_gone))
-        return KVReceiver(added, call=self._loop.call, init=self._init, abort=self._abort, on_fence=self._on_fence)
+        return KVReceiver(
+            added, call=self._loop.call, init=self._init, abort=self._abort, on_fence=self._landing.on_fence
+        )
 
     def prefills(self) -> dict[str, dict]:
         """Every prefill this agent used, by address: ``state``, ``worker_id``, ``incarnation``,
@@ -212,9 +210,9 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
         def run() -> bool:
             p = self._prefills.get(prefill)
             if p is not None:
-                if any(True for _ in self._live(prefill)) or any(a == prefill for a, _ in self._unfenced):
+                if any(True for _ in self._live(prefill)) or self._landing.holds(prefill):
                     return False  # (an unconfirmed request is asked again at its next Accept)
-                self._loop.unwatch(p.sock)
+                self._close_peer(p)
                 del self._prefills[prefill]
             return True
 
@@ -255,16 +253,11 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
             pass  # not connected yet or gone: heartbeats and timeouts decide
 
     def _connect(self, address: str, handshakes: int = 0) -> PrefillPeer:
-        sock = self._loop.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}/{self.incarnation}/{secrets.token_hex(4)}".encode())
-        sock.setsockopt(zmq.SNDHWM, 10000)
-        curve.dial(sock, self._keys)
+        sock, monitor = self._dealer()
         sock.connect(address)
-        p = PrefillPeer(address, sock, handshakes=handshakes)
+        p = PrefillPeer(address, sock, handshakes=handshakes, monitor=monitor)
         self._loop.watch(sock, lambda s, a=address: self._on_frame(a, s))
-        self._loop.monitor(
-            sock, curve.HANDSHAKE_EVENTS, lambda e, a=address, s=sock: self._on_handshake_failed(a, s, e)
-        )
+        self._loop.watch(monitor, lambda m, a=address, s=sock: self._on_session(a, s, m))
         self._prefills[address] = p
         self._register(p)
         return p
@@ -272,9 +265,10 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
     def _reconnect(self, address: str, old: PrefillPeer | None) -> PrefillPeer:
         if old is None:
             return self._connect(address)
-        self._loop.unwatch(old.sock)  # a fresh socket: nothing queued for the dead process
+        self._close_peer(old)  # a fresh socket: nothing queued for the dead process
         p = self._connect(address, old.handshakes)
         p.epoch = old.epoch  # registrations keep counting: what earlier ones asked is told apart
+        p.last_incarnation = old.last_incarnation
         return p
 
     def _redial(self, p: PrefillPeer) -> None:
@@ -309,7 +303,7 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
         if old is not None and not old.record.state.terminal:
             raise ProtocolError(f"room {recv.record.room} from {recv.prefill} already has a live receiver")
         self._recvs[key] = recv
-        recv.record.add_done_callback(lambda _record: self._ended(recv))
+        recv.record.add_done_callback(lambda _record: self._landing.ended(recv))
         p = self._prefills.get(recv.prefill)
         if p is not None and p.state is PeerState.GONE and not redial_gone:
             recv.record.fail(type(p.error)(str(p.error)) if p.error else PeerGone(f"prefill {p.address} is gone"))
@@ -406,59 +400,15 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
         # socket go, which it does once its fences held, or it is dead; nothing of it lands any more
         self._confirm(p.address, lambda r: r.sent_to is not None and r.sent_to[0] == p.incarnation)
 
-    # --- fences: when the caller may reuse an ended request's pages ----------------------------
-
-    def _ended(self, recv: Receiving) -> None:
-        """A request turned terminal (on the I/O thread): fenced, its callbacks run; else it is
-        kept until its prefill confirms or is proven gone."""
-        if recv.fenced:
-            self._run_fence_callbacks(recv)
-        else:
-            self._unfenced.setdefault((recv.prefill, recv.record.room), []).append(recv)
-
-    def _on_fence(self, recv: Receiving, fn) -> None:
-        if recv.record.state.terminal and recv.fenced:
-            fn()
-        else:
-            recv.fence_callbacks.append(fn)
-
-    def _acked(self, recv: Receiving) -> None:
-        """Nothing more of ``recv`` lands: its prefill said so, or is proven gone."""
-        if recv.acked:
-            return
-        recv.acked = True
-        if not recv.record.state.terminal:
-            return  # its end runs the callbacks
-        key = (recv.prefill, recv.record.room)
-        held = self._unfenced.get(key)
-        if held is not None and recv in held:
-            held.remove(recv)
-            if not held:
-                del self._unfenced[key]
-        self._run_fence_callbacks(recv)
-
-    def _run_fence_callbacks(self, recv: Receiving) -> None:
-        callbacks, recv.fence_callbacks = recv.fence_callbacks, []
-        for fn in callbacks:
-            try:
-                fn()
-            except Exception:  # a caller's callback must not break the I/O thread
-                log.exception("room %d: a fence callback failed", recv.record.room)
-
     def _confirm(self, address: str, which, room: int | None = None) -> None:
-        """Every request from ``address`` (of ``room`` only, if given), live or ended unfenced,
-        for which ``which(recv)`` holds, is fenced."""
-        found = [r for (a, rm), r in self._recvs.items() if a == address and (room is None or rm == room)]
-        for (a, rm), held in self._unfenced.items():
-            if a == address and (room is None or rm == room):
-                found += held
-        for recv in found:
-            if which(recv):
-                self._acked(recv)
+        """Every request from ``address`` (of ``room`` only), live or ended unfenced, for which
+        ``which(recv)`` holds is fenced (``agent.landing``)."""
+        live = [r for (a, rm), r in self._recvs.items() if a == address and (room is None or rm == room)]
+        self._landing.confirm(live, address, which, room)
 
     def unfenced(self) -> int:
         """Ended requests whose prefill may still write their pages (not fenced yet)."""
-        return self._loop.call(lambda: sum(len(v) for v in self._unfenced.values()))
+        return self._loop.call(self._landing.count)
 
     @staticmethod
     def _drop_digest(recv: Receiving) -> None:

@@ -4,10 +4,12 @@ goodbyes, ``TransferDone`` (the landed bytes' digest compared before the verdict
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from pdstate import logs
 from pdstate.agent import curve
@@ -24,6 +26,8 @@ __all__ = ["DecodeFrames"]
 log = logging.getLogger("pdstate.agent")
 
 _S = RequestState
+# a DEALER's events ``_on_session`` takes: its sessions, and failed CURVE handshakes
+SESSION_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | curve.HANDSHAKE_EVENTS
 RETRY_MAX_S = 30.0  # the longest wait between two registers with a prefill that refused this decode
 # refusals that pass (another live incarnation holds the worker id, a challenge evicted or
 # expired, a prefill busy): registered again with backoff (``_retry``); any other is final
@@ -32,8 +36,8 @@ PASSING_REFUSALS = frozenset({"WorkerIdInUse", "InvalidEndpoint", "PrefillBusy",
 
 class DecodeFrames:
     """Mixed into ``DecodeAgent`` (its ``_prefills``, ``_recvs``, ``_handshake``, ``_engine``,
-    ``_layout``, ``_devices``, ``digest``, ``token``, ``auth_failures`` and the helpers ``_send``, ``_register``, ``_fail_prefill``,
-    ``_restarted``, ``_live``, ``_maybe_send``, ``_confirm``, ``_acked`` and ``_unfenced``); every method runs on its I/O thread."""
+    ``_layout``, ``_devices``, ``digest``, ``token``, ``_keys``, ``auth_failures`` and the helpers ``_send``, ``_register``, ``_fail_prefill``,
+    ``_restarted``, ``_live``, ``_maybe_send``, ``_confirm``, ``_landing`` and ``_loop``); every method runs on its I/O thread."""
 
     def _on_frame(self, address: str, sock: zmq.Socket) -> None:
         frame = sock.recv()
@@ -83,17 +87,59 @@ class DecodeFrames:
                 if recv is not None:
                     recv.record.fail(error_from_wire(msg.error.type, msg.error.message))
 
-    def _on_handshake_failed(self, address: str, sock: zmq.Socket, event: dict) -> None:
-        """The CURVE handshake with the prefill at ``address`` failed (``agent.curve``): nothing
+    def _dealer(self) -> tuple[zmq.Socket, zmq.Socket]:
+        """A new DEALER to a prefill (not connected): this incarnation's identity, the domain's
+        CURVE keys (``agent.curve``), and its monitor for ``_on_session``."""
+        sock = self._loop.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}/{self.incarnation}/{secrets.token_hex(4)}".encode())
+        sock.setsockopt(zmq.SNDHWM, 10000)
+        curve.dial(sock, self._keys)
+        return sock, sock.get_monitor_socket(SESSION_EVENTS)
+
+    def _close_peer(self, p: PrefillPeer) -> None:
+        if p.monitor is not None:
+            self._loop.unwatch(p.monitor)
+            p.monitor = None
+            try:
+                p.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        self._loop.unwatch(p.sock)
+
+    def _on_session(self, address: str, sock: zmq.Socket, monitor: zmq.Socket) -> None:
+        """A session event of the socket to ``address``. With a synchronous engine (shm: a copy
+        ends within its submit, on the prefill's own thread), a session that completed its
+        handshake and then closed means the prefill process exited (the kernel closes its sockets
+        after its memory is gone) or closed its control socket (after its fences held): nothing
+        it was told lands any more. A session that never completed (a frozen process) proves
+        nothing, nor does a closed one with an engine whose copies outlive the writer's process
+        (bytes in flight on the network)."""
+        event = recv_monitor_message(monitor)
+        p = self._prefills.get(address)
+        if p is None or p.sock is not sock:
+            return
+        if event["event"] & curve.HANDSHAKE_EVENTS:
+            self._on_handshake_failed(p, event)
+            return
+        if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            p.session_up = True
+            return
+        if not (p.session_up and self._engine.synchronous and p.last_incarnation):
+            return
+        p.session_up = False
+        inc = p.last_incarnation
+        self._confirm(address, lambda r: r.sent_to is not None and r.sent_to[0] == inc)
+
+    def _on_handshake_failed(self, p: PrefillPeer, event: dict) -> None:
+        """The CURVE handshake with the prefill ``p`` failed (``agent.curve``): nothing
         of this decode's reached it. Its register waits in the socket, which ZeroMQ dials again
         (every ``RECONNECT_IVL``): the prefill is refused once, and its answer is still awaited
         (``redial``), so a handshake that succeeds later (a prefill fixed, a failure in passing)
         is taken as usual."""
-        p = self._prefills.get(address)
-        if p is None or p.sock is not sock or not (p.state is PeerState.PENDING or p.redial):
+        if not (p.state is PeerState.PENDING or p.redial):
             return
         if not (p.state is PeerState.REJECTED and isinstance(p.error, AuthError)):  # told once per register
-            self._auth_refused(p, curve.handshake_error(event, address), quoted=False)
+            self._auth_refused(p, curve.handshake_error(event, p.address), quoted=False)
         p.redial = True
 
     def _auth_refused(self, p: PrefillPeer, exc: AuthError, quoted: bool = True) -> None:
@@ -124,6 +170,7 @@ class DecodeFrames:
             move(p, PeerState.ACCEPTED)
         p.epoch += 1  # a registration of its own: a late TransferDone names the ones before
         p.incarnation, p.worker_id, p.error = accept.incarnation, accept.worker_id, None
+        p.last_incarnation = accept.incarnation
         p.fingerprint = accept.report.fingerprint
         p.last_seen = time.monotonic()
         p.handshake_s = round(p.last_seen - p.registered_at, 6)
@@ -134,7 +181,7 @@ class DecodeFrames:
             self._maybe_send(recv)
         # what an earlier registration with this process asked and has no confirmation of: ask
         # again here; the prefill answers each once nothing of it can land
-        for recv in self._earlier(p):
+        for recv in self._landing.earlier(p.address, p.epoch):
             self._send(p, wire.Abort(room=recv.record.room, reason="confirm the fence of an earlier registration"))
 
     def _on_done(self, p: PrefillPeer, msg: wire.TransferDone) -> None:
@@ -181,17 +228,6 @@ class DecodeFrames:
         else:
             rec.fail(verdict_error)
             self._send(p, wire.AgentVerdict(room=msg.room, status="failed", error=ErrorInfo.of(verdict_error)))
-
-    def _earlier(self, p: PrefillPeer) -> list[Receiving]:
-        """The ended, unconfirmed requests sent to the prefill at ``p.address`` under an earlier
-        registration (its process then, or one before it, which gave up that address)."""
-        out = []
-        for (address, _), held in self._unfenced.items():
-            for recv in held if address == p.address else ():
-                to = recv.sent_to
-                if to is not None and to[1] < p.epoch and not recv.acked:
-                    out.append(recv)
-        return out
 
     def _on_landed(self, p: PrefillPeer, msg: wire.Landed) -> None:
         """Hash what the prefill says has landed, in the background, while the rest copies."""

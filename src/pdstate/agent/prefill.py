@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
 import zmq
@@ -17,7 +16,7 @@ from pdstate.agent.common import AgentLifetime, AgentLoop, RequestRecord, channe
 from pdstate.agent.fairness import VERDICT_TIMEOUT_S, Verdicts
 from pdstate.agent.fence import Fences
 from pdstate.agent.prefill_copy import CopyPipeline
-from pdstate.agent.refusals import Refusals
+from pdstate.agent.refusals import PeerLog, Refusals
 from pdstate.agent.sender import DecodePeer, EndedSender, KVSender, PendingRequest, Sending
 from pdstate.agent.verify import check_level, layout_devices, level_of, request_digest, weaker
 from pdstate.errors import (
@@ -43,7 +42,6 @@ log = logging.getLogger("pdstate.agent")
 
 __all__ = ["KVSender", "PrefillAgent"]
 
-MAX_PEER_LOG = 1024  # decodes ``peers()`` remembers, the least recently registered forgotten first
 KEEP_ENDED_S = 600.0  # an ended sender is kept this long (a late AgentRequest or Abort is answered) ...
 MAX_ENDED = 8192  # ... but no more than this many, the oldest forgotten first
 # an ended sender keeps only that it was requested: this stands for its request (index lists dropped)
@@ -167,17 +165,12 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Fences, Refusals):
         self.auth_failures = Incidents()  # frames refused for their auth tag
         self.withheld, self.verdict_timeout_s = Incidents("verdict"), verdict_timeout_s  # ``agent.fairness``
         self._verdicts = Verdicts(self, self._decodes, self._fail, self._decode_gone)
-        self._peer_log: OrderedDict[str, dict] = OrderedDict()  # worker id -> its latest record (``peers()``)
+        self._peer_log = PeerLog()  # every decode that registered (``peers()``)
         self._init_refusals()
         self._init_fences()
         self._last_tick = time.monotonic()
         self._loop = AgentLoop(f"pdstate-prefill-{worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
-        try:
-            self._sock, self.address = bind_router(self._loop, bind, keys)
-        except BaseException:
-            self._loop.stop(lambda: None)
-            self._engine.close()
-            raise
+        self._sock, self.address = bind_router(self._loop, bind, keys, on_fail=lambda: self._stop(lambda: None))
         self._gate = Gate(self, self._decodes, self._engine, self._handshake, self._sock, self._reply)
         self._loop.watch(self._sock, self._on_frame)
         self._loop.monitor(self._sock, curve.HANDSHAKE_EVENTS, self._gate.refuse_handshake)
@@ -218,10 +211,11 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Fences, Refusals):
         return self._loop.call(run)
 
     def peers(self) -> list[dict]:
-        """Every decode that registered (the latest ``MAX_PEER_LOG``, by worker id): ``id``,
-        ``state`` (``accepted``, ``rejected`` or ``gone``), ``incarnation``, ``fingerprint``
-        (its layout's, from its Register) and ``error`` (``{"type", "message"}`` or ``None``)."""
-        return self._loop.call(lambda: [dict(d) for d in self._peer_log.values()])
+        """Every decode that registered (the latest, by worker id; bounded: ``refusals.PeerLog``):
+        ``id``, ``state`` (``accepted``, ``rejected`` or ``gone``), ``incarnation``,
+        ``fingerprint`` (its layout's, from its Register) and ``error`` (``{"type", "message"}`` or
+        ``None``)."""
+        return self._loop.call(self._peer_log.records)
 
     def close(self, reason: str = "prefill shutting down") -> None:
         """Fail live requests with ``reason`` (``AgentClosed``), say ``Goodbye`` with it to every
@@ -345,22 +339,12 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Fences, Refusals):
         self.handshakes[state] += 1
         if error is not None:  # an accepted one is logged by the decode, which times its round trip
             logs.refusal(log, what="handshake", peer=msg.worker_id, error_type=error.type, message=error.message)
-        self._peer_log.pop(msg.worker_id, None)
-        self._peer_log[msg.worker_id] = {
-            "id": msg.worker_id,
-            "state": state,
-            "incarnation": msg.incarnation,
-            "fingerprint": msg.report.fingerprint,
-            "error": None if error is None else error.model_dump(),
-        }
-        while len(self._peer_log) > MAX_PEER_LOG:
-            self._peer_log.popitem(last=False)
+        self._peer_log.note(msg.worker_id, state, msg.incarnation, msg.report.fingerprint, error)
 
     def _decode_gone(self, identity: bytes, why: str) -> None:
         gone = self._decodes.pop(identity, None)
-        entry = None if gone is None else self._peer_log.get(gone.worker_id)
-        if entry is not None and entry["incarnation"] == gone.incarnation and entry["state"] == "accepted":
-            entry.update(state="gone", error=ErrorInfo(type="PeerGone", message=why).model_dump())
+        if gone is not None:
+            self._peer_log.gone(gone.worker_id, gone.incarnation, why)
         for send in self._sends.values():
             if send.identity == identity and not send.record.state.terminal:
                 self._fail(send, PeerGone(why), tell_decode=False)

@@ -43,7 +43,10 @@ class PrefillPeer:
     seq: int = 0
     handshakes: int = 0
     rooms: set[int] = field(default_factory=set)
-    epoch: int = 0  # Accepts received: a registration's number (what a late fence acknowledgement names)
+    epoch: int = 0  # Accepts received: registrations are told apart (what an earlier one asked)
+    last_incarnation: str = ""  # the latest accepted, kept across a redial (``incarnation`` is not)
+    monitor: zmq.Socket | None = None  # the socket's session events (``DecodeAgent._on_session``)
+    session_up: bool = False  # a ZeroMQ session with a process at ``address`` completed its handshake
 
 
 @dataclass(slots=True)

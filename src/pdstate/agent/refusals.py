@@ -8,6 +8,13 @@ the caller has not made it yet, the sender made later (``refusal(room)`` tells t
 A request its decode aborts while it waits for its sender is given up the same way, and so is
 one its decode reports an ``error`` for (``_on_error``; the live sender fails, fenced, at once).
 
+What is kept is bounded whatever decodes send: the refusal of each of the latest
+``MAX_REFUSED_DECODES`` refused connections (an ``ErrorInfo``, its texts clipped where they
+entered: ``pdstate.protocol.report``), and the error of each of the latest ``MAX_REFUSED_ROOMS``
+rooms given up (built from such a refusal, or an abort's reason of at most 1024 characters).
+
+``PeerLog``: every decode that registered, its latest record, bounded in count and error text.
+
 ``requested(room)`` says whether a decode's request for ``room`` is waiting for its sender: an
 engine whose prefill learns the page count only after the decode asked (SGLang's scheduler) polls
 it to leave its bootstrapping state. Both read without the I/O thread (a dict lookup).
@@ -21,9 +28,49 @@ from pdstate.errors import PdStateError, TransferFailed, error_from_wire
 from pdstate.protocol import wire
 from pdstate.protocol.report import ErrorInfo
 
-__all__ = ["Refusals"]
+__all__ = ["PeerLog", "Refusals"]
 
 MAX_REFUSED_ROOMS = 65536  # rooms given up before their sender existed, oldest forgotten first
+MAX_REFUSED_DECODES = 1024  # refused connections whose refusal is kept, oldest forgotten first
+MAX_PEER_LOG = 1024  # decodes ``PeerLog`` remembers ...
+MAX_PEER_LOG_TEXT = 1 << 20  # ... and the characters of their errors' messages, all records together
+
+
+class PeerLog:
+    """Every decode that registered with a ``PrefillAgent``, by worker id: its latest record
+    (``PrefillAgent.peers()``, hence ``/v1/compat`` and an SGLang rank's status snapshots). Past
+    ``MAX_PEER_LOG`` records or ``MAX_PEER_LOG_TEXT`` characters of error messages, the least
+    recently registered decode that is not accepted is forgotten first (an accepted one only when
+    every record is one's): refused registers cannot push an accepted decode out, and what the
+    list carries of them stays bounded. Run on the agent's I/O thread."""
+
+    def __init__(self) -> None:
+        self._log: OrderedDict[str, dict] = OrderedDict()
+
+    def records(self) -> list[dict]:
+        return [dict(d) for d in self._log.values()]
+
+    def note(self, worker_id: str, state: str, incarnation: str, fingerprint: str, error: ErrorInfo | None) -> None:
+        """The answer to a register of ``worker_id`` (``accepted`` or ``rejected``)."""
+        self._log.pop(worker_id, None)
+        self._log[worker_id] = {
+            "id": worker_id,
+            "state": state,
+            "incarnation": incarnation,
+            "fingerprint": fingerprint,
+            "error": None if error is None else error.model_dump(),
+        }
+        text = sum(len(e["error"]["message"]) for e in self._log.values() if e["error"] is not None)
+        while len(self._log) > MAX_PEER_LOG or text > MAX_PEER_LOG_TEXT:
+            oldest = next((k for k, e in self._log.items() if e["state"] != "accepted"), None)
+            entry = self._log.pop(oldest) if oldest is not None else self._log.popitem(last=False)[1]
+            text -= len(entry["error"]["message"]) if entry["error"] is not None else 0
+
+    def gone(self, worker_id: str, incarnation: str, why: str) -> None:
+        """The accepted decode ``worker_id/incarnation`` is gone (``why``)."""
+        entry = self._log.get(worker_id)
+        if entry is not None and entry["incarnation"] == incarnation and entry["state"] == "accepted":
+            entry.update(state="gone", error=ErrorInfo(type="PeerGone", message=why).model_dump())
 
 
 class Refusals:
@@ -63,7 +110,7 @@ class Refusals:
         self._refused.pop(identity, None)
         if isinstance(answer, wire.Reject):
             self._refused[identity] = answer.error
-            while len(self._refused) > MAX_REFUSED_ROOMS:  # refused identities: the oldest forgotten
+            while len(self._refused) > MAX_REFUSED_DECODES:  # refused identities: the oldest forgotten
                 del self._refused[next(iter(self._refused))]
 
     def _on_refused_abort(self, identity: bytes, msg: wire.Abort) -> None:

@@ -11,6 +11,20 @@ Factors that legitimately differ (pool sizes, ``num_req_slots``, ring pages, dat
 pointers) stay out of the factors. A mapping is never compared across processes.
 
 Reports are data (no torch): ``pdstate.pools.reporting.build_report`` builds one from live pools.
+
+Bounds on what a peer states. These models validate every frame a peer sends (``wire.decode``)
+and every report or error a worker keeps, so a peer's text is bounded where it enters the
+process: nothing downstream (refusal records, peer lists, ``/v1/compat``, ``/readyz``, an SGLang
+rank's status snapshots, log lines) can hold a larger one, whatever it is later copied into.
+- Texts that are echoed (an error's class name and message, ``kv_dtype``, a factor's name and a
+  string factor's value, the fingerprint) are clipped (``clip``): the first characters, then
+  ``…(+N chars)``. The caps are far above any honest value (a DeepSeek-V4-Pro pair's refusal on
+  ``components`` quotes two values in about 2.6 KiB; dtypes, layouts and fingerprints are tens of
+  characters), so upstream's texts reach both sides intact, and a clipped value never equals an
+  honest one.
+- Values compared and never quoted whole (a structured factor, the layer ratios, a mapping
+  identity) are refused past their bound: the frame is invalid (``ProtocolError`` naming the field
+  and the limit, never the value).
 """
 
 from __future__ import annotations
@@ -19,7 +33,7 @@ import hashlib
 from typing import Any
 
 import msgpack
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from pdstate.protocol.facts import MappingIdentity, PoolFacts
 
@@ -53,6 +67,47 @@ DEFAULT_KV_LAYOUT = "v4"
 DEFAULT_ALLOCATION_POLICY = "early"
 
 
+MAX_NAME_CHARS = 128  # an error's class name, a factor's name
+MAX_VALUE_CHARS = 256  # kv_dtype, a string factor's value, a mapping identity's nonce or dtype
+MAX_FINGERPRINT_CHARS = 64  # a fingerprint (blake2b-128: 32 hex digits)
+MAX_MESSAGE_CHARS = 8192  # an error's message
+MAX_FACTORS = 64  # factors in a report (16 named by this version)
+MAX_FACTOR_BYTES = 4096  # a structured factor's value, msgpack-encoded (dsv4-flash's largest: 521)
+MAX_LAYERS = 4096  # entries of a pool's compression ratios (one per layer)
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` when it has at most ``limit`` characters, else its first characters and
+    ``…(+N chars)``, N the characters left out, ``limit`` characters in all: a clipped text is
+    kept as it is when it is validated again (a record rebuilt, a refusal relayed)."""
+    if len(text) <= limit:
+        return text
+    keep = max(0, limit - len(f"…(+{len(text)} chars)"))
+    return f"{text[:keep]}…(+{len(text) - keep} chars)"
+
+
+def _bounded(value: str, limit: int, what: str) -> str:
+    if len(value) > limit:
+        raise ValueError(f"{what} has {len(value)} characters, over the limit of {limit}")
+    return value
+
+
+def _bounded_factors(factors: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+    if len(factors) > MAX_FACTORS:
+        raise ValueError(f"{len(factors)} factors, over the limit of {MAX_FACTORS}")
+    out = []
+    for name, value in factors:
+        name = clip(name, MAX_NAME_CHARS)
+        if isinstance(value, str):
+            value = clip(value, MAX_VALUE_CHARS)
+        elif value is not None and not isinstance(value, (bool, int, float)):
+            size = len(msgpack.packb(value, use_bin_type=True, default=str))
+            if size > MAX_FACTOR_BYTES:
+                raise ValueError(f"factor {name[:32]!r} is {size} bytes encoded, over the limit of {MAX_FACTOR_BYTES}")
+        out.append((name, value))
+    return tuple(out)
+
+
 def default_kv_layout(compression_ratios) -> str:
     """0.5.23's ``pd_kv_layout()`` string for the default V4 layout of pools with these ratios."""
     compressed = [f"c{r}:{DEFAULT_KV_LAYOUT}" for r in sorted(set(compression_ratios) - {0})]
@@ -69,6 +124,11 @@ class MappingIdentityModel(_Frozen):
     numel: int
     dtype: str
 
+    @field_validator("nonce", "dtype")
+    @classmethod
+    def _short(cls, v: str, info) -> str:
+        return _bounded(v, MAX_VALUE_CHARS, info.field_name)
+
 
 class PoolFactsModel(_Frozen):
     compression_ratios: tuple[int, ...]
@@ -76,6 +136,13 @@ class PoolFactsModel(_Frozen):
     ring_geometry: tuple[int, int, int] | None
     paged_geometry: tuple[int, int]
     mapping_identity: MappingIdentityModel | None
+
+    @field_validator("compression_ratios")
+    @classmethod
+    def _layers(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if len(v) > MAX_LAYERS:
+            raise ValueError(f"{len(v)} layers, over the limit of {MAX_LAYERS}")
+        return v
 
     @classmethod
     def of(cls, facts: PoolFacts) -> PoolFactsModel:
@@ -100,8 +167,19 @@ class PoolFactsModel(_Frozen):
 
 
 class ErrorInfo(_Frozen):
+    # an error as it travels and is kept: its class name and message, both clipped (``clip``)
     type: str
     message: str
+
+    @field_validator("type")
+    @classmethod
+    def _clip_type(cls, v: str) -> str:
+        return clip(v, MAX_NAME_CHARS)
+
+    @field_validator("message")
+    @classmethod
+    def _clip_message(cls, v: str) -> str:
+        return clip(v, MAX_MESSAGE_CHARS)
 
     @classmethod
     def of(cls, exc: BaseException) -> ErrorInfo:
@@ -121,6 +199,21 @@ class LayoutReport(_Frozen):
     target: PoolFactsModel
     draft: PoolFactsModel | None
     local_check: LocalCheck
+
+    @field_validator("kv_dtype")
+    @classmethod
+    def _clip_dtype(cls, v: str) -> str:
+        return clip(v, MAX_VALUE_CHARS)
+
+    @field_validator("fingerprint")
+    @classmethod
+    def _clip_fingerprint(cls, v: str) -> str:
+        return clip(v, MAX_FINGERPRINT_CHARS)
+
+    @field_validator("factors")
+    @classmethod
+    def _clip_factors(cls, v: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+        return _bounded_factors(v)
 
     def factor(self, name: str) -> Any:
         """A factor's value; an optional factor the report does not carry is ``None`` (its default)."""

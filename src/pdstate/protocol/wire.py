@@ -4,7 +4,9 @@ Every frame is one msgpack map ``{"v": version, "kind": str, "body": bin, "auth"
 envelope is decoded first, then the body (itself a msgpack map) is validated by the pydantic model
 registered for ``kind``. The auth tag, when a shared token is configured, is HMAC-SHA256 over
 ``v || kind || body`` and is compared in constant time. Index lists travel as packed
-little-endian integers (``PackedIndices``), never as msgpack arrays of ints.
+little-endian integers (``PackedIndices``), never as msgpack arrays of ints. A peer's texts in
+errors and layout reports are clipped, and their structures bounded, as the body validates
+(``pdstate.protocol.report``): nothing a frame carries is kept larger downstream.
 
 Version log: ``CHANGELOG.md`` (bump ``PROTOCOL_VERSION`` and add a golden vector in
 ``proto/vectors/`` for any change of a message's fields, and say so there).

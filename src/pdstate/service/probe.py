@@ -55,7 +55,10 @@ def _short(value: Any, limit: int = 60) -> str:
 
 
 def _fmt_error(e: dict | None) -> str:
-    return "" if not e else f"{e['type']}: {e['message']}"
+    """A worker's error as its document gives it, clipped as a worker clips a peer's."""
+    from pdstate.protocol.report import MAX_MESSAGE_CHARS, MAX_NAME_CHARS, clip
+
+    return "" if not e else f"{clip(str(e['type']), MAX_NAME_CHARS)}: {clip(str(e['message']), MAX_MESSAGE_CHARS)}"
 
 
 def ask_worker(base: str, token: str | None, timeout_s: float) -> dict[str, Any]:

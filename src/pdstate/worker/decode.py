@@ -18,8 +18,9 @@ nothing of their request can land (``KVReceiver.fenced``): a prefill that said g
 first, a restarted one is proven gone, but one gone silent (missed heartbeats: it, or this decode,
 was frozen or slow) may still be copying. Its requests' pages are quarantined (counted on
 ``/v1/compat`` and in ``pdstate_quarantined_requests``) until it confirms each one, which it does
-once its fence holds and this decode registered with it again (a late ``TransferDone``), or
-until a new incarnation takes its address. Never on a timer.
+once its fence holds and this decode asked again after registering with it again, until a new
+process holds its address, or (shm) until its process exits: the control session it had
+completed closes. Never on a timer.
 
 The default prefill is dialled at start and again whenever it is gone (``/readyz`` follows it);
 any other is dialled on first use, at most ``MAX_PREFILLS`` at once (an idle one is closed to make

@@ -97,7 +97,7 @@ class SegmentClaims:
             if other is not None and other != peer_id:
                 raise InvalidEndpoint(
                     f"shm segment {paths[key]} does not belong to the registering decode: "
-                    f"it is mapped for another live decode ({other})"
+                    "it is mapped for another live decode"  # which one is not the registrant's to learn
                 )
 
     def claim(self, peer_id: str, owners: Iterable[str]) -> None:

@@ -1,0 +1,93 @@
+"""Which ended requests a prefill may still write, on the decode agent's I/O thread.
+
+A request is *fenced* once nothing more of it can land in its destination (``Receiving.fenced``):
+no prefill was told where to write, or the one told confirmed (its ``TransferDone``, sent once its
+fence holds; its goodbye) or is proven gone (a new process holds its address; with a synchronous
+engine, the control session it had completed closed). A request that ended otherwise (its prefill
+gone silent: it, or this decode, frozen or slow) is held here, by (prefill address, room), until
+one of those happens; the caller's fence callbacks run then. Silence alone never releases one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from pdstate.agent.receiver import Receiving
+
+__all__ = ["Landing"]
+
+log = logging.getLogger("pdstate.agent")
+
+
+class Landing:
+    """The decode agent's ended, unfenced requests and their fence callbacks (one I/O thread)."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[str, int], list[Receiving]] = {}
+
+    def ended(self, recv: Receiving) -> None:
+        """``recv`` turned terminal: fenced, its callbacks run; else it is held."""
+        if recv.fenced:
+            self._run(recv)
+        else:
+            self._held.setdefault((recv.prefill, recv.record.room), []).append(recv)
+
+    def on_fence(self, recv: Receiving, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once ``recv`` is terminal and fenced (now, if it is)."""
+        if recv.record.state.terminal and recv.fenced:
+            fn()
+        else:
+            recv.fence_callbacks.append(fn)
+
+    def acked(self, recv: Receiving) -> None:
+        """Nothing more of ``recv`` lands: its prefill said so, or is proven gone."""
+        if recv.acked:
+            return
+        recv.acked = True
+        if not recv.record.state.terminal:
+            return  # its end runs the callbacks
+        key = (recv.prefill, recv.record.room)
+        held = self._held.get(key)
+        if held is not None and recv in held:
+            held.remove(recv)
+            if not held:
+                del self._held[key]
+        self._run(recv)
+
+    def confirm(self, live: Iterable[Receiving], address: str, which, room: int | None = None) -> None:
+        """Every request of ``address`` (of ``room`` only, if given) among ``live`` and the held
+        ones for which ``which(recv)`` holds is fenced."""
+        found = list(live)
+        for (a, r), held in self._held.items():
+            if a == address and (room is None or r == room):
+                found += held
+        for recv in found:
+            if which(recv):
+                self.acked(recv)
+
+    def earlier(self, address: str, epoch: int) -> list[Receiving]:
+        """The held requests sent to ``address`` under a registration before ``epoch`` (its
+        process then, or one before it, which gave up that address): asked again after it."""
+        return [
+            recv
+            for (a, _), held in self._held.items()
+            if a == address
+            for recv in held
+            if recv.sent_to is not None and recv.sent_to[1] < epoch and not recv.acked
+        ]
+
+    def holds(self, address: str) -> bool:
+        return any(a == address for a, _ in self._held)
+
+    def count(self) -> int:
+        return sum(len(v) for v in self._held.values())
+
+    @staticmethod
+    def _run(recv: Receiving) -> None:
+        callbacks, recv.fence_callbacks = recv.fence_callbacks, []
+        for fn in callbacks:
+            try:
+                fn()
+            except Exception:  # a caller's callback must not break the I/O thread
+                log.exception("room %d: a fence callback failed", recv.record.room)
