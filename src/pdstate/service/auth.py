@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pdstate.errors import ConfigError
+from pdstate.inputs import file_kind, read_input_file
 from pdstate.protocol.hosts import is_loopback_host
 
 GENERATE_HINT = "openssl rand -hex 32"
@@ -46,32 +47,14 @@ def read_file_bytes(
     path: str | Path, *, directory: str, unreadable: Callable[[Any], str], missing: str | None = None
 ) -> bytes:
     """The file's bytes, or a one-line ``ConfigError``: ``directory`` when it is a directory,
-    ``missing`` (when given) when it does not exist, else ``unreadable(why)``."""
-    try:
-        return Path(path).read_bytes()
-    except IsADirectoryError:
-        raise ConfigError(directory) from None
-    except OSError as exc:
-        if missing is not None and isinstance(exc, FileNotFoundError):
-            raise ConfigError(missing) from None
-        raise ConfigError(unreadable(exc.strerror or exc)) from None
+    ``missing`` (when given) when it does not exist, else ``unreadable(why)`` (also a FIFO, a
+    device, or a file over ``pdstate.inputs.MAX_INPUT_BYTES``, never opened or read)."""
+    return read_input_file(path, directory=directory, unreadable=unreadable, missing=missing)
 
 
 MAX_TOKEN_FILE_BYTES = 4096  # a token file's largest size (``openssl rand -hex 32`` writes 65 bytes)
 MIN_DISTINCT_CHARS = 8  # a token's fewest distinct characters
 MAX_RUN = 16  # a token's longest run of one repeated character, exclusive
-
-
-def _file_kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
 
 
 def _may_share_group(st: os.stat_result) -> bool:
@@ -127,7 +110,7 @@ def read_token_file(path: str, key: str = "auth.token_file") -> bytes:
         if stat.S_ISDIR(st.st_mode):
             raise ConfigError(f"{key}: {path} is a directory; name the file that holds the token")
         if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"{key}: {path} is {_file_kind(st.st_mode)}; {fix}")
+            raise ConfigError(f"{key}: {path} is {file_kind(st.st_mode)}; {fix}")
         if st.st_uid not in (os.geteuid(), 0):
             raise ConfigError(
                 f"{key}: {path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}) or root; "
