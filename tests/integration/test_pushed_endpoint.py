@@ -11,6 +11,7 @@ and sockets on 127.0.0.1, port 0.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 import time
@@ -212,3 +213,20 @@ def test_the_child_runs_isolated_from_the_ranks_directory_and_secrets(tmp_path, 
     assert cwd == "/"
     assert not {k for k in env if k.startswith(b"PDSTATE_") or k in (b"HF_TOKEN", b"PYTHONPATH")}, env
     assert TOKEN not in cmdline and b"hf-secret" not in cmdline and b"-I\0" in cmdline
+
+
+def test_the_child_drops_a_request_head_that_never_ends(served):
+    # bounded as serve's HTTP (tests/security/test_exhaustion.py): was held as long as the client liked
+    from pdstate.service.connections import REQUEST_TIMEOUT_S
+
+    _, endpoint = served
+    host, port = endpoint.url.removeprefix("http://").rsplit(":", 1)
+    t0 = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=REQUEST_TIMEOUT_S * 3) as slow:
+        slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        assert httpx.get(f"{endpoint.url}/healthz", timeout=10).status_code == 200
+        try:
+            assert slow.recv(1) == b""
+        except ConnectionResetError:
+            pass
+    assert REQUEST_TIMEOUT_S - 1 < time.monotonic() - t0 < REQUEST_TIMEOUT_S * 3

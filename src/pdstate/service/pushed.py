@@ -300,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         import uvicorn
 
         from pdstate.service.api import create_app
+        from pdstate.service.connections import bounded_h11, http_connection_cap, raise_open_files_limit
 
         conn = Connection(0, writable=False)
         facts = pickle.loads(conn.recv_bytes())
@@ -307,8 +308,15 @@ def main(argv: list[str] | None = None) -> int:
         source = PushedStatus(facts)
         source.apply(pickle.loads(conn.recv_bytes()))
         sock = socket.socket(fileno=args.fd)
+        cap = http_connection_cap(raise_open_files_limit())  # bounded as serve's HTTP (service.connections)
         config = uvicorn.Config(
-            create_app(source, token=token), log_config=None, access_log=False, lifespan="off", log_level="warning"
+            create_app(source, token=token),
+            http=bounded_h11(cap),
+            limit_concurrency=cap,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            log_level="warning",
         )
         server = uvicorn.Server(config)
     except BaseException as exc:  # the worker reports it and refuses to start
