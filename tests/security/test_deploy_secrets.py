@@ -159,6 +159,10 @@ def test_k8s_secret_comes_from_an_operator_file(tmp_path):
         assert "auth.token_file=/var/run/secrets/pdstate/token" in c["args"]
         vol = next(v for v in pod["volumes"] if v["name"] == "auth")
         assert vol["secret"]["secretName"] == "pdstate-auth" and "optional" not in vol["secret"]
+        # the kubelet writes it root:<fsGroup> with defaultMode behind root's links: what the token-file
+        # rules take from a root-owned file (test_fail_closed.py::test_roots_links_and_group_...)
+        ctx = pod["securityContext"]
+        assert ctx["runAsUser"] == ctx["fsGroup"] == 10001 and vol["secret"]["defaultMode"] == 0o440
 
 
 def test_no_placeholder_secret_is_shipped():
