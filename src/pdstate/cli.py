@@ -197,7 +197,20 @@ def _add_probe(sub) -> None:
     r.add_argument("--prefill-ranks", type=int, default=1, metavar="N", help="prefill ranks: ports + 0 .. N-1")
     r.add_argument("--decode", metavar="URL", help="the decode's rank 0 endpoint (its http.port)")
     r.add_argument("--decode-ranks", type=int, default=1, metavar="N", help="decode ranks: ports + 0 .. N-1")
-    p.add_argument("--token", default=None, help="bearer token (only needed by mutating endpoints) (default: none)")
+    p.add_argument(
+        "--token-file",
+        default=None,
+        metavar="FILE",
+        help="file holding the bearer token (the rules of auth.token_file: a regular file of this user, mode 0600 "
+        "or 0400, at most 4 KiB); else PDSTATE_AUTH__TOKEN_FILE or PDSTATE_AUTH__TOKEN. The token shows "
+        "incarnations; it goes only to the URLs given, never through a redirect",
+    )
+    p.add_argument(
+        "--token",
+        default=None,
+        help="bearer token on the command line: visible to every user of this host in /proc (a warning); "
+        "prefer --token-file or PDSTATE_AUTH__TOKEN",
+    )
     p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="seconds per HTTP call")
     p.add_argument("--json", action="store_true", help="print the findings as one JSON object")
     p.set_defaults(func=_probe)

@@ -10,6 +10,8 @@ and sockets on 127.0.0.1, port 0.
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 import threading
 import time
@@ -180,3 +182,51 @@ def test_a_manager_dropped_without_close_ends_its_child():
     gc.collect()
     assert _until(lambda: proc.poll() is not None, 10.0), "the child outlived its dropped manager"
     assert proc.returncode == 0
+
+
+def test_the_child_runs_isolated_from_the_ranks_directory_and_secrets(tmp_path, monkeypatch):
+    # a rank started from a directory holding a uvicorn.py (was: imported by the child, which ran
+    # `python -m` there), with secrets in its environment (was: all handed to the child)
+    marker = tmp_path / "imported"
+    (tmp_path / "uvicorn.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PDSTATE_AUTH__TOKEN", TOKEN.decode())
+    monkeypatch.setenv("HF_TOKEN", "hf-secret-of-the-rank")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([".", os.environ.get("PYTHONPATH", "")]))
+    endpoint = None
+    try:
+        endpoint = RankEndpoint(RankLike(), "127.0.0.1", 0, TOKEN)
+        pid = endpoint.child.proc.pid
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+        auth = {"Authorization": f"Bearer {TOKEN.decode()}"}
+        with httpx.Client(base_url=endpoint.url, timeout=10) as child:
+            assert child.get("/healthz").status_code == 200
+            assert b'"incarnation":"i-1"' in child.get("/v1/compat", headers=auth).content  # it has the token
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+    assert not marker.exists(), "the child imported the rank directory's uvicorn.py"
+    assert cwd == "/"
+    assert not {k for k in env if k.startswith(b"PDSTATE_") or k in (b"HF_TOKEN", b"PYTHONPATH")}, env
+    assert TOKEN not in cmdline and b"hf-secret" not in cmdline and b"-I\0" in cmdline
+
+
+def test_the_child_drops_a_request_head_that_never_ends(served):
+    # bounded as serve's HTTP (tests/security/test_exhaustion.py): was held as long as the client liked
+    from pdstate.service.connections import REQUEST_TIMEOUT_S
+
+    _, endpoint = served
+    host, port = endpoint.url.removeprefix("http://").rsplit(":", 1)
+    t0 = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=REQUEST_TIMEOUT_S * 3) as slow:
+        slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        assert httpx.get(f"{endpoint.url}/healthz", timeout=10).status_code == 200
+        try:
+            assert slow.recv(1) == b""
+        except ConnectionResetError:
+            pass
+    assert REQUEST_TIMEOUT_S - 1 < time.monotonic() - t0 < REQUEST_TIMEOUT_S * 3

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -35,7 +37,7 @@ def _token_file(overrides: list[str]) -> str:
 
 def _run_secret_service(compose: dict, volume: Path, env: dict[str, str] | None = None) -> None:
     svc = compose["services"]["secret"]
-    assert svc["entrypoint"] == ["python", "-c"]
+    assert svc["entrypoint"] in (["python", "-c"], ["python3", "-c"])
     (script,) = svc["command"]
     mount = next(v for v in svc["volumes"] if v.startswith("auth:"))
     in_container = mount.split(":")[1]
@@ -66,10 +68,58 @@ def test_compose_generates_a_real_token_once(compose, tmp_path):
     assert "10001" in (REPO / "deploy" / "Dockerfile").read_text()
 
 
+def _as_user(uid: int, check) -> None:
+    """``check()`` in a child process of ``uid`` (its own group, no other): it must return."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            check()
+            code = 0
+        except BaseException as exc:  # the reason goes to the parent's captured stderr
+            sys.stderr.write(f"{type(exc).__name__}: {exc}\n")
+        finally:
+            os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+
+
+@pytest.mark.parametrize("compose_file", ["docker-compose.yml", "deploy/sglang/docker-compose.yml"])
+def test_compose_tokens_pass_the_token_file_checks_as_the_workers_user(compose_file):
+    # a regular file of the workers' user (the image's 10001; root's in the SGLang image, which
+    # runs as root), 0400, a strong token (tests/security/test_fail_closed.py has the rules)
+    spec = yaml.safe_load((REPO / compose_file).read_text())
+    volume = Path(tempfile.mkdtemp(prefix="pdstate-compose-"))
+    try:
+        volume.chmod(0o755)  # the workers' user passes through it
+        _run_secret_service(spec, volume)
+        token = volume / "token"
+        st = token.stat()
+        assert st.st_mode & 0o777 == 0o400
+        worker_uid = 10001 if compose_file == "docker-compose.yml" and os.geteuid() == 0 else os.geteuid()
+        assert st.st_uid == worker_uid
+        assert re.fullmatch(r"[0-9a-f]{64}\n", token.read_text())
+
+        def check() -> None:
+            cfg = load_config(REPO / "services" / "decode" / "config.toml", [f"auth.token_file={token}"], environ={})
+            assert cfg.auth.secret() == token.read_text().strip().encode()
+
+        if worker_uid != os.geteuid():
+            _as_user(worker_uid, check)
+        else:
+            check()
+    finally:
+        shutil.rmtree(volume)
+
+
 def test_compose_workers_always_authenticate(compose, tmp_path):
     services = compose["services"]
     assert services["secret"]["restart"] == "no"
     _run_secret_service(compose, tmp_path)
+    if os.geteuid() == 0:  # handed to the image's user (10001), who runs the workers: here, this user
+        os.chown(tmp_path / "token", 0, 0)
     for role in ("prefill", "decode"):
         svc = services[role]
         assert svc["depends_on"]["secret"] == {"condition": "service_completed_successfully"}
@@ -109,6 +159,10 @@ def test_k8s_secret_comes_from_an_operator_file(tmp_path):
         assert "auth.token_file=/var/run/secrets/pdstate/token" in c["args"]
         vol = next(v for v in pod["volumes"] if v["name"] == "auth")
         assert vol["secret"]["secretName"] == "pdstate-auth" and "optional" not in vol["secret"]
+        # the kubelet writes it root:<fsGroup> with defaultMode behind root's links: what the token-file
+        # rules take from a root-owned file (test_fail_closed.py::test_roots_links_and_group_...)
+        ctx = pod["securityContext"]
+        assert ctx["runAsUser"] == ctx["fsGroup"] == 10001 and vol["secret"]["defaultMode"] == 0o440
 
 
 def test_no_placeholder_secret_is_shipped():

@@ -13,11 +13,14 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
 from pdstate.errors import ConfigError
+from pdstate.service.auth import read_token_file
 from pdstate.service.config import (
     control_bind_host,
     is_loopback_host,
@@ -64,9 +67,15 @@ def prefill_cfg(tmp_path) -> Path:
 # --- the token file --------------------------------------------------------------------------
 
 
+def token_file(path: Path, data: str | bytes, mode: int = 0o600) -> Path:
+    """A token file as an operator makes one: this user's, ``mode``."""
+    path.write_bytes(data.encode() if isinstance(data, str) else data)
+    path.chmod(mode)
+    return path
+
+
 def test_empty_token_file_is_refused(decode_cfg, tmp_path):
-    token = tmp_path / "token"
-    token.write_text("  \n")  # whitespace only: was "no auth"
+    token = token_file(tmp_path / "token", "  \n")  # whitespace only: was "no auth"
     refused(
         f"pdstate: auth.token_file: {token} is empty; write the shared token into it, e.g. {HINT} > {token}",
         decode_cfg,
@@ -105,8 +114,7 @@ def test_unreadable_token_file_is_refused(decode_cfg, tmp_path):
 
 
 def test_token_file_not_utf8_is_refused(decode_cfg, tmp_path):
-    token = tmp_path / "token"
-    token.write_bytes(b"\xff\xfe\x00secret")
+    token = token_file(tmp_path / "token", b"\xff\xfe\x00secret")
     refused(
         f"pdstate: auth.token_file: {token} is not UTF-8 text; write the shared token into it, e.g. {HINT} > {token}",
         decode_cfg,
@@ -117,8 +125,7 @@ def test_token_file_not_utf8_is_refused(decode_cfg, tmp_path):
 @pytest.mark.parametrize("placeholder", ["REPLACE-ME-with-a-random-secret", "changeme"])
 def test_placeholder_token_file_is_refused(decode_cfg, tmp_path, placeholder):
     # REPLACE-ME-with-a-random-secret: what deploy/k8s/secret.yaml used to ship
-    token = tmp_path / "token"
-    token.write_text(placeholder + "\n")
+    token = token_file(tmp_path / "token", placeholder + "\n")
     refused(
         f"pdstate: auth.token_file: {token} holds a placeholder, not a secret; "
         f"replace it with a real one, e.g. {HINT} > {token}",
@@ -159,14 +166,145 @@ def test_whitespace_token_is_refused(decode_cfg):
 
 
 def test_short_token_file_is_refused(decode_cfg, tmp_path):
-    token = tmp_path / "token"
-    token.write_text("abc\n")
+    token = token_file(tmp_path / "token", "abc\n")
     refused(
         f"pdstate: auth.token_file: {token} holds a token of 3 bytes once trimmed; a token needs at least 16, "
         f"e.g. {HINT} > {token}",
         decode_cfg,
         f"auth.token_file={token}",
     )
+
+
+GOOD = "3f1c0a9e8b7d6c5b4a39281706f5e4d3"
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o620, 0o604, 0o602, 0o644, 0o666])
+def test_token_file_accessible_to_others_is_refused(decode_cfg, tmp_path, mode):
+    token = token_file(tmp_path / "token", GOOD, mode)  # was: accepted
+    refused(
+        f"pdstate: auth.token_file: {token} is accessible to other users (mode {mode:04o}); chmod 600 {token}",
+        decode_cfg,
+        f"auth.token_file={token}",
+    )
+
+
+def _not_ours() -> int:
+    """A uid other than this process's (as root: ``nobody``'s); chown needs root."""
+    if os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    return 65534
+
+
+def test_token_file_owned_by_another_user_is_refused(decode_cfg, tmp_path):
+    token = token_file(tmp_path / "token", GOOD, 0o400)
+    uid = _not_ours()
+    os.chown(token, uid, uid)
+    refused(
+        f"pdstate: auth.token_file: {token} is owned by uid {uid}, not by this user (uid 0) or root; chown 0 {token}",
+        decode_cfg,
+        f"auth.token_file={token}",
+    )
+
+
+def test_token_file_that_is_a_symlink_is_refused(decode_cfg, tmp_path):
+    target = token_file(tmp_path / "real", GOOD)
+    link = tmp_path / "token"
+    link.symlink_to(target)
+    uid = os.geteuid()
+    if uid == 0:  # root's own links are followed (Kubernetes' secret volumes): another user's link
+        uid = 65534
+        os.lchown(link, uid, uid)
+    refused(
+        f"pdstate: auth.token_file: {link} is a symbolic link (owned by uid {uid}); "
+        f"name the regular file itself (readlink -f {link})",
+        decode_cfg,
+        f"auth.token_file={link}",
+    )
+
+
+def test_token_file_that_is_a_fifo_is_refused_without_blocking(decode_cfg, tmp_path):
+    fifo = tmp_path / "token"
+    os.mkfifo(fifo, 0o600)  # nobody writes it: reading would block forever (was: blocked)
+    t0 = time.monotonic()
+    refused(
+        f"pdstate: auth.token_file: {fifo} is a FIFO; write the shared token into it, e.g. {HINT} > {fifo}",
+        decode_cfg,
+        f"auth.token_file={fifo}",
+    )
+    assert time.monotonic() - t0 < 30  # the process's own start; a blocked read never returns
+
+
+def test_token_file_over_4_kib_is_refused_without_reading_it(decode_cfg, tmp_path):
+    token = token_file(tmp_path / "token", GOOD)
+    os.truncate(token, 64 << 20)  # 64 MiB, sparse: was read whole and accepted
+    refused(
+        f"pdstate: auth.token_file: {token} has {64 << 20} bytes; a token file holds at most 4096, "
+        f"e.g. {HINT} > {token}",
+        decode_cfg,
+        f"auth.token_file={token}",
+    )
+
+
+@pytest.mark.parametrize(
+    ("token", "why"),
+    [
+        ("a" * 16, "one character repeated"),
+        ("ab" * 16, "only 2 distinct characters (at least 8)"),
+        ("0123456" * 4, "only 7 distinct characters (at least 8)"),
+        ("Zq7-x9Kp" + "x" * 16 + "Lm3", "a run of 16 of one character (at most 15)"),
+    ],
+)
+def test_weak_tokens_are_refused(decode_cfg, tmp_path, token, why):
+    path = token_file(tmp_path / "token", token + "\n")  # was: accepted (16 bytes or more)
+    refused(
+        f"pdstate: auth.token_file: {path} holds a weak token: {why}; use a random one, e.g. {HINT} > {path}",
+        decode_cfg,
+        f"auth.token_file={path}",
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(decode_cfg, [], environ={"PDSTATE_AUTH__TOKEN": token})
+    assert str(err.value) == (
+        "auth.token: the configured value (from environment PDSTATE_AUTH__TOKEN) is a weak token: "
+        f"{why}; use a random one, e.g. PDSTATE_AUTH__TOKEN=$({HINT})"
+    )
+
+
+@pytest.fixture
+def open_dir():
+    """A directory any user can pass through (``tmp_path``'s parents are root's alone)."""
+    path = Path(tempfile.mkdtemp(prefix="pdstate-token-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+def test_roots_links_and_group_are_how_a_secret_volume_hands_the_token_over(open_dir):
+    # Kubernetes' secret volume: token -> ..data/token, ..data -> ..<timestamp>, both root's links
+    # to a root-owned file; with fsGroup the file is 0440 root:<the pod's group>
+    if os.geteuid() != 0:
+        pytest.skip("root's links and files need root")
+    tmp_path = open_dir
+    stamp = tmp_path / "..2026_12_06"
+    stamp.mkdir()
+    token_file(stamp / "token", GOOD + "\n", 0o400)
+    (tmp_path / "..data").symlink_to(stamp.name)
+    (tmp_path / "token").symlink_to("..data/token")
+    assert read_token_file(str(tmp_path / "token")) == GOOD.encode()  # root's: 0400
+    os.chown(stamp / "token", 0, 10001)
+    os.chmod(stamp / "token", 0o440)
+    pid = os.fork()
+    if pid == 0:  # the pod's user: uid 10001 in group 10001 (its fsGroup)
+        code = 1
+        try:
+            os.setgroups([10001])
+            os.setgid(10001)
+            os.setuid(10001)
+            code = 0 if read_token_file(str(tmp_path / "token")) == GOOD.encode() else 3
+        except BaseException:
+            code = 2
+        finally:
+            os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
 
 
 # --- listeners beyond loopback without a token -----------------------------------------------
@@ -350,13 +488,12 @@ def test_insecure_bind_opt_out(tmp_path):
     with pytest.raises(ConfigError, match="placeholder"):
         load(tmp_path, "http.host=0.0.0.0", "auth.allow_insecure_bind=true", "auth.token=replace_me")
     with pytest.raises(ConfigError, match="is empty"):
-        (tmp_path / "empty").write_text("")
+        token_file(tmp_path / "empty", "")
         load(tmp_path, "auth.allow_insecure_bind=true", f"auth.token_file={tmp_path / 'empty'}")
 
 
 def test_a_token_allows_any_bind(tmp_path):
-    token = tmp_path / "token"
-    token.write_text("3f1c0a9e8b7d6c5b4a39281706f5e4d3\n")
+    token = token_file(tmp_path / "token", "3f1c0a9e8b7d6c5b4a39281706f5e4d3\n")
     cfg = load(tmp_path, "http.host=0.0.0.0", "control.bind=tcp://*:5601", f"auth.token_file={token}", role="prefill")
     assert cfg.auth.secret() == b"3f1c0a9e8b7d6c5b4a39281706f5e4d3"
     cfg = load(tmp_path, "http.host=0.0.0.0", environ={"PDSTATE_AUTH__TOKEN": "integration-token-7f3a"})
@@ -372,7 +509,7 @@ def test_placeholders_are_refused(tmp_path, token):
         load(tmp_path, environ={"PDSTATE_AUTH__TOKEN": token})
 
 
-@pytest.mark.parametrize("token", ["reliability-secret", "integration-token-7f3a", "0" * 64, "0123456789012345"])
+@pytest.mark.parametrize("token", ["reliability-secret", "integration-token-7f3a", "0123456789012345"])
 def test_real_looking_tokens_are_accepted(tmp_path, token):
     assert load(tmp_path, environ={"PDSTATE_AUTH__TOKEN": token}).auth.secret() == token.encode()
 

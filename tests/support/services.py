@@ -42,14 +42,20 @@ def ready(http: httpx.Client, url: str) -> dict | None:
 class Service:
     """One ``pdstate serve`` process; stdout JSON events and stderr are pumped by threads."""
 
-    def __init__(self, role: str, overrides: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, role: str, overrides: list[str], env: dict[str, str] | None = None, preexec_fn=None) -> None:
         self.role = role
         cmd = pdstate_command() + ["serve", "--config", str(SERVICES / role / "config.toml")]
         for o in overrides:
             cmd += ["--set", o]
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=serve_env(env), cwd=REPO
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=serve_env(env),
+            cwd=REPO,
+            preexec_fn=preexec_fn,
         )
         self.events: queue.Queue = queue.Queue()
         self.stderr: list[str] = []
@@ -123,14 +129,14 @@ class Services:
     def __init__(self) -> None:
         self.started: list[Service] = []
 
-    def start(self, role: str, overrides: list[str], env: dict[str, str] | None = None) -> Service:
-        service = Service(role, overrides, env)
+    def start(self, role: str, overrides: list[str], env: dict[str, str] | None = None, preexec_fn=None) -> Service:
+        service = Service(role, overrides, env, preexec_fn)
         self.started.append(service)
         return service
 
-    def prefill(self, *overrides: str, env: dict[str, str] | None = None) -> tuple[Service, str]:
+    def prefill(self, *overrides: str, env: dict[str, str] | None = None, preexec_fn=None) -> tuple[Service, str]:
         """A prefill on 127.0.0.1 (ports 0), once listening, and its control address."""
-        service = self.start("prefill", ["http.port=0", "control.bind=tcp://127.0.0.1:0", *overrides], env)
+        service = self.start("prefill", ["http.port=0", "control.bind=tcp://127.0.0.1:0", *overrides], env, preexec_fn)
         return service, service.wait_listening()["control"]
 
     def __enter__(self) -> Services:

@@ -89,6 +89,7 @@ def test_mooncake_options_reach_the_engine_constructor(toml):
 def test_token_file(toml, tmp_path):
     secret = tmp_path / "token"
     secret.write_text("from-file-0123456789\n")
+    secret.chmod(0o600)  # this user's alone (tests/security/test_fail_closed.py)
     cfg = load_config(toml(BASE), [f'auth.token_file="{secret}"'], environ={})
     assert cfg.auth.secret() == b"from-file-0123456789"
     assert load_config(toml(BASE), environ={}).auth.secret() is None

@@ -102,6 +102,7 @@ def compose_config(svc: dict, env_extra: dict | None = None):
         assert any(v.split(":")[1] == token_file.rsplit("/", 1)[0] for v in svc.get("volumes", [])), token_file
         local = Path(tempfile.mkdtemp()) / "token"
         local.write_text("a-local-test-token-0123")
+        local.chmod(0o600)
         overrides = [o if o != f"auth.token_file={token_file}" else f"auth.token_file={local}" for o in overrides]
     return args, load_config(image_path_to_repo(args.config), overrides, environ=env)
 
@@ -234,6 +235,7 @@ def k8s_config(k8s, role, tmp_path):
         assert secret_key in [f.split("=", 1)[0] for f in gen["files"]]
         local = tmp_path / f"{role}-token"
         local.write_text("a-local-test-token-0123")
+        local.chmod(0o600)
         overrides = [o if not o.startswith("auth.token_file=") else f"auth.token_file={local}" for o in overrides]
     return dep, pod, c, load_config(path, overrides, environ=env), token_file
 

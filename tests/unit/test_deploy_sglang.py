@@ -66,6 +66,7 @@ def _settings(role: str, env: dict[str, str], tmp_path: Path):
     """Backend pdstate's settings from a server's environment (its token file made here)."""
     token = tmp_path / f"{role}-token"
     token.write_text(TOKEN + "\n")
+    token.chmod(0o600)
     env = {k: v for k, v in env.items() if k.startswith("PDSTATE_")}
     assert env["PDSTATE_AUTH__TOKEN_FILE"].startswith("/")
     return load_settings(role, {**env, "PDSTATE_AUTH__TOKEN_FILE": str(token)})

@@ -95,11 +95,21 @@ def _wildcard(address: str) -> bool:
     return scheme == "tcp" and rest.rpartition(":")[0] in ("*", "0.0.0.0", "[::]", "::", "[::0]")
 
 
+HANDSHAKE_IVL_MS = 3000  # a connection that has not completed ZeroMQ's handshake by then is closed
+BACKLOG = 2048  # connections the kernel queues for accept (libzmq's default: 100), as serve's HTTP
+
+
 def bind_router(loop: Any, bind: str, keys: curve.Keys, on_fail: Callable[[], None]) -> tuple[zmq.Socket, str]:
     """The prefill agent's ROUTER, the CURVE server of ``keys``' domain (``agent.curve``), bound
     to ``bind`` (``tcp://host:0``: a free port); returns it and its address. When that fails the
-    socket is closed and ``on_fail()`` runs (the agent releases its loop and engine)."""
+    socket is closed and ``on_fail()`` runs (the agent releases its loop and engine). A connection
+    that does not complete ZeroMQ's handshake (ZMTP greeting and CURVE) within
+    ``HANDSHAKE_IVL_MS`` is closed (libzmq's default: 30 s), so idle TCP connections to the control
+    port hold their descriptors for seconds, not half a minute; ``BACKLOG`` lets a burst of them
+    queue for accept rather than stall other connections' handshakes (``tests/security/test_exhaustion.py``)."""
     sock = loop.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+    sock.setsockopt(zmq.BACKLOG, BACKLOG)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     try:

@@ -13,8 +13,8 @@ unless this uid owns both and nobody else may open them: a token-less worker's p
 processes of its own uid (and whoever it shared that file with). HKDF-SHA256 of the secret gives
 a server and a client keypair.
 
-A failed handshake is a monitor event on the socket (``HANDSHAKE_EVENTS``); ``handshake_error``
-turns it into the ``AuthError`` each side reports.
+A failed handshake is a monitor event on the socket (a decode's ``HANDSHAKE_EVENTS``, a prefill's
+``REFUSED_EVENTS``); ``handshake_error`` turns it into the ``AuthError`` each side reports.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from pdstate.errors import AuthError, ConfigError
 __all__ = [
     "HANDSHAKE_EVENTS",
     "KEY_FILE",
+    "REFUSED_EVENTS",
     "Keys",
     "control_keys",
     "default_key_dir",
@@ -53,6 +54,9 @@ MAX_KEY_FILE_BYTES = 4096
 HANDSHAKE_EVENTS = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+# a server's evidence of a peer without the domain's keys; ``NO_DETAIL`` there is a connection
+# closed or timed out before its handshake ended (a TCP probe, an idle connection), evidence of nothing
+REFUSED_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 KEYS_DIFFER = "it does not hold this worker's control key (another auth token, a token on one side only, or without a token another uid or auth.key_dir)"
 
 

@@ -46,9 +46,11 @@ class Fences:
         self._fencing: dict[int, Sending] = {}  # room -> a failing request whose fence is pending
         self._unreleased: set[str] = set()  # peer ids of gone decodes whose release waits for a fence
 
-    def _done_failed(self, room: int, error: BaseException | None) -> wire.TransferDone:
+    def _done_failed(self, room: int, error: BaseException | None, landed: int = 0) -> wire.TransferDone:
+        """A failed ``TransferDone``; ``landed``: the bytes of the room that landed before its fence
+        held (both sides' records then say the same)."""
         info = ErrorInfo.of(error) if error is not None else ErrorInfo(type="TransferFailed", message="failed")
-        return wire.TransferDone(room=room, status="failed", error=info)
+        return wire.TransferDone(room=room, status="failed", error=info, bytes=landed)
 
     def _fail(self, send: Sending, error: PdStateError, tell_decode: bool) -> None:
         """Fail ``send`` with ``error`` once its fence holds (at once when nothing is in flight),
@@ -96,7 +98,7 @@ class Fences:
         send.record.fail(fence.error)
         if held and send.identity is not None and (fence.tell or send.request is not None):
             # the decode frees the pages on it (or reads it when it wakes, if it was dropped)
-            self._reply(send.identity, self._done_failed(send.record.room, fence.error))
+            self._reply(send.identity, self._done_failed(send.record.room, fence.error, send.bytes))
         for peer_id in [p for p in self._unreleased if not self._fenced_into(p)]:
             self._unreleased.discard(peer_id)
             self._release(peer_id)

@@ -173,7 +173,7 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Fences, Refusals):
         self._sock, self.address = bind_router(self._loop, bind, keys, on_fail=lambda: self._stop(lambda: None))
         self._gate = Gate(self, self._decodes, self._engine, self._handshake, self._sock, self._reply)
         self._loop.watch(self._sock, self._on_frame)
-        self._loop.monitor(self._sock, curve.HANDSHAKE_EVENTS, self._gate.refuse_handshake)
+        self._loop.monitor(self._sock, curve.REFUSED_EVENTS, self._gate.refuse_handshake)
         self._loop.start()
 
     # --- public ---------------------------------------------------------------------------------

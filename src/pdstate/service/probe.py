@@ -3,18 +3,59 @@ readable report; with two URLs, POST the first one's document to the second's ``
 SGLang ranks' endpoints (``--ranks``, ``--prefill`` / ``--decode``): ``probe_ranks``' pair matrix.
 
 Probe only needs the standard library (httpx when installed), not torch.
+
+The token (``--token-file``, ``PDSTATE_AUTH__TOKEN_FILE``, ``PDSTATE_AUTH__TOKEN``; ``--token``
+still works but is visible to every user of the host in ``/proc``) goes only to the URLs given
+(and, for ``--prefill`` / ``--decode``, their ranks' ports on the same host); a redirect is never
+followed, with or without it: a 3xx is reported as the worker's answer.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 from typing import Any
 
 from pdstate.errors import ExitCode, ProbeError
 
+TOKEN_ARG_WARNING = (
+    "pdstate probe: --token is visible to every user of this host (/proc/PID/cmdline); "
+    "use --token-file FILE or PDSTATE_AUTH__TOKEN instead"
+)
+
+
+def probe_token(args: Any, environ: dict[str, str] | None = None) -> str | None:
+    """The bearer token for the probe: ``--token-file`` (the token-file rules of ``serve``), else
+    ``--token`` (a warning on stderr), else ``PDSTATE_AUTH__TOKEN_FILE``, else
+    ``PDSTATE_AUTH__TOKEN``; ``None`` without one. A refused file is a ``ConfigError`` (exit 2)."""
+    from pdstate.service.auth import read_token_file
+
+    env = os.environ if environ is None else environ
+    if getattr(args, "token_file", None):
+        return read_token_file(args.token_file, key="--token-file").decode()
+    if getattr(args, "token", None):
+        print(TOKEN_ARG_WARNING, file=sys.stderr)
+        return args.token
+    if env.get("PDSTATE_AUTH__TOKEN_FILE"):
+        return read_token_file(env["PDSTATE_AUTH__TOKEN_FILE"], key="PDSTATE_AUTH__TOKEN_FILE").decode()
+    return env.get("PDSTATE_AUTH__TOKEN", "").strip() or None
+
+
+def _no_redirects_opener():
+    import urllib.request
+
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, req, fp, code, msg, headers, newurl):  # the 3xx comes back as HTTPError
+            return None
+
+    return urllib.request.build_opener(NoRedirect)
+
 
 def http_call(method: str, url: str, body: dict | None = None, token: str | None = None, timeout_s: float = 5.0):
-    """``(status, json_or_text)``; raises ``ProbeError`` when the worker cannot be reached."""
+    """``(status, json_or_text)``; raises ``ProbeError`` when the worker cannot be reached. A
+    redirect is never followed (httpx: ``follow_redirects=False``; urllib: no redirect handler):
+    the token goes to ``url`` alone."""
     headers = {"Accept": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
@@ -24,11 +65,11 @@ def http_call(method: str, url: str, body: dict | None = None, token: str | None
         httpx = None
     if httpx is not None:
         try:
-            r = httpx.request(method, url, json=body, headers=headers, timeout=timeout_s)
+            r = httpx.request(method, url, json=body, headers=headers, timeout=timeout_s, follow_redirects=False)
         except httpx.HTTPError as exc:
             raise ProbeError(f"{method} {url}: {exc}") from None
         status, text = r.status_code, r.text
-    else:  # pragma: no cover
+    else:  # tests/security/test_probe_token.py runs it
         import urllib.error
         import urllib.request
 
@@ -37,7 +78,7 @@ def http_call(method: str, url: str, body: dict | None = None, token: str | None
             headers["Content-Type"] = "application/json"
         req = urllib.request.Request(url, data=data, headers=headers, method=method)
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            with _no_redirects_opener().open(req, timeout=timeout_s) as resp:
                 status, text = resp.status, resp.read().decode()
         except urllib.error.HTTPError as exc:
             status, text = exc.code, exc.read().decode()
@@ -163,6 +204,6 @@ def cmd_probe(args) -> ExitCode:
     if not args.urls:
         print("pdstate probe: give one or two worker URLs, or rank endpoints (--ranks, --prefill, --decode)")
         return ExitCode.CONFIG
-    found = probe(args.urls, token=args.token or None, timeout_s=args.timeout)
+    found = probe(args.urls, token=probe_token(args), timeout_s=args.timeout)
     print(json.dumps(found) if args.json else format_probe(found))
     return ExitCode.OK if found["ok"] else ExitCode.FAILED

@@ -162,6 +162,8 @@ def cmd_probe_ranks(args) -> ExitCode:
     except ValueError as exc:
         print(f"pdstate probe: {exc}")
         return ExitCode.CONFIG
-    found = probe_ranks(urls, token=args.token or None, timeout_s=args.timeout, hints=hints)
+    from pdstate.service.probe import probe_token
+
+    found = probe_ranks(urls, token=probe_token(args), timeout_s=args.timeout, hints=hints)
     print(json.dumps(found) if args.json else format_ranks(found))
     return ExitCode.OK if found["ok"] else ExitCode.FAILED

@@ -1,7 +1,7 @@
 """A worker's HTTP app served from a process of its own, fed with snapshots of the worker's status.
 
 The worker (an SGLang rank: ``integrations.sglang.endpoint``) starts this module as a child
-(``python -m pdstate.service.pushed``), with the listening socket it bound as ``--fd`` and a pipe
+(``python -I -c CHILD_BOOT``, from ``/``, with a bare environment: ``Child``), with the listening socket it bound as ``--fd`` and a pipe
 as the child's stdin. Over that pipe it sends (``multiprocessing.connection`` frames, pickled:
 the pipe is private to the two processes) first ``facts`` (what never changes: identity, engine,
 transport, layout report, local check, the rank, the token), then ``status`` whenever its status
@@ -118,6 +118,20 @@ POLL_S = 0.25  # how often the worker's key is compared
 FULL_S = 1.0  # a snapshot at least this often: what neither an event nor the key shows (a peer gone)
 
 
+# The child runs isolated from the rank's working directory and environment: ``python -I`` (no
+# current directory or script directory on sys.path, no PYTHON* variables, no user site), from
+# ``/``, with sys.path = pdstate's own root and the absolute entries of the rank's PYTHONPATH, then
+# the interpreter's own; its environment holds only CHILD_ENV (no PDSTATE_*, no HF_TOKEN...). The
+# token it needs for its routes comes over the pipe, never in argv or the environment.
+CHILD_BOOT = (
+    "import os, sys; sys.path[:0] = [p for p in sys.argv[1].split(os.pathsep) if p]; "
+    "from pdstate.service.pushed import main; sys.exit(main(sys.argv[2:]))"
+)
+CHILD_ENV = frozenset(
+    {"PATH", "LD_LIBRARY_PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_MESSAGES", "TZ", "TMPDIR"}
+)
+
+
 class Child:
     """The child process serving the app on ``sock`` (bound by the worker; the worker may close
     its copy once this returns): started with ``facts`` (``facts_of``, plus ``token``) and a
@@ -130,13 +144,15 @@ class Child:
         import pdstate
 
         root = os.path.dirname(os.path.dirname(os.path.abspath(pdstate.__file__)))  # the same pdstate there
-        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-        argv = [sys.executable, "-m", "pdstate.service.pushed", "--fd", str(sock.fileno())]
+        given = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p)]
+        path = os.pathsep.join([root, *given])
+        argv = [sys.executable, "-I", "-c", CHILD_BOOT, path, "--fd", str(sock.fileno())]
+        env = {k: v for k, v in os.environ.items() if k in CHILD_ENV}
         start_s = START_S if start_s is None else start_s
         r, w = os.pipe()
         try:
             self.proc = subprocess.Popen(
-                argv, stdin=r, stdout=subprocess.PIPE, pass_fds=(sock.fileno(),), env={**os.environ, "PYTHONPATH": path}
+                argv, stdin=r, stdout=subprocess.PIPE, pass_fds=(sock.fileno(),), env=env, cwd="/"
             )
         except OSError as exc:
             os.close(w)
@@ -284,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         import uvicorn
 
         from pdstate.service.api import create_app
+        from pdstate.service.connections import bounded_h11, http_connection_cap, raise_open_files_limit
 
         conn = Connection(0, writable=False)
         facts = pickle.loads(conn.recv_bytes())
@@ -291,8 +308,15 @@ def main(argv: list[str] | None = None) -> int:
         source = PushedStatus(facts)
         source.apply(pickle.loads(conn.recv_bytes()))
         sock = socket.socket(fileno=args.fd)
+        cap = http_connection_cap(raise_open_files_limit())  # bounded as serve's HTTP (service.connections)
         config = uvicorn.Config(
-            create_app(source, token=token), log_config=None, access_log=False, lifespan="off", log_level="warning"
+            create_app(source, token=token),
+            http=bounded_h11(cap),
+            limit_concurrency=cap,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            log_level="warning",
         )
         server = uvicorn.Server(config)
     except BaseException as exc:  # the worker reports it and refuses to start

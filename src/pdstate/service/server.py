@@ -17,6 +17,9 @@ worker (which fails its in-flight requests with a reason and releases its shared
 the open HTTP responses, print ``{"event": "stopped"}`` and exit 0. A worker that cannot start (engine, bind, HTTP port)
 exits ``ExitCode.FAILED`` (1); a bad configuration ``ExitCode.CONFIG`` (2, from ``pdstate.cli``).
 
+Before anything opens, the descriptor soft limit is raised to the hard limit; HTTP connections are
+capped and a request's head and body must arrive within a deadline (``service.connections``).
+
 The status source over the worker is ``service.status``; ``probe`` is ``service.probe``.
 """
 
@@ -63,6 +66,9 @@ def cmd_serve(args) -> ExitCode:
     from pdstate.worker.base import tune_interpreter
 
     tune_interpreter()
+    from pdstate.service.connections import bounded_h11, http_connection_cap, raise_open_files_limit
+
+    nofile = raise_open_files_limit()  # before the worker opens anything: peers, segments, HTTP
     from pdstate.service.auth import OPEN_ENGINES, check_open_listener
     from pdstate.service.config import load_config
 
@@ -157,8 +163,11 @@ def cmd_serve(args) -> ExitCode:
             await super().shutdown(sockets=sockets)
             await drained
 
+    cap = http_connection_cap(nofile)
     config = uvicorn.Config(
         app,
+        http=bounded_h11(cap),  # a request's head and body within a deadline, connections capped
+        limit_concurrency=cap,
         log_config=None,
         log_level=args.log_level.lower(),
         access_log=False,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdstate.errors import SGLangArgsError
+from pdstate.inputs import read_input_file
 
 NEWEST = "0.5.23"  # the newest SGLang release pdstate models (``prediction.SUPPORTED_RELEASES[-1]``)
 
@@ -239,6 +240,59 @@ def yaml_module():
     return yaml
 
 
+MAX_YAML_NODES = 100_000  # a YAML document's values once its aliases are expanded (a recipe: a few hundred)
+
+
+def read_text(path: str | Path, what: str) -> str:
+    """The text of the regular file ``path`` (``pdstate.inputs``: at most 16 MiB, never a FIFO, a
+    device or a directory, each refused before it is opened or read), or ``SGLangArgsError``
+    ``WHAT: why``."""
+    data = read_input_file(path, unreadable=lambda why: f"{what}: {why}", error=SGLangArgsError)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SGLangArgsError(f"{what}: not UTF-8 text (byte {exc.start})") from None
+
+
+def load_yaml(text: str, what: str):
+    """``yaml.safe_load(text)``, refused with ``SGLangArgsError`` when its aliases expand to more
+    than ``MAX_YAML_NODES`` values or an alias refers to a node that holds it (an alias bomb: 710
+    bytes grew ``pdstate check`` to 2 GB). Aliases themselves are fine (``<<: *base``)."""
+    loader = yaml_module().SafeLoader(text)
+    try:
+        node = loader.get_single_node()  # aliases share their node: the graph is as small as the text
+        if node is None:
+            return None
+        _expanded_size(node, {}, set(), what)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _expanded_size(node, sizes: dict[int, int], open_: set[int], what: str) -> int:
+    """The values ``node`` stands for with every alias expanded (each shared node counted once per
+    reference, computed once)."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_:
+        raise SGLangArgsError(f"{what}: a YAML alias refers to a node that holds it; write the values out")
+    open_.add(key)
+    value = node.value
+    children = value if isinstance(value, list) else ()
+    n = 1
+    for child in children:
+        for part in child if isinstance(child, tuple) else (child,):  # a mapping's (key, value)
+            n += _expanded_size(part, sizes, open_, what)
+        if n > MAX_YAML_NODES:
+            raise SGLangArgsError(
+                f"{what}: its YAML aliases expand to more than {MAX_YAML_NODES} values; write the values out"
+            )
+    open_.discard(key)
+    sizes[key] = n
+    return n
+
+
 def _config_keys(a: dict, release: str) -> set[str]:
     """The YAML keys SGLang's ``--config`` reads for one action (0.5.23: any long spelling)."""
     keys = {a["dest"]}
@@ -296,10 +350,11 @@ def merge_config(argv: list[str], release: str, base_dir: Path | None) -> tuple[
         raise SGLangArgsError(f"--config {name}: ValueError: Config file must be YAML format, got: {path.suffix}")
     if not path.is_absolute() and not path.exists() and base_dir is not None and (base_dir / path).exists():
         path = base_dir / path
+    text = read_text(path, f"--config {name}")
     try:
-        data = yaml_module().safe_load(path.read_text())
-    except OSError as exc:
-        raise SGLangArgsError(f"--config {name}: {exc.strerror or exc}") from None
+        data = load_yaml(text, f"--config {name}")
+    except SGLangArgsError:
+        raise
     except Exception as exc:  # yaml's errors
         raise SGLangArgsError(f"--config {name}: not YAML: {exc}") from None
     data = {} if data is None else data

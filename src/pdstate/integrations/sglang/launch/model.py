@@ -88,10 +88,11 @@ def model_family(name: str | None) -> str | None:
 
 
 def _read_json(path: Path, what: str) -> dict:
+    from pdstate.integrations.sglang.launch.command import read_text
+
+    text = read_text(path, what)
     try:
-        return json.loads(path.read_text())
-    except OSError as exc:
-        raise SGLangArgsError(f"{what}: {exc.strerror or exc}") from None
+        return json.loads(text)
     except ValueError as exc:
         raise SGLangArgsError(f"{what}: not JSON: {exc}") from None
 

@@ -36,8 +36,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from pdstate.errors import SGLangArgsError
-from pdstate.integrations.sglang.launch.command import Launch, fetch_server_info, merge_config, parse_argv, read_launch
+from pdstate.integrations.sglang.launch.command import (
+    Launch,
+    fetch_server_info,
+    merge_config,
+    parse_argv,
+    read_launch,
+    read_text,
+)
 from pdstate.integrations.sglang.launch.coverage import MODELLED, RULE_INPUTS, env_kind, field_kind
 from pdstate.integrations.sglang.launch.rules import resolve
 from pdstate.integrations.sglang.launch.side import SGLangSide
@@ -81,10 +87,7 @@ def predict(
     origin = "arguments"
     if not launch.argv and not launch.entry and ref.startswith("@") and " " not in ref:
         path = Path(ref[1:])
-        try:
-            file_text = path.read_text()
-        except OSError as exc:
-            raise SGLangArgsError(f"{ref}: {exc.strerror or exc}") from None
+        file_text = read_text(path, ref)
         origin = ref
         inner = read_launch(file_text, base_dir=path.parent)
         inner.env = {**inner.env, **launch.env}

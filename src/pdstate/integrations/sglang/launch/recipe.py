@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 
 from pdstate.errors import SGLangArgsError
-from pdstate.integrations.sglang.launch.command import Launch, yaml_module
+from pdstate.integrations.sglang.launch.command import Launch, load_yaml, read_text
 
 
 def _flags(mapping: dict) -> list[str]:
@@ -46,10 +46,11 @@ def _flags(mapping: dict) -> list[str]:
 def read_recipe(path: str) -> tuple[Launch, Launch]:
     """The prefill's and the decode's ``Launch`` from one recipe file."""
     p = Path(path)
+    text = read_text(p, f"--recipe {path}")
     try:
-        doc = yaml_module().safe_load(p.read_text())
-    except OSError as exc:
-        raise SGLangArgsError(f"--recipe {path}: {exc.strerror or exc}") from None
+        doc = load_yaml(text, f"--recipe {path}")
+    except SGLangArgsError:
+        raise
     except Exception as exc:  # yaml's errors
         raise SGLangArgsError(f"--recipe {path}: not YAML: {exc}") from None
     if not isinstance(doc, dict):
