@@ -135,7 +135,7 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
         self._devices = layout_devices(self._layout)  # host (None) or device, per buffer
         self._prefills: dict[str, PrefillPeer] = {}
         self.handshakes = {"accepted": 0, "rejected": 0}  # answers received, written by the I/O thread only
-        self.auth_failures = Incidents()  # prefills' answers refused for their auth tag
+        self.auth_failures = Incidents()  # failed CURVE handshakes, answers refused for their tag
         self._redial_s = max(1.0, 2 * heartbeat_interval_s)  # a gone prefill's register, sent again at most this often
         self._recvs: dict[tuple[str, int], Receiving] = {}
         self._landing = Landing()  # ended requests a prefill may still write, until it confirms

@@ -162,7 +162,7 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Fences, Refusals):
         self._sends: dict[int, Sending | EndedSender] = {}  # live senders, and ended ones as tombstones
         self._pending: dict[int, PendingRequest] = {}
         self.handshakes = {"accepted": 0, "rejected": 0}  # answers given, written by the I/O thread only
-        self.auth_failures = Incidents()  # frames refused for their auth tag
+        self.auth_failures = Incidents()  # refused CURVE handshakes and frames refused for their auth tag
         self.withheld, self.verdict_timeout_s = Incidents("verdict"), verdict_timeout_s  # ``agent.fairness``
         self._verdicts = Verdicts(self, self._decodes, self._fail, self._decode_gone)
         self._peer_log = PeerLog()  # every decode that registered (``peers()``)

@@ -116,7 +116,7 @@ class Collector:
         )
         yield CounterMetricFamily(
             "pdstate_auth_failures",
-            "Control frames refused for their auth tag (a token on one side only, or two tokens)",
+            "Refused CURVE handshakes and control frames refused for their auth tag (a token on one side only, or two tokens)",
             value=stats.auth_failures,
         )
         yield CounterMetricFamily(

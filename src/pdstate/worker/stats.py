@@ -58,7 +58,7 @@ class Stats:
     bytes: int = 0
     engine_errors: int = 0
     protocol_errors: int = 0
-    auth_failures: int = 0  # control frames refused for their auth tag (the agent's count)
+    auth_failures: int = 0  # refused CURVE handshakes and control frames refused for their auth tag (the agent's count)
     decodes_dropped: int = 0  # prefill: decodes dropped for withholding verdicts (the agent's count)
     latencies_s: RecentLatencies = field(default_factory=RecentLatencies)
     failure_reasons: dict[str, int] = field(default_factory=dict)
