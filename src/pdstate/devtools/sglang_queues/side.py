@@ -18,10 +18,13 @@ timeouts) and, on the decode, SGLang 0.5.23's decode radix cache (``radix``: its
 finished request is kept in it). Per request: the prefill's forward may take a while (``hold_s``);
 the decode may abort the request as the scheduler's ``abort_request`` does (``abort_after_s``, then
 polled until its pages are released: 0.5.23 defers that until the prefill acknowledged), wait before
-its byte check (``settle_s``), and keep its memory (``keep_memory``: a cached prefix stays). A room
-may be sent again (a retracted request's rebootstrap); ``rebootstrap`` has the decode dispatch
-the prefill's recompute after the request landed, through SGLang's own ``submit_prefill_recompute``
-(``POST /generate`` to the HTTP port the prefill registered: ``setup``'s ``http_port``).
+its byte check (``settle_s``), keep its memory (``keep_memory``: a cached prefix stays), and stop
+its whole process for a while after its destination was named (``stall_after_s`` / ``stall_s``:
+SIGSTOP, a stalled host), then go on; from the release of a request's pages on, an image of the
+decode's memory shows what still lands (``after_release_bytes``). A room may be sent again (a
+retracted request's rebootstrap); ``rebootstrap`` has the decode dispatch the prefill's recompute
+after the request landed, through SGLang's own ``submit_prefill_recompute`` (``POST /generate`` to
+the HTTP port the prefill registered: ``setup``'s ``http_port``).
 """
 
 from __future__ import annotations
@@ -210,14 +213,22 @@ def run_decode(
     settle_s: float = 0.0,
     keep_memory: bool = False,
     rebootstrap: bool = False,
+    stall_after_s: float | None = None,
+    stall_s: float = 0.0,
 ) -> dict:
     """One request through the decode's queues. ``abort_after_s``: that long after its destination
     was named (``send_metadata``), the request is aborted as the scheduler's ``abort_request``
     does for a transfer-queue request (``kv_receiver.abort()``), and the queues are polled on
     until its pages are released (0.5.23: deferred release, on the prefill's acknowledgement or
     its timeout); ``settle_s``: how long to wait before the byte check (a prefill that sends
-    late). Times: ``failed_s`` / ``named_s`` from the request's arrival, ``abort_call_ms`` (the
-    abort itself), ``released_ms`` (abort to pages released)."""
+    late). ``stall_after_s``: that long after its destination was named, this whole process is
+    stopped for ``stall_s`` (``_stall``: the agent's and the engine's threads too, as a stalled
+    host stops a decode), then polled on as before. Times: ``failed_s`` / ``named_s`` /
+    ``stalled_s`` / ``resumed_s`` / ``released_s`` from the request's arrival, ``abort_call_ms``
+    (the abort itself), ``released_ms`` (abort, else failure, to pages released). Bytes of the
+    decode's registered memory: ``before_stall_bytes`` written when it stopped,
+    ``after_release_bytes`` changed from the release (an image taken as the queues let the pages
+    go) to the byte check, ``settle_s`` later."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     case, sched = S.case, S.case.sched
@@ -233,7 +244,7 @@ def run_decode(
     req = _request(room, tokens, DisaggregationMode.DECODE)
     sched.disagg_decode_prealloc_queue.add(req)
     outcome, failure, times = None, None, {}
-    aborted_at = failed_at = last_receiver = None
+    aborted_at = failed_at = last_receiver = image = None
     placed = False
     while True:
         sched.process_decode_queue()
@@ -245,6 +256,12 @@ def run_decode(
             resolve = getattr(receiver.kv_mgr, "_resolve_rebootstrap_prefill_url", None)
             if resolve is not None:  # where SGLang's rebootstrap (submit_prefill_recompute) would POST /generate
                 times["rebootstrap_url"] = resolve(receiver)
+        if stall_after_s is not None and "resumed_s" not in times and "named_s" in times:
+            if now - t0 - times["named_s"] >= stall_after_s:
+                times["stalled_s"] = round(now - t0, 4)
+                times["before_stall_bytes"] = _written(case)
+                _stall(stall_s)
+                times["resumed_s"] = round(time.perf_counter() - t0, 4)
         if abort_after_s is not None and aborted_at is None and "named_s" in times:
             if now - t0 - times["named_s"] >= abort_after_s:
                 aborted_at = time.perf_counter()
@@ -270,7 +287,11 @@ def run_decode(
                 times["meta_index"] = meta
         placed = compat.placed(case, req)
         if outcome is not None and not placed:  # released, by the queues (0.5.23: deferred release)
-            times["released_ms"] = round((time.perf_counter() - (aborted_at or failed_at)) * 1000, 2)
+            released_at = time.perf_counter()
+            image = _image(case)
+            times["released_ms"] = round((released_at - (aborted_at or failed_at)) * 1000, 2)
+            if "resumed_s" in times:
+                times["released_s"] = round(released_at - t0, 4)
             break
         if time.perf_counter() >= deadline:
             state = compat.poll_name(receiver.poll()) if receiver is not None else "no receiver"
@@ -284,9 +305,37 @@ def run_decode(
         time.sleep(POLL_S)
     times["deferred"] = room in case.deferred
     time.sleep(settle_s)
+    if image is not None:
+        times["after_release_bytes"] = sum(
+            int(np.count_nonzero(pattern.memory(ptr, length) != was))
+            for (_, ptr, length, _), was in zip(compat.buffers(case.kv_args), image)
+        )
     out = {"outcome": outcome, "failure": failure, **times, **case.published.get(room, {})}
     out.update(_check(case, req, room, times.pop("meta_index", None)))
     return out
+
+
+def _stall(seconds: float) -> None:
+    """This process stopped (SIGSTOP: every thread) for ``seconds``; a child continues it."""
+    import signal
+    import subprocess
+
+    waker = subprocess.Popen(["/bin/sh", "-c", f"sleep {seconds:.3f}; kill -CONT {os.getpid()}"])
+    os.kill(os.getpid(), signal.SIGSTOP)
+    waker.wait()
+
+
+def _image(case) -> list:
+    """A copy of every byte of the decode's registered memory (main KV, state, aux)."""
+    return [pattern.memory(ptr, length).copy() for _, ptr, length, _ in compat.buffers(case.kv_args)]
+
+
+def _written(case) -> int:
+    """Bytes of the decode's registered memory that no longer hold its sentinel."""
+    return sum(
+        int(np.count_nonzero(pattern.memory(ptr, length) != pattern.SENTINEL))
+        for _, ptr, length, _ in compat.buffers(case.kv_args)
+    )
 
 
 def _meta_index(sched, req) -> int | None:
