@@ -15,8 +15,9 @@ process-wide state). One JSON command per stdin line, one ``@@queues {json}`` li
 
 Per case, ``setup`` takes SGLang settings for the managers (``env``: its waiting and bootstrap
 timeouts) and, on the decode, SGLang 0.5.23's decode radix cache (``radix``: its own tree; a
-finished request is kept in it). Per request: the prefill's forward may take a while (``hold_s``);
-the decode may abort the request as the scheduler's ``abort_request`` does (``abort_after_s``, then
+finished request is kept in it). Per request: the prefill's forward may take a while (``hold_s``)
+and its whole process stop for a while right after it sent its last chunk (``stall_s``); the decode
+may abort the request as the scheduler's ``abort_request`` does (``abort_after_s``, then
 polled until its pages are released: 0.5.23 defers that until the prefill acknowledged), wait before
 its byte check (``settle_s``), keep its memory (``keep_memory``: a cached prefix stays), and stop
 its whole process for a while after its destination was named (``stall_after_s`` / ``stall_s``:
@@ -148,7 +149,10 @@ def _request(room: int, tokens: int, mode):
 
 
 # -- prefill
-def run_prefill(room: int, tokens: int, deadline_s: float, hold_s: float = 0.0) -> dict:
+def run_prefill(room: int, tokens: int, deadline_s: float, hold_s: float = 0.0, stall_s: float = 0.0) -> dict:
+    """One request through the prefill's queues (``hold_s``: its forward takes that long;
+    ``stall_s``: right after its last chunk was sent, the whole process stops that long, ``_stall``;
+    how long it stopped is answered as ``stalled_s``)."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     case, sched = S.case, S.case.sched
@@ -188,6 +192,11 @@ def run_prefill(room: int, tokens: int, deadline_s: float, hold_s: float = 0.0) 
     sched.disagg_prefill_inflight_queue.append(req)
     sched.send_kv_chunk(req, last_chunk=True)
     trace.append("last chunk")
+    stalled_s = None
+    if stall_s:
+        stop = time.perf_counter()
+        _stall(stall_s)
+        stalled_s = round(time.perf_counter() - stop, 4)
     aux = compat.row_digests(case.aux_bufs, req.metadata_buffer_index)
     while True:
         done = sched.process_disagg_prefill_inflight_queue()
@@ -197,7 +206,7 @@ def run_prefill(room: int, tokens: int, deadline_s: float, hold_s: float = 0.0) 
             metric = req.disagg_kv_sender.get_transfer_metric() if req.disagg_kv_sender is not None else None
             return {"outcome": outcome, "failure": failure, "trace": trace + ["inflight done"], "aux": aux,
                     "ms": ms if outcome == "Success" else None,
-                    "bytes": getattr(metric, "transfer_total_bytes", None)}  # fmt: skip
+                    "bytes": getattr(metric, "transfer_total_bytes", None), "stalled_s": stalled_s}  # fmt: skip
         if time.perf_counter() >= deadline:
             state = compat.poll_name(req.disagg_kv_sender.poll())
             return {"outcome": f"timeout ({state})", "failure": None, "trace": trace, "aux": aux}
@@ -226,9 +235,9 @@ def run_decode(
     host stops a decode), then polled on as before. Times: ``failed_s`` / ``named_s`` /
     ``stalled_s`` / ``resumed_s`` / ``released_s`` from the request's arrival, ``abort_call_ms``
     (the abort itself), ``released_ms`` (abort, else failure, to pages released). Bytes of the
-    decode's registered memory: ``before_stall_bytes`` written when it stopped,
-    ``after_release_bytes`` changed from the release (an image taken as the queues let the pages
-    go) to the byte check, ``settle_s`` later."""
+    decode's registered memory (images of it): ``held_bytes`` changed from the stop to the release
+    (taken as the queues let the pages go), ``after_release_bytes`` from the release to the byte
+    check, ``settle_s`` later."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     case, sched = S.case, S.case.sched
@@ -244,7 +253,7 @@ def run_decode(
     req = _request(room, tokens, DisaggregationMode.DECODE)
     sched.disagg_decode_prealloc_queue.add(req)
     outcome, failure, times = None, None, {}
-    aborted_at = failed_at = last_receiver = image = None
+    aborted_at = failed_at = last_receiver = image = stalled = None
     placed = False
     while True:
         sched.process_decode_queue()
@@ -259,7 +268,7 @@ def run_decode(
         if stall_after_s is not None and "resumed_s" not in times and "named_s" in times:
             if now - t0 - times["named_s"] >= stall_after_s:
                 times["stalled_s"] = round(now - t0, 4)
-                times["before_stall_bytes"] = _written(case)
+                stalled = _image(case)
                 _stall(stall_s)
                 times["resumed_s"] = round(time.perf_counter() - t0, 4)
         if abort_after_s is not None and aborted_at is None and "named_s" in times:
@@ -306,10 +315,9 @@ def run_decode(
     times["deferred"] = room in case.deferred
     time.sleep(settle_s)
     if image is not None:
-        times["after_release_bytes"] = sum(
-            int(np.count_nonzero(pattern.memory(ptr, length) != was))
-            for (_, ptr, length, _), was in zip(compat.buffers(case.kv_args), image)
-        )
+        times["after_release_bytes"] = _changed(image, _image(case, copy=False))
+        if stalled is not None:
+            times["held_bytes"] = _changed(stalled, image)
     out = {"outcome": outcome, "failure": failure, **times, **case.published.get(room, {})}
     out.update(_check(case, req, room, times.pop("meta_index", None)))
     return out
@@ -325,17 +333,14 @@ def _stall(seconds: float) -> None:
     waker.wait()
 
 
-def _image(case) -> list:
-    """A copy of every byte of the decode's registered memory (main KV, state, aux)."""
-    return [pattern.memory(ptr, length).copy() for _, ptr, length, _ in compat.buffers(case.kv_args)]
+def _image(case, copy: bool = True) -> list:
+    """Every byte of the decode's registered memory (main KV, state, aux): a copy, or the memory itself."""
+    views = [pattern.memory(ptr, length) for _, ptr, length, _ in compat.buffers(case.kv_args)]
+    return [view.copy() for view in views] if copy else views
 
 
-def _written(case) -> int:
-    """Bytes of the decode's registered memory that no longer hold its sentinel."""
-    return sum(
-        int(np.count_nonzero(pattern.memory(ptr, length) != pattern.SENTINEL))
-        for _, ptr, length, _ in compat.buffers(case.kv_args)
-    )
+def _changed(before: list, after: list) -> int:
+    return sum(int(np.count_nonzero(a != b)) for a, b in zip(before, after))
 
 
 def _meta_index(sched, req) -> int | None:
