@@ -80,6 +80,10 @@ PEER = {"PDSTATE_CONTROL__PEER_TIMEOUT_S": str(PEER_TIMEOUT_S)}
 # A prefill stopped right after its last chunk, past SGLang's waiting timeout and the abort's fence
 # (the decode's abort waits that long for the prefill's confirmation, then gives up)
 PREFILL_STALL_S = WAITING_TIMEOUT_S + ABORT_FENCE_S + 1.0
+DECODE_HOLD_S = 1.5  # the decode stopped meanwhile, so that the prefill's copy is still in flight when it stops
+# its byte check comes no earlier than this long after the request (about 2 s after the prefill went
+# on, whenever the pages were released: its late bytes landed 36-69 ms after it went on)
+PREFILL_CHECK_AFTER_S = PREFILL_STALL_S + 3.0
 
 
 PREFIX_TOKENS, SUFFIX_TOKENS = 1024, 1100  # a cached 1,024-token turn, then the next turn's 1,100 tokens
@@ -197,13 +201,18 @@ def _stalled(pair) -> dict:
 
 
 def _prefill_stalled(pair) -> dict:
-    """The prefill stops (SIGSTOP) right after its last chunk, its copy into the decode submitted;
-    SGLang's waiting timeout fails the request on the decode, whose abort finds no prefill to
-    confirm it; then the prefill goes on and its copy lands: whenever the queues release the
-    pages, nothing may land after (``after_release_bytes``)."""
+    """The prefill's copy held in flight, then the prefill stopped (SIGSTOP): the decode stops just
+    after naming its destination, for ``DECODE_HOLD_S``, so the prefill's Mooncake write (23 MB,
+    more than the loopback socket buffers hold) cannot finish; half a second after its last chunk,
+    with that write submitted and stuck, the prefill stops for ``PREFILL_STALL_S``. The decode goes
+    on, SGLang's waiting timeout fails the request, and its abort finds no prefill to confirm it;
+    then the prefill goes on and the rest of its copy lands: whenever the queues release the pages,
+    nothing may land after (``after_release_bytes``)."""
     from pdstate.devtools.sglang_pair.cases import CORRECT
 
     return pair.request(
-        CORRECT.tokens[0], PREFILL_STALL_S + 10.0, prefill={"stall_s": PREFILL_STALL_S},
-        decode={"settle_s": STALL_SETTLE_S},
+        CORRECT.tokens[0], PREFILL_STALL_S + 10.0,
+        prefill={"hold_s": 0.4, "stall_after_s": 0.5, "stall_s": PREFILL_STALL_S},
+        decode={"stall_after_s": 0.1, "stall_s": DECODE_HOLD_S, "settle_s": STALL_SETTLE_S,
+                "check_after_s": PREFILL_CHECK_AFTER_S},
     )  # fmt: skip

@@ -27,8 +27,9 @@ release of an aborted request) is asserted with ``pdstate`` on both:
   continued: the copy lands, the request fails, and from the moment the queues release its pages
   (0.5.19: at Failed, which waits for the prefill's confirmation; 0.5.23: its deferred release, on
   the acknowledgement recorded once fenced) not one byte of the decode's memory changes; the same
-  with the prefill stopped right after its last chunk, past the waiting timeout and the abort's
-  fence (0.5.19: the Failed waits for the prefill's confirmation, not just the fence's 5 s);
+  with the prefill stopped while its copy is in flight, past the waiting timeout and the abort's
+  fence: the copy lands after the receiver failed, before the release (0.5.19: the Failed waits
+  for the prefill's confirmation, not just the fence's 5 s);
 - SGLang's waiting timeout (``SGLANG_DISAGGREGATION_WAITING_TIMEOUT=3``) fails a request whose
   prefill is stuck at 3.0 s with SGLang's text, and its bootstrap timeout
   (``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=2``) a prefill request no decode asks for at 2.0 s;
@@ -169,7 +170,9 @@ def test_no_byte_lands_after_release_when_the_prefill_stalls_past_the_abort_fenc
     assert pre["outcome"] == "Failed" and f"aborted by decode: {want}" in pre["failure"], pre
     assert dec["released_ms"] is not None, dec  # the pages released within the deadline
     assert dec["after_release_bytes"] == 0, dec  # not one byte changed after the release
-    assert dec["changed_bytes"] > 10**6, dec  # the copy landed once the prefill went on, before that
+    # the prefill's copy was still in flight when the receiver failed: it landed once the prefill
+    # went on, and only then were the pages released
+    assert dec["concluded_to_release_bytes"] > 10**6, dec
     assert dec["deferred"] == (release != "0.5.19"), dec
 
 

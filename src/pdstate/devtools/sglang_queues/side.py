@@ -16,7 +16,8 @@ process-wide state). One JSON command per stdin line, one ``@@queues {json}`` li
 Per case, ``setup`` takes SGLang settings for the managers (``env``: its waiting and bootstrap
 timeouts) and, on the decode, SGLang 0.5.23's decode radix cache (``radix``: its own tree; a
 finished request is kept in it). Per request: the prefill's forward may take a while (``hold_s``)
-and its whole process stop for a while right after it sent its last chunk (``stall_s``); the decode
+and its whole process stop for a while after it sent its last chunk (``stall_after_s`` /
+``stall_s``); the decode
 may abort the request as the scheduler's ``abort_request`` does (``abort_after_s``, then
 polled until its pages are released: 0.5.23 defers that until the prefill acknowledged), wait before
 its byte check (``settle_s``), keep its memory (``keep_memory``: a cached prefix stays), and stop
@@ -149,10 +150,12 @@ def _request(room: int, tokens: int, mode):
 
 
 # -- prefill
-def run_prefill(room: int, tokens: int, deadline_s: float, hold_s: float = 0.0, stall_s: float = 0.0) -> dict:
+def run_prefill(
+    room: int, tokens: int, deadline_s: float, hold_s: float = 0.0, stall_after_s: float = 0.0, stall_s: float = 0.0
+) -> dict:
     """One request through the prefill's queues (``hold_s``: its forward takes that long;
-    ``stall_s``: right after its last chunk was sent, the whole process stops that long, ``_stall``;
-    how long it stopped is answered as ``stalled_s``)."""
+    ``stall_s``: ``stall_after_s`` after its last chunk was sent, the whole process stops that
+    long, ``_stall``; how long it stopped is answered as ``stalled_s``)."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     case, sched = S.case, S.case.sched
@@ -194,6 +197,7 @@ def run_prefill(room: int, tokens: int, deadline_s: float, hold_s: float = 0.0, 
     trace.append("last chunk")
     stalled_s = None
     if stall_s:
+        time.sleep(stall_after_s)  # the fault's place: its copy submitted (held by a stopped decode)
         stop = time.perf_counter()
         _stall(stall_s)
         stalled_s = round(time.perf_counter() - stop, 4)
@@ -224,20 +228,23 @@ def run_decode(
     rebootstrap: bool = False,
     stall_after_s: float | None = None,
     stall_s: float = 0.0,
+    check_after_s: float = 0.0,
 ) -> dict:
     """One request through the decode's queues. ``abort_after_s``: that long after its destination
     was named (``send_metadata``), the request is aborted as the scheduler's ``abort_request``
     does for a transfer-queue request (``kv_receiver.abort()``), and the queues are polled on
     until its pages are released (0.5.23: deferred release, on the prefill's acknowledgement or
     its timeout); ``settle_s``: how long to wait before the byte check (a prefill that sends
-    late). ``stall_after_s``: that long after its destination was named, this whole process is
+    late), and no earlier than ``check_after_s`` after the request's arrival. ``stall_after_s``: that long after its destination was named, this whole process is
     stopped for ``stall_s`` (``_stall``: the agent's and the engine's threads too, as a stalled
     host stops a decode), then polled on as before. Times: ``failed_s`` / ``named_s`` /
     ``stalled_s`` / ``resumed_s`` / ``released_s`` from the request's arrival, ``abort_call_ms``
     (the abort itself), ``released_ms`` (abort, else failure, to pages released). Bytes of the
     decode's registered memory (images of it): ``held_bytes`` changed from the stop to the release
-    (taken as the queues let the pages go), ``after_release_bytes`` from the release to the byte
-    check, ``settle_s`` later."""
+    (taken as the queues let the pages go), ``concluded_to_release_bytes`` from the moment the
+    receiver itself concluded Failed (``concluded_s``; SGLang may see it later) to the release,
+    ``after_release_bytes`` from the release to the byte check, ``settle_s`` later."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     case, sched = S.case, S.case.sched
@@ -253,7 +260,7 @@ def run_decode(
     req = _request(room, tokens, DisaggregationMode.DECODE)
     sched.disagg_decode_prealloc_queue.add(req)
     outcome, failure, times = None, None, {}
-    aborted_at = failed_at = last_receiver = image = stalled = None
+    aborted_at = failed_at = last_receiver = image = stalled = concluded = None
     placed = False
     while True:
         sched.process_decode_queue()
@@ -276,6 +283,11 @@ def run_decode(
                 aborted_at = time.perf_counter()
                 receiver.abort()
                 times["abort_call_ms"] = round((time.perf_counter() - aborted_at) * 1000, 2)
+        if stalled is not None and concluded is None and last_receiver is not None:
+            # the receiver's own Failed (SGLang may see it later: 0.5.19's hold, 0.5.23's deferred release)
+            if getattr(last_receiver, "conclude_state", None) == KVPoll.Failed:
+                concluded = _image(case)
+                times["concluded_s"] = round(time.perf_counter() - t0, 4)
         if req in sched.waiting_queue:
             sched.waiting_queue.remove(req)
             outcome, failure = _outcome(req)
@@ -313,11 +325,13 @@ def run_decode(
             break
         time.sleep(POLL_S)
     times["deferred"] = room in case.deferred
-    time.sleep(settle_s)
+    time.sleep(max(settle_s, t0 + check_after_s - time.perf_counter()))
     if image is not None:
         times["after_release_bytes"] = _changed(image, _image(case, copy=False))
         if stalled is not None:
             times["held_bytes"] = _changed(stalled, image)
+        if concluded is not None:
+            times["concluded_to_release_bytes"] = _changed(concluded, image)
     out = {"outcome": outcome, "failure": failure, **times, **case.published.get(room, {})}
     out.update(_check(case, req, room, times.pop("meta_index", None)))
     return out
