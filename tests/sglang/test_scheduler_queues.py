@@ -172,7 +172,7 @@ def test_no_byte_lands_after_release_when_the_prefill_stalls_past_the_abort_fenc
     assert dec["after_release_bytes"] == 0, dec  # not one byte changed after the release
     # the prefill's copy was still in flight when the receiver failed: it landed once the prefill
     # went on, and only then were the pages released
-    assert dec["concluded_to_release_bytes"] > 10**6, dec
+    assert dec.get("concluded_to_release_bytes", 0) > 10**6, dec
     assert dec["deferred"] == (release != "0.5.19"), dec
 
 

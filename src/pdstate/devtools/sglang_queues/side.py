@@ -283,11 +283,6 @@ def run_decode(
                 aborted_at = time.perf_counter()
                 receiver.abort()
                 times["abort_call_ms"] = round((time.perf_counter() - aborted_at) * 1000, 2)
-        if stalled is not None and concluded is None and last_receiver is not None:
-            # the receiver's own Failed (SGLang may see it later: 0.5.19's hold, 0.5.23's deferred release)
-            if getattr(last_receiver, "conclude_state", None) == KVPoll.Failed:
-                concluded = _image(case)
-                times["concluded_s"] = round(time.perf_counter() - t0, 4)
         if req in sched.waiting_queue:
             sched.waiting_queue.remove(req)
             outcome, failure = _outcome(req)
@@ -314,6 +309,12 @@ def run_decode(
             if "resumed_s" in times:
                 times["released_s"] = round(released_at - t0, 4)
             break
+        if stalled is not None and concluded is None and last_receiver is not None:
+            # the receiver's own Failed, its pages not released yet (0.5.19's hold, 0.5.23's deferred
+            # release); after the release check, so that the release's image is taken at once
+            if getattr(last_receiver, "conclude_state", None) == KVPoll.Failed:
+                concluded = _image(case)
+                times["concluded_s"] = round(time.perf_counter() - t0, 4)
         if time.perf_counter() >= deadline:
             state = compat.poll_name(receiver.poll()) if receiver is not None else "no receiver"
             if outcome is None:
