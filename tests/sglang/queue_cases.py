@@ -2,8 +2,9 @@
 
 ``run`` takes the release's shared pair of children (``queue_pair``, fresh) and runs in it, in this
 order: the same-config case with SGLang's Mooncake backend and with ``pdstate``, the refused
-mismatches with each, and ``pdstate``'s lifecycle cases (abort, timeouts, rebootstrap, a decode
-stalled while a copy into it is held, 0.5.23's decode radix cache); SGLang's Mooncake lifecycle runs in children of its own, on 0.5.23 alone.
+mismatches with each, and ``pdstate``'s lifecycle cases (abort, timeouts, rebootstrap, a decode or
+a prefill stopped while a copy is in flight, 0.5.23's decode radix cache); SGLang's Mooncake
+lifecycle runs in children of its own, on 0.5.23 alone.
 SGLang's Mooncake backend fails rooms in a process that already holds managers of several
 earlier cases (measured on 0.5.23: after its three same-config and mismatch cases, its radix-cache
 case on unified KV ended Failed; after its lifecycle, the same-config case ended Failed, "it might
@@ -77,7 +78,7 @@ PEER_TIMEOUT_S = 5.0
 STALL_S = PEER_TIMEOUT_S + 1.0
 STALL_SETTLE_S = 1.0  # watched after the release (the late bytes landed 36-69 ms after the resume)
 PEER = {"PDSTATE_CONTROL__PEER_TIMEOUT_S": str(PEER_TIMEOUT_S)}
-# A prefill stopped right after its last chunk, past SGLang's waiting timeout and the abort's fence
+# A prefill stopped with its copy in flight, past SGLang's waiting timeout and the abort's fence
 # (the decode's abort waits that long for the prefill's confirmation, then gives up)
 PREFILL_STALL_S = WAITING_TIMEOUT_S + ABORT_FENCE_S + 1.0
 DECODE_HOLD_S = 1.5  # the decode stopped meanwhile, so that the prefill's copy is still in flight when it stops
