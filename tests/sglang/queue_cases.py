@@ -2,8 +2,9 @@
 
 ``run`` takes the release's shared pair of children (``queue_pair``, fresh) and runs in it, in this
 order: the same-config case with SGLang's Mooncake backend and with ``pdstate``, the refused
-mismatches with each, and ``pdstate``'s lifecycle cases (abort, timeouts, rebootstrap, 0.5.23's
-decode radix cache); SGLang's Mooncake lifecycle runs in children of its own, on 0.5.23 alone.
+mismatches with each, and ``pdstate``'s lifecycle cases (abort, timeouts, rebootstrap, a decode or
+a prefill stopped while a copy is in flight, 0.5.23's decode radix cache); SGLang's Mooncake
+lifecycle runs in children of its own, on 0.5.23 alone.
 SGLang's Mooncake backend fails rooms in a process that already holds managers of several
 earlier cases (measured on 0.5.23: after its three same-config and mismatch cases, its radix-cache
 case on unified KV ended Failed; after its lifecycle, the same-config case ended Failed, "it might
@@ -18,6 +19,7 @@ import json
 import time
 
 from pdstate.devtools.sglang_pair.cases import CASES
+from pdstate.integrations.sglang.receiver import ABORT_FENCE_S
 from tests.sglang import runner
 
 DEADLINE_S = 3.0  # per side and request: what bounds a hang
@@ -69,6 +71,20 @@ TIMEOUTS = {
     "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(int(BOOTSTRAP_TIMEOUT_S)),
 }
 RELEASE_MS = 100.0
+# A decode stalled (its whole process stopped) past SGLang's waiting timeout and the prefill's peer
+# timeout (pdstate's default, set here), while the prefill's copy into it is held (Mooncake over TCP
+# to a stopped process: it lands once the decode goes on)
+PEER_TIMEOUT_S = 5.0
+STALL_S = PEER_TIMEOUT_S + 1.0
+STALL_SETTLE_S = 1.0  # watched after the release (the late bytes landed 36-69 ms after the resume)
+PEER = {"PDSTATE_CONTROL__PEER_TIMEOUT_S": str(PEER_TIMEOUT_S)}
+# A prefill stopped with its copy in flight, past SGLang's waiting timeout and the abort's fence
+# (the decode's abort waits that long for the prefill's confirmation, then gives up)
+PREFILL_STALL_S = WAITING_TIMEOUT_S + ABORT_FENCE_S + 1.0
+DECODE_HOLD_S = 1.5  # the decode stopped meanwhile, so that the prefill's copy is still in flight when it stops
+# its byte check comes no earlier than this long after the request (about 2 s after the prefill went
+# on, whenever the pages were released: its late bytes landed 36-69 ms after it went on)
+PREFILL_CHECK_AFTER_S = PREFILL_STALL_S + 3.0
 
 
 PREFIX_TOKENS, SUFFIX_TOKENS = 1024, 1100  # a cached 1,024-token turn, then the next turn's 1,100 tokens
@@ -139,10 +155,13 @@ def _features(pair, backend: str) -> dict:
 
     http = _PrefillHttp()
     try:
-        out = pair.setup(CORRECT, backend, env=TIMEOUTS, http_port=http.port)
+        out = pair.setup(CORRECT, backend, env={**TIMEOUTS, **PEER}, http_port=http.port)
         if "setup_error" in out:
             return out
         _lifecycle_requests(pair, out, http)
+        if backend == "pdstate":
+            out["stalled"] = _stalled(pair)
+            out["prefill_stalled"] = _prefill_stalled(pair)
     finally:
         http.close()
     return out
@@ -167,3 +186,34 @@ def _lifecycle_requests(pair, out: dict, http) -> None:
     if post is not None:
         n_again = len(post["json"]["input_ids"])
         out["second_attempt"] = pair.request(n_again, DEADLINE_S, room=post["json"]["bootstrap_room"])
+
+
+def _stalled(pair) -> dict:
+    """The decode stops (SIGSTOP) just after naming its destination, before the prefill's forward
+    ends; the prefill's copy into it is held meanwhile, the prefill gives the decode up, SGLang's
+    waiting timeout passes; then the decode goes on and the queues release the request's pages
+    whenever the receiver lets them: from then on nothing may land (``after_release_bytes``)."""
+    from pdstate.devtools.sglang_pair.cases import CORRECT
+
+    return pair.request(
+        CORRECT.tokens[0], STALL_S + 10.0, prefill={"hold_s": 0.4},
+        decode={"stall_after_s": 0.1, "stall_s": STALL_S, "settle_s": STALL_SETTLE_S},
+    )  # fmt: skip
+
+
+def _prefill_stalled(pair) -> dict:
+    """The prefill's copy held in flight, then the prefill stopped (SIGSTOP): the decode stops just
+    after naming its destination, for ``DECODE_HOLD_S``, so the prefill's Mooncake write (23 MB,
+    more than the loopback socket buffers hold) cannot finish; half a second after its last chunk,
+    with that write submitted and stuck, the prefill stops for ``PREFILL_STALL_S``. The decode goes
+    on, SGLang's waiting timeout fails the request, and its abort finds no prefill to confirm it;
+    then the prefill goes on and the rest of its copy lands: whenever the queues release the pages,
+    nothing may land after (``after_release_bytes``)."""
+    from pdstate.devtools.sglang_pair.cases import CORRECT
+
+    return pair.request(
+        CORRECT.tokens[0], PREFILL_STALL_S + 10.0,
+        prefill={"hold_s": 0.4, "stall_after_s": 0.5, "stall_s": PREFILL_STALL_S},
+        decode={"stall_after_s": 0.1, "stall_s": DECODE_HOLD_S, "settle_s": STALL_SETTLE_S,
+                "check_after_s": PREFILL_CHECK_AFTER_S},
+    )  # fmt: skip

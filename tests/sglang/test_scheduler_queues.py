@@ -22,6 +22,14 @@ release of an aborted request) is asserted with ``pdstate`` on both:
   prefill is still in its forward: the decode fails with "Aborted by AbortReq.", its pages are
   released in under 100 ms (0.5.23: held for its deferred release, then released on the
   acknowledgement recorded as the fence held), and nothing lands, even when the prefill sends later;
+- no byte after release (``pdstate``): a decode stopped (SIGSTOP, the whole process) past SGLang's
+  waiting timeout and the prefill's peer timeout while the prefill's copy into it is held, then
+  continued: the copy lands, the request fails, and from the moment the queues release its pages
+  (0.5.19: at Failed, which waits for the prefill's confirmation; 0.5.23: its deferred release, on
+  the acknowledgement recorded once fenced) not one byte of the decode's memory changes; the same
+  with the prefill stopped while its copy is in flight, past the waiting timeout and the abort's
+  fence: the copy lands after the receiver failed, before the release (0.5.19: the Failed waits
+  for the prefill's confirmation, not just the fence's 5 s);
 - SGLang's waiting timeout (``SGLANG_DISAGGREGATION_WAITING_TIMEOUT=3``) fails a request whose
   prefill is stuck at 3.0 s with SGLang's text, and its bootstrap timeout
   (``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=2``) a prefill request no decode asks for at 2.0 s;
@@ -46,8 +54,10 @@ from tests.sglang.queue_cases import (
     FAIL_FAST_S,
     MOONCAKE_LIFECYCLE,
     MOONCAKE_REFUSES,
+    PREFILL_STALL_S,
     REFUSED,
     RELEASE_MS,
+    STALL_S,
     SUFFIX_TOKENS,
     WAITING_TIMEOUT_S,
 )
@@ -136,6 +146,34 @@ def test_abort_fences_and_releases_the_pages_at_once(queue_runs, backend):
     if backend == "pdstate":
         assert "aborted by decode: Aborted by AbortReq." in pre["failure"], pre
         assert dec["abort_call_ms"] < RELEASE_MS, dec  # the fence itself
+
+
+def test_no_byte_lands_after_a_stalled_decode_releases_the_pages(queue_runs):
+    release, r = _feature(queue_runs, "pdstate", "stalled")
+    pre, dec = r["prefill"], r["decode"]
+    # stopped past SGLang's waiting timeout and the prefill's peer timeout, the prefill's copy held
+    assert dec["resumed_s"] - dec["stalled_s"] >= STALL_S, dec
+    assert pre["outcome"] == "Failed" and "missed heartbeats" in pre["failure"], pre
+    assert dec["outcome"] == "Failed" and dec["failure"], dec
+    assert dec["released_ms"] is not None and dec["released_s"] >= dec["resumed_s"], dec  # pages released
+    assert dec["after_release_bytes"] == 0, dec  # not one byte changed after the release
+    assert dec["held_bytes"] > 10**6, dec  # the held copy landed once the decode went on, before that
+    assert dec["deferred"] == (release != "0.5.19"), dec
+
+
+def test_no_byte_lands_after_release_when_the_prefill_stalls_past_the_abort_fence(queue_runs):
+    release, r = _feature(queue_runs, "pdstate", "prefill_stalled")
+    pre, dec = r["prefill"], r["decode"]
+    assert pre["stalled_s"] >= PREFILL_STALL_S, pre  # stopped with its copy submitted
+    want = f"Request {r['room']} timed out after {WAITING_TIMEOUT_S:.1f}s in KVPoll.WaitingForInput"
+    assert dec["outcome"] == "Failed" and dec["failure"].endswith(want), dec
+    assert pre["outcome"] == "Failed" and f"aborted by decode: {want}" in pre["failure"], pre
+    assert dec["released_ms"] is not None, dec  # the pages released within the deadline
+    assert dec["after_release_bytes"] == 0, dec  # not one byte changed after the release
+    # the prefill's copy was still in flight when the receiver failed: it landed once the prefill
+    # went on, and only then were the pages released
+    assert dec.get("concluded_to_release_bytes", 0) > 10**6, dec
+    assert dec["deferred"] == (release != "0.5.19"), dec
 
 
 @pytest.mark.parametrize("backend", ["pdstate", "mooncake"])

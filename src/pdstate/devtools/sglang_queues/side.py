@@ -15,13 +15,18 @@ process-wide state). One JSON command per stdin line, one ``@@queues {json}`` li
 
 Per case, ``setup`` takes SGLang settings for the managers (``env``: its waiting and bootstrap
 timeouts) and, on the decode, SGLang 0.5.23's decode radix cache (``radix``: its own tree; a
-finished request is kept in it). Per request: the prefill's forward may take a while (``hold_s``);
-the decode may abort the request as the scheduler's ``abort_request`` does (``abort_after_s``, then
+finished request is kept in it). Per request: the prefill's forward may take a while (``hold_s``)
+and its whole process stop for a while after it sent its last chunk (``stall_after_s`` /
+``stall_s``); the decode
+may abort the request as the scheduler's ``abort_request`` does (``abort_after_s``, then
 polled until its pages are released: 0.5.23 defers that until the prefill acknowledged), wait before
-its byte check (``settle_s``), and keep its memory (``keep_memory``: a cached prefix stays). A room
-may be sent again (a retracted request's rebootstrap); ``rebootstrap`` has the decode dispatch
-the prefill's recompute after the request landed, through SGLang's own ``submit_prefill_recompute``
-(``POST /generate`` to the HTTP port the prefill registered: ``setup``'s ``http_port``).
+its byte check (``settle_s``), keep its memory (``keep_memory``: a cached prefix stays), and stop
+its whole process for a while after its destination was named (``stall_after_s`` / ``stall_s``:
+SIGSTOP, a stalled host), then go on; from the release of a request's pages on, an image of the
+decode's memory shows what still lands (``after_release_bytes``). A room may be sent again (a
+retracted request's rebootstrap); ``rebootstrap`` has the decode dispatch the prefill's recompute
+after the request landed, through SGLang's own ``submit_prefill_recompute`` (``POST /generate`` to
+the HTTP port the prefill registered: ``setup``'s ``http_port``).
 """
 
 from __future__ import annotations
@@ -145,7 +150,12 @@ def _request(room: int, tokens: int, mode):
 
 
 # -- prefill
-def run_prefill(room: int, tokens: int, deadline_s: float, hold_s: float = 0.0) -> dict:
+def run_prefill(
+    room: int, tokens: int, deadline_s: float, hold_s: float = 0.0, stall_after_s: float = 0.0, stall_s: float = 0.0
+) -> dict:
+    """One request through the prefill's queues (``hold_s``: its forward takes that long;
+    ``stall_s``: ``stall_after_s`` after its last chunk was sent, the whole process stops that
+    long, ``_stall``; how long it stopped is answered as ``stalled_s``)."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     case, sched = S.case, S.case.sched
@@ -185,6 +195,12 @@ def run_prefill(room: int, tokens: int, deadline_s: float, hold_s: float = 0.0) 
     sched.disagg_prefill_inflight_queue.append(req)
     sched.send_kv_chunk(req, last_chunk=True)
     trace.append("last chunk")
+    stalled_s = None
+    if stall_s:
+        time.sleep(stall_after_s)  # the fault's place: its copy submitted (held by a stopped decode)
+        stop = time.perf_counter()
+        _stall(stall_s)
+        stalled_s = round(time.perf_counter() - stop, 4)
     aux = compat.row_digests(case.aux_bufs, req.metadata_buffer_index)
     while True:
         done = sched.process_disagg_prefill_inflight_queue()
@@ -194,7 +210,7 @@ def run_prefill(room: int, tokens: int, deadline_s: float, hold_s: float = 0.0) 
             metric = req.disagg_kv_sender.get_transfer_metric() if req.disagg_kv_sender is not None else None
             return {"outcome": outcome, "failure": failure, "trace": trace + ["inflight done"], "aux": aux,
                     "ms": ms if outcome == "Success" else None,
-                    "bytes": getattr(metric, "transfer_total_bytes", None)}  # fmt: skip
+                    "bytes": getattr(metric, "transfer_total_bytes", None), "stalled_s": stalled_s}  # fmt: skip
         if time.perf_counter() >= deadline:
             state = compat.poll_name(req.disagg_kv_sender.poll())
             return {"outcome": f"timeout ({state})", "failure": None, "trace": trace, "aux": aux}
@@ -210,14 +226,25 @@ def run_decode(
     settle_s: float = 0.0,
     keep_memory: bool = False,
     rebootstrap: bool = False,
+    stall_after_s: float | None = None,
+    stall_s: float = 0.0,
+    check_after_s: float = 0.0,
 ) -> dict:
     """One request through the decode's queues. ``abort_after_s``: that long after its destination
     was named (``send_metadata``), the request is aborted as the scheduler's ``abort_request``
     does for a transfer-queue request (``kv_receiver.abort()``), and the queues are polled on
     until its pages are released (0.5.23: deferred release, on the prefill's acknowledgement or
     its timeout); ``settle_s``: how long to wait before the byte check (a prefill that sends
-    late). Times: ``failed_s`` / ``named_s`` from the request's arrival, ``abort_call_ms`` (the
-    abort itself), ``released_ms`` (abort to pages released)."""
+    late), and no earlier than ``check_after_s`` after the request's arrival. ``stall_after_s``: that long after its destination was named, this whole process is
+    stopped for ``stall_s`` (``_stall``: the agent's and the engine's threads too, as a stalled
+    host stops a decode), then polled on as before. Times: ``failed_s`` / ``named_s`` /
+    ``stalled_s`` / ``resumed_s`` / ``released_s`` from the request's arrival, ``abort_call_ms``
+    (the abort itself), ``released_ms`` (abort, else failure, to pages released). Bytes of the
+    decode's registered memory (images of it): ``held_bytes`` changed from the stop to the release
+    (taken as the queues let the pages go), ``concluded_to_release_bytes`` from the moment the
+    receiver itself concluded Failed (``concluded_s``; SGLang may see it later) to the release,
+    ``after_release_bytes`` from the release to the byte check, ``settle_s`` later."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     case, sched = S.case, S.case.sched
@@ -233,7 +260,7 @@ def run_decode(
     req = _request(room, tokens, DisaggregationMode.DECODE)
     sched.disagg_decode_prealloc_queue.add(req)
     outcome, failure, times = None, None, {}
-    aborted_at = failed_at = last_receiver = None
+    aborted_at = failed_at = last_receiver = image = stalled = concluded = None
     placed = False
     while True:
         sched.process_decode_queue()
@@ -245,6 +272,12 @@ def run_decode(
             resolve = getattr(receiver.kv_mgr, "_resolve_rebootstrap_prefill_url", None)
             if resolve is not None:  # where SGLang's rebootstrap (submit_prefill_recompute) would POST /generate
                 times["rebootstrap_url"] = resolve(receiver)
+        if stall_after_s is not None and "resumed_s" not in times and "named_s" in times:
+            if now - t0 - times["named_s"] >= stall_after_s:
+                times["stalled_s"] = round(now - t0, 4)
+                stalled = _image(case)
+                _stall(stall_s)
+                times["resumed_s"] = round(time.perf_counter() - t0, 4)
         if abort_after_s is not None and aborted_at is None and "named_s" in times:
             if now - t0 - times["named_s"] >= abort_after_s:
                 aborted_at = time.perf_counter()
@@ -270,8 +303,18 @@ def run_decode(
                 times["meta_index"] = meta
         placed = compat.placed(case, req)
         if outcome is not None and not placed:  # released, by the queues (0.5.23: deferred release)
-            times["released_ms"] = round((time.perf_counter() - (aborted_at or failed_at)) * 1000, 2)
+            released_at = time.perf_counter()
+            image = _image(case)
+            times["released_ms"] = round((released_at - (aborted_at or failed_at)) * 1000, 2)
+            if "resumed_s" in times:
+                times["released_s"] = round(released_at - t0, 4)
             break
+        if stalled is not None and concluded is None and last_receiver is not None:
+            # the receiver's own Failed, its pages not released yet (0.5.19's hold, 0.5.23's deferred
+            # release); after the release check, so that the release's image is taken at once
+            if getattr(last_receiver, "conclude_state", None) == KVPoll.Failed:
+                concluded = _image(case)
+                times["concluded_s"] = round(time.perf_counter() - t0, 4)
         if time.perf_counter() >= deadline:
             state = compat.poll_name(receiver.poll()) if receiver is not None else "no receiver"
             if outcome is None:
@@ -283,10 +326,36 @@ def run_decode(
             break
         time.sleep(POLL_S)
     times["deferred"] = room in case.deferred
-    time.sleep(settle_s)
+    time.sleep(max(settle_s, t0 + check_after_s - time.perf_counter()))
+    if image is not None:
+        times["after_release_bytes"] = _changed(image, _image(case, copy=False))
+        if stalled is not None:
+            times["held_bytes"] = _changed(stalled, image)
+        if concluded is not None:
+            times["concluded_to_release_bytes"] = _changed(concluded, image)
     out = {"outcome": outcome, "failure": failure, **times, **case.published.get(room, {})}
     out.update(_check(case, req, room, times.pop("meta_index", None)))
     return out
+
+
+def _stall(seconds: float) -> None:
+    """This process stopped (SIGSTOP: every thread) for ``seconds``; a child continues it."""
+    import signal
+    import subprocess
+
+    waker = subprocess.Popen(["/bin/sh", "-c", f"sleep {seconds:.3f}; kill -CONT {os.getpid()}"])
+    os.kill(os.getpid(), signal.SIGSTOP)
+    waker.wait()
+
+
+def _image(case, copy: bool = True) -> list:
+    """Every byte of the decode's registered memory (main KV, state, aux): a copy, or the memory itself."""
+    views = [pattern.memory(ptr, length) for _, ptr, length, _ in compat.buffers(case.kv_args)]
+    return [view.copy() for view in views] if copy else views
+
+
+def _changed(before: list, after: list) -> int:
+    return sum(int(np.count_nonzero(a != b)) for a, b in zip(before, after))
 
 
 def _meta_index(sched, req) -> int | None:

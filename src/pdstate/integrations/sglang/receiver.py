@@ -72,6 +72,8 @@ def build_receiver() -> type:
             self._recvs: list[tuple[bool, object]] = []  # (is_dummy, agent receiver)
             self.pdstate_error: BaseException | None = None
             self._unfenced_since: float | None = None  # failed, a prefill may still write (0.5.19)
+            self._unfenced_released = False  # held ``UNFENCED_FAILED_WAIT_S`` and given back unfenced
+            self._aborted: set[int] = set()  # the agent receivers told to abort (``_fence``), by id
             super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
         def pdstate_fail(self, error: BaseException, reason: str | None = None) -> int:
@@ -123,6 +125,7 @@ def build_receiver() -> type:
             fenced = True
             for _, recv in self._recvs:
                 if not recv.poll().terminal:
+                    self._aborted.add(id(recv))
                     try:
                         recv.abort(reason, timeout_s=ABORT_FENCE_S)
                     except Exception as exc:  # not fenced in time: say so, the request fails all the same
@@ -219,8 +222,8 @@ def build_receiver() -> type:
 
         def poll(self) -> int:
             over = concluded(self)
-            if over is not None:
-                return over
+            if over is not None:  # Failed (aborted, timed out) while a prefill may still write: held
+                return KVPoll.Transferring if over == KVPoll.Failed and self._hold_unfenced() else over
             if not self._recvs:
                 status = self.kv_mgr.request_status.get(self.bootstrap_room, KVPoll.Bootstrapping)
                 if status == KVPoll.Failed:
@@ -243,22 +246,26 @@ def build_receiver() -> type:
                 timed_out = self._check_waiting_timeout()
                 if timed_out is not None:
                     self.conclude_state = KVPoll.Failed
-                    return timed_out
+                    return KVPoll.Transferring if self._hold_unfenced() else timed_out
             return conclude(self, poll)
 
         def _hold_unfenced(self) -> bool:
             """Without deferred decode KV release (0.5.19), SGLang frees the pages at Failed: a
             request whose prefill may still write them stays Transferring until it confirms, at
-            most ``UNFENCED_FAILED_WAIT_S`` (then Failed, logged as unfenced)."""
-            if getattr(self.kv_mgr, "enable_deferred_decode_kv_release", False):
+            most ``UNFENCED_FAILED_WAIT_S`` (then Failed, logged as unfenced). A prefill may still
+            write through an agent receiver that ended unconfirmed (its prefill went silent) or
+            that was told to abort and has not been confirmed (SGLang's abort or waiting timeout,
+            whose fence gave up after ``ABORT_FENCE_S``)."""
+            if self._unfenced_released or getattr(self.kv_mgr, "enable_deferred_decode_kv_release", False):
                 return False  # SGLang holds the pages until the acknowledgements (``_ack_when_fenced``)
-            if all(recv.fenced for _, recv in self._recvs if recv.poll().terminal):
+            if all(recv.fenced for _, recv in self._recvs if id(recv) in self._aborted or recv.poll().terminal):
                 return False
             now = time.monotonic()
             if self._unfenced_since is None:
                 self._unfenced_since = now
             if now - self._unfenced_since < UNFENCED_FAILED_WAIT_S:
                 return True
+            self._unfenced_released = True
             log.error(
                 "pdstate: room %s: failed, and its prefill did not confirm within %g s that nothing more of it "
                 "lands; SGLang frees its pages now",
