@@ -42,6 +42,7 @@ LAYERS = {
     "pdstate.errors": 0,
     "pdstate.protocol": 1,
     "pdstate.logs": 1,  # the log lines' helpers (refusals carry protocol.fixes' fix line): for every layer above
+    "pdstate.inputs": 1,  # reading an operator's file bounded (regular, at most 16 MiB): for every layer above
     "pdstate.pools": 2,
     "pdstate.transfer": 3,
     "pdstate.agent": 4,  # the embeddable agent

@@ -23,7 +23,7 @@ from pdstate import cli
 from tests.support.paths import REPO
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-EXTERNAL = {"curl", "docker", "kubectl", "openssl", "echo", "export", "pip", "cat", "chmod", "ibv_devices"}
+EXTERNAL = {"curl", "docker", "kubectl", "openssl", "echo", "export", "pip", "cat", "chmod", "ibv_devices", "umask"}
 OUTSIDE_MODULES = {"sglang.launch_server"}  # SGLang's own launcher: the user's install, not ours
 RUN = ("check", "--version")  # pdstate commands cheap and offline enough to run here
 
