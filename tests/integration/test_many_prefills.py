@@ -52,7 +52,9 @@ def trio(http):
         ctl = {name: s.wait_listening()["control"] for name, s in started.items()}
         # the prefills a request may name, exactly (tcp://127.0.0.1:1: one where nothing answers)
         named = json.dumps([ctl["b"], ctl["c"], SILENT])
-        overrides = ["http.port=0", f"control.peer={ctl['a']}", f"control.prefills={named}", *TIMERS]
+        # room for a request beside two a frozen prefill holds (quarantined until it is gone)
+        room = ["pool.swa_tokens=2048", "pool.full_tokens=4096", "pool.max_num_reqs=8"]
+        overrides = ["http.port=0", f"control.peer={ctl['a']}", f"control.prefills={named}", *room, *TIMERS]
         decode = Service("decode", overrides, {"PDSTATE_AUTH__TOKEN": TOKEN})
         started["decode"] = decode
         wait_for(lambda: ready(http, decode.url), 30, "decode ready with prefill a")

@@ -28,6 +28,7 @@ log = logging.getLogger("pdstate.agent")
 _S = RequestState
 # a DEALER's events ``_on_session`` takes: its sessions, and failed CURVE handshakes
 SESSION_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | curve.HANDSHAKE_EVENTS
+NO_DETAIL_WINDOW_S = 2.0  # two handshakes cut short within this long: the prefill's key differs
 RETRY_MAX_S = 30.0  # the longest wait between two registers with a prefill that refused this decode
 # refusals that pass (another live incarnation holds the worker id, a challenge evicted or
 # expired, a prefill busy): registered again with backoff (``_retry``); any other is final
@@ -138,6 +139,14 @@ class DecodeFrames:
         is taken as usual."""
         if not (p.state is PeerState.PENDING or p.redial):
             return
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            # a connection closed mid-handshake: a key that differs (the prefill drops it at
+            # once, again at each redial, every 100 ms), or a prefill that died or froze during
+            # it (once); only the second within NO_DETAIL_WINDOW_S is taken for the key
+            now, last = time.monotonic(), p.no_detail_at
+            p.no_detail_at = now
+            if now - last > NO_DETAIL_WINDOW_S:
+                return
         if not (p.state is PeerState.REJECTED and isinstance(p.error, AuthError)):  # told once per register
             self._auth_refused(p, curve.handshake_error(event, p.address), quoted=False)
         p.redial = True
