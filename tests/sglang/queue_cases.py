@@ -74,10 +74,10 @@ RELEASE_MS = 100.0
 # A decode stalled (its whole process stopped) past SGLang's waiting timeout and the prefill's peer
 # timeout (pdstate's default, set here), while the prefill's copy into it is held (Mooncake over TCP
 # to a stopped process: it lands once the decode goes on)
-PEER_TIMEOUT_S = 5.0
-STALL_S = PEER_TIMEOUT_S + 1.0
+STALL_PEER_TIMEOUT_S = 5.0
+STALL_S = STALL_PEER_TIMEOUT_S + 1.0
 STALL_SETTLE_S = 1.0  # watched after the release (the late bytes landed 36-69 ms after the resume)
-PEER = {"PDSTATE_CONTROL__PEER_TIMEOUT_S": str(PEER_TIMEOUT_S)}
+PEER = {"PDSTATE_CONTROL__PEER_TIMEOUT_S": str(STALL_PEER_TIMEOUT_S)}
 # A prefill stopped with its copy in flight, past SGLang's waiting timeout and the abort's fence
 # (the decode's abort waits that long for the prefill's confirmation, then gives up)
 PREFILL_STALL_S = WAITING_TIMEOUT_S + ABORT_FENCE_S + 1.0
