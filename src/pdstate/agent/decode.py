@@ -353,7 +353,7 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
             return
         if recv.record.state is _S.BOOTSTRAPPING:
             recv.record.move(_S.WAITING_FOR_INPUT)
-        recv.sent, recv.sent_to = True, (p.incarnation, p.epoch)
+        recv.sent_to = (p.incarnation, p.epoch)
         if recv.record.state is not _S.TRANSFERRING:  # else: sent again to a restarted prefill
             recv.record.move(_S.TRANSFERRING)
         recv.sent_at = time.monotonic()

@@ -80,7 +80,7 @@ class DecodeFrames:
                 # once the new one accepted this decode
                 recv = self._recvs.get((address, msg.room)) if msg.room is not None else None
                 if recv is not None and not recv.record.state.terminal:
-                    recv.sent, recv.sent_to = False, None
+                    recv.sent_to = None
                 if p.state is PeerState.ACCEPTED:
                     self._register(p)
             elif msg.room is not None:

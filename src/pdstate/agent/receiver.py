@@ -55,7 +55,6 @@ class Receiving:
     record: RequestRecord
     prefill: str
     request: wire.AgentRequest | None = None
-    sent: bool = False
     aborting: str | None = None
     sent_at: float | None = None
     # digest on: what landed so far is hashed early (``wire.Landed``): the digest, and how far it
@@ -67,6 +66,12 @@ class Receiving:
     sent_to: tuple[str, int] | None = None
     acked: bool = False  # that prefill confirmed nothing more of it lands, or was proven gone
     fence_callbacks: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def sent(self) -> bool:
+        """Whether a prefill was told where to write (the request went out and was not refused
+        unseen: ``NotRegistered``)."""
+        return self.sent_to is not None
 
     @property
     def fenced(self) -> bool:

@@ -30,10 +30,10 @@ rank's status snapshots, log lines) can hold a larger one, whatever it is later 
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Annotated, Any
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, field_validator
 
 from pdstate.protocol.facts import MappingIdentity, PoolFacts
 
@@ -166,20 +166,21 @@ class PoolFactsModel(_Frozen):
         )
 
 
+def _clipped(limit: int) -> Any:
+    """``str``, clipped to ``limit`` characters as it validates (``clip``)."""
+    return Annotated[str, AfterValidator(lambda v: clip(v, limit))]
+
+
+NameText = _clipped(MAX_NAME_CHARS)
+MessageText = _clipped(MAX_MESSAGE_CHARS)
+ValueText = _clipped(MAX_VALUE_CHARS)
+FingerprintText = _clipped(MAX_FINGERPRINT_CHARS)
+
+
 class ErrorInfo(_Frozen):
     # an error as it travels and is kept: its class name and message, both clipped (``clip``)
-    type: str
-    message: str
-
-    @field_validator("type")
-    @classmethod
-    def _clip_type(cls, v: str) -> str:
-        return clip(v, MAX_NAME_CHARS)
-
-    @field_validator("message")
-    @classmethod
-    def _clip_message(cls, v: str) -> str:
-        return clip(v, MAX_MESSAGE_CHARS)
+    type: NameText
+    message: MessageText
 
     @classmethod
     def of(cls, exc: BaseException) -> ErrorInfo:
@@ -193,22 +194,12 @@ class LocalCheck(_Frozen):
 
 class LayoutReport(_Frozen):
     page_size: int
-    kv_dtype: str
+    kv_dtype: ValueText
     factors: tuple[tuple[str, Any], ...]
-    fingerprint: str
+    fingerprint: FingerprintText
     target: PoolFactsModel
     draft: PoolFactsModel | None
     local_check: LocalCheck
-
-    @field_validator("kv_dtype")
-    @classmethod
-    def _clip_dtype(cls, v: str) -> str:
-        return clip(v, MAX_VALUE_CHARS)
-
-    @field_validator("fingerprint")
-    @classmethod
-    def _clip_fingerprint(cls, v: str) -> str:
-        return clip(v, MAX_FINGERPRINT_CHARS)
 
     @field_validator("factors")
     @classmethod
