@@ -212,7 +212,7 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
             if p is not None:
                 if any(True for _ in self._live(prefill)) or self._landing.holds(prefill):
                     return False  # (an unconfirmed request is asked again at its next Accept)
-                self._close_peer(p)
+                self._loop.unwatch(p.sock)
                 del self._prefills[prefill]
             return True
 
@@ -253,11 +253,9 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
             pass  # not connected yet or gone: heartbeats and timeouts decide
 
     def _connect(self, address: str, handshakes: int = 0) -> PrefillPeer:
-        sock, monitor = self._dealer()
+        sock = self._dealer(address)
         sock.connect(address)
-        p = PrefillPeer(address, sock, handshakes=handshakes, monitor=monitor)
-        self._loop.watch(sock, lambda s, a=address: self._on_frame(a, s))
-        self._loop.watch(monitor, lambda m, a=address, s=sock: self._on_session(a, s, m))
+        p = PrefillPeer(address, sock, handshakes=handshakes)
         self._prefills[address] = p
         self._register(p)
         return p
@@ -265,7 +263,7 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
     def _reconnect(self, address: str, old: PrefillPeer | None) -> PrefillPeer:
         if old is None:
             return self._connect(address)
-        self._close_peer(old)  # a fresh socket: nothing queued for the dead process
+        self._loop.unwatch(old.sock)  # a fresh socket: nothing queued for the dead process
         p = self._connect(address, old.handshakes)
         p.epoch = old.epoch  # registrations keep counting: what earlier ones asked is told apart
         p.last_incarnation = old.last_incarnation

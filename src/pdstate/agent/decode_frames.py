@@ -9,7 +9,6 @@ import time
 
 import numpy as np
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from pdstate import logs
 from pdstate.agent import curve
@@ -88,26 +87,19 @@ class DecodeFrames:
                 if recv is not None:
                     recv.record.fail(error_from_wire(msg.error.type, msg.error.message))
 
-    def _dealer(self) -> tuple[zmq.Socket, zmq.Socket]:
-        """A new DEALER to a prefill (not connected): this incarnation's identity, the domain's
-        CURVE keys (``agent.curve``), and its monitor for ``_on_session``."""
+    def _dealer(self, address: str) -> zmq.Socket:
+        """A new DEALER to the prefill at ``address`` (not connected yet): this incarnation's
+        identity, the domain's CURVE keys (``agent.curve``), its frames and its session events
+        watched (``unwatch`` ends both)."""
         sock = self._loop.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}/{self.incarnation}/{secrets.token_hex(4)}".encode())
         sock.setsockopt(zmq.SNDHWM, 10000)
         curve.dial(sock, self._keys)
-        return sock, sock.get_monitor_socket(SESSION_EVENTS)
+        self._loop.watch(sock, lambda s, a=address: self._on_frame(a, s))
+        self._loop.monitor(sock, SESSION_EVENTS, lambda event, a=address, s=sock: self._on_session(a, s, event))
+        return sock
 
-    def _close_peer(self, p: PrefillPeer) -> None:
-        if p.monitor is not None:
-            self._loop.unwatch(p.monitor)
-            p.monitor = None
-            try:
-                p.sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-        self._loop.unwatch(p.sock)
-
-    def _on_session(self, address: str, sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    def _on_session(self, address: str, sock: zmq.Socket, event: dict) -> None:
         """A session event of the socket to ``address``. With a synchronous engine (shm: a copy
         ends within its submit, on the prefill's own thread), a session that completed its
         handshake and then closed means the prefill process exited (the kernel closes its sockets
@@ -115,7 +107,6 @@ class DecodeFrames:
         it was told lands any more. A session that never completed (a frozen process) proves
         nothing, nor does a closed one with an engine whose copies outlive the writer's process
         (bytes in flight on the network)."""
-        event = recv_monitor_message(monitor)
         p = self._prefills.get(address)
         if p is None or p.sock is not sock:
             return

@@ -45,7 +45,6 @@ class PrefillPeer:
     rooms: set[int] = field(default_factory=set)
     epoch: int = 0  # Accepts received: registrations are told apart (what an earlier one asked)
     last_incarnation: str = ""  # the latest accepted, kept across a redial (``incarnation`` is not)
-    monitor: zmq.Socket | None = None  # the socket's session events (``DecodeAgent._on_session``)
     no_detail_at: float = float("-inf")  # the latest handshake cut short (``DecodeFrames``)
     session_up: bool = False  # a ZeroMQ session with a process at ``address`` completed its handshake
 
