@@ -1,5 +1,5 @@
 """Reading the files an operator names (configs, launch scripts, SGLang's YAML and JSON, tokens go
-through ``service.auth``), bounded: a regular file of at most ``MAX_INPUT_BYTES``, never a FIFO,
+through ``settings.auth``), bounded: a regular file of at most ``MAX_INPUT_BYTES``, never a FIFO,
 a device or a directory, each refused with one line before anything blocks or grows.
 
 The file is ``stat``-ed first (a FIFO or a device is never opened), then opened ``O_NONBLOCK`` and

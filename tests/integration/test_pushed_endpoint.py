@@ -1,4 +1,4 @@
-"""A rank's endpoint served by a child process fed with snapshots (``service.pushed``, as
+"""A rank's endpoint served by a child process fed with snapshots (``status.pushed``, as
 ``integrations.sglang.endpoint`` runs it): the child answers every route with the bytes the
 worker's own source renders in process, follows the pushed changes, exits when its pipe closes,
 and a child that cannot serve fails the start with one line naming why.
@@ -27,8 +27,8 @@ with warnings.catch_warnings():  # starlette nags about httpx vs httpx2 on impor
 from pdstate.errors import ConfigError
 from pdstate.integrations.sglang.endpoint import RankEndpoint
 from pdstate.protocol.report import ErrorInfo
-from pdstate.service import pushed
-from pdstate.service.api import Readiness, create_app
+from pdstate.status import pushed
+from pdstate.status.api import Readiness, create_app
 from tests.support.api_source import FakeSource
 from tests.support.pools import tiny
 
@@ -165,7 +165,7 @@ def test_a_child_that_does_not_serve_in_time_fails_the_start(monkeypatch):
 
 
 def test_a_child_that_fails_inside_names_the_error():
-    from pdstate.service.server import listen_socket
+    from pdstate.status.connections import listen_socket
 
     with listen_socket("127.0.0.1", 0) as sock, pytest.raises(ConfigError) as info:
         pushed.Child(sock, {}, {}, None)  # facts without a local check: the child cannot build its source
@@ -217,7 +217,7 @@ def test_the_child_runs_isolated_from_the_ranks_directory_and_secrets(tmp_path, 
 
 def test_the_child_drops_a_request_head_that_never_ends(served):
     # bounded as serve's HTTP (tests/security/test_exhaustion.py): was held as long as the client liked
-    from pdstate.service.connections import REQUEST_TIMEOUT_S
+    from pdstate.status.connections import REQUEST_TIMEOUT_S
 
     _, endpoint = served
     host, port = endpoint.url.removeprefix("http://").rsplit(":", 1)

@@ -399,9 +399,9 @@ def _http_fuzz(examples: int) -> None:
         warnings.simplefilter("ignore")
         from fastapi.testclient import TestClient
 
-    from pdstate.service.api import create_app
-    from pdstate.service.config import WorkerConfig
     from pdstate.service.server import WorkerStatus
+    from pdstate.settings.config import WorkerConfig
+    from pdstate.status.api import create_app
 
     with served_pair(ROOMY, **FAULT) as (p, d):
         free_d, free_p = d.free_counts(), p.free_counts()

@@ -21,8 +21,8 @@ import pytest
 
 from pdstate.pools.memory import SHM_DIR
 from pdstate.protocol import wire
-from pdstate.service.api import create_app
-from pdstate.service.config import load_config
+from pdstate.settings.config import load_config
+from pdstate.status.api import create_app
 from pdstate.worker.decode import AgentDecodeWorker
 from pdstate.worker.options import WorkerOptions
 from pdstate.worker.prefill import AgentPrefillWorker
@@ -101,7 +101,7 @@ class _Source:
         self.reregistered = 0
 
     def readiness(self):
-        from pdstate.service.api import Readiness
+        from pdstate.status.api import Readiness
 
         return Readiness(True)
 

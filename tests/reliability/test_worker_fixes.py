@@ -27,7 +27,7 @@ import zmq
 from pdstate.agent import curve
 from pdstate.errors import ExitCode, LocalCheckFailed, RoomInFlight
 from pdstate.protocol import wire
-from pdstate.service.api import Collector
+from pdstate.status.api import Collector
 from pdstate.worker.base import settle
 from pdstate.worker.decode import AgentDecodeWorker
 from pdstate.worker.prefill import AgentPrefillWorker
@@ -117,7 +117,7 @@ def test_latency_window_is_bounded_and_metrics_still_count_everything():
             self.report = report_of(TINY)
 
         def readiness(self):
-            from pdstate.service.api import Readiness
+            from pdstate.status.api import Readiness
 
             return Readiness(True)
 

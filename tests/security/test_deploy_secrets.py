@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from pdstate.errors import ConfigError
-from pdstate.service.config import is_placeholder_token, load_config
+from pdstate.settings.config import is_placeholder_token, load_config
 from tests.support.paths import REPO
 
 K8S = REPO / "deploy" / "k8s"

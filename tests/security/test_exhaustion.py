@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from pdstate.agent.admission import HANDSHAKE_IVL_MS
-from pdstate.service.connections import REQUEST_TIMEOUT_S
+from pdstate.status.connections import REQUEST_TIMEOUT_S
 from tests.support.services import Services, ready, wait_for
 from tests.support.waiting import wait_until
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from pdstate.errors import ConfigError
-from pdstate.service.auth import read_token_file
-from pdstate.service.config import (
+from pdstate.settings.auth import read_token_file
+from pdstate.settings.config import (
     control_bind_host,
     is_loopback_host,
     load_config,

@@ -19,7 +19,7 @@ import pytest
 
 from pdstate.pools.presets import build_worker_pools, preset
 from pdstate.pools.reporting import build_report
-from pdstate.service.api import MAX_BODY_BYTES, MAX_COMPAT_BODY_BYTES, create_app
+from pdstate.status.api import MAX_BODY_BYTES, MAX_COMPAT_BODY_BYTES, create_app
 from tests.support.api_source import FakeSource
 
 with warnings.catch_warnings():

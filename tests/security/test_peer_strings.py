@@ -161,7 +161,7 @@ def test_an_sglang_prefill_ranks_status_snapshot_stays_small(tiny_report):
         for i in range(REGISTERS):
             answer = dealer.ask(_register(tiny_report, f"rank-{i}", MIB, fingerprint_chars=MIB))
             assert isinstance(answer, wire.Reject) and answer.error.type == "KVCacheDtypeMismatch", answer
-        blob = pickle.dumps(source.status())  # what ``service.pushed.Publisher`` sends the endpoint's process
+        blob = pickle.dumps(source.status())  # what ``status.pushed.Publisher`` sends the endpoint's process
         peers = pickle.loads(blob)["peers"]
     finally:
         dealer.close()

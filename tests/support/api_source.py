@@ -5,7 +5,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from pdstate.service.api import Readiness
+from pdstate.status.api import Readiness
 from pdstate.worker.stats import Stats
 
 # ``transport`` on /readyz and /v1/compat of a worker over shm: no native listener (no port)

@@ -1,5 +1,5 @@
 """A prefill worker process that stops on SIGTERM through ``AgentPrefillWorker.stop()``, the call
-``pdstate serve`` makes on SIGTERM (``service.status.WorkerStatus.drain``), with the test seams
+``pdstate serve`` makes on SIGTERM (``status.source.WorkerStatus.drain``), with the test seams
 (``WorkerHooks``) a served worker cannot take.
 
 ``python -m tests.support.term_prefill`` reads one JSON line (``devtools.processes.options_to_json``),

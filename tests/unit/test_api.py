@@ -12,7 +12,7 @@ with warnings.catch_warnings():  # starlette nags about httpx vs httpx2 on impor
 
 from pdstate.protocol.report import ErrorInfo
 from pdstate.protocol.wire import PROTOCOL_VERSION
-from pdstate.service.api import Readiness, create_app, route_paths
+from pdstate.status.api import Readiness, create_app, route_paths
 from tests.support.api_source import API_PATHS, SHM_TRANSPORT, FakeSource
 from tests.support.pools import tiny
 from tests.support.upstream import MAPPING_ERROR, MAPPING_FIX

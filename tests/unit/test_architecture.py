@@ -3,8 +3,11 @@ protocol, a public API that resolves, small modules, and one home for every exce
 
 Layers (see the docstring of ``pdstate/__init__.py``)::
 
-    7  cli.py, devtools/
-    6  service/, integrations/
+    10 cli.py, devtools/
+    9  service/
+    8  integrations/
+    7  status/
+    6  settings/
     5  worker/
     4  agent/
     3  transfer/
@@ -47,10 +50,12 @@ LAYERS = {
     "pdstate.transfer": 3,
     "pdstate.agent": 4,  # the embeddable agent
     "pdstate.worker": 5,  # serve's workers, callers of the agent
-    "pdstate.service": 6,
-    "pdstate.integrations": 6,  # serving-engine adapters: over the agent and below, beside service
-    "pdstate.cli": 7,
-    "pdstate.devtools": 7,
+    "pdstate.settings": 6,  # configuration and auth rules: for serve and the integrations alike
+    "pdstate.status": 7,  # a worker's status over HTTP: models, sources, the app (serve's and a rank's)
+    "pdstate.integrations": 8,  # serving-engine adapters: over the agent and below
+    "pdstate.service": 9,  # a worker as a service; may import integrations (preflight), never the reverse
+    "pdstate.cli": 10,
+    "pdstate.devtools": 10,
 }
 LAYER_NAMES = {
     0: "errors",
@@ -59,8 +64,11 @@ LAYER_NAMES = {
     3: "transfer",
     4: "agent",
     5: "worker",
-    6: "service",
-    7: "cli/devtools",
+    6: "settings",
+    7: "status",
+    8: "integrations",
+    9: "service",
+    10: "cli/devtools",
 }
 EXEMPT = "pdstate"  # the lazy public API
 MAX_LINES = 450
@@ -164,12 +172,12 @@ def imports() -> tuple[Import, ...]:
 def test_the_scan_sees_every_layer_and_function_level_imports():
     """Guards the guard: a scan that found nothing would pass every rule below."""
     mods = modules()
-    assert {layer_of(m) for m in mods} == {None, 0, 1, 2, 3, 4, 5, 6, 7}
+    assert {layer_of(m) for m in mods} == {None, *LAYER_NAMES}
     assert [m for m in mods if layer_of(m) is None] == [EXEMPT], "a module outside every layer"
     found = imports()
     assert len(found) > 100
     assert any(not i.runs_on_import for i in found), "no function-level import seen"
-    assert {layer_of(i.importer) for i in found} >= {1, 2, 3, 4, 5, 6, 7}
+    assert {layer_of(i.importer) for i in found} >= set(LAYER_NAMES) - {0}
 
 
 def upward(found: tuple[Import, ...]) -> list[str]:
@@ -194,7 +202,7 @@ def test_the_layer_rule_fails_when_broken_once():
         Import("pdstate.worker.synth", "pdstate.protocol.compat", 1, True),
         Import("pdstate.cli", "pdstate.devtools.bench", 1, False),
         Import("pdstate", "pdstate.devtools.bench", 1, True),
-        Import("pdstate.service.api", "pdstate", 1, True),
+        Import("pdstate.status.api", "pdstate", 1, True),
     )
     assert upward(fine) == []
 
@@ -209,7 +217,7 @@ def test_relative_and_public_api_imports_resolve_to_the_defining_module():
     assert targets("pdstate.protocol.compat", "from ..worker import synth") == ["pdstate.worker.synth"]
     assert targets("pdstate.transfer", "from .engines import create_engine", True) == ["pdstate.transfer.engines"]
     assert targets("pdstate.pools.dsv4", "from pdstate import TransferPlan") == ["pdstate.transfer.plan"]
-    assert targets("pdstate.service.api", "from pdstate import __version__") == ["pdstate"]
+    assert targets("pdstate.status.api", "from pdstate import __version__") == ["pdstate"]
     assert targets("pdstate.worker.synth", "import numpy as np") == []
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pdstate.errors import ConfigError
-from pdstate.service.config import load_config
+from pdstate.settings.config import load_config
 from tests.support.paths import REPO
 
 
@@ -152,7 +152,7 @@ def test_pdstate_shared_is_not_a_key(toml, caplog):
 
 @pytest.fixture
 def fresh_warnings(monkeypatch):
-    from pdstate.service import config
+    from pdstate.settings import config
 
     monkeypatch.setattr(config, "_WARNED", set())
 
@@ -188,7 +188,7 @@ def test_a_name_near_nothing_and_the_backend_variable_warn_too(toml, caplog, fre
 
 
 def test_every_environment_name_is_a_key():
-    from pdstate.service.config import environment_names
+    from pdstate.settings.config import environment_names
 
     names = environment_names()
     assert {"PDSTATE_ROLE", "PDSTATE_HTTP__PORT", "PDSTATE_TRANSFER__MOONCAKE__HOST"} <= set(names)

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from pdstate.cli import build_parser
-from pdstate.service.api import create_app, route_paths
-from pdstate.service.config import load_config
+from pdstate.settings.config import load_config
+from pdstate.status.api import create_app, route_paths
 from tests.support.paths import REPO
 
 K8S = REPO / "deploy" / "k8s"

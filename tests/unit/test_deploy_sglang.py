@@ -25,8 +25,8 @@ from pdstate.integrations.sglang.endpoint import rank_number
 from pdstate.integrations.sglang.launch.command import parse_argv
 from pdstate.integrations.sglang.registry import SUPPORTED_RELEASES
 from pdstate.integrations.sglang.settings import load_settings
-from pdstate.service.api import create_app, route_paths
 from pdstate.service.preflight import check_sglang
+from pdstate.status.api import create_app, route_paths
 from tests.support.paths import REPO
 
 DEPLOY = REPO / "deploy" / "sglang"

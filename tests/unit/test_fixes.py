@@ -26,7 +26,7 @@ from pdstate.protocol.fixes import (
 )
 from pdstate.protocol.report import ErrorInfo
 from pdstate.service import preflight
-from pdstate.service.config import WorkerConfig
+from pdstate.settings.config import WorkerConfig
 from tests.support.pools import report_of, tiny
 
 KEY_RE = re.compile(r"\b(role|preset|(?:pool|draft|checks|control|http|transfer|auth)\.[a-z0-9_]+(?:\.[a-z0-9_]+)?)\b")

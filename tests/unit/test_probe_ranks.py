@@ -98,7 +98,7 @@ class _Rank:
     serves_transfers = False
 
     def __init__(self, report, control: str) -> None:
-        from pdstate.service.models import Readiness
+        from pdstate.status.models import Readiness
         from pdstate.worker.stats import Stats
 
         self.role, self.worker_id, self.incarnation, self.engine, self.control = "decode", "d0", "i", "mooncake", ""
@@ -128,7 +128,7 @@ class _Rank:
 def served_rank():
     import uvicorn
 
-    from pdstate.service.api import create_app
+    from pdstate.status.api import create_app
     from tests.support.pools import tiny
 
     port = _free_port()

@@ -13,7 +13,7 @@ The load-independent part: what serving the scrapes costs the ranks' own process
 children, whose threads a scheduler shares), not the host. Each block ends with ``DWELL_S`` without
 a request (scraped or not): over it, the CPU time (``/proc/<pid>/stat`` utime + stime) of the
 prefill and decode processes and of the endpoints' processes (the ranks' children running
-``pdstate.service.pushed``). A rank's cost: its CPU in the scraped dwells beyond its rate in the off
+``pdstate.status.pushed``). A rank's cost: its CPU in the scraped dwells beyond its rate in the off
 dwells, per scrape it served (about 0 with each endpoint in its own process; served by a thread of
 the rank, 0.9-1.9 ms measured here). Outside the dwells the requests' own CPU (the decode's byte
 checks: hundreds of ms a block, varying by more than the scrapes cost) would drown it.
@@ -42,7 +42,7 @@ DEADLINE_S = 10.0
 DWELL_S = 2.0  # after each block's requests: this long without a request (scraped or not), its CPU measured
 MODES = ("off", "scraped")
 ROLES = ("prefill", "decode")
-ENDPOINT_MODULE = b"pdstate.service.pushed"  # what a rank's endpoint process runs
+ENDPOINT_MODULE = b"pdstate.status.pushed"  # what a rank's endpoint process runs
 PATHS = ("/metrics", "/v1/compat")
 
 

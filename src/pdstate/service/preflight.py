@@ -38,7 +38,7 @@ def preset_layouts() -> dict[str, list[int]]:
 def _report_for(path, overrides=()):
     from pdstate.pools.presets import build_worker_pools
     from pdstate.pools.reporting import build_report
-    from pdstate.service.config import load_config
+    from pdstate.settings.config import load_config
 
     cfg = load_config(path, overrides)
     pools = build_worker_pools(cfg.pool_settings())

@@ -29,7 +29,7 @@ def probe_token(args: Any, environ: dict[str, str] | None = None) -> str | None:
     """The bearer token for the probe: ``--token-file`` (the token-file rules of ``serve``), else
     ``--token`` (a warning on stderr), else ``PDSTATE_AUTH__TOKEN_FILE``, else
     ``PDSTATE_AUTH__TOKEN``; ``None`` without one. A refused file is a ``ConfigError`` (exit 2)."""
-    from pdstate.service.auth import read_token_file
+    from pdstate.settings.auth import read_token_file
 
     env = os.environ if environ is None else environ
     if getattr(args, "token_file", None):

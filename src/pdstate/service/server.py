@@ -18,9 +18,9 @@ the open HTTP responses, print ``{"event": "stopped"}`` and exit 0. A worker tha
 exits ``ExitCode.FAILED`` (1); a bad configuration ``ExitCode.CONFIG`` (2, from ``pdstate.cli``).
 
 Before anything opens, the descriptor soft limit is raised to the hard limit; HTTP connections are
-capped and a request's head and body must arrive within a deadline (``service.connections``).
+capped and a request's head and body must arrive within a deadline (``status.connections``).
 
-The status source over the worker is ``service.status``; ``probe`` is ``service.probe``.
+The status source over the worker is ``status.source``; ``probe`` is ``service.probe``.
 """
 
 from __future__ import annotations
@@ -29,32 +29,16 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 from typing import Any
 
 from pdstate.errors import ExitCode
-from pdstate.service.status import WorkerStatus, release_partial
+from pdstate.status.source import WorkerStatus, release_partial
 
 log = logging.getLogger("pdstate.service.server")
 _T_IMPORTED = time.perf_counter()  # cli imports this module before parsing argv: ~process start
-
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
-def http_url(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _emit(obj: dict) -> None:
@@ -66,11 +50,17 @@ def cmd_serve(args) -> ExitCode:
     from pdstate.worker.base import tune_interpreter
 
     tune_interpreter()
-    from pdstate.service.connections import bounded_h11, http_connection_cap, raise_open_files_limit
+    from pdstate.status.connections import (
+        bounded_h11,
+        http_connection_cap,
+        http_url,
+        listen_socket,
+        raise_open_files_limit,
+    )
 
     nofile = raise_open_files_limit()  # before the worker opens anything: peers, segments, HTTP
-    from pdstate.service.auth import OPEN_ENGINES, check_open_listener
-    from pdstate.service.config import load_config
+    from pdstate.settings.auth import OPEN_ENGINES, check_open_listener
+    from pdstate.settings.config import load_config
 
     cfg = load_config(args.config, args.set)  # ConfigError -> ExitCode.CONFIG in cli.main
     engine = cfg.transfer.engine
@@ -130,7 +120,7 @@ def cmd_serve(args) -> ExitCode:
 
     import uvicorn
 
-    from pdstate.service.api import create_app
+    from pdstate.status.api import create_app
 
     app = create_app(source, token=cfg.auth.secret())
 

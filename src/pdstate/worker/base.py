@@ -5,7 +5,7 @@ an allocator that callers may wait on, the counters, and the request records kep
 The workers (``worker.prefill``, ``worker.decode``) are callers of the embeddable agent
 (``pdstate.agent``) like any serving engine: they own the pools, allocate and free the pages
 (``worker.requests``), and hand the agent index lists. The synthetic content (``worker.synth``)
-is their stand-in for the model. They present the status surface ``service.status.WorkerStatus``
+is their stand-in for the model. They present the status surface ``status.source.WorkerStatus``
 reads (``status()``, ``stats``, ``free_counts()``, ``lookup()``, ``submit()``, ``reregister()``,
 ``stop()``).
 """

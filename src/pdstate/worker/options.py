@@ -1,4 +1,4 @@
-"""``WorkerOptions``: what a worker is configured with (built by ``service.config`` or a test),
+"""``WorkerOptions``: what a worker is configured with (built by ``settings.config`` or a test),
 and ``WorkerHooks``, the test seams (fault injection) a prefill takes beside them.
 
 Production settings only in ``WorkerOptions``; production never passes hooks.

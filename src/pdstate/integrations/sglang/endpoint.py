@@ -1,4 +1,4 @@
-"""An SGLang rank's HTTP endpoint: ``pdstate serve``'s own app (``service.api.create_app``) over
+"""An SGLang rank's HTTP endpoint: ``pdstate serve``'s own app (``status.api.create_app``) over
 one scheduler rank running backend pdstate, when ``http.port`` is configured
 (``PDSTATE_HTTP__PORT``, or ``[http] port`` in the file ``PDSTATE_SGLANG_CONFIG`` names).
 
@@ -16,12 +16,12 @@ needs one, ``settings.check_rank_auth``). Routes: ``/healthz``, ``/readyz``, ``/
 ``/v1/compat/check`` and ``/metrics`` (``rank_status``); no transfer routes.
 
 Where it runs. The app is served by a child process of the rank (``python -m
-pdstate.service.pushed``, started when the manager is built), never in the scheduler's process:
+pdstate.status.pushed``, started when the manager is built), never in the scheduler's process:
 rendering ``/metrics`` and ``/v1/compat``, HTTP parsing and uvicorn's event loop there would take
 the GIL from the scheduler at every scrape. The rank binds the socket itself (a port already
 taken fails the rank at start, naming it) and hands it to the child, then feeds the child
 snapshots of its status (``rank_status.RankStatus.status``) over a pipe, from a daemon thread
-(``service.pushed.Publisher``): only when the status changed (a request began or ended, a
+(``status.pushed.Publisher``): only when the status changed (a request began or ended, a
 handshake was answered, the agent stopped; a peer's state is looked at once a second) and at
 most every 100 ms. So the scheduler's cost follows the rank's events, not the scrapes; the
 documents are those of the latest snapshot (at most ~0.1 s behind an event, ~1 s behind a
@@ -73,11 +73,11 @@ def rank_place(kv_args, http_port: int, release: str | None) -> dict:
 
 class RankEndpoint:
     """The app over ``source`` on ``host:port`` (bound here), served by a child process fed with
-    ``source``'s snapshots (``service.pushed``)."""
+    ``source``'s snapshots (``status.pushed``)."""
 
     def __init__(self, source, host: str, port: int, token: bytes | None) -> None:
-        from pdstate.service.pushed import Child, Publisher, facts_of
-        from pdstate.service.server import http_url, listen_socket
+        from pdstate.status.connections import http_url, listen_socket
+        from pdstate.status.pushed import Child, Publisher, facts_of
 
         what = f"this SGLang {source.role} rank"
         try:

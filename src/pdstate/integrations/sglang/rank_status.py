@@ -1,4 +1,4 @@
-"""What an SGLang rank's HTTP endpoint reads (``service.api``'s status source over one manager),
+"""What an SGLang rank's HTTP endpoint reads (``status.api``'s status source over one manager),
 and what the rank counts for it.
 
 ``RankCounters``: the rank's transfers, bytes, latencies, failures by kind and factor and the
@@ -11,7 +11,7 @@ decode the prefill refused, a topology SGLang cannot map) is counted where SGLan
 ``RankStatus``: ``api.StatusSource`` over the manager: every read is a snapshot (the agent's
 peers, taken on its I/O thread in one call; the counters' copy); none touches SGLang's scheduler.
 It serves no synthetic transfers (``serves_transfers``): the rank's transfers are SGLang's
-requests. The endpoint's process reads it as snapshots (``status``, ``service.pushed``), taken
+requests. The endpoint's process reads it as snapshots (``status``, ``status.pushed``), taken
 when ``changed`` is set (a request began or ended) or ``status_key`` moved (a handshake answered,
 an auth failure, the agent closed or its thread ended), and once a second besides.
 """
@@ -112,7 +112,7 @@ class RankStatus:
         self.incarnation: str = agent.incarnation
         self.engine = engine
         self.transport = transport  # the agent engine's (``AgentLifetime.transport``), fixed at start
-        from pdstate.service.models import peer_transport  # only where the endpoint runs
+        from pdstate.status.models import peer_transport  # only where the endpoint runs
 
         self._peer_transport = peer_transport(transport)
         self.verify = verify
@@ -148,9 +148,9 @@ class RankStatus:
         return self._snapshot() or []
 
     def status(self) -> dict:
-        """One snapshot for the endpoint's process (``service.pushed.status_of``): one call on
+        """One snapshot for the endpoint's process (``status.pushed.status_of``): one call on
         the agent's I/O thread, the counters' copy, the latencies added since the previous one."""
-        from pdstate.service.pushed import status_of
+        from pdstate.status.pushed import status_of
 
         peers = self._snapshot()
         stats = self.stats
@@ -167,7 +167,7 @@ class RankStatus:
         """Ready: the agent alive (and its pair's local check passed) and, on a decode, at least
         one prefill accepted this rank; else why not. ``peers``: the agent's, already taken
         (``None``: the agent was closed); by default taken here."""
-        from pdstate.service.models import Readiness  # only where the endpoint runs (``endpoint``)
+        from pdstate.status.models import Readiness  # only where the endpoint runs (``endpoint``)
 
         mgr = self._mgr
         if mgr.agent.closed:

@@ -1,7 +1,7 @@
 """What a manager's agent is built with: pdstate's usual configuration, and the pool pair's report.
 
 Configuration: the TOML file named by ``PDSTATE_SGLANG_CONFIG`` (optional), then the
-``PDSTATE_SECTION__KEY`` variables of ``pdstate.service.config`` (``PDSTATE_TRANSFER__ENGINE=nixl``,
+``PDSTATE_SECTION__KEY`` variables of ``pdstate.settings.config`` (``PDSTATE_TRANSFER__ENGINE=nixl``,
 ``PDSTATE_AUTH__TOKEN_FILE=...``, ``PDSTATE_CONTROL__PEER_TIMEOUT_S=...``, ``PDSTATE_HTTP__PORT=...``
 for the rank's HTTP endpoint, ``endpoint``); any other ``PDSTATE_*``
 name (a misspelled section, ``PDSTATE_ENGINE``) is ignored with one warning naming the nearest key,
@@ -25,8 +25,8 @@ from typing import Any
 from pdstate.errors import ConfigError
 from pdstate.pools.interface import is_dsv4_pool
 from pdstate.pools.reporting import build_report
-from pdstate.service.auth import OPEN_ENGINES, check_open_listener, is_loopback_host
-from pdstate.service.config import load_config
+from pdstate.settings.auth import OPEN_ENGINES, check_open_listener, is_loopback_host
+from pdstate.settings.config import load_config
 
 CONFIG_ENV = "PDSTATE_SGLANG_CONFIG"
 DEFAULT_ENGINE = "mooncake"

@@ -6,7 +6,7 @@ as the child's stdin. Over that pipe it sends (``multiprocessing.connection`` fr
 the pipe is private to the two processes) first ``facts`` (what never changes: identity, engine,
 transport, layout report, local check, the rank, the token), then ``status`` whenever its status
 changed (readiness, peers, counters, requests in flight, the latencies added since the last one).
-The child serves ``service.api.create_app`` over ``PushedStatus`` (``api.StatusSource`` over the
+The child serves ``status.api.create_app`` over ``PushedStatus`` (``api.StatusSource`` over the
 latest snapshot), so its documents are the ones the worker's own source would render, byte for
 byte, as of the latest snapshot. It writes one line on its stdout: ``ready`` once it serves, or
 ``error: <why>`` when it cannot; then its stdout is its stderr. It exits when the pipe closes
@@ -125,7 +125,7 @@ FULL_S = 1.0  # a snapshot at least this often: what neither an event nor the ke
 # token it needs for its routes comes over the pipe, never in argv or the environment.
 CHILD_BOOT = (
     "import os, sys; sys.path[:0] = [p for p in sys.argv[1].split(os.pathsep) if p]; "
-    "from pdstate.service.pushed import main; sys.exit(main(sys.argv[2:]))"
+    "from pdstate.status.pushed import main; sys.exit(main(sys.argv[2:]))"
 )
 CHILD_ENV = frozenset(
     {"PATH", "LD_LIBRARY_PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_MESSAGES", "TZ", "TMPDIR"}
@@ -289,7 +289,7 @@ def _say(line: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdstate.service.pushed")
+    parser = argparse.ArgumentParser(prog="python -m pdstate.status.pushed")
     parser.add_argument("--fd", type=int, required=True, help="the listening socket, bound by the worker")
     args = parser.parse_args(argv)
     try:
@@ -299,8 +299,8 @@ def main(argv: list[str] | None = None) -> int:
 
         import uvicorn
 
-        from pdstate.service.api import create_app
-        from pdstate.service.connections import bounded_h11, http_connection_cap, raise_open_files_limit
+        from pdstate.status.api import create_app
+        from pdstate.status.connections import bounded_h11, http_connection_cap, raise_open_files_limit
 
         conn = Connection(0, writable=False)
         facts = pickle.loads(conn.recv_bytes())
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         source = PushedStatus(facts)
         source.apply(pickle.loads(conn.recv_bytes()))
         sock = socket.socket(fileno=args.fd)
-        cap = http_connection_cap(raise_open_files_limit())  # bounded as serve's HTTP (service.connections)
+        cap = http_connection_cap(raise_open_files_limit())  # bounded as serve's HTTP (status.connections)
         config = uvicorn.Config(
             create_app(source, token=token),
             http=bounded_h11(cap),

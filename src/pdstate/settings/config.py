@@ -14,7 +14,7 @@ valid key (``stray_environment``), and the load goes on. Serve, check and the SG
 load through ``load_config``, so they warn alike.
 
 Auth fails closed, at load time (so ``pdstate serve`` exits 2 with one line before anything
-starts): the rules are in ``pdstate.service.auth``.
+starts): the rules are in ``pdstate.settings.auth``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pdstate.errors import ConfigError
 from pdstate.pools.dsv4 import UPSTREAM_RELEASES
 from pdstate.pools.presets import PRESETS, PoolSettings
 from pdstate.pools.presets import preset as preset_settings
-from pdstate.service.auth import (  # noqa: F401  (re-exported: the auth rules' old home)
+from pdstate.settings.auth import (  # noqa: F401  (re-exported: the auth rules' old home)
     GENERATE_HINT,
     STRING_KEYS,
     check_auth,

@@ -57,9 +57,9 @@ from pdstate.errors import EngineError, RoomInFlight, VersionMismatch
 from pdstate.protocol.compat import compat_errors
 from pdstate.protocol.report import ErrorInfo
 from pdstate.protocol.wire import PROTOCOL_VERSION
-from pdstate.service.limits import BodyLimit
-from pdstate.service.metrics import Collector
-from pdstate.service.models import (  # noqa: F401  (Readiness and the limits: part of this module's surface)
+from pdstate.status.limits import BodyLimit
+from pdstate.status.metrics import Collector
+from pdstate.status.models import (  # noqa: F401  (Readiness and the limits: part of this module's surface)
     MAX_BODY_BYTES,
     MAX_COMPAT_BODY_BYTES,
     WORD_RE,

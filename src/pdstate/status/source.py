@@ -7,9 +7,9 @@ import logging
 import threading
 from concurrent.futures import Future
 
-from pdstate.service.models import peer_transport
+from pdstate.status.models import peer_transport
 
-log = logging.getLogger("pdstate.service.status")
+log = logging.getLogger("pdstate.status.source")
 
 
 class WorkerStatus:
@@ -47,7 +47,7 @@ class WorkerStatus:
 
     def readiness(self):
         from pdstate.protocol.report import ErrorInfo
-        from pdstate.service.api import Readiness
+        from pdstate.status.api import Readiness
 
         if self.draining:
             return Readiness(False, "shutting down", "shutdown")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from pdstate.service.models import BODY_LIMITS, MAX_BODY_BYTES
+from pdstate.status.models import BODY_LIMITS, MAX_BODY_BYTES
 
 
 class BodyLimit:

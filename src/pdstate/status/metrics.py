@@ -8,7 +8,7 @@ import itertools
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from pdstate.protocol.wire import PROTOCOL_VERSION
-from pdstate.service.models import StatusSource
+from pdstate.status.models import StatusSource
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 

@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-log = logging.getLogger("pdstate.service.connections")
+log = logging.getLogger("pdstate.status.connections")
 
 REQUEST_TIMEOUT_S = 10.0  # a request line, its headers and its body (64 KiB at most) arrive within this
 MAX_HTTP_CONNECTIONS = 8192  # HTTP connections held at once, at most
@@ -89,3 +90,18 @@ def bounded_h11(max_connections: int, request_timeout_s: float = REQUEST_TIMEOUT
                 self.transport.abort()
 
     return BoundedH11Protocol
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def http_url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
