@@ -7,8 +7,11 @@ loaded only when a pool name is asked for.
 Layers, each importing only those below it (a test enforces this)::
 
     cli, devtools        the command line; demo, worker processes, bench
-    service              configuration, HTTP API, status, server, probe, preflight
+    service              serve, probe, preflight
+    integrations         serving-engine adapters (SGLang's transfer backend)
+    status               a worker's status over HTTP: models, sources, the app
     worker               serve's prefill and decode over the agent (allocation, synthetic content)
+    settings             configuration (TOML, environment, --set) and its auth rules
     agent                the embeddable agent over a caller's own pools
     transfer             TransferPlan, the descriptor planner, the engines (shm, Mooncake, NIXL)
     pools                the DSV4 memory model: allocator, pools, kvargs, indices, presets, reports

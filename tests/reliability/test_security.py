@@ -172,7 +172,7 @@ def test_defaults_bind_to_loopback():
         assert cfg.control.bind.startswith("tcp://127.0.0.1:") and cfg.control.peer.startswith("tcp://127.0.0.1:")
         assert cfg.http.host == "127.0.0.1"
         assert cfg.transfer.mooncake.host == "127.0.0.1"
-        assert cfg.worker_options().bind == cfg.control.bind
+        assert WorkerOptions.from_config(cfg).bind == cfg.control.bind
         assert cfg.auth.secret() is None  # no token unless one is configured
     with AgentPrefillWorker(WorkerOptions(role="prefill", pool=TINY)) as p:
         assert p.endpoint.startswith("tcp://127.0.0.1:")

@@ -26,6 +26,7 @@ from pdstate.settings.config import (
     is_loopback_host,
     load_config,
 )
+from pdstate.worker.options import WorkerOptions
 from tests.support.paths import REPO, SERVICES
 from tests.support.paths import SRC_DIR as SRC
 
@@ -497,7 +498,7 @@ def test_a_token_allows_any_bind(tmp_path):
     cfg = load(tmp_path, "http.host=0.0.0.0", "control.bind=tcp://*:5601", f"auth.token_file={token}", role="prefill")
     assert cfg.auth.secret() == b"3f1c0a9e8b7d6c5b4a39281706f5e4d3"
     cfg = load(tmp_path, "http.host=0.0.0.0", environ={"PDSTATE_AUTH__TOKEN": "integration-token-7f3a"})
-    assert cfg.worker_options().token == b"integration-token-7f3a"
+    assert WorkerOptions.from_config(cfg).token == b"integration-token-7f3a"
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,8 @@ Layers (see the docstring of ``pdstate/__init__.py``)::
     9  service/
     8  integrations/
     7  status/
-    6  settings/
-    5  worker/
+    6  worker/
+    5  settings/
     4  agent/
     3  transfer/
     2  pools/
@@ -49,8 +49,8 @@ LAYERS = {
     "pdstate.pools": 2,
     "pdstate.transfer": 3,
     "pdstate.agent": 4,  # the embeddable agent
-    "pdstate.worker": 5,  # serve's workers, callers of the agent
-    "pdstate.settings": 6,  # configuration and auth rules: for serve and the integrations alike
+    "pdstate.settings": 5,  # configuration and auth rules: for serve's workers and the integrations alike
+    "pdstate.worker": 6,  # serve's workers, callers of the agent
     "pdstate.status": 7,  # a worker's status over HTTP: models, sources, the app (serve's and a rank's)
     "pdstate.integrations": 8,  # serving-engine adapters: over the agent and below
     "pdstate.service": 9,  # a worker as a service; may import integrations (preflight), never the reverse
@@ -63,8 +63,8 @@ LAYER_NAMES = {
     2: "pools",
     3: "transfer",
     4: "agent",
-    5: "worker",
-    6: "settings",
+    5: "settings",
+    6: "worker",
     7: "status",
     8: "integrations",
     9: "service",

@@ -8,6 +8,7 @@ import pytest
 
 from pdstate.errors import ConfigError
 from pdstate.settings.config import load_config
+from pdstate.worker.options import WorkerOptions
 from tests.support.paths import REPO
 
 
@@ -81,7 +82,7 @@ def test_mooncake_options_reach_the_engine_constructor(toml):
     from pdstate.transfer.engines.mooncake import MooncakeEngine
 
     cfg = load_config(toml(BASE), ["transfer.engine=mooncake", "transfer.mooncake.device=mlx5_0"], environ={})
-    opts = cfg.worker_options().engine_options
+    opts = WorkerOptions.from_config(cfg).engine_options
     assert opts == {"host": "127.0.0.1", "protocol": "tcp", "device_name": "mlx5_0"}
     assert set(opts) <= set(inspect.signature(MooncakeEngine.__init__).parameters)
 
@@ -200,7 +201,7 @@ def test_service_configs_load_as_shipped(role):
     cfg = load_config(REPO / "services" / role / "config.toml", environ={})
     assert cfg.role == role and cfg.preset == "tiny" and cfg.transfer.engine == "shm"
     assert cfg.http.host == "127.0.0.1" and cfg.http.port == {"prefill": 8101, "decode": 8102}[role]
-    opts = cfg.worker_options()
+    opts = WorkerOptions.from_config(cfg)
     assert opts.role == role and opts.local_checks is True and opts.token is None
     if role == "prefill":
         assert cfg.control.bind == "tcp://127.0.0.1:5601"
@@ -216,9 +217,11 @@ def test_service_configs_pair():
 
 
 def test_verify_mode_and_inline_limit_reach_the_worker_options(toml):
-    opts = load_config(toml(BASE), ["checks.verify=sample", "control.inline_max_bytes=0"], environ={}).worker_options()
+    opts = WorkerOptions.from_config(
+        load_config(toml(BASE), ["checks.verify=sample", "control.inline_max_bytes=0"], environ={})
+    )
     assert opts.verify == "sample" and opts.inline_max_bytes == 0
-    defaults = load_config(toml(BASE), environ={}).worker_options()
+    defaults = WorkerOptions.from_config(load_config(toml(BASE), environ={}))
     assert defaults.verify == "full" and defaults.inline_max_bytes == 32 << 20
     with pytest.raises(ConfigError, match="checks.verify"):
         load_config(toml(BASE), ["checks.verify=some"], environ={})

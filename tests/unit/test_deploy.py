@@ -20,6 +20,7 @@ import yaml
 from pdstate.cli import build_parser
 from pdstate.settings.config import load_config
 from pdstate.status.api import create_app, route_paths
+from pdstate.worker.options import WorkerOptions
 from tests.support.paths import REPO
 
 K8S = REPO / "deploy" / "k8s"
@@ -148,7 +149,11 @@ def test_compose_mooncake_switch(compose):
     for role in ROLES:
         _, cfg = compose_config(compose["services"][role], {"PDSTATE_TRANSFER__ENGINE": "mooncake"})
         assert cfg.transfer.engine == "mooncake"
-        assert cfg.worker_options().engine_options == {"host": f"{role}-data", "protocol": "tcp", "device_name": ""}
+        assert WorkerOptions.from_config(cfg).engine_options == {
+            "host": f"{role}-data",
+            "protocol": "tcp",
+            "device_name": "",
+        }
     text = (REPO / "docker-compose.yml").read_text()
     assert "PDSTATE_ENGINE=mooncake" in text and "--set transfer.engine=mooncake" in text
 
@@ -165,7 +170,7 @@ def test_compose_data_plane_is_an_internal_network(compose):
         assert set(svc["networks"]) == {"dataplane", "edge"}
         assert svc["networks"]["dataplane"]["aliases"] == [f"{role}-data"]
         _, cfg = compose_config(svc, {"PDSTATE_TRANSFER__ENGINE": "mooncake"})
-        assert cfg.worker_options().engine_options["host"] == f"{role}-data"
+        assert WorkerOptions.from_config(cfg).engine_options["host"] == f"{role}-data"
         assert svc["ports"] == [f"127.0.0.1:{cfg.http.port}:{cfg.http.port}"]  # HTTP alone, host loopback
         if role == "decode":
             assert port_of(cfg.control.peer)[0] == "prefill-data"

@@ -89,7 +89,9 @@ def cmd_serve(args) -> ExitCode:
         from pdstate.worker.prefill import AgentPrefillWorker as Worker
     else:
         from pdstate.worker.decode import AgentDecodeWorker as Worker
-    worker = Worker(cfg.worker_options())
+    from pdstate.worker.options import WorkerOptions
+
+    worker = Worker(WorkerOptions.from_config(cfg))
     try:
         worker.start()
     except LocalCheckFailed as exc:

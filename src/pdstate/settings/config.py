@@ -44,7 +44,6 @@ from pdstate.settings.auth import (  # noqa: F401  (re-exported: the auth rules'
     read_file_bytes,
     read_token_file,
 )
-from pdstate.worker.options import WorkerOptions
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -156,11 +155,17 @@ class MooncakeSection(_Section):
     # the native listeners are on every interface, unauthenticated: start only when acknowledged
     allow_open_listener: bool = False
 
+    def engine_options(self) -> dict[str, Any]:
+        return {"host": self.host, "protocol": self.protocol, "device_name": self.device}  # MooncakeEngine's NIC list
+
 
 class NixlSection(_Section):
     allow_open_listener: bool = False
     # UCX_NET_DEVICES for the agent ("lo": its TCP listener on loopback only); "": UCX's choice (all)
     net_devices: str = ""
+
+    def engine_options(self) -> dict[str, Any]:
+        return {"ucx_env": {"UCX_NET_DEVICES": self.net_devices}} if self.net_devices else {}
 
 
 class TransferSection(_Section):
@@ -169,6 +174,11 @@ class TransferSection(_Section):
     nixl: NixlSection = NixlSection()
     # what each request's digests cover (``pdstate.agent.verify``): a sample, every byte, nothing
     verify: Literal["sampled", "full", "off"] = "sampled"
+
+    def engine_options(self) -> dict[str, Any]:
+        """The options the engine is constructed with: its own section's (``[transfer.<engine>]``), if it has one."""
+        section = getattr(self, self.engine, None)
+        return section.engine_options() if isinstance(section, _Section) else {}
 
 
 class AuthSection(_Section):
@@ -211,38 +221,6 @@ class WorkerConfig(_Section):
             draft_enabled=self.draft.enabled, draft_mapping=self.draft.mapping, draft_layers=self.draft.layers
         )
         return s.with_(**changes)
-
-    def worker_options(self) -> WorkerOptions:
-        engine_options: dict[str, Any] = {}
-        if self.transfer.engine == "mooncake":
-            m = self.transfer.mooncake  # MooncakeEngine names the NIC list ``device_name``
-            engine_options = {"host": m.host, "protocol": m.protocol, "device_name": m.device}
-        elif self.transfer.engine == "nixl" and self.transfer.nixl.net_devices:
-            engine_options = {"ucx_env": {"UCX_NET_DEVICES": self.transfer.nixl.net_devices}}
-        return WorkerOptions(
-            role=self.role,
-            pool=self.pool_settings(),
-            engine=self.transfer.engine,
-            engine_options=engine_options,
-            bind=self.control.bind,
-            peer=self.control.peer,
-            worker_id=self.worker_id,
-            token=self.auth.secret(),
-            key_dir=self.auth.key_dir or None,
-            heartbeat_interval_s=self.control.heartbeat_interval_s,
-            peer_timeout_s=self.control.peer_timeout_s,
-            request_deadline_s=self.control.request_deadline_s,
-            max_inflight=self.control.max_inflight,
-            inline_max_bytes=self.control.inline_max_bytes,
-            drain_s=self.control.drain_s,
-            verdict_timeout_s=self.control.verdict_timeout_s,
-            decode_share=self.control.decode_share,
-            advertise=tuple(self.control.advertise),
-            prefills=tuple(self.control.prefills),
-            local_checks=self.checks.local,
-            verify=self.checks.verify,
-            transfer_verify=self.transfer.verify,
-        )
 
 
 def _read_config_text(path: str | Path) -> str:

@@ -1,4 +1,5 @@
-"""``WorkerOptions``: what a worker is configured with (built by ``settings.config`` or a test),
+"""``WorkerOptions``: what a worker is configured with (``WorkerOptions.from_config`` over a
+``settings.config.WorkerConfig``, or built by a test),
 and ``WorkerHooks``, the test seams (fault injection) a prefill takes beside them.
 
 Production settings only in ``WorkerOptions``; production never passes hooks.
@@ -7,9 +8,12 @@ Production settings only in ``WorkerOptions``; production never passes hooks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdstate.pools.presets import PoolSettings
+
+if TYPE_CHECKING:
+    from pdstate.settings.config import WorkerConfig
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,34 @@ class WorkerOptions:
     decode_share: float = 0.5
     advertise: tuple[str, ...] = ()  # prefill: other addresses decodes dial it at
     prefills: tuple[str, ...] = ()  # decode: the prefills a transfer may name (empty: peer and loopback)
+
+    @classmethod
+    def from_config(cls, cfg: WorkerConfig) -> WorkerOptions:
+        """The options of a worker configured by ``cfg`` (``ConfigError`` from an unreadable token file)."""
+        return cls(
+            role=cfg.role,
+            pool=cfg.pool_settings(),
+            engine=cfg.transfer.engine,
+            engine_options=cfg.transfer.engine_options(),
+            bind=cfg.control.bind,
+            peer=cfg.control.peer,
+            worker_id=cfg.worker_id,
+            token=cfg.auth.secret(),
+            key_dir=cfg.auth.key_dir or None,
+            heartbeat_interval_s=cfg.control.heartbeat_interval_s,
+            peer_timeout_s=cfg.control.peer_timeout_s,
+            request_deadline_s=cfg.control.request_deadline_s,
+            max_inflight=cfg.control.max_inflight,
+            inline_max_bytes=cfg.control.inline_max_bytes,
+            drain_s=cfg.control.drain_s,
+            verdict_timeout_s=cfg.control.verdict_timeout_s,
+            decode_share=cfg.control.decode_share,
+            advertise=tuple(cfg.control.advertise),
+            prefills=tuple(cfg.control.prefills),
+            local_checks=cfg.checks.local,
+            verify=cfg.checks.verify,
+            transfer_verify=cfg.transfer.verify,
+        )
 
 
 @dataclass(frozen=True)

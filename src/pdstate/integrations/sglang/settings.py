@@ -75,17 +75,17 @@ def load_settings(role: str, environ=None) -> AgentSettings:
             "transfer.engine: 'shm' needs the decode's buffers in /dev/shm, and SGLang's pools are "
             "private memory: use mooncake or nixl (loopback within one process)"
         )
-    options = cfg.model_copy(update={"transfer": cfg.transfer.model_copy(update={"engine": engine})}).worker_options()
+    transfer = cfg.transfer.model_copy(update={"engine": engine})
     return AgentSettings(
         engine=engine,
-        engine_options=dict(options.engine_options),
-        token=options.token,
-        key_dir=options.key_dir,
-        heartbeat_interval_s=options.heartbeat_interval_s,
-        peer_timeout_s=options.peer_timeout_s,
+        engine_options=transfer.engine_options(),
+        token=cfg.auth.secret(),
+        key_dir=cfg.auth.key_dir or None,
+        heartbeat_interval_s=cfg.control.heartbeat_interval_s,
+        peer_timeout_s=cfg.control.peer_timeout_s,
         allow_insecure_bind=cfg.auth.allow_insecure_bind,
         allow_open_listener=getattr(cfg.transfer, engine).allow_open_listener if engine in OPEN_ENGINES else True,
-        verify=options.transfer_verify,
+        verify=cfg.transfer.verify,
         http_port=cfg.http.port if "port" in cfg.http.model_fields_set else None,
         http_host=cfg.http.host if "host" in cfg.http.model_fields_set else None,
     )
