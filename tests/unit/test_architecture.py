@@ -1,5 +1,6 @@
-"""The shape of ``src/pdstate``: layers import only downwards, no import cycles, a torch-free
-protocol, a public API that resolves, small modules, and one home for every exception class.
+"""The shape of ``src/pdstate``: layers import only downwards, no import cycles between modules
+nor between top-level packages (in docs/architecture.md's order), a torch-free protocol, a public
+API that resolves, no monolithic module, and one home for every exception class.
 
 Layers (see the docstring of ``pdstate/__init__.py``)::
 
@@ -71,7 +72,7 @@ LAYER_NAMES = {
     10: "cli/devtools",
 }
 EXEMPT = "pdstate"  # the lazy public API
-MAX_LINES = 450
+MAX_LINES = 800  # a guard against monoliths; files are split by responsibility, not by a count
 TORCH_FREE = (
     "pdstate.protocol",
     "pdstate.protocol.wire",
@@ -295,6 +296,89 @@ def test_a_lazy_or_type_checking_import_closes_a_cycle_too():
 def test_no_import_cycles_anywhere():
     cycle = find_cycle(import_graph(imports()))
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+
+
+def package_of(module: str) -> str:
+    """The top-level package or module of ``src/pdstate`` that ``module`` is in
+    (``pdstate.agent.decode`` -> ``agent``, ``pdstate.cli`` -> ``cli``)."""
+    return module.split(".")[1]
+
+
+def package_graph(found: tuple[Import, ...]) -> dict[str, set[str]]:
+    """Which top-level packages import which (every import in ``found``, however late it runs),
+    without the lazy public API and without a package's imports of itself."""
+    graph: dict[str, set[str]] = {package_of(m): set() for m in modules() if m != EXEMPT}
+    for i in found:
+        if EXEMPT in (i.importer, i.target) or i.importer not in modules():
+            continue
+        a, b = package_of(i.importer), package_of(i.target)
+        if a != b and b in graph:
+            graph[a].add(b)
+    return graph
+
+
+def documented_order(text: str) -> list[str]:
+    """The top-level packages and modules of docs/architecture.md's ``src/pdstate/`` listing, in
+    its order (the public API's ``__init__.py`` aside)."""
+    section = text.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```\nsrc/pdstate/\n", 1)[1].split("```", 1)[0]
+    out = []
+    for line in block.splitlines():
+        if not line.startswith("  ") or line.startswith("   "):
+            if line and not line.startswith(" "):
+                break  # the next top-level folder (proto/, tests/): the package's listing ended
+            continue
+        name = line.split()[0].removesuffix("/").removesuffix(".py")
+        if name != "__init__":
+            out.append(name)
+    return out
+
+
+def against_the_order(graph: dict[str, set[str]], order: list[str]) -> list[str]:
+    """The package imports in ``graph`` of a package listed below the importer (or not listed)."""
+    rank = {name: n for n, name in enumerate(order)}
+    return [
+        f"{a} imports {b}" + ("" if b in rank else " (not listed)")
+        for a in sorted(graph)
+        for b in sorted(graph[a])
+        if a not in rank or b not in rank or rank[b] > rank[a]
+    ]
+
+
+def test_the_documented_order_lists_every_package_once_in_the_layer_tables_order():
+    order = documented_order(ARCHITECTURE.read_text())
+    assert len(order) == len(set(order)), f"listed twice: {sorted({n for n in order if order.count(n) > 1})}"
+    assert sorted(order) == sorted({package_of(m) for m in modules() if m != EXEMPT})
+    layers = [layer_of(f"pdstate.{name}") for name in order]
+    assert layers == sorted(layers), f"docs/architecture.md's order against LAYERS: {list(zip(order, layers))}"
+
+
+def test_packages_import_only_those_listed_above_them():
+    """No cycle between top-level packages (service <-> integrations once was one, built of
+    imports that were each fine between files), in docs/architecture.md's order."""
+    graph = package_graph(imports())
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle between packages: " + " -> ".join(cycle)
+    wrong = against_the_order(graph, documented_order(ARCHITECTURE.read_text()))
+    assert not wrong, "imports against docs/architecture.md's order of packages:\n" + "\n".join(wrong)
+
+
+def test_the_package_check_fails_on_the_old_service_integrations_loop():
+    """Guards the guard: the loop this check was written against, each import fine file by file."""
+    old = (
+        Import("pdstate.service.preflight", "pdstate.integrations.sglang.launch.comparison", 104, False),
+        Import("pdstate.integrations.sglang.settings", "pdstate.service.config", 28, True),
+    )
+    graph = package_graph(imports() + old)
+    assert find_cycle(graph) in (
+        ["integrations", "service", "integrations"],
+        ["service", "integrations", "service"],
+    )
+    assert against_the_order(graph, documented_order(ARCHITECTURE.read_text())) == ["integrations imports service"]
+    assert find_cycle(import_graph(imports() + old)) is None  # no cycle between the files themselves
 
 
 def test_protocol_imports_without_torch():
