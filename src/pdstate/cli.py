@@ -20,8 +20,9 @@ from pdstate import logs
 from pdstate.devtools import demo
 from pdstate.errors import ConfigError, ExitCode
 from pdstate.service import preflight, probe, probe_ranks, server
+from pdstate.transfer.engines.registry import engine_names
 
-ENGINES = ("shm", "mooncake", "nixl")
+ENGINES = engine_names(in_process=False)  # the engine registry's names that work between processes
 MODES = ("paged", "unified")
 PRESET_NAMES = ("tiny", "dsv4-flash")  # pools.presets.PRESETS' names (a test keeps them equal)
 LOG_LEVELS = logs.LEVELS

@@ -59,12 +59,11 @@ def cmd_serve(args) -> ExitCode:
     )
 
     nofile = raise_open_files_limit()  # before the worker opens anything: peers, segments, HTTP
-    from pdstate.settings.auth import OPEN_ENGINES, check_open_listener
+    from pdstate.settings.auth import check_open_listener
     from pdstate.settings.config import load_config
 
     cfg = load_config(args.config, args.set)  # ConfigError -> ExitCode.CONFIG in cli.main
-    engine = cfg.transfer.engine
-    check_open_listener(engine, getattr(cfg.transfer, engine).allow_open_listener if engine in OPEN_ENGINES else True)
+    check_open_listener(cfg.transfer.engine, cfg.transfer.open_listener_acknowledged())
     logging.getLogger().setLevel(args.log_level.upper())
     t0 = _T_IMPORTED
 

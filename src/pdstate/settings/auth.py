@@ -22,6 +22,7 @@ from typing import Any
 from pdstate.errors import ConfigError
 from pdstate.inputs import file_kind, read_input_file
 from pdstate.protocol.hosts import is_loopback_host
+from pdstate.transfer.engines.registry import ENGINES
 
 GENERATE_HINT = "openssl rand -hex 32"
 MIN_TOKEN_BYTES = 16  # a shared token's least length once trimmed (``openssl rand -hex 32`` gives 64)
@@ -236,13 +237,11 @@ def check_auth(cfg: Any, where: Callable[[str], str]) -> None:
         )
 
 
-OPEN_ENGINES = ("mooncake", "nixl")  # native listeners pdstate cannot restrict (docs/security.md)
-
-
 def check_open_listener(engine: str, acknowledged: bool) -> None:
-    """``engine``'s native listeners accept anyone on every interface (Mooncake 0.3.13: 0.0.0.0 and
-    [::] whatever its host, measured): a worker starts with it only when the operator said so."""
-    if engine in OPEN_ENGINES and not acknowledged:
+    """An engine registered with ``open_listener`` (``transfer.engines.registry``) has native
+    listeners that accept anyone on every interface (Mooncake 0.3.13: 0.0.0.0 and [::] whatever its
+    host, measured; docs/security.md): a worker starts with it only when the operator said so."""
+    if ENGINES[engine].open_listener and not acknowledged:
         raise ConfigError(
             f"transfer.{engine}.allow_open_listener: the {engine} engine listens on every interface and "
             "authenticates nobody (whoever reaches its ports can write into this worker's registered memory); "

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from pdstate.errors import ConfigError
 from pdstate.pools.dsv4 import UPSTREAM_RELEASES
@@ -44,6 +45,7 @@ from pdstate.settings.auth import (  # noqa: F401  (re-exported: the auth rules'
     read_file_bytes,
     read_token_file,
 )
+from pdstate.transfer.engines.registry import ENGINES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -169,16 +171,37 @@ class NixlSection(_Section):
 
 
 class TransferSection(_Section):
-    engine: Literal["shm", "mooncake", "nixl", "loopback"] = "shm"
+    engine: str = "shm"  # a name of the engine registry (``transfer.engines.registry``)
     mooncake: MooncakeSection = MooncakeSection()
     nixl: NixlSection = NixlSection()
     # what each request's digests cover (``pdstate.agent.verify``): a sample, every byte, nothing
     verify: Literal["sampled", "full", "off"] = "sampled"
 
-    def engine_options(self) -> dict[str, Any]:
-        """The options the engine is constructed with: its own section's (``[transfer.<engine>]``), if it has one."""
+    @field_validator("engine")
+    @classmethod
+    def _registered_engine(cls, v: str) -> str:
+        if v not in ENGINES:
+            names = [repr(n) for n in ENGINES]
+            expected = " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+            raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+        return v
+
+    def _section(self) -> _Section | None:
+        """The configured engine's own section (``[transfer.<engine>]``), if it has one."""
         section = getattr(self, self.engine, None)
-        return section.engine_options() if isinstance(section, _Section) else {}
+        return section if isinstance(section, _Section) else None
+
+    def engine_options(self) -> dict[str, Any]:
+        """The options the engine is constructed with: its own section's, if it has one."""
+        section = self._section()
+        return section.engine_options() if section is not None else {}
+
+    def open_listener_acknowledged(self) -> bool:
+        """Whether the engine may start: one without an open listener always; one with, when its
+        section's ``allow_open_listener`` says so (``settings.auth.check_open_listener``)."""
+        if not ENGINES[self.engine].open_listener:
+            return True
+        return bool(getattr(self._section(), "allow_open_listener", False))
 
 
 class AuthSection(_Section):

@@ -27,6 +27,7 @@ from pdstate.pools.kvargs import fill_kv_args
 from pdstate.pools.memory import PrivateMemory, SharedMemory, sweep_stale_segments
 from pdstate.pools.presets import build_worker_pools
 from pdstate.pools.reporting import build_report
+from pdstate.transfer.engines.registry import ENGINES
 from pdstate.worker import requests as rq
 from pdstate.worker.options import WorkerOptions
 from pdstate.worker.stats import Stats
@@ -72,7 +73,7 @@ def build_side(opts: WorkerOptions):
     Returns ``(pools, report, kv_args, local_error)``. ``local_error`` is the upstream refusal of
     this side's own pair, or ``None``.
     """
-    if opts.role == "decode" and opts.engine == "shm":
+    if opts.role == "decode" and ENGINES[opts.engine].shared_memory:
         sweep_stale_segments()
         memory = SharedMemory()
     else:

@@ -25,8 +25,9 @@ from typing import Any
 from pdstate.errors import ConfigError
 from pdstate.pools.interface import is_dsv4_pool
 from pdstate.pools.reporting import build_report
-from pdstate.settings.auth import OPEN_ENGINES, check_open_listener, is_loopback_host
+from pdstate.settings.auth import check_open_listener, is_loopback_host
 from pdstate.settings.config import load_config
+from pdstate.transfer.engines.registry import ENGINES, engine_names
 
 CONFIG_ENV = "PDSTATE_SGLANG_CONFIG"
 DEFAULT_ENGINE = "mooncake"
@@ -70,10 +71,12 @@ def load_settings(role: str, environ=None) -> AgentSettings:
     env = os.environ if environ is None else environ
     cfg = load_config(env.get(CONFIG_ENV) or None, overrides=[f"role={role}"], environ=env, known=(CONFIG_ENV,))
     engine = cfg.transfer.engine if "engine" in cfg.transfer.model_fields_set else DEFAULT_ENGINE
-    if engine == "shm":
+    if ENGINES[engine].shared_memory:
+        usable = " or ".join(engine_names(shared_memory=False, in_process=False))
+        within = ", ".join(engine_names(shared_memory=False, in_process=True))
         raise ConfigError(
-            "transfer.engine: 'shm' needs the decode's buffers in /dev/shm, and SGLang's pools are "
-            "private memory: use mooncake or nixl (loopback within one process)"
+            f"transfer.engine: {engine!r} needs the decode's buffers in /dev/shm, and SGLang's pools are "
+            f"private memory: use {usable}" + (f" ({within} within one process)" if within else "")
         )
     transfer = cfg.transfer.model_copy(update={"engine": engine})
     return AgentSettings(
@@ -84,7 +87,7 @@ def load_settings(role: str, environ=None) -> AgentSettings:
         heartbeat_interval_s=cfg.control.heartbeat_interval_s,
         peer_timeout_s=cfg.control.peer_timeout_s,
         allow_insecure_bind=cfg.auth.allow_insecure_bind,
-        allow_open_listener=getattr(cfg.transfer, engine).allow_open_listener if engine in OPEN_ENGINES else True,
+        allow_open_listener=transfer.open_listener_acknowledged(),
         verify=cfg.transfer.verify,
         http_port=cfg.http.port if "port" in cfg.http.model_fields_set else None,
         http_host=cfg.http.host if "host" in cfg.http.model_fields_set else None,

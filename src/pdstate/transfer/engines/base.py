@@ -58,9 +58,10 @@ from pdstate.errors import (
 from pdstate.pools.memory import Region
 from pdstate.transfer.engines.listeners import Transport, tcp_listeners
 from pdstate.transfer.engines.regions import RegionTable, check_plan, drop_empty
+from pdstate.transfer.engines.registry import ENGINES, EngineEntry
 from pdstate.transfer.plan import TransferPlan
 
-__all__ = [  # RegionTable, check_plan and drop_empty live in regions.py; re-exported here
+__all__ = [  # RegionTable, check_plan and drop_empty live in regions.py, ENGINES and EngineEntry in registry.py; re-exported here
     "ENGINES",
     "EngineEntry",
     "Peer",
@@ -416,22 +417,7 @@ class TransferEngine(ABC):
             self._disconnect(peer)
 
 
-# --- registry ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EngineEntry:
-    module: str
-    class_name: str
-    extra: str | None  # the pip extra that provides the native package, if any
-
-
-ENGINES: Mapping[str, EngineEntry] = {
-    "shm": EngineEntry("pdstate.transfer.engines.shm", "ShmEngine", None),
-    "loopback": EngineEntry("pdstate.transfer.engines.loopback", "LoopbackEngine", None),
-    "mooncake": EngineEntry("pdstate.transfer.engines.mooncake", "MooncakeEngine", "mooncake"),
-    "nixl": EngineEntry("pdstate.transfer.engines.nixl", "NixlEngine", "nixl"),
-}
+# --- the registry (registry.py) -------------------------------------------------------------
 
 
 def engine_class(name: str) -> type[TransferEngine]:
