@@ -5,6 +5,9 @@ moves a verified request over it (and refuses a peer on another engine, naming b
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import ExitStack, closing, contextmanager
+
 import pytest
 
 from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
@@ -86,15 +89,28 @@ def test_an_open_listener_entry_must_be_acknowledged(config_file):
         unregister_engine(NAME)
 
 
-@pytest.mark.parametrize("level", ["full", "sampled"])
-def test_an_agent_pair_moves_a_verified_request_over_the_new_engine(carrier, level):
+@contextmanager
+def agents(prefill_engine: str, decode_engine: str, verify: str = "sampled") -> Iterator[tuple]:
+    """A prefill and a decode agent in this process over filled tiny sides, closed at the end."""
     p, d = make_side(False), make_side(False)
     fill(p.kv_args, 1)
     fill(d.kv_args, 2)
-    before, src = snapshot(d.kv_args), snapshot(p.kv_args)
-    pa = PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), engine=NAME)
-    da = DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine=NAME, verify=level)
-    try:
+    with ExitStack() as stack:
+        for side in (p, d):
+            stack.callback(side.close)
+        pa = stack.enter_context(
+            closing(PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), engine=prefill_engine))
+        )
+        da = stack.enter_context(
+            closing(DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine=decode_engine, verify=verify))
+        )
+        yield pa, da, p.kv_args, d.kv_args
+
+
+@pytest.mark.parametrize("level", ["full", "sampled"])
+def test_an_agent_pair_moves_a_verified_request_over_the_new_engine(carrier, level):
+    with agents(NAME, NAME, level) as (pa, da, src_kv, dst_kv):
+        before, src = snapshot(dst_kv), snapshot(src_kv)
         recv, send = da.receiver(pa.address, ROOM), pa.sender(ROOM, len(SRC_PAGES))
         recv.init(DST_PAGES, DST_STATE)
         send.send(SRC_PAGES, SRC_STATE)
@@ -104,19 +120,11 @@ def test_an_agent_pair_moves_a_verified_request_over_the_new_engine(carrier, lev
         assert recv.metrics["bytes"] == send.metrics["bytes"] > 0
         assert CarrierEngine.plans_moved >= 1
         moves = [(0, SRC_PAGES, DST_PAGES)] + [(c + 1, s, t) for c, (s, t) in enumerate(zip(SRC_STATE, DST_STATE))]
-        assert_images_equal(snapshot(d.kv_args), expected(before, src, d.kv_args, moves))
-    finally:
-        da.close()
-        pa.close()
-        p.close()
-        d.close()
+        assert_images_equal(snapshot(dst_kv), expected(before, src, dst_kv, moves))
 
 
 def test_a_decode_on_another_engine_is_refused_naming_both(carrier):
-    p, d = make_side(False), make_side(False)
-    pa = PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), engine=NAME)
-    da = DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine="loopback")
-    try:
+    with agents(NAME, "loopback") as (pa, da, _, _):
         recv = da.receiver(pa.address, ROOM)
         recv.init(DST_PAGES, DST_STATE)
         assert recv.wait(10) is RequestState.FAILED
@@ -124,11 +132,6 @@ def test_a_decode_on_another_engine_is_refused_naming_both(carrier):
             "transfer engine mismatch: prefill server uses 'carrier', but decode server uses 'loopback'"
         )
         assert CarrierEngine.plans_moved == 0
-    finally:
-        da.close()
-        pa.close()
-        p.close()
-        d.close()
 
 
 def test_every_open_listener_engine_has_a_section_that_can_acknowledge_it(config_file):
