@@ -1,1 +1,1 @@
-"""A worker as a service: configuration, HTTP API, status, the server and the probe."""
+"""A worker as a service: the server (pdstate serve), the probe and the preflight (pdstate check)."""
