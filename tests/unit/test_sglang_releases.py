@@ -177,3 +177,18 @@ def test_the_drivers_know_the_new_releases_environment_and_table(fake_release, m
     assert pair.env_dir(FAKE) == Path(sys.prefix) / f"sglang-env-{FAKE}"
     assert sglang_args.data_path(FAKE) == fake_release.args_path
     assert releases.nearest(f"{FAKE}.post1") is fake_release
+
+
+def test_a_release_refusing_what_a_later_one_allows_names_that_release(fake_release, capsys):
+    """A decode radix cache with EAGLE: 0.5.19's row allows no algorithm, and its refusal names the
+    first release whose row allows EAGLE; the new release allows it, as 0.5.23 does."""
+    radix = DECODE.replace("--dp 8 --enable-dp-attention", "--disaggregation-decode-enable-radix-cache")
+    rc, out = pdstate(capsys, "check", "--sglang", PREFILL, radix, "--sglang-version", "0.5.19")
+    assert rc == 1
+    assert (
+        "- the decode: SGLang would not start: ValueError: --disaggregation-decode-enable-radix-cache is "
+        "incompatible with speculative decoding (--speculative-algorithm EAGLE; SGLang 0.5.19 allows EAGLE and "
+        "DSPARK from 0.5.23)\n"
+    ) in out
+    rc, out = pdstate(capsys, "check", "--sglang", PREFILL, radix, "--sglang-version", FAKE)
+    assert rc == 0, out

@@ -129,15 +129,6 @@ def row(version: str) -> SGLangRelease:
     return found
 
 
-def first(trait: str) -> SGLangRelease | None:
-    """The oldest release whose ``trait`` holds (``decode_radix_spec``: allows more than no algorithm)."""
-    return next((r for r in RELEASES if _truthy(getattr(r, trait))), None)
-
-
-def _truthy(value) -> bool:
-    return value != (None,) if isinstance(value, tuple) else bool(value)
-
-
 def version_tuple(version: str) -> tuple[int, ...]:
     """``"0.5.23.post1"`` -> ``(0, 5, 23)``."""
     return tuple(int(x) for x in re.findall(r"\d+", version)[:3])

@@ -310,8 +310,9 @@ def _decode_radix_errors(values: dict, algo: str | None, backend: str, release: 
         errors.append(f"ValueError: {flag} is incompatible with --disaggregation-transfer-backend fake")
     allowed = releases.row(release).decode_radix_spec
     if algo not in allowed:
-        later = releases.first("decode_radix_spec") if allowed == (None,) else None
-        since = f" allows EAGLE and DSPARK from {later.version}" if later is not None else ""
+        # a release that allows no algorithm names the first that allows EAGLE
+        later = [r.version for r in releases.RELEASES if "EAGLE" in r.decode_radix_spec] if allowed == (None,) else []
+        since = f" allows EAGLE and DSPARK from {later[0]}" if later else ""
         errors.append(
             f"ValueError: {flag} is incompatible with speculative decoding (--speculative-algorithm {algo}; "
             f"SGLang {release}{since})"
