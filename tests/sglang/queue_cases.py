@@ -39,7 +39,7 @@ MOONCAKE_REFUSES = {(r, "spec_vs_nospec") for r in runner.RELEASES if runner.row
 # cache, the deferred release of an aborted request): no test asserts a difference between the
 # releases that only the control shows (0.5.19's release without deferral is asserted with pdstate).
 MOONCAKE_LIFECYCLE = next(
-    r for r in reversed(runner.RELEASES) if runner.row(r).decode_radix_cache and runner.row(r).deferred_kv_release
+    r for r in reversed(runner.RELEASES) if runner.row(r).speculative_radix_cache and runner.row(r).deferred_kv_release
 )
 
 
@@ -62,7 +62,7 @@ def run(pair, release: str) -> dict:
 
 def _lifecycle(pair, backend: str, release: str, results: dict) -> None:
     results[(backend, "features")] = _features(pair, backend)
-    if runner.row(release).decode_radix_cache:  # 0.5.19 refuses DSV4 with a decode radix cache at launch
+    if runner.row(release).speculative_radix_cache:  # 0.5.19 refuses DSV4 with a decode radix cache at launch
         results[(backend, "prefix")] = _prefix(pair, backend)
         results[(backend, "prefix_unified")] = _prefix(pair, backend, unified=True)
 

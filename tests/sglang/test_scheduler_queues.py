@@ -232,7 +232,7 @@ def test_bootstrap_timeout_fails_a_prefill_request_no_decode_asks_for(queue_runs
 
 def _prefix_runs(queue_runs, backend: str, key: str) -> tuple[dict, dict, dict]:
     release, results = queue_runs
-    if not runner.row(release).decode_radix_cache:
+    if not runner.row(release).speculative_radix_cache:
         pytest.skip(f"SGLang {release} refuses DeepSeek-V4 with a decode radix cache at launch, for every backend")
     runs = results[(backend, key)]
     assert "setup_error" not in runs, f"{runs['setup_error']}\n{runs.get('setup_trace')}"

@@ -45,7 +45,6 @@ class SGLangRelease:
     # kept with override_permanently, pools asking for the request-to-token pool, request-state indices
     # from the pool (``DSV4_REQUEST_STATE``), MetadataBuffers' sampling mask, the unified-KV gate's module
     deferred_kv_release: bool  # a failed decode request's pages are held until every prefill rank acknowledged
-    decode_radix_cache: bool  # a DSV4 decode starts with --disaggregation-decode-enable-radix-cache
     mooncake_checks_item_lens: bool  # SGLang's own Mooncake backend compares the state items' lengths first
     in_lock: bool = False  # tools/sglang-env.txt's own sglang line (its environment: <venv>/sglang-env)
     args_file: str = ""  # its argument table, relative to launch/ (default ``args-<version>.json``)
@@ -54,6 +53,11 @@ class SGLangRelease:
     def args_path(self) -> Path:
         """The release's argument table (``launch/args-<version>.json``)."""
         return LAUNCH_DIR / (self.args_file or f"args-{self.version}.json")
+
+    @property
+    def speculative_radix_cache(self) -> bool:
+        """A speculative (EAGLE) DSV4 decode starts with a decode radix cache (0.5.19 refuses it)."""
+        return "EAGLE" in self.decode_radix_spec
 
     @property
     def env_dir(self) -> str:
@@ -77,7 +81,6 @@ RELEASES: tuple[SGLangRelease, ...] = (
         decode_radix_spec=(None,),
         keyword_api=False,
         deferred_kv_release=False,
-        decode_radix_cache=False,
         mooncake_checks_item_lens=False,
         in_lock=True,
     ),
@@ -91,7 +94,6 @@ RELEASES: tuple[SGLangRelease, ...] = (
         decode_radix_spec=(None, "DSPARK", "EAGLE", "EAGLE3"),
         keyword_api=True,
         deferred_kv_release=True,
-        decode_radix_cache=True,
         mooncake_checks_item_lens=True,
     ),
 )
