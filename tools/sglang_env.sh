@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Build a cached SGLang environment (0.5.19, or VERSION) the tests in tests/sglang run the real code from.
+# Build a cached SGLang environment (the lock's own release, or VERSION) the tests in tests/sglang
+# run the real code from.
 #
 #   tools/sglang_env.sh PYTHON DIR [VERSION]
 #
-# make sglang-env builds both supported releases: .venv/sglang-env (0.5.19, the lock's own line) and
-# .venv/sglang-env-0.5.23 (VERSION replaces the lock's sglang line; the rest of the lock is shared).
+# make sglang-env builds every release of the table (src/pdstate/integrations/sglang/releases.py),
+# each in its row's env_dir: .venv/sglang-env (the lock's own sglang line, no VERSION) and
+# .venv/sglang-env-<release> (VERSION replaces the lock's sglang line; the rest of the lock is shared).
 #
 # Every line of tools/sglang-env.txt is installed with --no-deps into DIR (pip --target), except
 # those whose distribution PYTHON's environment already has: nothing is installed into that

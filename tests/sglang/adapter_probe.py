@@ -59,7 +59,7 @@ def _args(speculative: bool):
     )
 
 
-NEW_API = boot.at_least("0.5.23")
+NEW_API = boot.row().keyword_api  # 0.5.23's internals (``releases``)
 
 
 def _context() -> None:

@@ -1,11 +1,11 @@
 """Fixtures of the SGLang harness: nothing is built or imported at collection.
 
-``sglang_release`` is parametrised over ``runner.RELEASES`` (0.5.19 and 0.5.23): it builds that
+``sglang_release`` is parametrised over ``runner.RELEASES`` (the table's): it builds that
 release's cached environment if needed (``tools/sglang_env.sh``) and every fixture over it runs
 once per release, so a test that uses ``sglang_results`` (every scenario of ``scenarios.VARIANTS``
 in child processes), ``sglang_pair`` (the two-process driver's pair of children) or ``queue_pair``
 / ``queue_runs`` (the scheduler-queue driver's) runs against each release, with the release in its
-id. ``sglang_env`` is 0.5.19's environment alone (the suites that have not moved to both releases).
+id. ``sglang_env`` is the lock's release's environment alone (the suites that have not moved to both releases).
 When a release's wheel cannot be fetched its tests skip with the build script's reason, reported
 as one line (pytest would otherwise list a fixture's skip once per test function).
 """

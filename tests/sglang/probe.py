@@ -41,11 +41,11 @@ from pdstate.pools.kvargs import KVArgs, fill_kv_args, setup_state_kv_args
 from pdstate.pools.reporting import build_report
 
 RELEASE = boot.release()
-NEW_API = boot.at_least("0.5.23")
+NEW_API = boot.row().keyword_api  # 0.5.23's internals (``releases``)
 ONLINE_C128 = bool(sgl_pool_module.ONLINE_C128)
 # pdstate's pools reproduce the layout of the release asked for (when they take ``upstream``)
 UPSTREAM = (
-    {"upstream": "0.5.23" if NEW_API else "0.5.19"}
+    {"upstream": boot.row().pools}
     if "upstream" in inspect.signature(DeepSeekV4TokenToKVPool.__init__).parameters
     else {}
 )

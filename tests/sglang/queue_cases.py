@@ -30,15 +30,17 @@ RUNS = [("mooncake", "correct"), ("pdstate", "correct")] + [
 ]
 # What SGLang's own Mooncake backend does with them through its queues (as with the managers
 # called directly, ../shared/reference/sglang_cpu.md): Success with wrong bytes, except that 0.5.23
-# refuses speculative vs not itself.
-MOONCAKE_REFUSES = {("0.5.23", "spec_vs_nospec")}
+# refuses speculative vs not itself (``mooncake_checks_item_lens``).
+MOONCAKE_REFUSES = {(r, "spec_vs_nospec") for r in runner.RELEASES if runner.row(r).mooncake_checks_item_lens}
 
 
 # SGLang's Mooncake backend through the lifecycle cases is the control: what upstream does there
-# beside pdstate. It runs on 0.5.23 alone, the release with every feature here (the decode radix
+# beside pdstate. It runs on one release alone, the newest with every feature here (the decode radix
 # cache, the deferred release of an aborted request): no test asserts a difference between the
 # releases that only the control shows (0.5.19's release without deferral is asserted with pdstate).
-MOONCAKE_LIFECYCLE = "0.5.23"
+MOONCAKE_LIFECYCLE = next(
+    r for r in reversed(runner.RELEASES) if runner.row(r).speculative_radix_cache and runner.row(r).deferred_kv_release
+)
 
 
 def run(pair, release: str) -> dict:
@@ -60,7 +62,7 @@ def run(pair, release: str) -> dict:
 
 def _lifecycle(pair, backend: str, release: str, results: dict) -> None:
     results[(backend, "features")] = _features(pair, backend)
-    if release != "0.5.19":  # 0.5.19 refuses DSV4 with a decode radix cache at launch
+    if runner.row(release).speculative_radix_cache:  # 0.5.19 refuses DSV4 with a decode radix cache at launch
         results[(backend, "prefix")] = _prefix(pair, backend)
         results[(backend, "prefix_unified")] = _prefix(pair, backend, unified=True)
 

@@ -1,11 +1,12 @@
 """Find (or build) the cached SGLang environment of a release and run ``probe.py`` in child processes.
 
-Every suite here runs against each release of ``RELEASES`` (0.5.19 and 0.5.23). A release's
-environment is ``<venv>/sglang-env`` (0.5.19) or ``<venv>/sglang-env-0.5.23`` (``sys.prefix``:
-the venv running pytest; ``make sglang-env`` builds both there); ``$PDSTATE_SGLANG_ENV`` replaces
-the environment of the release it holds (``pair.env_dir``). A missing or stale one is built by
-``tools/sglang_env.sh`` (cached by its stamp; the release's version is its third argument but for
-the lock's own 0.5.19); when that script says the sglang wheel cannot be fetched (exit 3) that
+Every suite here runs against each release of ``RELEASES`` (the table's:
+``integrations.sglang.releases``). A release's environment is its row's ``env_dir`` under
+``sys.prefix`` (the venv running pytest: ``<venv>/sglang-env`` for the lock's own line, else
+``<venv>/sglang-env-<release>``; ``make sglang-env`` builds them there); ``$PDSTATE_SGLANG_ENV``
+replaces the environment of the release it holds (``pair.env_dir``). A missing or stale one is
+built by ``tools/sglang_env.sh`` (cached by its stamp; the release's version is its third argument
+but for the lock's own line); when that script says the sglang wheel cannot be fetched (exit 3) that
 release's tests skip with its one line, and any other failure fails them.
 """
 
@@ -22,13 +23,14 @@ from pathlib import Path
 
 import pytest
 
-from pdstate.devtools.sglang_pair.pair import DEFAULT_RELEASE, RELEASES
 from pdstate.devtools.sglang_pair.pair import env_dir as _release_env
+from pdstate.integrations.sglang import releases
 from tests.support.paths import REPO
 
 __all__ = [
     "DEFAULT_RELEASE",
     "RELEASES",
+    "row",
     "EnvUnavailable",
     "Release",
     "ensure_env",
@@ -39,6 +41,15 @@ __all__ = [
 ]
 
 
+RELEASES = releases.versions()  # oldest first
+DEFAULT_RELEASE = releases.in_lock().version  # the lock's own sglang line
+
+
+def row(version: str) -> releases.SGLangRelease:
+    """``version``'s row of the table: the traits a test expects of it."""
+    return releases.row(version)
+
+
 @dataclass(frozen=True)
 class Release:
     """One SGLang release under test: its version and its environment's directory."""
@@ -47,9 +58,13 @@ class Release:
     env: Path
 
     @property
+    def row(self) -> releases.SGLangRelease:
+        return releases.row(self.version)
+
+    @property
     def new_api(self) -> bool:
-        """0.5.23 or newer (keyword-only sender, ``DSV4_REQUEST_STATE``, refusing Mooncake)."""
-        return self.version != DEFAULT_RELEASE
+        """0.5.23's internals (``keyword_api``: keyword-only sender, ``DSV4_REQUEST_STATE``)."""
+        return self.row.keyword_api
 
 
 HERE = Path(__file__).resolve().parent
@@ -69,7 +84,7 @@ def env_dir(release: str = DEFAULT_RELEASE) -> Path:
 def ensure_env(release: str = DEFAULT_RELEASE) -> Path:
     """The directory of ``release``'s environment, built first if its stamp is missing or stale (cached)."""
     target = env_dir(release)
-    version = [] if release == DEFAULT_RELEASE else [release]  # the lock's own line is 0.5.19's
+    version = [v] if (v := releases.row(release).env_version) else []  # none: the lock's own line
     proc = subprocess.run(
         ["bash", str(BUILD_SCRIPT), sys.executable, str(target), *version],
         capture_output=True,

@@ -6,7 +6,7 @@ whether the server is speculative, and how the draft gets its ``full_to_swa_inde
 ``shared`` (upstream's wiring: the target allocator's tensor), ``own`` (an allocator of its own),
 ``clone``, ``view`` (``mapping[:]``), ``missing`` (none registered) or ``none`` (no draft).
 ``expect`` is ``"ok"`` or the pdstate error class both implementations must agree on, as SGLang
-0.5.19 words it; ``expected`` gives it for another release (``EXPECT_BY_RELEASE``).
+0.5.19 words it; ``expected`` gives it for another release (``EXPECT_BY_POOLS``).
 """
 
 from __future__ import annotations
@@ -17,17 +17,20 @@ from tests.support.pools import SGLANG_KWARGS
 
 SEED = "DSV4 target and draft pools must share the SWA index mapping"
 
-# What a refusal is on a release that words it otherwise than 0.5.19 (by 0.5.19's class): 0.5.23
-# says "must share SWA geometry" with a three-element tuple, and a draft with no mapping at all
-# gets the seed error (a RuntimeError) instead of a bare AttributeError.
-EXPECT_BY_RELEASE = {
+# What a refusal is on pools that word it otherwise than 0.5.19's (by 0.5.19's class), by the
+# release's pool rules (its row's ``pools``): 0.5.23's say "must share SWA geometry" with a
+# three-element tuple, and a draft with no mapping at all gets the seed error (a RuntimeError)
+# instead of a bare AttributeError.
+EXPECT_BY_POOLS = {
     "0.5.23": {"PagedSWAGeometryMismatch": "SWAGeometryMismatch", "DraftMappingMissing": "SWAIndexMappingNotShared"},
 }
 
 
 def expected(s: dict, release: str) -> str:
     """``s["expect"]`` on ``release``."""
-    return EXPECT_BY_RELEASE.get(release, {}).get(s["expect"], s["expect"])
+    from pdstate.integrations.sglang import releases
+
+    return EXPECT_BY_POOLS.get(releases.row(release).pools, {}).get(s["expect"], s["expect"])
 
 
 # Upstream's constructor keywords (dtypes by name), the conformance defaults.

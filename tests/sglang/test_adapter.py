@@ -85,7 +85,7 @@ def test_the_schedulers_other_hooks_run_without_sglangs_zmq(sglang_release, resu
         assert r["should_send"] == {"ok": True, "value": True}
         assert r["mark_prefill_complete"]["ok"]
     # deferred decode KV release (0.5.23's setting, on by default), acknowledged as the fence holds
-    assert (r["supports_deferred"], r["deferred_release"]) == (True, bool(sglang_release.new_api))
+    assert (r["supports_deferred"], r["deferred_release"]) == (True, sglang_release.row.deferred_kv_release)
     assert r["torn_down"] is True
     assert r["agent_timeouts"] == [330.0, 330.0]  # SGLang's own timeouts fail a request first, with its text
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 import pytest
 
 from pdstate.devtools import bench_ranks, bench_report, bench_sglang
+from tests.sglang import runner
+
+LOCK = runner.DEFAULT_RELEASE  # the lock's own release (the table's ``in_lock`` row)
 
 
 # The bench measures on the lock's release (the pair suite covers both).
-@pytest.mark.parametrize("sglang_release", ["0.5.19"], indirect=True, ids=["sglang-0.5.19"])
+@pytest.mark.parametrize("sglang_release", [LOCK], indirect=True, ids=[f"sglang-{LOCK}"])
 def test_phase_times_both_backends_on_the_same_requests(sglang_release, sglang_pair, monkeypatch):
     monkeypatch.setenv("PDSTATE_SGLANG_ENV", str(sglang_release.env))
     said, results = [], {}
@@ -17,14 +20,14 @@ def test_phase_times_both_backends_on_the_same_requests(sglang_release, sglang_p
     assert 0 < results["sglang_mooncake_ms_by_length"]["2048"] < bench_sglang.DEADLINE_S * 1000
     assert 0 < results["sglang_backend_ms_by_length"]["2048"] < bench_sglang.DEADLINE_S * 1000
     assert 0 < results["sglang_backend_full_ms_by_length"]["2048"] < bench_sglang.DEADLINE_S * 1000
-    assert results["sglang"]["versions"] == ["0.5.19"]
+    assert results["sglang"]["versions"] == [LOCK]
     results.update(lengths=[], modes=[], paths={})
     ratios = bench_report.ratios(results)
     assert ratios["sglang_backend_vs_sglang_mooncake_by_length"]["2048"] > 0
     assert ratios["sglang_backend_full_vs_sglang_mooncake_by_length"]["2048"] > 0
 
 
-@pytest.mark.parametrize("sglang_release", ["0.5.19"], indirect=True, ids=["sglang-0.5.19"])
+@pytest.mark.parametrize("sglang_release", [LOCK], indirect=True, ids=[f"sglang-{LOCK}"])
 def test_rank_endpoints_off_and_scraped_through_the_scheduler_queues(
     sglang_release, queue_pair, queue_runs, monkeypatch
 ):
@@ -36,7 +39,7 @@ def test_rank_endpoints_off_and_scraped_through_the_scheduler_queues(
     assert all(0 < ms < bench_ranks.DEADLINE_S * 1000 for v in out["times"].values() for ms in v)
     assert [len(v) for v in out["times"].values()] == [2, 2]
     assert out["scrapes"] >= 4  # GET /metrics and /v1/compat answered 200 on both ranks at least once
-    bench_ranks.store(results, "0.5.19", out)
+    bench_ranks.store(results, LOCK, out)
     # Scrapes cost the ranks' own processes (the schedulers') nothing: each endpoint is another
     # process, which spends ~1 ms a scrape. Served by a thread of the rank instead, each rank spent
     # 0.9-1.9 ms per scrape here (no request running, 2 s, ~65 scrapes a rank; the CPU clock's 10 ms

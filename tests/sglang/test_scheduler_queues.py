@@ -49,6 +49,7 @@ import pytest
 
 from pdstate.devtools.sglang_pair import table
 from pdstate.devtools.sglang_pair.cases import CASES
+from tests.sglang import runner
 from tests.sglang.queue_cases import (
     BOOTSTRAP_TIMEOUT_S,
     FAIL_FAST_S,
@@ -140,9 +141,9 @@ def test_abort_fences_and_releases_the_pages_at_once(queue_runs, backend):
     assert dec["changed_bytes"] == 0 and dec["outside_bytes"] == 0, dec  # not one byte landed
     assert not dec["placed"]
     assert dec["released_ms"] is not None and dec["released_ms"] < RELEASE_MS, dec
-    # 0.5.23 defers the release until every prefill rank acknowledged the abort (both backends do it);
+    # 0.5.23 (``deferred_kv_release``) defers the release until every prefill rank acknowledged the abort (both backends do it);
     # pdstate's acknowledgement is recorded as its fence holds, so the hold ends at the next poll
-    assert dec["deferred"] == (release != "0.5.19"), dec
+    assert dec["deferred"] == runner.row(release).deferred_kv_release, dec
     if backend == "pdstate":
         assert "aborted by decode: Aborted by AbortReq." in pre["failure"], pre
         assert dec["abort_call_ms"] < RELEASE_MS, dec  # the fence itself
@@ -158,7 +159,7 @@ def test_no_byte_lands_after_a_stalled_decode_releases_the_pages(queue_runs):
     assert dec["released_ms"] is not None and dec["released_s"] >= dec["resumed_s"], dec  # pages released
     assert dec["after_release_bytes"] == 0, dec  # not one byte changed after the release
     assert dec["held_bytes"] > 10**6, dec  # the held copy landed once the decode went on, before that
-    assert dec["deferred"] == (release != "0.5.19"), dec
+    assert dec["deferred"] == runner.row(release).deferred_kv_release, dec
 
 
 def test_no_byte_lands_after_release_when_the_prefill_stalls_past_the_abort_fence(queue_runs):
@@ -173,7 +174,7 @@ def test_no_byte_lands_after_release_when_the_prefill_stalls_past_the_abort_fenc
     # the prefill's copy was still in flight when the receiver failed: it landed once the prefill
     # went on, and only then were the pages released
     assert dec.get("concluded_to_release_bytes", 0) > 10**6, dec
-    assert dec["deferred"] == (release != "0.5.19"), dec
+    assert dec["deferred"] == runner.row(release).deferred_kv_release, dec
 
 
 @pytest.mark.parametrize("backend", ["pdstate", "mooncake"])
@@ -231,8 +232,8 @@ def test_bootstrap_timeout_fails_a_prefill_request_no_decode_asks_for(queue_runs
 
 def _prefix_runs(queue_runs, backend: str, key: str) -> tuple[dict, dict, dict]:
     release, results = queue_runs
-    if release == "0.5.19":
-        pytest.skip("SGLang 0.5.19 refuses DeepSeek-V4 with a decode radix cache at launch, for every backend")
+    if not runner.row(release).speculative_radix_cache:
+        pytest.skip(f"SGLang {release} refuses DeepSeek-V4 with a decode radix cache at launch, for every backend")
     runs = results[(backend, key)]
     assert "setup_error" not in runs, f"{runs['setup_error']}\n{runs.get('setup_trace')}"
     first, nxt, full = runs["first"], runs["next"], runs["full"]

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from pdstate.integrations.sglang import releases
 from pdstate.service import preflight
 from tests.support.paths import REPO
 from tests.support.preflight import model_config
 
-RELEASES = ("0.5.19", "0.5.23")
+RELEASES = releases.versions()  # the table's (``pdstate.integrations.sglang.releases``)
 _release: list[str] = []
 
 SPEC = "--speculative-algorithm EAGLE --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"

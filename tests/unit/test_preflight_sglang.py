@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
+from pdstate.integrations.sglang import releases
 from pdstate.integrations.sglang.launch.command import parse_argv, split_launch
 from pdstate.integrations.sglang.launch.prediction import predict
 from pdstate.pools.presets import DSV4_FLASH_RATIOS
@@ -26,7 +27,7 @@ PREFILL = f"{MODEL} --disaggregation-mode prefill {SPEC}"
 DECODE = f"{MODEL} --disaggregation-mode decode --dp 8 --enable-dp-attention {SPEC}"
 
 
-RELEASES = ("0.5.19", "0.5.23")
+RELEASES = releases.versions()  # the table's (``pdstate.integrations.sglang.releases``)
 _release: list[str] = []  # the release every check() of the running test predicts both sides as
 
 
@@ -486,10 +487,9 @@ def test_an_unknown_release_is_refused_in_one_line(capsys):
 
 
 def test_the_preflight_models_the_releases_the_pools_build():
-    from pdstate.integrations.sglang.launch.prediction import SUPPORTED_RELEASES
     from pdstate.pools.dsv4 import UPSTREAM_RELEASES
 
-    assert tuple(SUPPORTED_RELEASES) == tuple(UPSTREAM_RELEASES) == RELEASES
+    assert {releases.row(r).pools for r in RELEASES} == set(UPSTREAM_RELEASES)
 
 
 def test_a_running_server_says_its_own_release(sglang_server):

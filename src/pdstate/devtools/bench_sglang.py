@@ -1,8 +1,8 @@
 """``pdstate bench``'s sglang phase (on by default, ``--no-sglang`` skips it): SGLang's own Mooncake
 backend against backend ``pdstate``, per request.
 
-The two-process driver (``devtools.sglang_pair``) runs SGLang's disaggregation code (0.5.19, then
-0.5.23: each release whose environment is built, ``sglang_by_release``) on real
+The two-process driver (``devtools.sglang_pair``) runs SGLang's disaggregation code (each release
+of ``integrations.sglang.releases`` whose environment is built, oldest first: ``sglang_by_release``) on real
 DeepSeek-V4-Flash pools (target + NextN draft, speculative) sized for a 32k-token request: one
 prefill child and one decode child, the same pools for both backends. Each backend gets its
 managers once (``get_kv_class``: SGLang's ``mooncake`` over TCP, and ``pdstate`` with
@@ -28,7 +28,8 @@ from __future__ import annotations
 import statistics
 
 from pdstate.devtools.sglang_pair.cases import BENCH_SIDE, BENCH_TOKENS, Case
-from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, RELEASES, Pair, env_dir, mooncake_missing
+from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, Pair, env_dir, mooncake_missing
+from pdstate.integrations.sglang import releases as sglang_releases
 
 RUNS = {True: 7, False: 11}  # requests per backend and length (--quick, full): medians of 3 moved by 30%
 BACKENDS = {
@@ -58,7 +59,7 @@ def _check(backend: str, r: dict) -> float:
 
 def releases() -> list[str]:
     """The SGLang releases whose environment is built here, oldest first."""
-    return [r for r in RELEASES if (env_dir(r) / "sglang").is_dir()]
+    return [r for r in sglang_releases.versions() if (env_dir(r) / "sglang").is_dir()]
 
 
 def _measure(pair: Pair, runs: int, lengths: tuple[int, ...], info: dict, progress) -> dict:

@@ -4,7 +4,7 @@
 ``pdstate check`` must not need SGLang, so the table is read here from each release's real
 ``ServerArgs.add_cli_args`` (under the cached environments ``make sglang-env`` builds) and committed:
 
-    python -m pdstate.devtools.sglang_args            # regenerate both files
+    python -m pdstate.devtools.sglang_args            # regenerate every release's file
     python -m pdstate.devtools.sglang_args --check    # exit 1 when a committed file is stale
 
 Each action is kept with what argparse needs to parse as SGLang does: its option strings (argparse's
@@ -21,12 +21,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-DATA_DIR = Path(__file__).resolve().parents[1] / "integrations" / "sglang" / "launch"
 CHILD_FLAG = "--dump-in-this-env"
 
 
 def data_path(release: str) -> Path:
-    return DATA_DIR / f"args-{release}.json"
+    """Where ``release``'s table is committed (its row's ``args_path``)."""
+    from pdstate.integrations.sglang import releases
+
+    return releases.row(release).args_path
 
 
 def _jsonable(value):
@@ -140,18 +142,18 @@ def extract(release: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdstate.integrations.sglang.launch.prediction import SUPPORTED_RELEASES
+    from pdstate.integrations.sglang import releases
 
     p = argparse.ArgumentParser(prog="python -m pdstate.devtools.sglang_args", description=__doc__.split("\n")[0])
     p.add_argument("--check", action="store_true", help="compare with the committed files instead of writing")
-    p.add_argument("--release", action="append", choices=SUPPORTED_RELEASES, help="default: every release")
+    p.add_argument("--release", action="append", choices=releases.versions(), help="default: every release")
     p.add_argument(CHILD_FLAG, action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.dump_in_this_env:
         print(json.dumps(dump_parser()))
         return 0
     stale = 0
-    for release in args.release or SUPPORTED_RELEASES:
+    for release in args.release or releases.versions():
         text, path = extract(release), data_path(release)
         if args.check:
             if not path.is_file() or path.read_text() != text:

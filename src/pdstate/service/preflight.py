@@ -6,12 +6,13 @@
   (``pdstate.protocol.fixes``).
 - ``pdstate check --sglang PREFILL DECODE``: each argument is one SGLang launch (a quoted string of
   arguments, ``@path``, or ``http://host:port`` of a running server); pdstate predicts what each
-  SGLang server builds (0.5.19 or 0.5.23, ``--sglang-version``), builds the same layout with its
-  own pool model and runs the same checks. It prints "compatible", or every differing factor with
-  both values, what goes wrong at run time if the pair is launched anyway, and the SGLang flag to
-  change on which side. Arguments it does not model are listed. That modelling lives beside the
-  SGLang backend, in ``pdstate.integrations.sglang.launch`` (torch-free), imported only here and
-  only for ``--sglang``.
+  SGLang server builds (a release of ``integrations.sglang.releases``, ``--sglang-version``),
+  builds the same layout with its own pool model and runs the same checks. It prints "compatible",
+  or every differing factor with both values, what goes wrong at run time if the pair is launched
+  anyway, and the SGLang flag to change on which side. Arguments it does not model are listed.
+  That modelling lives beside the SGLang backend, in ``pdstate.integrations.sglang.launch``
+  (torch-free), imported only here and only for ``--sglang`` (the table of releases also for
+  ``--sglang-version``'s help).
 
 Exit status (``pdstate.errors.ExitCode``): 0 compatible, 1 problems found (``--strict``: also
 a setting unknown to SGLang's own parser), 2 unreadable input or configuration.
@@ -101,8 +102,9 @@ def check_sglang(
     verbose: bool = False,
     width: int | None = None,
 ) -> int:
+    from pdstate.integrations.sglang import releases as sglang_releases
     from pdstate.integrations.sglang.launch.comparison import compare, render, wrap
-    from pdstate.integrations.sglang.launch.prediction import SUPPORTED_RELEASES, predict
+    from pdstate.integrations.sglang.launch.prediction import predict
 
     if len(model_configs) > 2:
         raise ConfigError("--model-config: give it once (both sides) or twice (prefill, then decode)")
@@ -110,8 +112,8 @@ def check_sglang(
     if len(releases) > 2:
         raise ConfigError("--sglang-version: give it once (both sides) or twice (prefill, then decode)")
     for r in releases:
-        if r not in SUPPORTED_RELEASES:
-            raise ConfigError(f"--sglang-version {r}: pdstate models SGLang {' and '.join(SUPPORTED_RELEASES)}")
+        if sglang_releases.find(r) is None:
+            raise ConfigError(f"--sglang-version {r}: pdstate models SGLang {sglang_releases.spelled()}")
     p_cfg = model_configs[0] if model_configs else None
     d_cfg = model_configs[-1] if model_configs else None
     p_rel = releases[0] if releases else None
@@ -177,6 +179,8 @@ def cmd_check(args) -> int:
 
 
 def configure_check(c: argparse.ArgumentParser) -> None:
+    from pdstate.integrations.sglang import releases
+
     """The ``check`` subcommand's arguments (``c`` is its argparse parser, made by ``cli``)."""
     c.description = (
         "Offline preflight of a prefill/decode pair: two pdstate config files, or two SGLang launches "
@@ -214,8 +218,8 @@ def configure_check(c: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="VERSION",
-        help="the SGLang release each --sglang side runs, 0.5.19 or 0.5.23 (once: both sides; twice: prefill, "
-        "decode); a running server says its own; default the installed SGLang's, else the newest",
+        help=f"the SGLang release each --sglang side runs, {' or '.join(releases.versions())} (once: both sides; "
+        "twice: prefill, decode); a running server says its own; default the installed SGLang's, else the newest",
     )
     c.add_argument(
         "--strict", action="store_true", help="--sglang: fail when a setting is unknown to SGLang's own parser"

@@ -13,8 +13,9 @@ never a test or CLI process; importing this module itself changes nothing:
 - ``torch.compile`` becomes an identity decorator (it breaks on CPU with a dummy triton present).
 
 ``release()`` is the version of the SGLang this process imported (the ``sglang-*.dist-info`` next
-to the package it loaded, else ``sglang.version``), and ``at_least`` compares it: every helper
-here, and the driver's children, follow that release's API. ``server_args`` builds and
+to the package it loaded, else ``sglang.version``), and ``row()`` its row of
+``integrations.sglang.releases`` (a post-release follows its release): every helper here, and the
+driver's children, follow that row's traits (``keyword_api``: 0.5.23's internals). ``server_args`` builds and
 ``publish`` publishes the ``ServerArgs`` a pool reads at construction; ``unified_kv`` selects
 upstream's unified-KV mode for the pools built inside it; ``parallel_context`` gives a rank the
 single-rank parallel context the managers read, without torch.distributed.
@@ -29,7 +30,6 @@ import importlib.machinery
 import importlib.metadata
 import importlib.util
 import os
-import re
 import sys
 import types
 
@@ -208,19 +208,17 @@ def release() -> str:
     return str(__version__)
 
 
-def version_tuple(version: str) -> tuple[int, ...]:
-    """``"0.5.23.post1"`` -> ``(0, 5, 23)``."""
-    return tuple(int(x) for x in re.findall(r"\d+", version)[:3])
+def row():
+    """The imported SGLang's row of ``integrations.sglang.releases``: its own, else the newest
+    release not newer than it."""
+    from pdstate.integrations.sglang import releases
 
-
-def at_least(version: str) -> bool:
-    """Whether the imported SGLang is ``version`` or newer."""
-    return version_tuple(release()) >= version_tuple(version)
+    return releases.nearest(release())
 
 
 def unified_gate_module():
     """The module whose ``is_unified_kv_triton`` the DSV4 pool reads at construction."""
-    if at_least("0.5.23"):
+    if row().keyword_api:
         return importlib.import_module("sglang.srt.layers.attention.dsv4.unified_kv_gate")
     return importlib.import_module("sglang.kernels.ops.attention.dsv4.unified_kv_kernels.env_gate")
 
@@ -231,15 +229,16 @@ _HELD: list = []  # parallel-context scopes entered for the process's life (0.5.
 def parallel_context(**values) -> None:
     """tp = cp = dp = pp = 1 (``values`` on top) for this process, without torch.distributed.
 
-    0.5.23 keeps them with ``override_permanently``; 0.5.19 with an ``override`` scope held open
-    for the process's life, plus the dp-attention globals and a stand-in PP group its managers read.
+    ``keyword_api`` (0.5.23) keeps them with ``override_permanently``; 0.5.19 with an ``override``
+    scope held open for the process's life, plus the dp-attention globals and a stand-in PP group its
+    managers read.
     """
     from sglang.srt.runtime_context import get_parallel
 
     ones = dict(tp_size=1, pp_size=1, attn_tp_size=1, attn_cp_size=1, attn_dcp_size=1, attn_dp_size=1)
     zeros = dict(tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0)
     fields = {**ones, **zeros, **values}
-    if at_least("0.5.23"):  # the PP group the prefill manager keeps (used for pp > 1 only)
+    if row().keyword_api:  # the PP group the prefill manager keeps (used for pp > 1 only)
         fields.setdefault("pp_group", single_group())
         get_parallel().override_permanently(**fields)
         return
@@ -263,10 +262,10 @@ def single_group():
 
 
 def metadata_buffers(size: int, hidden_size: int, dtype):
-    """SGLang's ``MetadataBuffers`` (0.5.23 requires ``max_sampling_mask_tokens``)."""
+    """SGLang's ``MetadataBuffers`` (``keyword_api``, 0.5.23: it requires ``max_sampling_mask_tokens``)."""
     from sglang.srt.disaggregation.utils import MetadataBuffers
 
-    if at_least("0.5.23"):
+    if row().keyword_api:
         return MetadataBuffers(size, hidden_size, dtype, max_sampling_mask_tokens=0)
     return MetadataBuffers(size, hidden_size, dtype)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pdstate.devtools.sglang_pair.cases import Case
 from pdstate.devtools.sglang_pair.child import ChildPair
+from pdstate.integrations.sglang import releases
 
 REPLY = "@@pair "
 SIDE_MODULE = "pdstate.devtools.sglang_pair.side"  # what each child runs
@@ -35,12 +36,6 @@ PDSTATE_ENGINE_ENV = {"PDSTATE_TRANSFER__ENGINE": "mooncake"}
 SLACK_S = 30.0  # what a child may take beyond a request's deadline to answer (setup, byte checks)
 
 
-# The SGLang releases the driver runs, oldest first, and where ``make sglang-env`` caches each
-# (under the venv): 0.5.19 is the lock's own line, 0.5.23 the newest release.
-RELEASES: dict[str, str] = {"0.5.19": "sglang-env", "0.5.23": "sglang-env-0.5.23"}
-DEFAULT_RELEASE = "0.5.19"
-
-
 def env_release(target: Path) -> str | None:
     """The SGLang version installed in the environment ``target`` (its ``sglang-*.dist-info``)."""
     found = sorted(Path(target).glob("sglang-*.dist-info"))
@@ -48,18 +43,20 @@ def env_release(target: Path) -> str | None:
 
 
 def env_dir(release: str | None = None) -> Path:
-    """The cached environment of ``release`` (``<venv>/sglang-env`` for 0.5.19,
-    ``<venv>/sglang-env-0.5.23``); ``$PDSTATE_SGLANG_ENV`` replaces the one of the release it
-    holds (with no release asked: whichever it holds)."""
+    """The cached environment of ``release`` (its row's ``env_dir`` under the venv: ``sglang-env``
+    for the lock's own line, else ``sglang-env-<release>``; default the lock's release);
+    ``$PDSTATE_SGLANG_ENV`` replaces the one of the release it holds (with no release asked:
+    whichever it holds)."""
+    default = releases.in_lock().version
     override = os.environ.get("PDSTATE_SGLANG_ENV")
     if override:
         held = env_release(Path(override))
-        if release is None or held == release or (held is None and release == DEFAULT_RELEASE):
+        if release is None or held == release or (held is None and release == default):
             return Path(override)
-    release = release or DEFAULT_RELEASE
-    if release not in RELEASES:
-        raise ValueError(f"unknown SGLang release {release!r} (known: {', '.join(RELEASES)})")
-    return Path(sys.prefix) / RELEASES[release]
+    release = release or default
+    if releases.find(release) is None:
+        raise ValueError(f"unknown SGLang release {release!r} (known: {', '.join(releases.versions())})")
+    return Path(sys.prefix) / releases.row(release).env_dir
 
 
 def child_env(target: Path, extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -36,7 +36,7 @@ from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
 from pdstate.devtools.sglang_pair import boot
 from pdstate.devtools.sglang_pair.cases import Side
 
-NEW_API = boot.at_least("0.5.23")
+NEW_API = boot.row().keyword_api  # 0.5.23's internals (``releases``)
 REQUEST_STATE = boot.state_type("C128_STATE")  # DSV4_REQUEST_STATE in 0.5.23, same wire value
 SWA_RING = getattr(StateType, "SWA_RING", None)  # 0.5.23's unified-KV SWA ring rows
 

@@ -158,7 +158,7 @@ def open_request(room: int, tokens: int) -> dict:
     for (_, ptr, length, _), (_, item_len, keys) in zip(pools.buffers(S.args), items):
         pattern.write_items(pattern.memory(ptr, length), item_len, keys)
     cls = get_kv_class(TransferBackend(S.backend), KVClassType.SENDER)
-    if boot.at_least("0.5.23"):  # the prefill's own call: keywords, no dest_tp_ranks / pp_rank
+    if boot.row().keyword_api:  # the prefill's own call (0.5.23): keywords, no dest_tp_ranks / pp_rank
         S.conn = cls(mgr=S.mgr, bootstrap_addr=S.addr, bootstrap_room=room, req_has_disagg_prefill_dp_rank=False)
     else:
         S.conn = cls(S.mgr, S.addr, room, [0], 0)

@@ -1,9 +1,9 @@
 """What differs between SGLang releases on the scheduler-queue path, and the stand-in schedulers.
 
-Imported only by the driver's child processes (``side.py``), after ``boot``. Feature probes, not
-version strings, pick the release's way: 0.5.19 has ``get_dsv4_c128_state_indices`` and passes
-process groups to the queues; 0.5.23 reads them from ``get_parallel()`` and asks the pool for
-its request-state indices.
+Imported only by the driver's child processes (``side.py``), after ``boot``. The release's row
+(``boot.row()``: ``keyword_api``) picks its way: 0.5.19 has ``get_dsv4_c128_state_indices`` and
+passes process groups to the queues; 0.5.23 reads them from ``get_parallel()`` and asks the pool
+for its request-state indices.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from sglang.srt.mem_cache.allocator import paged
 from sglang.srt.mem_cache.common import kv_to_page_indices, release_kv_cache
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-from pdstate.devtools.sglang_pair import pattern
+from pdstate.devtools.sglang_pair import boot, pattern
 from pdstate.devtools.sglang_queues import pools as side_pools
 from pdstate.devtools.sglang_queues.parallel import group_of
 
-NEW = not hasattr(disagg_utils, "get_dsv4_c128_state_indices")  # 0.5.23 and later
+NEW = boot.row().keyword_api  # 0.5.23's internals (``releases``)
 HIDDEN_LAYERS = 43
 STATES = {KVPoll.Failed: "Failed", KVPoll.Bootstrapping: "Bootstrapping", KVPoll.WaitingForInput: "WaitingForInput",
           KVPoll.Transferring: "Transferring", KVPoll.Success: "Success"}  # fmt: skip

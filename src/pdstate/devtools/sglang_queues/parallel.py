@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from sglang.srt.disaggregation import utils as disagg_utils
+from pdstate.devtools.sglang_pair import boot
 
-NEW = not hasattr(disagg_utils, "get_dsv4_c128_state_indices")  # 0.5.23 and later
+NEW = boot.row().keyword_api  # 0.5.23's internals (``releases``)
 
 RENDEZVOUS_S = 30.0
 _HELD: list = []

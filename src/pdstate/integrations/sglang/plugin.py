@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 
 from pdstate.errors import SGLangUnavailable
-from pdstate.integrations.sglang import SUPPORTED_RELEASES, install, sglang_release
+from pdstate.integrations.sglang import install, releases, sglang_release
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
@@ -31,11 +31,11 @@ __all__ = ["load"]
 def load() -> None:
     """The ``sglang.srt.plugins`` entry point: register backend ``pdstate`` in this process."""
     release = sglang_release()
-    if release is not None and release not in SUPPORTED_RELEASES:
+    if release is not None and releases.find(release) is None:
         log.warning(
             "pdstate: SGLang %s is not a release pdstate is tested with (%s); registering backend pdstate anyway",
             release,
-            ", ".join(SUPPORTED_RELEASES),
+            ", ".join(releases.versions()),
         )
     try:
         install()

@@ -13,15 +13,15 @@ from enum import Enum
 from typing import Any
 
 from pdstate.errors import SGLangUnavailable
+from pdstate.integrations.sglang import releases
 
 UTILS = "sglang.srt.disaggregation.utils"
 SERVER_ARGS = "sglang.srt.server_args"
 CHOICES = "DISAGG_TRANSFER_BACKEND_CHOICES"
 BACKEND = "pdstate"  # the value of the TransferBackend member and of the command-line choice
 MEMBER = "PDSTATE"  # the TransferBackend member's name
-SUPPORTED_RELEASES = ("0.5.19", "0.5.23")  # the SGLang releases the adapter is tested against
-TESTED = "tested with sglang " + " and ".join(SUPPORTED_RELEASES)
-# The modules of SGLang (0.5.19 and 0.5.23 alike) that import get_kv_class by name (``from ...utils import get_kv_class``):
+SUPPORTED_RELEASES = releases.versions()  # the SGLang releases the adapter is tested against (``releases``)
+# The modules of SGLang (every release of ``releases``) that import get_kv_class by name (``from ...utils import get_kv_class``):
 # patched when already loaded; loaded later, they bind the wrapper from ``utils``.
 IMPORTERS = (
     "sglang.srt.disaggregation.prefill",
@@ -31,13 +31,18 @@ IMPORTERS = (
 WRAPPED = "__pdstate_wrapped__"  # set on the wrapper: the function it wraps
 
 
+def tested() -> str:
+    """The releases the adapter is tested against, as an error says them."""
+    return f"tested with sglang {releases.spelled()}"
+
+
 def _module(name: str):
     try:
         return importlib.import_module(name)
     except ImportError as exc:
         raise SGLangUnavailable(
             f"pdstate's SGLang backend needs the module {name!r}, which cannot be imported: {exc}. "
-            f"Install SGLang ({TESTED}) in this environment."
+            f"Install SGLang ({tested()}) in this environment."
         ) from exc
 
 
@@ -46,7 +51,7 @@ def _attr(module, name: str):
         return getattr(module, name)
     except AttributeError as exc:
         raise SGLangUnavailable(
-            f"pdstate's SGLang backend needs {module.__name__}.{name}, which this SGLang does not have ({TESTED})."
+            f"pdstate's SGLang backend needs {module.__name__}.{name}, which this SGLang does not have ({tested()})."
         ) from exc
 
 

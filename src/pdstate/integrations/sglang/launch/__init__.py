@@ -11,9 +11,9 @@ imports it with both blocked). The pool model is imported only when a side is co
   a running server's ``/get_server_info``); ``coverage``: which settings are modelled, layout-neutral
   or not modelled; ``model``: the model served and its ``config.json``; ``recipe``: both launches
   from one srt-slurm / Dynamo recipe YAML;
-- ``prediction``: ``predict(role, launch)`` -> ``SGLangSide`` (``side``), what a release (0.5.19 or
-  0.5.23) resolves the arguments to (its rules: ``rules``), and ``SGLangSide.pool_settings()`` for
-  pdstate's own pool model;
+- ``prediction``: ``predict(role, launch)`` -> ``SGLangSide`` (``side``), what a release (a row of
+  ``integrations.sglang.releases``) resolves the arguments to (its rules: ``rules``, reading the
+  row's traits), and ``SGLangSide.pool_settings()`` for pdstate's own pool model (the row's ``pools``);
 - ``comparison``: ``compare(prefill, decode)`` runs the handshake's checks on the two predicted
   layouts and ``render`` explains each differing factor: both values, what SGLang's own backend
   does at run time (``consequences``), and the flag to change on which side (``knobs``);

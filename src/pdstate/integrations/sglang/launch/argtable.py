@@ -1,6 +1,6 @@
 """SGLang's own launch-argument parser, per release, rebuilt from its extracted table.
 
-``args-<release>.json`` beside this module is SGLang's ``ServerArgs.add_cli_args`` table as
+``args-<release>.json`` beside this module (the release's row names it: ``releases``) is SGLang's ``ServerArgs.add_cli_args`` table as
 ``pdstate.devtools.sglang_args`` read it from that release (no SGLang needed here). ``parse`` runs
 Python's argparse over it, so a launch is read exactly as SGLang reads it: unique prefixes of long
 flags (argparse's ``allow_abbrev``: ``--speculative-algo EAGLE``), ``nargs`` (``--cuda-graph-bs 8 16
@@ -17,12 +17,10 @@ import functools
 import json
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from pdstate.errors import SGLangArgsParseError
-
-DATA_DIR = Path(__file__).resolve().parent
+from pdstate.integrations.sglang import releases
 
 
 @dataclass
@@ -36,8 +34,7 @@ class Parsed:
 
 @functools.cache
 def table(release: str) -> dict:
-    path = DATA_DIR / f"args-{release}.json"
-    return json.loads(path.read_text())
+    return json.loads(releases.row(release).args_path.read_text())
 
 
 def _human_readable_int(value: str) -> int:

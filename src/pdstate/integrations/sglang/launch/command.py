@@ -16,8 +16,7 @@ from pathlib import Path
 
 from pdstate.errors import SGLangArgsError
 from pdstate.inputs import read_input_file
-
-NEWEST = "0.5.23"  # the newest SGLang release pdstate models (``prediction.SUPPORTED_RELEASES[-1]``)
+from pdstate.integrations.sglang import releases
 
 # Modules that run SGLang's server on SGLang's own arguments (``python -m MODULE ARGS``).
 ENTRY_MODULES = ("sglang.launch_server", "pdstate.integrations.sglang.launch_server", "dynamo.sglang")
@@ -294,9 +293,9 @@ def _expanded_size(node, sizes: dict[int, int], open_: set[int], what: str) -> i
 
 
 def _config_keys(a: dict, release: str) -> set[str]:
-    """The YAML keys SGLang's ``--config`` reads for one action (0.5.23: any long spelling)."""
+    """The YAML keys SGLang's ``--config`` reads for one action (``config_long_keys``: any long spelling)."""
     keys = {a["dest"]}
-    if release != "0.5.19":
+    if releases.row(release).config_long_keys:
         keys |= {f[2:].replace("-", "_") for f in a["flags"] if f.startswith("--")}
     return keys
 
@@ -305,13 +304,14 @@ def config_to_argv(data: dict, release: str) -> list[str]:
     """SGLang's ``--config`` YAML mapping as the arguments SGLang's merger makes of it."""
     from pdstate.integrations.sglang.launch import argtable
 
+    every_non_store = releases.row(release).config_refuses_every_non_store
     store_true: set[str] = set()
     unsupported: dict[str, str] = {}
     for a in argtable.actions(release):
         keys = _config_keys(a, release)
         if a["kind"] == "store_true":
             store_true |= keys
-        elif a["kind"] != "store" and (release == "0.5.19" or a["nargs"] is not None):
+        elif a["kind"] != "store" and (every_non_store or a["nargs"] is not None):
             unsupported.update((k, a["kind"]) for k in keys)
     args: list[str] = []
     for key, value in data.items():
@@ -375,12 +375,13 @@ def _flag_of_error(message: str, argv: list[str]) -> int | None:
     return None
 
 
-def parse_argv(argv: list[str], release: str = NEWEST):
-    """SGLang's arguments as SGLang ``release``'s own parser reads them (``argtable.parse``): an
-    ``argtable.Parsed`` plus the errors SGLang stops at (the refused argument is dropped and the rest
+def parse_argv(argv: list[str], release: str | None = None):
+    """SGLang's arguments as SGLang ``release``'s own parser reads them (default the newest release;
+    ``argtable.parse``): an ``argtable.Parsed`` plus the errors SGLang stops at (the refused argument is dropped and the rest
     read on, so one error does not hide the others)."""
     from pdstate.integrations.sglang.launch import argtable
 
+    release = release or releases.newest().version
     errors: list[str] = []
     argv = list(argv)
     for _ in range(16):

@@ -36,6 +36,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from pdstate.integrations.sglang import releases
 from pdstate.integrations.sglang.launch.command import (
     Launch,
     fetch_server_info,
@@ -48,10 +49,6 @@ from pdstate.integrations.sglang.launch.coverage import MODELLED, RULE_INPUTS, e
 from pdstate.integrations.sglang.launch.rules import resolve
 from pdstate.integrations.sglang.launch.side import SGLangSide
 
-# The SGLang releases pdstate's pool model builds (``pdstate.pools.dsv4.UPSTREAM_RELEASES``; this
-# module stays torch-free, a test keeps the two equal).
-SUPPORTED_RELEASES = ("0.5.19", "0.5.23")
-
 
 def default_release() -> tuple[str, str]:
     """``(release, why)``: the installed SGLang's when pdstate models it, else the newest."""
@@ -61,9 +58,9 @@ def default_release() -> tuple[str, str]:
         installed = metadata.version("sglang")
     except metadata.PackageNotFoundError:
         installed = None
-    if installed in SUPPORTED_RELEASES:
+    if installed is not None and releases.find(installed) is not None:
         return installed, "the installed SGLang"
-    return SUPPORTED_RELEASES[-1], "default: the newest release"
+    return releases.newest().version, "default: the newest release"
 
 
 # --- the prediction -------------------------------------------------------------------------------
@@ -74,7 +71,7 @@ def predict(
 ) -> SGLangSide:
     """One server's resolved DSV4 layout settings from its launch string (see the module doc).
 
-    ``release`` is the SGLang release the server runs (``"0.5.19"`` / ``"0.5.23"``); a running
+    ``release`` is the SGLang release the server runs (a version of ``releases.RELEASES``); a running
     server's ``/get_server_info`` says it itself (its ``version``), else the installed SGLang's, else
     the newest, is assumed."""
     rel, why = (release, "--sglang-version") if release is not None else default_release()
@@ -145,7 +142,7 @@ def _from_server_info(
     side.release, side.release_source = release, why
     if explicit:
         pass
-    elif version in SUPPORTED_RELEASES:
+    elif releases.find(version) is not None:
         side.release, side.release_source = version, "the server's /get_server_info"
     elif version:
         side.notes.append(

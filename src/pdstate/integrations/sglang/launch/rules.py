@@ -1,4 +1,4 @@
-"""SGLang's own DSV4 resolution, per release (0.5.19, 0.5.23): the values it gives a server's
+"""SGLang's own DSV4 resolution, per release (its row's traits: ``releases``): the values it gives a server's
 arguments and environment, the flags it overrides (notes), and the asserts and start-time rules
 that stop it (``launch_errors``). ``resolve`` turns one server's values into an ``SGLangSide``; what
 reads those values from a launch or a running server is ``prediction``."""
@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdstate.errors import SGLangArgsError
+from pdstate.integrations.sglang import releases
 from pdstate.integrations.sglang.launch.coverage import env_kind
 from pdstate.integrations.sglang.launch.model import ARCH, FLASH, apply_model_config, read_model_config
 from pdstate.integrations.sglang.launch.side import SGLangSide
@@ -260,12 +261,12 @@ def resolve(
 
 def _topology(values: dict, release: str) -> dict[str, int]:
     """Pipeline, attention-DP/TP and context-parallel widths as SGLang ``release`` derives them
-    (attention TP = TP / attention DP / attention CP; 0.5.23 also takes ``--attn-dp-size``)."""
+    (attention TP = TP / attention DP / attention CP; ``attn_dp_size_flag``: ``--attn-dp-size`` too)."""
     tp = _int(values, "tp_size", 1) or 1
     dp = _int(values, "dp_size", 1) or 1
     dp_attention = values.get("enable_dp_attention") in (True, "true", "True")
     attn_dp = dp if dp_attention else 1
-    if release != "0.5.19" and values.get("attn_dp_size") not in (None, 1):
+    if releases.row(release).attn_dp_size_flag and values.get("attn_dp_size") not in (None, 1):
         attn_dp = _int(values, "attn_dp_size", 1) or 1
     cp = _int(values, "attn_cp_size", 1) or 1
     return {
@@ -279,12 +280,13 @@ def _topology(values: dict, release: str) -> dict[str, int]:
 
 def _dspark_errors(values: dict, topo: dict, mode: str, release: str) -> list[str]:
     """SGLang ``release``'s start-time refusals of a DSpark speculative server (its PD rules)."""
+    row = releases.row(release)
     errors = []
     dp = _int(values, "dp_size", 1) or 1
-    dp_attention = topo["attn_dp_size"] > 1 and (release != "0.5.19" or dp > 1)
+    dp_attention = topo["attn_dp_size"] > 1 and (row.attn_dp_size_flag or dp > 1)
     if dp_attention and values.get("enable_dp_lm_head") not in (True, "true", "True"):
         errors.append("ValueError: DSpark with dp attention requires --enable-dp-lm-head.")
-    if release != "0.5.19":
+    if row.dspark_pd_rules:
         if dp_attention and topo["attn_cp_size"] > 1:
             errors.append(
                 "ValueError: DSpark with dp attention does not support context parallel "
@@ -306,11 +308,14 @@ def _decode_radix_errors(values: dict, algo: str | None, backend: str, release: 
         errors.append(f"ValueError: {flag} is incompatible with --enable-hisparse")
     if backend == "fake":
         errors.append(f"ValueError: {flag} is incompatible with --disaggregation-transfer-backend fake")
-    allowed = (None,) if release == "0.5.19" else (None, "DSPARK", "EAGLE", "EAGLE3")
+    allowed = releases.row(release).decode_radix_spec
     if algo not in allowed:
+        # a release that allows no algorithm names the first that allows EAGLE
+        later = [r.version for r in releases.RELEASES if "EAGLE" in r.decode_radix_spec] if allowed == (None,) else []
+        since = f" allows EAGLE and DSPARK from {later[0]}" if later else ""
         errors.append(
             f"ValueError: {flag} is incompatible with speculative decoding (--speculative-algorithm {algo}; "
-            f"SGLang {release}{' allows EAGLE and DSPARK from 0.5.23' if release == '0.5.19' else ''})"
+            f"SGLang {release}{since})"
         )
     return errors
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdstate.integrations.sglang import releases
+
 
 @dataclass
 class SGLangSide:
@@ -44,7 +46,7 @@ class SGLangSide:
     decode_radix_cache: bool = False
     allocation_policy: str = "early"  # --disaggregation-decode-allocation-policy (0.5.23)
     env: dict[str, str] = field(default_factory=dict)
-    release: str = "0.5.23"  # the SGLang release whose pools this side builds (pdstate's pool model follows it)
+    release: str = field(default_factory=lambda: releases.newest().version)  # the SGLang release it runs
     release_source: str = "default: the newest release"
     given: dict[str, str] = field(default_factory=dict)  # ServerArgs field -> the flag as written
     notes: list[str] = field(default_factory=list)
@@ -124,5 +126,5 @@ class SGLangSide:
             online_c128_mtp=self.online_c128_mtp,
             draft_enabled=self.speculative,
             draft_layers=1,
-            upstream=self.release,
+            upstream=releases.pool_rules(self.release),  # pdstate's pool model of the release's pools
         )
