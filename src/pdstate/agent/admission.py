@@ -6,7 +6,7 @@ The socket binds a ZeroMQ identity to its first connection (no ``ROUTER_HANDOVER
 connection copying a decode's identity is refused by ZeroMQ and cannot take over its pipe.
 ``ROUTER_MANDATORY`` makes a send to an identity with no connection fail (the liveness probe).
 
-Run on the prefill agent's I/O thread (``Gate``, over what the agent hands it):
+Run on the prefill agent's I/O thread (``Gate``, over what its core hands it):
 
 * a register whose ``worker_id`` an accepted decode on another connection still holds (heard
   from within the peer timeout, its connection open: a probe heartbeat can be queued to it) is
@@ -54,9 +54,10 @@ class Incidents:
     def __init__(self, what: str = "frame") -> None:
         self.what, self.count, self.latest, self.at, self._logged = what, 0, None, 0.0, -1.0
 
-    def note(self, err: PdStateError, peer: str) -> PdStateError:
-        """Count ``err`` from ``peer`` and log it (the line carries the fix); returns it."""
-        now = time.monotonic()
+    def note(self, err: PdStateError, peer: str, now: float | None = None) -> PdStateError:
+        """Count ``err`` from ``peer`` (at ``now``, ``time.monotonic()``'s clock: that time when
+        not given) and log it (the line carries the fix); returns it."""
+        now = time.monotonic() if now is None else now
         self.count, self.latest, self.at = self.count + 1, ErrorInfo.of(err), now
         if now - self._logged >= 1.0:  # a flood is one line a second
             self._logged = now
@@ -126,11 +127,13 @@ def bind_router(loop: Any, bind: str, keys: curve.Keys, on_fail: Callable[[], No
 
 
 class Gate:
-    """The admission rules of one ``PrefillAgent``, over what the agent hands it at start: its
-    decodes (``identity -> DecodePeer``, the I/O thread's own map), its engine and handshake, its
-    ROUTER socket (the liveness probe) and its ``reply(identity, msg)``. The agent's public
-    values (``worker_id``, ``incarnation``, ``token``, ``peer_timeout_s``, ``address``,
-    ``advertise``, ``auth_failures``) are read from ``agent``. Run on the agent's I/O thread."""
+    """The admission rules of one prefill, over what its core hands it at start: its decodes
+    (``identity -> DecodePeer``, the I/O thread's own map), its engine port and handshake,
+    ``probe(identity, msg) -> bool`` (queue ``msg`` to that connection now, without blocking:
+    False when no connection has that identity any more, or it is full) and
+    ``reply(identity, msg)``. The core's public values (``worker_id``, ``incarnation``,
+    ``peer_timeout_s``, ``address``, ``advertise``, ``auth_failures``) are read from ``agent``.
+    Run on the agent's I/O thread; the clock comes in as ``now``."""
 
     def __init__(
         self,
@@ -138,24 +141,25 @@ class Gate:
         decodes: dict[bytes, Any],
         engine: Any,
         handshake: Any,
-        sock: zmq.Socket,
+        probe: Callable[[bytes, wire.Message], bool],
         reply: Callable[[bytes, wire.Message], None],
     ) -> None:
         self.agent, self.decodes, self.engine, self.handshake = agent, decodes, engine, handshake
-        self.sock, self.reply = sock, reply
+        self.probe, self.reply = probe, reply
 
-    def refuse_frame(self, identity: bytes, frame: bytes, exc: PdStateError) -> None:
+    def refuse_frame(self, identity: bytes, frame: bytes, exc: PdStateError, now: float) -> None:
         """A frame from ``identity`` that did not decode (``exc``): answered with ``Error`` unless
         it is an ``error`` frame itself (PROTOCOL §7)."""
         if isinstance(exc, AuthError):
-            exc = self.agent.auth_failures.note(exc, identity.decode("utf-8", "replace")[:64])
+            exc = self.agent.auth_failures.note(exc, identity.decode("utf-8", "replace")[:64], now)
         if wire.envelope_kind(frame) != "error":
             self.reply(identity, wire.Error(error=ErrorInfo.of(exc)))
 
-    def refuse_handshake(self, event: dict) -> None:
+    def refuse_handshake(self, event: dict, now: float) -> None:
         """A connection that failed the CURVE handshake (a monitor event of the ROUTER): it sent
         nothing this prefill reads; counted and logged as an ``AuthError``."""
-        self.agent.auth_failures.note(curve.handshake_error(event, None), "a connection to " + self.agent.address)
+        err = curve.handshake_error(event, None)
+        self.agent.auth_failures.note(err, "a connection to " + self.agent.address, now)
 
     def refuse_parts(self, parts: list[bytes]) -> None:
         """A message of other than one frame (PROTOCOL §1): answered with ``Error`` unless its
@@ -165,24 +169,21 @@ class Gate:
         err = ProtocolError(f"a message is one frame (one ZeroMQ part); this one has {len(parts) - 1}")
         self.reply(parts[0], wire.Error(error=ErrorInfo.of(err)))
 
-    def live_holder(self, identity: bytes, worker_id: str):
+    def live_holder(self, identity: bytes, worker_id: str, now: float):
         """The accepted decode (``DecodePeer``) holding ``worker_id`` on another live connection."""
-        agent, now = self.agent, time.monotonic()
+        agent = self.agent
         for key, d in self.decodes.items():
             if d.worker_id != worker_id or key == identity or now - d.last_seen > agent.peer_timeout_s:
                 continue
             probe = wire.Heartbeat(worker_id=agent.worker_id, incarnation=agent.incarnation, seq=int(now * 1000))
-            try:
-                self.sock.send_multipart([key, wire.encode(probe, agent.token)], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:  # no connection with that identity any more (ROUTER_MANDATORY), or full
-                continue
-            return d
+            if self.probe(key, probe):  # else no connection with that identity any more, or full
+                return d
         return None
 
-    def gatekeep(self, identity: bytes, msg: wire.Register) -> bool:
+    def gatekeep(self, identity: bytes, msg: wire.Register, now: float) -> bool:
         """Answer ``msg`` here if it ends here (a ``Reject`` or a ``Challenge``; True), else
         False: go on to the handshake's checks and the engine's ``connect``."""
-        answer = self._early_answer(identity, msg)
+        answer = self._early_answer(identity, msg, now)
         if answer is not None:
             self.reply(identity, answer)
         return answer is not None
@@ -219,9 +220,9 @@ class Gate:
             raise
         return peer_id, plain_endpoint(msg.engine.endpoint)
 
-    def _early_answer(self, identity: bytes, msg: wire.Register) -> wire.Message | None:
+    def _early_answer(self, identity: bytes, msg: wire.Register, now: float) -> wire.Message | None:
         agent, engine = self.agent, self.engine
-        holder = self.live_holder(identity, msg.worker_id)
+        holder = self.live_holder(identity, msg.worker_id, now)
         if holder is not None:
             # naming only what the register gave: the holder's incarnation is not the asker's to learn
             err = WorkerIdInUse(
