@@ -584,3 +584,23 @@ def test_close_fails_live_requests_says_goodbye_and_settles_the_fences():
     t.core.settle_fences(2.5)
     assert sends(t.core.drain()) == [(D1, failed(5, AgentClosed("maintenance"), send.bytes))]
     assert send.record.state is S.FAILED and t.core.fencing() == []
+
+
+# --- no I/O inside ----------------------------------------------------------------------------------
+
+CORE_MODULES = ("prefill_core", "prefill_copy", "fence", "refusals", "fairness")
+IO_MODULES = {"zmq", "socket", "threading", "time", "selectors", "asyncio"}
+
+
+def test_the_core_and_its_objects_import_no_socket_thread_or_clock():
+    import ast
+
+    from tests.support.paths import SRC_DIR
+
+    found = {}
+    for name in CORE_MODULES:
+        tree = ast.parse((SRC_DIR / "pdstate" / "agent" / f"{name}.py").read_text())
+        roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        roots |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        found[name] = sorted(roots & IO_MODULES)
+    assert found == {name: [] for name in CORE_MODULES}

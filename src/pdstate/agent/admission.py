@@ -1,8 +1,7 @@
-"""The ``PrefillAgent``'s ROUTER socket, and which registrations it takes further: one live decode
-per ``worker_id``, and the decode's memory proven to be its own before anything is checked,
-mapped or recorded.
+"""Which registrations a prefill takes further: one live decode per ``worker_id``, and the
+decode's memory proven to be its own before anything is checked, mapped or recorded.
 
-The socket binds a ZeroMQ identity to its first connection (no ``ROUTER_HANDOVER``): a second
+The prefill's ROUTER (``agent.prefill.bind_router``) binds a ZeroMQ identity to its first connection (no ``ROUTER_HANDOVER``): a second
 connection copying a decode's identity is refused by ZeroMQ and cannot take over its pipe.
 ``ROUTER_MANDATORY`` makes a send to an identity with no connection fail (the liveness probe).
 
@@ -33,8 +32,6 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any
-
-import zmq
 
 from pdstate import logs
 from pdstate.agent import curve
@@ -98,32 +95,7 @@ def _wildcard(address: str) -> bool:
 
 HANDSHAKE_IVL_MS = 3000  # a connection that has not completed ZeroMQ's handshake by then is closed
 BACKLOG = 2048  # connections the kernel queues for accept (libzmq's default: 100), as serve's HTTP
-
-
-def bind_router(loop: Any, bind: str, keys: curve.Keys, on_fail: Callable[[], None]) -> tuple[zmq.Socket, str]:
-    """The prefill agent's ROUTER, the CURVE server of ``keys``' domain (``agent.curve``), bound
-    to ``bind`` (``tcp://host:0``: a free port); returns it and its address. When that fails the
-    socket is closed and ``on_fail()`` runs (the agent releases its loop and engine). A connection
-    that does not complete ZeroMQ's handshake (ZMTP greeting and CURVE) within
-    ``HANDSHAKE_IVL_MS`` is closed (libzmq's default: 30 s), so idle TCP connections to the control
-    port hold their descriptors for seconds, not half a minute; ``BACKLOG`` lets a burst of them
-    queue for accept rather than stall other connections' handshakes (``tests/security/test_exhaustion.py``)."""
-    sock = loop.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
-    sock.setsockopt(zmq.BACKLOG, BACKLOG)
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    try:
-        loop.serve_curve(sock, keys)
-        if bind.startswith("tcp://") and bind.endswith(":0"):
-            port = sock.bind_to_random_port(bind[: -len(":0")])
-            return sock, f"{bind[: -len(':0')]}:{port}"
-        sock.bind(bind)
-    except BaseException:
-        sock.close(0)  # the loop's context can then end
-        on_fail()
-        raise
-    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+# (both set on the prefill's ROUTER by ``agent.prefill.bind_router``)
 
 
 class Gate:

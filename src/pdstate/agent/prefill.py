@@ -9,12 +9,13 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import zmq
 
 from pdstate.agent import curve
-from pdstate.agent.admission import Incidents, bind_router
+from pdstate.agent.admission import BACKLOG, HANDSHAKE_IVL_MS, Incidents
 from pdstate.agent.common import AgentLifetime, AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.fairness import VERDICT_TIMEOUT_S
 from pdstate.agent.prefill_core import ANSWERED as ANSWERED  # what an ended sender keeps of its request
@@ -36,6 +37,52 @@ from pdstate.protocol.handshake import LocalSide, PrefillHandshake
 from pdstate.transfer.engines.base import TransferEngine, create_engine
 
 __all__ = ["KVSender", "PrefillAgent"]
+
+
+def bind_router(loop: Any, bind: str, keys: curve.Keys, on_fail: Callable[[], None]) -> tuple[zmq.Socket, str]:
+    """The prefill agent's ROUTER, the CURVE server of ``keys``' domain (``agent.curve``), bound
+    to ``bind`` (``tcp://host:0``: a free port); returns it and its address. When that fails the
+    socket is closed and ``on_fail()`` runs (the agent releases its loop and engine). A connection
+    that does not complete ZeroMQ's handshake (ZMTP greeting and CURVE) within
+    ``HANDSHAKE_IVL_MS`` is closed (libzmq's default: 30 s), so idle TCP connections to the control
+    port hold their descriptors for seconds, not half a minute; ``BACKLOG`` lets a burst of them
+    queue for accept rather than stall other connections' handshakes (``tests/security/test_exhaustion.py``)."""
+    sock = loop.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+    sock.setsockopt(zmq.BACKLOG, BACKLOG)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    try:
+        loop.serve_curve(sock, keys)
+        if bind.startswith("tcp://") and bind.endswith(":0"):
+            port = sock.bind_to_random_port(bind[: -len(":0")])
+            return sock, f"{bind[: -len(':0')]}:{port}"
+        sock.bind(bind)
+    except BaseException:
+        sock.close(0)  # the loop's context can then end
+        on_fail()
+        raise
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+class _OnCore:
+    """A public setting of ``PrefillAgent`` that its core keeps and reads (``path``: where on the
+    core), read and written through the agent as an attribute."""
+
+    def __init__(self, *path: str) -> None:
+        self.path = path
+
+    def _holder(self, agent: PrefillAgent) -> Any:
+        holder = agent._core
+        for name in self.path[:-1]:
+            holder = getattr(holder, name)
+        return holder
+
+    def __get__(self, agent: PrefillAgent | None, owner: type | None = None) -> Any:
+        return self if agent is None else getattr(self._holder(agent), self.path[-1])
+
+    def __set__(self, agent: PrefillAgent, value: Any) -> None:
+        setattr(self._holder(agent), self.path[-1], value)
 
 
 class PrefillAgent(AgentLifetime):
@@ -169,40 +216,11 @@ class PrefillAgent(AgentLifetime):
         self._loop.monitor(self._sock, curve.REFUSED_EVENTS, self._on_refused_handshake)
         self._loop.start()
 
-    # --- settings the core reads (public, writable) ---------------------------------------------
-
-    @property
-    def landed_piece_bytes(self) -> int:
-        return self._core.copy.landed_piece_bytes
-
-    @landed_piece_bytes.setter
-    def landed_piece_bytes(self, value: int) -> None:
-        self._core.copy.landed_piece_bytes = value
-
-    @property
-    def verify(self) -> str | None:
-        """The least verification level a decode may ask (``None``: any)."""
-        return self._core.verify
-
-    @verify.setter
-    def verify(self, value: str | None) -> None:
-        self._core.verify = value
-
-    @property
-    def verdict_timeout_s(self) -> float:
-        return self._core.verdict_timeout_s
-
-    @verdict_timeout_s.setter
-    def verdict_timeout_s(self, value: float) -> None:
-        self._core.verdict_timeout_s = value
-
-    @property
-    def bootstrap_timeout_s(self) -> float:
-        return self._core.bootstrap_timeout_s
-
-    @bootstrap_timeout_s.setter
-    def bootstrap_timeout_s(self, value: float) -> None:
-        self._core.bootstrap_timeout_s = value
+    # the settings the core reads (public, writable)
+    landed_piece_bytes = _OnCore("copy", "landed_piece_bytes")
+    verify = _OnCore("verify")  # the least verification level a decode may ask (``None``: any)
+    verdict_timeout_s = _OnCore("verdict_timeout_s")
+    bootstrap_timeout_s = _OnCore("bootstrap_timeout_s")
 
     # --- public ---------------------------------------------------------------------------------
 
