@@ -24,6 +24,7 @@ from pdstate.errors import (
     ProtocolError,
     TransferAborted,
     TransferFailed,
+    VerifyLevelRefused,
     WorkerIdInUse,
 )
 from pdstate.pools.reporting import build_report
@@ -449,6 +450,48 @@ def test_an_abort_for_an_unknown_room_is_confirmed_at_once():
     t.register()
     t.core.on_frame(D1, wire.Abort(room=77, reason="late"), 0.1)
     assert sends(t.core.drain()) == [(D1, failed(77, TransferAborted("aborted by decode: late")))]
+
+
+def test_a_decode_back_on_a_new_connection_gets_its_failing_requests_confirmed_there():
+    t = Harness()
+    send = t.copying(5)
+    t.open.discard(D1)
+    t.register(D2, now=1.0)  # the same incarnation, another connection: the old one's requests fail
+    t.core.on_frame(D2, wire.Abort(room=5, reason="no confirmation"), 1.1)
+    assert t.core.drain() == [] and send.identity == D2  # still in flight: answered once the fence holds
+    t.engine.handles[0].done = True
+    t.core.landed(send, 1.2)
+    why = PeerGone("decode decode-0 registered again (new incarnation)")
+    assert sends(t.core.drain()) == [(D2, failed(5, why, send.bytes))]  # its first error, on the new connection
+
+
+def test_an_abort_from_another_decode_is_not_confirmed_to_it():
+    t = Harness()
+    send = t.copying(5)
+    t.register(D2, worker_id="decode-1")
+    t.core.on_frame(D2, wire.Abort(room=5, reason="not mine"), 0.5)
+    assert t.core.drain() == [] and send.fence is None and send.record.state is S.TRANSFERRING
+
+
+def test_a_failed_verdict_fails_the_request_with_the_decodes_error():
+    t = Harness()
+    send = t.copying(5)
+    t.engine.handles[0].done = True
+    t.core.landed(send, 0.1)
+    t.core.drain()
+    info = ErrorInfo(type="DigestMismatch", message="room 5: digests differ")
+    t.core.on_frame(D1, wire.AgentVerdict(room=5, status="failed", error=info), 0.2)
+    assert type(send.record.error).__name__ == "DigestMismatch" and str(send.record.error) == "room 5: digests differ"
+
+
+def test_a_request_asking_less_verification_than_this_prefill_takes_fails_both_sides():
+    t = Harness(verify="sampled")
+    t.register()
+    send = t.sender(5)
+    err = VerifyLevelRefused(
+        "room 5: the decode asks verification 'off', below this prefill's transfer.verify 'sampled'"
+    )
+    assert sends(t.request(5)) == [(D1, failed(5, err))] and same(send.record.error, err)
 
 
 # --- heartbeats, timeouts -------------------------------------------------------------------------

@@ -179,8 +179,6 @@ class PrefillAgent(AgentLifetime):
                 peer_timeout_s=peer_timeout_s,
             )
         )
-        self._handshake = handshake
-        self._last_tick = time.monotonic()
         self._loop = AgentLoop(f"pdstate-prefill-{worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
         self._sock, self.address = bind_router(self._loop, bind, keys, on_fail=lambda: self._stop(lambda: None))
         layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
@@ -332,7 +330,8 @@ class PrefillAgent(AgentLifetime):
         try:
             self._on_request(msg.room, msg.seq_len, ask.worker_id)
         except PdStateError as exc:  # refused by the caller: the decode's receiver fails with it
-            self._core.caller_refused(ask.peer, msg, exc, time.monotonic())
+            refused = exc
+            self._run(lambda now: self._core.caller_refused(ask.peer, msg, refused, now))
 
     def _reply(self, identity: bytes, msg: wire.Message) -> None:
         try:
