@@ -615,17 +615,19 @@ def test_a_decodes_error_for_a_waiting_request_gives_it_up():
 # --- close ----------------------------------------------------------------------------------------
 
 
-def test_close_fails_live_requests_says_goodbye_and_settles_the_fences():
+def test_close_fails_live_requests_confirms_their_fences_then_says_goodbye():
     t = Harness()
     send = t.copying(5)
     idle = t.sender(6)
     t.core.close("maintenance", 2.0)
-    out = t.core.drain()
-    assert Send(D1, wire.Goodbye(worker_id="prefill-0", incarnation="p-inc", reason="maintenance")) in out
+    assert [type(a) for a in t.core.drain()] == [Again]  # room 5 still copying; room 6 had no decode
     assert same(idle.record.error, AgentClosed("maintenance")) and t.core.fencing() == [send]
     t.engine.handles[0].done = True  # the shell waited for it
-    t.core.settle_fences(2.5)
-    assert sends(t.core.drain()) == [(D1, failed(5, AgentClosed("maintenance"), send.bytes))]
+    t.core.end("maintenance", 2.5)
+    assert sends(t.core.drain()) == [
+        (D1, failed(5, AgentClosed("maintenance"), send.bytes)),
+        (D1, wire.Goodbye(worker_id="prefill-0", incarnation="p-inc", reason="maintenance")),
+    ]
     assert send.record.state is S.FAILED and t.core.fencing() == []
 
 

@@ -286,7 +286,7 @@ class PrefillAgent(AgentLifetime):
                         self._engine.wait(h, max(0.0, send.fence.deadline - time.monotonic()))
                     except EngineError:
                         pass  # failed or still in flight: the core tells which
-            self._run(lambda now: self._core.settle_fences(now))
+            self._run(lambda now: self._core.end(reason, now))
 
         self._stop(final)
 

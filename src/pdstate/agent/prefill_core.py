@@ -309,25 +309,26 @@ class PrefillCore:
         self._reply(identity, done_failed(msg.room, error))
 
     def close(self, reason: str, now: float) -> None:
-        """Fail live requests with ``reason`` (``AgentClosed``, fenced) and say ``Goodbye`` to
-        every accepted decode. The shell then waits for the pending fences' handles and calls
-        ``settle_fences``."""
+        """Fail live requests with ``reason`` (``AgentClosed``, fenced). The shell then waits for
+        the pending fences' handles (``fencing``) and calls ``end(reason, now)``."""
         self.now = now
         for send in list(self.sends.values()):
             if isinstance(send, Sending) and not send.record.state.terminal:
                 self.fences.fail(send, AgentClosed(reason), tell_decode=True)
-        bye = wire.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation, reason=reason[:1024])
-        for identity in list(self.decodes):
-            self._reply(identity, bye)
 
     def fencing(self) -> list[Sending]:
         """The failing requests whose fence is pending (their handles still in flight)."""
         return list(self.fences.fencing.values())
 
-    def settle_fences(self, now: float) -> None:
-        """At close: end every pending fence (confirmed to its decode where none is in flight)."""
+    def end(self, reason: str, now: float) -> None:
+        """The last step of a close: every pending fence ends (confirmed to its decode where
+        nothing is in flight), then each accepted decode is told ``Goodbye`` with ``reason``
+        (after the confirmations: a decode fails what it still has here once it reads it)."""
         self.now = now
         self.fences.settle_all()
+        bye = wire.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation, reason=reason[:1024])
+        for identity in list(self.decodes):
+            self._reply(identity, bye)
 
     # --- queries ----------------------------------------------------------------------------------
 
