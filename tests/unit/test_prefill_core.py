@@ -18,6 +18,7 @@ from pdstate.agent.prefill_core import ANSWERED, Again, AskCaller, PrefillCore, 
 from pdstate.agent.sender import EndedSender, Sending
 from pdstate.errors import (
     AgentClosed,
+    DescriptorMismatch,
     EngineError,
     IndexCountMismatch,
     PeerGone,
@@ -63,6 +64,8 @@ class FakeEngine:
         self.plans: list[tuple[str, int]] = []  # (peer id, descriptors) per submit
         self.handles: list[Handle] = []
         self.connected: list[tuple[dict, str | None]] = []
+        self.disconnected: list[str] = []
+        self.outside = False  # the decode's buffers lie outside the regions its endpoint published
 
     def submit(self, peer_id, plan, **kw):
         handle = Handle(peer_id)
@@ -79,14 +82,16 @@ class FakeEngine:
         self.connected.append((dict(endpoint), owner))
         return PEER_ID
 
-    def disconnect(self, peer_id) -> bool:  # the core asks by ``Release``, never here
-        raise AssertionError("the core disconnects through a Release action")
+    def disconnect(self, peer_id) -> bool:  # only a register refused past its connect; else a Release
+        self.disconnected.append(peer_id)
+        return True
 
     def peer_regions(self, peer_id):
         return self
 
     def check_inside(self, ranges, label) -> None:
-        pass
+        if self.outside:
+            raise DescriptorMismatch(f"{label}: main KV[0] lies outside the regions it published")
 
     def challenge(self, claimant, holder=""):
         return b"nonce-" + claimant.encode()
@@ -216,6 +221,15 @@ def test_an_incompatible_register_is_refused_with_the_reason_and_nothing_connect
     assert t.engine.connected == [] and t.core.decodes == {}
     assert t.core.handshakes == {"accepted": 0, "rejected": 1}
     assert t.core.peer_log.records()[0]["state"] == "rejected"
+
+
+def test_a_register_whose_buffers_lie_outside_its_published_regions_is_refused_and_unmapped():
+    t = Harness()
+    t.engine.outside = True
+    (answer,) = sends(t.register())
+    err = DescriptorMismatch("decode decode-0: main KV[0] lies outside the regions it published")
+    assert answer == (D1, wire.Reject(worker_id="prefill-0", error=ErrorInfo.of(err)))
+    assert t.engine.disconnected == [PEER_ID] and t.core.decodes == {}
 
 
 def test_an_engine_that_proves_ownership_challenges_first_and_accepts_the_answer():
