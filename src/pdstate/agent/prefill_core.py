@@ -57,7 +57,7 @@ from pdstate.errors import (
 )
 from pdstate.protocol import wire
 from pdstate.protocol.handshake import PrefillHandshake
-from pdstate.protocol.lifecycle import RequestState
+from pdstate.protocol.lifecycle import PeerState, RequestState
 from pdstate.protocol.report import ErrorInfo
 from pdstate.transfer.engines.shm_owner import challenge_unknown, challenge_unknown_error
 from pdstate.transfer.planner import PairPlanner
@@ -419,13 +419,12 @@ class PrefillCore:
                 if replaced is not None:
                     self.fences.release(replaced.peer_id)
         self.refusals.note_handshake(identity, answer)
-        self._log_peer(
-            msg, "accepted" if isinstance(answer, wire.Accept) else "rejected", getattr(answer, "error", None)
-        )
+        accepted = isinstance(answer, wire.Accept)
+        self._log_peer(msg, PeerState.ACCEPTED if accepted else PeerState.REJECTED, getattr(answer, "error", None))
         self._reply(identity, answer)
 
-    def _log_peer(self, msg: wire.Register, state: str, error: ErrorInfo | None) -> None:
-        self.handshakes[state] += 1
+    def _log_peer(self, msg: wire.Register, state: PeerState, error: ErrorInfo | None) -> None:
+        self.handshakes[state.value] += 1
         if error is not None:  # an accepted one is logged by the decode, which times its round trip
             logs.refusal(log, what="handshake", peer=msg.worker_id, error_type=error.type, message=error.message)
         self.peer_log.note(msg.worker_id, state, msg.incarnation, msg.report.fingerprint, error)

@@ -24,14 +24,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdstate.agent.fence import done_failed
 from pdstate.errors import PdStateError, TransferFailed, error_from_wire
 from pdstate.protocol import wire
+from pdstate.protocol.lifecycle import PeerState, move
 from pdstate.protocol.report import ErrorInfo
 
-__all__ = ["PeerLog", "Refusals"]
+__all__ = ["PeerLog", "PeerRecord", "Refusals"]
 
 MAX_REFUSED_ROOMS = 65536  # rooms given up before their sender existed, oldest forgotten first
 MAX_REFUSED_DECODES = 1024  # refused connections whose refusal is kept, oldest forgotten first
@@ -39,8 +41,29 @@ MAX_PEER_LOG = 1024  # decodes ``PeerLog`` remembers ...
 MAX_PEER_LOG_TEXT = 1 << 20  # ... and the characters of their errors' messages, all records together
 
 
+@dataclass(slots=True)
+class PeerRecord:
+    """What ``PeerLog`` keeps of one decode: its latest register and where it stands, moved by
+    ``protocol.lifecycle``'s peer table (PENDING -> ACCEPTED or REJECTED; ACCEPTED -> GONE)."""
+
+    worker_id: str
+    incarnation: str
+    fingerprint: str
+    error: dict | None = None  # ``ErrorInfo.model_dump()``
+    state: PeerState = field(default=PeerState.PENDING, init=False)
+
+    def as_dict(self) -> dict:
+        return {
+            "id": self.worker_id,
+            "state": self.state.value,
+            "incarnation": self.incarnation,
+            "fingerprint": self.fingerprint,
+            "error": None if self.error is None else dict(self.error),
+        }
+
+
 class PeerLog:
-    """Every decode that registered with a ``PrefillAgent``, by worker id: its latest record
+    """Every decode that registered with a prefill, by worker id: its latest record
     (``PrefillAgent.peers()``, hence ``/v1/compat`` and an SGLang rank's status snapshots). Past
     ``MAX_PEER_LOG`` records or ``MAX_PEER_LOG_TEXT`` characters of error messages, the least
     recently registered decode that is not accepted is forgotten first (an accepted one only when
@@ -48,32 +71,31 @@ class PeerLog:
     list carries of them stays bounded. Run on the agent's I/O thread."""
 
     def __init__(self) -> None:
-        self._log: OrderedDict[str, dict] = OrderedDict()
+        self._log: OrderedDict[str, PeerRecord] = OrderedDict()
 
     def records(self) -> list[dict]:
-        return [dict(d) for d in self._log.values()]
+        return [r.as_dict() for r in self._log.values()]
 
-    def note(self, worker_id: str, state: str, incarnation: str, fingerprint: str, error: ErrorInfo | None) -> None:
-        """The answer to a register of ``worker_id`` (``accepted`` or ``rejected``)."""
+    def note(
+        self, worker_id: str, state: PeerState, incarnation: str, fingerprint: str, error: ErrorInfo | None
+    ) -> None:
+        """The answer to a register of ``worker_id`` (``ACCEPTED`` or ``REJECTED``)."""
         self._log.pop(worker_id, None)
-        self._log[worker_id] = {
-            "id": worker_id,
-            "state": state,
-            "incarnation": incarnation,
-            "fingerprint": fingerprint,
-            "error": None if error is None else error.model_dump(),
-        }
-        text = sum(len(e["error"]["message"]) for e in self._log.values() if e["error"] is not None)
+        record = PeerRecord(worker_id, incarnation, fingerprint, None if error is None else error.model_dump())
+        move(record, state)
+        self._log[worker_id] = record
+        text = sum(len(r.error["message"]) for r in self._log.values() if r.error is not None)
         while len(self._log) > MAX_PEER_LOG or text > MAX_PEER_LOG_TEXT:
-            oldest = next((k for k, e in self._log.items() if e["state"] != "accepted"), None)
+            oldest = next((k for k, r in self._log.items() if r.state is not PeerState.ACCEPTED), None)
             entry = self._log.pop(oldest) if oldest is not None else self._log.popitem(last=False)[1]
-            text -= len(entry["error"]["message"]) if entry["error"] is not None else 0
+            text -= len(entry.error["message"]) if entry.error is not None else 0
 
     def gone(self, worker_id: str, incarnation: str, why: str) -> None:
         """The accepted decode ``worker_id/incarnation`` is gone (``why``)."""
-        entry = self._log.get(worker_id)
-        if entry is not None and entry["incarnation"] == incarnation and entry["state"] == "accepted":
-            entry.update(state="gone", error=ErrorInfo(type="PeerGone", message=why).model_dump())
+        record = self._log.get(worker_id)
+        if record is not None and record.incarnation == incarnation and record.state is PeerState.ACCEPTED:
+            move(record, PeerState.GONE)
+            record.error = ErrorInfo(type="PeerGone", message=why).model_dump()
 
 
 class Refusals:
