@@ -1,12 +1,11 @@
-"""The ``PrefillAgent``'s ROUTER socket, and which registrations it takes further: one live decode
-per ``worker_id``, and the decode's memory proven to be its own before anything is checked,
-mapped or recorded.
+"""Which registrations a prefill takes further: one live decode per ``worker_id``, and the
+decode's memory proven to be its own before anything is checked, mapped or recorded.
 
-The socket binds a ZeroMQ identity to its first connection (no ``ROUTER_HANDOVER``): a second
+The prefill's ROUTER (``agent.prefill.bind_router``) binds a ZeroMQ identity to its first connection (no ``ROUTER_HANDOVER``): a second
 connection copying a decode's identity is refused by ZeroMQ and cannot take over its pipe.
 ``ROUTER_MANDATORY`` makes a send to an identity with no connection fail (the liveness probe).
 
-Run on the prefill agent's I/O thread (``Gate``, over what the agent hands it):
+Run on the prefill agent's I/O thread (``Gate``, over what its core hands it):
 
 * a register whose ``worker_id`` an accepted decode on another connection still holds (heard
   from within the peer timeout, its connection open: a probe heartbeat can be queued to it) is
@@ -34,8 +33,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import zmq
-
 from pdstate import logs
 from pdstate.agent import curve
 from pdstate.errors import AuthError, InvalidEndpoint, PdStateError, ProtocolError, WorkerIdInUse
@@ -54,9 +51,10 @@ class Incidents:
     def __init__(self, what: str = "frame") -> None:
         self.what, self.count, self.latest, self.at, self._logged = what, 0, None, 0.0, -1.0
 
-    def note(self, err: PdStateError, peer: str) -> PdStateError:
-        """Count ``err`` from ``peer`` and log it (the line carries the fix); returns it."""
-        now = time.monotonic()
+    def note(self, err: PdStateError, peer: str, now: float | None = None) -> PdStateError:
+        """Count ``err`` from ``peer`` (at ``now``, ``time.monotonic()``'s clock: that time when
+        not given) and log it (the line carries the fix); returns it."""
+        now = time.monotonic() if now is None else now
         self.count, self.latest, self.at = self.count + 1, ErrorInfo.of(err), now
         if now - self._logged >= 1.0:  # a flood is one line a second
             self._logged = now
@@ -97,40 +95,17 @@ def _wildcard(address: str) -> bool:
 
 HANDSHAKE_IVL_MS = 3000  # a connection that has not completed ZeroMQ's handshake by then is closed
 BACKLOG = 2048  # connections the kernel queues for accept (libzmq's default: 100), as serve's HTTP
-
-
-def bind_router(loop: Any, bind: str, keys: curve.Keys, on_fail: Callable[[], None]) -> tuple[zmq.Socket, str]:
-    """The prefill agent's ROUTER, the CURVE server of ``keys``' domain (``agent.curve``), bound
-    to ``bind`` (``tcp://host:0``: a free port); returns it and its address. When that fails the
-    socket is closed and ``on_fail()`` runs (the agent releases its loop and engine). A connection
-    that does not complete ZeroMQ's handshake (ZMTP greeting and CURVE) within
-    ``HANDSHAKE_IVL_MS`` is closed (libzmq's default: 30 s), so idle TCP connections to the control
-    port hold their descriptors for seconds, not half a minute; ``BACKLOG`` lets a burst of them
-    queue for accept rather than stall other connections' handshakes (``tests/security/test_exhaustion.py``)."""
-    sock = loop.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
-    sock.setsockopt(zmq.BACKLOG, BACKLOG)
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    try:
-        loop.serve_curve(sock, keys)
-        if bind.startswith("tcp://") and bind.endswith(":0"):
-            port = sock.bind_to_random_port(bind[: -len(":0")])
-            return sock, f"{bind[: -len(':0')]}:{port}"
-        sock.bind(bind)
-    except BaseException:
-        sock.close(0)  # the loop's context can then end
-        on_fail()
-        raise
-    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+# (both set on the prefill's ROUTER by ``agent.prefill.bind_router``)
 
 
 class Gate:
-    """The admission rules of one ``PrefillAgent``, over what the agent hands it at start: its
-    decodes (``identity -> DecodePeer``, the I/O thread's own map), its engine and handshake, its
-    ROUTER socket (the liveness probe) and its ``reply(identity, msg)``. The agent's public
-    values (``worker_id``, ``incarnation``, ``token``, ``peer_timeout_s``, ``address``,
-    ``advertise``, ``auth_failures``) are read from ``agent``. Run on the agent's I/O thread."""
+    """The admission rules of one prefill, over what its core hands it at start: its decodes
+    (``identity -> DecodePeer``, the I/O thread's own map), its engine port and handshake,
+    ``probe(identity, msg) -> bool`` (queue ``msg`` to that connection now, without blocking:
+    False when no connection has that identity any more, or it is full) and
+    ``reply(identity, msg)``. The core's public values (``worker_id``, ``incarnation``,
+    ``peer_timeout_s``, ``address``, ``advertise``, ``auth_failures``) are read from ``agent``.
+    Run on the agent's I/O thread; the clock comes in as ``now``."""
 
     def __init__(
         self,
@@ -138,24 +113,25 @@ class Gate:
         decodes: dict[bytes, Any],
         engine: Any,
         handshake: Any,
-        sock: zmq.Socket,
+        probe: Callable[[bytes, wire.Message], bool],
         reply: Callable[[bytes, wire.Message], None],
     ) -> None:
         self.agent, self.decodes, self.engine, self.handshake = agent, decodes, engine, handshake
-        self.sock, self.reply = sock, reply
+        self.probe, self.reply = probe, reply
 
-    def refuse_frame(self, identity: bytes, frame: bytes, exc: PdStateError) -> None:
+    def refuse_frame(self, identity: bytes, frame: bytes, exc: PdStateError, now: float) -> None:
         """A frame from ``identity`` that did not decode (``exc``): answered with ``Error`` unless
         it is an ``error`` frame itself (PROTOCOL §7)."""
         if isinstance(exc, AuthError):
-            exc = self.agent.auth_failures.note(exc, identity.decode("utf-8", "replace")[:64])
+            exc = self.agent.auth_failures.note(exc, identity.decode("utf-8", "replace")[:64], now)
         if wire.envelope_kind(frame) != "error":
             self.reply(identity, wire.Error(error=ErrorInfo.of(exc)))
 
-    def refuse_handshake(self, event: dict) -> None:
+    def refuse_handshake(self, event: dict, now: float) -> None:
         """A connection that failed the CURVE handshake (a monitor event of the ROUTER): it sent
         nothing this prefill reads; counted and logged as an ``AuthError``."""
-        self.agent.auth_failures.note(curve.handshake_error(event, None), "a connection to " + self.agent.address)
+        err = curve.handshake_error(event, None)
+        self.agent.auth_failures.note(err, "a connection to " + self.agent.address, now)
 
     def refuse_parts(self, parts: list[bytes]) -> None:
         """A message of other than one frame (PROTOCOL §1): answered with ``Error`` unless its
@@ -165,24 +141,21 @@ class Gate:
         err = ProtocolError(f"a message is one frame (one ZeroMQ part); this one has {len(parts) - 1}")
         self.reply(parts[0], wire.Error(error=ErrorInfo.of(err)))
 
-    def live_holder(self, identity: bytes, worker_id: str):
+    def live_holder(self, identity: bytes, worker_id: str, now: float):
         """The accepted decode (``DecodePeer``) holding ``worker_id`` on another live connection."""
-        agent, now = self.agent, time.monotonic()
+        agent = self.agent
         for key, d in self.decodes.items():
             if d.worker_id != worker_id or key == identity or now - d.last_seen > agent.peer_timeout_s:
                 continue
             probe = wire.Heartbeat(worker_id=agent.worker_id, incarnation=agent.incarnation, seq=int(now * 1000))
-            try:
-                self.sock.send_multipart([key, wire.encode(probe, agent.token)], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:  # no connection with that identity any more (ROUTER_MANDATORY), or full
-                continue
-            return d
+            if self.probe(key, probe):  # else no connection with that identity any more, or full
+                return d
         return None
 
-    def gatekeep(self, identity: bytes, msg: wire.Register) -> bool:
+    def gatekeep(self, identity: bytes, msg: wire.Register, now: float) -> bool:
         """Answer ``msg`` here if it ends here (a ``Reject`` or a ``Challenge``; True), else
         False: go on to the handshake's checks and the engine's ``connect``."""
-        answer = self._early_answer(identity, msg)
+        answer = self._early_answer(identity, msg, now)
         if answer is not None:
             self.reply(identity, answer)
         return answer is not None
@@ -219,9 +192,9 @@ class Gate:
             raise
         return peer_id, plain_endpoint(msg.engine.endpoint)
 
-    def _early_answer(self, identity: bytes, msg: wire.Register) -> wire.Message | None:
+    def _early_answer(self, identity: bytes, msg: wire.Register, now: float) -> wire.Message | None:
         agent, engine = self.agent, self.engine
-        holder = self.live_holder(identity, msg.worker_id)
+        holder = self.live_holder(identity, msg.worker_id, now)
         if holder is not None:
             # naming only what the register gave: the holder's incarnation is not the asker's to learn
             err = WorkerIdInUse(

@@ -32,9 +32,9 @@ VERDICT_TIMEOUT_S = 5.0
 
 
 class Verdicts:
-    """The verdict rules of one ``PrefillAgent``, over what it hands them at start: its decodes
+    """The verdict rules of one prefill, over what its core hands them at start: its decodes
     (``identity -> DecodePeer``, the I/O thread's own map), ``fail(send, err, tell_decode=)`` and
-    ``drop(identity, why)``; its public ``verdict_timeout_s`` and ``withheld`` (the drops'
+    ``drop(identity, why)``; the core's public ``verdict_timeout_s`` and ``withheld`` (the drops'
     ``Incidents``) are read from ``agent``. Run on the agent's I/O thread."""
 
     def __init__(
@@ -70,7 +70,7 @@ class Verdicts:
                     f"decode {who} withheld its verdict on {decode.withheld} requests in a row "
                     f"(verdict_timeout_s {t:g} s): dropped"
                 )
-                self.agent.withheld.note(why, who)
+                self.agent.withheld.note(why, who, now)
                 self.drop(send.identity, str(why))
 
     def heard(self, identity: bytes) -> None:

@@ -1,65 +1,91 @@
-"""The prefill agent: serves any number of decode agents, one ``KVSender`` per request (room)."""
+"""The prefill agent: serves any number of decode agents, one ``KVSender`` per request (room).
+
+``PrefillAgent`` is the shell around ``agent.prefill_core.PrefillCore``: it owns the I/O thread
+(``AgentLoop``), the ROUTER socket, the engine and the clock, feeds the core each frame, tick,
+command and engine outcome, and performs the actions the core returns."""
 
 from __future__ import annotations
 
-import logging
 import secrets
 import time
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import zmq
 
-from pdstate import logs
 from pdstate.agent import curve
-from pdstate.agent.admission import Gate, Incidents, bind_router
+from pdstate.agent.admission import BACKLOG, HANDSHAKE_IVL_MS, Incidents
 from pdstate.agent.common import AgentLifetime, AgentLoop, RequestRecord, channel_layout, regions_of
-from pdstate.agent.fairness import VERDICT_TIMEOUT_S, Verdicts
-from pdstate.agent.fence import Fences
-from pdstate.agent.prefill_copy import CopyPipeline
-from pdstate.agent.refusals import PeerLog, Refusals
-from pdstate.agent.sender import DecodePeer, EndedSender, KVSender, PendingRequest, Sending
-from pdstate.agent.verify import check_level, layout_devices, level_of, request_digest, weaker
-from pdstate.errors import (
-    AgentClosed,
-    IndexCountMismatch,
-    PdStateError,
-    PeerGone,
-    ProtocolError,
-    TransferAborted,
-    TransferFailed,
-    VerifyLevelRefused,
-    error_from_wire,
+from pdstate.agent.fairness import VERDICT_TIMEOUT_S
+from pdstate.agent.prefill_core import ANSWERED as ANSWERED  # what an ended sender keeps of its request
+from pdstate.agent.prefill_core import (
+    KEEP_ENDED_S,
+    MAX_ENDED,
+    Again,
+    AskCaller,
+    PrefillCore,
+    Release,
+    Send,
+    Watch,
 )
+from pdstate.agent.sender import KVSender, Sending
+from pdstate.agent.verify import check_level, layout_devices
+from pdstate.errors import AgentClosed, EngineError, PdStateError, error_from_wire
 from pdstate.protocol import wire
 from pdstate.protocol.handshake import LocalSide, PrefillHandshake
-from pdstate.protocol.lifecycle import RequestState
-from pdstate.protocol.report import ErrorInfo
 from pdstate.transfer.engines.base import TransferEngine, create_engine
-from pdstate.transfer.engines.shm_owner import challenge_unknown, challenge_unknown_error
-from pdstate.transfer.planner import PairPlanner
-
-log = logging.getLogger("pdstate.agent")
 
 __all__ = ["KVSender", "PrefillAgent"]
 
-KEEP_ENDED_S = 600.0  # an ended sender is kept this long (a late AgentRequest or Abort is answered) ...
-MAX_ENDED = 8192  # ... but no more than this many, the oldest forgotten first
-# an ended sender keeps only that it was requested: this stands for its request (index lists dropped)
-ANSWERED = wire.AgentRequest(
-    room=0, dst_kv_pages=wire.PackedIndices.pack([]), dst_state_indices=[], digest=False, deadline_s=1.0
-)
+
+def bind_router(loop: Any, bind: str, keys: curve.Keys, on_fail: Callable[[], None]) -> tuple[zmq.Socket, str]:
+    """The prefill agent's ROUTER, the CURVE server of ``keys``' domain (``agent.curve``), bound
+    to ``bind`` (``tcp://host:0``: a free port); returns it and its address. When that fails the
+    socket is closed and ``on_fail()`` runs (the agent releases its loop and engine). A connection
+    that does not complete ZeroMQ's handshake (ZMTP greeting and CURVE) within
+    ``HANDSHAKE_IVL_MS`` is closed (libzmq's default: 30 s), so idle TCP connections to the control
+    port hold their descriptors for seconds, not half a minute; ``BACKLOG`` lets a burst of them
+    queue for accept rather than stall other connections' handshakes (``tests/security/test_exhaustion.py``)."""
+    sock = loop.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+    sock.setsockopt(zmq.BACKLOG, BACKLOG)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    try:
+        loop.serve_curve(sock, keys)
+        if bind.startswith("tcp://") and bind.endswith(":0"):
+            port = sock.bind_to_random_port(bind[: -len(":0")])
+            return sock, f"{bind[: -len(':0')]}:{port}"
+        sock.bind(bind)
+    except BaseException:
+        sock.close(0)  # the loop's context can then end
+        on_fail()
+        raise
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-def _trim(send: Sending) -> None:
-    """What an ended sender no longer needs: its handles, digest, queued chunks, index lists."""
-    send.handles, send.digest, send.marks = [], None, []
-    send.queued.clear()
-    send.record.release()
-    if send.request is not None:
-        send.request = ANSWERED
+class _OnCore:
+    """A public setting of ``PrefillAgent`` that its core keeps and reads (``path``: where on the
+    core), read and written through the agent as an attribute."""
+
+    def __init__(self, *path: str) -> None:
+        self.path = path
+
+    def _holder(self, agent: PrefillAgent) -> Any:
+        holder = agent._core
+        for name in self.path[:-1]:
+            holder = getattr(holder, name)
+        return holder
+
+    def __get__(self, agent: PrefillAgent | None, owner: type | None = None) -> Any:
+        return self if agent is None else getattr(self._holder(agent), self.path[-1])
+
+    def __set__(self, agent: PrefillAgent, value: Any) -> None:
+        setattr(self._holder(agent), self.path[-1], value)
 
 
-class PrefillAgent(AgentLifetime, CopyPipeline, Fences, Refusals):
+class PrefillAgent(AgentLifetime):
     """Serves decode agents over ZeroMQ (a ROUTER bound at ``bind``) and one transfer engine.
 
     ``kv_args``: the caller's filled ``KVArgs`` (``fill_kv_args`` / ``setup_state_kv_args``, plus
@@ -131,10 +157,10 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Fences, Refusals):
         self.kv_args, self.worker_id, self.token, self.advertise = kv_args, worker_id, token, tuple(advertise)
         self.incarnation = secrets.token_hex(8)
         self.heartbeat_interval_s, self.peer_timeout_s = heartbeat_interval_s, peer_timeout_s
-        self.bootstrap_timeout_s = bootstrap_timeout_s
         self._on_request = on_request
         if landed_piece_bytes < 0:
             raise ValueError(f"landed_piece_bytes must be >= 0 (0: whole chunks), got {landed_piece_bytes}")
+        verify = check_level(verify) if verify is not None else None  # the least a decode may ask
         self._engine: TransferEngine = create_engine(engine, **(engine_options or {}))
         self._engine.start()
         try:
@@ -142,39 +168,57 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Fences, Refusals):
         except BaseException:
             self._engine.close()
             raise
-        self.landed_piece_bytes = landed_piece_bytes
-        self.verify = check_level(verify) if verify is not None else None  # the least a decode may ask
-        kv = wire.KVDesc.of(kv_args)
-        self._handshake = PrefillHandshake(
+        handshake = PrefillHandshake(
             LocalSide(
                 worker_id=worker_id,
                 incarnation=self.incarnation,
                 report=report,
-                kv=kv,
+                kv=wire.KVDesc.of(kv_args),
                 engine=wire.EngineDesc(name=self._engine.name, endpoint={}),
                 heartbeat_interval_s=heartbeat_interval_s,
                 peer_timeout_s=peer_timeout_s,
             )
         )
-        self._layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
-        self._devices = layout_devices(self._layout)  # host (None) or device, per buffer
-        self._decodes: dict[bytes, DecodePeer] = {}
-        self._sends: dict[int, Sending | EndedSender] = {}  # live senders, and ended ones as tombstones
-        self._pending: dict[int, PendingRequest] = {}
-        self.handshakes = {"accepted": 0, "rejected": 0}  # answers given, written by the I/O thread only
-        self.auth_failures = Incidents()  # refused CURVE handshakes and frames refused for their auth tag
-        self.withheld, self.verdict_timeout_s = Incidents("verdict"), verdict_timeout_s  # ``agent.fairness``
-        self._verdicts = Verdicts(self, self._decodes, self._fail, self._decode_gone)
-        self._peer_log = PeerLog()  # every decode that registered (``peers()``)
-        self._init_refusals()
-        self._init_fences()
-        self._last_tick = time.monotonic()
         self._loop = AgentLoop(f"pdstate-prefill-{worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
         self._sock, self.address = bind_router(self._loop, bind, keys, on_fail=lambda: self._stop(lambda: None))
-        self._gate = Gate(self, self._decodes, self._engine, self._handshake, self._sock, self._reply)
+        layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
+        self._core = PrefillCore(
+            kv_args,
+            handshake,
+            self._engine,
+            worker_id=worker_id,
+            incarnation=self.incarnation,
+            address=self.address,
+            advertise=self.advertise,
+            now=time.monotonic(),
+            probe=self._probe,
+            stopwatch=time.monotonic,
+            wakes=getattr(self._engine, "on_done", None) is not None,
+            ask_caller=on_request is not None,
+            layout=layout,
+            devices=layout_devices(layout),  # host (None) or device, per buffer
+            heartbeat_interval_s=heartbeat_interval_s,
+            peer_timeout_s=peer_timeout_s,
+            bootstrap_timeout_s=bootstrap_timeout_s,
+            verdict_timeout_s=verdict_timeout_s,
+            landed_piece_bytes=landed_piece_bytes,
+            verify=verify,
+            keep_ended_s=KEEP_ENDED_S,
+            max_ended=MAX_ENDED,
+        )
+        self._decodes, self._sends = self._core.decodes, self._core.sends  # the I/O thread's own maps
+        self.handshakes = self._core.handshakes  # answers given, written by the I/O thread only
+        self.auth_failures: Incidents = self._core.auth_failures  # refused CURVE handshakes and auth tags
+        self.withheld: Incidents = self._core.withheld  # decodes dropped for withheld verdicts
         self._loop.watch(self._sock, self._on_frame)
-        self._loop.monitor(self._sock, curve.REFUSED_EVENTS, self._gate.refuse_handshake)
+        self._loop.monitor(self._sock, curve.REFUSED_EVENTS, self._on_refused_handshake)
         self._loop.start()
+
+    # the settings the core reads (public, writable)
+    landed_piece_bytes = _OnCore("copy", "landed_piece_bytes")
+    verify = _OnCore("verify")  # the least verification level a decode may ask (``None``: any)
+    verdict_timeout_s = _OnCore("verdict_timeout_s")
+    bootstrap_timeout_s = _OnCore("bootstrap_timeout_s")
 
     # --- public ---------------------------------------------------------------------------------
 
@@ -184,38 +228,48 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Fences, Refusals):
         if num_pages < 0:
             raise ValueError(f"num_pages must not be negative, got {num_pages}")
         send = Sending(RequestRecord(room), num_pages, aux_index)
-        added = self._loop.call(lambda: self._add_sender(send))
+        added = self._loop.call(lambda: self._run(lambda now: self._core.add_sender(send, now)))
         return KVSender(added, call=self._loop.call, queue_chunk=self._queue_chunk, abort=self._abort)
 
     def decodes(self) -> list[dict]:
         """The accepted decode agents: worker id, incarnation, seconds since last heard."""
         now = time.monotonic()
-        return self._loop.call(
-            lambda: [
-                {"worker_id": d.worker_id, "incarnation": d.incarnation, "last_seen_s": round(now - d.last_seen, 3)}
-                for d in self._decodes.values()
-            ]
-        )
+        return self._loop.call(lambda: self._core.decode_list(now))
 
     def refuse(self, room: int, error: PdStateError) -> bool:
         """Fail the decode's request for ``room`` that waits for its sender (``on_request``'s
         caller could not serve it after all): that decode's receiver fails with ``error``.
         Returns whether such a request was waiting."""
-
-        def run() -> bool:
-            pending = self._pending.pop(room, None)
-            if pending is not None:
-                self._reply(pending.identity, self._done_failed(room, error))
-            return pending is not None
-
-        return self._loop.call(run)
+        return self._loop.call(lambda: self._run(lambda now: self._core.refuse(room, error, now)))
 
     def peers(self) -> list[dict]:
         """Every decode that registered (the latest, by worker id; bounded: ``refusals.PeerLog``):
         ``id``, ``state`` (``accepted``, ``rejected`` or ``gone``), ``incarnation``,
         ``fingerprint`` (its layout's, from its Register) and ``error`` (``{"type", "message"}`` or
         ``None``)."""
-        return self._loop.call(self._peer_log.records)
+        return self._loop.call(self._core.peer_log.records)
+
+    def requested(self, room: int) -> bool:
+        """Whether a decode's request for ``room`` arrived and waits for ``sender(room, ...)``
+        (read without the I/O thread: ``agent.refusals``)."""
+        return self._core.refusals.requested(room)
+
+    def pending_pages(self, room: int) -> int | None:
+        """How many destination pages the waiting request for ``room`` names (``None``: none waits)."""
+        return self._core.refusals.pending_pages(room)
+
+    def pending_state_lengths(self, room: int) -> list[int] | None:
+        """How many indices the waiting request for ``room`` names per state component
+        (``agent.refusals.Refusals.pending_state_lengths``)."""
+        return self._core.refusals.pending_state_lengths(room)
+
+    def refusal(self, room: int) -> PdStateError | None:
+        """The error a refused decode gave ``room`` up with before its sender was made."""
+        return self._core.refusals.refusal(room)
+
+    def take_refusal(self, room: int) -> PdStateError | None:
+        """``refusal(room)``, forgotten as it is read (``agent.refusals``)."""
+        return self._core.refusals.take_refusal(room)
 
     def close(self, reason: str = "prefill shutting down") -> None:
         """Fail live requests with ``reason`` (``AgentClosed``), say ``Goodbye`` with it to every
@@ -225,17 +279,59 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Fences, Refusals):
             return
 
         def final() -> None:
-            for send in list(self._sends.values()):
-                if not send.record.state.terminal:
-                    self._fail(send, AgentClosed(reason), tell_decode=True)
-            self._hold_fences()  # the engine closes next
-            bye = wire.Goodbye(worker_id=self.worker_id, incarnation=self.incarnation, reason=reason[:1024])
-            for identity in list(self._decodes):
-                self._reply(identity, bye)
+            self._run(lambda now: self._core.close(reason, now))
+            for send in self._core.fencing():  # the engine closes next: wait here, up to each deadline
+                for h in send.handles:
+                    try:
+                        self._engine.wait(h, max(0.0, send.fence.deadline - time.monotonic()))
+                    except EngineError:
+                        pass  # failed or still in flight: the core tells which
+            self._run(lambda now: self._core.end(reason, now))
 
         self._stop(final)
 
-    # --- I/O thread -------------------------------------------------------------------------------
+    # --- I/O thread: inputs to the core, its actions performed ------------------------------------
+
+    def _run(self, step: Callable[[float], object]) -> object:
+        """Feed the core one input at the time now, then perform the actions it returned."""
+        try:
+            return step(time.monotonic())
+        finally:
+            self._perform(self._core.drain())
+
+    def _perform(self, actions: list) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                self._reply(action.peer, action.msg)
+            elif isinstance(action, Release):
+                self._engine.disconnect(action.peer_id)
+            elif isinstance(action, Watch):
+                for h in action.handles:
+                    self._engine.on_done(h, self._waker(action.send))
+            elif isinstance(action, Again):
+                send = action.send
+                self._loop.again(action.key, lambda: self._run(lambda now: self._core.landed(send, now)))
+            elif isinstance(action, AskCaller):
+                self._ask_caller(action)
+
+    def _waker(self, send: Sending) -> Callable[[], None]:
+        def wake() -> None:  # on the engine's thread: only hand over
+            try:
+                self._loop.post(lambda: self._run(lambda now: self._core.landed(send, now)))
+            except AgentClosed:
+                pass  # closing: the fence settles the request
+
+        return wake
+
+    def _ask_caller(self, ask: AskCaller) -> None:
+        if self._on_request is None:
+            return
+        msg = ask.request
+        try:
+            self._on_request(msg.room, msg.seq_len, ask.worker_id)
+        except PdStateError as exc:  # refused by the caller: the decode's receiver fails with it
+            refused = exc
+            self._run(lambda now: self._core.caller_refused(ask.peer, msg, refused, now))
 
     def _reply(self, identity: bytes, msg: wire.Message) -> None:
         try:
@@ -243,205 +339,40 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Fences, Refusals):
         except zmq.ZMQError:
             pass  # gone or full: its heartbeats stop and it fails its own requests
 
-    def _add_sender(self, send: Sending) -> Sending:
-        room = send.record.room
-        old = self._sends.get(room)
-        if old is not None and not old.record.state.terminal:
-            raise ProtocolError(f"room {room} already has a live sender")
-        self._sends[room] = send
-        pending = self._pending.pop(room, None)
-        if pending is not None:
-            self._attach(send, pending.identity, pending.msg)
-        return send
+    def _probe(self, identity: bytes, msg: wire.Message) -> bool:
+        """Queue ``msg`` to the connection ``identity`` now; False when none has it (ROUTER_MANDATORY) or it is full."""
+        try:
+            self._sock.send_multipart([identity, wire.encode(msg, self.token)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        return True
 
     def _on_frame(self, sock: zmq.Socket) -> None:
         parts = sock.recv_multipart()
         if len(parts) != 2:
-            self._gate.refuse_parts(parts)
+            self._run(lambda now: self._core.on_bad_parts(parts, now))
             return
         identity, frame = parts
         try:
-            msg = wire.decode(frame, self.token)
+            msg: wire.Message | PdStateError = wire.decode(frame, self.token)
         except PdStateError as exc:
-            self._gate.refuse_frame(identity, frame, exc)
-            return
-        decode = self._decodes.get(identity)
-        if decode is not None:
-            decode.last_seen = time.monotonic()
-        if isinstance(msg, wire.Register):
-            self._on_register(identity, msg)
-        elif isinstance(msg, wire.Heartbeat) and decode is not None:
-            self._reply(identity, wire.Heartbeat(worker_id=self.worker_id, incarnation=self.incarnation, seq=msg.seq))
-        elif isinstance(msg, wire.Error) and challenge_unknown(msg.error.message):  # an older decode: say why
-            self._reply(identity, wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(challenge_unknown_error())))
-        elif isinstance(msg, wire.Error):  # never answered (PROTOCOL §7); a room of this decode's fails
-            self._on_error(identity, msg)
-        elif decode is None and isinstance(msg, wire.Abort) and identity in self._refused:
-            self._on_refused_abort(identity, msg)
-        elif decode is None:
-            self._reply(
-                identity,
-                wire.Error(
-                    error=ErrorInfo(type="NotRegistered", message="decode is not registered with this prefill"),
-                    room=getattr(msg, "room", None),
-                ),
-            )
-        elif isinstance(msg, wire.AgentRequest):
-            send = self._sends.get(msg.room)
-            if send is None or send.record.state.terminal and send.request is not None:
-                self._pending[msg.room] = PendingRequest(identity, msg)
-                self._refused_rooms.pop(msg.room, None)  # asked for (again): not given up
-                if self._on_request is not None:
-                    self._ask_caller(identity, decode.worker_id, msg)
-            else:
-                self._attach(send, identity, msg)
-        elif isinstance(msg, wire.Abort):
-            self._on_abort(identity, msg)
-        elif isinstance(msg, wire.AgentVerdict):
-            self._verdicts.heard(identity)
-            self._on_verdict(msg)
-
-    def _ask_caller(self, identity: bytes, worker_id: str, msg: wire.AgentRequest) -> None:
-        try:
-            self._on_request(msg.room, msg.seq_len, worker_id)
-        except PdStateError as exc:  # refused by the caller: the decode's receiver fails with it
-            if self._pending.get(msg.room) is not None and self._pending[msg.room].msg is msg:
-                del self._pending[msg.room]
-            self._reply(identity, self._done_failed(msg.room, exc))
-
-    def _on_register(self, identity: bytes, msg: wire.Register) -> None:
-        if self._gate.gatekeep(identity, msg):  # another live decode's worker_id, or memory not proven yet
-            return
-        answer = self._handshake.receive(msg)
-        if isinstance(answer, wire.Accept):
-            try:
-                peer_id, endpoint = self._gate.connect(msg, identity)  # its buffers inside the regions it published
-                planner = PairPlanner(self.kv_args, msg.kv)
-            except (PdStateError, ValueError) as exc:
-                answer = wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(exc))
-            else:
-                olds = [k for k, d in self._decodes.items() if d.worker_id == msg.worker_id and k != identity]
-                replaced = self._decodes.get(identity)
-                self._decodes[identity] = DecodePeer(
-                    identity, msg.worker_id, msg.incarnation, peer_id, planner, time.monotonic(), endpoint=endpoint
-                )
-                for key in olds:  # after the new one is in: a peer id both share stays connected
-                    self._decode_gone(key, f"decode {msg.worker_id} registered again (new incarnation)")
-                if replaced is not None:
-                    self._release(replaced.peer_id)
-        self._note_handshake(identity, answer)
-        self._log_peer(
-            msg, "accepted" if isinstance(answer, wire.Accept) else "rejected", getattr(answer, "error", None)
-        )
-        self._reply(identity, answer)
-
-    def _log_peer(self, msg: wire.Register, state: str, error: ErrorInfo | None) -> None:
-        self.handshakes[state] += 1
-        if error is not None:  # an accepted one is logged by the decode, which times its round trip
-            logs.refusal(log, what="handshake", peer=msg.worker_id, error_type=error.type, message=error.message)
-        self._peer_log.note(msg.worker_id, state, msg.incarnation, msg.report.fingerprint, error)
-
-    def _decode_gone(self, identity: bytes, why: str) -> None:
-        gone = self._decodes.pop(identity, None)
-        if gone is not None:
-            self._peer_log.gone(gone.worker_id, gone.incarnation, why)
-        for send in self._sends.values():
-            if send.identity == identity and not send.record.state.terminal:
-                self._fail(send, PeerGone(why), tell_decode=False)
-        for room, p in list(self._pending.items()):
-            if p.identity == identity:
-                del self._pending[room]
-        if gone is not None:
-            self._release(gone.peer_id)
-
-    def _attach(self, send: Sending, identity: bytes, msg: wire.AgentRequest) -> None:
-        if send.request is not None:
-            first = self._decodes.get(send.identity)
-            by = f"decode {first.worker_id}" if first is not None else "another decode"
-            err = ProtocolError(f"room {msg.room} was already requested by {by}")
-            self._reply(identity, wire.Error(error=ErrorInfo.of(err), room=msg.room))
-            return
-        if send.record.state.terminal:
-            # aborted on this side before the request came: tell the decode it will get nothing
-            self._reply(identity, self._done_failed(msg.room, send.record.error))
-            return
-        send.identity, send.request = identity, msg
-        send.decode_key = self._decode_key(identity)
-        n_dst = len(msg.dst_kv_pages)
-        if n_dst != send.num_pages:
-            err = IndexCountMismatch(f"main KV: index count mismatch: prefill={send.num_pages}, decode={n_dst}")
-            self._fail(send, err, tell_decode=True)
-            return
-        if msg.dst_aux is not None and (not bool(self.kv_args.aux_data_ptrs) or send.aux_index is None):
-            err = IndexCountMismatch(
-                "aux: the decode names an aux slot, but this prefill "
-                + ("has no aux buffers" if not bool(self.kv_args.aux_data_ptrs) else "request has no aux_index")
-            )
-            self._fail(send, err, tell_decode=True)
-            return
-        level = send.record.metrics["verify"] = level_of(msg.digest, msg.verify)
-        if self.verify is not None and weaker(level, self.verify):
-            err = VerifyLevelRefused(
-                f"room {msg.room}: the decode asks verification {level!r}, below this prefill's transfer.verify {self.verify!r}"
-            )
-            self._fail(send, err, tell_decode=True)
-            return
-        send.digest = request_digest(self._layout, self._devices, msg, self._n_channels(), level)
-        send.record.move(RequestState.WAITING_FOR_INPUT)
-        self._pump(send)
-
-    def _n_channels(self) -> int:
-        return 1 + len(self.kv_args.state_types)
-
-    def _decode_key(self, identity: bytes) -> str | None:
-        d = self._decodes.get(identity)
-        return None if d is None else f"{d.worker_id}/{d.incarnation}"
-
-    def _on_abort(self, identity: bytes, msg: wire.Abort) -> None:
-        send = self._sends.get(msg.room)
-        err = TransferAborted(f"aborted by decode: {msg.reason}")
-        if send is not None and not send.record.state.terminal and send.identity is not None:
-            mine = self._decode_key(identity)
-            if send.identity != identity and (mine is None or send.decode_key != mine):
-                return  # another decode's room: nothing to confirm to this one
-            send.identity = identity  # the same decode on a new connection: confirmed there
-            self._fail(send, err, tell_decode=True)  # confirmed once its fence holds
-            return
-        if self._pending.pop(msg.room, None) is not None:
-            self._give_up(msg.room, err)  # a sender made later for it fails with this (``refusal``)
-        self._reply(identity, self._done_failed(msg.room, err))  # nothing of it can land: confirm
-
-    def _on_verdict(self, msg: wire.AgentVerdict) -> None:
-        send = self._sends.get(msg.room)
-        if send is None or send.record.state.terminal or send.fence is not None:
-            return  # a failing request ends with its fence
-        if msg.status == "success":
-            send.record.move(RequestState.SUCCESS)
+            msg = exc
+        if isinstance(msg, PdStateError):
+            bad = msg
+            self._run(lambda now: self._core.on_bad_frame(identity, frame, bad, now))
         else:
-            err = msg.error or ErrorInfo(type="TransferFailed", message="decode reported failure")
-            send.record.fail(error_from_wire(err.type, err.message))
+            good = msg
+            self._run(lambda now: self._core.on_frame(identity, good, now))
+
+    def _on_refused_handshake(self, event: dict) -> None:
+        self._run(lambda now: self._core.on_refused_handshake(event, now))
+
+    def _queue_chunk(self, send: Sending, pages: np.ndarray, state: list[np.ndarray] | None) -> None:
+        self._run(lambda now: self._core.queue_chunk(send, pages, state, now))
+        self._loop.post(lambda: self._run(lambda now: self._core.pump(send, now)))  # send() does not wait for the copy
+
+    def _abort(self, send: Sending, reason: str) -> None:
+        self._run(lambda now: self._core.abort(send, reason, now))
 
     def _tick(self) -> None:
-        now = self._tick_time(self._decodes.values())
-        for identity, d in list(self._decodes.items()):
-            if now - d.last_seen > self.peer_timeout_s:
-                self._decode_gone(identity, f"decode {d.worker_id} missed heartbeats for {self.peer_timeout_s:g} s")
-        self._verdicts.check(self._sends.values(), now)
-        ended = 0
-        for room, send in reversed(list(self._sends.items())):  # newest first
-            if send.record.state.terminal:
-                ended += 1
-                if now - send.record.created > KEEP_ENDED_S or ended > MAX_ENDED:
-                    del self._sends[room]  # kept a while so a late AgentRequest or Abort is answered
-                elif isinstance(send, Sending):
-                    _trim(send)  # the caller's KVSender may keep it a while: drop what it no longer needs
-                    self._sends[room] = EndedSender.of(send, ANSWERED)
-                continue
-            if send.record.state is RequestState.BOOTSTRAPPING and now - send.record.created > self.bootstrap_timeout_s:
-                self._fail(
-                    send,
-                    TransferFailed(f"room {room}: no decode asked for it within {self.bootstrap_timeout_s:g} s"),
-                    tell_decode=False,
-                )
-                continue
-            self._finish_if_landed(send)
+        self._run(self._core.on_tick)

@@ -1,15 +1,17 @@
-"""The prefill agent's copy pipeline, on its I/O thread: a sender's chunks queued, planned and
-submitted to the engine once the decode's request is known, the ``TransferDone`` once every chunk
-landed, a failure handed to its fence (``agent.fence``)."""
+"""The prefill's copy pipeline (``CopyPipeline``, owned by ``agent.prefill_core.PrefillCore``): a
+sender's chunks queued, planned and submitted to the engine once the decode's request is known,
+the ``TransferDone`` once every chunk landed, a failure handed to its fence (``agent.fence``)."""
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
 from pdstate.agent.digest import submit_digested
-from pdstate.agent.sender import DecodePeer, Sending, wake_when_landed, with_aux
+from pdstate.agent.fence import Fences
+from pdstate.agent.sender import DecodePeer, Sending, with_aux
 from pdstate.agent.verify import wire_form
 from pdstate.errors import (
     EngineError,
@@ -34,11 +36,31 @@ def _moves_nothing(decode: DecodePeer, pages: np.ndarray, state, req: wire.Agent
 
 
 class CopyPipeline:
-    """Mixed into ``PrefillAgent`` (which has ``_engine``, ``_loop``, ``_decodes``, ``kv_args``,
-    ``_reply``, ``_n_channels`` and ``agent.fence``'s ``_fail`` and ``_fence_check``); every
-    method runs on its I/O thread."""
+    """The copy pipeline of one prefill core, over what the core hands it: the caller's
+    ``kv_args``, the engine port (``submit``, ``poll``), its decodes (``identity -> DecodePeer``),
+    its ``Fences``, ``reply(identity, msg)``, ``watch(send) -> bool`` and ``again(key, send)``
+    (see ``Fences``), ``clock()`` (the time of the input being handled, for deadlines) and
+    ``stopwatch()`` (the time now, for the copy's own duration in the metrics). Run on the
+    agent's I/O thread."""
 
-    def _queue_chunk(self, send: Sending, pages: np.ndarray, state: list[np.ndarray] | None) -> None:
+    def __init__(
+        self,
+        kv_args: Any,
+        engine: Any,
+        decodes: Mapping[bytes, DecodePeer],
+        fences: Fences,
+        reply: Callable[[bytes, wire.Message], None],
+        watch: Callable[[Sending], bool],
+        again: Callable[[object, Sending], None],
+        clock: Callable[[], float],
+        stopwatch: Callable[[], float],
+        landed_piece_bytes: int = 0,
+    ) -> None:
+        self.kv_args, self.engine, self.decodes, self.fences = kv_args, engine, decodes, fences
+        self.reply, self.watch, self.again, self.clock, self.stopwatch = reply, watch, again, clock, stopwatch
+        self.landed_piece_bytes = landed_piece_bytes
+
+    def queue_chunk(self, send: Sending, pages: np.ndarray, state: list[np.ndarray] | None) -> None:
         if send.fence is not None:  # failing, its fence pending
             raise send.fence.error
         if send.record.state.terminal:
@@ -55,31 +77,30 @@ class CopyPipeline:
             raise ValueError(f"room {send.record.room}: state indices go with the last chunk only")
         if last and state is None:
             state = [np.empty(0, dtype=np.int64) for _ in self.kv_args.state_types]
-        send.queued.append((pages, state))
-        self._loop.post(lambda: self._pump(send))  # after send() returned: it does not wait for the copy
+        send.queued.append((pages, state))  # the shell pumps it after send() returned: no wait for the copy
 
-    def _pump(self, send: Sending) -> None:
+    def pump(self, send: Sending) -> None:
         """Submit queued chunks once the decode's request is known; finish when all landed."""
         if send.request is None or send.record.state.terminal or send.fence is not None:
             return
-        decode = self._decodes.get(send.identity)
+        decode = self.decodes.get(send.identity)
         if decode is None:
-            self._fail(send, PeerGone("decode is no longer registered"), tell_decode=False)
+            self.fences.fail(send, PeerGone("decode is no longer registered"), tell_decode=False)
             return
         while send.queued:
             pages, state = send.queued.pop(0)
             if send.record.state is RequestState.WAITING_FOR_INPUT:
                 send.record.move(RequestState.TRANSFERRING)
-                send.started = time.monotonic()
+                send.started = self.stopwatch()
             try:
                 self._submit_chunk(send, decode, pages, state)
             except (PdStateError, ValueError) as exc:
-                self._fail(send, exc if isinstance(exc, PdStateError) else ItemLengthMismatch(str(exc)), True)
+                self.fences.fail(send, exc if isinstance(exc, PdStateError) else ItemLengthMismatch(str(exc)), True)
                 return
         if send.pages_sent == send.num_pages and send.all_submitted and not send.done_sent:
-            self._finish_if_landed(send)
+            self.finish_if_landed(send)
         elif send.marks:  # a digest request's chunk still copying: tell the decode once it landed
-            wake_when_landed(self._engine, self._loop, send, self._finish_if_landed)
+            self.watch(send)
 
     def _submit_chunk(self, send: Sending, decode: DecodePeer, pages: np.ndarray, state) -> None:
         req = send.request
@@ -112,13 +133,13 @@ class CopyPipeline:
             ]
             handle = None  # an empty plan moves nothing: no engine call
             if len(plan):
-                handle = submit_digested(self._engine, decode.peer_id, plan, send.digest, updates)
+                handle = submit_digested(self.engine, decode.peer_id, plan, send.digest, updates)
                 send.handles.append(handle)
             send.bytes += plan.total_bytes
             send.descriptors += len(plan)
             if send.digest is not None:
                 send.marks.append((handle, send.pages_sent + hi, state_sent))
-                if not (last and k == len(pieces) - 1) and (handle is None or self._engine.poll(handle)):
+                if not (last and k == len(pieces) - 1) and (handle is None or self.engine.poll(handle)):
                     self._tell_landed(send)  # landed already (shm copies on submit): say so now
         send.pages_sent += pages.size
         send.chunks += 1
@@ -155,7 +176,7 @@ class CopyPipeline:
         was told and not all of it (``TransferDone`` says that)."""
         told = send.told
         try:
-            while send.marks and (send.marks[0][0] is None or self._engine.poll(send.marks[0][0])):
+            while send.marks and (send.marks[0][0] is None or self.engine.poll(send.marks[0][0])):
                 _, pages, state = send.marks.pop(0)
                 told = (pages, state)
         except EngineError:
@@ -164,11 +185,11 @@ class CopyPipeline:
             send.told = told
             return
         send.told = told
-        self._reply(send.identity, wire.Landed(room=send.record.room, pages=told[0], state_landed=told[1]))
+        self.reply(send.identity, wire.Landed(room=send.record.room, pages=told[0], state_landed=told[1]))
 
-    def _finish_if_landed(self, send: Sending) -> None:
+    def finish_if_landed(self, send: Sending) -> None:
         if send.fence is not None:  # failing: what landed ends its fence instead
-            self._fence_check(send)
+            self.fences.check(send)
             return
         if send.done_sent or send.record.state.terminal:
             return
@@ -177,22 +198,22 @@ class CopyPipeline:
         if not send.all_submitted:
             return
         try:
-            if not all(self._engine.poll(h) for h in send.handles):  # landing off this thread
-                if not wake_when_landed(self._engine, self._loop, send, self._finish_if_landed):
-                    self._loop.again(send, lambda: self._finish_if_landed(send))  # no wake-up: look again soon
+            if not all(self.engine.poll(h) for h in send.handles):  # landing off this thread
+                if not self.watch(send):
+                    self.again(send, send)  # no wake-up: look again soon
                 return
         except EngineError as exc:
-            self._fail(send, exc, tell_decode=True)
+            self.fences.fail(send, exc, tell_decode=True)
             return
-        send.done_sent, send.done_at = True, time.monotonic()
+        send.done_sent, send.done_at = True, self.clock()
         m = send.record.metrics
         m.update(bytes=send.bytes, descriptors=send.descriptors, chunks=send.chunks)
         if send.digest is not None:
             m["digest_wait_s"] = round(send.digest.wait(), 6)  # what the copy did not hide
             m["digest_s"], m["digest_fused"] = round(send.digest.seconds, 6), send.digest.fused  # fused: in the copy
             m["digest_form"] = getattr(send.digest, "form", "host")
-        m["transfer_s"] = round(time.monotonic() - send.started, 6)
-        self._reply(
+        m["transfer_s"] = round(self.stopwatch() - send.started, 6)
+        self.reply(
             send.identity,
             wire.TransferDone(
                 room=send.record.room,

@@ -11,7 +11,6 @@ import numpy as np
 from pdstate.agent.common import RequestRecord
 from pdstate.agent.digest import RequestDigest
 from pdstate.errors import (
-    AgentClosed,
     ItemLengthMismatch,
     PdStateError,
     TransferTimedOut,
@@ -200,24 +199,3 @@ def with_aux(plan: TransferPlan, kv_args, dst_aux: wire.AuxDest, aux_index: int)
     return TransferPlan.from_arrays(
         np.concatenate([plan.src, src]), np.concatenate([plan.dst, dst]), np.concatenate([plan.length, items])
     )
-
-
-def wake_when_landed(engine, loop, send: Sending, landed) -> bool:
-    """Run ``landed(send)`` on the I/O thread as soon as each of the request's handles finishes, on
-    engines that say when (``on_done``: Mooncake's worker), with no polling meanwhile; asked once
-    per handle (those submitted since the last call). False when the engine cannot say (the
-    caller polls: ``AgentLoop.again``)."""
-    on_done = getattr(engine, "on_done", None)
-    if on_done is None:
-        return False
-
-    def wake() -> None:  # on the engine's thread: only hand over
-        try:
-            loop.post(lambda: landed(send))
-        except AgentClosed:
-            pass  # closing: the fence settles the request
-
-    for h in send.handles[send.watched :]:
-        on_done(h, wake)
-    send.watched = len(send.handles)
-    return True
