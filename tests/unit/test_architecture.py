@@ -63,7 +63,7 @@ LAYER_NAMES = {
     7: "cli/devtools",
 }
 EXEMPT = "pdstate"  # the lazy public API
-MAX_LINES = 450
+MAX_LINES = 800
 TORCH_FREE = (
     "pdstate.protocol",
     "pdstate.protocol.wire",
