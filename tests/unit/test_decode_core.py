@@ -319,8 +319,11 @@ def test_a_transfer_done_whose_digest_matches_succeeds_and_is_fenced():
     core, port, recv = accepted(5)
     seen = fences(core, recv)
     core.on_frame(PREFILL, wire.TransferDone(room=5, status="success", bytes=4096, descriptors=7, digest=GOOD), 104.0)
-    assert run_notified(core) == [Send(PREFILL, wire.AgentVerdict(room=5, status="success"))]
-    assert recv.record.state is _S.SUCCESS and recv.fenced and seen == ["fenced"]
+    notify, verdict = core.drain()  # fenced as it ended: its callbacks first, then the verdict
+    assert notify.room == 5 and verdict == Send(PREFILL, wire.AgentVerdict(room=5, status="success"))
+    assert recv.record.state is _S.SUCCESS and recv.fenced and seen == []  # run by the shell, not in here
+    notify.callback()
+    assert seen == ["fenced"]
     assert port.settled == [[(0, [5, 6, 7]), (1, [1]), (2, [0]), (3, [2]), (4, [3])]]  # all of it, aux last
     m = recv.record.metrics
     assert (m["bytes"], m["descriptors"], m["transfer_s"], m["verify"]) == (4096, 7, 3.98, "full")
@@ -606,3 +609,35 @@ def test_close_fails_live_requests_and_drops_their_hashing():
     core.close()
     assert type(recv.record.error) is AgentClosed and str(recv.record.error) == "decode shutting down"
     assert port.digests[0].cancelled and not recv.fenced  # the prefill was told where to write
+
+
+def test_a_sampled_decode_on_a_device_asks_for_a_sampled_device_form_digest():
+    core, port = make()
+    core.form = dataclasses.replace(core.form, verify="sampled")
+    port.on_device = lambda: True
+    recv = add(core, 1)
+    core.on_frame(PREFILL, accept(), 100.1)
+    core.init(recv, PAGES, STATE, None, None, 100.2)
+    request = core.drain()[-1].msg
+    assert (request.digest, request.verify, request.digest_form, request.dst_aux) == (True, "sampled", "device", None)
+
+
+def test_frames_of_an_unknown_prefill_or_an_aborting_room_change_nothing():
+    core, port, recv = accepted(5)
+    core.on_frame("tcp://10.0.0.8:5600", wire.TransferDone(room=5, status="success", digest=GOOD), 101.0)
+    core.on_frame(PREFILL, wire.Heartbeat(worker_id="prefill-0", incarnation="prefill-inc-1", seq=9), 101.0)
+    assert core.drain() == [] and recv.record.state is _S.TRANSFERRING
+    core.abort(recv, "stop")
+    core.drain()
+    core.on_frame(PREFILL, wire.Landed(room=5, pages=3), 101.1)  # its pages may be the caller's again soon
+    assert port.digests == [] and "landed" not in recv.record.metrics
+
+
+def test_a_late_transfer_done_of_an_ended_room_confirms_it_only_when_it_was_sent():
+    core, _ = make()
+    never = add(core, 1)
+    core.abort(never, "early")  # never told where to write: fenced already
+    core.on_frame(PREFILL, accept(), 100.1)
+    core.drain()
+    core.on_frame(PREFILL, wire.TransferDone(room=1, status="failed"), 100.2)
+    assert core.drain() == [] and never.fenced and not never.acked

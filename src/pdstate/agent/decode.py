@@ -321,7 +321,7 @@ class DecodeAgent:
                 try:
                     action.callback()
                 except Exception:  # a caller's callback must not break the I/O thread
-                    log.exception("a fence callback failed")
+                    log.exception("room %d: a fence callback failed", action.room)
             elif isinstance(action, Refused):
                 self.auth_failures.note(action.error, action.peer)
 

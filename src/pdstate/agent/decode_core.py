@@ -94,9 +94,11 @@ class Hangup:
 
 @dataclass(frozen=True, slots=True)
 class Notify:
-    """Run a caller's callback (a fence callback), outside the core; one that raises is logged."""
+    """Run a caller's callback (a fence callback of request ``room``), outside the core; one that
+    raises is logged."""
 
     callback: Callable[[], None]
+    room: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +173,7 @@ class DecodeCore:
         self.recvs: dict[tuple[str, int], Receiving] = {}
         self.handshakes = {"accepted": 0, "rejected": 0}
         self._out: list[Action] = []
-        self.landing = Landing(lambda fn: self._out.append(Notify(fn)))
+        self.landing = Landing(lambda room, fn: self._out.append(Notify(fn, room)))
         self.digests = LandedDigests(port, form.digest)
         self._last_tick = now
 

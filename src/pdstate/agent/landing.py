@@ -20,9 +20,9 @@ __all__ = ["Landing"]
 
 class Landing:
     """The decode's ended, unfenced requests and their fence callbacks; a fence callback due is
-    handed to ``notify`` (run later, by the shell, never inside the core)."""
+    handed to ``notify(room, fn)`` (run later, by the shell, never inside the core)."""
 
-    def __init__(self, notify: Callable[[Callable[[], None]], None]) -> None:
+    def __init__(self, notify: Callable[[int, Callable[[], None]], None]) -> None:
         self._held: dict[tuple[str, int], list[Receiving]] = {}
         self._notify = notify
 
@@ -36,7 +36,7 @@ class Landing:
     def on_fence(self, recv: Receiving, fn: Callable[[], None]) -> None:
         """Hand ``fn`` out once ``recv`` is terminal and fenced (now, if it is)."""
         if recv.record.state.terminal and recv.fenced:
-            self._notify(fn)
+            self._notify(recv.record.room, fn)
         else:
             recv.fence_callbacks.append(fn)
 
@@ -86,4 +86,4 @@ class Landing:
     def _run(self, recv: Receiving) -> None:
         callbacks, recv.fence_callbacks = recv.fence_callbacks, []
         for fn in callbacks:
-            self._notify(fn)
+            self._notify(recv.record.room, fn)
