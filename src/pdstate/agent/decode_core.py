@@ -48,9 +48,11 @@ __all__ = [
     "DecodePort",
     "DecodeTimers",
     "Dial",
+    "Handshake",
     "Hangup",
     "Notify",
     "Refused",
+    "RequestForm",
     "Send",
 ]
 
