@@ -1,40 +1,82 @@
-"""The decode agent: receives from any number of prefill agents, one ``KVReceiver`` per request."""
+"""The decode agent: receives from any number of prefill agents, one ``KVReceiver`` per request.
+
+``DecodeAgent`` is the shell of the decode's sans-I/O core (``agent.decode_core``): it owns the
+I/O thread, the sockets (one DEALER per prefill), the engine and the clock, feeds the core what
+happens (frames, session events, ticks, the caller's commands) and performs the actions it
+hands back, in order."""
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Self
 
-import numpy as np
 import zmq
 
 from pdstate.agent import curve
 from pdstate.agent.admission import Incidents
-from pdstate.agent.common import AgentLifetime, AgentLoop, RequestRecord, channel_layout, regions_of
-from pdstate.agent.decode_frames import RETRY_MAX_S, DecodeFrames
-from pdstate.agent.landing import Landing
-from pdstate.agent.receiver import KVReceiver, PrefillPeer, Receiving
-from pdstate.agent.verify import DEFAULT_LEVEL, check_level, layout_devices, on_device
-from pdstate.errors import (
-    AgentClosed,
-    EngineError,
-    PdStateError,
-    PeerGone,
-    ProtocolError,
-    TransferAborted,
+from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
+from pdstate.agent.decode_core import (
+    DecodeCore,
+    DecodeTimers,
+    Dial,
+    Hangup,
+    Notify,
+    Refused,
+    RequestForm,
+    Send,
 )
+from pdstate.agent.decode_frames import Digest, Updates
+from pdstate.agent.receiver import KVReceiver, Receiving
+from pdstate.agent.verify import DEFAULT_LEVEL, check_level, layout_devices, on_device, request_digest
+from pdstate.errors import AuthError, EngineError, PdStateError
 from pdstate.protocol import wire
 from pdstate.protocol.handshake import DecodeHandshake, LocalSide
-from pdstate.protocol.lifecycle import PeerState, RequestState, move
-from pdstate.protocol.report import ErrorInfo
 from pdstate.transfer.engines.base import TransferEngine, create_engine
 
 __all__ = ["DecodeAgent", "KVReceiver"]
 
-_S = RequestState
+log = logging.getLogger("pdstate.agent")
+
+# a DEALER's events the core hears of: its sessions, and failed CURVE handshakes
+SESSION_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | curve.HANDSHAKE_EVENTS
 
 
-class DecodeAgent(AgentLifetime, DecodeFrames):
+@dataclass(slots=True)
+class Link:
+    """The shell's connection to one prefill: its DEALER."""
+
+    sock: zmq.Socket
+
+
+class EnginePort:
+    """The decode core's port (``decode_frames.DecodePort``) over the engine and the caller's
+    memory: proofs of ownership, digests of the landed bytes (``devices``: per buffer, host or
+    device; the agent may change it)."""
+
+    def __init__(self, engine: TransferEngine, layout: list, devices: list) -> None:
+        self.engine, self.layout, self.devices = engine, layout, devices
+
+    def prove(self, nonce: bytes, audience: str) -> dict:
+        return self.engine.prove(nonce, audience)
+
+    def on_device(self) -> bool:
+        return on_device(self.devices)
+
+    def open_digest(self, request: wire.AgentRequest, level: str, form: str | None) -> Digest:
+        return request_digest(self.layout, self.devices, request, 1 + len(request.dst_state_indices), level, form)
+
+    def settle(self, digest: Any, updates: Updates) -> tuple[bytes, float]:
+        t0 = time.perf_counter()
+        digest.update_many(updates)  # waits for the background work first
+        mine = digest.digest()
+        return mine, time.perf_counter() - t0
+
+
+class DecodeAgent:
     """Receives DSV4 state into the caller's memory from any number of prefill agents.
 
     ``kv_args``: the caller's filled ``KVArgs`` (``aux_data_*`` too when metadata moves);
@@ -125,21 +167,33 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
                 engine=wire.EngineDesc(name=self._engine.name, endpoint=endpoint),
             )
         )
-        self._aux = (
+        aux = (
             wire.AuxDest(ptrs=list(kv_args.aux_data_ptrs), item_lens=list(kv_args.aux_item_lens), index=0)
             if kv_args.aux_data_ptrs
             else None
         )
-        self._layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
-        self._register_frame = wire.encode(self._handshake.register_message(), self.token)  # sent as it is
-        self._devices = layout_devices(self._layout)  # host (None) or device, per buffer
-        self._prefills: dict[str, PrefillPeer] = {}
-        self.handshakes = {"accepted": 0, "rejected": 0}  # answers received, written by the I/O thread only
+        layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
+        self._port = EnginePort(self._engine, layout, layout_devices(layout))  # host (None) or device, per buffer
+        self._core = DecodeCore(
+            worker_id=self.worker_id,
+            incarnation=self.incarnation,
+            handshake=self._handshake,
+            form=RequestForm(
+                digest=self.digest,
+                verify=self.verify,
+                aux=aux,
+                state_types=[str(getattr(t, "value", t)) for t in kv_args.state_types],
+            ),
+            port=self._port,
+            synchronous=self._engine.synchronous,
+            timers=DecodeTimers(heartbeat_interval_s, peer_timeout_s, handshake_timeout_s, transfer_timeout_s),
+            now=time.monotonic(),
+        )
+        self._register_frame = wire.encode(self._core.register, self.token)  # sent as it is
+        self._prefills: dict[str, Link] = {}  # the sockets, by prefill address (the core has their state)
+        self._recvs = self._core.recvs  # the live requests (the core's: read on the I/O thread only)
+        self.handshakes = self._core.handshakes  # answers received, written by the I/O thread only
         self.auth_failures = Incidents()  # failed CURVE handshakes, answers refused for their tag
-        self._redial_s = max(1.0, 2 * heartbeat_interval_s)  # a gone prefill's register, sent again at most this often
-        self._recvs: dict[tuple[str, int], Receiving] = {}
-        self._landing = Landing()  # ended requests a prefill may still write, until it confirms
-        self._last_tick = time.monotonic()
         self._loop = AgentLoop(f"pdstate-decode-{self.worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
         self._loop.start()
 
@@ -150,9 +204,16 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
         A gone prefill is dialled afresh for it; with ``redial_gone=False`` the receiver fails at
         once with the reason that prefill went instead (a caller that redials with ``connect``)."""
         recv = Receiving(RequestRecord(room), prefill)
-        added = self._loop.call(lambda: self._add(recv, redial_gone))
+        core = self._core
+        added = self._in_loop(lambda now: core.add(recv, now, redial_gone))
         return KVReceiver(
-            added, call=self._loop.call, init=self._init, abort=self._abort, on_fence=self._landing.on_fence
+            added,
+            call=self._loop.call,
+            init=lambda r, pages, state, aux, seq_len: self._feed(
+                lambda now: core.init(r, pages, state, aux, seq_len, now)
+            ),
+            abort=lambda r, reason: self._feed(lambda _now: core.abort(r, reason)),
+            on_fence=lambda r, fn: self._feed(lambda _now: core.on_fence(r, fn)),
         )
 
     def prefills(self) -> dict[str, dict]:
@@ -161,24 +222,7 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
         ``{"type", "message"}``), ``fingerprint`` (its layout's, from its Accept),
         ``handshake_s`` (the latest accepted handshake's round trip) and ``registered_s_ago``
         (seconds since the latest Register went out: how old a refusal is)."""
-
-        def snap() -> dict[str, dict]:
-            return {
-                a: {
-                    "state": p.state.value,
-                    "worker_id": p.worker_id,
-                    "incarnation": p.incarnation,
-                    "handshakes": p.handshakes,
-                    "error": None if p.error is None else f"{type(p.error).__name__}: {p.error}",
-                    "error_info": None if p.error is None else ErrorInfo.of(p.error).model_dump(),
-                    "fingerprint": p.fingerprint,
-                    "handshake_s": p.handshake_s,
-                    "registered_s_ago": round(time.monotonic() - p.registered_at, 3),
-                }
-                for a, p in self._prefills.items()
-            }
-
-        return self._loop.call(snap)
+        return self._loop.call(lambda: self._core.snapshot(time.monotonic()))
 
     def register_message(self) -> wire.Register:
         """The ``Register`` this agent sends its prefills, without an ownership proof: its
@@ -193,255 +237,149 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
         that name it meanwhile can still be refused with the reason it went. A prefill that is
         pending, accepted or refused is left as it is (``reregister`` asks a refusing one again).
         Returns at once; ``prefills()`` tells the outcome."""
-
-        def run() -> None:
-            p = self._prefills.get(prefill)
-            if p is None:
-                self._connect(prefill)
-            elif p.state is PeerState.GONE:
-                self._redial(p)
-
-        self._loop.call(run)
+        self._in_loop(lambda now: self._core.connect(prefill, now))
 
     def forget(self, prefill: str) -> bool:
         """Close the connection to the prefill at ``prefill`` unless it has live requests (then
         False); a later request or ``connect`` dials it afresh."""
-
-        def run() -> bool:
-            p = self._prefills.get(prefill)
-            if p is not None:
-                if any(True for _ in self._live(prefill)) or self._landing.holds(prefill):
-                    return False  # (an unconfirmed request is asked again at its next Accept)
-                self._loop.unwatch(p.sock)
-                del self._prefills[prefill]
-            return True
-
-        return self._loop.call(run)
+        return self._in_loop(lambda _now: self._core.forget(prefill))
 
     def reregister(self, prefill: str) -> None:
         """Register with the prefill at ``prefill`` again, whatever its state (after it was fixed,
         or to measure a handshake); its live requests are kept and sent again if it restarted."""
+        self._in_loop(lambda now: self._core.reregister(prefill, now))
 
-        def run() -> None:
-            p = self._prefills.get(prefill)
-            if p is None or p.state is PeerState.GONE:
-                self._reconnect(prefill, p)
-            else:
-                self._register(p)
-
-        self._loop.call(run)
+    def unfenced(self) -> int:
+        """Ended requests whose prefill may still write their pages (not fenced yet)."""
+        return self._loop.call(self._core.unfenced)
 
     def close(self) -> None:
         """Fail live requests (``decode shutting down``), close sockets and the engine (the
         caller's memory is left as it is)."""
         if self._loop.closed:
             return
-
-        def final() -> None:
-            for recv in self._recvs.values():
-                recv.record.fail(AgentClosed("decode shutting down"))
-                self._drop_digest(recv)  # after close returns no thread reads the caller's memory
-
-        self._stop(final)
-
-    # --- I/O thread -------------------------------------------------------------------------------
-
-    def _send(self, p: PrefillPeer, msg: wire.Message | bytes) -> None:
         try:
-            p.sock.send(msg if isinstance(msg, bytes) else wire.encode(msg, self.token), flags=zmq.NOBLOCK)
+            self._loop.stop(lambda: self._feed(lambda _now: self._core.close()))
+        finally:
+            self._engine.close()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the I/O thread runs (nothing is sent or received without it)."""
+        return self._loop.alive
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called (neither alive nor closed: the I/O thread died)."""
+        return self._loop.closed
+
+    def transport(self) -> dict:
+        """The engine's transport (``engines.listeners.Transport.as_dict``): configured, in use,
+        the TCP addresses its native side listens on, and ``problem`` (a silent fallback)."""
+        return self._engine.transport().as_dict()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def _devices(self) -> list:
+        """Per buffer, host (None) or device: where this decode's digests read."""
+        return self._port.devices
+
+    @_devices.setter
+    def _devices(self, devices: list) -> None:
+        self._port.devices = devices
+
+    # --- I/O thread: feeding the core, performing its actions -----------------------------------
+
+    def _in_loop(self, step: Callable[[float], Any]) -> Any:
+        """Run ``step(now)`` on the I/O thread (its result, or its exception, back here)."""
+        return self._loop.call(lambda: self._feed(step))
+
+    def _feed(self, step: Callable[[float], Any]) -> Any:
+        """Give the core one input (``step(now)``), then perform the actions it handed back,
+        also when the input raised (the caller's mistake) after some were."""
+        try:
+            return step(time.monotonic())
+        finally:
+            self._perform()
+
+    def _perform(self) -> None:
+        for action in self._core.drain():
+            if isinstance(action, Send):
+                self._send(action.peer, action.msg)
+            elif isinstance(action, Dial):
+                self._dial(action.peer)
+            elif isinstance(action, Hangup):
+                link = self._prefills.pop(action.peer, None)
+                if link is not None:
+                    self._loop.unwatch(link.sock)
+            elif isinstance(action, Notify):
+                try:
+                    action.callback()
+                except Exception:  # a caller's callback must not break the I/O thread
+                    log.exception("room %d: a fence callback failed", action.room)
+            elif isinstance(action, Refused):
+                self.auth_failures.note(action.error, action.peer)
+
+    def _send(self, address: str, msg: wire.Message) -> None:
+        link = self._prefills.get(address)
+        if link is None:
+            return
+        frame = self._register_frame if msg is self._core.register else wire.encode(msg, self.token)
+        try:
+            link.sock.send(frame, flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # not connected yet or gone: heartbeats and timeouts decide
 
-    def _connect(self, address: str, handshakes: int = 0) -> PrefillPeer:
-        sock = self._dealer(address)
+    def _dial(self, address: str) -> None:
+        """A fresh DEALER to the prefill at ``address`` (the old one closed: nothing queued for
+        the dead process): this incarnation's identity, the domain's CURVE keys
+        (``agent.curve``), its frames and its session events watched (``unwatch`` ends both)."""
+        old = self._prefills.pop(address, None)
+        if old is not None:
+            self._loop.unwatch(old.sock)
+        sock = self._loop.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}/{self.incarnation}/{secrets.token_hex(4)}".encode())
+        sock.setsockopt(zmq.SNDHWM, 10000)
+        curve.dial(sock, self._keys)
+        self._loop.watch(sock, lambda s, a=address: self._on_frame(a, s))
+        self._loop.monitor(sock, SESSION_EVENTS, lambda event, a=address, s=sock: self._on_session(a, s, event))
         sock.connect(address)
-        p = PrefillPeer(address, sock, handshakes=handshakes)
-        self._prefills[address] = p
-        self._register(p)
-        return p
+        self._prefills[address] = Link(sock)
 
-    def _reconnect(self, address: str, old: PrefillPeer | None) -> PrefillPeer:
-        if old is None:
-            return self._connect(address)
-        self._loop.unwatch(old.sock)  # a fresh socket: nothing queued for the dead process
-        p = self._connect(address, old.handshakes)
-        p.epoch = old.epoch  # registrations keep counting: what earlier ones asked is told apart
-        p.last_incarnation = old.last_incarnation
-        return p
+    def _current(self, address: str, sock: zmq.Socket) -> bool:
+        link = self._prefills.get(address)
+        return link is not None and link.sock is sock
 
-    def _redial(self, p: PrefillPeer) -> None:
-        """Register with a gone prefill again on a fresh socket, keeping it GONE (and its error)
-        until it answers. The register waits in the socket until a process listens there; it is
-        sent afresh (new socket, nothing stale queued) only after ``_redial_s`` without an answer
-        and without a frame from that prefill (so a challenge round under way is never cut)."""
-        now = time.monotonic()
-        if p.redial and min(now - p.registered_at, now - p.last_seen) < self._redial_s:
+    def _on_frame(self, address: str, sock: zmq.Socket) -> None:
+        frame = sock.recv()
+        if not self._current(address, sock):
             return
-        error = p.error
-        q = self._reconnect(p.address, p)  # a fresh socket (PENDING), then back to GONE meanwhile
-        move(q, PeerState.GONE)
-        q.error, q.redial = error, True
-
-    def _register(self, p: PrefillPeer) -> None:
-        if p.state is not PeerState.PENDING:
-            move(p, PeerState.PENDING)
-        p.error, p.registered_at, p.handshakes = None, time.monotonic(), p.handshakes + 1
-        self._send(p, self._register_frame)
-
-    def _retry(self, p: PrefillPeer) -> None:
-        """Register again with a prefill that refused this decode for a passing reason, keeping
-        it REJECTED (and its error) until it answers; the next try waits twice as long."""
-        p.retry_s = min(RETRY_MAX_S, 2 * p.retry_s)
-        p.registered_at, p.handshakes, p.redial = time.monotonic(), p.handshakes + 1, True
-        self._send(p, self._register_frame)
-
-    def _add(self, recv: Receiving, redial_gone: bool = True) -> Receiving:
-        key = (recv.prefill, recv.record.room)
-        old = self._recvs.get(key)
-        if old is not None and not old.record.state.terminal:
-            raise ProtocolError(f"room {recv.record.room} from {recv.prefill} already has a live receiver")
-        self._recvs[key] = recv
-        recv.record.add_done_callback(lambda _record: self._landing.ended(recv))
-        p = self._prefills.get(recv.prefill)
-        if p is not None and p.state is PeerState.GONE and not redial_gone:
-            recv.record.fail(type(p.error)(str(p.error)) if p.error else PeerGone(f"prefill {p.address} is gone"))
-            return recv
-        if p is None or p.state is PeerState.GONE:
-            p = self._reconnect(recv.prefill, p)
-        elif p.state is PeerState.REJECTED:
-            self._register(p)  # the prefill may have been fixed: ask again
-        p.rooms.add(recv.record.room)
-        if p.state is PeerState.ACCEPTED:
-            recv.record.move(_S.WAITING_FOR_INPUT)
-        return recv
-
-    def _init(
-        self, recv: Receiving, pages: np.ndarray, state: list[np.ndarray], aux_index: int | None, seq_len: int | None
-    ) -> None:
-        if recv.record.state.terminal:
-            raise recv.record.error or ProtocolError(f"room {recv.record.room} is finished")
-        if recv.request is not None:
-            raise ProtocolError(f"room {recv.record.room}: init() called twice")
-        if len(state) != len(self.kv_args.state_types):
-            raise ValueError(
-                f"state_indices: {len(state)} lists given, the layout has {len(self.kv_args.state_types)} "
-                f"components {[getattr(t, 'value', t) for t in self.kv_args.state_types]}"
-            )
-        aux = None
-        if aux_index is not None:
-            if self._aux is None:
-                raise ValueError("aux_index given, but this agent's KVArgs has no aux buffers")
-            aux = self._aux.model_copy(update={"index": int(aux_index)})
-        recv.request = wire.AgentRequest(
-            room=recv.record.room,
-            dst_kv_pages=wire.PackedIndices.pack(pages),
-            dst_state_indices=[wire.PackedIndices.pack(s) for s in state],
-            dst_aux=aux,
-            digest=self.digest,
-            verify="sampled" if self.verify == "sampled" else None,
-            digest_form="device" if self.digest and on_device(self._devices) else None,
-            deadline_s=min(3600.0, self.transfer_timeout_s),
-            seq_len=seq_len,
-        )
-        self._maybe_send(recv)
-
-    def _maybe_send(self, recv: Receiving) -> None:
-        p = self._prefills.get(recv.prefill)
-        if recv.sent or recv.request is None or p is None or p.state is not PeerState.ACCEPTED:
+        try:
+            msg = wire.decode(frame, self.token)
+        except AuthError as exc:
+            self._feed(lambda _now, e=exc: self._core.on_bad_tag(address, e))
             return
-        if recv.record.state is _S.BOOTSTRAPPING:
-            recv.record.move(_S.WAITING_FOR_INPUT)
-        recv.sent_to = (p.incarnation, p.epoch)
-        if recv.record.state is not _S.TRANSFERRING:  # else: sent again to a restarted prefill
-            recv.record.move(_S.TRANSFERRING)
-        recv.sent_at = time.monotonic()
-        recv.digest, recv.hashed = None, (0, False)  # sent again: everything lands again
-        self._send(p, recv.request)
-
-    def _abort(self, recv: Receiving, reason: str) -> None:
-        if recv.record.state.terminal or recv.aborting is not None:
+        except PdStateError:
             return
-        recv.aborting = reason
-        p = self._prefills.get(recv.prefill)
-        if not recv.sent or p is None or p.state is not PeerState.ACCEPTED:
-            # the prefill never learned where to write: nothing of it can land
-            recv.record.fail(TransferAborted(f"aborted by decode: {reason}"))
+        self._feed(lambda now: self._core.on_frame(address, msg, now))
+
+    def _on_session(self, address: str, sock: zmq.Socket, event: dict) -> None:
+        if not self._current(address, sock):
             return
-        self._send(p, wire.Abort(room=recv.record.room, reason=reason[:1024]))
-
-    def _live(self, address: str):
-        for (a, _), recv in self._recvs.items():
-            if a == address and not recv.record.state.terminal:
-                yield recv
-
-    def _fail_prefill(self, p: PrefillPeer, error: PdStateError, state: PeerState) -> None:
-        if p.state is not state:
-            move(p, state)
-        p.error = error
-        for recv in list(self._live(p.address)):
-            recv.record.fail(type(error)(str(error)))
-            if state is PeerState.REJECTED:  # the prefill fails its sender of this room too
-                self._send(p, wire.Abort(room=recv.record.room, reason=f"refused: {error}"[:1024]))
-
-    def _restarted(self, p: PrefillPeer, incarnation: str) -> None:
-        """The prefill at ``p.address`` is a new process: what the old one was sending is lost.
-
-        Called at the new process's Accept. ZeroMQ delivers in order, so every request this
-        decode sent before its new Register reached either the old process (still ``sent``:
-        lost) or the new one, which answered ``NotRegistered`` before its Accept (``sent`` was
-        cleared: it goes out again now)."""
-        err = PeerGone(f"prefill {p.address} restarted (incarnation {p.incarnation} -> {incarnation})")
-        for recv in list(self._live(p.address)):
-            if recv.sent:
-                recv.record.fail(PeerGone(str(err)))
-        # a new process holds the address the old one listened on: the old one let its control
-        # socket go, which it does once its fences held, or it is dead; nothing of it lands any more
-        self._confirm(p.address, lambda r: r.sent_to is not None and r.sent_to[0] == p.incarnation)
-
-    def _confirm(self, address: str, which, room: int | None = None) -> None:
-        """Every request from ``address`` (of ``room`` only), live or ended unfenced, for which
-        ``which(recv)`` holds is fenced (``agent.landing``)."""
-        live = [r for (a, rm), r in self._recvs.items() if a == address and (room is None or rm == room)]
-        self._landing.confirm(live, address, which, room)
-
-    def unfenced(self) -> int:
-        """Ended requests whose prefill may still write their pages (not fenced yet)."""
-        return self._loop.call(self._landing.count)
-
-    @staticmethod
-    def _drop_digest(recv: Receiving) -> None:
-        """Stop hashing an ended request's pages early (``wire.Landed``): the work not started is
-        dropped and the running part waited for, so nothing reads pages the caller may free."""
-        if recv.digest is not None:
-            recv.digest.cancel()
-            recv.digest = None
+        kind, core = event["event"], self._core
+        if kind & curve.HANDSHAKE_EVENTS:
+            error = curve.handshake_error(event, address)
+            no_detail = kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            self._feed(lambda now: core.on_auth_failed(address, error, no_detail, now))
+        elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            core.on_session_up(address)
+        else:
+            self._feed(lambda _now: core.on_session_closed(address))
 
     def _tick(self) -> None:
-        now = self._tick_time(self._prefills.values())
-        for key, recv in list(self._recvs.items()):
-            if recv.record.state.terminal:
-                del self._recvs[key]  # the caller holds its KVReceiver; the agent forgets it
-                self._drop_digest(recv)
-                continue
-            sent_at = recv.sent_at
-            if sent_at is not None and recv.aborting is None and now - sent_at > self.transfer_timeout_s:
-                self._abort(recv, f"no TransferDone within transfer_timeout_s={self.transfer_timeout_s:g} s")
-        for p in list(self._prefills.values()):
-            if p.state is PeerState.REJECTED and p.retry_s and now - p.registered_at >= p.retry_s:
-                self._retry(p)
-            elif p.state is PeerState.PENDING and now - p.registered_at > self.handshake_timeout_s:
-                self._fail_prefill(
-                    p,
-                    PeerGone(f"prefill {p.address} did not answer the handshake within {self.handshake_timeout_s:g} s"),
-                    PeerState.GONE,
-                )
-            elif p.state is PeerState.ACCEPTED:
-                if now - p.last_seen > self.peer_timeout_s:
-                    self._fail_prefill(
-                        p,
-                        PeerGone(f"prefill {p.address} missed heartbeats for {self.peer_timeout_s:g} s"),
-                        PeerState.GONE,
-                    )
-                elif now - p.last_heartbeat >= self.heartbeat_interval_s:
-                    p.last_heartbeat, p.seq = now, p.seq + 1
-                    self._send(p, wire.Heartbeat(worker_id=self.worker_id, incarnation=self.incarnation, seq=p.seq))
+        self._feed(self._core.on_tick)

@@ -1,30 +1,30 @@
-"""Which ended requests a prefill may still write, on the decode agent's I/O thread.
+"""Which ended requests a prefill may still write (the decode's core, ``agent.decode_core``).
 
 A request is *fenced* once nothing more of it can land in its destination (``Receiving.fenced``):
 no prefill was told where to write, or the one told confirmed (its ``TransferDone``, sent once its
 fence holds; its goodbye) or is proven gone (a new process holds its address; with a synchronous
 engine, the control session it had completed closed). A request that ended otherwise (its prefill
 gone silent: it, or this decode, frozen or slow) is held here, by (prefill address, room), until
-one of those happens; the caller's fence callbacks run then. Silence alone never releases one.
+one of those happens; the caller's fence callbacks are handed out then (``notify``: the core's
+outbox, the shell runs them). Silence alone never releases one.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
 
 from pdstate.agent.receiver import Receiving
 
 __all__ = ["Landing"]
 
-log = logging.getLogger("pdstate.agent")
-
 
 class Landing:
-    """The decode agent's ended, unfenced requests and their fence callbacks (one I/O thread)."""
+    """The decode's ended, unfenced requests and their fence callbacks; a fence callback due is
+    handed to ``notify(room, fn)`` (run later, by the shell, never inside the core)."""
 
-    def __init__(self) -> None:
+    def __init__(self, notify: Callable[[int, Callable[[], None]], None]) -> None:
         self._held: dict[tuple[str, int], list[Receiving]] = {}
+        self._notify = notify
 
     def ended(self, recv: Receiving) -> None:
         """``recv`` turned terminal: fenced, its callbacks run; else it is held."""
@@ -34,9 +34,9 @@ class Landing:
             self._held.setdefault((recv.prefill, recv.record.room), []).append(recv)
 
     def on_fence(self, recv: Receiving, fn: Callable[[], None]) -> None:
-        """Run ``fn`` once ``recv`` is terminal and fenced (now, if it is)."""
+        """Hand ``fn`` out once ``recv`` is terminal and fenced (now, if it is)."""
         if recv.record.state.terminal and recv.fenced:
-            fn()
+            self._notify(recv.record.room, fn)
         else:
             recv.fence_callbacks.append(fn)
 
@@ -83,11 +83,7 @@ class Landing:
     def count(self) -> int:
         return sum(len(v) for v in self._held.values())
 
-    @staticmethod
-    def _run(recv: Receiving) -> None:
+    def _run(self, recv: Receiving) -> None:
         callbacks, recv.fence_callbacks = recv.fence_callbacks, []
         for fn in callbacks:
-            try:
-                fn()
-            except Exception:  # a caller's callback must not break the I/O thread
-                log.exception("room %d: a fence callback failed", recv.record.room)
+            self._notify(recv.record.room, fn)

@@ -1,15 +1,13 @@
 """The decode side of one request: ``KVReceiver`` (the caller's handle) and the records the
-``DecodeAgent``'s I/O thread keeps per prefill and per request."""
+decode's core (``agent.decode_core``) keeps per prefill and per request."""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import zmq
 
 from pdstate.agent.common import RequestRecord
 from pdstate.agent.digest import RequestDigest
@@ -28,7 +26,6 @@ _S = RequestState
 @dataclass(slots=True)
 class PrefillPeer:
     address: str
-    sock: zmq.Socket
     state: PeerState = PeerState.PENDING
     incarnation: str = ""
     worker_id: str = ""
@@ -37,15 +34,15 @@ class PrefillPeer:
     handshake_s: float | None = None  # the latest accepted handshake's round trip
     redial: bool = False  # GONE, dialled again by ``connect``: its answer is awaited all the same
     retry_s: float = 0.0  # REJECTED for a passing reason: registers again after this long (doubling)
-    registered_at: float = field(default_factory=time.monotonic)
-    last_seen: float = field(default_factory=time.monotonic)
+    registered_at: float = 0.0  # the latest Register sent (the core's clock)
+    last_seen: float = 0.0  # the latest frame from it
     last_heartbeat: float = 0.0
     seq: int = 0
     handshakes: int = 0
     rooms: set[int] = field(default_factory=set)
     epoch: int = 0  # Accepts received: registrations are told apart (what an earlier one asked)
     last_incarnation: str = ""  # the latest accepted, kept across a redial (``incarnation`` is not)
-    no_detail_at: float = float("-inf")  # the latest handshake cut short (``DecodeFrames``)
+    no_detail_at: float = float("-inf")  # the latest handshake cut short (``DecodeCore.on_auth_failed``)
     session_up: bool = False  # a ZeroMQ session with a process at ``address`` completed its handshake
 
 
