@@ -26,6 +26,7 @@ from pdstate.errors import (
 from pdstate.protocol import wire
 from pdstate.protocol.handshake import DecodeHandshake, LocalSide
 from pdstate.protocol.lifecycle import PeerState, RequestState, move
+from pdstate.protocol.peers import PrefillSnapshot
 from pdstate.protocol.report import ErrorInfo
 from pdstate.transfer.engines.base import TransferEngine, create_engine
 
@@ -155,26 +156,27 @@ class DecodeAgent(AgentLifetime, DecodeFrames):
             added, call=self._loop.call, init=self._init, abort=self._abort, on_fence=self._landing.on_fence
         )
 
-    def prefills(self) -> dict[str, dict]:
-        """Every prefill this agent used, by address: ``state``, ``worker_id``, ``incarnation``,
-        ``handshakes``, ``error`` (``"Type: message"`` or ``None``), ``error_info`` (the same as
-        ``{"type", "message"}``), ``fingerprint`` (its layout's, from its Accept),
-        ``handshake_s`` (the latest accepted handshake's round trip) and ``registered_s_ago``
-        (seconds since the latest Register went out: how old a refusal is)."""
+    def prefills(self) -> dict[str, PrefillSnapshot]:
+        """Every prefill this agent used, by address: a ``PrefillSnapshot`` each (``state``,
+        ``worker_id``, ``incarnation``, ``handshakes``, ``error`` as an ``ErrorInfo`` or ``None``,
+        ``fingerprint`` (its layout's, from its Accept), ``handshake_s`` (the latest accepted
+        handshake's round trip) and ``registered_s_ago`` (seconds since the latest Register went
+        out: how old a refusal is))."""
 
-        def snap() -> dict[str, dict]:
+        def snap() -> dict[str, PrefillSnapshot]:
+            now = time.monotonic()
             return {
-                a: {
-                    "state": p.state.value,
-                    "worker_id": p.worker_id,
-                    "incarnation": p.incarnation,
-                    "handshakes": p.handshakes,
-                    "error": None if p.error is None else f"{type(p.error).__name__}: {p.error}",
-                    "error_info": None if p.error is None else ErrorInfo.of(p.error).model_dump(),
-                    "fingerprint": p.fingerprint,
-                    "handshake_s": p.handshake_s,
-                    "registered_s_ago": round(time.monotonic() - p.registered_at, 3),
-                }
+                a: PrefillSnapshot(
+                    a,
+                    p.state,
+                    p.worker_id,
+                    p.incarnation,
+                    p.handshakes,
+                    None if p.error is None else ErrorInfo.of(p.error),
+                    p.fingerprint,
+                    p.handshake_s,
+                    round(now - p.registered_at, 3),
+                )
                 for a, p in self._prefills.items()
             }
 

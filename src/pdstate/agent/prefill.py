@@ -33,6 +33,7 @@ from pdstate.errors import (
 from pdstate.protocol import wire
 from pdstate.protocol.handshake import LocalSide, PrefillHandshake
 from pdstate.protocol.lifecycle import RequestState
+from pdstate.protocol.peers import DecodeSnapshot, PeerSnapshot
 from pdstate.protocol.report import ErrorInfo
 from pdstate.transfer.engines.base import TransferEngine, create_engine
 from pdstate.transfer.engines.shm_owner import challenge_unknown, challenge_unknown_error
@@ -187,13 +188,12 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Fences, Refusals):
         added = self._loop.call(lambda: self._add_sender(send))
         return KVSender(added, call=self._loop.call, queue_chunk=self._queue_chunk, abort=self._abort)
 
-    def decodes(self) -> list[dict]:
+    def decodes(self) -> list[DecodeSnapshot]:
         """The accepted decode agents: worker id, incarnation, seconds since last heard."""
         now = time.monotonic()
         return self._loop.call(
             lambda: [
-                {"worker_id": d.worker_id, "incarnation": d.incarnation, "last_seen_s": round(now - d.last_seen, 3)}
-                for d in self._decodes.values()
+                DecodeSnapshot(d.worker_id, d.incarnation, round(now - d.last_seen, 3)) for d in self._decodes.values()
             ]
         )
 
@@ -210,10 +210,10 @@ class PrefillAgent(AgentLifetime, CopyPipeline, Fences, Refusals):
 
         return self._loop.call(run)
 
-    def peers(self) -> list[dict]:
+    def peers(self) -> list[PeerSnapshot]:
         """Every decode that registered (the latest, by worker id; bounded: ``refusals.PeerLog``):
         ``id``, ``state`` (``accepted``, ``rejected`` or ``gone``), ``incarnation``,
-        ``fingerprint`` (its layout's, from its Register) and ``error`` (``{"type", "message"}`` or
+        ``fingerprint`` (its layout's, from its Register) and ``error`` (an ``ErrorInfo`` or
         ``None``)."""
         return self._loop.call(self._peer_log.records)
 

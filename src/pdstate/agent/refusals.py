@@ -26,6 +26,8 @@ from collections import OrderedDict
 
 from pdstate.errors import PdStateError, TransferFailed, error_from_wire
 from pdstate.protocol import wire
+from pdstate.protocol.lifecycle import PeerState
+from pdstate.protocol.peers import PeerSnapshot
 from pdstate.protocol.report import ErrorInfo
 
 __all__ = ["PeerLog", "Refusals"]
@@ -45,32 +47,28 @@ class PeerLog:
     list carries of them stays bounded. Run on the agent's I/O thread."""
 
     def __init__(self) -> None:
-        self._log: OrderedDict[str, dict] = OrderedDict()
+        self._log: OrderedDict[str, PeerSnapshot] = OrderedDict()
 
-    def records(self) -> list[dict]:
-        return [dict(d) for d in self._log.values()]
+    def records(self) -> list[PeerSnapshot]:
+        return list(self._log.values())
 
     def note(self, worker_id: str, state: str, incarnation: str, fingerprint: str, error: ErrorInfo | None) -> None:
         """The answer to a register of ``worker_id`` (``accepted`` or ``rejected``)."""
         self._log.pop(worker_id, None)
-        self._log[worker_id] = {
-            "id": worker_id,
-            "state": state,
-            "incarnation": incarnation,
-            "fingerprint": fingerprint,
-            "error": None if error is None else error.model_dump(),
-        }
-        text = sum(len(e["error"]["message"]) for e in self._log.values() if e["error"] is not None)
+        self._log[worker_id] = PeerSnapshot(worker_id, PeerState(state), incarnation, fingerprint, error)
+        text = sum(len(e.error.message) for e in self._log.values() if e.error is not None)
         while len(self._log) > MAX_PEER_LOG or text > MAX_PEER_LOG_TEXT:
-            oldest = next((k for k, e in self._log.items() if e["state"] != "accepted"), None)
+            oldest = next((k for k, e in self._log.items() if e.state is not PeerState.ACCEPTED), None)
             entry = self._log.pop(oldest) if oldest is not None else self._log.popitem(last=False)[1]
-            text -= len(entry["error"]["message"]) if entry["error"] is not None else 0
+            text -= len(entry.error.message) if entry.error is not None else 0
 
     def gone(self, worker_id: str, incarnation: str, why: str) -> None:
-        """The accepted decode ``worker_id/incarnation`` is gone (``why``)."""
-        entry = self._log.get(worker_id)
-        if entry is not None and entry["incarnation"] == incarnation and entry["state"] == "accepted":
-            entry.update(state="gone", error=ErrorInfo(type="PeerGone", message=why).model_dump())
+        """The accepted decode ``worker_id/incarnation`` is gone (``why``): its record is
+        replaced, in its place."""
+        e = self._log.get(worker_id)
+        if e is not None and e.incarnation == incarnation and e.state is PeerState.ACCEPTED:
+            why_info = ErrorInfo(type="PeerGone", message=why)
+            self._log[worker_id] = PeerSnapshot(e.id, PeerState.GONE, e.incarnation, e.fingerprint, why_info)
 
 
 class Refusals:

@@ -50,6 +50,7 @@ from pdstate.errors import (
     error_from_wire,
 )
 from pdstate.protocol.lifecycle import PeerState, RequestState
+from pdstate.protocol.peers import PeerSnapshot
 from pdstate.protocol.report import ErrorInfo
 from pdstate.worker import requests as rq
 from pdstate.worker import synth
@@ -346,9 +347,9 @@ class AgentPrefillWorker(AgentWorker):
         if refused is not None:
             return refused
         for d in self._ask_agent(lambda a: a.peers(), []):
-            if d["id"] == status.peer and d["state"] == "gone":
-                err = d.get("error") or {"type": "PeerGone", "message": f"decode {status.peer} is gone"}
-                return error_from_wire(err["type"], err["message"])
+            if d.id == status.peer and d.state is PeerState.GONE:
+                err = d.error or ErrorInfo(type="PeerGone", message=f"decode {status.peer} is gone")
+                return error_from_wire(err.type, err.message)
         if self.agent.alive and not self.agent.requested(status.room):  # dropped: its decode registered again
             return PeerGone(f"decode {status.peer} registered again or went before room {status.room} was sent")
         return None
@@ -421,11 +422,8 @@ class AgentPrefillWorker(AgentWorker):
             return list(self.finished.values())
 
 
-def _peer(d: dict) -> PeerStatus:
-    err = d.get("error")
-    return PeerStatus(
-        d["id"], PeerState(d["state"]), None if err is None else ErrorInfo(**err), d["incarnation"], d["fingerprint"]
-    )
+def _peer(d: PeerSnapshot) -> PeerStatus:
+    return PeerStatus(d.id, d.state, d.error, d.incarnation, d.fingerprint)
 
 
 __all__ = ["AgentPrefillWorker"]
