@@ -55,6 +55,9 @@ _OTHERS: dict[str, str] = {
     "DecodeAgent": "pdstate.agent.decode",
     "KVSender": "pdstate.agent.sender",
     "KVReceiver": "pdstate.agent.receiver",
+    "PeerSnapshot": "pdstate.protocol.peers",
+    "DecodeSnapshot": "pdstate.protocol.peers",
+    "PrefillSnapshot": "pdstate.protocol.peers",
 }
 
 __all__ = [
@@ -119,6 +122,9 @@ __all__ = [
     "DecodeAgent",
     "KVSender",
     "KVReceiver",
+    "PeerSnapshot",
+    "DecodeSnapshot",
+    "PrefillSnapshot",
 ]
 # every other public name is an error class (or error_from_wire) of pdstate.errors
 _WHERE: dict[str, str] = {
@@ -152,6 +158,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs (the error classes: pdstate.erro
     from pdstate.pools.reporting import build_report
     from pdstate.protocol.compat import check_peer, compat_errors
     from pdstate.protocol.facts import KVArgs, MappingIdentity, PoolFacts, StateType
+    from pdstate.protocol.peers import DecodeSnapshot, PeerSnapshot, PrefillSnapshot
     from pdstate.protocol.report import ErrorInfo, LayoutReport
     from pdstate.protocol.wire import PROTOCOL_VERSION
     from pdstate.transfer.engines.base import create_engine

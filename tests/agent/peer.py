@@ -8,6 +8,7 @@ then answers one JSON line per command line on stdin until EOF:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -57,7 +58,7 @@ def main() -> None:
             elif op == "abort":
                 senders[cmd["room"]].abort(cmd.get("reason", "test"))
             elif op == "decodes":
-                out = {"decodes": agent.decodes()}
+                out = {"decodes": [dataclasses.asdict(d) for d in agent.decodes()]}
             if "room" in cmd and cmd["room"] in senders:
                 s = senders[cmd["room"]]
                 e = s.failure_exception()

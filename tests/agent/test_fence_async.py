@@ -76,10 +76,10 @@ def test_abort_of_a_slow_copy_keeps_the_prefill_serving(slow_pair):
     while not acked:
         assert time.monotonic() < deadline, "the abort was never confirmed"
         view = da.prefills()[pa.address]
-        assert view["state"] == "accepted" and view["handshakes"] == 1, view
+        assert view.state == "accepted" and view.handshakes == 1, view
         recv1.wait(HEARTBEAT_S)
-    assert da.prefills()[pa.address]["handshakes"] == 1
-    assert [x["worker_id"] for x in pa.decodes()] == [da.worker_id]
+    assert da.prefills()[pa.address].handshakes == 1
+    assert [x.worker_id for x in pa.decodes()] == [da.worker_id]
 
     # the abort was confirmed only once the slow copy had landed, and nothing lands after it
     assert acked[0] >= due
@@ -122,4 +122,4 @@ def test_prefill_abort_returns_once_its_fence_held(slow_pair):
     assert str(send1.failure_exception()) == "aborted by prefill: stop"
     assert recv1.wait(5) is RequestState.FAILED
     assert str(recv1.failure_exception()) == "aborted by prefill: stop"
-    assert da.prefills()[pa.address]["handshakes"] == 1
+    assert da.prefills()[pa.address].handshakes == 1

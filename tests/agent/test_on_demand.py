@@ -13,6 +13,8 @@ import pytest
 from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
 from pdstate.agent.sender import EndedSender
 from pdstate.errors import AllocationError, PeerGone, PrefillBusy, ProtocolError
+from pdstate.protocol.lifecycle import PeerState
+from pdstate.protocol.peers import PeerSnapshot
 from tests.support.waiting import wait_until
 
 S = RequestState
@@ -97,12 +99,12 @@ def test_close_says_goodbye_and_the_decode_fails_at_once_with_its_reason(sides):
                 "prefill shutting down",
             )
             info = da.prefills()[pa.address]
-            assert info["state"] == "gone"
-            assert (info["error_info"]["type"], info["error_info"]["message"]) == ("PeerGone", "prefill shutting down")
+            assert info.state == "gone"
+            assert (info.error.type, info.error.message) == ("PeerGone", "prefill shutting down")
             # a caller that redials itself: a request naming the gone prefill fails at once
             late = da.receiver(pa.address, 42, redial_gone=False)
             assert late.state is S.FAILED and str(late.failure_exception()) == "prefill shutting down"
-            assert da.prefills()[pa.address]["state"] == "gone"
+            assert da.prefills()[pa.address].state == "gone"
     finally:
         pa.close()
 
@@ -113,31 +115,23 @@ def test_connect_keeps_a_gone_prefill_gone_until_a_new_one_accepts(sides):
     address = pa.address
     with _decode(d, worker_id="d-2") as da:
         da.connect(address)
-        wait_until("accepted", lambda: da.prefills()[address]["state"] == "accepted", 10)
+        wait_until("accepted", lambda: da.prefills()[address].state == "accepted", 10)
         first = da.prefills()[address]
-        assert first["fingerprint"] == pa.peers()[0]["fingerprint"] and first["handshake_s"] > 0
-        assert pa.peers() == [
-            {
-                "id": "d-2",
-                "state": "accepted",
-                "incarnation": da.incarnation,
-                "fingerprint": first["fingerprint"],
-                "error": None,
-            }
-        ]
+        assert first.fingerprint == pa.peers()[0].fingerprint and first.handshake_s > 0
+        assert pa.peers() == [PeerSnapshot("d-2", PeerState.ACCEPTED, da.incarnation, first.fingerprint, None)]
         pa.close()
-        wait_until("gone", lambda: da.prefills()[address]["state"] == "gone", 10)
+        wait_until("gone", lambda: da.prefills()[address].state == "gone", 10)
         for _ in range(3):  # dialled again, nobody there: still gone, still with the goodbye's reason
             da.connect(address)
             info = da.prefills()[address]
-            assert info["state"] == "gone" and info["error"] == "PeerGone: prefill shutting down"
+            assert info.state == "gone" and info.reason == "PeerGone: prefill shutting down"
         pb = _prefill(p, bind=address)
         try:
             wait_until(
-                "accepted again", lambda: (da.connect(address), da.prefills()[address])[1]["state"] == "accepted", 10
+                "accepted again", lambda: (da.connect(address), da.prefills()[address])[1].state == "accepted", 10
             )
             info = da.prefills()[address]
-            assert info["incarnation"] == pb.incarnation != first["incarnation"] and info["error"] is None
+            assert info.incarnation == pb.incarnation != first.incarnation and info.error is None
             assert da.handshakes["accepted"] == 2 and pb.handshakes == {"accepted": 1, "rejected": 0}
         finally:
             pb.close()

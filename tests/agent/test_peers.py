@@ -41,10 +41,10 @@ def test_refused_prefill_fails_only_its_requests(decode, prefills, source_image)
     assert_images_equal(snapshot(kv), expected(before, source_image, kv, moves))
     peers = agent.prefills()
     assert (
-        peers[bad.address]["state"] == "rejected"
-        and peers[bad.address]["error"] == f"SWAIndexMappingNotShared: {SEED_ERROR}"
+        peers[bad.address].state == "rejected"
+        and peers[bad.address].reason == f"SWAIndexMappingNotShared: {SEED_ERROR}"
     )
-    assert peers[good.address]["state"] == "accepted"
+    assert peers[good.address].state == "accepted"
 
 
 def test_prefill_sigkill_mid_batch(decode, prefills):  # noqa: F811
@@ -77,7 +77,7 @@ def test_prefill_sigkill_mid_batch(decode, prefills):  # noqa: F811
         assert type(r.failure_exception()) is PeerGone
         assert str(r.failure_exception()) == f"prefill {a.address} missed heartbeats for 3 s"
     assert time.monotonic() - killed < agent.peer_timeout_s + 1.5
-    assert agent.prefills()[b.address]["state"] == "accepted"
+    assert agent.prefills()[b.address].state == "accepted"
     # the decode still serves the live prefill after the other died
     r, _ = run_request(agent, b, kv, 30, np.random.default_rng(9))
     assert r.wait(30) is RequestState.SUCCESS, r.failure_exception()
@@ -124,7 +124,7 @@ def test_rehandshake_after_prefill_restart(patient_decode, prefills):
     assert r2.wait(30) is RequestState.SUCCESS, r2.failure_exception()
     assert inflight.wait(10) is RequestState.FAILED
     assert type(inflight.failure_exception()) is PeerGone
-    assert agent.prefills()[second.address]["handshakes"] == 2
+    assert agent.prefills()[second.address].handshakes == 2
 
 
 def test_prefill_serves_two_decodes(prefills, source_image):  # noqa: F811

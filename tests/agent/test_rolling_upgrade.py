@@ -81,8 +81,8 @@ def test_an_old_prefill_feeds_a_new_decode_byte_exact(new_decode, prefills):
     assert_images_equal(snapshot(kv), expected(before, source, kv, moves))
     peer = agent.prefills()[pf.address]
     assert (
-        peer["state"] == "accepted"
-        and peer["fingerprint"] == build_report(side.pools.target, side.pools.draft)[0].fingerprint
+        peer.state == "accepted"
+        and peer.fingerprint == build_report(side.pools.target, side.pools.draft)[0].fingerprint
     )
 
 
@@ -105,4 +105,4 @@ def test_an_old_prefill_whose_layout_differs_is_refused_on_both_sides_with_the_f
     done = pf.ask(op="wait", room=52, timeout=10)
     assert done["state"] == "failed" and done["error"] == f"LayoutMismatch: {message}"
     assert_images_equal(snapshot(kv), before)  # nothing written
-    assert agent.prefills()[pf.address]["error"] == f"LayoutMismatch: {message}"
+    assert agent.prefills()[pf.address].reason == f"LayoutMismatch: {message}"

@@ -11,6 +11,7 @@ import pytest
 from pdstate.worker import prefill as agent_prefill
 from pdstate.worker.decode import AgentDecodeWorker
 from pdstate.worker.prefill import AgentPrefillWorker
+from tests.support.faults import holding_hooks, release_copies
 from tests.support.pools import ROOMY
 from tests.support.waiting import wait_until
 from tests.support.workers import options
@@ -47,10 +48,11 @@ class Held:
 @pytest.fixture
 def pair(request):
     kw = getattr(request, "param", {})
-    p = AgentPrefillWorker(options("prefill", ROOMY, **kw.get("prefill", {}))).start()
+    pool = kw.get("pool", ROOMY)
+    p = AgentPrefillWorker(options("prefill", pool, **kw.get("prefill", {}))).start()
     d = None
     try:
-        d = AgentDecodeWorker(options("decode", ROOMY, peer=p.endpoint, **kw.get("decode", {}))).start()
+        d = AgentDecodeWorker(options("decode", pool, peer=p.endpoint, **kw.get("decode", {}))).start()
         wait_until("the decode accepted", lambda: d.status().peer.state.value == "accepted", 10)
         free = (p.free_counts(), d.free_counts())
         yield p, d
@@ -113,6 +115,34 @@ def test_requests_waiting_out_a_busy_prefill_hold_no_thread_each(pair, monkeypat
     for i, fut in enumerate(futs):
         res = fut.result(30)
         assert (res.status, res.verified, res.seq_len) == ("success", True, 100 + max(0, i - 1)), res
+
+
+MANY = 24  # requests in flight at once on the prefill: more than the 16 threads it once ran them on
+
+
+@pytest.mark.parametrize("pair", [{"pool": ROOMY.with_(max_num_reqs=32, swa_tokens=16384)}], indirect=True)
+def test_many_requests_in_flight_on_the_prefill_hold_no_thread_each(pair):
+    p, d = pair
+    before = {t.name for t in threading.enumerate()}
+    p.set_hooks(holding_hooks())  # every request computed, then held before its copy
+    futs = [d.submit(100 + i, verify="full") for i in range(MANY)]
+    wait_until(
+        "every request computed and held on the prefill",
+        lambda: [r.state.value for r in p.status().requests] == ["transferring"] * MANY,
+        20,
+    )
+    new = {t.name for t in threading.enumerate()} - before
+    assert {n for n in new if n.startswith("pdstate-prefill")} <= {"pdstate-prefill-compute_0"}, new
+    assert len(new) <= 1, new  # the one compute thread, at most
+    assert p.status().peak_in_flight == MANY and d.in_flight() == MANY
+    release_copies(p)
+    results = [fut.result(30) for fut in futs]
+    assert [(r.status, r.verified, r.error, r.seq_len) for r in results] == [
+        ("success", True, None, 100 + i) for i in range(MANY)
+    ]
+    assert all(r.bytes > 0 for r in results)
+    wait_until("the prefill counted them", lambda: p.stats.snapshot().transfers["success"] == MANY, 10)
+    assert [r["status"] for r in p.finished_records()] == ["success"] * MANY
 
 
 def test_a_request_past_its_deadline_fails_and_its_pages_are_free_after_the_fence(pair, monkeypatch):

@@ -19,11 +19,11 @@ def test_gone_decode_is_released_and_a_new_one_is_served():
         d = AgentDecodeWorker(options("decode", TINY, peer=p.endpoint, worker_id="first", **TIMERS)).start()
         wait_accepted(d)
         assert transfer(d, 300).verified
-        assert [x["worker_id"] for x in p.agent.decodes()] == ["first"]
+        assert [x.worker_id for x in p.agent.decodes()] == ["first"]
         d.stop()  # its goodbye-less end: silent from now on, gone after peer_timeout_s
         wait_until("the gone decode released", lambda: p.agent.decodes() == [] and _state(p, "first") == "gone", 5.0)
         with AgentDecodeWorker(options("decode", TINY, peer=p.endpoint, worker_id="second", **TIMERS)) as d2:
             wait_accepted(d2)
             assert transfer(d2, 300).verified
-            assert [x["worker_id"] for x in p.agent.decodes()] == ["second"]
+            assert [x.worker_id for x in p.agent.decodes()] == ["second"]
         assert p.free_counts() == p.page_pool.counts() and p.in_flight() == 0

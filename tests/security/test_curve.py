@@ -63,10 +63,10 @@ def test_an_impostor_at_the_exact_address_a_decode_dials_gets_no_frame_of_it():
         victim.reregister(address)
         state = wait_until(
             "the decode's handshake with the impostor failed",
-            lambda: (lambda s: s if s["state"] == "rejected" else None)(victim.prefills()[address]),
+            lambda: (lambda s: s if s.state == "rejected" else None)(victim.prefills()[address]),
             15,
         )
-        assert state["error_info"] == {
+        assert state.error.model_dump() == {
             "type": "AuthError",
             "message": f"prefill {address} failed the CURVE handshake (no detail): {KEYS_DIFFER}",
         }
@@ -78,7 +78,7 @@ def test_an_impostor_at_the_exact_address_a_decode_dials_gets_no_frame_of_it():
 
         prefill = PrefillAgent(prefill.kv_args, (prefill_pools.target, prefill_pools.draft), bind=address)
         victim.reregister(address)
-        wait_until("the victim accepted again", lambda: victim.prefills()[address]["state"] == "accepted", 15)
+        wait_until("the victim accepted again", lambda: victim.prefills()[address].state == "accepted", 15)
         agent_transfer(prefill, prefill_pools, victim, victim_pools, room=2)
     finally:
         if impostor is not None:
@@ -117,9 +117,9 @@ def test_another_uids_client_gets_no_answer_from_a_token_less_prefill(knows_serv
             "type": "AuthError",
             "message": f"a decode's connection failed the CURVE handshake ({prefill_sees}): {KEYS_DIFFER}",
         }
-        assert [d["worker_id"] for d in prefill.decodes()] == ["victim"]
+        assert [d.worker_id for d in prefill.decodes()] == ["victim"]
         assert changed_bytes(before, segment_image(paths)) == 0
-        assert victim.prefills()[prefill.address]["state"] == "accepted"
+        assert victim.prefills()[prefill.address].state == "accepted"
         agent_transfer(prefill, prefill_pools, victim, victim_pools, room=2)
     finally:
         victim.close()
@@ -143,10 +143,10 @@ def test_a_decode_refused_at_the_handshake_is_taken_once_the_prefill_holds_its_k
         decode.connect(address)
         state = wait_until(
             "the decode refused at the handshake",
-            lambda: (lambda s: s if s["state"] == "rejected" else None)(decode.prefills()[address]),
+            lambda: (lambda s: s if s.state == "rejected" else None)(decode.prefills()[address]),
             15,
         )
-        assert state["error_info"] == {
+        assert state.error.model_dump() == {
             "type": "AuthError",
             "message": f"prefill {address} failed the CURVE handshake (no detail): {KEYS_DIFFER}",
         }
@@ -157,7 +157,7 @@ def test_a_decode_refused_at_the_handshake_is_taken_once_the_prefill_holds_its_k
         assert prefill.decodes() == []
         prefill.close()
         prefill = PrefillAgent(kv, (pools.target, pools.draft), token=b"a" * 32, bind=address)
-        wait_until("accepted by itself", lambda: decode.prefills()[address]["state"] == "accepted", 15)
+        wait_until("accepted by itself", lambda: decode.prefills()[address].state == "accepted", 15)
         agent_transfer(prefill, pools, decode, decode_pools, room=1)
     finally:
         decode.close()

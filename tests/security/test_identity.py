@@ -118,7 +118,7 @@ def test_a_second_process_reusing_a_decode_agents_identity_never_disturbs_it():
                 f"{theirs.incarnation}); a new incarnation is accepted once that one is gone",
             },
         }
-        assert [(d["worker_id"], d["incarnation"]) for d in prefill.decodes()] == [("victim", decode.incarnation)]
+        assert [(d.worker_id, d.incarnation) for d in prefill.decodes()] == [("victim", decode.incarnation)]
         agent_transfer(prefill, prefill_pools, decode, decode_pools, room=2)
     finally:
         decode.close()

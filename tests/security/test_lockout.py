@@ -75,15 +75,13 @@ def test_a_refused_decode_agent_registers_again_with_backoff():
     )
     try:
         twin.connect(prefill.address)
-        wait_until("the first decode accepted", lambda: twin.prefills()[prefill.address]["state"] == "accepted", 10)
+        wait_until("the first decode accepted", lambda: twin.prefills()[prefill.address].state == "accepted", 10)
         second.connect(prefill.address)
-        wait_until("the second refused", lambda: second.prefills()[prefill.address]["state"] == "rejected", 10)
-        assert second.prefills()[prefill.address]["error_info"]["type"] == "WorkerIdInUse"
+        wait_until("the second refused", lambda: second.prefills()[prefill.address].state == "rejected", 10)
+        assert second.prefills()[prefill.address].error.type == "WorkerIdInUse"
         twin.close()
-        wait_until(
-            "the second accepted by itself", lambda: second.prefills()[prefill.address]["state"] == "accepted", 15
-        )
-        assert second.prefills()[prefill.address]["handshakes"] >= 2
+        wait_until("the second accepted by itself", lambda: second.prefills()[prefill.address].state == "accepted", 15)
+        assert second.prefills()[prefill.address].handshakes >= 2
         agent_transfer(prefill, prefill_pools, second, pools2, room=5)
     finally:
         for closing in (second, twin, prefill):

@@ -228,10 +228,10 @@ def test_refused_registers_cannot_push_an_accepted_decode_out_of_the_peer_log(ti
         decode.close()
         prefill.close()
         memory.close()
-    by_id = {p["id"]: p for p in peers}
-    assert by_id["victim"]["state"] == "accepted" and by_id["victim"]["incarnation"] == decode.incarnation
-    text = sum(len(p["error"]["message"]) for p in peers if p["error"] is not None)
+    by_id = {p.id: p for p in peers}
+    assert by_id["victim"].state == "accepted" and by_id["victim"].incarnation == decode.incarnation
+    text = sum(len(p.error.message) for p in peers if p.error is not None)
     assert len(peers) <= 1024 and text <= 1 << 20, (len(peers), text)
-    large = [p["id"] for p in peers if p["id"].startswith("large-")]
+    large = [p.id for p in peers if p.id.startswith("large-")]
     assert len(large) > 150 and large == [f"large-{i}" for i in range(200 - len(large), 200)]
-    assert len(by_id["large-199"]["error"]["message"]) > 6400
+    assert len(by_id["large-199"].error.message) > 6400

@@ -83,19 +83,19 @@ def test_a_relay_through_a_fake_prefill_after_a_restart_writes_nothing(kind):
         victim.connect(relay.address)  # what POST /v1/transfers {"prefill": relay} made it do
         state = wait_until(
             "the relayed register answered",
-            lambda: (lambda s: s if s["state"] != "pending" else None)(victim.prefills()[relay.address]),
+            lambda: (lambda s: s if s.state != "pending" else None)(victim.prefills()[relay.address]),
             15,
         )
-        assert state["state"] == "rejected", state
+        assert state.state == "rejected", state
         if kind == "same_process":  # a relay of the trust domain (this uid): the proof names its address
-            assert state["error_info"] == {
+            assert state.error.model_dump() == {
                 "type": "InvalidEndpoint",
                 "message": f"shm proof of ownership was given to {relay.address!r}, not to this prefill ({address}): "
                 "a register relayed through another address; if decodes reach this prefill by another name, "
                 "list it in control.advertise",
             }
         else:  # another uid: not of the domain, its CURVE handshake fails and it gets no frame
-            assert state["error_info"] == _curve_refusal(relay.address)
+            assert state.error.model_dump() == _curve_refusal(relay.address)
             assert relay.frames() == 0
         assert prefill.decodes() == []  # nothing registered, nothing mapped for the relay
         assert changed_bytes(before, segment_image(paths)) == 0
@@ -103,7 +103,7 @@ def test_a_relay_through_a_fake_prefill_after_a_restart_writes_nothing(kind):
         relay = None
 
         victim.connect(address)  # the victim, directly: accepted and served
-        wait_until("the victim accepted again", lambda: victim.prefills()[address]["state"] == "accepted", 15)
+        wait_until("the victim accepted again", lambda: victim.prefills()[address].state == "accepted", 15)
         agent_transfer(prefill, prefill_pools, victim, victim_pools, room=2)
     finally:
         if relay is not None:
@@ -152,7 +152,7 @@ def _serve_room(prefill, pools):
 def _answered(victim, address: str) -> dict:
     return wait_until(
         "the relayed register answered",
-        lambda: (lambda s: s if s["state"] != "pending" else None)(victim.prefills()[address]),
+        lambda: (lambda s: s if s.state != "pending" else None)(victim.prefills()[address]),
         15,
     )
 
@@ -192,8 +192,8 @@ def test_a_relay_through_a_loopback_alias_to_a_second_prefill_writes_nothing():
         _serve_room(second, second_pools)
         victim.connect(alias)  # what POST /v1/transfers {"prefill": alias} made it do
         state = _answered(victim, alias)
-        assert state["state"] == "rejected", state
-        assert state["error_info"] == _curve_refusal(alias)
+        assert state.state == "rejected", state
+        assert state.error.model_dump() == _curve_refusal(alias)
         assert relay.frames() == 0  # nothing of the victim's reached it: nothing to relay or inject after
         assert relay.injected(0.0) is None
         assert second.decodes() == []
@@ -201,12 +201,12 @@ def test_a_relay_through_a_loopback_alias_to_a_second_prefill_writes_nothing():
         relay.close()
         relay = None
 
-        assert victim.prefills()[prefill.address]["state"] == "accepted"
+        assert victim.prefills()[prefill.address].state == "accepted"
         agent_transfer(prefill, prefill_pools, victim, victim_pools, room=2)  # still served
         victim.connect(second.address)  # and the second prefill, dialled directly, takes it
         wait_until(
             "the victim accepted by the second prefill",
-            lambda: victim.prefills()[second.address]["state"] == "accepted",
+            lambda: victim.prefills()[second.address].state == "accepted",
             15,
         )
         agent_transfer(second, second_pools, victim, victim_pools, room=3)
@@ -243,8 +243,8 @@ def test_a_relay_redialling_through_a_loopback_alias_during_a_restart_writes_not
         prefill = PrefillAgent(prefill.kv_args, (prefill_pools.target, prefill_pools.draft), bind=address)
         _serve_room(prefill, prefill_pools)
         state = _answered(victim, alias)
-        assert state["state"] == "rejected", state
-        assert state["error_info"] == _curve_refusal(alias)
+        assert state.state == "rejected", state
+        assert state.error.model_dump() == _curve_refusal(alias)
         assert relay.frames() == 0
         assert relay.injected(0.0) is None
         assert prefill.decodes() == []
@@ -253,7 +253,7 @@ def test_a_relay_redialling_through_a_loopback_alias_during_a_restart_writes_not
         relay = None
 
         victim.connect(address)
-        wait_until("the victim accepted again", lambda: victim.prefills()[address]["state"] == "accepted", 15)
+        wait_until("the victim accepted again", lambda: victim.prefills()[address].state == "accepted", 15)
         agent_transfer(prefill, prefill_pools, victim, victim_pools, room=2)
     finally:
         if relay is not None:

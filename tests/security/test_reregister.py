@@ -14,7 +14,7 @@ from tests.support.waiting import wait_until
 
 def _reregistered(decode, address: str, since: float) -> bool:
     p = decode.prefills()[address]
-    return p["state"] == "accepted" and p["registered_s_ago"] <= time.monotonic() - since
+    return p.state == "accepted" and p.registered_s_ago <= time.monotonic() - since
 
 
 def test_the_same_incarnation_on_its_own_connection_is_not_challenged_again(monkeypatch):
@@ -30,7 +30,7 @@ def test_the_same_incarnation_on_its_own_connection_is_not_challenged_again(monk
         decode.reregister(prefill.address)
         wait_until("the decode accepted again", lambda: _reregistered(decode, prefill.address, t0), 15)
         assert len(issued) == 1  # accepted without a new challenge
-        assert [(d["worker_id"], d["incarnation"]) for d in prefill.decodes()] == mine
+        assert [(d.worker_id, d.incarnation) for d in prefill.decodes()] == mine
         agent_transfer(prefill, prefill_pools, decode, decode_pools, room=2)
 
         theirs = wire.encode(decode._handshake.register_message())  # the same register, another connection
@@ -40,7 +40,7 @@ def test_the_same_incarnation_on_its_own_connection_is_not_challenged_again(monk
         finally:
             dealer.close()
         assert isinstance(answer, (wire.Challenge, wire.Reject)), answer
-        assert [(d["worker_id"], d["incarnation"]) for d in prefill.decodes()] == mine
+        assert [(d.worker_id, d.incarnation) for d in prefill.decodes()] == mine
         agent_transfer(prefill, prefill_pools, decode, decode_pools, room=3)
     finally:
         decode.close()

@@ -205,13 +205,13 @@ def test_an_accept_sends_the_named_request_with_its_exact_destination():
     assert recv.record.state is _S.TRANSFERRING and recv.sent_to == ("prefill-inc-1", 1) and recv.sent_at == 101.0
     assert core.handshakes == {"accepted": 1, "rejected": 0}
     snap = core.snapshot(103.0)[PREFILL]
-    assert (snap["state"], snap["worker_id"], snap["incarnation"], snap["handshakes"]) == (
+    assert (snap.state, snap.worker_id, snap.incarnation, snap.handshakes) == (
         "accepted",
         "prefill-0",
         "prefill-inc-1",
         1,
     )
-    assert (snap["error"], snap["handshake_s"], snap["registered_s_ago"]) == (None, 1.0, 3.0)
+    assert (snap.error, snap.handshake_s, snap.registered_s_ago) == (None, 1.0, 3.0)
 
 
 def test_a_refusal_fails_the_prefills_requests_with_its_error_and_aborts_their_senders():
@@ -224,7 +224,7 @@ def test_a_refusal_fails_the_prefills_requests_with_its_error_and_aborts_their_s
     assert type(recv.record.error) is LayoutMismatch and str(recv.record.error) == "layers differ"
     p = core.peers[PREFILL]
     assert p.state is _P.REJECTED and p.retry_s == 0.0  # a final refusal: never asked again by itself
-    assert core.snapshot(100.1)[PREFILL]["error"] == "LayoutMismatch: layers differ"
+    assert core.snapshot(100.1)[PREFILL].reason == "LayoutMismatch: layers differ"
     assert core.handshakes == {"accepted": 0, "rejected": 1}
     core.on_tick(500.0)
     assert core.drain() == []

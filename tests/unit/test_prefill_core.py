@@ -207,7 +207,7 @@ def test_a_compatible_register_is_accepted_and_its_engine_connected():
     assert t.engine.connected == [({"segment": "seg-decode-0"}, "decode-0/d-inc")]
     assert t.core.handshakes == {"accepted": 1, "rejected": 0}
     assert t.core.decode_list(2.5) == [{"worker_id": "decode-0", "incarnation": "d-inc", "last_seen_s": 2.5}]
-    assert [(p["id"], p["state"], p["error"]) for p in t.core.peer_log.records()] == [("decode-0", "accepted", None)]
+    assert [(p.id, p.state, p.error) for p in t.core.peer_log.records()] == [("decode-0", "accepted", None)]
 
 
 def test_an_incompatible_register_is_refused_with_the_reason_and_nothing_connected():
@@ -220,7 +220,7 @@ def test_an_incompatible_register_is_refused_with_the_reason_and_nothing_connect
     )
     assert t.engine.connected == [] and t.core.decodes == {}
     assert t.core.handshakes == {"accepted": 0, "rejected": 1}
-    assert t.core.peer_log.records()[0]["state"] == "rejected"
+    assert t.core.peer_log.records()[0].state == "rejected"
 
 
 def test_a_register_whose_buffers_lie_outside_its_published_regions_is_refused_and_unmapped():
@@ -527,7 +527,7 @@ def test_a_silent_decode_is_dropped_and_its_mapping_released_only_after_the_fenc
     out = t.core.drain()
     assert D1 not in t.core.decodes and not [a for a in out if isinstance(a, Release)]  # a copy into it in flight
     why = "decode decode-0 missed heartbeats for 3 s"
-    assert same(send.fence.error, PeerGone(why)) and t.core.peer_log.records()[0]["state"] == "gone"
+    assert same(send.fence.error, PeerGone(why)) and t.core.peer_log.records()[0].state == "gone"
     t.engine.handles[0].done = True
     t.core.landed(send, 3.3)
     assert t.core.drain() == [Send(D1, failed(5, PeerGone(why), send.bytes)), Release(PEER_ID)]

@@ -35,6 +35,7 @@ from pdstate.agent.verify import DEFAULT_LEVEL, check_level, layout_devices, on_
 from pdstate.errors import AuthError, EngineError, PdStateError
 from pdstate.protocol import wire
 from pdstate.protocol.handshake import DecodeHandshake, LocalSide
+from pdstate.protocol.peers import PrefillSnapshot
 from pdstate.transfer.engines.base import TransferEngine, create_engine
 
 __all__ = ["DecodeAgent", "KVReceiver"]
@@ -216,12 +217,12 @@ class DecodeAgent:
             on_fence=lambda r, fn: self._feed(lambda _now: core.on_fence(r, fn)),
         )
 
-    def prefills(self) -> dict[str, dict]:
-        """Every prefill this agent used, by address: ``state``, ``worker_id``, ``incarnation``,
-        ``handshakes``, ``error`` (``"Type: message"`` or ``None``), ``error_info`` (the same as
-        ``{"type", "message"}``), ``fingerprint`` (its layout's, from its Accept),
-        ``handshake_s`` (the latest accepted handshake's round trip) and ``registered_s_ago``
-        (seconds since the latest Register went out: how old a refusal is)."""
+    def prefills(self) -> dict[str, PrefillSnapshot]:
+        """Every prefill this agent used, by address: a ``PrefillSnapshot`` each (``state``,
+        ``worker_id``, ``incarnation``, ``handshakes``, ``error`` as an ``ErrorInfo`` or ``None``,
+        ``fingerprint`` (its layout's, from its Accept), ``handshake_s`` (the latest accepted
+        handshake's round trip) and ``registered_s_ago`` (seconds since the latest Register went
+        out: how old a refusal is))."""
         return self._loop.call(lambda: self._core.snapshot(time.monotonic()))
 
     def register_message(self) -> wire.Register:

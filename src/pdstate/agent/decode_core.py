@@ -40,6 +40,7 @@ from pdstate.errors import (
 )
 from pdstate.protocol import wire
 from pdstate.protocol.lifecycle import PeerState, RequestState, move
+from pdstate.protocol.peers import PrefillSnapshot
 from pdstate.protocol.report import ErrorInfo
 
 __all__ = [
@@ -297,20 +298,20 @@ class DecodeCore:
 
     # --- what the caller reads ----------------------------------------------------------------
 
-    def snapshot(self, now: float) -> dict[str, dict]:
+    def snapshot(self, now: float) -> dict[str, PrefillSnapshot]:
         """Every prefill this decode used, by address (``DecodeAgent.prefills``)."""
         return {
-            a: {
-                "state": p.state.value,
-                "worker_id": p.worker_id,
-                "incarnation": p.incarnation,
-                "handshakes": p.handshakes,
-                "error": None if p.error is None else f"{type(p.error).__name__}: {p.error}",
-                "error_info": None if p.error is None else ErrorInfo.of(p.error).model_dump(),
-                "fingerprint": p.fingerprint,
-                "handshake_s": p.handshake_s,
-                "registered_s_ago": round(now - p.registered_at, 3),
-            }
+            a: PrefillSnapshot(
+                a,
+                p.state,
+                p.worker_id,
+                p.incarnation,
+                p.handshakes,
+                None if p.error is None else ErrorInfo.of(p.error),
+                p.fingerprint,
+                p.handshake_s,
+                round(now - p.registered_at, 3),
+            )
             for a, p in self.peers.items()
         }
 

@@ -34,6 +34,7 @@ from pdstate.agent.verify import check_level, layout_devices
 from pdstate.errors import AgentClosed, EngineError, PdStateError, error_from_wire
 from pdstate.protocol import wire
 from pdstate.protocol.handshake import LocalSide, PrefillHandshake
+from pdstate.protocol.peers import DecodeSnapshot, PeerSnapshot
 from pdstate.transfer.engines.base import TransferEngine, create_engine
 
 __all__ = ["KVSender", "PrefillAgent"]
@@ -231,7 +232,7 @@ class PrefillAgent(AgentLifetime):
         added = self._loop.call(lambda: self._run(lambda now: self._core.add_sender(send, now)))
         return KVSender(added, call=self._loop.call, queue_chunk=self._queue_chunk, abort=self._abort)
 
-    def decodes(self) -> list[dict]:
+    def decodes(self) -> list[DecodeSnapshot]:
         """The accepted decode agents: worker id, incarnation, seconds since last heard."""
         now = time.monotonic()
         return self._loop.call(lambda: self._core.decode_list(now))
@@ -242,10 +243,10 @@ class PrefillAgent(AgentLifetime):
         Returns whether such a request was waiting."""
         return self._loop.call(lambda: self._run(lambda now: self._core.refuse(room, error, now)))
 
-    def peers(self) -> list[dict]:
+    def peers(self) -> list[PeerSnapshot]:
         """Every decode that registered (the latest, by worker id; bounded: ``refusals.PeerLog``):
         ``id``, ``state`` (``accepted``, ``rejected`` or ``gone``), ``incarnation``,
-        ``fingerprint`` (its layout's, from its Register) and ``error`` (``{"type", "message"}`` or
+        ``fingerprint`` (its layout's, from its Register) and ``error`` (an ``ErrorInfo`` or
         ``None``)."""
         return self._loop.call(self._core.peer_log.records)
 

@@ -58,6 +58,7 @@ from pdstate.errors import (
 from pdstate.protocol import wire
 from pdstate.protocol.handshake import PrefillHandshake
 from pdstate.protocol.lifecycle import PeerState, RequestState
+from pdstate.protocol.peers import DecodeSnapshot
 from pdstate.protocol.report import ErrorInfo
 from pdstate.transfer.engines.shm_owner import challenge_unknown, challenge_unknown_error
 from pdstate.transfer.planner import PairPlanner
@@ -332,12 +333,9 @@ class PrefillCore:
 
     # --- queries ----------------------------------------------------------------------------------
 
-    def decode_list(self, now: float) -> list[dict]:
+    def decode_list(self, now: float) -> list[DecodeSnapshot]:
         """The accepted decodes: worker id, incarnation, seconds since last heard."""
-        return [
-            {"worker_id": d.worker_id, "incarnation": d.incarnation, "last_seen_s": round(now - d.last_seen, 3)}
-            for d in self.decodes.values()
-        ]
+        return [DecodeSnapshot(d.worker_id, d.incarnation, round(now - d.last_seen, 3)) for d in self.decodes.values()]
 
     # --- frames -----------------------------------------------------------------------------------
 

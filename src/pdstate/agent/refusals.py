@@ -31,6 +31,7 @@ from pdstate.agent.fence import done_failed
 from pdstate.errors import PdStateError, TransferFailed, error_from_wire
 from pdstate.protocol import wire
 from pdstate.protocol.lifecycle import PeerState, move
+from pdstate.protocol.peers import PeerSnapshot
 from pdstate.protocol.report import ErrorInfo
 
 __all__ = ["PeerLog", "PeerRecord", "Refusals"]
@@ -49,17 +50,11 @@ class PeerRecord:
     worker_id: str
     incarnation: str
     fingerprint: str
-    error: dict | None = None  # ``ErrorInfo.model_dump()``
+    error: ErrorInfo | None = None
     state: PeerState = field(default=PeerState.PENDING, init=False)
 
-    def as_dict(self) -> dict:
-        return {
-            "id": self.worker_id,
-            "state": self.state.value,
-            "incarnation": self.incarnation,
-            "fingerprint": self.fingerprint,
-            "error": None if self.error is None else dict(self.error),
-        }
+    def snapshot(self) -> PeerSnapshot:
+        return PeerSnapshot(self.worker_id, self.state, self.incarnation, self.fingerprint, self.error)
 
 
 class PeerLog:
@@ -73,29 +68,29 @@ class PeerLog:
     def __init__(self) -> None:
         self._log: OrderedDict[str, PeerRecord] = OrderedDict()
 
-    def records(self) -> list[dict]:
-        return [r.as_dict() for r in self._log.values()]
+    def records(self) -> list[PeerSnapshot]:
+        return [r.snapshot() for r in self._log.values()]
 
     def note(
         self, worker_id: str, state: PeerState, incarnation: str, fingerprint: str, error: ErrorInfo | None
     ) -> None:
         """The answer to a register of ``worker_id`` (``ACCEPTED`` or ``REJECTED``)."""
         self._log.pop(worker_id, None)
-        record = PeerRecord(worker_id, incarnation, fingerprint, None if error is None else error.model_dump())
+        record = PeerRecord(worker_id, incarnation, fingerprint, error)
         move(record, state)
         self._log[worker_id] = record
-        text = sum(len(r.error["message"]) for r in self._log.values() if r.error is not None)
+        text = sum(len(r.error.message) for r in self._log.values() if r.error is not None)
         while len(self._log) > MAX_PEER_LOG or text > MAX_PEER_LOG_TEXT:
             oldest = next((k for k, r in self._log.items() if r.state is not PeerState.ACCEPTED), None)
             entry = self._log.pop(oldest) if oldest is not None else self._log.popitem(last=False)[1]
-            text -= len(entry.error["message"]) if entry.error is not None else 0
+            text -= len(entry.error.message) if entry.error is not None else 0
 
     def gone(self, worker_id: str, incarnation: str, why: str) -> None:
         """The accepted decode ``worker_id/incarnation`` is gone (``why``)."""
         record = self._log.get(worker_id)
         if record is not None and record.incarnation == incarnation and record.state is PeerState.ACCEPTED:
             move(record, PeerState.GONE)
-            record.error = ErrorInfo(type="PeerGone", message=why).model_dump()
+            record.error = ErrorInfo(type="PeerGone", message=why)
 
 
 class Refusals:

@@ -61,6 +61,7 @@ from pdstate.devtools.baselines import (
 from pdstate.devtools.bench_measure import Side, measure, plan_for, settings, speeds_line, timeit
 from pdstate.errors import ExitCode
 from pdstate.pools.presets import preset
+from pdstate.protocol.lifecycle import PeerState
 from pdstate.transfer.planner import plan_request, plan_request_loop
 from pdstate.worker import requests as rq
 
@@ -248,9 +249,9 @@ def _handshake_ms(decode, timeout_s: float, again: bool = False) -> float:
         decode.agent.reregister(peer)
     while time.monotonic() - t0 < timeout_s:
         p = decode.agent.prefills().get(peer)
-        fresh = not again or (p is not None and p["registered_s_ago"] <= time.monotonic() - t0)
-        if p is not None and p["state"] == "accepted" and fresh and p.get("handshake_s"):
-            return p["handshake_s"] * 1e3
+        fresh = not again or (p is not None and p.registered_s_ago <= time.monotonic() - t0)
+        if p is not None and p.state is PeerState.ACCEPTED and fresh and p.handshake_s:
+            return p.handshake_s * 1e3
         time.sleep(0.0005)
     raise TimeoutError(f"no handshake with {peer} within {timeout_s:g} s")
 

@@ -234,7 +234,13 @@ class Node:
     # --- both -------------------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        peers = self.agent.decodes() if self.role == "prefill" else self.agent.prefills()
+        if self.role == "prefill":  # the accepted decodes, as JSON
+            peers: object = [asdict(d) for d in self.agent.decodes()]
+        else:  # the prefills by address: state, worker id, incarnation, why refused or gone
+            peers = {
+                a: {"state": p.state.value, "worker_id": p.worker_id, "incarnation": p.incarnation, "error": p.reason}
+                for a, p in self.agent.prefills().items()
+            }
         return {"event": "stats", "free": self.free(), "peers": peers}
 
     def handle(self, cmd: dict) -> None:

@@ -130,18 +130,18 @@ def _run_prefill(opts: WorkerOptions, lines: Iterable[str], emit: Emit, hooks: W
     return ExitCode.OK
 
 
-def _wait_handshake(w, timeout_s: float) -> dict:
-    """The decode's default prefill once it answered the handshake: accepted (its record), or
+def _wait_handshake(w, timeout_s: float):
+    """The decode's default prefill once it answered the handshake: accepted (its snapshot), or
     refused (raises the refusal); ``TimeoutError`` when it did not answer within ``timeout_s``."""
     from pdstate.errors import error_from_wire
 
     deadline = time.monotonic() + timeout_s
     while True:
-        p = w.agent.prefills().get(w.opts.peer) or {"state": "pending"}
-        if p["state"] == "accepted":
+        p = w.agent.prefills().get(w.opts.peer)
+        if p is not None and p.state == "accepted":
             return p
-        if p["state"] == "rejected" and p["error_info"]:
-            raise error_from_wire(p["error_info"]["type"], p["error_info"]["message"])
+        if p is not None and p.state == "rejected" and p.error is not None:
+            raise error_from_wire(p.error.type, p.error.message)
         if time.monotonic() > deadline:
             raise TimeoutError(f"no handshake answer from the prefill at {w.opts.peer} within {timeout_s:g} s")
         time.sleep(0.005)
@@ -170,7 +170,7 @@ def _run_decode(opts: WorkerOptions, lines: Iterable[str], emit: Emit) -> ExitCo
         except Exception as exc:
             emit({"event": "refused", "type": type(exc).__name__, "message": str(exc)})
             return ExitCode.REFUSED
-        handshake_ms = (accepted.get("handshake_s") or 0.0) * 1e3
+        handshake_ms = (accepted.handshake_s or 0.0) * 1e3
         emit({"event": "ready", "handshake_ms": handshake_ms, "free": w.free_counts(), "pid": os.getpid()})
         for cmd in _commands(lines, emit):
             if cmd.get("cmd") == "run":

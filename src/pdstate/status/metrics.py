@@ -8,7 +8,7 @@ import itertools
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from pdstate.protocol.wire import PROTOCOL_VERSION
-from pdstate.status.models import StatusSource
+from pdstate.status.models import PeerModel, StatusSource
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -126,8 +126,9 @@ class Collector:
         )
         peers = GaugeMetricFamily("pdstate_peers", "Peers by handshake state", labels=["state"])
         counts = {k: 0 for k in ("accepted", "rejected", "pending", "gone")}
-        for p in src.peers():
-            counts[p["state"]] = counts.get(p["state"], 0) + 1
+        for p in src.peers():  # the status source's documents, read as the API's model
+            state = PeerModel.model_validate(p).state
+            counts[state] = counts.get(state, 0) + 1
         for k, v in counts.items():
             peers.add_metric([k], v)
         yield peers

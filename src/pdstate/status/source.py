@@ -7,6 +7,7 @@ import logging
 import threading
 from concurrent.futures import Future
 
+from pdstate.protocol.lifecycle import PeerState
 from pdstate.status.models import peer_transport
 
 log = logging.getLogger("pdstate.status.source")
@@ -86,10 +87,11 @@ class WorkerStatus:
         """Every peer: a prefill's decodes (by worker id), a decode's prefills (by the control
         address it dials, ``control.peer`` first), each with state, error, incarnation,
         layout fingerprint and, once accepted, the transport."""
-        out = [p.as_dict() for p in self.worker.status().peers]
-        for p in out:
-            p["transport"] = peer_transport(self.transport) if p["state"] == "accepted" else None
-        return out
+        accepted = peer_transport(self.transport)
+        return [
+            {**p.as_dict(), "transport": accepted if p.state is PeerState.ACCEPTED else None}
+            for p in self.worker.status().peers
+        ]
 
     def in_flight(self) -> int:
         return self.worker.status().in_flight

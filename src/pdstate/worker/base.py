@@ -37,7 +37,7 @@ MAX_FINISHED = 10000  # finished requests kept for lookups (oldest dropped first
 
 now = time.monotonic
 
-# A worker's request threads (or loop) and the agent's I/O thread hand work to each other; with the
+# A worker's request loop and the agent's I/O thread hand work to each other; with the
 # interpreter's default 5 ms switch interval a hand-off can wait that long behind a thread holding
 # the GIL in a numpy loop. The edges (serve, worker processes, bench) call this once at start.
 SWITCH_INTERVAL_S = 0.0005

@@ -49,6 +49,7 @@ from pdstate.errors import (
     error_from_wire,
 )
 from pdstate.protocol.lifecycle import PeerState, RequestState
+from pdstate.protocol.peers import PrefillSnapshot
 from pdstate.protocol.report import ErrorInfo
 from pdstate.worker import requests as rq
 from pdstate.worker import synth
@@ -123,7 +124,7 @@ class AgentDecodeWorker(AgentWorker):
                 known = self.agent.prefills()
                 for address in [self.opts.peer, *known]:
                     p = known.get(address)
-                    if p is None or p["state"] == "gone":
+                    if p is None or p.state is PeerState.GONE:
                         self.agent.connect(address)
                     elif _held_elsewhere(p, self.opts.peer_timeout_s):
                         self.agent.reregister(address)
@@ -188,7 +189,7 @@ class AgentDecodeWorker(AgentWorker):
             return res if res is not None else self._live.get(room)
 
     def status(self) -> WorkerSnapshot:
-        known: dict[str, dict] = self._ask_agent(lambda a: a.prefills(), {})
+        known: dict[str, PrefillSnapshot] = self._ask_agent(lambda a: a.prefills(), {})
         default = known.get(self.opts.peer)
         peers = [_peer(self.opts.peer, default)] + [_peer(a, d) for a, d in known.items() if a != self.opts.peer]
         loop_dead = () if self._closed or self._timers.alive else ("pdstate-decode-requests",)
@@ -203,7 +204,7 @@ class AgentDecodeWorker(AgentWorker):
             peak_in_flight=self.peak_in_flight,
             waiting=0 if self._closed else len(self._for_pages),
             quarantined=self.quarantined(),
-            handshake_s=None if default is None else default.get("handshake_s"),
+            handshake_s=None if default is None else default.handshake_s,
         )
 
     # -- the request loop: each step of a request -----------------------------------------------
@@ -370,19 +371,19 @@ class AgentDecodeWorker(AgentWorker):
         for req in list(self._pending.values()):
             self._end(req, AgentClosed(SHUTTING_DOWN))
 
-    def _refuse_if_down(self, prefill: str, known: dict[str, dict]) -> None:
+    def _refuse_if_down(self, prefill: str, known: dict[str, PrefillSnapshot]) -> None:
         """A gone prefill (until it accepts again), or one that refused this decode within the
         last ``peer_timeout_s``, fails the request at once with its reason (an older refusal is
         asked again: the prefill may have been fixed)."""
         p = known.get(prefill)
         if p is None:
             return
-        recent = p["registered_s_ago"] < self.opts.peer_timeout_s
-        if p["state"] == "gone" or (p["state"] == "rejected" and recent):
-            info = p["error_info"] or {"type": "PeerGone", "message": f"prefill {prefill} is gone"}
-            raise error_from_wire(info["type"], info["message"])
+        recent = p.registered_s_ago < self.opts.peer_timeout_s
+        if p.state is PeerState.GONE or (p.state is PeerState.REJECTED and recent):
+            info = p.error or ErrorInfo(type="PeerGone", message=f"prefill {prefill} is gone")
+            raise error_from_wire(info.type, info.message)
 
-    def _make_room(self, prefill: str, known: dict[str, dict]) -> None:
+    def _make_room(self, prefill: str, known: dict[str, PrefillSnapshot]) -> None:
         """At most ``MAX_PREFILLS`` prefills connected: close an idle one for a new address."""
         if prefill in known or len(known) < MAX_PREFILLS:
             return
@@ -400,13 +401,12 @@ class AgentDecodeWorker(AgentWorker):
         settle(fut, res)
 
 
-def _held_elsewhere(p: dict, peer_timeout_s: float) -> bool:
+def _held_elsewhere(p: PrefillSnapshot, peer_timeout_s: float) -> bool:
     """A refusal that passes by itself: the prefill still holds this decode's former connection
     (``WorkerIdInUse``, after this decode was frozen or its socket renewed) until it times it out;
     asked again once that long went by."""
-    info = p.get("error_info") or {}
-    ago = p.get("registered_s_ago")
-    return p["state"] == "rejected" and info.get("type") == "WorkerIdInUse" and ago is not None and ago > peer_timeout_s
+    held = p.error is not None and p.error.type == "WorkerIdInUse"
+    return p.state is PeerState.REJECTED and held and p.registered_s_ago > peer_timeout_s
 
 
 def _size(alloc: rq.Allocation) -> str:
@@ -419,17 +419,10 @@ def _failed(room: int, seq_len: int, reason: str, prefill: str) -> TransferResul
     )
 
 
-def _peer(address: str, d: dict | None) -> PeerStatus:
+def _peer(address: str, d: PrefillSnapshot | None) -> PeerStatus:
     if d is None:
         return PeerStatus(address, PeerState.PENDING)
-    err = d.get("error_info")
-    return PeerStatus(
-        address,
-        PeerState(d["state"]),
-        None if err is None else ErrorInfo(**err),
-        d["incarnation"] or None,
-        d["fingerprint"],
-    )
+    return PeerStatus(address, d.state, d.error, d.incarnation or None, d.fingerprint)
 
 
 __all__ = ["AgentDecodeWorker", "MAX_PREFILLS"]

@@ -85,10 +85,10 @@ class WorkerOptions:
 class WorkerHooks:
     """Fault-injection seams of a prefill worker, for tests; the defaults do nothing.
 
-    ``delay_before_copy_s``: a request thread waits this long after computing a request's
-    content and before handing its pages to the agent's sender, so a test can kill or freeze a
-    process while requests are ``TRANSFERRING``. The wait ends early when the decode gives the
-    request up or the worker stops.
+    ``delay_before_copy_s``: a request waits this long (a timer on the prefill's request loop)
+    after its content was computed and before its pages go to the agent's sender, so a test can
+    kill or freeze a process while requests are ``TRANSFERRING``. The wait ends early when the
+    decode gives the request up or the worker stops.
     """
 
     delay_before_copy_s: float = 0.0

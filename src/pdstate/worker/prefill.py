@@ -1,19 +1,28 @@
 """``pdstate serve``'s prefill: a ``PrefillAgent`` over this worker's pools, computing a request
 (``worker.synth``'s content, the stand-in for the model) only once a decode asks for it.
 
-A decode's ``AgentRequest`` for a room this worker has no sender for reaches ``_on_request`` (the
-agent's I/O thread): it refuses at once when the worker drains (``prefill shutting down``), when
-the decode named no token count, or when ``max_inflight`` requests are in flight (``PrefillBusy``:
-the decode asks again); otherwise it hands the request to a request thread, which allocates the
-source pages (waiting, up to the request deadline, for pages that finishing requests free; a
-request that cannot fit fails with ``AllocationError``), fills them, sends them through a ``KVSender`` (in
-``chunks`` chunks, the state with the last) and frees them once the sender is terminal (the agent
-fences a failed one first: nothing reads the pages after).
+No thread runs per request: a request's lifecycle lives on the worker's one request loop
+(``base.Timers``, as the decode's does). A decode's ``AgentRequest`` for a room this worker has
+no sender for reaches ``_on_request`` (the agent's I/O thread): it refuses at once when the
+worker drains (``prefill shutting down``), when the decode named no token count, or when
+``max_inflight`` requests are in flight (``PrefillBusy``: the decode asks again); otherwise it
+posts the request to the loop. There the request takes its source pages (or waits in line, up to
+the request deadline, for pages that ending requests free; a request that cannot fit fails with
+``AllocationError``), has them filled, sends them through a ``KVSender`` (in ``chunks`` chunks,
+the state with the last) and frees them once the sender is terminal (the agent fences a failed
+one first: nothing reads the pages after); the sender's done callback brings its end to the loop,
+and a timer aborts a sender with no verdict past ``request_deadline_s + peer_timeout_s``.
+
+The fill is the one step off the loop: it is CPU work (one pass over the request's bytes, tens of
+milliseconds for a large ``dsv4-flash`` request) that would hold every other request's steps
+while it ran. It runs on one compute thread fed by a queue (``COMPUTE_THREADS``), which posts the
+result back to the loop; the request's state never leaves the loop.
 
 Stopping (``stop()``, SIGTERM through ``pdstate serve``): new requests are refused; with
 ``drain_s`` the requests in flight get that long to finish; then the agent fails the rest with
-``prefill shutting down`` and says ``Goodbye`` to every decode, the request threads end, and the
-pools (shared memory included) are released.
+``prefill shutting down`` and says ``Goodbye`` to every decode, the compute thread and the loop
+end (every request left ends with that reason), and the pools (shared memory included) are
+released.
 """
 
 from __future__ import annotations
@@ -21,8 +30,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -35,22 +46,40 @@ from pdstate.errors import (
     PrefillBusy,
     ProtocolError,
     RoomInFlight,
+    TransferTimedOut,
     error_from_wire,
 )
 from pdstate.protocol.lifecycle import PeerState, RequestState
+from pdstate.protocol.peers import PeerSnapshot
 from pdstate.protocol.report import ErrorInfo
+from pdstate.worker import requests as rq
 from pdstate.worker import synth
-from pdstate.worker.base import AgentWorker, now
+from pdstate.worker.base import AgentWorker, Timers, now
 from pdstate.worker.options import NO_HOOKS, WorkerHooks, WorkerOptions
 from pdstate.worker.status import PeerStatus, RequestStatus, WorkerSnapshot
 
 log = logging.getLogger("pdstate.worker.prefill")
 
 SHUTTING_DOWN = "prefill shutting down"
-REQUEST_THREADS = 16  # at most this many requests are filled and sent at once (the rest wait their turn)
-
+COMPUTE_THREADS = 1  # the synthetic compute's one thread; requests wait their turn in its queue
+HOLD_POLL_S = 0.02  # ``delay_before_copy_s``: how often a held request looks whether it was given up
 
 AUTH_RECENT_S = 60.0  # a frame refused for its auth tag, a decode dropped: named on /readyz this long
+
+
+@dataclass(eq=False)
+class Job:
+    """One request of this prefill on its request loop (touched only there, after ``_on_request``)."""
+
+    status: RequestStatus
+    t0: float = field(default_factory=time.perf_counter)
+    alloc: rq.Allocation | None = None
+    sender: Any = None  # its KVSender, once its pages were filled
+    compute_s: float = 0.0
+    hold_end: float | None = None  # ``delay_before_copy_s``: when the hold ends
+    error: BaseException | None = None  # why it was ended while its sender was live
+    done: bool = False
+    timers: list = field(default_factory=list)  # page deadline, hold, verdict deadline
 
 
 class AgentPrefillWorker(AgentWorker):
@@ -66,9 +95,11 @@ class AgentPrefillWorker(AgentWorker):
         self.endpoint = ""
         self._draining = threading.Event()
         self._drain_end = float("inf")  # set (before ``_draining``) by ``stop``
-        self._threads = ThreadPoolExecutor(
-            max_workers=max(1, min(opts.max_inflight, REQUEST_THREADS)), thread_name_prefix="pdstate-prefill-request"
-        )
+        self._timers = Timers("pdstate-prefill-requests")
+        self._compute = ThreadPoolExecutor(max_workers=COMPUTE_THREADS, thread_name_prefix="pdstate-prefill-compute")
+        # request loop only:
+        self._jobs: dict[int, Job] = {}  # room -> request, until it ends
+        self._for_pages: deque[Job] = deque()  # in line for pages, first come first served
 
     def start(self) -> AgentPrefillWorker:
         """Raises ``LocalCheckFailed`` (own pair refused, with ``local_checks``), ``EngineError``
@@ -99,6 +130,9 @@ class AgentPrefillWorker(AgentWorker):
         self.close_side()
 
     def close_side(self) -> None:
+        """The agent closes first (every live sender fails; its callback is posted to the loop),
+        then the compute thread ends (what it runs finishes, what waits for it is dropped), then
+        the loop ends every request left: no step touches the pools after this. Idempotent."""
         if self._closed:
             return
         try:
@@ -107,7 +141,9 @@ class AgentPrefillWorker(AgentWorker):
                 self.agent.close(SHUTTING_DOWN)
                 log.info("prefill %s stopping: told %d decode(s), ended %d request(s)", self.worker_id, told, ended)
         finally:
-            self._threads.shutdown(wait=True)  # no request thread touches the pools after this
+            self._compute.shutdown(wait=True, cancel_futures=True)
+            self._timers.post(self._fail_all)
+            self._timers.stop()
             super().close_side()
 
     def _audience(self) -> tuple[int, int]:
@@ -127,58 +163,165 @@ class AgentPrefillWorker(AgentWorker):
         if n >= self.opts.max_inflight:
             self.stats.busy()
             raise PrefillBusy(f"prefill busy: {n} requests in flight (max_inflight {self.opts.max_inflight})")
-        status = RequestStatus(room, RequestState.BOOTSTRAPPING, seq_len, now(), peer=decode)
-        if not self._enter(status):
+        job = Job(RequestStatus(room, RequestState.BOOTSTRAPPING, seq_len, now(), peer=decode))
+        if not self._enter(job.status):
             raise RoomInFlight(f"room {room} is already in flight on this prefill")
-        try:
-            self._threads.submit(self._serve, status)
-        except RuntimeError as exc:  # shutting down: the executor takes no more
-            self._done(status, None, AgentClosed(SHUTTING_DOWN))
-            raise AgentClosed(SHUTTING_DOWN) from exc
+        if not self._timers.post(self._step, self._begin, job):  # the loop has stopped
+            self._done(job, None, AgentClosed(SHUTTING_DOWN))
+            raise AgentClosed(SHUTTING_DOWN)
 
-    # -- a request thread ---------------------------------------------------------------------
-    def _serve(self, status: RequestStatus) -> None:
-        sender, error, compute_s = None, None, 0.0
-        t0 = time.perf_counter()
-        try:  # pages other requests still hold are waited for (their senders end soon)
-            alloc = self.page_pool.allocate(
-                self.names, status.seq_len, wait_s=self.opts.request_deadline_s, owner=status.peer, share=self._share()
-            )
-        except PdStateError as exc:
-            self._refuse(status.room, exc)
-            self._done(status, None, exc, time.perf_counter() - t0)
+    # -- the request loop: each step of a request -----------------------------------------------
+    def _step(self, fn, job: Job, *args) -> None:
+        """Run one step of ``job``; an exception ends the request with it."""
+        if job.done:
             return
         try:
-            synth.fill_source(self.kv_args, status.room, alloc.lists)  # the stand-in for the model
-            compute_s = time.perf_counter() - t0
-            self._moved(status, RequestState.TRANSFERRING)
-            self._hold(status)
-            # its decode aborted, or went, while this one waited or computed; or this worker stops
-            given_up = self._given_up(status) or self._past_drain()
-            if given_up is not None:
-                self._refuse(status.room, given_up)  # (a gone decode's request still waits at the agent)
-                raise given_up
-            pages = alloc.lists[0]
-            sender = self.agent.sender(status.room, int(pages.size))
-            parts = np.array_split(pages, min(self.chunks, max(1, pages.size)))
-            for part in parts[:-1]:
-                sender.send(part)
-            sender.send(parts[-1], alloc.lists[1:])
-            state = sender.wait(self.opts.request_deadline_s + self.opts.peer_timeout_s)
-            if not state.terminal:
-                sender.abort(f"prefill: no verdict within {self.opts.request_deadline_s:g} s")
-            error = sender.failure_exception()
-        except Exception as exc:  # AgentClosed at shutdown, a refused chunk, a timed-out fence
-            error = AgentClosed(SHUTTING_DOWN) if isinstance(exc, AgentClosed) and self._draining.is_set() else exc
-        if sender is None or sender.state.terminal:
-            self.page_pool.free(alloc, owner=status.peer)  # terminal: fenced, nothing reads these pages any more
-        else:  # pragma: no cover - a wedged engine: keep the pages out of use rather than reuse them
+            fn(job, *args)
+        except Exception as exc:  # AgentClosed at shutdown, a refused chunk, pages that never came
+            self._end(job, exc)
+
+    def _begin(self, job: Job) -> None:
+        self._jobs[job.status.room] = job
+        job.timers.append(self._timers.later(self.opts.request_deadline_s, self._step, self._expire, job))
+        job.alloc = self._try_allocate(job, self._share())  # PrefillBusy past its decode's share
+        if job.alloc is None:  # pages other requests still hold are waited for (their senders end soon)
+            self._for_pages.append(job)
+        else:
+            self._start_compute(job)
+
+    def _try_allocate(self, job: Job, share: float) -> rq.Allocation | None:
+        return self.page_pool.try_allocate(self.names, job.status.seq_len, owner=job.status.peer, share=share)
+
+    def _expire(self, job: Job) -> None:
+        """The request deadline while in line for pages: the allocator's own refusal (still full)."""
+        if job.alloc is not None:
+            return
+        self._for_pages.remove(job)
+        s = job.status
+        job.alloc = self.page_pool.allocate(self.names, s.seq_len, owner=s.peer, share=self._share())
+        self._start_compute(job)  # (pages freed just now)
+
+    def _start_compute(self, job: Job) -> None:
+        try:
+            self._compute.submit(self._fill, job)
+        except RuntimeError as exc:  # shutting down: the compute thread takes no more
+            raise AgentClosed(SHUTTING_DOWN) from exc
+
+    def _fill(self, job: Job) -> None:
+        """The compute thread: the stand-in for the model; its outcome goes back to the loop."""
+        error = None
+        try:
+            synth.fill_source(self.kv_args, job.status.room, job.alloc.lists)
+        except Exception as exc:
+            error = exc
+        job.compute_s = time.perf_counter() - job.t0
+        self._timers.post(self._step, self._computed, job, error)
+
+    def _computed(self, job: Job, error: BaseException | None) -> None:
+        if error is not None:
+            raise error
+        self._moved(job.status, RequestState.TRANSFERRING)
+        self._hold(job)
+
+    def _hold(self, job: Job) -> None:
+        """The test seam ``delay_before_copy_s``: wait (a timer) before sending, ending early once
+        the decode gave the request up (or is gone) or this worker stops."""
+        delay = self.hooks.delay_before_copy_s
+        if delay > 0:
+            if job.hold_end is None:
+                job.hold_end = time.monotonic() + delay
+            left = job.hold_end - time.monotonic()
+            if left > 0 and not self._draining.is_set() and self._given_up(job.status) is None:
+                job.timers.append(self._timers.later(min(left, HOLD_POLL_S), self._step, self._hold, job))
+                return
+        self._send(job)
+
+    def _send(self, job: Job) -> None:
+        # its decode aborted, or went, while this one waited or computed; or this worker stops
+        given_up = self._given_up(job.status) or self._past_drain()
+        if given_up is not None:
+            raise given_up  # refused at the agent (a gone decode's request still waits there)
+        pages = job.alloc.lists[0]
+        sender = job.sender = self.agent.sender(job.status.room, int(pages.size))
+        sender.add_done_callback(lambda _s: self._timers.post(self._step, self._sent, job))
+        parts = np.array_split(pages, min(self.chunks, max(1, pages.size)))
+        for part in parts[:-1]:
+            sender.send(part)
+        sender.send(parts[-1], job.alloc.lists[1:])
+        limit = self.opts.request_deadline_s + self.opts.peer_timeout_s
+        job.timers.append(self._timers.later(limit, self._step, self._overdue, job))
+
+    def _overdue(self, job: Job) -> None:
+        if not job.sender.state.terminal:
+            self._abort(job.sender, f"prefill: no verdict within {self.opts.request_deadline_s:g} s")
+
+    def _sent(self, job: Job) -> None:
+        """The sender ended (the agent's completion, brought to the loop): fenced, so its pages
+        go back."""
+        self._finish(job, job.error or job.sender.failure_exception())
+
+    def _end(self, job: Job, exc: BaseException) -> None:
+        """End ``job`` with ``exc``: told to its decode while it has no sender; a live sender is
+        aborted first and ends the request from its done callback, once fenced."""
+        if job.done:
+            return
+        error = AgentClosed(SHUTTING_DOWN) if isinstance(exc, AgentClosed) and self._draining.is_set() else exc
+        sender = job.sender
+        if sender is None:
+            self._refuse(job.status.room, error)
+        elif not sender.state.terminal:
+            job.error = error
+            self._abort(sender, str(error))
+            return
+        self._finish(job, error)
+
+    def _abort(self, sender, reason: str) -> None:
+        try:
+            sender.abort(reason, timeout_s=0)
+        except (TransferTimedOut, AgentClosed, TimeoutError):
+            pass  # not fenced yet (or closed meanwhile): its done callback comes once it is
+
+    def _finish(self, job: Job, error: BaseException | None) -> None:
+        job.done = True
+        for t in job.timers:
+            t.cancel()
+        self._jobs.pop(job.status.room, None)
+        if job in self._for_pages:
+            self._for_pages.remove(job)
+        freed = False
+        if job.alloc is not None and (job.sender is None or job.sender.state.terminal):
+            self.page_pool.free(job.alloc, owner=job.status.peer)  # nothing reads these pages any more
+            freed = True
+        elif job.alloc is not None:  # pragma: no cover - a wedged engine: keep the pages out of use
             log.error(
                 "room %d: the sender is still %s after its abort; its pages stay allocated",
-                status.room,
-                sender.state.value,
+                job.status.room,
+                job.sender.state.value,
             )
-        self._done(status, sender, error, time.perf_counter() - t0, compute_s)
+        self._done(job, job.sender, error)
+        if freed:
+            self._give_pages()
+
+    def _give_pages(self) -> None:
+        """Pages came back: hand them to the requests in line, in order (each that fits)."""
+        if not self._for_pages:
+            return
+        share = self._share()
+        for job in list(self._for_pages):
+            try:
+                alloc = self._try_allocate(job, share)
+            except PdStateError as exc:  # past its decode's share now
+                self._end(job, exc)
+                continue
+            if alloc is not None:
+                self._for_pages.remove(job)
+                job.alloc = alloc
+                self._step(self._start_compute, job)
+
+    def _fail_all(self) -> None:
+        """At close (the agent and the compute thread ended first): end every request left."""
+        for job in list(self._jobs.values()):
+            self._end(job, AgentClosed(SHUTTING_DOWN))
 
     def _share(self) -> float:
         """The most of the pools one decode may hold now: ``decode_share`` while another decode
@@ -189,14 +332,6 @@ class AgentPrefillWorker(AgentWorker):
     def set_hooks(self, hooks: WorkerHooks) -> None:
         """Swap the fault-injection hooks (tests); requests computed later see the new ones."""
         self.hooks = hooks
-
-    def _hold(self, status: RequestStatus) -> None:
-        """The test seam ``delay_before_copy_s``: wait before sending, ending early once the decode
-        gave the request up (or is gone) or this worker stops."""
-        end = time.monotonic() + self.hooks.delay_before_copy_s
-        while (left := end - time.monotonic()) > 0 and self.hooks.delay_before_copy_s > 0:
-            if self._given_up(status) is not None or self._draining.wait(min(left, 0.02)):
-                return
 
     def _past_drain(self) -> PdStateError | None:
         """A request not sent yet when the drain's time is up is not sent at all: it ends with
@@ -212,9 +347,9 @@ class AgentPrefillWorker(AgentWorker):
         if refused is not None:
             return refused
         for d in self._ask_agent(lambda a: a.peers(), []):
-            if d["id"] == status.peer and d["state"] == "gone":
-                err = d.get("error") or {"type": "PeerGone", "message": f"decode {status.peer} is gone"}
-                return error_from_wire(err["type"], err["message"])
+            if d.id == status.peer and d.state is PeerState.GONE:
+                err = d.error or ErrorInfo(type="PeerGone", message=f"decode {status.peer} is gone")
+                return error_from_wire(err.type, err.message)
         if self.agent.alive and not self.agent.requested(status.room):  # dropped: its decode registered again
             return PeerGone(f"decode {status.peer} registered again or went before room {status.room} was sent")
         return None
@@ -224,15 +359,14 @@ class AgentPrefillWorker(AgentWorker):
             if status.room in self._live:
                 self._live[status.room] = replace(self._live[status.room], state=state)
 
-    def _refuse(self, room: int, error: PdStateError) -> None:
+    def _refuse(self, room: int, error: BaseException) -> None:
         try:
             self.agent.refuse(room, error)
         except (AgentClosed, TimeoutError):
             pass  # closed meanwhile: the decode was told "prefill shutting down"
 
-    def _done(
-        self, status: RequestStatus, sender, error: BaseException | None, seconds: float = 0.0, compute_s: float = 0.0
-    ) -> None:
+    def _done(self, job: Job, sender, error: BaseException | None) -> None:
+        status, seconds = job.status, time.perf_counter() - job.t0
         metrics = {} if sender is None else sender.metrics
         ok = error is None and sender is not None and sender.state is RequestState.SUCCESS
         if ok:
@@ -262,13 +396,14 @@ class AgentPrefillWorker(AgentWorker):
                 "error": None if ok or error is None else ErrorInfo.of(error).model_dump(),
                 "bytes": int(metrics.get("bytes", 0)),
                 "seconds": round(seconds, 6),
-                "compute_s": round(compute_s, 6),
+                "compute_s": round(job.compute_s, 6),
             },
         )
 
     # -- status (any thread) ------------------------------------------------------------------
     def status(self) -> WorkerSnapshot:
         peers = tuple(_peer(d) for d in self._ask_agent(lambda a: a.peers(), []))
+        loop_dead = () if self._closed or self._timers.alive else ("pdstate-prefill-requests",)
         return WorkerSnapshot(
             role=self.role,
             worker_id=self.worker_id,
@@ -276,7 +411,7 @@ class AgentPrefillWorker(AgentWorker):
             endpoint="" if self._closed else self.endpoint,
             peers=peers,
             requests=self._requests(),
-            dead_threads=self._dead_threads(),
+            dead_threads=self._dead_threads() + loop_dead,
             peak_in_flight=self.peak_in_flight,
             auth_error=self._ask_agent(lambda a: a.auth_failures.recent(AUTH_RECENT_S), None),
             dropped=self._ask_agent(lambda a: a.withheld.recent(AUTH_RECENT_S), None),
@@ -287,11 +422,8 @@ class AgentPrefillWorker(AgentWorker):
             return list(self.finished.values())
 
 
-def _peer(d: dict) -> PeerStatus:
-    err = d.get("error")
-    return PeerStatus(
-        d["id"], PeerState(d["state"]), None if err is None else ErrorInfo(**err), d["incarnation"], d["fingerprint"]
-    )
+def _peer(d: PeerSnapshot) -> PeerStatus:
+    return PeerStatus(d.id, d.state, d.error, d.incarnation, d.fingerprint)
 
 
 __all__ = ["AgentPrefillWorker"]

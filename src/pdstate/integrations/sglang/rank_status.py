@@ -23,15 +23,14 @@ import threading
 
 from pdstate import logs
 from pdstate.errors import AgentClosed
-from pdstate.protocol.lifecycle import RequestState
+from pdstate.protocol.lifecycle import PeerState, RequestState
+from pdstate.protocol.peers import PeerSnapshot, PrefillSnapshot
 from pdstate.protocol.report import ErrorInfo
 from pdstate.worker.stats import Stats
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
 __all__ = ["RankCounters", "RankStatus"]
-
-PEER_KEYS = ("id", "state", "error", "incarnation", "fingerprint", "transport")  # ``PeerModel``'s fields
 
 
 class _AgentCounts(Stats):
@@ -130,22 +129,30 @@ class RankStatus:
         r = self.report.local_check
         return r.ok, r.error
 
-    def _snapshot(self) -> list[dict] | None:
-        """The agent's peers in ``/v1/compat``'s form (``None``: the agent is closed)."""
+    def _snapshot(self) -> list[PeerSnapshot | PrefillSnapshot] | None:
+        """The agent's peers: a prefill's decodes, a decode's prefills (``None``: the agent is closed)."""
         agent = self._mgr.agent
         try:
-            if self.role == "prefill":
-                found = agent.peers()
-            else:
-                found = [{"id": a, **p, "error": p["error_info"]} for a, p in agent.prefills().items()]
+            return agent.peers() if self.role == "prefill" else list(agent.prefills().values())
         except (AgentClosed, TimeoutError):
             return None
-        for p in found:
-            p["transport"] = self._peer_transport if p["state"] == "accepted" else None
-        return [{k: p.get(k) for k in PEER_KEYS} for p in found]
+
+    def _docs(self, peers: list[PeerSnapshot | PrefillSnapshot] | None) -> list[dict]:
+        """``peers`` in ``/v1/compat``'s form: ``PeerModel``'s fields, in its order."""
+        return [
+            {
+                "id": p.id if isinstance(p, PeerSnapshot) else p.address,
+                "state": p.state.value,
+                "error": None if p.error is None else p.error.model_dump(),
+                "incarnation": p.incarnation,
+                "fingerprint": p.fingerprint,
+                "transport": self._peer_transport if p.state is PeerState.ACCEPTED else None,
+            }
+            for p in peers or ()
+        ]
 
     def peers(self) -> list[dict]:
-        return self._snapshot() or []
+        return self._docs(self._snapshot())
 
     def status(self) -> dict:
         """One snapshot for the endpoint's process (``status.pushed.status_of``): one call on
@@ -155,7 +162,7 @@ class RankStatus:
         peers = self._snapshot()
         stats = self.stats
         new, self._seen = stats.latencies_s.since(self._seen)
-        return status_of(self.readiness(peers), peers or [], stats, self.in_flight(), (new, self._seen))
+        return status_of(self.readiness(peers), self._docs(peers), stats, self.in_flight(), (new, self._seen))
 
     def status_key(self) -> tuple:
         """What moves, without a call on the agent's thread, when a peer's handshake is answered
@@ -163,7 +170,7 @@ class RankStatus:
         agent = self._mgr.agent
         return (tuple(agent.handshakes.values()), agent.auth_failures.count, agent.closed, agent.alive)
 
-    def readiness(self, peers: list[dict] | None | bool = False):
+    def readiness(self, peers: list[PeerSnapshot | PrefillSnapshot] | None | bool = False):
         """Ready: the agent alive (and its pair's local check passed) and, on a decode, at least
         one prefill accepted this rank; else why not. ``peers``: the agent's, already taken
         (``None``: the agent was closed); by default taken here."""
@@ -182,18 +189,18 @@ class RankStatus:
             peers = self._snapshot()
         if peers is None:
             return Readiness(False, "the pdstate agent of this rank is closed", "shutdown")
-        if self.role == "prefill" or any(p["state"] == "accepted" for p in peers):
+        if self.role == "prefill" or any(p.state is PeerState.ACCEPTED for p in peers):
             return Readiness(True)
+        for p in peers:  # a decode's prefills (``PrefillSnapshot``)
+            if p.state is PeerState.REJECTED:
+                e = p.error or ErrorInfo(type="RuntimeError", message="handshake refused")
+                return Readiness(False, f"refused by the prefill at {p.address}: {e.message}", "handshake", e)
         for p in peers:
-            if p["state"] == "rejected":
-                e = ErrorInfo(**(p["error"] or {"type": "RuntimeError", "message": "handshake refused"}))
-                return Readiness(False, f"refused by the prefill at {p['id']}: {e.message}", "handshake", e)
-        for p in peers:
-            if p["state"] == "gone":
-                why = p["error"]["message"] if p["error"] else "no heartbeat"
-                return Readiness(False, f"the prefill at {p['id']} is gone ({why})", "peer")
+            if p.state is PeerState.GONE:
+                why = p.error.message if p.error else "no heartbeat"
+                return Readiness(False, f"the prefill at {p.address} is gone ({why})", "peer")
         if peers:
-            return Readiness(False, f"waiting for the prefill at {peers[0]['id']} to answer the handshake", "peer")
+            return Readiness(False, f"waiting for the prefill at {peers[0].address} to answer the handshake", "peer")
         return Readiness(False, "no prefill accepted yet: a decode rank dials the prefill of its first request", "peer")
 
     def in_flight(self) -> int:
