@@ -45,8 +45,8 @@ def test_a_prefill_snapshot_says_its_error_in_one_line():
 
 def test_the_peer_log_keeps_snapshots_and_replaces_a_gone_one_in_place():
     log = PeerLog()
-    log.note("a", "accepted", "inc-a", "fp-a", None)
-    log.note("b", "rejected", "inc-b", "fp-b", REFUSED)
+    log.note("a", PeerState.ACCEPTED, "inc-a", "fp-a", None)
+    log.note("b", PeerState.REJECTED, "inc-b", "fp-b", REFUSED)
     before = log.records()
     log.gone("a", "inc-other", "missed heartbeats")  # another incarnation: not this record
     assert log.records() == before

@@ -32,6 +32,7 @@ from pdstate.pools.reporting import build_report
 from pdstate.protocol import handshake as h
 from pdstate.protocol import wire
 from pdstate.protocol.lifecycle import RequestState as S
+from pdstate.protocol.peers import DecodeSnapshot
 from pdstate.protocol.report import ErrorInfo
 from tests.support.pools import TINY, kept_pools
 
@@ -206,7 +207,7 @@ def test_a_compatible_register_is_accepted_and_its_engine_connected():
     assert (answer[1].worker_id, answer[1].incarnation, answer[1].peer_timeout_s) == ("prefill-0", "p-inc", TIMEOUT)
     assert t.engine.connected == [({"segment": "seg-decode-0"}, "decode-0/d-inc")]
     assert t.core.handshakes == {"accepted": 1, "rejected": 0}
-    assert t.core.decode_list(2.5) == [{"worker_id": "decode-0", "incarnation": "d-inc", "last_seen_s": 2.5}]
+    assert t.core.decode_list(2.5) == [DecodeSnapshot("decode-0", "d-inc", 2.5)]
     assert [(p.id, p.state, p.error) for p in t.core.peer_log.records()] == [("decode-0", "accepted", None)]
 
 
