@@ -185,12 +185,18 @@ def draft_fix(p: Any, d: Any, _layouts: Layouts | None = None) -> str:
     return "fix: set draft.enabled, draft.layers and pool.speculative_num_draft_tokens alike on both workers"
 
 
+def first_word(value: Any) -> str:
+    """``value`` up to its first period or space (a clipped peer's value: up to its count)."""
+    text = str(value)
+    return text[: next((i for i, c in enumerate(text) if c == "." or c.isspace()), len(text))]
+
+
 def upstream_fix(flag: str, key: str):
     """Upstream's own advice first ("Both servers must use the same --page-size value."), then
-    pdstate's key."""
+    pdstate's key and both values (the decode's as one word: the sentence's period follows it)."""
     return lambda p, d, _layouts=None: (
         f"fix: Both servers must use the same {flag} value: in pdstate, set {key} "
-        f"to one value in both workers' configs ({sides(p, d, str)})"
+        f"to one value in both workers' configs (prefill {p}, decode {first_word(d)})"
     )
 
 
