@@ -10,7 +10,6 @@ SGLang's (launch lines).
 
 from __future__ import annotations
 
-import argparse
 import logging
 
 import pytest
@@ -22,8 +21,8 @@ from pdstate.pools.reporting import build_report
 from pdstate.protocol import factors
 from pdstate.protocol.compat import compat_errors
 from pdstate.protocol.report import diff
-from pdstate.service import preflight
 from tests.agent.support import make_side
+from tests.support.preflight import run_check
 
 FAKE = factors.Factor(
     "request_slots",
@@ -94,20 +93,11 @@ def test_two_agents_differing_only_in_it_are_refused_on_both_sides_with_its_fix(
     assert f"handshake refused peer={pa.address} factor=request_slots: LayoutMismatch: {MESSAGE}; {FIX}" in refusals
 
 
-def _check(capsys, argv: list[str]) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser()
-    preflight.configure_check(parser)
-    args = parser.parse_args(argv)
-    rc = args.func(args)
-    out = capsys.readouterr()
-    return int(rc), out.out, out.err
-
-
 def test_pdstate_check_names_it_with_the_fix_in_serves_words(fake, tmp_path, capsys):
     pre, dec = tmp_path / "p.toml", tmp_path / "d.toml"
     pre.write_text('role = "prefill"\npreset = "tiny"\n')
     dec.write_text('role = "decode"\npreset = "tiny"\n[pool]\nmax_num_reqs = 8\n')
-    rc, _, err = _check(capsys, [str(pre), str(dec)])
+    rc, _, err = run_check([str(pre), str(dec)], capsys)
     assert rc == 1
     assert err.splitlines() == [f"pair: LayoutMismatch: {MESSAGE}", f"  {FIX}"]
 
@@ -118,7 +108,7 @@ FLASH = "--model-path deepseek-ai/DeepSeek-V4-Flash --trust-remote-code"
 def test_pdstate_check_sglang_names_it_with_the_fix_in_sglangs_words(fake, capsys):
     prefill = f"{FLASH} --disaggregation-mode prefill --max-running-requests 8"
     decode = f"{FLASH} --disaggregation-mode decode"
-    rc, out, err = _check(capsys, ["--sglang", prefill, decode, "--sglang-version", "0.5.23"])
+    rc, out, err = run_check(["--sglang", prefill, decode, "--sglang-version", "0.5.23"], capsys)
     lines = (out + err).splitlines()
     assert rc == 1, lines
     i = lines.index("- --max-running-requests: prefill 8, decode None")
@@ -132,5 +122,5 @@ def test_pdstate_check_sglang_names_it_with_the_fix_in_sglangs_words(fake, capsy
         "state layout."
     )
     both = decode.replace("decode", "decode --max-running-requests 8")
-    rc, out, err = _check(capsys, ["--sglang", prefill, both, "--sglang-version", "0.5.23"])
+    rc, out, err = run_check(["--sglang", prefill, both, "--sglang-version", "0.5.23"], capsys)
     assert rc == 0 and (out + err).splitlines()[-1] == "compatible", out + err

@@ -203,6 +203,9 @@ def upstream_fix(flag: str, key: str):
 # --- SGLang's own backend at run time (0.5.19, measured) -----------------------------------------
 
 
+STAGE_EFFECT = "the buffers pair with other layers: wrong KV"
+
+
 def effect(text: str):
     return lambda _p, _d: text
 
@@ -257,17 +260,3 @@ def draft_effect(p: Any, d: Any) -> str:
             "SGLang reports Success, but the decode's draft SWA KV is never written: the draft starts from stale state"
         )
     return "the two drafts' SWA geometry differs: the draft SWA lands at the wrong slots or sizes"
-
-
-def policy_effect(p: Any, d: Any) -> str:
-    return (
-        "SGLang 0.5.23's decode fails every request of the pair (\"Disaggregation decode allocation policy "
-        f"mismatch: prefill={p}, decode={d}\"), and pdstate's handshake refuses it"
-    )
-
-
-def policy_sglang_fix(p: Any, d: Any) -> str:
-    return (
-        f"set `--disaggregation-decode-allocation-policy {d}` on the prefill (or "
-        f"`{p}` on the decode): SGLang 0.5.23 wants it identical on both roles"
-    )

@@ -137,30 +137,44 @@ def _values_refusal(build: Callable[[Any, Any], CrossSideMismatch], name: str):
 # --- the entries -------------------------------------------------------------------------------
 
 _SAME = "the same state layout"
+
+
+def _upstream_field(name: str, what: str, error: type[CrossSideMismatch], flag: str, key: str, effect: str) -> Factor:
+    """A report field upstream itself compares, refused in its words (which name its flag)."""
+    refusal = _values_refusal(error.build, name)
+    return Factor(
+        name, "field", what, error=error, refusal=refusal, fix=t.upstream_fix(flag, key), effect=t.effect(effect)
+    )
+
+
+def _state_dtype(ratio: int) -> Factor:
+    return Factor(
+        f"c{ratio}_state_dtype",
+        "state",
+        f"the C{ratio} compressor state dtype",
+        fix=t.alike("pool.state_dtype"),
+        effect=t.state_dtype_effect,
+    )
+
+
 _BUILT_IN = (
-    Factor(
+    _upstream_field(
         "page_size",
-        "field",
         "tokens per page",
-        error=PageSizeMismatch,
-        refusal=_values_refusal(PageSizeMismatch.build, "page_size"),
-        fix=t.upstream_fix("--page-size", "pool.page_size"),
-        effect=t.effect(
-            "SGLang's decode refuses the bootstrap (\"Page size mismatch ... Both servers must use the same "
-            '--page-size value."), but the prefill waits in Bootstrapping until its timeout'
-        ),
+        PageSizeMismatch,
+        "--page-size",
+        "pool.page_size",
+        "SGLang's decode refuses the bootstrap (\"Page size mismatch ... Both servers must use the same "
+        '--page-size value."), but the prefill waits in Bootstrapping until its timeout',
     ),
-    Factor(
+    _upstream_field(
         "kv_dtype",
-        "field",
         "the main KV dtype",
-        error=KVCacheDtypeMismatch,
-        refusal=_values_refusal(KVCacheDtypeMismatch.build, "kv_dtype"),
-        fix=t.upstream_fix("--kv-cache-dtype", "pool.kv_dtype"),
-        effect=t.effect(
-            'SGLang\'s decode refuses the bootstrap ("KV cache dtype mismatch", the check beside the page '
-            "size's), and the prefill waits in Bootstrapping until its timeout"
-        ),
+        KVCacheDtypeMismatch,
+        "--kv-cache-dtype",
+        "pool.kv_dtype",
+        'SGLang\'s decode refuses the bootstrap ("KV cache dtype mismatch", the check beside the page '
+        "size's), and the prefill waits in Bootstrapping until its timeout",
     ),
     Factor(
         "layout",
@@ -180,20 +194,8 @@ _BUILT_IN = (
         fix=t.preset_fix,
         effect=t.ratios_effect,
     ),
-    Factor(
-        "stage",
-        "state",
-        "the layer range the pools hold",
-        fix=t.stage_fix,
-        effect=t.effect("the buffers pair with other layers: wrong KV"),
-    ),
-    Factor(
-        "sliding_window",
-        "state",
-        "the SWA window",
-        fix=t.alike("pool.sliding_window"),
-        effect=t.window_effect,
-    ),
+    Factor("stage", "state", "the pools' layer range", fix=t.stage_fix, effect=t.effect(t.STAGE_EFFECT)),
+    Factor("sliding_window", "state", "the SWA window", fix=t.alike("pool.sliding_window"), effect=t.window_effect),
     Factor("c4_ring", "state", "the C4 compress-state ring", fix=t.ring_fix("c4_ring"), effect=t.c4_ring_effect),
     Factor("c128_ring", "state", "the C128 state ring", fix=t.ring_fix("c128_ring"), effect=t.c128_ring_effect),
     Factor(
@@ -203,27 +205,9 @@ _BUILT_IN = (
         fix=t.alike("pool.online_c128 (and pool.online_c128_mtp with speculative decoding)"),
         effect=t.effect("online vs offline C128 state: item sizes differ, wrong C128 state, no error"),
     ),
+    *(_state_dtype(ratio) for ratio in (4, 128)),
     Factor(
-        "c4_state_dtype",
-        "state",
-        "the C4 compress-state dtype",
-        fix=t.alike("pool.state_dtype"),
-        effect=t.state_dtype_effect,
-    ),
-    Factor(
-        "c128_state_dtype",
-        "state",
-        "the C128 state dtype",
-        fix=t.alike("pool.state_dtype"),
-        effect=t.state_dtype_effect,
-    ),
-    Factor(
-        "draft",
-        "state",
-        "the NextN draft's pool geometry",
-        describe=t.describe_draft,
-        fix=t.draft_fix,
-        effect=t.draft_effect,
+        "draft", "state", "the NextN draft's pool", describe=t.describe_draft, fix=t.draft_fix, effect=t.draft_effect
     ),
     Factor(
         "main_kv_item_lens",
@@ -287,8 +271,14 @@ _BUILT_IN = (
         refusal=_values_refusal(AllocationPolicyMismatch.build, "allocation_policy"),
         fix=t.fixed("fix: set --disaggregation-decode-allocation-policy identically on both servers"),
         flag="--disaggregation-decode-allocation-policy",
-        sglang_fix=t.policy_sglang_fix,
-        effect=t.policy_effect,
+        sglang_fix=lambda p, d: (
+            f"set `--disaggregation-decode-allocation-policy {d}` on the prefill (or `{p}` on the decode): "
+            "SGLang 0.5.23 wants it identical on both roles"
+        ),
+        effect=lambda p, d: (
+            "SGLang 0.5.23's decode fails every request of the pair (\"Disaggregation decode allocation policy "
+            f"mismatch: prefill={p}, decode={d}\"), and pdstate's handshake refuses it"
+        ),
     ),
 )
 
