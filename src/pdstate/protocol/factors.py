@@ -19,8 +19,9 @@ The report (``report``: factors, fingerprint, diff), the compatibility check (``
 lines (``fixes``), ``pdstate.pools.reporting`` and the SGLang launch model
 (``pdstate.integrations.sglang.launch``) read this registry. A new factor is one entry here (made
 optional so that older reports and fingerprints stay as they are), its reader in
-``pools.reporting`` where it is a fact of the pools, and where SGLang's launch sets it (``launch``
-names the field: nothing more to write when it is a server setting).
+``pools.reporting`` where it is a fact of the pools, and where SGLang sets it: ``launch`` names the
+ServerArgs field a predicted launch reads it from (nothing more to write), and a running SGLang
+server's value is passed to the report by the backend (``integrations.sglang.settings``).
 """
 
 from __future__ import annotations
@@ -135,8 +136,6 @@ def _values_refusal(build: Callable[[Any, Any], CrossSideMismatch], name: str):
 
 
 # --- the entries -------------------------------------------------------------------------------
-
-_SAME = "the same state layout"
 
 
 def _upstream_field(name: str, what: str, error: type[CrossSideMismatch], flag: str, key: str, effect: str) -> Factor:
