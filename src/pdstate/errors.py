@@ -14,6 +14,7 @@ never by the text.
 
 from __future__ import annotations
 
+import ast
 import enum
 import sys
 
@@ -113,54 +114,83 @@ class DraftMappingMissing(DSV4StateError, AttributeError):
 # --- upstream cross-side sentences -----------------------------------------------------------
 
 
+def _stated(sentence: str, message: str) -> tuple[str | None, tuple[object, object]] | None:
+    """``(factor, (prefill, decode))`` of ``message`` written from ``sentence``, else ``None``."""
+    factor = message[len(sentence.partition("{factor}")[0]) :].partition(":")[0] if "{factor}" in sentence else None
+    lead, mid, tail = sentence.format(prefill="\0", decode="\0", factor=factor).split("\0", 2)
+    ok = message.startswith(lead) and message.endswith(tail) and len(message) >= len(lead) + len(tail)
+    prefill, sep, decode = message[len(lead) : len(message) - len(tail)].rpartition(mid) if ok else ("", "", "")
+    if not sep:
+        return None
+    try:
+        return factor, (ast.literal_eval(prefill), ast.literal_eval(decode))
+    except Exception:  # values that are no literals (a dtype's name) stay texts
+        return factor, (prefill, decode)
+
+
 class CrossSideMismatch(PdStateError, RuntimeError):
-    """Base of the refusals that compare the prefill side with the decode side."""
+    """Base of the refusals that compare the prefill side with the decode side. ``factor``: the layout
+    factor it is about (``pdstate.protocol.factors``); ``prefill``, ``decode``: the values its ``SENTENCE`` states."""
+
+    factor: str | None = None
+    SENTENCE: str | None = None
+
+    def __init__(self, message: str, *, factor: str | None = None, values: tuple[object, object] | None = None) -> None:
+        super().__init__(message)  # rebuilt from the wire's text, it reads its factor and values back from it
+        stated = (factor, values) if values is not None else self.SENTENCE and _stated(self.SENTENCE, message)
+        factor, (self.prefill, self.decode) = stated or (None, (None, None))
+        self.factor = factor or type(self).factor
+
+    @classmethod
+    def build(cls, prefill: object, decode: object):
+        return cls(cls.SENTENCE.format(prefill=prefill, decode=decode), values=(prefill, decode))
 
 
 class PageSizeMismatch(CrossSideMismatch):
-    @staticmethod
-    def build(prefill: object, decode: object) -> PageSizeMismatch:
-        return PageSizeMismatch(
-            f"Page size mismatch: prefill server has page_size={prefill}, but decode server has "
-            f"page_size={decode}. Both servers must use the same --page-size value."
-        )
+    factor = "page_size"
+    SENTENCE = (
+        "Page size mismatch: prefill server has page_size={prefill}, but decode server has "
+        "page_size={decode}. Both servers must use the same --page-size value."
+    )
 
 
 class KVCacheDtypeMismatch(CrossSideMismatch):
-    @staticmethod
-    def build(prefill: object, decode: object) -> KVCacheDtypeMismatch:
-        return KVCacheDtypeMismatch(
-            f"KV cache dtype mismatch: prefill server has kv_cache_dtype={prefill}, but decode "
-            f"server has kv_cache_dtype={decode}. Both servers must use the same "
-            "--kv-cache-dtype value."
-        )
+    factor = "kv_dtype"
+    SENTENCE = (
+        "KV cache dtype mismatch: prefill server has kv_cache_dtype={prefill}, but decode "
+        "server has kv_cache_dtype={decode}. Both servers must use the same --kv-cache-dtype value."
+    )
 
 
 class LayoutMismatch(CrossSideMismatch):
     """Any other layout factor differs; the message names the factor and both values."""
 
-    @staticmethod
-    def build(factor: str, prefill: object, decode: object) -> LayoutMismatch:
-        return LayoutMismatch(
-            f"DSV4 layout mismatch on {factor}: prefill server has {factor}={prefill!r}, but "
-            f"decode server has {factor}={decode!r}. Both servers must build the same state layout."
-        )
+    SENTENCE = (
+        "DSV4 layout mismatch on {factor}: prefill server has {factor}={prefill}, but "
+        "decode server has {factor}={decode}. Both servers must build the same state layout."
+    )
+
+    @classmethod
+    def build(cls, factor: str, prefill: object, decode: object) -> LayoutMismatch:
+        text = cls.SENTENCE.format(factor=factor, prefill=repr(prefill), decode=repr(decode))
+        return cls(text, factor=factor, values=(prefill, decode))
 
 
 class KVLayoutMismatch(CrossSideMismatch):
     """The main or compressed KV byte layouts differ (SGLang 0.5.23's decode refuses at lookup)."""
 
-    @staticmethod
-    def build(prefill: str, decode: str) -> KVLayoutMismatch:
-        return KVLayoutMismatch(
-            f"KV layout mismatch: prefill server has kv_layout={prefill}, but decode server has kv_layout={decode}. "
-            "Both servers must use the same --dsv4-attn-backend and SGLANG_DSV4_KV_LAYOUT."
-        )
+    factor = "kv_layout"
+    SENTENCE = (
+        "KV layout mismatch: prefill server has kv_layout={prefill}, but decode server has kv_layout={decode}. "
+        "Both servers must use the same --dsv4-attn-backend and SGLANG_DSV4_KV_LAYOUT."
+    )
 
 
 class CompressedMLAPoolMismatch(CrossSideMismatch, ValueError):
     """One side registers the compressed-MLA fp8 two-pool layout and the other one pool per layer
     (SGLang 0.5.23 raises this ``ValueError`` when it slices the regions)."""
+
+    factor = "kv_fp8_two_pool"
 
     @staticmethod
     def build(prefill: int, decode: int, single: int, two: int) -> CompressedMLAPoolMismatch:
@@ -174,6 +204,8 @@ class CompressedMLAPoolMismatch(CrossSideMismatch, ValueError):
 class DSparkLayoutMismatch(CrossSideMismatch):
     """The DeepSeek-V4.1 DSpark transfer layouts differ (SGLang 0.5.23's decode refuses at lookup)."""
 
+    factor = "dspark"
+
     @staticmethod
     def build(fields: list[str]) -> DSparkLayoutMismatch:
         return DSparkLayoutMismatch(
@@ -185,12 +217,11 @@ class DSparkLayoutMismatch(CrossSideMismatch):
 class AllocationPolicyMismatch(CrossSideMismatch):
     """The decode allocation policies differ (SGLang 0.5.23 fails each request with this reason)."""
 
-    @staticmethod
-    def build(prefill: str, decode: str) -> AllocationPolicyMismatch:
-        return AllocationPolicyMismatch(
-            f"Disaggregation decode allocation policy mismatch: prefill={prefill}, decode={decode}. "
-            "Set --disaggregation-decode-allocation-policy identically on both roles."
-        )
+    factor = "allocation_policy"
+    SENTENCE = (
+        "Disaggregation decode allocation policy mismatch: prefill={prefill}, decode={decode}. "
+        "Set --disaggregation-decode-allocation-policy identically on both roles."
+    )
 
 
 class DescriptorMismatch(CrossSideMismatch):

@@ -1,11 +1,14 @@
-"""A DeepSeek-V4 ``config.json`` for ``pdstate check``'s tests: Flash's own fields, changed as asked."""
+"""For ``pdstate check``'s tests: a DeepSeek-V4 ``config.json`` (Flash's own fields, changed as asked),
+and the command run in this process (``run_check``)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 from pdstate.integrations.sglang.launch.model import builtin_flash_config
+from pdstate.service import preflight
 
 
 def model_config(tmp_path: Path, name: str = "model.json", *, nextn: bool = True, **changes) -> str:
@@ -19,3 +22,13 @@ def model_config(tmp_path: Path, name: str = "model.json", *, nextn: bool = True
     path = Path(tmp_path) / name
     path.write_text(json.dumps(cfg))
     return str(path)
+
+
+def run_check(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``pdstate check ARGV`` in this process: its exit status, stdout and stderr."""
+    p = argparse.ArgumentParser()
+    preflight.configure_check(p)
+    args = p.parse_args(argv)
+    rc = args.func(args)
+    out = capsys.readouterr()
+    return int(rc), out.out, out.err

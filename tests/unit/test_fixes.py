@@ -6,7 +6,6 @@ wire codec, pool construction), never typed by hand, so a changed message shape 
 
 from __future__ import annotations
 
-import argparse
 import re
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pdstate.protocol.report import ErrorInfo
 from pdstate.service import preflight
 from pdstate.settings.config import WorkerConfig
 from tests.support.pools import report_of, tiny
+from tests.support.preflight import run_check
 
 KEY_RE = re.compile(r"\b(role|preset|(?:pool|draft|checks|control|http|transfer|auth)\.[a-z0-9_]+(?:\.[a-z0-9_]+)?)\b")
 FLASH_SMALL = preset("dsv4-flash").with_(full_tokens=1024, swa_tokens=512, max_num_reqs=1)
@@ -292,15 +292,6 @@ def test_fixes_module_does_not_import_torch():
 
 
 # --- pdstate check CONFIG CONFIG prints a fix under each problem -------------------------------
-
-
-def run_check(argv: list[str], capsys) -> tuple[int, str, str]:
-    p = argparse.ArgumentParser()
-    preflight.configure_check(p)
-    args = p.parse_args(argv)
-    rc = args.func(args)
-    out = capsys.readouterr()
-    return int(rc), out.out, out.err
 
 
 def write(tmp_path, name: str, text: str) -> str:

@@ -7,19 +7,14 @@ factors, hence the same fingerprint.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 from pdstate.pools.dsv4 import dtype_name
 from pdstate.pools.interface import PoolView, is_dsv4_pool, pool_view
 from pdstate.pools.kvargs import KVArgs, fill_kv_args, state_components
-from pdstate.protocol.report import (
-    DEFAULT_ALLOCATION_POLICY,
-    FACTOR_NAMES,
-    ErrorInfo,
-    LayoutReport,
-    LocalCheck,
-    PoolFactsModel,
-    default_kv_layout,
-    fingerprint,
-)
+from pdstate.protocol import factors as registry
+from pdstate.protocol.factors import DEFAULT_ALLOCATION_POLICY, default_kv_layout
+from pdstate.protocol.report import ErrorInfo, LayoutReport, LocalCheck, PoolFactsModel, fingerprint
 
 
 def _components(target: object, draft: object | None) -> list:
@@ -63,24 +58,63 @@ def draft_descriptor(draft: object | None) -> dict | None:
     }
 
 
-def upstream_factors(
-    target: object, *, dspark: dict | None = None, allocation_policy: str = DEFAULT_ALLOCATION_POLICY
-) -> tuple[tuple[str, object], ...]:
-    """The optional factors (``report.OPTIONAL_FACTOR_NAMES``) that are not at their default.
-
-    ``kv_layout`` and ``kv_fp8_two_pool`` are read from the pool (SGLang 0.5.23's ``pd_kv_layout()``
-    and ``_unified_kv_fp8``; pdstate's pools and 0.5.19's have the default V4 layout, one pool per
-    layer); ``dspark`` and ``allocation_policy`` are the server's (the SGLang backend passes them)."""
-    out: list[tuple[str, object]] = []
+def _kv_layout(t: PoolView, target: object, _draft: object | None) -> str | None:
+    """SGLang 0.5.23's ``pd_kv_layout()`` where not the default V4 one (pdstate's pools and
+    0.5.19's have the default)."""
     layout = target.pd_kv_layout() if callable(getattr(target, "pd_kv_layout", None)) else None
-    if layout is not None and layout != default_kv_layout(pool_view(target).compression_ratios):
-        out.append(("kv_layout", str(layout)))
-    if getattr(target, "_unified_kv_fp8", False):
-        out.append(("kv_fp8_two_pool", True))
-    if dspark:
-        out.append(("dspark", dict(dspark)))
-    if allocation_policy != DEFAULT_ALLOCATION_POLICY:
-        out.append(("allocation_policy", allocation_policy))
+    if layout is None or layout == default_kv_layout(t.compression_ratios):
+        return None
+    return str(layout)
+
+
+# How each factor read from live pools is read, by name (``pdstate.protocol.factors``): from the
+# target's ``PoolView``, the target pool itself and the draft. A factor not here is a server setting
+# (``build_report``'s ``settings``). An optional factor's reader gives ``None`` at its default.
+Reader = Callable[[PoolView, object, object | None], object]
+READERS: dict[str, Reader] = {
+    "layout": lambda t, _target, _draft: "unified" if t.unified_kv else "paged",
+    "compression_ratios": lambda t, _target, _draft: t.stage_ratios,
+    "stage": lambda t, _target, _draft: list(t.stage),
+    "sliding_window": lambda t, _target, _draft: t.sliding_window,
+    "c4_ring": lambda t, _target, _draft: c4_ring_factor(t),
+    "c128_ring": lambda t, _target, _draft: t.c128_ring_size,
+    "online_c128": lambda t, _target, _draft: t.online_c128,
+    "c4_state_dtype": lambda t, _target, _draft: _state_dtype_factor(t, 4),
+    "c128_state_dtype": lambda t, _target, _draft: _state_dtype_factor(t, 128),
+    "draft": lambda _t, _target, draft: draft_descriptor(draft),
+    "main_kv_item_lens": lambda t, _target, _draft: list(t.contiguous_buf_infos()[2]),
+    "components": lambda _t, target, draft: _components(target, draft),
+    "kv_layout": _kv_layout,
+    # SGLang 0.5.23's ``_unified_kv_fp8`` (upstream's own attribute of its pool)
+    "kv_fp8_two_pool": lambda _t, target, _draft: True if getattr(target, "_unified_kv_fp8", False) else None,
+}
+
+
+def _carried(entry: registry.Factor, value: object) -> bool:
+    """Whether a report carries an optional factor's value: not at its default."""
+    return value is not None and (callable(entry.default) or value != entry.default)
+
+
+def upstream_factors(
+    target: object, draft: object | None = None, settings: Mapping[str, object] | None = None
+) -> tuple[tuple[str, object], ...]:
+    """The optional factors (``registry.names("optional")``) that are not at their default, in
+    protocol order: each one's server setting where ``settings`` names it (the SGLang backend passes
+    0.5.23's DSpark layout and allocation policy), else its reader (``READERS``)."""
+    settings = settings or {}
+    t = pool_view(target)
+    out: list[tuple[str, object]] = []
+    for entry in registry.FACTORS.values():
+        if not entry.optional:
+            continue
+        if entry.name in settings:
+            value = settings[entry.name]
+        elif entry.name in READERS:
+            value = READERS[entry.name](t, target, draft)
+        else:
+            value = None
+        if _carried(entry, value):
+            out.append((entry.name, value))
     return tuple(out)
 
 
@@ -91,14 +125,16 @@ def build_report(
     *,
     dspark: dict | None = None,
     allocation_policy: str = DEFAULT_ALLOCATION_POLICY,
+    settings: Mapping[str, object] | None = None,
 ) -> tuple[LayoutReport, KVArgs | None]:
     """Report a side's layout. Runs ``setup_state_kv_args`` and records its outcome.
 
     ``target`` is a DSV4 pool (pdstate's or SGLang's; anything else is a ``TypeError``); a draft
-    that is not a DSV4 pool is reported as no draft, as upstream skips it. ``dspark`` (0.5.23's
-    DSpark transfer layout) and ``allocation_policy`` are the server's settings SGLang 0.5.23
-    compares across the pair (``upstream_factors``). Returns the report and the filled ``KVArgs``
-    (``None`` when the local check failed).
+    that is not a DSV4 pool is reported as no draft, as upstream skips it. Each factor is read
+    from the pools (``READERS``) or, for a server setting, taken from ``settings`` (by factor name):
+    ``dspark`` (0.5.23's DSpark transfer layout) and ``allocation_policy`` are the settings SGLang
+    0.5.23 compares across the pair. Returns the report and the filled ``KVArgs`` (``None`` when
+    the local check failed).
     """
     t = pool_view(target)
     error: BaseException | None = None
@@ -108,23 +144,10 @@ def build_report(
         except RuntimeError as exc:  # the upstream refusals (AttributeError subclass included)
             error = exc
             kv_args = None
-    start, end = t.stage
-    factors = (
-        ("layout", "unified" if t.unified_kv else "paged"),
-        ("compression_ratios", t.stage_ratios),
-        ("stage", [start, end]),
-        ("sliding_window", t.sliding_window),
-        ("c4_ring", c4_ring_factor(t)),
-        ("c128_ring", t.c128_ring_size),
-        ("online_c128", t.online_c128),
-        ("c4_state_dtype", _state_dtype_factor(t, 4)),
-        ("c128_state_dtype", _state_dtype_factor(t, 128)),
-        ("draft", draft_descriptor(draft)),
-        ("main_kv_item_lens", list(t.contiguous_buf_infos()[2])),
-        ("components", _components(target, draft)),
-    )
-    assert tuple(n for n, _ in factors) == FACTOR_NAMES
-    factors += upstream_factors(target, dspark=dspark, allocation_policy=allocation_policy)
+    server = {"allocation_policy": allocation_policy, **({"dspark": dict(dspark)} if dspark else {})}
+    server.update(settings or {})
+    factors = tuple((name, READERS[name](t, target, draft)) for name in registry.names("state"))
+    factors += upstream_factors(target, draft, server)
     kv_dtype = dtype_name(t.dtype)
     report = LayoutReport(
         page_size=t.page_size,

@@ -4,13 +4,16 @@
 1. what the peer would raise about its own target/draft pair: the five upstream checks re-run on
    the reported facts, the mapping check comparing recorded mapping identities (e.g. a peer whose
    draft has its own mapping -> ``SWAIndexMappingNotShared``);
-2. the upstream cross-side sentences: ``PageSizeMismatch``, then ``KVCacheDtypeMismatch``, then
-   SGLang 0.5.23's (``upstream_mismatch``: ``KVLayoutMismatch``, ``CompressedMLAPoolMismatch``,
-   ``DSparkLayoutMismatch``, ``AllocationPolicyMismatch``). pdstate compares these whatever release
-   either side runs (a 0.5.19 pool states the default layout), where 0.5.23 compares them only
-   between two 0.5.23 servers;
-3. ``LayoutMismatch`` naming the first differing factor (in ``layout.FACTOR_NAMES`` order) with
+2. the upstream cross-side sentences (the registry's factors with a ``refusal`` of their own,
+   ``pdstate.protocol.factors``): ``PageSizeMismatch``, then ``KVCacheDtypeMismatch``, then
+   SGLang 0.5.23's (``KVLayoutMismatch``, ``CompressedMLAPoolMismatch``, ``DSparkLayoutMismatch``,
+   ``AllocationPolicyMismatch``). pdstate compares these whatever release either side runs (a
+   0.5.19 pool states the default layout), where 0.5.23 compares them only between two 0.5.23
+   servers;
+3. ``LayoutMismatch`` naming the first other differing factor (in the registry's order) with
    both values, prefill's first.
+
+Each factor is compared by its entry's rule (``Factor.same``, in ``report.diff``).
 
 ``check_descriptors`` then vets the peer's registered buffers against ours before any request.
 Everything here is pure: the handshake calls it, and so do ``/v1/compat/check`` and
@@ -24,22 +27,16 @@ from typing import Literal
 
 from pdstate.errors import (
     WIRE_TYPES,
-    AllocationPolicyMismatch,
-    CompressedMLAPoolMismatch,
     CrossSideMismatch,
     DescriptorMismatch,
     DraftMappingMissing,
-    DSparkLayoutMismatch,
     DSV4StateError,
-    KVCacheDtypeMismatch,
-    KVLayoutMismatch,
-    LayoutMismatch,
-    PageSizeMismatch,
     PdStateError,
     error_from_wire,
 )
+from pdstate.protocol import factors
 from pdstate.protocol.facts import check_draft_pair, identities_shared
-from pdstate.protocol.report import OPTIONAL_FACTOR_NAMES, ErrorInfo, LayoutReport, diff
+from pdstate.protocol.report import ErrorInfo, LayoutReport, diff
 
 Role = Literal["prefill", "decode"]
 
@@ -82,45 +79,20 @@ def _recheck_own_pair(report: LayoutReport) -> None:
     check_draft_pair(t, d, mapping_shared)
 
 
-def _regions(report: LayoutReport) -> tuple[int, int, int]:
-    """``(registered, one pool per layer, fp8 two-pool)`` main-KV region counts, as 0.5.23 counts them."""
-    ratios = report.factor("compression_ratios")
-    c4, c128 = sum(1 for r in ratios if r == 4), sum(1 for r in ratios if r == 128)
-    single, two = 2 * c4 + c128, 3 * c4 + 2 * c128
-    return (two if report.factor("kv_fp8_two_pool") else single), single, two
-
-
 def upstream_mismatch(name: str, prefill: LayoutReport, decode: LayoutReport) -> CrossSideMismatch:
-    """SGLang 0.5.23's refusal, in its own words, for a differing factor of ``OPTIONAL_FACTOR_NAMES``."""
-    if name == "kv_layout":
-        return KVLayoutMismatch.build(prefill.kv_layout(), decode.kv_layout())
-    if name == "kv_fp8_two_pool":
-        (p_regions, single, two), (d_regions, _, _) = _regions(prefill), _regions(decode)
-        return CompressedMLAPoolMismatch.build(p_regions, d_regions, single, two)
-    if name == "dspark":
-        p, d = prefill.factor("dspark") or {}, decode.factor("dspark") or {}
-        return DSparkLayoutMismatch.build(sorted(k for k in p.keys() | d.keys() if p.get(k) != d.get(k)))
-    if name == "allocation_policy":
-        return AllocationPolicyMismatch.build(prefill.allocation_policy(), decode.allocation_policy())
-    raise ValueError(f"{name!r} is not one of {OPTIONAL_FACTOR_NAMES}")
+    """The refusal, in upstream's own words, of a pair differing in factor ``name`` (one refused
+    in upstream's words: ``Factor.refusal``)."""
+    entry = factors.get(name)
+    if entry is None or entry.refusal is None:
+        raise ValueError(f"{name!r} is not one of {tuple(f.name for f in factors.refusal_order() if f.refusal)}")
+    return entry.refuse(prefill, decode)
 
 
 def _cross_side(prefill: LayoutReport, decode: LayoutReport) -> list[CrossSideMismatch]:
-    """Every cross-side refusal of the pair, in the order ``check_peer`` raises them."""
-    out: list[CrossSideMismatch] = []
-    if prefill.page_size != decode.page_size:
-        out.append(PageSizeMismatch.build(prefill.page_size, decode.page_size))
-    if prefill.kv_dtype != decode.kv_dtype:
-        out.append(KVCacheDtypeMismatch.build(prefill.kv_dtype, decode.kv_dtype))
-    differing = diff(prefill, decode)
-    names = {name for name, _, _ in differing}
-    out += [upstream_mismatch(name, prefill, decode) for name in OPTIONAL_FACTOR_NAMES if name in names]
-    out += [
-        LayoutMismatch.build(name, p_val, d_val)
-        for name, p_val, d_val in differing
-        if name not in OPTIONAL_FACTOR_NAMES and name not in ("page_size", "kv_dtype")
-    ]
-    return out
+    """Every cross-side refusal of the pair, in the order ``check_peer`` raises them
+    (``factors.refusal_order``)."""
+    differing = {name for name, _, _ in diff(prefill, decode)}
+    return [entry.refuse(prefill, decode) for entry in factors.refusal_order() if entry.name in differing]
 
 
 def check_peer(ours: LayoutReport, theirs: LayoutReport, our_role: Role) -> None:

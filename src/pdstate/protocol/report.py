@@ -35,36 +35,19 @@ from typing import Annotated, Any
 import msgpack
 from pydantic import AfterValidator, BaseModel, ConfigDict, field_validator
 
+from pdstate.protocol import factors as registry
+from pdstate.protocol.factors import canon
 from pdstate.protocol.facts import MappingIdentity, PoolFacts
 
-# The order is part of the protocol: it is hashed in this order and differences are named in it.
-FACTOR_NAMES: tuple[str, ...] = (
-    "layout",
-    "compression_ratios",
-    "stage",
-    "sliding_window",
-    "c4_ring",
-    "c128_ring",
-    "online_c128",
-    "c4_state_dtype",
-    "c128_state_dtype",
-    "draft",
-    "main_kv_item_lens",
-    "components",
-)
-
-# What SGLang 0.5.23 compares between its prefill and decode beyond the state layout above, each
-# carried only where it is not at its default (``None``): a report without them is byte-identical to
-# one made before they existed, and a report that lacks one states the default. In this order,
-# after page size and KV dtype, the handshake refuses a difference with 0.5.23's own sentence:
-# - ``kv_layout``: the main and compressed KV byte layouts (``pd_kv_layout()``: ``--dsv4-attn-backend``
-#   and ``SGLANG_DSV4_KV_LAYOUT``); the default is V4 throughout, which is also every 0.5.19 pool's;
-# - ``kv_fp8_two_pool``: the compressed-MLA fp8 two-pool layout (``SGLANG_DSV4_UNIFIED_KV_FP8``), ``True``;
-# - ``dspark``: a DeepSeek-V4.1 DSpark draft's transfer layout (0.5.23's ``get_dsv41_spec_layout``);
-# - ``allocation_policy``: ``--disaggregation-decode-allocation-policy`` where not ``"early"``.
-OPTIONAL_FACTOR_NAMES: tuple[str, ...] = ("kv_layout", "kv_fp8_two_pool", "dspark", "allocation_policy")
-DEFAULT_KV_LAYOUT = "v4"
-DEFAULT_ALLOCATION_POLICY = "early"
+# The factors' names, in the protocol's order (it is hashed in this order and differences are
+# named in it): the registry's (``pdstate.protocol.factors``). ``FACTOR_NAMES`` are the state
+# factors every report carries; ``OPTIONAL_FACTOR_NAMES`` the built-in optional ones, each carried
+# only where it is not at its default (a report without them is byte-identical to one made before
+# they existed, and a report that lacks one states the default). What SGLang 0.5.23 compares
+# between its prefill and decode beyond the state layout is optional: ``kv_layout`` (the main and
+# compressed KV byte layouts), ``kv_fp8_two_pool``, ``dspark`` and ``allocation_policy``.
+FACTOR_NAMES: tuple[str, ...] = registry.names("state")
+OPTIONAL_FACTOR_NAMES: tuple[str, ...] = registry.names("optional")
 
 
 MAX_NAME_CHARS = 128  # an error's class name, a factor's name
@@ -106,12 +89,6 @@ def _bounded_factors(factors: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, A
                 raise ValueError(f"factor {name[:32]!r} is {size} bytes encoded, over the limit of {MAX_FACTOR_BYTES}")
         out.append((name, value))
     return tuple(out)
-
-
-def default_kv_layout(compression_ratios) -> str:
-    """0.5.23's ``pd_kv_layout()`` string for the default V4 layout of pools with these ratios."""
-    compressed = [f"c{r}:{DEFAULT_KV_LAYOUT}" for r in sorted(set(compression_ratios) - {0})]
-    return ",".join([DEFAULT_KV_LAYOUT, *compressed])
 
 
 class _Frozen(BaseModel):
@@ -207,45 +184,51 @@ class LayoutReport(_Frozen):
         return _bounded_factors(v)
 
     def factor(self, name: str) -> Any:
-        """A factor's value; an optional factor the report does not carry is ``None`` (its default)."""
-        factors = dict(self.factors)
-        return factors.get(name) if name in OPTIONAL_FACTOR_NAMES else factors[name]
+        """A factor's value as carried; an optional factor the report does not carry is ``None``."""
+        entry = registry.get(name)
+        carried = dict(self.factors)
+        return carried.get(name) if entry is not None and entry.optional else carried[name]
+
+    def value(self, name: str) -> Any:
+        """A registered factor's value, its default where an optional one is not carried."""
+        entry = registry.get(name)
+        if entry is None:
+            raise KeyError(name)
+        return entry.of(self)
 
     def kv_layout(self) -> str:
         """The KV byte layout as 0.5.23 names it (the default V4 one where the report carries none)."""
-        return self.factor("kv_layout") or default_kv_layout(self.factor("compression_ratios"))
+        return self.value("kv_layout")
 
     def allocation_policy(self) -> str:
-        return self.factor("allocation_policy") or DEFAULT_ALLOCATION_POLICY
+        return self.value("allocation_policy")
 
 
-def _canon(value: Any) -> Any:
-    """Tuples -> lists recursively, so a report survives a msgpack/JSON round trip unchanged."""
-    if isinstance(value, (list, tuple)):
-        return [_canon(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _canon(v) for k, v in value.items()}
-    return value
+_canon = canon  # the name tests and older callers use
 
 
 def fingerprint(page_size: int, kv_dtype: str, factors: tuple[tuple[str, Any], ...]) -> str:
-    """blake2b-128 hex digest over page size, KV dtype and the factors, in ``FACTOR_NAMES`` order."""
+    """blake2b-128 hex digest over page size, KV dtype and the factors, in the order given (a
+    report's: the registry's)."""
     payload = msgpack.packb(
-        [["page_size", page_size], ["kv_dtype", kv_dtype]] + [[n, _canon(v)] for n, v in factors],
+        [["page_size", page_size], ["kv_dtype", kv_dtype]] + [[n, canon(v)] for n, v in factors],
         use_bin_type=True,
     )
     return hashlib.blake2b(payload, digest_size=16).hexdigest()
 
 
 def diff(ours: LayoutReport, theirs: LayoutReport) -> list[tuple[str, Any, Any]]:
-    """Every differing factor, in protocol order, as ``(name, ours, theirs)``."""
+    """Every differing factor, in protocol order, as ``(name, ours, theirs)``: the report fields'
+    values, the factors' as carried (an absent optional one: ``None``), compared by each entry's
+    rule (``Factor.same``)."""
     out = []
-    if ours.page_size != theirs.page_size:
-        out.append(("page_size", ours.page_size, theirs.page_size))
-    if ours.kv_dtype != theirs.kv_dtype:
-        out.append(("kv_dtype", ours.kv_dtype, theirs.kv_dtype))
     a, b = dict(ours.factors), dict(theirs.factors)
-    for name in FACTOR_NAMES + OPTIONAL_FACTOR_NAMES:
-        if _canon(a.get(name)) != _canon(b.get(name)):
-            out.append((name, a.get(name), b.get(name)))
+    for entry in registry.FACTORS.values():
+        name = entry.name
+        if entry.kind == "field":
+            x, y = getattr(ours, name), getattr(theirs, name)
+        else:
+            x, y = a.get(name), b.get(name)
+        if not entry.same(x, y):
+            out.append((name, x, y))
     return out

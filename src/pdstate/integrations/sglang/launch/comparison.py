@@ -17,7 +17,7 @@ from typing import Any
 
 from pdstate.errors import SGLangArgsError
 from pdstate.integrations.sglang.launch.consequences import consequence
-from pdstate.integrations.sglang.launch.knobs import KNOBS, knob_differs
+from pdstate.integrations.sglang.launch.knobs import knob_differs, knobs
 from pdstate.integrations.sglang.launch.side import SGLangSide
 from pdstate.protocol.fixes import describe_value
 from pdstate.protocol.report import ErrorInfo, LayoutReport
@@ -91,7 +91,7 @@ def side_report(side: SGLangSide) -> LayoutReport:
     except (PoolConfigError, OnlineC128MTPUnsupported) as exc:
         raise SGLangArgsError(f"{side.role}: pdstate cannot build this layout: {type(exc).__name__}: {exc}") from None
     try:
-        report, _ = build_report(pools.target, pools.draft, allocation_policy=side.allocation_policy)
+        report, _ = build_report(pools.target, pools.draft, settings=side.settings)
     finally:
         pools.close()
     if report.kv_dtype != asked:
@@ -130,7 +130,7 @@ def compare(prefill: SGLangSide, decode: SGLangSide) -> Verdict:
     v.handshake = compat_errors(p_report, d_report, "prefill")
     diffs = [FactorDiff(n, pv, dv, consequence(n, pv, dv)) for n, pv, dv in _diff(p_report, d_report)]
     placed: set[str] = set()
-    for knob in KNOBS:
+    for knob in knobs():
         if not knob_differs(knob, prefill, decode):
             continue
         mine = [f for f in diffs if f.name in knob.factors and f.name not in placed]
@@ -148,11 +148,10 @@ def compare(prefill: SGLangSide, decode: SGLangSide) -> Verdict:
 
 def _diff(p_report: LayoutReport, d_report: LayoutReport) -> list[tuple[str, Any, Any]]:
     """The differing factors, an optional one at its default shown by its default value."""
-    from pdstate.protocol.report import DEFAULT_ALLOCATION_POLICY, diff
+    from pdstate.protocol.report import diff
 
-    default = {"allocation_policy": DEFAULT_ALLOCATION_POLICY}
     return [
-        (n, default.get(n, pv) if pv is None else pv, default.get(n, dv) if dv is None else dv)
+        (n, p_report.value(n) if pv is None else pv, d_report.value(n) if dv is None else dv)
         for n, pv, dv in diff(p_report, d_report)
     ]
 

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import re
 
+from pdstate.protocol.factors import launch_fields
+
 # ServerArgs fields the prediction reads (SGLang's ``dest`` names; its parser gives the flags).
-MODELLED = frozenset(
-    """model_path page_size kv_cache_dtype speculative_algorithm speculative_num_steps speculative_eagle_topk
+MODELLED = (
+    frozenset(
+        """model_path page_size kv_cache_dtype speculative_algorithm speculative_num_steps speculative_eagle_topk
     speculative_num_draft_tokens speculative_draft_model_path speculative_draft_kv_cache_dtype disaggregation_mode
     disaggregation_transfer_backend tp_size dp_size enable_dp_attention attn_dp_size pp_size attn_cp_size dcp_size
     json_model_override_args device attention_backend enable_hisparse enable_deepseek_v4_fp4_indexer enable_prefill_cp
     disaggregation_decode_enable_radix_cache disaggregation_decode_allocation_policy config""".split()
-)
+    )
+    | launch_fields()
+)  # and each layout factor a launch setting sets (``protocol.factors``)
 # Layout-neutral fields that SGLang's start-time rules or the model's name read (counted as neutral,
 # passed to the rules).
 RULE_INPUTS = frozenset(
@@ -86,7 +91,7 @@ CONFIG_KEYS = (
 
 def field_kind(dest: str) -> str:
     """``"modelled"``, ``"neutral"`` or ``"not modelled"`` for one of SGLang's ServerArgs fields."""
-    if dest in MODELLED:
+    if dest in MODELLED or dest in launch_fields():  # a launch setting that is a layout factor
         return "modelled"
     if dest in NEUTRAL or not _LAYOUT_HINT.search(dest):
         return "neutral"

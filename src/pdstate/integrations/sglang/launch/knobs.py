@@ -1,6 +1,11 @@
 """The SGLang settings ("knobs") that shape a DSV4 server's transferred state, the layout factors
 each one moves, how each side shows it, and the flag to change on which side when the two differ.
-``comparison`` groups a pair's differing factors under these."""
+``comparison`` groups a pair's differing factors under these (``knobs()``).
+
+A setting that moves several factors (speculative decoding: the rings, the draft, the components)
+is a knob written here. A layout factor that one launch setting of its own sets (its registry entry
+names the ServerArgs field, ``launch``, and the flag, ``flag``: ``pdstate.protocol.factors``) is a
+knob made from its entry, with the entry's fix in SGLang's words."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdstate.integrations.sglang.launch.side import SGLangSide
+from pdstate.protocol import factors
 from pdstate.protocol.fixes import count_layers
 
 
@@ -106,14 +112,9 @@ def _state_fix(p: SGLangSide, d: SGLangSide) -> str:
     )
 
 
-def _policy_fix(p: SGLangSide, d: SGLangSide) -> str:
-    return (
-        f"set `--disaggregation-decode-allocation-policy {d.allocation_policy}` on the prefill (or "
-        f"`{p.allocation_policy}` on the decode): SGLang 0.5.23 wants it identical on both roles"
-    )
-
-
-KNOBS: tuple[Knob, ...] = (
+# The settings that move several factors, in the order a report lists them (the factors' own
+# launch settings go before the last, ``knobs``).
+SETTINGS: tuple[Knob, ...] = (
     Knob(
         "layers",
         "compress_ratios / num_hidden_layers (the model's config.json)",
@@ -179,14 +180,6 @@ KNOBS: tuple[Knob, ...] = (
         _window_fix,
     ),
     Knob(
-        "allocation_policy",
-        "--disaggregation-decode-allocation-policy",
-        ("allocation_policy",),
-        lambda s: s.allocation_policy,
-        lambda s: s.allocation_policy,
-        _policy_fix,
-    ),
-    Knob(
         "state_dtype",
         "SGLANG_DSV4_COMPRESS_STATE_DTYPE",
         ("c4_state_dtype", "c128_state_dtype", "components"),
@@ -195,6 +188,34 @@ KNOBS: tuple[Knob, ...] = (
         _state_fix,
     ),
 )
+
+
+def factor_knob(entry: factors.Factor) -> Knob:
+    """The knob of a layout factor one launch setting of its own sets (``entry.launch``)."""
+
+    def value(s: SGLangSide) -> Any:
+        return s.setting(entry.name)
+
+    def fix(p: SGLangSide, d: SGLangSide) -> str:
+        if entry.sglang_fix is None:
+            return f"set {entry.flag} to one value on both sides (prefill {value(p)}, decode {value(d)})"
+        return entry.sglang_fix(value(p), value(d))
+
+    return Knob(
+        entry.name,
+        entry.flag or f"--{entry.launch.replace('_', '-')}",
+        (entry.name,),
+        value,
+        lambda s: str(value(s)),
+        fix,
+    )
+
+
+def knobs() -> tuple[Knob, ...]:
+    """Every knob, in the order a report lists them: the settings (``SETTINGS``), with the knob of
+    each factor a launch setting of its own sets before the last (the state dtype)."""
+    own = tuple(factor_knob(f) for f in factors.FACTORS.values() if f.launch)
+    return SETTINGS[:-1] + own + SETTINGS[-1:]
 
 
 def knob_differs(k: Knob, p: SGLangSide, d: SGLangSide) -> bool:

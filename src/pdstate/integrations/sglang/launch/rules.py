@@ -14,6 +14,7 @@ from pdstate.integrations.sglang import releases
 from pdstate.integrations.sglang.launch.coverage import env_kind
 from pdstate.integrations.sglang.launch.model import ARCH, FLASH, apply_model_config, read_model_config
 from pdstate.integrations.sglang.launch.side import SGLangSide
+from pdstate.protocol.factors import launch_settings
 
 SPEC_DEFAULTS = (3, 1, 4)  # SGLang's auto-chosen (steps, topk, draft tokens) for DeepSeek models
 
@@ -247,7 +248,7 @@ def resolve(
         dp_size=_int(values, "dp_size", 1) or 1,
         enable_dp_attention=topo.pop("attn_dp_size") > 1,
         decode_radix_cache=mode == "decode" and radix,
-        allocation_policy=policy,
+        settings=launch_settings(values),
         env=dict(env),
         given=given,
         notes=f.notes,

@@ -5,6 +5,7 @@ DSV4 state (built by ``prediction.predict``), and pdstate's own pool model of it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdstate.integrations.sglang import releases
 
@@ -44,7 +45,9 @@ class SGLangSide:
     attn_cp_size: int = 1
     dcp_size: int = 1
     decode_radix_cache: bool = False
-    allocation_policy: str = "early"  # --disaggregation-decode-allocation-policy (0.5.23)
+    # the layout factors the server's own settings set, by name (``protocol.factors``: each with a
+    # ``launch`` field, e.g. --disaggregation-decode-allocation-policy), their defaults where not given
+    settings: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     release: str = field(default_factory=lambda: releases.newest().version)  # the SGLang release it runs
     release_source: str = "default: the newest release"
@@ -62,6 +65,12 @@ class SGLangSide:
     @property
     def stage_ratios(self) -> list[int]:
         return list(self.compress_ratios[: self.num_hidden_layers])
+
+    def setting(self, factor: str) -> Any:
+        """The value the server's settings give a layout factor (its default where not given)."""
+        from pdstate.protocol.factors import FACTORS
+
+        return self.settings[factor] if factor in self.settings else FACTORS[factor].default
 
     def spec_flags(self) -> str:
         """The speculative flags as DSV4 needs them written (empty when not speculative)."""
