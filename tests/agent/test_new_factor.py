@@ -82,7 +82,7 @@ def test_two_agents_differing_only_in_it_are_refused_on_both_sides_with_its_fix(
         # rebuilt from the wire's class name and message, the error carries its factor and values
         assert type(err) is LayoutMismatch and str(err) == MESSAGE
         assert (err.factor, err.prefill, err.decode) == ("request_slots", 4, 8)
-        assert da.prefills()[pa.address]["error"] == f"LayoutMismatch: {MESSAGE}"
+        assert da.prefills()[pa.address].reason == f"LayoutMismatch: {MESSAGE}"
     finally:
         da.close()
         pa.close()
