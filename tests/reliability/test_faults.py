@@ -61,6 +61,8 @@ RESTART_PEER_TIMEOUT_S, RESTART_QUIET_S = 20.0, 1.0
 # A batch submitted, seen TRANSFERRING and its prefill frozen (SIGSTOP), on a quiet machine: well
 # inside the batch's 1 s deadline
 FREEZE_QUIET_S = 0.2
+# A frozen decode's batch ends at this deadline once thawed: long past its start and freeze (FREEZE_QUIET_S)
+FROZEN_DEADLINE_S = 5.0
 AFTER = [100, 257, 640, 1000]
 
 
@@ -125,17 +127,17 @@ def _serves_again_and_tally(p, d, free0: dict, p_free: dict, case: str, failed: 
     tally(case, failed + after, leaked(free0, done["free"]), detect_s, note)
 
 
-def _frozen_mid_batch(workers, worker_id: str) -> tuple:
-    """A prefill holding its copies and a decode ``worker_id`` with a batch in flight there:
-    ``(p, ep, p_free, d, free0, inc, lengths)``, ``inc`` the prefill's incarnation as the
-    decode knew it before the batch."""
+def _frozen_mid_batch(workers, worker_id: str, deadline_s: float | None = None) -> tuple:
+    """A prefill holding its copies and a decode ``worker_id`` with a batch in flight there (its
+    requests' deadline ``deadline_s``, else the decode's): ``(p, ep, p_free, d, free0, inc,
+    lengths)``, ``inc`` the prefill's incarnation as the decode knew it before the batch."""
     p, ep = workers.prefill(ROOMY, **hold_copies(), **FAULT)
     p_free = prefill_requests(p)["free"]
     d = workers.decode(ep, ROOMY, worker_id=worker_id, **FAULT)
     free0 = _ready(d)["free"]
     inc = decode_stats(d)["prefill_incarnation"]
     lengths = LENGTHS[:3]
-    start_batch(d, lengths, concurrency=len(lengths))
+    start_batch(d, lengths, concurrency=len(lengths), deadline_s=deadline_s)
     wait_transferring(p, worker_id, jobs=len(lengths))
     return p, ep, p_free, d, free0, inc, lengths
 
@@ -303,7 +305,9 @@ def test_prefill_frozen_past_timeout_then_thawed(workers):
 
 
 def test_decode_frozen_past_timeout_then_thawed(workers):
-    p, ep, p_free, d, free0, _, lengths = _frozen_mid_batch(workers, "sleeper")
+    # the thawed decode hears nothing more of its requests (the prefill forgot it): they end at
+    # their deadline, short here (FROZEN_DEADLINE_S, not FAULT's 20 s)
+    p, ep, p_free, d, free0, _, lengths = _frozen_mid_batch(workers, "sleeper", FROZEN_DEADLINE_S)
     t_stop = kill(d, signal.SIGSTOP)
     try:
         records, free = wait_prefill_settled(p, "sleeper", len(lengths), timeout_s=PEER_TIMEOUT_S + 10)
