@@ -189,3 +189,31 @@ def test_a_wall_clock_bound_is_at_least_five_times_its_quiet_measurement():
     assert within("quick", 0.25, 1.0, 0.2) == 0.25
     assert [(r.what, r.measured_s) for r in BOUNDS.rows[rows:]] == [("late", 1.5), ("quick", 0.25)]
     del BOUNDS.rows[rows:]  # not this test's bounds in the run's table
+
+
+def test_a_pairs_children_are_closed_together():
+    """``closing_together``: every child told at once (stdin closed), one deadline for all, a
+    child still running then killed, and the pair's own ``close`` after."""
+    import subprocess
+    import sys
+
+    from tests.sglang.runner import close_together
+
+    class Child:
+        def __init__(self, code: str) -> None:
+            self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+
+    class Pair:
+        closed = False
+
+        def __init__(self) -> None:
+            self.prefill = Child("import time\nwhile True: time.sleep(1)")  # never ends by itself
+            self.decode = Child("import sys\nsys.stdin.read()")  # ends when its stdin closes
+
+        def close(self) -> None:
+            self.closed = True
+
+    pair = Pair()
+    close_together(pair, grace_s=1.0)
+    assert pair.closed
+    assert pair.prefill.proc.returncode == -9 and pair.decode.proc.returncode == 0
