@@ -28,7 +28,7 @@ DEADLINE_S = 3.0  # per side and request: what bounds a hang
 OURS_DEADLINE_S = 10.0
 # Wall-clock bounds (``tests.support.bounds``), each beside what it measured on a quiet machine:
 # a refusal ends both sides this long after the request
-FAIL_FAST_S, FAIL_FAST_QUIET_S = 5.0, 0.5
+FAIL_FAST_S, FAIL_FAST_QUIET_S = 5.0, 0.6
 REFUSED = ("spec_vs_nospec", "c4_c128_order")
 RUNS = [("mooncake", "correct"), ("pdstate", "correct")] + [
     (b, name) for b in ("pdstate", "mooncake") for name in REFUSED

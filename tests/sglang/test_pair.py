@@ -28,7 +28,7 @@ OURS_DEADLINE_S = 10.0
 # Wall-clock bounds (``tests.support.bounds``), with what each measured on a quiet machine: a hang
 # ends this long past the driver's deadline, a refusal ends both sides this long after the request
 HANG_LATE_S, HANG_LATE_QUIET_S = 10.0, 0.5
-FAIL_FAST_S, FAIL_FAST_QUIET_S = 5.0, 0.5
+FAIL_FAST_S, FAIL_FAST_QUIET_S = 5.0, 0.6
 
 
 # What SGLang's own Mooncake backend does with each mismatch, per release (measured with this
