@@ -1,5 +1,6 @@
 """The fixtures of the whole suite, defined once (the helpers they use live in ``tests/support``),
-and the reliability summary printed at the end of a run.
+and the tables printed at the end of a run: the reliability summary, and every wall-clock bound a
+test checked beside the time it measured (``tests/support/bounds.py``).
 
 Tests marked ``slow`` (long fuzz runs) are left out by the default ``-m "not slow and not perf"``
 of ``pyproject.toml``; ``pytest -m slow tests/reliability`` runs them.
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.support.bounds import BOUNDS
 from tests.support.summary import SUMMARY
 from tests.support.workers import Workers
 
@@ -19,6 +21,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if SUMMARY.rows:
         terminalreporter.write_sep("=", "pdstate reliability summary")
         terminalreporter.write_line(SUMMARY.table())
+    if BOUNDS.rows:
+        terminalreporter.write_sep("=", "pdstate wall-clock bounds")
+        terminalreporter.write_line(BOUNDS.table())
 
 
 # --- worker processes ---------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import threading
 import time
 
 from pdstate.agent.common import AgentLoop
+from tests.support.bounds import within
 
 
 def test_a_check_runs_long_before_the_next_tick_and_can_re_arm():
@@ -66,6 +67,6 @@ def test_a_call_the_ended_loop_never_runs_raises_agent_closed_at_once():
         t0 = time.monotonic()
         with pytest.raises(AgentClosed, match="the agent is closed"):
             loop.call(lambda: 1, timeout_s=30.0)
-        assert time.monotonic() - t0 < 1.0
+        within("a call on an ended loop", time.monotonic() - t0, 10.0, 0.01)  # not its 30 s timeout
     finally:
         loop.stop(lambda: None)

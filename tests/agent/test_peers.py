@@ -12,6 +12,8 @@ from pdstate.agent import RequestState
 from pdstate.errors import PeerGone, SWAIndexMappingNotShared
 from tests.agent.support import assert_images_equal, expected, snapshot
 from tests.agent.test_transfer import PREFILL_SEED, decode, request_lists, source_image  # noqa: F401
+from tests.support.bounds import within
+from tests.support.faults import DETECT_LATE_QUIET_S, DETECT_SLACK_S
 
 SEED_ERROR = "DSV4 target and draft pools must share the SWA index mapping"
 
@@ -76,7 +78,8 @@ def test_prefill_sigkill_mid_batch(decode, prefills):  # noqa: F811
         assert r.wait(10) is RequestState.FAILED
         assert type(r.failure_exception()) is PeerGone
         assert str(r.failure_exception()) == f"prefill {a.address} missed heartbeats for 3 s"
-    assert time.monotonic() - killed < agent.peer_timeout_s + 1.5
+    late = time.monotonic() - killed - agent.peer_timeout_s
+    within("a killed prefill's requests failed, past the timeout", late, DETECT_SLACK_S, DETECT_LATE_QUIET_S)
     assert agent.prefills()[b.address].state == "accepted"
     # the decode still serves the live prefill after the other died
     r, _ = run_request(agent, b, kv, 30, np.random.default_rng(9))

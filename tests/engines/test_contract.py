@@ -23,6 +23,7 @@ from pdstate.transfer.engines import (
     create_engine,
 )
 from pdstate.transfer.plan import TransferPlan
+from tests.support.bounds import within
 from tests.support.decode_peer import DST_SIZES, LocalDecode, RemoteDecode
 from tests.support.engines import (
     DETECTS_PEER_LOSS,
@@ -38,6 +39,9 @@ from tests.support.engines import (
 )
 
 pytestmark = pytest.mark.timeout(60)
+# A copy or connect to a gone peer fails, not hangs: what that took on a quiet machine (the bounds,
+# tests.support.bounds, are far above it and under the test's timeout)
+QUIET_FAIL_S = 1.0
 
 
 # --- fixtures: one decode side per engine (module), a fresh prefill per test ----------------------
@@ -295,7 +299,7 @@ def test_peer_closed_before_connect_fails_not_hangs(engine_name: str, source, fr
             engine.wait(engine.submit(peer_id, plan), 10.0)
     finally:
         engine.close()
-    assert time.monotonic() - started < 15.0
+    within(f"{engine_name}: a closed peer's connect failing", time.monotonic() - started, 15.0, QUIET_FAIL_S)
 
 
 def test_peer_killed_after_connect_fails_not_hangs(engine_name: str, source, fresh_decode) -> None:
@@ -309,6 +313,6 @@ def test_peer_killed_after_connect_fails_not_hangs(engine_name: str, source, fre
         started = time.monotonic()
         with pytest.raises(EngineError):
             pair.engine.wait(pair.engine.submit(pair.peer_id, pair.plan(d)), 10.0)
-        assert time.monotonic() - started < 12.0
+        within(f"{engine_name}: a killed peer's copy failing", time.monotonic() - started, 12.0, QUIET_FAIL_S)
     finally:
         pair.close()

@@ -15,6 +15,7 @@ from pdstate.pools.memory import BufferSpec, PrivateMemory
 from pdstate.transfer.engines import EngineError, NativeEngineError
 from pdstate.transfer.engines.mooncake import MooncakeEngine
 from pdstate.transfer.plan import TransferPlan
+from tests.support.bounds import within
 from tests.support.engines import ENGINE_OPTIONS, require_engine
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(30)]
@@ -56,7 +57,7 @@ def test_bogus_session_fails_at_connect(rig) -> None:
     started = time.monotonic()
     with pytest.raises(NativeEngineError, match=r"^mooncake send_probe to 127.0.0.1:1 \(connect\) failed: code -\d+$"):
         prefill.connect(_bogus(decode.endpoint()))
-    assert time.monotonic() - started < 5.0
+    within("mooncake: a bogus session's connect failing", time.monotonic() - started, 5.0, 0.2)
 
 
 def test_failed_batch_names_peer_chunk_and_code(rig) -> None:

@@ -20,12 +20,16 @@ import pytest
 
 from pdstate.agent.admission import HANDSHAKE_IVL_MS
 from pdstate.status.connections import REQUEST_TIMEOUT_S
+from tests.support.bounds import within
 from tests.support.services import Services, ready, wait_for
 from tests.support.waiting import wait_until
 
 CONNECTIONS = 1500
 SOFT_NOFILE = 1024  # the soft default of many containers and systemd units
 NEEDED_NOFILE = 2 * CONNECTIONS + 512  # this process's sockets, the workers' after raising
+# Opening the connections and one transfer beside them took this long on a quiet machine; the
+# workers' own bounds (they drop such connections then) must be far longer (tests.support.bounds)
+SERVED_QUIET_S = 0.6
 
 pytestmark = pytest.mark.skipif(
     resource.getrlimit(resource.RLIMIT_NOFILE)[1] < NEEDED_NOFILE,
@@ -118,7 +122,10 @@ def test_slow_http_connections_neither_starve_the_worker_nor_stay(pair):
         slow = _open(host, int(port), CONNECTIONS, b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
         try:
             _serviceable(http, prefill, decode)  # while every one of them is held
-            assert time.monotonic() - t0 < REQUEST_TIMEOUT_S, "too slow to tell: the connections may be gone"
+            # else too slow to tell: the connections may be gone
+            within(
+                "served beside 1,500 slow HTTP connections", time.monotonic() - t0, REQUEST_TIMEOUT_S, SERVED_QUIET_S
+            )
             # a connection that never finishes its request head is dropped (was: held forever)
             wait_until(
                 "the slow connections dropped",
@@ -141,7 +148,9 @@ def test_idle_tcp_connections_to_the_control_port_neither_starve_the_worker_nor_
         idle = _open(host, int(port), CONNECTIONS, b"")  # never a ZMTP greeting
         try:
             _serviceable(http, prefill, decode)
-            assert time.monotonic() - t0 < HANDSHAKE_IVL_MS / 1000, "too slow to tell: the connections may be gone"
+            # else too slow to tell: the connections may be gone
+            ivl_s = HANDSHAKE_IVL_MS / 1000
+            within("served beside 1,500 idle control connections", time.monotonic() - t0, ivl_s, SERVED_QUIET_S)
             # closed once ZeroMQ's handshake interval passes (was: its default, 30 s)
             wait_until(
                 "the idle control connections closed",

@@ -12,6 +12,7 @@ import zmq
 from pdstate.protocol import wire
 from pdstate.protocol.report import ErrorInfo
 from tests.support import hostile
+from tests.support.bounds import within
 from tests.support.hostile import RawDealer, RawDecode, agent_pair, agent_transfer
 from tests.support.workers import (
     Workers,
@@ -91,7 +92,8 @@ def test_a_killed_decodes_restart_is_accepted_at_once():
         t0 = time.monotonic()
         again = ws.decode(endpoint, worker_id="restarts", peer_timeout_s=30.0)
         assert first_event(again)["event"] == "ready"
-        assert time.monotonic() - t0 < 10.0  # well before the 30 s peer timeout
+        # a new process's start and handshake (1 s on a quiet machine), well before the 30 s peer timeout
+        within("a killed decode's restart accepted", time.monotonic() - t0, 25.0, 1.0)
         results, _ = run_batch(again, LENGTHS)
         assert_all_verified(results, LENGTHS)
 

@@ -1,6 +1,6 @@
 """Graceful shutdown: a prefill's SIGTERM is announced (``goodbye``). Every request in flight ends
-within a second with "prefill shutting down" on both sides, the decode is unready for that
-prefill within a second and accepted again when it is back; with ``drain_s`` the running
+at once (``BOUND_S``) with "prefill shutting down" on both sides, the decode is unready for that
+prefill as soon, and accepted again when it is back; with ``drain_s`` the running
 requests finish first. The first two drive ``PrefillWorker.stop()`` in a process of their own
 (``TermPrefill``, with the test seams that hold copies); the last sends SIGTERM to a real
 ``pdstate serve`` prefill serving a real ``pdstate serve`` decode."""
@@ -13,6 +13,7 @@ import time
 
 import httpx
 
+from tests.support.bounds import within
 from tests.support.faults import holding_hooks
 from tests.support.pools import ROOMY
 from tests.support.term_prefill import Served, TermPrefill
@@ -30,11 +31,13 @@ from tests.support.workers import (
 )
 
 LENGTHS = [300, 1000, 40, 700]
-BOUND_S = 1.0
+# Requests end, and the decode turns unready, this long after the SIGTERM at most (tests.support.bounds;
+# BOUND_QUIET_S: the longest of those on a quiet machine): at once, short of the decode's 3 s peer timeout
+BOUND_S, BOUND_QUIET_S = 2.5, 0.2
 REASON = "prefill shutting down"
 
 
-def test_sigterm_during_a_batch_ends_every_request_within_a_second_on_both_sides():
+def test_sigterm_during_a_batch_ends_every_request_at_once_on_both_sides():
     prefill = TermPrefill(options("prefill", ROOMY), holding_hooks())
     again = None
     try:
@@ -51,8 +54,9 @@ def test_sigterm_during_a_batch_ends_every_request_within_a_second_on_both_sides
             stopped = prefill.read_event(10)
             assert len(results) == len(LENGTHS)
             assert {(r["status"], r["error"]["message"]) for r in results} == {("failed", REASON)}, results
-            assert ended_s < BOUND_S, ended_s
-            assert state != "accepted" and unready_s < BOUND_S, (state, unready_s)
+            within("SIGTERM: the batch ended on the decode", ended_s, BOUND_S, BOUND_QUIET_S)
+            assert state != "accepted", state
+            within("SIGTERM: the decode unready", unready_s, BOUND_S, BOUND_QUIET_S)
             records = stopped["finished"]
             assert len(records) == len(LENGTHS)
             assert {(r["status"], r["error"]["message"]) for r in records} == {("failed", REASON)}, records
@@ -95,9 +99,9 @@ SERVE_TOKENS = 32768  # ~138 MB a request: the prefill takes a while over each, 
 def test_sigterm_through_pdstate_serve_during_a_batch():
     """Real ``pdstate serve`` processes (the dsv4-flash preset, so requests take long enough to be
     caught in flight without test hooks): SIGTERM to the prefill while the decode's HTTP
-    transfers are running. Every transfer still running ends within a second, failed with
+    transfers are running. Every transfer still running ends at once (``BOUND_S``), failed with
     "prefill shutting down" (the decode's HTTP answers; the prefill ends those it held, its log
-    says how many), and the decode's ``/readyz`` turns unready for that prefill within a second."""
+    says how many), and the decode's ``/readyz`` turns unready for that prefill as soon."""
     flash = ["preset=dsv4-flash", "http.port=0"]
     prefill = Served("prefill", [*flash, "control.bind=tcp://127.0.0.1:0"])
     decode = None
@@ -138,8 +142,9 @@ def test_sigterm_through_pdstate_serve_during_a_batch():
         assert len(ended) == SERVE_REQUESTS and failed, ended
         assert {(a["code"], a["error"]["message"]) for _, a in failed} == {(200, REASON)}, failed
         assert all(a["status"] == "success" and a["verified"] for s, a in ended if a["status"] != "failed"), ended
-        assert max(s for s, _ in failed) < BOUND_S, failed
-        assert unready.json()["ready"] is False and unready_s < BOUND_S, (unready.json(), unready_s)
+        within("serve SIGTERM: the requests in flight ended", max(s for s, _ in failed), BOUND_S, BOUND_QUIET_S)
+        assert unready.json()["ready"] is False, unready.json()
+        within("serve SIGTERM: the decode's /readyz 503", unready_s, BOUND_S, BOUND_QUIET_S)
         assert REASON in unready.json()["reason"], unready.json()  # the goodbye's reason, not a silence
         told = re.search(r"stopping: told 1 decode\(s\), ended (\d+) request\(s\)", prefill.err())
         # the prefill ended those it held (the others were still the decode's alone: no slot yet)

@@ -46,7 +46,7 @@ def sglang_pair(sglang_release):
 
     if why := mooncake_missing():
         pytest.skip(why)
-    with Pair(sglang_release.env, extra_env=PDSTATE_ENGINE_ENV) as pair:
+    with runner.closing_together(Pair(sglang_release.env, extra_env=PDSTATE_ENGINE_ENV)) as pair:
         pair.release = sglang_release.version
         yield pair
 
@@ -62,7 +62,8 @@ def queue_pair(sglang_release):
     from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV
     from pdstate.devtools.sglang_queues.pair import QueuePair
 
-    with QueuePair(runner.queue_env(sglang_release.version), extra_env=PDSTATE_ENGINE_ENV) as pair:
+    target = runner.queue_env(sglang_release.version)
+    with runner.closing_together(QueuePair(target, extra_env=PDSTATE_ENGINE_ENV)) as pair:
         yield pair
 
 

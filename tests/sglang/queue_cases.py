@@ -23,7 +23,12 @@ from pdstate.integrations.sglang.receiver import ABORT_FENCE_S
 from tests.sglang import runner
 
 DEADLINE_S = 3.0  # per side and request: what bounds a hang
-FAIL_FAST_S = 1.0
+# pdstate's refusals never hang: a longer deadline costs nothing and keeps a loaded machine's slow
+# refusal a refusal, not a timeout
+OURS_DEADLINE_S = 10.0
+# Wall-clock bounds (``tests.support.bounds``), each beside what it measured on a quiet machine:
+# a refusal ends both sides this long after the request
+FAIL_FAST_S, FAIL_FAST_QUIET_S = 5.0, 0.6
 REFUSED = ("spec_vs_nospec", "c4_c128_order")
 RUNS = [("mooncake", "correct"), ("pdstate", "correct")] + [
     (b, name) for b in ("pdstate", "mooncake") for name in REFUSED
@@ -50,12 +55,15 @@ def run(pair, release: str) -> dict:
     from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV
     from pdstate.devtools.sglang_queues.pair import QueuePair
 
-    results: dict = {(b, name): pair.run_case(CASES[name], b, deadline_s=DEADLINE_S) for b, name in RUNS}
+    results: dict = {
+        (b, name): pair.run_case(CASES[name], b, deadline_s=OURS_DEADLINE_S if b == "pdstate" else DEADLINE_S)
+        for b, name in RUNS
+    }
     _lifecycle(pair, "pdstate", release, results)
     # SGLang's Mooncake backend in children of its own: observed here, in a process that already holds
     # managers of earlier cases its prefill reports some later rooms failed ("it might be dead")
     if release == MOONCAKE_LIFECYCLE:
-        with QueuePair(runner.queue_env(release), extra_env=PDSTATE_ENGINE_ENV) as own:
+        with runner.closing_together(QueuePair(runner.queue_env(release), extra_env=PDSTATE_ENGINE_ENV)) as own:
             _lifecycle(own, "mooncake", release, results)
     return results
 
@@ -72,7 +80,11 @@ TIMEOUTS = {
     "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(int(WAITING_TIMEOUT_S)),  # an int setting on 0.5.19
     "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(int(BOOTSTRAP_TIMEOUT_S)),
 }
-RELEASE_MS = 100.0
+# an abort's pages released this long after it (the abort call itself takes less): at once, not after
+# a fence's or a timeout's seconds
+RELEASE_S, RELEASE_QUIET_S = 1.0, 0.1
+# SGLang's timeouts fire this long after their configured time (its queues' next poll)
+TIMEOUT_LATE_S, TIMEOUT_LATE_QUIET_S = 1.0, 0.1
 # A decode stalled (its whole process stopped) past SGLang's waiting timeout and the prefill's peer
 # timeout (pdstate's default, set here), while the prefill's copy into it is held (Mooncake over TCP
 # to a stopped process: it lands once the decode goes on)
@@ -177,7 +189,9 @@ def _lifecycle_requests(pair, out: dict, http) -> None:
         n, DEADLINE_S, prefill={"hold_s": 1.0}, decode={"abort_after_s": 0.2, "settle_s": 1.2}
     )  # the prefill sends after the abort: nothing of it may land
     out["resent_after_abort"] = pair.request(n, DEADLINE_S, room=out["abort"]["room"])
-    out["waiting_timeout"] = pair.request(n, WAITING_TIMEOUT_S + 2.5, prefill={"hold_s": WAITING_TIMEOUT_S + 0.8})
+    # the stuck prefill sends only after the waiting timeout failed the request, however late (bounded)
+    stuck_s = WAITING_TIMEOUT_S + TIMEOUT_LATE_S + 0.3
+    out["waiting_timeout"] = pair.request(n, stuck_s + 1.7, prefill={"hold_s": stuck_s})
     out["bootstrap_timeout"] = pair.request(n, BOOTSTRAP_TIMEOUT_S + 1.5, decode=False)
     # a retracted request: it landed, then the decode dispatches the prefill's recompute through
     # SGLang's own rebootstrap (POST /generate to the prefill's registered HTTP port); the

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.sglang import runner
+from tests.support.bounds import within
 
 CASES = [
     "hooks",
@@ -38,6 +39,9 @@ C4_RING = (
     "Both servers must build the same state layout."
 )
 SEED = "DSV4 target and draft pools must share the SWA index mapping"
+# A refused pair's two sides end this long after the decode's init at most (``tests.support.bounds``;
+# beside it, what that measured on a quiet machine): at once, not at the probe's 10 s deadline
+REFUSED_ENDS_S, REFUSED_ENDS_QUIET_S = 2.5, 0.2
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +147,7 @@ def test_a_refused_pair_fails_on_both_sides_at_once_and_writes_nothing(results, 
     r = results[case]
     assert (r["receiver_bootstrapped"], r["sender_bootstrapped"]) == (FAILED, FAILED)
     assert (r["sender"], r["receiver"]) == (FAILED, FAILED)
-    assert r["both_ended_s"] < 1.0
+    within(f"a refused pair's two sides ended ({case})", r["both_ended_s"], REFUSED_ENDS_S, REFUSED_ENDS_QUIET_S)
     assert r["receiver_error"]["message"] == message
     assert r["sender_error"] == r["receiver_error"]
     assert r["bytes_written"] == 0

@@ -10,7 +10,7 @@ cached environment) one prefill child and one decode child run (``queue_pair``, 
 and with backend ``pdstate``, a same-config pair ends Success on both sides with every landed
 byte right (main KV, SWA window of target and draft, C4/C128 state, aux); with ``pdstate``, a
 speculative-vs-not pair and a swapped C4/C128 order end Failed on both sides, naming the
-factor, in under a second, with no byte of the decode's memory written. SGLang's own backend on
+factor, at once (``FAIL_FAST_S``), with no byte of the decode's memory written. SGLang's own backend on
 the same two mismatches is recorded too: the byte check sees the wrong bytes it lands.
 
 SGLang's own request-lifecycle features, every byte of the decode checked, with backend
@@ -20,7 +20,7 @@ with every feature below; the one difference between the releases asserted here 
 release of an aborted request) is asserted with ``pdstate`` on both:
 - an abort of a transfer-queue request (as the scheduler's ``abort_request`` does) while the
   prefill is still in its forward: the decode fails with "Aborted by AbortReq.", its pages are
-  released in under 100 ms (0.5.23: held for its deferred release, then released on the
+  released at once (``RELEASE_S``; 0.5.23: held for its deferred release, then released on the
   acknowledgement recorded as the fence held), and nothing lands, even when the prefill sends later;
 - no byte after release (``pdstate``): a decode stopped (SIGSTOP, the whole process) past SGLang's
   waiting timeout and the prefill's peer timeout while the prefill's copy into it is held, then
@@ -52,16 +52,21 @@ from pdstate.devtools.sglang_pair.cases import CASES
 from tests.sglang import runner
 from tests.sglang.queue_cases import (
     BOOTSTRAP_TIMEOUT_S,
+    FAIL_FAST_QUIET_S,
     FAIL_FAST_S,
     MOONCAKE_LIFECYCLE,
     MOONCAKE_REFUSES,
     PREFILL_STALL_S,
     REFUSED,
-    RELEASE_MS,
+    RELEASE_QUIET_S,
+    RELEASE_S,
     STALL_S,
     SUFFIX_TOKENS,
+    TIMEOUT_LATE_QUIET_S,
+    TIMEOUT_LATE_S,
     WAITING_TIMEOUT_S,
 )
+from tests.support.bounds import within
 
 
 def _only(queue_runs, backend: str, name: str) -> dict:
@@ -96,7 +101,7 @@ def test_pdstate_refuses_a_mismatch_through_the_queues(queue_runs, name):
     assert table.factor_of(pre["failure"]) == factor, pre["failure"]
     assert table.factor_of(dec["failure"]) == factor, dec["failure"]
     assert not dec["placed"] and dec["changed_bytes"] == 0  # not one byte of the decode's memory written
-    assert r["elapsed_s"] < FAIL_FAST_S
+    within("a refusal ending both sides (queues)", r["elapsed_s"], FAIL_FAST_S, FAIL_FAST_QUIET_S)
 
 
 @pytest.mark.parametrize("name", REFUSED)
@@ -140,13 +145,14 @@ def test_abort_fences_and_releases_the_pages_at_once(queue_runs, backend):
     assert pre["outcome"] == "Failed", pre  # its chunks, sent after the abort, go nowhere
     assert dec["changed_bytes"] == 0 and dec["outside_bytes"] == 0, dec  # not one byte landed
     assert not dec["placed"]
-    assert dec["released_ms"] is not None and dec["released_ms"] < RELEASE_MS, dec
+    assert dec["released_ms"] is not None, dec
+    within(f"an abort's pages released ({backend})", dec["released_ms"] / 1000, RELEASE_S, RELEASE_QUIET_S)
     # 0.5.23 (``deferred_kv_release``) defers the release until every prefill rank acknowledged the abort (both backends do it);
     # pdstate's acknowledgement is recorded as its fence holds, so the hold ends at the next poll
     assert dec["deferred"] == runner.row(release).deferred_kv_release, dec
     if backend == "pdstate":
         assert "aborted by decode: Aborted by AbortReq." in pre["failure"], pre
-        assert dec["abort_call_ms"] < RELEASE_MS, dec  # the fence itself
+        within("an abort's call (the fence itself)", dec["abort_call_ms"] / 1000, RELEASE_S, RELEASE_QUIET_S)
 
 
 def test_no_byte_lands_after_a_stalled_decode_releases_the_pages(queue_runs):
@@ -214,7 +220,8 @@ def test_waiting_timeout_fails_a_stuck_request_at_the_configured_time(queue_runs
     want = f"Request {r['room']} timed out after {WAITING_TIMEOUT_S:.1f}s in KVPoll.WaitingForInput"
     assert dec["outcome"] == "Failed" and dec["failure"].endswith(want), dec
     waited = dec["failed_s"] - dec["named_s"]
-    assert WAITING_TIMEOUT_S - 0.05 <= waited < WAITING_TIMEOUT_S + 0.5, dec
+    assert WAITING_TIMEOUT_S - 0.05 <= waited, dec
+    within("SGLang's waiting timeout, past its time", waited - WAITING_TIMEOUT_S, TIMEOUT_LATE_S, TIMEOUT_LATE_QUIET_S)
     assert dec["changed_bytes"] == 0 and not dec["placed"], dec  # released, nothing landed
     assert pre["outcome"] == "Failed", pre  # the stuck prefill's late send goes nowhere
     if backend == "pdstate":
@@ -227,7 +234,9 @@ def test_bootstrap_timeout_fails_a_prefill_request_no_decode_asks_for(queue_runs
     pre = r["prefill"]
     assert pre["outcome"] == "Failed" and pre["trace"] == ["add", "bootstrap failed"], pre
     assert f"Request {r['room']} timed out after {BOOTSTRAP_TIMEOUT_S:.1f}s in KVPoll.Bootstrapping" in pre["failure"]
-    assert BOOTSTRAP_TIMEOUT_S <= r["elapsed_s"] < BOOTSTRAP_TIMEOUT_S + 0.5
+    assert BOOTSTRAP_TIMEOUT_S <= r["elapsed_s"], r
+    late = r["elapsed_s"] - BOOTSTRAP_TIMEOUT_S
+    within("SGLang's bootstrap timeout, past its time", late, TIMEOUT_LATE_S, TIMEOUT_LATE_QUIET_S)
 
 
 def _prefix_runs(queue_runs, backend: str, key: str) -> tuple[dict, dict, dict]:

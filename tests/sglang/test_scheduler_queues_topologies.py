@@ -25,10 +25,11 @@ import pytest
 
 from pdstate.devtools.sglang_pair.cases import CASES, NO_DRAFT
 from tests.sglang import runner
+from tests.sglang.queue_cases import RELEASE_QUIET_S, RELEASE_S
+from tests.support.bounds import within
 
 DEADLINE_S = 3.0
 BACKENDS = ("mooncake", "pdstate")
-RELEASE_MS = 100.0
 KINDS = {"main", "aux"}  # besides every StateType of the release's KVArgs
 
 
@@ -42,7 +43,7 @@ def tp_runs(request) -> tuple[str, dict]:
     release = request.param
     target = runner.queue_env(release)
     results = {}
-    with QueuePair(target, extra_env=PDSTATE_ENGINE_ENV, decode_ranks=2) as pair:
+    with runner.closing_together(QueuePair(target, extra_env=PDSTATE_ENGINE_ENV, decode_ranks=2)) as pair:
         for backend in BACKENDS:  # SGLang's Mooncake first, in children that hold no managers yet
             results[backend] = r = pair.run_case(CASES["correct"], backend, deadline_s=DEADLINE_S)
             if "setup_error" not in r:  # both decode ranks abort (as each rank's scheduler does), then again
@@ -62,7 +63,7 @@ def pp_runs(request) -> tuple[str, dict]:
 
     release = request.param
     target = runner.queue_env(release)
-    with QueuePair(target, extra_env=PDSTATE_ENGINE_ENV, prefill_stages=2) as pair:
+    with runner.closing_together(QueuePair(target, extra_env=PDSTATE_ENGINE_ENV, prefill_stages=2)) as pair:
         return release, {backend: pair.run_case(NO_DRAFT, backend, deadline_s=DEADLINE_S) for backend in BACKENDS}
 
 
@@ -104,7 +105,7 @@ def test_pdstate_moves_the_request_once_per_decode_rank(tp_runs):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_an_abort_on_both_decode_ranks_fences_and_releases_at_once(tp_runs, backend):
     """Both decode ranks abort while the prefill is still in its forward: each fails with SGLang's
-    text and releases its pages in under 100 ms (0.5.23: after the acknowledgement its deferred
+    text and releases its pages at once (``RELEASE_S``) (0.5.23: after the acknowledgement its deferred
     release waits for); the prefill's later send lands nowhere."""
     release = tp_runs[0]
     r = _request(tp_runs, backend, "abort")
@@ -112,7 +113,8 @@ def test_an_abort_on_both_decode_ranks_fences_and_releases_at_once(tp_runs, back
     for dec in r["decode_ranks"]:
         assert dec["outcome"] == "Failed" and dec["failure"].endswith("Aborted by AbortReq."), dec
         assert dec["changed_bytes"] == 0 and dec["outside_bytes"] == 0 and not dec["placed"], dec
-        assert dec["released_ms"] is not None and dec["released_ms"] < RELEASE_MS, dec
+        assert dec["released_ms"] is not None, dec
+        within(f"an abort's pages released (TP 2, {backend})", dec["released_ms"] / 1000, RELEASE_S, RELEASE_QUIET_S)
         assert dec["deferred"] == runner.row(release).deferred_kv_release, dec
 
 

@@ -12,6 +12,7 @@
 ``faults``          short timers and the one use of the runtime's fault-injection knob
 ``waiting``         ``wait_until``: polling with a deadline
 ``summary``         the reliability summary table
+``bounds``          ``within``: a wall-clock bound, at least 5x its quiet measurement, and their table
 ==================  ==============================================================================
 
 Fixtures are defined once, in ``tests/conftest.py`` (those of one module, in that module); a

@@ -8,7 +8,10 @@ from pdstate.errors import DraftMappingMissing, PoolConfigError, SWAIndexMapping
 from pdstate.pools import PrivateMemory, SharedMemory
 from pdstate.pools.kvargs import KVArgs, StateType, fill_kv_args, setup_state_kv_args
 from pdstate.pools.presets import DSV4_FLASH_RATIOS, PRESETS, build_worker_pools, pool_kwargs, preset
+from tests.support.bounds import within
 from tests.support.upstream import MAPPING_ERROR, UNIFIED_ERROR
+
+FLASH_BUILD_QUIET_S = 2.0  # building dsv4-flash's pools on a quiet machine (tests.support.bounds)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,7 @@ def test_flash_ratios():
 
 def test_flash_builds_quickly_with_the_right_counts(flash):
     w, elapsed = flash
-    assert elapsed < 15, f"dsv4-flash took {elapsed:.1f}s to build"
+    within("dsv4-flash pools built", elapsed, 15.0, FLASH_BUILD_QUIET_S)
     t = w.target
     assert len(t.stage_ratios) == 43
     assert t.stage_ratios.count(0) == 2 and t.stage_ratios.count(4) == 21 and t.stage_ratios.count(128) == 20

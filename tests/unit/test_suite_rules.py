@@ -172,3 +172,48 @@ def test_the_fault_injection_knob_is_named_in_one_place():
     ]
     assert not found, "use tests.support.faults (hold_copies, release_copies):\n" + "\n".join(found)
     assert all(w in FAULTS.read_text() for w in KNOB_WORDS)
+
+
+def test_a_wall_clock_bound_is_at_least_five_times_its_quiet_measurement():
+    """``within`` refuses a bound tighter than ``MARGIN`` times what it measured quietly (whatever the
+    time measured now), and fails a time past its bound naming both."""
+    from tests.support.bounds import BOUNDS, MARGIN, within
+
+    assert MARGIN == 5.0
+    rows = len(BOUNDS.rows)
+    with pytest.raises(AssertionError, match=r"^tight: bound 0\.9 s is under 5x its quiet 0\.2 s$"):
+        within("tight", 0.01, 0.9, 0.2)
+    assert len(BOUNDS.rows) == rows  # refused before it was recorded
+    with pytest.raises(AssertionError, match=r"^late: 1\.500 s, bound 1 s \(quiet: 0\.2 s\)$"):
+        within("late", 1.5, 1.0, 0.2)
+    assert within("quick", 0.25, 1.0, 0.2) == 0.25
+    assert [(r.what, r.measured_s) for r in BOUNDS.rows[rows:]] == [("late", 1.5), ("quick", 0.25)]
+    del BOUNDS.rows[rows:]  # not this test's bounds in the run's table
+
+
+def test_a_pairs_children_are_closed_together():
+    """``closing_together``: every child told at once (stdin closed), one deadline for all, a
+    child still running then killed, and the pair's own ``close`` after."""
+    import subprocess
+    import sys
+
+    from tests.sglang.runner import close_together
+
+    class Child:
+        def __init__(self, code: str) -> None:
+            self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+
+    class Pair:
+        closed = False
+
+        def __init__(self) -> None:
+            self.prefill = Child("import time\nwhile True: time.sleep(1)")  # never ends by itself
+            self.decode = Child("import sys\nsys.stdin.read()")  # ends when its stdin closes
+
+        def close(self) -> None:
+            self.closed = True
+
+    pair = Pair()
+    close_together(pair, grace_s=1.0)
+    assert pair.closed
+    assert pair.prefill.proc.returncode == -9 and pair.decode.proc.returncode == 0
