@@ -4,6 +4,10 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 PYTEST_ARGS ?=
+# The suite on two worker processes: a module per worker at a time, tests/sglang on one worker
+# (tests/conftest.py groups them). PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= 2
+PYTEST_PAR = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
 
 .PHONY: demo test test-gpu lint venv clean bench sglang-env
 
@@ -18,7 +22,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 test: $(STAMP) lint sglang-env
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PAR) $(PYTEST_ARGS)
 
 # Pools on a GPU moved by NIXL with device digests (skipped where there is no CUDA GPU).
 test-gpu: $(STAMP)

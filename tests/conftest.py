@@ -9,12 +9,40 @@ of ``pyproject.toml``; ``pytest -m slow tests/reliability`` runs them.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import asdict
 
 import pytest
 
-from tests.support.bounds import BOUNDS
-from tests.support.summary import SUMMARY
+from tests.support.bounds import BOUNDS, Measured
+from tests.support.summary import SUMMARY, Row
 from tests.support.workers import Workers
+
+# --- parallel runs (pytest-xdist, ``make test``: ``-n 2 --dist loadgroup``) ---------------------
+# A module's tests stay on one worker (module fixtures are set up once), and tests/sglang runs on
+# one worker as a whole: its session fixtures (SGLang children per release) are costly to start
+# and shared by every file there. The tables below travel from the workers to the controller.
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group("sglang" if path.startswith("tests/sglang/") else path))
+
+
+def pytest_sessionfinish(session):
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:  # an xdist worker: hand its rows to the controller
+        out["pdstate_bounds"] = [asdict(r) for r in BOUNDS.rows]
+        out["pdstate_summary"] = [asdict(r) for r in SUMMARY.rows]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    out = getattr(node, "workeroutput", None) or {}
+    BOUNDS.rows.extend(Measured(**r) for r in out.get("pdstate_bounds", []))
+    SUMMARY.rows.extend(Row(**r) for r in out.get("pdstate_summary", []))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
