@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
+# The project's own pins (torch's CPU build), for this install only: users get pyproject's ranges.
+CONSTRAINTS = tools/constraints-dev.txt
 PYTEST_ARGS ?=
 # The suite on two worker processes: a module per worker at a time, tests/sglang on one worker
 # (tests/conftest.py groups them). PYTEST_WORKERS=0 runs it in one process.
@@ -11,12 +13,12 @@ PYTEST_PAR = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loa
 
 .PHONY: demo test test-gpu lint venv clean bench sglang-env
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	@# Real engines: installed when the platform has them; tests skip cleanly where it has not.
-	-$(PY) -m pip install -q -e '.[mooncake,nixl]'
+	-$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[mooncake,nixl]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -96,8 +96,9 @@ def test_dockerfile_is_sglangs_release_image_plus_pdstate():
     assert named <= set(PUBLISHED), named - set(PUBLISHED)
     assert re.search(r'^RUN pip install "\.\[sglang\]"', text, re.M)
     pyproject = (REPO / "pyproject.toml").read_text()
-    assert re.search(r"^sglang = \[\]$", pyproject, re.M) and '"torch==2.13.0"' in pyproject
-    # SGLang 0.5.19 itself requires torch==2.13.0: installing pdstate changes no torch in its image
+    assert re.search(r"^sglang = \[\]$", pyproject, re.M) and '"torch>=2.13",' in pyproject
+    # torch is a range that both releases' own torch satisfies: installing pdstate changes no torch
+    # in its image (tests/unit/test_install_plan.py asks pip's resolver)
     assert image.endswith("v0.5.19")
     for src in re.findall(r"^COPY\s+(\S+)\s+\S+", text, re.M):
         assert (REPO / src).exists(), src
