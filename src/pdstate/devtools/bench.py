@@ -205,12 +205,12 @@ ERROR_CHARS = 2000  # a recorded phase error's bound (``bench_errors``)
 
 def error_text(exc: BaseException, limit: int = ERROR_CHARS) -> str:
     """``"Type: message"`` on one line: control characters escaped, at most ``limit`` characters
-    (a cut one ends with ``... [N more]``)."""
+    (a cut one ends with ``... [N chars]``, N the whole text's length)."""
     raw = f"{type(exc).__name__}: {exc}"
     text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in raw)
     if len(text) <= limit:
         return text
-    tail = f" ... [{len(text) - limit} more]"
+    tail = f" ... [{len(text)} chars]"
     return text[: limit - len(tail)] + tail
 
 
@@ -256,6 +256,10 @@ def run_bench(
     with guarded("planner", results, progress):
         results["planner"] = bench_planner(runs)
     for mode in modes:
+        natives = [e for e in available if mode == "paged" and e != "shm"]  # the native engines: paged only
+        with_agent = agent and mode == "paged" and "shm" in available  # shm: the agent beside the ceiling
+        if not natives and not with_agent:
+            continue  # no phase of this mode would use its pools
         progress(f"[{mode}] building in-process pools ...")
         sides: tuple = ()
         with guarded(f"pools:{mode}", results, progress):
@@ -263,11 +267,10 @@ def run_bench(
         if not sides:
             continue
         src, dst = sides
-        for e in available:
-            if mode == "paged" and e != "shm":  # the native engines' rows: paged only
-                with guarded(f"{mode}:{e}", results, progress):
-                    _phase(mode, e, src, dst, lengths, runs, results, progress)
-        if agent and mode == "paged" and "shm" in available:  # shm: the agent beside the ceiling, paged
+        for e in natives:
+            with guarded(f"{mode}:{e}", results, progress):
+                _phase(mode, e, src, dst, lengths, runs, results, progress)
+        if with_agent:
             with guarded(f"{mode}:agent", results, progress):
                 from pdstate.devtools import bench_agent
 
