@@ -62,13 +62,18 @@ def test_the_fit_recovers_known_parts_exactly():
     assert cost_model.sampled_fraction(f) == pytest.approx(1 / 3)
 
 
-def test_the_fit_is_least_squares_on_noisy_points():
-    """Two sizes at ``off``, one measured 10% high, one 10% low, each twice: the line through the
-    means of each size's pair."""
+def test_the_fit_is_least_squares_of_relative_residuals():
+    """Two sizes at ``off``, each measured 10% high and 10% low: at each size the fit takes the time
+    ``p`` that minimises ``((p - y1) / y1)^2 + ((p - y2) / y2)^2``, and the line runs through both."""
     pts = [("off", 1e8, 0.11), ("off", 1e8, 0.09), ("off", 3e8, 0.33), ("off", 3e8, 0.27)]
     f = cost_model.fit(pts)
-    assert (f.fixed_s, f.per_byte_s) == (pytest.approx(0.0, abs=1e-12), pytest.approx(1e-9))
-    rel = [-0.01 / 0.11, 0.01 / 0.09, -0.03 / 0.33, 0.03 / 0.27]
+
+    def best(y1: float, y2: float) -> float:
+        return (1 / y1 + 1 / y2) / (1 / y1**2 + 1 / y2**2)
+
+    p1, p3 = best(0.11, 0.09), best(0.33, 0.27)
+    assert f.per_byte_s == pytest.approx((p3 - p1) / 2e8) and f.fixed_s == pytest.approx(p1 - 1e8 * f.per_byte_s)
+    rel = [(p1 - 0.11) / 0.11, (p1 - 0.09) / 0.09, (p3 - 0.33) / 0.33, (p3 - 0.27) / 0.27]
     assert f.rel_rms == pytest.approx((sum(x * x for x in rel) / 4) ** 0.5)
 
 
@@ -118,6 +123,8 @@ def test_the_projection_is_the_stated_arithmetic():
     assert row["pdstate_ms"] == pytest.approx((5e-3 + b / 50e9 + b * 2 / 1e12 / 3) * 1e3)
     assert row["pdstate_full_ms"] == pytest.approx((5e-3 + b / 50e9 + b * 2 / 1e12) * 1e3)
     assert row["ratio"] == pytest.approx(row["sglang_ms"] / row["pdstate_ms"])
+    assert row["per_byte_ratio"] == pytest.approx(1 / (1 + 50e9 * 2 / 1e12 / 3))
+    assert row["per_byte_ratio_full"] == pytest.approx(1 / (1 + 50e9 * 2 / 1e12))
     assert list(proj["0.5.19"]) == ["2048", "32768"]
     assert cost_model.projection({}) == {}
 
@@ -128,8 +135,8 @@ def test_the_section_renders_and_prints_from_a_saved_run(tmp_path):
     assert "| agent | 12 | 2.00 | 500.0 | 200.0 | 600.0 | 0.0% |" in md
     assert "`sampled` did 33% of `full`'s digest work per byte in this run (agent phase)." in md
     assert "| link, effective | 48.3 GB/s (20.7 ms/GB) |" in md
-    assert "| projected, SGLang 0.5.19's request sizes, ms | 2k | 32k |" in md
-    assert "| MB per request | 18.0 | 138.0 |" in md
+    assert "| projected from SGLang 0.5.19's fits, ms | 2k | 32k |" in md
+    assert "| MB per request (`sglang_bytes_by_release`, else the agent phase's) | 18.0 | 138.0 |" in md
     assert cost_model.markdown({}) == ""
     assert bench_tables.markdown(r, None).endswith("\n".join(md) + "\n")  # bench.md's last tables
     path = tmp_path / "bench.json"

@@ -11,7 +11,7 @@ Per request of ``B`` bytes at verification level ``L``::
   every byte is digested, so it is the cost of digesting one byte; ``sampled`` over ``full``
   (``sampled_fraction``) is the share of ``full``'s digest work the default level does.
 
-``fit`` solves it by least squares (numpy) from ``(level, bytes, seconds)`` points. ``fit_results``
+``fit`` solves it by least squares (numpy, relative residuals) from ``(level, bytes, seconds)`` points. ``fit_results``
 takes a run's figures: the agent phase's rows at ``off``, ``sampled`` and ``full`` (shm; the
 verification parts come from here: it is the only phase with all three levels), the native engines'
 ``pdstate_<engine>`` rows (``sampled``) and ``pdstate_<engine>_full_verify`` rows (``full``) with
@@ -67,7 +67,8 @@ class Fit:
 
 
 def fit(points: list[Point], verify: dict[str, float] | None = None) -> Fit:
-    """Least squares ``t = fixed + per_byte * B + verify[level] * B`` over ``points``.
+    """Least squares ``t = fixed + per_byte * B + verify[level] * B`` over ``points``, each
+    residual relative to its point's time (the lengths span 2k to 128k tokens: 30x in time).
 
     Without ``verify``, each level other than ``off`` present gets its own verification part, which
     needs ``off`` points to separate it from ``per_byte``. With ``verify`` (s per byte, per level),
@@ -82,10 +83,11 @@ def fit(points: list[Point], verify: dict[str, float] | None = None) -> Fit:
     a = np.array([[1.0, b / _GB] + [b / _GB if lv == level else 0.0 for lv in levels] for level, b, _ in points])
     held = verify or {}
     y = np.array([t - held.get(level, 0.0) * b for level, b, t in points])
-    coef, _, rank, _ = np.linalg.lstsq(a, y, rcond=None)
+    times = np.array([t for _, _, t in points])
+    w = 1.0 / times  # relative errors: a 128k request's milliseconds do not drown a 2k request's
+    coef, _, rank, _ = np.linalg.lstsq(a * w[:, None], y * w, rcond=None)
     if rank < unknowns:
         raise ValueError(f"the points determine {rank} of {unknowns} unknowns (one request size?)")
-    times = np.array([t for _, _, t in points])
     rel = (a @ coef - y) / times
     parts = {"off": 0.0} | dict(held) | {lv: float(c) / _GB for lv, c in zip(levels, coef[2:])}
     return Fit(float(coef[0]), float(coef[1]) / _GB, parts, len(points), float(np.sqrt(np.mean(rel**2))))
@@ -186,6 +188,9 @@ H200_RDMA = Target(
 )
 
 
+ZERO = Fit(0.0, 0.0)  # no fixed part: ``project`` then gives the per-byte parts alone
+
+
 def sampled_fraction(agent: Fit) -> float | None:
     """The share of ``full``'s digest work ``sampled`` did here (its verification part / ``full``'s)."""
     full = agent.verify_per_byte_s.get("full")
@@ -203,8 +208,9 @@ def project(f: Fit, target: Target, nbytes: float, level: str, fraction: float |
 
 def projection(results: dict, target: Target = H200_RDMA) -> dict:
     """Per SGLang release and length: SGLang's own backend and backend pdstate (``sampled`` and
-    ``full``) on ``target``, ms, and SGLang's time / pdstate's (above 1: pdstate faster). Empty
-    without the agent fit or the sglang phase."""
+    ``full``) on ``target``, ms, and SGLang's time / pdstate's (above 1: pdstate faster), whole and
+    of the per-byte parts alone (the link's time / the link's and the device digests': what the
+    fixed parts measured here do not decide). Empty without the agent fit or the sglang phase."""
     fits = fit_results(results)
     if "agent" not in fits:
         return {}
@@ -218,6 +224,8 @@ def projection(results: dict, target: Target = H200_RDMA) -> dict:
         for n, b in sorted(request_bytes(results, release, "pdstate").items(), key=lambda kv: int(kv[0])):
             sgl = project(theirs, target, b, "off", frac)
             pd = {lv: project(ours, target, b, lv, frac) for lv in ("sampled", "full")}
+            link = b / target.link_bytes_s  # the per-byte parts alone: SGLang's / pdstate's
+            per_byte = {lv: link / (project(ZERO, target, b, lv, frac)) for lv in ("sampled", "full")}
             rows[n] = {
                 "bytes": b,
                 "sglang_ms": sgl * 1e3,
@@ -225,6 +233,8 @@ def projection(results: dict, target: Target = H200_RDMA) -> dict:
                 "pdstate_full_ms": pd["full"] * 1e3,
                 "ratio": sgl / pd["sampled"],
                 "ratio_full": sgl / pd["full"],
+                "per_byte_ratio": per_byte["sampled"],
+                "per_byte_ratio_full": per_byte["full"],
             }
         out[release] = rows
     return out
@@ -277,9 +287,11 @@ def markdown(results: dict, target: Target = H200_RDMA) -> str:
         lengths = list(rows)
         out += [
             "",
-            f"| projected, SGLang {release}'s request sizes, ms | " + " | ".join(_label(n) for n in lengths) + " |",
+            f"| projected from SGLang {release}'s fits, ms | " + " | ".join(_label(n) for n in lengths) + " |",
             "|---" * (len(lengths) + 1) + "|",
-            "| MB per request | " + " | ".join(f"{rows[n]['bytes'] / 1e6:.1f}" for n in lengths) + " |",
+            "| MB per request (`sglang_bytes_by_release`, else the agent phase's) | "
+            + " | ".join(f"{rows[n]['bytes'] / 1e6:.1f}" for n in lengths)
+            + " |",
             "| SGLang's own backend | " + " | ".join(f"{rows[n]['sglang_ms']:.2f}" for n in lengths) + " |",
             "| backend pdstate, `sampled` | " + " | ".join(f"{rows[n]['pdstate_ms']:.2f}" for n in lengths) + " |",
             "| backend pdstate, `full` | " + " | ".join(f"{rows[n]['pdstate_full_ms']:.2f}" for n in lengths) + " |",
@@ -287,6 +299,12 @@ def markdown(results: dict, target: Target = H200_RDMA) -> str:
             + " | ".join(f"{rows[n]['ratio']:.2f}" for n in lengths)
             + " |",
             "| ratio, `full` | " + " | ".join(f"{rows[n]['ratio_full']:.2f}" for n in lengths) + " |",
+            "| per-byte parts alone (link / link + device digests), `sampled` | "
+            + " | ".join(f"{rows[n]['per_byte_ratio']:.2f}" for n in lengths)
+            + " |",
+            "| per-byte parts alone, `full` | "
+            + " | ".join(f"{rows[n]['per_byte_ratio_full']:.2f}" for n in lengths)
+            + " |",
         ]
     return "\n".join(out) + "\n"
 
