@@ -2,11 +2,11 @@
 per-byte parts against what this device measures.
 
 - Device digest: ``agent.verify.lane_values`` over 1 GiB of items on the device. The projection
-  takes 3 passes over the bytes at 80% of the memory's bandwidth; here the memory's bandwidth is
-  measured (a device-to-device copy: each byte read and written, 2 passes), so the expected
-  throughput is ``copy bandwidth * 2 * 0.8 / 3``, and the measured one must be within ``FACTOR``
-  of it either way. Where the device is an H200 its copy bandwidth is also checked against the
-  4.8 TB/s the projection assumes, within ``FACTOR``.
+  takes 3 passes over the bytes at the bandwidth the memory reaches in practice (80% of its peak);
+  here that bandwidth is measured (a device-to-device copy: each byte read and written, 2
+  passes), so the expected throughput is ``copy bandwidth * 2 / 3``, and the measured one must be
+  within ``FACTOR`` of it either way. Where the device is an H200, the copy's 2 passes are also
+  checked against the 4.8 TB/s the projection assumes, within ``FACTOR``.
 - Transfer: the projection's per-byte part is the link's (48.3 GB/s effective), which assumes
   the device's memory is not what bounds a request's bytes: a device-to-device copy of the same
   1 GiB must run at least at the link's rate.
@@ -65,7 +65,7 @@ def test_device_digest_throughput_is_within_the_factor_of_the_projection(buffers
     src, dst = buffers
     copy_bytes_s = NBYTES / _seconds(lambda: dst.copy_(src))
     digest_bytes_s = NBYTES / _seconds(lambda: lane_values(src))
-    expected = copy_bytes_s * 2 * 0.8 / 3  # the projection's rule, on this device's own bandwidth
+    expected = copy_bytes_s * 2 / 3  # the projection's rule, on the bandwidth this device's copy reaches
     name = torch.cuda.get_device_name(0)
     report = (
         f"{name}: copy {copy_bytes_s / 1e12:.2f} TB/s, digest {digest_bytes_s / 1e12:.2f} TB/s, "
