@@ -40,9 +40,12 @@ The ratios, summary and output files are ``devtools.bench_report``; the command 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -197,9 +200,39 @@ def _phase(
             raw[1]()
 
 
+ERROR_CHARS = 2000  # a recorded phase error's bound (``bench_errors``)
+
+
+def error_text(exc: BaseException, limit: int = ERROR_CHARS) -> str:
+    """``"Type: message"`` on one line: control characters escaped, at most ``limit`` characters
+    (a cut one ends with ``... [N chars]``, N the whole text's length)."""
+    raw = f"{type(exc).__name__}: {exc}"
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in raw)
+    if len(text) <= limit:
+        return text
+    tail = f" ... [{len(text)} chars]"
+    return text[: limit - len(tail)] + tail
+
+
+@contextlib.contextmanager
+def guarded(name: str, results: dict, progress=print):
+    """Run one phase: an ``Exception`` it raises is recorded in ``results["bench_errors"]``
+    (``{"phase": name, "error": "Type: message"}``, its traceback on stderr) and does not stop the
+    phases after it. ``KeyboardInterrupt`` and ``SystemExit`` still end the run."""
+    errors = results.setdefault("bench_errors", [])
+    try:
+        yield
+    except Exception as exc:
+        errors.append({"phase": name, "error": error_text(exc)})
+        progress(f"[{name}] phase failed, the others go on: {errors[-1]['error']}")
+        traceback.print_exc(file=sys.stderr)
+
+
 def run_bench(
     quick: bool, engines: list[str], modes: list[str], progress=print, agent: bool = True, sglang: bool = True
 ) -> dict:
+    """Every phase, each under ``guarded`` (a failing phase is recorded in ``bench_errors`` and the
+    others still report); ``bench_errors`` is ``[]`` when every phase ran."""
     from pdstate.transfer.engines.base import EngineUnavailable, engine_class
 
     runs = 5 if quick else 9
@@ -211,32 +244,56 @@ def run_bench(
             available.append(e)
         except (EngineUnavailable, AttributeError, ImportError) as exc:
             progress(f"skipping {e}: {exc}")
-    results: dict = {"lengths": list(lengths), "runs": runs, "paths": {}, "modes": modes, "engines": available}
+    results: dict = {
+        "lengths": list(lengths),
+        "runs": runs,
+        "paths": {},
+        "modes": modes,
+        "engines": available,
+        "bench_errors": [],
+    }
     progress("planner ...")
-    results["planner"] = bench_planner(runs)
+    with guarded("planner", results, progress):
+        results["planner"] = bench_planner(runs)
     for mode in modes:
+        natives = [e for e in available if mode == "paged" and e != "shm"]  # the native engines: paged only
+        with_agent = agent and mode == "paged" and "shm" in available  # shm: the agent beside the ceiling
+        if not natives and not with_agent:
+            continue  # no phase of this mode would use its pools
         progress(f"[{mode}] building in-process pools ...")
-        src, dst = Side(mode), Side(mode)
-        for e in available:
-            if mode == "paged" and e != "shm":  # the native engines' rows: paged only
+        sides: tuple = ()
+        with guarded(f"pools:{mode}", results, progress):
+            sides = (Side(mode), Side(mode))
+        if not sides:
+            continue
+        src, dst = sides
+        for e in natives:
+            with guarded(f"{mode}:{e}", results, progress):
                 _phase(mode, e, src, dst, lengths, runs, results, progress)
-        if agent and mode == "paged" and "shm" in available:  # shm: the agent beside the ceiling, paged
-            from pdstate.devtools import bench_agent
+        if with_agent:
+            with guarded(f"{mode}:agent", results, progress):
+                from pdstate.devtools import bench_agent
 
-            bench_agent.phase(src, dst, lengths, runs, results, progress)
-        del src, dst
+                bench_agent.phase(src, dst, lengths, runs, results, progress)
+        del src, dst, sides
     if "shm" in available:
-        results["mxn"] = bench_scale.mxn(16 if quick else 32, progress)
+        with guarded("mxn", results, progress):
+            results["mxn"] = bench_scale.mxn(16 if quick else 32, progress)
     if sglang:  # SGLang's own Mooncake backend against backend pdstate: see devtools.bench_sglang
-        from pdstate.devtools import bench_sglang
+        with guarded("sglang", results, progress):
+            from pdstate.devtools import bench_sglang
 
-        bench_sglang.phase(bench_sglang.RUNS[quick], results, progress)
-        from pdstate.devtools import bench_ranks  # the SGLang ranks' endpoints off / scraped
+            bench_sglang.phase(bench_sglang.RUNS[quick], results, progress)
+        with guarded("ranks", results, progress):  # the SGLang ranks' endpoints off / scraped
+            from pdstate.devtools import bench_ranks
 
-        bench_ranks.phase(quick, results, progress)
+            bench_ranks.phase(quick, results, progress)
     progress("control ...")
-    results["control"] = bench_control(runs * 4)
-    results["ratios"] = bench_report.ratios(results)
+    with guarded("control", results, progress):
+        results["control"] = bench_control(runs * 4)
+    results["ratios"] = {}
+    with guarded("ratios", results, progress):
+        results["ratios"] = bench_report.ratios(results)
     return results
 
 
@@ -349,4 +406,7 @@ def cmd_bench(args) -> ExitCode:
             print(f"{k}: {v}")
         print("wrote " + ", ".join(str(f) for f in files))
     print(json.dumps(s))
-    return ExitCode.OK
+    failed = r.get("bench_errors") or []
+    for e in failed:  # after everything is written: the exit status says a phase failed
+        print(f"pdstate bench: phase {e['phase']} failed: {e['error']}", file=sys.stderr)
+    return ExitCode.FAILED if failed else ExitCode.OK

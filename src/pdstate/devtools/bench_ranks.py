@@ -46,10 +46,14 @@ ENDPOINT_MODULE = b"pdstate.status.pushed"  # what a rank's endpoint process run
 PATHS = ("/metrics", "/v1/compat")
 
 
-def cpu_ms(pid: int) -> float:
-    """CPU time ``pid`` has spent so far (user + system, all its threads, ended ones included), ms."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        fields = f.read().rsplit(b")", 1)[1].split()
+def cpu_ms(pid: int) -> float | None:
+    """CPU time ``pid`` has spent so far (user + system, all its threads, ended ones included), ms;
+    ``None`` once the process has ended and been reaped (its ``/proc`` entry is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
     return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
 
 
@@ -69,9 +73,19 @@ def endpoint_pids(ranks: list[int]) -> list[int]:
     return out
 
 
-def _cpu(pids: dict[str, int], children: list[int]) -> dict[str, float]:
-    out = {role: cpu_ms(pid) for role, pid in pids.items()}
-    out["endpoint"] = sum(cpu_ms(pid) for pid in children)
+def _cpu(pids: dict[str, int], children: list[int], last: dict[int, float]) -> dict[str, float]:
+    """Each role's CPU ms and the endpoints' sum. A process that has ended counts with its last
+    reading (``last``: pid -> ms, updated here; 0 if it was never read), so the window does not
+    charge it for what it did not run."""
+
+    def read(pid: int) -> float:
+        v = cpu_ms(pid)
+        if v is not None:
+            last[pid] = v
+        return last.get(pid, 0.0)
+
+    out = {role: read(pid) for role, pid in pids.items()}
+    out["endpoint"] = sum(read(pid) for pid in children)
     return out
 
 
@@ -108,13 +122,14 @@ def _block(pair, mode: str, runs: int, times: list[float], scrapes: list[int], c
             times.append(_ms(pair, mode))
             if thread is not None and not thread.is_alive():
                 raise RuntimeError(f"rank endpoints: scraping ports {sorted(ports.values())} failed")
-        before, served, t0 = _cpu(pids, children), scrapes[0], time.monotonic()
+        last: dict[int, float] = {}
+        before, served, t0 = _cpu(pids, children, last), scrapes[0], time.monotonic()
         time.sleep(DWELL_S)
     finally:
         stop.set()
         if thread is not None:
             thread.join(10.0)
-    after = _cpu(pids, children)
+    after = _cpu(pids, children, last)
     cpu["wall_s"] = cpu.get("wall_s", 0.0) + time.monotonic() - t0
     cpu["scrapes"] = cpu.get("scrapes", 0) + scrapes[0] - served
     for k, v in after.items():

@@ -29,13 +29,13 @@ def ratios(r: dict) -> dict:
 
     The keys without ``_by_length`` are the 32k-token values."""
     out: dict = {}
-    paths = r["paths"]
+    paths = r.get("paths") or {}
 
     def med(path: str, n: int) -> float | None:
         v = paths.get(path, {}).get(str(n))
         return None if v is None else v["seconds"]["median"]
 
-    for n in r["lengths"]:
+    for n in r.get("lengths") or []:
         for e in ("mooncake", "nixl"):
             raw = med(f"paged:{e}:raw_{e}", n)
             for variant, key in (
@@ -133,7 +133,26 @@ NAMED_RATIOS = (
     "sglang_backend_vs_sglang_mooncake_by_length",
     "sglang_backend_full_vs_sglang_mooncake",
     "sglang_backend_full_vs_sglang_mooncake_by_length",
+    "sglang_backend_vs_sglang_mooncake_by_release",
+    "sglang_backend_vs_sglang_mooncake_decode_by_release",
     "sglang_rank_endpoint_scraped_vs_off",
+)
+
+RESULT_KEYS = (  # top-level ``results`` keys the summary carries as they are (null where not measured)
+    "sglang_mooncake_ms_by_length",
+    "sglang_backend_ms_by_length",
+    "sglang_backend_full_ms_by_length",
+    "sglang_rank_endpoint_off_ms",
+    "sglang_rank_endpoint_scraped_ms",
+    "sglang_rank_endpoint_cpu_ms_per_scrape",
+    "sglang_rank_endpoint_child_cpu_ms_per_scrape",
+    "sglang_rank_endpoint_scrapes",
+    "sglang_scheduler_cpu_us_per_request_by_release",
+    "sglang_poll_us_by_release",
+    "sglang_ratio_ci95_by_release",
+    "sglang_bytes_by_release",
+    "sglang_descriptors_by_release",
+    "bench_errors",
 )
 
 
@@ -147,48 +166,47 @@ def agent_digest_ms(r: dict) -> dict:
     return out
 
 
+def _median(section: dict, key: str) -> float | None:
+    v = section.get(key)
+    return v.get("median") if isinstance(v, dict) else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
 def summary(r: dict) -> dict:
+    """The one-line summary: every key in every summary, ``null`` where its phase did not run
+    (or failed: ``bench_errors`` says which)."""
+    rat, planner, control = r.get("ratios") or {}, r.get("planner") or {}, r.get("control") or {}
     return (
         {
-            "ratios": {k: r["ratios"].get(k) for k in NAMED_RATIOS}
-            | {k: v for k, v in r["ratios"].items() if k not in NAMED_RATIOS},
+            "ratios": {k: rat.get(k) for k in NAMED_RATIOS} | {k: v for k, v in rat.items() if k not in NAMED_RATIOS},
             "agent_digest_ms_p50_by_length": agent_digest_ms(r),
             "verify_cost_by_mode": verify_cost(r),
-            "sglang_versions": r.get("sglang", {}).get("versions", []),
-            "plan_fragmented_128k_ms": r["planner"]["fragmented_ms"],
-            "plan_contiguous_128k_ms": r["planner"]["contiguous_ms"],
-            "plan_speedup_vs_loop": r["planner"]["loop_fragmented_ms"] / r["planner"]["fragmented_ms"],
-            "handshake_ms_p50": r["control"]["handshake_ms"]["median"],
-            "control_overhead_ms_p50": r["control"]["control_overhead_ms"]["median"],
-            "request_1_token_ms_p50": r["control"]["request_1_token_ms"]["median"],
-            "request_1_token_overhead_ms_p50": r["control"]["request_1_token_overhead_ms"]["median"],
-            "zmq_round_trip_ms_p50": r["control"].get("zmq_round_trip_ms", {}).get("median"),
-            "first_handshake_flash_ms": r["control"]["first_handshake_flash_ms"],
-            "descriptors_contiguous_128k": r["planner"]["descriptors_contiguous"],
-            "descriptors_fragmented_128k": r["planner"]["descriptors_fragmented"],
+            "sglang_versions": (r.get("sglang") or {}).get("versions", []),
+            "plan_fragmented_128k_ms": planner.get("fragmented_ms"),
+            "plan_contiguous_128k_ms": planner.get("contiguous_ms"),
+            "plan_speedup_vs_loop": _ratio(planner.get("loop_fragmented_ms"), planner.get("fragmented_ms")),
+            "handshake_ms_p50": _median(control, "handshake_ms"),
+            "control_overhead_ms_p50": _median(control, "control_overhead_ms"),
+            "request_1_token_ms_p50": _median(control, "request_1_token_ms"),
+            "request_1_token_overhead_ms_p50": _median(control, "request_1_token_overhead_ms"),
+            "zmq_round_trip_ms_p50": _median(control, "zmq_round_trip_ms"),
+            "first_handshake_flash_ms": control.get("first_handshake_flash_ms"),
+            "descriptors_contiguous_128k": planner.get("descriptors_contiguous"),
+            "descriptors_fragmented_128k": planner.get("descriptors_fragmented"),
         }
         | scale_summary(r)
-        | {
-            k: r.get(k)
-            for k in (
-                "sglang_mooncake_ms_by_length",
-                "sglang_backend_ms_by_length",
-                "sglang_backend_full_ms_by_length",
-                "sglang_rank_endpoint_off_ms",
-                "sglang_rank_endpoint_scraped_ms",
-                "sglang_rank_endpoint_cpu_ms_per_scrape",
-                "sglang_rank_endpoint_child_cpu_ms_per_scrape",
-                "sglang_rank_endpoint_scrapes",
-            )
-        }
+        | {k: r.get(k) for k in RESULT_KEYS}
     )
 
 
 def scale_summary(r: dict) -> dict:
     """The physical limit, control path against ZeroMQ, the M x N row and memory (null if not run)."""
     limit = physical_limit(r)
-    c = r.get("control", {})
-    ctl, zmq = c.get("control_overhead_ms", {}).get("median"), c.get("zmq_round_trip_ms", {}).get("median")
+    c = r.get("control") or {}
+    ctl, zmq = _median(c, "control_overhead_ms"), _median(c, "zmq_round_trip_ms")
     mxn, mem = r.get("mxn") or {}, r.get("agent_memory") or {}
     return {
         "physical_limit_gbps": limit["gbps"],
@@ -196,7 +214,7 @@ def scale_summary(r: dict) -> dict:
         "physical_limit_gbps_by_length": {
             n: v["gbps"]["median"] for n, v in r.get("paths", {}).get(f"paged:{physical_phase(r)}:physical", {}).items()
         },
-        "control_overhead_vs_zmq": ctl / zmq if ctl and zmq else None,
+        "control_overhead_vs_zmq": _ratio(ctl, zmq) if ctl else None,
         "mxn_2x2_gbps": mxn.get("gbps"),
         "mxn_2x2": mxn or None,
         "peak_rss_mb": mem.get("peak_rss_mb"),
@@ -228,7 +246,7 @@ def write_outputs(r: dict, out_dir: Path) -> list[Path]:
     except ImportError:
         return written
     fig, ax = plt.subplots(figsize=(8, 5))
-    for path, per_len in sorted(r["paths"].items()):
+    for path, per_len in sorted((r.get("paths") or {}).items()):
         mode, engine, variant = path.split(":", 2)
         if variant in ("ceiling_memmove", "ceiling_gather_scatter") or (engine != "agent" and variant == "ceiling"):
             continue  # one ceiling (the agent phase's); the others are in bench.json
@@ -255,7 +273,7 @@ def write_outputs(r: dict, out_dir: Path) -> list[Path]:
 def format_table(r: dict) -> str:
     """Every measured path: median GB/s per request length, and the range over the runs."""
     lines = [f"{'path':<44} {'tokens':>7} {'GB/s median':>12} {'[min..max]':>16}"]
-    for path, per_len in sorted(r["paths"].items()):
+    for path, per_len in sorted((r.get("paths") or {}).items()):
         for n, v in per_len.items():
             g = v["gbps"]
             span = f"{g['min']:>7.2f}..{g['max']:<7.2f}" if "min" in g else ""

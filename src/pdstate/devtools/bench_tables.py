@@ -1,7 +1,8 @@
 """The README's performance tables, rendered from one ``pdstate bench`` run (``bench.json``):
 the ratios per request length, the throughput of the main paths with their range over the runs,
-and the single figures (physical limit, control path against a bare ZeroMQ round trip, the M x N
-row, memory, planner, handshake). Rows whose measurement did not run are left out.
+the single figures (physical limit, control path against a bare ZeroMQ round trip, the M x N
+row, memory, planner, handshake), and last the cost model fitted from the run and its projection
+(``devtools.cost_model``). Rows whose measurement did not run are left out.
 
 ``pdstate bench`` writes them to ``bench.md``; ``python -m pdstate.devtools.bench_report
 bench-out/bench.json`` prints them again from a saved run.
@@ -240,8 +241,24 @@ def _rank_cpu_rows(r: dict) -> list[str]:
     ]
 
 
+def cost_model_table(r: dict) -> list[str]:
+    """The cost model fitted from this run and its projection (``devtools.cost_model``)."""
+    from pdstate.devtools import cost_model
+
+    text = cost_model.markdown(r)
+    return text.rstrip("\n").split("\n") if text else []
+
+
 def markdown(r: dict, s: dict | None) -> str:
     """Every table with data in it, blank-line separated, ending with a newline."""
-    tables = (ratio_table(r), gbps_table(r), verify_table(s), figures_table(s), sglang_table(r), rank_endpoint_table(r))
+    tables = (
+        ratio_table(r),
+        gbps_table(r),
+        verify_table(s),
+        figures_table(s),
+        sglang_table(r),
+        rank_endpoint_table(r),
+        cost_model_table(r),
+    )
     blocks = [t for t in tables if t]
     return "\n\n".join("\n".join(t) for t in blocks) + "\n"
