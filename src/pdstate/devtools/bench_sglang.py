@@ -26,7 +26,7 @@ ms}}}``, the prefill's and the decode's), ``sglang_ratio_ci95_by_release`` (``{r
 | "decode": {length: [low, high]}}}``: the bootstrap 95% interval of SGLang's median / pdstate's,
 ``ratio_ci95``), ``sglang_bytes_by_release`` and ``sglang_descriptors_by_release`` (``{release:
 {"pdstate" | "mooncake": {length: count}}}``, per request, both children together), ``sglang``
-(the runs, min/median/max of both sides, every distinct count, the SGLang ``versions`` the
+(the runs, min/median/max of both sides, every request's ms, every distinct count, the SGLang ``versions`` the
 children imported, and why a backend did not run). The ratios (SGLang's time / pdstate's: above 1
 pdstate is faster) are ``bench_report.ratios``': ``sglang_backend_vs_sglang_mooncake_by_length`` /
 ``_by_release`` (prefill), ``sglang_backend_vs_sglang_mooncake_decode_by_release`` (decode) and
@@ -160,6 +160,9 @@ def phase(
                 if side == "prefill":
                     info.setdefault(b, stats)  # the first release's, as before
                 info.setdefault(key, {}).setdefault(name, {})[b] = stats
+            info.setdefault("ms_by_release", {}).setdefault(name, {})[b] = {
+                side: {str(n): [t[side] for t in v] for n, v in times[b].items()} for side in SIDES
+            }  # every request's, in the order they ran (the intervals' data)
             info.setdefault("moved_by_release", {}).setdefault(name, {})[b] = {
                 str(n): {k: sorted({t[k] for t in v}) for k in ("bytes", "descriptors")} for n, v in times[b].items()
             }  # every distinct count seen: one each when identical requests move the same
