@@ -263,7 +263,8 @@ def _add_bench(sub) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="the sglang phase: SGLang 0.5.19's own Mooncake backend against backend pdstate, per request "
-        "(about a minute; skipped, saying why, without make sglang-env's environment or Mooncake)",
+        "(with --quick about 12 minutes a release on a loaded 2-core host; skipped, saying why, "
+        "without make sglang-env's environment or Mooncake)",
     )
     b.set_defaults(func=_cmd_bench)
 

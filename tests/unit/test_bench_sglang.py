@@ -113,3 +113,93 @@ def test_rank_endpoint_keys_null_without_the_measurement(tmp_path, monkeypatch):
     bench_ranks.phase(True, results, progress=None)
     why = f"no SGLang environment at {tmp_path / 'absent'} (make sglang-env builds it)"
     assert results == {"sglang_rank_endpoints": {"tokens": 4096, "runs": 8, "scrape_s": 0.05, "skipped": why}}
+
+
+def test_bootstrap_interval_of_the_ratio_of_medians_is_seeded_and_exact():
+    theirs = [30.0, 34.0, 31.0, 29.0, 40.0, 33.0, 28.0, 36.0]
+    ours = [20.0, 25.0, 22.0, 21.0, 30.0, 24.0, 26.0, 23.0]
+    assert bench_sglang.ratio_ci95(theirs, ours) == [1.183673469387755, 1.5217391304347827]  # seed 37
+    assert bench_sglang.ratio_ci95(theirs, ours) == bench_sglang.ratio_ci95(theirs, ours, seed=bench_sglang.SEED)
+    assert bench_sglang.ratio_ci95(theirs, ours, seed=2) == [1.1875, 1.5]
+    low, high = bench_sglang.ratio_ci95(theirs, ours)
+    assert low < 32.0 / 23.5 < high  # the point ratio of the medians lies inside
+    assert bench_sglang.ratio_ci95([10.0] * 4, [5.0] * 4) == [2.0, 2.0]  # no spread, no width
+    assert bench_sglang.ratio_ci95(theirs, ours[:5]) == [1.05, 1.675]  # unequal counts: drawn apart
+
+
+def test_decode_ratio_per_release_beside_the_prefill_one():
+    r = {
+        "lengths": [],
+        "modes": [],
+        "paths": {},
+        "sglang_by_release": {"0.5.19": {"mooncake": {"2048": 30.0}, "pdstate": {"2048": 20.0}}},
+        "sglang_decode_by_release": {
+            "0.5.19": {"mooncake": {"2048": 33.0, "8192": 40.0}, "pdstate": {"2048": 22.0}},
+            "0.5.23": {"mooncake": {"2048": 30.0}, "pdstate": {"2048": 40.0}},
+        },
+    }
+    out = bench_report.ratios(r)
+    assert out["sglang_backend_vs_sglang_mooncake_by_release"] == {"0.5.19": {"2048": 1.5}}
+    assert out["sglang_backend_vs_sglang_mooncake_decode_by_release"] == {
+        "0.5.19": {"2048": 1.5},
+        "0.5.23": {"2048": 0.75},
+    }
+
+
+SGLANG_KEYS = ("sglang_ratio_ci95_by_release", "sglang_bytes_by_release", "sglang_descriptors_by_release")
+
+
+def test_summary_carries_the_new_sglang_keys_null_when_the_phase_did_not_run():
+    s = bench_report.summary(fake_bench_result())
+    assert all(s[k] is None for k in SGLANG_KEYS)
+    assert s["ratios"]["sglang_backend_vs_sglang_mooncake_decode_by_release"] is None
+    values = {k: {"0.5.19": {"pdstate": {"2048": i}}} for i, k in enumerate(SGLANG_KEYS)}
+    ratio = {"sglang_backend_vs_sglang_mooncake_decode_by_release": {"0.5.19": {"2048": 1.25}}}
+    s = bench_report.summary(fake_bench_result(ratios=ratio, **values))
+    assert {k: s[k] for k in SGLANG_KEYS} == values
+    assert s["ratios"]["sglang_backend_vs_sglang_mooncake_decode_by_release"] == {"0.5.19": {"2048": 1.25}}
+
+
+def test_sglang_table_shows_the_decode_the_intervals_and_the_counts():
+    r = {
+        "sglang_by_release": {"0.5.19": {"mooncake": {"2048": 30.0}, "pdstate": {"2048": 20.0}}},
+        "sglang_decode_by_release": {"0.5.19": {"mooncake": {"2048": 33.0}, "pdstate": {"2048": 22.0}}},
+        "sglang_ratio_ci95_by_release": {"0.5.19": {"prefill": {"2048": [1.2, 1.8]}, "decode": {"2048": [0.9, 1.6]}}},
+        "sglang_bytes_by_release": {"0.5.19": {"mooncake": {"2048": 18025472}, "pdstate": {"2048": 18025472}}},
+        "sglang_descriptors_by_release": {"0.5.19": {"mooncake": {"2048": 220}, "pdstate": {"2048": 221}}},
+    }
+    assert bench_tables.sglang_table(r) == [
+        "| SGLang 0.5.19, send -> Success, ms (median) | 2k |",
+        "|---|---|",
+        "| SGLang's own Mooncake backend | 30.0 |",
+        "| backend pdstate (Mooncake engine, `sampled`) | 20.0 |",
+        "| ratio, `sampled` (above 1: pdstate faster) | 1.50 |",
+        "| decode, metadata -> Success: SGLang's own Mooncake backend | 33.0 |",
+        "| decode, metadata -> Success: backend pdstate (`sampled`) | 22.0 |",
+        "| ratio, decode (above 1: pdstate faster) | 1.50 |",
+        "| ratio's bootstrap 95% interval, prefill | 1.20-1.80 |",
+        "| ratio's bootstrap 95% interval, decode | 0.90-1.60 |",
+        "| bytes moved a request, SGLang's own Mooncake backend | 18,025,472 |",
+        "| bytes moved a request, backend pdstate | 18,025,472 |",
+        "| descriptors moved a request, SGLang's own Mooncake backend | 220 |",
+        "| descriptors moved a request, backend pdstate | 221 |",
+    ]
+
+
+def test_a_request_moves_what_both_children_counted():
+    r = {
+        "tokens": 2048,
+        "send_to_success_ms": 20.0,
+        "metadata_to_success_ms": 21.5,
+        "prefill": {"outcome": "Success", "moved": {"bytes": 1000, "descriptors": 4, "calls": 2}},
+        "decode": {
+            "outcome": "Success",
+            "wrong_items": 0,
+            "outside_bytes": 0,
+            "moved": {"bytes": 24, "descriptors": 1},
+        },
+    }
+    assert bench_sglang.figures("pdstate", r) == {"prefill": 20.0, "decode": 21.5, "bytes": 1024, "descriptors": 5}
+    r["decode"]["wrong_items"] = 1
+    with pytest.raises(RuntimeError, match="pdstate at 2048 tokens did not land every byte"):
+        bench_sglang.figures("pdstate", r)

@@ -24,8 +24,10 @@ def ratios(r: dict) -> dict:
       ``shm_digest_vs_ceiling`` (= ``agent_digest_vs_ceiling``);
     - raw engine / serve's worker pair for the native engines (``<engine>_vs_raw``,
       ``<engine>_full_verify_vs_raw``); in the sglang phase, SGLang's Mooncake backend / backend
-      pdstate (above 1: pdstate is faster), and the SGLang ranks' endpoints scraped / off
-      (``sglang_rank_endpoint_scraped_vs_off``, above 1: they cost time).
+      pdstate (above 1: pdstate is faster; ``..._by_release``: the prefill's send -> Success,
+      ``sglang_backend_vs_sglang_mooncake_decode_by_release``: the decode's metadata -> Success),
+      and the SGLang ranks' endpoints scraped / off (``sglang_rank_endpoint_scraped_vs_off``,
+      above 1: they cost time).
 
     The keys without ``_by_length`` are the 32k-token values."""
     out: dict = {}
@@ -77,6 +79,10 @@ def ratios(r: dict) -> dict:
         ):
             ratio = {n: sgl / by[mine][n] for n, sgl in by.get("mooncake", {}).items() if by.get(mine, {}).get(n)}
             out.setdefault(f"{key}_by_release", {})[release] = ratio
+    for release, by in r.get("sglang_decode_by_release", {}).items():  # the decode's metadata -> Success
+        mine = by.get("pdstate", {})
+        ratio = {n: sgl / mine[n] for n, sgl in by.get("mooncake", {}).items() if mine.get(n)}
+        out.setdefault("sglang_backend_vs_sglang_mooncake_decode_by_release", {})[release] = ratio
     off, on = r.get("sglang_rank_endpoint_off_ms"), r.get("sglang_rank_endpoint_scraped_ms")
     if off and on:  # the rank endpoints scraped / off (devtools.bench_ranks): above 1 they cost time
         out["sglang_rank_endpoint_scraped_vs_off"] = on / off

@@ -170,7 +170,8 @@ def verify_table(s: dict | None) -> list[str]:
 def sglang_table(r: dict) -> list[str]:
     """The sglang phase's rows, one table per SGLang release measured (``sglang_by_release``):
     per-request send -> Success, SGLang's Mooncake backend and backend pdstate at the default
-    level and at ``full``, and the ratios."""
+    level and at ``full``, and the ratios; where measured, the decode's metadata -> Success, the
+    ratios' bootstrap 95% intervals, and the bytes and descriptors each backend moved a request."""
     by = r.get("sglang_by_release")
     if not by:  # a run from before the releases were kept apart: the top-level keys
         versions = ", ".join((r.get("sglang") or {}).get("versions") or ["0.5.19"])
@@ -181,7 +182,36 @@ def sglang_table(r: dict) -> list[str]:
         table = _sglang_rows(
             release, times.get("mooncake") or {}, times.get("pdstate") or {}, times.get("pdstate@full") or {}
         )
+        if table:
+            ours = times.get("pdstate") or {}
+            table += _sglang_more_rows(
+                r, release, [n for n in sorted(times.get("mooncake") or {}, key=int) if n in ours]
+            )
         out += ([""] if out and table else []) + table
+    return out
+
+
+def _sglang_more_rows(r: dict, release: str, lengths: list[str]) -> list[str]:
+    """The decode's medians and ratio, the intervals, and the counts moved (what was measured)."""
+    decode = (r.get("sglang_decode_by_release") or {}).get(release) or {}
+    ci = (r.get("sglang_ratio_ci95_by_release") or {}).get(release) or {}
+    moved = [(w, (r.get(f"sglang_{w}_by_release") or {}).get(release) or {}) for w in ("bytes", "descriptors")]
+    out: list[str] = []
+
+    def row(label: str, values: dict, fmt) -> None:
+        if values and all(n in values for n in lengths):
+            out.append(f"| {label} | " + " | ".join(fmt(values[n]) for n in lengths) + " |")
+
+    theirs, ours = decode.get("mooncake") or {}, decode.get("pdstate") or {}
+    row("decode, metadata -> Success: SGLang's own Mooncake backend", theirs, "{:.1f}".format)
+    row("decode, metadata -> Success: backend pdstate (`sampled`)", ours, "{:.1f}".format)
+    if theirs and all(ours.get(n) for n in lengths):
+        row("ratio, decode (above 1: pdstate faster)", {n: theirs[n] / ours[n] for n in lengths}, "{:.2f}".format)
+    for side in ("prefill", "decode"):
+        row(f"ratio's bootstrap 95% interval, {side}", ci.get(side) or {}, lambda v: f"{v[0]:.2f}-{v[1]:.2f}")
+    for what, by in moved:
+        for backend, name in (("mooncake", "SGLang's own Mooncake backend"), ("pdstate", "backend pdstate")):
+            row(f"{what} moved a request, {name}", by.get(backend) or {}, "{:,}".format)
     return out
 
 

@@ -32,7 +32,7 @@ from types import SimpleNamespace
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class
 
-from pdstate.devtools.sglang_pair import boot, pattern, pools
+from pdstate.devtools.sglang_pair import boot, moved, pattern, pools
 from pdstate.devtools.sglang_pair.cases import Side
 from pdstate.devtools.sglang_pair.child import error_text, serve
 
@@ -85,6 +85,7 @@ def setup(role: str, backend: str, side: dict, port: int) -> dict:
         )
     )  # fmt: skip
     _parallel_context()
+    moved.install()  # bytes and descriptors per request, at the engine call (both backends)
     if backend == "mooncake":  # as SGLang's scheduler does for its own Mooncake backend
         _mooncake_engine()
     if s.key() not in S.pools:
@@ -153,6 +154,7 @@ def _end(outcome: str) -> str | None:
 
 # -- prefill
 def open_request(room: int, tokens: int) -> dict:
+    moved.reset()
     S.req = pools.allocate(S.cur, S.args, room, tokens, PREFILL_SLOT)
     items = pools.request_items(S.cur, S.args, S.req, PREFILL_SLOT)
     for (_, ptr, length, _), (_, item_len, keys) in zip(pools.buffers(S.args), items):
@@ -177,12 +179,14 @@ def send(deadline_s: float) -> dict:
     S.conn.send(pages[first:], S.req.state_indices)
     state, t1 = _poll((KVPoll.Success,), deadline)
     out = {"outcome": state, "failure": _end(state), "ms": (t1 - t0) * 1000 if state == "Success" else None}
+    out["moved"] = moved.read()
     return out
 
 
 # -- decode
 def recv(room: int, tokens: int, deadline_s: float) -> dict:
     deadline = time.perf_counter() + deadline_s
+    moved.reset()
     for _, ptr, length, _ in pools.buffers(S.args):
         pattern.memory(ptr, length).fill(pattern.SENTINEL)
     try:
@@ -196,13 +200,14 @@ def recv(room: int, tokens: int, deadline_s: float) -> dict:
     cls = get_kv_class(TransferBackend(S.backend), KVClassType.RECEIVER)
     S.conn = cls(S.mgr, S.addr, room)
     S.conn.init(0)
+    S.metadata_at = time.perf_counter()  # the decode's metadata -> Success: what the first token waits for
     S.conn.send_metadata(S.req.pages, DECODE_SLOT, S.req.state_indices, decode_prefix_len=0)
     return {"outcome": "sent", "failure": None}
 
 
 def wait(deadline_s: float) -> dict:
     deadline = time.perf_counter() + deadline_s
-    state, _ = _poll((KVPoll.Success,), deadline)
+    state, t1 = _poll((KVPoll.Success,), deadline)
     out = {"outcome": state, "bytes_checked": 0, "items": 0, "wrong_items": 0, "outside_bytes": 0, "changed_bytes": 0}
     wrong_by = {}
     items = pools.request_items(S.cur, S.args, S.req, DECODE_SLOT)
@@ -217,6 +222,8 @@ def wait(deadline_s: float) -> dict:
         kind = what if what in ("main", "aux") else "state"
         wrong_by[kind] = wrong_by.get(kind, 0) + wrong
     out["wrong_by"] = wrong_by
+    out["ms"] = (t1 - S.metadata_at) * 1000 if state == "Success" else None
+    out["moved"] = moved.read()
     out["failure"] = _end(state)
     return out
 
