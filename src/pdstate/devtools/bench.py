@@ -234,6 +234,9 @@ def run_bench(
         from pdstate.devtools import bench_ranks  # the SGLang ranks' endpoints off / scraped
 
         bench_ranks.phase(quick, results, progress)
+        from pdstate.devtools import bench_sched  # the scheduler thread's CPU per request and poll()
+
+        bench_sched.phase(quick, results, progress)
     progress("control ...")
     results["control"] = bench_control(runs * 4)
     results["ratios"] = bench_report.ratios(results)

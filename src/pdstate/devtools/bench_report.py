@@ -179,6 +179,8 @@ def summary(r: dict) -> dict:
                 "sglang_rank_endpoint_cpu_ms_per_scrape",
                 "sglang_rank_endpoint_child_cpu_ms_per_scrape",
                 "sglang_rank_endpoint_scrapes",
+                "sglang_scheduler_cpu_us_per_request_by_release",
+                "sglang_poll_us_by_release",
             )
         }
     )
