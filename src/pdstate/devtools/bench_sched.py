@@ -4,7 +4,8 @@ it): what a transfer backend's classes cost the SGLang scheduler thread per requ
 SGLang calls a backend's sender and receiver on its scheduler thread (the one that runs the model)
 and polls every request in flight on every iteration. On each SGLang release built here
 (``bench_sglang.releases``), a prefill child and a decode child (``devtools.sglang_pair.sched``)
-run batches of ``n`` requests of ``TOKENS`` tokens at once (``IN_FLIGHT``: 1, 16, 64), both sides
+run batches of ``n`` requests of ``TOKENS`` tokens at once (``IN_FLIGHT``: 1, 16, 64; at least
+``PER_ROUND`` requests per round: 16 batches of one), both sides
 driving them in their scheduler's order (sender: made, polled, ``init`` and two chunks at
 ``WaitingForInput``, polled to ``Success``; receiver: made, ``init``, polled, ``send_metadata`` at
 ``WaitingForInput``, polled to ``Success``), one sweep over the live requests per iteration
@@ -12,13 +13,13 @@ driving them in their scheduler's order (sender: made, polled, ``init`` and two 
 thread's CPU clock (``time.thread_time_ns``): the backend's own threads are not counted, its
 scheduler-thread work is. Backend ``pdstate`` (Mooncake engine) and SGLang's ``mooncake`` (TCP) on
 the same pools, one warm-up batch each, then batches alternate backend by backend, every ``n`` in
-turn, ``ROUNDS`` times. Every byte of every request is checked after its batch; a request that does
-not end in ``Success`` with every byte right fails the measurement.
+turn, ``ROUNDS`` times. Every destination item of every request is checked after its batch; a
+request that does not end in ``Success`` with every item right fails the measurement.
 
 Results:
 - ``sglang_scheduler_cpu_us_per_request_by_release``: ``{release: {backend: {"1": µs, "16": µs,
   "64": µs}}}``: per request, the CPU of all its calls on both sides (the constructor, ``init``,
-  ``send`` per chunk or ``send_metadata``, every ``poll``), the batch's mean, median over the rounds;
+  ``send`` per chunk or ``send_metadata``, every ``poll``), the round's mean, median over the rounds;
 - ``sglang_poll_us_by_release``: ``{release: {backend: µs}}``: the median of one ``poll()`` call,
   both sides, every batch;
 - ``sglang_sched``: the details (per release, backend and ``n``: the rounds' min/median/max, each
@@ -39,6 +40,7 @@ BACKENDS = ("pdstate", "mooncake")
 TOKENS = 512  # two pages of 256: two chunks, a one-page SWA window, a C128 state row
 DEADLINE_S = 60.0
 SLACK_S = 60.0  # what a child may take beyond a batch's deadline to answer (the byte checks)
+PER_ROUND = 16  # requests at least per backend, ``n`` and round (1 in flight: 16 batches one after another)
 WARM_UP = 4  # requests in each backend's first batch (not counted)
 # Room for 64 requests of TOKENS at once on each side (and the decode's held page): 128 pages, 64
 # window pages, 64 request slots (the prefill's 0..63, the decode's 1..64)
@@ -55,7 +57,7 @@ class SchedPair(Pair):
 
     def batch(self, n: int, deadline_s: float = DEADLINE_S) -> dict:
         """``n`` requests at once on both sides; ``{"prefill": answer, "decode": answer}`` (raises
-        unless every request ended in ``Success`` with every byte right)."""
+        unless every request ended in ``Success`` with every destination item right)."""
         rooms = list(range(self.room + 1, self.room + n + 1))
         self.room += n
         self.prefill.tell("sched_prefill", rooms=rooms, tokens=TOKENS, deadline_s=deadline_s)
@@ -69,11 +71,14 @@ class SchedPair(Pair):
                 )
             if a["outcomes"] != {"Success": n}:
                 raise RuntimeError(f"scheduler measurement: {role}: {a['outcomes']} of {n}: {a['failures']}")
-        if dec["wrong_items"] or dec["outside_bytes"]:
-            raise RuntimeError(
-                f"scheduler measurement: {dec['wrong_items']} items wrong, {dec['outside_bytes']} bytes outside"
-            )
+        if dec["wrong_items"]:
+            raise RuntimeError(f"scheduler measurement: {dec['wrong_items']} destination items wrong")
         return out
+
+
+def batches(n: int) -> int:
+    """Batches of ``n`` per backend and round: at least ``PER_ROUND`` requests (one batch of 16 or 64)."""
+    return max(1, PER_ROUND // n)
 
 
 def _spread(v: list[float]) -> dict:
@@ -101,15 +106,20 @@ def measure(pair: SchedPair, rounds: int, in_flight: tuple[int, ...], progress=p
             progress(f"[sglang scheduler] round {k + 1}/{rounds}: {n} in flight ...")
             for b in BACKENDS:
                 pair.use(b)
-                out = pair.batch(n)
-                total = sum(sum(out[role]["cpu_ns"]) for role in ("prefill", "decode"))
-                cpu[b][n].append(total / n / 1000)
+                outs = [pair.batch(n) for _ in range(batches(n))]
+                reqs = n * len(outs)
+                total = sum(sum(o[role]["cpu_ns"]) for o in outs for role in ("prefill", "decode"))
+                cpu[b][n].append(total / reqs / 1000)
                 part = parts[b][n]
                 for role in ("prefill", "decode"):
-                    for call, ns in out[role]["by_call_ns"].items():
-                        part[role].setdefault(call, []).append(ns / n / 1000)
-                    polls[b][role] += out[role]["poll_ns"]
-                part["polls"].append(sum(len(out[role]["poll_ns"]) for role in ("prefill", "decode")) / n)
+                    for call in outs[0][role]["by_call_ns"]:
+                        ns = sum(o[role]["by_call_ns"][call] for o in outs)
+                        part[role].setdefault(call, []).append(ns / reqs / 1000)
+                    for o in outs:
+                        polls[b][role] += o[role]["poll_ns"]
+                part["polls"].append(
+                    sum(len(o[role]["poll_ns"]) for o in outs for role in ("prefill", "decode")) / reqs
+                )
     return {"release": release, "cpu_us": cpu, "parts": parts, "poll_ns": polls}
 
 
