@@ -62,8 +62,8 @@ ABORT_FENCE_S = 5.0
 UNFENCED_FAILED_WAIT_S = 30.0
 # SGLang polls every request in flight on its scheduler thread, every iteration: a poll that finds
 # nothing new reads one status word (the agent receiver's state); whether the rank's agent died is
-# asked on every ``AGENT_CHECK_POLLS``-th poll of that path, and on every other path
-AGENT_CHECK_POLLS = 16
+# asked on every ``AGENT_CHECK_POLLS``-th poll, and on every poll that looks further
+AGENT_CHECK_POLLS = 32
 _BOOTSTRAPPING, _WAITING, _TRANSFERRING = (
     RequestState.BOOTSTRAPPING,
     RequestState.WAITING_FOR_INPUT,
@@ -245,8 +245,10 @@ def build_receiver() -> type:
             if over is not None:
                 return over if over == SUCCESS else self._poll()  # Failed: held while unfenced
             self._polls += 1
+            if not self._polls % AGENT_CHECK_POLLS and self.kv_mgr.agent_failure() is not None:
+                return self._poll()
             word = self._word
-            if word is not None and self._polls % AGENT_CHECK_POLLS:
+            if word is not None:
                 state = word()
                 if state is _TRANSFERRING:
                     steady = TRANSFERRING

@@ -52,8 +52,8 @@ _TRANSFERRING, _WAITING = RequestState.TRANSFERRING, RequestState.WAITING_FOR_IN
 # SGLang polls every request in flight on its scheduler thread, every iteration: a poll that finds
 # nothing new reads one status word (the agent request's state, or the agent's ``arrivals`` while
 # the decode's request is awaited); whether the rank's agent died is asked on every
-# ``AGENT_CHECK_POLLS``-th poll of that path, and on every other path
-AGENT_CHECK_POLLS = 16
+# ``AGENT_CHECK_POLLS``-th poll, and on every poll that looks further
+AGENT_CHECK_POLLS = 32
 # what turns SGLang's room into the first replica's room of each count (``replicas``): the rooms a
 # decode rank may ask for SGLang's room under, looked for in one pass (``_agent_rooms``)
 _FIRST_REPLICA = tuple(replica_room(0, 0, count) for count in range(2, MAX_REPLICAS + 1))
@@ -212,12 +212,14 @@ def build_sender() -> type:
             """SGLang's scheduler calls this for every request in flight on every iteration: the
             common answers (still transferring, still awaited) read one status word; SGLang's own
             verdict on the room comes first, and the agent is asked whether it lives every
-            ``AGENT_CHECK_POLLS``-th poll (``_poll``, the whole look)."""
+            ``AGENT_CHECK_POLLS``-th poll (then, dead, ``_poll`` fails the request)."""
             over = self.conclude_state
             if over is not None:
                 return over
             self._polls += 1
-            if self._polls % AGENT_CHECK_POLLS and self.kv_mgr.request_status.get(self.bootstrap_room) != FAILED:
+            if not self._polls % AGENT_CHECK_POLLS and self.kv_mgr.agent_failure() is not None:
+                return self._poll()
+            if self.kv_mgr.request_status.get(self.bootstrap_room) != FAILED:
                 word = self._word  # one decode rank fed: its agent sender's state, moved by the agent's thread
                 if word is not None:
                     state = word()
