@@ -255,6 +255,21 @@ class PrefillAgent(AgentLifetime):
         (read without the I/O thread: ``agent.refusals``)."""
         return self._core.refusals.requested(room)
 
+    @property
+    def arrivals(self) -> int:
+        """How many decode requests came to wait for their senders, and rooms were given up, so far
+        (read without the I/O thread): a caller watching for its rooms (``requested``,
+        ``take_refusal``) need look again only once this moved."""
+        return self._core.refusals.arrivals
+
+    def requested_any(self, rooms: frozenset[int]) -> bool:
+        """``requested`` of any of ``rooms`` in one look (read without the I/O thread)."""
+        return self._core.refusals.requested_any(rooms)
+
+    def refused_any(self, rooms: frozenset[int]) -> bool:
+        """Whether any of ``rooms`` was given up before its sender was made (``refusal``)."""
+        return self._core.refusals.refused_any(rooms)
+
     def pending_pages(self, room: int) -> int | None:
         """How many destination pages the waiting request for ``room`` names (``None``: none waits)."""
         return self._core.refusals.pending_pages(room)

@@ -391,6 +391,7 @@ class PrefillCore:
         if send is None or send.record.state.terminal and send.request is not None:
             self.pending[msg.room] = PendingRequest(identity, msg)
             self.refusals.take_refusal(msg.room)  # asked for (again): not given up
+            self.refusals.arrived()
             if self.ask_caller:
                 self.out.append(AskCaller(identity, decode.worker_id, msg))
         else:

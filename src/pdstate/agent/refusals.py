@@ -109,10 +109,26 @@ class Refusals:
         self.sends, self.pending, self.fail, self.reply = sends, pending, fail, reply
         self.refused: dict[bytes, ErrorInfo] = {}  # decode identity -> the refusal it got
         self.rooms: OrderedDict[int, PdStateError] = OrderedDict()  # rooms given up, and why
+        # requests that came to wait and rooms given up, so far: a reader watching for its rooms
+        # (``requested``, ``take_refusal``) looks again only once this moved (``arrived``)
+        self.arrivals = 0
+
+    def arrived(self) -> None:
+        """A request came to wait for its sender, or a room was given up (``arrivals``)."""
+        self.arrivals += 1
 
     def requested(self, room: int) -> bool:
         """Whether a decode's request for ``room`` arrived and waits for ``sender(room, ...)``."""
         return room in self.pending
+
+    def requested_any(self, rooms: frozenset[int]) -> bool:
+        """Whether a request for any of ``rooms`` waits (one pass in C over the smaller of the two:
+        atomic under the GIL, so safe beside the I/O thread's writes)."""
+        return not self.pending.keys().isdisjoint(rooms)
+
+    def refused_any(self, rooms: frozenset[int]) -> bool:
+        """Whether any of ``rooms`` was given up (``refusal``), as ``requested_any`` reads."""
+        return not self.rooms.keys().isdisjoint(rooms)
 
     def pending_pages(self, room: int) -> int | None:
         """How many destination pages the waiting request for ``room`` names (``None``: none waits)."""
@@ -169,5 +185,6 @@ class Refusals:
         """``room`` was given up before its sender was made (a refused decode's room, or a
         request its decode aborted while it waited): ``refusal(room)`` says so, with ``error``."""
         self.rooms[room] = error
+        self.arrived()
         while len(self.rooms) > MAX_REFUSED_ROOMS:
             self.rooms.popitem(last=False)

@@ -288,6 +288,10 @@ def run_bench(
             from pdstate.devtools import bench_ranks
 
             bench_ranks.phase(quick, results, progress)
+        with guarded("sched", results, progress):  # the scheduler thread's CPU per request and poll()
+            from pdstate.devtools import bench_sched
+
+            bench_sched.phase(quick, results, progress)
     progress("control ...")
     with guarded("control", results, progress):
         results["control"] = bench_control(runs * 4)

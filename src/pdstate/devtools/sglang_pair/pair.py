@@ -93,8 +93,10 @@ def free_port() -> int:
 class Pair(ChildPair):
     """A prefill child and a decode child; ``extra_env`` for both (e.g. ``PDSTATE_TRANSFER__ENGINE``)."""
 
+    MODULE = SIDE_MODULE  # what the children run (a subclass's children: ``side``'s commands and more)
+
     def __init__(self, target: Path | None = None, extra_env: dict[str, str] | None = None) -> None:
-        super().__init__(child_env(target or env_dir(), extra_env), SIDE_MODULE, REPLY)
+        super().__init__(child_env(target or env_dir(), extra_env), self.MODULE, REPLY)
         self.room = 1000
 
     def setup(self, case: Case, backend: str) -> tuple[dict, dict]:

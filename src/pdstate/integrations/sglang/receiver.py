@@ -49,6 +49,7 @@ from pdstate.integrations.sglang.states import (
     kv_poll,
     state_lists,
 )
+from pdstate.protocol.lifecycle import RequestState
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
@@ -59,6 +60,15 @@ ABORT_FENCE_S = 5.0
 # failed while its prefill may still write them (the prefill gone silent) reports Failed only once
 # that prefill confirmed, or after this long (logged: the pages are SGLang's again unfenced)
 UNFENCED_FAILED_WAIT_S = 30.0
+# SGLang polls every request in flight on its scheduler thread, every iteration: a poll that finds
+# nothing new reads one status word (the agent receiver's state); whether the rank's agent died is
+# asked on every ``AGENT_CHECK_POLLS``-th poll, and on every poll that looks further
+AGENT_CHECK_POLLS = 32
+_BOOTSTRAPPING, _WAITING, _TRANSFERRING = (
+    RequestState.BOOTSTRAPPING,
+    RequestState.WAITING_FOR_INPUT,
+    RequestState.TRANSFERRING,
+)
 
 
 @functools.cache
@@ -67,6 +77,9 @@ def build_receiver() -> type:
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 
+    SUCCESS, TRANSFERRING = KVPoll.Success, KVPoll.Transferring
+    WAITING, BOOTSTRAPPING = KVPoll.WaitingForInput, KVPoll.Bootstrapping
+
     class PdStateKVReceiver(CommonKVReceiver):
         def __init__(self, mgr, bootstrap_addr, bootstrap_room=None):
             self._recvs: list[tuple[bool, object]] = []  # (is_dummy, agent receiver)
@@ -74,6 +87,8 @@ def build_receiver() -> type:
             self._unfenced_since: float | None = None  # failed, a prefill may still write (0.5.19)
             self._unfenced_released = False  # held ``UNFENCED_FAILED_WAIT_S`` and given back unfenced
             self._aborted: set[int] = set()  # the agent receivers told to abort (``_fence``), by id
+            self._word = None  # one agent receiver, not a dummy: its poll (the poll's status word)
+            self._polls = 0
             super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
         def pdstate_fail(self, error: BaseException, reason: str | None = None) -> int:
@@ -106,6 +121,9 @@ def build_receiver() -> type:
                         self.kv_mgr.counters.watch(recv, address)
             except (PdStateError, ValueError) as exc:
                 self.pdstate_fail(exc)
+                return
+            if len(self._recvs) == 1 and not self._recvs[0][0]:
+                self._word = self._recvs[0][1].poll
 
         @property
         def agent_rooms(self) -> list[int]:
@@ -221,6 +239,31 @@ def build_receiver() -> type:
             self.init_time = time.time()  # SGLang's waiting-timeout clock starts once the destination is named
 
         def poll(self) -> int:
+            """SGLang's scheduler calls this for every request in flight on every iteration: the
+            common answers (awaiting its prefill or transferring) read one status word (``_steady``)."""
+            over = self.conclude_state
+            if over is not None:
+                return over if over == SUCCESS else self._poll()  # Failed: held while unfenced
+            self._polls += 1
+            if not self._polls % AGENT_CHECK_POLLS and self.kv_mgr.agent_failure() is not None:
+                return self._poll()
+            word = self._word
+            if word is not None:
+                state = word()
+                if state is _TRANSFERRING:
+                    steady = TRANSFERRING
+                elif state is _WAITING:
+                    steady = WAITING
+                elif state is _BOOTSTRAPPING:
+                    steady = BOOTSTRAPPING
+                else:
+                    return self._poll()
+                init = self.init_time  # SGLang's waiting timeout: its own check (``_poll``) once due
+                if init is None or time.time() - init < self.kv_mgr.waiting_timeout:
+                    return steady
+            return self._poll()
+
+        def _poll(self) -> int:
             over = concluded(self)
             if over is not None:  # Failed (aborted, timed out) while a prefill may still write: held
                 return KVPoll.Transferring if over == KVPoll.Failed and self._hold_unfenced() else over

@@ -40,13 +40,23 @@ import numpy as np
 
 from pdstate.errors import PdStateError, TransferFailed
 from pdstate.integrations.sglang import states as lifecycle
-from pdstate.integrations.sglang.replicas import asked_rooms, refused_room
+from pdstate.integrations.sglang.replicas import MAX_REPLICAS, asked_rooms, refused_room, replica_room
+from pdstate.protocol.lifecycle import RequestState
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
 __all__ = ["build_sender"]
 
 ABORT_FENCE_S = 5.0
+_TRANSFERRING, _WAITING = RequestState.TRANSFERRING, RequestState.WAITING_FOR_INPUT
+# SGLang polls every request in flight on its scheduler thread, every iteration: a poll that finds
+# nothing new reads one status word (the agent request's state, or the agent's ``arrivals`` while
+# the decode's request is awaited); whether the rank's agent died is asked on every
+# ``AGENT_CHECK_POLLS``-th poll, and on every poll that looks further
+AGENT_CHECK_POLLS = 32
+# what turns SGLang's room into the first replica's room of each count (``replicas``): the rooms a
+# decode rank may ask for SGLang's room under, looked for in one pass (``_agent_rooms``)
+_FIRST_REPLICA = tuple(replica_room(0, 0, count) for count in range(2, MAX_REPLICAS + 1))
 
 
 def _past_prefix(states: list, wanted: list[int], state_types) -> list:
@@ -100,6 +110,7 @@ def build_sender() -> type:
     from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferMetric
     from sglang.srt.disaggregation.common.conn import CommonKVSender
 
+    FAILED, WAITING, TRANSFERRING = KVPoll.Failed, KVPoll.WaitingForInput, KVPoll.Transferring
     # The running SGLang's own constructor decides which contract the prefill calls.
     TAKES_DEST_RANKS = "dest_tp_ranks" in inspect.signature(CommonKVSender.__init__).parameters
 
@@ -109,6 +120,13 @@ def build_sender() -> type:
             self._inited = False
             self._queued: list = []  # chunks sent before the decode's request arrived
             self.pdstate_error: BaseException | None = None
+            # the poll's status words: the agent's ``arrivals`` at the last look for this room's
+            # requests and refusals, and what it found; one decode rank's agent sender (its poll)
+            self._arrivals_seen: int | None = None
+            self._asked: list[int] | None = None
+            self._word = None
+            self._polls = 0
+            self._rooms: frozenset[int] | None = None  # ``_agent_rooms``
             CommonKVSender.__init__(self, *base_args, **base_kwargs)
             self.init_time = time.time()
 
@@ -161,6 +179,8 @@ def build_sender() -> type:
                     self._outs.append(out)
                     if not out.dummy:
                         self.kv_mgr.counters.watch(out.send, f"decode of room {room}")
+                if len(self._outs) == 1 and not self._outs[0].dummy:
+                    self._word = self._outs[0].send.poll
                 for chunk in self._queued:
                     self._send_chunk(*chunk)
             except (PdStateError, ValueError) as exc:
@@ -189,6 +209,53 @@ def build_sender() -> type:
                 out.send_chunk(pages, states, last, state_types)
 
         def poll(self) -> int:
+            """SGLang's scheduler calls this for every request in flight on every iteration: the
+            common answers (still transferring, still awaited) read one status word; SGLang's own
+            verdict on the room comes first, and the agent is asked whether it lives every
+            ``AGENT_CHECK_POLLS``-th poll (then, dead, ``_poll`` fails the request)."""
+            over = self.conclude_state
+            if over is not None:
+                return over
+            self._polls += 1
+            if not self._polls % AGENT_CHECK_POLLS and self.kv_mgr.agent_failure() is not None:
+                return self._poll()
+            if self.kv_mgr.request_status.get(self.bootstrap_room) != FAILED:
+                word = self._word  # one decode rank fed: its agent sender's state, moved by the agent's thread
+                if word is not None:
+                    state = word()
+                    if state is _TRANSFERRING:
+                        return TRANSFERRING
+                    if state is _WAITING:
+                        return WAITING
+                else:
+                    steady = self._awaited()
+                    if steady is not None:
+                        return steady
+            return self._poll()
+
+        def _awaited(self) -> int | None:
+            """The answer of a poll with no agent sender yet that finds nothing new (nothing
+            arrived at the agent since the last look: ``arrivals``), else ``None``."""
+            if self._outs or self.agent.arrivals != self._arrivals_seen:
+                return None
+            if self._asked is not None:
+                return None if self._inited else KVPoll.WaitingForInput
+            timed_out = self._check_bootstrap_timeout()  # SGLang's check and text
+            if timed_out is not None:
+                self.conclude_state = timed_out
+                return timed_out
+            return KVPoll.Bootstrapping
+
+        def _agent_rooms(self) -> frozenset[int]:
+            """The agents' rooms a decode rank may ask for this request under: SGLang's room, and
+            each count's first replica (``asked_rooms`` and ``refused_room`` look further)."""
+            rooms = self._rooms
+            if rooms is None:
+                room = self.bootstrap_room
+                rooms = self._rooms = frozenset([room, *(room ^ m for m in _FIRST_REPLICA)])
+            return rooms
+
+        def _poll(self) -> int:
             over = lifecycle.concluded(self)
             if over is not None:
                 return over
@@ -197,15 +264,23 @@ def build_sender() -> type:
                 self.conclude_state = KVPoll.Failed
                 return KVPoll.Failed
             if not self._outs:
-                refusal = refused_room(self.agent, self.bootstrap_room)
-                if refusal is not None:
-                    return self.pdstate_fail(refusal)
-                if asked_rooms(self.agent, self.bootstrap_room) is not None:
+                arrivals = self.agent.arrivals  # read first: what arrives during the look is looked at next time
+                if arrivals != self._arrivals_seen:
+                    agent, rooms = self.agent, self._agent_rooms()
+                    refusal = refused_room(agent, self.bootstrap_room) if agent.refused_any(rooms) else None
+                    if refusal is not None:
+                        return self.pdstate_fail(refusal)
+                    self._asked = asked_rooms(agent, self.bootstrap_room) if agent.requested_any(rooms) else None
+                    self._arrivals_seen = arrivals
+                if self._asked is not None:
                     if not self._inited:
                         return KVPoll.WaitingForInput
                     self._make_agent_sender()
                     if self.conclude_state is not None:
                         return self.conclude_state
+                    if not self._outs:  # its request went away meanwhile (its decode gone): awaited again
+                        self._asked = self._arrivals_seen = None
+                        return KVPoll.Bootstrapping
                 else:
                     timed_out = self._check_bootstrap_timeout()
                     if timed_out is not None:

@@ -1,0 +1,238 @@
+"""The SGLang backend's poll on the scheduler thread: the status words it reads, and when it looks
+further (the agent's ``arrivals``, one agent request's state, the agent check every
+``AGENT_CHECK_POLLS``-th poll).
+
+SGLang is not imported here: its base classes and ``KVPoll`` are stand-ins (``sglang.srt...`` in
+``sys.modules`` for the test's length only), so the backend's own logic runs in this process."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from pdstate.errors import AgentClosed, EngineError
+from pdstate.protocol.lifecycle import RequestState
+from tests.unit.test_prefill_core import Harness
+
+S = RequestState
+
+
+class KVPoll:
+    Failed, Bootstrapping, WaitingForInput, Transferring, Success = 0, 1, 2, 3, 4
+
+
+class CommonKVSender:
+    def __init__(
+        self, mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks, pp_rank, req_has_disagg_prefill_dp_rank=False
+    ):
+        self.kv_mgr, self.bootstrap_room, self.conclude_state, self.curr_idx = mgr, bootstrap_room, None, 0
+        self.timeouts = 0
+
+    def init(self, num_kv_indices, aux_index=None):
+        self.num_kv_indices, self.aux_index = num_kv_indices, aux_index
+
+    def _check_bootstrap_timeout(self):
+        self.timeouts += 1
+        return None
+
+    def clear(self):
+        pass
+
+
+class CommonKVReceiver:
+    def __init__(self, mgr, bootstrap_addr, bootstrap_room=None):
+        self.kv_mgr, self.bootstrap_addr, self.bootstrap_room = mgr, bootstrap_addr, bootstrap_room
+        self.conclude_state = self.init_time = None
+        self.bootstrap_infos = [{"rank_ip": "127.0.0.1", "rank_port": 1}]
+
+    def init(self, prefill_dp_rank):
+        pass
+
+    def _check_waiting_timeout(self):
+        return None
+
+    def clear(self):
+        pass
+
+
+class Record:
+    def __init__(self, room: int) -> None:
+        self.room, self.state, self.polls = room, S.BOOTSTRAPPING, 0
+
+    def poll(self):
+        self.polls += 1
+        return self.state
+
+    def failure_exception(self):
+        return None
+
+
+class Agent:
+    """A prefill agent's reads (counted) over a real core's refusals (``Harness``)."""
+
+    def __init__(self, refusals) -> None:
+        self.refusals, self.looks, self.closed, self.alive = refusals, 0, False, True
+        self.made: list[Record] = []
+
+    @property
+    def arrivals(self) -> int:
+        return self.refusals.arrivals
+
+    def requested_any(self, rooms):
+        self.looks += 1
+        return self.refusals.requested_any(rooms)
+
+    def refused_any(self, rooms):
+        self.looks += 1
+        return self.refusals.refused_any(rooms)
+
+    def requested(self, room):
+        return self.refusals.requested(room)
+
+    def take_refusal(self, room):
+        return self.refusals.take_refusal(room)
+
+    def pending_pages(self, room):
+        return self.refusals.pending_pages(room)
+
+    def sender(self, room, pages, aux):
+        self.made.append(Record(room))
+        return self.made[-1]
+
+    def receiver(self, address, room):
+        self.made.append(Record(room))
+        self.made[-1].room = room
+        return self.made[-1]
+
+
+class Manager:
+    def __init__(self, agent) -> None:
+        self.agent, self.request_status, self.failure_records = agent, {}, {}
+        self.counters = types.SimpleNamespace(watch=lambda *a: None, failed=lambda e: None)
+        self.kv_args = types.SimpleNamespace(state_types=[], engine_rank=0)
+        self.attn_tp_size, self.waiting_timeout, self.topology_errors = 1, 300.0, {}
+
+    def agent_failure(self):
+        return None if self.agent.alive else AgentClosed("the pdstate prefill agent's I/O thread has ended")
+
+    def update_status(self, room, status):
+        self.request_status[room] = status
+
+    def record_failure(self, room, reason):
+        self.failure_records[room] = reason
+
+    def agent_address(self, info):
+        return "tcp://127.0.0.1:1"
+
+    def agent_for(self, pp_rank, stages):
+        return self.agent
+
+
+@pytest.fixture
+def classes(monkeypatch):
+    """``(PdStateKVSender, PdStateKVReceiver)`` over the stand-ins."""
+    from pdstate.integrations.sglang import receiver, sender, states
+
+    base = types.ModuleType("sglang.srt.disaggregation.base.conn")
+    base.KVPoll, base.KVTransferMetric = KVPoll, object
+    common = types.ModuleType("sglang.srt.disaggregation.common.conn")
+    common.CommonKVSender, common.CommonKVReceiver = CommonKVSender, CommonKVReceiver
+    common.KVTransferError = RuntimeError
+    for name in ("sglang", "sglang.srt", "sglang.srt.disaggregation", "sglang.srt.disaggregation.base"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, base.__name__, base)
+    monkeypatch.setitem(sys.modules, common.__name__, common)
+    states._table.cache_clear()
+    yield sender.build_sender.__wrapped__(), receiver.build_receiver.__wrapped__()
+    states._table.cache_clear()
+
+
+def test_a_senders_poll_looks_at_the_agent_only_when_something_arrived(classes):
+    sender_cls, _ = classes
+    t = Harness()
+    t.register()
+    agent = Agent(t.core.refusals)
+    mgr = Manager(agent)
+    s = sender_cls(mgr, "127.0.0.1:1", 6, [0], 0)
+    assert s.poll() == KVPoll.Bootstrapping and agent.looks == 2  # the first look
+    assert [s.poll() for _ in range(5)] == [KVPoll.Bootstrapping] * 5 and agent.looks == 2  # nothing arrived
+    assert s.timeouts == 6  # SGLang's bootstrap timeout, asked on every poll all the same
+    t.request(7)  # another room's request: one look more, still awaited
+    assert s.poll() == KVPoll.Bootstrapping and agent.looks == 4 and t.core.refusals.arrivals == 1
+    t.request(6)
+    assert s.poll() == KVPoll.WaitingForInput and agent.looks == 6
+    assert s.poll() == KVPoll.WaitingForInput and agent.looks == 6
+    s.init(2, 0)
+    (record,) = agent.made
+    assert record.room == 6 and s.poll() == KVPoll.Bootstrapping  # the agent sender's own state
+    record.state = S.TRANSFERRING
+    assert [s.poll() for _ in range(3)] == [KVPoll.Transferring] * 3 and agent.looks == 6
+    mgr.request_status[6] = KVPoll.Failed  # SGLang's own verdict on the room comes first
+    assert s.poll() == KVPoll.Failed and s.conclude_state == KVPoll.Failed
+
+
+def test_a_senders_steady_poll_sees_its_agent_die_within_the_check_interval(classes):
+    from pdstate.integrations.sglang.sender import AGENT_CHECK_POLLS
+
+    sender_cls, _ = classes
+    t = Harness()
+    t.register()
+    t.request(6)
+    agent = Agent(t.core.refusals)
+    s = sender_cls(Manager(agent), "127.0.0.1:1", 6, [0], 0)
+    s.init(2, 0)
+    agent.made[0].state = S.TRANSFERRING
+    # polls 1 .. AGENT_CHECK_POLLS - 2 of this sender (the agent is asked at every multiple)
+    assert [s.poll() for _ in range(AGENT_CHECK_POLLS - 2)] == [KVPoll.Transferring] * (AGENT_CHECK_POLLS - 2)
+    agent.alive = False
+    assert s.poll() == KVPoll.Transferring  # the status word: the agent is asked on the next poll
+    assert s.poll() == KVPoll.Failed
+    with pytest.raises(AgentClosed, match="I/O thread has ended"):
+        s.failure_exception()
+
+
+def test_a_refusal_that_arrives_fails_the_awaited_sender_at_the_next_poll(classes):
+    sender_cls, _ = classes
+    t = Harness()
+    t.register()
+    agent = Agent(t.core.refusals)
+    s = sender_cls(Manager(agent), "127.0.0.1:1", 6, [0], 0)
+    assert s.poll() == KVPoll.Bootstrapping
+    t.core.refusals.give_up(6, EngineError("refused"))
+    assert s.poll() == KVPoll.Failed and t.core.refusals.refusal(6) is None  # taken by this sender
+    with pytest.raises(EngineError, match="refused"):
+        s.failure_exception()
+
+
+def test_a_receivers_poll_reads_its_agent_receivers_state(classes):
+    _, receiver_cls = classes
+    agent = Agent(None)
+    r = receiver_cls(Manager(agent), "127.0.0.1:1", 9)
+    r.init(0)
+    (record,) = agent.made
+    seen = []
+    for state in (S.BOOTSTRAPPING, S.WAITING_FOR_INPUT, S.TRANSFERRING, S.SUCCESS):
+        record.state = state
+        seen.append(r.poll())
+    assert seen == [KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success]
+    assert r.conclude_state == KVPoll.Success and r.kv_mgr.request_status[9] == KVPoll.Success
+    polls = record.polls
+    assert r.poll() == KVPoll.Success and record.polls == polls  # concluded: the word is not read again
+
+
+def test_refusals_count_arrivals_and_answer_for_a_set_of_rooms():
+    t = Harness()
+    t.register()
+    refusals = t.core.refusals
+    assert refusals.arrivals == 0 and not refusals.requested_any(frozenset({6, 99}))
+    t.request(6)
+    assert refusals.arrivals == 1 and refusals.requested_any(frozenset({6, 99}))
+    assert not refusals.requested_any(frozenset({7})) and not refusals.refused_any(frozenset({6}))
+    refusals.give_up(8, EngineError("refused"))
+    assert refusals.arrivals == 2 and refusals.refused_any(frozenset({1, 8}))
+    assert type(refusals.take_refusal(8)) is EngineError and refusals.arrivals == 2
+    assert not refusals.refused_any(frozenset({1, 8}))
+    t.sender(6)  # the waiting request goes to its sender: nothing arrived
+    assert refusals.arrivals == 2 and not refusals.requested_any(frozenset({6}))
