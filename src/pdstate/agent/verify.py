@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 import time
 from typing import Literal
 
@@ -258,11 +259,19 @@ class PositionDigest(RequestDigest):
 
 
 class _HostSpan:
-    """Host bytes ``[lo, lo + nbytes)`` as ``__array_interface__`` (numpy wraps them without a
-    copy and without a new ctypes type per length)."""
+    """Host bytes from ``lo`` as ``__array_interface__`` (numpy wraps them without a copy, and
+    without a new ctypes type per length): ``nbytes`` bytes, or with ``row`` that many
+    overlapping rows of ``row`` bytes, row ``i`` starting at ``lo + i``."""
 
-    def __init__(self, lo: int, nbytes: int) -> None:
-        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (lo, False), "version": 3}
+    def __init__(self, lo: int, nbytes: int, row: int = 0) -> None:
+        shape, strides = ((nbytes, row), (1, 1)) if row else ((nbytes,), None)
+        self.__array_interface__ = {
+            "shape": shape,
+            "strides": strides,
+            "typestr": "|u1",
+            "data": (lo, False),
+            "version": 3,
+        }
 
 
 def _block_grid(item_lens) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -298,16 +307,32 @@ def block_offsets(seed: int, channel: int, item_lens) -> np.ndarray:
     return j * stratum[:, None] + (r % slots.astype(np.uint64)[:, None]).astype(np.int64) * align[:, None]
 
 
+@functools.lru_cache(maxsize=32)
+def _layout_table(key: bytes, sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """Every buffer of a digest layout, channel by channel (``key``: their addresses then item
+    lengths, int64; ``sizes``: buffers per channel): channel, buffer in its channel, address,
+    item length, block length, stratum, alignment, slots; and ``b << 8 | j`` per block."""
+    flat = np.frombuffer(key, dtype=np.int64).reshape(2, -1)
+    ptrs, items = flat[0], flat[1]
+    channel = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+    start = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+    buffer = np.arange(ptrs.size, dtype=np.int64) - np.repeat(start, sizes)
+    block, stratum, align, slots = _block_grid(items)
+    bj = (buffer.astype(np.uint64)[:, None] << np.uint64(8)) | np.arange(SAMPLE_BLOCKS, dtype=np.uint64)[None, :]
+    return channel, buffer, ptrs, items, block, stratum, align, slots, bj
+
+
 class SampleDigest(RequestDigest):
     """A request's digest at ``sampled`` (sample rule ``SAMPLE_RULE``), host or device form: per
-    channel the items of the sample (``sample_mask`` over the channel's list, with the channel in
-    the seed), of each item every buffer, of each buffer ``SAMPLE_BLOCKS`` blocks of
-    ``SAMPLE_BLOCK`` bytes at seeded offsets (``block_offsets``). Each channel has one data stream
-    (the blocks' bytes, host form; ``u64le(lane value)`` per block, device form) and one
-    positions stream (the sampled items' list positions, u64le), both in list order (item, then
-    buffer, then block), so the prefill's chunks and the decode's pieces give the same streams.
-    Small enough (~70 KB at 2k tokens of ``dsv4-flash``) to be gathered and hashed beside the
-    copy: never fused into it, and a last chunk's state not sent ahead (``split_state``)."""
+    channel the items of the sample (``sample_mask`` over the channel's list, the channel in the
+    seed), of each such item every buffer, of each buffer ``SAMPLE_BLOCKS`` blocks of
+    ``SAMPLE_BLOCK`` bytes at the request's seeded offsets (``block_offsets``). Each channel has
+    one data stream (the blocks' bytes, host form; ``u64le(lane value)`` per block, device form)
+    and one positions stream (the sampled items' list positions, u64le), both in list order
+    (item, then buffer, then block), so the prefill's chunks and the decode's pieces give the same
+    streams. Small (70 KB at 2k tokens of ``dsv4-flash``, 276 KB at 32k): gathered and hashed
+    beside the copy, never fused into it, and a last chunk's state not sent ahead of its pages
+    (``split_state``)."""
 
     fusable = False
     split_state = False
@@ -322,7 +347,12 @@ class SampleDigest(RequestDigest):
         devices: list[list[str | None]] | None = None,
         torch_on_host: bool = False,
     ) -> None:
-        super().__init__(layout)
+        # ``RequestDigest``'s state, less its per-buffer hashers (this digest has one stream per channel)
+        self._layout = [(np.asarray(p, dtype=np.uint64), np.asarray(i, dtype=np.uint64)) for p, i in layout]
+        self._hashers = []
+        self.bytes, self.seconds, self.fused = 0, 0.0, False
+        self._lock, self._qlock = threading.Lock(), threading.Lock()
+        self._queue, self._pending, self._cancelled, self._flat = [], [], False, None
         self.level, self.seed, self.form = "sampled", seed, form
         self.lengths = list(lengths) + [1] * (len(layout) - len(lengths))  # per channel: its list's length
         self._devices = devices or [[None] * len(p) for p, _ in layout]
@@ -330,24 +360,25 @@ class SampleDigest(RequestDigest):
         self._next = [0] * len(layout)
         self._data = [xxhash.xxh3_128() for _ in layout]
         self._pos_hashers = [xxhash.xxh3_128() for _ in layout]
-        self._plans: list = [None] * len(layout)
+        self._first = None  # per buffer and block: its address in the buffer's item 0 (made on first use)
 
-    def _channel_plan(self, channel: int) -> tuple:
-        """Per buffer of ``channel``: its item length, and per block its address in item 0 of that
-        buffer and its length (``[buffers, SAMPLE_BLOCKS]`` int64); the buffer of each block; and
-        whether every block has one length. Made on first use (off the caller's thread when the
-        updates are hashed in the background)."""
-        plan = self._plans[channel]
-        if plan is None:
-            ptrs, items = self._layout[channel]
-            items = items.astype(np.int64)
-            block = _block_grid(items)[0]
-            first = ptrs.astype(np.int64)[:, None] + block_offsets(self.seed, channel, items)
-            lens = np.broadcast_to(block[:, None], first.shape).reshape(-1)
-            bufs = np.broadcast_to(np.arange(items.size)[:, None], first.shape).reshape(-1)
-            uniform = bool(block.size) and int(block.min()) == int(block.max())
-            plan = self._plans[channel] = (items, first, lens, bufs, uniform)
-        return plan
+    def _table(self):
+        """The layout's buffers (``_layout_table``) and this request's block addresses in item 0."""
+        sizes = tuple(len(p) for p, _ in self._layout)
+        key = np.concatenate(
+            [np.concatenate([p for p, _ in self._layout]), np.concatenate([i for _, i in self._layout])]
+        ).astype(np.int64)
+        table = _layout_table(key.tobytes(), sizes)
+        if self._first is None:
+            channel, _, ptrs, _, _, stratum, align, slots, bj = table
+            keys = _splitmix(np.uint64(self.seed & _M64) ^ (np.arange(len(sizes), dtype=np.uint64) << np.uint64(56)))
+            r = _splitmix(bj ^ keys[channel][:, None])
+            j = np.arange(SAMPLE_BLOCKS, dtype=np.int64)[None, :]
+            offs = j * stratum[:, None] + (r % slots.astype(np.uint64)[:, None]).astype(np.int64) * align[:, None]
+            self._first = ptrs[:, None] + offs
+            bounds = np.concatenate(([0], np.cumsum(sizes))).tolist()
+            self._spans = list(zip(bounds, bounds[1:]))
+        return table
 
     def _rows(self, channel: int, indices) -> list:
         """One update: ``(channel, its items, the list position of the first)``; the channel's
@@ -357,30 +388,45 @@ class SampleDigest(RequestDigest):
         self._next[channel] += idx.size
         return [(channel, idx, start)] if idx.size else []
 
-    def _blocks(self, channel: int, idx: np.ndarray, start: int):
-        """The sample's part of one update: the list positions of its items, and the addresses of
-        their blocks in stream order (item, buffer, block), their lengths (one int when they have
-        one length) and buffers."""
-        pos = np.arange(start, start + idx.size, dtype=np.int64)
-        keep = sample_mask((self.seed ^ (channel << 56)) & _M64, pos, self.lengths[channel])
-        idx, pos = idx[keep], pos[keep]
-        items, first, lens, bufs, uniform = self._channel_plan(channel)
-        if idx.size == 0 or items.size == 0:
-            return pos, None, None, None
-        addr = (first[None, :, :] + idx[:, None, None] * items[None, :, None]).reshape(-1)
-        self.bytes += int(lens.sum()) * idx.size
-        return pos, addr, (int(lens[0]) if uniform else np.tile(lens, idx.size)), np.tile(bufs, idx.size)
-
     def _run(self, rows: list) -> None:
+        """Pick and read the sample of ``rows``: the blocks of every channel gathered at once where
+        they have one length (host form), each channel's streams fed in order."""
         t0 = time.perf_counter()
+        _, _, _, items, block, _, _, _, _ = self._table()
+        parts = []  # (channel, positions, addresses [k, SAMPLE_BLOCKS] flat, block length, buffers)
         for channel, idx, start in rows:
-            pos, addr, lens, bufs = self._blocks(channel, idx, start)
-            self._pos_hashers[channel].update(pos.astype("<u8").tobytes())
-            if addr is None:
-                continue
-            if self.form == "host":
-                self._data[channel].update(_gather_host(addr, lens).tobytes())  # in stream order
+            n = self.lengths[channel]
+            if start == 0 and idx.size == n and n <= 2:
+                pos = np.arange(n, dtype=np.int64)  # first and last: all of it
             else:
+                pos = np.arange(start, start + idx.size, dtype=np.int64)
+                keep = sample_mask((self.seed ^ (channel << 56)) & _M64, pos, n)
+                idx, pos = idx[keep], pos[keep]
+            self._pos_hashers[channel].update(pos.astype("<u8").tobytes())
+            lo, hi = self._spans[channel]
+            if idx.size == 0 or hi == lo:
+                continue
+            it = items[lo:hi]
+            addr = (self._first[None, lo:hi, :] + (idx[:, None] * it[None, :])[:, :, None]).reshape(-1)
+            blocks = block[lo:hi]
+            one = int(blocks.min()) == int(blocks.max())
+            lens = int(blocks[0]) if one else np.tile(np.repeat(blocks, SAMPLE_BLOCKS), idx.size)
+            bufs = np.tile(np.repeat(np.arange(hi - lo), SAMPLE_BLOCKS), idx.size)
+            parts.append((channel, addr, lens, bufs))
+            self.bytes += int(blocks.sum()) * SAMPLE_BLOCKS * idx.size
+        if self.form == "host":
+            together = [p for p in parts if isinstance(p[2], int) and p[2] == SAMPLE_BLOCK]
+            if len(together) > 1:  # one gather for every channel whose blocks are whole
+                rows_ = _gather_host(np.concatenate([p[1] for p in together]), SAMPLE_BLOCK)
+                at = 0
+                for channel, addr, _, _ in together:
+                    self._data[channel].update(rows_[at : at + addr.size])
+                    at += addr.size
+                parts = [p for p in parts if p not in together]
+            for channel, addr, lens, _ in parts:
+                self._data[channel].update(_gather_host(addr, lens))
+        else:
+            for channel, addr, lens, bufs in parts:
                 self._data[channel].update(self._lane_values(channel, addr, lens, bufs).astype("<u8").tobytes())
         self.seconds += time.perf_counter() - t0
 
@@ -430,11 +476,10 @@ def _gather_host(addr: np.ndarray, lens: np.ndarray | int) -> np.ndarray:
     over the span they lie in, which is never read outside the blocks."""
     lo = int(addr.min())
     rel = addr - lo
-    if np.ndim(lens) == 0:
+    if np.ndim(lens) == 0:  # rows of n bytes starting at every byte of the span: row i is lo + i
         n = int(lens)
-        span = np.asarray(_HostSpan(lo, int(rel.max()) + n))
-        rows = np.lib.stride_tricks.as_strided(span, shape=(span.size - n + 1, n), strides=(1, 1), writeable=False)
-        return rows[rel]  # row i: the n bytes from lo + i
+        rows = np.asarray(_HostSpan(lo, int(rel.max()) + 1, n))
+        return rows[rel]
     span = np.asarray(_HostSpan(lo, int((rel + lens).max())))
     starts = np.repeat(rel - np.concatenate(([0], np.cumsum(lens)[:-1])), lens)
     return span[starts + np.arange(int(lens.sum()))]
