@@ -171,3 +171,20 @@ def test_a_level_below_the_prefills_fails_both_sides(sides):
         f"room {ROOM}: the decode asks verification 'off', below this prefill's transfer.verify 'sampled'"
     )
     assert run(sides, "full", prefill_level="sampled")[0] == (RequestState.SUCCESS, RequestState.SUCCESS)
+
+
+def test_a_sampled_request_by_another_sampling_rule_fails_both_sides(sides, monkeypatch):
+    """A decode sampling by another rule (here: rule 1, a pdstate from before rule 2, which named
+    none) is refused before anything is copied, never left to fail as a digest mismatch."""
+    import pdstate.agent.decode_core as decode_core
+
+    for named, rule in ((None, 1), (3, 3)):
+        monkeypatch.setattr(decode_core, "SAMPLE_RULE", named)
+        states, errors, _ = run(sides, "sampled", send_pages=False)
+        assert states == (RequestState.FAILED, RequestState.FAILED)
+        assert type(errors[0]) is VerifyLevelRefused and str(errors[0]) == str(errors[1])
+        assert str(errors[0]) == (
+            f"room {ROOM}: the decode samples by rule {rule}, this prefill by rule 2 (transfer.verify "
+            "'sampled' of another pdstate release): run the same release on both sides, or "
+            "transfer.verify 'full' on the decode"
+        )
