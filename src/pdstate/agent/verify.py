@@ -1,25 +1,44 @@
-"""Verification levels, the per-request page sample, and digests bound to positions, on the host
-or on the device where the memory lives.
+"""Verification levels, the per-request sample, and digests bound to positions, on the host or on
+the device where the memory lives.
 
-Levels (``transfer.verify``): ``sampled`` (the default) digests every state-component item and aux
-row, the first and last main-KV page of the request and a seeded sample (1 in ``SAMPLE_RATE``) of
-the others; ``full`` digests every byte (``RequestDigest`` as it always did); ``off`` digests
-nothing (the handshake's checks alone). The decode names the level in its ``AgentRequest``
-(``verify``; a request without the field asks ``full`` when ``digest`` is true); the prefill refuses
-a request that asks less than its own level, so what ran is what both sides agreed to.
+Levels (``transfer.verify``): ``sampled`` (the default) digests a seeded sample of every
+component (``SampleDigest``, sample rule ``SAMPLE_RULE`` = 2); ``full`` digests every byte
+(``RequestDigest`` in host form, ``PositionDigest`` in device form); ``off`` digests nothing (the
+handshake's checks alone). The decode names the level in its ``AgentRequest`` (``verify``; a
+request without the field asks ``full`` when ``digest`` is true) and, at ``sampled``, the rule
+(``sample_rule``); the prefill refuses a request that asks less than its own level, and a
+``sampled`` one by another rule (``sample_rule_error``: absent is rule 1, the rule before this
+one), so what ran is what both sides agreed to and a mixed pair never fails as a digest mismatch.
+
+What ``sampled`` reads. Channels are main KV (C4 KV, C4 indexer, C128 KV buffers), each state
+component (the SWA one: SWA KV, C4 attention and indexer state rings; the C128 state; the draft's
+SWA) and aux. Of channel ``c``'s list of ``n`` items (pages, rows, slots; aux: its one slot) the
+sample holds positions ``0`` and ``n - 1`` and each other whose splitmix64(position xor seed xor
+``c << 56``) is 0 mod ``SAMPLE_RATE`` (``sample_mask``); of each such item every buffer of the
+channel (every layer); of each buffer ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BLOCK`` bytes, one in
+each of the item's ``SAMPLE_BLOCKS`` equal parts, at an offset seeded per request, channel,
+buffer and block (``block_offsets``; an item shorter than that: one block, or the whole item).
+For a 2k-token ``dsv4-flash`` request that is 70 KB on each side (276 KB at 32k), gathered in one
+numpy step and hashed beside the copy. It catches, in every one of 200 seeds
+(``tests/agent/test_sampled_catches.py``): a one-page shift of the SWA window, a stale C128
+state, a missing last chunk, two layers' state swapped — any fault that changes a sampled
+item of every layer or the first or last item of a component. It misses a damaged byte outside
+the blocks (or a page outside the sample): that is ``full``'s job.
 
 The sample is a pure function of the request (``sample_seed``: its room and the decode's packed
-page list, which both sides hold), so both sides pick the same list positions. The digest is bound
-to them: the sampled items' list positions are hashed with the items (in device form each item's
-value beside its position), so a shifted, stale, misplaced or missing write changes the digest.
+page list, which both sides hold), so both sides read the same places. The digest is bound to
+them: the sampled items' list positions go into a positions stream per channel, the blocks into
+a data stream per channel in list order (item, buffer, block), so the prefill's chunks and the
+decode's pieces give the same streams, and a shifted, stale, misplaced or missing write changes it.
 
-Forms: ``host`` hashes item bytes with xxh3 on the CPU. ``device`` reduces each item where its
-memory lives to one 64-bit value (``lane_values``: the sum of its words times fixed odd
-multipliers, modulo 2**64; a change of any one word changes it), with torch on the memory's device,
-so only these values (8 bytes an item) cross to the CPU; a host region in a ``device`` request is
-reduced by numpy (``lane_values_host``) to the same value. A request is digested in ``device`` form
-when either side's memory is on a device (the decode asks with ``digest_form``; a prefill whose
-memory is on a device answers in that form and says so in ``TransferDone``).
+Forms: ``host`` hashes bytes with xxh3 on the CPU. ``device`` reduces each item (``full``) or
+block (``sampled``) where its memory lives to one 64-bit value (``lane_values``: the sum of its
+words times fixed odd multipliers, modulo 2**64; a change of any one word changes it), with torch
+on the memory's device, so only these values (8 bytes each) cross to the CPU; a host region in a
+``device`` request is reduced by numpy (``lane_values_host``) to the same value. A request is
+digested in ``device`` form when either side's memory is on a device (the decode asks with
+``digest_form``; a prefill whose memory is on a device answers in that form and says so in
+``TransferDone``). ``proto/PROTOCOL.md`` §3 (agent digests) gives every rule byte for byte.
 """
 
 from __future__ import annotations
@@ -261,14 +280,15 @@ class PositionDigest(RequestDigest):
 class _HostSpan:
     """Host bytes from ``lo`` as ``__array_interface__`` (numpy wraps them without a copy, and
     without a new ctypes type per length): ``nbytes`` bytes, or with ``row`` that many
-    overlapping rows of ``row`` bytes, row ``i`` starting at ``lo + i``."""
+    overlapping ``row``-byte elements, element ``i`` starting at ``lo + i`` (gathered with one
+    copy each)."""
 
     def __init__(self, lo: int, nbytes: int, row: int = 0) -> None:
-        shape, strides = ((nbytes, row), (1, 1)) if row else ((nbytes,), None)
+        shape, strides, typestr = ((nbytes,), (1,), f"|V{row}") if row else ((nbytes,), None, "|u1")
         self.__array_interface__ = {
             "shape": shape,
             "strides": strides,
-            "typestr": "|u1",
+            "typestr": typestr,
             "data": (lo, False),
             "version": 3,
         }
@@ -479,7 +499,7 @@ def _gather_host(addr: np.ndarray, lens: np.ndarray | int) -> np.ndarray:
     if np.ndim(lens) == 0:  # rows of n bytes starting at every byte of the span: row i is lo + i
         n = int(lens)
         rows = np.asarray(_HostSpan(lo, int(rel.max()) + 1, n))
-        return rows[rel]
+        return rows[rel].view(np.uint8).reshape(-1, n)
     span = np.asarray(_HostSpan(lo, int((rel + lens).max())))
     starts = np.repeat(rel - np.concatenate(([0], np.cumsum(lens)[:-1])), lens)
     return span[starts + np.arange(int(lens.sum()))]
