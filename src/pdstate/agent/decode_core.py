@@ -488,6 +488,7 @@ class DecodeCore:
         recv.sent_at = now
         self.digests.restart(recv)  # sent again: everything lands again
         self._send(p, recv.request)
+        self.digests.prepare(recv)  # a sampled digest picks its sample in the background meanwhile
 
     def _live(self, address: str) -> Iterator[Receiving]:
         for (a, _), recv in self.recvs.items():

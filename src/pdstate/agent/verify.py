@@ -52,7 +52,7 @@ from typing import Literal
 import numpy as np
 import xxhash
 
-from pdstate.agent.digest import RequestDigest
+from pdstate.agent.digest import RequestDigest, executor
 from pdstate.errors import VerifyLevelRefused
 from pdstate.pools.placement import memory_devices
 
@@ -381,6 +381,7 @@ class SampleDigest(RequestDigest):
         self._data = [xxhash.xxh3_128() for _ in layout]
         self._pos_hashers = [xxhash.xxh3_128() for _ in layout]
         self._first = None  # per buffer and block: its address in the buffer's item 0 (made on first use)
+        self._prepared = None  # ``prepare``'s rows and their plan
 
     def _table(self):
         """The layout's buffers (``_layout_table``) and this request's block addresses in item 0."""
@@ -408,12 +409,12 @@ class SampleDigest(RequestDigest):
         self._next[channel] += idx.size
         return [(channel, idx, start)] if idx.size else []
 
-    def _run(self, rows: list) -> None:
-        """Pick and read the sample of ``rows``: the blocks of every channel gathered at once where
-        they have one length (host form), each channel's streams fed in order."""
-        t0 = time.perf_counter()
+    def _plan(self, rows: list) -> tuple:
+        """Pick the sample of ``rows``: per channel the sampled list positions (u64le bytes), the
+        blocks' addresses, lengths and buffers (``parts``), and the addresses of the blocks of
+        every channel whose blocks are whole, concatenated (host form: gathered at once)."""
         _, _, _, items, block, _, _, _, _ = self._table()
-        parts = []  # (channel, positions, addresses [k, SAMPLE_BLOCKS] flat, block length, buffers)
+        positions, parts, nbytes = [], [], 0
         for channel, idx, start in rows:
             n = self.lengths[channel]
             if start == 0 and idx.size == n and n <= 2:
@@ -422,7 +423,7 @@ class SampleDigest(RequestDigest):
                 pos = np.arange(start, start + idx.size, dtype=np.int64)
                 keep = sample_mask((self.seed ^ (channel << 56)) & _M64, pos, n)
                 idx, pos = idx[keep], pos[keep]
-            self._pos_hashers[channel].update(pos.astype("<u8").tobytes())
+            positions.append((channel, pos.astype("<u8").tobytes()))
             lo, hi = self._spans[channel]
             if idx.size == 0 or hi == lo:
                 continue
@@ -433,20 +434,56 @@ class SampleDigest(RequestDigest):
             lens = int(blocks[0]) if one else np.tile(np.repeat(blocks, SAMPLE_BLOCKS), idx.size)
             bufs = np.tile(np.repeat(np.arange(hi - lo), SAMPLE_BLOCKS), idx.size)
             parts.append((channel, addr, lens, bufs))
-            self.bytes += int(blocks.sum()) * SAMPLE_BLOCKS * idx.size
+            nbytes += int(blocks.sum()) * SAMPLE_BLOCKS * idx.size
+        together = None
         if self.form == "host":
-            together = [p for p in parts if isinstance(p[2], int) and p[2] == SAMPLE_BLOCK]
-            if len(together) > 1:  # one gather for every channel whose blocks are whole
-                rows_ = _gather_host(np.concatenate([p[1] for p in together]), SAMPLE_BLOCK)
-                at = 0
-                for channel, addr, _, _ in together:
-                    self._data[channel].update(rows_[at : at + addr.size])
-                    at += addr.size
-                parts = [p for p in parts if p not in together]
-            for channel, addr, lens, _ in parts:
-                self._data[channel].update(_gather_host(addr, lens))
+            whole = [p for p in parts if isinstance(p[2], int) and p[2] == SAMPLE_BLOCK]
+            if len(whole) > 1:
+                together = ([(c, a.size) for c, a, _, _ in whole], np.concatenate([p[1] for p in whole]))
+                parts = [p for p in parts if not any(p is w for w in whole)]
+        return positions, parts, together, nbytes
+
+    def prepare(self, updates) -> None:
+        """Pick the sample of ``updates`` now (the next updates this digest will be given), so that
+        reading it later is only the gather and the hash: the decode prepares its whole request
+        while the prefill copies. Used by ``update_many`` when it is given these very updates."""
+        with self._lock:
+            nxt, rows = list(self._next), []
+            for c, idx in updates:
+                idx = np.asarray(idx, dtype=np.int64)
+                if idx.size:
+                    rows.append((c, idx, nxt[c]))
+                    nxt[c] += idx.size
+            self._prepared = (_rows_key(rows), self._plan(rows))
+
+    def prepare_async(self, updates) -> None:
+        """``prepare`` in the background (``wait`` and every update wait for it); it reads no
+        memory of the request, only where the sample lies."""
+        self._pending.append(executor().submit(self.prepare, updates))
+
+    def _run(self, rows: list) -> None:
+        """Pick (unless ``prepare`` did) and read the sample of ``rows``: the blocks of every
+        channel gathered at once where they have one length (host form), each channel's streams
+        fed in order."""
+        t0 = time.perf_counter()
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared[0] == _rows_key(rows):
+            positions, parts, together, nbytes = prepared[1]
         else:
-            for channel, addr, lens, bufs in parts:
+            positions, parts, together, nbytes = self._plan(rows)
+        self.bytes += nbytes
+        for channel, pos in positions:
+            self._pos_hashers[channel].update(pos)
+        if together is not None:  # one gather for every channel whose blocks are whole
+            sizes, addr = together
+            got, at = _gather_host(addr, SAMPLE_BLOCK), 0
+            for channel, k in sizes:
+                self._data[channel].update(got[at : at + k])
+                at += k
+        for channel, addr, lens, bufs in parts:
+            if self.form == "host":
+                self._data[channel].update(_gather_host(addr, lens))
+            else:
                 self._data[channel].update(self._lane_values(channel, addr, lens, bufs).astype("<u8").tobytes())
         self.seconds += time.perf_counter() - t0
 
@@ -488,6 +525,10 @@ class SampleDigest(RequestDigest):
         )
         body = b"".join(p.digest() + d.digest() for p, d in zip(self._pos_hashers, self._data))
         return xxhash.xxh3_128(head + body).digest()
+
+
+def _rows_key(rows: list) -> tuple:
+    return tuple((c, start, idx.tobytes()) for c, idx, start in rows)
 
 
 def _gather_host(addr: np.ndarray, lens: np.ndarray | int) -> np.ndarray:
