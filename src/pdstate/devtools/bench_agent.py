@@ -22,6 +22,7 @@ On the shm engine and the paged ``dsv4-flash`` layout (target + draft), per requ
 
 from __future__ import annotations
 
+import json
 import queue
 import secrets
 import time
@@ -148,3 +149,46 @@ def phase(
         )
     finally:
         nodes.close()
+
+
+def level_costs(rounds: int, lengths: list[int], progress=print) -> dict:
+    """The agent pair alone, ``off``/``sampled``/``full`` interleaved (the order reversed every
+    other round), ``rounds`` requests each per length after one warm-up each: per length and
+    level the median, min and max ms and each side's digest ms (medians), and each level's
+    median over ``off``'s - 1 (``sampled_vs_off``, ``full_vs_off``): what ``verify_cost``
+    reports, without the phase's ceilings around it."""
+    import statistics
+
+    nodes = AgentNodes(settings("paged", "dsv4-flash"))
+    out: dict = {}
+    try:
+        for n in lengths:
+            for level in LEVELS:
+                nodes.run(n, level)
+            runs: dict = {level: [] for level in LEVELS}
+            for r in range(rounds):
+                for level in LEVELS if r % 2 == 0 else LEVELS[::-1]:
+                    runs[level].append(nodes.run(n, level))
+            row: dict = {}
+            for level, rs in runs.items():
+                ms = [x["transfer_s"] * 1e3 for x in rs]
+                row[level] = {
+                    "median": statistics.median(ms),
+                    "min": min(ms),
+                    "max": max(ms),
+                    "decode_digest_ms": statistics.median(x["digest_s"] * 1e3 for x in rs),
+                    "prefill_digest_ms": statistics.median(x["prefill_digest_s"] * 1e3 for x in rs),
+                }
+            for level in ("sampled", "full"):
+                row[f"{level}_vs_off"] = row[level]["median"] / row["off"]["median"] - 1
+            out[str(n)] = row
+            progress(f"{n} tokens: " + json.dumps(row))
+    finally:
+        nodes.close()
+    return out
+
+
+if __name__ == "__main__":  # python -m pdstate.devtools.bench_agent ROUNDS LENGTH...
+    import sys
+
+    level_costs(int(sys.argv[1]), [int(x) for x in sys.argv[2:]])
