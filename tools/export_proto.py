@@ -14,7 +14,9 @@ Writes
 - ``proto/vectors/agent_request.seq_len.msgpack`` (+ ``.json``): the ``agent_request`` example with
   its later, optional ``seq_len`` set (absent from ``agent_request.msgpack``);
 - ``proto/vectors/agent_request.verify.msgpack`` and ``transfer_done.digest_form.msgpack`` (+ ``.json``):
-  the later, optional verification fields set (``verify: "sampled"``, ``digest_form: "device"``).
+  the later, optional verification fields set (``verify: "sampled"``, ``digest_form: "device"``);
+- ``proto/vectors/agent_request.sample_rule.msgpack`` (+ ``.json``): a sampled request naming its
+  sampling rule (``verify: "sampled"``, ``sample_rule: 2``).
 
 Every example is deterministic: the layout reports come from ``build_report`` on the ``tiny``
 preset, with the process-specific fields (mapping-identity nonces and data pointers, buffer
@@ -46,6 +48,7 @@ AUTHED_NAME = "heartbeat.authed"
 SEQ_LEN_NAME = "agent_request.seq_len"  # AgentRequest with its later, optional field set
 VERIFY_NAME = "agent_request.verify"  # AgentRequest asking a sampled, device-form digest
 DIGEST_FORM_NAME = "transfer_done.digest_form"  # TransferDone with a device-form digest
+SAMPLE_RULE_NAME = "agent_request.sample_rule"  # AgentRequest asking a sampled digest by rule 2
 
 # Fixed stand-ins for what differs per process.
 FIXED_MAPPING_NONCE = "00112233aabbccdd"
@@ -248,6 +251,8 @@ def outputs() -> dict[Path, bytes]:
     frames[SEQ_LEN_NAME] = wire.encode(examples()["agent_request"].model_copy(update={"seq_len": 300}))
     asks = {"verify": "sampled", "digest_form": "device"}
     frames[VERIFY_NAME] = wire.encode(examples()["agent_request"].model_copy(update=asks))
+    rule = {"verify": "sampled", "sample_rule": 2}
+    frames[SAMPLE_RULE_NAME] = wire.encode(examples()["agent_request"].model_copy(update=rule))
     frames[DIGEST_FORM_NAME] = wire.encode(examples()["transfer_done"].model_copy(update={"digest_form": "device"}))
     for name, frame in frames.items():
         files[Path("vectors") / f"{name}.msgpack"] = frame

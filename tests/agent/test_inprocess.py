@@ -29,8 +29,13 @@ def test_corrupted_copy_fails_both_sides(pair):
 
     def corrupting_submit(peer, plan, handle, notify):
         original(peer, plan, handle, notify)
-        byte = ctypes.c_uint8.from_address(int(plan.dst[0]))
-        byte.value ^= 0xFF  # one flipped byte in what landed
+        # every byte of the first descriptor's item flipped in what landed: the request's first
+        # item of its channel, which every level's sample holds (a byte outside ``sampled``'s
+        # blocks would pass it: tests/agent/test_verify_levels.py)
+        n = int(min(plan.length[0], 4096))
+        first = (ctypes.c_uint8 * n).from_address(int(plan.dst[0]))
+        for k in range(n):
+            first[k] ^= 0xFF
 
     engine._submit = corrupting_submit
     recv = da.receiver(pa.address, 5)

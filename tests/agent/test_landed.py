@@ -46,6 +46,7 @@ def shm_pair():
             engine="shm",
             engine_options={"segment_dir": str(SHM_DIR)},
             digest=digest,
+            verify="full",  # every byte: early hashing of each piece is what is tested
         )
         decodes.append(da)
         return da

@@ -1,8 +1,9 @@
 """Verification levels end to end, both agents in this process over the loopback engine: what each
 level catches when the copy goes wrong (``sampled``: a one-page shift of the SWA window, a stale
-C128 state, a damaged page of the sample; ``full``: one flipped byte anywhere; ``off``: nothing,
-while the handshake still refuses), what ``sampled`` misses (a byte outside the sample), the level
-that ran in both sides' metrics, and the refusal of a level below the prefill's."""
+C128 state, a damaged byte of a block of the sample; ``full``: one flipped byte anywhere; ``off``:
+nothing, while the handshake still refuses), what ``sampled`` misses (a byte of a page outside the
+sample), the level that ran in both sides' metrics, the refusal of a level below the prefill's and
+of a sampled request by another sampling rule. (Over 200 seeds: ``tests/unit/test_sampled_catches.py``.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
-from pdstate.agent.verify import sample_mask, sample_seed
+from pdstate.agent.verify import block_offsets, sample_mask, sample_seed
 from pdstate.errors import DigestMismatch, PageSizeMismatch, VerifyLevelRefused
 from pdstate.protocol import wire
 from tests.agent.support import make_side
@@ -60,11 +61,18 @@ def c128_stale(before: dict):
     return fault
 
 
-def flip(position: int):
-    """One flipped byte in the first main-KV buffer's page at ``position`` of the request."""
+def _in_block(d) -> int:
+    """A byte offset, inside a main-KV page of the first buffer, that ``sampled`` reads."""
+    seed = sample_seed(ROOM, wire.PackedIndices.pack(DST_PAGES).data)
+    return int(block_offsets(seed, 0, d.kv_item_lens)[0, 1]) + 5
+
+
+def flip(position: int, offset: int | None = None):
+    """One flipped byte (at ``offset``, default 100) in the first main-KV buffer's page at
+    ``position`` of the request."""
 
     def fault(p, d) -> None:
-        _item(d.kv_data_ptrs[0], d.kv_item_lens[0], DST_PAGES[position])[100] ^= 0x5A
+        _item(d.kv_data_ptrs[0], d.kv_item_lens[0], DST_PAGES[position])[100 if offset is None else offset] ^= 0x5A
 
     return fault
 
@@ -125,7 +133,7 @@ def test_what_each_level_catches(sides, level, name, caught_by):
     faults = {
         "swa_shift": lambda: swa_shift,
         "c128_stale": lambda: c128_stale(_c128_before(sides[1].kv_args)),
-        "flip_in_sample": lambda: flip(_inside_sample()),
+        "flip_in_sample": lambda: flip(_inside_sample(), _in_block(sides[1].kv_args)),
         "flip_outside_sample": lambda: flip(_outside_sample()),
     }
     states, errors, (rm, sm) = run(sides, level, faults[name]())
@@ -163,3 +171,20 @@ def test_a_level_below_the_prefills_fails_both_sides(sides):
         f"room {ROOM}: the decode asks verification 'off', below this prefill's transfer.verify 'sampled'"
     )
     assert run(sides, "full", prefill_level="sampled")[0] == (RequestState.SUCCESS, RequestState.SUCCESS)
+
+
+def test_a_sampled_request_by_another_sampling_rule_fails_both_sides(sides, monkeypatch):
+    """A decode sampling by another rule (here: rule 1, a pdstate from before rule 2, which named
+    none) is refused before anything is copied, never left to fail as a digest mismatch."""
+    import pdstate.agent.decode_core as decode_core
+
+    for named, rule in ((None, 1), (3, 3)):
+        monkeypatch.setattr(decode_core, "SAMPLE_RULE", named)
+        states, errors, _ = run(sides, "sampled", send_pages=False)
+        assert states == (RequestState.FAILED, RequestState.FAILED)
+        assert type(errors[0]) is VerifyLevelRefused and str(errors[0]) == str(errors[1])
+        assert str(errors[0]) == (
+            f"room {ROOM}: the decode samples by rule {rule}, this prefill by rule 2 (transfer.verify "
+            "'sampled' of another pdstate release): run the same release on both sides, or "
+            "transfer.verify 'full' on the decode"
+        )

@@ -95,6 +95,7 @@ def test_vector_files_cover_every_kind():
                 export_proto.SEQ_LEN_NAME,
                 export_proto.VERIFY_NAME,
                 export_proto.DIGEST_FORM_NAME,
+                export_proto.SAMPLE_RULE_NAME,
             )
             for ext in ("msgpack", "json")
         ]
@@ -115,7 +116,13 @@ def test_golden_vector_decodes_and_reencodes_byte_exact(kind):
 @pytest.mark.parametrize(
     "name",
     KINDS
-    + [export_proto.AUTHED_NAME, export_proto.SEQ_LEN_NAME, export_proto.VERIFY_NAME, export_proto.DIGEST_FORM_NAME],
+    + [
+        export_proto.AUTHED_NAME,
+        export_proto.SEQ_LEN_NAME,
+        export_proto.VERIFY_NAME,
+        export_proto.DIGEST_FORM_NAME,
+        export_proto.SAMPLE_RULE_NAME,
+    ],
 )
 def test_golden_vector_json_matches_its_bytes(name):
     text = (PROTO / "vectors" / f"{name}.json").read_text()
@@ -145,6 +152,7 @@ def test_optional_seq_len_is_absent_unless_set_and_round_trips_when_set():
     [
         (export_proto.VERIFY_NAME, "agent_request", {"verify": "sampled", "digest_form": "device"}),
         (export_proto.DIGEST_FORM_NAME, "transfer_done", {"digest_form": "device"}),
+        (export_proto.SAMPLE_RULE_NAME, "agent_request", {"verify": "sampled", "sample_rule": 2}),
     ],
 )
 def test_optional_verify_fields_are_absent_unless_set_and_round_trip_when_set(name, kind, fields):
@@ -822,3 +830,11 @@ def test_an_honest_refusal_of_the_longest_factor_travels_whole():
         error_from_wire(*wire.decode(wire.encode(wire.Error(error=ErrorInfo.of(err)))).error.model_dump().values()).args
         == err.args
     )
+
+
+def test_a_sample_rule_out_of_range_is_refused():
+    old = wire.decode(vector("agent_request"))
+    with pytest.raises(
+        ProtocolError, match=r"invalid agent_request: sample_rule: Input should be greater than or equal to 1"
+    ):
+        wire.decode(wire.encode(old.model_copy(update={"verify": "sampled", "sample_rule": 0})))

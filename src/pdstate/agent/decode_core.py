@@ -29,6 +29,7 @@ from pdstate import logs
 from pdstate.agent.decode_frames import DecodePort, LandedDigests
 from pdstate.agent.landing import Landing
 from pdstate.agent.receiver import PrefillPeer, Receiving
+from pdstate.agent.verify import SAMPLE_RULE
 from pdstate.errors import (
     AgentClosed,
     AuthError,
@@ -241,6 +242,7 @@ class DecodeCore:
             dst_aux=aux,
             digest=form.digest,
             verify="sampled" if form.verify == "sampled" else None,
+            sample_rule=SAMPLE_RULE if form.verify == "sampled" else None,
             digest_form="device" if form.digest and self.port.on_device() else None,
             deadline_s=min(3600.0, self.timers.transfer_timeout_s),
             seq_len=seq_len,
@@ -486,6 +488,7 @@ class DecodeCore:
         recv.sent_at = now
         self.digests.restart(recv)  # sent again: everything lands again
         self._send(p, recv.request)
+        self.digests.prepare(recv)  # a sampled digest picks its sample in the background meanwhile
 
     def _live(self, address: str) -> Iterator[Receiving]:
         for (a, _), recv in self.recvs.items():

@@ -68,6 +68,16 @@ class LandedDigests:
         if updates:
             recv.digest.update_async(updates)
 
+    def prepare(self, recv: Receiving) -> None:
+        """A request just sent: its digest opened and, where it can (``sampled``), the sample of
+        its whole destination picked in the background while the prefill copies."""
+        req = recv.request
+        if not self.enabled or req is None or recv.digest is not None or level_of(req.digest, req.verify) != "sampled":
+            return
+        recv.digest = self.port.open_digest(req, "sampled", None)
+        if hasattr(recv.digest, "prepare_async"):
+            recv.digest.prepare_async(self._remaining(recv, len(req.dst_kv_pages), True))
+
     def restart(self, recv: Receiving) -> None:
         """The request went out (again): everything lands again."""
         recv.digest, recv.hashed = None, (0, False)
@@ -107,9 +117,17 @@ class LandedDigests:
         """The destination beyond what is hashed already, up to ``pages`` main-KV pages (and,
         with ``state``, its state and aux), marked hashed; the request's digest opened first."""
         req = recv.request
-        n = 1 + len(req.dst_state_indices)
         if recv.digest is None:
             recv.digest = self.port.open_digest(req, level_of(req.digest, req.verify), form)
+        updates = self._remaining(recv, pages, state)
+        recv.hashed = (max(min(pages, len(req.dst_kv_pages)), recv.hashed[0]), state or recv.hashed[1])
+        return updates
+
+    def _remaining(self, recv: Receiving, pages: int, state: bool) -> Updates:
+        """The destination beyond what is hashed already, up to ``pages`` main-KV pages (and,
+        with ``state``, its state and aux)."""
+        req = recv.request
+        n = 1 + len(req.dst_state_indices)
         done_pages, done_state = recv.hashed
         pages = min(pages, len(req.dst_kv_pages))
         updates: Updates = []
@@ -119,5 +137,4 @@ class LandedDigests:
             updates += [(c, lst.unpack()) for c, lst in enumerate(req.dst_state_indices, start=1)]
             if req.dst_aux is not None:
                 updates.append((n, np.array([req.dst_aux.index])))
-        recv.hashed = (max(pages, done_pages), state or done_state)
         return updates

@@ -99,6 +99,9 @@ class RequestDigest:
         self.fused = False  # hashed by the copy itself (``streams``): its time is in the copy's
 
     fusable = True  # ``streams`` can hash it inside the shm copy
+    # a last chunk's state goes first, in a piece of its own the decode is told of (``wire.Landed``),
+    # so that the decode hashes it while the main KV copies (``agent.prefill_copy``)
+    split_state = True
 
     def _rows(self, channel: int, indices) -> list:
         """``(hasher, addresses, sizes)`` per buffer of ``channel`` for the items ``indices``."""

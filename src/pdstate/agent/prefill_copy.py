@@ -157,6 +157,8 @@ class CopyPipeline:
         if send.digest is None:
             return whole
         if piece <= 0:  # state first, told at once: the decode hashes it while the main KV copies
+            if not send.digest.split_state:  # a sample small enough to hash at the end
+                return whole
             return [(0, 0, True), (0, n_pages, False)] if n_pages and state is not None else whole
         page_bytes = sum(self.kv_args.kv_item_lens)
         if page_bytes == 0:

@@ -43,7 +43,7 @@ from pdstate.agent.fence import Fences, done_failed
 from pdstate.agent.prefill_copy import CopyPipeline
 from pdstate.agent.refusals import PeerLog, Refusals
 from pdstate.agent.sender import DecodePeer, EndedSender, PendingRequest, Sending
-from pdstate.agent.verify import level_of, request_digest, weaker
+from pdstate.agent.verify import level_of, request_digest, sample_rule_error, weaker
 from pdstate.errors import (
     AgentClosed,
     IndexCountMismatch,
@@ -475,6 +475,9 @@ class PrefillCore:
                 f"room {msg.room}: the decode asks verification {level!r}, below this prefill's transfer.verify {self.verify!r}"
             )
             self.fences.fail(send, err, tell_decode=True)
+            return
+        if level == "sampled" and (err := sample_rule_error(msg.room, msg.sample_rule)) is not None:
+            self.fences.fail(send, err, tell_decode=True)  # a digest by another rule would only mismatch
             return
         n_channels = 1 + len(self.kv_args.state_types)
         send.digest = request_digest(self.layout, self.devices, msg, n_channels, level)

@@ -1,45 +1,71 @@
-"""Verification levels, the per-request page sample, and digests bound to positions, on the host
-or on the device where the memory lives.
+"""Verification levels, the per-request sample, and digests bound to positions, on the host or on
+the device where the memory lives.
 
-Levels (``transfer.verify``): ``sampled`` (the default) digests every state-component item and aux
-row, the first and last main-KV page of the request and a seeded sample (1 in ``SAMPLE_RATE``) of
-the others; ``full`` digests every byte (``RequestDigest`` as it always did); ``off`` digests
-nothing (the handshake's checks alone). The decode names the level in its ``AgentRequest``
-(``verify``; a request without the field asks ``full`` when ``digest`` is true); the prefill refuses
-a request that asks less than its own level, so what ran is what both sides agreed to.
+Levels (``transfer.verify``): ``sampled`` (the default) digests a seeded sample of every
+component (``SampleDigest``, sample rule ``SAMPLE_RULE`` = 2); ``full`` digests every byte
+(``RequestDigest`` in host form, ``PositionDigest`` in device form); ``off`` digests nothing (the
+handshake's checks alone). The decode names the level in its ``AgentRequest`` (``verify``; a
+request without the field asks ``full`` when ``digest`` is true) and, at ``sampled``, the rule
+(``sample_rule``); the prefill refuses a request that asks less than its own level, and a
+``sampled`` one by another rule (``sample_rule_error``: absent is rule 1, the rule before this
+one), so what ran is what both sides agreed to and a mixed pair never fails as a digest mismatch.
+
+What ``sampled`` reads. Channels are main KV (C4 KV, C4 indexer, C128 KV buffers), each state
+component (the SWA one: SWA KV, C4 attention and indexer state rings; the C128 state; the draft's
+SWA) and aux. Of channel ``c``'s list of ``n`` items (pages, rows, slots; aux: its one slot) the
+sample holds positions ``0`` and ``n - 1`` and each other whose splitmix64(position xor seed xor
+``c << 56``) is 0 mod ``SAMPLE_RATE`` (``sample_mask``); of each such item every buffer of the
+channel (every layer); of each buffer ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BLOCK`` bytes, one in
+each of the item's ``SAMPLE_BLOCKS`` equal parts, at an offset seeded per request, channel,
+buffer and block (``block_offsets``; an item shorter than that: one block, or the whole item).
+For a 2k-token ``dsv4-flash`` request that is 70 KB on each side (276 KB at 32k), gathered in one
+numpy step and hashed beside the copy. It catches, in every one of 200 seeds
+(``tests/agent/test_sampled_catches.py``): a one-page shift of the SWA window, a stale C128
+state, a missing last chunk, two layers' state swapped — any fault that changes a sampled
+item of every layer or the first or last item of a component. It misses a damaged byte outside
+the blocks (or a page outside the sample): that is ``full``'s job.
 
 The sample is a pure function of the request (``sample_seed``: its room and the decode's packed
-page list, which both sides hold), so both sides pick the same list positions. The digest is bound
-to them: the sampled items' list positions are hashed with the items (in device form each item's
-value beside its position), so a shifted, stale, misplaced or missing write changes the digest.
+page list, which both sides hold), so both sides read the same places. The digest is bound to
+them: the sampled items' list positions go into a positions stream per channel, the blocks into
+a data stream per channel in list order (item, buffer, block), so the prefill's chunks and the
+decode's pieces give the same streams, and a shifted, stale, misplaced or missing write changes it.
 
-Forms: ``host`` hashes item bytes with xxh3 on the CPU. ``device`` reduces each item where its
-memory lives to one 64-bit value (``lane_values``: the sum of its words times fixed odd
-multipliers, modulo 2**64; a change of any one word changes it), with torch on the memory's device,
-so only these values (8 bytes an item) cross to the CPU; a host region in a ``device`` request is
-reduced by numpy (``lane_values_host``) to the same value. A request is digested in ``device`` form
-when either side's memory is on a device (the decode asks with ``digest_form``; a prefill whose
-memory is on a device answers in that form and says so in ``TransferDone``).
+Forms: ``host`` hashes bytes with xxh3 on the CPU. ``device`` reduces each item (``full``) or
+block (``sampled``) where its memory lives to one 64-bit value (``lane_values``: the sum of its
+words times fixed odd multipliers, modulo 2**64; a change of any one word changes it), with torch
+on the memory's device, so only these values (8 bytes each) cross to the CPU; a host region in a
+``device`` request is reduced by numpy (``lane_values_host``) to the same value. A request is
+digested in ``device`` form when either side's memory is on a device (the decode asks with
+``digest_form``; a prefill whose memory is on a device answers in that form and says so in
+``TransferDone``). ``proto/PROTOCOL.md`` §3 (agent digests) gives every rule byte for byte.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 import time
 from typing import Literal
 
 import numpy as np
 import xxhash
 
-from pdstate.agent.digest import RequestDigest, hash_rows
+from pdstate.agent.digest import RequestDigest, executor
+from pdstate.errors import VerifyLevelRefused
 from pdstate.pools.placement import memory_devices
 
 __all__ = [
     "DEFAULT_LEVEL",
     "LEVELS",
     "PositionDigest",
+    "SAMPLE_BLOCK",
+    "SAMPLE_BLOCKS",
     "SAMPLE_RATE",
+    "SAMPLE_RULE",
+    "SampleDigest",
+    "block_offsets",
     "check_level",
     "lane_values",
     "lane_values_host",
@@ -47,6 +73,7 @@ __all__ = [
     "memory_devices",
     "new_digest",
     "sample_mask",
+    "sample_rule_error",
     "sample_seed",
     "weaker",
 ]
@@ -54,7 +81,10 @@ __all__ = [
 Level = Literal["sampled", "full", "off"]
 LEVELS: tuple[str, ...] = ("off", "sampled", "full")  # weakest first
 DEFAULT_LEVEL = "sampled"
-SAMPLE_RATE = 8
+SAMPLE_RATE = 8  # items: 1 in 8 of each channel's list (and its first and last)
+SAMPLE_BLOCK = 64  # bytes a block of the sample reads (an item shorter than that: all of it)
+SAMPLE_BLOCKS = 4  # blocks of each sampled item, one in each quarter of it
+SAMPLE_RULE = 2  # the sampling rule below (1: every state item, 1 in 8 main-KV pages whole)
 _ROWS_PER_STEP = 256  # device form: items reduced at once (bounds the temporary)
 _M64 = (1 << 64) - 1
 
@@ -73,6 +103,20 @@ def weaker(a: str, b: str) -> bool:
 def level_of(digest: bool, verify: str | None) -> str:
     """The level an ``AgentRequest`` asks: ``off`` without digests; ``full`` when it names none."""
     return "off" if not digest else (verify or "full")
+
+
+def sample_rule_error(room: int, rule: int | None) -> VerifyLevelRefused | None:
+    """Why a prefill refuses a ``sampled`` request naming sampling rule ``rule`` (``None``: rule 1,
+    a decode from before ``sample_rule``): the two sides would digest different samples, and the
+    request would fail as a digest mismatch that looks like corruption. ``None`` when it is ours."""
+    rule = 1 if rule is None else rule
+    if rule == SAMPLE_RULE:
+        return None
+    return VerifyLevelRefused(
+        f"room {room}: the decode samples by rule {rule}, this prefill by rule {SAMPLE_RULE} "
+        "(transfer.verify 'sampled' of another pdstate release): run the same release on both sides, "
+        "or transfer.verify 'full' on the decode"
+    )
 
 
 def sample_seed(room: int, packed_pages: bytes) -> int:
@@ -159,108 +203,43 @@ def _device_items(ptr: int, item_len: int, idx: np.ndarray, device: str):
 
 
 class PositionDigest(RequestDigest):
-    """A request's digest at ``sampled`` (host or device form) or ``full`` in device form: per
-    (channel, buffer) one xxh3_128 stream of its items in list order — their bytes (host form; the
-    sample's positions in a stream per channel) or ``(list position, lane value)`` records (device
-    form) — see ``proto/PROTOCOL.md`` §3. ``devices``: per channel, per buffer,
-    ``None`` (host memory) or a torch device; the device form on a host buffer uses numpy unless
-    ``torch_on_host`` (the device path on CPU tensors)."""
+    """A request's digest at ``full`` in device form: per (channel, buffer) one xxh3_128 stream
+    of ``(list position, lane value)`` records of every item in list order — see
+    ``proto/PROTOCOL.md`` §3. ``devices``: per channel, per buffer, ``None`` (host memory) or a
+    torch device; a host buffer is reduced by numpy unless ``torch_on_host`` (the device path on
+    CPU tensors)."""
+
+    fusable = False  # hashed beside the copy (only its values cross to the CPU)
 
     def __init__(
         self,
         layout,
         *,
-        level: str,
         seed: int,
         n_pages: int,
-        form: str = "host",
         devices: list[list[str | None]] | None = None,
         torch_on_host: bool = False,
     ) -> None:
         super().__init__(layout)
-        self.level, self.seed, self.n_pages, self.form = level, seed, n_pages, form
+        self.level, self.seed, self.n_pages, self.form = "full", seed, n_pages, "device"
         self._devices = devices or [[None] * len(p) for p, _ in layout]
         self._torch_on_host = torch_on_host
         self._next = [0] * len(layout)  # per channel: list positions taken so far
-        # per channel: the list positions of the items sampled, in order (both sides' are the same)
-        self._pos_hashers = [xxhash.xxh3_128() for _ in layout]
 
-    @property
-    def fusable(self) -> bool:
-        """The host form is hashed inside the shm copy (``fused_streams``); the device form is not."""
-        return self.form == "host"
-
-    def _positions(self, channel: int, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
-        """The items of ``idx`` this digest takes (all, or channel 0's sample) and their list
-        positions, the channel's count moved on; and whether it is the sample."""
+    def _rows(self, channel: int, indices) -> list:
+        """``(channel, buffer, items, positions)`` per buffer of ``channel``; its count moved on."""
+        idx = np.asarray(indices, dtype=np.int64)
         start = self._next[channel]
         self._next[channel] += idx.size
         pos = np.arange(start, start + idx.size, dtype=np.int64)
-        sampled = channel == 0 and self.level == "sampled"
-        if sampled:
-            keep = sample_mask(self.seed, pos, self.n_pages)
-            idx, pos = idx[keep], pos[keep]
-            if self.form == "host":
-                self._pos_hashers[channel].update(pos.astype("<u8").tobytes())
-        return idx, pos, sampled
-
-    def _rows(self, channel: int, indices) -> list:
-        """What one update hashes. Host form: ``RequestDigest``'s rows ``(hasher, addresses,
-        sizes)`` of the items taken (a whole state or aux channel; the sample of main KV, its
-        positions into the channel's positions stream), by runs in list order, never gathered.
-        Device form: ``(channel, buffer, items, positions)``."""
-        idx, pos, _ = self._positions(channel, np.asarray(indices, dtype=np.int64))
         if idx.size == 0:
             return []
-        if self.form == "host":
-            return super().rows_of(channel, idx)  # counts its bytes
         ptrs, items = self._layout[channel]
         self.bytes += int(idx.size * int(items.sum()))
         return [(channel, b, idx, pos) for b in range(len(ptrs))]
 
-    def fused_streams(self, updates):
-        """``hash_src`` for the shm copy of the plan made from ``updates`` (host form): state and
-        aux descriptors hashed whole, as ``RequestDigest`` does; a main-KV descriptor copied
-        whole and only its sampled items hashed, from the cache, right after. ``None`` (hashed
-        beside the copy instead) when a main-KV page repeats in the list: the sample is picked by
-        page id there."""
-        main = [np.asarray(i) for c, i in updates if c == 0]
-        if any(np.unique(i).size != i.size for i in main):
-            self.update_async(updates)
-            return None
-        self.wait()
-        picked = np.empty(0, dtype=np.int64)
-        with self._lock:
-            for c, indices in updates:
-                idx, _, sampled = self._positions(c, np.asarray(indices, dtype=np.int64))
-                if sampled:
-                    picked = np.sort(idx)
-        n_main = len(self._layout[0][0])
-
-        def streams(src: np.ndarray, length: np.ndarray):
-            hashers, index = self.stream_index(src)
-            self.fused = True
-            subs: list = [None] * len(index)
-            ptrs, items = self._layout[0]
-            length = np.asarray(length, dtype=np.int64)
-            main = np.flatnonzero(index < n_main)
-            n = np.maximum(items[index[main]].astype(np.int64), 1)
-            first = (np.asarray(src, dtype=np.uint64)[main] - ptrs[index[main]]).astype(np.int64) // n
-            lo = np.searchsorted(picked, first)
-            hi = np.searchsorted(picked, first + length[main] // n)
-            for k, f, a, z, m in zip(main.tolist(), first.tolist(), lo.tolist(), hi.tolist(), n.tolist()):
-                subs[k] = [((p - f) * m, m) for p in picked[a:z].tolist()]
-            self.bytes += int(((hi - lo) * n).sum()) + int(length[index >= n_main].sum())
-            return hashers, index, subs
-
-        return streams
-
     def _run(self, rows: list) -> None:
         t0 = time.perf_counter()
-        if self.form == "host":
-            hash_rows(rows)
-            self.seconds += time.perf_counter() - t0
-            return
         for channel, b, idx, pos in rows:
             ptrs, items = self._layout[channel]
             ptr, n, device = int(ptrs[b]), int(items[b]), self._devices[channel][b]
@@ -275,44 +254,334 @@ class PositionDigest(RequestDigest):
         self.seconds += time.perf_counter() - t0
 
     def update_many(self, updates, threads: int | None = None) -> None:
-        """``update`` for each ``(channel, indices)``: the host form's rows spread over the
-        host's cores as ``RequestDigest``'s; the device form's on this thread (only their
-        values cross to the CPU)."""
-        if self.form == "host":
-            super().update_many(updates, threads)
-            return
+        """``update`` for each ``(channel, indices)``, on this thread (only values cross to the CPU)."""
         self.wait()
         with self._lock:
             self._run([r for c, idx in updates for r in self._rows(c, idx)])
 
     def streams(self, src, length):
-        raise ValueError("a sampled or device-form digest is fused into the copy by fused_streams")
+        raise ValueError("a device-form digest is hashed beside the copy, not in it")
+
+    def fused_streams(self, updates):
+        raise ValueError("a device-form digest is hashed beside the copy, not in it")
 
     def digest(self) -> bytes:
         self.wait()
-        head = b"pdstate-verify|%s|%s|%d|%d|%s|" % (
-            self.level.encode(),
-            self.form.encode(),
+        head = b"pdstate-verify|full|device|%d|%d|%s|" % (
             self.seed,
             self.n_pages,
             ",".join(map(str, self._next)).encode(),
         )
-        head += b"".join(h.digest() for h in self._pos_hashers)
+        empty = xxhash.xxh3_128().digest()  # the positions streams of the sampled rule 1, empty here
+        head += empty * len(self._layout)
         return xxhash.xxh3_128(head + b"".join(h.digest() for hs in self._hashers for h in hs)).digest()
 
 
+class _HostSpan:
+    """Host bytes from ``lo`` as ``__array_interface__`` (numpy wraps them without a copy, and
+    without a new ctypes type per length): ``nbytes`` bytes, or with ``row`` that many
+    overlapping ``row``-byte elements, element ``i`` starting at ``lo + i`` (gathered with one
+    copy each)."""
+
+    def __init__(self, lo: int, nbytes: int, row: int = 0) -> None:
+        shape, strides, typestr = ((nbytes,), (1,), f"|V{row}") if row else ((nbytes,), None, "|u1")
+        self.__array_interface__ = {
+            "shape": shape,
+            "strides": strides,
+            "typestr": typestr,
+            "data": (lo, False),
+            "version": 3,
+        }
+
+
+def _block_grid(item_lens) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per buffer (item lengths ``item_lens``): the block length, the stratum length (0: one
+    stratum, the whole item), the alignment and the number of offsets a block can take."""
+    return _grid_of(np.asarray(item_lens, dtype=np.int64).tobytes())
+
+
+@functools.lru_cache(maxsize=64)
+def _grid_of(item_lens: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    n = np.frombuffer(item_lens, dtype=np.int64)
+    block = np.minimum(n, SAMPLE_BLOCK)
+    align = np.where((n % 8 == 0) & (block % 8 == 0), 8, 1)
+    stratum = np.where(n // SAMPLE_BLOCKS >= block, n // SAMPLE_BLOCKS, 0)
+    slots = np.where(stratum > 0, stratum - block, n - block) // align + 1
+    return block, stratum, align, slots
+
+
+def block_offsets(seed: int, channel: int, item_lens) -> np.ndarray:
+    """The byte offsets, inside each sampled item of ``channel``, of the blocks the sample reads
+    there: one row per buffer (item lengths ``item_lens``), one column per block,
+    ``[buffers, SAMPLE_BLOCKS]`` int64. Block ``j`` of buffer ``b`` lies in the item's stratum
+    ``j`` (its ``SAMPLE_BLOCKS`` equal parts; an item too short for that has one, the whole item),
+    at ``r mod slots`` times the alignment, ``r`` being
+    splitmix64(splitmix64(seed xor channel << 56) xor (b << 8 | j))."""
+    _, stratum, align, slots = _block_grid(item_lens)
+    key = _splitmix(np.array([(seed ^ (channel << 56)) & _M64], dtype=np.uint64))
+    bj = (np.arange(stratum.size, dtype=np.uint64)[:, None] << np.uint64(8)) | np.arange(
+        SAMPLE_BLOCKS, dtype=np.uint64
+    )[None, :]
+    r = _splitmix(bj ^ key[0])
+    j = np.arange(SAMPLE_BLOCKS, dtype=np.int64)[None, :]
+    return j * stratum[:, None] + (r % slots.astype(np.uint64)[:, None]).astype(np.int64) * align[:, None]
+
+
+@functools.lru_cache(maxsize=32)
+def _layout_table(key: bytes, sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """Every buffer of a digest layout, channel by channel (``key``: their addresses then item
+    lengths, int64; ``sizes``: buffers per channel): channel, buffer in its channel, address,
+    item length, block length, stratum, alignment, slots; and ``b << 8 | j`` per block."""
+    flat = np.frombuffer(key, dtype=np.int64).reshape(2, -1)
+    ptrs, items = flat[0], flat[1]
+    channel = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+    start = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+    buffer = np.arange(ptrs.size, dtype=np.int64) - np.repeat(start, sizes)
+    block, stratum, align, slots = _block_grid(items)
+    bj = (buffer.astype(np.uint64)[:, None] << np.uint64(8)) | np.arange(SAMPLE_BLOCKS, dtype=np.uint64)[None, :]
+    return channel, buffer, ptrs, items, block, stratum, align, slots, bj
+
+
+class SampleDigest(RequestDigest):
+    """A request's digest at ``sampled`` (sample rule ``SAMPLE_RULE``), host or device form: per
+    channel the items of the sample (``sample_mask`` over the channel's list, the channel in the
+    seed), of each such item every buffer, of each buffer ``SAMPLE_BLOCKS`` blocks of
+    ``SAMPLE_BLOCK`` bytes at the request's seeded offsets (``block_offsets``). Each channel has
+    one data stream (the blocks' bytes, host form; ``u64le(lane value)`` per block, device form)
+    and one positions stream (the sampled items' list positions, u64le), both in list order
+    (item, then buffer, then block), so the prefill's chunks and the decode's pieces give the same
+    streams. Small (70 KB at 2k tokens of ``dsv4-flash``, 276 KB at 32k): gathered and hashed
+    beside the copy, never fused into it, and a last chunk's state not sent ahead of its pages
+    (``split_state``)."""
+
+    fusable = False
+    split_state = False
+
+    def __init__(
+        self,
+        layout,
+        *,
+        seed: int,
+        lengths: list[int],
+        form: str = "host",
+        devices: list[list[str | None]] | None = None,
+        torch_on_host: bool = False,
+    ) -> None:
+        # ``RequestDigest``'s state, less its per-buffer hashers (this digest has one stream per channel)
+        self._layout = [(np.asarray(p, dtype=np.uint64), np.asarray(i, dtype=np.uint64)) for p, i in layout]
+        self._hashers = []
+        self.bytes, self.seconds, self.fused = 0, 0.0, False
+        self._lock, self._qlock = threading.Lock(), threading.Lock()
+        self._queue, self._pending, self._cancelled, self._flat = [], [], False, None
+        self.level, self.seed, self.form = "sampled", seed, form
+        self.lengths = list(lengths) + [1] * (len(layout) - len(lengths))  # per channel: its list's length
+        self._devices = devices or [[None] * len(p) for p, _ in layout]
+        self._torch_on_host = torch_on_host
+        self._next = [0] * len(layout)
+        self._data = [xxhash.xxh3_128() for _ in layout]
+        self._pos_hashers = [xxhash.xxh3_128() for _ in layout]
+        self._first = None  # per buffer and block: its address in the buffer's item 0 (made on first use)
+        self._prepared = None  # ``prepare``'s rows and their plan
+
+    def _table(self):
+        """The layout's buffers (``_layout_table``) and this request's block addresses in item 0."""
+        sizes = tuple(len(p) for p, _ in self._layout)
+        key = np.concatenate(
+            [np.concatenate([p for p, _ in self._layout]), np.concatenate([i for _, i in self._layout])]
+        ).astype(np.int64)
+        table = _layout_table(key.tobytes(), sizes)
+        if self._first is None:
+            channel, _, ptrs, _, _, stratum, align, slots, bj = table
+            keys = _splitmix(np.uint64(self.seed & _M64) ^ (np.arange(len(sizes), dtype=np.uint64) << np.uint64(56)))
+            r = _splitmix(bj ^ keys[channel][:, None])
+            j = np.arange(SAMPLE_BLOCKS, dtype=np.int64)[None, :]
+            offs = j * stratum[:, None] + (r % slots.astype(np.uint64)[:, None]).astype(np.int64) * align[:, None]
+            self._first = ptrs[:, None] + offs
+            bounds = np.concatenate(([0], np.cumsum(sizes))).tolist()
+            self._spans = list(zip(bounds, bounds[1:]))
+        return table
+
+    def _rows(self, channel: int, indices) -> list:
+        """One update: ``(channel, its items, the list position of the first)``; the channel's
+        count moved on (the sample is picked and read by ``_run``)."""
+        idx = np.asarray(indices, dtype=np.int64)
+        start = self._next[channel]
+        self._next[channel] += idx.size
+        return [(channel, idx, start)] if idx.size else []
+
+    def _plan(self, rows: list) -> tuple:
+        """Pick the sample of ``rows``: per channel the sampled list positions (u64le bytes), the
+        blocks' addresses, lengths and buffers (``parts``), and the addresses of the blocks of
+        every channel whose blocks are whole, concatenated (host form: gathered at once)."""
+        _, _, _, items, block, _, _, _, _ = self._table()
+        positions, parts, nbytes = [], [], 0
+        for channel, idx, start in rows:
+            n = self.lengths[channel]
+            if start == 0 and idx.size == n and n <= 2:
+                pos = np.arange(n, dtype=np.int64)  # first and last: all of it
+            else:
+                pos = np.arange(start, start + idx.size, dtype=np.int64)
+                keep = sample_mask((self.seed ^ (channel << 56)) & _M64, pos, n)
+                idx, pos = idx[keep], pos[keep]
+            positions.append((channel, pos.astype("<u8").tobytes()))
+            lo, hi = self._spans[channel]
+            if idx.size == 0 or hi == lo:
+                continue
+            it = items[lo:hi]
+            addr = (self._first[None, lo:hi, :] + (idx[:, None] * it[None, :])[:, :, None]).reshape(-1)
+            blocks = block[lo:hi]
+            one = int(blocks.min()) == int(blocks.max())
+            lens = int(blocks[0]) if one else np.tile(np.repeat(blocks, SAMPLE_BLOCKS), idx.size)
+            bufs = np.tile(np.repeat(np.arange(hi - lo), SAMPLE_BLOCKS), idx.size)
+            parts.append((channel, addr, lens, bufs))
+            nbytes += int(blocks.sum()) * SAMPLE_BLOCKS * idx.size
+        together = None
+        if self.form == "host":
+            whole = [p for p in parts if isinstance(p[2], int) and p[2] == SAMPLE_BLOCK]
+            if len(whole) > 1:
+                together = ([(c, a.size) for c, a, _, _ in whole], np.concatenate([p[1] for p in whole]))
+                parts = [p for p in parts if not any(p is w for w in whole)]
+        return positions, parts, together, nbytes
+
+    def prepare(self, updates) -> None:
+        """Pick the sample of ``updates`` now (the next updates this digest will be given), so that
+        reading it later is only the gather and the hash: the decode prepares its whole request
+        while the prefill copies. Used by ``update_many`` when it is given these very updates."""
+        with self._lock:
+            nxt, rows = list(self._next), []
+            for c, idx in updates:
+                idx = np.asarray(idx, dtype=np.int64)
+                if idx.size:
+                    rows.append((c, idx, nxt[c]))
+                    nxt[c] += idx.size
+            self._prepared = (_rows_key(rows), self._plan(rows))
+
+    def prepare_async(self, updates) -> None:
+        """``prepare`` in the background (``wait`` and every update wait for it); it reads no
+        memory of the request, only where the sample lies."""
+        self._pending.append(executor().submit(self.prepare, updates))
+
+    def _run(self, rows: list) -> None:
+        """Pick (unless ``prepare`` did) and read the sample of ``rows``: the blocks of every
+        channel gathered at once where they have one length (host form), each channel's streams
+        fed in order."""
+        t0 = time.perf_counter()
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared[0] == _rows_key(rows):
+            positions, parts, together, nbytes = prepared[1]
+        else:
+            positions, parts, together, nbytes = self._plan(rows)
+        self.bytes += nbytes
+        for channel, pos in positions:
+            self._pos_hashers[channel].update(pos)
+        if together is not None:  # one gather for every channel whose blocks are whole
+            sizes, addr = together
+            got, at = _gather_host(addr, SAMPLE_BLOCK), 0
+            for channel, k in sizes:
+                self._data[channel].update(got[at : at + k])
+                at += k
+        for channel, addr, lens, bufs in parts:
+            if self.form == "host":
+                self._data[channel].update(_gather_host(addr, lens))
+            else:
+                self._data[channel].update(self._lane_values(channel, addr, lens, bufs).astype("<u8").tobytes())
+        self.seconds += time.perf_counter() - t0
+
+    def _lane_values(self, channel: int, addr: np.ndarray, lens: np.ndarray, bufs: np.ndarray) -> np.ndarray:
+        """Each block's lane value, reduced where its memory lives (grouped by device and length)."""
+        out = np.empty(addr.size, dtype=np.uint64)
+        devices = self._devices[channel]
+        lens = np.broadcast_to(lens, addr.shape)
+        for device in set(devices):
+            on = np.isin(bufs, [b for b, d in enumerate(devices) if d == device])
+            for n in np.unique(lens[on]).tolist():
+                sel = np.flatnonzero(on & (lens == n))
+                if device is not None or self._torch_on_host:
+                    out[sel] = lane_values(_gather_device(addr[sel], n, device or "cpu"))
+                else:
+                    out[sel] = lane_values_host(_gather_host(addr[sel], n))
+        return out
+
+    def update_many(self, updates, threads: int | None = None) -> None:
+        """``update`` for each ``(channel, indices)``, on this thread (the sample is small)."""
+        self.wait()
+        with self._lock:
+            self._run([r for c, idx in updates for r in self._rows(c, idx)])
+
+    def streams(self, src, length):
+        raise ValueError("a sampled digest is hashed beside the copy, not in it")
+
+    def fused_streams(self, updates):
+        raise ValueError("a sampled digest is hashed beside the copy, not in it")
+
+    def digest(self) -> bytes:
+        self.wait()
+        head = b"pdstate-verify|sampled|rule%d|%s|%d|%s|%s|" % (
+            SAMPLE_RULE,
+            self.form.encode(),
+            self.seed,
+            ",".join(map(str, self.lengths)).encode(),
+            ",".join(map(str, self._next)).encode(),
+        )
+        body = b"".join(p.digest() + d.digest() for p, d in zip(self._pos_hashers, self._data))
+        return xxhash.xxh3_128(head + body).digest()
+
+
+def _rows_key(rows: list) -> tuple:
+    return tuple((c, start, idx.tobytes()) for c, idx, start in rows)
+
+
+def _gather_host(addr: np.ndarray, lens: np.ndarray | int) -> np.ndarray:
+    """The host bytes of the blocks at ``addr`` (each ``lens`` bytes, or ``lens[k]``), in order:
+    ``[k, lens]`` uint8, or the concatenation (uint8) for blocks of several lengths. One gather
+    over the span they lie in, which is never read outside the blocks."""
+    lo = int(addr.min())
+    rel = addr - lo
+    if np.ndim(lens) == 0:  # rows of n bytes starting at every byte of the span: row i is lo + i
+        n = int(lens)
+        rows = np.asarray(_HostSpan(lo, int(rel.max()) + 1, n))
+        return rows[rel].view(np.uint8).reshape(-1, n)
+    span = np.asarray(_HostSpan(lo, int((rel + lens).max())))
+    starts = np.repeat(rel - np.concatenate(([0], np.cumsum(lens)[:-1])), lens)
+    return span[starts + np.arange(int(lens.sum()))]
+
+
+def _gather_device(addr: np.ndarray, n: int, device: str):
+    """The blocks at ``addr`` (each ``n`` bytes) as a ``[k, n]`` uint8 tensor on ``device``,
+    gathered there (a CPU "device" wraps the host bytes)."""
+    import torch
+
+    lo, hi = int(addr.min()), int(addr.max()) + n
+    if device == "cpu":
+        base = torch.from_numpy(np.asarray(_HostSpan(lo, hi - lo)))
+    else:
+        base = torch.as_tensor(_CudaSpan(lo, hi - lo), device=device)
+    rel = torch.from_numpy(addr - lo).to(base.device)
+    return base[rel[:, None] + torch.arange(n, device=base.device)[None, :]]
+
+
 def new_digest(
-    layout, level: str, *, room: int, packed_pages: bytes, n_pages: int, form: str = "host", devices=None
+    layout,
+    level: str,
+    *,
+    room: int,
+    packed_pages: bytes,
+    lengths: list[int],
+    form: str = "host",
+    devices=None,
 ) -> RequestDigest | None:
     """The digest one side keeps for a request at ``level`` (``None`` at ``off``): ``full`` in host
-    form is ``RequestDigest`` (every byte, as before the levels); the rest is a ``PositionDigest``."""
+    form is ``RequestDigest`` (every byte, as before the levels), in device form a
+    ``PositionDigest``; ``sampled`` a ``SampleDigest``. ``lengths``: per channel, the length of
+    the request's list (main-KV pages, each state component's; aux: 1)."""
     if level == "off":
         return None
-    if level == "full" and form == "host":
+    seed = sample_seed(room, packed_pages)
+    if level == "sampled":
+        return SampleDigest(layout, seed=seed, lengths=lengths, form=form, devices=devices)
+    if form == "host":
         return RequestDigest(layout)
-    return PositionDigest(
-        layout, level=level, seed=sample_seed(room, packed_pages), n_pages=n_pages, form=form, devices=devices
-    )
+    return PositionDigest(layout, seed=seed, n_pages=lengths[0], devices=devices)
 
 
 def layout_devices(layout) -> list[list[str | None]]:
@@ -336,7 +605,7 @@ def request_digest(layout, devices, req, n_channels: int, level: str, form: str 
         level,
         room=req.room,
         packed_pages=req.dst_kv_pages.data,
-        n_pages=len(req.dst_kv_pages),
+        lengths=[len(req.dst_kv_pages), *(len(s) for s in req.dst_state_indices), 1][:k],
         form=form,
         devices=devices[:k],
     )

@@ -13,14 +13,16 @@ On the shm engine and the paged ``dsv4-flash`` layout (target + draft), per requ
   and hands the whole request to its sender; only then is the decode told. The time is the
   receiver's own: request issued -> Success (its ``success_at_s`` less its
   ``transferring_at_s``), which holds the prefill's submit, the copy, the prefill's digest of
-  what it sent (digest on; on shm fused into the copy), ``TransferDone``, and the decode's digest
-  of what landed (digest on). Each side's digest time is kept under ``parts`` (``digest_s``: the
-  decode's; ``prefill_digest_s``: the prefill's, 0 when fused: its time is in the copy's). The synthetic pattern check of every landed item runs
+  what it sent (digest on; at ``full`` on shm fused into the copy, at ``sampled`` its block sample
+  hashed beside it), ``TransferDone``, and the decode's digest of what landed (digest on). Each
+  side's digest time is kept under ``parts`` (``digest_s``: the decode's after ``TransferDone``;
+  ``prefill_digest_s``: the prefill's, 0 when fused: its time is in the copy's). The synthetic pattern check of every landed item runs
   after Success, outside the time.
 """
 
 from __future__ import annotations
 
+import json
 import queue
 import secrets
 import time
@@ -147,3 +149,46 @@ def phase(
         )
     finally:
         nodes.close()
+
+
+def level_costs(rounds: int, lengths: list[int], progress=print) -> dict:
+    """The agent pair alone, ``off``/``sampled``/``full`` interleaved (the order reversed every
+    other round), ``rounds`` requests each per length after one warm-up each: per length and
+    level the median, min and max ms and each side's digest ms (medians), and each level's
+    median over ``off``'s - 1 (``sampled_vs_off``, ``full_vs_off``): what ``verify_cost``
+    reports, without the phase's ceilings around it."""
+    import statistics
+
+    nodes = AgentNodes(settings("paged", "dsv4-flash"))
+    out: dict = {}
+    try:
+        for n in lengths:
+            for level in LEVELS:
+                nodes.run(n, level)
+            runs: dict = {level: [] for level in LEVELS}
+            for r in range(rounds):
+                for level in LEVELS if r % 2 == 0 else LEVELS[::-1]:
+                    runs[level].append(nodes.run(n, level))
+            row: dict = {}
+            for level, rs in runs.items():
+                ms = [x["transfer_s"] * 1e3 for x in rs]
+                row[level] = {
+                    "median": statistics.median(ms),
+                    "min": min(ms),
+                    "max": max(ms),
+                    "decode_digest_ms": statistics.median(x["digest_s"] * 1e3 for x in rs),
+                    "prefill_digest_ms": statistics.median(x["prefill_digest_s"] * 1e3 for x in rs),
+                }
+            for level in ("sampled", "full"):
+                row[f"{level}_vs_off"] = row[level]["median"] / row["off"]["median"] - 1
+            out[str(n)] = row
+            progress(f"{n} tokens: " + json.dumps(row))
+    finally:
+        nodes.close()
+    return out
+
+
+if __name__ == "__main__":  # python -m pdstate.devtools.bench_agent ROUNDS LENGTH...
+    import sys
+
+    level_costs(int(sys.argv[1]), [int(x) for x in sys.argv[2:]])

@@ -213,8 +213,11 @@ class AgentRequest(Message):
     # of the frame when ``None``
     verify: Literal["sampled"] | None = None
     digest_form: Literal["device"] | None = None
+    # with ``verify: "sampled"``: the sampling rule the decode digests by (``pdstate.agent.verify.
+    # SAMPLE_RULE``; absent: rule 1, a pdstate from before rule 2); left out of the frame when ``None``
+    sample_rule: Annotated[int, Field(ge=1, le=65535)] | None = None
 
-    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"seq_len", "verify", "digest_form"})
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"seq_len", "verify", "digest_form", "sample_rule"})
 
 
 class AgentVerdict(Message):
