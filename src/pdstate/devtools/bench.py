@@ -16,7 +16,10 @@ interleaved round-robin in one process run (these machines are shared; ratios, n
   ``verify_s``). The prefill's synthetic compute (the stand-in for the model's prefill) is inside
   that time: the agent's wire does not carry it back (``compute_s`` is 0). The decode checks the
   request with ``verify="sample"`` (one word per item and the end of every run);
-  ``pdstate_<engine>_full_verify`` is the same with every byte read back. The parts
+  ``pdstate_<engine>_full_verify`` is the same with every byte read back;
+  ``pdstate_<engine>_off`` is a second decode of the same prefill at ``transfer.verify = off``,
+  timed without the prefill's synthetic compute (its own record of the request) and without the
+  decode's check (run after the time): pdstate's own cost over the raw engine. The parts
   (``transfer_s``, ``copy_s``, ``verify_s``) are kept under ``parts``.
 
 On shm, the embeddable agent (``agent_shm`` / ``agent_shm_digest``, digests off and on) runs in a
