@@ -81,3 +81,48 @@ def test_process_exits_cleanly_with_the_ucx_work_around() -> None:
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=50)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.splitlines()[-1] == "closed"  # NIXL logs to stdout too
+
+
+def test_on_done_fires_once_after_the_write_and_at_once_when_ended() -> None:
+    """The watcher thread calls back once the WRITE has landed (the bytes are there already);
+    a handle that already ended is called back at once, on the caller's thread."""
+    import ctypes
+    import threading
+
+    import numpy as np
+
+    from pdstate.transfer.plan import TransferPlan
+
+    n = 1 << 20
+    memory = PrivateMemory()
+    memory.allocate("dst", [BufferSpec("b", (n,), torch.uint8)])
+    source = PrivateMemory()
+    source.allocate("src", [BufferSpec("b", (n,), torch.uint8)])
+    (dst_region,), (src_region,) = memory.regions(), source.regions()
+    src = np.frombuffer((ctypes.c_uint8 * n).from_address(src_region.base_ptr), dtype=np.uint8)
+    dst = np.frombuffer((ctypes.c_uint8 * n).from_address(dst_region.base_ptr), dtype=np.uint8)
+    src[:] = np.arange(n, dtype=np.uint64).astype(np.uint8) ^ 0x5A
+    dst[:] = 0
+    with NixlEngine(**ENGINE_OPTIONS["nixl"]) as decode, NixlEngine(**ENGINE_OPTIONS["nixl"]) as prefill:
+        decode.register([dst_region])
+        prefill.register([src_region])
+        peer = prefill.connect(decode.endpoint())
+        plan = TransferPlan.from_arrays([src_region.base_ptr], [dst_region.base_ptr], [n])
+        handle = prefill.submit(peer, plan)
+        landed: list[bytes] = []
+        threads: list[str] = []
+        fired = threading.Event()
+
+        def done() -> None:  # on the watcher thread
+            landed.append(dst.tobytes())
+            threads.append(threading.current_thread().name)
+            fired.set()
+
+        prefill.on_done(handle, done)
+        assert fired.wait(10.0)
+        assert prefill.poll(handle) is True
+        assert landed == [src.tobytes()]
+        assert threads in (["pdstate-nixl-watch"], [threading.current_thread().name])  # done at submit already
+        later: list[str] = []
+        prefill.on_done(handle, lambda: later.append(threading.current_thread().name))
+        assert later == [threading.current_thread().name] and len(landed) == 1

@@ -194,3 +194,19 @@ def test_each_request_end_is_one_info_line_on_both_sides(pair, caplog):
     assert f"peer={p.endpoint}" in dec and f"bytes={res['bytes']}" in dec
     assert "outcome=ok" in dec and "verification=sampled+full" in dec
     assert all(r.levelname == "INFO" for r in ends)
+
+
+def test_a_small_request_is_filled_on_the_request_loop_and_a_large_one_on_the_compute_thread(pair, monkeypatch):
+    _, d = pair
+    real, threads = agent_prefill.synth.fill_source, []
+
+    def recorded(desc, room, lists):
+        threads.append(threading.current_thread().name)
+        real(desc, room, lists)
+
+    monkeypatch.setattr(agent_prefill.synth, "fill_source", recorded)
+    monkeypatch.setattr(agent_prefill, "INLINE_FILL_BYTES", 1_400_000)  # 1 token: 1.33 MB here, 1000: 1.48 MB
+    for tokens in (1, 1000):
+        res = d.submit(tokens, verify="full").result(30).as_dict()
+        assert (res["status"], res["verified"]) == ("success", True), res
+    assert threads[0] == "pdstate-prefill-requests" and threads[1].startswith("pdstate-prefill-compute"), threads

@@ -23,12 +23,14 @@ def test_ratios_are_taken_within_each_phase():
             "paged:mooncake:raw_mooncake": {"32768": _row(9.0)},
             "paged:mooncake:pdstate_mooncake": {"32768": _row(10.0)},
             "paged:mooncake:pdstate_mooncake_full_verify": {"32768": _row(18.0)},
+            "paged:mooncake:pdstate_mooncake_off": {"32768": _row(7.5)},
         },
     }
     out = bench_report.ratios(r)
     assert out["shm_vs_ceiling_by_length"] == {"2048": 0.5, "32768": 0.8} and out["shm_vs_ceiling"] == 0.8
     assert not [k for k in out if "worker" in k]  # no worker pair keys: the baselines are ceiling, limit, raw
     assert out["mooncake_vs_raw"] == 0.9 and out["mooncake_full_verify_vs_raw"] == 0.5 and "nixl_vs_raw" not in out
+    assert out["mooncake_off_vs_raw"] == 1.2  # transfer.verify off, the prefill's compute left out
 
 
 def test_a_phase_on_tiny_measures_every_variant_and_verifies():
@@ -117,3 +119,6 @@ def test_a_native_engine_phase_writes_raw_into_the_decode_worker():
         raw["seconds"]["n"] == 2 and raw["bytes"] == results["paths"]["paged:mooncake:pdstate_mooncake"]["300"]["bytes"]
     )
     assert 0 < bench_report.ratios(results)["mooncake_vs_raw_by_length"]["300"] < 20
+    off = results["paths"]["paged:mooncake:pdstate_mooncake_off"]["300"]
+    assert off["seconds"]["n"] == 2 and off["bytes"] == raw["bytes"]
+    assert 0 < bench_report.ratios(results)["mooncake_off_vs_raw_by_length"]["300"] < 20

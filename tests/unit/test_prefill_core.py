@@ -211,6 +211,15 @@ def test_a_compatible_register_is_accepted_and_its_engine_connected():
     assert [(p.id, p.state, p.error) for p in t.core.peer_log.records()] == [("decode-0", "accepted", None)]
 
 
+def test_a_decode_registering_again_with_the_same_buffers_keeps_its_planner():
+    t = Harness()
+    t.register()
+    first = t.core.decodes[D1].planner
+    (answer,) = sends(t.register(now=1.0))
+    assert isinstance(answer[1], wire.Accept) and t.core.handshakes == {"accepted": 2, "rejected": 0}
+    assert t.core.decodes[D1].planner is first and first.dst_desc == wire.KVDesc.of(t.kv)
+
+
 def test_an_incompatible_register_is_refused_with_the_reason_and_nothing_connected():
     t = Harness()
     (answer,) = sends(t.register(engine="mooncake"))

@@ -180,6 +180,7 @@ class PrefillAgent(AgentLifetime):
                 peer_timeout_s=peer_timeout_s,
             )
         )
+        self._accept_frame: tuple | None = None  # (key, report, frame) of the last Accept sent (``_encode``)
         self._loop = AgentLoop(f"pdstate-prefill-{worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
         self._sock, self.address = bind_router(self._loop, bind, keys, on_fail=lambda: self._stop(lambda: None))
         layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
@@ -349,9 +350,22 @@ class PrefillAgent(AgentLifetime):
             refused = exc
             self._run(lambda now: self._core.caller_refused(ask.peer, msg, refused, now))
 
+    def _encode(self, msg: wire.Message) -> bytes:
+        """``msg``'s frame. An ``Accept`` carries only this prefill's own constants (its identity,
+        report and timings: ``PrefillHandshake``), so its frame is encoded once and sent as it is
+        to every decode that registers (again): the report's encoding was most of a re-registration's
+        answer on this side."""
+        if type(msg) is not wire.Accept:
+            return wire.encode(msg, self.token)
+        key = (msg.worker_id, msg.incarnation, id(msg.report), msg.heartbeat_interval_s, msg.peer_timeout_s)
+        cached = self._accept_frame
+        if cached is None or cached[0] != key or cached[1] is not msg.report:
+            cached = self._accept_frame = (key, msg.report, wire.encode(msg, self.token))
+        return cached[2]
+
     def _reply(self, identity: bytes, msg: wire.Message) -> None:
         try:
-            self._sock.send_multipart([identity, wire.encode(msg, self.token)], flags=zmq.NOBLOCK)
+            self._sock.send_multipart([identity, self._encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # gone or full: its heartbeats stop and it fails its own requests
 

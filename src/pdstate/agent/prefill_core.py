@@ -404,12 +404,15 @@ class PrefillCore:
         if isinstance(answer, wire.Accept):
             try:
                 peer_id, endpoint = self.gate.connect(msg, identity)  # its buffers inside the regions it published
-                planner = PairPlanner(self.kv_args, msg.kv)
+                replaced = self.decodes.get(identity)
+                if replaced is not None and replaced.planner.dst_desc == msg.kv:
+                    planner = replaced.planner  # registering again, the same buffers: the same plans
+                else:
+                    planner = PairPlanner(self.kv_args, msg.kv)
             except (PdStateError, ValueError) as exc:
                 answer = wire.Reject(worker_id=self.worker_id, error=ErrorInfo.of(exc))
             else:
                 olds = [k for k, d in self.decodes.items() if d.worker_id == msg.worker_id and k != identity]
-                replaced = self.decodes.get(identity)
                 self.decodes[identity] = DecodePeer(
                     identity, msg.worker_id, msg.incarnation, peer_id, planner, self.now, endpoint=endpoint
                 )

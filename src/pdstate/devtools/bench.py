@@ -16,7 +16,10 @@ interleaved round-robin in one process run (these machines are shared; ratios, n
   ``verify_s``). The prefill's synthetic compute (the stand-in for the model's prefill) is inside
   that time: the agent's wire does not carry it back (``compute_s`` is 0). The decode checks the
   request with ``verify="sample"`` (one word per item and the end of every run);
-  ``pdstate_<engine>_full_verify`` is the same with every byte read back. The parts
+  ``pdstate_<engine>_full_verify`` is the same with every byte read back;
+  ``pdstate_<engine>_off`` is a second decode of the same prefill at ``transfer.verify = off``,
+  timed without the prefill's synthetic compute (its own record of the request) and without the
+  decode's check (run after the time): pdstate's own cost over the raw engine. The parts
   (``transfer_s``, ``copy_s``, ``verify_s``) are kept under ``parts``.
 
 On shm, the embeddable agent (``agent_shm`` / ``agent_shm_digest``, digests off and on) runs in a
@@ -103,53 +106,112 @@ class _Pair(NamedTuple):
     run: Callable[..., dict]  # run(n, verify="sample") -> the decode's result for one request
     describe: Callable[[], tuple]  # () -> (the decode's wire.KVDesc, its engine endpoint)
     close: Callable[[], None]
+    run_off: Callable[[int], dict] | None = None  # run_off(n): the ``off`` decode's request, compute left out
 
 
-def _pdstate_pair(engine: str, mode: str, preset_name: str = "dsv4-flash", pids: list | None = None) -> _Pair:
-    """A prefill and a decode process, the decode registered (their pids appended to ``pids``)."""
+def _pdstate_pair(
+    engine: str, mode: str, preset_name: str = "dsv4-flash", pids: list | None = None, off: bool = False
+) -> _Pair:
+    """A prefill and a decode process, the decode registered (their pids appended to ``pids``).
+
+    With ``off``, a second decode process at ``transfer.verify = off`` registers with the same
+    prefill (which then takes any level; ``decode_share`` 1: each decode may hold the whole pool,
+    one request at a time), and
+    ``describe`` names that one (the raw engine then writes into the process the ``off`` row is
+    measured on)."""
     from pdstate.devtools.processes import WorkerProcess
     from pdstate.worker.options import WorkerOptions
 
     s = settings(mode, preset_name)
     eo = ENGINE_OPTIONS.get(engine, {})
     prefill = WorkerProcess(
-        WorkerOptions(role="prefill", pool=s, engine=engine, engine_options=eo, worker_id="bench-prefill")
+        WorkerOptions(
+            role="prefill",
+            pool=s,
+            engine=engine,
+            engine_options=eo,
+            worker_id="bench-prefill",
+            decode_share=1.0,
+            transfer_verify="off" if off else "sampled",  # the least a decode may ask
+        )
     )
-    ep = prefill.read_event(180)["endpoint"]
-    decode = WorkerProcess(
-        WorkerOptions(role="decode", pool=s, engine=engine, engine_options=eo, peer=ep, worker_id="bench-decode")
-    )
-    ev = decode.read_event(180)
-    if ev["event"] != "ready":
-        prefill.close()
-        decode.close()
-        raise RuntimeError(f"{engine}: handshake refused: {ev}")
-    if pids is not None:
-        pids += [prefill.pid, decode.pid]
+    decodes: list = []
 
-    def run(n: int, verify: str = "sample") -> dict:
-        decode.send(json.dumps({"cmd": "run", "lengths": [n], "concurrency": 1, "verify": verify}))
-        res = decode.read_event(300)
-        done = decode.read_event(60)
+    def close() -> None:
+        for d in decodes:
+            d.close()
+        prefill.close()
+
+    try:
+        ep = prefill.read_event(180)["endpoint"]
+        levels = ["sampled", "off"] if off else ["sampled"]
+        ready = []
+        for level in levels:
+            opts = WorkerOptions(
+                role="decode",
+                pool=s,
+                engine=engine,
+                engine_options=eo,
+                peer=ep,
+                worker_id=f"bench-decode-{level}",
+                transfer_verify=level,
+            )
+            decodes.append(WorkerProcess(opts))
+            ev = decodes[-1].read_event(180)
+            if ev["event"] != "ready":
+                raise RuntimeError(f"{engine}: handshake refused: {ev}")
+            ready.append(ev)
+    except BaseException:
+        close()
+        raise
+    decode = decodes[0]
+    if pids is not None:
+        pids += [prefill.pid, *(d.pid for d in decodes)]
+
+    def request(d, n: int, verify: str) -> dict:
+        d.send(json.dumps({"cmd": "run", "lengths": [n], "concurrency": 1, "verify": verify}))
+        res = d.read_event(300)
+        done = d.read_event(60)
         assert done["event"] == "batch_done"
         if not res["verified"]:
             raise RuntimeError(f"{engine}: request of {n} tokens failed: {res['error']}")
+        return res
+
+    def run(n: int, verify: str = "sample") -> dict:
+        res = request(decode, n, verify)
         # the decode's ``transfer_s`` ends at the agent's verdict; its check of the bytes follows
         return {**res, "transfer_s": res["transfer_s"] + res["verify_s"]}
+
+    def compute_s(room: int) -> float:
+        """The prefill's synthetic compute of ``room`` (its finished record; the decode's result
+        can come a moment before the prefill, which ends the request at the verdict, records it)."""
+        deadline = time.monotonic() + 10
+        while True:
+            ev = prefill.command({"cmd": "requests"}, "requests", 30)
+            for rec in ev["finished"]:
+                if rec["room"] == room:
+                    return float(rec["compute_s"])
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{engine}: the prefill has no record of room {room}")
+            time.sleep(0.005)
+
+    def run_off(n: int) -> dict:
+        """The ``off`` decode's request (no digests), its time without the prefill's synthetic
+        compute (the stand-in for the model, which the raw engine does not run either) and
+        without the decode's check of the bytes (it still runs, after the time)."""
+        res = request(decodes[1], n, "sample")
+        return {**res, "compute_s": compute_s(res["room"])}
 
     def describe() -> tuple:
         """The decode's KVArgs (``wire.KVDesc``) and engine endpoint, from its register message."""
         from pdstate.protocol import wire
 
-        decode.send(json.dumps({"cmd": "describe"}))
-        reg = wire.decode(bytes.fromhex(decode.read_event(60)["register"]))
+        d = decodes[-1]
+        d.send(json.dumps({"cmd": "describe"}))
+        reg = wire.decode(bytes.fromhex(d.read_event(60)["register"]))
         return reg.kv, dict(reg.engine.endpoint)
 
-    def close() -> None:
-        decode.close()
-        prefill.close()
-
-    return _Pair(ev["handshake_ms"], run, describe, close)
+    return _Pair(ready[0]["handshake_ms"], run, describe, close, run_off if off else None)
 
 
 def _phase(
@@ -168,7 +230,7 @@ def _phase(
     agents are alive: an idle NIXL agent busy-polls a core, which would tax every other variant
     on a 2-core machine)."""
     progress(f"[{mode}:{engine}] starting a pdstate pair ...")
-    hs, run, describe, close = _pdstate_pair(engine, mode, preset_name)
+    hs, run, describe, close, run_off = _pdstate_pair(engine, mode, preset_name, off=engine in ("mooncake", "nixl"))
     results.setdefault("handshake_ms", {})[f"{mode}:{engine}"] = hs
     raw, decode_kv = None, None
     try:
@@ -190,6 +252,8 @@ def _phase(
                 variants[f"raw_{engine}"] = raw[0](plan_request(src.kv, decode_kv, a.lists, b.lists))
             variants[f"pdstate_{engine}"] = lambda: run(n, "sample")
             variants[f"pdstate_{engine}_full_verify"] = lambda: run(n, "full")
+            if run_off is not None:  # transfer.verify = off, the prefill's compute left out
+                variants[f"pdstate_{engine}_off"] = lambda: run_off(n)
             times = measure(mode, engine, n, plan, variants, runs, results)
             progress(speeds_line(mode, engine, n, plan, times))
             rq.free(src.pools, a)
@@ -351,7 +415,7 @@ def bench_control(runs: int) -> dict:
             with AgentDecodeWorker(opts) as d:
                 first.append(_handshake_ms(d, 30))
     out["first_handshake_tiny_ms"] = median_range(first)
-    _, run, _, close = _pdstate_pair("shm", "paged", preset_name="tiny")
+    _, run, _, close, _ = _pdstate_pair("shm", "paged", preset_name="tiny")
     try:
         nodes = AgentNodes(settings("paged", "tiny"))
     except BaseException:

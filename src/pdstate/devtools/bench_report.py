@@ -43,6 +43,7 @@ def ratios(r: dict) -> dict:
             for variant, key in (
                 (f"pdstate_{e}", f"{e}_vs_raw"),
                 (f"pdstate_{e}_full_verify", f"{e}_full_verify_vs_raw"),
+                (f"pdstate_{e}_off", f"{e}_off_vs_raw"),  # transfer.verify off, compute left out
             ):
                 pd = med(f"paged:{e}:{variant}", n)
                 if pd and raw:

@@ -143,6 +143,7 @@ class PairPlanner:
     """
 
     def __init__(self, src_desc, dst_desc) -> None:
+        self.dst_desc = dst_desc  # what it was made for: a decode registering again with the same reuses it
         self.src_chans, self.dst_chans = channels_of(src_desc), channels_of(dst_desc)
         src_types = [c.name for c in self.src_chans]
         dst_types = [c.name for c in self.dst_chans]

@@ -11,6 +11,14 @@ a device says so in its endpoint (``mem_type``, ``device``: absent for DRAM). Th
 "PROC" -> in flight, "ERR" -> ``NativeEngineError``. On one host UCX picks ``cma``
 (``process_vm_writev``): one kernel copy, about 4.5 us per descriptor.
 
+Completion callbacks: ``on_done(handle, fn)`` calls ``fn()`` once the handle finished or failed:
+at once when it already has, else from one watcher thread per engine (started on first use) that
+polls the handles watched (``check_xfer_state`` under the engine's lock) while any is in flight,
+pausing 50 us after a new one and twice as long after each poll that saw none end, up to 200 us
+(``WATCH_PAUSE_S``), and sleeps otherwise: a WRITE's end is seen within a fifth of a millisecond
+(the prefill agent, polling on its own each millisecond, saw it up to a millisecond late, a tenth
+of a 2k-token request's time on NIXL here).
+
 Completion notifications: ``submit(peer, plan, notify=b"...")`` passes the message as the
 NIXL notification of the transfer; the decode side reads it with ``notifications()``
 (``get_new_notifs``), as ``(prefill agent name, message)`` pairs.
@@ -50,7 +58,9 @@ Traps (measured on this box):
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -59,13 +69,16 @@ import numpy as np
 from pdstate.errors import EngineError, InvalidEndpoint, NativeEngineError
 from pdstate.pools.memory import Region
 from pdstate.pools.placement import memory_devices
-from pdstate.transfer.engines.base import Peer, TransferEngine, TransferHandle, import_native
+from pdstate.transfer.engines.base import Peer, TransferEngine, TransferHandle, TransferStatus, import_native
 from pdstate.transfer.engines.listeners import Transport
 from pdstate.transfer.plan import TransferPlan
 
 NATIVE_MODULE = "nixl_cu12._api"
 UCX_ENV_WITHOUT_IB: Mapping[str, str] = {"UCX_MODULES": "^ib"}
 MEM_TYPE = "DRAM"
+# the watcher's pause between polls while a watched WRITE is in flight: from the first, doubling
+# up to the last while nothing ends (a long WRITE costs at most about 5,000 polls a second)
+WATCH_PAUSE_S = (50e-6, 200e-6)
 
 
 @contextmanager
@@ -126,6 +139,11 @@ class NixlEngine(TransferEngine):
         self._inflight: dict[TransferHandle, Any] = {}  # handle -> native xfer handle (until settled)
         self._mem: tuple[str, int] = (MEM_TYPE, 0)  # where this engine's regions live
         self._peer_mem: dict[str, tuple[str, int]] = {}  # remote agent name -> where its regions live
+        self._watched: list[tuple[TransferHandle, Callable[[], None]]] = []  # ``on_done``'s, under _watch_cv
+        self._watch_cv = threading.Condition(threading.Lock())
+        self._watcher: threading.Thread | None = None
+        self._watch_stop = False
+        self._added = 0  # handles ever watched (a new one resets the watcher's pause)
 
     @classmethod
     def check_available(cls) -> None:
@@ -197,6 +215,81 @@ class NixlEngine(TransferEngine):
         self._inflight[handle] = xfer
         self._settle(handle, state)
 
+    def on_done(self, handle: TransferHandle, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once ``handle`` has finished or failed: at once when it already has, else
+        from the engine's watcher thread as soon as a poll sees it end (``poll`` then tells
+        which). ``fn`` must be quick and must not call back into the engine (post to the
+        caller's own thread). A handle still in flight at ``close`` gets its call then."""
+        if handle.status is not TransferStatus.PENDING:
+            fn()
+            return
+        with self._watch_cv:
+            if self._watch_stop:
+                stopped = True
+            else:
+                stopped = False
+                self._watched.append((handle, fn))
+                self._added += 1
+                if self._watcher is None:
+                    self._watcher = threading.Thread(target=self._watch, name="pdstate-nixl-watch", daemon=True)
+                    self._watcher.start()
+                self._watch_cv.notify()
+        if stopped:
+            fn()
+
+    def _watch(self) -> None:
+        """The watcher thread: poll the watched handles while any is pending, sleep otherwise."""
+        first, longest = WATCH_PAUSE_S
+        pause, seen = first, 0
+        while True:
+            with self._watch_cv:
+                while not self._watched and not self._watch_stop:
+                    self._watch_cv.wait()
+                if self._watch_stop:
+                    return
+                watched = list(self._watched)
+                if self._added != seen:  # a new WRITE to watch: look closely again
+                    pause, seen = first, self._added
+            ended = []
+            for handle, fn in watched:
+                # never blocks on the engine's lock: ``close`` holds it while it stops this thread
+                if handle.status is TransferStatus.PENDING and self._lock.acquire(timeout=first):
+                    try:
+                        if handle.status is TransferStatus.PENDING and self.native is not None:
+                            self._poll(handle)
+                    except EngineError:
+                        pass  # the handle carries its failure: ``poll`` raises it
+                    finally:
+                        self._lock.release()
+                if handle.status is not TransferStatus.PENDING:
+                    ended.append((handle, fn))
+            if ended:
+                with self._watch_cv:
+                    self._watched = [w for w in self._watched if w not in ended]
+                for _, fn in ended:
+                    self._call(fn)
+            else:
+                time.sleep(pause)
+                pause = min(longest, pause * 2)
+
+    @staticmethod
+    def _call(fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:  # a caller's callback must not end the watcher
+            pass
+
+    def _stop_watcher(self) -> None:
+        with self._watch_cv:
+            self._watch_stop = True
+            left, self._watched = self._watched, []
+            self._watch_cv.notify()
+        watcher = self._watcher
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(5)
+        for _, fn in left:  # ended by the close: their callers look (poll raises ``EngineStateError``)
+            self._call(fn)
+
     def _poll(self, handle: TransferHandle) -> None:
         with _native_call(f"check_xfer_state ({handle.peer_id})"):
             state = self.native.check_xfer_state(handle.native)
@@ -234,6 +327,7 @@ class NixlEngine(TransferEngine):
         return [(str(sender), bytes(m)) for sender, msgs in notifs.items() for m in msgs]
 
     def _close(self) -> None:
+        self._stop_watcher()
         agent = self.native
         if agent is None:
             return
