@@ -136,3 +136,98 @@ def test_the_rank_endpoint_child_renders_sglang_words():
         endpoint.close()
     assert compat["peers"][0]["error"]["fix"] == line
     assert ready["error"]["fix"] == line
+
+
+# Every other refusal kind with a fix line, as the code produces it, and its line on an SGLang rank
+# (``None``: SGLang builds that pair or pool itself, no pdstate setting changes it, upstream's
+# message stands alone).
+def _engine_mismatch() -> ErrorInfo:
+    from pdstate.protocol import wire
+    from pdstate.protocol.handshake import LocalSide, PrefillHandshake
+
+    rep = tiny()
+    prefill = PrefillHandshake(LocalSide("p", "1", rep, None, wire.EngineDesc(name="shm", endpoint={})))
+    register = wire.Register(
+        worker_id="d",
+        incarnation="2",
+        role="decode",
+        report=rep,
+        kv=None,
+        engine=wire.EngineDesc(name="mooncake", endpoint={}),
+    )
+    return prefill.receive(register).error
+
+
+def _auth_error() -> ErrorInfo:
+    from pdstate.protocol import wire
+
+    frame = wire.encode(wire.Heartbeat(worker_id="d", incarnation="i", seq=1), b"another-secret")
+    with pytest.raises(e.AuthError) as info:
+        wire.decode(frame, b"the-right-secret")
+    return ErrorInfo.of(info.value)
+
+
+OTHER_KINDS = {
+    "EngineError": (
+        _engine_mismatch(),
+        "fix: set PDSTATE_TRANSFER__ENGINE to one engine on both servers (prefill shm, decode mooncake)",
+    ),
+    "EngineUnavailable": (
+        ErrorInfo.of(e.EngineUnavailable("mooncake is not installed: pip install pdstate[mooncake]")),
+        "fix: install the extra the message names beside SGLang (an SGLang image ships Mooncake), or set "
+        "PDSTATE_TRANSFER__ENGINE to an engine installed on both servers",
+    ),
+    "AuthError": (
+        _auth_error(),
+        "fix: give both servers the same secret: PDSTATE_AUTH__TOKEN_FILE (or PDSTATE_AUTH__TOKEN) on both, or on "
+        "neither (then run both as one uid with the same PDSTATE_AUTH__KEY_DIR, or copy its key file to both)",
+    ),
+    "VersionMismatch": (
+        ErrorInfo(type="VersionMismatch", message="protocol version mismatch: peer speaks v9, this worker speaks v1"),
+        "fix: install the same pdstate version beside both servers (the protocol version is not configurable)",
+    ),
+    "RoleMismatch": (
+        ErrorInfo(type="RoleMismatch", message="both workers are decode workers: a prefill pairs with a decode"),
+        "fix: pair a prefill with a decode: launch one of the two with --disaggregation-mode decode",
+    ),
+    "DescriptorMismatch": (
+        ErrorInfo(type="DescriptorMismatch", message="main KV item lengths differ: ours=[1], peer=[2]"),
+        "fix: the registered buffers do not pair: install one pdstate version beside both servers and launch them "
+        'alike (pdstate check --sglang "PREFILL ARGS" "DECODE ARGS" shows the difference)',
+    ),
+    "OnlineC128MTPUnsupported": (
+        ErrorInfo.of(e.OnlineC128MTPUnsupported()),
+        "fix: online C128 with speculative decoding needs SGLANG_EXPERIMENTAL_ONLINE_C128_MTP=1; or unset "
+        "SGLANG_OPT_USE_ONLINE_COMPRESS, or remove the --speculative-* flags",
+    ),
+    **{
+        kind: (ErrorInfo.of(exc), None)
+        for kind, exc in {
+            "SWAIndexMappingNotShared": e.SWAIndexMappingNotShared(),
+            "DraftNotSWAOnly": e.DraftNotSWAOnly(),
+            "UnifiedKVModeMismatch": e.UnifiedKVModeMismatch(),
+            "SWARingGeometryMismatch": e.SWARingGeometryMismatch.build((128, 131, 655), (64, 67, 335)),
+            "PagedSWAGeometryMismatch": e.PagedSWAGeometryMismatch.build((256, 128), (512, 128)),
+            "DraftMappingMissing": e.DraftMappingMissing(),
+            "PoolConfigError": e.PoolConfigError("unknown dtype 'x'"),
+        }.items()
+    },
+}
+
+
+def test_every_kind_with_a_fix_is_covered_on_a_rank():
+    from pdstate.protocol.fixes import fixes_known
+
+    assert set(fixes_known()) - set(factors.error_kinds()) == set(OTHER_KINDS)
+
+
+@pytest.mark.parametrize("kind", sorted(OTHER_KINDS))
+def test_every_other_refusal_kind_renders_sglang_words_on_a_rank(kind):
+    info, line = OTHER_KINDS[kind]
+    assert info.type == kind
+    compat, ready = served_documents(TestClient(create_app(Rank(info), token=TOKEN)))
+    assert compat["peers"][0]["error"]["fix"] == ready["error"]["fix"] == line
+    if line is not None:
+        assert not SERVE_WORDS.search(line), line
+        names = re.search(r"PDSTATE_[A-Z_]+|SGLANG_[A-Z_]+|--[a-z-]+", line)
+        assert names or kind == "VersionMismatch", line  # a version is installed, not set
