@@ -190,8 +190,9 @@ def _add_probe(sub) -> None:
     r = p.add_argument_group(
         "SGLang ranks",
         "the endpoints of SGLang ranks running backend pdstate (http.port + rank): print the pair matrix of "
-        "decode and prefill ranks (accepted, refused with the factor, silent); exit 0 only when every decode "
-        "rank has an accepted prefill",
+        "decode and prefill ranks (accepted, refused with the factor, ready to pair or mismatched before any "
+        "request, unreachable); exit 0 when every rank answered and every decode rank has an accepted prefill "
+        "or one ready to pair",
     )
     r.add_argument("--ranks", nargs="+", metavar="URL", help="rank endpoints, any roles, e.g. http://10.0.0.5:30100")
     r.add_argument("--prefill", metavar="URL", help="the prefill's rank 0 endpoint (its http.port)")
