@@ -180,9 +180,9 @@ def _add_probe(sub) -> None:
         help="query running workers' /v1/compat and /readyz; with two, check the pair; SGLang ranks: the pair matrix",
         description="GET /readyz and /v1/compat of each worker and print a readable report; with two URLs, post "
         "the first one's compat document to the second's /v1/compat/check.",
-        epilog="exit status: 0 every worker ready and, with two, the pair compatible (SGLang ranks: every decode "
-        "rank has an accepted prefill); 1 a worker unreachable or not ready, the pair incompatible (a decode rank "
-        "without an accepted prefill); 2 bad arguments",
+        epilog="exit status: 0 every worker ready and, with two, the pair compatible; 1 a worker unreachable or not "
+        "ready, or the pair incompatible; 2 bad arguments (not one or two URLs; URLs and rank endpoints both). "
+        f"SGLang ranks' {probe_ranks.VERDICT}",
     )
     p.add_argument(
         "urls", nargs="*", metavar="URL", help="pdstate serve worker's base URL, e.g. http://127.0.0.1:8101; one or two"
@@ -190,8 +190,9 @@ def _add_probe(sub) -> None:
     r = p.add_argument_group(
         "SGLang ranks",
         "the endpoints of SGLang ranks running backend pdstate (http.port + rank): print the pair matrix of "
-        "decode and prefill ranks (accepted, refused with the factor, silent); exit 0 only when every decode "
-        "rank has an accepted prefill",
+        "decode and prefill ranks (accepted, refused with the factor, ready to pair or mismatched before any "
+        "request, unreachable); exit 0 when every rank answered and every decode rank has an accepted prefill "
+        "or one ready to pair",
     )
     r.add_argument("--ranks", nargs="+", metavar="URL", help="rank endpoints, any roles, e.g. http://10.0.0.5:30100")
     r.add_argument("--prefill", metavar="URL", help="the prefill's rank 0 endpoint (its http.port)")
@@ -214,16 +215,20 @@ def _add_probe(sub) -> None:
     )
     p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="seconds per HTTP call")
     p.add_argument("--json", action="store_true", help="print the findings as one JSON object")
-    p.set_defaults(func=_probe)
+    p.set_defaults(func=_probe, usage_error=p.error)
 
 
 def _probe(args) -> ExitCode:
-    """Serve workers' URLs (``service.probe``), or SGLang rank endpoints (``service.probe_ranks``)."""
+    """Serve workers' URLs (``service.probe``), or SGLang rank endpoints (``service.probe_ranks``);
+    a wrong number of URLs is a usage error (argparse's: usage and the reason on stderr, exit 2)."""
     if args.ranks or args.prefill or args.decode:
         if args.urls:
-            print("pdstate probe: give worker URLs or rank endpoints (--ranks, --prefill, --decode), not both")
-            return ExitCode.CONFIG
+            args.usage_error("give worker URLs or rank endpoints (--ranks, --prefill, --decode), not both")
         return probe_ranks.cmd_probe_ranks(args)
+    if not 1 <= len(args.urls) <= 2:
+        args.usage_error(
+            f"give one or two worker URLs (got {len(args.urls)}), or rank endpoints (--ranks, --prefill, --decode)"
+        )
     return probe.cmd_probe(args)
 
 

@@ -7,7 +7,9 @@ helpers below where an operator needs one line with fixed fields:
 - ``request_end``: one INFO line per request end: room, peer, bytes, ms, outcome, verification;
 - ``handshake``: an accepted handshake at INFO (peer, fingerprint, seconds);
 - ``refusal``: a refused handshake or request at WARNING, with the differing factor and the
-  ``fix:`` line of ``pdstate.protocol.fixes``.
+  ``fix:`` line of ``pdstate.protocol.fixes``, in the words of the process that logs it
+  (``use_fix_words``: an SGLang rank's process names SGLang's flags and variables, set by its
+  manager; any other ``pdstate serve``'s config keys).
 
 Their fields travel on the record as ``record.fields``: the text format appends them as
 ``key=value``, the JSON format as keys of the line's object.
@@ -48,6 +50,7 @@ __all__ = [
     "handshake",
     "refusal",
     "request_end",
+    "use_fix_words",
 ]
 
 LEVELS = ("debug", "info", "warning", "error")
@@ -191,13 +194,26 @@ def refusal_factor(error_type: str, message: str) -> str:
     return parsed[0] if parsed else error_type
 
 
+# Whose words this process's refusal lines use (``protocol.fixes.Words``): "sglang" in an SGLang
+# rank's process (its manager says so at start), else "serve".
+_FIX_WORDS = {"words": "serve"}
+
+
+def use_fix_words(words: str) -> None:
+    """The words of this process's refusal lines: ``"sglang"`` (an SGLang rank) or ``"serve"``."""
+    if words not in ("serve", "sglang"):
+        raise ValueError(f"fix words: {words!r} is neither 'serve' nor 'sglang'")
+    _FIX_WORDS["words"] = words
+
+
 def refusal(log: logging.Logger, *, what: str, peer: str, error_type: str, message: str, layouts=None) -> None:
     """One WARNING line for a refused handshake or request (``what``), with the factor and the
-    ``fix:`` line of ``pdstate.protocol.fixes`` (none when it has nothing to add)."""
+    ``fix:`` line of ``pdstate.protocol.fixes`` (none when it has nothing to add), in this
+    process's words (``use_fix_words``)."""
     from pdstate.protocol.fixes import fix_line
 
     factor = refusal_factor(error_type, message)
-    fix = fix_line(error_type, message, layouts)
+    fix = fix_line(error_type, message, layouts, words=_FIX_WORDS["words"])
     fields = {
         "event": "refusal",
         "what": what,

@@ -79,6 +79,30 @@ def test_a_refusal_is_a_warning_with_the_factor_and_the_fix(lines):
         assert obj["msg"].endswith(obj["fix"])
 
 
+@pytest.mark.parametrize("words", ["sglang", "serve"])
+def test_a_refusal_uses_the_words_of_the_process_that_logs_it(lines, words):
+    """An SGLang rank's process (its manager calls ``use_fix_words("sglang")``) names SGLang's flags;
+    every other process pdstate serve's config keys."""
+    from pdstate.errors import LayoutMismatch
+    from pdstate.protocol import factors
+
+    out = lines("json")
+    err = LayoutMismatch.build("sliding_window", 128, 64)
+    logs.use_fix_words(words)
+    try:
+        logs.refusal(logging.getLogger("x"), what="handshake", peer="p", error_type="LayoutMismatch", message=str(err))
+    finally:
+        logs.use_fix_words("serve")
+    entry = factors.FACTORS["sliding_window"]
+    want = entry.sglang_line(128, 64) if words == "sglang" else entry.fix_line(128, 64)
+    obj = json.loads(out.getvalue())
+    assert obj["fix"] == want and obj["msg"].endswith(want)
+    assert ("--json-model-override-args" in want) == (words == "sglang")
+    assert ("pool.sliding_window" in want) == (words == "serve")
+    with pytest.raises(ValueError, match="neither"):
+        logs.use_fix_words("pdstate")
+
+
 def test_configure_replaces_its_own_handler_and_refuses_an_unknown_format(lines):
     lines("text")
     lines("json")

@@ -82,7 +82,8 @@ def test_matrix_text_and_verdict():
         "",
         f"decode 1 / prefill 0: LayoutMismatch: {MISMATCH['message']}",
         f"  {MISMATCH['fix']}",
-        "NO accepted prefill: decode 1",
+        "NO accepted prefill and none ready to pair: decode 1",
+        "FAILED: a rank unreachable, or a pair refused or mismatched (above)",
     ]
 
 
@@ -152,11 +153,17 @@ def test_probe_command_over_a_refused_rank_and_a_silent_one(served_rank, capsys)
     out = capsys.readouterr().out
     assert code == ExitCode.FAILED, out
     assert f"prefill 0  http://127.0.0.1:{down}  UNREACHABLE: GET http://127.0.0.1:{down}/readyz:" in out
-    assert out.splitlines()[-2:] == ["decode 0    unreachable", "NO accepted prefill: decode 0"]
+    assert out.splitlines()[-3:] == [
+        "decode 0    unreachable",
+        "NO accepted prefill and none ready to pair: decode 0",
+        "FAILED: a rank unreachable, or a pair refused or mismatched (above)",
+    ]
     found = probe_ranks([f"http://127.0.0.1:{served_rank}"])
     assert found["ok"] is False and found["prefills"] == [] and found["matrix"] == [[]]
     (d,) = found["decodes"]
     assert d["compat"]["peers"][0]["factor"] == "c4_ring" and d["compat"]["transport"]["in_use"] == "tcp"
     assert d["ready"]["reason"] == f"refused by the prefill at tcp://10.0.0.1:41000: {MISMATCH['message']}"
-    assert cli.main(["probe", "http://127.0.0.1:1", "--ranks", "http://127.0.0.1:2"]) == ExitCode.CONFIG
-    assert cli.main(["probe"]) == ExitCode.CONFIG
+    for argv in (["probe", "http://127.0.0.1:1", "--ranks", "http://127.0.0.1:2"], ["probe"]):
+        with pytest.raises(SystemExit) as usage:
+            cli.main(argv)
+        assert usage.value.code == ExitCode.CONFIG

@@ -118,6 +118,40 @@ def compare_ratios(prefill: Any, decode: Any, layouts: Layouts | None = None) ->
     return None
 
 
+# --- fixes in SGLang's words ----------------------------------------------------------------------
+
+# The SGLang settings that move layout factors: name -> (the flag, variable or config field an
+# operator changes, the factors it moves). The preflight's knobs (``integrations.sglang.launch.knobs``)
+# and an SGLang rank's fix lines (``Factor.sglang_line``) both read this table.
+SGLANG_SETTINGS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "layers": (
+        "compress_ratios / num_hidden_layers (the model's config.json)",
+        ("compression_ratios", "stage", "main_kv_item_lens", "components", "c128_ring"),
+    ),
+    "page_size": ("--page-size", ("page_size", "main_kv_item_lens", "components", "draft")),
+    "kv_cache_dtype": ("--kv-cache-dtype", ("kv_dtype",)),
+    "unified_kv": (
+        "SGLANG_HACK_FLASHMLA_BACKEND=unified_kv_triton (ROCm unified KV)",
+        ("layout", "main_kv_item_lens", "components", "draft"),
+    ),
+    "online_c128": ("SGLANG_OPT_USE_ONLINE_COMPRESS (online C128)", ("online_c128", "c128_ring", "components")),
+    "speculative": ("--speculative-algorithm", ("c4_ring", "c128_ring", "draft", "components")),
+    "draft_tokens": ("--speculative-num-steps (draft tokens)", ("draft", "components")),
+    "sliding_window": ("sliding_window (config.json / --json-model-override-args)", ("sliding_window", "draft")),
+    "state_dtype": ("SGLANG_DSV4_COMPRESS_STATE_DTYPE", ("c4_state_dtype", "c128_state_dtype", "components")),
+}
+
+
+def sglang_settings(factor: str) -> tuple[str, ...]:
+    """The SGLang settings (``SGLANG_SETTINGS``' headings) that move ``factor``, in the table's order."""
+    return tuple(heading for heading, moved in SGLANG_SETTINGS.values() if factor in moved)
+
+
+def sglang_alike(settings: Sequence[str], values: str | None) -> str:
+    """``fix: launch both servers with the same A; B (VALUES)`` (``values``: both sides' values, or ``None``)."""
+    return f"fix: launch both servers with the same {'; '.join(settings)}" + (f" ({values})" if values else "")
+
+
 # --- fixes in pdstate serve's words ---------------------------------------------------------------
 
 

@@ -12,7 +12,8 @@ entry (``Factor``) says
 - how two sides' values are compared (``same``: equality of the canonical values unless the entry
   gives its own rule) and refused (``refusal``: upstream's own sentence, else ``LayoutMismatch``);
 - its fix line in ``pdstate serve``'s words (``fix``: the configuration key and the side), and in
-  SGLang's (``flag``, ``sglang_fix``: the launch flag), and what SGLang's own backend does at run
+  SGLang's (``sglang_line``: ``sglang_fix``, else the SGLang settings that move it, from the table
+  the preflight's knobs read, ``factor_texts.SGLANG_SETTINGS``, and its ``flag``), and what SGLang's own backend does at run
   time with the difference (``effect``). The texts are ``factor_texts``.
 
 The report (``report``: factors, fingerprint, diff), the compatibility check (``compat``), the fix
@@ -108,6 +109,22 @@ class Factor:
 
     def fix_line(self, prefill: Any, decode: Any, layouts: Any = None) -> str | None:
         return None if self.fix is None else self.fix(prefill, decode, layouts)
+
+    def sglang_line(self, prefill: Any, decode: Any, layouts: Any = None) -> str | None:
+        """The fix line in SGLang's words: the entry's own (``sglang_fix``), else the SGLang
+        settings that move the factor (``factor_texts.SGLANG_SETTINGS``, the preflight's knobs) and
+        its ``flag``; ``None`` where neither names one."""
+        if self.sglang_fix is not None:
+            return f"fix: {self.sglang_fix(prefill, decode)}"
+        settings = t.sglang_settings(self.name) + ((self.flag,) if self.flag else ())
+        if not settings:
+            return None
+        if prefill is None and decode is None:
+            return t.sglang_alike(settings, None)
+        both = self.contrast(prefill, decode, layouts) if self.contrast is not None else None
+        if both is None:
+            both = t.sides(self.describe(prefill, layouts), self.describe(decode, layouts), str)
+        return t.sglang_alike(settings, both)
 
 
 # --- the refusals SGLang 0.5.23 words itself -------------------------------------------------------
@@ -239,6 +256,7 @@ _BUILT_IN = (
         error=KVLayoutMismatch,
         refusal=_values_refusal(KVLayoutMismatch.build, "kv_layout"),
         fix=t.fixed("fix: launch both servers with the same --dsv4-attn-backend and SGLANG_DSV4_KV_LAYOUT"),
+        flag="--dsv4-attn-backend and SGLANG_DSV4_KV_LAYOUT",
     ),
     Factor(
         "kv_fp8_two_pool",
@@ -248,6 +266,7 @@ _BUILT_IN = (
         error=CompressedMLAPoolMismatch,
         refusal=_two_pool_refusal,
         fix=t.fixed("fix: set SGLANG_DSV4_UNIFIED_KV_FP8 the same on both servers"),
+        flag="SGLANG_DSV4_UNIFIED_KV_FP8",
     ),
     Factor(
         "dspark",
@@ -259,6 +278,7 @@ _BUILT_IN = (
             "fix: enable DSpark on both servers with the same block size and target/draft KV layout "
             "(upgrade both servers together)"
         ),
+        flag="--speculative-algorithm and --speculative-dspark-block-size (DSpark, and its target/draft KV layout)",
     ),
     Factor(
         "allocation_policy",

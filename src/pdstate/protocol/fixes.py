@@ -1,7 +1,8 @@
 """How to fix each refusal, in pdstate's configuration terms (pure: no torch, no I/O).
 
 ``fix_for(error)`` gives one ``fix:`` line naming the configuration key and the side to change, or
-``None`` when pdstate has no advice beyond the message; ``fix_line(error_type, message)`` does the
+``None`` when pdstate has no advice beyond the message (``words="sglang"``: a layout factor's line
+in SGLang's launch words, for an SGLang rank); ``fix_line(error_type, message)`` does the
 same for a refusal as reported (the class name and exact message a handshake, ``/v1/compat/check``,
 ``pdstate check`` or a local check reports), rebuilt as its class (``error_from_wire``). A
 refusal about a layout factor carries the factor and both values as fields
@@ -22,7 +23,7 @@ Keys named here are real ``WorkerConfig`` keys (a test checks each one).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from pdstate.errors import LayoutMismatch, error_from_wire
 from pdstate.protocol import factors
@@ -38,6 +39,8 @@ from pdstate.protocol.factor_texts import (  # noqa: F401  (re-exported: the nam
     plain,
     sides,
 )
+
+Words = Literal["serve", "sglang"]  # whose words a fix line uses: pdstate serve's config keys, SGLang's launch
 
 # --- reading a refusal back ----------------------------------------------------------------------
 
@@ -79,12 +82,18 @@ def summarize(error_type: str, message: str, layouts: Layouts | None = None) -> 
 # --- the fixes, one per refusal kind ------------------------------------------------------------
 
 
-def _factor_fix(error: BaseException, layouts: Layouts | None) -> str | None:
-    """A layout factor's refusal: the factor's own line (registry), generic advice otherwise."""
+def _factor_fix(error: BaseException, layouts: Layouts | None, words: Words = "serve") -> str | None:
+    """A layout factor's refusal: the factor's own line (registry) in ``words``, generic advice otherwise."""
     entry = factors.of_error(error)
+    if entry is not None and words == "sglang":
+        if line := entry.sglang_line(error.prefill, error.decode, layouts):
+            return line
     if entry is not None and entry.fix is not None:
         return entry.fix_line(error.prefill, error.decode, layouts)
     factor = getattr(error, "factor", None)
+    if words == "sglang" and isinstance(error, LayoutMismatch):
+        differs = f"; {factor} differs" if factor else ""
+        return f'fix: launch both servers alike (pdstate check --sglang "PREFILL ARGS" "DECODE ARGS" names the setting{differs})'
     if isinstance(error, LayoutMismatch) and factor:
         return f"fix: set preset, [pool] and [draft] alike on both workers ({factor} differs)"
     return "fix: set preset, [pool] and [draft] alike on both workers" if isinstance(error, LayoutMismatch) else None
@@ -172,24 +181,67 @@ _FIXES: dict[str, Callable[[str, Layouts | None], str | None]] = {
 }
 
 
-def fix_for(error: BaseException, layouts: Layouts | None = None) -> str | None:
+# The same refusals on an SGLang rank, in its words: the launch flag, or the ``PDSTATE_*`` variable
+# backend pdstate reads. The target/draft pair's own checks and the pool's configuration are
+# SGLang's building there (no pdstate key changes them): no line beyond upstream's message.
+def _sglang_engine_fix(message: str, _layouts: Layouts | None) -> str | None:
+    if "transfer engine mismatch" in message:
+        p, d = _engine_names(message)
+        return f"fix: set PDSTATE_TRANSFER__ENGINE to one engine on both servers ({sides(p, d, str)})"
+    if "pip install" in message or "extra" in message:
+        return _SGLANG_FIXES["EngineUnavailable"](message, _layouts)
+    if "fell back to TCP" in message:
+        return "fix: make the RDMA devices visible (ibv_devices lists them), or set PDSTATE_TRANSFER__MOONCAKE__PROTOCOL=tcp"
+    return None
+
+
+_SGLANG_FIXES: dict[str, Callable[[str, Layouts | None], str | None]] = {
+    "OnlineC128MTPUnsupported": lambda m, _: (
+        "fix: online C128 with speculative decoding needs SGLANG_EXPERIMENTAL_ONLINE_C128_MTP=1; or unset "
+        "SGLANG_OPT_USE_ONLINE_COMPRESS, or remove the --speculative-* flags"
+    ),
+    "DescriptorMismatch": lambda m, _: (
+        "fix: the registered buffers do not pair: install one pdstate version beside both servers and launch "
+        'them alike (pdstate check --sglang "PREFILL ARGS" "DECODE ARGS" shows the difference)'
+    ),
+    "RoleMismatch": lambda m, _: (
+        "fix: pair a prefill with a decode: launch one of the two with --disaggregation-mode decode"
+    ),
+    "EngineError": _sglang_engine_fix,
+    "EngineUnavailable": lambda m, _: (
+        "fix: install the extra the message names beside SGLang (an SGLang image ships Mooncake), or set "
+        "PDSTATE_TRANSFER__ENGINE to an engine installed on both servers"
+    ),
+    "VersionMismatch": lambda m, _: (
+        "fix: install the same pdstate version beside both servers (the protocol version is not configurable)"
+    ),
+    "AuthError": lambda m, _: (
+        "fix: give both servers the same secret: PDSTATE_AUTH__TOKEN_FILE (or PDSTATE_AUTH__TOKEN) on both, or "
+        "on neither (then run both as one uid with the same PDSTATE_AUTH__KEY_DIR, or copy its key file to both)"
+    ),
+}
+
+
+def fix_for(error: BaseException, layouts: Layouts | None = None, words: Words = "serve") -> str | None:
     """The ``fix: ...`` line for a refusal, or ``None`` when there is nothing to add. Never raises
-    on an unexpected value or message: the advice then stays generic."""
+    on an unexpected value or message: the advice then stays generic. ``words="sglang"``: a layout
+    factor's line names SGLang's flags and variables (``Factor.sglang_line``), for text an SGLang
+    rank renders."""
     kind = type(error).__name__
     if kind not in factors.error_kinds():
-        return fix_line(getattr(error, "type_name", kind), str(error), layouts)
+        return fix_line(getattr(error, "type_name", kind), str(error), layouts, words)
     try:
-        return _factor_fix(error, layouts)
+        return _factor_fix(error, layouts, words)
     except Exception:  # an unforeseen value must not hide the refusal itself
         return None
 
 
-def fix_line(error_type: str, message: str, layouts: Layouts | None = None) -> str | None:
+def fix_line(error_type: str, message: str, layouts: Layouts | None = None, words: Words = "serve") -> str | None:
     """``fix_for`` a refusal as reported: ``error_type`` is the class name (``ErrorInfo.type``),
     ``message`` the exact message."""
     if error_type in factors.error_kinds():
-        return fix_for(error_from_wire(error_type, message), layouts)
-    fix = _FIXES.get(error_type)
+        return fix_for(error_from_wire(error_type, message), layouts, words)
+    fix = (_SGLANG_FIXES if words == "sglang" else _FIXES).get(error_type)
     try:
         return None if fix is None else fix(message, layouts)
     except Exception:  # an unforeseen message shape must not hide the refusal itself

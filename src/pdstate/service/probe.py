@@ -118,6 +118,13 @@ def ask_worker(base: str, token: str | None, timeout_s: float) -> dict[str, Any]
     return w
 
 
+def waits_for_a_request(w: dict) -> bool:
+    """An SGLang decode rank not ready only for want of a prefill: it dials the prefill of its
+    first request (``/readyz``'s check ``peer``), so before any request it is healthy."""
+    doc = w.get("compat") or {}
+    return bool(doc.get("rank")) and doc.get("role") == "decode" and (w.get("ready") or {}).get("check") == "peer"
+
+
 def probe(urls: list[str], token: str | None = None, timeout_s: float = 5.0) -> dict:
     """Query each worker; with two, ask the second to check the first. Returns the findings."""
     out: dict[str, Any] = {"workers": [], "pair": None, "ok": True}
@@ -125,7 +132,7 @@ def probe(urls: list[str], token: str | None = None, timeout_s: float = 5.0) -> 
     for url in urls:
         w = ask_worker(url.rstrip("/"), token, timeout_s)
         docs.append(w.get("compat"))
-        out["ok"] &= bool(w.get("ready", {}).get("ready")) and "compat" in w
+        out["ok"] &= "compat" in w and (bool(w.get("ready", {}).get("ready")) or waits_for_a_request(w))
         out["workers"].append(w)
     if len(urls) == 2 and all(docs):
         base = urls[1].rstrip("/")
@@ -188,18 +195,24 @@ def format_probe(found: dict) -> str:
     pair = found.get("pair")
     if pair is not None:
         if pair["compatible"]:
-            lines.append("pair: compatible")
+            waiting = any(waits_for_a_request(w) for w in found["workers"])
+            lines.append(
+                "pair: compatible, ready to pair (no request has paired them yet)" if waiting else "pair: compatible"
+            )
         else:
             lines.append("pair: INCOMPATIBLE")
             for e in pair["errors"]:
                 lines.append(f"  - {e['type']}: {summarize(e['type'], e['message'])}")
-                if fix := fix_line(e["type"], e["message"]):
+                # the checking worker's own line (an SGLang rank's in SGLang's words), else pdstate's
+                if fix := e.get("fix") if "fix" in e else fix_line(e["type"], e["message"]):
                     lines.append(f"    {fix}")
     return "\n".join(lines)
 
 
 def cmd_probe(args) -> ExitCode:
-    """OK when every worker answered ready (and, with two, the pair is compatible); else FAILED.
+    """OK when every worker answered ready (an SGLang decode rank: or waiting for its first
+    request) and, with two, the pair is compatible; else FAILED (``cli`` refuses other than one or
+    two URLs as a usage error).
     SGLang rank endpoints (``--ranks``, ``--prefill`` / ``--decode``) go to ``probe_ranks`` (``cli``)."""
     if not args.urls:
         print("pdstate probe: give one or two worker URLs, or rank endpoints (--ranks, --prefill, --decode)")

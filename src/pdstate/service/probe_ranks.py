@@ -10,10 +10,16 @@ rank's ``worker_id``), so each (decode, prefill) cell is read from both sides:
 - ``refused (factor)``: either side lists the other as rejected (the factor the refusal names;
   the message and the fix are printed below the matrix);
 - ``gone`` / ``pending``: as either side lists the other;
-- ``silent``: neither side knows the other (no request has paired them yet, or they cannot reach
-  each other); ``unreachable``: a rank's endpoint did not answer.
+- neither side knows the other (no request has paired them yet: a decode rank dials the prefill
+  of its first request): the decode's document is posted to the prefill's ``/v1/compat/check``,
+  the handshake's own checks. ``ready to pair``: it would be accepted; ``mismatch (factor)``: it
+  would be refused (the message and the fix below the matrix, in the prefill rank's words);
+  ``silent``: the check could not be asked;
+- ``unreachable``: a rank's endpoint did not answer.
 
-Exit status 0 only when every decode rank has an accepted prefill; 1 otherwise.
+Exit status (``VERDICT``): 0 when every rank answered and is healthy (ready, or a decode rank
+waiting for its first request), no cell is refused or mismatched, and every decode rank has an
+accepted prefill or one ready to pair; 1 otherwise.
 """
 
 from __future__ import annotations
@@ -22,7 +28,15 @@ import json
 from typing import Any
 from urllib.parse import urlparse, urlunparse
 
-from pdstate.errors import ExitCode
+from pdstate.errors import ExitCode, ProbeError
+
+VERDICT = (
+    "exit status: 0 every rank answered, none refused or mismatched, and every decode rank has an accepted "
+    "prefill or one ready to pair (matching layouts before any request); 1 a rank unreachable or unhealthy, a "
+    "pair refused or mismatched, or a decode rank with no prefill to pair with; 2 bad arguments"
+)
+SERVED = ("accepted", "ready")  # the cells that serve a decode rank
+FAILING = ("rejected", "mismatch", "unreachable")  # the cells that fail the probe
 
 ORDER = ("accepted", "rejected", "gone", "pending")  # what a cell shows when the two sides differ
 
@@ -69,17 +83,59 @@ def cell(decode: dict, prefill: dict) -> dict:
     return out
 
 
+def pair_check(decode: dict, prefill: dict, token: str | None, timeout_s: float) -> dict:
+    """A silent cell asked: the decode's document posted to the prefill's ``/v1/compat/check``.
+    ``ready`` (compatible), ``mismatch`` with the first error's ``factor``, ``error`` and every
+    error (``errors``, each with the prefill rank's ``fix``), or ``silent`` when it did not answer."""
+    from pdstate.logs import refusal_factor
+    from pdstate.service.probe import http_call
+
+    try:
+        status, verdict = http_call(
+            "POST", f"{prefill['url']}/v1/compat/check", body=decode["compat"], token=token, timeout_s=timeout_s
+        )
+    except ProbeError:
+        return {"state": "silent"}
+    if status != 200 or not isinstance(verdict, dict):
+        return {"state": "silent"}
+    errors = [e for e in verdict.get("errors") or () if isinstance(e, dict) and "type" in e and "message" in e]
+    if verdict.get("compatible") and not errors:
+        return {"state": "ready"}
+    if not errors:
+        return {"state": "silent"}
+    first = errors[0]
+    return {"state": "mismatch", "factor": refusal_factor(first["type"], first["message"]), "error": first,
+            "errors": errors}  # fmt: skip
+
+
+def healthy(w: dict) -> bool:
+    """A rank answered, its local check passed, and it is ready, or a decode rank not ready only
+    for want of a prefill (``peer``: it dials the prefill of its first request)."""
+    if "compat" not in w or not (w["compat"].get("local_check") or {}).get("ok", True):
+        return False
+    r = w.get("ready") or {}
+    return bool(r.get("ready")) or (w["role"] == "decode" and r.get("check") == "peer")
+
+
 def probe_ranks(urls: list[str], token: str | None = None, timeout_s: float = 5.0, hints: list | None = None) -> dict:
     """Every rank asked (``hints``: per URL, ``(role, rank)`` or ``None``); the matrix by decode
-    rank, then prefill rank; ``ok`` as the exit status says."""
+    rank, then prefill rank (a silent cell checked: ``pair_check``); ``ok`` as the exit status says."""
     hints = hints or [None] * len(urls)
     ranks = [_ask(u.rstrip("/"), token, timeout_s, h) for u, h in zip(urls, hints)]
     by_role: dict[str, list[dict]] = {"prefill": [], "decode": [], "unknown": []}
     for w in ranks:
         by_role[w["role"] if w["role"] in ("prefill", "decode") else "unknown"].append(w)
     matrix = [[cell(d, p) for p in by_role["prefill"]] for d in by_role["decode"]]
-    served = [any(c["state"] == "accepted" for c in row) for row in matrix]
-    ok = bool(by_role["decode"]) and all(served) and not by_role["unknown"]
+    for d, row in zip(by_role["decode"], matrix):
+        for i, (p, c) in enumerate(zip(by_role["prefill"], row)):
+            if c["state"] == "silent":
+                row[i] = pair_check(d, p, token, timeout_s)
+    served = [any(c["state"] in SERVED for c in row) for row in matrix]
+    failing = any(c["state"] in FAILING for row in matrix for c in row)
+    ok = (
+        bool(by_role["decode"]) and all(served) and not failing and not by_role["unknown"]
+        and all(healthy(w) for w in ranks)
+    )  # fmt: skip
     return {
         "prefills": by_role["prefill"], "decodes": by_role["decode"], "unreachable": by_role["unknown"],
         "matrix": matrix, "ok": ok,
@@ -126,25 +182,45 @@ def format_ranks(found: dict) -> str:
     for d, row in zip(found["decodes"], found["matrix"]):
         cells = []
         for p, c in zip(found["prefills"], row):
-            text = c["state"] if c["state"] != "rejected" else f"refused ({c.get('factor') or '?'})"
-            cells.append(f"{text:<{width}}")
-            if c["state"] == "rejected" and c.get("error"):
-                e = c["error"]
+            cells.append(f"{CELL_TEXT.get(c['state'], c['state']).format(factor=c.get('factor') or '?'):<{width}}")
+            for e in c.get("errors") or ([c["error"]] if c["state"] == "rejected" and c.get("error") else []):
                 notes.append(f"{_label(d)} / {_label(p)}: {e['type']}: {summarize(e['type'], e['message'])}")
                 if e.get("fix"):
                     notes.append(f"  {e['fix']}")
         lines.append((f"{_label(d):<12}" + "".join(cells)).rstrip())
     lines += [""] + notes if notes else []
-    missing = [
-        _label(d) for d, row in zip(found["decodes"], found["matrix"]) if not any(c["state"] == "accepted" for c in row)
-    ]
-    if not found["decodes"]:
-        lines.append("no decode rank answered")
-    elif missing:
-        lines.append(f"NO accepted prefill: {', '.join(missing)}")
-    else:
-        lines.append("every decode rank has an accepted prefill")
+    lines += verdict_lines(found)
     return "\n".join(lines)
+
+
+CELL_TEXT = {"rejected": "refused ({factor})", "mismatch": "mismatch ({factor})", "ready": "ready to pair"}
+
+
+def verdict_lines(found: dict) -> list[str]:
+    """The last lines: what fails the probe (a rank not healthy but for a refusal, which its cell
+    shows), else whether the decode ranks are paired or ready to pair."""
+    rows = list(zip(found["decodes"], found["matrix"]))
+    named = found["prefills"] + found["decodes"]
+    out = []
+    for w in named:
+        why = w.get("ready") or {}
+        if "compat" in w and not healthy(w) and why.get("check") != "handshake":
+            out.append(f"NOT HEALTHY: {_label(w)} ({why.get('reason')})")
+    if not found["decodes"]:
+        return [*out, "no decode rank answered"]
+    missing = [_label(d) for d, row in rows if not any(c["state"] in SERVED for c in row)]
+    if missing:
+        out.append(f"NO accepted prefill and none ready to pair: {', '.join(missing)}")
+    failing = any(c["state"] in FAILING for _, row in rows for c in row)
+    if failing or found["unreachable"] or any("compat" not in w for w in named):
+        out.append("FAILED: a rank unreachable, or a pair refused or mismatched (above)")
+    if out:
+        return out
+    if all(any(c["state"] == "accepted" for c in row) for _, row in rows):
+        return ["every decode rank has an accepted prefill"]
+    return [
+        "ready to pair: every decode rank has an accepted prefill or a matching one (no request has paired them yet)"
+    ]
 
 
 def cmd_probe_ranks(args) -> ExitCode:

@@ -77,6 +77,7 @@ from pdstate.status.models import (  # noqa: F401  (Readiness and the limits: pa
     TransferIn,
     TransferOut,
     TransportModel,
+    words_of,
 )
 
 
@@ -91,6 +92,7 @@ def compat_document(source: StatusSource, reveal: bool = True) -> CompatDocument
     authenticate: an incarnation names a live process to impersonate)."""
     r = source.report
     ok, err = source.local_check()
+    words = {"words": words_of(source)}
     return CompatDocument(
         role=source.role,
         worker_id=source.worker_id,
@@ -102,8 +104,12 @@ def compat_document(source: StatusSource, reveal: bool = True) -> CompatDocument
         transport=transport_model(source),
         fingerprint=r.fingerprint,
         layout={"page_size": r.page_size, "kv_dtype": r.kv_dtype, **dict(r.factors)},
-        local_check=LocalCheckModel(ok=ok, error=None if err is None else ErrorModel(**err.model_dump())),
-        peers=[PeerModel(**(p if reveal else {**p, "incarnation": None})) for p in source.peers()],
+        local_check=LocalCheckModel(
+            ok=ok, error=None if err is None else ErrorModel.model_validate(err.model_dump(), context=words)
+        ),
+        peers=[
+            PeerModel.model_validate(p if reveal else {**p, "incarnation": None}, context=words) for p in source.peers()
+        ],
         quarantined=getattr(source, "quarantined", lambda: 0)(),
         rank=getattr(source, "rank", None),
         report=r,
@@ -227,7 +233,9 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
             ready=r.ready,
             reason=r.reason,
             check=r.check,
-            error=None if r.error is None else ErrorModel(**r.error.model_dump()),
+            error=None
+            if r.error is None
+            else ErrorModel.model_validate(r.error.model_dump(), context={"words": words_of(source)}),
             transport=transport_model(source),
         )
         if r.ready:
@@ -248,7 +256,7 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         errors = check_documents(ours, theirs)
         return CompatVerdict(
             compatible=not errors,
-            errors=[ErrorModel(**e.model_dump()) for e in errors],
+            errors=[ErrorModel.model_validate(e.model_dump(), context={"words": words_of(source)}) for e in errors],
             ours=ours.fingerprint,
             theirs=theirs.fingerprint,
         )

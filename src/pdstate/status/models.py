@@ -8,11 +8,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, computed_field, model_validator
 
 from pdstate.errors import DocumentValueError
 from pdstate.logs import refusal_factor
-from pdstate.protocol.fixes import fix_line
+from pdstate.protocol.fixes import Words, fix_line
 from pdstate.protocol.report import FACTOR_NAMES, OPTIONAL_FACTOR_NAMES, ErrorInfo, LayoutReport
 
 Role = Literal["prefill", "decode"]
@@ -76,14 +76,31 @@ def peer_transport(transport: dict | None) -> str | None:
 # --- response and request models --------------------------------------------------------------
 
 
+def words_of(source: Any) -> Words:
+    """Whose words a source's fix lines use: an SGLang rank's (it states its ``rank``) SGLang's
+    flags and variables, a ``pdstate serve`` worker's its config keys. Passed to the models as
+    validation context (``{"words": ...}``)."""
+    return "sglang" if getattr(source, "rank", None) else "serve"
+
+
 class ErrorModel(BaseModel):
     type: str = Field(description="exception class name, e.g. SWAIndexMappingNotShared")
     message: str = Field(description="the exact message (upstream sentence where there is one)")
+    _words: Words = PrivateAttr("serve")
 
-    @computed_field(description="how to fix it in pdstate's terms: the config key and side (null if none)")
+    @model_validator(mode="after")
+    def _rendered_where(self, info: ValidationInfo) -> ErrorModel:
+        if isinstance(info.context, dict) and info.context.get("words") == "sglang":
+            self._words = "sglang"
+        return self
+
+    @computed_field(
+        description="how to fix it: the config key and side on a pdstate serve worker, the SGLang flag or "
+        "variable on an SGLang rank (null if none)"
+    )
     @property
     def fix(self) -> str | None:
-        return fix_line(self.type, self.message)
+        return fix_line(self.type, self.message, words=self._words)
 
 
 class Health(BaseModel):

@@ -34,6 +34,7 @@ import os
 import secrets
 import socket
 
+from pdstate import logs
 from pdstate.agent import DecodeAgent, PrefillAgent
 from pdstate.errors import AgentClosed, EngineError
 from pdstate.integrations.sglang.endpoint import serve_rank
@@ -89,6 +90,7 @@ def build_manager() -> type:
             if refusal is not None:  # before anything is registered anywhere
                 raise ValueError(refusal)
             settings = load_settings(self.role)
+            logs.use_fix_words("sglang")  # this process is an SGLang rank: its refusal lines name SGLang's flags
             local_ip = get_local_ip_auto()  # what SGLang advertises for this rank (its prefill agent binds it)
             check_rank_auth(settings, self.role, local_ip)
             report = layout_report(args)

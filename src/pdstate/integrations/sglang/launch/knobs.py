@@ -15,6 +15,7 @@ from typing import Any
 
 from pdstate.integrations.sglang.launch.side import SGLangSide
 from pdstate.protocol import factors
+from pdstate.protocol.factor_texts import SGLANG_SETTINGS
 from pdstate.protocol.fixes import count_layers
 
 
@@ -113,81 +114,27 @@ def _state_fix(p: SGLangSide, d: SGLangSide) -> str:
 
 
 # The settings that move several factors, in the order a report lists them (the factors' own
-# launch settings go before the last, ``knobs``).
-SETTINGS: tuple[Knob, ...] = (
-    Knob(
-        "layers",
-        "compress_ratios / num_hidden_layers (the model's config.json)",
-        ("compression_ratios", "stage", "main_kv_item_lens", "components", "c128_ring"),
-        lambda s: tuple(s.stage_ratios),
-        lambda s: f"{count_layers(s.stage_ratios)} ({s.layout_source})",
-        _layers_fix,
-    ),
-    Knob(
-        "page_size",
-        "--page-size",
-        ("page_size", "main_kv_item_lens", "components", "draft"),
-        lambda s: s.page_size,
-        lambda s: str(s.page_size),
-        _page_fix,
-    ),
-    Knob(
-        "kv_cache_dtype",
-        "--kv-cache-dtype",
-        ("kv_dtype",),
-        lambda s: s.kv_cache_dtype,
-        lambda s: s.kv_cache_dtype,
-        _kv_fix,
-    ),
-    Knob(
-        "unified_kv",
-        "SGLANG_HACK_FLASHMLA_BACKEND=unified_kv_triton (ROCm unified KV)",
-        ("layout", "main_kv_item_lens", "components", "draft"),
-        lambda s: s.unified_kv,
-        lambda s: "unified" if s.unified_kv else "paged",
-        _env_fix("SGLANG_HACK_FLASHMLA_BACKEND", "unified_kv_triton", lambda s: s.unified_kv),
-    ),
-    Knob(
-        "online_c128",
-        "SGLANG_OPT_USE_ONLINE_COMPRESS (online C128)",
-        ("online_c128", "c128_ring", "components"),
-        lambda s: s.online_c128,
-        lambda s: "on" if s.online_c128 else "off",
-        _online_fix,
-    ),
-    Knob(
-        "speculative",
-        "--speculative-algorithm",
-        ("c4_ring", "c128_ring", "draft", "components"),
-        lambda s: s.speculative,
-        _spec_show,
-        _spec_fix,
-    ),
-    Knob(
-        "draft_tokens",
-        "--speculative-num-steps (draft tokens)",
-        ("draft", "components"),
-        lambda s: s.speculative_num_draft_tokens if s.speculative else None,
-        _spec_show,
-        _steps_fix,
-    ),
-    Knob(
-        "sliding_window",
-        "sliding_window (config.json / --json-model-override-args)",
-        ("sliding_window", "draft"),
-        lambda s: s.sliding_window,
-        lambda s: f"{s.sliding_window} ({s.window_source})",
-        _window_fix,
-    ),
-    Knob(
-        "state_dtype",
-        "SGLANG_DSV4_COMPRESS_STATE_DTYPE",
-        ("c4_state_dtype", "c128_state_dtype", "components"),
-        lambda s: s.state_dtype,
-        lambda s: s.state_dtype,
-        _state_fix,
-    ),
-)
+# launch settings go before the last, ``knobs``): headings and factors from ``SGLANG_SETTINGS``,
+# the table an SGLang rank's fix lines read too.
+SETTINGS: tuple[Knob, ...] = tuple(
+    Knob(name, *SGLANG_SETTINGS[name], value, show, fix)
+    for name, value, show, fix in (
+        ("layers", lambda s: tuple(s.stage_ratios), lambda s: f"{count_layers(s.stage_ratios)} ({s.layout_source})", _layers_fix),
+        ("page_size", lambda s: s.page_size, lambda s: str(s.page_size), _page_fix),
+        ("kv_cache_dtype", lambda s: s.kv_cache_dtype, lambda s: s.kv_cache_dtype, _kv_fix),
+        (
+            "unified_kv",
+            lambda s: s.unified_kv,
+            lambda s: "unified" if s.unified_kv else "paged",
+            _env_fix("SGLANG_HACK_FLASHMLA_BACKEND", "unified_kv_triton", lambda s: s.unified_kv),
+        ),
+        ("online_c128", lambda s: s.online_c128, lambda s: "on" if s.online_c128 else "off", _online_fix),
+        ("speculative", lambda s: s.speculative, _spec_show, _spec_fix),
+        ("draft_tokens", lambda s: s.speculative_num_draft_tokens if s.speculative else None, _spec_show, _steps_fix),
+        ("sliding_window", lambda s: s.sliding_window, lambda s: f"{s.sliding_window} ({s.window_source})", _window_fix),
+        ("state_dtype", lambda s: s.state_dtype, lambda s: s.state_dtype, _state_fix),
+    )
+)  # fmt: skip
 
 
 def factor_knob(entry: factors.Factor) -> Knob:
