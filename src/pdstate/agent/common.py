@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -20,6 +20,9 @@ from pdstate.pools.memory import Region
 from pdstate.protocol.lifecycle import RequestState
 from pdstate.protocol.lifecycle import move as lifecycle_move
 from pdstate.protocol.wire import MAX_FRAME_BYTES
+
+if TYPE_CHECKING:  # typing.Self is 3.11+: annotations only, never evaluated
+    from typing_extensions import Self
 
 log = logging.getLogger("pdstate.agent")
 

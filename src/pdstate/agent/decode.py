@@ -12,7 +12,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -37,6 +37,9 @@ from pdstate.protocol import wire
 from pdstate.protocol.handshake import DecodeHandshake, LocalSide
 from pdstate.protocol.peers import PrefillSnapshot
 from pdstate.transfer.engines.base import TransferEngine, create_engine
+
+if TYPE_CHECKING:  # typing.Self is 3.11+: annotations only, never evaluated
+    from typing_extensions import Self
 
 __all__ = ["DecodeAgent", "KVReceiver"]
 
