@@ -12,9 +12,13 @@ with backend ``pdstate``, one request each:
   level; ``pdstate probe --prefill URL --decode URL`` prints ``accepted`` and exits 0;
 - the same C4/C128 layer counts in another order: the request fails on both sides; each rank
   lists the other as rejected with the factor (``compression_ratios``), upstream's text and the
-  fix line; the decode rank's ``/readyz`` is 503 with that reason; both ranks' ``/metrics`` count
-  the failed request by kind and factor; ``pdstate probe`` prints ``refused
-  (compression_ratios)`` with the fix, and exits 1.
+  fix line in SGLang's words (the model config that sets the layers); the decode rank's ``/readyz``
+  is 503 with that reason; both ranks' ``/metrics`` count the failed request by kind and factor;
+  ``pdstate probe`` prints ``refused (compression_ratios)`` with the fix, and exits 1.
+
+Before each case's request ``pdstate probe`` runs once on the fresh pair (the decode rank has
+dialled no prefill): the same layout reads ``ready to pair`` and exits 0; the other order reads
+``mismatch (compression_ratios)`` with SGLang's fix, and exits 1.
 
 A rank's endpoint is served by a child process fed with the rank's snapshots (at most one per
 0.1 s, at each change): the ranks are asked once their ``/metrics`` show the request ended.
@@ -30,6 +34,7 @@ import httpx
 import pytest
 
 from pdstate.devtools.sglang_pair.cases import CASES
+from pdstate.protocol.fixes import fix_line
 from tests.support.paths import REPO, SRC_DIR
 from tests.support.workers import pdstate_command
 
@@ -86,7 +91,8 @@ def ranks(sglang_release, queue_pair, queue_runs) -> tuple[str, dict]:
         role_env = {role: {"PDSTATE_HTTP__PORT": str(port)} for role, port in ports.items()}
         setup = queue_pair.setup(CASES[name], "pdstate", role_env=role_env)
         assert "setup_error" not in setup, setup
-        res = {"request": queue_pair.request(600, DEADLINE_S)}
+        res = {"fresh": _probe(ports)}  # before any request: the decode rank has dialled no prefill yet
+        res["request"] = queue_pair.request(600, DEADLINE_S)
         for port in ports.values():
             _settled(port)
         res.update({role: _ask(port) for role, port in ports.items()})
@@ -163,6 +169,10 @@ def test_mismatched_pair_is_refused_with_factor_and_fix_on_both_ranks(ranks):
         assert peer["error"]["type"] == "LayoutMismatch"
         assert peer["error"]["message"].startswith("DSV4 layout mismatch on compression_ratios: prefill server has")
         assert peer["error"]["fix"].startswith("fix: ") and "another order" in peer["error"]["fix"]
+        # an SGLang rank's words: the model config that sets the layers, never pdstate serve's keys
+        assert peer["error"]["fix"] == fix_line("LayoutMismatch", peer["error"]["message"], words="sglang")
+        assert "compress_ratios / num_hidden_layers (the model's config.json)" in peer["error"]["fix"]
+        assert "preset" not in peer["error"]["fix"] and "workers" not in peer["error"]["fix"]
         assert peer["transport"] is None
         m = side["metrics"]
         assert _metric(m, 'pdstate_transfers_total{outcome="failed"}') == 1
@@ -185,10 +195,37 @@ def test_mismatched_pair_probe_prints_the_refusal_and_exits_1(ranks):
     lines = probe.stdout.splitlines()
     fix = _peer(res["decode"])["error"]["fix"]
     assert "decode 0    refused (compression_ratios)" in lines, probe.stdout
-    assert lines[-3:] == [f"  {fix}", "", "NO accepted prefill: decode 0"] or lines[-2:] == [
+    assert lines[-3:] == [
         f"  {fix}",
-        "NO accepted prefill: decode 0",
+        "NO accepted prefill and none ready to pair: decode 0",
+        "FAILED: a rank unreachable, or a pair refused or mismatched (above)",
     ], probe.stdout
     assert any(
         x.startswith("decode 0 / prefill 0: LayoutMismatch: DSV4 layout mismatch on compression_ratios") for x in lines
     )
+
+
+def test_a_fresh_same_config_pair_probe_reads_ready_to_pair_and_exits_0(ranks):
+    _, out = ranks
+    fresh = out["correct"]["fresh"]
+    assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+    assert fresh.stdout.splitlines()[-3:] == [
+        "            prefill 0",
+        "decode 0    ready to pair",
+        "ready to pair: every decode rank has an accepted prefill or a matching one (no request has paired them yet)",
+    ], fresh.stdout
+
+
+def test_a_fresh_mismatched_pair_probe_names_the_factor_and_sglangs_fix_and_exits_1(ranks):
+    _, out = ranks
+    fresh = out[MISMATCH]["fresh"]
+    assert fresh.returncode == 1, fresh.stdout + fresh.stderr
+    lines = fresh.stdout.splitlines()
+    assert "decode 0    mismatch (compression_ratios)" in lines, fresh.stdout
+    (note,) = [x for x in lines if x.startswith("decode 0 / prefill 0: LayoutMismatch: ")]
+    fix = lines[lines.index(note) + 1]
+    assert fix.startswith("  fix: launch both servers with the same compress_ratios / num_hidden_layers"), fresh.stdout
+    assert lines[-2:] == [
+        "NO accepted prefill and none ready to pair: decode 0",
+        "FAILED: a rank unreachable, or a pair refused or mismatched (above)",
+    ], fresh.stdout
