@@ -15,6 +15,7 @@ import importlib.metadata as md
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.paths import REPO
+
 SGLANG_METADATA = REPO / ".venv" / "sglang-env-0.5.23" / "sglang-0.5.23.dist-info" / "METADATA"
 
 
@@ -40,9 +42,13 @@ def _dist_info(site: Path, name: str, version: str, metadata: str | None = None)
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    """The wheel of this tree, built from a copy of it (a build leaves build/ and egg-info behind)."""
+    out, tree = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("tree")
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(REPO / name, tree / name)
+    shutil.copytree(REPO / "src", tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out)]
-    subprocess.run([*build, str(REPO)], check=True, capture_output=True, timeout=300)
+    subprocess.run([*build, str(tree)], check=True, capture_output=True, timeout=300)
     (whl,) = out.glob("pdstate-*.whl")
     return whl
 
@@ -73,7 +79,9 @@ def _plan(python: Path, wheel: Path, report: Path) -> subprocess.CompletedProces
     args = ["install", "--dry-run", "--no-index", "--find-links", str(wheel.parent), "--report", str(report)]
     cmd = [sys.executable, "-m", "pip", "--python", str(python), *args, "--quiet", "pdstate[sglang]"]
     # This host's pip configuration (its wheel folders, its constraints) is not the user's.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")} | {"PIP_CONFIG_FILE": os.devnull}
+    # PYTHONPATH would show the environment a pdstate that is not installed there.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k != "PYTHONPATH"}
+    env["PIP_CONFIG_FILE"] = os.devnull
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
 
 
