@@ -7,9 +7,9 @@ STAMP   = $(VENV)/.installed
 CONSTRAINTS = tools/constraints-dev.txt
 PYTEST_ARGS ?=
 # The suite on two worker processes: a module per worker at a time, tests/sglang on one worker
-# (tests/conftest.py groups them). PYTEST_WORKERS=0 runs it in one process.
+# (tests/conftest.py deals them out). PYTEST_WORKERS=0 runs it in one process.
 PYTEST_WORKERS ?= 2
-PYTEST_PAR = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
+PYTEST_PAR = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 
 .PHONY: demo test test-gpu lint venv clean bench sglang-env
 

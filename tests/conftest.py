@@ -8,6 +8,7 @@ of ``pyproject.toml``; ``pytest -m slow tests/reliability`` runs them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import asdict
 
@@ -17,18 +18,34 @@ from tests.support.bounds import BOUNDS, Measured
 from tests.support.summary import SUMMARY, Row
 from tests.support.workers import Workers
 
-# --- parallel runs (pytest-xdist, ``make test``: ``-n 2 --dist loadgroup``) ---------------------
-# A module's tests stay on one worker (module fixtures are set up once), and tests/sglang runs on
-# one worker as a whole: its session fixtures (SGLang children per release) are costly to start
-# and shared by every file there. The tables below travel from the workers to the controller.
+# --- parallel runs (pytest-xdist: ``make test`` runs ``-n 2``) -----------------------------------
+# The work is dealt out a module at a time (module fixtures are set up once), and tests/sglang as
+# one unit, first: its session fixtures (SGLang children per release) are costly to start and
+# shared by every file there, and it is the longest unit, so one worker starts it while the other
+# takes every other module in turn. The tables below travel from the workers to the controller.
+
+SGLANG_UNIT = "tests/sglang"
+
+
+def _unit(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return SGLANG_UNIT if path.startswith(SGLANG_UNIT + "/") else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return ByModule(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group("sglang" if path.startswith("tests/sglang/") else path))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects in the same order: sglang first
+        items.sort(key=lambda item: _unit(item.nodeid) != SGLANG_UNIT)
 
 
 def pytest_sessionfinish(session):

@@ -344,8 +344,8 @@ def test_engine_failure_on_one_request_in_process():
     """The loopback engine (in-process only) fails the 2nd copy after writing part of it, and
     times out another: those requests fail with the engine's words on both sides; the others
     verify; engine errors are counted by class (``TransferTimedOut`` is an ``EngineError``)."""
-    # a digested request is two submits (its state first, then its main KV): the 3rd is the 2nd request's
-    fail = ScriptedFailure(nth_submit=3, after_bytes=4096, message="scripted loopback failure: link down")
+    # a request at the default level (sampled) is one submit: the 2nd is the 2nd request's
+    fail = ScriptedFailure(nth_submit=2, after_bytes=4096, message="scripted loopback failure: link down")
     with served_pair(ROOMY, "loopback", prefill={"engine_options": {"failures": [fail]}}, **FAULT) as (p, d):
         free_d, free_p = d.free_counts(), p.free_counts()
         results = [transfer(d, n, deadline_s=10) for n in (300, 300, 1000)]
