@@ -60,12 +60,16 @@ fi
 
 # 3. build beside DIR, then swap it in and stamp
 start=$(date +%s)
+mkdir -p "$(dirname "$DIR")"
 work="$(mktemp -d "${DIR%/}.build.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 "$PY" -m venv --without-pip "$work/env"
 # the interpreter's own pip installs into the new venv (pip >= 22.3): no pip copied into it
 mapfile -t req_args < <(printf '%s\n' "$reqs")
-"$PY" -m pip --python "$work/env/bin/python" install -q --disable-pip-version-check --no-input "${req_args[@]}"
+if ! "$PY" -m pip --python "$work/env/bin/python" install -q --disable-pip-version-check --no-input "${req_args[@]}" 2>"$work/pip.log"; then
+  cat "$work/pip.log" >&2
+  exit 1
+fi
 rm -rf "$DIR"
 mv "$work/env" "$DIR"
 echo "$want" >"$STAMP"

@@ -262,3 +262,17 @@ def test_probe_of_an_unreachable_worker_fails(python):
     line = proc.stdout.splitlines()[0]
     assert line.startswith(f"{url}: UNREACHABLE: GET {url}/readyz: "), proc.stdout
     assert "Connection refused" in line
+
+
+def test_the_declared_pythons_are_the_tested_ones():
+    """pyproject's classifiers name this suite's interpreter (everything) and ``PYTHONS`` (the
+    torch-free surface), no more and no less; requires-python's floor is the oldest of them."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = [
+        c.rsplit(" :: ", 1)[1] for c in project["classifiers"] if c.startswith("Programming Language :: Python :: 3.")
+    ]
+    tested = sorted(
+        {f"{sys.version_info[0]}.{sys.version_info[1]}", *PYTHONS}, key=lambda v: tuple(map(int, v.split(".")))
+    )
+    assert declared == tested
+    assert project["requires-python"] == f">={tested[0]}"
