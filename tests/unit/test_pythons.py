@@ -47,16 +47,27 @@ def env_dir(version: str) -> Path:
 
 
 @pytest.fixture(scope="session", params=PYTHONS, ids=lambda v: f"py{v}")
-def python(request) -> tuple[str, Path]:
-    """``(version, interpreter)`` of the cached venv, built (or found stamped) here."""
+def built(request) -> tuple[str, Path | str]:
+    """``(version, interpreter)`` of the cached venv, built (or found stamped) here; where the
+    interpreter is missing, ``(version, the build script's one line)``: ``python`` skips with it."""
     version, target = request.param, env_dir(request.param)
     proc = subprocess.run(
         ["bash", str(BUILD), f"python{version}", str(target)], capture_output=True, text=True, timeout=900
     )
     if proc.returncode == NO_PYTHON:
-        pytest.skip(proc.stderr.strip().splitlines()[-1])
+        return version, proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 0, f"building {target} failed:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}"
     return version, target / "bin" / "python"
+
+
+def usable(built: tuple[str, Path | str]) -> tuple[str, Path]:
+    """``built``, or a skip with the build script's line. Called in the test, not a fixture (a
+    fixture's skip is reported at each test): one location, so the summary folds a missing
+    interpreter's skips into one line."""
+    version, py = built
+    if isinstance(py, str):
+        pytest.skip(py)
+    return version, py
 
 
 def run(python: Path, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
@@ -74,7 +85,8 @@ def sources() -> list[str]:
     return sorted(str(p) for p in (SRC_DIR / "pdstate").rglob("*.py"))
 
 
-def test_the_venv_is_that_python_without_torch(python):
+def test_the_venv_is_that_python_without_torch(built):
+    python = usable(built)
     version, py = python
     proc = run(py, "-c", "import sys, importlib.util as u; print('%d.%d' % sys.version_info[:2], u.find_spec('torch'))")
     assert proc.returncode == 0, proc.stderr
@@ -91,7 +103,8 @@ print(len(paths))
 """
 
 
-def test_every_source_file_compiles(python):
+def test_every_source_file_compiles(built):
+    python = usable(built)
     files = sources()
     proc = run(python[1], "-c", COMPILE, *files)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -152,7 +165,8 @@ print(json.dumps(found))
 """
 
 
-def test_no_standard_library_name_this_python_lacks(python):
+def test_no_standard_library_name_this_python_lacks(built):
+    python = usable(built)
     proc = run(python[1], "-c", STDLIB_NAMES, json.dumps(sorted(sys.stdlib_module_names)), *sources())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout) == []
@@ -200,7 +214,8 @@ def module_names() -> list[str]:
     return names
 
 
-def test_every_module_imports_or_lacks_only_what_is_not_a_runtime_dependency(python):
+def test_every_module_imports_or_lacks_only_what_is_not_a_runtime_dependency(built):
+    python = usable(built)
     names = module_names()
     proc = run(python[1], "-c", IMPORT_ALL, *names)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -212,7 +227,8 @@ def test_every_module_imports_or_lacks_only_what_is_not_a_runtime_dependency(pyt
     assert must <= set(out["ok"]), sorted(must - set(out["ok"]))
 
 
-def test_version(python):
+def test_version(built):
+    python = usable(built)
     proc = pdstate(python[1], "--version")
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"pdstate {version}\n", "")
@@ -224,7 +240,8 @@ PREFILL = f"{MODEL} --disaggregation-mode prefill {SPEC}"
 DECODE = f"{MODEL} --disaggregation-mode decode --dp 8 --enable-dp-attention {SPEC}"
 
 
-def test_check_refuses_what_it_cannot_read_in_its_words(python):
+def test_check_refuses_what_it_cannot_read_in_its_words(built):
+    python = usable(built)
     from pdstate.integrations.sglang import releases
 
     proc = pdstate(python[1], "check")
@@ -235,7 +252,8 @@ def test_check_refuses_what_it_cannot_read_in_its_words(python):
     assert proc.stderr == f"pdstate check: --sglang-version 0.5.20: pdstate models SGLang {releases.spelled()}\n"
 
 
-def test_check_help_names_the_releases(python):
+def test_check_help_names_the_releases(built):
+    python = usable(built)
     from pdstate.integrations.sglang import releases
 
     proc = pdstate(python[1], "check", "--help")
@@ -245,7 +263,8 @@ def test_check_help_names_the_releases(python):
         assert row.version in proc.stdout
 
 
-def test_probe_without_a_url_is_a_usage_error(python):
+def test_probe_without_a_url_is_a_usage_error(built):
+    python = usable(built)
     proc = pdstate(python[1], "probe")
     assert (proc.returncode, proc.stdout) == (2, "")
     lines = proc.stderr.splitlines()
@@ -253,7 +272,8 @@ def test_probe_without_a_url_is_a_usage_error(python):
     assert lines[-1].startswith("pdstate probe: error: ")
 
 
-def test_probe_of_an_unreachable_worker_fails(python):
+def test_probe_of_an_unreachable_worker_fails(built):
+    python = usable(built)
     with socket.socket() as held:  # bound, never listening: a refused connection, and no one else's port
         held.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{held.getsockname()[1]}"
