@@ -49,7 +49,7 @@ def env_dir(version: str) -> Path:
 @pytest.fixture(scope="session", params=PYTHONS, ids=lambda v: f"py{v}")
 def built(request) -> tuple[str, Path | str]:
     """``(version, interpreter)`` of the cached venv, built (or found stamped) here; where the
-    interpreter is missing, ``(version, the build script's one line)``: ``python`` skips with it."""
+    interpreter is missing, ``(version, the build script's one line)``: ``usable`` skips with it."""
     version, target = request.param, env_dir(request.param)
     proc = subprocess.run(
         ["bash", str(BUILD), f"python{version}", str(target)], capture_output=True, text=True, timeout=900
@@ -86,8 +86,7 @@ def sources() -> list[str]:
 
 
 def test_the_venv_is_that_python_without_torch(built):
-    python = usable(built)
-    version, py = python
+    version, py = usable(built)
     proc = run(py, "-c", "import sys, importlib.util as u; print('%d.%d' % sys.version_info[:2], u.find_spec('torch'))")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == f"{version} None\n"
