@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 PYTEST_PAR = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 
-.PHONY: demo test test-gpu lint venv clean bench sglang-env
+.PHONY: demo test test-gpu lint venv clean bench sglang-env python-envs
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 
 venv: $(STAMP)
 
-test: $(STAMP) lint sglang-env
+test: $(STAMP) lint sglang-env python-envs
 	$(PY) -m pytest $(PYTEST_PAR) $(PYTEST_ARGS)
 
 # Pools on a GPU moved by NIXL with device digests (skipped where there is no CUDA GPU).
@@ -35,6 +35,12 @@ test-gpu: $(STAMP)
 sglang-env: $(STAMP)
 	-bash tools/sglang_env.sh $(PY) $(VENV)/sglang-env
 	-bash tools/sglang_env.sh $(PY) $(VENV)/sglang-env-0.5.23 0.5.23
+
+# Python 3.10 and 3.12 for tests/unit/test_pythons.py (the torch-free surface): cached torch-free
+# venvs $(VENV)/py3.10 and $(VENV)/py3.12 (stamped; never touches the venv).
+python-envs:
+	-bash tools/python_env.sh python3.10 $(VENV)/py3.10
+	-bash tools/python_env.sh python3.12 $(VENV)/py3.12
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
