@@ -14,38 +14,23 @@ from dataclasses import asdict
 
 import pytest
 
+from tests.support import parallel
 from tests.support.bounds import BOUNDS, Measured
 from tests.support.summary import SUMMARY, Row
 from tests.support.workers import Workers
 
-# --- parallel runs (pytest-xdist: ``make test`` runs ``-n 2``) -----------------------------------
-# The work is dealt out a module at a time (module fixtures are set up once), and tests/sglang as
-# one unit, first: its session fixtures (SGLang children per release) are costly to start and
-# shared by every file there, and it is the longest unit, so one worker starts it while the other
-# takes every other module in turn. The tables below travel from the workers to the controller.
-
-SGLANG_UNIT = "tests/sglang"
-
-
-def _unit(nodeid: str) -> str:
-    path = nodeid.split("::", 1)[0]
-    return SGLANG_UNIT if path.startswith(SGLANG_UNIT + "/") else path
+# --- parallel runs (pytest-xdist: ``make test`` runs ``-n 2``; see tests/support/parallel.py) ----
+# The tables below travel from the workers to the controller.
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ByModule(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return _unit(nodeid)
-
-    return ByModule(config, log)
+    return parallel.scheduler(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects in the same order: sglang first
-        items.sort(key=lambda item: _unit(item.nodeid) != SGLANG_UNIT)
+        items.sort(key=lambda item: parallel.sglang_last(item.nodeid))
 
 
 def pytest_sessionfinish(session):
