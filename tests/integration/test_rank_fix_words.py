@@ -30,7 +30,7 @@ from pdstate.protocol.report import ErrorInfo
 from pdstate.status.api import Readiness, create_app
 from tests.integration.test_pushed_endpoint import TOKEN, RankLike
 from tests.support.api_source import FakeSource
-from tests.support.pools import tiny
+from tests.support.pools import engine_mismatch_error, tiny
 
 # pdstate serve's words: its configuration keys and "workers"
 SERVE_WORDS = re.compile(r"\b(?:pool|draft|transfer|auth)\.[a-z_]+|\bpreset\b|\bworkers\b")
@@ -141,21 +141,6 @@ def test_the_rank_endpoint_child_renders_sglang_words():
 # Every other refusal kind with a fix line, as the code produces it, and its line on an SGLang rank
 # (``None``: SGLang builds that pair or pool itself, no pdstate setting changes it, upstream's
 # message stands alone).
-def _engine_mismatch() -> ErrorInfo:
-    from pdstate.protocol import wire
-    from pdstate.protocol.handshake import LocalSide, PrefillHandshake
-
-    rep = tiny()
-    prefill = PrefillHandshake(LocalSide("p", "1", rep, None, wire.EngineDesc(name="shm", endpoint={})))
-    register = wire.Register(
-        worker_id="d",
-        incarnation="2",
-        role="decode",
-        report=rep,
-        kv=None,
-        engine=wire.EngineDesc(name="mooncake", endpoint={}),
-    )
-    return prefill.receive(register).error
 
 
 def _auth_error() -> ErrorInfo:
@@ -169,7 +154,7 @@ def _auth_error() -> ErrorInfo:
 
 OTHER_KINDS = {
     "EngineError": (
-        _engine_mismatch(),
+        engine_mismatch_error(),
         "fix: set PDSTATE_TRANSFER__ENGINE to one engine on both servers (prefill shm, decode mooncake)",
     ),
     "EngineUnavailable": (

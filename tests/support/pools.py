@@ -12,7 +12,7 @@ from pdstate.pools import DeepSeekV4TokenToKVPool, SWATokenToKVPoolAllocator
 from pdstate.pools.kvargs import KVArgs
 from pdstate.pools.presets import PoolSettings, WorkerPools, build_worker_pools, preset
 from pdstate.pools.reporting import build_report
-from pdstate.protocol.report import LayoutReport
+from pdstate.protocol.report import ErrorInfo, LayoutReport
 
 TINY = preset("tiny")
 # The tiny preset with room for a few requests in flight at once (tiny holds ~one 1000-token one).
@@ -132,3 +132,23 @@ def report_of(settings: PoolSettings) -> LayoutReport:
 def tiny(**changes: Any) -> LayoutReport:
     """The report of a ``tiny`` worker with ``changes`` to its settings."""
     return report_of(TINY.with_(**changes))
+
+
+def engine_mismatch_error() -> ErrorInfo:
+    """The refusal a prefill on ``shm`` answers a decode registering with ``mooncake`` (tiny layout)."""
+    from pdstate.protocol import wire
+    from pdstate.protocol.handshake import LocalSide, PrefillHandshake
+
+    rep = tiny()
+    prefill = PrefillHandshake(LocalSide("p", "1", rep, None, wire.EngineDesc(name="shm", endpoint={})))
+    register = wire.Register(
+        worker_id="d",
+        incarnation="2",
+        role="decode",
+        report=rep,
+        kv=None,
+        engine=wire.EngineDesc(name="mooncake", endpoint={}),
+    )
+    answer = prefill.receive(register)
+    assert isinstance(answer, wire.Reject), answer
+    return answer.error

@@ -26,7 +26,7 @@ from pdstate.protocol.fixes import (
 from pdstate.protocol.report import ErrorInfo
 from pdstate.service import preflight
 from pdstate.settings.config import WorkerConfig
-from tests.support.pools import report_of, tiny
+from tests.support.pools import engine_mismatch_error, report_of
 from tests.support.preflight import run_check
 
 KEY_RE = re.compile(r"\b(role|preset|(?:pool|draft|checks|control|http|transfer|auth)\.[a-z0-9_]+(?:\.[a-z0-9_]+)?)\b")
@@ -175,24 +175,6 @@ def _auth_error(sent: bytes | None) -> BaseException:
     return info.value
 
 
-def _engine_mismatch() -> ErrorInfo:
-    from pdstate.protocol.handshake import LocalSide, PrefillHandshake
-
-    rep = tiny()
-    prefill = PrefillHandshake(LocalSide("p", "1", rep, None, wire.EngineDesc(name="shm", endpoint={})))
-    register = wire.Register(
-        worker_id="d",
-        incarnation="2",
-        role="decode",
-        report=rep,
-        kv=None,
-        engine=wire.EngineDesc(name="mooncake", endpoint={}),
-    )
-    answer = prefill.receive(register)
-    assert isinstance(answer, wire.Reject)
-    return answer.error
-
-
 OWN_PAIR = {
     "SWAIndexMappingNotShared": e.SWAIndexMappingNotShared(),
     "DraftNotSWAOnly": e.DraftNotSWAOnly(),
@@ -224,7 +206,7 @@ def test_auth_refusal_names_the_token_file(sent):
 
 
 def test_engine_mismatch_names_transfer_engine_and_both_engines():
-    err = _engine_mismatch()
+    err = engine_mismatch_error()
     fix = fix_line(err.type, err.message)
     assert assert_names_real_keys(fix) == ["transfer.engine"]
     assert "prefill shm, decode mooncake" in fix
