@@ -28,6 +28,7 @@ from pdstate.service import preflight
 from pdstate.settings.config import WorkerConfig
 from tests.support.pools import engine_mismatch_error, report_of
 from tests.support.preflight import run_check
+from tests.support.refusals import OWN_PAIR
 
 KEY_RE = re.compile(r"\b(role|preset|(?:pool|draft|checks|control|http|transfer|auth)\.[a-z0-9_]+(?:\.[a-z0-9_]+)?)\b")
 FLASH_SMALL = preset("dsv4-flash").with_(full_tokens=1024, swa_tokens=512, max_num_reqs=1)
@@ -173,17 +174,6 @@ def _auth_error(sent: bytes | None) -> BaseException:
     with pytest.raises(e.AuthError) as info:
         wire.decode(frame, b"the-right-secret")
     return info.value
-
-
-OWN_PAIR = {
-    "SWAIndexMappingNotShared": e.SWAIndexMappingNotShared(),
-    "DraftNotSWAOnly": e.DraftNotSWAOnly(),
-    "UnifiedKVModeMismatch": e.UnifiedKVModeMismatch(),
-    "SWARingGeometryMismatch": e.SWARingGeometryMismatch.build((128, 131, 655), (64, 67, 335)),
-    "PagedSWAGeometryMismatch": e.PagedSWAGeometryMismatch.build((256, 128), (512, 128)),
-    "DraftMappingMissing": e.DraftMappingMissing(),
-    "OnlineC128MTPUnsupported": e.OnlineC128MTPUnsupported(),
-}
 
 
 @pytest.mark.parametrize("name", sorted(OWN_PAIR))
