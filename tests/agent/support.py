@@ -201,12 +201,14 @@ class PrefillProcess:
 
 
 @contextmanager
-def loopback_agents(p: Side, d: Side) -> Iterator[tuple]:
-    """A ``PrefillAgent`` over side ``p`` and a ``DecodeAgent`` over side ``d`` (loopback engine);
-    at the end both agents close, then both sides."""
+def loopback_agents(p: Side, d: Side, hooks=None) -> Iterator[tuple]:
+    """A ``PrefillAgent`` over side ``p`` and a ``DecodeAgent`` over side ``d`` (loopback engine;
+    the prefill's under ``hooks``, ``tests.support.hooked``, when given); at the end both agents
+    close, then both sides."""
     from pdstate.agent import DecodeAgent, PrefillAgent
 
-    pa = PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), engine="loopback")
+    engine = {"engine": "loopback"} if hooks is None else {"engine": hooks.engine, "engine_options": hooks.options()}
+    pa = PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), **engine)
     da = DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine="loopback")
     try:
         yield pa, da

@@ -7,6 +7,7 @@ has ended."""
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 
 import pytest
 
@@ -14,6 +15,7 @@ from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
 from pdstate.errors import PeerGone, TransferAborted, TransferTimedOut
 from pdstate.transfer.engines.loopback import ScriptedDelay
 from tests.agent.support import assert_images_equal, expected, fill, make_side, snapshot
+from tests.support.hooked import hooked
 from tests.support.waiting import wait_until
 
 SLOW_S = 4.0  # the first submit lands this long after it ...
@@ -28,16 +30,19 @@ def slow_pair():
     p, d = make_side(False), make_side(False)
     fill(p.kv_args, 1)
     fill(d.kv_args, 2)
-    slow = {"delays": [ScriptedDelay(nth_submit=1, delay_s=SLOW_S)]}
-    pa = PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), engine="loopback", engine_options=slow, **SHORT)
+    stack = ExitStack()
+    hooks = stack.enter_context(hooked("loopback"))
+    slow = hooks.options(delays=[ScriptedDelay(nth_submit=1, delay_s=SLOW_S)])
+    pa = PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), engine=hooks.engine, engine_options=slow, **SHORT)
     da = DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine="loopback", **SHORT)
     try:
-        yield p, d, pa, da
+        yield p, d, pa, da, hooks.engines[0]
     finally:
         da.close()
         pa.close()
         p.close()
         d.close()
+        stack.close()
 
 
 def _slow_request(pa, da, room: int):
@@ -52,7 +57,7 @@ def _slow_request(pa, da, room: int):
 
 
 def test_abort_of_a_slow_copy_keeps_the_prefill_serving(slow_pair):
-    p, d, pa, da = slow_pair
+    p, d, pa, da, _engine = slow_pair
     src, before = snapshot(p.kv_args), snapshot(d.kv_args)
     recv1, send1, due = _slow_request(pa, da, 41)
     acked: list[float] = []
@@ -91,11 +96,11 @@ def test_abort_of_a_slow_copy_keeps_the_prefill_serving(slow_pair):
 
 
 def test_gone_decode_is_released_only_after_its_fence(slow_pair):
-    p, d, pa, da = slow_pair
+    p, d, pa, da, engine = slow_pair
     recv1, send1, due = _slow_request(pa, da, 43)
     ended: list[float] = []
     send1.add_done_callback(lambda _s: ended.append(time.monotonic()))
-    assert pa._engine.num_peers == 1  # the decode's mapping
+    assert engine.num_peers == 1  # the decode's mapping
     da.close()  # its heartbeats stop: the prefill drops it after PEER_TIMEOUT_S, the slow copy in flight
     deadline = time.monotonic() + PEER_TIMEOUT_S + 5
     while pa.decodes():
@@ -103,16 +108,16 @@ def test_gone_decode_is_released_only_after_its_fence(slow_pair):
         send1.wait(HEARTBEAT_S)
     assert time.monotonic() < due
     # dropped, but its request's copy is still in flight: not ended, the mapping kept
-    assert not send1.state.terminal and pa._engine.num_peers == 1
+    assert not send1.state.terminal and engine.num_peers == 1
     assert send1.wait(SLOW_S + 10).terminal
     assert ended[0] >= due
     assert type(send1.failure_exception()) is PeerGone
     assert str(send1.failure_exception()).endswith(f"missed heartbeats for {PEER_TIMEOUT_S:g} s")
-    wait_until("the gone decode's mapping released after the fence", lambda: pa._engine.num_peers == 0, 5)
+    wait_until("the gone decode's mapping released after the fence", lambda: engine.num_peers == 0, 5)
 
 
 def test_prefill_abort_returns_once_its_fence_held(slow_pair):
-    p, d, pa, da = slow_pair
+    p, d, pa, da, _engine = slow_pair
     recv1, send1, due = _slow_request(pa, da, 44)
     with pytest.raises(TransferTimedOut, match=r"^room 44: the abort's fence did not hold within 0 s$"):
         send1.abort("stop", timeout_s=0)  # handed over; its copy still in flight

@@ -11,6 +11,7 @@ from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
 from pdstate.agent.digest import RequestDigest, index_runs
 from pdstate.errors import DigestMismatch, EngineError
 from tests.agent.support import fill, loopback_agents, make_side
+from tests.support.hooked import hooked
 
 
 @pytest.fixture
@@ -18,17 +19,14 @@ def pair():
     p, d = make_side(False), make_side(False)
     fill(p.kv_args, 1)
     fill(d.kv_args, 2)
-    with loopback_agents(p, d) as agents:
-        yield agents
+    with hooked("loopback") as hooks, loopback_agents(p, d, hooks) as (pa, da):
+        yield pa, da, hooks
 
 
 def test_corrupted_copy_fails_both_sides(pair):
-    pa, da = pair
-    engine = pa._engine
-    original = engine._submit
+    pa, da, hooks = pair
 
-    def corrupting_submit(peer, plan, handle, notify):
-        original(peer, plan, handle, notify)
+    def corrupting(plan):
         # every byte of the first descriptor's item flipped in what landed: the request's first
         # item of its channel, which every level's sample holds (a byte outside ``sampled``'s
         # blocks would pass it: tests/agent/test_verify_levels.py)
@@ -37,7 +35,7 @@ def test_corrupted_copy_fails_both_sides(pair):
         for k in range(n):
             first[k] ^= 0xFF
 
-    engine._submit = corrupting_submit
+    hooks.after_submit = corrupting
     recv = da.receiver(pa.address, 5)
     send = pa.sender(5, 2)
     recv.init([3, 4], [[1], [0], [1]])
@@ -52,7 +50,7 @@ def test_corrupted_copy_fails_both_sides(pair):
 
 
 def test_success_metrics(pair):
-    pa, da = pair
+    pa, da, _hooks = pair
     recv, send = da.receiver(pa.address, 6), pa.sender(6, 3, aux_index=0)
     recv.init([5, 6, 7], [[1], [0], [1]], aux_index=1)
     send.send([1])
@@ -65,7 +63,7 @@ def test_success_metrics(pair):
 
 
 def test_too_many_pages_refused(pair):
-    pa, da = pair
+    pa, da, _hooks = pair
     send = pa.sender(8, 2)
     with pytest.raises(ValueError, match="chunk of 3 pages brings the request to 3 pages, more than the 2 declared"):
         send.send([1, 2, 3])
@@ -116,7 +114,7 @@ def test_sender_nobody_asks_for_fails_after_bootstrap_timeout():
 
 
 def test_room_requested_twice_fails_the_second(pair):
-    pa, da = pair
+    pa, da, _hooks = pair
     d2 = make_side(False)
     da2 = DecodeAgent(d2.kv_args, (d2.pools.target, d2.pools.draft), engine="loopback", worker_id="second")
     try:
@@ -217,16 +215,13 @@ def test_digest_off():
 def test_an_empty_request_makes_no_engine_call(pair):
     """Zero pages and no state (the control path alone): Success on both sides, bytes 0, and the
     engine is never asked to move anything."""
-    pa, da = pair
-    calls: list[object] = []
-    original = pa._engine.submit
-    pa._engine.submit = lambda *a, **k: (calls.append(a), original(*a, **k))[1]
+    pa, da, hooks = pair
     recv, send = da.receiver(pa.address, 31), pa.sender(31, 0)
     recv.init([], [[], [], []])
     send.send([], [[], [], []])
     assert recv.wait(10) is RequestState.SUCCESS, recv.failure_exception()
     assert send.wait(10) is RequestState.SUCCESS, send.failure_exception()
-    assert calls == [] and recv.metrics["bytes"] == send.metrics["bytes"] == 0
+    assert hooks.submits == [] and recv.metrics["bytes"] == send.metrics["bytes"] == 0
 
 
 @pytest.mark.parametrize("digest", [False, True])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from contextlib import ExitStack
 
 import pytest
 
@@ -13,6 +14,7 @@ from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
 from pdstate.errors import DigestMismatch
 from pdstate.protocol import wire
 from tests.agent.support import SHM_DIR, assert_images_equal, expected, fill, make_side, snapshot
+from tests.support.hooked import hooked
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -28,11 +30,13 @@ def shm_pair():
     p, d = make_side(False), make_side(True)
     fill(p.kv_args, 1)
     fill(d.kv_args, 2)
+    stack = ExitStack()
+    hooks = stack.enter_context(hooked("shm"))
     pa = PrefillAgent(
         p.kv_args,
         (p.pools.target, p.pools.draft),
-        engine="shm",
-        engine_options={"segment_dir": str(SHM_DIR)},
+        engine=hooks.engine,
+        engine_options=hooks.options(segment_dir=str(SHM_DIR)),
         landed_piece_bytes=2 * sum(p.kv_args.kv_item_lens),
     )
     sent: list[wire.Message] = []
@@ -52,12 +56,13 @@ def shm_pair():
         return da
 
     decodes: list[DecodeAgent] = []
-    yield pa, decode, sent, p, d
+    yield pa, decode, sent, p, d, hooks
     for da in decodes:
         da.close()
     pa.close()
     p.close()
     d.close()
+    stack.close()
 
 
 def _landed(sent, room: int) -> list[tuple[int, bool]]:
@@ -65,7 +70,7 @@ def _landed(sent, room: int) -> list[tuple[int, bool]]:
 
 
 def test_a_large_chunk_is_told_piece_by_piece_and_every_byte_lands(shm_pair):
-    pa, decode, sent, p, d = shm_pair
+    pa, decode, sent, p, d, _hooks = shm_pair
     da = decode()
     src, before = snapshot(p.kv_args), snapshot(d.kv_args)
     recv, send = da.receiver(pa.address, 21), pa.sender(21, len(PAGES), aux_index=0)
@@ -81,7 +86,7 @@ def test_a_large_chunk_is_told_piece_by_piece_and_every_byte_lands(shm_pair):
 
 
 def test_digest_off_no_pieces_and_no_notices(shm_pair):
-    pa, decode, sent, p, d = shm_pair
+    pa, decode, sent, p, d, _hooks = shm_pair
     da = decode(digest=False)
     src, before = snapshot(p.kv_args), snapshot(d.kv_args)
     recv, send = da.receiver(pa.address, 22), pa.sender(22, len(PAGES), aux_index=0)
@@ -95,17 +100,16 @@ def test_digest_off_no_pieces_and_no_notices(shm_pair):
 def test_a_byte_wrong_in_an_early_piece_fails_the_verdict(shm_pair):
     """What the decode hashed early is what landed: one byte flipped in the first main-KV piece
     (right after it was copied, before it was told landed) fails both sides."""
-    pa, decode, sent, p, d = shm_pair
+    pa, decode, sent, p, d, hooks = shm_pair
     da = decode()
-    engine, original, calls = pa._engine, pa._engine._submit, []
+    calls = []
 
-    def corrupting_submit(peer, plan, handle, notify):
-        original(peer, plan, handle, notify)
+    def corrupting(plan):
         calls.append(plan)
         if len(calls) == 2:  # the first main-KV piece (the first is state and aux)
             ctypes.c_uint8.from_address(int(plan.dst[0])).value ^= 0xFF
 
-    engine._submit = corrupting_submit
+    hooks.after_submit = corrupting
     recv, send = da.receiver(pa.address, 23), pa.sender(23, len(PAGES), aux_index=0)
     recv.init(DST, STATE_DST, aux_index=5)
     send.send(PAGES, STATE_SRC)
@@ -118,7 +122,7 @@ def test_a_byte_wrong_in_an_early_piece_fails_the_verdict(shm_pair):
 def test_notices_past_the_request_or_repeated_change_nothing(shm_pair):
     """A notice naming more pages than the request has is cut to the request; repeated or
     backward ones hash nothing twice: the verdict is still exact."""
-    pa, decode, sent, p, d = shm_pair
+    pa, decode, sent, p, d, _hooks = shm_pair
     da = decode()
     real = pa._reply
 
@@ -139,7 +143,7 @@ def test_notices_past_the_request_or_repeated_change_nothing(shm_pair):
 
 
 def test_pieces_of_a_request_small_enough_stay_whole(shm_pair):
-    pa, decode, sent, p, d = shm_pair
+    pa, decode, sent, p, d, _hooks = shm_pair
     pa.landed_piece_bytes = 1 << 40
     da = decode()
     recv, send = da.receiver(pa.address, 25), pa.sender(25, len(PAGES), aux_index=0)
@@ -165,7 +169,7 @@ def test_an_ended_request_stops_its_early_hashing(shm_pair):
     """A request that fails after some of it was told landed: once the decode forgets it (its
     next tick), its digest's background work is cancelled and dropped, so no thread reads the
     pages after the caller frees them."""
-    pa, decode, sent, p, d = shm_pair
+    pa, decode, sent, p, d, _hooks = shm_pair
     da = decode()
     recv, send = da.receiver(pa.address, 26), pa.sender(26, len(PAGES), aux_index=0)
     recv.init(DST, STATE_DST, aux_index=5)

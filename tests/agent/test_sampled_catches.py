@@ -18,6 +18,7 @@ the last chunk missing.
 from __future__ import annotations
 
 import ctypes
+from contextlib import ExitStack
 
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from pdstate.agent.verify import SAMPLE_BLOCK, SAMPLE_BLOCKS, SampleDigest, bloc
 from pdstate.errors import DigestMismatch
 from pdstate.protocol import wire
 from tests.agent.support import fill, make_side
+from tests.support.hooked import hooked
 
 SEEDS = 200
 N_PAGES = 24  # main-KV pages of the request, sent in three chunks of 8
@@ -215,19 +217,20 @@ def test_the_agent_pair_catches_a_missing_last_chunk():
     before = {
         (ptr, n, t): _item(ptr, n, t).copy() for ptr, n in zip(kv.kv_data_ptrs, kv.kv_item_lens) for t in dst_pages[8:]
     }
-    pa = PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), engine="loopback")
+    stack = ExitStack()
+    hooks = stack.enter_context(hooked("loopback"))
+    pa = PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), engine=hooks.engine, engine_options=hooks.options())
     da = DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine="loopback")
     try:
-        original, submits = pa._engine._submit, []
+        submits = []
 
-        def last_pages_lost(peer, plan, handle, notify):
-            original(peer, plan, handle, notify)
+        def last_pages_lost(plan):
             submits.append(len(plan))
             if len(submits) == 3:
                 for (ptr, n, t), old in before.items():
                     _item(ptr, n, t)[:] = old
 
-        pa._engine._submit = last_pages_lost
+        hooks.after_submit = last_pages_lost
         recv, send = da.receiver(pa.address, 77), pa.sender(77, 12, aux_index=0)
         recv.init(dst_pages, [[2, 3], [7], [2, 3]], aux_index=1)
         send.send(list(range(1, 5)))
@@ -244,3 +247,4 @@ def test_the_agent_pair_catches_a_missing_last_chunk():
         pa.close()
         p.close()
         d.close()
+        stack.close()

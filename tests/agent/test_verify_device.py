@@ -5,6 +5,8 @@ prefill that digests on the host, and still catch a damaged page."""
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +16,7 @@ from pdstate.agent.verify import PositionDigest, SampleDigest, lane_values, lane
 from pdstate.errors import DigestMismatch
 from pdstate.pools.placement import memory_devices
 from tests.agent.support import fill, make_side
+from tests.support.hooked import hooked
 
 # main KV: item lengths a multiple of 8, of 4 only, and odd (each word width of the lane value)
 ITEMS = [(4096, 3), (100, 1), (37, 2)]
@@ -81,22 +84,22 @@ def test_host_memory_is_host_memory_without_cuda():
 
 @pytest.mark.parametrize("damage", [False, True])
 def test_a_decode_digesting_on_its_device_agrees_with_a_host_prefill(damage):
+    stack = ExitStack()
     p, d = make_side(False), make_side(False)
     fill(p.kv_args, 1)
     fill(d.kv_args, 2)
-    pa = PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), engine="loopback")
+    hooks = stack.enter_context(hooked("loopback"))
+    pa = PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), engine=hooks.engine, engine_options=hooks.options())
     da = DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine="loopback", verify="full")
     try:
         da._devices = [["cpu"] * len(ds) for ds in da._devices]  # the device path, on CPU tensors
         if damage:
-            original = pa._engine._submit
 
-            def corrupting_submit(peer, plan, handle, notify):
-                original(peer, plan, handle, notify)
+            def corrupting(plan):
                 ptr, n = d.kv_args.kv_data_ptrs[1], d.kv_args.kv_item_lens[1]
                 (np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * n).from_address(ptr + 6 * n)))[7] ^= 1
 
-            pa._engine._submit = corrupting_submit
+            hooks.after_submit = corrupting
         recv, send = da.receiver(pa.address, 9), pa.sender(9, 3)
         recv.init([5, 6, 7], [[1], [0], [1]])
         send.send([1, 2, 3], [[2], [1], [2]])
@@ -113,3 +116,4 @@ def test_a_decode_digesting_on_its_device_agrees_with_a_host_prefill(damage):
         pa.close()
         p.close()
         d.close()
+        stack.close()

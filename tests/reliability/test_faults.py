@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from pdstate.transfer.engines.loopback import ScriptedFailure
+from pdstate.transfer.engines.loopback import ScriptedDelay, ScriptedFailure
 from tests.support.bounds import within
 from tests.support.engines import require_engine
 from tests.support.faults import (
@@ -346,7 +346,10 @@ def test_engine_failure_on_one_request_in_process():
     verify; engine errors are counted by class (``TransferTimedOut`` is an ``EngineError``)."""
     # a request at the default level (sampled) is one submit: the 2nd is the 2nd request's
     fail = ScriptedFailure(nth_submit=2, after_bytes=4096, message="scripted loopback failure: link down")
-    with served_pair(ROOMY, "loopback", prefill={"engine_options": {"failures": [fail]}}, **FAULT) as (p, d):
+    # and the 4th (the 4th request's) lands only 2 s after it was submitted: past its deadline
+    late_copy = ScriptedDelay(nth_submit=4, delay_s=2.0)
+    options = {"failures": [fail], "delays": [late_copy]}
+    with served_pair(ROOMY, "loopback", prefill={"engine_options": options}, **FAULT) as (p, d):
         free_d, free_p = d.free_counts(), p.free_counts()
         results = [transfer(d, n, deadline_s=10) for n in (300, 300, 1000)]
         assert [r.status for r in results] == ["success", "failed", "success"]
@@ -360,7 +363,6 @@ def test_engine_failure_on_one_request_in_process():
         assert rec[0]["status"] == "failed" and rec[0]["error"] == results[1].error.model_dump()
         assert p.stats.snapshot().engine_errors == 1
         # an engine timeout: the copy takes longer than the request's deadline
-        p.agent._engine.delay_s = 2.0  # the loopback engine's knob (tests only)
         t0 = time.monotonic()
         late = transfer(d, 300, deadline_s=0.3)
         assert late.status == "failed" and not late.verified
@@ -373,7 +375,6 @@ def test_engine_failure_on_one_request_in_process():
         assert rec["status"] == "failed", rec
         wait_until("the decode's pages back", lambda: d.free_counts() == free_d and not d.in_flight(), 10)
         detect_s = time.monotonic() - t0
-        p.agent._engine.delay_s = 0.0
         # the late copy's fence (up to the 2 s delay, past the 1 s peer timeout) is pending work on
         # the prefill's I/O thread, which answers heartbeats meanwhile: the decode never lost it
         assert d.status().peer.state.value == "accepted" and p.stats.snapshot().handshakes["accepted"] == 1
