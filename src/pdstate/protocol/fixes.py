@@ -81,6 +81,10 @@ def summarize(error_type: str, message: str, layouts: Layouts | None = None) -> 
 
 # --- the fixes, one per refusal kind ------------------------------------------------------------
 
+# A kind's fix: its line, or (the few whose advice depends on the message) a function of the
+# message and the known layouts giving the line or ``None``.
+Fix = str | Callable[[str, Layouts | None], str | None]
+
 
 def _factor_fix(error: BaseException, layouts: Layouts | None, words: Words = "serve") -> str | None:
     """A layout factor's refusal: the factor's own line (registry) in ``words``, generic advice otherwise."""
@@ -132,48 +136,44 @@ def _pool_config_fix(message: str, _layouts: Layouts | None) -> str:
     return "fix: check preset and the [pool] keys of this worker"
 
 
-_FIXES: dict[str, Callable[[str, Layouts | None], str | None]] = {
+_FIXES: dict[str, Fix] = {
     # the five upstream target/draft checks (this worker's own pair, or the peer's)
-    "DraftNotSWAOnly": lambda m, _: (
+    "DraftNotSWAOnly": (
         "fix: a NextN draft has SWA-only layers; pdstate builds draft.layers SWA-only layers: "
         "keep the draft SWA-only, or set draft.enabled = false on that worker"
     ),
-    "UnifiedKVModeMismatch": lambda m, _: (
+    "UnifiedKVModeMismatch": (
         "fix: target and draft must use one KV mode: set pool.unified_kv once for that worker (it applies to both pools)"
     ),
-    "SWAIndexMappingNotShared": lambda m, _: (
+    "SWAIndexMappingNotShared": (
         "fix: register the allocator's full_to_swa_index_mapping on the draft pool (the same tensor "
         'object, not a clone or a view): set draft.mapping = "shared" on that worker'
     ),
-    "DraftMappingMissing": lambda m, _: (
+    "DraftMappingMissing": (
         'fix: the draft registered no SWA index mapping: set draft.mapping = "shared" on that worker'
     ),
-    "SWARingGeometryMismatch": lambda m, _: (
+    "SWARingGeometryMismatch": (
         "fix: the draft's ring must equal the target's (window, ring, ring rows): keep pool.sliding_window "
         "and pool.speculative_num_draft_tokens one value per worker (pdstate gives both pools the same)"
     ),
-    "PagedSWAGeometryMismatch": lambda m, _: (
+    "PagedSWAGeometryMismatch": (
         "fix: the draft's (page_size, sliding_window) must equal the target's: keep pool.page_size and "
         "pool.sliding_window one value per worker (pdstate gives both pools the same)"
     ),
-    "OnlineC128MTPUnsupported": lambda m, _: (
+    "OnlineC128MTPUnsupported": (
         "fix: online C128 with speculative decoding needs pool.online_c128_mtp = true; or set "
         "pool.online_c128 = false, or pool.speculative_num_draft_tokens = 0"
     ),
     # across the two sides: a layout factor's refusal has its factor's line (``fix_for``)
-    "DescriptorMismatch": lambda m, _: (
+    "DescriptorMismatch": (
         "fix: the registered buffers do not pair: run one pdstate version with the same preset, [pool] and "
         "[draft] on both workers (pdstate check PREFILL.toml DECODE.toml shows the difference)"
     ),
-    "RoleMismatch": lambda m, _: 'fix: pair a prefill with a decode: set role = "decode" on one of the two workers',
+    "RoleMismatch": 'fix: pair a prefill with a decode: set role = "decode" on one of the two workers',
     "EngineError": _engine_fix,
-    "EngineUnavailable": lambda m, _: (
-        'fix: install the extra the message names, or set transfer.engine = "shm" on both workers'
-    ),
-    "VersionMismatch": lambda m, _: (
-        "fix: run the same pdstate version on both workers (the protocol version is not configurable)"
-    ),
-    "AuthError": lambda m, _: (
+    "EngineUnavailable": ('fix: install the extra the message names, or set transfer.engine = "shm" on both workers'),
+    "VersionMismatch": ("fix: run the same pdstate version on both workers (the protocol version is not configurable)"),
+    "AuthError": (
         "fix: give both workers the same secret: auth.token_file (or auth.token, PDSTATE_AUTH__TOKEN) "
         "on both, or on neither (then run both as one uid with the same auth.key_dir, or copy its key file to both)"
     ),
@@ -189,33 +189,31 @@ def _sglang_engine_fix(message: str, _layouts: Layouts | None) -> str | None:
         p, d = _engine_names(message)
         return f"fix: set PDSTATE_TRANSFER__ENGINE to one engine on both servers ({sides(p, d, str)})"
     if "pip install" in message or "extra" in message:
-        return _SGLANG_FIXES["EngineUnavailable"](message, _layouts)
+        return _SGLANG_FIXES["EngineUnavailable"]
     if "fell back to TCP" in message:
         return "fix: make the RDMA devices visible (ibv_devices lists them), or set PDSTATE_TRANSFER__MOONCAKE__PROTOCOL=tcp"
     return None
 
 
-_SGLANG_FIXES: dict[str, Callable[[str, Layouts | None], str | None]] = {
-    "OnlineC128MTPUnsupported": lambda m, _: (
+_SGLANG_FIXES: dict[str, Fix] = {
+    "OnlineC128MTPUnsupported": (
         "fix: online C128 with speculative decoding needs SGLANG_EXPERIMENTAL_ONLINE_C128_MTP=1; or unset "
         "SGLANG_OPT_USE_ONLINE_COMPRESS, or remove the --speculative-* flags"
     ),
-    "DescriptorMismatch": lambda m, _: (
+    "DescriptorMismatch": (
         "fix: the registered buffers do not pair: install one pdstate version beside both servers and launch "
         'them alike (pdstate check --sglang "PREFILL ARGS" "DECODE ARGS" shows the difference)'
     ),
-    "RoleMismatch": lambda m, _: (
-        "fix: pair a prefill with a decode: launch one of the two with --disaggregation-mode decode"
-    ),
+    "RoleMismatch": ("fix: pair a prefill with a decode: launch one of the two with --disaggregation-mode decode"),
     "EngineError": _sglang_engine_fix,
-    "EngineUnavailable": lambda m, _: (
+    "EngineUnavailable": (
         "fix: install the extra the message names beside SGLang (an SGLang image ships Mooncake), or set "
         "PDSTATE_TRANSFER__ENGINE to an engine installed on both servers"
     ),
-    "VersionMismatch": lambda m, _: (
+    "VersionMismatch": (
         "fix: install the same pdstate version beside both servers (the protocol version is not configurable)"
     ),
-    "AuthError": lambda m, _: (
+    "AuthError": (
         "fix: give both servers the same secret: PDSTATE_AUTH__TOKEN_FILE (or PDSTATE_AUTH__TOKEN) on both, or "
         "on neither (then run both as one uid with the same PDSTATE_AUTH__KEY_DIR, or copy its key file to both)"
     ),
@@ -242,8 +240,10 @@ def fix_line(error_type: str, message: str, layouts: Layouts | None = None, word
     if error_type in factors.error_kinds():
         return fix_for(error_from_wire(error_type, message), layouts, words)
     fix = (_SGLANG_FIXES if words == "sglang" else _FIXES).get(error_type)
+    if fix is None or isinstance(fix, str):
+        return fix
     try:
-        return None if fix is None else fix(message, layouts)
+        return fix(message, layouts)
     except Exception:  # an unforeseen message shape must not hide the refusal itself
         return None
 
