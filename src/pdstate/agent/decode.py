@@ -12,13 +12,13 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
 from pdstate.agent import curve
 from pdstate.agent.admission import Incidents
-from pdstate.agent.common import AgentLoop, RequestRecord, channel_layout, regions_of
+from pdstate.agent.common import AgentLifetime, AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.decode_core import (
     DecodeCore,
     DecodeTimers,
@@ -37,9 +37,6 @@ from pdstate.protocol import wire
 from pdstate.protocol.handshake import DecodeHandshake, LocalSide
 from pdstate.protocol.peers import PrefillSnapshot
 from pdstate.transfer.engines.base import TransferEngine, create_engine
-
-if TYPE_CHECKING:  # typing.Self is 3.11+: annotations only, never evaluated
-    from typing_extensions import Self
 
 __all__ = ["DecodeAgent", "KVReceiver"]
 
@@ -80,7 +77,7 @@ class EnginePort:
         return mine, time.perf_counter() - t0
 
 
-class DecodeAgent:
+class DecodeAgent(AgentLifetime):
     """Receives DSV4 state into the caller's memory from any number of prefill agents.
 
     ``kv_args``: the caller's filled ``KVArgs`` (``aux_data_*`` too when metadata moves);
@@ -262,31 +259,7 @@ class DecodeAgent:
         caller's memory is left as it is)."""
         if self._loop.closed:
             return
-        try:
-            self._loop.stop(lambda: self._feed(lambda _now: self._core.close()))
-        finally:
-            self._engine.close()
-
-    @property
-    def alive(self) -> bool:
-        """Whether the I/O thread runs (nothing is sent or received without it)."""
-        return self._loop.alive
-
-    @property
-    def closed(self) -> bool:
-        """Whether ``close()`` was called (neither alive nor closed: the I/O thread died)."""
-        return self._loop.closed
-
-    def transport(self) -> dict:
-        """The engine's transport (``engines.listeners.Transport.as_dict``): configured, in use,
-        the TCP addresses its native side listens on, and ``problem`` (a silent fallback)."""
-        return self._engine.transport().as_dict()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._stop(lambda: self._feed(lambda _now: self._core.close()))
 
     @property
     def _devices(self) -> list:
