@@ -33,9 +33,12 @@ nothing is traced and ``finish`` returns after one look.
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from typing import Any
+
+log = logging.getLogger("pdstate.integrations.sglang")
 
 __all__ = ["LEVEL", "TRACE_MODULE", "finish", "phases"]
 
@@ -96,9 +99,18 @@ def phases(metrics: list[dict], sender: bool) -> list[tuple[str, float | None, f
 
 
 def finish(side, failed: bool) -> None:
-    """Trace the request of ``side`` (pdstate's SGLang sender or receiver) once, when it ends."""
+    """Trace the request of ``side`` (pdstate's SGLang sender or receiver) once, when it ends. A
+    trace that cannot be written is logged, never raised: the request's outcome stands."""
     if side in _finished:
         return
+    try:
+        _finish(side, failed)
+    except Exception:  # tracing is a side channel: SGLang's request goes on whatever it does
+        _finished.add(side)
+        log.exception("pdstate: room %s: its trace could not be written", getattr(side, "bootstrap_room", "?"))
+
+
+def _finish(side, failed: bool) -> None:
     sender = _is_sender(side)
     ctx = getattr(side, "trace_ctx", None) if sender else _receiver_context(side)
     if ctx is None or not getattr(ctx, "tracing_enable", False):
