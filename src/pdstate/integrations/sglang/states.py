@@ -92,6 +92,7 @@ def failure_exception(side) -> None:
     if reason is not None:
         side._failure_reason = reason
     side.clear()
+    trace.finish(side, failed=True)  # a failure of SGLang's own (its timeouts) ends the trace here
     raise_failure(side.bootstrap_room, side.pdstate_error, getattr(side, "_failure_reason", None))
 
 

@@ -5,7 +5,8 @@ SGLang 0.5.23 traces a backend's senders when its KV manager names a trace modul
 ``--enable-trace`` (and the module in ``--trace-modules`` when that filter is given) its
 ``CommonKVSender`` opens a ``TraceReqContext`` per request (root span ``Sender Req <room>``) and
 ends it when the request ends. pdstate's manager names ``"pdstate"`` (``TRACE_MODULE``); when one
-of pdstate's requests ends (Success or Failed: ``states.conclude`` / ``conclude_failed``),
+of pdstate's requests ends (Success or Failed: ``states.conclude`` / ``conclude_failed``, or
+SGLang's ``failure_exception`` after a failure of its own, such as its timeouts),
 ``finish`` adds its phases to that context as level-1 slices, one after another, then ends it. A
 decode rank's receiver gets the same: SGLang opens no context for receivers, so ``finish`` opens one
 (role ``Receiver``, the same module, the same switches), from the time its agent request began.
