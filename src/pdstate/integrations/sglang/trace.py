@@ -27,7 +27,8 @@ span                       prefill (sender)                                decod
 ========================== =============================================== ==========================================
 
 A request that failed has the phases it reached, the last one ending at the failure (one that
-failed before it had an agent request: ``pdstate_bootstrap`` alone), and its root span carries
+failed before it had an agent request: ``pdstate_bootstrap`` alone; one SGLang failed while its
+agent requests went on, such as its timeouts: no slices), and its root span carries
 ``pdstate.outcome`` ``failed``. With tracing off, on SGLang 0.5.19 (no
 ``sender_trace_module``: SGLang opens no context for a backend), or without OpenTelemetry,
 nothing is traced and ``finish`` returns after one look.
@@ -125,8 +126,8 @@ def _finish(side, failed: bool) -> None:
         ctx.trace_req_start(ts=began_ns)
     first_ns = ctx.start_time_ns if sender else began_ns
     # no agent request (refused before the decode's request came, or before one was made): it
-    # ended in its bootstrap
-    for name, start_s, end_s in phases(metrics, sender) or [(BOOTSTRAP, None, 0.0)]:
+    # ended in its bootstrap; agent requests not ended (SGLang failed it first): no times to place
+    for name, start_s, end_s in phases(metrics, sender) if metrics else [(BOOTSTRAP, None, 0.0)]:
         start_ns = first_ns if start_s is None else began_ns + int(start_s * 1e9)
         end_ns = max(start_ns, began_ns + int(end_s * 1e9))
         ctx.trace_slice_start(name, LEVEL, ts=start_ns)
