@@ -15,6 +15,8 @@ reports; 0.5.23's prefill makes its sender with keywords only.
   is made (a session of its own beside plain ``pdstate``, which takes the configured default);
 - prefill ``open`` (sender created and ``init``-ed, sources patterned) then ``send`` (two chunks,
   state on the last, polled to Success/Failed or the deadline);
+- ``trace_on`` / ``spans`` / ``trace_off``: SGLang's request tracing on, its spans recorded in the
+  child (``tracing``), and off again;
 - decode ``recv`` (destinations reset to the sentinel, parallel info fetched, receiver ``init``,
   ``send_metadata``) then ``wait`` (polled, then every registered byte checked).
 """
@@ -32,7 +34,7 @@ from types import SimpleNamespace
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class
 
-from pdstate.devtools.sglang_pair import boot, moved, pattern, pools
+from pdstate.devtools.sglang_pair import boot, moved, pattern, pools, tracing
 from pdstate.devtools.sglang_pair.cases import Side
 from pdstate.devtools.sglang_pair.child import error_text, serve
 
@@ -230,6 +232,7 @@ def wait(deadline_s: float) -> dict:
 
 def main() -> None:
     ops = {"setup": setup, "use": use, "open": open_request, "send": send, "recv": recv, "wait": wait}
+    ops.update(trace_on=tracing.on, trace_off=tracing.off, spans=tracing.spans)  # SGLang's tracing, recorded
     serve(ops, REPLY, trace_chars=3000)
 
 

@@ -42,6 +42,7 @@ from pdstate.integrations.sglang.launch.backend import context_parallel_refusal,
 from pdstate.integrations.sglang.rank_status import RankCounters
 from pdstate.integrations.sglang.settings import check_rank_auth, layout_report, load_settings
 from pdstate.integrations.sglang.stages import StageAgents
+from pdstate.integrations.sglang.trace import TRACE_MODULE
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
@@ -80,6 +81,8 @@ def build_manager() -> type:
         supports_deferred_decode_kv_release = True
         supports_role_switch = False
         supports_host_destination = False
+        if hasattr(CommonKVManager, "sender_trace_module"):  # 0.5.23: SGLang traces the senders (``trace``)
+            sender_trace_module = TRACE_MODULE
 
         def __init__(self, args, disaggregation_mode, server_args, is_mla_backend=False):
             self.role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"

@@ -320,6 +320,10 @@ def build_receiver() -> type:
         def failure_exception(self):
             failure_exception(self)
 
+        def pdstate_metrics(self) -> list[dict]:
+            """The agent receivers' metrics (stage times: ``trace``), one per prefill rank read."""
+            return [recv.metrics for dummy, recv in self._recvs if not dummy]
+
         def abort(self):
             """Fail the request (SGLang's own ``abort``: "Aborted by AbortReq."); returns once no
             write of it can land any more (the agent's fence, through ``_send_abort_notification``)."""

@@ -298,6 +298,10 @@ def build_sender() -> type:
         def failure_exception(self):
             lifecycle.failure_exception(self)
 
+        def pdstate_metrics(self) -> list[dict]:
+            """The agent senders' metrics (stage times: ``trace``), one per decode rank fed."""
+            return [out.send.metrics for out in self._outs if not out.dummy]
+
         def get_transfer_metric(self) -> KVTransferMetric:
             metric = super().get_transfer_metric()
             metrics = [out.send.metrics for out in self._outs]

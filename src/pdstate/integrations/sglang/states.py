@@ -9,6 +9,7 @@ import functools
 
 import numpy as np
 
+from pdstate.integrations.sglang import trace
 from pdstate.protocol.lifecycle import RequestState
 
 __all__ = ["combine", "conclude", "conclude_failed", "failure_exception", "kv_poll", "raise_failure", "state_lists"]
@@ -46,6 +47,7 @@ def conclude(side, poll: int) -> int:
     if poll == _table()[RequestState.SUCCESS]:
         side.conclude_state = poll
         side.kv_mgr.update_status(side.bootstrap_room, poll)
+        trace.finish(side, failed=False)
     return poll
 
 
@@ -65,6 +67,7 @@ def conclude_failed(side, reason: str) -> int:
     side.kv_mgr.record_failure(side.bootstrap_room, reason)
     side.kv_mgr.update_status(side.bootstrap_room, failed)
     side.conclude_state = failed
+    trace.finish(side, failed=True)
     return failed
 
 
@@ -89,6 +92,7 @@ def failure_exception(side) -> None:
     if reason is not None:
         side._failure_reason = reason
     side.clear()
+    trace.finish(side, failed=True)  # a failure of SGLang's own (its timeouts) ends the trace here
     raise_failure(side.bootstrap_room, side.pdstate_error, getattr(side, "_failure_reason", None))
 
 
