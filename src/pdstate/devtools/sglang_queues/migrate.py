@@ -1,0 +1,161 @@
+"""Moving a running request between two SGLang 0.5.23 decodes through their scheduler queues (the parent).
+
+``MigrationTrio`` runs three children of ``migrate_side`` under one SGLang environment: a prefill,
+decode A (the source) and decode B (the target), backend ``pdstate`` on all three. ``place``
+brings a request in as the queue driver does (prefill → A through SGLang's queues, every byte
+checked), puts it into A's running batch and runs decode steps on it; ``move`` moves it to B:
+
+1. B's agent shakes hands with A's source agent (A judges B's layout as a prefill judges a
+   decode); a refusal ends the move there, nothing paused, nothing allocated;
+2. A pauses it (out of its running batch) and sends its rows and aux row; at once B's own
+   ``DecodePreallocQueue`` allocates its rows and names them, and its transfer queue polls the
+   migration receiver until the digests agree, then commits it (its boundary token from the aux
+   row) into B's running batch;
+3. A's and B's digests of every item of the request are compared, A releases its rows (its free
+   pages counted, its memory watched after the release), then B runs a decode step on it.
+
+``downtime_ms``: from the pause on A to the request in B's running batch (``time.monotonic``,
+one clock for every process of a host). ``recompute`` is the control, SGLang's retraction with
+recompute through the same queues: the request leaves A's running batch and its rows go back,
+and the same room goes through the prefill's queues again (SGLang's rebootstrap: prompt and
+output so far, prefilled and sent again) to a decode's running batch.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from pdstate.devtools.sglang_pair.cases import BASE, Side
+from pdstate.devtools.sglang_pair.child import Child
+from pdstate.devtools.sglang_pair.pair import child_env, env_dir, free_port
+
+REPLY = "@@queues "
+MODULE = "pdstate.devtools.sglang_queues.migrate_side"
+STDERR_TAIL = 6000
+SETUP_S = 120.0
+SLACK_S = 30.0
+
+
+def _ok(reply: dict, what: str) -> dict:
+    if not reply.get("ok", False):
+        raise RuntimeError(f"{what}: {reply.get('error')}\n{reply.get('trace')}")
+    reply.pop("ok")
+    return reply
+
+
+class MigrationTrio:
+    """A prefill and two decodes (``a``, ``b``) of SGLang's scheduler queues, backend ``pdstate``."""
+
+    def __init__(self, target: Path | None = None, extra_env: dict[str, str] | None = None) -> None:
+        env = child_env(target or env_dir(), extra_env)
+        self.prefill = Child("prefill", env, MODULE, REPLY, STDERR_TAIL)
+        self.a = Child("decode A", env, MODULE, REPLY, STDERR_TAIL)
+        self.b = Child("decode B", env, MODULE, REPLY, STDERR_TAIL)
+        self.port = 0
+        self.source = ""
+        self.room = 9000
+
+    def __enter__(self) -> MigrationTrio:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for child in (self.prefill, self.a, self.b):
+            child.close()
+
+    def setup(self, side: Side = BASE, target: Side | None = None) -> dict:
+        """The prefill and A with ``side``'s pools, B with ``target``'s (default the same); A's
+        source agent started. ``{"setup_s", "source"}``."""
+        t0 = time.perf_counter()
+        self.port = free_port()
+        kw = dict(backend="pdstate", port=self.port)
+        _ok(self.prefill.call("setup", SETUP_S, role="prefill", side=side.to_json(), **kw), "prefill setup")
+        self.a.tell("setup", role="decode", side=side.to_json(), **kw)
+        self.b.tell("setup", role="decode", side=(target or side).to_json(), **kw)
+        _ok(self.a.answer(SETUP_S), "decode A setup")
+        _ok(self.b.answer(SETUP_S), "decode B setup")
+        self.source = _ok(self.a.call("serve_source", SETUP_S), "A's source agent")["address"]
+        return {"setup_s": time.perf_counter() - t0, "source": self.source}
+
+    def setup_target(self, target: Side) -> dict:
+        """B alone set up afresh with ``target``'s pools (A, its request and its agent kept)."""
+        kw = dict(backend="pdstate", port=self.port)
+        return _ok(self.b.call("setup", SETUP_S, role="decode", side=target.to_json(), **kw), "decode B setup")
+
+    def place(self, tokens: int, steps: int, deadline_s: float = 30.0) -> dict:
+        """A request of ``tokens`` prompt tokens: prefill → A through the queues (byte-checked),
+        into A's running batch, ``steps`` decode steps there. ``{"room", "arrival", "prompt",
+        "output_ids", "seq_len"}``."""
+        self.room += 1
+        room = self.room
+        kw = dict(room=room, tokens=tokens, deadline_s=deadline_s)
+        self.prefill.tell("run_prefill", **kw)
+        self.a.tell("run_decode", hold=True, **kw)
+        pre = _ok(self.prefill.answer(deadline_s + SLACK_S), "prefill run")
+        dec = _ok(self.a.answer(deadline_s + SLACK_S), "decode A run")
+        if not (pre["outcome"] == dec["outcome"] == "Success" and dec["wrong_items"] == 0):
+            raise RuntimeError(f"room {room} did not arrive on A whole: {pre} {dec}")
+        adopted = _ok(self.a.call("adopt", SLACK_S, room=room), "adopt")
+        ran = _ok(self.a.call("steps", SLACK_S, room=room, n=steps), "decode steps")
+        return {"room": room, "arrival": dec, "prompt": adopted["prompt"], "output_ids": ran["output_ids"],
+                "first_output_ids": adopted["output_ids"], "seq_len": ran["seq_len"]}  # fmt: skip
+
+    def move(self, placed: dict, deadline_s: float = 30.0, settle_s: float = 0.2, step_after: int = 1) -> dict:
+        """Move ``placed``'s request from A to B (the module's steps 1-3)."""
+        room = placed["room"]
+        out: dict = {"room": room, "seq_len": placed["seq_len"]}
+        hello = _ok(self.b.call("connect", SLACK_S, source=self.source, deadline_s=deadline_s), "connect")
+        out["handshake"] = hello
+        if hello["error"] is not None:
+            out["outcome"] = "refused"
+            out["source_view"] = _ok(self.a.call("source_view", SLACK_S), "source view")
+            return out
+        self.a.tell("migrate_out", room=room, deadline_s=deadline_s)
+        self.b.tell("migrate_in", source=self.source, room=room, prompt=placed["prompt"],
+                    output_ids=placed["output_ids"], deadline_s=deadline_s)  # fmt: skip
+        src = _ok(self.a.answer(deadline_s + SLACK_S), "migrate_out")
+        dst = _ok(self.b.answer(deadline_s + SLACK_S), "migrate_in")
+        out.update(source=src, target=dst, outcome=dst["outcome"] if src["outcome"] == "SUCCESS" else src["outcome"])
+        if out["outcome"] != "Success":
+            return out
+        out["downtime_ms"] = (dst["resumed_at"] - src["paused_at"]) * 1000
+        a_items = _ok(self.a.call("digests", SLACK_S, room=room), "A digests")
+        out["released"] = _ok(self.a.call("release", SLACK_S, room=room, settle_s=settle_s), "A release")
+        b_items = _ok(self.b.call("digests", SLACK_S, room=room), "B digests")
+        out["items"] = len(a_items["items"])
+        out["by_kind"] = a_items["by_kind"]
+        out["differing_items"] = sorted(
+            k
+            for k in set(a_items["items"]) | set(b_items["items"])
+            if a_items["items"].get(k) != b_items["items"].get(k)
+        )
+        out["target_outside_bytes"] = b_items["outside_bytes"]
+        out["target_output_ids"] = b_items["output_ids"]
+        if step_after:
+            out["after_step"] = _ok(self.b.call("steps", SLACK_S, room=room, n=step_after), "B step")
+        return out
+
+
+def main() -> None:
+    """``python -m pdstate.devtools.sglang_queues.migrate [TOKENS...] [--steps N]``: JSON results."""
+    import argparse
+
+    from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV
+
+    parser = argparse.ArgumentParser(prog="python -m pdstate.devtools.sglang_queues.migrate")
+    parser.add_argument("tokens", type=int, nargs="*", default=[700])
+    parser.add_argument("--steps", type=int, default=3)
+    a = parser.parse_args()
+    with MigrationTrio(env_dir("0.5.23"), extra_env=PDSTATE_ENGINE_ENV) as trio:
+        results = [trio.setup()]
+        for n in a.tokens:
+            results.append(trio.move(trio.place(n, a.steps)))
+    print(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
