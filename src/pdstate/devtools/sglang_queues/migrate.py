@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from pdstate.devtools.sglang_pair.cases import BASE, Side
@@ -48,11 +49,20 @@ def _ok(reply: dict, what: str) -> dict:
 class MigrationTrio:
     """A prefill and two decodes (``a``, ``b``) of SGLang's scheduler queues, backend ``pdstate``."""
 
-    def __init__(self, target: Path | None = None, extra_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        target: Path | None = None,
+        extra_env: dict[str, str] | None = None,
+        prefill: Child | None = None,
+        a: Child | None = None,
+    ) -> None:
+        """Children of ``target``'s environment; ``prefill`` / ``a``: children of ``MODULE`` already
+        running there (a ``QueuePair``'s), borrowed: ``close`` leaves them running."""
         env = child_env(target or env_dir(), extra_env)
-        self.prefill = Child("prefill", env, MODULE, REPLY, STDERR_TAIL)
-        self.a = Child("decode A", env, MODULE, REPLY, STDERR_TAIL)
+        self.prefill = prefill or Child("prefill", env, MODULE, REPLY, STDERR_TAIL)
+        self.a = a or Child("decode A", env, MODULE, REPLY, STDERR_TAIL)
         self.b = Child("decode B", env, MODULE, REPLY, STDERR_TAIL)
+        self.owned = [c for c, given in ((self.prefill, prefill), (self.a, a)) if given is None] + [self.b]
         self.port = 0
         self.source = ""
         self.room = 9000
@@ -64,7 +74,7 @@ class MigrationTrio:
         self.close()
 
     def close(self) -> None:
-        for child in (self.prefill, self.a, self.b):
+        for child in self.owned:
             child.close()
 
     def setup(self, side: Side = BASE, target: Side | None = None) -> dict:
@@ -86,10 +96,11 @@ class MigrationTrio:
         kw = dict(backend="pdstate", port=self.port)
         return _ok(self.b.call("setup", SETUP_S, role="decode", side=target.to_json(), **kw), "decode B setup")
 
-    def place(self, tokens: int, steps: int, deadline_s: float = 30.0) -> dict:
+    def place(self, tokens: int, steps: int, deadline_s: float = 30.0, keep_digests: bool = False) -> dict:
         """A request of ``tokens`` prompt tokens: prefill → A through the queues (byte-checked),
         into A's running batch, ``steps`` decode steps there. ``{"room", "arrival", "prompt",
-        "output_ids", "seq_len"}``."""
+        "output_ids", "seq_len"}``; ``keep_digests``: its items' digests as they arrived too
+        (``arrived_items``: ``digests`` of the request before its decode steps)."""
         self.room += 1
         room = self.room
         kw = dict(room=room, tokens=tokens, deadline_s=deadline_s)
@@ -100,9 +111,11 @@ class MigrationTrio:
         if not (pre["outcome"] == dec["outcome"] == "Success" and dec["wrong_items"] == 0):
             raise RuntimeError(f"room {room} did not arrive on A whole: {pre} {dec}")
         adopted = _ok(self.a.call("adopt", SLACK_S, room=room), "adopt")
+        arrived = _ok(self.a.call("digests", SLACK_S, room=room), "A digests") if keep_digests else None
         ran = _ok(self.a.call("steps", SLACK_S, room=room, n=steps), "decode steps")
         return {"room": room, "arrival": dec, "prompt": adopted["prompt"], "output_ids": ran["output_ids"],
-                "first_output_ids": adopted["output_ids"], "seq_len": ran["seq_len"]}  # fmt: skip
+                "first_output_ids": adopted["output_ids"], "seq_len": ran["seq_len"],
+                "arrived_items": arrived and arrived["items"]}  # fmt: skip
 
     def move(self, placed: dict, deadline_s: float = 30.0, settle_s: float = 0.2, step_after: int = 1) -> dict:
         """Move ``placed``'s request from A to B (the module's steps 1-3)."""
@@ -149,11 +162,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m pdstate.devtools.sglang_queues.migrate")
     parser.add_argument("tokens", type=int, nargs="*", default=[700])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--unlike", action="store_true", help="then B with pages of 512 tokens (refused)")
     a = parser.parse_args()
     with MigrationTrio(env_dir("0.5.23"), extra_env=PDSTATE_ENGINE_ENV) as trio:
         results = [trio.setup()]
         for n in a.tokens:
             results.append(trio.move(trio.place(n, a.steps)))
+        if a.unlike:
+            results.append(trio.setup_target(replace(BASE, page_size=512)))
+            placed = trio.place(a.tokens[0], a.steps)
+            before = _ok(trio.a.call("digests", SLACK_S, room=placed["room"]), "A digests")
+            moved = trio.move(placed)
+            after = _ok(trio.a.call("digests", SLACK_S, room=placed["room"]), "A digests")
+            moved["source_unchanged"] = before["items"] == after["items"]
+            moved["still_runs"] = _ok(trio.a.call("steps", SLACK_S, room=placed["room"], n=1), "A step")
+            results.append(moved)
     print(json.dumps(results, indent=1, default=str))
 
 

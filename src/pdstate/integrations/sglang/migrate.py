@@ -28,12 +28,35 @@ import time
 import numpy as np
 
 from pdstate.agent import PrefillAgent
-from pdstate.errors import TransferFailed
+from pdstate.errors import ConfigError, TransferFailed
 from pdstate.integrations.sglang.settings import load_settings
 from pdstate.integrations.sglang.states import kv_poll, state_lists
 from pdstate.protocol.lifecycle import RequestState
 
-__all__ = ["boundary_aux", "build_receiver", "seq_len_of", "source_agent", "source_indices", "target_request"]
+__all__ = [
+    "boundary_aux",
+    "build_receiver",
+    "check_supported",
+    "seq_len_of",
+    "source_agent",
+    "source_indices",
+    "target_request",
+]
+
+
+def check_supported() -> None:
+    """``ConfigError`` unless the running SGLang names a request's state rows as 0.5.23 does (its
+    pool's ``request_state_transfer_indices``, ``StateType.DSV4_REQUEST_STATE``): 0.5.19 is not
+    supported."""
+    from sglang.srt.disaggregation.base.conn import StateType
+
+    if not hasattr(StateType, "DSV4_REQUEST_STATE"):
+        from pdstate.integrations.sglang import sglang_release
+
+        raise ConfigError(
+            f"moving a running request between decodes is not supported on SGLang {sglang_release() or '0.5.19'}: "
+            "it needs SGLang 0.5.23 (its decode's request-state rows, DSV4_REQUEST_STATE)"
+        )
 
 
 def seq_len_of(req) -> int:
@@ -45,6 +68,7 @@ def seq_len_of(req) -> int:
 def source_agent(kv_manager, *, bind: str = "tcp://127.0.0.1:0", worker_id: str | None = None) -> PrefillAgent:
     """A ``PrefillAgent`` over a decode rank's registered memory (its manager's ``kv_args`` and
     ``layout_report``), with the rank's pdstate settings (engine, token, verification)."""
+    check_supported()
     settings = load_settings("prefill")
     return PrefillAgent(
         kv_manager.kv_args,
@@ -70,6 +94,7 @@ def source_indices(kv_args, pools, req_to_token, slot: int, seq_len: int) -> tup
     from sglang.srt.disaggregation.base.conn import StateType
     from sglang.srt.mem_cache.common import kv_to_page_indices
 
+    check_supported()
     target, alloc, window = pools
     page = alloc.page_size
     row = req_to_token[slot, :seq_len]
@@ -125,6 +150,8 @@ def target_request(req) -> None:
 def build_receiver() -> type:
     """``MigrationReceiver``: SGLang's ``BaseKVReceiver`` of one request moving in from a source decode."""
     from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll
+
+    check_supported()
 
     class MigrationReceiver(BaseKVReceiver):
         """Polled by the target's own queues; ``source``: the source's agent address; ``seq_len``:
