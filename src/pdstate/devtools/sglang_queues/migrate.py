@@ -46,6 +46,43 @@ def _ok(reply: dict, what: str) -> dict:
     return reply
 
 
+class GenerateEndpoint:
+    """The prefill's ``/generate`` as SGLang's rebootstrap reaches it (``submit_prefill_recompute``
+    POSTs the retracted request there): each POST is recorded with its arrival time
+    (``time.monotonic``) and answered at once; the driver then has the prefill child recompute."""
+
+    def __init__(self) -> None:
+        import queue
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.posts: queue.Queue = queue.Queue()
+        posts = self.posts
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                posts.put((time.monotonic(), self.path, json.loads(body or b"{}")))
+                reply = b"{}"
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, name="generate-endpoint", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 class MigrationTrio:
     """A prefill and two decodes (``a``, ``b``) of SGLang's scheduler queues, backend ``pdstate``."""
 
@@ -65,6 +102,7 @@ class MigrationTrio:
         self.owned = [c for c, given in ((self.prefill, prefill), (self.a, a)) if given is None] + [self.b]
         self.port = 0
         self.source = ""
+        self.generate: GenerateEndpoint | None = None
         self.room = 9000
 
     def __enter__(self) -> MigrationTrio:
@@ -76,6 +114,8 @@ class MigrationTrio:
     def close(self) -> None:
         for child in self.owned:
             child.close()
+        if self.generate is not None:
+            self.generate.close()
 
     def setup(self, side: Side = BASE, target: Side | None = None) -> dict:
         """The prefill and A with ``side``'s pools, B with ``target``'s (default the same); A's
@@ -83,7 +123,10 @@ class MigrationTrio:
         t0 = time.perf_counter()
         self.port = free_port()
         kw = dict(backend="pdstate", port=self.port)
-        _ok(self.prefill.call("setup", SETUP_S, role="prefill", side=side.to_json(), **kw), "prefill setup")
+        if self.generate is None:
+            self.generate = GenerateEndpoint()
+        prefill_kw = dict(side=side.to_json(), http_port=self.generate.port, **kw)
+        _ok(self.prefill.call("setup", SETUP_S, role="prefill", **prefill_kw), "prefill setup")
         self.a.tell("setup", role="decode", side=side.to_json(), **kw)
         self.b.tell("setup", role="decode", side=(target or side).to_json(), **kw)
         _ok(self.a.answer(SETUP_S), "decode A setup")
@@ -140,6 +183,7 @@ class MigrationTrio:
         out["released"] = _ok(self.a.call("release", SLACK_S, room=room, settle_s=settle_s), "A release")
         b_items = _ok(self.b.call("digests", SLACK_S, room=room), "B digests")
         out["items"] = len(a_items["items"])
+        out["source_items"] = a_items["items"]
         out["by_kind"] = a_items["by_kind"]
         out["differing_items"] = sorted(
             k
@@ -150,6 +194,54 @@ class MigrationTrio:
         out["target_output_ids"] = b_items["output_ids"]
         if step_after:
             out["after_step"] = _ok(self.b.call("steps", SLACK_S, room=room, n=step_after), "B step")
+        return out
+
+    def recompute(self, placed: dict, deadline_s: float = 30.0) -> dict:
+        """The control: SGLang's retraction with recompute of ``placed``'s request on A, through
+        the same queues. A retracts it and re-adds it (a rebootstrap); SGLang's
+        ``submit_prefill_recompute`` POSTs it to the prefill's ``/generate`` (``GenerateEndpoint``);
+        the prefill then prefills prompt and output so far (its forward: the driver's patterns, no
+        model) and sends it through its queues to A, which commits it into its running batch.
+        ``downtime_ms``: from the retraction to the request back in A's running batch."""
+        room, seq_len = placed["room"], placed["seq_len"]
+        self.a.tell("retract", room=room, deadline_s=deadline_s)
+        try:
+            posted_at, path, payload = self.generate.posts.get(timeout=deadline_s)
+        except Exception:
+            back = self.a.answer(deadline_s + SLACK_S)
+            return {"outcome": "no /generate", "a": back}
+        self.prefill.tell("run_prefill", room=room, tokens=seq_len, deadline_s=deadline_s)
+        pre = _ok(self.prefill.answer(deadline_s + SLACK_S), "prefill recompute")
+        back = _ok(self.a.answer(deadline_s + SLACK_S), "retract")
+        out = {"room": room, "seq_len": seq_len, "prefill": pre, "a": back, "path": path,
+               "payload_room": payload.get("bootstrap_room"), "outcome": back["outcome"]}  # fmt: skip
+        if back["outcome"] == "Success":
+            out["downtime_ms"] = (back["resumed_at"] - back["retracted_at"]) * 1000
+            out["posted_ms"] = (posted_at - back["retracted_at"]) * 1000
+            out["bytes"] = pre.get("bytes")
+        return out
+
+    def measure(self, sizes: tuple[int, ...], reps: int, steps: int = 2, deadline_s: float = 60.0) -> dict:
+        """Per prompt size, ``reps`` migrations and ``reps`` retractions with recompute, interleaved
+        (each on a request placed afresh; each ends finished, its rows released):
+        ``{size: {"migrate": [...], "recompute": [...]}}``, each run's downtime and bytes."""
+        out: dict = {}
+        for n in sizes:
+            runs: dict = {"migrate": [], "recompute": []}
+            for _ in range(reps):
+                m = self.move(self.place(n, steps, deadline_s), deadline_s, settle_s=0.0, step_after=0)
+                runs["migrate"].append({"outcome": m["outcome"], "downtime_ms": m.get("downtime_ms"),
+                                        "bytes": m.get("source", {}).get("bytes"), "seq_len": m["seq_len"],
+                                        "equal": m.get("differing_items") == []})  # fmt: skip
+                if m["outcome"] == "Success":
+                    _ok(self.b.call("finish", SLACK_S, room=m["room"]), "B finish")
+                r = self.recompute(self.place(n, steps, deadline_s), deadline_s)
+                runs["recompute"].append({"outcome": r["outcome"], "downtime_ms": r.get("downtime_ms"),
+                                          "bytes": r.get("bytes"), "seq_len": r["seq_len"] if "seq_len" in r else None,
+                                          "posted_ms": r.get("posted_ms")})  # fmt: skip
+                if r["outcome"] == "Success":
+                    _ok(self.a.call("finish", SLACK_S, room=r["room"]), "A finish")
+            out[n] = runs
         return out
 
 
@@ -163,11 +255,22 @@ def main() -> None:
     parser.add_argument("tokens", type=int, nargs="*", default=[700])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--unlike", action="store_true", help="then B with pages of 512 tokens (refused)")
+    parser.add_argument("--recompute", action="store_true", help="and SGLang's retraction with recompute of each")
+    parser.add_argument(
+        "--measure", type=int, default=0, metavar="REPS", help="downtime: REPS runs per size, bench pools"
+    )
     a = parser.parse_args()
     with MigrationTrio(env_dir("0.5.23"), extra_env=PDSTATE_ENGINE_ENV) as trio:
+        if a.measure:
+            from pdstate.devtools.sglang_pair.cases import BENCH_SIDE
+
+            print(json.dumps([trio.setup(BENCH_SIDE), trio.measure(tuple(a.tokens), a.measure, a.steps)], default=str))
+            return
         results = [trio.setup()]
         for n in a.tokens:
             results.append(trio.move(trio.place(n, a.steps)))
+            if a.recompute:
+                results.append(trio.recompute(trio.place(n, a.steps)))
         if a.unlike:
             results.append(trio.setup_target(replace(BASE, page_size=512)))
             placed = trio.place(a.tokens[0], a.steps)

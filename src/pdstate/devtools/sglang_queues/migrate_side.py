@@ -266,6 +266,49 @@ def migrate_in(source: str, room: int, prompt: list, output_ids: list, deadline_
     }  # fmt: skip
 
 
+def retract(room: int, deadline_s: float) -> dict:
+    """SGLang's retraction with recompute of the running request of ``room`` (the control): out of
+    the running batch, its KV released as ``retract_decode`` releases it (``release_req``, no host
+    backup: DSV4 recomputes), re-added as the scheduler re-adds a retracted request
+    (``DecodePreallocQueue.add(is_retracted=True)``: a rebootstrap, its prefill's recompute
+    dispatched by SGLang's ``submit_prefill_recompute``); then polled until it is back in the
+    running batch."""
+    from sglang.srt.managers.schedule_batch import release_req
+
+    sched = S.case.sched
+    req = _held(room)
+    retracted_at = time.monotonic()
+    sched.running_batch.reqs.remove(req)
+    output_ids = list(req.output_ids)
+    release_req(
+        req=req, remaing_req_count=0, req_to_token_pool=sched.req_to_token_pool,
+        token_to_kv_pool_allocator=sched.token_to_kv_pool_allocator, tree_cache=sched.tree_cache,
+        hisparse_coordinator=None, offload_kv=False,
+    )  # fmt: skip
+    sched.disagg_decode_prealloc_queue.add(req, is_retracted=True)
+    outcome = failure = None
+    deadline = retracted_at + deadline_s
+    while True:
+        sched.process_decode_queue()
+        if req in sched.waiting_queue:
+            sched.waiting_queue.remove(req)
+            req.pd_rebootstrap_in_progress = False  # as the prebuilt batch's ``process_prebuilt`` does
+            sched.running_batch.reqs.append(req)
+            outcome = side.outcome_of(req)[0]
+            break
+        if req in sched.output_streamer.streamed:
+            outcome, failure = side.outcome_of(req)
+            break
+        if time.monotonic() >= deadline:
+            outcome = "timeout"
+            break
+        time.sleep(POLL_S)
+    return {
+        "outcome": outcome, "failure": failure, "retracted_at": retracted_at, "resumed_at": time.monotonic(),
+        "output_ids_kept": list(req.output_ids) == output_ids, "seq_len": migrate.seq_len_of(req),
+    }  # fmt: skip
+
+
 def _images() -> list:
     return [pattern.memory(ptr, length).copy() for _, ptr, length, _ in compat.buffers(S.case.kv_args)]
 
@@ -300,9 +343,18 @@ def release(room: int, settle_s: float = 0.2) -> dict:
     }
 
 
+def finish(room: int) -> dict:
+    """The running request of ``room`` finishes here: out of the running batch, its rows released."""
+    req = _held(room)
+    if req in S.case.sched.running_batch.reqs:
+        S.case.sched.running_batch.reqs.remove(req)
+    return release(room, settle_s=0.0)
+
+
 def digests(room: int) -> dict:
     """``{key: digest}`` of every item of the request of ``room`` where it lies here (keys as
-    ``compat.request_items`` names them, with the room as given: the same on every decode), and
+    ``compat.request_items`` names them, with the room as given: the same on every decode, and
+    the item's rank among the items of its key), and
     ``outside_bytes``: bytes of this decode's main-KV and state buffers outside those items (and
     outside the request-state rows the decode itself reset) that are not the sentinel."""
     case, req = S.case, _held(room)
@@ -319,10 +371,12 @@ def digests(room: int) -> dict:
         mask = np.zeros(length, dtype=bool)
         for r in own.get((ptr, item_len), ()):
             mask[r * item_len : (r + 1) * item_len] = True
-        for index, key in keys.items():
+        seen: dict = {}
+        for index, key in keys.items():  # items sharing a key (a buffer's request-state rows): by order
             lo, hi = index * item_len, (index + 1) * item_len
             mask[lo:hi] = True
-            out[repr(key)] = hashlib.blake2b(view[lo:hi].tobytes(), digest_size=12).hexdigest()
+            nth = seen[key] = seen.get(key, -1) + 1
+            out[repr((*key, nth))] = hashlib.blake2b(view[lo:hi].tobytes(), digest_size=12).hexdigest()
             by_kind[key[0]] = by_kind.get(key[0], 0) + 1
         outside += int(np.count_nonzero(view[~mask] != pattern.SENTINEL))
     return {"items": out, "by_kind": by_kind, "outside_bytes": outside, "seq_len": seq,
@@ -334,6 +388,7 @@ def main() -> None:
         "setup": setup, "run_prefill": side.run_prefill, "run_decode": side.run_decode, "adopt": adopt,
         "steps": steps, "serve_source": serve_source, "connect": connect, "source_view": source_view,
         "migrate_out": migrate_out, "migrate_in": migrate_in, "release": release, "digests": digests,
+        "retract": retract, "finish": finish,
     }  # fmt: skip
     serve(ops, side.REPLY, trace_chars=4000)
 

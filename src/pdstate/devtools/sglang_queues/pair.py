@@ -19,7 +19,9 @@ from pdstate.devtools.sglang_pair.child import Child, ChildPair
 from pdstate.devtools.sglang_pair.pair import child_env, env_dir, free_port
 
 REPLY = "@@queues "
-SIDE_MODULE = "pdstate.devtools.sglang_queues.side"  # what each child runs
+SIDE_MODULE = (
+    "pdstate.devtools.sglang_queues.migrate_side"  # what each child runs (``side``, and running requests moved)
+)
 STDERR_TAIL = 6000  # characters of a silent child's stderr in its error
 SLACK_S = 30.0  # what a child may take beyond a request's deadline to answer (setup, byte checks)
 SETUP_S = 120.0
