@@ -32,6 +32,9 @@ from pdstate.devtools.sglang_pair.cases import BASE, Side
 from pdstate.devtools.sglang_pair.child import Child
 from pdstate.devtools.sglang_pair.pair import child_env, env_dir, free_port
 
+# Room for one request of 32k tokens on each side, its SWA too: the queues' prefill allocates a
+# prompt's SWA slots for every token (``alloc_extend``), as SGLang's prefill batch does.
+MEASURE_SIDE = replace(BASE, full_tokens=34816, swa_tokens=34816)
 REPLY = "@@queues "
 MODULE = "pdstate.devtools.sglang_queues.migrate_side"
 STDERR_TAIL = 6000
@@ -262,9 +265,8 @@ def main() -> None:
     a = parser.parse_args()
     with MigrationTrio(env_dir("0.5.23"), extra_env=PDSTATE_ENGINE_ENV) as trio:
         if a.measure:
-            from pdstate.devtools.sglang_pair.cases import BENCH_SIDE
-
-            print(json.dumps([trio.setup(BENCH_SIDE), trio.measure(tuple(a.tokens), a.measure, a.steps)], default=str))
+            out = [trio.setup(MEASURE_SIDE), trio.measure(tuple(a.tokens), a.measure, a.steps)]
+            print(json.dumps(out, default=str))
             return
         results = [trio.setup()]
         for n in a.tokens:
