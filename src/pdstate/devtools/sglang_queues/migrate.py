@@ -39,7 +39,7 @@ REPLY = "@@queues "
 MODULE = "pdstate.devtools.sglang_queues.migrate_side"
 STDERR_TAIL = 6000
 SETUP_S = 120.0
-SLACK_S = 30.0
+SLACK_S = 60.0
 
 
 def _ok(reply: dict, what: str) -> dict:
@@ -163,8 +163,11 @@ class MigrationTrio:
                 "first_output_ids": adopted["output_ids"], "seq_len": ran["seq_len"],
                 "arrived_items": arrived and arrived["items"]}  # fmt: skip
 
-    def move(self, placed: dict, deadline_s: float = 30.0, settle_s: float = 0.2, step_after: int = 1) -> dict:
-        """Move ``placed``'s request from A to B (the module's steps 1-3)."""
+    def move(
+        self, placed: dict, deadline_s: float = 30.0, settle_s: float = 0.2, step_after: int = 1, watch: bool = True
+    ) -> dict:
+        """Move ``placed``'s request from A to B (the module's steps 1-3; ``watch=False``: A's memory
+        after the release not watched, as when measuring)."""
         room = placed["room"]
         out: dict = {"room": room, "seq_len": placed["seq_len"]}
         hello = _ok(self.b.call("connect", SLACK_S, source=self.source, deadline_s=deadline_s), "connect")
@@ -183,7 +186,8 @@ class MigrationTrio:
             return out
         out["downtime_ms"] = (dst["resumed_at"] - src["paused_at"]) * 1000
         a_items = _ok(self.a.call("digests", SLACK_S, room=room), "A digests")
-        out["released"] = _ok(self.a.call("release", SLACK_S, room=room, settle_s=settle_s), "A release")
+        released = self.a.call("release", SLACK_S + settle_s, room=room, settle_s=settle_s, watch=watch)
+        out["released"] = _ok(released, "A release")
         b_items = _ok(self.b.call("digests", SLACK_S, room=room), "B digests")
         out["items"] = len(a_items["items"])
         out["source_items"] = a_items["items"]
@@ -232,18 +236,18 @@ class MigrationTrio:
         for n in sizes:
             runs: dict = {"migrate": [], "recompute": []}
             for _ in range(reps):
-                m = self.move(self.place(n, steps, deadline_s), deadline_s, settle_s=0.0, step_after=0)
+                m = self.move(self.place(n, steps, deadline_s), deadline_s, settle_s=0.0, step_after=0, watch=False)
                 runs["migrate"].append({"outcome": m["outcome"], "downtime_ms": m.get("downtime_ms"),
                                         "bytes": m.get("source", {}).get("bytes"), "seq_len": m["seq_len"],
                                         "equal": m.get("differing_items") == []})  # fmt: skip
                 if m["outcome"] == "Success":
-                    _ok(self.b.call("finish", SLACK_S, room=m["room"]), "B finish")
+                    _ok(self.b.call("finish", deadline_s, room=m["room"]), "B finish")
                 r = self.recompute(self.place(n, steps, deadline_s), deadline_s)
                 runs["recompute"].append({"outcome": r["outcome"], "downtime_ms": r.get("downtime_ms"),
                                           "bytes": r.get("bytes"), "seq_len": r["seq_len"] if "seq_len" in r else None,
                                           "posted_ms": r.get("posted_ms")})  # fmt: skip
                 if r["outcome"] == "Success":
-                    _ok(self.a.call("finish", SLACK_S, room=r["room"]), "A finish")
+                    _ok(self.a.call("finish", deadline_s, room=r["room"]), "A finish")
             out[n] = runs
         return out
 
