@@ -32,9 +32,11 @@ from pdstate.devtools.sglang_pair.cases import BASE, Side
 from pdstate.devtools.sglang_pair.child import Child
 from pdstate.devtools.sglang_pair.pair import child_env, env_dir, free_port
 
-# Room for one request of 32k tokens on each side, its SWA too: the queues' prefill allocates a
-# prompt's SWA slots for every token (``alloc_extend``), as SGLang's prefill batch does.
-MEASURE_SIDE = replace(BASE, full_tokens=34816, swa_tokens=34816)
+# Room for one request of 32k tokens on each side; the prefill's SWA pool too holds a whole prompt
+# (the queues' prefill allocates a prompt's SWA slots for every token, ``alloc_extend``, as
+# SGLang's prefill batch does), a decode's the window's pages (the SWA tail, as it preallocates).
+MEASURE_SIDE = replace(BASE, full_tokens=34816, swa_tokens=4096)
+MEASURE_PREFILL = replace(MEASURE_SIDE, swa_tokens=34816)
 REPLY = "@@queues "
 MODULE = "pdstate.devtools.sglang_queues.migrate_side"
 STDERR_TAIL = 6000
@@ -120,15 +122,15 @@ class MigrationTrio:
         if self.generate is not None:
             self.generate.close()
 
-    def setup(self, side: Side = BASE, target: Side | None = None) -> dict:
-        """The prefill and A with ``side``'s pools, B with ``target``'s (default the same); A's
-        source agent started. ``{"setup_s", "source"}``."""
+    def setup(self, side: Side = BASE, target: Side | None = None, prefill: Side | None = None) -> dict:
+        """A with ``side``'s pools, B with ``target``'s and the prefill with ``prefill``'s (default
+        ``side``'s); A's source agent started. ``{"setup_s", "source"}``."""
         t0 = time.perf_counter()
         self.port = free_port()
         kw = dict(backend="pdstate", port=self.port)
         if self.generate is None:
             self.generate = GenerateEndpoint()
-        prefill_kw = dict(side=side.to_json(), http_port=self.generate.port, **kw)
+        prefill_kw = dict(side=(prefill or side).to_json(), http_port=self.generate.port, **kw)
         _ok(self.prefill.call("setup", SETUP_S, role="prefill", **prefill_kw), "prefill setup")
         self.a.tell("setup", role="decode", side=side.to_json(), **kw)
         self.b.tell("setup", role="decode", side=(target or side).to_json(), **kw)
@@ -269,7 +271,7 @@ def main() -> None:
     a = parser.parse_args()
     with MigrationTrio(env_dir("0.5.23"), extra_env=PDSTATE_ENGINE_ENV) as trio:
         if a.measure:
-            out = [trio.setup(MEASURE_SIDE), trio.measure(tuple(a.tokens), a.measure, a.steps)]
+            out = [trio.setup(MEASURE_SIDE, prefill=MEASURE_PREFILL), trio.measure(tuple(a.tokens), a.measure, a.steps)]
             print(json.dumps(out, default=str))
             return
         results = [trio.setup()]
