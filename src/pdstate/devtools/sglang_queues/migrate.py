@@ -239,7 +239,12 @@ class MigrationTrio:
             runs: dict = {"migrate": [], "recompute": []}
             for _ in range(reps):
                 m = self.move(self.place(n, steps, deadline_s), deadline_s, settle_s=0.0, step_after=0, watch=False)
+                src = m.get("source", {})
+                since = {
+                    k: (src[k] - src["paused_at"]) * 1000 if src.get(k) else None for k in ("sent_at", "verified_at")
+                }
                 runs["migrate"].append({"outcome": m["outcome"], "downtime_ms": m.get("downtime_ms"),
+                                        "named_ms": since["sent_at"], "verified_ms": since["verified_at"],
                                         "bytes": m.get("source", {}).get("bytes"), "seq_len": m["seq_len"],
                                         "equal": m.get("differing_items") == []})  # fmt: skip
                 if m["outcome"] == "Success":
