@@ -9,8 +9,9 @@ Then it moves to decode B instead of being retracted for recompute: B's agent sh
 A's source agent (a ``PrefillAgent`` over A's own memory); A pauses it and sends its rows and aux
 row; B's own ``DecodePreallocQueue`` allocates its rows and its transfer queue commits it (its
 last output token from the aux row) into B's running batch; A releases its rows; B runs a step.
-Asserted: every item of the request (main KV and indexer pages, the SWA window of target and
-draft, the request-state rows) holds on B the bytes it holds on A, nothing else of B's memory
+Asserted: every item of the request (main-KV pages: C4 KV, C4 indexer, C128 KV; the SWA
+window's pages of target and draft with the C4 compressor and indexer state rows they hold on the
+paged layout; the C128 state rows) holds on B the bytes it holds on A, nothing else of B's memory
 was written, B's request has A's output tokens and decodes on, A's pages are back in its free
 lists and not a byte of A's memory changes after the release. A target whose pages are 512
 tokens is refused at the handshake on both sides, before anything is paused: the request stays
@@ -67,8 +68,8 @@ def test_a_running_request_moves_to_another_decode_byte_for_byte(moves):
     arrived, moved = placed["arrived_items"], m["source_items"]
     state_rows = [k for k in arrived if k.startswith("('c128'")]
     assert state_rows and all(moved[k] != arrived[k] for k in state_rows)
-    # every item of the request equal on B and A: main KV (and indexer) pages, SWA of target and
-    # draft, request-state rows (C4 ring, C128)
+    # every item of the request equal on B and A: main-KV pages (C4, indexer, C128), SWA window
+    # pages of target and draft (with the C4 and indexer state rows), C128 state rows
     assert m["differing_items"] == []
     assert m["by_kind"]["kv"] >= 3 * 62 and m["by_kind"]["swa"] > 0 and m["by_kind"]["c128"] > 0, m["by_kind"]
     assert m["target_outside_bytes"] == 0  # nothing else of B's memory written
