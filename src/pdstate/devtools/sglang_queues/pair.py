@@ -1,4 +1,5 @@
-"""The parent of the scheduler-queue driver: a prefill child and a decode child (``side.py``).
+"""The parent of the scheduler-queue driver: a prefill child and a decode child (``side.py``'s
+commands, served by ``migrate_side.py``, which adds a running request's migration: ``migrate``).
 
 ``QueuePair.run_case`` sets up both sides for a case (the prefill first: it starts the bootstrap
 server on a free port), then runs each request on both sides at once; each side polls its queues

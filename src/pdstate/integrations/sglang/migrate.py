@@ -165,6 +165,7 @@ def build_receiver() -> type:
             self.conclude_state = None
             self.init_time = None
             self.abort_notified = False
+            self.failure: BaseException | None = None
             self.agent_receiver = mgr.agent.receiver(source, room)
 
         def init(self, prefill_dp_rank: int = 0) -> None:
@@ -173,6 +174,13 @@ def build_receiver() -> type:
         def send_metadata(
             self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None, destination=None
         ):
+            if decode_prefix_len:  # the target's radix cache matched a prefix: the source sends every row
+                self.failure = TransferFailed(
+                    f"migration of room {self.bootstrap_room}: the target named rows past a cached prefix of "
+                    f"{decode_prefix_len} tokens; a migrated request takes every row (no decode radix cache)"
+                )
+                self.abort()
+                return
             state_types = self.kv_mgr.kv_args.state_types
             lists = state_lists(list(state_indices), state_types)
             self.agent_receiver.init(kv_indices, lists, aux_index, seq_len=self.seq_len)
@@ -187,7 +195,7 @@ def build_receiver() -> type:
             return kv_poll(state)
 
         def failure_exception(self):
-            error = self.agent_receiver.failure_exception()
+            error = self.failure or self.agent_receiver.failure_exception()
             raise error if error is not None else TransferFailed(f"migration of room {self.bootstrap_room} failed")
 
         def abort(self) -> None:
