@@ -8,5 +8,6 @@ the decode, ``DecodePreallocQueue`` (``add``, ``pop_preallocated``) and ``Decode
 (``add``, ``pop_transferred``), driven by the decode mixin's own ``process_decode_queue``. The
 schedulers are stand-ins holding only what that code reads; the pools, requests (``Req``), token
 pools, allocators, tree caches and metadata buffers are SGLang's own. ``side`` is the child
-process (one per side), ``pair`` the parent.
+process (one per side), ``pair`` the parent; ``migrate`` (parent) and ``migrate_side`` (its
+children, the queue pair's too) move a request from one decode's running batch to another's.
 """

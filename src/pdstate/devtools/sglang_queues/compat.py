@@ -378,11 +378,14 @@ def _ring_rows(target, slot: int, tokens: int) -> tuple[np.ndarray, np.ndarray] 
     return slot * stride + positions % stride, positions
 
 
-def request_items(case, req, room: int) -> list:
+def request_items(case, req, room, tokens: int | None = None) -> list:
     """Per buffer of ``buffers(kv_args)``: ``(ptr, item length, {item: key})`` for the request as
-    it sits in this side's pools (its own token-pool row, SWA mapping and state slot)."""
+    it sits in this side's pools (its own token-pool row, SWA mapping and state slot); ``tokens``:
+    its sequence length (its prompt's by default; a running request's grows), ``room``: what the
+    keys name."""
     pools, page = case.pools, case.pools.side.page_size
-    tokens, slot = len(req.origin_input_ids), int(req.kv.req_pool_idx)
+    tokens = len(req.origin_input_ids) if tokens is None else tokens
+    slot = int(req.kv.req_pool_idx)
     row = case.sched.req_to_token_pool.req_to_token[slot, :tokens].to(torch.int64)
     window_start = max(0, tokens - pools.target.sliding_window) // page * page
     swa = pools.alloc.translate_loc_from_full_to_swa(row[window_start:tokens])

@@ -1,4 +1,5 @@
-"""The parent of the scheduler-queue driver: a prefill child and a decode child (``side.py``).
+"""The parent of the scheduler-queue driver: a prefill child and a decode child (``side.py``'s
+commands, served by ``migrate_side.py``, which adds a running request's migration: ``migrate``).
 
 ``QueuePair.run_case`` sets up both sides for a case (the prefill first: it starts the bootstrap
 server on a free port), then runs each request on both sides at once; each side polls its queues
@@ -19,7 +20,9 @@ from pdstate.devtools.sglang_pair.child import Child, ChildPair
 from pdstate.devtools.sglang_pair.pair import child_env, env_dir, free_port
 
 REPLY = "@@queues "
-SIDE_MODULE = "pdstate.devtools.sglang_queues.side"  # what each child runs
+SIDE_MODULE = (
+    "pdstate.devtools.sglang_queues.migrate_side"  # what each child runs (``side``, and running requests moved)
+)
 STDERR_TAIL = 6000  # characters of a silent child's stderr in its error
 SLACK_S = 30.0  # what a child may take beyond a request's deadline to answer (setup, byte checks)
 SETUP_S = 120.0

@@ -52,7 +52,9 @@ HOST = "127.0.0.1"
 POLL_S = 0.0005
 CHUNK_TOKENS = 512  # the first chunk (two pages of 256): a non-last send_kv_chunk, then the last one
 
-S = SimpleNamespace(role="", backend="", port=0, installed=False, group=None, engine=False, case=None, env_set=[])
+S = SimpleNamespace(
+    role="", backend="", port=0, installed=False, group=None, engine=False, case=None, env_set=[], held={}
+)
 
 
 class Streamer:
@@ -149,6 +151,9 @@ def _request(room: int, tokens: int, mode):
     )  # fmt: skip
 
 
+make_request, outcome_of = _request, _outcome  # for the drivers built on this side (``migrate_side``)
+
+
 # -- prefill
 def run_prefill(
     room: int, tokens: int, deadline_s: float, hold_s: float = 0.0, stall_after_s: float = 0.0, stall_s: float = 0.0
@@ -229,8 +234,10 @@ def run_decode(
     stall_after_s: float | None = None,
     stall_s: float = 0.0,
     check_after_s: float = 0.0,
+    hold: bool = False,
 ) -> dict:
-    """One request through the decode's queues. ``abort_after_s``: that long after its destination
+    """One request through the decode's queues (``hold``: a request that arrived is kept, its
+    pages held, in ``S.held`` by room, for ``migrate_side`` to run; else released after the check). ``abort_after_s``: that long after its destination
     was named (``send_metadata``), the request is aborted as the scheduler's ``abort_request``
     does for a transfer-queue request (``kv_receiver.abort()``), and the queues are polled on
     until its pages are released (0.5.23: deferred release, on the prefill's acknowledgement or
@@ -334,7 +341,9 @@ def run_decode(
         if concluded is not None:
             times["concluded_to_release_bytes"] = _changed(concluded, image)
     out = {"outcome": outcome, "failure": failure, **times, **case.published.get(room, {})}
-    out.update(_check(case, req, room, times.pop("meta_index", None)))
+    out.update(_check(case, req, room, times.pop("meta_index", None), release=not (hold and outcome == "Success")))
+    if hold and outcome == "Success":
+        S.held[room] = req
     return out
 
 
@@ -366,7 +375,7 @@ def _meta_index(sched, req) -> int | None:
     return None
 
 
-def _check(case, req, room: int, meta_index: int | None = None) -> dict:
+def _check(case, req, room: int, meta_index: int | None = None, release: bool = True) -> dict:
     """Every byte of the request's items and of the rest of the decode's registered memory (the
     aux row the request held is the decode's own: SGLang clears it when it lets the request go)."""
     out = {"bytes_checked": 0, "items": 0, "wrong_items": 0, "outside_bytes": 0, "changed_bytes": 0}
@@ -415,7 +424,8 @@ def _check(case, req, room: int, meta_index: int | None = None) -> dict:
         items_by[kind] = items_by.get(kind, 0) + len(keys)
     out["wrong_by"], out["items_by"] = wrong_by, items_by
     out["placed"] = placed
-    compat.release_decode(case, req)
+    if release:
+        compat.release_decode(case, req)
     return out
 
 
