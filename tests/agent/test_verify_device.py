@@ -113,3 +113,21 @@ def test_a_decode_digesting_on_its_device_agrees_with_a_host_prefill(damage):
         pa.close()
         p.close()
         d.close()
+
+
+def test_digests_hashed_beside_the_copy_refuse_to_be_fused_with_their_own_words(layout):
+    """Neither a device-form ``full`` digest nor a ``sampled`` one can be hashed inside the copy;
+    each says which it is, and neither is offered to the copy (``fusable``)."""
+    _, lay = layout
+    cases = [
+        (PositionDigest(lay, seed=1, n_pages=37), "a device-form digest is hashed beside the copy, not in it"),
+        (SampleDigest(lay, seed=1, lengths=[37, 3, 3]), "a sampled digest is hashed beside the copy, not in it"),
+    ]
+    for d, text in cases:
+        assert d.fusable is False
+        with pytest.raises(ValueError) as e:
+            d.streams(np.zeros(1, np.uint64), np.zeros(1, np.uint64))
+        assert str(e.value) == text
+        with pytest.raises(ValueError) as e:
+            d.fused_streams([(0, [1])])
+        assert str(e.value) == text

@@ -202,14 +202,36 @@ def _device_items(ptr: int, item_len: int, idx: np.ndarray, device: str):
     return base.view(-1, item_len)[torch.from_numpy(idx - lo).to(base.device)]
 
 
-class PositionDigest(RequestDigest):
+class _BesideCopy(RequestDigest):
+    """A digest hashed beside the copy, never fused into it: each update is read on the calling
+    thread (``_rows`` picks, ``_run`` reads), and ``streams``/``fused_streams`` refuse with
+    ``beside`` (the kind of digest, in the error's words)."""
+
+    fusable = False
+    beside = "a digest"  # what ``streams`` and ``fused_streams`` call this digest when they refuse
+
+    def update_many(self, updates, threads: int | None = None) -> None:
+        """``update`` for each ``(channel, indices)``, on this thread (what it reads is small, or
+        only its values cross to the CPU)."""
+        self.wait()
+        with self._lock:
+            self._run([r for c, idx in updates for r in self._rows(c, idx)])
+
+    def streams(self, src, length):
+        raise ValueError(f"{self.beside} is hashed beside the copy, not in it")
+
+    def fused_streams(self, updates):
+        raise ValueError(f"{self.beside} is hashed beside the copy, not in it")
+
+
+class PositionDigest(_BesideCopy):
     """A request's digest at ``full`` in device form: per (channel, buffer) one xxh3_128 stream
     of ``(list position, lane value)`` records of every item in list order — see
     ``proto/PROTOCOL.md`` §3. ``devices``: per channel, per buffer, ``None`` (host memory) or a
     torch device; a host buffer is reduced by numpy unless ``torch_on_host`` (the device path on
     CPU tensors)."""
 
-    fusable = False  # hashed beside the copy (only its values cross to the CPU)
+    beside = "a device-form digest"  # hashed beside the copy (only its values cross to the CPU)
 
     def __init__(
         self,
@@ -252,18 +274,6 @@ class PositionDigest(RequestDigest):
             rec = np.stack([pos.astype(np.uint64), vals.astype(np.uint64)], axis=1).astype("<u8")
             self._hashers[channel][b].update(rec.tobytes())
         self.seconds += time.perf_counter() - t0
-
-    def update_many(self, updates, threads: int | None = None) -> None:
-        """``update`` for each ``(channel, indices)``, on this thread (only values cross to the CPU)."""
-        self.wait()
-        with self._lock:
-            self._run([r for c, idx in updates for r in self._rows(c, idx)])
-
-    def streams(self, src, length):
-        raise ValueError("a device-form digest is hashed beside the copy, not in it")
-
-    def fused_streams(self, updates):
-        raise ValueError("a device-form digest is hashed beside the copy, not in it")
 
     def digest(self) -> bytes:
         self.wait()
@@ -342,7 +352,7 @@ def _layout_table(key: bytes, sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
     return channel, buffer, ptrs, items, block, stratum, align, slots, bj
 
 
-class SampleDigest(RequestDigest):
+class SampleDigest(_BesideCopy):
     """A request's digest at ``sampled`` (sample rule ``SAMPLE_RULE``), host or device form: per
     channel the items of the sample (``sample_mask`` over the channel's list, the channel in the
     seed), of each such item every buffer, of each buffer ``SAMPLE_BLOCKS`` blocks of
@@ -354,7 +364,7 @@ class SampleDigest(RequestDigest):
     beside the copy, never fused into it, and a last chunk's state not sent ahead of its pages
     (``split_state``)."""
 
-    fusable = False
+    beside = "a sampled digest"
     split_state = False
 
     def __init__(
@@ -501,18 +511,6 @@ class SampleDigest(RequestDigest):
                 else:
                     out[sel] = lane_values_host(_gather_host(addr[sel], n))
         return out
-
-    def update_many(self, updates, threads: int | None = None) -> None:
-        """``update`` for each ``(channel, indices)``, on this thread (the sample is small)."""
-        self.wait()
-        with self._lock:
-            self._run([r for c, idx in updates for r in self._rows(c, idx)])
-
-    def streams(self, src, length):
-        raise ValueError("a sampled digest is hashed beside the copy, not in it")
-
-    def fused_streams(self, updates):
-        raise ValueError("a sampled digest is hashed beside the copy, not in it")
 
     def digest(self) -> bytes:
         self.wait()
