@@ -131,3 +131,25 @@ def test_digests_hashed_beside_the_copy_refuse_to_be_fused_with_their_own_words(
         with pytest.raises(ValueError) as e:
             d.fused_streams([(0, [1])])
         assert str(e.value) == text
+
+
+def test_a_sampled_digest_reads_its_own_layouts_memory(layout):
+    """The layout's table is made once per layout: a second layout of the same shape over other
+    buffers (the same bytes) digests the same, reads its own memory (a byte changed there changes
+    its digest, not the first's), and a layout given as arrays is the same layout."""
+    bufs, lay = layout
+    copies = [b.copy() for b in bufs]
+    it = iter(copies)
+    other = [([next(it).ctypes.data for _ in p], i) for p, i in lay]
+    as_arrays = [(np.array(p, dtype=np.uint64), np.array(i)) for p, i in lay]
+
+    def of(lay_) -> bytes:
+        d = SampleDigest(lay_, seed=99, lengths=[64, 64, 64])
+        d.update_many([(0, list(range(64))), (1, list(range(64))), (2, list(range(64)))])
+        return d.digest()
+
+    first = of(lay)
+    assert of(other) == first and of(as_arrays) == first
+    copies[0][: 4096 // 4] ^= 0xFF  # item 0 of main KV's first buffer (always sampled): its first quarter
+    assert of(other) != first
+    assert of(lay) == first

@@ -337,19 +337,68 @@ def block_offsets(seed: int, channel: int, item_lens) -> np.ndarray:
     return j * stratum[:, None] + (r % slots.astype(np.uint64)[:, None]).astype(np.int64) * align[:, None]
 
 
+class _SampleShape:
+    """What a sampled digest of one layout needs whatever the request, made once per layout
+    (``_sample_shape``): per channel its addresses and item lengths (uint64, as ``RequestDigest``
+    keeps them) and its span of the flat buffer list; per buffer (flat, channel by channel) its
+    address, item length, block length, stratum, alignment, slots and ``b << 8 | j`` per block;
+    per channel the blocks' lengths and buffers of one sampled item in read order (buffer, then
+    block), their bytes, and whether every block is whole (``SAMPLE_BLOCK`` bytes: gathered
+    together with the other such channels, host form)."""
+
+    def __init__(self, layout) -> None:
+        self.layout = [(np.asarray(p, dtype=np.uint64), np.asarray(i, dtype=np.uint64)) for p, i in layout]
+        sizes = [len(p) for p, _ in self.layout]
+        self.channels = len(sizes)
+        flat = [np.asarray(x, dtype=np.uint64).astype(np.int64) for pair in self.layout for x in pair]
+        self.ptrs = np.concatenate(flat[0::2]) if flat else np.empty(0, np.int64)
+        self.items = np.concatenate(flat[1::2]) if flat else np.empty(0, np.int64)
+        self.channel = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+        bounds = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64))).astype(np.int64)
+        buffer = np.arange(self.ptrs.size, dtype=np.int64) - np.repeat(bounds[:-1], sizes)
+        self.block, self.stratum, self.align, self.slots = _block_grid(self.items)
+        self.slots_u64 = self.slots.astype(np.uint64)[:, None]
+        self.strata = np.arange(SAMPLE_BLOCKS, dtype=np.int64)[None, :] * self.stratum[:, None]
+        self.bj = (buffer.astype(np.uint64)[:, None] << np.uint64(8)) | np.arange(SAMPLE_BLOCKS, dtype=np.uint64)[
+            None, :
+        ]
+        self.channel_keys = np.arange(len(sizes), dtype=np.uint64) << np.uint64(56)
+        self.spans = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
+        self.item_lens, self.lens, self.bufs, self.item_bytes, self.whole = [], [], [], [], []
+        for lo, hi in self.spans:
+            blocks = self.block[lo:hi]
+            one = hi > lo and int(blocks.min()) == int(blocks.max())
+            self.item_lens.append(self.items[lo:hi])
+            self.lens.append(int(blocks[0]) if one else np.repeat(blocks, SAMPLE_BLOCKS))
+            self.bufs.append(np.repeat(np.arange(hi - lo), SAMPLE_BLOCKS))
+            self.item_bytes.append(int(blocks.sum()) * SAMPLE_BLOCKS)
+            self.whole.append(one and int(blocks[0]) == SAMPLE_BLOCK)
+
+    def first(self, seed: int) -> np.ndarray:
+        """Per buffer and block of a request of sample seed ``seed``: its address in item 0 (the
+        buffer's address plus ``block_offsets``), ``[buffers, SAMPLE_BLOCKS]`` int64."""
+        keys = _splitmix(np.uint64(seed & _M64) ^ self.channel_keys)
+        r = _splitmix(self.bj ^ keys[self.channel][:, None])
+        return self.ptrs[:, None] + self.strata + (r % self.slots_u64).astype(np.int64) * self.align[:, None]
+
+
 @functools.lru_cache(maxsize=32)
-def _layout_table(key: bytes, sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
-    """Every buffer of a digest layout, channel by channel (``key``: their addresses then item
-    lengths, int64; ``sizes``: buffers per channel): channel, buffer in its channel, address,
-    item length, block length, stratum, alignment, slots; and ``b << 8 | j`` per block."""
-    flat = np.frombuffer(key, dtype=np.int64).reshape(2, -1)
-    ptrs, items = flat[0], flat[1]
-    channel = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
-    start = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
-    buffer = np.arange(ptrs.size, dtype=np.int64) - np.repeat(start, sizes)
-    block, stratum, align, slots = _block_grid(items)
-    bj = (buffer.astype(np.uint64)[:, None] << np.uint64(8)) | np.arange(SAMPLE_BLOCKS, dtype=np.uint64)[None, :]
-    return channel, buffer, ptrs, items, block, stratum, align, slots, bj
+def _shape_of(key: tuple) -> _SampleShape:
+    return _SampleShape(key)
+
+
+def _sample_shape(layout) -> _SampleShape:
+    """The shape of ``layout`` (``[(ptrs, item_lens)]`` per channel), made once per layout: both
+    agents digest every request over the same layout."""
+    return _shape_of(
+        tuple(
+            (
+                tuple(p) if type(p) is list else tuple(np.asarray(p).tolist()),
+                tuple(i) if type(i) is list else tuple(np.asarray(i).tolist()),
+            )
+            for p, i in layout
+        )
+    )
 
 
 class SampleDigest(_BesideCopy):
@@ -362,7 +411,8 @@ class SampleDigest(_BesideCopy):
     (item, then buffer, then block), so the prefill's chunks and the decode's pieces give the same
     streams. Small (70 KB at 2k tokens of ``dsv4-flash``, 276 KB at 32k): gathered and hashed
     beside the copy, never fused into it, and a last chunk's state not sent ahead of its pages
-    (``split_state``)."""
+    (``split_state``). What does not depend on the request (the layout's table) is made once per
+    layout (``_sample_shape``)."""
 
     beside = "a sampled digest"
     split_state = False
@@ -378,7 +428,8 @@ class SampleDigest(_BesideCopy):
         torch_on_host: bool = False,
     ) -> None:
         # ``RequestDigest``'s state, less its per-buffer hashers (this digest has one stream per channel)
-        self._layout = [(np.asarray(p, dtype=np.uint64), np.asarray(i, dtype=np.uint64)) for p, i in layout]
+        self._shape = _sample_shape(layout)
+        self._layout = self._shape.layout
         self._hashers = []
         self.bytes, self.seconds, self.fused = 0, 0.0, False
         self._lock, self._qlock = threading.Lock(), threading.Lock()
@@ -393,24 +444,6 @@ class SampleDigest(_BesideCopy):
         self._first = None  # per buffer and block: its address in the buffer's item 0 (made on first use)
         self._prepared = None  # ``prepare``'s rows and their plan
 
-    def _table(self):
-        """The layout's buffers (``_layout_table``) and this request's block addresses in item 0."""
-        sizes = tuple(len(p) for p, _ in self._layout)
-        key = np.concatenate(
-            [np.concatenate([p for p, _ in self._layout]), np.concatenate([i for _, i in self._layout])]
-        ).astype(np.int64)
-        table = _layout_table(key.tobytes(), sizes)
-        if self._first is None:
-            channel, _, ptrs, _, _, stratum, align, slots, bj = table
-            keys = _splitmix(np.uint64(self.seed & _M64) ^ (np.arange(len(sizes), dtype=np.uint64) << np.uint64(56)))
-            r = _splitmix(bj ^ keys[channel][:, None])
-            j = np.arange(SAMPLE_BLOCKS, dtype=np.int64)[None, :]
-            offs = j * stratum[:, None] + (r % slots.astype(np.uint64)[:, None]).astype(np.int64) * align[:, None]
-            self._first = ptrs[:, None] + offs
-            bounds = np.concatenate(([0], np.cumsum(sizes))).tolist()
-            self._spans = list(zip(bounds, bounds[1:]))
-        return table
-
     def _rows(self, channel: int, indices) -> list:
         """One update: ``(channel, its items, the list position of the first)``; the channel's
         count moved on (the sample is picked and read by ``_run``)."""
@@ -423,8 +456,12 @@ class SampleDigest(_BesideCopy):
         """Pick the sample of ``rows``: per channel the sampled list positions (u64le bytes), the
         blocks' addresses, lengths and buffers (``parts``), and the addresses of the blocks of
         every channel whose blocks are whole, concatenated (host form: gathered at once)."""
-        _, _, _, items, block, _, _, _, _ = self._table()
+        shape = self._shape
+        if self._first is None:
+            self._first = shape.first(self.seed)
+        first, host = self._first, self.form == "host"
         positions, parts, nbytes = [], [], 0
+        whole: list = []  # host form: (channel, addresses) of whole blocks
         for channel, idx, start in rows:
             n = self.lengths[channel]
             if start == 0 and idx.size == n and n <= 2:
@@ -434,23 +471,23 @@ class SampleDigest(_BesideCopy):
                 keep = sample_mask((self.seed ^ (channel << 56)) & _M64, pos, n)
                 idx, pos = idx[keep], pos[keep]
             positions.append((channel, pos.astype("<u8").tobytes()))
-            lo, hi = self._spans[channel]
+            lo, hi = shape.spans[channel]
             if idx.size == 0 or hi == lo:
                 continue
-            it = items[lo:hi]
-            addr = (self._first[None, lo:hi, :] + (idx[:, None] * it[None, :])[:, :, None]).reshape(-1)
-            blocks = block[lo:hi]
-            one = int(blocks.min()) == int(blocks.max())
-            lens = int(blocks[0]) if one else np.tile(np.repeat(blocks, SAMPLE_BLOCKS), idx.size)
-            bufs = np.tile(np.repeat(np.arange(hi - lo), SAMPLE_BLOCKS), idx.size)
-            parts.append((channel, addr, lens, bufs))
-            nbytes += int(blocks.sum()) * SAMPLE_BLOCKS * idx.size
+            addr = (first[None, lo:hi, :] + (idx[:, None] * shape.item_lens[channel][None, :])[:, :, None]).reshape(-1)
+            nbytes += shape.item_bytes[channel] * idx.size
+            if host and shape.whole[channel]:
+                whole.append((channel, addr))
+                continue
+            lens = shape.lens[channel]
+            if not isinstance(lens, int):
+                lens = np.tile(lens, idx.size)
+            parts.append((channel, addr, lens, None if host else np.tile(shape.bufs[channel], idx.size)))
         together = None
-        if self.form == "host":
-            whole = [p for p in parts if isinstance(p[2], int) and p[2] == SAMPLE_BLOCK]
-            if len(whole) > 1:
-                together = ([(c, a.size) for c, a, _, _ in whole], np.concatenate([p[1] for p in whole]))
-                parts = [p for p in parts if not any(p is w for w in whole)]
+        if len(whole) > 1:
+            together = ([(c, a.size) for c, a in whole], np.concatenate([a for _, a in whole]))
+        elif whole:
+            parts.insert(0, (whole[0][0], whole[0][1], SAMPLE_BLOCK, None))
         return positions, parts, together, nbytes
 
     def prepare(self, updates) -> None:
@@ -535,7 +572,7 @@ def _gather_host(addr: np.ndarray, lens: np.ndarray | int) -> np.ndarray:
     over the span they lie in, which is never read outside the blocks."""
     lo = int(addr.min())
     rel = addr - lo
-    if np.ndim(lens) == 0:  # rows of n bytes starting at every byte of the span: row i is lo + i
+    if isinstance(lens, int):  # rows of n bytes starting at every byte of the span: row i is lo + i
         n = int(lens)
         rows = np.asarray(_HostSpan(lo, int(rel.max()) + 1, n))
         return rows[rel].view(np.uint8).reshape(-1, n)
