@@ -53,6 +53,7 @@ __all__ = [
     "Handshake",
     "Hangup",
     "Notify",
+    "PickSample",
     "Refused",
     "RequestForm",
     "Send",
@@ -114,7 +115,16 @@ class Refused:
     error: AuthError
 
 
-Action = Dial | Send | Hangup | Notify | Refused
+@dataclass(frozen=True, slots=True)
+class PickSample:
+    """Give the core ``DecodeCore.pick_sample(recv)`` once the actions before it are performed:
+    a request just sent opens its digest and picks its sample after its frame went out, not
+    before (the prefill's work starts a digest's opening earlier)."""
+
+    recv: Receiving
+
+
+Action = Dial | Send | Hangup | Notify | Refused | PickSample
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +195,12 @@ class DecodeCore:
         """The actions since the last drain, in order."""
         out, self._out = self._out, []
         return out
+
+    def pick_sample(self, recv: Receiving) -> None:
+        """A request sent (``PickSample``): open its digest and pick its sample (``sampled``) in
+        the background, unless it ended or is aborting meanwhile."""
+        if recv.sent and recv.aborting is None and not recv.record.state.terminal:
+            self.digests.prepare(recv)
 
     # --- the caller's commands ----------------------------------------------------------------
 
@@ -488,7 +504,8 @@ class DecodeCore:
         recv.sent_at = now
         self.digests.restart(recv)  # sent again: everything lands again
         self._send(p, recv.request)
-        self.digests.prepare(recv)  # a sampled digest picks its sample in the background meanwhile
+        if self.digests.wants_sample(recv):  # once the request is out: its sample, while the prefill copies
+            self._out.append(PickSample(recv))
 
     def _live(self, address: str) -> Iterator[Receiving]:
         for (a, _), recv in self.recvs.items():
