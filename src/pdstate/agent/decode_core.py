@@ -379,7 +379,9 @@ class DecodeCore:
         if p is None:
             return
         p.last_seen = now
-        if isinstance(msg, (wire.Accept, wire.Reject)):
+        if type(msg) is wire.TransferDone:  # a request's own frame first (a model's isinstance is ~0.6 us)
+            self._on_done(p, msg, now)
+        elif isinstance(msg, (wire.Accept, wire.Reject)):
             self._on_handshake(p, msg, now)
         elif isinstance(msg, wire.Challenge):
             if p.state is _P.PENDING or p.redial:  # prove the memory this decode named is its own

@@ -632,6 +632,8 @@ def request_digest(layout, devices, req, n_channels: int, level: str, form: str 
     """One side's digest of the request ``req`` (a ``wire.AgentRequest``) at ``level``: its
     channels (aux only when the request names an aux slot), in ``form`` (default: ``device`` when
     the request asks it or this side's memory is on a device)."""
+    if level == "off":
+        return None
     k = len(layout) if req.dst_aux is not None else n_channels
     if form is None:
         form = "device" if req.digest_form == "device" or on_device(devices[:k]) else "host"
