@@ -6,8 +6,9 @@ timer tick (``on_tick``), the caller's commands (``add``, ``init``, ``abort``, `
 ``forget``, ``reregister``, ``close``) -- each with the clock as ``now`` where it matters;
 outputs are actions appended to an outbox the shell drains (``drain()``): ``Dial`` a fresh
 connection, ``Send`` a message, ``Hangup``, ``Notify`` (a caller's fence callback, run by the
-shell) and ``Refused`` (an auth refusal to count). No socket, thread or clock in here: the shell
-(``agent.decode.DecodeAgent``) owns those and performs the actions in order. The engine is reached
+shell), ``Refused`` (an auth refusal to count) and ``PickSample`` (handed back to the core, once
+the request's frame before it went out, as ``pick_sample``). No socket, thread or clock in here:
+the shell (``agent.decode.DecodeAgent``) owns those and performs the actions in order. The engine is reached
 through a narrow port (``DecodePort``): the proof of memory ownership a prefill asks and the
 digest of the landed bytes (``agent.decode_frames``).
 
