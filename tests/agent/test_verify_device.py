@@ -117,3 +117,43 @@ def test_a_decode_digesting_on_its_device_agrees_with_a_host_prefill(damage):
         p.close()
         d.close()
         stack.close()
+
+
+def test_digests_hashed_beside_the_copy_refuse_to_be_fused_with_their_own_words(layout):
+    """Neither a device-form ``full`` digest nor a ``sampled`` one can be hashed inside the copy;
+    each says which it is, and neither is offered to the copy (``fusable``)."""
+    _, lay = layout
+    cases = [
+        (PositionDigest(lay, seed=1, n_pages=37), "a device-form digest is hashed beside the copy, not in it"),
+        (SampleDigest(lay, seed=1, lengths=[37, 3, 3]), "a sampled digest is hashed beside the copy, not in it"),
+    ]
+    for d, text in cases:
+        assert d.fusable is False
+        with pytest.raises(ValueError) as e:
+            d.streams(np.zeros(1, np.uint64), np.zeros(1, np.uint64))
+        assert str(e.value) == text
+        with pytest.raises(ValueError) as e:
+            d.fused_streams([(0, [1])])
+        assert str(e.value) == text
+
+
+def test_a_sampled_digest_reads_its_own_layouts_memory(layout):
+    """The layout's table is made once per layout: a second layout of the same shape over other
+    buffers (the same bytes) digests the same, reads its own memory (a byte changed there changes
+    its digest, not the first's), and a layout given as arrays is the same layout."""
+    bufs, lay = layout
+    copies = [b.copy() for b in bufs]
+    it = iter(copies)
+    other = [([next(it).ctypes.data for _ in p], i) for p, i in lay]
+    as_arrays = [(np.array(p, dtype=np.uint64), np.array(i)) for p, i in lay]
+
+    def of(lay_) -> bytes:
+        d = SampleDigest(lay_, seed=99, lengths=[64, 64, 64])
+        d.update_many([(0, list(range(64))), (1, list(range(64))), (2, list(range(64)))])
+        return d.digest()
+
+    first = of(lay)
+    assert of(other) == first and of(as_arrays) == first
+    copies[0][: 4096 // 4] ^= 0xFF  # item 0 of main KV's first buffer (always sampled): its first quarter
+    assert of(other) != first
+    assert of(lay) == first

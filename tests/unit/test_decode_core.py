@@ -22,6 +22,7 @@ from pdstate.agent.decode_core import (
     Dial,
     Hangup,
     Notify,
+    PickSample,
     Refused,
     RequestForm,
     Send,
@@ -618,8 +619,32 @@ def test_a_sampled_decode_on_a_device_asks_for_a_sampled_device_form_digest():
     recv = add(core, 1)
     core.on_frame(PREFILL, accept(), 100.1)
     core.init(recv, PAGES, STATE, None, None, 100.2)
-    request = core.drain()[-1].msg
+    *_, send, pick = core.drain()
+    request = send.msg
     assert (request.digest, request.verify, request.digest_form, request.dst_aux) == (True, "sampled", "device", None)
+    assert pick == PickSample(recv)
+
+
+def test_a_sampled_request_opens_its_digest_only_after_its_frame_went_out():
+    """The request's frame is the last ``Send`` before ``PickSample``; the digest is opened when
+    the shell gives the core ``pick_sample`` back, and not for a request aborted meanwhile."""
+    core, port = make()
+    core.form = dataclasses.replace(core.form, verify="sampled")
+    recv = add(core, 1)
+    core.on_frame(PREFILL, accept(), 100.1)
+    core.drain()
+    core.init(recv, PAGES, STATE, None, None, 100.2)
+    actions = core.drain()
+    assert [type(a) for a in actions] == [Send, PickSample] and type(actions[0].msg) is wire.AgentRequest
+    assert port.digests == []  # nothing opened before the frame went out
+    core.pick_sample(recv)
+    assert len(port.digests) == 1 and recv.digest is port.digests[0]
+    ended = add(core, 2)
+    core.init(ended, PAGES, STATE, None, None, 100.3)
+    *_, pick = core.drain()
+    core.abort(ended, "stop")
+    core.pick_sample(pick.recv)
+    assert len(port.digests) == 1 and ended.digest is None
 
 
 def test_frames_of_an_unknown_prefill_or_an_aborting_room_change_nothing():

@@ -25,6 +25,7 @@ from pdstate.agent.decode_core import (
     Dial,
     Hangup,
     Notify,
+    PickSample,
     Refused,
     RequestForm,
     Send,
@@ -301,6 +302,8 @@ class DecodeAgent(AgentLifetime):
                     log.exception("room %d: a fence callback failed", action.room)
             elif isinstance(action, Refused):
                 self.auth_failures.note(action.error, action.peer)
+            elif isinstance(action, PickSample):
+                self._core.pick_sample(action.recv)  # after the request's frame went out
 
     def _send(self, address: str, msg: wire.Message) -> None:
         link = self._prefills.get(address)

@@ -68,11 +68,18 @@ class LandedDigests:
         if updates:
             recv.digest.update_async(updates)
 
+    def wants_sample(self, recv: Receiving) -> bool:
+        """Whether a request just sent has a sample to pick (``sampled``, its digest not open)."""
+        req = recv.request
+        return (
+            self.enabled and req is not None and recv.digest is None and level_of(req.digest, req.verify) == "sampled"
+        )
+
     def prepare(self, recv: Receiving) -> None:
         """A request just sent: its digest opened and, where it can (``sampled``), the sample of
         its whole destination picked in the background while the prefill copies."""
         req = recv.request
-        if not self.enabled or req is None or recv.digest is not None or level_of(req.digest, req.verify) != "sampled":
+        if not self.wants_sample(recv):
             return
         recv.digest = self.port.open_digest(req, "sampled", None)
         if hasattr(recv.digest, "prepare_async"):

@@ -124,12 +124,21 @@ def sample_seed(room: int, packed_pages: bytes) -> int:
     return xxhash.xxh3_64_intdigest(b"pdstate-sample|%d|" % room + packed_pages)
 
 
+_SPLITMIX = tuple(np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 30, 27, 31))
+
+
 def _splitmix(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
+    """splitmix64's finaliser of each value, modulo 2**64 (array ufuncs in place: they wrap
+    without a warning, and make no temporaries; ~4x faster than the same expression written out)."""
+    c1, c2, c3, s30, s27, s31 = _SPLITMIX
+    z = np.array(x, dtype=np.uint64)
+    np.add(z, c1, out=z)
+    np.bitwise_xor(z, np.right_shift(z, s30), out=z)
+    np.multiply(z, c2, out=z)
+    np.bitwise_xor(z, np.right_shift(z, s27), out=z)
+    np.multiply(z, c3, out=z)
+    np.bitwise_xor(z, np.right_shift(z, s31), out=z)
+    return z
 
 
 def sample_mask(seed: int, positions: np.ndarray, n: int, rate: int = SAMPLE_RATE) -> np.ndarray:
@@ -202,14 +211,36 @@ def _device_items(ptr: int, item_len: int, idx: np.ndarray, device: str):
     return base.view(-1, item_len)[torch.from_numpy(idx - lo).to(base.device)]
 
 
-class PositionDigest(RequestDigest):
+class _BesideCopy(RequestDigest):
+    """A digest hashed beside the copy, never fused into it: each update is read on the calling
+    thread (``_rows`` picks, ``_run`` reads), and ``streams``/``fused_streams`` refuse with
+    ``beside`` (the kind of digest, in the error's words)."""
+
+    fusable = False
+    beside = "a digest"  # what ``streams`` and ``fused_streams`` call this digest when they refuse
+
+    def update_many(self, updates, threads: int | None = None) -> None:
+        """``update`` for each ``(channel, indices)``, on this thread (what it reads is small, or
+        only its values cross to the CPU)."""
+        self.wait()
+        with self._lock:
+            self._run([r for c, idx in updates for r in self._rows(c, idx)])
+
+    def streams(self, src, length):
+        raise ValueError(f"{self.beside} is hashed beside the copy, not in it")
+
+    def fused_streams(self, updates):
+        raise ValueError(f"{self.beside} is hashed beside the copy, not in it")
+
+
+class PositionDigest(_BesideCopy):
     """A request's digest at ``full`` in device form: per (channel, buffer) one xxh3_128 stream
     of ``(list position, lane value)`` records of every item in list order — see
     ``proto/PROTOCOL.md`` §3. ``devices``: per channel, per buffer, ``None`` (host memory) or a
     torch device; a host buffer is reduced by numpy unless ``torch_on_host`` (the device path on
     CPU tensors)."""
 
-    fusable = False  # hashed beside the copy (only its values cross to the CPU)
+    beside = "a device-form digest"  # hashed beside the copy (only its values cross to the CPU)
 
     def __init__(
         self,
@@ -252,18 +283,6 @@ class PositionDigest(RequestDigest):
             rec = np.stack([pos.astype(np.uint64), vals.astype(np.uint64)], axis=1).astype("<u8")
             self._hashers[channel][b].update(rec.tobytes())
         self.seconds += time.perf_counter() - t0
-
-    def update_many(self, updates, threads: int | None = None) -> None:
-        """``update`` for each ``(channel, indices)``, on this thread (only values cross to the CPU)."""
-        self.wait()
-        with self._lock:
-            self._run([r for c, idx in updates for r in self._rows(c, idx)])
-
-    def streams(self, src, length):
-        raise ValueError("a device-form digest is hashed beside the copy, not in it")
-
-    def fused_streams(self, updates):
-        raise ValueError("a device-form digest is hashed beside the copy, not in it")
 
     def digest(self) -> bytes:
         self.wait()
@@ -327,22 +346,71 @@ def block_offsets(seed: int, channel: int, item_lens) -> np.ndarray:
     return j * stratum[:, None] + (r % slots.astype(np.uint64)[:, None]).astype(np.int64) * align[:, None]
 
 
+class _SampleShape:
+    """What a sampled digest of one layout needs whatever the request, made once per layout
+    (``_sample_shape``): per channel its addresses and item lengths (uint64, as ``RequestDigest``
+    keeps them) and its span of the flat buffer list; per buffer (flat, channel by channel) its
+    address, item length, block length, stratum, alignment, slots and ``b << 8 | j`` per block;
+    per channel the blocks' lengths and buffers of one sampled item in read order (buffer, then
+    block), their bytes, and whether every block is whole (``SAMPLE_BLOCK`` bytes: gathered
+    together with the other such channels, host form)."""
+
+    def __init__(self, layout) -> None:
+        self.layout = [(np.asarray(p, dtype=np.uint64), np.asarray(i, dtype=np.uint64)) for p, i in layout]
+        sizes = [len(p) for p, _ in self.layout]
+        self.channels = len(sizes)
+        flat = [np.asarray(x, dtype=np.uint64).astype(np.int64) for pair in self.layout for x in pair]
+        self.ptrs = np.concatenate(flat[0::2]) if flat else np.empty(0, np.int64)
+        self.items = np.concatenate(flat[1::2]) if flat else np.empty(0, np.int64)
+        self.channel = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+        bounds = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64))).astype(np.int64)
+        buffer = np.arange(self.ptrs.size, dtype=np.int64) - np.repeat(bounds[:-1], sizes)
+        self.block, self.stratum, self.align, self.slots = _block_grid(self.items)
+        self.slots_u64 = self.slots.astype(np.uint64)[:, None]
+        self.strata = np.arange(SAMPLE_BLOCKS, dtype=np.int64)[None, :] * self.stratum[:, None]
+        self.bj = (buffer.astype(np.uint64)[:, None] << np.uint64(8)) | np.arange(SAMPLE_BLOCKS, dtype=np.uint64)[
+            None, :
+        ]
+        self.channel_keys = np.arange(len(sizes), dtype=np.uint64) << np.uint64(56)
+        self.spans = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
+        self.item_lens, self.lens, self.bufs, self.item_bytes, self.whole = [], [], [], [], []
+        for lo, hi in self.spans:
+            blocks = self.block[lo:hi]
+            one = hi > lo and int(blocks.min()) == int(blocks.max())
+            self.item_lens.append(self.items[lo:hi])
+            self.lens.append(int(blocks[0]) if one else np.repeat(blocks, SAMPLE_BLOCKS))
+            self.bufs.append(np.repeat(np.arange(hi - lo), SAMPLE_BLOCKS))
+            self.item_bytes.append(int(blocks.sum()) * SAMPLE_BLOCKS)
+            self.whole.append(one and int(blocks[0]) == SAMPLE_BLOCK)
+
+    def first(self, seed: int) -> np.ndarray:
+        """Per buffer and block of a request of sample seed ``seed``: its address in item 0 (the
+        buffer's address plus ``block_offsets``), ``[buffers, SAMPLE_BLOCKS]`` int64."""
+        keys = _splitmix(np.uint64(seed & _M64) ^ self.channel_keys)
+        r = _splitmix(self.bj ^ keys[self.channel][:, None])
+        return self.ptrs[:, None] + self.strata + (r % self.slots_u64).astype(np.int64) * self.align[:, None]
+
+
 @functools.lru_cache(maxsize=32)
-def _layout_table(key: bytes, sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
-    """Every buffer of a digest layout, channel by channel (``key``: their addresses then item
-    lengths, int64; ``sizes``: buffers per channel): channel, buffer in its channel, address,
-    item length, block length, stratum, alignment, slots; and ``b << 8 | j`` per block."""
-    flat = np.frombuffer(key, dtype=np.int64).reshape(2, -1)
-    ptrs, items = flat[0], flat[1]
-    channel = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
-    start = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
-    buffer = np.arange(ptrs.size, dtype=np.int64) - np.repeat(start, sizes)
-    block, stratum, align, slots = _block_grid(items)
-    bj = (buffer.astype(np.uint64)[:, None] << np.uint64(8)) | np.arange(SAMPLE_BLOCKS, dtype=np.uint64)[None, :]
-    return channel, buffer, ptrs, items, block, stratum, align, slots, bj
+def _shape_of(key: tuple) -> _SampleShape:
+    return _SampleShape(key)
 
 
-class SampleDigest(RequestDigest):
+def _sample_shape(layout) -> _SampleShape:
+    """The shape of ``layout`` (``[(ptrs, item_lens)]`` per channel), made once per layout: both
+    agents digest every request over the same layout."""
+    return _shape_of(
+        tuple(
+            (
+                tuple(p) if type(p) is list else tuple(np.asarray(p).tolist()),
+                tuple(i) if type(i) is list else tuple(np.asarray(i).tolist()),
+            )
+            for p, i in layout
+        )
+    )
+
+
+class SampleDigest(_BesideCopy):
     """A request's digest at ``sampled`` (sample rule ``SAMPLE_RULE``), host or device form: per
     channel the items of the sample (``sample_mask`` over the channel's list, the channel in the
     seed), of each such item every buffer, of each buffer ``SAMPLE_BLOCKS`` blocks of
@@ -352,9 +420,10 @@ class SampleDigest(RequestDigest):
     (item, then buffer, then block), so the prefill's chunks and the decode's pieces give the same
     streams. Small (70 KB at 2k tokens of ``dsv4-flash``, 276 KB at 32k): gathered and hashed
     beside the copy, never fused into it, and a last chunk's state not sent ahead of its pages
-    (``split_state``)."""
+    (``split_state``). What does not depend on the request (the layout's table) is made once per
+    layout (``_sample_shape``)."""
 
-    fusable = False
+    beside = "a sampled digest"
     split_state = False
 
     def __init__(
@@ -368,7 +437,8 @@ class SampleDigest(RequestDigest):
         torch_on_host: bool = False,
     ) -> None:
         # ``RequestDigest``'s state, less its per-buffer hashers (this digest has one stream per channel)
-        self._layout = [(np.asarray(p, dtype=np.uint64), np.asarray(i, dtype=np.uint64)) for p, i in layout]
+        self._shape = _sample_shape(layout)
+        self._layout = self._shape.layout
         self._hashers = []
         self.bytes, self.seconds, self.fused = 0, 0.0, False
         self._lock, self._qlock = threading.Lock(), threading.Lock()
@@ -383,24 +453,6 @@ class SampleDigest(RequestDigest):
         self._first = None  # per buffer and block: its address in the buffer's item 0 (made on first use)
         self._prepared = None  # ``prepare``'s rows and their plan
 
-    def _table(self):
-        """The layout's buffers (``_layout_table``) and this request's block addresses in item 0."""
-        sizes = tuple(len(p) for p, _ in self._layout)
-        key = np.concatenate(
-            [np.concatenate([p for p, _ in self._layout]), np.concatenate([i for _, i in self._layout])]
-        ).astype(np.int64)
-        table = _layout_table(key.tobytes(), sizes)
-        if self._first is None:
-            channel, _, ptrs, _, _, stratum, align, slots, bj = table
-            keys = _splitmix(np.uint64(self.seed & _M64) ^ (np.arange(len(sizes), dtype=np.uint64) << np.uint64(56)))
-            r = _splitmix(bj ^ keys[channel][:, None])
-            j = np.arange(SAMPLE_BLOCKS, dtype=np.int64)[None, :]
-            offs = j * stratum[:, None] + (r % slots.astype(np.uint64)[:, None]).astype(np.int64) * align[:, None]
-            self._first = ptrs[:, None] + offs
-            bounds = np.concatenate(([0], np.cumsum(sizes))).tolist()
-            self._spans = list(zip(bounds, bounds[1:]))
-        return table
-
     def _rows(self, channel: int, indices) -> list:
         """One update: ``(channel, its items, the list position of the first)``; the channel's
         count moved on (the sample is picked and read by ``_run``)."""
@@ -413,8 +465,12 @@ class SampleDigest(RequestDigest):
         """Pick the sample of ``rows``: per channel the sampled list positions (u64le bytes), the
         blocks' addresses, lengths and buffers (``parts``), and the addresses of the blocks of
         every channel whose blocks are whole, concatenated (host form: gathered at once)."""
-        _, _, _, items, block, _, _, _, _ = self._table()
+        shape = self._shape
+        if self._first is None:
+            self._first = shape.first(self.seed)
+        first, host = self._first, self.form == "host"
         positions, parts, nbytes = [], [], 0
+        whole: list = []  # host form: (channel, addresses) of whole blocks
         for channel, idx, start in rows:
             n = self.lengths[channel]
             if start == 0 and idx.size == n and n <= 2:
@@ -424,23 +480,23 @@ class SampleDigest(RequestDigest):
                 keep = sample_mask((self.seed ^ (channel << 56)) & _M64, pos, n)
                 idx, pos = idx[keep], pos[keep]
             positions.append((channel, pos.astype("<u8").tobytes()))
-            lo, hi = self._spans[channel]
+            lo, hi = shape.spans[channel]
             if idx.size == 0 or hi == lo:
                 continue
-            it = items[lo:hi]
-            addr = (self._first[None, lo:hi, :] + (idx[:, None] * it[None, :])[:, :, None]).reshape(-1)
-            blocks = block[lo:hi]
-            one = int(blocks.min()) == int(blocks.max())
-            lens = int(blocks[0]) if one else np.tile(np.repeat(blocks, SAMPLE_BLOCKS), idx.size)
-            bufs = np.tile(np.repeat(np.arange(hi - lo), SAMPLE_BLOCKS), idx.size)
-            parts.append((channel, addr, lens, bufs))
-            nbytes += int(blocks.sum()) * SAMPLE_BLOCKS * idx.size
+            addr = (first[None, lo:hi, :] + (idx[:, None] * shape.item_lens[channel][None, :])[:, :, None]).reshape(-1)
+            nbytes += shape.item_bytes[channel] * idx.size
+            if host and shape.whole[channel]:
+                whole.append((channel, addr))
+                continue
+            lens = shape.lens[channel]
+            if not isinstance(lens, int):
+                lens = np.tile(lens, idx.size)
+            parts.append((channel, addr, lens, None if host else np.tile(shape.bufs[channel], idx.size)))
         together = None
-        if self.form == "host":
-            whole = [p for p in parts if isinstance(p[2], int) and p[2] == SAMPLE_BLOCK]
-            if len(whole) > 1:
-                together = ([(c, a.size) for c, a, _, _ in whole], np.concatenate([p[1] for p in whole]))
-                parts = [p for p in parts if not any(p is w for w in whole)]
+        if len(whole) > 1:
+            together = ([(c, a.size) for c, a in whole], np.concatenate([a for _, a in whole]))
+        elif whole:
+            parts.insert(0, (whole[0][0], whole[0][1], SAMPLE_BLOCK, None))
         return positions, parts, together, nbytes
 
     def prepare(self, updates) -> None:
@@ -502,18 +558,6 @@ class SampleDigest(RequestDigest):
                     out[sel] = lane_values_host(_gather_host(addr[sel], n))
         return out
 
-    def update_many(self, updates, threads: int | None = None) -> None:
-        """``update`` for each ``(channel, indices)``, on this thread (the sample is small)."""
-        self.wait()
-        with self._lock:
-            self._run([r for c, idx in updates for r in self._rows(c, idx)])
-
-    def streams(self, src, length):
-        raise ValueError("a sampled digest is hashed beside the copy, not in it")
-
-    def fused_streams(self, updates):
-        raise ValueError("a sampled digest is hashed beside the copy, not in it")
-
     def digest(self) -> bytes:
         self.wait()
         head = b"pdstate-verify|sampled|rule%d|%s|%d|%s|%s|" % (
@@ -537,7 +581,7 @@ def _gather_host(addr: np.ndarray, lens: np.ndarray | int) -> np.ndarray:
     over the span they lie in, which is never read outside the blocks."""
     lo = int(addr.min())
     rel = addr - lo
-    if np.ndim(lens) == 0:  # rows of n bytes starting at every byte of the span: row i is lo + i
+    if isinstance(lens, int):  # rows of n bytes starting at every byte of the span: row i is lo + i
         n = int(lens)
         rows = np.asarray(_HostSpan(lo, int(rel.max()) + 1, n))
         return rows[rel].view(np.uint8).reshape(-1, n)
@@ -597,6 +641,8 @@ def request_digest(layout, devices, req, n_channels: int, level: str, form: str 
     """One side's digest of the request ``req`` (a ``wire.AgentRequest``) at ``level``: its
     channels (aux only when the request names an aux slot), in ``form`` (default: ``device`` when
     the request asks it or this side's memory is on a device)."""
+    if level == "off":
+        return None
     k = len(layout) if req.dst_aux is not None else n_channels
     if form is None:
         form = "device" if req.digest_form == "device" or on_device(devices[:k]) else "host"

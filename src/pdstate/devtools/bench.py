@@ -367,11 +367,18 @@ def run_bench(
 
 def _handshake_ms(decode, timeout_s: float, again: bool = False) -> float:
     """A decode worker's handshake with its prefill, in ms: the first (``again=False``, waited
-    for), or a new one (the decode registers again, the prefill re-validates everything)."""
+    for), or a new one (the decode registers again, the prefill re-validates everything). The
+    time is the decode's own (its register sent -> the answer taken); while it runs this thread
+    watches the decode's answer count, which it reads without the decode's I/O thread (asking that
+    thread every 0.5 ms, as ``prefills()`` does, put this thread's hand-offs inside the time)."""
     peer = decode.opts.peer
+    answers = decode.agent.handshakes
     t0 = time.monotonic()
     if again:
+        before = answers["accepted"] + answers["rejected"]
         decode.agent.reregister(peer)
+        while answers["accepted"] + answers["rejected"] == before and time.monotonic() - t0 < timeout_s:
+            time.sleep(0.0005)
     while time.monotonic() - t0 < timeout_s:
         p = decode.agent.prefills().get(peer)
         fresh = not again or (p is not None and p.registered_s_ago <= time.monotonic() - t0)
