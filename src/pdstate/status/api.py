@@ -208,8 +208,11 @@ def _migration_detail(m) -> str:
     """A failed migration's one line: the target's refusal or failure, in its words."""
     e = m.error
     why = f"{e.type}: {e.message}" if e is not None else "failed"
-    head = "the target refused it" if m.refused else "the target did not take it"
-    return f"room {m.room}: {head} ({why}); it runs on this decode again"
+    if m.refused:  # the handshake's sentences name the sender's side "prefill"
+        head = "the target refused it (this migrating decode is the handshake's prefill side)"
+    else:
+        head = "the target did not take it"
+    return f"room {m.room}: {head}: {why}; it runs on this decode again"
 
 
 def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
@@ -487,7 +490,7 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
             raise HTTPException(503, detail=r.reason)
         fut = source.submit(body.tokens, body.room, body.source, hold=True, step=body.step, migrated=True)
         res = await _worker(fut)
-        return TransferOut(**(res if isinstance(res, dict) else res.as_dict()))
+        return TransferOut(**(res if isinstance(res, dict) else res.as_dict()), worker_id=source.worker_id)
 
     @app.get(
         "/metrics", tags=["metrics"], response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}}

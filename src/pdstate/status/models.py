@@ -370,6 +370,7 @@ class TransferOut(BaseModel):
     verify_s: float = Field(0.0, description="decode: time checking the bytes that landed")
     prefill: str | None = Field(None, description="the control address of the prefill asked")
     held: bool = Field(False, description="kept running on this decode (hold)")
+    worker_id: str | None = Field(None, description="POST /v1/migrations/incoming: the target decode's worker id")
     step: int = Field(0, description="a held request's decode step")
 
 
@@ -425,6 +426,9 @@ class MigrationOut(BaseModel):
     downtime_s: float = Field(description="paused here -> running on the target (success only)")
     refused: bool = Field(description="the target refused it (layout, pair, protocol or keys)")
     error: ErrorModel | None = None
+    listener_error: ErrorModel | None = Field(
+        None, description="a refusal as this decode's migration listener recorded it (its own handshake's verdict)"
+    )
 
 
 class DrainOut(BaseModel):

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from pdstate import errors
 from pdstate.errors import PdStateError, PeerGone, TransferFailed, UnknownRoom
-from pdstate.protocol.lifecycle import RequestState
+from pdstate.protocol.lifecycle import PeerState, RequestState
 from pdstate.protocol.report import ErrorInfo
 
 log = logging.getLogger("pdstate.worker.migrate")
@@ -79,6 +79,7 @@ class Migration:
     downtime_s: float = 0.0
     refused: bool = False  # the target refused it (its handshake or its checks)
     error: ErrorInfo | None = None
+    listener_error: ErrorInfo | None = None  # the listener's own record of that refusal
 
     def as_dict(self) -> dict:
         return {
@@ -92,6 +93,7 @@ class Migration:
             "downtime_s": self.downtime_s,
             "refused": self.refused,
             "error": None if self.error is None else self.error.model_dump(),
+            "listener_error": None if self.listener_error is None else self.listener_error.model_dump(),
         }
 
 
@@ -194,7 +196,7 @@ class Migrations:
     # -- one migration, on a migration thread -----------------------------------------------------
     def _move(self, m: Migration, lists) -> Migration:
         t0 = time.perf_counter()
-        sender, ok, error = None, False, None
+        sender, ok, error, answer = None, False, None, {}
         try:
             sender = self.agent.sender(m.room, len(lists[0]))
             sender.send(lists[0], state_indices=list(lists[1:]))
@@ -223,10 +225,22 @@ class Migrations:
                 else ErrorInfo(type=type(error).__name__, message=str(error)[:1000])
             )
             m.status = "failed"
+            if m.refused:
+                m.listener_error = self._listener_verdict(answer.get("worker_id"))
             log.warning("room %d: migration to %s failed (%s): it runs here again", m.room, clip(m.to), m.error.type)
             self.worker.resume(m.room).result(timeout=self.answer_timeout_s)
         self._count(m)
         return m
+
+    def _listener_verdict(self, worker_id: object) -> ErrorInfo | None:
+        """Why the listener refused the decode ``worker_id`` (its handshake's own record)."""
+        if not isinstance(worker_id, str):
+            return None
+        try:
+            peers = self.agent.peers()
+        except (PdStateError, TimeoutError):
+            return None
+        return next((p.error for p in peers if p.id == worker_id and p.state is PeerState.REJECTED), None)
 
     def _fence(self, m: Migration, sender) -> None:
         """Nothing of the request is read or lands after this (the sender's fence)."""
