@@ -182,6 +182,10 @@ def test_unknown_rooms_and_bad_targets_get_clear_errors(cluster):
         assert r.status_code == 422, (to, r.text)
         assert "evil" not in r.text and "<script>" not in r.text
     assert http.post(f"{a}/v1/migrations", json={"room": 1, "to": b, "x": 1}).status_code == 422
+    # a target dials only a listener on its own host: it shows what it dials its memory
+    far = {"room": 1, "source": "tcp://10.0.0.1:5601", "tokens": 10}
+    r = http.post(f"{b}/v1/migrations/incoming", json=far)
+    assert r.status_code == 403 and "loopback" in r.json()["detail"]
     assert http.post(f"{a}/v1/transfers", json={"tokens": 10, "steps": 2}).status_code == 422  # steps need hold
     # a transfer without hold keeps serve's behaviour: verified, freed, nothing running
     r = http.post(f"{a}/v1/transfers", json={"tokens": 300, "room": 501})

@@ -64,6 +64,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pdstate import __version__
 from pdstate.errors import AgentClosed, EngineError, RoomInFlight, UnknownRoom, VersionMismatch
 from pdstate.protocol.compat import compat_errors
+from pdstate.protocol.hosts import is_loopback_host
 from pdstate.protocol.report import ErrorInfo
 from pdstate.protocol.wire import PROTOCOL_VERSION
 from pdstate.status.limits import BodyLimit
@@ -478,13 +479,17 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         response_model=TransferOut,
         tags=["migrations"],
         dependencies=[Depends(auth)],
-        responses={409: {}, 503: {}, 504: {}},
+        responses={403: {}, 409: {}, 503: {}, 504: {}},
     )
     async def post_incoming(body: IncomingIn) -> TransferOut:
         """Decode only, asked by a migrating decode: take the room's pages, ask the migrating
-        decode's listener (``source``) for its state (the handshake judges the pair), verify it at
-        decode step ``step`` and keep it running here. The answer is the transfer's record."""
+        decode's listener (``source``, a loopback address: 403 otherwise) for its state (the
+        handshake judges the pair), verify it at decode step ``step`` and keep it running here.
+        The answer is the transfer's record."""
         _decode_only()
+        host = body.source[len("tcp://") :].rsplit(":", 1)[0]
+        if not is_loopback_host(host):  # the decode shows its memory to what it dials (see /v1/transfers)
+            raise HTTPException(403, detail="a migrating decode's listener is on this host (a loopback address)")
         r = source.readiness()
         if not r.ready and r.check in ("local_check", "threads", "shutdown"):
             raise HTTPException(503, detail=r.reason)
