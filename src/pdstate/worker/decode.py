@@ -82,10 +82,10 @@ class AgentDecodeWorker(AgentWorker):
         self._pending: dict[int, rq.Pending] = {}  # room -> request, until it ends
         self._for_pages: deque[rq.Pending] = deque()  # in line for pages, first come first served
         self._busy: dict[int, rq.Pending] = {}  # waiting out a busy prefill
-        self._running: dict[
-            int, rq.Running
-        ] = {}  # room -> a request kept running (``hold``); mutated on the loop, under _lock
+        # room -> a request kept running (``hold``): changed on the request loop, under _lock
+        self._running: dict[int, rq.Running] = {}
         self.migrations = None  # the migrating side (``worker.migrate.Migrations``), made on first use
+        self._migrations_lock = threading.Lock()
 
     def start(self) -> AgentDecodeWorker:
         """Raises ``LocalCheckFailed`` (own pair refused, with ``local_checks``) or ``EngineError``;
@@ -109,6 +109,8 @@ class AgentDecodeWorker(AgentWorker):
         if self._closed:
             return
         self._stop.set()
+        with self._migrations_lock:  # none is made after this
+            pass
         try:
             if self.migrations is not None:
                 self.migrations.close()  # its senders fenced: nothing reads the pages after
@@ -502,7 +504,9 @@ class AgentDecodeWorker(AgentWorker):
         """The migrating side, made on first use (``worker.migrate.Migrations``)."""
         from pdstate.worker.migrate import Migrations
 
-        with self._lock:
+        with self._migrations_lock:  # (building it binds a socket: not under ``_lock``)
+            if self._stop.is_set():
+                raise AgentClosed(SHUTTING_DOWN)
             if self.migrations is None:
                 self.migrations = Migrations(self)
             return self.migrations

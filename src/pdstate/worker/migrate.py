@@ -156,6 +156,7 @@ class Migrations:
         """Pause ``room`` and move it to the decode at ``to`` (its HTTP base URL) on a migration
         thread; raises ``UnknownRoom`` (not running here) or ``RoomInFlight`` (migrating) at once.
         The future's result is the finished record."""
+        t0 = time.perf_counter()  # the downtime runs from the pause
         seq_len, step, lists = self.worker.pause(room).result(timeout=self.answer_timeout_s)
         m = Migration(secrets.token_hex(8), room, to, seq_len=seq_len, step=step)
         with self._lock:
@@ -163,7 +164,7 @@ class Migrations:
             while len(self._records) > MAX_RECORDS:
                 self._records.popitem(last=False)
         try:
-            fut = self._pool.submit(self._move, m, lists)
+            fut = self._pool.submit(self._move, m, lists, t0)
         except RuntimeError:  # shut down meanwhile
             self.worker.resume(room)
             raise errors.AgentClosed("decode shutting down") from None
@@ -194,8 +195,7 @@ class Migrations:
         self.agent.close("decode shutting down")
 
     # -- one migration, on a migration thread -----------------------------------------------------
-    def _move(self, m: Migration, lists) -> Migration:
-        t0 = time.perf_counter()
+    def _move(self, m: Migration, lists, t0: float) -> Migration:
         sender, ok, error, answer = None, False, None, {}
         try:
             sender = self.agent.sender(m.room, len(lists[0]))
