@@ -191,3 +191,30 @@ def test_unknown_rooms_and_bad_targets_get_clear_errors(cluster):
     r = http.post(f"{a}/v1/transfers", json={"tokens": 300, "room": 501})
     assert (r.json()["status"], r.json()["held"]) == ("success", False)
     assert 501 not in _rooms(http, a)
+
+
+def test_a_decode_step_rewrites_the_last_page_and_the_state_only():
+    """In process, no server: what ``synth.advance`` writes, and that a target checking the
+    wrong step (a stale state) fails."""
+    import pdstate
+    from pdstate.worker import requests as rq
+    from pdstate.worker import synth
+
+    pools = pdstate.build_worker_pools(pdstate.preset("tiny"))
+    try:
+        kv = pdstate.fill_kv_args(pools.target, pools.draft)
+        lists = rq.allocate(pools, rq.channel_names(kv), 700).lists
+        synth.fill_source(kv, 7, lists)
+        pages = [lists[0][:-1]] + [lists[0][:0]] * (len(lists) - 1)
+        kept, whole = synth.rows_digest(kv, pages), synth.rows_digest(kv, lists)
+        synth.advance(kv, 7, 1, lists)
+        synth.advance(kv, 7, 2, lists)
+        assert synth.rows_digest(kv, pages) == kept  # every page but the last: as the prefill wrote it
+        assert synth.rows_digest(kv, lists) != whole
+        assert synth.verify_running(kv, 7, 2, lists, "full", pools.memory) is None
+        for stale in (0, 1, 3):
+            assert synth.verify_running(kv, 7, stale, lists, "full", pools.memory) is not None
+        assert synth.verify_running(kv, 7, 2, lists, "sample", pools.memory) is None
+        assert synth.verify_running(kv, 7, 1, lists, "sample", pools.memory) is not None
+    finally:
+        pools.close()
