@@ -57,6 +57,10 @@ def _rooms(http, url: str) -> set[int]:
     return {r["room"] for r in http.get(f"{url}/v1/requests").json()}
 
 
+def _peers(http, url: str) -> set[str]:
+    return {p["id"] for p in http.get(f"{url}/v1/compat").json()["peers"]}
+
+
 def _metric(http, url: str, line: str) -> float:
     for got in http.get(f"{url}/metrics").text.splitlines():
         if got.startswith(line + " "):
@@ -145,6 +149,11 @@ def test_a_target_killed_mid_migration_leaves_the_request_on_the_source(cluster)
     wait_for(lambda: ready(http, victim.url), READY_S, "victim decode ready")
     _hold(http, a, 401, 900, 4)
     before = _row(http, a, 401)
+    # the victim is a source first: b keeps the link to its listener while it serves
+    _hold(http, victim.url, 402, 300, 1)
+    assert http.post(f"{victim.url}/v1/migrations", json={"room": 402, "to": b}).status_code == 200
+    listener = _row(http, b, 402)["source"]
+    assert listener in _peers(http, b)
 
     os.kill(victim.pid, signal.SIGSTOP)  # it accepts the connection (the kernel's backlog), answers nothing
     r = http.post(f"{a}/v1/migrations", json={"room": 401, "to": victim.url, "wait": False})
@@ -167,6 +176,10 @@ def test_a_target_killed_mid_migration_leaves_the_request_on_the_source(cluster)
     assert r.status_code == 200, r.text
     assert _row(http, b, 401)["digest"] == before["digest"]
     http.delete(f"{b}/v1/requests/401")
+    # the dead source's listener: b closes its link and does not dial it again
+    wait_until("b to drop the dead listener", lambda: listener not in _peers(http, b), 30)
+    assert _row(http, b, 402)["step"] == 1  # what came from it still runs
+    http.delete(f"{b}/v1/requests/402")
 
 
 def test_unknown_rooms_and_bad_targets_get_clear_errors(cluster):

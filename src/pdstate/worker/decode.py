@@ -86,6 +86,7 @@ class AgentDecodeWorker(AgentWorker):
         self._running: dict[int, rq.Running] = {}
         self.migrations = None  # the migrating side (``worker.migrate.Migrations``), made on first use
         self._migrations_lock = threading.Lock()
+        self._listeners: set[str] = set()  # migrating decodes' listeners dialled (under _lock)
 
     def start(self) -> AgentDecodeWorker:
         """Raises ``LocalCheckFailed`` (own pair refused, with ``local_checks``) or ``EngineError``;
@@ -133,7 +134,9 @@ class AgentDecodeWorker(AgentWorker):
                 known = self.agent.prefills()
                 for address in [self.opts.peer, *known]:
                     p = known.get(address)
-                    if p is None or p.state is PeerState.GONE:
+                    if address in self._listeners and address != self.opts.peer:
+                        self._drop_listener(address, p)  # dialled for migrations only, never again
+                    elif p is None or p.state is PeerState.GONE:
                         self.agent.connect(address)
                     elif _held_elsewhere(p, self.opts.peer_timeout_s):
                         self.agent.reregister(address)
@@ -176,7 +179,8 @@ class AgentDecodeWorker(AgentWorker):
 
         ``hold``: once landed and verified the request stays running here (``running()``), and
         ``steps`` synthetic decode steps advance it. ``step``: the decode step its content is at
-        (a request another decode migrates here, ``migrated``: its listener is forgotten after)."""
+        (a request another decode migrates here, ``migrated``: its listener's link is closed once
+        that listener is gone, and never redialled)."""
         rq.check_submit(seq_len, verify, prefill)
         if steps < 0 or step < 0 or (steps and not hold):
             raise ValueError("steps and step must not be negative, and steps need hold")
@@ -196,7 +200,10 @@ class AgentDecodeWorker(AgentWorker):
             self._futures[room] = fut
         res = TransferResult(room, "failed", seq_len, prefill=prefill, verify_level=self.opts.transfer_verify)
         req = rq.Pending(status, fut, verify or self.opts.verify, deadline_s or self.opts.request_deadline_s, res)
-        req.hold, req.steps, req.step, req.migrated = hold, steps, step, migrated
+        req.hold, req.steps, req.step = hold, steps, step
+        if migrated:
+            with self._lock:
+                self._listeners.add(prefill)
         if not self._timers.post(self._step, self._begin, req):  # stopped meanwhile
             self._finish(status, fut, _failed(room, seq_len, SHUTTING_DOWN, prefill))
         return fut
@@ -379,18 +386,17 @@ class AgentDecodeWorker(AgentWorker):
         self._finish(req.status, req.fut, res)
         for other in list(self._busy.values()):  # a prefill slot this request held is free again
             self._timers.post(self._step, self._again, other)
-        if req.migrated:
-            self._forget_listener(prefill)
 
-    def _forget_listener(self, address: str) -> None:
-        """A migrating decode's listener is dialled for its requests only: closed once none is
-        left (``forget`` keeps it while one of its requests is unfenced)."""
-        if any(p.status.peer == address for p in self._pending.values()):
+    def _drop_listener(self, address: str, p: PrefillSnapshot | None) -> None:
+        """A migrating decode's listener (on the watcher's thread): its link stays while it
+        serves (the next migration from that decode, a drain's, needs no new handshake) and is
+        closed once it is gone or refused this decode (``forget`` keeps it while one of its
+        requests is unfenced: the next pass asks again). Never dialled again by the watcher."""
+        if p is not None and p.state not in (PeerState.GONE, PeerState.REJECTED):
             return
-        try:
-            self.agent.forget(address)
-        except (AgentClosed, TimeoutError):
-            pass
+        if p is None or self.agent.forget(address):
+            with self._lock:
+                self._listeners.discard(address)
 
     # -- running requests (``hold``): on the request loop -------------------------------------
     def _keep(self, req: rq.Pending) -> None:

@@ -59,7 +59,6 @@ class Pending:
     hold: bool = False  # kept running once landed (``Running``), not freed
     steps: int = 0  # synthetic decode steps to run once it landed (with ``hold``)
     step: int = 0  # the decode step its content is at when it lands (a migrated request's)
-    migrated: bool = False  # asked of a migrating decode's listener: forgotten once it ended
 
 
 @dataclass(eq=False)
