@@ -52,10 +52,16 @@ MIGRATION_BIND = "tcp://127.0.0.1:0"  # the listener: a target on this host dial
 MIGRATION_THREADS = 4  # migrations moving at once (a drain's)
 MAX_RECORDS = 1000  # migration records kept for ``GET /v1/migrations/{id}``
 MAX_ANSWER_BYTES = 1 << 20  # what is read of the target's answer
+MAX_MESSAGE = 2000  # what is kept of the target's error message
 DOWNTIME_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
-# a target's error of these kinds is a refusal (its layout, its pair, its protocol, its keys)
-REFUSALS = (errors.DSV4StateError, errors.CrossSideMismatch, errors.ProtocolError, errors.AuthError, errors.EngineError)
+# a target's error of these kinds is a refusal (its layout, its pair, its protocol, its keys);
+# of the engine's errors only the handshake's engine mismatch (``EngineError`` itself) is one
+REFUSALS = (errors.DSV4StateError, errors.CrossSideMismatch, errors.ProtocolError, errors.AuthError)
+
+
+def refused(error: BaseException | None) -> bool:
+    return isinstance(error, REFUSALS) or type(error) is errors.EngineError
 
 
 def clip(text: object, n: int = 300) -> str:
@@ -206,8 +212,10 @@ class Migrations:
                 if not ok:
                     error = sender.failure_exception() or TransferFailed(f"room {m.room}: the sender did not end")
             else:
-                err = answer.get("error") or {}
-                error = errors.error_from_wire(str(err.get("type", "TransferFailed")), str(err.get("message", "")))
+                err = answer.get("error") if isinstance(answer.get("error"), dict) else {}
+                kind = str(err.get("type") or "TransferFailed")  # the target's words: bounded
+                kind = kind if len(kind) <= 64 and kind.isidentifier() else "RemoteError"
+                error = errors.error_from_wire(kind, str(err.get("message", ""))[:MAX_MESSAGE])
         except Exception as exc:  # an unreachable or dying target, a refused sender
             error = exc
         if ok:
@@ -218,11 +226,11 @@ class Migrations:
             log.info("room %d moved to %s in %.1f ms (%d bytes)", m.room, clip(m.to), m.downtime_s * 1e3, m.bytes)
         else:
             self._fence(m, sender)
-            m.refused = isinstance(error, REFUSALS)
+            m.refused = refused(error)
             m.error = (
                 ErrorInfo.of(error)
                 if isinstance(error, PdStateError)
-                else ErrorInfo(type=type(error).__name__, message=str(error)[:1000])
+                else ErrorInfo(type=type(error).__name__, message=str(error)[:MAX_MESSAGE])
             )
             m.status = "failed"
             if m.refused:
