@@ -1,11 +1,13 @@
 """Decode -> decode migration of running requests between real ``pdstate serve`` processes.
 
-One prefill and three decodes (pools with room for 16 requests) on 127.0.0.1 (ports 0, shm engine) for the module: ``a`` and ``b``
-alike, ``unlike`` without a NextN draft (a layout the migration's handshake refuses). Requests are
-kept running (``hold``) and advanced by synthetic decode steps, so what moves is post-landing
-state, not the prefill's. Each side reads its own memory: ``GET /v1/requests/{room}`` answers the
-xxh3_128 of every item the request holds (``synth.rows_digest``), and a target checks what landed
-against the room's content at the request's decode step (``synth.verify_running``, ``full``).
+One prefill and three decodes on 127.0.0.1 (ports 0, shm engine, pools with room for 16
+requests) for the module: ``a`` and ``b`` alike but for their SGLang release (``b`` builds
+0.5.19's pools: every migration between them is a cross-release pair), ``unlike`` without a NextN
+draft (a layout the migration's handshake refuses). Requests are kept running (``hold``) and
+advanced by synthetic decode steps, so what moves is post-landing state, not the prefill's. Each
+side reads its own memory: ``GET /v1/requests/{room}`` answers the xxh3_128 of every item the
+request holds (``synth.rows_digest``), and a target checks what landed against the room's content
+at the request's decode step (``synth.verify_running``, ``full``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def cluster():
         _, control = sv.prefill(*POOL)
         decodes = {
             name: sv.start("decode", ["http.port=0", f"control.peer={control}", *POOL, *extra])
-            for name, extra in (("a", []), ("b", []), ("unlike", ["draft.enabled=false"]))
+            for name, extra in (("a", []), ("b", ["pool.upstream=0.5.19"]), ("unlike", ["draft.enabled=false"]))
         }
         with httpx.Client(timeout=60) as http:
             for name in ("a", "b"):
