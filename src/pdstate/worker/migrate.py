@@ -30,6 +30,7 @@ redirect and no proxy.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import secrets
@@ -209,8 +210,12 @@ class Migrations:
             answer = self._ask(m)
             if answer.get("status") == "success" and answer.get("verified") and answer.get("held"):
                 ok = sender.wait(self.answer_timeout_s) is RequestState.SUCCESS
-                if not ok:
+                if not ok:  # the target runs a copy this side cannot vouch for: it ends it
                     error = sender.failure_exception() or TransferFailed(f"room {m.room}: the sender did not end")
+                    try:
+                        self._call(m, "DELETE", f"/v1/requests/{m.room}")
+                    except PdStateError as exc:
+                        log.warning("room %d: the target's copy not ended: %s", m.room, exc)
             else:
                 err = answer.get("error") if isinstance(answer.get("error"), dict) else {}
                 kind = str(err.get("type") or "TransferFailed")  # the target's words: bounded
@@ -262,16 +267,23 @@ class Migrations:
     def _ask(self, m: Migration) -> dict:
         """``POST {to}/v1/migrations/incoming``; its JSON answer (``TransferOut``)."""
         body = {"room": m.room, "source": self.address, "tokens": m.seq_len, "step": m.step}
+        return self._call(m, "POST", "/v1/migrations/incoming", body)
+
+    def _call(self, m: Migration, method: str, path: str, body: dict | None = None) -> dict:
+        """One HTTP call to the target (its answer, a JSON object); ``PeerGone`` when it cannot be
+        reached or answers nothing readable, ``TransferFailed`` for an HTTP error."""
         headers = {"Content-Type": "application/json"}
         token = self.worker.opts.token
         if token:
             headers["Authorization"] = "Bearer " + token.decode()
-        req = urllib.request.Request(
-            m.to.rstrip("/") + "/v1/migrations/incoming", json.dumps(body).encode(), headers, method="POST"
-        )
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(m.to.rstrip("/") + path, data, headers, method=method)
         try:
             with _OPENER.open(req, timeout=self.answer_timeout_s) as r:
-                return json.loads(r.read(MAX_ANSWER_BYTES))
+                answer = json.loads(r.read(MAX_ANSWER_BYTES))
+            if not isinstance(answer, dict):
+                raise ValueError("not a JSON object")
+            return answer
         except urllib.error.HTTPError as exc:
             raise TransferFailed(f"target {clip(m.to)} answered HTTP {exc.code}: {clip(_detail(exc))}") from None
         except (urllib.error.URLError, OSError, ValueError) as exc:
@@ -289,8 +301,6 @@ class Migrations:
 
 
 def _bucket(v: float) -> int:
-    import bisect
-
     return bisect.bisect_left(DOWNTIME_BUCKETS_S, v)
 
 
