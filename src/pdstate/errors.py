@@ -419,6 +419,11 @@ class AgentTimeout(PdStateError, TimeoutError):
     """A worker waited for its agent (an answer, a verdict, a fence) past its deadline."""
 
 
+class UnknownRoom(PdStateError, LookupError):
+    """A call names a room this worker holds no running request for (``pdstate serve``'s decode:
+    releasing, stepping or migrating a request it does not hold)."""
+
+
 class SGLangUnavailable(PdStateError, ImportError):
     """``pdstate.integrations.sglang.install()`` could not find SGLang, or a module or attribute of
     it that the transfer-backend registration needs; the message names what is missing."""

@@ -120,13 +120,32 @@ class _Source:
     def result_timeout_s(self):
         return 5.0
 
-    def submit(self, tokens, room):
+    def submit(self, tokens, room, prefill=None, **running):
         f = self._future()
         f.set_result({"room": room or 1, "status": "success", "seq_len": tokens, "verified": True})
         return f
 
     def lookup(self, room):
         return None
+
+    # running requests and migrations (decode)
+    def _row(self, room, *_):
+        f = self._future()
+        f.set_result({"room": room, "seq_len": 1, "step": 0, "migrating": False, "source": "", "running_s": 0.0})
+        return f
+
+    row = advance = release = _row
+
+    def migrate(self, room, to):
+        from pdstate.worker.migrate import Migration
+
+        m = Migration("m1", room, to, status="success")
+        f = self._future()
+        f.set_result(m)
+        return m, f
+
+    def drain_to(self, to):
+        return []
 
     def reregister(self):
         self.reregistered += 1
@@ -140,7 +159,13 @@ def test_every_mutating_http_route_needs_the_token():
     source = _Source()
     app = create_app(source, token=token.encode())
     client = TestClient(app)
-    bodies = {"/v1/transfers": {"tokens": 10}}
+    bodies = {
+        "/v1/transfers": {"tokens": 10},
+        "/v1/requests/{room}/steps": {"steps": 1},
+        "/v1/migrations": {"room": 1, "to": "http://127.0.0.1:1"},
+        "/v1/drain": {"to": "http://127.0.0.1:1"},
+        "/v1/migrations/incoming": {"room": 1, "source": "tcp://127.0.0.1:1", "tokens": 10},
+    }
     mutating = [
         (m, r.path)
         for r in app.routes
@@ -159,7 +184,8 @@ def test_every_mutating_http_route_needs_the_token():
             r = client.request(method, path, json=body, headers=headers)
             assert r.status_code == 401, (method, path, headers, r.status_code)
             assert r.headers.get("www-authenticate") == "Bearer"
-        r = client.request(method, path, json=body, headers={"Authorization": f"Bearer {token}"})
+        url = path.replace("{room}", "1")
+        r = client.request(method, url, json=body, headers={"Authorization": f"Bearer {token}"})
         assert r.status_code in (200, 202), (method, path, r.status_code, r.text)
     assert source.reregistered == 1
 

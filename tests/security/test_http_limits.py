@@ -68,6 +68,14 @@ ROUTES = [
     ("POST", "/v1/transfers"),
     ("GET", "/v1/transfers/1"),
     ("POST", "/v1/handshake"),
+    ("GET", "/v1/requests"),
+    ("GET", "/v1/requests/1"),
+    ("POST", "/v1/requests/1/steps"),
+    ("DELETE", "/v1/requests/1"),
+    ("POST", "/v1/migrations"),
+    ("GET", "/v1/migrations/1"),
+    ("POST", "/v1/migrations/incoming"),
+    ("POST", "/v1/drain"),
     ("GET", "/metrics"),
     ("GET", "/no/such/route"),
 ]
@@ -86,7 +94,10 @@ def test_limits_are_what_the_documents_need(decode_doc, report):
 
 def test_every_route_refuses_a_body_over_its_limit(prefill):
     app_routes = {(m, r.path) for r in prefill.app.routes for m in getattr(r, "methods", None) or ()}
-    templated = {(m, p.replace("/transfers/1", "/transfers/{room}")) for m, p in ROUTES}
+    templated = {
+        (m, p.replace("/transfers/1", "/transfers/{room}").replace("/requests/1", "/requests/{room}"))
+        for m, p in ROUTES
+    } | {("GET", "/v1/migrations/{mid}")}
     assert {(m, p) for m, p in app_routes if m != "HEAD" and not p.startswith(("/docs", "/openapi", "/redoc"))} <= (
         templated
     ), "a new route: add it to ROUTES"

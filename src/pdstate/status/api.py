@@ -15,6 +15,15 @@ POST     /v1/transfers              decode: run one synthetic transfer ``{tokens
                                     prefill?}`` from ``prefill`` (default ``control.peer``)
 GET      /v1/transfers/{room}       decode: a transfer's record (404 unknown)
 POST     /v1/handshake              decode: register again (after the prefill was fixed)
+GET      /v1/requests               decode: the requests kept running (``hold``)
+GET      /v1/requests/{room}        decode: one of them, with the digest of what it holds
+POST     /v1/requests/{room}/steps  decode: run synthetic decode steps ``{steps}``
+DELETE   /v1/requests/{room}        decode: end one (its pages go back)
+POST     /v1/migrations             decode: move a running request ``{room, to}`` to the decode
+                                    whose HTTP base URL is ``to`` (``worker.migrate``)
+GET      /v1/migrations/{id}        decode: a migration's record
+POST     /v1/drain                  decode: move every running request ``{to}``
+POST     /v1/migrations/incoming    decode: what a migrating decode asks of its target
 GET      /metrics                   Prometheus text, from a per-app ``CollectorRegistry``
 =======  =========================  ==========================================================
 
@@ -22,7 +31,7 @@ A source whose ``serves_transfers`` is false (an SGLang rank's endpoint) has no 
 handshake routes: its transfers are SGLang's requests.
 
 Auth: when a token is configured, the endpoints that change something (``POST /v1/transfers``,
-``POST /v1/handshake``) need ``Authorization: Bearer <token>`` (constant-time compare; 401
+``POST /v1/handshake``, the running requests' and migrations' routes) need ``Authorization: Bearer <token>`` (constant-time compare; 401
 otherwise). ``POST /v1/compat/check`` is a pure function of the posted document and ours (it
 reveals nothing ``GET /v1/compat`` does not), so it stays open for an operator's preflight.
 
@@ -53,8 +62,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from pdstate import __version__
-from pdstate.errors import EngineError, RoomInFlight, VersionMismatch
+from pdstate.errors import AgentClosed, EngineError, RoomInFlight, UnknownRoom, VersionMismatch
 from pdstate.protocol.compat import compat_errors
+from pdstate.protocol.hosts import is_loopback_host
 from pdstate.protocol.report import ErrorInfo
 from pdstate.protocol.wire import PROTOCOL_VERSION
 from pdstate.status.limits import BodyLimit
@@ -67,13 +77,20 @@ from pdstate.status.models import (  # noqa: F401  (Readiness and the limits: pa
     CompatCheckIn,
     CompatDocument,
     CompatVerdict,
+    DrainIn,
+    DrainOut,
     ErrorModel,
     Health,
+    IncomingIn,
     LocalCheckModel,
+    MigrationIn,
+    MigrationOut,
     PeerModel,
     Readiness,
     Ready,
+    RunningOut,
     StatusSource,
+    StepIn,
     TransferIn,
     TransferOut,
     TransportModel,
@@ -188,6 +205,17 @@ def _not_decode(source: StatusSource) -> HTTPException:
     return HTTPException(409, detail=f"transfers are started by a decode worker; this is a {source.role} worker")
 
 
+def _migration_detail(m) -> str:
+    """A failed migration's one line: the target's refusal or failure, in its words."""
+    e = m.error
+    why = f"{e.type}: {e.message}" if e is not None else "failed"
+    if m.refused:  # the handshake's sentences name the sender's side "prefill"
+        head = "the target refused it (this migrating decode is the handshake's prefill side)"
+    else:
+        head = "the target did not take it"
+    return f"room {m.room}: {head}: {why}; it runs on this decode again"
+
+
 def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
     """The worker's HTTP app. ``token``: require it (Bearer) on the mutating endpoints."""
     app = FastAPI(
@@ -285,6 +313,10 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         if refused is not None:
             raise HTTPException(403, detail=refused)
         named = {} if body.prefill is None else {"prefill": body.prefill}
+        if body.hold:
+            named.update(hold=True, steps=body.steps)
+        elif body.steps:
+            raise HTTPException(422, detail="steps need hold")
         fut = source.submit(body.tokens, body.room, **named)
         try:
             # shield: a client that hangs up must not cancel the worker's future
@@ -320,6 +352,151 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         source.reregister()
         return Accepted(status="registering")
 
+    def _decode_only() -> None:
+        if source.role != "decode":
+            raise _not_decode(source)
+
+    async def _worker(fut):
+        """A worker future's result; its errors as HTTP answers."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), source.result_timeout_s())
+        except UnknownRoom as exc:
+            raise HTTPException(404, detail=str(exc)) from None
+        except RoomInFlight as exc:
+            raise HTTPException(409, detail=str(exc)) from None
+        except AgentClosed as exc:
+            raise HTTPException(503, detail=str(exc)) from None
+        except asyncio.TimeoutError:
+            raise HTTPException(504, detail="no outcome within the request deadline") from None
+
+    @app.get("/v1/requests", response_model=list[RunningOut], tags=["running"], dependencies=[Depends(auth)])
+    async def get_requests() -> list[RunningOut]:
+        """Decode only: the requests kept running here (``hold``), oldest first."""
+        _decode_only()
+        return [RunningOut(**r) for r in source.running()]
+
+    @app.get(
+        "/v1/requests/{room}",
+        response_model=RunningOut,
+        tags=["running"],
+        dependencies=[Depends(auth)],
+        responses={404: {}},
+    )
+    async def get_request(room: int) -> RunningOut:
+        """Decode only: a running request, with the xxh3_128 digest of every item it holds."""
+        _decode_only()
+        return RunningOut(**await _worker(source.row(room)))
+
+    @app.post(
+        "/v1/requests/{room}/steps",
+        response_model=RunningOut,
+        tags=["running"],
+        dependencies=[Depends(auth)],
+        responses={404: {}, 409: {}},
+    )
+    async def post_steps(room: int, body: StepIn) -> RunningOut:
+        """Decode only: run synthetic decode steps of a running request (409 while it migrates)."""
+        _decode_only()
+        return RunningOut(**await _worker(source.advance(room, body.steps)))
+
+    @app.delete(
+        "/v1/requests/{room}",
+        response_model=RunningOut,
+        tags=["running"],
+        dependencies=[Depends(auth)],
+        responses={404: {}, 409: {}},
+    )
+    async def delete_request(room: int) -> RunningOut:
+        """Decode only: end a running request; its pages go back (409 while it migrates)."""
+        _decode_only()
+        return RunningOut(**await _worker(source.release(room)))
+
+    def _migration_answer(m) -> JSONResponse | MigrationOut:
+        out = MigrationOut(**m.as_dict())
+        if m.status == "failed":
+            code = 409 if m.refused else 502
+            return JSONResponse(status_code=code, content={"detail": _migration_detail(m), **out.model_dump()})
+        return out
+
+    @app.post(
+        "/v1/migrations",
+        response_model=MigrationOut,
+        tags=["migrations"],
+        dependencies=[Depends(auth)],
+        responses={202: {}, 404: {}, 409: {}, 502: {}, 503: {}},
+    )
+    async def post_migration(body: MigrationIn):
+        """Decode only: move running request ``room`` to the decode at ``to`` (its HTTP base URL).
+        It is paused here, sent by this decode's migration listener, verified by the target and
+        freed here only once the target runs it. 404: not running here; 409: the target refused
+        (its refusal) or the room migrates already; 502: the target failed or died (the request
+        runs here again, unchanged)."""
+        _decode_only()
+        try:
+            m, fut = await asyncio.to_thread(source.migrate, body.room, body.to)
+        except UnknownRoom as exc:
+            raise HTTPException(404, detail=str(exc)) from None
+        except RoomInFlight as exc:
+            raise HTTPException(409, detail=str(exc)) from None
+        except AgentClosed as exc:
+            raise HTTPException(503, detail=str(exc)) from None
+        if not body.wait:
+            return JSONResponse(status_code=202, content=MigrationOut(**m.as_dict()).model_dump())
+        return _migration_answer(await asyncio.shield(asyncio.wrap_future(fut)))
+
+    @app.get(
+        "/v1/migrations/{mid}",
+        response_model=MigrationOut,
+        tags=["migrations"],
+        dependencies=[Depends(auth)],
+        responses={404: {}},
+    )
+    async def get_migration(mid: str) -> MigrationOut:
+        """Decode only: a migration's record (``moving`` until it ended)."""
+        _decode_only()
+        m = source.migration(mid) if len(mid) <= 64 else None
+        if m is None:
+            raise HTTPException(404, detail="unknown migration")
+        return MigrationOut(**m.as_dict())
+
+    @app.post(
+        "/v1/drain", response_model=DrainOut, tags=["migrations"], dependencies=[Depends(auth)], responses={503: {}}
+    )
+    async def post_drain(body: DrainIn) -> DrainOut:
+        """Decode only: move every running request to the decode at ``to``; what failed runs here
+        again (listed with its error)."""
+        _decode_only()
+        try:
+            ms = await asyncio.to_thread(source.drain_to, body.to)
+        except AgentClosed as exc:
+            raise HTTPException(503, detail=str(exc)) from None
+        outs = [MigrationOut(**m.as_dict()) for m in ms]
+        moved = sum(1 for m in ms if m.status == "success")
+        return DrainOut(moved=moved, failed=len(ms) - moved, migrations=outs)
+
+    @app.post(
+        "/v1/migrations/incoming",
+        response_model=TransferOut,
+        tags=["migrations"],
+        dependencies=[Depends(auth)],
+        responses={403: {}, 409: {}, 503: {}, 504: {}},
+    )
+    async def post_incoming(body: IncomingIn) -> TransferOut:
+        """Decode only, asked by a migrating decode: take the room's pages, ask the migrating
+        decode's listener (``source``, a loopback address: 403 otherwise) for its state (the
+        handshake judges the pair), verify it at decode step ``step`` and keep it running here.
+        The answer is the transfer's record."""
+        _decode_only()
+        host = body.source[len("tcp://") :].rsplit(":", 1)[0]
+        if not is_loopback_host(host):  # the decode shows its memory to what it dials (see /v1/transfers)
+            raise HTTPException(403, detail="a migrating decode's listener is on this host (a loopback address)")
+        r = source.readiness()
+        if not r.ready and r.check in ("local_check", "threads", "shutdown"):
+            raise HTTPException(503, detail=r.reason)
+        fut = source.submit(body.tokens, body.room, body.source, hold=True, step=body.step, migrated=True)
+        res = await _worker(fut)
+        return TransferOut(**(res if isinstance(res, dict) else res.as_dict()), worker_id=source.worker_id)
+
     @app.get(
         "/metrics", tags=["metrics"], response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}}
     )
@@ -334,7 +511,20 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
 
 # the routes of serve's synthetic transfers and re-registration: not on a source without
 # ``serves_transfers`` (an SGLang rank's endpoint, ``integrations.sglang.endpoint``)
-TRANSFER_ROUTES = frozenset({"/v1/transfers", "/v1/transfers/{room}", "/v1/handshake"})
+TRANSFER_ROUTES = frozenset(
+    {
+        "/v1/transfers",
+        "/v1/transfers/{room}",
+        "/v1/handshake",
+        "/v1/requests",
+        "/v1/requests/{room}",
+        "/v1/requests/{room}/steps",
+        "/v1/migrations",
+        "/v1/migrations/{mid}",
+        "/v1/migrations/incoming",
+        "/v1/drain",
+    }
+)
 
 
 def route_paths(app: FastAPI) -> set[str]:

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from pdstate.protocol.wire import PROTOCOL_VERSION
 from pdstate.status.models import PeerModel, StatusSource
+from pdstate.worker.migrate import DOWNTIME_BUCKETS_S as MIGRATION_BUCKETS_S
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -132,7 +133,39 @@ class Collector:
         for k, v in counts.items():
             peers.add_metric([k], v)
         yield peers
+        yield from _migrations(src)
         free = GaugeMetricFamily("pdstate_pool_free", "Free capacity of the pools", labels=["pool"])
         for k, v in src.free_counts().items():
             free.add_metric([k], v)
         yield free
+
+
+def _migrations(src):
+    """Decode: migrations by outcome, their downtime (paused -> running on the target) and the
+    bytes they moved (``worker.migrate.MigrationStats``; zeros before the first)."""
+    read = getattr(src, "migration_stats", None)
+    if read is None:
+        return
+    s = read()
+    outcomes = {"success": 0, "failed": 0, "refused": 0} if s is None else s.outcomes
+    c = CounterMetricFamily(
+        "pdstate_migrations", "Decode: running requests migrated to another decode, by outcome", labels=["outcome"]
+    )
+    for k, v in outcomes.items():
+        c.add_metric([k], v)
+    yield c
+    yield CounterMetricFamily(
+        "pdstate_migration_bytes", "Decode: bytes moved by successful migrations", value=0 if s is None else s.bytes
+    )
+    bins = [0] * (len(MIGRATION_BUCKETS_S) + 1) if s is None else s.bins
+    cum, buckets = 0, []
+    for bound, count in zip(MIGRATION_BUCKETS_S, bins):
+        cum += count
+        buckets.append((repr(bound), cum))
+    buckets.append(("+Inf", sum(bins)))
+    h = HistogramMetricFamily(
+        "pdstate_migration_downtime_seconds",
+        "Decode: a migrated request's downtime, paused here -> running on the target (successful migrations)",
+    )
+    h.add_metric([], buckets, sum_value=0.0 if s is None else s.downtime_sum)
+    yield h

@@ -327,6 +327,11 @@ class CompatVerdict(BaseModel):
     theirs: str = Field(description="the posted worker's fingerprint")
 
 
+MAX_STEPS = 100_000  # synthetic decode steps one call may ask
+# a target decode's HTTP base URL: http(s)://host[:port], no path, no user part
+TARGET_URL_RE = r"^https?://(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,200})(:[0-9]{1,5})?/?$"
+
+
 class TransferIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     tokens: int = Field(
@@ -342,6 +347,12 @@ class TransferIn(BaseModel):
         description="the prefill's control address (tcp://host:port); default: the decode's control.peer. "
         "A prefill used for the first time is dialled and shaken hands with before the request goes on.",
     )
+    hold: bool = Field(
+        False,
+        description="keep the request running on this decode once landed and verified (GET /v1/requests; "
+        "DELETE /v1/requests/{room} ends it; POST /v1/migrations moves it)",
+    )
+    steps: int = Field(0, ge=0, le=MAX_STEPS, description="with hold: synthetic decode steps to run once it landed")
 
 
 class TransferOut(BaseModel):
@@ -358,6 +369,72 @@ class TransferOut(BaseModel):
     transfer_s: float = Field(0.0, description="decode: TransferRequest sent -> TransferDone received and verified")
     verify_s: float = Field(0.0, description="decode: time checking the bytes that landed")
     prefill: str | None = Field(None, description="the control address of the prefill asked")
+    held: bool = Field(False, description="kept running on this decode (hold)")
+    worker_id: str | None = Field(None, description="POST /v1/migrations/incoming: the target decode's worker id")
+    step: int = Field(0, description="a held request's decode step")
+
+
+class StepIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    steps: int = Field(1, ge=1, le=MAX_STEPS, description="synthetic decode steps to run")
+
+
+class RunningOut(BaseModel):
+    room: int
+    seq_len: int
+    step: int = Field(description="synthetic decode steps run since it landed (counted across migrations)")
+    migrating: bool = Field(description="paused: its state is moving to another decode")
+    source: str = Field(description="the control address it came from (a prefill, or a migrating decode's listener)")
+    running_s: float
+    digest: str | None = Field(None, description="xxh3_128 of every item it holds (GET /v1/requests/{room})")
+
+
+class MigrationIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    room: int = Field(ge=0, lt=1 << 63, description="a request running here (GET /v1/requests)")
+    to: str = Field(
+        max_length=256,
+        pattern=TARGET_URL_RE,
+        description="the target decode's HTTP base URL (http://host:port); it must hold this worker's token",
+    )
+    wait: bool = Field(True, description="answer once it ended (false: 202 at once; GET /v1/migrations/{id})")
+
+
+class DrainIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    to: str = Field(max_length=256, pattern=TARGET_URL_RE, description="the target decode's HTTP base URL")
+
+
+class IncomingIn(BaseModel):
+    """What a migrating decode asks of its target (``POST /v1/migrations/incoming``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    room: int = Field(ge=0, lt=1 << 63)
+    source: str = Field(max_length=256, pattern=PREFILL_ADDRESS_RE, description="the migrating decode's listener")
+    tokens: int = Field(ge=0)
+    step: int = Field(0, ge=0, description="the decode step the request's state is at")
+
+
+class MigrationOut(BaseModel):
+    id: str
+    room: int
+    to: str
+    status: Literal["moving", "success", "failed"]
+    seq_len: int
+    step: int
+    bytes: int = Field(description="bytes the listener sent")
+    downtime_s: float = Field(description="paused here -> running on the target (success only)")
+    refused: bool = Field(description="the target refused it (layout, pair, protocol or keys)")
+    error: ErrorModel | None = None
+    listener_error: ErrorModel | None = Field(
+        None, description="a refusal as this decode's migration listener recorded it (its own handshake's verdict)"
+    )
+
+
+class DrainOut(BaseModel):
+    moved: int
+    failed: int
+    migrations: list[MigrationOut]
 
 
 class Accepted(BaseModel):

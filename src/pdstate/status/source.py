@@ -123,15 +123,47 @@ class WorkerStatus:
             f"(control.peer and control.prefills, exact addresses: {allowed})"
         )
 
-    def submit(self, tokens: int, room: int | None, prefill: str | None = None) -> Future:
+    def submit(self, tokens: int, room: int | None, prefill: str | None = None, **running) -> Future:
         """The worker's own future (its map room -> future is the only one): its result is a
-        ``TransferResult``; the worker settles it when it ends, at ``drain`` too."""
+        ``TransferResult``; the worker settles it when it ends, at ``drain`` too. ``running``:
+        ``hold``, ``steps`` (a request kept running), ``step`` and ``migrated`` (one migrated here)."""
         with self._lock:
             if self.draining:
                 fut: Future = Future()
                 fut.set_result(self._failed(room or 0, tokens, "decode shutting down"))
                 return fut
-            return self.worker.submit(tokens, room, prefill=prefill)
+            return self.worker.submit(tokens, room, prefill=prefill, **running)
+
+    # decode: running requests and their migration (``worker.migrate``)
+    def running(self) -> list[dict]:
+        return [] if self._stopped else self.worker.running()
+
+    def row(self, room: int) -> Future:
+        """A running request's record with the digest of what it holds."""
+        return self.worker.row_digest(room)
+
+    def advance(self, room: int, steps: int) -> Future:
+        return self.worker.advance(room, steps)
+
+    def release(self, room: int) -> Future:
+        return self.worker.release(room)
+
+    def migrate(self, room: int, to: str):
+        """``(record, future)``: ``room`` paused and moving to ``to``; ``UnknownRoom`` /
+        ``RoomInFlight`` at once."""
+        return self.worker.migrations_of().start(room, to)
+
+    def drain_to(self, to: str) -> list:
+        return self.worker.migrations_of().drain(to)
+
+    def migration(self, mid: str):
+        m = self.worker.migrations
+        return None if m is None else m.get(mid)
+
+    def migration_stats(self):
+        """``worker.migrate.MigrationStats`` (``None`` before the first migration)."""
+        m = getattr(self.worker, "migrations", None)
+        return None if m is None else m.stats()
 
     def lookup(self, room: int) -> dict | None:
         from pdstate.worker.base import now

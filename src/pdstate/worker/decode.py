@@ -46,6 +46,7 @@ from pdstate.errors import (
     TooManyPrefills,
     TransferFailed,
     TransferTimedOut,
+    UnknownRoom,
     error_from_wire,
 )
 from pdstate.protocol.lifecycle import PeerState, RequestState
@@ -81,6 +82,11 @@ class AgentDecodeWorker(AgentWorker):
         self._pending: dict[int, rq.Pending] = {}  # room -> request, until it ends
         self._for_pages: deque[rq.Pending] = deque()  # in line for pages, first come first served
         self._busy: dict[int, rq.Pending] = {}  # waiting out a busy prefill
+        # room -> a request kept running (``hold``): changed on the request loop, under _lock
+        self._running: dict[int, rq.Running] = {}
+        self.migrations = None  # the migrating side (``worker.migrate.Migrations``), made on first use
+        self._migrations_lock = threading.Lock()
+        self._listeners: set[str] = set()  # migrating decodes' listeners dialled (under _lock)
 
     def start(self) -> AgentDecodeWorker:
         """Raises ``LocalCheckFailed`` (own pair refused, with ``local_checks``) or ``EngineError``;
@@ -104,7 +110,11 @@ class AgentDecodeWorker(AgentWorker):
         if self._closed:
             return
         self._stop.set()
+        with self._migrations_lock:  # none is made after this
+            pass
         try:
+            if self.migrations is not None:
+                self.migrations.close()  # its senders fenced: nothing reads the pages after
             if self.agent is not None:
                 self.agent.close()  # every live receiver fails: its callback ends its request
         finally:
@@ -124,7 +134,9 @@ class AgentDecodeWorker(AgentWorker):
                 known = self.agent.prefills()
                 for address in [self.opts.peer, *known]:
                     p = known.get(address)
-                    if p is None or p.state is PeerState.GONE:
+                    if address in self._listeners and address != self.opts.peer:
+                        self._drop_listener(address, p)  # dialled for migrations only, never again
+                    elif p is None or p.state is PeerState.GONE:
                         self.agent.connect(address)
                     elif _held_elsewhere(p, self.opts.peer_timeout_s):
                         self.agent.reregister(address)
@@ -155,11 +167,23 @@ class AgentDecodeWorker(AgentWorker):
         deadline_s: float | None = None,
         verify: str | None = None,
         prefill: str | None = None,
+        *,
+        hold: bool = False,
+        steps: int = 0,
+        step: int = 0,
+        migrated: bool = False,
     ) -> Future:
         """One request of ``seq_len`` tokens from ``prefill`` (a ``tcp://host:port`` control
         address; default ``control.peer``); the future's result is a ``TransferResult``, or
-        ``RoomInFlight`` when ``room`` already has a request in flight here."""
+        ``RoomInFlight`` when ``room`` already has a request in flight (or running) here.
+
+        ``hold``: once landed and verified the request stays running here (``running()``), and
+        ``steps`` synthetic decode steps advance it. ``step``: the decode step its content is at
+        (a request another decode migrates here, ``migrated``: its listener's link is closed once
+        that listener is gone, and never redialled)."""
         rq.check_submit(seq_len, verify, prefill)
+        if steps < 0 or step < 0 or (steps and not hold):
+            raise ValueError("steps and step must not be negative, and steps need hold")
         fut: Future = Future()
         room = room if room is not None else secrets.randbits(63)
         prefill = prefill or self.opts.peer
@@ -167,13 +191,19 @@ class AgentDecodeWorker(AgentWorker):
         if self._stop.is_set():
             settle(fut, _failed(room, seq_len, SHUTTING_DOWN, prefill))
             return fut
-        if not self._enter(status):
-            settle(fut, exc=RoomInFlight(f"room {room} is already in flight"))
+        with self._lock:
+            running = room in self._running
+        if running or not self._enter(status):
+            settle(fut, exc=RoomInFlight(f"room {room} is already in flight" + (" (running)" if running else "")))
             return fut
         with self._lock:
             self._futures[room] = fut
         res = TransferResult(room, "failed", seq_len, prefill=prefill, verify_level=self.opts.transfer_verify)
         req = rq.Pending(status, fut, verify or self.opts.verify, deadline_s or self.opts.request_deadline_s, res)
+        req.hold, req.steps, req.step = hold, steps, step
+        if migrated:
+            with self._lock:
+                self._listeners.add(prefill)
         if not self._timers.post(self._step, self._begin, req):  # stopped meanwhile
             self._finish(status, fut, _failed(room, seq_len, SHUTTING_DOWN, prefill))
         return fut
@@ -300,11 +330,14 @@ class AgentDecodeWorker(AgentWorker):
         if recv.state is not RequestState.SUCCESS:
             raise recv.failure_exception() or TransferFailed(f"room {req.status.room} ended {recv.state.value}")
         t1 = time.perf_counter()
-        problem = synth.verify(self.kv_args, req.status.room, req.alloc.lists, req.verify, self.pools.memory)
+        lists = req.alloc.lists
+        problem = synth.verify_running(self.kv_args, req.status.room, req.step, lists, req.verify, self.pools.memory)
         res.verify_s = time.perf_counter() - t1
         if problem is not None:
             raise TransferFailed(problem)
         res.status, res.verified = "success", True
+        if req.hold:
+            self._keep(req)
         self._end(req)
 
     def _end(self, req: rq.Pending, exc: BaseException | None = None) -> None:
@@ -353,6 +386,136 @@ class AgentDecodeWorker(AgentWorker):
         self._finish(req.status, req.fut, res)
         for other in list(self._busy.values()):  # a prefill slot this request held is free again
             self._timers.post(self._step, self._again, other)
+
+    def _drop_listener(self, address: str, p: PrefillSnapshot | None) -> None:
+        """A migrating decode's listener (on the watcher's thread): its link stays while it
+        serves (the next migration from that decode, a drain's, needs no new handshake) and is
+        closed once it is gone or refused this decode (``forget`` keeps it while one of its
+        requests is unfenced: the next pass asks again). Never dialled again by the watcher."""
+        if p is not None and p.state not in (PeerState.GONE, PeerState.REJECTED):
+            return
+        if p is None or self.agent.forget(address):
+            with self._lock:
+                self._listeners.discard(address)
+
+    # -- running requests (``hold``): on the request loop -------------------------------------
+    def _keep(self, req: rq.Pending) -> None:
+        """The landed request stays running: its pages move to ``_running`` (``_end`` frees none),
+        then its ``steps`` run."""
+        room = req.status.room
+        r = rq.Running(room, req.status.seq_len, req.alloc, req.step, now(), req.status.peer)
+        req.alloc = None
+        with self._lock:
+            self._running[room] = r
+        self._advance(r, req.steps)
+        req.res.held, req.res.step = True, r.step
+
+    def _advance(self, r: rq.Running, n: int) -> None:
+        for _ in range(n):
+            r.step += 1
+            synth.advance(self.kv_args, r.room, r.step, r.alloc.lists)
+
+    def _held(self, room: int, idle: bool = True) -> rq.Running:
+        r = self._running.get(room)
+        if r is None:
+            raise UnknownRoom(f"no running request in room {room}")
+        if idle and r.migrating:
+            raise RoomInFlight(f"room {room} is migrating")
+        return r
+
+    def _on_loop(self, fn, *args) -> Future:
+        """``fn(*args)`` on the request loop; its result (or exception) in the future."""
+        fut: Future = Future()
+
+        def run() -> None:
+            try:
+                settle(fut, fn(*args))
+            except BaseException as exc:  # the caller's to read
+                settle(fut, exc=exc)
+
+        if self._stop.is_set() or not self._timers.post(run):
+            settle(fut, exc=AgentClosed(SHUTTING_DOWN))
+        return fut
+
+    def running(self) -> list[dict]:
+        """The requests kept running here, oldest first."""
+        with self._lock:
+            rs = sorted(self._running.values(), key=lambda r: r.since)
+        t = now()
+        return [r.as_dict(t) for r in rs]
+
+    def advance(self, room: int, steps: int = 1) -> Future:
+        """Run ``steps`` synthetic decode steps of running request ``room`` (``UnknownRoom``;
+        ``RoomInFlight`` while it migrates); the result is its record."""
+
+        def run() -> dict:
+            r = self._held(room)
+            self._advance(r, steps)
+            return r.as_dict(now())
+
+        return self._on_loop(run)
+
+    def release(self, room: int) -> Future:
+        """End running request ``room``: its pages go back (``UnknownRoom``; ``RoomInFlight``
+        while it migrates)."""
+
+        def run() -> dict:
+            r = self._held(room)
+            return self._drop(r)
+
+        return self._on_loop(run)
+
+    def _drop(self, r: rq.Running) -> dict:
+        with self._lock:
+            del self._running[r.room]
+        self._free(r.alloc)
+        return r.as_dict(now())
+
+    def row_digest(self, room: int) -> Future:
+        """``synth.rows_digest`` of running request ``room``'s items, with its record (a paused
+        one too: nothing writes it)."""
+
+        def run() -> dict:
+            r = self._held(room, idle=False)
+            return {**r.as_dict(now()), "digest": synth.rows_digest(self.kv_args, r.alloc.lists)}
+
+        return self._on_loop(run)
+
+    def pause(self, room: int) -> Future:
+        """Stop stepping ``room`` for a migration: the result is ``(seq_len, step, lists)``; its
+        pages stay untouched until ``resume`` or ``moved``."""
+
+        def run() -> tuple:
+            r = self._held(room)
+            r.migrating = True
+            return r.seq_len, r.step, r.alloc.lists
+
+        return self._on_loop(run)
+
+    def resume(self, room: int) -> Future:
+        """The migration failed: ``room`` runs here again, unchanged."""
+
+        def run() -> None:
+            r = self._running.get(room)
+            if r is not None:
+                r.migrating = False
+
+        return self._on_loop(run)
+
+    def moved(self, room: int) -> Future:
+        """The target verified ``room`` and runs it (the sender's fence held): its pages go back."""
+        return self._on_loop(lambda: self._drop(self._held(room, idle=False)))
+
+    def migrations_of(self):
+        """The migrating side, made on first use (``worker.migrate.Migrations``)."""
+        from pdstate.worker.migrate import Migrations
+
+        with self._migrations_lock:  # (building it binds a socket: not under ``_lock``)
+            if self._stop.is_set():
+                raise AgentClosed(SHUTTING_DOWN)
+            if self.migrations is None:
+                self.migrations = Migrations(self)
+            return self.migrations
 
     def _free(self, alloc: rq.Allocation) -> None:
         """Free pages (on the request loop) and hand them to the requests in line, in order."""

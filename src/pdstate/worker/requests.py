@@ -56,6 +56,34 @@ class Pending:
     why: str | None = None  # set when its deadline passed and its abort went out
     done: bool = False
     timers: list[asyncio.TimerHandle] = field(default_factory=list)  # deadline, backoff, fence
+    hold: bool = False  # kept running once landed (``Running``), not freed
+    steps: int = 0  # synthetic decode steps to run once it landed (with ``hold``)
+    step: int = 0  # the decode step its content is at when it lands (a migrated request's)
+
+
+@dataclass(eq=False)
+class Running:
+    """A request kept on a decode after it landed (``hold``), advanced by synthetic decode steps
+    (``synth.advance``); touched on the decode's request loop only. ``migrating``: paused while
+    its state moves to another decode (no step writes it, nothing frees it)."""
+
+    room: int
+    seq_len: int
+    alloc: Allocation
+    step: int
+    since: float
+    source: str = ""  # where it came from: the prefill's control address, or the migrating decode's
+    migrating: bool = False
+
+    def as_dict(self, now: float) -> dict:
+        return {
+            "room": self.room,
+            "seq_len": self.seq_len,
+            "step": self.step,
+            "migrating": self.migrating,
+            "source": self.source,
+            "running_s": now - self.since,
+        }
 
 
 _NO_LOCS = torch.empty(0, dtype=torch.int64)

@@ -95,6 +95,8 @@ class TransferResult:
     verify_s: float = 0.0  # this decode's check of the bytes that landed
     prefill: str = ""  # the control address of the prefill asked
     verify_level: str = ""  # the agent's verification level that ran (``transfer.verify``)
+    held: bool = False  # kept running on the decode once landed (``hold``)
+    step: int = 0  # a held request's decode step once its ``steps`` ran
 
     def as_dict(self) -> dict:
         return {
@@ -111,4 +113,6 @@ class TransferResult:
             "transfer_s": self.transfer_s,
             "verify_s": self.verify_s,
             "prefill": self.prefill,
+            "held": self.held,
+            "step": self.step,
         }

@@ -253,6 +253,61 @@ def sample_check(desc, room: int, lists: list[np.ndarray], spans: list[tuple[int
     return SampleCheck(parts)
 
 
+# -- a running request's decode steps ---------------------------------------------------------
+#
+# ``pdstate serve``'s decode can keep a request running after it landed (``hold``); each synthetic
+# decode step rewrites what a real decode step rewrites of a DSV4 request: its last main-KV page
+# (the token appended), its SWA window, the compressors' rings and its request state (every state
+# component). Step ``s`` writes the content of key ``step_key(room, s)`` there, so the state at
+# step ``s`` is a function of ``(room, s)`` alone and any decode can check it.
+
+
+def step_key(room: int, step: int) -> int:
+    """The content key of a running request's stepped items at ``step`` (``room`` at step 0)."""
+    if step == 0:
+        return room
+    seed = np.array([(room ^ (step * _GOLDEN)) & _MASK], dtype=np.uint64)
+    return int(_mix(seed)[0]) & ((1 << 63) - 1)
+
+
+_NO_INDICES = np.empty(0, dtype=np.int64)
+
+
+def _split(lists: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """``(unstepped, stepped)`` index lists: every main-KV page but the last; the last one and
+    every state component."""
+    main = lists[0]
+    return [main[:-1]] + [_NO_INDICES] * (len(lists) - 1), [main[-1:], *lists[1:]]
+
+
+def advance(desc, room: int, step: int, lists: list[np.ndarray]) -> None:
+    """Write step ``step``'s content (``step >= 1``) into the request's stepped items."""
+    fill_source(desc, step_key(room, step), _split(lists)[1])
+
+
+def verify_running(desc, room: int, step: int, lists: list[np.ndarray], how: str, memory) -> str | None:
+    """``verify`` of a request at decode step ``step`` (0: as the prefill wrote it)."""
+    if step == 0:
+        return verify(desc, room, lists, how, memory)
+    kept, stepped = _split(lists)
+    return verify(desc, room, kept, how, memory) or verify(desc, step_key(room, step), stepped, how, memory)
+
+
+def rows_digest(desc, lists: list[np.ndarray]) -> str:
+    """xxh3_128 (hex) of every item the lists address, channel by channel, buffer by buffer, in
+    list order: two decodes holding the same request state byte for byte give the same digest."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    for chan, idx in zip(_channels_of(desc), lists):
+        h.update(idx.size.to_bytes(8, "little"))
+        if idx.size == 0:
+            continue
+        for ptr, n, item in zip(chan.ptrs.tolist(), chan.lens.tolist(), chan.items.tolist()):
+            h.update(_items(ptr, n, item)[idx].tobytes())
+    return h.hexdigest()
+
+
 def plan_digest(room: int, lists: list[np.ndarray], desc) -> bytes:
     """Digest of the logical content of a request (room, per-channel item counts, buffer counts)."""
     h = hashlib.blake2b(digest_size=16)
