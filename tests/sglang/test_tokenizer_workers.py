@@ -5,13 +5,12 @@
 ``SGLANG_HTTP_SERVER_APP_PATH`` names, and each worker's lifespan builds
 ``multi_tokenizer_mixin.TokenizerWorker``, whose ``__init__`` resolves ``TransferBackend(...)``.
 SGLang runs no ``load_plugins()`` there: pdstate's plugin names its ``worker_app`` in that setting
-(SGLang's app, after SGLang's own plugin loader). The control is an operator's own choice of
-SGLang's app: the workers refuse ``pdstate`` and uvicorn stops the server.
+(SGLang's app, after SGLang's own plugin loader). The control (``slow``: ``pytest -m slow``) is an
+operator's own choice of SGLang's app: the workers refuse ``pdstate`` and uvicorn stops the server.
+Each start-up costs three imports of SGLang's HTTP server (the launching process and 2 workers).
 """
 
 from __future__ import annotations
-
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -25,24 +24,18 @@ SGLANG_APP = "sglang.srt.entrypoints.http_server:app"
 SLOW_BOX = {"SGLANG_UVICORN_WORKER_HEALTHCHECK_TIMEOUT": "240"}
 
 
-@pytest.fixture(scope="module")
-def runs() -> dict[str, dict]:
+def _run(extra_env: dict[str, str]) -> dict:
+    """One start-up of SGLang's HTTP server with 2 tokenizer workers (``tokenizer_worker_probe.py``)."""
     assert RELEASE in runner.RELEASES
     try:
         env = runner.ensure_env(RELEASE)
     except runner.EnvUnavailable as exc:
         runner.skip(exc)
-    cases = {"plugin": SLOW_BOX, "sglang_app": {**SLOW_BOX, "SGLANG_HTTP_SERVER_APP_PATH": SGLANG_APP}}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {
-            name: pool.submit(runner.run_probe, env, extra, {}, 420, "tokenizer_worker_probe.py")
-            for name, extra in cases.items()
-        }
-        return {name: f.result() for name, f in futures.items()}
+    return runner.run_probe(env, {**SLOW_BOX, **extra_env}, {}, 280, "tokenizer_worker_probe.py")
 
 
-def test_each_tokenizer_worker_resolves_pdstate(runs):
-    run = runs["plugin"]
+def test_each_tokenizer_worker_resolves_pdstate():
+    run = _run({})
     assert run["app_path"] == WORKER_APP  # set by pdstate's plugin in the launching process
     workers = run["workers"]
     assert len({w["pid"] for w in workers}) == 2, workers
@@ -53,8 +46,9 @@ def test_each_tokenizer_worker_resolves_pdstate(runs):
     assert run["served"] == 404  # a worker finished its start-up and answers (FastAPI's 404)
 
 
-def test_sglangs_own_app_leaves_the_workers_without_pdstate(runs):
-    run = runs["sglang_app"]
+@pytest.mark.slow  # the control: SGLang's own behaviour, as measured (another ~30 s of CPU)
+def test_sglangs_own_app_leaves_the_workers_without_pdstate():
+    run = _run({"SGLANG_HTTP_SERVER_APP_PATH": SGLANG_APP})
     assert run["app_path"] == SGLANG_APP  # the operator's choice is kept
     workers = run["workers"]
     assert len({w["pid"] for w in workers}) == 2, workers
