@@ -6,7 +6,7 @@ pdstate's distribution declares, in group ``sglang.srt.plugins`` (SGLang 0.5.19 
 
 SGLang's ``sglang.srt.plugins.load_plugins()`` runs every entry point of that group before it
 parses its arguments (``sglang serve``, ``python -m sglang.launch_server``, ``Engine``) and again
-at the start of every process it spawns (schedulers, detokenizer, DP controller). ``load`` runs
+at the start of the processes it spawns (schedulers; in 0.5.23 the detokenizer and DP controller too). ``load`` runs
 ``install()`` there, so ``--disaggregation-transfer-backend pdstate`` is a valid choice and
 ``get_kv_class`` answers pdstate's classes in each of them, with no wrapper and no import by hand.
 ``SGLANG_PLUGINS`` (SGLang's comma-separated allow-list) without ``pdstate`` leaves it out.
