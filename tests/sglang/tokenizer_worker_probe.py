@@ -23,6 +23,7 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -206,6 +207,7 @@ def main() -> None:
         finished.set()
     watcher.join(5)
     seen["workers"] = _reports(directory)
+    shutil.rmtree(directory, ignore_errors=True)
     print(json.dumps(seen, default=str))
 
 
