@@ -23,6 +23,9 @@ itself calls ``install()`` in each of them: pdstate's distribution declares the 
 ``pdstate`` in SGLang's plugin group ``sglang.srt.plugins`` (``plugin.load``), which SGLang's
 ``load_plugins()`` runs before it parses arguments and at the start of every process it spawns.
 An embedding that builds SGLang's managers itself calls ``load_plugins()`` (or ``install()``).
+SGLang 0.5.23's tokenizer workers (``--tokenizer-worker-num`` > 1) run no ``load_plugins()``: the
+plugin names ``worker_app`` (SGLang's app after SGLang's ``load_plugins()``) in
+``SGLANG_HTTP_SERVER_APP_PATH``, the app those workers import (``plugin``).
 
 Packaging: the extra ``pdstate[sglang]`` is an empty marker. It deliberately does not require the
 ``sglang`` wheel, whose dependencies pull a CUDA build of torch; SGLang itself is the user's own
