@@ -403,6 +403,28 @@ def test_the_backends_refusal_is_predicted(capsys, prefill, decode, said):
         assert line in out
 
 
+TOKENIZER_WORKERS_REFUSED = (
+    "- the prefill: SGLang would not start: ValueError from pdstate's KV manager: pdstate's SGLang backend cannot "
+    "reach the tokenizer worker processes of an SGLang without SGLANG_HTTP_SERVER_APP_PATH (0.5.19; "
+    "tokenizer_worker_num=2): use --tokenizer-worker-num 1, or SGLang 0.5.23"
+)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_several_tokenizer_workers_are_refused_where_sglang_fixes_their_app(capsys, release, workers):
+    """0.5.19's tokenizer workers import SGLang's own app (no plugin loader there): pdstate's KV
+    manager refuses N > 1 at start; 0.5.23's import the app pdstate's plugin names, and are served."""
+    rc, out = check(capsys, *flash_pair(f"--tp 8 --tokenizer-worker-num {workers} {PDSTATE}", f"--tp 8 {PDSTATE}"))
+    if release == "0.5.19" and workers > 1:
+        assert rc == 1, out
+        assert [line for line in out.splitlines() if "tokenizer" in line] == [TOKENIZER_WORKERS_REFUSED], out
+        assert "INCOMPATIBLE: 1 problem" in out
+    else:
+        assert rc == 0, out
+        assert out.splitlines()[-1] == "compatible"
+        assert "not modelled" not in out and "tokenizer" not in out
+
+
 def test_a_pp_prefill_without_a_draft_into_a_decode_of_one_stage_works(capsys):
     rc, out = check(capsys, *flash_pair(f"--tp 4 --pp-size 2 {PDSTATE}", f"--tp 4 {PDSTATE}"))
     assert rc == 0, out
@@ -439,15 +461,31 @@ def test_each_backend_refusal_is_the_backends_own_text():
     truth): the manager raises and records what they return, and nothing of its own."""
     import ast
 
-    from pdstate.integrations.sglang.launch.backend import context_parallel_refusal, pipeline_parallel_refusal
+    from pdstate.integrations.sglang.launch.backend import (
+        context_parallel_refusal,
+        pipeline_parallel_refusal,
+        tokenizer_workers_refusal,
+    )
 
     manager = (REPO / "src/pdstate/integrations/sglang/manager.py").read_text()
     called = {
         n.func.id for n in ast.walk(ast.parse(manager)) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
     }
-    assert {"context_parallel_refusal", "pipeline_parallel_refusal"} <= called
-    for phrase in ("does not support context parallelism", "pipeline parallelism on a decode", "pipeline-parallel"):
+    assert {"context_parallel_refusal", "pipeline_parallel_refusal", "tokenizer_workers_refusal"} <= called
+    for phrase in (
+        "does not support context parallelism",
+        "pipeline parallelism on a decode",
+        "pipeline-parallel",
+        "cannot reach the tokenizer worker",
+        "--tokenizer-worker-num 1",
+    ):
         assert phrase not in manager, f"the backend words {phrase!r} itself: call launch/backend.py instead"
+    assert tokenizer_workers_refusal(2, app_path_setting=False) == (
+        "pdstate's SGLang backend cannot reach the tokenizer worker processes of an SGLang without "
+        "SGLANG_HTTP_SERVER_APP_PATH (0.5.19; tokenizer_worker_num=2): use --tokenizer-worker-num 1, or SGLang 0.5.23"
+    )
+    assert tokenizer_workers_refusal(2, app_path_setting=True) is None  # 0.5.23: the plugin names its app
+    assert tokenizer_workers_refusal(1, app_path_setting=False) is None
     assert "context parallelism yet (attn_cp_size=2, attn_dcp_size=1)" in context_parallel_refusal(2, 1)
     assert "pipeline parallelism on a decode yet (pp_size=2;" in pipeline_parallel_refusal(2, "decode")
     assert "draft model's KV from a pipeline-parallel prefill yet (pp_size=2)" in pipeline_parallel_refusal(

@@ -13,9 +13,10 @@ attributes say so). What differs:
 * decode: a ``DecodeAgent``; a receiver resolves the prefill rank's ``rank_ip:rank_port`` from that
   server and its agent connects there and shakes hands (layout reports, upstream's refusals);
 * what the agents cannot serve is refused at start (``launch.backend``): context parallelism,
-  a decode of several PP stages, a PP prefill with a draft model. A PP prefill's stages feed
-  a decode of one stage, which faces each through an agent of its memory sliced to the stage's
-  layers (``stages``). Every attention-TP pairing SGLang maps is served: a prefill attention TP wider
+  a decode of several PP stages, a PP prefill with a draft model, several tokenizer workers on an
+  SGLang whose workers cannot know backend pdstate (0.5.19: ``settings.has_app_path_setting``).
+  A PP prefill's stages feed a decode of one stage, which faces each through an agent of its
+  memory sliced to the stage's layers (``stages``). Every attention-TP pairing SGLang maps is served: a prefill attention TP wider
   than the decode's (one prefill rank sends, the others complete as dummies), a decode attention
   TP wider than the prefill's (each prefill rank sends the whole request to every decode rank
   SGLang maps to it, each under a room of its own: ``replicas``); a prefill with DP attention
@@ -38,9 +39,13 @@ from pdstate import logs
 from pdstate.agent import DecodeAgent, PrefillAgent
 from pdstate.errors import AgentClosed, EngineError
 from pdstate.integrations.sglang.endpoint import serve_rank
-from pdstate.integrations.sglang.launch.backend import context_parallel_refusal, pipeline_parallel_refusal
+from pdstate.integrations.sglang.launch.backend import (
+    context_parallel_refusal,
+    pipeline_parallel_refusal,
+    tokenizer_workers_refusal,
+)
 from pdstate.integrations.sglang.rank_status import RankCounters
-from pdstate.integrations.sglang.settings import check_rank_auth, layout_report, load_settings
+from pdstate.integrations.sglang.settings import check_rank_auth, has_app_path_setting, layout_report, load_settings
 from pdstate.integrations.sglang.stages import StageAgents
 from pdstate.integrations.sglang.trace import TRACE_MODULE
 
@@ -89,9 +94,15 @@ def build_manager() -> type:
             if disaggregation_mode not in (DisaggregationMode.PREFILL, DisaggregationMode.DECODE):
                 raise ValueError(f"Unsupported DisaggregationMode: {disaggregation_mode}")
             parallel = get_parallel()
-            refusal = context_parallel_refusal(parallel.attn_cp_size, parallel.attn_dcp_size)
-            if refusal is not None:  # before anything is registered anywhere
-                raise ValueError(refusal)
+            workers = int(getattr(server_args, "tokenizer_worker_num", 1) or 1)
+            for refusal in (  # before anything is registered anywhere
+                context_parallel_refusal(parallel.attn_cp_size, parallel.attn_dcp_size),
+                # 0.5.19: SGLang waits for its schedulers (which build this manager) before it
+                # spawns the tokenizer workers that would stop it less clearly
+                tokenizer_workers_refusal(workers, has_app_path_setting()),
+            ):
+                if refusal is not None:
+                    raise ValueError(refusal)
             settings = load_settings(self.role)
             logs.use_fix_words("sglang")  # this process is an SGLang rank: its refusal lines name SGLang's flags
             local_ip = get_local_ip_auto()  # what SGLang advertises for this rank (its prefill agent binds it)

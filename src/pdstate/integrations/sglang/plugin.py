@@ -16,6 +16,8 @@ One kind of process SGLang starts runs no ``load_plugins()``: 0.5.23's tokenizer
 ``TokenizerWorker.__init__`` and import the app that ``SGLANG_HTTP_SERVER_APP_PATH`` names. ``load``
 sets that variable, where this SGLang reads it and the operator left it unset, to ``worker_app``
 (SGLang's app after SGLang's own ``load_plugins()``); the processes SGLang starts inherit it.
+0.5.19 fixes its workers' app: there the KV manager refuses ``--tokenizer-worker-num`` above 1 at
+start, in one line (``settings.has_app_path_setting``, ``launch.backend.tokenizer_workers_refusal``).
 
 A failure to install is one log line (SGLang's logger would print a traceback for an exception,
 and a plugin must not stop a server that does not use this backend); such a server then refuses
@@ -32,7 +34,6 @@ from pdstate.integrations.sglang import install, releases, sglang_release
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
-APP_PATH = "SGLANG_HTTP_SERVER_APP_PATH"  # SGLang's setting: the app its HTTP worker processes import
 WORKER_APP = "pdstate.integrations.sglang.worker_app:app"
 
 __all__ = ["load"]
@@ -58,10 +59,8 @@ def load() -> None:
 def route_tokenizer_workers() -> str | None:
     """Name ``worker_app`` in ``SGLANG_HTTP_SERVER_APP_PATH`` where this SGLang has the setting
     (0.5.23) and the operator left it unset; the value now in force (``None``: no such setting)."""
-    try:
-        from sglang.srt.environ import envs
-    except ImportError:
-        return None
-    if not hasattr(envs, APP_PATH):
+    from pdstate.integrations.sglang.settings import APP_PATH, has_app_path_setting  # after install()
+
+    if not has_app_path_setting():
         return None
     return os.environ.setdefault(APP_PATH, WORKER_APP)

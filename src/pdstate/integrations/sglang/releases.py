@@ -46,6 +46,10 @@ class SGLangRelease:
     # from the pool (``DSV4_REQUEST_STATE``), MetadataBuffers' sampling mask, the unified-KV gate's module
     deferred_kv_release: bool  # a failed decode request's pages are held until every prefill rank acknowledged
     mooncake_checks_item_lens: bool  # SGLang's own Mooncake backend compares the state items' lengths first
+    # SGLANG_HTTP_SERVER_APP_PATH names the app its tokenizer workers (--tokenizer-worker-num > 1) import,
+    # so pdstate's plugin reaches them (``plugin.route_tokenizer_workers``); without it the KV manager
+    # refuses N > 1 at start (``launch.backend.tokenizer_workers_refusal``)
+    tokenizer_workers_app_path: bool
     in_lock: bool = False  # tools/sglang-env.txt's own sglang line (its environment: <venv>/sglang-env)
     args_file: str = ""  # its argument table, relative to launch/ (default ``args-<version>.json``)
 
@@ -82,6 +86,7 @@ RELEASES: tuple[SGLangRelease, ...] = (
         keyword_api=False,
         deferred_kv_release=False,
         mooncake_checks_item_lens=False,
+        tokenizer_workers_app_path=False,
         in_lock=True,
     ),
     SGLangRelease(
@@ -95,6 +100,7 @@ RELEASES: tuple[SGLangRelease, ...] = (
         keyword_api=True,
         deferred_kv_release=True,
         mooncake_checks_item_lens=True,
+        tokenizer_workers_app_path=True,
     ),
 )
 

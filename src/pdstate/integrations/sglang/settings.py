@@ -13,6 +13,9 @@ Layout: SGLang hands the manager a ``KVArgs`` only; the pools are in the same pr
 scheduler built them), so the manager finds the DeepSeek-V4 target whose main-KV buffers are the
 first ``kv_data_ptrs`` and the draft whose buffers are the rest, and reports that pair as pdstate's
 workers do (``pdstate.pools.reporting.build_report``), so every factor is compared at the handshake.
+
+SGLang's own setting the backend reads: whether the running SGLang has ``SGLANG_HTTP_SERVER_APP_PATH``
+(``has_app_path_setting``), the app its tokenizer workers import (``plugin``).
 """
 
 from __future__ import annotations
@@ -31,8 +34,31 @@ from pdstate.transfer.engines.registry import ENGINES, engine_names
 
 CONFIG_ENV = "PDSTATE_SGLANG_CONFIG"
 DEFAULT_ENGINE = "mooncake"
+APP_PATH = "SGLANG_HTTP_SERVER_APP_PATH"  # SGLang's setting: the app its HTTP worker processes import
 
-__all__ = ["CONFIG_ENV", "AgentSettings", "check_rank_auth", "find_pools", "layout_report", "load_settings"]
+__all__ = [
+    "APP_PATH",
+    "CONFIG_ENV",
+    "AgentSettings",
+    "check_rank_auth",
+    "find_pools",
+    "has_app_path_setting",
+    "layout_report",
+    "load_settings",
+]
+
+
+def has_app_path_setting() -> bool:
+    """Whether the SGLang in this process reads ``SGLANG_HTTP_SERVER_APP_PATH`` (0.5.23: the
+    release row's ``tokenizer_workers_app_path``; detected, so an unlisted release is served by what
+    it does). Without it (0.5.19) its tokenizer workers cannot know backend ``pdstate``, and the KV
+    manager refuses ``--tokenizer-worker-num`` above 1 at start
+    (``launch.backend.tokenizer_workers_refusal``)."""
+    try:
+        from sglang.srt.environ import envs
+    except ImportError:
+        return False
+    return hasattr(envs, APP_PATH)
 
 
 @dataclass(frozen=True)

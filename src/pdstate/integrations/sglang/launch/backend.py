@@ -8,7 +8,13 @@ not start: context parallelism on either side (``attn_cp_size`` or ``attn_dcp_si
 pipeline parallelism on a decode (``pp_size`` above 1: SGLang pairs a PP prefill with a decode of
 the same PP size or of one stage; pdstate serves the second only), and a PP prefill with a draft
 model (its draft KV has no stage slice in pdstate's decode yet). A PP prefill without a draft
-is served into a decode of one stage (``integrations.sglang.stages``).
+is served into a decode of one stage (``integrations.sglang.stages``). And several tokenizer
+workers (``tokenizer_worker_num`` above 1) on an SGLang without ``SGLANG_HTTP_SERVER_APP_PATH``
+(0.5.19): its workers import SGLang's own app, which no plugin loader precedes, and would stop the
+server with ``'pdstate' is not a valid TransferBackend``. In 0.5.19 the schedulers build the KV
+manager (``Scheduler.__init__`` -> ``init_disaggregation`` -> the bootstrap or pre-allocation
+queue), and ``launch_server`` waits for every scheduler to be ready (``Engine._launch_subprocesses``)
+before uvicorn spawns those workers: the refusal is the first and only error.
 Nothing is refused per request: no pair of servers that both started is refused for its topology.
 
 A prefill attention TP wider than the decode's works (one prefill rank sends, the others complete
@@ -21,6 +27,8 @@ that it words none of these refusals itself, so the preflight and the backend ca
 """
 
 from __future__ import annotations
+
+from pdstate.integrations.sglang import releases
 
 
 def context_parallel_refusal(attn_cp_size: int, attn_dcp_size: int) -> str | None:
@@ -49,3 +57,17 @@ def pipeline_parallel_refusal(pp_size: int, role: str, draft: bool = False) -> s
             f"(pp_size={pp_size}): use --disaggregation-transfer-backend mooncake"
         )
     return None
+
+
+def tokenizer_workers_refusal(tokenizer_worker_num: int, app_path_setting: bool) -> str | None:
+    """Why the backend's KV manager refuses to start on a server with several tokenizer workers
+    whose SGLang has no ``SGLANG_HTTP_SERVER_APP_PATH`` (``app_path_setting`` false), else ``None``."""
+    if tokenizer_worker_num <= 1 or app_path_setting:
+        return None
+    without = " and ".join(r.version for r in releases.RELEASES if not r.tokenizer_workers_app_path)
+    first = next((r.version for r in releases.RELEASES if r.tokenizer_workers_app_path), "a newer release")
+    return (
+        "pdstate's SGLang backend cannot reach the tokenizer worker processes of an SGLang without "
+        f"SGLANG_HTTP_SERVER_APP_PATH ({without}; tokenizer_worker_num={tokenizer_worker_num}): "
+        f"use --tokenizer-worker-num 1, or SGLang {first}"
+    )

@@ -159,12 +159,19 @@ def _diff(p_report: LayoutReport, d_report: LayoutReport) -> list[tuple[str, Any
 def _backend_refusals(v: Verdict) -> None:
     """What ``--disaggregation-transfer-backend pdstate`` refuses at start (``launch.backend``, the
     backend's own rules), added to the verdict."""
-    from pdstate.integrations.sglang.launch.backend import context_parallel_refusal, pipeline_parallel_refusal
+    from pdstate.integrations.sglang import releases
+    from pdstate.integrations.sglang.launch.backend import (
+        context_parallel_refusal,
+        pipeline_parallel_refusal,
+        tokenizer_workers_refusal,
+    )
 
     for role, s in (("prefill", v.prefill), ("decode", v.decode)):
         if s.transfer_backend == "pdstate":
+            app_path = releases.nearest(s.release).tokenizer_workers_app_path
             pp = pipeline_parallel_refusal(s.pp_size, role, draft=s.speculative)
-            for why in (context_parallel_refusal(s.attn_cp_size, s.dcp_size), pp):
+            cp = context_parallel_refusal(s.attn_cp_size, s.dcp_size)
+            for why in (cp, tokenizer_workers_refusal(s.tokenizer_worker_num, app_path), pp):
                 if why:
                     s.launch_errors.append(f"ValueError from pdstate's KV manager: {why}")
 

@@ -18,11 +18,11 @@ MODELLED = (
     )
     | launch_fields()
 )  # and each layout factor a launch setting sets (``protocol.factors``)
-# Layout-neutral fields that SGLang's start-time rules or the model's name read (counted as neutral,
-# passed to the rules).
+# Layout-neutral fields that SGLang's start-time rules, pdstate's backend (``launch.backend``) or the
+# model's name read (counted as neutral, passed to the rules).
 RULE_INPUTS = frozenset(
     """enable_dp_lm_head served_model_name enable_pdmux decoupled_spec_role enable_pd_role_switch encoder_only
-    language_only enable_hierarchical_cache disaggregation_decode_host_receive_threshold""".split()
+    language_only enable_hierarchical_cache disaggregation_decode_host_receive_threshold tokenizer_worker_num""".split()
 )
 # Fields whose names say they may touch the DSV4 state layout: listed as "not modelled" when given,
 # unless NEUTRAL below says otherwise. Every other field SGLang knows sizes pools, picks kernels,

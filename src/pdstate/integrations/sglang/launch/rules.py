@@ -248,6 +248,7 @@ def resolve(
         dp_size=_int(values, "dp_size", 1) or 1,
         enable_dp_attention=topo.pop("attn_dp_size") > 1,
         decode_radix_cache=mode == "decode" and radix,
+        tokenizer_worker_num=_int(values, "tokenizer_worker_num", 1) or 1,
         settings=launch_settings(values),
         env=dict(env),
         given=given,

@@ -45,6 +45,7 @@ class SGLangSide:
     attn_cp_size: int = 1
     dcp_size: int = 1
     decode_radix_cache: bool = False
+    tokenizer_worker_num: int = 1  # --tokenizer-worker-num: pdstate's backend refuses N > 1 on 0.5.19
     # the layout factors the server's own settings set, by name (``protocol.factors``: each with a
     # ``launch`` field, e.g. --disaggregation-decode-allocation-policy), their defaults where not given
     settings: dict[str, Any] = field(default_factory=dict)
