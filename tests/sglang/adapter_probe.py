@@ -669,6 +669,32 @@ def case_cp_refused(h: Harness) -> dict:
     return _refused_at_start(h, "decode", attn_cp_size=2)
 
 
+class _Workers:
+    """The server's arguments with ``tokenizer_worker_num`` 2 (0.5.23 seals its record)."""
+
+    tokenizer_worker_num = 2
+
+    def __init__(self, server_args):
+        self.server_args = server_args
+
+    def __getattr__(self, name):
+        return getattr(self.server_args, name)
+
+
+def case_tokenizer_workers(h: Harness) -> dict:
+    """A prefill rank's manager on a server of 2 tokenizer workers: 0.5.19 (no
+    SGLANG_HTTP_SERVER_APP_PATH) stops it at construction, saying so; 0.5.23 starts it."""
+    from sglang.srt.runtime_context import get_server_args
+
+    server_args = _Workers(get_server_args())
+    out = {"tokenizer_worker_num": server_args.tokenizer_worker_num, "error": None}
+    try:
+        h.cls["MANAGER"](h.prefill["kv"], h.mode.PREFILL, server_args, True).close()
+    except ValueError as exc:
+        out["error"] = str(exc)
+    return out
+
+
 def case_hooks(h: Harness) -> dict:
     """What the running release's schedulers call beyond ``BaseKV*`` (0.5.23: the sender's chunking
     and prefix hooks, the receiver's abort notification and clear, the manager's teardown) runs
@@ -722,6 +748,7 @@ def case_hooks(h: Harness) -> dict:
 CASES = {
     "hooks": case_hooks,
     "cp_refused": case_cp_refused,
+    "tokenizer_workers": case_tokenizer_workers,
     "io_thread_ends": case_io_thread_ends,
     "pp_refused": case_pp_refused,
     "auth_refused": case_auth_refused,

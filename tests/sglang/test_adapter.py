@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdstate.integrations.sglang.launch.backend import tokenizer_workers_refusal
 from tests.sglang import runner
 from tests.support.bounds import within
 
@@ -27,6 +28,7 @@ CASES = [
     "pp_refused",
     "io_thread_ends",
     "cp_refused",
+    "tokenizer_workers",
     "prefix",
     "prefill_complete",
     "prefill_dp",
@@ -196,6 +198,23 @@ def test_an_agent_thread_that_ends_fails_the_requests_with_a_reason(results):
     assert "I/O thread has ended unexpectedly" in r["sender_error"]["message"]
     assert r["receiver"] == FAILED and r["receiver_error"]["type"] == "PeerGone"
     assert r["receiver_error"]["message"].endswith("missed heartbeats for 0.5 s")
+
+
+def test_several_tokenizer_workers_stop_the_manager_where_they_cannot_know_pdstate(sglang_release, results):
+    """0.5.19's tokenizer workers import SGLang's own app (no SGLANG_HTTP_SERVER_APP_PATH): the
+    manager, built by the schedulers SGLang waits for before it spawns those workers, refuses 2 at
+    start with ``launch.backend``'s line; 0.5.23's import pdstate's ``worker_app``: served."""
+    r = results["tokenizer_workers"]
+    assert r["tokenizer_worker_num"] == 2
+    if runner.row(sglang_release.version).tokenizer_workers_app_path:
+        assert r["error"] is None
+    else:
+        assert r["error"] == tokenizer_workers_refusal(2, app_path_setting=False)
+        assert r["error"] == (
+            "pdstate's SGLang backend cannot reach the tokenizer worker processes of an SGLang without "
+            "SGLANG_HTTP_SERVER_APP_PATH (0.5.19; tokenizer_worker_num=2): use --tokenizer-worker-num 1, "
+            "or SGLang 0.5.23"
+        )
 
 
 def test_context_parallelism_stops_the_manager_saying_so(results):

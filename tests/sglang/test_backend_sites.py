@@ -4,8 +4,9 @@
 lookup ``TransferBackend[...]``) or of ``get_kv_class(...)``, a use of
 ``DISAGG_TRANSFER_BACKEND_CHOICES`` or ``KVClassType``, or the string
 ``"--disaggregation-transfer-backend"``, each as (module, enclosing function or class). ``SITES``
-lists those of each release with the test that shows backend ``pdstate`` known there, or the reason
-it is not; a site that appears in a release and is not listed fails with its file and line, and so
+lists those of each release with the test that shows backend ``pdstate`` known there (or, for
+0.5.19's tokenizer workers, that pdstate's KV manager refuses at start before SGLang reaches it),
+or the reason it is not; a site that appears in a release and is not listed fails with its file and line, and so
 does a listed one that is gone. SGLang's own test helpers (``sglang.test``) are not scanned.
 """
 
@@ -33,6 +34,9 @@ QUEUES = "tests/sglang/test_scheduler_queues.py"  # SGLang's own prefill and dec
 WRAPPED = f"{REGISTRATION}::test_get_kv_class_is_wrapped_where_imported_by_name"  # in every importer of get_kv_class
 CHOICES = f"{REGISTRATION}::test_server_args_accept_pdstate"
 SPAWNED = "tests/sglang/test_plugin.py::test_load_plugins_alone_registers_the_backend"  # main and spawned processes
+REFUSED_BEFORE = (  # a site the backend's KV manager refuses to let SGLang reach, saying so
+    "tests/sglang/test_adapter.py::test_several_tokenizer_workers_stop_the_manager_where_they_cannot_know_pdstate"
+)
 
 # (release, module, function) -> the test that covers the site, or "not covered: <why>".
 # The scheduler, detokenizer and DP controller processes run SGLang's load_plugins() (SPAWNED);
@@ -51,10 +55,10 @@ _BOTH = {
 }
 SITES: dict[tuple[str, str, str], str] = {
     **{("0.5.19", *site): test for site, test in _BOTH.items()},
-    ("0.5.19", "sglang.srt.managers.multi_tokenizer_mixin", "TokenizerWorker.__init__"): (
-        "not covered: 0.5.19's tokenizer workers import SGLang's own app, fixed in its code, and run no "
-        "plugins; --tokenizer-worker-num above 1 with backend pdstate stops at start (docs/sglang.md)"
-    ),
+    # never reached with backend pdstate: 0.5.19's workers import SGLang's own app (fixed in its code,
+    # no plugins), so pdstate's KV manager refuses --tokenizer-worker-num above 1 at start, in the
+    # schedulers SGLang waits for before it spawns the workers (launch.backend.tokenizer_workers_refusal)
+    ("0.5.19", "sglang.srt.managers.multi_tokenizer_mixin", "TokenizerWorker.__init__"): REFUSED_BEFORE,
     ("0.5.19", "sglang.srt.server_args", "<module>"): CHOICES,
     ("0.5.19", "sglang.srt.server_args", "ServerArgs"): CHOICES,
     **{("0.5.23", *site): test for site, test in _BOTH.items()},

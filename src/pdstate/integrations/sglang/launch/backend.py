@@ -14,7 +14,8 @@ workers (``tokenizer_worker_num`` above 1) on an SGLang without ``SGLANG_HTTP_SE
 server with ``'pdstate' is not a valid TransferBackend``. In 0.5.19 the schedulers build the KV
 manager (``Scheduler.__init__`` -> ``init_disaggregation`` -> the bootstrap or pre-allocation
 queue), and ``launch_server`` waits for every scheduler to be ready (``Engine._launch_subprocesses``)
-before uvicorn spawns those workers: the refusal is the first and only error.
+before uvicorn spawns those workers: the server stops with the scheduler's ``ValueError`` (and
+SGLang's own "scheduler is dead" line), before any worker exists (read from 0.5.19's code).
 Nothing is refused per request: no pair of servers that both started is refused for its topology.
 
 A prefill attention TP wider than the decode's works (one prefill rank sends, the others complete
