@@ -1,23 +1,32 @@
 """How ``make test`` deals the suite out to its worker processes (pytest-xdist, ``-n 2``): a module
-at a time, so that module fixtures are set up once, and ``tests/sglang`` as one unit, first. Its
-session fixtures (SGLang children per release) are costly to start and shared by every file
-there, and it is the longest unit: one worker starts it while the other takes every other module
-in turn. ``tests/conftest.py`` installs the scheduler and the order."""
+at a time, so that module fixtures are set up once, and ``tests/sglang`` as one unit per SGLang
+release, first. Its session fixtures (SGLang children, one set per release: the ``sglang_release``
+parameter) are costly to start and shared by every file there, and the two releases' halves are
+the longest units: each worker starts one while the tests no release names, and then every other
+module, fill in around them. ``tests/conftest.py`` installs the scheduler and the order."""
 
 from __future__ import annotations
 
+import re
+
 SGLANG_UNIT = "tests/sglang"
+# the release a tests/sglang test's parameters name ("[sglang-0.5.19]", "[0.5.23-main]", ...)
+_RELEASE = re.compile(r"\[(?:[^\]]*-)?(\d+\.\d+\.\d+)(?:-[^\]]*)?\]$")
 
 
 def unit(nodeid: str) -> str:
-    """The unit of work a test belongs to: its module, or the whole of ``tests/sglang``."""
+    """The unit of work a test belongs to: its module, or ``tests/sglang`` for one release (the
+    release its parameters name; a test naming none is in the unit ``tests/sglang``)."""
     path = nodeid.split("::", 1)[0]
-    return SGLANG_UNIT if path.startswith(SGLANG_UNIT + "/") else path
+    if not path.startswith(SGLANG_UNIT + "/"):
+        return path
+    release = _RELEASE.search(nodeid)
+    return SGLANG_UNIT if release is None else f"{SGLANG_UNIT}@{release.group(1)}"
 
 
 def sglang_last(nodeid: str) -> bool:
-    """A sort key that puts ``tests/sglang`` first (stable: the rest keep their order)."""
-    return unit(nodeid) != SGLANG_UNIT
+    """A sort key that puts ``tests/sglang``'s units first (stable: the rest keep their order)."""
+    return not unit(nodeid).startswith(SGLANG_UNIT)
 
 
 def scheduler(config, log):
