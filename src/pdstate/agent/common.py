@@ -181,6 +181,9 @@ class AgentLoop:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        # a wake-up written and not yet taken by the thread: posts meanwhile need none of their own
+        # (a burst of posts, one scheduler iteration's, costs its thread one write, not one each)
+        self._woken = False
         self._sockets: dict[zmq.Socket, Callable[[zmq.Socket], None]] = {}
         self._monitors: dict[zmq.Socket, zmq.Socket] = {}  # a socket -> its monitor (``monitor``)
         self._zap: Any = None  # the CURVE servers' ZAP handler (``serve_curve``)
@@ -248,6 +251,9 @@ class AgentLoop:
         if self.closed:
             raise AgentClosed("the agent is closed")
         self._queue.put(fn)
+        if self._woken:  # the thread clears it before it takes the queue: it will find ``fn``
+            return
+        self._woken = True
         try:
             os.write(self._wake_w, b"x")
         except BlockingIOError:  # pragma: no cover - the pipe is full: the loop is awake anyway
@@ -335,6 +341,7 @@ class AgentLoop:
                 for check in checks.values():
                     self._guard(check)
             if self._wake_r in events:
+                self._woken = False  # first: a post after this writes again (or is found below)
                 try:
                     while os.read(self._wake_r, 4096):
                         pass
