@@ -8,7 +8,10 @@ room of this decode rank's own, ``replicas``; a PP prefill: each stage's through
 that stage's slice of this rank's memory, ``stages``), whose first use connects and shakes hands: ``poll()`` is
 ``WaitingForInput`` once every one was accepted. ``send_metadata(pages, aux_index, state_indices,
 decode_prefix_len)`` tells the real rank where everything lands (the dummies: nothing), and
-``poll()`` follows the agent receivers to ``Success`` (digests equal) or ``Failed``.
+``poll()`` follows the agent receivers to ``Success`` (digests equal) or ``Failed``. ``init`` and
+``send_metadata`` post their agent work (``DecodeAgent.receiver(..., posted=True)``,
+``KVReceiver.post_init``) and return; what the agent's thread refuses there fails the request at
+the next ``poll()`` with that error (``states.posted_failure``).
 
 The contract is the running SGLang's (0.5.19 or 0.5.23): ``init`` runs SGLang's own rank
 mapping and ``/route`` lookups, but never its ZMQ registration (``_register_kv_args``, which

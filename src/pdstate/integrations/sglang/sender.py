@@ -7,6 +7,14 @@ the agent's sender, ``send(pages, state_indices | None)`` goes once per chunk (s
 only), and ``poll()`` follows the agent's sender to ``Success`` (every chunk landed and the
 decode's digest of the landed bytes matched) or ``Failed``.
 
+``init`` and ``send`` post (as SGLang's own Mooncake sender does): the agent sender is made and
+each chunk handed to the agent's thread (``PrefillAgent.sender(..., posted=True)``,
+``KVSender.post``) without waiting for it, in the order of the calls. What that thread refuses
+(a chunk past the pages declared, a room with a live sender) fails the request at the next
+``poll()``, ``failure_exception()`` raising that error (``states.posted_failure``); until the
+thread took the sender, ``poll()`` says ``WaitingForInput``. ``abort()`` waits for the agent's
+fence, which comes after every chunk posted before it.
+
 A decode that refused this prefill's layout gives the room up: ``poll()`` is ``Failed`` at once,
 ``failure_exception()`` raises the refusal (upstream's class and text), and nothing was written.
 The constructor is the running SGLang's: 0.5.19's prefill passes ``dest_tp_ranks`` and
