@@ -341,12 +341,14 @@ class AgentLoop:
                 for check in checks.values():
                     self._guard(check)
             if self._wake_r in events:
-                self._woken = False  # first: a post after this writes again (or is found below)
                 try:
                     while os.read(self._wake_r, 4096):
                         pass
                 except BlockingIOError:
                     pass
+            # after the pipe is read, before the queue is: a post from here on writes again, and one
+            # before it (which skipped its write) has its work in the queue read below
+            self._woken = False
             while True:
                 try:
                     fn = self._queue.get_nowait()
