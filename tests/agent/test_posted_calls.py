@@ -9,12 +9,15 @@ of ``tests/unit/test_sglang_poll_words.py`` (the backend's own code runs, SGLang
 
 from __future__ import annotations
 
+import threading
+import time
 import types
 
 import numpy as np
 import pytest
 
 from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
+from pdstate.agent.common import AgentLoop
 from pdstate.errors import ProtocolError, TransferAborted
 from tests.agent.support import assert_images_equal, expected, fill, make_side, snapshot
 from tests.support.waiting import wait_until
@@ -167,3 +170,28 @@ def test_an_abort_right_after_posted_sends_lands_no_byte_after_its_fence(agents,
     assert later.wait(10) is S.SUCCESS and send.wait(10) is S.SUCCESS
     more = [(0, [1, 2], [5, 6])] + [(c, src, [2 - (c == 2)]) for c, src in enumerate(SRC_STATE, 1)]
     assert_images_equal(snapshot(kv), expected(fenced, source, kv, more))
+
+
+def test_posts_from_two_threads_never_wait_for_the_loops_tick():
+    """One wake-up per burst of posts (``AgentLoop.post``): a post that skips its write because
+    one is pending must still be run without the next tick (here 60 s away)."""
+    loop = AgentLoop("posts", 60.0, lambda: None)
+    loop.start()
+    stop = threading.Event()
+
+    def other() -> None:  # another thread posting all along (the engine's wake-ups, a second caller)
+        while not stop.is_set():
+            loop.post(lambda: None)
+            time.sleep(0)
+
+    t = threading.Thread(target=other, daemon=True)
+    t.start()
+    try:
+        for i in range(3000):
+            ran = threading.Event()
+            loop.post(ran.set)
+            assert ran.wait(10), f"post {i} still waits for the loop"
+    finally:
+        stop.set()
+        t.join(10)
+        loop.stop(lambda: None)
