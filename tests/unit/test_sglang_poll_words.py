@@ -60,6 +60,7 @@ class CommonKVReceiver:
 class Record:
     def __init__(self, room: int) -> None:
         self.room, self.state, self.polls = room, S.BOOTSTRAPPING, 0
+        self.posted_error = None
 
     def poll(self):
         self.polls += 1
@@ -97,11 +98,11 @@ class Agent:
     def pending_pages(self, room):
         return self.refusals.pending_pages(room)
 
-    def sender(self, room, pages, aux):
+    def sender(self, room, pages, aux, posted=False):
         self.made.append(Record(room))
         return self.made[-1]
 
-    def receiver(self, address, room):
+    def receiver(self, address, room, posted=False):
         self.made.append(Record(room))
         self.made[-1].room = room
         return self.made[-1]
@@ -166,7 +167,8 @@ def test_a_senders_poll_looks_at_the_agent_only_when_something_arrived(classes):
     assert s.poll() == KVPoll.WaitingForInput and agent.looks == 6
     s.init(2, 0)
     (record,) = agent.made
-    assert record.room == 6 and s.poll() == KVPoll.Bootstrapping  # the agent sender's own state
+    # the agent sender not added yet (``init`` posted it): WaitingForInput, never Bootstrapping again
+    assert record.room == 6 and s.poll() == KVPoll.WaitingForInput
     record.state = S.TRANSFERRING
     assert [s.poll() for _ in range(3)] == [KVPoll.Transferring] * 3 and agent.looks == 6
     mgr.request_status[6] = KVPoll.Failed  # SGLang's own verdict on the room comes first

@@ -181,6 +181,9 @@ class AgentLoop:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        # a wake-up written and not yet taken by the thread: posts meanwhile need none of their own
+        # (a burst of posts, one scheduler iteration's, costs its thread one write, not one each)
+        self._woken = False
         self._sockets: dict[zmq.Socket, Callable[[zmq.Socket], None]] = {}
         self._monitors: dict[zmq.Socket, zmq.Socket] = {}  # a socket -> its monitor (``monitor``)
         self._zap: Any = None  # the CURVE servers' ZAP handler (``serve_curve``)
@@ -248,6 +251,9 @@ class AgentLoop:
         if self.closed:
             raise AgentClosed("the agent is closed")
         self._queue.put(fn)
+        if self._woken:  # the thread clears it before it takes the queue: it will find ``fn``
+            return
+        self._woken = True
         try:
             os.write(self._wake_w, b"x")
         except BlockingIOError:  # pragma: no cover - the pipe is full: the loop is awake anyway
@@ -340,6 +346,9 @@ class AgentLoop:
                         pass
                 except BlockingIOError:
                     pass
+            # after the pipe is read, before the queue is: a post from here on writes again, and one
+            # before it (which skipped its write) has its work in the queue read below
+            self._woken = False
             while True:
                 try:
                     fn = self._queue.get_nowait()

@@ -201,22 +201,39 @@ class DecodeAgent(AgentLifetime):
 
     # --- public ---------------------------------------------------------------------------------
 
-    def receiver(self, prefill: str, room: int, *, redial_gone: bool = True) -> KVReceiver:
+    def receiver(self, prefill: str, room: int, *, redial_gone: bool = True, posted: bool = False) -> KVReceiver:
         """The receiver of request ``room`` from the prefill agent at ``prefill`` (its address).
         A gone prefill is dialled afresh for it; with ``redial_gone=False`` the receiver fails at
-        once with the reason that prefill went instead (a caller that redials with ``connect``)."""
+        once with the reason that prefill went instead (a caller that redials with ``connect``).
+
+        ``posted=True``: returns without waiting for the I/O thread, which adds the receiver next
+        (before any later call's work); what would have raised here (a live receiver of the room
+        from that prefill) fails the returned receiver with that error instead."""
         recv = Receiving(RequestRecord(room), prefill)
         core = self._core
-        added = self._in_loop(lambda now: core.add(recv, now, redial_gone))
-        return KVReceiver(
-            added,
+        if not posted:
+            recv = self._in_loop(lambda now: core.add(recv, now, redial_gone))
+        receiver = KVReceiver(
+            recv,
             call=self._loop.call,
+            post=self._loop.post,
             init=lambda r, pages, state, aux, seq_len: self._feed(
                 lambda now: core.init(r, pages, state, aux, seq_len, now)
             ),
             abort=lambda r, reason: self._feed(lambda _now: core.abort(r, reason)),
             on_fence=lambda r, fn: self._feed(lambda _now: core.on_fence(r, fn)),
         )
+        if posted:
+            self._loop.post(lambda: self._add_posted(receiver, recv, redial_gone))
+        return receiver
+
+    def _add_posted(self, receiver: KVReceiver, recv: Receiving, redial_gone: bool) -> None:
+        try:
+            self._feed(lambda now: self._core.add(recv, now, redial_gone))
+        except Exception as exc:  # the caller's next poll sees it: the receiver failed
+            receiver.posted_error = exc
+            if isinstance(exc, PdStateError):
+                recv.record.fail(exc)
 
     def prefills(self) -> dict[str, PrefillSnapshot]:
         """Every prefill this agent used, by address: a ``PrefillSnapshot`` each (``state``,

@@ -224,14 +224,24 @@ class PrefillAgent(AgentLifetime):
 
     # --- public ---------------------------------------------------------------------------------
 
-    def sender(self, room: int, num_pages: int, aux_index: int | None = None) -> KVSender:
+    def sender(self, room: int, num_pages: int, aux_index: int | None = None, *, posted: bool = False) -> KVSender:
         """The sender of request ``room`` (``num_pages`` main-KV pages in all; ``aux_index``: the
-        caller's aux slot, moved with the last chunk when both sides have aux buffers)."""
+        caller's aux slot, moved with the last chunk when both sides have aux buffers).
+
+        ``posted=True``: returns without waiting for the I/O thread, which adds the sender next
+        (before any later call's work); what would have raised here (a room with a live sender)
+        fails the returned sender with that error instead (its ``failure_exception()``)."""
         if num_pages < 0:
             raise ValueError(f"num_pages must not be negative, got {num_pages}")
         send = Sending(RequestRecord(room), num_pages, aux_index)
-        added = self._loop.call(lambda: self._run(lambda now: self._core.add_sender(send, now)))
-        return KVSender(added, call=self._loop.call, queue_chunk=self._queue_chunk, abort=self._abort)
+        if not posted:
+            send = self._loop.call(lambda: self._run(lambda now: self._core.add_sender(send, now)))
+        sender = KVSender(
+            send, call=self._loop.call, post=self._loop.post, queue_chunk=self._queue_chunk, abort=self._abort
+        )
+        if posted:
+            self._loop.post(lambda: self._add_posted(sender, send))
+        return sender
 
     def decodes(self) -> list[DecodeSnapshot]:
         """The accepted decode agents: worker id, incarnation, seconds since last heard."""
@@ -400,6 +410,14 @@ class PrefillAgent(AgentLifetime):
     def _queue_chunk(self, send: Sending, pages: np.ndarray, state: list[np.ndarray] | None) -> None:
         self._run(lambda now: self._core.queue_chunk(send, pages, state, now))
         self._loop.post(lambda: self._run(lambda now: self._core.pump(send, now)))  # send() does not wait for the copy
+
+    def _add_posted(self, sender: KVSender, send: Sending) -> None:
+        try:
+            self._run(lambda now: self._core.add_sender(send, now))
+        except Exception as exc:  # the caller's next poll sees it: the sender failed
+            sender.posted_error = exc
+            if isinstance(exc, PdStateError):
+                send.record.fail(exc)
 
     def _abort(self, send: Sending, reason: str) -> None:
         self._run(lambda now: self._core.abort(send, reason, now))

@@ -94,11 +94,17 @@ class KVReceiver:
         init: Callable[[Receiving, np.ndarray, list[np.ndarray], int | None, int | None], None],
         abort: Callable[[Receiving, str], None],
         on_fence: Callable[[Receiving, Callable[[], None]], None],
+        post: Callable[[Callable[[], None]], None],
     ) -> None:
-        """``call(fn)``: run ``fn`` on the agent's I/O thread and return its result; ``init``,
-        ``abort`` and ``on_fence``: the agent's handlers of this request, run there."""
+        """``call(fn)``: run ``fn`` on the agent's I/O thread and return its result; ``post(fn)``:
+        hand ``fn`` to that thread and return; ``init``, ``abort`` and ``on_fence``: the agent's
+        handlers of this request, run there."""
         self._recv, self._call, self._init, self._abort, self._on_fence = recv, call, init, abort, on_fence
+        self._post = post
         self.room, self.prefill = recv.record.room, recv.prefill
+        # what a posted call (``post_init``, or the agent's ``receiver(..., posted=True)``) raised
+        # on the I/O thread: written there once, read by any thread
+        self.posted_error: BaseException | None = None
 
     def poll(self) -> RequestState:
         return self._recv.record.state
@@ -115,6 +121,25 @@ class KVReceiver:
         pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
         st = [np.asarray(x, dtype=np.int64).reshape(-1) for x in state_indices]
         self._call(lambda: self._init(self._recv, pages, st, aux_index, seq_len))
+
+    def post_init(
+        self, page_indices, state_indices, aux_index: int | None = None, *, seq_len: int | None = None
+    ) -> None:
+        """``init`` without waiting for the I/O thread: the destination is handed over (a queue
+        and a wake-up) and this returns. What ``init`` would have raised is kept in
+        ``posted_error`` instead (the request's state is left as it is); posted calls, ``init``
+        and ``abort`` run on the I/O thread in the order called."""
+        pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
+        st = [np.asarray(x, dtype=np.int64).reshape(-1) for x in state_indices]
+        self._post(lambda: self._init_posted(pages, st, aux_index, seq_len))
+
+    def _init_posted(self, pages: np.ndarray, st: list[np.ndarray], aux_index: int | None, seq_len) -> None:
+        if self.posted_error is not None:
+            return
+        try:
+            self._init(self._recv, pages, st, aux_index, seq_len)
+        except Exception as exc:  # the caller's poll reports it (``posted_error``)
+            self.posted_error = exc
 
     def abort(self, reason: str = "aborted by decode", timeout_s: float = 30.0) -> None:
         """Abort the request; returns once it is terminal and fenced (``fenced``): the prefill

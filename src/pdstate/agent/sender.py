@@ -132,11 +132,17 @@ class KVSender:
         call: Callable[..., object],
         queue_chunk: Callable[[Sending, np.ndarray, list[np.ndarray] | None], None],
         abort: Callable[[Sending, str], None],
+        post: Callable[[Callable[[], None]], None],
     ) -> None:
         """``call(fn, timeout_s)``: run ``fn`` on the agent's I/O thread and return its result;
-        ``queue_chunk`` and ``abort``: the agent's handlers of this request, run there."""
+        ``post(fn)``: hand ``fn`` to that thread and return; ``queue_chunk`` and ``abort``: the
+        agent's handlers of this request, run there."""
         self._send, self._call, self._queue_chunk, self._abort = send, call, queue_chunk, abort
+        self._post = post
         self.room = send.record.room
+        # what a posted call (``post``, or the agent's ``sender(..., posted=True)``) raised on the
+        # I/O thread: written there once, read by any thread
+        self.posted_error: BaseException | None = None
 
     def poll(self) -> RequestState:
         return self._send.record.state
@@ -152,6 +158,23 @@ class KVSender:
         pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
         st = None if state_indices is None else [np.asarray(x, dtype=np.int64).reshape(-1) for x in state_indices]
         self._call(lambda: self._queue_chunk(self._send, pages, st))
+
+    def post(self, page_indices, state_indices=None) -> None:
+        """``send`` without waiting for the I/O thread: the chunk is handed over (a queue and a
+        wake-up) and this returns. What ``send`` would have raised is kept in ``posted_error``
+        instead (the request's state is left as it is), and the chunks posted after it are
+        dropped; posted chunks, ``send`` and ``abort`` run on the I/O thread in the order called."""
+        pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
+        st = None if state_indices is None else [np.asarray(x, dtype=np.int64).reshape(-1) for x in state_indices]
+        self._post(lambda: self._queue_posted(pages, st))
+
+    def _queue_posted(self, pages: np.ndarray, st: list[np.ndarray] | None) -> None:
+        if self.posted_error is not None:
+            return
+        try:
+            self._queue_chunk(self._send, pages, st)
+        except Exception as exc:  # the caller's poll reports it (``posted_error``)
+            self.posted_error = exc
 
     def abort(self, reason: str = "aborted by prefill", timeout_s: float = 30.0) -> None:
         """Stop sending; returns once no write of this request can land any more (in-flight

@@ -77,6 +77,10 @@ def build_manager() -> type:
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.utils.network import NetworkAddress, get_local_ip_auto
 
+    @functools.lru_cache(maxsize=1024)
+    def _tcp_address(ip: str, port: int) -> str:
+        return NetworkAddress(ip, port).to_tcp()
+
     class PdStateKVManager(CommonKVManager):
         """SGLang's KV manager for ``--disaggregation-transfer-backend pdstate``."""
 
@@ -163,8 +167,9 @@ def build_manager() -> type:
             super().register_to_bootstrap()
 
         def agent_address(self, bootstrap_info: dict) -> str:
-            """The prefill agent behind one ``/route`` answer (``rank_ip``, ``rank_port``)."""
-            return NetworkAddress(bootstrap_info["rank_ip"], int(bootstrap_info["rank_port"])).to_tcp()
+            """The prefill agent behind one ``/route`` answer (``rank_ip``, ``rank_port``); asked by
+            every receiver's ``init`` on the scheduler thread: each address is made once."""
+            return _tcp_address(bootstrap_info["rank_ip"], int(bootstrap_info["rank_port"]))
 
         def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
             """SGLang's own lookup; a topology SGLang's rank mapping refuses is kept as the reason

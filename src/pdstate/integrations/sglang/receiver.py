@@ -8,7 +8,10 @@ room of this decode rank's own, ``replicas``; a PP prefill: each stage's through
 that stage's slice of this rank's memory, ``stages``), whose first use connects and shakes hands: ``poll()`` is
 ``WaitingForInput`` once every one was accepted. ``send_metadata(pages, aux_index, state_indices,
 decode_prefix_len)`` tells the real rank where everything lands (the dummies: nothing), and
-``poll()`` follows the agent receivers to ``Success`` (digests equal) or ``Failed``.
+``poll()`` follows the agent receivers to ``Success`` (digests equal) or ``Failed``. ``init`` and
+``send_metadata`` post their agent work (``DecodeAgent.receiver(..., posted=True)``,
+``KVReceiver.post_init``) and return; what the agent's thread refuses there fails the request at
+the next ``poll()`` with that error (``states.posted_failure``).
 
 The contract is the running SGLang's (0.5.19 or 0.5.23): ``init`` runs SGLang's own rank
 mapping and ``/route`` lookups, but never its ZMQ registration (``_register_kv_args``, which
@@ -41,12 +44,14 @@ import numpy as np
 from pdstate.errors import PdStateError, TransferFailed
 from pdstate.integrations.sglang.replicas import replica_index, replica_room
 from pdstate.integrations.sglang.states import (
+    AGENT_CHECK_POLLS,
     combine,
     conclude,
     conclude_failed,
     concluded,
     failure_exception,
     kv_poll,
+    posted_failure,
     state_lists,
 )
 from pdstate.protocol.lifecycle import RequestState
@@ -60,10 +65,6 @@ ABORT_FENCE_S = 5.0
 # failed while its prefill may still write them (the prefill gone silent) reports Failed only once
 # that prefill confirmed, or after this long (logged: the pages are SGLang's again unfenced)
 UNFENCED_FAILED_WAIT_S = 30.0
-# SGLang polls every request in flight on its scheduler thread, every iteration: a poll that finds
-# nothing new reads one status word (the agent receiver's state); whether the rank's agent died is
-# asked on every ``AGENT_CHECK_POLLS``-th poll, and on every poll that looks further
-AGENT_CHECK_POLLS = 32
 _BOOTSTRAPPING, _WAITING, _TRANSFERRING = (
     RequestState.BOOTSTRAPPING,
     RequestState.WAITING_FOR_INPUT,
@@ -88,6 +89,7 @@ def build_receiver() -> type:
             self._unfenced_released = False  # held ``UNFENCED_FAILED_WAIT_S`` and given back unfenced
             self._aborted: set[int] = set()  # the agent receivers told to abort (``_fence``), by id
             self._word = None  # one agent receiver, not a dummy: its poll (the poll's status word)
+            self._one = None  # that agent receiver (its ``posted_error``)
             self._polls = 0
             super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
@@ -115,7 +117,7 @@ def build_receiver() -> type:
                 for info in self.bootstrap_infos:
                     address = self.kv_mgr.agent_address(info)
                     agent = self.kv_mgr.agent_for(int(info.get("pp_rank", 0)), stages)
-                    recv = agent.receiver(address, room)
+                    recv = agent.receiver(address, room, posted=True)
                     self._recvs.append((bool(info.get("is_dummy")), recv))
                     if not info.get("is_dummy"):
                         self.kv_mgr.counters.watch(recv, address)
@@ -123,7 +125,8 @@ def build_receiver() -> type:
                 self.pdstate_fail(exc)
                 return
             if len(self._recvs) == 1 and not self._recvs[0][0]:
-                self._word = self._recvs[0][1].poll
+                self._one = self._recvs[0][1]
+                self._word = self._one.poll
 
         @property
         def agent_rooms(self) -> list[int]:
@@ -230,9 +233,9 @@ def build_receiver() -> type:
             try:
                 for dummy, recv in self._recvs:
                     if dummy:
-                        recv.init([], empty, None)
+                        recv.post_init([], empty, None)
                     else:
-                        recv.init(kv_indices, lists, aux_index)
+                        recv.post_init(kv_indices, lists, aux_index)
             except (PdStateError, ValueError) as exc:
                 self.pdstate_fail(exc)
                 return
@@ -248,7 +251,7 @@ def build_receiver() -> type:
             if not self._polls % AGENT_CHECK_POLLS and self.kv_mgr.agent_failure() is not None:
                 return self._poll()
             word = self._word
-            if word is not None:
+            if word is not None and self._one.posted_error is None:
                 state = word()
                 if state is _TRANSFERRING:
                     steady = TRANSFERRING
@@ -264,6 +267,10 @@ def build_receiver() -> type:
             return self._poll()
 
         def _poll(self) -> int:
+            if self.conclude_state is None:
+                posted = posted_failure(recv for _, recv in self._recvs)
+                if posted is not None:  # what a posted init or send_metadata raised on the agent's thread
+                    self.pdstate_fail(posted)
             over = concluded(self)
             if over is not None:  # Failed (aborted, timed out) while a prefill may still write: held
                 return KVPoll.Transferring if over == KVPoll.Failed and self._hold_unfenced() else over

@@ -7,6 +7,14 @@ the agent's sender, ``send(pages, state_indices | None)`` goes once per chunk (s
 only), and ``poll()`` follows the agent's sender to ``Success`` (every chunk landed and the
 decode's digest of the landed bytes matched) or ``Failed``.
 
+``init`` and ``send`` post (as SGLang's own Mooncake sender does): the agent sender is made and
+each chunk handed to the agent's thread (``PrefillAgent.sender(..., posted=True)``,
+``KVSender.post``) without waiting for it, in the order of the calls. What that thread refuses
+(a chunk past the pages declared, a room with a live sender) fails the request at the next
+``poll()``, ``failure_exception()`` raising that error (``states.posted_failure``); until the
+thread took the sender, ``poll()`` says ``WaitingForInput``. ``abort()`` waits for the agent's
+fence, which comes after every chunk posted before it.
+
 A decode that refused this prefill's layout gives the room up: ``poll()`` is ``Failed`` at once,
 ``failure_exception()`` raises the refusal (upstream's class and text), and nothing was written.
 The constructor is the running SGLang's: 0.5.19's prefill passes ``dest_tp_ranks`` and
@@ -41,6 +49,7 @@ import numpy as np
 from pdstate.errors import PdStateError, TransferFailed
 from pdstate.integrations.sglang import states as lifecycle
 from pdstate.integrations.sglang.replicas import MAX_REPLICAS, asked_rooms, refused_room, replica_room
+from pdstate.integrations.sglang.states import AGENT_CHECK_POLLS
 from pdstate.protocol.lifecycle import RequestState
 
 log = logging.getLogger("pdstate.integrations.sglang")
@@ -49,11 +58,7 @@ __all__ = ["build_sender"]
 
 ABORT_FENCE_S = 5.0
 _TRANSFERRING, _WAITING = RequestState.TRANSFERRING, RequestState.WAITING_FOR_INPUT
-# SGLang polls every request in flight on its scheduler thread, every iteration: a poll that finds
-# nothing new reads one status word (the agent request's state, or the agent's ``arrivals`` while
-# the decode's request is awaited); whether the rank's agent died is asked on every
-# ``AGENT_CHECK_POLLS``-th poll, and on every poll that looks further
-AGENT_CHECK_POLLS = 32
+_BOOTSTRAPPING = RequestState.BOOTSTRAPPING
 # what turns SGLang's room into the first replica's room of each count (``replicas``): the rooms a
 # decode rank may ask for SGLang's room under, looked for in one pass (``_agent_rooms``)
 _FIRST_REPLICA = tuple(replica_room(0, 0, count) for count in range(2, MAX_REPLICAS + 1))
@@ -65,7 +70,7 @@ def _past_prefix(states: list, wanted: list[int], state_types) -> list:
     positionally), every other component whole (rings, request state, request rows)."""
     out = []
     for lst, n, st in zip(states, wanted, state_types):
-        if str(getattr(st, "value", st)) == "swa" and 0 <= n < lst.size:
+        if lifecycle.is_swa(st) and 0 <= n < lst.size:
             lst = lst[lst.size - n :]
         out.append(lst)
     return out
@@ -84,24 +89,24 @@ class _Out:
         pages = agent.pending_pages(room)
         pages = num_pages if pages is None else pages
         if num_pages > 0 and pages == 0:  # the decode takes this room from another prefill rank
-            return cls(agent.sender(room, 0, None), dummy=True)
+            return cls(agent.sender(room, 0, None, posted=True), dummy=True)
         skip, lens = 0, None
         if 0 < pages < num_pages:  # a prefix hit on the decode (decode_prefix_len)
             skip, lens = num_pages - pages, agent.pending_state_lengths(room)
-        return cls(agent.sender(room, num_pages - skip, aux_index), skip_pages=skip, state_lens=lens)
+        return cls(agent.sender(room, num_pages - skip, aux_index, posted=True), skip_pages=skip, state_lens=lens)
 
     def send_chunk(self, pages: np.ndarray, states, last: bool, state_types) -> None:
         if self.dummy:
             if last and not self.dummy_done:
                 self.dummy_done = True
-                self.send.send([], None)
+                self.send.post([], None)
             return
         if self.skip_pages:
             skip = min(self.skip_pages, pages.size)
             pages, self.skip_pages = pages[skip:], self.skip_pages - skip
         if states is not None and self.state_lens is not None:
             states = _past_prefix(states, self.state_lens, state_types)
-        self.send.send(pages, states)
+        self.send.post(pages, states)
 
 
 @functools.cache
@@ -125,6 +130,7 @@ def build_sender() -> type:
             self._arrivals_seen: int | None = None
             self._asked: list[int] | None = None
             self._word = None
+            self._one = None  # that agent sender (its ``posted_error``)
             self._polls = 0
             self._rooms: frozenset[int] | None = None  # ``_agent_rooms``
             CommonKVSender.__init__(self, *base_args, **base_kwargs)
@@ -180,7 +186,8 @@ def build_sender() -> type:
                     if not out.dummy:
                         self.kv_mgr.counters.watch(out.send, f"decode of room {room}")
                 if len(self._outs) == 1 and not self._outs[0].dummy:
-                    self._word = self._outs[0].send.poll
+                    self._one = self._outs[0].send
+                    self._word = self._one.poll
                 for chunk in self._queued:
                     self._send_chunk(*chunk)
             except (PdStateError, ValueError) as exc:
@@ -221,13 +228,13 @@ def build_sender() -> type:
                 return self._poll()
             if self.kv_mgr.request_status.get(self.bootstrap_room) != FAILED:
                 word = self._word  # one decode rank fed: its agent sender's state, moved by the agent's thread
-                if word is not None:
+                if word is not None and self._one.posted_error is None:
                     state = word()
                     if state is _TRANSFERRING:
                         return TRANSFERRING
-                    if state is _WAITING:
+                    if state is _WAITING or state is _BOOTSTRAPPING:  # bootstrapping: its posted add is on its way
                         return WAITING
-                else:
+                elif word is None:
                     steady = self._awaited()
                     if steady is not None:
                         return steady
@@ -287,7 +294,12 @@ def build_sender() -> type:
                         self.conclude_state = timed_out
                         return timed_out
                     return KVPoll.Bootstrapping
-            states = [out.send.poll() for out in self._outs]
+            posted = lifecycle.posted_failure(out.send for out in self._outs)
+            if posted is not None:  # what a posted init or send raised on the agent's thread
+                return self.pdstate_fail(posted)
+            # made once its decode's request was here: an agent sender still bootstrapping is one the
+            # agent's thread has not added yet (``init`` posted it), WaitingForInput to SGLang
+            states = [_WAITING if s is _BOOTSTRAPPING else s for s in (out.send.poll() for out in self._outs)]
             poll = lifecycle.combine(states)
             if poll == KVPoll.Failed:
                 failed = next(out for out, s in zip(self._outs, states) if lifecycle.kv_poll(s) == KVPoll.Failed)

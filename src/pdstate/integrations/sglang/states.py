@@ -12,7 +12,24 @@ import numpy as np
 from pdstate.integrations.sglang import trace
 from pdstate.protocol.lifecycle import RequestState
 
-__all__ = ["combine", "conclude", "conclude_failed", "failure_exception", "kv_poll", "raise_failure", "state_lists"]
+__all__ = [
+    "AGENT_CHECK_POLLS",
+    "combine",
+    "conclude",
+    "conclude_failed",
+    "failure_exception",
+    "is_swa",
+    "kv_poll",
+    "posted_failure",
+    "raise_failure",
+    "state_lists",
+]
+
+# SGLang polls every request in flight on its scheduler thread, every iteration: a sender's or
+# receiver's poll that finds nothing new reads one status word (an agent request's state, or the
+# prefill agent's ``arrivals`` while the decode's request is awaited); whether the rank's agent
+# died is asked on every ``AGENT_CHECK_POLLS``-th poll, and on every poll that looks further
+AGENT_CHECK_POLLS = 32
 
 
 @functools.cache
@@ -40,6 +57,19 @@ def combine(states: list[RequestState]) -> int:
     polls = [table[s] for s in states]
     failed = table[RequestState.FAILED]
     return failed if failed in polls else min(polls)
+
+
+def posted_failure(handles) -> BaseException | None:
+    """What a posted call (the agent's ``sender``/``receiver(..., posted=True)``, ``KVSender.post``,
+    ``KVReceiver.post_init``) of the agent requests ``handles`` raised on the agent's thread: the
+    first found, else ``None``. The backend's ``init``, ``send`` and ``send_metadata`` post their
+    work and return; the next ``poll()`` fails the request with this (``failure_exception()``
+    raises it: the class and text the call itself used to fail with)."""
+    for handle in handles:
+        error = handle.posted_error
+        if error is not None:
+            return error
+    return None
 
 
 def conclude(side, poll: int) -> int:
@@ -96,20 +126,39 @@ def failure_exception(side) -> None:
     raise_failure(side.bootstrap_room, side.pdstate_error, getattr(side, "_failure_reason", None))
 
 
+_SWA: dict = {}  # a state type (an enum member or its value) -> whether it names the SWA component
+
+
+def is_swa(state_type) -> bool:
+    """Whether ``state_type`` (``KVArgs.state_types``' entry) is the SWA component (looked up once)."""
+    swa = _SWA.get(state_type)
+    if swa is None:
+        swa = _SWA[state_type] = str(getattr(state_type, "value", state_type)) == "swa"
+    return swa
+
+
 def state_lists(state_indices, state_types) -> list[np.ndarray]:
     """SGLang's request-state index lists, one int64 array per component (``None``: empty).
 
     An SWA list naming only the padding page (0) is emptied: on the unified KV layout (0.5.23, a
     per-request SWA ring) SGLang's allocator leaves its full-to-SWA mapping unwritten, so both
     sides name their SWA component (the C4 states) as page 0 only. SGLang's own backend copies
-    padding to padding; pdstate moves nothing there (the window itself moves as the SWA ring)."""
+    padding to padding; pdstate moves nothing there (the window itself moves as the SWA ring).
+
+    Called on SGLang's scheduler thread per request (``send_metadata``, the last chunk's ``send``):
+    a list that is an int64 vector already is taken as it is, and only an SWA list is looked at."""
     n = len(state_types)
     if len(state_indices) != n:
         raise ValueError(f"state_indices: {len(state_indices)} lists for {n} state components")
     out = []
     for s, st in zip(state_indices, state_types):
-        lst = np.empty(0, dtype=np.int64) if s is None else np.asarray(s, dtype=np.int64).reshape(-1)
-        if str(getattr(st, "value", st)) == "swa" and lst.size and not lst.any():
+        if s is None:
+            lst = np.empty(0, dtype=np.int64)
+        elif type(s) is np.ndarray and s.dtype == np.int64 and s.ndim == 1:
+            lst = s
+        else:
+            lst = np.asarray(s, dtype=np.int64).reshape(-1)
+        if lst.size and is_swa(st) and not np.count_nonzero(lst):
             lst = lst[:0]
         out.append(lst)
     return out
