@@ -30,7 +30,8 @@ COPY_DELAY_S = 0.3  # the prefill engine's copies land this long after their sub
 
 
 @pytest.fixture
-def sides():
+def bare_sides():
+    """Two private-memory sides of the tiny layout without aux buffers (prefill 1, decode 2)."""
     p, d = make_side(False, aux=False), make_side(False, aux=False)
     fill(p.kv_args, 1)
     fill(d.kv_args, 2)
@@ -40,8 +41,8 @@ def sides():
 
 
 @pytest.fixture
-def agents(sides):
-    p, d = sides
+def agents(bare_sides):
+    p, d = bare_sides
     pa = PrefillAgent(
         p.kv_args, (p.pools.target, p.pools.draft), engine="loopback", engine_options={"delay_s": COPY_DELAY_S}
     )
@@ -80,13 +81,13 @@ def _poll_until(side, want: int, what: str) -> int:
     return wait_until(what, lambda: side.poll() == want, 10) and side.poll()
 
 
-def _asked_sender(sender_cls, pa, sides, room: int, da) -> tuple:
+def _asked_sender(sender_cls, pa, bare_sides, room: int, da) -> tuple:
     """A decode's receiver of ``room`` that named its two destination pages, and the backend's
     sender of the room at ``WaitingForInput`` (the decode's request arrived)."""
     recv = da.receiver(pa.address, room)
     recv.init([3, 4], DST_STATE)
     wait_until("the decode's request at the prefill", lambda: pa.requested(room), 10)
-    s = sender_cls(AgentManager(pa, sides[0].kv_args), "127.0.0.1:1", room, [0], 0)
+    s = sender_cls(AgentManager(pa, bare_sides[0].kv_args), "127.0.0.1:1", room, [0], 0)
     _poll_until(s, KVPoll.WaitingForInput, "the sender at WaitingForInput")
     return recv, s
 
@@ -103,10 +104,10 @@ def test_a_posted_sender_of_a_room_with_a_live_one_fails_with_the_error_sender_r
     assert posted.posted_error is exc
 
 
-def test_a_posted_chunk_the_agent_refuses_fails_the_backends_next_poll_with_its_error(agents, sides, sglang):
+def test_a_posted_chunk_the_agent_refuses_fails_the_backends_next_poll_with_its_error(agents, bare_sides, sglang):
     pa, da = agents
     sender_cls, _ = sglang
-    recv, s = _asked_sender(sender_cls, pa, sides, 8, da)
+    recv, s = _asked_sender(sender_cls, pa, bare_sides, 8, da)
     s.init(2, None)
     one = pa.sender(99, 2)
     with pytest.raises(ValueError) as raised:  # what the blocking call raises for the same chunk
@@ -121,10 +122,10 @@ def test_a_posted_chunk_the_agent_refuses_fails_the_backends_next_poll_with_its_
     assert recv.state is S.WAITING_FOR_INPUT or recv.state is S.TRANSFERRING  # the agent's request: as before
 
 
-def test_a_posted_send_metadata_the_agent_refuses_fails_the_backends_next_poll(agents, sides, sglang):
+def test_a_posted_send_metadata_the_agent_refuses_fails_the_backends_next_poll(agents, bare_sides, sglang):
     pa, da = agents
     _, receiver_cls = sglang
-    r = receiver_cls(AgentManager(da, sides[1].kv_args, pa.address), "127.0.0.1:1", 9)
+    r = receiver_cls(AgentManager(da, bare_sides[1].kv_args, pa.address), "127.0.0.1:1", 9)
     r.init(0)
     _poll_until(r, KVPoll.WaitingForInput, "the receiver at WaitingForInput")
     assert r.send_metadata([3, 4], aux_index=1, state_indices=DST_STATE) is None  # posted
@@ -135,14 +136,14 @@ def test_a_posted_send_metadata_the_agent_refuses_fails_the_backends_next_poll(a
 
 
 @pytest.mark.parametrize("copying", [False, True], ids=["at-once", "copying"])
-def test_an_abort_right_after_posted_sends_lands_no_byte_after_its_fence(agents, sides, sglang, copying):
+def test_an_abort_right_after_posted_sends_lands_no_byte_after_its_fence(agents, bare_sides, sglang, copying):
     """``copying``: the abort comes once the sender is Transferring (both chunks' copies in the
     engine, each landing ``COPY_DELAY_S`` after its submit): its fence waits for them."""
     pa, da = agents
     sender_cls, _ = sglang
-    kv = sides[1].kv_args
-    before, source = snapshot(kv), snapshot(sides[0].kv_args)
-    recv, s = _asked_sender(sender_cls, pa, sides, 10, da)
+    kv = bare_sides[1].kv_args
+    before, source = snapshot(kv), snapshot(bare_sides[0].kv_args)
+    recv, s = _asked_sender(sender_cls, pa, bare_sides, 10, da)
     s.init(2, None)
     s.send(np.array([1]))
     s.send(np.array([2]), SRC_STATE)  # the last chunk, with the request's state
