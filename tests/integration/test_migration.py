@@ -24,6 +24,8 @@ from tests.support.waiting import wait_until
 READY_S = 60.0
 # room for the drain's 8 running requests beside the others (the same on every side)
 POOL = ["pool.full_tokens=16384", "pool.swa_tokens=8192", "pool.max_num_reqs=16"]
+# a listener beyond loopback that b may dial (migration.sources); nothing answers there
+FAR = "tcp://10.255.255.1:5555"
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,11 @@ def cluster():
         _, control = sv.prefill(*POOL)
         decodes = {
             name: sv.start("decode", ["http.port=0", f"control.peer={control}", *POOL, *extra])
-            for name, extra in (("a", []), ("b", ["pool.upstream=0.5.19"]), ("unlike", ["draft.enabled=false"]))
+            for name, extra in (
+                ("a", []),
+                ("b", ["pool.upstream=0.5.19", f'migration.sources=["{FAR}"]']),
+                ("unlike", ["draft.enabled=false"]),
+            )
         }
         with httpx.Client(timeout=60) as http:
             for name in ("a", "b"):
@@ -197,15 +203,54 @@ def test_unknown_rooms_and_bad_targets_get_clear_errors(cluster):
         assert r.status_code == 422, (to, r.text)
         assert "evil" not in r.text and "<script>" not in r.text
     assert http.post(f"{a}/v1/migrations", json={"room": 1, "to": b, "x": 1}).status_code == 422
-    # a target dials only a listener on its own host: it shows what it dials its memory
-    far = {"room": 1, "source": "tcp://10.0.0.1:5601", "tokens": 10}
+    # a target dials only a listener on its own host or one listed in its migration.sources: it
+    # shows what it dials its memory (FAR is listed: an address on the list, not the one beside it)
+    far = {"room": 1, "source": "tcp://10.255.255.1:5556", "tokens": 10}
     r = http.post(f"{b}/v1/migrations/incoming", json=far)
-    assert r.status_code == 403 and "loopback" in r.json()["detail"]
+    assert (r.status_code, r.json()["detail"]) == (
+        403,
+        "migration source 'tcp://10.255.255.1:5556' is not a listener this decode may dial: a loopback "
+        "address, or an exact entry of migration.sources (list the migrating decode's migration.advertise there)",
+    )
+    assert http.post(f"{a}/v1/migrations/incoming", json={**far, "source": FAR}).status_code == 403  # not a's
     assert http.post(f"{a}/v1/transfers", json={"tokens": 10, "steps": 2}).status_code == 422  # steps need hold
     # a transfer without hold keeps serve's behaviour: verified, freed, nothing running
     r = http.post(f"{a}/v1/transfers", json={"tokens": 300, "room": 501})
     assert (r.json()["status"], r.json()["held"]) == ("success", False)
     assert 501 not in _rooms(http, a)
+
+
+def test_a_listener_on_another_address_and_a_listed_one_that_is_gone(cluster):
+    """``migration.bind`` on 127.0.0.2 (all of 127/8 is lo on Linux): the target dials the bound
+    address it is told. A listener advertised beyond loopback and listed in the target's
+    ``migration.sources`` is dialled; when nothing answers there the request stays on its source."""
+    sv, control, d, http = cluster
+    b = d["b"].url
+    timers = ["control.request_deadline_s=2", "control.peer_timeout_s=1"]
+    alias = sv.start("decode", ["http.port=0", f"control.peer={control}", "migration.bind=tcp://127.0.0.2:0", *POOL])
+    far = sv.start("decode", ["http.port=0", f"control.peer={control}", f"migration.advertise={FAR}", *POOL, *timers])
+    for s in (alias, far):
+        wait_for(lambda s=s: ready(http, s.url), READY_S, "decode ready")
+
+    _hold(http, alias.url, 601, 600, 2)
+    before = _row(http, alias.url, 601)
+    r = http.post(f"{alias.url}/v1/migrations", json={"room": 601, "to": b})
+    assert r.status_code == 200, r.text
+    after = _row(http, b, 601)
+    assert after["source"].startswith("tcp://127.0.0.2:")
+    assert (after["digest"], after["step"]) == (before["digest"], 2)
+    http.delete(f"{b}/v1/requests/601")
+
+    _hold(http, far.url, 602, 600, 3)
+    before = _row(http, far.url, 602)
+    r = http.post(f"{far.url}/v1/migrations", json={"room": 602, "to": b})
+    assert r.status_code == 502, r.text  # b took the address and dialled it: no answer in far's deadline
+    m = r.json()
+    assert (m["status"], m["refused"], m["error"]["type"]) == ("failed", False, "PeerGone")
+    assert "it runs on this decode again" in m["detail"]
+    still = _row(http, far.url, 602)
+    assert (still["digest"], still["step"], still["migrating"]) == (before["digest"], 3, False)
+    assert 602 not in _rooms(http, b)
 
 
 def test_a_decode_step_rewrites_the_last_page_and_the_state_only():

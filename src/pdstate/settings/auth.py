@@ -229,6 +229,8 @@ def check_auth(cfg: Any, where: Callable[[str], str]) -> None:
         host = control_bind_host(cfg.control.bind)
         if host is not None and not is_loopback_host(host):
             exposed.append(("control.bind", cfg.control.bind))
+    elif not is_loopback_host(control_bind_host(cfg.migration.bind) or "localhost"):
+        exposed.append(("migration.bind", cfg.migration.bind))
     if exposed:
         key, value = exposed[0]
         raise ConfigError(

@@ -28,7 +28,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from pdstate.errors import ConfigError
@@ -145,6 +145,70 @@ class ControlSection(_Section):
         return v
 
 
+# a ZeroMQ tcp endpoint: tcp://host:port, the host an IP literal, a [v6] literal or a name
+_TCP_ENDPOINT = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,200}|\*):([0-9]{1,5})$")
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]")
+
+
+def _endpoint_port(entry: str) -> tuple[str, int]:
+    m = _TCP_ENDPOINT.match(entry)
+    if m is None or int(m.group(2)) > 65535:
+        raise ValueError(f"{entry[:200]!r} is not tcp://host:port (a port 0-65535)")
+    return m.group(1), int(m.group(2))
+
+
+class MigrationSection(_Section):
+    """Decode: where a migrating decode's listener binds, the address its targets are told to
+    dial (``""``: the bound address), and (on a target) the listeners beyond loopback a migration
+    may name (``POST /v1/migrations/incoming``; exact addresses, patterns refused)."""
+
+    bind: str = "tcp://127.0.0.1:0"
+    advertise: str = ""
+    sources: list[str] = Field(default_factory=list, max_length=256)
+
+    @field_validator("bind")
+    @classmethod
+    def _bind_endpoint(cls, v: str) -> str:
+        _endpoint_port(v)
+        return v
+
+    @field_validator("advertise")
+    @classmethod
+    def _dialable(cls, v: str) -> str:
+        if v:
+            host, port = _endpoint_port(v)
+            if host in _WILDCARD_HOSTS or port == 0:
+                raise ValueError(
+                    f"{v[:200]!r} cannot be dialled; name the host and port a target "
+                    "reaches this decode's migration listener at"
+                )
+        return v
+
+    @field_validator("sources")
+    @classmethod
+    def _exact_sources(cls, v: list[str]) -> list[str]:
+        for entry in v:
+            if _PATTERN.search(_IPV6_HOST.sub("tcp://", entry, count=1)):
+                raise ValueError(
+                    f"{entry[:200]!r} is a pattern; list each migrating decode's listener by its exact "
+                    "address (its migration.advertise, tcp://host:port)"
+                )
+            host, port = _endpoint_port(entry)
+            if host in _WILDCARD_HOSTS or port == 0:
+                raise ValueError(f"{entry[:200]!r} is not one listener's address")
+        return v
+
+    @model_validator(mode="after")
+    def _advertised_wildcard(self) -> MigrationSection:
+        host, _ = _endpoint_port(self.bind)
+        if host in _WILDCARD_HOSTS and not self.advertise:
+            raise ValueError(
+                f"migration.bind: {self.bind!r} binds every interface; set migration.advertise to the "
+                "address a target dials"
+            )
+        return self
+
+
 class HttpSection(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8100, ge=0, lt=65536)
@@ -234,6 +298,7 @@ class WorkerConfig(_Section):
     http: HttpSection = HttpSection()
     transfer: TransferSection = TransferSection()
     auth: AuthSection = AuthSection()
+    migration: MigrationSection = MigrationSection()
 
     def pool_settings(self) -> PoolSettings:
         s = preset_settings(self.preset)

@@ -356,6 +356,15 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         if source.role != "decode":
             raise _not_decode(source)
 
+    def _incoming_refused(address: str) -> str | None:
+        """Why a migration may not name the listener ``address``: the source's rule
+        (``migration_source_refused``), else loopback only."""
+        rule = getattr(source, "migration_source_refused", None)
+        if rule is not None:
+            return rule(address)
+        host = address[len("tcp://") :].rsplit(":", 1)[0]
+        return None if is_loopback_host(host) else "a migrating decode's listener is on this host (a loopback address)"
+
     async def _worker(fut):
         """A worker future's result; its errors as HTTP answers."""
         try:
@@ -483,13 +492,15 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
     )
     async def post_incoming(body: IncomingIn) -> TransferOut:
         """Decode only, asked by a migrating decode: take the room's pages, ask the migrating
-        decode's listener (``source``, a loopback address: 403 otherwise) for its state (the
-        handshake judges the pair), verify it at decode step ``step`` and keep it running here.
-        The answer is the transfer's record."""
+        decode's listener (``source``: a loopback address or an exact entry of this decode's
+        ``migration.sources``, 403 otherwise) for its state (the handshake judges the pair and
+        authenticates it), verify it at decode step ``step`` and keep it running here. The answer
+        is the transfer's record."""
         _decode_only()
-        host = body.source[len("tcp://") :].rsplit(":", 1)[0]
-        if not is_loopback_host(host):  # the decode shows its memory to what it dials (see /v1/transfers)
-            raise HTTPException(403, detail="a migrating decode's listener is on this host (a loopback address)")
+        # the decode shows its memory to what it dials (see /v1/transfers): only what was configured
+        refused = _incoming_refused(body.source)
+        if refused is not None:
+            raise HTTPException(403, detail=refused)
         r = source.readiness()
         if not r.ready and r.check in ("local_check", "threads", "shutdown"):
             raise HTTPException(503, detail=r.reason)

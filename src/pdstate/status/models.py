@@ -56,6 +56,9 @@ class StatusSource(Protocol):
 
     # decode, optional: why a transfer may not name ``prefill`` (None: it may; control.prefills)
     # def prefill_refused(self, prefill: str) -> str | None: ...
+    # decode, optional: why a migration may not name the listener ``address`` (None: it may;
+    # loopback or migration.sources); without it, loopback only
+    # def migration_source_refused(self, address: str) -> str | None: ...
 
     def lookup(self, room: int) -> dict | None: ...  # decode; a TransferResult dict or in-flight
 

@@ -7,6 +7,7 @@ import logging
 import threading
 from concurrent.futures import Future
 
+from pdstate.protocol.hosts import is_loopback_host
 from pdstate.protocol.lifecycle import PeerState
 from pdstate.status.models import peer_transport
 
@@ -121,6 +122,19 @@ class WorkerStatus:
         return (
             f"prefill {prefill!r} is not one this decode may dial for a transfer "
             f"(control.peer and control.prefills, exact addresses: {allowed})"
+        )
+
+    def migration_source_refused(self, address: str) -> str | None:
+        """Why ``POST /v1/migrations/incoming`` may not name the listener ``address`` (None: it
+        may): a loopback address, or an entry of ``migration.sources`` (the exact address). The
+        target dials it and shows it its memory; who it is, the handshake says, never the address."""
+        host = address[len("tcp://") :].rsplit(":", 1)[0] if address.startswith("tcp://") else ""
+        if is_loopback_host(host) or address in self.cfg.migration.sources:
+            return None
+        shown = repr(address) if len(repr(address)) <= 200 else repr(address)[:197] + "..."
+        return (
+            f"migration source {shown} is not a listener this decode may dial: a loopback address, or "
+            "an exact entry of migration.sources (list the migrating decode's migration.advertise there)"
         )
 
     def submit(self, tokens: int, room: int | None, prefill: str | None = None, **running) -> Future:

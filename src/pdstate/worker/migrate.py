@@ -1,7 +1,7 @@
 """``pdstate serve``'s decode moving a running request to another decode (decode -> decode).
 
 The migrating decode acts as the sender of the ordinary handshake: a ``PrefillAgent`` over its own
-pools (its *listener*, bound on first use at ``MIGRATION_BIND``) sends the request's pages and
+pools (its *listener*, bound on first use at ``migration.bind``) sends the request's pages and
 state components exactly as a prefill sends them. The target decode's ``DecodeAgent`` registers
 with that listener and asks for the room, so the target is judged by layout exactly as a decode
 is judged by a prefill (cross-release pairs included), and the copy is verified at the target's
@@ -13,8 +13,10 @@ One migration (``start``):
 1. the request is paused on this decode (``AgentDecodeWorker.pause``): no decode step writes it;
 2. the listener gets a sender for its room, with every page and state component;
 3. the target is asked over HTTP (``POST {to}/v1/migrations/incoming``: the room, the listener's
-   address, the token count and the decode step), with this worker's token as its bearer token;
-   the target takes pages, asks the listener for the room, verifies what landed and keeps the
+   address as targets dial it (``migration.advertise``, default the bound one), the token count and
+   the decode step), with this worker's token as its bearer token; a target dials that address
+   only when it is a loopback address or listed exactly in its ``migration.sources``; the target
+   takes pages, asks the listener for the room, verifies what landed and keeps the
    request running at that step, then answers;
 4. only once the target answered verified **and** the sender ended in success (its fence held)
    are the pages freed here (``moved``): the paused -> resumed interval is the downtime. Anything
@@ -49,7 +51,7 @@ from pdstate.protocol.report import ErrorInfo
 
 log = logging.getLogger("pdstate.worker.migrate")
 
-MIGRATION_BIND = "tcp://127.0.0.1:0"  # the listener: a target on this host dials it
+MIGRATION_BIND = "tcp://127.0.0.1:0"  # the listener's default (``migration.bind``): a target on this host dials it
 MIGRATION_THREADS = 4  # migrations moving at once (a drain's)
 MAX_RECORDS = 1000  # migration records kept for ``GET /v1/migrations/{id}``
 MAX_ANSWER_BYTES = 1 << 20  # what is read of the target's answer
@@ -125,11 +127,13 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedire
 class Migrations:
     """The migrating side of one decode worker: its listener and its migrations' records."""
 
-    def __init__(self, worker, bind: str = MIGRATION_BIND) -> None:
+    def __init__(self, worker, bind: str | None = None, advertise: str | None = None) -> None:
         from pdstate.agent import PrefillAgent
 
         self.worker = worker
         o = worker.opts
+        bind = bind or o.migration_bind or MIGRATION_BIND
+        advertise = o.migration_advertise if advertise is None else advertise
         self.agent = PrefillAgent(
             worker.kv_args,
             report=worker.report,
@@ -145,14 +149,18 @@ class Migrations:
             bootstrap_timeout_s=o.request_deadline_s + o.peer_timeout_s,
             on_request=self._not_migrating,
             verdict_timeout_s=o.verdict_timeout_s,
+            advertise=(advertise,) if advertise else (),
         )
-        self.address = self.agent.address
+        # what a target is told to dial (``migration.advertise``; default: the bound address)
+        self.address = advertise or self.agent.address
         self.answer_timeout_s = o.request_deadline_s + o.peer_timeout_s + 5
         self._pool = ThreadPoolExecutor(MIGRATION_THREADS, thread_name_prefix="pdstate-migrate")
         self._lock = threading.Lock()
         self._records: OrderedDict[str, Migration] = OrderedDict()
         self._stats = MigrationStats()
-        log.info("decode %s: migration listener on %s", worker.worker_id, self.address)
+        log.info(
+            "decode %s: migration listener on %s (advertised: %s)", worker.worker_id, self.agent.address, self.address
+        )
 
     @staticmethod
     def _not_migrating(room: int, seq_len: int | None, decode: str) -> None:

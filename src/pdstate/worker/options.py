@@ -51,6 +51,9 @@ class WorkerOptions:
     decode_share: float = 0.5
     advertise: tuple[str, ...] = ()  # prefill: other addresses decodes dial it at
     prefills: tuple[str, ...] = ()  # decode: the prefills a transfer may name (empty: peer and loopback)
+    # decode: the migration listener's bind address, and the address targets dial ("": the bound one)
+    migration_bind: str = "tcp://127.0.0.1:0"
+    migration_advertise: str = ""
 
     @classmethod
     def from_config(cls, cfg: WorkerConfig) -> WorkerOptions:
@@ -75,6 +78,8 @@ class WorkerOptions:
             decode_share=cfg.control.decode_share,
             advertise=tuple(cfg.control.advertise),
             prefills=tuple(cfg.control.prefills),
+            migration_bind=cfg.migration.bind,
+            migration_advertise=cfg.migration.advertise,
             local_checks=cfg.checks.local,
             verify=cfg.checks.verify,
             transfer_verify=cfg.transfer.verify,
