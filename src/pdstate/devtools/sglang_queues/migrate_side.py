@@ -219,6 +219,23 @@ def _free_aux(room: int) -> None:
         S.case.sched.req_to_metadata_buffer_idx_allocator.free(index)
 
 
+def _until_running(sched, req, deadline: float, timed_out) -> tuple[str, str | None]:
+    """Poll the decode queues until ``req`` is ready and then in the running batch (its outcome),
+    SGLang streamed it out (failed: outcome and failure), or ``deadline`` passed (``timed_out()``)."""
+    while True:
+        sched.process_decode_queue()
+        if req in sched.waiting_queue:
+            sched.waiting_queue.remove(req)
+            req.pd_rebootstrap_in_progress = False  # as the prebuilt batch's ``process_prebuilt`` does
+            sched.running_batch.reqs.append(req)
+            return side.outcome_of(req)[0], None
+        if req in sched.output_streamer.streamed:
+            return side.outcome_of(req)
+        if time.monotonic() >= deadline:
+            return timed_out(), None
+        time.sleep(POLL_S)
+
+
 def migrate_in(source: str, room: int, prompt: list, output_ids: list, deadline_s: float) -> dict:
     """The request (``prompt`` and ``output_ids`` as on the source) through this decode's queues
     from ``source``, then into its running batch."""
@@ -239,23 +256,9 @@ def migrate_in(source: str, room: int, prompt: list, output_ids: list, deadline_
     decode_req = DecodeRequest(req=req, kv_receiver=receiver)
     prealloc.queue.append(decode_req)
     t0 = time.monotonic()
-    deadline = t0 + deadline_s
-    outcome = failure = None
-    while True:
-        sched.process_decode_queue()
-        if req in sched.waiting_queue:
-            sched.waiting_queue.remove(req)
-            req.pd_rebootstrap_in_progress = False  # as the prebuilt batch's ``process_prebuilt`` does
-            sched.running_batch.reqs.append(req)
-            outcome = side.outcome_of(req)[0]
-            break
-        if req in sched.output_streamer.streamed:
-            outcome, failure = side.outcome_of(req)
-            break
-        if time.monotonic() >= deadline:
-            outcome = f"timeout ({compat.poll_name(receiver.poll())})"
-            break
-        time.sleep(POLL_S)
+    outcome, failure = _until_running(
+        sched, req, t0 + deadline_s, lambda: f"timeout ({compat.poll_name(receiver.poll())})"
+    )
     resumed_at = time.monotonic()
     S.held[room] = req
     return {
@@ -286,23 +289,7 @@ def retract(room: int, deadline_s: float) -> dict:
         hisparse_coordinator=None, offload_kv=False,
     )  # fmt: skip
     sched.disagg_decode_prealloc_queue.add(req, is_retracted=True)
-    outcome = failure = None
-    deadline = retracted_at + deadline_s
-    while True:
-        sched.process_decode_queue()
-        if req in sched.waiting_queue:
-            sched.waiting_queue.remove(req)
-            req.pd_rebootstrap_in_progress = False  # as the prebuilt batch's ``process_prebuilt`` does
-            sched.running_batch.reqs.append(req)
-            outcome = side.outcome_of(req)[0]
-            break
-        if req in sched.output_streamer.streamed:
-            outcome, failure = side.outcome_of(req)
-            break
-        if time.monotonic() >= deadline:
-            outcome = "timeout"
-            break
-        time.sleep(POLL_S)
+    outcome, failure = _until_running(sched, req, retracted_at + deadline_s, lambda: "timeout")
     return {
         "outcome": outcome, "failure": failure, "retracted_at": retracted_at, "resumed_at": time.monotonic(),
         "output_ids_kept": list(req.output_ids) == output_ids, "seq_len": migrate.seq_len_of(req),

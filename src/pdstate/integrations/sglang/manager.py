@@ -115,16 +115,7 @@ def build_manager() -> type:
             refusal = pipeline_parallel_refusal(parallel.pp_size, self.role, draft=report.factor("draft") is not None)
             if refusal is not None:
                 raise ValueError(refusal)
-            common = dict(
-                report=report,
-                engine=settings.engine,
-                engine_options=settings.engine_options,
-                token=settings.token,
-                key_dir=settings.key_dir,
-                heartbeat_interval_s=settings.heartbeat_interval_s,
-                peer_timeout_s=settings.peer_timeout_s,
-                verify=settings.verify,
-            )
+            common = dict(report=report, **settings.agent_options())
             # unique per process: a prefill tells its decodes apart by worker id
             rank = f"sglang-{self.role}-tp{getattr(args, 'engine_rank', 0)}-pp{getattr(args, 'pp_rank', 0)}"
             rank = f"{rank}-{socket.gethostname()[:48]}-{os.getpid()}-{secrets.token_hex(2)}"

@@ -74,14 +74,8 @@ def source_agent(kv_manager, *, bind: str = "tcp://127.0.0.1:0", worker_id: str 
         kv_manager.kv_args,
         report=kv_manager.layout_report,
         bind=bind,
-        engine=settings.engine,
-        engine_options=settings.engine_options,
-        token=settings.token,
-        key_dir=settings.key_dir,
-        heartbeat_interval_s=settings.heartbeat_interval_s,
-        peer_timeout_s=settings.peer_timeout_s,
-        verify=settings.verify,
         worker_id=worker_id or f"sglang-migration-source-{time.monotonic_ns():x}",
+        **settings.agent_options(),
     )
 
 

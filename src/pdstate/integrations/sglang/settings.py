@@ -77,6 +77,18 @@ class AgentSettings:
     http_host: str | None = None
     key_dir: str | None = None  # auth.key_dir: without a token, where this uid's control key is
 
+    def agent_options(self) -> dict[str, Any]:
+        """The keywords both agents take from these settings (engine, auth, liveness, verification)."""
+        return dict(
+            engine=self.engine,
+            engine_options=self.engine_options,
+            token=self.token,
+            key_dir=self.key_dir,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            peer_timeout_s=self.peer_timeout_s,
+            verify=self.verify,
+        )
+
 
 def check_rank_auth(settings: AgentSettings, role: str, host: str) -> None:
     """Fail closed, as ``pdstate serve`` does: the engine's open listener acknowledged
