@@ -20,6 +20,7 @@ from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
 from pdstate.agent.common import AgentLoop
 from pdstate.errors import ProtocolError, TransferAborted
 from tests.agent.support import assert_images_equal, expected, fill, make_side, snapshot
+from tests.support.hooked import hooked
 from tests.support.waiting import wait_until
 from tests.unit.test_sglang_poll_words import CommonKVSender, KVPoll, Manager, classes  # noqa: F401
 
@@ -41,10 +42,20 @@ def bare_sides():
 
 
 @pytest.fixture
-def agents(bare_sides):
+def copies():
+    """The prefill's loopback engine under hooks (``tests.support.hooked``): the plans it was given."""
+    with hooked("loopback") as hooks:
+        yield hooks
+
+
+@pytest.fixture
+def agents(bare_sides, copies):
     p, d = bare_sides
     pa = PrefillAgent(
-        p.kv_args, (p.pools.target, p.pools.draft), engine="loopback", engine_options={"delay_s": COPY_DELAY_S}
+        p.kv_args,
+        (p.pools.target, p.pools.draft),
+        engine=copies.engine,
+        engine_options=copies.options(delay_s=COPY_DELAY_S),
     )
     da = DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine="loopback")
     yield pa, da
@@ -136,9 +147,9 @@ def test_a_posted_send_metadata_the_agent_refuses_fails_the_backends_next_poll(a
 
 
 @pytest.mark.parametrize("copying", [False, True], ids=["at-once", "copying"])
-def test_an_abort_right_after_posted_sends_lands_no_byte_after_its_fence(agents, bare_sides, sglang, copying):
-    """``copying``: the abort comes once the sender is Transferring (both chunks' copies in the
-    engine, each landing ``COPY_DELAY_S`` after its submit): its fence waits for them."""
+def test_an_abort_right_after_posted_sends_lands_no_byte_after_its_fence(agents, bare_sides, sglang, copies, copying):
+    """``copying``: the abort comes once both chunks' copies are in the engine (each landing
+    ``COPY_DELAY_S`` after its submit): its fence waits for them."""
     pa, da = agents
     sender_cls, _ = sglang
     kv = bare_sides[1].kv_args
@@ -147,8 +158,9 @@ def test_an_abort_right_after_posted_sends_lands_no_byte_after_its_fence(agents,
     s.init(2, None)
     s.send(np.array([1]))
     s.send(np.array([2]), SRC_STATE)  # the last chunk, with the request's state
+    assert s.poll() == KVPoll.Transferring  # a chunk was handed over: transferring, to SGLang
     if copying:
-        _poll_until(s, KVPoll.Transferring, "the sender Transferring")
+        wait_until("both chunks' copies in the engine", lambda: len(copies.submits) >= 2, 10)
     s.abort()  # returns once nothing of the request can land any more (each copy takes COPY_DELAY_S)
     fenced = snapshot(kv)
     assert s.poll() == KVPoll.Failed
