@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -126,3 +127,46 @@ def test_on_done_fires_once_after_the_write_and_at_once_when_ended() -> None:
         later: list[str] = []
         prefill.on_done(handle, lambda: later.append(threading.current_thread().name))
         assert later == [threading.current_thread().name] and len(landed) == 1
+
+
+def _threads() -> dict[str, tuple[int, int, int]]:
+    """This process's threads: ``tid -> (voluntary switches, involuntary switches, CPU ticks)``."""
+    out = {}
+    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+        try:
+            status = open(f"/proc/{os.getpid()}/task/{task}/status").read().splitlines()
+            stat = open(f"/proc/{os.getpid()}/task/{task}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        switches = {k: int(v) for k, v in (line.split(":") for line in status if "ctxt_switches" in line)}
+        out[task] = (
+            switches["voluntary_ctxt_switches"],
+            switches["nonvoluntary_ctxt_switches"],
+            int(stat[11]) + int(stat[12]),
+        )
+    return out
+
+
+@pytest.mark.parametrize("delay_us", [1000, 0], ids=["default-delay", "nixl-busy"])
+def test_progress_threads_sleep_unless_told_not_to(delay_us: int) -> None:
+    """Two connected agents with nothing to move: with the default ``progress_delay_us`` no thread
+    of this process runs without ever sleeping; with 0 (NIXL's own setting) their progress
+    threads do (the idle-CPU trap in engines/nixl.py)."""
+    memory = PrivateMemory()
+    memory.allocate("dst", [BufferSpec("b", (1 << 16,), torch.uint8)])
+    options = {**ENGINE_OPTIONS["nixl"], "progress_delay_us": delay_us}
+    with NixlEngine(**options) as decode, NixlEngine(**options) as prefill:
+        decode.register(memory.regions())
+        prefill.connect(decode.endpoint())
+        before = _threads()
+        threading.Event().wait(1.0)  # the window watched
+        after = _threads()
+    never_slept = [
+        t
+        for t, (vol, invol, cpu) in after.items()
+        if t in before and vol == before[t][0] and (invol > before[t][1] or cpu > before[t][2])
+    ]
+    if delay_us:
+        assert never_slept == []
+    else:
+        assert len(never_slept) >= 2  # one progress thread per agent, always runnable

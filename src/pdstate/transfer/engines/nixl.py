@@ -9,7 +9,19 @@ a device says so in its endpoint (``mem_type``, ``device``: absent for DRAM). Th
 ``submit`` builds both descriptor lists from the plan's columns and posts one WRITE with
 ``initialize_xfer`` + ``transfer``; ``poll`` maps ``check_xfer_state``: "DONE" -> done,
 "PROC" -> in flight, "ERR" -> ``NativeEngineError``. On one host UCX picks ``cma``
-(``process_vm_writev``): one kernel copy, about 4.5 us per descriptor.
+(``process_vm_writev``): one kernel copy, about 4.5 us per descriptor, made inside ``transfer``
+on the caller's thread, which then returns "DONE" (399 of 400 submits of 148 descriptors, 55 of
+56 bench requests of 18-521 MB): the watcher below serves only the rest.
+
+Per request (measured with ``tests/engines/measure_nixl_submit.py``, 148 descriptors, the
+bench's count at every length, 2-core host at load 8-13): ``submit`` + ``poll`` to done takes
+55-80 us more (medians) than NIXL's own ``initialize_xfer`` + ``transfer`` +
+``release_xfer_handle`` with both lists built beforehand (the bench's ``raw_nixl`` row), about
+240 us for 64-byte descriptors. Of that, building both lists here is 6-13 us and the plan's
+checks (``regions.check_plan``, every engine's) 20-80 us. A bench request over NIXL at 8k tokens
+(42 MB, ``verify = off``) spent about 40 ms in ``transfer`` and 3-6 ms (medians) outside it,
+outside this engine: the request reaching the prefill, its worker handing the chunk to the
+agent, ``TransferDone`` reaching the decode.
 
 Completion callbacks: ``on_done(handle, fn)`` calls ``fn()`` once the handle finished or failed:
 at once when it already has, else from one watcher thread per engine (started on first use) that
@@ -47,12 +59,16 @@ Traps (measured on this box):
 * LISTENERS. UCX's TCP transport listens on one socket per network device it uses (measured:
   ``127.0.0.1`` and the host's LAN address), unauthenticated. ``UCX_NET_DEVICES=lo`` (the
   ``ucx_env``; ``transfer.nixl.net_devices``) keeps it on loopback: then one host only (cma).
-* IDLE CPU. Each agent's progress thread (NIXL's default, ``enable_prog_thread=True``) keeps a
-  core busy even with nothing to move: two idle agents used 5.9 s of CPU in 3 s (nixl-cu12
-  1.5.1, UCX over cma/tcp; ``UCX_TLS`` did not change it). Without the progress thread a
-  transfer between two agents stalled (the target must progress too), so it stays on: budget a
-  core per agent, and on a small host do not measure other work while NIXL agents live
-  (``pdstate bench`` runs each engine in its own phase for this reason).
+* IDLE CPU. Each agent's progress thread (NIXL's default, ``enable_prog_thread=True``) waits
+  in ``poll`` on UCX's event fd for at most its delay, which NIXL's Python API sets to 0: the
+  thread never sleeps, a core busy per agent even with nothing to move (two idle agents: 5.9 s
+  of CPU in 3 s; at load 15, 0 voluntary context switches in 3 s, always
+  runnable; nixl-cu12 1.5.1, UCX over cma/tcp; ``UCX_TLS`` did not change it). Without the
+  progress thread a transfer between two agents stalled (the target must progress too), so it
+  stays on, with a delay of ``progress_delay_us`` (``PROGRESS_DELAY_US``, 1 ms; ``_new_agent``):
+  the same two threads then slept about 850 times a second and used 0.03 s of CPU each in 3 s;
+  a peer's message still wakes the thread at once (event fd). ``progress_delay_us=0`` gives
+  NIXL's own busy thread back. ``pdstate bench`` runs each engine in its own phase.
 """
 
 from __future__ import annotations
@@ -79,6 +95,10 @@ MEM_TYPE = "DRAM"
 # the watcher's pause between polls while a watched WRITE is in flight: from the first, doubling
 # up to the last while nothing ends (a long WRITE costs at most about 5,000 polls a second)
 WATCH_PAUSE_S = (50e-6, 200e-6)
+# the progress thread's longest wait between looks at UCX while nothing wakes it (its event fd
+# does on a peer's message); NIXL's Python API would make it 0: a core spinning per agent
+PROGRESS_DELAY_US = 1000
+_CONFIG_SWAP = threading.Lock()  # one agent creation at a time swaps NIXL's config class
 
 
 @contextmanager
@@ -101,6 +121,35 @@ def _rows(addrs: np.ndarray, lengths: np.ndarray, device: int = 0) -> np.ndarray
     return rows
 
 
+def _new_agent(api: Any, name: str, config: Any, delay_us: int) -> Any:
+    """``api.nixl_agent(name, config)`` whose progress thread waits up to ``delay_us`` between
+    looks (``0``: NIXL's own setting). NIXL's Python API sets the native config's ``pthrDelay``
+    to 0 itself, which makes the thread poll UCX without ever sleeping (see the idle-CPU trap);
+    the native config class is swapped, for this one call, for a subclass that keeps at least
+    ``delay_us``. Where the bindings lack the field, NIXL's own setting stays."""
+    bind = getattr(api, "nixlBind", None)
+    base = getattr(bind, "nixlAgentConfig", None)
+    field = getattr(base, "__dict__", {}).get("pthrDelay")
+    if delay_us <= 0 or not isinstance(field, property):
+        return api.nixl_agent(name, config)
+
+    class _Config(base):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:
+            return int(field.__get__(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:
+            field.__set__(self, max(int(value), delay_us))
+
+    with _CONFIG_SWAP:
+        bind.nixlAgentConfig = _Config
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            bind.nixlAgentConfig = base
+
+
 def _placement(regions: list[Region]) -> tuple[str, int]:
     """``("DRAM", 0)`` for host regions, ``("VRAM", N)`` for regions on CUDA device ``N``."""
     devices = set(memory_devices([int(r.base_ptr) for r in regions]))
@@ -111,11 +160,12 @@ def _placement(regions: list[Region]) -> tuple[str, int]:
 
 
 class NixlEngine(TransferEngine):
-    """``NixlEngine(agent_name=None, backends=("UCX",), ucx_env=None, num_threads=0)``.
+    """``NixlEngine(agent_name=None, backends=("UCX",), ucx_env=None, num_threads=0, progress_delay_us=1000)``.
 
     ``ucx_env``: variables set in ``os.environ`` just before the agent is created, e.g.
     ``UCX_ENV_WITHOUT_IB`` (see the exit-segfault trap). ``num_threads``: UCX backend threads
-    (0: NIXL's default).
+    (0: NIXL's default). ``progress_delay_us``: the progress thread's longest sleep (see the
+    idle-CPU trap; 0: NIXL's busy thread).
     """
 
     name = "nixl"
@@ -128,8 +178,10 @@ class NixlEngine(TransferEngine):
         backends: Sequence[str] = ("UCX",),
         ucx_env: Mapping[str, str] | None = None,
         num_threads: int = 0,
+        progress_delay_us: int = PROGRESS_DELAY_US,
     ) -> None:
         super().__init__()
+        self.progress_delay_us = progress_delay_us
         self.agent_name = agent_name
         self.backends = tuple(backends)
         self.ucx_env = dict(ucx_env or {})
@@ -162,7 +214,7 @@ class NixlEngine(TransferEngine):
         os.environ.update(self.ucx_env)
         with _native_call(f"agent creation ({self.agent_name}, backends {list(self.backends)})"):
             config = api.nixl_agent_config(backends=list(self.backends), num_threads=self.num_threads)
-            agent = api.nixl_agent(self.agent_name, config)
+            agent = _new_agent(api, self.agent_name, config, self.progress_delay_us)
         missing = [b for b in self.backends if b not in agent.backends]
         if missing:
             raise NativeEngineError(f"nixl agent {self.agent_name}: backend(s) {missing} could not be created")
