@@ -28,8 +28,9 @@ headline shm ratios (``shm_vs_ceiling``, ``shm_vs_physical``, ``shm_digest_vs_ce
 phase's: see ``bench_report.ratios``.
 
 Each native engine runs in its own phase (its pair and native agents alone, the ceiling measured
-again beside it): an idle NIXL agent keeps a core busy, which would tax everything else on a
-small host.
+again beside it): an idle NIXL agent's progress thread still wakes about a thousand times a
+second (it spun, a core busy, before ``NixlEngine.progress_delay_us``), which would tax
+everything else on a small host.
 
 The scale rows (``devtools.bench_scale``): the agent pair's peak RSS and its growth over 1,000
 small requests, and a 2 x 2 agent cluster's aggregate throughput (``mxn``).
@@ -227,8 +228,8 @@ def _phase(
 ) -> None:
     """One native engine's variants (the raw engine, serve's worker pair over it), interleaved per
     length, next to the ceiling measured in the same phase (only this phase's processes and
-    agents are alive: an idle NIXL agent busy-polls a core, which would tax every other variant
-    on a 2-core machine)."""
+    agents are alive: an idle NIXL agent's progress thread wakes about a thousand times a second,
+    which would tax every other variant on a 2-core machine)."""
     progress(f"[{mode}:{engine}] starting a pdstate pair ...")
     hs, run, describe, close, run_off = _pdstate_pair(engine, mode, preset_name, off=engine in ("mooncake", "nixl"))
     results.setdefault("handshake_ms", {})[f"{mode}:{engine}"] = hs
