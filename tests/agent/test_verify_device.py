@@ -159,3 +159,16 @@ def test_a_sampled_digest_reads_its_own_layouts_memory(layout):
     copies[0][: 4096 // 4] ^= 0xFF  # item 0 of main KV's first buffer (always sampled): its first quarter
     assert of(other) != first
     assert of(lay) == first
+
+
+def test_devices_of_another_layout_are_refused():
+    d = make_side(False)
+    try:
+        layout = channel_layout(d.kv_args, d.kv_args.aux_data_ptrs, d.kv_args.aux_item_lens)
+        mine = [len(ptrs) for ptrs, _ in layout]
+        with pytest.raises(ValueError) as info:
+            DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine="loopback", devices=[["cpu"]])
+        assert str(info.value) == f"devices names [1] buffers per channel; this decode's digests read {mine}"
+        assert len(mine) > 1
+    finally:
+        d.close()

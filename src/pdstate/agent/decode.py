@@ -57,7 +57,7 @@ class Link:
 class EnginePort:
     """The decode core's port (``decode_frames.DecodePort``) over the engine and the caller's
     memory: proofs of ownership, digests of the landed bytes (``devices``: per buffer, host or
-    device; the agent may change it)."""
+    device)."""
 
     def __init__(self, engine: TransferEngine, layout: list, devices: list) -> None:
         self.engine, self.layout, self.devices = engine, layout, devices
@@ -180,6 +180,12 @@ class DecodeAgent(AgentLifetime):
         layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
         if devices is None:
             devices = layout_devices(layout)  # host (None) or device, per buffer
+        elif [len(ds) for ds in devices] != [len(ptrs) for ptrs, _ in layout]:
+            self._engine.close()
+            raise ValueError(
+                f"devices names {[len(ds) for ds in devices]} buffers per channel; "
+                f"this decode's digests read {[len(ptrs) for ptrs, _ in layout]}"
+            )
         self._port = EnginePort(self._engine, layout, devices)
         self._core = DecodeCore(
             worker_id=self.worker_id,
