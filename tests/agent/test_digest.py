@@ -9,7 +9,6 @@ import threading
 
 import numpy as np
 import pytest
-import xxhash
 
 from pdstate.agent import digest as digest_mod
 from pdstate.agent.digest import RequestDigest
@@ -64,20 +63,35 @@ def test_background_work_waits_for_earlier_updates_in_order(layout):
     assert d.digest() == _plain(lay).digest()
 
 
-def test_cancelled_background_work_is_not_hashed(layout):
+def test_cancelled_background_work_is_not_hashed(layout, monkeypatch):
+    """An earlier chunk is being hashed (held inside ``hash_rows``) when more is queued and the
+    digest is cancelled: cancel waits for that chunk, and what was queued is never hashed."""
     _, lay = layout
+    first = [(0, [1, 2])]
+    alone = RequestDigest(lay)
+    alone.update_async(first)
+    hashing, go = threading.Event(), threading.Event()
+    real = digest_mod.hash_rows
+
+    def held(rows) -> None:
+        hashing.set()
+        assert go.wait(10)
+        real(rows)
+
+    monkeypatch.setattr(digest_mod, "hash_rows", held)
     d = RequestDigest(lay)
-    d._lock.acquire()  # as if an earlier chunk were being hashed
+    d.update_async(first)
+    assert hashing.wait(10)
     d.update_async(UPDATES)
     canceller = threading.Thread(target=d.cancel)
     canceller.start()
     canceller.join(0.2)
     assert canceller.is_alive()  # cancel waits for the running work
-    d._lock.release()
+    go.set()
     canceller.join(10)
-    assert not canceller.is_alive() and d.seconds == 0.0
-    empty = b"".join(xxhash.xxh3_128().digest() for _ in range(5))
-    assert d.digest() == xxhash.xxh3_128(empty).digest()
+    assert not canceller.is_alive()
+    monkeypatch.setattr(digest_mod, "hash_rows", real)
+    assert d.digest() == alone.digest()  # the first chunk, and nothing queued after it
 
 
 def test_streams_map_a_buffer_major_plan_to_the_streamed_digest(layout):

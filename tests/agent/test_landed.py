@@ -40,8 +40,7 @@ def shm_pair():
         landed_piece_bytes=2 * sum(p.kv_args.kv_item_lens),
     )
     sent: list[wire.Message] = []
-    reply = pa._reply
-    pa._reply = lambda identity, msg: (sent.append(msg), reply(identity, msg))[1]
+    pa.tap_replies(lambda identity, msg, send: (sent.append(msg), send(identity, msg)))
 
     def decode(digest: bool = True) -> DecodeAgent:
         da = DecodeAgent(
@@ -124,16 +123,15 @@ def test_notices_past_the_request_or_repeated_change_nothing(shm_pair):
     backward ones hash nothing twice: the verdict is still exact."""
     pa, decode, sent, p, d, _hooks = shm_pair
     da = decode()
-    real = pa._reply
 
-    def noisy(identity, msg):
+    def noisy(identity, msg, send):
         if isinstance(msg, wire.TransferDone):  # everything has landed by now
-            real(identity, wire.Landed(room=msg.room, pages=10**6, state_landed=True))  # past the end
-        real(identity, msg)
+            send(identity, wire.Landed(room=msg.room, pages=10**6, state_landed=True))  # past the end
+        send(identity, msg)
         if isinstance(msg, wire.Landed):
-            real(identity, wire.Landed(room=msg.room, pages=0, state_landed=False))  # backward, after it
+            send(identity, wire.Landed(room=msg.room, pages=0, state_landed=False))  # backward, after it
 
-    pa._reply = noisy
+    pa.tap_replies(noisy)
     recv, send = da.receiver(pa.address, 24), pa.sender(24, len(PAGES), aux_index=0)
     recv.init(DST, STATE_DST, aux_index=5)
     send.send(PAGES, STATE_SRC)
@@ -178,11 +176,11 @@ def test_an_ended_request_stops_its_early_hashing(shm_pair):
     while recv.metrics.get("landed") != 2:
         assert time.monotonic() < deadline, recv.metrics
         time.sleep(0.005)
-    inner = da._loop.call(lambda: da._recvs[(pa.address, 26)])
+    inner = da.receivers()[(pa.address, 26)]
     assert inner.digest is not None and inner.hashed == (4, False)
     send.abort("the prefill gave up")
     assert recv.wait(10) is RequestState.FAILED
-    while da._loop.call(lambda: (pa.address, 26) in da._recvs):  # forgotten at a tick
+    while (pa.address, 26) in da.receivers():  # forgotten at a tick
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert inner.digest is None

@@ -61,9 +61,12 @@ def test_a_call_the_ended_loop_never_runs_raises_agent_closed_at_once():
     loop = AgentLoop("ended-test", 0.05, lambda: None)
     loop.start()
     try:
-        loop._stopping = True  # the loop ends at its next turn, as in ``stop`` after ``final``
-        loop.post(lambda: None)
-        assert loop._ended.wait(5.0)
+        loop.end()  # the loop ends at its next turn, as in ``stop`` after ``final``
+        deadline = time.monotonic() + 5.0
+        while loop.alive:  # ended, not closed: a call still queues its work
+            assert time.monotonic() < deadline, "the loop's thread did not end"
+            time.sleep(0.01)
+        assert not loop.closed
         t0 = time.monotonic()
         with pytest.raises(AgentClosed, match="the agent is closed"):
             loop.call(lambda: 1, timeout_s=30.0)

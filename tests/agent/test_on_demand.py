@@ -155,9 +155,10 @@ def test_ended_senders_are_trimmed_and_capped(sides, monkeypatch):
             send.send([1], [[2], [1], [2]])
             assert recv.wait(10) is S.SUCCESS and send.wait(10) is S.SUCCESS
             senders.append(send)
-        wait_until("the oldest ended senders forgotten", lambda: sorted(pa._sends) == [53, 54], 5)
+        wait_until("the oldest ended senders forgotten", lambda: sorted(pa.senders()) == [53, 54], 5)
+        kept_senders = pa.senders()
         for room in (53, 54):
-            kept = pa._sends[room]
+            kept = kept_senders[room]
             assert type(kept) is EndedSender and kept.request is prefill_module.ANSWERED
             assert kept.record.state is S.SUCCESS and kept.record.error is None and kept.handles == ()
         assert all(s.metrics["bytes"] > 0 and s.state is S.SUCCESS for s in senders)  # the caller's own
@@ -177,8 +178,9 @@ def test_a_late_request_for_a_failed_senders_tombstone_gets_its_failure(sides):
         send = pa.sender(61, 1)
         send.abort("the prefill gave up first")
         assert send.state is S.FAILED
-        wait_until("the sender kept as a tombstone", lambda: type(pa._sends.get(61)) is EndedSender, 5)
-        assert pa._sends[61].record.state is S.FAILED and pa._sends[61].request is None
+        wait_until("the sender kept as a tombstone", lambda: type(pa.senders().get(61)) is EndedSender, 5)
+        tombstone = pa.senders()[61]
+        assert tombstone.record.state is S.FAILED and tombstone.request is None
         recv = da.receiver(pa.address, 61)
         recv.init([3], [[1], [0], [1]])
         assert recv.wait(10) is S.FAILED

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
+from pdstate.agent.common import channel_layout
 from pdstate.agent.verify import PositionDigest, SampleDigest, lane_values, lane_values_host
 from pdstate.errors import DigestMismatch
 from pdstate.pools.placement import memory_devices
@@ -90,9 +91,10 @@ def test_a_decode_digesting_on_its_device_agrees_with_a_host_prefill(damage):
     fill(d.kv_args, 2)
     hooks = stack.enter_context(hooked("loopback"))
     pa = PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), engine=hooks.engine, engine_options=hooks.options())
-    da = DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine="loopback", verify="full")
+    layout = channel_layout(d.kv_args, d.kv_args.aux_data_ptrs, d.kv_args.aux_item_lens)
+    devices = [["cpu"] * len(ptrs) for ptrs, _ in layout]  # the device path, on CPU tensors
+    da = DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine="loopback", verify="full", devices=devices)
     try:
-        da._devices = [["cpu"] * len(ds) for ds in da._devices]  # the device path, on CPU tensors
         if damage:
 
             def corrupting(plan):
@@ -157,3 +159,16 @@ def test_a_sampled_digest_reads_its_own_layouts_memory(layout):
     copies[0][: 4096 // 4] ^= 0xFF  # item 0 of main KV's first buffer (always sampled): its first quarter
     assert of(other) != first
     assert of(lay) == first
+
+
+def test_devices_of_another_layout_are_refused():
+    d = make_side(False)
+    try:
+        layout = channel_layout(d.kv_args, d.kv_args.aux_data_ptrs, d.kv_args.aux_item_lens)
+        mine = [len(ptrs) for ptrs, _ in layout]
+        with pytest.raises(ValueError) as info:
+            DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine="loopback", devices=[["cpu"]])
+        assert str(info.value) == f"devices names [1] buffers per channel; this decode's digests read {mine}"
+        assert len(mine) > 1
+    finally:
+        d.close()

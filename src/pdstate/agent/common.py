@@ -296,8 +296,7 @@ class AgentLoop:
             try:
                 self.call(final)
             finally:
-                self._stopping = True
-                self.post(lambda: None)
+                self.end()
                 self.closed = True
                 self._thread.join(10)
         self.closed = True
@@ -310,6 +309,12 @@ class AgentLoop:
         os.close(self._wake_r)
         os.close(self._wake_w)
         self.ctx.term()
+
+    def end(self) -> None:
+        """End the thread at its next turn (``stop``'s step after ``final``): what is queued after
+        never runs, and a ``call`` waiting on it raises ``AgentClosed`` once the thread ended."""
+        self._stopping = True
+        self.post(lambda: None)
 
     @staticmethod
     def _guard(fn: Callable[[], None]) -> None:

@@ -57,7 +57,7 @@ class Link:
 class EnginePort:
     """The decode core's port (``decode_frames.DecodePort``) over the engine and the caller's
     memory: proofs of ownership, digests of the landed bytes (``devices``: per buffer, host or
-    device; the agent may change it)."""
+    device)."""
 
     def __init__(self, engine: TransferEngine, layout: list, devices: list) -> None:
         self.engine, self.layout, self.devices = engine, layout, devices
@@ -98,7 +98,9 @@ class DecodeAgent(AgentLifetime):
 
     ``verify`` (``sampled`` by default, ``full``, ``off``; ``digest=False`` means ``off``) is the
     verification level every request asks (``pdstate.agent.verify``); each receiver's metrics
-    name the level that ran (``verify``).
+    name the level that ran (``verify``). ``devices``: where its digests read, per channel of
+    the digest layout and per buffer, ``None`` (host) or a torch device name (default: where the
+    memory lies, ``verify.layout_devices``).
 
     Threading contract:
 
@@ -133,6 +135,7 @@ class DecodeAgent(AgentLifetime):
         transfer_timeout_s: float = 600.0,
         token: bytes | None = None,
         key_dir: str | None = None,
+        devices: list | None = None,
     ) -> None:
         self._keys = curve.control_keys(token, key_dir)  # first: a key file refused is a ConfigError
         if report is None:
@@ -175,7 +178,15 @@ class DecodeAgent(AgentLifetime):
             else None
         )
         layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
-        self._port = EnginePort(self._engine, layout, layout_devices(layout))  # host (None) or device, per buffer
+        if devices is None:
+            devices = layout_devices(layout)  # host (None) or device, per buffer
+        elif [len(ds) for ds in devices] != [len(ptrs) for ptrs, _ in layout]:
+            self._engine.close()
+            raise ValueError(
+                f"devices names {[len(ds) for ds in devices]} buffers per channel; "
+                f"this decode's digests read {[len(ptrs) for ptrs, _ in layout]}"
+            )
+        self._port = EnginePort(self._engine, layout, devices)
         self._core = DecodeCore(
             worker_id=self.worker_id,
             incarnation=self.incarnation,
@@ -279,15 +290,6 @@ class DecodeAgent(AgentLifetime):
             return
         self._stop(lambda: self._feed(lambda _now: self._core.close()))
 
-    @property
-    def _devices(self) -> list:
-        """Per buffer, host (None) or device: where this decode's digests read."""
-        return self._port.devices
-
-    @_devices.setter
-    def _devices(self, devices: list) -> None:
-        self._port.devices = devices
-
     # --- I/O thread: feeding the core, performing its actions -----------------------------------
 
     def _in_loop(self, step: Callable[[float], Any]) -> Any:
@@ -380,3 +382,10 @@ class DecodeAgent(AgentLifetime):
 
     def _tick(self) -> None:
         self._feed(self._core.on_tick)
+
+    # --- a view for tests and probes ----------------------------------------------------------------
+
+    def receivers(self) -> dict[tuple[str, int], Receiving]:
+        """The live requests by ``(prefill address, room)``: a copy of the I/O thread's map, taken
+        on it (a request leaves the map once it ended, at a tick)."""
+        return self._loop.call(lambda: dict(self._core.recvs))

@@ -29,7 +29,7 @@ from pdstate.agent.prefill_core import (
     Send,
     Watch,
 )
-from pdstate.agent.sender import KVSender, Sending
+from pdstate.agent.sender import EndedSender, KVSender, Sending
 from pdstate.agent.verify import check_level, layout_devices
 from pdstate.errors import AgentClosed, EngineError, PdStateError, error_from_wire
 from pdstate.protocol import wire
@@ -424,3 +424,25 @@ class PrefillAgent(AgentLifetime):
 
     def _tick(self) -> None:
         self._run(self._core.on_tick)
+
+    # --- views and a tap for tests and probes -------------------------------------------------------
+
+    def senders(self) -> dict[int, Sending | EndedSender]:
+        """The senders by room: a copy of the I/O thread's map, taken on it (live ones, and the
+        newest ended ones kept as tombstones: ``EndedSender``)."""
+        return self._loop.call(lambda: dict(self._core.sends))
+
+    def tap_replies(
+        self, tap: Callable[[bytes, wire.Message, Callable[[bytes, wire.Message], None]], None] | None
+    ) -> None:
+        """Hand each message this prefill sends a decode (not its probes) to ``tap(identity, msg,
+        send)`` on the I/O thread instead: the tap sends it with ``send(identity, msg)``, or not,
+        and may send others beside it. ``None``: send them straight again."""
+
+        def send(identity: bytes, msg: wire.Message) -> None:
+            PrefillAgent._reply(self, identity, msg)  # the class's: what this prefill sends untapped
+
+        def install() -> None:  # on the I/O thread, between two messages
+            self._reply = send if tap is None else lambda identity, msg: tap(identity, msg, send)
+
+        self._loop.call(install)

@@ -113,6 +113,13 @@ _PATTERN = re.compile(r"[*?\[\]]")
 _IPV6_HOST = re.compile(r"^tcp://\[[0-9A-Fa-f:.]+\]")
 
 
+def _exact_address(entry: str, advice: str) -> None:
+    """Refuse ``entry`` if it is a pattern (outside a bracketed IPv6 host); ``advice`` says what
+    to list instead."""
+    if _PATTERN.search(_IPV6_HOST.sub("tcp://", entry, count=1)):
+        raise ValueError(f"{entry[:200]!r} is a pattern; {advice}")
+
+
 class ControlSection(_Section):
     bind: str = "tcp://127.0.0.1:5601"
     peer: str = "tcp://127.0.0.1:5601"
@@ -137,11 +144,11 @@ class ControlSection(_Section):
     @classmethod
     def _exact_prefills(cls, v: list[str]) -> list[str]:
         for entry in v:
-            if _PATTERN.search(_IPV6_HOST.sub("tcp://", entry, count=1)):
-                raise ValueError(
-                    f"{entry[:200]!r} is a pattern; list each prefill a transfer may name by its exact "
-                    "control address (tcp://host:port): a decode dials only addresses named exactly"
-                )
+            _exact_address(
+                entry,
+                "list each prefill a transfer may name by its exact control address "
+                "(tcp://host:port): a decode dials only addresses named exactly",
+            )
         return v
 
 
@@ -188,11 +195,10 @@ class MigrationSection(_Section):
     @classmethod
     def _exact_sources(cls, v: list[str]) -> list[str]:
         for entry in v:
-            if _PATTERN.search(_IPV6_HOST.sub("tcp://", entry, count=1)):
-                raise ValueError(
-                    f"{entry[:200]!r} is a pattern; list each migrating decode's listener by its exact "
-                    "address (its migration.advertise, tcp://host:port)"
-                )
+            _exact_address(
+                entry,
+                "list each migrating decode's listener by its exact address (its migration.advertise, tcp://host:port)",
+            )
             host, port = _endpoint_port(entry)
             if host in _WILDCARD_HOSTS or port == 0:
                 raise ValueError(f"{entry[:200]!r} is not one listener's address")

@@ -52,12 +52,14 @@ that always completes (the worker fails in-flight requests with a reason when it
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -203,6 +205,24 @@ def _auth(token: bytes | None):
 
 def _not_decode(source: StatusSource) -> HTTPException:
     return HTTPException(409, detail=f"transfers are started by a decode worker; this is a {source.role} worker")
+
+
+def _decode_only_router(source: StatusSource, auth, tag: str) -> APIRouter:
+    """A router of routes only a decode serves (tagged ``tag``): each needs ``auth``, and answers
+    409 on any other worker once its request was validated (a malformed request is a 422 on every
+    worker, as on the other routes)."""
+
+    class DecodeOnly(APIRoute):
+        def __init__(self, path: str, endpoint, **options) -> None:
+            @functools.wraps(endpoint)
+            async def decode_only(*args, **kwargs):
+                if source.role != "decode":
+                    raise _not_decode(source)
+                return await endpoint(*args, **kwargs)
+
+            super().__init__(path, decode_only, **options)
+
+    return APIRouter(tags=[tag], dependencies=[Depends(auth)], route_class=DecodeOnly)
 
 
 def _migration_detail(m) -> str:
@@ -352,10 +372,6 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         source.reregister()
         return Accepted(status="registering")
 
-    def _decode_only() -> None:
-        if source.role != "decode":
-            raise _not_decode(source)
-
     def _incoming_refused(address: str) -> str | None:
         """Why a migration may not name the listener ``address``: the source's rule
         (``migration_source_refused``), else loopback only."""
@@ -378,46 +394,28 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         except asyncio.TimeoutError:
             raise HTTPException(504, detail="no outcome within the request deadline") from None
 
-    @app.get("/v1/requests", response_model=list[RunningOut], tags=["running"], dependencies=[Depends(auth)])
+    # the running requests' and the migrations' routes: a decode's, behind auth
+    running = _decode_only_router(source, auth, "running")
+    migrations = _decode_only_router(source, auth, "migrations")
+
+    @running.get("/v1/requests", response_model=list[RunningOut])
     async def get_requests() -> list[RunningOut]:
         """Decode only: the requests kept running here (``hold``), oldest first."""
-        _decode_only()
         return [RunningOut(**r) for r in source.running()]
 
-    @app.get(
-        "/v1/requests/{room}",
-        response_model=RunningOut,
-        tags=["running"],
-        dependencies=[Depends(auth)],
-        responses={404: {}},
-    )
+    @running.get("/v1/requests/{room}", response_model=RunningOut, responses={404: {}})
     async def get_request(room: int) -> RunningOut:
         """Decode only: a running request, with the xxh3_128 digest of every item it holds."""
-        _decode_only()
         return RunningOut(**await _worker(source.row(room)))
 
-    @app.post(
-        "/v1/requests/{room}/steps",
-        response_model=RunningOut,
-        tags=["running"],
-        dependencies=[Depends(auth)],
-        responses={404: {}, 409: {}},
-    )
+    @running.post("/v1/requests/{room}/steps", response_model=RunningOut, responses={404: {}, 409: {}})
     async def post_steps(room: int, body: StepIn) -> RunningOut:
         """Decode only: run synthetic decode steps of a running request (409 while it migrates)."""
-        _decode_only()
         return RunningOut(**await _worker(source.advance(room, body.steps)))
 
-    @app.delete(
-        "/v1/requests/{room}",
-        response_model=RunningOut,
-        tags=["running"],
-        dependencies=[Depends(auth)],
-        responses={404: {}, 409: {}},
-    )
+    @running.delete("/v1/requests/{room}", response_model=RunningOut, responses={404: {}, 409: {}})
     async def delete_request(room: int) -> RunningOut:
         """Decode only: end a running request; its pages go back (409 while it migrates)."""
-        _decode_only()
         return RunningOut(**await _worker(source.release(room)))
 
     def _migration_answer(m) -> JSONResponse | MigrationOut:
@@ -427,12 +425,8 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
             return JSONResponse(status_code=code, content={"detail": _migration_detail(m), **out.model_dump()})
         return out
 
-    @app.post(
-        "/v1/migrations",
-        response_model=MigrationOut,
-        tags=["migrations"],
-        dependencies=[Depends(auth)],
-        responses={202: {}, 404: {}, 409: {}, 502: {}, 503: {}},
+    @migrations.post(
+        "/v1/migrations", response_model=MigrationOut, responses={202: {}, 404: {}, 409: {}, 502: {}, 503: {}}
     )
     async def post_migration(body: MigrationIn):
         """Decode only: move running request ``room`` to the decode at ``to`` (its HTTP base URL).
@@ -440,7 +434,6 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         freed here only once the target runs it. 404: not running here; 409: the target refused
         (its refusal) or the room migrates already; 502: the target failed or died (the request
         runs here again, unchanged)."""
-        _decode_only()
         try:
             m, fut = await asyncio.to_thread(source.migrate, body.room, body.to)
         except UnknownRoom as exc:
@@ -453,28 +446,18 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
             return JSONResponse(status_code=202, content=MigrationOut(**m.as_dict()).model_dump())
         return _migration_answer(await asyncio.shield(asyncio.wrap_future(fut)))
 
-    @app.get(
-        "/v1/migrations/{mid}",
-        response_model=MigrationOut,
-        tags=["migrations"],
-        dependencies=[Depends(auth)],
-        responses={404: {}},
-    )
+    @migrations.get("/v1/migrations/{mid}", response_model=MigrationOut, responses={404: {}})
     async def get_migration(mid: str) -> MigrationOut:
         """Decode only: a migration's record (``moving`` until it ended)."""
-        _decode_only()
         m = source.migration(mid) if len(mid) <= 64 else None
         if m is None:
             raise HTTPException(404, detail="unknown migration")
         return MigrationOut(**m.as_dict())
 
-    @app.post(
-        "/v1/drain", response_model=DrainOut, tags=["migrations"], dependencies=[Depends(auth)], responses={503: {}}
-    )
+    @migrations.post("/v1/drain", response_model=DrainOut, responses={503: {}})
     async def post_drain(body: DrainIn) -> DrainOut:
         """Decode only: move every running request to the decode at ``to``; what failed runs here
         again (listed with its error)."""
-        _decode_only()
         try:
             ms = await asyncio.to_thread(source.drain_to, body.to)
         except AgentClosed as exc:
@@ -483,12 +466,8 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         moved = sum(1 for m in ms if m.status == "success")
         return DrainOut(moved=moved, failed=len(ms) - moved, migrations=outs)
 
-    @app.post(
-        "/v1/migrations/incoming",
-        response_model=TransferOut,
-        tags=["migrations"],
-        dependencies=[Depends(auth)],
-        responses={403: {}, 409: {}, 503: {}, 504: {}},
+    @migrations.post(
+        "/v1/migrations/incoming", response_model=TransferOut, responses={403: {}, 409: {}, 503: {}, 504: {}}
     )
     async def post_incoming(body: IncomingIn) -> TransferOut:
         """Decode only, asked by a migrating decode: take the room's pages, ask the migrating
@@ -496,7 +475,6 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         ``migration.sources``, 403 otherwise) for its state (the handshake judges the pair and
         authenticates it), verify it at decode step ``step`` and keep it running here. The answer
         is the transfer's record."""
-        _decode_only()
         # the decode shows its memory to what it dials (see /v1/transfers): only what was configured
         refused = _incoming_refused(body.source)
         if refused is not None:
@@ -507,6 +485,10 @@ def create_app(source: StatusSource, token: bytes | None = None) -> FastAPI:
         fut = source.submit(body.tokens, body.room, body.source, hold=True, step=body.step, migrated=True)
         res = await _worker(fut)
         return TransferOut(**(res if isinstance(res, dict) else res.as_dict()), worker_id=source.worker_id)
+
+    # their routes, each as it is (``include_router`` may add a router as one lazy entry, whose
+    # paths neither ``route_paths`` nor the filter below would see)
+    app.router.routes.extend([*running.routes, *migrations.routes])
 
     @app.get(
         "/metrics", tags=["metrics"], response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}}

@@ -130,7 +130,8 @@ def setup(
     return {"state_types": [str(t.value) for t in kv_args.state_types], "buffers": len(compat.buffers(kv_args))}
 
 
-def _outcome(req) -> tuple[str, str | None]:
+def outcome_of(req) -> tuple[str, str | None]:
+    """A finished request's outcome, as the drivers here and in ``migrate_side`` report it."""
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     if isinstance(req.finished_reason, FINISH_ABORT):
@@ -138,7 +139,9 @@ def _outcome(req) -> tuple[str, str | None]:
     return "Success", None
 
 
-def _request(room: int, tokens: int, mode):
+def make_request(room: int, tokens: int, mode):
+    """SGLang's ``Req`` for ``room``: ``tokens`` prompt tokens, bootstrapped at this side's port
+    (the drivers here and in ``migrate_side``)."""
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -149,9 +152,6 @@ def _request(room: int, tokens: int, mode):
         f"room-{room}", "", ids, params, bootstrap_host=HOST, bootstrap_port=S.port, bootstrap_room=room,
         disagg_mode=mode,
     )  # fmt: skip
-
-
-make_request, outcome_of = _request, _outcome  # for the drivers built on this side (``migrate_side``)
 
 
 # -- prefill
@@ -165,7 +165,7 @@ def run_prefill(
 
     case, sched = S.case, S.case.sched
     deadline = time.perf_counter() + deadline_s
-    req = _request(room, tokens, DisaggregationMode.PREFILL)
+    req = make_request(room, tokens, DisaggregationMode.PREFILL)
     queue = sched.disagg_prefill_bootstrap_queue
     queue.add(req, 1)
     trace = ["add"]
@@ -176,7 +176,7 @@ def run_prefill(
             trace.append("bootstrapped")
             break
         if req in sched.output_streamer.streamed:  # a bootstrap failure streams the abort
-            outcome, failure = _outcome(req)
+            outcome, failure = outcome_of(req)
             return {"outcome": outcome, "failure": failure, "trace": trace + ["bootstrap failed"]}
         if time.perf_counter() >= deadline:
             return {"outcome": f"timeout ({compat.poll_name(req.disagg_kv_sender.poll())})", "failure": None,
@@ -210,7 +210,7 @@ def run_prefill(
     while True:
         done = sched.process_disagg_prefill_inflight_queue()
         if req in done:
-            outcome, failure = _outcome(req)
+            outcome, failure = outcome_of(req)
             ms = (time.perf_counter() - t0) * 1000
             metric = req.disagg_kv_sender.get_transfer_metric() if req.disagg_kv_sender is not None else None
             return {"outcome": outcome, "failure": failure, "trace": trace + ["inflight done"], "aux": aux,
@@ -264,7 +264,7 @@ def run_decode(
     case.commits.clear()
     case.deferred.discard(room)
     case.published.pop(room, None)
-    req = _request(room, tokens, DisaggregationMode.DECODE)
+    req = make_request(room, tokens, DisaggregationMode.DECODE)
     sched.disagg_decode_prealloc_queue.add(req)
     outcome, failure, times = None, None, {}
     aborted_at = failed_at = last_receiver = image = stalled = concluded = None
@@ -292,14 +292,14 @@ def run_decode(
                 times["abort_call_ms"] = round((time.perf_counter() - aborted_at) * 1000, 2)
         if req in sched.waiting_queue:
             sched.waiting_queue.remove(req)
-            outcome, failure = _outcome(req)
+            outcome, failure = outcome_of(req)
             if rebootstrap:  # retracted: SGLang's own dispatch of the prefill's recompute (POST /generate)
                 mgr = sched.disagg_decode_prealloc_queue.kv_manager
                 times["rebootstrap_url"] = mgr._resolve_rebootstrap_prefill_url(last_receiver)
                 mgr.submit_prefill_recompute(last_receiver, req.build_rebootstrap_payload())
             break
         if req in sched.output_streamer.streamed and outcome is None:
-            outcome, failure = _outcome(req)
+            outcome, failure = outcome_of(req)
             failed_at = time.perf_counter()
             times["failed_s"] = round(failed_at - t0, 4)
             if not placed:  # refused before its pages were allocated: nothing to release
