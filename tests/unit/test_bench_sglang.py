@@ -58,7 +58,7 @@ def test_phase_skips_with_one_line_without_the_sglang_environment(tmp_path, monk
     bench_sglang.phase(1, results, progress=said.append)
     why = f"no SGLang environment at {tmp_path / 'absent'} (make sglang-env builds it)"
     assert said == [f"skipping the sglang phase: {why}"]
-    assert results == {"sglang": {"lengths": [2048, 8192, 32768], "runs": 1, "skipped": {"phase": why}}}
+    assert results == {"sglang": {"lengths": [256, 2048, 8192, 32768], "runs": 1, "skipped": {"phase": why}}}
 
 
 def test_rank_endpoint_keys_ratio_summary_and_table():
@@ -161,28 +161,42 @@ def test_summary_carries_the_new_sglang_keys_null_when_the_phase_did_not_run():
 
 
 def test_sglang_table_shows_the_decode_the_intervals_and_the_counts():
+    """The one-page length (256 tokens, ``ONE_PAGE_TOKENS``) is a column like the others."""
     r = {
-        "sglang_by_release": {"0.5.19": {"mooncake": {"2048": 30.0}, "pdstate": {"2048": 20.0}}},
-        "sglang_decode_by_release": {"0.5.19": {"mooncake": {"2048": 33.0}, "pdstate": {"2048": 22.0}}},
-        "sglang_ratio_ci95_by_release": {"0.5.19": {"prefill": {"2048": [1.2, 1.8]}, "decode": {"2048": [0.9, 1.6]}}},
-        "sglang_bytes_by_release": {"0.5.19": {"mooncake": {"2048": 18025472}, "pdstate": {"2048": 18025472}}},
-        "sglang_descriptors_by_release": {"0.5.19": {"mooncake": {"2048": 220}, "pdstate": {"2048": 221}}},
+        "sglang_by_release": {
+            "0.5.19": {"mooncake": {"2048": 30.0, "256": 9.0}, "pdstate": {"2048": 20.0, "256": 12.0}}
+        },
+        "sglang_decode_by_release": {
+            "0.5.19": {"mooncake": {"2048": 33.0, "256": 10.0}, "pdstate": {"2048": 22.0, "256": 8.0}}
+        },
+        "sglang_ratio_ci95_by_release": {
+            "0.5.19": {
+                "prefill": {"2048": [1.2, 1.8], "256": [0.6, 0.9]},
+                "decode": {"2048": [0.9, 1.6], "256": [1.1, 1.4]},
+            }
+        },
+        "sglang_bytes_by_release": {
+            "0.5.19": {"mooncake": {"2048": 18025472, "256": 2408448}, "pdstate": {"2048": 18025472, "256": 2408448}}
+        },
+        "sglang_descriptors_by_release": {
+            "0.5.19": {"mooncake": {"2048": 220, "256": 41}, "pdstate": {"2048": 221, "256": 40}}
+        },
     }
     assert bench_tables.sglang_table(r) == [
-        "| SGLang 0.5.19, send -> Success, ms (median) | 2k |",
-        "|---|---|",
-        "| SGLang's own Mooncake backend | 30.0 |",
-        "| backend pdstate (Mooncake engine, `sampled`) | 20.0 |",
-        "| ratio, `sampled` (above 1: pdstate faster) | 1.50 |",
-        "| decode, metadata -> Success: SGLang's own Mooncake backend | 33.0 |",
-        "| decode, metadata -> Success: backend pdstate (`sampled`) | 22.0 |",
-        "| ratio, decode (above 1: pdstate faster) | 1.50 |",
-        "| ratio's bootstrap 95% interval, prefill | 1.20-1.80 |",
-        "| ratio's bootstrap 95% interval, decode | 0.90-1.60 |",
-        "| bytes moved a request, SGLang's own Mooncake backend | 18,025,472 |",
-        "| bytes moved a request, backend pdstate | 18,025,472 |",
-        "| descriptors moved a request, SGLang's own Mooncake backend | 220 |",
-        "| descriptors moved a request, backend pdstate | 221 |",
+        "| SGLang 0.5.19, send -> Success, ms (median) | 256 | 2k |",
+        "|---|---|---|",
+        "| SGLang's own Mooncake backend | 9.0 | 30.0 |",
+        "| backend pdstate (Mooncake engine, `sampled`) | 12.0 | 20.0 |",
+        "| ratio, `sampled` (above 1: pdstate faster) | 0.75 | 1.50 |",
+        "| decode, metadata -> Success: SGLang's own Mooncake backend | 10.0 | 33.0 |",
+        "| decode, metadata -> Success: backend pdstate (`sampled`) | 8.0 | 22.0 |",
+        "| ratio, decode (above 1: pdstate faster) | 1.25 | 1.50 |",
+        "| ratio's bootstrap 95% interval, prefill | 0.60-0.90 | 1.20-1.80 |",
+        "| ratio's bootstrap 95% interval, decode | 1.10-1.40 | 0.90-1.60 |",
+        "| bytes moved a request, SGLang's own Mooncake backend | 2,408,448 | 18,025,472 |",
+        "| bytes moved a request, backend pdstate | 2,408,448 | 18,025,472 |",
+        "| descriptors moved a request, SGLang's own Mooncake backend | 41 | 220 |",
+        "| descriptors moved a request, backend pdstate | 40 | 221 |",
     ]
 
 

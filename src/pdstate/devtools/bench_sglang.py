@@ -7,7 +7,9 @@ DeepSeek-V4-Flash pools (target + NextN draft, speculative) sized for a 32k-toke
 prefill child and one decode child, the same pools for both backends. Each backend gets its
 managers once (``get_kv_class``: SGLang's ``mooncake`` over TCP, and ``pdstate`` with
 ``PDSTATE_TRANSFER__ENGINE=mooncake``), one warm-up request, then the backends alternate request by
-request, every length in turn, ``runs`` times (``RUNS``: 30 with ``--quick``, 40 without). Each
+request, every length in turn, ``runs`` times (``RUNS``: 30 with ``--quick``, 40 without). The
+lengths (``BENCH_TOKENS``) start with one page (``ONE_PAGE_TOKENS``: 256 tokens, the pools' page
+size, sent as one chunk with its state): SGLang's smallest request, its fixed cost. Each
 request is timed on both sides: the prefill's first ``send`` (two chunks, state on the last) to
 its sender's ``poll()`` returning Success, and the decode's ``send_metadata`` to its receiver's
 ``poll()`` returning Success (what the first token waits for; the prefill is told to send before
@@ -43,8 +45,8 @@ from pdstate.devtools.sglang_pair.pair import PDSTATE_ENGINE_ENV, Pair, env_dir,
 from pdstate.integrations.sglang import releases as sglang_releases
 
 # Requests per backend and length (--quick, full), interleaved: 30 make the ratio's bootstrap
-# interval decisive (7 left medians of 3 moving by 30%); a --quick phase is about 270 requests a
-# release, 1 to 2.5 s each with the decode's byte checks.
+# interval decisive (7 left medians of 3 moving by 30%); a --quick phase is about 360 requests a
+# release (270 beyond the one-page length's), 1 to 2.5 s each with the decode's byte checks.
 RUNS = {True: 30, False: 40}
 BACKENDS = {
     "mooncake": "sglang_mooncake_ms_by_length",

@@ -93,4 +93,7 @@ QUEUE_CASES: dict[str, Case] = {**CASES, NO_DRAFT.name: NO_DRAFT}
 
 # The bench's pools: room for one 32k-token request (plus the window) on each side.
 BENCH_SIDE = replace(BASE, full_tokens=36864, swa_tokens=4096)
-BENCH_TOKENS = (2048, 8192, 32768)
+# One page of BENCH_SIDE (256 tokens): SGLang's smallest request in pages, sent as one chunk with
+# its state (``side.send``): what pdstate's fixed cost per request is measured against.
+ONE_PAGE_TOKENS = BENCH_SIDE.page_size
+BENCH_TOKENS = (ONE_PAGE_TOKENS, 2048, 8192, 32768)

@@ -5,7 +5,8 @@ as many cases as asked (each case gets its own bootstrap server port and manager
 the pools of a side it has built). ``run_case`` runs requests one after another in SGLang's call
 order: the prefill's sender is created and ``init``-ed; the decode fetches the prefill's parallel
 info, creates its receiver, ``init``s it and sends its metadata (pages and per-``StateType`` state
-indices); then, at once on both sides, the prefill sends two chunks (state on the last) and polls
+indices); then, at once on both sides, the prefill sends two chunks (state on the last; one for a
+one-page request) and polls
 while the decode polls; every decode byte is checked. Nothing waits past ``deadline_s`` per side.
 """
 

@@ -14,7 +14,8 @@ reports; 0.5.23's prefill makes its sender with keywords only.
   ``pdstate@LEVEL`` is backend ``pdstate`` with ``PDSTATE_TRANSFER__VERIFY=LEVEL`` when its manager
   is made (a session of its own beside plain ``pdstate``, which takes the configured default);
 - prefill ``open`` (sender created and ``init``-ed, sources patterned) then ``send`` (two chunks,
-  state on the last, polled to Success/Failed or the deadline);
+  state on the last; a one-page request in one, with its state; polled to Success/Failed or the
+  deadline);
 - ``trace_on`` / ``spans`` / ``trace_off``: SGLang's request tracing on, its spans recorded in the
   child (``tracing``), and off again;
 - decode ``recv`` (destinations reset to the sentinel, parallel info fetched, receiver ``init``,
@@ -175,9 +176,10 @@ def send(deadline_s: float) -> dict:
     state, _ = _poll((KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success), deadline)
     if state not in ("WaitingForInput", "Transferring"):
         return {"outcome": state, "failure": _end(state), "ms": None}
-    pages, first = S.req.pages, max(1, len(S.req.pages) // 2)
+    pages, first = S.req.pages, len(S.req.pages) // 2
     t0 = time.perf_counter()
-    S.conn.send(pages[:first], None)
+    if first:  # two chunks; a one-page request is one, as SGLang's prefill sends it
+        S.conn.send(pages[:first], None)
     S.conn.send(pages[first:], S.req.state_indices)
     state, t1 = _poll((KVPoll.Success,), deadline)
     out = {"outcome": state, "failure": _end(state), "ms": (t1 - t0) * 1000 if state == "Success" else None}
