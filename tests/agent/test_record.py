@@ -138,39 +138,3 @@ def test_records_share_no_lock():
         assert done.wait(5)
     t.join(5)
     assert b.state is S.WAITING_FOR_INPUT
-
-
-def test_a_unit_of_the_io_threads_work_holds_its_records_wakeups_until_it_ends():
-    """On an agent's I/O thread a record's end wakes its waiter and runs its done callbacks only
-    once the unit of work that ended it returned (its frames sent first); off it, at once."""
-    from pdstate.agent.common import AgentLoop
-    from pdstate.errors import TransferFailed
-
-    loop = AgentLoop("held", 0.05, lambda: None)
-    loop.start()
-    try:
-        record, order, waited = RequestRecord(7), [], []
-        record.add_done_callback(lambda r: order.append(("callback", r.state)))
-        waiter = _waited_for(record, waited)
-
-        def unit() -> None:
-            record.fail(TransferFailed("ended in the loop"))
-            order.append(("rest of the unit", record.state))
-            time.sleep(0.05)  # a waiter woken at the move would have returned meanwhile
-            order.append(("waiter returned before the unit ended", bool(waited)))
-
-        loop.call(unit)
-        waiter.join(10)
-        assert not waiter.is_alive()
-        assert order == [
-            ("rest of the unit", S.FAILED),
-            ("waiter returned before the unit ended", False),
-            ("callback", S.FAILED),
-        ]
-        assert [s for s, _ in waited] == [S.FAILED]
-        other, seen = RequestRecord(8), []
-        other.add_done_callback(lambda r: seen.append(r.state))
-        other.fail(TransferFailed("ended off the loop"))  # this thread: no unit holds it
-        assert seen == [S.FAILED]
-    finally:
-        loop.stop(lambda: None)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # typing.Self is 3.11+: annotations only, never evaluated
 
 log = logging.getLogger("pdstate.agent")
 
-__all__ = ["AgentLifetime", "AgentLoop", "RequestRecord", "channel_layout", "held_wakeups", "regions_of"]
+__all__ = ["AgentLifetime", "AgentLoop", "RequestRecord", "channel_layout", "regions_of"]
 
 AGAIN_MS = 1  # how soon ``AgentLoop.again`` checks run
 
@@ -86,38 +86,20 @@ class RequestRecord:
 
     def _change(self, new: RequestState, step: Callable[[], bool]) -> bool:
         """Run ``step`` (which moves to ``new`` or not, and says so) under the record's lock,
-        wake the threads that wait for this move, then (at the end) run the done callbacks.
-
-        On an agent's I/O thread, inside one unit of its work (``AgentLoop``), the wake-up and the
-        callbacks wait until that unit ends (``held_wakeups``): the frames the move answers (a
-        ``TransferDone``) leave before a woken caller thread competes for the interpreter."""
+        wake the threads that wait for this move, then (at the end) run the done callbacks."""
         callbacks = None
         with self.lock:
             moved = step()
             cond = self.changed
-            wake = (
+            if (
                 moved and cond is not None and (new.terminal or self.watchers)
-            )  # a waiter for the end sleeps through steps
+            ):  # a waiter for the end sleeps through steps
+                cond.notify_all()
             if moved and new.terminal and self.done_callbacks:
                 callbacks, self.done_callbacks = self.done_callbacks, None
-            held = _held.wakes
-            if held is not None and (wake or callbacks):
-                held.append((self, wake, callbacks))
-                return moved
-            if wake:
-                cond.notify_all()
         for fn in callbacks or ():
             self._run_callback(fn)
         return moved
-
-    def _wake(self, wake: bool, callbacks: list[Callable[[RequestRecord], None]] | None) -> None:
-        """A held wake-up (``_change``), given now."""
-        if wake:
-            with self.lock:
-                if self.changed is not None:
-                    self.changed.notify_all()
-        for fn in callbacks or ():
-            self._run_callback(fn)
 
     def _run_callback(self, fn: Callable[[RequestRecord], None]) -> None:
         try:
@@ -181,31 +163,6 @@ class RequestRecord:
                 if until is not None:
                     self.watchers -= 1
                 self.waiters -= 1
-
-
-class _Held(threading.local):
-    """Per thread: the wake-ups held until the unit of work under way ends (``held_wakeups``)."""
-
-    wakes: list | None = None
-
-
-_held = _Held()
-
-
-def held_wakeups(fn: Callable[[], Any]) -> Any:
-    """Run ``fn``, holding the wake-ups and done callbacks of the records it moves
-    (``RequestRecord._change``) until it returns or raises; then give them, in order. Nested
-    calls hold until the outermost ends."""
-    if _held.wakes is not None:
-        return fn()
-    held: list = []
-    _held.wakes = held
-    try:
-        return fn()
-    finally:
-        _held.wakes = None
-        for record, wake, callbacks in held:
-            record._wake(wake, callbacks)
 
 
 CALL_CHECK_S = 0.05  # how often a waiting ``call`` looks whether the loop ended under it
@@ -361,10 +318,8 @@ class AgentLoop:
 
     @staticmethod
     def _guard(fn: Callable[[], None]) -> None:
-        """Run one unit of the thread's work (a frame's handler, a posted call, a tick), its
-        records' wake-ups held until it ends (``held_wakeups``)."""
         try:
-            held_wakeups(fn)
+            fn()
         except Exception:  # a bug in one handler must not end the I/O thread
             log.exception("pdstate agent I/O thread: unhandled error")
 
