@@ -58,7 +58,7 @@ __all__ = ["build_sender"]
 
 ABORT_FENCE_S = 5.0
 _TRANSFERRING, _WAITING = RequestState.TRANSFERRING, RequestState.WAITING_FOR_INPUT
-_BOOTSTRAPPING = RequestState.BOOTSTRAPPING
+_BOOTSTRAPPING, _SUCCESS = RequestState.BOOTSTRAPPING, RequestState.SUCCESS
 # what turns SGLang's room into the first replica's room of each count (``replicas``): the rooms a
 # decode rank may ask for SGLang's room under, looked for in one pass (``_agent_rooms``)
 _FIRST_REPLICA = tuple(replica_room(0, 0, count) for count in range(2, MAX_REPLICAS + 1))
@@ -217,7 +217,8 @@ def build_sender() -> type:
 
         def poll(self) -> int:
             """SGLang's scheduler calls this for every request in flight on every iteration: the
-            common answers (still transferring, still awaited) read one status word; SGLang's own
+            common answers (still transferring, still awaited, and the Success that ends it) read
+            one status word; SGLang's own
             verdict on the room comes first, and the agent is asked whether it lives every
             ``AGENT_CHECK_POLLS``-th poll (then, dead, ``_poll`` fails the request)."""
             over = self.conclude_state
@@ -234,6 +235,8 @@ def build_sender() -> type:
                         return TRANSFERRING
                     if state is _WAITING or state is _BOOTSTRAPPING:  # bootstrapping: its posted add is on its way
                         return WAITING  # (a posted chunk reads Transferring: ``KVSender.post``)
+                    if state is _SUCCESS:  # the agent's verdict: concluded here, nothing else to look at
+                        return lifecycle.succeed(self)
                 elif word is None:
                     steady = self._awaited()
                     if steady is not None:
