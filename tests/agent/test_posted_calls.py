@@ -18,7 +18,8 @@ import pytest
 
 from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
 from pdstate.agent.common import AgentLoop
-from pdstate.errors import ProtocolError, TransferAborted
+from pdstate.agent.prefill_core import PrefillCore
+from pdstate.errors import AgentClosed, ProtocolError, TransferAborted
 from tests.agent.support import assert_images_equal, expected, fill, make_side, snapshot
 from tests.support.hooked import hooked
 from tests.support.waiting import wait_until
@@ -208,3 +209,83 @@ def test_posts_from_two_threads_never_wait_for_the_loops_tick():
         stop.set()
         t.join(10)
         loop.stop(lambda: None)
+
+
+@pytest.fixture
+def dropped_posts(monkeypatch):
+    """``hold()``: from now on the agents' posts are taken and never run (their I/O thread ends
+    before it reaches them); ``release()``: posts run again."""
+    dropping = threading.Event()
+    post = AgentLoop.post
+
+    def dropping_post(loop, fn):
+        if dropping.is_set():
+            if loop.closed:
+                post(loop, fn)  # refused as it would be (AgentClosed)
+            return
+        post(loop, fn)
+
+    monkeypatch.setattr(AgentLoop, "post", dropping_post)
+    return types.SimpleNamespace(hold=dropping.set, release=dropping.clear)
+
+
+def test_a_posted_sender_reads_transferring_from_its_first_posted_chunk_and_fails_at_a_close_before_its_add(
+    agents, dropped_posts
+):
+    pa, _ = agents
+    dropped_posts.hold()
+    s = pa.sender(60, 2, posted=True)
+    assert s.poll() is S.BOOTSTRAPPING and s.state is S.BOOTSTRAPPING  # its add is on its way
+    s.post([1])
+    assert s.poll() is S.TRANSFERRING and s.state is S.TRANSFERRING  # the agent's word, not the thread's yet
+    assert s.wait(0) is S.BOOTSTRAPPING  # the thread never took it
+    dropped_posts.release()
+    pa.close()
+    assert s.wait(10) is S.FAILED and s.poll() is S.FAILED
+    exc = s.failure_exception()
+    assert type(exc) is AgentClosed
+    assert (
+        str(exc) == "room 60: the agent closed (prefill shutting down) before its I/O thread added this posted sender"
+    )
+    with pytest.raises(AgentClosed, match=r"^the agent is closed$"):
+        pa.sender(61, 2, posted=True)
+
+
+def test_a_posted_receiver_reads_transferring_from_post_init_and_fails_at_a_close_before_its_add(agents, dropped_posts):
+    pa, da = agents
+    dropped_posts.hold()
+    r = da.receiver(pa.address, 62, posted=True)
+    assert r.poll() is S.BOOTSTRAPPING
+    r.post_init([3, 4], DST_STATE)
+    assert r.poll() is S.TRANSFERRING and r.state is S.TRANSFERRING
+    dropped_posts.release()
+    da.close()
+    assert r.wait(10) is S.FAILED and r.poll() is S.FAILED
+    exc = r.failure_exception()
+    assert type(exc) is AgentClosed
+    assert (
+        str(exc) == "room 62: the agent closed (decode shutting down) before its I/O thread added this posted receiver"
+    )
+    assert not pa.requested(62)  # nothing went out
+
+
+def test_a_posted_sender_behind_the_closes_last_step_fails_and_is_never_added(agents, monkeypatch):
+    """A sender posted while the agent closes runs after the close's last step on the I/O thread:
+    it fails there, and the closed core never holds it."""
+    pa, _ = agents
+    late: list = []
+    end = PrefillCore.end
+
+    def end_then_post(core, reason, now):
+        end(core, reason, now)
+        late.append(pa.sender(63, 2, posted=True))  # queued behind the close's last step
+
+    monkeypatch.setattr(PrefillCore, "end", end_then_post)
+    pa.close()
+    (s,) = late
+    assert s.wait(10) is S.FAILED and s.posted_error is None
+    exc = s.failure_exception()
+    assert type(exc) is AgentClosed
+    assert (
+        str(exc) == "room 63: the agent closed (prefill shutting down) before its I/O thread added this posted sender"
+    )

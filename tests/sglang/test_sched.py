@@ -29,6 +29,9 @@ def test_the_scheduler_threads_cpu_per_request_and_poll_for_both_backends(sglang
     detail = results["sglang_sched"]["by_release"][LOCK]["pdstate"]
     # every request was polled on both sides until it ended, and its chunks went out
     assert all(n >= 2 for n in detail["polls_per_request"].values()), detail
+    # and each ended with one poll that answered Success, on both sides
+    kinds = detail["polls_by_kind"]
+    assert all(kinds[n][side]["to Success"]["per_request"] == 1.0 for n in kinds for side in kinds[n]), kinds
     calls = detail["by_side_and_call_us"]["16"]
     assert all(calls["prefill"][c] > 0 for c in ("new", "init", "send", "poll")), calls
     assert all(calls["decode"][c] > 0 for c in ("new", "init", "send_metadata", "poll")), calls

@@ -9,8 +9,10 @@ from tests.support.bench import fake_bench_result
 
 def _measured() -> dict:
     calls = {"new": 1.0, "init": 2.0, "send": 3.0, "send_metadata": 0.0, "poll": 4.0}
+    kinds = {"prefill": {"steady": [30, 60_000], "to Success": [2, 40_000]}}  # two rounds' polls: [count, ns]
     parts = {
-        n: {"prefill": {c: [v, v + 2] for c, v in calls.items()}, "decode": {}, "polls": [5.0, 7.0]} for n in (1, 16)
+        n: {"prefill": {c: [v, v + 2] for c, v in calls.items()}, "decode": {}, "polls": [5.0, 7.0], "kinds": kinds}
+        for n in (1, 16)
     }
     return {
         "release": "0.5.19",
@@ -32,6 +34,14 @@ def test_the_keys_of_one_release():
     assert detail["cpu_us_per_request"]["1"] == {"min": 10.0, "median": 20.0, "max": 30.0}
     assert detail["by_side_and_call_us"]["16"]["prefill"]["init"] == 3.0
     assert detail["polls_per_request"] == {"1": 6.0, "16": 6.0}
+    # per request: the count over the rounds' requests (2 rounds of 16 at 1 in flight, of 16 at 16)
+    assert detail["polls_by_kind"]["1"] == {
+        "prefill": {
+            "steady": {"per_request": 30 / 32, "mean_us": 2.0},
+            "to Success": {"per_request": 2 / 32, "mean_us": 20.0},
+        }
+    }
+    assert detail["polls_by_kind"]["16"]["prefill"]["to Success"]["per_request"] == 2 / 32
     assert detail["poll_us_by_side"] == {"prefill": 2.0, "decode": 2.0} and detail["polls"] == 3
     s = bench_report.summary(fake_bench_result(**r))
     assert s[bench_sched.CPU_KEY] == r[bench_sched.CPU_KEY] and s[bench_sched.POLL_KEY] == r[bench_sched.POLL_KEY]

@@ -195,6 +195,43 @@ def test_a_senders_steady_poll_sees_its_agent_die_within_the_check_interval(clas
         s.failure_exception()
 
 
+class CountingManager(Manager):
+    """The stand-in manager counting its ``agent_failure`` looks."""
+
+    looks = 0
+
+    def agent_failure(self):
+        self.looks += 1
+        return super().agent_failure()
+
+
+@pytest.mark.parametrize("side", ["sender", "receiver"])
+def test_the_poll_that_ends_a_request_in_success_reads_one_status_word(classes, side):
+    """The agent's verdict concludes the request (its room's status too) in the poll that reads it:
+    nothing else is asked, neither the agent nor whether it lives."""
+    sender_cls, receiver_cls = classes
+    t = Harness()
+    t.register()
+    t.request(6)
+    agent = Agent(t.core.refusals)
+    mgr = CountingManager(agent)
+    if side == "sender":
+        conn = sender_cls(mgr, "127.0.0.1:1", 6, [0], 0)
+        assert conn.poll() == KVPoll.WaitingForInput
+        conn.init(2, 0)
+    else:
+        conn = receiver_cls(mgr, "127.0.0.1:1", 6)
+        conn.init(0)
+    (record,) = agent.made
+    record.state = S.TRANSFERRING
+    assert conn.poll() == KVPoll.Transferring
+    looks, agent_looks, words = mgr.looks, agent.looks, record.polls
+    record.state = S.SUCCESS
+    assert conn.poll() == KVPoll.Success and record.polls == words + 1
+    assert (mgr.looks, agent.looks) == (looks, agent_looks)
+    assert conn.conclude_state == KVPoll.Success and mgr.request_status[6] == KVPoll.Success
+
+
 def test_a_refusal_that_arrives_fails_the_awaited_sender_at_the_next_poll(classes):
     sender_cls, _ = classes
     t = Harness()

@@ -31,9 +31,10 @@ from pdstate.agent.decode_core import (
     Send,
 )
 from pdstate.agent.decode_frames import Digest, Updates
+from pdstate.agent.posted import PostedAdds
 from pdstate.agent.receiver import KVReceiver, Receiving
 from pdstate.agent.verify import DEFAULT_LEVEL, check_level, layout_devices, on_device, request_digest
-from pdstate.errors import AuthError, EngineError, PdStateError
+from pdstate.errors import AgentClosed, AuthError, EngineError, PdStateError
 from pdstate.protocol import wire
 from pdstate.protocol.handshake import DecodeHandshake, LocalSide
 from pdstate.protocol.peers import PrefillSnapshot
@@ -45,6 +46,7 @@ log = logging.getLogger("pdstate.agent")
 
 # a DEALER's events the core hears of: its sessions, and failed CURVE handshakes
 SESSION_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | curve.HANDSHAKE_EVENTS
+CLOSE_REASON = "decode shutting down"  # the close's reason (``DecodeCore.close`` fails live requests with it)
 
 
 @dataclass(slots=True)
@@ -207,6 +209,7 @@ class DecodeAgent(AgentLifetime):
         self._recvs = self._core.recvs  # the live requests (the core's: read on the I/O thread only)
         self.handshakes = self._core.handshakes  # answers received, written by the I/O thread only
         self.auth_failures = Incidents()  # failed CURVE handshakes, answers refused for their tag
+        self._unadded = PostedAdds("receiver")  # posted receivers the I/O thread has not added yet
         self._loop = AgentLoop(f"pdstate-decode-{self.worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
         self._loop.start()
 
@@ -235,10 +238,17 @@ class DecodeAgent(AgentLifetime):
             on_fence=lambda r, fn: self._feed(lambda _now: core.on_fence(r, fn)),
         )
         if posted:
-            self._loop.post(lambda: self._add_posted(receiver, recv, redial_gone))
+            self._unadded.put(recv.record)
+            try:
+                self._loop.post(lambda: self._add_posted(receiver, recv, redial_gone))
+            except AgentClosed:
+                self._unadded.drop(recv.record)
+                raise
         return receiver
 
     def _add_posted(self, receiver: KVReceiver, recv: Receiving, redial_gone: bool) -> None:
+        if not self._unadded.take(recv.record):  # the agent closed first: failed for that
+            return
         try:
             self._feed(lambda now: self._core.add(recv, now, redial_gone))
         except Exception as exc:  # the caller's next poll sees it: the receiver failed
@@ -288,7 +298,15 @@ class DecodeAgent(AgentLifetime):
         caller's memory is left as it is)."""
         if self._loop.closed:
             return
-        self._stop(lambda: self._feed(lambda _now: self._core.close()))
+
+        def final() -> None:
+            self._feed(lambda _now: self._core.close())
+            self._unadded.close(CLOSE_REASON)  # posted receivers not added yet, and those behind this
+
+        try:
+            self._stop(final)
+        finally:
+            self._unadded.close(CLOSE_REASON)  # posted, never run: the thread ended first
 
     # --- I/O thread: feeding the core, performing its actions -----------------------------------
 

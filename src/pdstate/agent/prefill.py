@@ -18,6 +18,7 @@ from pdstate.agent import curve
 from pdstate.agent.admission import BACKLOG, HANDSHAKE_IVL_MS, Incidents
 from pdstate.agent.common import AgentLifetime, AgentLoop, RequestRecord, channel_layout, regions_of
 from pdstate.agent.fairness import VERDICT_TIMEOUT_S
+from pdstate.agent.posted import PostedAdds
 from pdstate.agent.prefill_core import ANSWERED as ANSWERED  # what an ended sender keeps of its request
 from pdstate.agent.prefill_core import (
     KEEP_ENDED_S,
@@ -181,6 +182,7 @@ class PrefillAgent(AgentLifetime):
             )
         )
         self._accept_frame: tuple | None = None  # (key, report, frame) of the last Accept sent (``_encode``)
+        self._unadded = PostedAdds("sender")  # posted senders the I/O thread has not added yet
         self._loop = AgentLoop(f"pdstate-prefill-{worker_id}", min(0.05, heartbeat_interval_s / 2), self._tick)
         self._sock, self.address = bind_router(self._loop, bind, keys, on_fail=lambda: self._stop(lambda: None))
         layout = channel_layout(kv_args, kv_args.aux_data_ptrs, kv_args.aux_item_lens)
@@ -240,7 +242,12 @@ class PrefillAgent(AgentLifetime):
             send, call=self._loop.call, post=self._loop.post, queue_chunk=self._queue_chunk, abort=self._abort
         )
         if posted:
-            self._loop.post(lambda: self._add_posted(sender, send))
+            self._unadded.put(send.record)
+            try:
+                self._loop.post(lambda: self._add_posted(sender, send))
+            except AgentClosed:
+                self._unadded.drop(send.record)
+                raise
         return sender
 
     def decodes(self) -> list[DecodeSnapshot]:
@@ -314,8 +321,12 @@ class PrefillAgent(AgentLifetime):
                     except EngineError:
                         pass  # failed or still in flight: the core tells which
             self._run(lambda now: self._core.end(reason, now))
+            self._unadded.close(reason)  # posted senders not added yet, and those behind this
 
-        self._stop(final)
+        try:
+            self._stop(final)
+        finally:
+            self._unadded.close(reason)  # posted, never run: the thread ended first
 
     # --- I/O thread: inputs to the core, its actions performed ------------------------------------
 
@@ -412,6 +423,8 @@ class PrefillAgent(AgentLifetime):
         self._loop.post(lambda: self._run(lambda now: self._core.pump(send, now)))  # send() does not wait for the copy
 
     def _add_posted(self, sender: KVSender, send: Sending) -> None:
+        if not self._unadded.take(send.record):  # the agent closed first: failed for that
+            return
         try:
             self._run(lambda now: self._core.add_sender(send, now))
         except Exception as exc:  # the caller's next poll sees it: the sender failed

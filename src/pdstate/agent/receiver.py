@@ -21,6 +21,10 @@ from pdstate.protocol.lifecycle import PeerState, RequestState
 __all__ = ["KVReceiver"]
 
 _S = RequestState
+# what a receiver's ``poll`` shows of its record's state: as it is, or, once its destination was
+# posted (``post_init``), Transferring for the states before it (the I/O thread has not taken it yet)
+AS_IS = {state: state for state in RequestState}
+POSTED = {**AS_IS, _S.BOOTSTRAPPING: _S.TRANSFERRING, _S.WAITING_FOR_INPUT: _S.TRANSFERRING}
 
 
 @dataclass(slots=True)
@@ -83,7 +87,10 @@ class KVReceiver:
     Lifecycle: BOOTSTRAPPING until that prefill accepted this agent's handshake,
     WAITING_FOR_INPUT until ``init``, TRANSFERRING once the request went out, SUCCESS after the
     prefill's ``TransferDone`` and (digests on) the landed bytes hash to the sent ones; FAILED
-    otherwise, with ``failure_exception()``.
+    otherwise, with ``failure_exception()``. ``poll()`` and ``state`` read TRANSFERRING from
+    ``post_init`` on, before the I/O thread took it (``wait``'s predicate sees the thread's state).
+    A receiver made with ``posted=True`` whose agent closed before its thread added it ends FAILED
+    (``AgentClosed``).
     """
 
     def __init__(
@@ -105,13 +112,14 @@ class KVReceiver:
         # what a posted call (``post_init``, or the agent's ``receiver(..., posted=True)``) raised
         # on the I/O thread: written there once, read by any thread
         self.posted_error: BaseException | None = None
+        self._shown = AS_IS  # what ``poll`` shows of the record's state (``POSTED`` once ``post_init`` ran)
 
     def poll(self) -> RequestState:
-        return self._recv.record.state
+        return self._shown[self._recv.record.state]
 
     @property
     def state(self) -> RequestState:
-        return self._recv.record.state
+        return self._shown[self._recv.record.state]
 
     def init(self, page_indices, state_indices, aux_index: int | None = None, *, seq_len: int | None = None) -> None:
         """Name the destination: main-KV page ids, one index list per state component (in
@@ -132,6 +140,7 @@ class KVReceiver:
         pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
         st = [np.asarray(x, dtype=np.int64).reshape(-1) for x in state_indices]
         self._post(lambda: self._init_posted(pages, st, aux_index, seq_len))
+        self._shown = POSTED
 
     def _init_posted(self, pages: np.ndarray, st: list[np.ndarray], aux_index: int | None, seq_len) -> None:
         if self.posted_error is not None:

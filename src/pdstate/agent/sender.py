@@ -25,6 +25,10 @@ __all__ = ["KVSender"]
 
 
 _S = RequestState
+# what a sender's ``poll`` shows of its record's state: as it is, or, once a chunk was posted,
+# Transferring for the states before it (the I/O thread has not taken the chunk yet)
+AS_IS = {state: state for state in RequestState}
+POSTED = {**AS_IS, _S.BOOTSTRAPPING: _S.TRANSFERRING, _S.WAITING_FOR_INPUT: _S.TRANSFERRING}
 
 
 @dataclass(slots=True)
@@ -123,6 +127,9 @@ class KVSender:
     Lifecycle: BOOTSTRAPPING until the decode's ``AgentRequest`` for this room arrives,
     WAITING_FOR_INPUT, TRANSFERRING from the first chunk, SUCCESS once every chunk has landed and
     the decode accepted the bytes (digests equal), FAILED otherwise (``failure_exception()``).
+    ``poll()`` and ``state`` read TRANSFERRING from the first ``post`` on, before the I/O thread
+    took the chunk (``wait``'s predicate sees the thread's state). A sender made with
+    ``posted=True`` whose agent closed before its thread added it ends FAILED (``AgentClosed``).
     """
 
     def __init__(
@@ -143,13 +150,14 @@ class KVSender:
         # what a posted call (``post``, or the agent's ``sender(..., posted=True)``) raised on the
         # I/O thread: written there once, read by any thread
         self.posted_error: BaseException | None = None
+        self._shown = AS_IS  # what ``poll`` shows of the record's state (``POSTED`` once a chunk was posted)
 
     def poll(self) -> RequestState:
-        return self._send.record.state
+        return self._shown[self._send.record.state]
 
     @property
     def state(self) -> RequestState:
-        return self._send.record.state
+        return self._shown[self._send.record.state]
 
     def send(self, page_indices, state_indices=None) -> None:
         """Queue one chunk: this chunk's source page ids; ``state_indices`` (one list per state
@@ -167,6 +175,7 @@ class KVSender:
         pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
         st = None if state_indices is None else [np.asarray(x, dtype=np.int64).reshape(-1) for x in state_indices]
         self._post(lambda: self._queue_posted(pages, st))
+        self._shown = POSTED
 
     def _queue_posted(self, pages: np.ndarray, st: list[np.ndarray] | None) -> None:
         if self.posted_error is not None:

@@ -99,7 +99,7 @@ def measure(pair: SchedPair, rounds: int, in_flight: tuple[int, ...], progress=p
         release = release or p.get("sglang")
         pair.batch(WARM_UP)
     cpu = {b: {n: [] for n in in_flight} for b in BACKENDS}
-    parts = {b: {n: {"prefill": {}, "decode": {}, "polls": []} for n in in_flight} for b in BACKENDS}
+    parts = {b: {n: {"prefill": {}, "decode": {}, "polls": [], "kinds": {}} for n in in_flight} for b in BACKENDS}
     polls = {b: {"prefill": [], "decode": []} for b in BACKENDS}
     for k in range(rounds):
         for n in in_flight:
@@ -117,6 +117,9 @@ def measure(pair: SchedPair, rounds: int, in_flight: tuple[int, ...], progress=p
                         part[role].setdefault(call, []).append(ns / reqs / 1000)
                     for o in outs:
                         polls[b][role] += o[role]["poll_ns"]
+                        for kind, (count, ns) in o[role].get("poll_kinds", {}).items():
+                            got = part["kinds"].setdefault(role, {}).setdefault(kind, [0, 0])
+                            got[0], got[1] = got[0] + count, got[1] + ns
                 part["polls"].append(
                     sum(len(o[role]["poll_ns"]) for o in outs for role in ("prefill", "decode")) / reqs
                 )
@@ -144,6 +147,21 @@ def store(results: dict, measured: dict) -> None:
                 for n, part in measured["parts"][b].items()
             },
             "polls_per_request": {str(n): statistics.median(p["polls"]) for n, p in measured["parts"][b].items()},
+            # every round's polls by what they answered: the request's previous answer (steady) or a
+            # new one ("to <state>"): how many a request, and their mean CPU
+            "polls_by_kind": {
+                str(n): {
+                    role: {
+                        kind: {
+                            "per_request": count / (len(p["polls"]) * n * batches(n)),
+                            "mean_us": ns / count / 1000 if count else None,
+                        }
+                        for kind, (count, ns) in kinds.items()
+                    }
+                    for role, kinds in p["kinds"].items()
+                }
+                for n, p in measured["parts"][b].items()
+            },
             "poll_us_by_side": {role: statistics.median(v) / 1000 for role, v in measured["poll_ns"][b].items() if v},
             "polls": len(every),
         }

@@ -18,7 +18,8 @@ not what its own threads spend.
   is checked (``_wrong_items``).
 
 An iteration polls every live request once, then sleeps ``ITERATION_S``. Each answer holds every
-request's CPU (ns, all its calls), the CPU by call, every ``poll()``'s CPU and each outcome.
+request's CPU (ns, all its calls), the CPU by call, every ``poll()``'s CPU, the polls' CPU by what
+they answered (the request's previous answer, or a new one) and each outcome.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pdstate.devtools.sglang_pair import side  # first: ``booted``, then SGLang
 
 # isort: split
 
+import collections
 import time
 
 from sglang.srt.disaggregation.base.conn import KVPoll
@@ -47,6 +49,7 @@ class _Request:
     def __init__(self, req) -> None:
         self.req, self.conn, self.stage, self.outcome = req, None, "boot", None
         self.cpu = dict.fromkeys(CALLS, 0)
+        self.last = None  # what its latest poll returned (``None``: not polled yet)
 
     def timed(self, call: str, fn, *args, polls: list | None = None, **kwargs):
         t0 = time.thread_time_ns()
@@ -62,12 +65,18 @@ def _allocate(rooms: list[int], tokens: int, first_slot: int) -> list[_Request]:
     return [_Request(pools.allocate(S.cur, S.args, room, tokens, first_slot + i)) for i, room in enumerate(rooms)]
 
 
-def _drive(reqs: list[_Request], step, deadline: float, polls: list) -> None:
-    """Sweep every live request (``step(r, state)`` after its poll) until each ended or ``deadline``."""
+def _drive(reqs: list[_Request], step, deadline: float, polls: list, kinds: dict) -> None:
+    """Sweep every live request (``step(r, state)`` after its poll) until each ended or ``deadline``.
+    ``kinds``: each poll's CPU by what it answered, ``"steady"`` (what the request's previous poll
+    answered) or ``"to <state>"`` (its first poll, or a new state), ``[count, ns]`` each."""
     live = list(reqs)
     while live:
         for r in live:
             state = r.timed("poll", r.conn.poll, polls=polls)
+            kind = kinds["steady" if state == r.last else f"to {side.STATES.get(state, state)}"]
+            kind[0] += 1
+            kind[1] += polls[-1]
+            r.last = state
             if state == KVPoll.Failed:
                 r.outcome = "Failed"
             elif state == KVPoll.Success and r.stage == "sent":
@@ -95,7 +104,11 @@ def _failure(r: _Request) -> str | None:
     return None
 
 
-def _answer(reqs: list[_Request], polls: list) -> dict:
+def _kinds() -> dict:
+    return collections.defaultdict(lambda: [0, 0])
+
+
+def _answer(reqs: list[_Request], polls: list, kinds: dict) -> dict:
     outcomes: dict[str, int] = {}
     for r in reqs:
         outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
@@ -106,6 +119,7 @@ def _answer(reqs: list[_Request], polls: list) -> dict:
         "cpu_ns": [sum(r.cpu.values()) for r in reqs],
         "by_call_ns": {c: sum(r.cpu[c] for r in reqs) for c in CALLS},
         "poll_ns": polls,
+        "poll_kinds": dict(kinds),
         "outcomes": outcomes,
         "failures": failures[:3],
     }
@@ -139,8 +153,9 @@ def sched_prefill(rooms: list[int], tokens: int, deadline_s: float) -> dict:
             r.stage = "sent"
 
     polls: list[int] = []
-    _drive(reqs, step, deadline, polls)
-    return _answer(reqs, polls)
+    kinds = _kinds()
+    _drive(reqs, step, deadline, polls, kinds)
+    return _answer(reqs, polls, kinds)
 
 
 # -- decode
@@ -163,8 +178,9 @@ def sched_decode(rooms: list[int], tokens: int, deadline_s: float) -> dict:
             r.stage = "sent"
 
     polls: list[int] = []
-    _drive(reqs, step, deadline, polls)
-    return {**_answer(reqs, polls), "wrong_items": _wrong_items(reqs)}
+    kinds = _kinds()
+    _drive(reqs, step, deadline, polls, kinds)
+    return {**_answer(reqs, polls, kinds), "wrong_items": _wrong_items(reqs)}
 
 
 def _wrong_items(reqs: list[_Request]) -> int:

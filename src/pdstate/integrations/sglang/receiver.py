@@ -53,6 +53,7 @@ from pdstate.integrations.sglang.states import (
     kv_poll,
     posted_failure,
     state_lists,
+    succeed,
 )
 from pdstate.protocol.lifecycle import RequestState
 
@@ -65,10 +66,11 @@ ABORT_FENCE_S = 5.0
 # failed while its prefill may still write them (the prefill gone silent) reports Failed only once
 # that prefill confirmed, or after this long (logged: the pages are SGLang's again unfenced)
 UNFENCED_FAILED_WAIT_S = 30.0
-_BOOTSTRAPPING, _WAITING, _TRANSFERRING = (
+_BOOTSTRAPPING, _WAITING, _TRANSFERRING, _SUCCESS = (
     RequestState.BOOTSTRAPPING,
     RequestState.WAITING_FOR_INPUT,
     RequestState.TRANSFERRING,
+    RequestState.SUCCESS,
 )
 
 
@@ -243,7 +245,8 @@ def build_receiver() -> type:
 
         def poll(self) -> int:
             """SGLang's scheduler calls this for every request in flight on every iteration: the
-            common answers (awaiting its prefill or transferring) read one status word (``_steady``)."""
+            common answers (awaiting its prefill or transferring, and the Success that ends it) read
+            one status word."""
             over = self.conclude_state
             if over is not None:
                 return over if over == SUCCESS else self._poll()  # Failed: held while unfenced
@@ -259,6 +262,8 @@ def build_receiver() -> type:
                     steady = WAITING
                 elif state is _BOOTSTRAPPING:
                     steady = BOOTSTRAPPING
+                elif state is _SUCCESS:  # the agent's verdict: concluded here, nothing else to look at
+                    return succeed(self)
                 else:
                     return self._poll()
                 init = self.init_time  # SGLang's waiting timeout: its own check (``_poll``) once due

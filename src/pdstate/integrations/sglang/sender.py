@@ -58,7 +58,7 @@ __all__ = ["build_sender"]
 
 ABORT_FENCE_S = 5.0
 _TRANSFERRING, _WAITING = RequestState.TRANSFERRING, RequestState.WAITING_FOR_INPUT
-_BOOTSTRAPPING = RequestState.BOOTSTRAPPING
+_BOOTSTRAPPING, _SUCCESS = RequestState.BOOTSTRAPPING, RequestState.SUCCESS
 # what turns SGLang's room into the first replica's room of each count (``replicas``): the rooms a
 # decode rank may ask for SGLang's room under, looked for in one pass (``_agent_rooms``)
 _FIRST_REPLICA = tuple(replica_room(0, 0, count) for count in range(2, MAX_REPLICAS + 1))
@@ -131,9 +131,6 @@ def build_sender() -> type:
             self._asked: list[int] | None = None
             self._word = None
             self._one = None  # that agent sender (its ``posted_error``)
-            # a chunk was handed to the agent senders: SGLang reads Transferring from then on, even
-            # before the agent's thread took the posted chunk (its sender still waiting for input)
-            self._sending = False
             self._polls = 0
             self._rooms: frozenset[int] | None = None  # ``_agent_rooms``
             CommonKVSender.__init__(self, *base_args, **base_kwargs)
@@ -217,11 +214,11 @@ def build_sender() -> type:
             states = lifecycle.state_lists(state_indices, state_types) if last and state_indices is not None else None
             for out in self._outs:
                 out.send_chunk(pages, states, last, state_types)
-            self._sending = True
 
         def poll(self) -> int:
             """SGLang's scheduler calls this for every request in flight on every iteration: the
-            common answers (still transferring, still awaited) read one status word; SGLang's own
+            common answers (still transferring, still awaited, and the Success that ends it) read
+            one status word; SGLang's own
             verdict on the room comes first, and the agent is asked whether it lives every
             ``AGENT_CHECK_POLLS``-th poll (then, dead, ``_poll`` fails the request)."""
             over = self.conclude_state
@@ -237,7 +234,9 @@ def build_sender() -> type:
                     if state is _TRANSFERRING:
                         return TRANSFERRING
                     if state is _WAITING or state is _BOOTSTRAPPING:  # bootstrapping: its posted add is on its way
-                        return TRANSFERRING if self._sending else WAITING
+                        return WAITING  # (a posted chunk reads Transferring: ``KVSender.post``)
+                    if state is _SUCCESS:  # the agent's verdict: concluded here, nothing else to look at
+                        return lifecycle.succeed(self)
                 elif word is None:
                     steady = self._awaited()
                     if steady is not None:
@@ -302,11 +301,9 @@ def build_sender() -> type:
             if posted is not None:  # what a posted init or send raised on the agent's thread
                 return self.pdstate_fail(posted)
             # made once its decode's request was here: an agent sender still bootstrapping is one the
-            # agent's thread has not added yet (``init`` posted it), WaitingForInput to SGLang
-            waiting = _TRANSFERRING if self._sending else _WAITING  # a posted chunk not taken yet: transferring
-            states = [
-                waiting if s is _BOOTSTRAPPING or s is _WAITING else s for s in (out.send.poll() for out in self._outs)
-            ]
+            # agent's thread has not added yet (``init`` posted it), WaitingForInput to SGLang (one
+            # with a chunk posted reads Transferring already: ``KVSender.post``)
+            states = [_WAITING if s is _BOOTSTRAPPING else s for s in (out.send.poll() for out in self._outs)]
             poll = lifecycle.combine(states)
             if poll == KVPoll.Failed:
                 failed = next(out for out, s in zip(self._outs, states) if lifecycle.kv_poll(s) == KVPoll.Failed)

@@ -23,6 +23,7 @@ __all__ = [
     "posted_failure",
     "raise_failure",
     "state_lists",
+    "succeed",
 ]
 
 # SGLang polls every request in flight on its scheduler thread, every iteration: a sender's or
@@ -74,11 +75,18 @@ def posted_failure(handles) -> BaseException | None:
 
 def conclude(side, poll: int) -> int:
     """A Success ``poll`` concludes ``side`` (its room's status too); returns ``poll``."""
-    if poll == _table()[RequestState.SUCCESS]:
-        side.conclude_state = poll
-        side.kv_mgr.update_status(side.bootstrap_room, poll)
-        trace.finish(side, failed=False)
-    return poll
+    return succeed(side) if poll == _table()[RequestState.SUCCESS] else poll
+
+
+def succeed(side) -> int:
+    """Conclude ``side`` Success (its room's status too, its trace written); returns
+    ``KVPoll.Success``. A poll whose one agent request reads SUCCESS comes here straight from its
+    status word: that word is the agent's verdict, nothing else is looked at."""
+    success = _table()[RequestState.SUCCESS]
+    side.conclude_state = success
+    side.kv_mgr.update_status(side.bootstrap_room, success)
+    trace.finish(side, failed=False)
+    return success
 
 
 def concluded(side) -> int | None:

@@ -140,10 +140,19 @@ def _end_s(metrics: list[dict]) -> float:
     return max((t for t in ended if t is not None), default=0.0)
 
 
-def _is_sender(side) -> bool:
-    from sglang.srt.disaggregation.base.conn import BaseKVSender
+_SENDER_CLASSES: dict[type, bool] = {}  # a side's class -> whether it is a sender (looked up once)
 
-    return isinstance(side, BaseKVSender)
+
+def _is_sender(side) -> bool:
+    """Whether ``side`` is a sender (its class looked up once: a request's last poll, on SGLang's
+    scheduler thread, comes here)."""
+    cls = type(side)
+    sender = _SENDER_CLASSES.get(cls)
+    if sender is None:
+        from sglang.srt.disaggregation.base.conn import BaseKVSender
+
+        sender = _SENDER_CLASSES[cls] = issubclass(cls, BaseKVSender)
+    return sender
 
 
 def _receiver_context(side) -> Any:
