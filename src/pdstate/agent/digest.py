@@ -229,6 +229,10 @@ def submit_digested(engine, peer_id: str, plan, digest: RequestDigest | None, up
         return engine.submit(peer_id, plan)
     if getattr(engine, "supports_hashed_copy", False) and digest.fusable:
         return engine.submit(peer_id, plan, hash_src=digest.fused_streams(updates))  # None: hashed beside it
+    if getattr(digest, "inline", False):  # a small sample: read on this thread, after the copy is submitted
+        handle = engine.submit(peer_id, plan)
+        digest.update_many(updates)
+        return handle
     if not digest.fusable:  # the device form: hashed beside the copy (the copy need not wait for it)
         digest.update_async(updates)
         return engine.submit(peer_id, plan)

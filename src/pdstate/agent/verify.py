@@ -426,6 +426,10 @@ class SampleDigest(_BesideCopy):
     beside = "a sampled digest"
     split_state = False
 
+    @property
+    def inline(self) -> bool:
+        return self.form == "host"
+
     def __init__(
         self,
         layout,
