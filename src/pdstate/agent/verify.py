@@ -141,6 +141,27 @@ def _splitmix(x: np.ndarray) -> np.ndarray:
     return z
 
 
+_C1, _C2, _C3 = (int(c) for c in _SPLITMIX[:3])
+_FEW = 32  # a row of at most this many items is picked in Python: fewer calls than numpy's ~20 a row
+
+
+def _splitmix_int(x: int) -> int:
+    """``_splitmix`` of one value, in Python integers (the same value: each step modulo 2**64)."""
+    z = (x + _C1) & _M64
+    z = ((z ^ (z >> 30)) * _C2) & _M64
+    z = ((z ^ (z >> 27)) * _C3) & _M64
+    return z ^ (z >> 31)
+
+
+def _kept(key: int, start: int, k: int, n: int) -> list[int]:
+    """``sample_mask``'s rule for the ``k`` list positions from ``start`` (of a list of ``n``),
+    ``key`` being the channel's seed: the offsets (from ``start``) of those the sample holds."""
+    last, rate = max(n - 1, 0), max(1, SAMPLE_RATE)
+    return [
+        j for j, p in enumerate(range(start, start + k)) if p == 0 or p == last or _splitmix_int(p ^ key) % rate == 0
+    ]
+
+
 def sample_mask(seed: int, positions: np.ndarray, n: int, rate: int = SAMPLE_RATE) -> np.ndarray:
     """Which list ``positions`` (of a list of ``n``) the sample holds: the first, the last, and
     those whose mixed (seed, position) falls in 1 of ``rate``."""
@@ -386,7 +407,7 @@ class _SampleShape:
     def first(self, seed: int) -> np.ndarray:
         """Per buffer and block of a request of sample seed ``seed``: its address in item 0 (the
         buffer's address plus ``block_offsets``), ``[buffers, SAMPLE_BLOCKS]`` int64."""
-        keys = _splitmix(np.uint64(seed & _M64) ^ self.channel_keys)
+        keys = np.array([_splitmix_int((seed & _M64) ^ (c << 56)) for c in range(self.channels)], dtype=np.uint64)
         r = _splitmix(self.bj ^ keys[self.channel][:, None])
         return self.ptrs[:, None] + self.strata + (r % self.slots_u64).astype(np.int64) * self.align[:, None]
 
@@ -479,6 +500,11 @@ class SampleDigest(_BesideCopy):
             n = self.lengths[channel]
             if start == 0 and idx.size == n and n <= 2:
                 pos = np.arange(n, dtype=np.int64)  # first and last: all of it
+            elif idx.size <= _FEW:  # the same rule in Python: a handful of items, no numpy calls
+                kept = _kept((self.seed ^ (channel << 56)) & _M64, start, idx.size, n)
+                if len(kept) < idx.size:
+                    idx = idx[kept]
+                pos = np.array(kept, dtype=np.int64) + start
             else:
                 pos = np.arange(start, start + idx.size, dtype=np.int64)
                 keep = sample_mask((self.seed ^ (channel << 56)) & _M64, pos, n)
