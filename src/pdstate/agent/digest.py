@@ -13,7 +13,8 @@ Off the critical path: on the shm engine the prefill's copy hashes each descript
 right after copying them, while they are still in cache (``streams``; one stream per thread);
 on other engines the prefill hashes a chunk in the background (``update_async``) while the
 engine copies the same source bytes (sources do not change while a request is TRANSFERRING), and
-``digest()`` waits for it; the decode hashes what landed with its buffers spread over several
+``digest()`` waits for it (a sampled digest, a few dozen KB, is read on the submitting thread
+right after the submission instead: ``inline``); the decode hashes what landed with its buffers spread over several
 threads (``update_many``: the per-buffer streams are independent). xxhash and ``memmove`` both
 release the GIL, so hashing, copying and the I/O thread run at once.
 
@@ -224,7 +225,8 @@ class RequestDigest:
 def submit_digested(engine, peer_id: str, plan, digest: RequestDigest | None, updates: list[tuple[int, object]]):
     """``engine.submit(peer_id, plan)``, the plan's source bytes (``updates``: this side's
     ``(channel, indices)``) going into ``digest``: hashed by the copy itself where the engine can
-    (shm), else in the background beside the engine's copy. Returns the engine's handle."""
+    (shm), else in the background beside the engine's copy, or (a digest ``inline``: a small
+    sample) on this thread right after the submission. Returns the engine's handle."""
     if digest is None:
         return engine.submit(peer_id, plan)
     if getattr(engine, "supports_hashed_copy", False) and digest.fusable:

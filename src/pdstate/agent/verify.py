@@ -19,7 +19,10 @@ channel (every layer); of each buffer ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BLOCK
 each of the item's ``SAMPLE_BLOCKS`` equal parts, at an offset seeded per request, channel,
 buffer and block (``block_offsets``; an item shorter than that: one block, or the whole item).
 For a 2k-token ``dsv4-flash`` request that is 70 KB on each side (276 KB at 32k), gathered in one
-numpy step and hashed beside the copy. It catches, in every one of 200 seeds
+numpy step, never fused into the copy: the prefill reads it on the thread that submitted the copy,
+right after the submission (``inline``; on the synchronous shm engine after the copy, on the
+others while the engine copies), and the decode picks its sample on its I/O thread once its
+request went out and reads it at ``TransferDone`` (no thread hop on either side). It catches, in every one of 200 seeds
 (``tests/agent/test_sampled_catches.py``): a one-page shift of the SWA window, a stale C128
 state, a missing last chunk, two layers' state swapped — any fault that changes a sampled
 item of every layer or the first or last item of a component. It misses a damaged byte outside
@@ -52,7 +55,7 @@ from typing import Literal
 import numpy as np
 import xxhash
 
-from pdstate.agent.digest import RequestDigest, executor
+from pdstate.agent.digest import RequestDigest
 from pdstate.errors import VerifyLevelRefused
 from pdstate.pools.placement import memory_devices
 
@@ -440,7 +443,7 @@ class SampleDigest(_BesideCopy):
     and one positions stream (the sampled items' list positions, u64le), both in list order
     (item, then buffer, then block), so the prefill's chunks and the decode's pieces give the same
     streams. Small (70 KB at 2k tokens of ``dsv4-flash``, 276 KB at 32k): gathered and hashed
-    beside the copy, never fused into it, and a last chunk's state not sent ahead of its pages
+    beside the copy, never fused into it (host form: on the submitting thread, ``inline``), and a last chunk's state not sent ahead of its pages
     (``split_state``). What does not depend on the request (the layout's table) is made once per
     layout (``_sample_shape``)."""
 
@@ -449,6 +452,9 @@ class SampleDigest(_BesideCopy):
 
     @property
     def inline(self) -> bool:
+        """Whether the prefill reads this digest's updates on the thread that submits the copy,
+        right after submitting it (``digest.submit_digested``): the host form, a sample too small
+        to be worth a thread hop (and a third thread beside a copy that has every core)."""
         return self.form == "host"
 
     def __init__(
@@ -532,7 +538,8 @@ class SampleDigest(_BesideCopy):
     def prepare(self, updates) -> None:
         """Pick the sample of ``updates`` now (the next updates this digest will be given), so that
         reading it later is only the gather and the hash: the decode prepares its whole request
-        while the prefill copies. Used by ``update_many`` when it is given these very updates."""
+        on its I/O thread once its request went out, while the prefill copies. Used by
+        ``update_many`` when it is given these very updates."""
         with self._lock:
             nxt, rows = list(self._next), []
             for c, idx in updates:
@@ -541,11 +548,6 @@ class SampleDigest(_BesideCopy):
                     rows.append((c, idx, nxt[c]))
                     nxt[c] += idx.size
             self._prepared = (_rows_key(rows), self._plan(rows))
-
-    def prepare_async(self, updates) -> None:
-        """``prepare`` in the background (``wait`` and every update wait for it); it reads no
-        memory of the request, only where the sample lies."""
-        self._pending.append(executor().submit(self.prepare, updates))
 
     def _run(self, rows: list) -> None:
         """Pick (unless ``prepare`` did) and read the sample of ``rows``: the blocks of every
