@@ -20,8 +20,9 @@ each of the item's ``SAMPLE_BLOCKS`` equal parts, at an offset seeded per reques
 buffer and block (``block_offsets``; an item shorter than that: one block, or the whole item).
 For a 2k-token ``dsv4-flash`` request that is 70 KB on each side (276 KB at 32k), gathered in one
 numpy step, never fused into the copy: the prefill reads it on the thread that submitted the copy,
-right after the submission (``inline``; on the synchronous shm engine after the copy, on the
-others while the engine copies), and the decode picks its sample on its I/O thread once its
+right after the submission when the copy is short (``inline``, under
+``digest.INLINE_COPY_BYTES``: on the synchronous shm engine after the copy, on the others while
+the engine copies; a longer copy hides it in the background), and the decode picks its sample on its I/O thread once its
 request went out and reads it at ``TransferDone`` (no thread hop on either side). It catches, in every one of 200 seeds
 (``tests/agent/test_sampled_catches.py``): a one-page shift of the SWA window, a stale C128
 state, a missing last chunk, two layers' state swapped — any fault that changes a sampled
@@ -453,8 +454,9 @@ class SampleDigest(_BesideCopy):
     @property
     def inline(self) -> bool:
         """Whether the prefill reads this digest's updates on the thread that submits the copy,
-        right after submitting it (``digest.submit_digested``): the host form, a sample too small
-        to be worth a thread hop (and a third thread beside a copy that has every core)."""
+        right after submitting it, when the copy is short (``digest.submit_digested``,
+        ``INLINE_COPY_BYTES``): the host form, a sample too small to be worth a thread hop (and a
+        third thread beside a copy that has every core)."""
         return self.form == "host"
 
     def __init__(
