@@ -111,3 +111,39 @@ def test_streams_map_a_buffer_major_plan_to_the_streamed_digest(layout):
         hashers[k].update(ctypes.string_at(s, n))
     plain = _plain(lay)
     assert d.fused and d.bytes == plain.bytes and d.digest() == plain.digest()
+
+
+class _Engine:
+    """An engine whose submit records the digest's state at submission (a synchronous copy)."""
+
+    def __init__(self, digest) -> None:
+        self.digest, self.hashed_at_submit = digest, None
+
+    def submit(self, peer_id, plan):
+        self.hashed_at_submit = self.digest.bytes
+        return "handle"
+
+
+class _Plan:
+    def __init__(self, total_bytes: int) -> None:
+        self.total_bytes = total_bytes
+
+
+@pytest.mark.parametrize("copy_bytes", [1 << 20, digest_mod.INLINE_COPY_BYTES])
+def test_a_sampled_digest_of_a_short_copy_is_read_on_the_submitting_thread(layout, copy_bytes):
+    """A host-form sampled digest (``inline``) of a copy under ``INLINE_COPY_BYTES`` is read on
+    the submitting thread right after the submission (read when ``submit_digested`` returns, not
+    before the copy); of a longer copy, in the background. Either way the same digest as one
+    read at once."""
+    from pdstate.agent.verify import SampleDigest
+
+    _, lay = layout
+    updates = [(0, np.array([1, 2, 3, 9])), (1, np.array([5, 6, 7]))]
+    d = SampleDigest(lay, seed=9, lengths=[4, 3])
+    engine = _Engine(d)
+    assert digest_mod.submit_digested(engine, "peer", _Plan(copy_bytes), d, updates) == "handle"
+    if copy_bytes < digest_mod.INLINE_COPY_BYTES:
+        assert engine.hashed_at_submit == 0 and d.bytes > 0  # the copy first, then the sample, here
+    want = SampleDigest(lay, seed=9, lengths=[4, 3])
+    want.update_many(updates)
+    assert d.digest() == want.digest()

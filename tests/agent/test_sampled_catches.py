@@ -248,3 +248,38 @@ def test_the_agent_pair_catches_a_missing_last_chunk():
         p.close()
         d.close()
         stack.close()
+
+
+def test_the_pick_of_a_few_items_is_sample_masks_rule():
+    """A row of a few items is picked in Python (``verify._kept``), a longer one by numpy
+    (``sample_mask``): both keep exactly the same list positions, first and last included."""
+    from pdstate.agent.verify import _FEW, _kept, sample_mask
+
+    rng = np.random.default_rng(3)
+    held = 0
+    for _ in range(400):
+        seed = int(rng.integers(0, 2**63)) ^ (int(rng.integers(0, 4)) << 56)
+        n = int(rng.integers(1, 3 * _FEW))
+        start = int(rng.integers(0, n))
+        k = int(rng.integers(1, min(_FEW, n - start) + 1))
+        want = np.flatnonzero(sample_mask(seed, np.arange(start, start + k), n)).tolist()
+        assert _kept(seed, start, k, n) == want, (seed, start, k, n)
+        held += len(want)
+    assert 0 < held < 400 * _FEW  # some kept, not all: the rule was exercised both ways
+
+
+# The prefill's and the decode's digests of a clean copy (rooms 0-2), recorded from sample rule 2:
+# a change that keeps the rule must keep these bytes (a new rule changes them, and SAMPLE_RULE).
+GOLDEN = {
+    0: "6cdb02f384aac89cb079faa8fc47c111",
+    1: "517f1f4a5397e23c23736f430dbd88d4",
+    2: "fa60bdffbe778ac3c9fc3554b7a7b7a5",
+}
+
+
+def test_sampled_digests_are_the_recorded_ones(flash):
+    p, d = flash
+    _copy(p, d)
+    got = {room: _digests(p, d, room)[0].hex() for room in range(3)}
+    assert all(_digests(p, d, room)[1].hex() == h for room, h in got.items())
+    assert got == GOLDEN

@@ -13,7 +13,9 @@ Off the critical path: on the shm engine the prefill's copy hashes each descript
 right after copying them, while they are still in cache (``streams``; one stream per thread);
 on other engines the prefill hashes a chunk in the background (``update_async``) while the
 engine copies the same source bytes (sources do not change while a request is TRANSFERRING), and
-``digest()`` waits for it; the decode hashes what landed with its buffers spread over several
+``digest()`` waits for it (a sampled digest, a few dozen KB, of a copy under
+``INLINE_COPY_BYTES`` is read on the submitting thread right after the submission instead:
+``inline``); the decode hashes what landed with its buffers spread over several
 threads (``update_many``: the per-buffer streams are independent). xxhash and ``memmove`` both
 release the GIL, so hashing, copying and the I/O thread run at once.
 
@@ -38,6 +40,9 @@ from pdstate.transfer.engines.shm_copy import host_cores
 __all__ = ["RequestDigest", "executor", "hash_rows", "index_runs", "submit_digested"]
 
 PARALLEL_MIN_BYTES = 4 << 20  # below this a digest runs on the calling thread alone
+# an ``inline`` digest of a copy this big or bigger is read in the background beside it instead (a
+# copy of tens of ms hides it there; a short one does not, and the thread hop is then the cost)
+INLINE_COPY_BYTES = 32 << 20
 MAX_DIGEST_THREADS = 8
 
 _pool_lock = threading.Lock()
@@ -224,11 +229,17 @@ class RequestDigest:
 def submit_digested(engine, peer_id: str, plan, digest: RequestDigest | None, updates: list[tuple[int, object]]):
     """``engine.submit(peer_id, plan)``, the plan's source bytes (``updates``: this side's
     ``(channel, indices)``) going into ``digest``: hashed by the copy itself where the engine can
-    (shm), else in the background beside the engine's copy. Returns the engine's handle."""
+    (shm), else in the background beside the engine's copy, or (a digest ``inline``: a small
+    sample, of a copy under ``INLINE_COPY_BYTES``) on this thread right after the submission.
+    Returns the engine's handle."""
     if digest is None:
         return engine.submit(peer_id, plan)
     if getattr(engine, "supports_hashed_copy", False) and digest.fusable:
         return engine.submit(peer_id, plan, hash_src=digest.fused_streams(updates))  # None: hashed beside it
+    if getattr(digest, "inline", False) and plan.total_bytes < INLINE_COPY_BYTES:  # read here, after the submission
+        handle = engine.submit(peer_id, plan)
+        digest.update_many(updates)
+        return handle
     if not digest.fusable:  # the device form: hashed beside the copy (the copy need not wait for it)
         digest.update_async(updates)
         return engine.submit(peer_id, plan)

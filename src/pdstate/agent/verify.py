@@ -19,7 +19,11 @@ channel (every layer); of each buffer ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BLOCK
 each of the item's ``SAMPLE_BLOCKS`` equal parts, at an offset seeded per request, channel,
 buffer and block (``block_offsets``; an item shorter than that: one block, or the whole item).
 For a 2k-token ``dsv4-flash`` request that is 70 KB on each side (276 KB at 32k), gathered in one
-numpy step and hashed beside the copy. It catches, in every one of 200 seeds
+numpy step, never fused into the copy: the prefill reads it on the thread that submitted the copy,
+right after the submission when the copy is short (``inline``, under
+``digest.INLINE_COPY_BYTES``: on the synchronous shm engine after the copy, on the others while
+the engine copies; a longer copy hides it in the background), and the decode picks its sample on its I/O thread once its
+request went out and reads it at ``TransferDone`` (no thread hop on either side). It catches, in every one of 200 seeds
 (``tests/agent/test_sampled_catches.py``): a one-page shift of the SWA window, a stale C128
 state, a missing last chunk, two layers' state swapped — any fault that changes a sampled
 item of every layer or the first or last item of a component. It misses a damaged byte outside
@@ -52,7 +56,7 @@ from typing import Literal
 import numpy as np
 import xxhash
 
-from pdstate.agent.digest import RequestDigest, executor
+from pdstate.agent.digest import RequestDigest
 from pdstate.errors import VerifyLevelRefused
 from pdstate.pools.placement import memory_devices
 
@@ -139,6 +143,27 @@ def _splitmix(x: np.ndarray) -> np.ndarray:
     np.multiply(z, c3, out=z)
     np.bitwise_xor(z, np.right_shift(z, s31), out=z)
     return z
+
+
+_C1, _C2, _C3 = (int(c) for c in _SPLITMIX[:3])
+_FEW = 32  # a row of at most this many items is picked in Python: fewer calls than numpy's ~20 a row
+
+
+def _splitmix_int(x: int) -> int:
+    """``_splitmix`` of one value, in Python integers (the same value: each step modulo 2**64)."""
+    z = (x + _C1) & _M64
+    z = ((z ^ (z >> 30)) * _C2) & _M64
+    z = ((z ^ (z >> 27)) * _C3) & _M64
+    return z ^ (z >> 31)
+
+
+def _kept(key: int, start: int, k: int, n: int) -> list[int]:
+    """``sample_mask``'s rule for the ``k`` list positions from ``start`` (of a list of ``n``),
+    ``key`` being the channel's seed: the offsets (from ``start``) of those the sample holds."""
+    last, rate = max(n - 1, 0), max(1, SAMPLE_RATE)
+    return [
+        j for j, p in enumerate(range(start, start + k)) if p == 0 or p == last or _splitmix_int(p ^ key) % rate == 0
+    ]
 
 
 def sample_mask(seed: int, positions: np.ndarray, n: int, rate: int = SAMPLE_RATE) -> np.ndarray:
@@ -386,7 +411,7 @@ class _SampleShape:
     def first(self, seed: int) -> np.ndarray:
         """Per buffer and block of a request of sample seed ``seed``: its address in item 0 (the
         buffer's address plus ``block_offsets``), ``[buffers, SAMPLE_BLOCKS]`` int64."""
-        keys = _splitmix(np.uint64(seed & _M64) ^ self.channel_keys)
+        keys = np.array([_splitmix_int((seed & _M64) ^ (c << 56)) for c in range(self.channels)], dtype=np.uint64)
         r = _splitmix(self.bj ^ keys[self.channel][:, None])
         return self.ptrs[:, None] + self.strata + (r % self.slots_u64).astype(np.int64) * self.align[:, None]
 
@@ -419,12 +444,20 @@ class SampleDigest(_BesideCopy):
     and one positions stream (the sampled items' list positions, u64le), both in list order
     (item, then buffer, then block), so the prefill's chunks and the decode's pieces give the same
     streams. Small (70 KB at 2k tokens of ``dsv4-flash``, 276 KB at 32k): gathered and hashed
-    beside the copy, never fused into it, and a last chunk's state not sent ahead of its pages
+    beside the copy, never fused into it (host form: on the submitting thread, ``inline``), and a last chunk's state not sent ahead of its pages
     (``split_state``). What does not depend on the request (the layout's table) is made once per
     layout (``_sample_shape``)."""
 
     beside = "a sampled digest"
     split_state = False
+
+    @property
+    def inline(self) -> bool:
+        """Whether the prefill reads this digest's updates on the thread that submits the copy,
+        right after submitting it, when the copy is short (``digest.submit_digested``,
+        ``INLINE_COPY_BYTES``): the host form, a sample too small to be worth a thread hop (and a
+        third thread beside a copy that has every core)."""
+        return self.form == "host"
 
     def __init__(
         self,
@@ -475,6 +508,11 @@ class SampleDigest(_BesideCopy):
             n = self.lengths[channel]
             if start == 0 and idx.size == n and n <= 2:
                 pos = np.arange(n, dtype=np.int64)  # first and last: all of it
+            elif idx.size <= _FEW:  # the same rule in Python: a handful of items, no numpy calls
+                kept = _kept((self.seed ^ (channel << 56)) & _M64, start, idx.size, n)
+                if len(kept) < idx.size:
+                    idx = idx[kept]
+                pos = np.array(kept, dtype=np.int64) + start
             else:
                 pos = np.arange(start, start + idx.size, dtype=np.int64)
                 keep = sample_mask((self.seed ^ (channel << 56)) & _M64, pos, n)
@@ -502,7 +540,8 @@ class SampleDigest(_BesideCopy):
     def prepare(self, updates) -> None:
         """Pick the sample of ``updates`` now (the next updates this digest will be given), so that
         reading it later is only the gather and the hash: the decode prepares its whole request
-        while the prefill copies. Used by ``update_many`` when it is given these very updates."""
+        on its I/O thread once its request went out, while the prefill copies. Used by
+        ``update_many`` when it is given these very updates."""
         with self._lock:
             nxt, rows = list(self._next), []
             for c, idx in updates:
@@ -511,11 +550,6 @@ class SampleDigest(_BesideCopy):
                     rows.append((c, idx, nxt[c]))
                     nxt[c] += idx.size
             self._prepared = (_rows_key(rows), self._plan(rows))
-
-    def prepare_async(self, updates) -> None:
-        """``prepare`` in the background (``wait`` and every update wait for it); it reads no
-        memory of the request, only where the sample lies."""
-        self._pending.append(executor().submit(self.prepare, updates))
 
     def _run(self, rows: list) -> None:
         """Pick (unless ``prepare`` did) and read the sample of ``rows``: the blocks of every

@@ -14,7 +14,7 @@ On the shm engine and the paged ``dsv4-flash`` layout (target + draft), per requ
   receiver's own: request issued -> Success (its ``success_at_s`` less its
   ``transferring_at_s``), which holds the prefill's submit, the copy, the prefill's digest of
   what it sent (digest on; at ``full`` on shm fused into the copy, at ``sampled`` its block sample
-  hashed beside it), ``TransferDone``, and the decode's digest of what landed (digest on). Each
+  read right after it, on the submitting thread), ``TransferDone``, and the decode's digest of what landed (digest on). Each
   side's digest time is kept under ``parts`` (``digest_s``: the decode's after ``TransferDone``;
   ``prefill_digest_s``: the prefill's, 0 when fused: its time is in the copy's). The synthetic pattern check of every landed item runs
   after Success, outside the time.
