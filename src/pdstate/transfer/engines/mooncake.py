@@ -20,9 +20,9 @@ raised only then, so nothing of a failed plan is still in flight when the caller
 Why not ``batch_transfer_sync_write`` (``completion="sync"``, the fallback for a native build
 without those two calls): it spins on the batch's status until the batch ends, a whole core for
 the length of the copy, and on a host whose cores the TCP copy itself needs (a sender and a
-receiver thread) that spin slows the copy it waits for: a request's bytes moved 1.5-2.8x faster
-submitted and polled than written with the spinning call (same plan, same peer, interleaved; see
-docs/performance.md). ``batch_transfer_async_write`` is no better: ``get_batch_transfer_status``
+receiver thread) that spin slows the copy it waits for: on 2 shared cores a request's bytes moved
+1.5-2.8x faster submitted and polled than written with the spinning call (same plan, same peer,
+interleaved; see docs/performance.md). ``batch_transfer_async_write`` is no better: ``get_batch_transfer_status``
 spins too, and ``transfer_check_status`` looks at a batch's first entry only. ``poll``/``wait``
 look at the worker's future; ``on_done(handle, fn)`` calls ``fn`` from the worker as soon as the
 handle's write ended, landed or failed (the agents wake on it instead of waiting for their I/O
