@@ -60,9 +60,12 @@ def test_bogus_session_fails_at_connect(rig) -> None:
     within("mooncake: a bogus session's connect failing", time.monotonic() - started, 5.0, 0.2)
 
 
-def test_failed_batch_names_peer_chunk_and_code(rig) -> None:
+@pytest.mark.parametrize(
+    ("completion", "op"), [("poll", "transfer_submit_write"), ("sync", "batch_transfer_sync_write")]
+)
+def test_failed_batch_names_peer_chunk_and_code(rig, completion: str, op: str) -> None:
     make, decode, src_region, dst_region = rig
-    prefill = make(probe_on_connect=False, max_batch_descriptors=1000)
+    prefill = make(probe_on_connect=False, max_batch_descriptors=1000, completion=completion)
     prefill.register([src_region])
     peer = prefill.connect(_bogus(decode.endpoint()))  # no probe: the failure comes from the write
     n = 2500
@@ -72,8 +75,7 @@ def test_failed_batch_names_peer_chunk_and_code(rig) -> None:
     with pytest.raises(NativeEngineError) as info:
         prefill.wait(handle, 10.0)
     assert str(info.value) == (
-        "mooncake batch_transfer_sync_write to 127.0.0.1:1 failed on chunk 1 of 3 "
-        f"(descriptors 0..999, 64000 bytes): code {info.value.code}"
+        f"mooncake {op} to 127.0.0.1:1 failed on chunk 1 of 3 (descriptors 0..999, 64000 bytes): code {info.value.code}"
     )
     assert info.value.code < 0
 
@@ -90,9 +92,13 @@ def test_closed_engine_fails_queued_work_and_refuses_more(rig) -> None:
         prefill.submit(peer, plan)
 
 
-def test_batch_cap_is_validated() -> None:
+def test_options_are_validated() -> None:
     with pytest.raises(ValueError, match="max_batch_descriptors must be >= 1"):
         MooncakeEngine(max_batch_descriptors=0)
+    with pytest.raises(ValueError, match="^completion must be one of poll, sync, got 'spin'$"):
+        MooncakeEngine(completion="spin")
+    with pytest.raises(ValueError, match="^poll_interval_s must be > 0, got 0$"):
+        MooncakeEngine(poll_interval_s=0)
 
 
 def test_on_done_fires_once_after_the_write_also_on_failure(rig) -> None:
@@ -127,5 +133,85 @@ def test_on_done_fires_once_after_the_write_also_on_failure(rig) -> None:
     failed = threading.Event()
     bogus.on_done(failing, failed.set)
     assert failed.wait(20.0)
-    with pytest.raises(NativeEngineError, match=r"^mooncake batch_transfer_sync_write to 127\.0\.0\.1:1 failed"):
+    with pytest.raises(NativeEngineError, match=r"^mooncake transfer_submit_write to 127\.0\.0\.1:1 failed"):
         bogus.poll(failing)
+
+
+def _views(src_region, dst_region) -> tuple[np.ndarray, np.ndarray]:
+    src = np.frombuffer((ctypes.c_uint8 * (1 << 20)).from_address(src_region.base_ptr), dtype=np.uint8)
+    dst = np.frombuffer((ctypes.c_uint8 * (1 << 20)).from_address(dst_region.base_ptr), dtype=np.uint8)
+    return src, dst
+
+
+@pytest.mark.parametrize("completion", ["poll", "sync"])
+def test_windows_land_every_byte_where_planned(rig, completion: str) -> None:
+    """A plan of 300 scattered descriptors in windows of 64 (the last one short): every byte
+    lands at its planned offset and nothing else of the destination changes."""
+    make, decode, src_region, dst_region = rig
+    prefill = make(max_batch_descriptors=64, completion=completion)
+    prefill.register([src_region])
+    peer = prefill.connect(decode.endpoint())
+    src, dst = _views(src_region, dst_region)
+    rng = np.random.default_rng(37)
+    src[:] = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst[:] = 0xEE
+    n, size = 300, 1000
+    src_off = rng.permutation(1000)[:n].astype(np.uint64) * size
+    dst_off = rng.permutation(1000)[:n].astype(np.uint64) * size
+    plan = TransferPlan.from_arrays(src_region.base_ptr + src_off, dst_region.base_ptr + dst_off, np.full(n, size))
+    prefill.wait(prefill.submit(peer, plan), 20.0)
+    expected = np.full(1 << 20, 0xEE, dtype=np.uint8)
+    for s_, d_ in zip(src_off.tolist(), dst_off.tolist()):
+        expected[d_ : d_ + size] = src[s_ : s_ + size]
+    assert dst.tobytes() == expected.tobytes()
+
+
+class _StatusOf:
+    """The engine's native with ``transfer_check_status`` scripted: the descriptor submitted
+    ``failing``-th ends with code -1; every other one reports "moving" twice before its real
+    status. Records each status asked for (the ids, in order) and each one that ended."""
+
+    def __init__(self, native, failing: int) -> None:
+        self.native, self.failing = native, failing
+        self.ids: list[int] = []
+        self.asked: dict[int, int] = {}
+        self.ended: list[int] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.native, name)
+
+    def transfer_submit_write(self, *args):
+        batch = self.native.transfer_submit_write(*args)
+        self.ids.append(batch)
+        return batch
+
+    def transfer_check_status(self, batch: int) -> int:
+        self.asked[batch] = self.asked.get(batch, 0) + 1
+        if self.asked[batch] <= 2:
+            return 0
+        rc = self.native.transfer_check_status(batch)
+        if rc == 0:
+            return 0
+        self.ended.append(batch)
+        return -1 if batch == self.ids[self.failing] else rc
+
+
+def test_a_failed_descriptor_is_reported_once_every_one_submitted_ended(rig) -> None:
+    make, decode, src_region, dst_region = rig
+    prefill = make(max_batch_descriptors=8)
+    prefill.register([src_region])
+    peer = prefill.connect(decode.endpoint())
+    scripted = _StatusOf(prefill.native, failing=3)
+    prefill.native = scripted  # the engine calls what ``native`` names
+    offsets = np.arange(20, dtype=np.uint64) * 4096
+    plan = TransferPlan.from_arrays(src_region.base_ptr + offsets, dst_region.base_ptr + offsets, np.full(20, 4096))
+    handle = prefill.submit(peer, plan)
+    with pytest.raises(NativeEngineError) as info:
+        prefill.wait(handle, 20.0)
+    assert str(info.value) == (
+        f"mooncake transfer_check_status to {decode.endpoint()['session_id']} failed on chunk 1 of 3 "
+        "(descriptors 0..7, 32768 bytes): code -1"
+    )
+    assert info.value.code == -1
+    assert len(scripted.ids) == 8  # the first window only: no later window is submitted
+    assert scripted.ended == scripted.ids  # each one submitted ended (and was freed) before the error
