@@ -17,6 +17,7 @@ from pdstate.agent.verify import block_offsets, sample_mask, sample_seed
 from pdstate.errors import DigestMismatch, PageSizeMismatch, VerifyLevelRefused
 from pdstate.protocol import wire
 from tests.agent.support import make_side
+from tests.support.hooked import hooked
 
 ROOM = 41
 SRC_PAGES, DST_PAGES = list(range(1, 13)), list(range(4, 16))  # 12 pages
@@ -81,17 +82,18 @@ def run(sides, level: str, fault=None, prefill_level: str | None = None, send_pa
     """One request of 12 pages with its state and aux; ``fault(prefill_kv, decode_kv)`` runs right
     after the copy landed (before the decode digests). Returns both sides' states, errors, metrics."""
     p, d = sides
-    pa = PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), engine="loopback", verify=prefill_level)
-    da = DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine="loopback", verify=level)
+    with hooked("loopback") as hooks:
+        if fault is not None:  # right after each plan the prefill's engine copied
+            hooks.after_submit = lambda plan: fault(p.kv_args, d.kv_args)
+        engine = {"engine": hooks.engine, "engine_options": hooks.options()}
+        pa = PrefillAgent(p.kv_args, (p.pools.target, p.pools.draft), **engine, verify=prefill_level)
+        return _request(
+            pa, DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine="loopback", verify=level), send_pages
+        )
+
+
+def _request(pa: PrefillAgent, da: DecodeAgent, send_pages: bool):
     try:
-        if fault is not None:
-            engine, original = pa._engine, pa._engine._submit
-
-            def faulty_submit(peer, plan, handle, notify):
-                original(peer, plan, handle, notify)
-                fault(p.kv_args, d.kv_args)
-
-            engine._submit = faulty_submit
         recv, send = da.receiver(pa.address, ROOM), pa.sender(ROOM, len(SRC_PAGES), aux_index=0)
         recv.init(DST_PAGES, DST_STATE, aux_index=1)
         if send_pages:

@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests.support
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
+from pdstate.devtools.baselines import raw_nixl_write
 from pdstate.pools.memory import BufferSpec, PrivateMemory
 from pdstate.transfer.engines.nixl import NixlEngine
 from pdstate.transfer.engines.regions import RegionTable, check_plan
@@ -70,19 +71,10 @@ def main() -> None:
         peer = prefill.connect(endpoint)
         agent, remote = prefill.native, str(endpoint["agent_name"])
 
-        def rows(addrs: np.ndarray) -> np.ndarray:
+        def rows(addrs: np.ndarray) -> np.ndarray:  # what the engine builds per submit
             return np.stack([addrs, plan.length, np.zeros_like(addrs)], axis=1).astype(np.uint64)
 
-        local, far = agent.get_xfer_descs(rows(plan.src), "DRAM"), agent.get_xfer_descs(rows(plan.dst), "DRAM")
-
-        def raw() -> None:
-            xfer = agent.initialize_xfer("WRITE", local, far, remote)
-            state = agent.transfer(xfer)
-            while state == "PROC":
-                state = agent.check_xfer_state(xfer)
-            agent.release_xfer_handle(xfer)
-            if state != "DONE":
-                raise RuntimeError(f"raw nixl write ended in {state}")
+        raw = raw_nixl_write(agent, remote, plan)
 
         def engine() -> None:
             handle = prefill.submit(peer, plan)

@@ -135,33 +135,37 @@ def raw_engine(name: str):
             return prepare
 
         agent, remote_name = src_eng.native, str(endpoint["agent_name"])
-
-        def prepare_nixl(plan: TransferPlan) -> Callable[[], None]:
-            def rows(addr):
-                r = np.zeros((len(plan), 3), dtype=np.uint64)
-                r[:, 0], r[:, 1] = addr, plan.length
-                return r
-
-            local = agent.get_xfer_descs(rows(plan.src), "DRAM")
-            remote = agent.get_xfer_descs(rows(plan.dst), "DRAM")
-
-            def run() -> None:
-                x = agent.initialize_xfer("WRITE", local, remote, remote_name)
-                state = agent.transfer(x)
-                while state == "PROC":
-                    state = agent.check_xfer_state(x)
-                agent.release_xfer_handle(x)
-                if state != "DONE":
-                    raise RuntimeError(f"raw nixl write ended in {state}")
-
-            return run
-
-        return prepare_nixl
+        return lambda plan: raw_nixl_write(agent, remote_name, plan)
 
     def close() -> None:
         src_eng.close()
 
     return setup, close
+
+
+def raw_nixl_write(agent, remote_name: str, plan: TransferPlan) -> Callable[[], None]:
+    """NIXL's own WRITE of ``plan`` from ``agent`` (a native ``nixl_agent``) to ``remote_name``,
+    both descriptor lists built now: the returned call initialises, transfers, waits for and
+    releases one transfer (the raw row's, and ``tests/engines/measure_nixl_submit.py``'s)."""
+
+    def rows(addr):
+        r = np.zeros((len(plan), 3), dtype=np.uint64)
+        r[:, 0], r[:, 1] = addr, plan.length
+        return r
+
+    local = agent.get_xfer_descs(rows(plan.src), "DRAM")
+    remote = agent.get_xfer_descs(rows(plan.dst), "DRAM")
+
+    def run() -> None:
+        x = agent.initialize_xfer("WRITE", local, remote, remote_name)
+        state = agent.transfer(x)
+        while state == "PROC":
+            state = agent.check_xfer_state(x)
+        agent.release_xfer_handle(x)
+        if state != "DONE":
+            raise RuntimeError(f"raw nixl write ended in {state}")
+
+    return run
 
 
 _ECHO_SERVER = """
