@@ -34,7 +34,7 @@ from pdstate.agent.decode_frames import Digest, Updates
 from pdstate.agent.posted import PostedAdds
 from pdstate.agent.receiver import KVReceiver, Receiving
 from pdstate.agent.verify import DEFAULT_LEVEL, check_level, layout_devices, on_device, request_digest
-from pdstate.errors import AgentClosed, AuthError, EngineError, PdStateError
+from pdstate.errors import AuthError, EngineError, PdStateError
 from pdstate.protocol import wire
 from pdstate.protocol.handshake import DecodeHandshake, LocalSide
 from pdstate.protocol.peers import PrefillSnapshot
@@ -238,12 +238,7 @@ class DecodeAgent(AgentLifetime):
             on_fence=lambda r, fn: self._feed(lambda _now: core.on_fence(r, fn)),
         )
         if posted:
-            self._unadded.put(recv.record)
-            try:
-                self._loop.post(lambda: self._add_posted(receiver, recv, redial_gone))
-            except AgentClosed:
-                self._unadded.drop(recv.record)
-                raise
+            self._unadded.post(recv.record, self._loop.post, lambda: self._add_posted(receiver, recv, redial_gone))
         return receiver
 
     def _add_posted(self, receiver: KVReceiver, recv: Receiving, redial_gone: bool) -> None:

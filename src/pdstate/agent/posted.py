@@ -9,10 +9,20 @@ first) is failed by the closing thread once the thread has ended (``close`` agai
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pdstate.agent.common import RequestRecord
 from pdstate.errors import AgentClosed
+from pdstate.protocol.lifecycle import RequestState
 
-__all__ = ["PostedAdds"]
+__all__ = ["AS_IS", "POSTED", "PostedAdds"]
+
+_S = RequestState
+# what a sender's or receiver's ``poll`` shows of its record's state: as it is, or, once work of it
+# was posted (``KVSender.post``, ``KVReceiver.post_init``), Transferring for the states before it
+# (the I/O thread has not taken that work yet)
+AS_IS = {state: state for state in RequestState}
+POSTED = {**AS_IS, _S.BOOTSTRAPPING: _S.TRANSFERRING, _S.WAITING_FOR_INPUT: _S.TRANSFERRING}
 
 
 class PostedAdds:
@@ -24,12 +34,15 @@ class PostedAdds:
         self._records: dict[int, RequestRecord] = {}
         self.closed_for: str | None = None  # the close's reason, once it ran
 
-    def put(self, record: RequestRecord) -> None:
+    def post(self, record: RequestRecord, post: Callable[[Callable[[], None]], None], add: Callable[[], None]) -> None:
+        """Keep ``record`` here and hand ``add`` to the I/O thread with ``post``; a post refused
+        (``AgentClosed``: the agent closed) forgets it again, the caller getting the error itself."""
         self._records[id(record)] = record
-
-    def drop(self, record: RequestRecord) -> None:
-        """``record``'s post was refused (the agent closed): the caller got the error itself."""
-        self._records.pop(id(record), None)
+        try:
+            post(add)
+        except AgentClosed:
+            self._records.pop(id(record), None)
+            raise
 
     def take(self, record: RequestRecord) -> bool:
         """On the I/O thread, as the add runs: whether to add it (``False``: the agent closed, and

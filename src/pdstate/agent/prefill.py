@@ -242,12 +242,7 @@ class PrefillAgent(AgentLifetime):
             send, call=self._loop.call, post=self._loop.post, queue_chunk=self._queue_chunk, abort=self._abort
         )
         if posted:
-            self._unadded.put(send.record)
-            try:
-                self._loop.post(lambda: self._add_posted(sender, send))
-            except AgentClosed:
-                self._unadded.drop(send.record)
-                raise
+            self._unadded.post(send.record, self._loop.post, lambda: self._add_posted(sender, send))
         return sender
 
     def decodes(self) -> list[DecodeSnapshot]:

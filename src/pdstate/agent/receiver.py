@@ -11,6 +11,7 @@ import numpy as np
 
 from pdstate.agent.common import RequestRecord
 from pdstate.agent.digest import RequestDigest
+from pdstate.agent.posted import AS_IS, POSTED
 from pdstate.errors import (
     PdStateError,
     TransferTimedOut,
@@ -21,10 +22,6 @@ from pdstate.protocol.lifecycle import PeerState, RequestState
 __all__ = ["KVReceiver"]
 
 _S = RequestState
-# what a receiver's ``poll`` shows of its record's state: as it is, or, once its destination was
-# posted (``post_init``), Transferring for the states before it (the I/O thread has not taken it yet)
-AS_IS = {state: state for state in RequestState}
-POSTED = {**AS_IS, _S.BOOTSTRAPPING: _S.TRANSFERRING, _S.WAITING_FOR_INPUT: _S.TRANSFERRING}
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ import numpy as np
 
 from pdstate.agent.common import RequestRecord
 from pdstate.agent.digest import RequestDigest
+from pdstate.agent.posted import AS_IS, POSTED
 from pdstate.errors import (
     ItemLengthMismatch,
     PdStateError,
@@ -25,10 +26,6 @@ __all__ = ["KVSender"]
 
 
 _S = RequestState
-# what a sender's ``poll`` shows of its record's state: as it is, or, once a chunk was posted,
-# Transferring for the states before it (the I/O thread has not taken the chunk yet)
-AS_IS = {state: state for state in RequestState}
-POSTED = {**AS_IS, _S.BOOTSTRAPPING: _S.TRANSFERRING, _S.WAITING_FOR_INPUT: _S.TRANSFERRING}
 
 
 @dataclass(slots=True)

@@ -396,7 +396,6 @@ class _SampleShape:
         self.bj = (buffer.astype(np.uint64)[:, None] << np.uint64(8)) | np.arange(SAMPLE_BLOCKS, dtype=np.uint64)[
             None, :
         ]
-        self.channel_keys = np.arange(len(sizes), dtype=np.uint64) << np.uint64(56)
         self.spans = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
         self.item_lens, self.lens, self.bufs, self.item_bytes, self.whole = [], [], [], [], []
         for lo, hi in self.spans:
