@@ -15,6 +15,7 @@ from pdstate.errors import DigestMismatch
 from pdstate.protocol import wire
 from tests.agent.support import SHM_DIR, assert_images_equal, expected, fill, make_side, snapshot
 from tests.support.hooked import hooked
+from tests.support.tapped import TappedPrefillAgent
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,7 +33,7 @@ def shm_pair():
     fill(d.kv_args, 2)
     stack = ExitStack()
     hooks = stack.enter_context(hooked("shm"))
-    pa = PrefillAgent(
+    pa = TappedPrefillAgent(
         p.kv_args,
         (p.pools.target, p.pools.draft),
         engine=hooks.engine,
@@ -40,7 +41,7 @@ def shm_pair():
         landed_piece_bytes=2 * sum(p.kv_args.kv_item_lens),
     )
     sent: list[wire.Message] = []
-    pa.tap_replies(lambda identity, msg, send: (sent.append(msg), send(identity, msg)))
+    pa.tap = lambda identity, msg, send: (sent.append(msg), send(identity, msg))
 
     def decode(digest: bool = True) -> DecodeAgent:
         da = DecodeAgent(
@@ -131,7 +132,7 @@ def test_notices_past_the_request_or_repeated_change_nothing(shm_pair):
         if isinstance(msg, wire.Landed):
             send(identity, wire.Landed(room=msg.room, pages=0, state_landed=False))  # backward, after it
 
-    pa.tap_replies(noisy)
+    pa.tap = noisy
     recv, send = da.receiver(pa.address, 24), pa.sender(24, len(PAGES), aux_index=0)
     recv.init(DST, STATE_DST, aux_index=5)
     send.send(PAGES, STATE_SRC)

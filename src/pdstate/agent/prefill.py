@@ -380,6 +380,8 @@ class PrefillAgent(AgentLifetime):
         return cached[2]
 
     def _reply(self, identity: bytes, msg: wire.Message) -> None:
+        """Send ``msg`` to the decode ``identity``: every message to a decode but the probes leaves
+        here, on the I/O thread (the one seam ``tests/support/tapped.py`` overrides)."""
         try:
             self._sock.send_multipart([identity, self._encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -433,24 +435,9 @@ class PrefillAgent(AgentLifetime):
     def _tick(self) -> None:
         self._run(self._core.on_tick)
 
-    # --- views and a tap for tests and probes -------------------------------------------------------
+    # --- views for tests and probes --------------------------------------------------------------
 
     def senders(self) -> dict[int, Sending | EndedSender]:
         """The senders by room: a copy of the I/O thread's map, taken on it (live ones, and the
         newest ended ones kept as tombstones: ``EndedSender``)."""
         return self._loop.call(lambda: dict(self._core.sends))
-
-    def tap_replies(
-        self, tap: Callable[[bytes, wire.Message, Callable[[bytes, wire.Message], None]], None] | None
-    ) -> None:
-        """Hand each message this prefill sends a decode (not its probes) to ``tap(identity, msg,
-        send)`` on the I/O thread instead: the tap sends it with ``send(identity, msg)``, or not,
-        and may send others beside it. ``None``: send them straight again."""
-
-        def send(identity: bytes, msg: wire.Message) -> None:
-            PrefillAgent._reply(self, identity, msg)  # the class's: what this prefill sends untapped
-
-        def install() -> None:  # on the I/O thread, between two messages
-            self._reply = send if tap is None else lambda identity, msg: tap(identity, msg, send)
-
-        self._loop.call(install)
