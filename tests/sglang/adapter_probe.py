@@ -27,6 +27,7 @@ from pdstate.devtools.sglang_pair import booted  # noqa: F401  (first: the GPU-o
 import numpy as np
 import torch
 
+from pdstate.agent.common import end_io_thread_as_a_crash
 from pdstate.devtools.sglang_pair import boot
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -651,10 +652,8 @@ def case_io_thread_ends(h: Harness) -> dict:
         _wait(lambda: dm.try_ensure_parallel_info(addr) or None, "prefill parallel info")
         recv.init(0)
         _wait(lambda: recv.poll() == KVPoll.WaitingForInput or None, "decode bootstrap")
-        loop = pm.agent._loop
-        loop._stopping = True  # the thread leaves its loop as if something had broken it
-        loop.post(lambda: None)
-        _wait(lambda: not loop._thread.is_alive() or None, "the I/O thread to end")
+        assert end_io_thread_as_a_crash(pm.agent), "the I/O thread did not end"
+        assert not pm.agent.alive and not pm.agent.closed
         trace = {"sender": int(sender.poll()), "sender_error": _exc(sender)}
         trace["receiver"] = int(_wait(lambda: p if (p := recv.poll()) == KVPoll.Failed else None, "decode failure"))
         trace["receiver_error"] = _exc(recv)
@@ -741,7 +740,7 @@ def case_hooks(h: Harness) -> dict:
     # the agents' own timeouts: backstops past SGLang's waiting / bootstrap timeouts (300 s by default)
     out["agent_timeouts"] = [mgr.agent.transfer_timeout_s, h.pm.agent.bootstrap_timeout_s]
     mgr.teardown()
-    out["torn_down"] = mgr.agent._loop.closed
+    out["torn_down"] = mgr.agent.closed
     return out
 
 

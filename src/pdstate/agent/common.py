@@ -421,3 +421,15 @@ class AgentLifetime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def end_io_thread_as_a_crash(agent: AgentLifetime, timeout_s: float = 10.0) -> bool:
+    """Fault injection for tests and probes, not for serving: end ``agent``'s I/O thread as a crash
+    would, without the orderly close (``AgentLoop.end``: its next turn is its last; no final work
+    runs, no Goodbye or failed ``TransferDone`` goes out, the sockets and engine stay open). Waits
+    up to ``timeout_s`` for the thread to return; True once it has. From then on ``agent.alive``
+    is False and ``agent.closed`` still False (the thread died), its requests fail as they do
+    when the thread is gone, and ``close()`` still closes its sockets and engine."""
+    loop = agent._loop
+    loop.end()
+    return loop._ended.wait(timeout_s)
