@@ -505,8 +505,56 @@ def test_a_closed_session_fences_only_a_completed_one_with_a_synchronous_engine(
     ticks(core, 100.1, 103.1)  # silent: failed, unfenced
     core.drain()
     assert recv.record.state is _S.FAILED and not recv.fenced
-    core.on_session_closed(PREFILL)
+    core.on_session_closed(PREFILL, 103.2)
     assert recv.fenced is fenced and core.unfenced() == (0 if fenced else 1)
+
+
+def _async_closed(horizon_s: float = 5.0):
+    """An async engine's core (Mooncake, NIXL) whose completed session with the prefill closed at
+    100.5, the prefill then silent: its request failed at 103.1, unfenced; a fence callback set."""
+    core, _, recv = accepted(5, synchronous=False)
+    core.timers = dataclasses.replace(core.timers, dead_prefill_release_s=horizon_s)
+    seen = fences(core, recv)
+    core.on_session_up(PREFILL)
+    ticks(core, 100.1, 100.4)
+    core.on_session_closed(PREFILL, 100.5)
+    ticks(core, 100.5, 103.1)
+    run_notified(core)
+    assert recv.record.state is _S.FAILED and not recv.fenced and core.unfenced() == 1 and seen == []
+    assert core.quarantined_pages() == len(PAGES)
+    return core, recv, seen
+
+
+def test_an_async_engines_closed_session_fences_its_requests_at_the_horizon_not_before():
+    core, recv, seen = _async_closed()
+    ticks(core, 103.2, 105.4)
+    run_notified(core)
+    assert not recv.fenced and seen == [] and core.unfenced() == 1  # 4.9 s after the close
+    ticks(core, 105.5, 105.6)
+    run_notified(core)
+    assert recv.fenced and seen == ["fenced"] and core.unfenced() == 0 and core.quarantined_pages() == 0
+
+
+def test_a_session_that_completes_again_ends_the_horizon():
+    """A reconnection that completes (a blip; the same process alive): no release, ever."""
+    core, recv, seen = _async_closed()
+    core.on_session_up(PREFILL)
+    ticks(core, 103.2, 120.0)
+    run_notified(core)
+    assert not recv.fenced and seen == [] and core.unfenced() == 1
+
+
+def test_a_stall_of_this_decode_moves_the_horizon():
+    """A decode that did not run for 3 s (a tick 3 s late: 2 s past two heartbeat intervals)
+    waits as much longer: its own buffers may still hold bytes of the dead prefill."""
+    core, recv, seen = _async_closed()
+    core.on_tick(106.1)  # stalled 2.0 s: the horizon ends at 107.5
+    ticks(core, 106.2, 107.4)
+    run_notified(core)
+    assert not recv.fenced and seen == []
+    ticks(core, 107.5, 107.6)
+    run_notified(core)
+    assert recv.fenced and seen == ["fenced"]
 
 
 # --- the clock ----------------------------------------------------------------------------------------

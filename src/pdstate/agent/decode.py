@@ -115,8 +115,10 @@ class DecodeAgent(AgentLifetime):
     * The caller must not reuse a request's destination pages until its receiver is ``fenced``
       (terminal, and nothing more of it can land): a SUCCESS is; a FAILED one is once the
       prefill confirmed (it fences before it confirms), was never told where to write, or is
-      proven gone (restarted). A prefill gone silent proves nothing (it, or this decode, may be
-      frozen): its requests fail at once but stay unfenced until it confirms, after this decode
+      proven gone (restarted; or dead: a control session it had completed closed, shm at once,
+      the other engines ``dead_prefill_release_s`` later, no session with its address completed
+      meanwhile, ``agent.landing``). A prefill gone silent proves nothing (it, or this decode, may
+      be frozen): its requests fail at once but stay unfenced until it confirms, after this decode
       registers with it again (``KVReceiver.add_fence_callback``).
     """
 
@@ -138,7 +140,10 @@ class DecodeAgent(AgentLifetime):
         token: bytes | None = None,
         key_dir: str | None = None,
         devices: list | None = None,
+        dead_prefill_release_s: float = 300.0,
     ) -> None:
+        if not dead_prefill_release_s > 0:
+            raise ValueError(f"dead_prefill_release_s must be > 0, got {dead_prefill_release_s!r}")
         self._keys = curve.control_keys(token, key_dir)  # first: a key file refused is a ConfigError
         if report is None:
             if pools is None:
@@ -201,7 +206,9 @@ class DecodeAgent(AgentLifetime):
             ),
             port=self._port,
             synchronous=self._engine.synchronous,
-            timers=DecodeTimers(heartbeat_interval_s, peer_timeout_s, handshake_timeout_s, transfer_timeout_s),
+            timers=DecodeTimers(
+                heartbeat_interval_s, peer_timeout_s, handshake_timeout_s, transfer_timeout_s, dead_prefill_release_s
+            ),
             now=time.monotonic(),
         )
         self._register_frame = wire.encode(self._core.register, self.token)  # sent as it is
@@ -391,7 +398,7 @@ class DecodeAgent(AgentLifetime):
         elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             core.on_session_up(address)
         else:
-            self._feed(lambda _now: core.on_session_closed(address))
+            self._feed(lambda now: core.on_session_closed(address, now))
 
     def _tick(self) -> None:
         self._feed(self._core.on_tick)
@@ -402,3 +409,8 @@ class DecodeAgent(AgentLifetime):
         """The live requests by ``(prefill address, room)``: a copy of the I/O thread's map, taken
         on it (a request leaves the map once it ended, at a tick)."""
         return self._loop.call(lambda: dict(self._core.recvs))
+
+    def quarantined_pages(self) -> int:
+        """The destination pages (main KV) of the ``unfenced()`` requests: what a caller keeps out
+        of its free pool until each is fenced."""
+        return self._loop.call(self._core.quarantined_pages)

@@ -134,6 +134,8 @@ class DecodeTimers:
     peer_timeout_s: float = 3.0
     handshake_timeout_s: float = 10.0
     transfer_timeout_s: float = 600.0
+    # a completed session's close -> its requests fenced (async engines; ``agent.landing``)
+    dead_prefill_release_s: float = 300.0
 
     @property
     def redial_s(self) -> float:
@@ -338,6 +340,10 @@ class DecodeCore:
         """Ended requests whose prefill may still write their pages."""
         return self.landing.count()
 
+    def quarantined_pages(self) -> int:
+        """The destination pages (main KV) of those requests."""
+        return self.landing.pages()
+
     # --- the clock ----------------------------------------------------------------------------
 
     def on_tick(self, now: float) -> None:
@@ -350,6 +356,7 @@ class DecodeCore:
         if stalled > 0:
             for peer in self.peers.values():
                 peer.last_seen += stalled
+            self.landing.stalled(stalled)  # what waited in this process's own buffers lands after it
         for key, recv in list(self.recvs.items()):
             if recv.record.state.terminal:
                 del self.recvs[key]  # the caller holds its KVReceiver; the core forgets it
@@ -371,6 +378,8 @@ class DecodeCore:
                 elif now - p.last_heartbeat >= t.heartbeat_interval_s:
                     p.last_heartbeat, p.seq = now, p.seq + 1
                     self._send(p, wire.Heartbeat(worker_id=self.worker_id, incarnation=self.incarnation, seq=p.seq))
+        for address, incarnation in self.landing.past_horizon(now, t.dead_prefill_release_s):
+            self._confirm(address, _sent_to(incarnation))  # its process is gone (``agent.landing``)
 
     # --- frames and session events ------------------------------------------------------------
 
@@ -419,19 +428,25 @@ class DecodeCore:
         p = self.peers.get(address)
         if p is not None:
             p.session_up = True
+            self.landing.session_up(address)
 
-    def on_session_closed(self, address: str) -> None:
+    def on_session_closed(self, address: str, now: float) -> None:
         """The connection to ``address`` closed. With a synchronous engine (shm: a copy ends
         within its submit, on the prefill's own thread), a session that completed its handshake
         and then closed means the prefill process exited (the kernel closes its sockets after its
         memory is gone) or closed its control socket (after its fences held): nothing it was
-        told lands any more. A session that never completed (a frozen process) proves nothing,
-        nor does a closed one with an engine whose copies outlive the writer's process."""
+        told lands any more. A session that never completed (a frozen process) proves nothing.
+        With an engine whose copies outlive the writer's I/O thread, the close starts a horizon
+        (``timers.dead_prefill_release_s``, ``agent.landing``) at whose end, no session with that
+        address completed since, its requests are fenced (``on_tick``)."""
         p = self.peers.get(address)
-        if p is None or not (p.session_up and self.synchronous and p.last_incarnation):
+        if p is None or not (p.session_up and p.last_incarnation):
             return
         p.session_up = False
-        self._confirm(address, _sent_to(p.last_incarnation))
+        if self.synchronous:
+            self._confirm(address, _sent_to(p.last_incarnation))
+        else:
+            self.landing.session_closed(address, p.last_incarnation, now)
 
     def on_auth_failed(self, address: str, error: AuthError, no_detail: bool, now: float) -> None:
         """The CURVE handshake with ``address`` failed (``error``, ``agent.curve``): nothing of
