@@ -162,6 +162,7 @@ def test_prefill_has_no_transfers(good_report):
 def test_metrics_are_per_app(good_report):
     a, b = FakeSource("decode", good_report), FakeSource("decode", good_report)
     ca, cb = client(a), client(b)
+    a.stats.waiting_refused = 2  # a prefill's count (``PrefillAgent.waiting_refused``)
     for _ in range(3):
         ca.post("/v1/transfers", json={"tokens": 4, "room": _})
     ta, tb = ca.get("/metrics").text, cb.get("/metrics").text
@@ -180,6 +181,7 @@ def test_metrics_are_per_app(good_report):
         "pdstate_protocol_errors_total",
         "pdstate_ready 1.0",
         "pdstate_worker_info",
+        "pdstate_waiting_refused_total 2.0",
     ):
         assert name in ta
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from pdstate.agent import refusals
 from pdstate.agent.common import RequestRecord
 from pdstate.agent.fairness import MAX_WITHHELD
 from pdstate.agent.fence import FENCE_TIMEOUT_S
@@ -352,6 +353,27 @@ def test_a_request_before_its_sender_waits_and_is_handed_to_the_caller():
     assert t.core.refusals.pending_state_lengths(6) == [1, 1, 1]
     send = t.sender(6, pages=3)
     assert send.record.state is S.WAITING_FOR_INPUT and not t.core.refusals.requested(6)
+
+
+def test_a_flood_of_rooms_waiting_for_their_senders_is_refused_past_the_bound(monkeypatch):
+    """A hostile or buggy decode asking for rooms no sender exists for: past
+    ``MAX_WAITING_REQUESTS`` waiting, each new room is refused with a failed ``TransferDone``
+    (nothing of it copied: its pages are the decode's again at once) and counted; a waiting room
+    asked again, or a room with a sender, is still taken."""
+    monkeypatch.setattr(refusals, "MAX_WAITING_REQUESTS", 3)
+    t = Harness()
+    t.register()
+    for room in (1, 2, 3):
+        assert t.request(room) == []
+    err = TransferFailed("room 4: refused: 3 requests already wait for their sender on this prefill")
+    assert sends(t.request(4)) == [(D1, failed(4, err))]
+    assert sends(t.request(5, identity=D1)) == [(D1, failed(5, TransferFailed(str(err).replace("4", "5", 1))))]
+    assert t.core.refusals.overflowed == 2 and len(t.core.pending) == 3 and not t.core.refusals.requested(4)
+    assert t.request(2) == [] and t.core.refusals.overflowed == 2  # asked again: not a new one
+    send = t.sender(9)  # a room with its sender is not waiting: taken
+    assert t.request(9) == [] and send.record.state is S.WAITING_FOR_INPUT
+    t.sender(1)  # one waiting room handed to its sender: a new room fits again
+    assert t.request(6) == [] and t.core.refusals.requested(6)
 
 
 def test_the_callers_refusal_fails_the_waiting_request_on_the_decode():

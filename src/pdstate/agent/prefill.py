@@ -441,3 +441,9 @@ class PrefillAgent(AgentLifetime):
         """The senders by room: a copy of the I/O thread's map, taken on it (live ones, and the
         newest ended ones kept as tombstones: ``EndedSender``)."""
         return self._loop.call(lambda: dict(self._core.sends))
+
+    @property
+    def waiting_refused(self) -> int:
+        """Decodes' requests refused because ``refusals.MAX_WAITING_REQUESTS`` already waited for
+        their senders (a hostile or buggy decode's flood of rooms; ``pdstate_waiting_refused_total``)."""
+        return self._core.refusals.overflowed

@@ -397,6 +397,10 @@ class PrefillCore:
     def _on_request(self, identity: bytes, decode: DecodePeer, msg: wire.AgentRequest) -> None:
         send = self.sends.get(msg.room)
         if send is None or send.record.state.terminal and send.request is not None:
+            full = self.refusals.over_limit(msg.room)  # a hostile or buggy decode's flood of rooms
+            if full is not None:
+                self._reply(identity, done_failed(msg.room, full))
+                return
             self.pending[msg.room] = PendingRequest(identity, msg)
             self.refusals.take_refusal(msg.room)  # asked for (again): not given up
             self.refusals.arrived()

@@ -40,6 +40,9 @@ MAX_REFUSED_ROOMS = 65536  # rooms given up before their sender existed, oldest 
 MAX_REFUSED_DECODES = 1024  # refused connections whose refusal is kept, oldest forgotten first
 MAX_PEER_LOG = 1024  # decodes ``PeerLog`` remembers ...
 MAX_PEER_LOG_TEXT = 1 << 20  # ... and the characters of their errors' messages, all records together
+# decodes' requests that wait for their sender (a room the caller has not made a sender for yet),
+# all decodes together: one more, for a new room, is refused (``Refusals.over_limit``)
+MAX_WAITING_REQUESTS = 65536
 
 
 @dataclass(slots=True)
@@ -112,10 +115,22 @@ class Refusals:
         # requests that came to wait and rooms given up, so far: a reader watching for its rooms
         # (``requested``, ``take_refusal``) looks again only once this moved (``arrived``)
         self.arrivals = 0
+        self.overflowed = 0  # requests refused: MAX_WAITING_REQUESTS already waited
 
     def arrived(self) -> None:
         """A request came to wait for its sender, or a room was given up (``arrivals``)."""
         self.arrivals += 1
+
+    def over_limit(self, room: int) -> PdStateError | None:
+        """The refusal of a decode's request for ``room`` that would wait for its sender beside
+        ``MAX_WAITING_REQUESTS`` others (counted in ``overflowed``); None: it may wait. A room
+        already waiting is asked again, not added."""
+        if room in self.pending or len(self.pending) < MAX_WAITING_REQUESTS:
+            return None
+        self.overflowed += 1
+        return TransferFailed(
+            f"room {room}: refused: {MAX_WAITING_REQUESTS} requests already wait for their sender on this prefill"
+        )
 
     def requested(self, room: int) -> bool:
         """Whether a decode's request for ``room`` arrived and waits for ``sender(room, ...)``."""

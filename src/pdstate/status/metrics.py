@@ -125,6 +125,11 @@ class Collector:
             "Decodes a prefill dropped for withholding their verdicts (control.verdict_timeout_s)",
             value=stats.decodes_dropped,
         )
+        yield CounterMetricFamily(
+            "pdstate_waiting_refused",
+            "Decodes' requests a prefill refused because agent.refusals.MAX_WAITING_REQUESTS already waited for their senders",
+            value=stats.waiting_refused,
+        )
         peers = GaugeMetricFamily("pdstate_peers", "Peers by handshake state", labels=["state"])
         counts = {k: 0 for k in ("accepted", "rejected", "pending", "gone")}
         for p in src.peers():  # the status source's documents, read as the API's model

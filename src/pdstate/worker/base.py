@@ -102,6 +102,7 @@ class AgentStats(Stats):
         s.handshakes = dict(agent.handshakes) if agent is not None else {}
         s.auth_failures = agent.auth_failures.count if agent is not None else 0
         s.decodes_dropped = agent.withheld.count if hasattr(agent, "withheld") else 0  # (a prefill agent)
+        s.waiting_refused = agent.waiting_refused if hasattr(agent, "waiting_refused") else 0
         return s
 
 

@@ -60,6 +60,7 @@ class Stats:
     protocol_errors: int = 0
     auth_failures: int = 0  # refused CURVE handshakes and control frames refused for their auth tag (the agent's count)
     decodes_dropped: int = 0  # prefill: decodes dropped for withholding verdicts (the agent's count)
+    waiting_refused: int = 0  # prefill: decodes' requests refused, too many waiting for senders (the agent's count)
     latencies_s: RecentLatencies = field(default_factory=RecentLatencies)
     failure_reasons: dict[str, int] = field(default_factory=dict)
     # failed transfers by (kind: the error's class, factor: the layout factor a refusal names, else
@@ -112,6 +113,7 @@ class Stats:
                 protocol_errors=self.protocol_errors,
                 auth_failures=self.auth_failures,
                 decodes_dropped=self.decodes_dropped,
+                waiting_refused=self.waiting_refused,
                 latencies_s=self.latencies_s.snapshot(),
                 failure_reasons=dict(self.failure_reasons),
                 failures=dict(self.failures),
@@ -129,6 +131,7 @@ class Stats:
             "protocol_errors": s.protocol_errors,
             "auth_failures": s.auth_failures,
             "decodes_dropped": s.decodes_dropped,
+            "waiting_refused": s.waiting_refused,
             "latencies_s": [],
             "latency_count": s.latencies_s.total,
             "failure_reasons": s.failure_reasons,

@@ -46,6 +46,7 @@ class _AgentCounts(Stats):
         s.handshakes = dict(agent.handshakes)
         s.auth_failures = agent.auth_failures.count
         s.decodes_dropped = agent.withheld.count if hasattr(agent, "withheld") else 0  # (a prefill agent)
+        s.waiting_refused = agent.waiting_refused if hasattr(agent, "waiting_refused") else 0
         return s
 
 
