@@ -227,6 +227,14 @@ def test_verify_mode_and_inline_limit_reach_the_worker_options(toml):
         load_config(toml(BASE), ["checks.verify=some"], environ={})
 
 
+def test_the_dead_prefill_horizon_reaches_the_worker_options(toml):
+    opts = WorkerOptions.from_config(load_config(toml(BASE), ["control.dead_prefill_release_s=45"], environ={}))
+    assert opts.dead_prefill_release_s == 45.0
+    assert WorkerOptions.from_config(load_config(toml(BASE), environ={})).dead_prefill_release_s == 300.0
+    with pytest.raises(ConfigError, match="control.dead_prefill_release_s"):
+        load_config(toml(BASE), ["control.dead_prefill_release_s=0"], environ={})
+
+
 def test_pool_upstream_defaults_to_the_newest_release(toml):
     cfg = load_config(toml(BASE), environ={})
     assert cfg.pool.upstream is None and cfg.pool_settings().upstream == "0.5.23"

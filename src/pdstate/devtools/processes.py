@@ -155,6 +155,7 @@ def _decode_snapshot(w) -> dict:
         "in_flight": s.in_flight,
         "waiting": s.waiting,
         "quarantined": s.quarantined,
+        "quarantined_pages": s.quarantined_pages,
         "peak_in_flight": s.peak_in_flight,
         "peer_error": None if s.peer.error is None else s.peer.error.model_dump(),
     }

@@ -133,6 +133,9 @@ class ControlSection(_Section):
     # while another is registered (``pdstate.agent.fairness``)
     verdict_timeout_s: float = Field(5.0, gt=0, le=3600)
     decode_share: float = Field(0.5, gt=0, le=1)
+    # decode: how long after a prefill's completed control session closed its requests' pages
+    # come back, no session with its address completed meanwhile (Mooncake, NIXL; ``agent.landing``)
+    dead_prefill_release_s: float = Field(300.0, gt=0)
     # prefill: other addresses decodes dial it at (a DNS name, a proxy, the names of a wildcard
     # bind): a proof of ownership is bound to the address its decode dialled, and a prefill takes
     # only proofs given to its bind address or one of these; decode: the prefills POST

@@ -87,6 +87,12 @@ class Collector:
         )
         q.add_metric([], getattr(src, "quarantined", lambda: 0)())
         yield q
+        qp = GaugeMetricFamily(
+            "pdstate_quarantined_pages",
+            "Decode: the main-KV pages of those requests, out of the free pool until their prefill's fence",
+        )
+        qp.add_metric([], getattr(src, "quarantined_pages", lambda: 0)())
+        yield qp
         failures = CounterMetricFamily(
             "pdstate_transfer_failures",
             "Failed transfers by kind (the error's class) and factor (the layout factor a refusal names, "

@@ -101,6 +101,10 @@ class WorkerStatus:
         """Decode: requests whose pages wait for their prefill's fence (it may still write them)."""
         return self.worker.status().quarantined
 
+    def quarantined_pages(self) -> int:
+        """Decode: those requests' main-KV pages."""
+        return self.worker.status().quarantined_pages
+
     def free_counts(self) -> dict[str, int]:
         if self._stopped:
             return {}

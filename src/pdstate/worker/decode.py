@@ -98,6 +98,7 @@ class AgentDecodeWorker(AgentWorker):
             DecodeAgent,
             handshake_timeout_s=max(10.0, o.peer_timeout_s),
             transfer_timeout_s=max(o.request_deadline_s, 1.0) + o.peer_timeout_s,
+            dead_prefill_release_s=o.dead_prefill_release_s,
         )
         self.agent.connect(o.peer)
         watcher = threading.Thread(target=self._watch, name="pdstate-decode-watch", daemon=True)
@@ -158,6 +159,11 @@ class AgentDecodeWorker(AgentWorker):
         """Requests whose pages wait for their prefill's fence (it may still write them)."""
         with self._lock:
             return len(self._quarantine)
+
+    def quarantined_pages(self) -> int:
+        """Their main-KV pages (the first channel's), kept out of the free pool until fenced."""
+        with self._lock:
+            return sum(len(a.lists[0]) for a in self._quarantine.values() if a.lists)
 
     # -- API for other threads ----------------------------------------------------------------
     def submit(
@@ -234,6 +240,7 @@ class AgentDecodeWorker(AgentWorker):
             peak_in_flight=self.peak_in_flight,
             waiting=0 if self._closed else len(self._for_pages),
             quarantined=self.quarantined(),
+            quarantined_pages=self.quarantined_pages(),
             handshake_s=None if default is None else default.handshake_s,
         )
 

@@ -49,6 +49,8 @@ class WorkerOptions:
     # the pools one decode may hold while another decode is registered (1.0: no bound)
     verdict_timeout_s: float = 5.0
     decode_share: float = 0.5
+    # decode: a dead prefill's quarantined pages come back this long after its session closed
+    dead_prefill_release_s: float = 300.0
     advertise: tuple[str, ...] = ()  # prefill: other addresses decodes dial it at
     prefills: tuple[str, ...] = ()  # decode: the prefills a transfer may name (empty: peer and loopback)
     # decode: the migration listener's bind address, and the address targets dial ("": the bound one)
@@ -76,6 +78,7 @@ class WorkerOptions:
             drain_s=cfg.control.drain_s,
             verdict_timeout_s=cfg.control.verdict_timeout_s,
             decode_share=cfg.control.decode_share,
+            dead_prefill_release_s=cfg.control.dead_prefill_release_s,
             advertise=tuple(cfg.control.advertise),
             prefills=tuple(cfg.control.prefills),
             migration_bind=cfg.migration.bind,

@@ -63,6 +63,7 @@ class WorkerSnapshot:
     peak_in_flight: int  # most requests in flight at once
     waiting: int = 0  # decode: requests waiting for pages
     quarantined: int = 0  # decode: requests whose pages wait for their prefill's fence
+    quarantined_pages: int = 0  # decode: their main-KV pages
     handshake_s: float | None = None  # decode: the latest accepted handshake's duration (its ``peer``)
     auth_error: ErrorInfo | None = None  # prefill: the latest frame refused for its auth tag, if recent
     dropped: ErrorInfo | None = None  # prefill: the latest decode dropped for withholding verdicts, if recent
