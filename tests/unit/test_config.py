@@ -233,6 +233,11 @@ def test_the_dead_prefill_horizon_reaches_the_worker_options(toml):
     assert WorkerOptions.from_config(load_config(toml(BASE), environ={})).dead_prefill_release_s == 300.0
     with pytest.raises(ConfigError, match="control.dead_prefill_release_s"):
         load_config(toml(BASE), ["control.dead_prefill_release_s=0"], environ={})
+    from pdstate.integrations.sglang.settings import load_settings  # SGLang's decode ranks: the same key
+
+    assert (
+        load_settings("decode", environ={"PDSTATE_CONTROL__DEAD_PREFILL_RELEASE_S": "45"}).dead_prefill_release_s == 45
+    )
 
 
 def test_pool_upstream_defaults_to_the_newest_release(toml):

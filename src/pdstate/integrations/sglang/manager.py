@@ -129,7 +129,11 @@ def build_manager() -> type:
                     args, bind=bind, worker_id=rank, bootstrap_timeout_s=bootstrap_s + BACKSTOP_S, **common
                 )
             else:
-                decode_kw = dict(transfer_timeout_s=min(MAX_TRANSFER_S, waiting_s + BACKSTOP_S), **common)
+                decode_kw = dict(
+                    transfer_timeout_s=min(MAX_TRANSFER_S, waiting_s + BACKSTOP_S),
+                    dead_prefill_release_s=settings.dead_prefill_release_s,
+                    **common,
+                )
                 self.agent = DecodeAgent(args, worker_id=rank, **decode_kw)
                 self._stages = StageAgents(args, report, rank, decode_kw)
             problem = self.agent.transport()["problem"]

@@ -76,6 +76,7 @@ class AgentSettings:
     http_port: int | None = None
     http_host: str | None = None
     key_dir: str | None = None  # auth.key_dir: without a token, where this uid's control key is
+    dead_prefill_release_s: float = 300.0  # control.dead_prefill_release_s (decode; ``agent.landing``)
 
     def agent_options(self) -> dict[str, Any]:
         """The keywords both agents take from these settings (engine, auth, liveness, verification)."""
@@ -124,6 +125,7 @@ def load_settings(role: str, environ=None) -> AgentSettings:
         key_dir=cfg.auth.key_dir or None,
         heartbeat_interval_s=cfg.control.heartbeat_interval_s,
         peer_timeout_s=cfg.control.peer_timeout_s,
+        dead_prefill_release_s=cfg.control.dead_prefill_release_s,
         allow_insecure_bind=cfg.auth.allow_insecure_bind,
         allow_open_listener=transfer.open_listener_acknowledged(),
         verify=cfg.transfer.verify,
