@@ -17,7 +17,12 @@ import threading
 from pdstate.agent import DecodeAgent
 from pdstate.protocol.stages import stage_report, stage_slice, stage_view
 
-__all__ = ["StageAgents", "stage_layers"]
+__all__ = ["MAX_STAGE_AGENTS", "StageAgents", "stage_layers"]
+
+# stage agents one decode rank builds at most (each an I/O thread, sockets and an engine
+# registration): the pairs (rank, size) come from what prefills' bootstrap servers say, so a buggy
+# or hostile one must not make a decode build one per claim
+MAX_STAGE_AGENTS = 64
 
 
 def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
@@ -39,9 +44,16 @@ class StageAgents:
     def agent(self, pp_rank: int, pp_size: int) -> DecodeAgent:
         """The agent facing stage ``pp_rank`` of ``pp_size`` (``ValueError``: no such slice here)."""
         key = (int(pp_rank), int(pp_size))
+        if not 0 <= key[0] < key[1]:
+            raise ValueError(f"a prefill stage {key[0]} of {key[1]} does not exist")
         with self._lock:
             agent = self._agents.get(key)
             if agent is None:
+                if len(self._agents) >= MAX_STAGE_AGENTS:
+                    raise ValueError(
+                        f"this decode rank already faces {MAX_STAGE_AGENTS} prefill stages (stages.MAX_STAGE_AGENTS): "
+                        f"stage {key[0]} of {key[1]} refused"
+                    )
                 agent = self._agents[key] = self._build(*key)
             return agent
 
