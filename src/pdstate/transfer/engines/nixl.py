@@ -25,8 +25,9 @@ agent, ``TransferDone`` reaching the decode. Per byte the engine adds nothing me
 bench's prefill worker, NIXL's own write of the same plan from the same agent just before and just
 after each engine submission of a 128k-token request (521 MB, 148 descriptors, ``DONE`` from
 ``transfer`` every time) took as long as the submission (medians 190 / 188 / 186 ms at load 11);
-the bench's ``raw_nixl`` row is faster per byte because it copies from another process's idle
-source, not because it hands NIXL anything else (docs/performance.md, "NIXL's per-byte gap").
+the bench's ``raw_nixl`` row, the same native write from the bench process, is faster per byte
+for a reason of the process, not of what it hands NIXL (docs/performance.md, "NIXL's per-byte
+gap").
 
 Completion callbacks: ``on_done(handle, fn)`` calls ``fn()`` once the handle finished or failed:
 at once when it already has, else from one watcher thread per engine (started on first use) that
