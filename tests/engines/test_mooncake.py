@@ -17,6 +17,7 @@ from pdstate.transfer.engines.mooncake import MooncakeEngine
 from pdstate.transfer.plan import TransferPlan
 from tests.support.bounds import within
 from tests.support.engines import ENGINE_OPTIONS, require_engine
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(30)]
 
@@ -215,3 +216,74 @@ def test_a_failed_descriptor_is_reported_once_every_one_submitted_ended(rig) -> 
     assert info.value.code == -1
     assert len(scripted.ids) == 8  # the first window only: no later window is submitted
     assert scripted.ended == scripted.ids  # each one submitted ended (and was freed) before the error
+
+
+class _Held(_StatusOf):
+    """Every descriptor reports "moving" until ``release`` is set, then its real status."""
+
+    def __init__(self, native) -> None:
+        super().__init__(native, failing=-1)
+        self.release = threading.Event()
+
+    def transfer_check_status(self, batch: int) -> int:
+        if not self.release.is_set():
+            return 0
+        rc = self.native.transfer_check_status(batch)
+        if rc != 0:
+            self.ended.append(batch)
+        return rc
+
+
+def test_a_timed_out_window_frees_its_descriptors_once_they_end(rig, monkeypatch) -> None:
+    """The window's deadline passed at once (the native's timeout taken as already over): the
+    write fails with -2 while its descriptors still report moving; once they may end, the worker
+    checks them until each one ended (the check that sees it end frees its batch id), and every
+    byte landed."""
+    from pdstate.transfer.engines import mooncake
+
+    make, decode, src_region, dst_region = rig
+    prefill = make(max_batch_descriptors=8)
+    prefill.register([src_region])
+    peer = prefill.connect(decode.endpoint())
+    slow = _Held(prefill.native)
+    prefill.native = slow
+    monkeypatch.setattr(mooncake, "transfer_timeout_s", lambda: -60.0)
+    src, dst = _views(src_region, dst_region)
+    src[:] = np.random.default_rng(5).integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst[:] = 0
+    offsets = np.arange(6, dtype=np.uint64) * 8192
+    plan = TransferPlan.from_arrays(src_region.base_ptr + offsets, dst_region.base_ptr + offsets, np.full(6, 4096))
+    with pytest.raises(NativeEngineError) as info:
+        prefill.wait(prefill.submit(peer, plan), 20.0)
+    assert info.value.code == -2 and "failed on chunk 1 of 1 (descriptors 0..5, 24576 bytes)" in str(info.value)
+    assert len(slow.ids) == 6 and slow.ended == [] and prefill.unended_batches == 6
+    slow.release.set()  # the descriptors may end now
+    wait_until("the timed-out window's descriptors to end", lambda: prefill.unended_batches == 0)
+    assert sorted(slow.ended) == sorted(slow.ids)  # each one seen ending: freed by that check
+    for off in offsets.tolist():
+        assert dst[off : off + 4096].tobytes() == src[off : off + 4096].tobytes()
+    assert not dst[4096:8192].any()
+
+
+def test_the_raw_rows_write_land_every_byte(rig) -> None:
+    """The bench's raw Mooncake rows (``baselines.raw_mooncake_write``), sync then polled: a plan
+    of 2,100 descriptors (two windows) lands exactly, and nothing else changes."""
+    from pdstate.devtools.baselines import raw_mooncake_write
+
+    make, decode, src_region, dst_region = rig
+    prefill = make()
+    prefill.register([src_region])
+    endpoint = decode.endpoint()
+    prefill.connect(endpoint)
+    src, dst = _views(src_region, dst_region)
+    src[:] = np.random.default_rng(9).integers(0, 256, 1 << 20, dtype=np.uint8)
+    n, size = 2100, 240  # 2,100 x 480 bytes: within the 1 MiB buffers
+    offsets = np.arange(n, dtype=np.uint64) * 2 * size  # every other slot
+    plan = TransferPlan.from_arrays(src_region.base_ptr + offsets, dst_region.base_ptr + offsets, np.full(n, size))
+    expected = np.full(1 << 20, 0xEE, dtype=np.uint8)
+    for off in offsets.tolist():
+        expected[off : off + size] = src[off : off + size]
+    for polled in (False, True):
+        dst[:] = 0xEE
+        raw_mooncake_write(prefill.native, str(endpoint["session_id"]), plan, polled=polled)()
+        assert dst.tobytes() == expected.tobytes(), f"polled={polled}"

@@ -33,6 +33,26 @@ def test_ratios_are_taken_within_each_phase():
     assert out["mooncake_off_vs_raw"] == 1.2  # transfer.verify off, the prefill's compute left out
 
 
+def test_mooncake_ratios_take_the_faster_raw_row_per_length_and_keep_each_row():
+    r = {
+        "lengths": [8192, 32768],
+        "paths": {
+            "paged:mooncake:raw_mooncake": {"8192": _row(3.0), "32768": _row(9.0)},
+            "paged:mooncake:raw_mooncake_polled": {"8192": _row(4.0), "32768": _row(6.0)},
+            "paged:mooncake:pdstate_mooncake_off": {"8192": _row(5.0), "32768": _row(7.5)},
+            "paged:mooncake:pdstate_mooncake": {"8192": _row(6.0)},
+            "paged:nixl:raw_nixl": {"8192": _row(2.0)},
+            "paged:nixl:pdstate_nixl_off": {"8192": _row(2.5)},
+        },
+    }
+    out = bench_report.ratios(r)
+    assert out["mooncake_off_vs_raw_by_length"] == {"8192": 0.6, "32768": 0.8}  # sync at 8k, polled at 32k
+    assert out["mooncake_vs_raw_by_length"] == {"8192": 0.5}
+    assert out["mooncake_off_vs_raw_mooncake_by_length"] == {"8192": 0.6, "32768": 1.2}
+    assert out["mooncake_off_vs_raw_mooncake_polled_by_length"] == {"8192": 0.8, "32768": 0.8}
+    assert out["nixl_off_vs_raw_by_length"] == {"8192": 0.8} and not [k for k in out if "vs_raw_nixl" in k]
+
+
 def test_a_phase_on_tiny_measures_every_variant_and_verifies():
     """An engine phase (run here on shm, the engine every host has): serve's worker pair beside the
     ceiling, each request verified."""
@@ -118,6 +138,8 @@ def test_a_native_engine_phase_writes_raw_into_the_decode_worker():
     assert (
         raw["seconds"]["n"] == 2 and raw["bytes"] == results["paths"]["paged:mooncake:pdstate_mooncake"]["300"]["bytes"]
     )
+    polled = results["paths"]["paged:mooncake:raw_mooncake_polled"]["300"]
+    assert polled["seconds"]["n"] == 2 and polled["bytes"] == raw["bytes"]
     assert 0 < bench_report.ratios(results)["mooncake_vs_raw_by_length"]["300"] < 20
     off = results["paths"]["paged:mooncake:pdstate_mooncake_off"]["300"]
     assert off["seconds"]["n"] == 2 and off["bytes"] == raw["bytes"]

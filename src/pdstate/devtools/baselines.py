@@ -105,42 +105,84 @@ def raw_engine(name: str):
     """A native agent in this process writing into another process's registered memory: returns
     ``(setup(src, endpoint) -> prepare, close)``; ``endpoint`` is the destination engine's (the
     pdstate decode worker's own, so raw and pdstate write into the same process over the same
-    path). ``prepare(plan)`` turns a plan into the native call's own arguments (outside any
-    timing) and returns ``run()``: the native API alone writing them, no pdstate code in the loop."""
+    path). ``prepare(plan)`` turns a plan into the native calls' own arguments (outside any
+    timing) and returns the raw rows, ``{row: run()}``: the native API alone writing them, no
+    pdstate code in the loop. Mooncake has two (``RAW_MOONCAKE_ROWS``): its spinning sync write
+    and the same descriptors submitted one by one and polled, sleeping, as pdstate's engine
+    waits (the faster one is the reference, ``bench_report.ratios``); NIXL has one."""
     from pdstate.transfer.engines.base import create_engine
-    from pdstate.transfer.engines.mooncake import MAX_BATCH_DESCRIPTORS
 
     src_eng = create_engine(name, **ENGINE_OPTIONS[name])
 
-    def setup(src, endpoint: dict) -> Callable[[TransferPlan], Callable[[], None]]:
+    def setup(src, endpoint: dict) -> Callable[[TransferPlan], dict[str, Callable[[], None]]]:
         src_eng.start()
         src_eng.register(src.pools.memory.regions())
         src_eng.connect(endpoint)  # the agents' own handshake (metadata, sessions)
         if name == "mooncake":
             native, session = src_eng.native, str(endpoint["session_id"])
-
-            def prepare(plan: TransferPlan) -> Callable[[], None]:
-                batches = [
-                    (c.src.tolist(), c.dst.tolist(), c.length.tolist()) for c in plan.chunks(MAX_BATCH_DESCRIPTORS)
-                ]
-
-                def run() -> None:
-                    for s_, d_, n_ in batches:
-                        rc = native.batch_transfer_sync_write(session, s_, d_, n_)
-                        if rc < 0:
-                            raise RuntimeError(f"raw mooncake write failed: {rc}")
-
-                return run
-
-            return prepare
+            sync_row, polled_row = RAW_MOONCAKE_ROWS
+            return lambda plan: {
+                sync_row: raw_mooncake_write(native, session, plan, polled=False),
+                polled_row: raw_mooncake_write(native, session, plan, polled=True),
+            }
 
         agent, remote_name = src_eng.native, str(endpoint["agent_name"])
-        return lambda plan: raw_nixl_write(agent, remote_name, plan)
+        return lambda plan: {f"raw_{name}": raw_nixl_write(agent, remote_name, plan)}
 
     def close() -> None:
         src_eng.close()
 
     return setup, close
+
+
+# the raw Mooncake rows: ``batch_transfer_sync_write`` (spins until the window ends), and
+# ``transfer_submit_write`` per descriptor + ``transfer_check_status`` with sleeps (how
+# ``MooncakeEngine`` waits)
+RAW_MOONCAKE_ROWS = ("raw_mooncake", "raw_mooncake_polled")
+
+
+def raw_mooncake_write(native, session: str, plan: TransferPlan, polled: bool = True) -> Callable[[], None]:
+    """Mooncake's own WRITE of ``plan`` from ``native`` (a ``mooncake.engine.TransferEngine``) to
+    ``session``, in windows of ``MAX_BATCH_DESCRIPTORS`` with every argument list built now. The
+    returned call writes and waits for every window in turn: ``polled`` submits each descriptor
+    (``transfer_submit_write``), then checks them in order (``transfer_check_status``, which frees
+    an ended one), sleeping between checks 20 us doubling up to 0.2 ms, the engine's own pauses;
+    otherwise one ``batch_transfer_sync_write`` per window, which spins until it ends. (The bench's
+    raw rows, and ``tests/engines/measure_mooncake_write.py``'s.)"""
+    from pdstate.transfer.engines.mooncake import BAD_BATCH, MAX_BATCH_DESCRIPTORS, POLL_FIRST_S, POLL_INTERVAL_S
+
+    windows = [(c.src.tolist(), c.dst.tolist(), c.length.tolist()) for c in plan.chunks(MAX_BATCH_DESCRIPTORS)]
+    if not polled:
+
+        def run_sync() -> None:
+            for s_, d_, n_ in windows:
+                rc = native.batch_transfer_sync_write(session, s_, d_, n_)
+                if rc < 0:
+                    raise RuntimeError(f"raw mooncake write failed: {rc}")
+
+        return run_sync
+
+    windows = [list(zip(*w)) for w in windows]  # (src, dst, length) per descriptor
+
+    def run_polled() -> None:
+        submit, check, sleep = native.transfer_submit_write, native.transfer_check_status, time.sleep
+        for window in windows:
+            ids = [submit(session, s_, d_, n_) for s_, d_, n_ in window]
+            pause, failed = POLL_FIRST_S, 0
+            for batch in ids:
+                if batch <= 0 or batch == BAD_BATCH:  # refused at submission
+                    failed += 1
+                    continue
+                rc = check(batch)
+                while rc == 0:
+                    sleep(pause)
+                    pause = min(pause * 2, POLL_INTERVAL_S)
+                    rc = check(batch)
+                failed += rc < 0
+            if failed:
+                raise RuntimeError(f"raw mooncake polled write failed: {failed} descriptors")
+
+    return run_polled
 
 
 def raw_nixl_write(agent, remote_name: str, plan: TransferPlan) -> Callable[[], None]:

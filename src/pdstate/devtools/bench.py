@@ -10,6 +10,9 @@ interleaved round-robin in one process run (these machines are shared; ratios, n
 - ``raw_<engine>``: the native engine (Mooncake, NIXL) writing the same pages and buffers from an
   agent in this process into the pdstate decode worker's registered memory (its own endpoint:
   the same destination process and path as pdstate's), with no pdstate code in the loop;
+  ``raw_mooncake`` is Mooncake's spinning sync write, ``raw_mooncake_polled`` the same
+  descriptors submitted and polled with sleeps as pdstate's engine does (the faster of the two
+  is the reference of the ``mooncake_*_vs_raw`` ratios: ``baselines.raw_mooncake_write``);
 - ``pdstate_<engine>`` (native engines): ``pdstate serve``'s prefill and decode workers
   (``pdstate.worker``, over the agent) as a process pair (``devtools.processes``), from the
   decode's request to the bytes verified (the receiver's ``transfer_s`` plus the decode's
@@ -249,8 +252,8 @@ def _phase(
                 "ceiling_memmove": lambda: memmove_loop(plan),
                 "ceiling_gather_scatter": gather_scatter(src, dst, a, b),
             }
-            if raw is not None:  # the same pages and buffers, in the decode worker's memory
-                variants[f"raw_{engine}"] = raw[0](plan_request(src.kv, decode_kv, a.lists, b.lists))
+            if raw is not None:  # the same pages and buffers, in the decode worker's memory (its raw rows)
+                variants.update(raw[0](plan_request(src.kv, decode_kv, a.lists, b.lists)))
             variants[f"pdstate_{engine}"] = lambda: run(n, "sample")
             variants[f"pdstate_{engine}_full_verify"] = lambda: run(n, "full")
             if run_off is not None:  # transfer.verify = off, the prefill's compute left out

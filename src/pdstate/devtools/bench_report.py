@@ -15,6 +15,10 @@ from pathlib import Path
 
 from pdstate.errors import ExitCode
 
+# each native engine's raw rows (``baselines.raw_engine``): its ``*_vs_raw`` ratios take the faster
+# one per length, the best a caller does with that engine alone
+RAW_ROWS = {"mooncake": ("raw_mooncake", "raw_mooncake_polled"), "nixl": ("raw_nixl",)}
+
 
 def ratios(r: dict) -> dict:
     """Per length, each within its own phase:
@@ -23,7 +27,10 @@ def ratios(r: dict) -> dict:
       agent phase: ``shm_vs_ceiling`` (= ``agent_vs_ceiling``), ``shm_vs_physical`` and
       ``shm_digest_vs_ceiling`` (= ``agent_digest_vs_ceiling``);
     - raw engine / serve's worker pair for the native engines (``<engine>_vs_raw``,
-      ``<engine>_full_verify_vs_raw``); in the sglang phase, SGLang's Mooncake backend / backend
+      ``<engine>_full_verify_vs_raw``, ``<engine>_off_vs_raw``), the raw engine being its faster
+      raw row per length (``RAW_ROWS``: Mooncake's spinning sync write or its submitted and
+      polled write, whichever was faster; each one's own ratio to ``off`` is kept as
+      ``mooncake_off_vs_raw_mooncake[_polled]``); in the sglang phase, SGLang's Mooncake backend / backend
       pdstate (above 1: pdstate is faster; ``..._by_release``: the prefill's send -> Success,
       ``sglang_backend_vs_sglang_mooncake_decode_by_release``: the decode's metadata -> Success),
       and the SGLang ranks' endpoints scraped / off (``sglang_rank_endpoint_scraped_vs_off``,
@@ -39,7 +46,8 @@ def ratios(r: dict) -> dict:
 
     for n in r.get("lengths") or []:
         for e in ("mooncake", "nixl"):
-            raw = med(f"paged:{e}:raw_{e}", n)
+            rows = {row: med(f"paged:{e}:{row}", n) for row in RAW_ROWS[e]}
+            raw = min((t for t in rows.values() if t), default=None)  # the raw engine at its best
             for variant, key in (
                 (f"pdstate_{e}", f"{e}_vs_raw"),
                 (f"pdstate_{e}_full_verify", f"{e}_full_verify_vs_raw"),
@@ -48,6 +56,10 @@ def ratios(r: dict) -> dict:
                 pd = med(f"paged:{e}:{variant}", n)
                 if pd and raw:
                     out.setdefault(f"{key}_by_length", {})[str(n)] = raw / pd
+            off = med(f"paged:{e}:pdstate_{e}_off", n)
+            for row, t in rows.items() if len(rows) > 1 else ():  # each raw row on its own, the details
+                if off and t:
+                    out.setdefault(f"{e}_off_vs_{row}_by_length", {})[str(n)] = t / off
         c = med("paged:agent:ceiling", n)
         for variant, key in (
             ("agent_shm", "agent"),

@@ -39,7 +39,11 @@ Traps (measured, see ``shared/reference/engines_measured.md``):
 * ``MC_TRANSFER_TIMEOUT`` (seconds, min 5, default 30) bounds a native sync write, and the worker
   bounds a polled window the same way (that many seconds plus one per GB of the window, as the
   native call does); a write to a peer that stops answering mid-transfer blocks the worker that
-  long. ``wait`` still returns
+  long. A window that timed out so returns while some of its descriptors may still be in flight:
+  the worker keeps checking those (``unended_batches``) every 10 ms between later calls, and
+  the check that sees one end frees its batch id (the binding frees a batch only there, on
+  completed or failed; it has no call to free one, and frees none it reports timed out, -2).
+  ``wait`` still returns
   at its own deadline; ``close`` waits up to ``close_timeout_s`` for the worker and otherwise
   leaves the native engine alive (never freed under a running call).
 * Every failure is one native code (-1 mostly; ``send_probe`` returns e.g. -102 for a refused
@@ -88,6 +92,8 @@ NATIVE_MODULE = "mooncake.engine"
 MAX_BATCH_DESCRIPTORS = 2048
 COMPLETIONS = ("poll", "sync")  # submit and poll each descriptor (sleeping), or the native's spinning sync write
 POLL_FIRST_S = 20e-6  # the first pause between status checks of a window; it doubles up to ``poll_interval_s``
+POLL_INTERVAL_S = 200e-6  # ``poll_interval_s``'s default: the longest pause between status checks
+UNENDED_PAUSE_S = 0.01  # between the worker's looks at the descriptors a timed-out window left in flight
 BAD_BATCH = (1 << 64) - 1  # ``transfer_submit_write``'s -1, as the unsigned batch id it returns
 
 # Mooncake's variable naming a topology file read at ``initialize`` instead of probing RDMA devices
@@ -101,11 +107,15 @@ _ABANDONED: list[Any] = []
 
 
 class _Worker:
-    """One thread running native calls in submission order; each call gets a ``Future``."""
+    """One thread running native calls in submission order; each call gets a ``Future``.
 
-    def __init__(self, thread_name: str) -> None:
+    ``idle``: called on the thread before it takes the next call; it returns how long the thread
+    may wait for one before calling ``idle`` again (``None``: until a call comes)."""
+
+    def __init__(self, thread_name: str, idle: Callable[[], float | None] | None = None) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closing = False
+        self._idle = idle
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
 
     def start(self) -> None:
@@ -118,7 +128,11 @@ class _Worker:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            wait = self._idle() if self._idle is not None and not self._closing else None
+            try:
+                item = self._queue.get(timeout=wait)
+            except queue.Empty:
+                continue
             if item is None:
                 return
             future, fn, args = item
@@ -167,7 +181,7 @@ class MooncakeEngine(TransferEngine):
         connect_timeout_s: float = 10.0,
         close_timeout_s: float = 10.0,
         completion: str = "poll",
-        poll_interval_s: float = 200e-6,
+        poll_interval_s: float = POLL_INTERVAL_S,
     ) -> None:
         super().__init__()
         if max_batch_descriptors < 1:
@@ -188,6 +202,8 @@ class MooncakeEngine(TransferEngine):
         self.native: Any = None  # Mooncake's own TransferEngine, once started (the bench's raw rows)
         self._worker: _Worker | None = None
         self._registered_ptrs: list[int] = []
+        # batch ids of timed-out windows not seen ending yet (the worker's alone): checked until they end
+        self._unended: list[int] = []
         self.session_id = ""
         self.hcas = 0  # RDMA devices in the native topology, read at start
 
@@ -212,7 +228,7 @@ class MooncakeEngine(TransferEngine):
         self.session_id = f"{self.host}:{native.get_rpc_port()}"
         # the topology matters to RDMA only; reading it initialises a second native engine
         self.hcas = count_hcas(native.get_local_topology()) if self.protocol != "tcp" else 0
-        self._worker = _Worker(f"pdstate-mooncake-{self.session_id}")
+        self._worker = _Worker(f"pdstate-mooncake-{self.session_id}", idle=self._check_unended)
         self._worker.start()
 
     def transport(self) -> Transport:
@@ -300,8 +316,9 @@ class MooncakeEngine(TransferEngine):
         while i < len(ids):
             rc = check(ids[i])
             if rc == 0:  # still moving
-                if time.monotonic() > deadline:
-                    return ("transfer_check_status", -2)  # the native's own timeout has passed
+                if time.monotonic() > deadline:  # the native's own timeout has passed
+                    self._unended.extend(ids[i:])  # checked by the worker until each one ended
+                    return ("transfer_check_status", -2)
                 time.sleep(pause)
                 pause = min(pause * 2, self.poll_interval_s)
                 continue
@@ -309,6 +326,25 @@ class MooncakeEngine(TransferEngine):
                 failed = ("transfer_check_status", rc)
             i += 1
         return failed
+
+    @property
+    def unended_batches(self) -> int:
+        """Descriptors of timed-out windows not yet seen ending (each still holds its native batch
+        id): the worker checks them between calls until each one ends."""
+        return len(self._unended)
+
+    def _check_unended(self) -> float | None:
+        """The worker, before its next call: check each descriptor a timed-out window left in
+        flight; one that ended (1, or -1: failed) was freed by that very check (Mooncake's binding
+        frees a batch id when ``transfer_check_status`` sees it completed or failed, and offers no
+        other way to free one). One the native reports timed out (-2) is dropped unfreed: the
+        binding frees no such batch. Returns the pause before the next look (``None``: none left)."""
+        native = self.native
+        if native is None:
+            return None
+        check = native.transfer_check_status
+        self._unended = [b for b in self._unended if check(b) == 0]
+        return UNENDED_PAUSE_S if self._unended else None
 
     def on_done(self, handle: TransferHandle, fn: Callable[[], None]) -> None:
         """Call ``fn()`` once ``handle`` has finished or failed: at once when it already has, else
@@ -352,6 +388,7 @@ class MooncakeEngine(TransferEngine):
         if not stopped:
             _ABANDONED.append(native)  # a native call is still running on it: never free it
             return
+        self._unended = [b for b in self._unended if native.transfer_check_status(b) == 0]  # a last look
         for ptr in self._registered_ptrs:
             native.unregister_memory(ptr)  # best effort: the engine is dropped right after
         self._registered_ptrs.clear()
