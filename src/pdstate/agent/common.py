@@ -29,6 +29,7 @@ log = logging.getLogger("pdstate.agent")
 __all__ = ["AgentLifetime", "AgentLoop", "RequestRecord", "channel_layout", "regions_of"]
 
 AGAIN_MS = 1  # how soon ``AgentLoop.again`` checks run
+_POLLIN, _EVENTS = int(zmq.POLLIN), int(zmq.EVENTS)  # plain ints: the I/O thread asks them every turn
 
 
 def regions_of(kv_args, aux: bool = True) -> list[Region]:
@@ -354,17 +355,20 @@ class AgentLoop:
             # after the pipe is read, before the queue is: a post from here on writes again, and one
             # before it (which skipped its write) has its work in the queue read below
             self._woken = False
-            while True:
-                try:
-                    fn = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                self._guard(fn)
-            for s, handler in list(self._sockets.items()):
-                if events.get(s) and s in self._sockets:
-                    # ZMQ_EVENTS: a getsockopt (~1 us); ``Socket.poll(0)`` builds a poller (~20 us)
-                    while s in self._sockets and s.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        self._guard(lambda: handler(s))
+            work = self._queue
+            while not work.empty():  # one consumer (this thread): what it holds is there to take
+                self._guard(work.get_nowait())
+            for s in [s for s in events if s in self._sockets]:  # the watched sockets that are readable
+                # the first message without asking: the poll said so, and only this thread reads it;
+                # then ZMQ_EVENTS (a getsockopt, ~1 us; ``Socket.poll(0)`` builds a poller, ~20 us),
+                # plain ints (a PollEvent flag's ``&`` runs in Python)
+                ready = events[s] & _POLLIN
+                while ready:
+                    handler = self._sockets.get(s)
+                    if handler is None:  # unwatched by a handler meanwhile
+                        break
+                    self._guard(lambda: handler(s))
+                    ready = s in self._sockets and s.getsockopt(_EVENTS) & _POLLIN
             if time.monotonic() >= next_tick:
                 self._guard(self._on_tick)
                 next_tick = time.monotonic() + self._tick_s
