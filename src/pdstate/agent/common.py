@@ -60,6 +60,7 @@ def channel_layout(desc, aux_ptrs=None, aux_items=None) -> list[tuple[list[int],
 
 
 _AT_KEY = {s: f"{s.value}_at_s" for s in RequestState}  # the metric each move stamps
+_SUCCESS, _FAILED = RequestState.SUCCESS, RequestState.FAILED  # the terminal states
 
 
 @dataclass(slots=True)
@@ -83,20 +84,20 @@ class RequestRecord:
     done_callbacks: list[Callable[[RequestRecord], None]] | None = field(default=None, repr=False, compare=False)
 
     def move(self, new: RequestState) -> None:
-        self._change(new, lambda: self._apply(new))
+        self._change(new, None)
 
-    def _change(self, new: RequestState, step: Callable[[], bool]) -> bool:
-        """Run ``step`` (which moves to ``new`` or not, and says so) under the record's lock,
-        wake the threads that wait for this move, then (at the end) run the done callbacks."""
+    def _change(self, new: RequestState, step: Callable[[], bool] | None) -> bool:
+        """Run ``step`` (which moves to ``new`` or not, and says so; ``None``: the move itself)
+        under the record's lock, wake the threads that wait for this move, then (at the end) run
+        the done callbacks."""
         callbacks = None
+        terminal = new is _SUCCESS or new is _FAILED  # ``new.terminal``, without a property call per move
         with self.lock:
-            moved = step()
+            moved = self._apply(new) if step is None else step()
             cond = self.changed
-            if (
-                moved and cond is not None and (new.terminal or self.watchers)
-            ):  # a waiter for the end sleeps through steps
+            if moved and cond is not None and (terminal or self.watchers):  # a waiter for the end sleeps through steps
                 cond.notify_all()
-            if moved and new.terminal and self.done_callbacks:
+            if moved and terminal and self.done_callbacks:
                 callbacks, self.done_callbacks = self.done_callbacks, None
         for fn in callbacks or ():
             self._run_callback(fn)
