@@ -247,3 +247,33 @@ def test_an_empty_chunk_against_named_state_still_fails_as_the_planner_would(dig
         pa.close()
         p.close()
         d.close()
+
+
+def test_an_empty_request_at_off_returns_before_planning():
+    """An empty request at verification ``off`` (the bench's control path; at ``sampled``:
+    ``test_an_empty_request_makes_no_engine_call``): the prefill plans
+    nothing and asks its engine nothing, its ``TransferDone`` says nothing moved, and both sides
+    end SUCCESS, the receiver's state stamps in order."""
+    p, d = make_side(False), make_side(False)
+    n_comp = len(p.kv_args.state_types)
+    with hooked("loopback") as hooks:
+        pa = PrefillAgent(
+            p.kv_args, (p.pools.target, p.pools.draft), engine=hooks.engine, engine_options=hooks.options()
+        )
+        da = DecodeAgent(d.kv_args, (d.pools.target, d.pools.draft), engine="loopback", verify="off")
+        try:
+            recv, send = da.receiver(pa.address, 9), pa.sender(9, 0)
+            recv.init([], [[]] * n_comp)
+            send.send([], [[]] * n_comp)
+            assert recv.wait(10) is RequestState.SUCCESS, recv.failure_exception()
+            assert send.wait(10) is RequestState.SUCCESS, send.failure_exception()
+            assert hooks.submits == []
+            m, s = recv.metrics, send.metrics
+            assert (m["bytes"], m["descriptors"], m["verify"]) == (0, 0, "off")
+            assert (s["bytes"], s["descriptors"], s["chunks"], s["verify"]) == (0, 0, 1, "off")
+            assert m["transferring_at_s"] <= m["success_at_s"]
+        finally:
+            da.close()
+            pa.close()
+            p.close()
+            d.close()

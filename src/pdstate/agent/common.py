@@ -29,6 +29,7 @@ log = logging.getLogger("pdstate.agent")
 __all__ = ["AgentLifetime", "AgentLoop", "RequestRecord", "channel_layout", "regions_of"]
 
 AGAIN_MS = 1  # how soon ``AgentLoop.again`` checks run
+_POLLIN, _EVENTS = int(zmq.POLLIN), int(zmq.EVENTS)  # plain ints: the I/O thread asks them every turn
 
 
 def regions_of(kv_args, aux: bool = True) -> list[Region]:
@@ -59,6 +60,7 @@ def channel_layout(desc, aux_ptrs=None, aux_items=None) -> list[tuple[list[int],
 
 
 _AT_KEY = {s: f"{s.value}_at_s" for s in RequestState}  # the metric each move stamps
+_SUCCESS, _FAILED = RequestState.SUCCESS, RequestState.FAILED  # the terminal states
 
 
 @dataclass(slots=True)
@@ -82,20 +84,20 @@ class RequestRecord:
     done_callbacks: list[Callable[[RequestRecord], None]] | None = field(default=None, repr=False, compare=False)
 
     def move(self, new: RequestState) -> None:
-        self._change(new, lambda: self._apply(new))
+        self._change(new, None)
 
-    def _change(self, new: RequestState, step: Callable[[], bool]) -> bool:
-        """Run ``step`` (which moves to ``new`` or not, and says so) under the record's lock,
-        wake the threads that wait for this move, then (at the end) run the done callbacks."""
+    def _change(self, new: RequestState, step: Callable[[], bool] | None) -> bool:
+        """Run ``step`` (which moves to ``new`` or not, and says so; ``None``: the move itself)
+        under the record's lock, wake the threads that wait for this move, then (at the end) run
+        the done callbacks."""
         callbacks = None
+        terminal = new is _SUCCESS or new is _FAILED  # ``new.terminal``, without a property call per move
         with self.lock:
-            moved = step()
+            moved = self._apply(new) if step is None else step()
             cond = self.changed
-            if (
-                moved and cond is not None and (new.terminal or self.watchers)
-            ):  # a waiter for the end sleeps through steps
+            if moved and cond is not None and (terminal or self.watchers):  # a waiter for the end sleeps through steps
                 cond.notify_all()
-            if moved and new.terminal and self.done_callbacks:
+            if moved and terminal and self.done_callbacks:
                 callbacks, self.done_callbacks = self.done_callbacks, None
         for fn in callbacks or ():
             self._run_callback(fn)
@@ -354,17 +356,20 @@ class AgentLoop:
             # after the pipe is read, before the queue is: a post from here on writes again, and one
             # before it (which skipped its write) has its work in the queue read below
             self._woken = False
-            while True:
-                try:
-                    fn = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                self._guard(fn)
-            for s, handler in list(self._sockets.items()):
-                if events.get(s) and s in self._sockets:
-                    # ZMQ_EVENTS: a getsockopt (~1 us); ``Socket.poll(0)`` builds a poller (~20 us)
-                    while s in self._sockets and s.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        self._guard(lambda: handler(s))
+            work = self._queue
+            while not work.empty():  # one consumer (this thread): what it holds is there to take
+                self._guard(work.get_nowait())
+            for s in [s for s in events if s in self._sockets]:  # the watched sockets that are readable
+                # the first message without asking: the poll said so, and only this thread reads it;
+                # then ZMQ_EVENTS (a getsockopt, ~1 us; ``Socket.poll(0)`` builds a poller, ~20 us),
+                # plain ints (a PollEvent flag's ``&`` runs in Python)
+                ready = events[s] & _POLLIN
+                while ready:
+                    handler = self._sockets.get(s)
+                    if handler is None:  # unwatched by a handler meanwhile
+                        break
+                    self._guard(lambda: handler(s))
+                    ready = s in self._sockets and s.getsockopt(_EVENTS) & _POLLIN
             if time.monotonic() >= next_tick:
                 self._guard(self._on_tick)
                 next_tick = time.monotonic() + self._tick_s

@@ -46,6 +46,7 @@ log = logging.getLogger("pdstate.agent")
 
 # a DEALER's events the core hears of: its sessions, and failed CURVE handshakes
 SESSION_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | curve.HANDSHAKE_EVENTS
+_NOBLOCK = int(zmq.NOBLOCK)  # a plain int: the flag enum's conversions run in Python
 CLOSE_REASON = "decode shutting down"  # the close's reason (``DecodeCore.close`` fails live requests with it)
 
 
@@ -350,7 +351,7 @@ class DecodeAgent(AgentLifetime):
             return
         frame = self._register_frame if msg is self._core.register else wire.encode(msg, self.token)
         try:
-            link.sock.send(frame, flags=zmq.NOBLOCK)
+            link.sock.send(frame, _NOBLOCK)
         except zmq.ZMQError:
             pass  # not connected yet or gone: heartbeats and timeouts decide
 

@@ -40,6 +40,10 @@ from pdstate.transfer.engines.base import TransferEngine, create_engine
 
 __all__ = ["KVSender", "PrefillAgent"]
 
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)  # plain ints: a flag enum's ``|`` runs in Python
+_RCVMORE = int(zmq.RCVMORE)
+
 
 def bind_router(loop: Any, bind: str, keys: curve.Keys, on_fail: Callable[[], None]) -> tuple[zmq.Socket, str]:
     """The prefill agent's ROUTER, the CURVE server of ``keys``' domain (``agent.curve``), bound
@@ -382,8 +386,10 @@ class PrefillAgent(AgentLifetime):
     def _reply(self, identity: bytes, msg: wire.Message) -> None:
         """Send ``msg`` to the decode ``identity``: every message to a decode but the probes leaves
         here, on the I/O thread (the one seam ``tests/support/tapped.py`` overrides)."""
-        try:
-            self._sock.send_multipart([identity, self._encode(msg)], flags=zmq.NOBLOCK)
+        frame, sock = self._encode(msg), self._sock
+        try:  # ``send_multipart``'s two sends, without its type checks and flag enums (Python, per part)
+            sock.send(identity, _MORE)
+            sock.send(frame, _NOBLOCK)
         except zmq.ZMQError:
             pass  # gone or full: its heartbeats stop and it fails its own requests
 
@@ -396,7 +402,9 @@ class PrefillAgent(AgentLifetime):
         return True
 
     def _on_frame(self, sock: zmq.Socket) -> None:
-        parts = sock.recv_multipart()
+        parts = [sock.recv()]  # ``recv_multipart``, with a plain int for its option enum (Python)
+        while sock.get(_RCVMORE):
+            parts.append(sock.recv())
         if len(parts) != 2:
             self._run(lambda now: self._core.on_bad_parts(parts, now))
             return

@@ -104,9 +104,7 @@ class CopyPipeline:
 
     def _submit_chunk(self, send: Sending, decode: DecodePeer, pages: np.ndarray, state) -> None:
         req = send.request
-        dst_pages = req.dst_kv_pages.unpack()[send.pages_sent : send.pages_sent + pages.size]
         n_comp = len(self.kv_args.state_types)
-        none = [np.empty(0, dtype=np.int64)] * n_comp
         if state is not None and (len(state) != n_comp or len(req.dst_state_indices) != n_comp):
             raise IndexCountMismatch(
                 f"state index lists: prefill sent {len(state)}, decode sent "
@@ -115,9 +113,13 @@ class CopyPipeline:
         last = state is not None
         aux = last and req.dst_aux is not None
         if send.digest is None and _moves_nothing(decode, pages, state, req, aux):
-            pieces = []  # no plan to make, no engine call (an empty request's whole cost)
-        else:
-            pieces = self._pieces(send, pages.size, state if last else None)
+            # no plan to make, no engine call, no index list to unpack (an empty request's whole cost)
+            send.chunks += 1
+            send.all_submitted = send.all_submitted or last
+            return
+        dst_pages = req.dst_kv_pages.unpack()[send.pages_sent : send.pages_sent + pages.size]
+        none = [np.empty(0, dtype=np.int64)] * n_comp
+        pieces = self._pieces(send, pages.size, state if last else None)
         dst_state = [p.unpack() for p in req.dst_state_indices] if last and pieces else none
         state_sent = False  # state goes with the last chunk only, in its first piece
         for k, (lo, hi, with_state) in enumerate(pieces):

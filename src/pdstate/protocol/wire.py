@@ -318,18 +318,33 @@ def _plain(value: Any) -> Any:
     return value
 
 
+_SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
+
+
 def _dump(model: BaseModel) -> dict[str, Any]:
     """``model_dump(mode="python")`` of a plain model (every field an int, float, str, bytes, None,
     a plain model or a list of them; no serialisers, aliases or computed fields), read straight
     from the instance: its fields in declaration order, as the validated model holds them."""
     out = {}
     for k, v in model.__dict__.items():
-        if isinstance(v, BaseModel):
+        t = type(v)
+        if t in _SCALARS:  # most fields: as they are, without asking the models' ABC
+            pass
+        elif t is PackedIndices:  # the index lists, the most common model in a frame: no recursion
+            v = _packed(v)
+        elif t is list:
+            v = [_packed(x) if type(x) is PackedIndices else _dump(x) if isinstance(x, BaseModel) else x for x in v]
+        elif isinstance(v, BaseModel):
             v = _dump(v)
         elif isinstance(v, list):
             v = [_dump(x) if isinstance(x, BaseModel) else x for x in v]
         out[k] = v
     return out
+
+
+def _packed(p: PackedIndices) -> dict[str, Any]:
+    """``_dump`` of a ``PackedIndices``: its two fields, in their order."""
+    return {"dtype": p.dtype, "data": p.data}
 
 
 def encode(msg: Message, token: bytes | None = None) -> bytes:
