@@ -42,11 +42,12 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import threading
 import time
 
 import numpy as np
 
-from pdstate.errors import PdStateError, TransferFailed
+from pdstate.errors import AgentClosed, PdStateError, TransferFailed
 from pdstate.integrations.sglang import states as lifecycle
 from pdstate.integrations.sglang.replicas import MAX_REPLICAS, asked_rooms, refused_room, replica_room
 from pdstate.integrations.sglang.states import AGENT_CHECK_POLLS
@@ -61,7 +62,8 @@ _TRANSFERRING, _WAITING = RequestState.TRANSFERRING, RequestState.WAITING_FOR_IN
 _BOOTSTRAPPING, _SUCCESS = RequestState.BOOTSTRAPPING, RequestState.SUCCESS
 # what turns SGLang's room into the first replica's room of each count (``replicas``): the rooms a
 # decode rank may ask for SGLang's room under, looked for in one pass (``_agent_rooms``)
-_FIRST_REPLICA = tuple(replica_room(0, 0, count) for count in range(2, MAX_REPLICAS + 1))
+# (and 0: SGLang's room itself)
+_AGENT_MASKS = (0, *(replica_room(0, 0, count) for count in range(2, MAX_REPLICAS + 1)))
 
 
 def _past_prefix(states: list, wanted: list[int], state_types) -> list:
@@ -133,6 +135,15 @@ def build_sender() -> type:
             self._one = None  # that agent sender (its ``posted_error``)
             self._polls = 0
             self._rooms: frozenset[int] | None = None  # ``_agent_rooms``
+            # ``init`` once the decode's request is here: the agent senders are made on the agent's
+            # I/O thread (``_build``), not on SGLang's scheduler thread. While that is under way
+            # (``_building``) the chunks sent go there after it, in order; the thread writes
+            # ``_outs``, ``_one``, ``_word`` and ``_build_error`` and clears ``_building`` last, under
+            # ``_build_lock``; ``abort`` waits for it there (``_build_done``)
+            self._building = False
+            self._build_lock = None
+            self._build_error: BaseException | None = None
+            self._build_done = None  # an Event an ``abort`` waits on, made by that abort
             CommonKVSender.__init__(self, *base_args, **base_kwargs)
             self.init_time = time.time()
 
@@ -169,16 +180,53 @@ def build_sender() -> type:
         def init(self, num_kv_indices: int, aux_index=None):
             super().init(num_kv_indices, aux_index)
             self._inited = True
-            if self.conclude_state is None:
+            if self.conclude_state is not None:
+                return
+            if self._asked is None:  # before the decode's request: made by the poll that finds it
                 self._make_agent_sender()
+                return
+            # SGLang's order (``init`` once the poll said WaitingForInput): the agent senders are
+            # made on the agent's thread; this thread only hands the step over
+            self._build_lock = threading.Lock()
+            self._building = True
+            try:
+                self.agent.post(self._build)
+            except AgentClosed as exc:
+                self._building = False
+                self.pdstate_fail(exc)
+
+        def _build(self) -> None:
+            """On the agent's I/O thread: ``_make_outs``, then ``_building`` cleared (an ``abort``
+            waiting for it woken)."""
+            with self._build_lock:
+                if not self._building:  # given up (the agent closed, an abort stopped waiting)
+                    return
+                try:
+                    error = self._build_error = self._make_outs()
+                    if error is not None:
+                        self._word = None  # the next poll looks further, and fails the request
+                finally:
+                    self._building = False
+                    done = self._build_done
+            if done is not None:
+                done.set()
 
         def _make_agent_sender(self) -> None:
-            """Made once every decode rank's request is here (SGLang calls ``init`` after that; a
-            caller that calls it before gets its senders then), so a dummy rank is known: the
-            decode named no pages for a request that has some."""
+            """On SGLang's scheduler thread: ``_make_outs`` (a caller that calls ``init`` before the
+            decode's request arrived gets its senders so, from the poll that finds it)."""
+            error = self._make_outs()
+            if error is not None:
+                self.pdstate_fail(error)
+
+        def _make_outs(self) -> BaseException | None:
+            """The agent senders, made once every decode rank's request is here (so a dummy rank
+            is known: the decode named no pages for a request that has some), and the chunks
+            sent before fed to them; none when no request waits (any more). Returns what refused
+            them (the request fails with it), else ``None``."""
             rooms = asked_rooms(self.agent, self.bootstrap_room)
             if rooms is None:
-                return
+                return None
+            error = None
             try:
                 for room in rooms:
                     out = _Out.made(self.agent, room, self.num_kv_indices, self.aux_index)
@@ -191,8 +239,9 @@ def build_sender() -> type:
                 for chunk in self._queued:
                     self._send_chunk(*chunk)
             except (PdStateError, ValueError) as exc:
-                self.pdstate_fail(exc)
+                error = exc
             self._queued.clear()
+            return error
 
         def send(self, kv_indices, state_indices=None, num_kv_tokens=None):
             pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
@@ -201,6 +250,12 @@ def build_sender() -> type:
             self._record_transfer_indices(pages, state_indices if last else None)
             if self.conclude_state is not None:
                 return
+            if self._building:  # the agent's thread makes the agent senders: the chunk goes there after
+                try:
+                    self.agent.post(lambda: self._posted_chunk(pages, state_indices, last))
+                except AgentClosed as exc:
+                    self.pdstate_fail(exc)
+                return
             if not self._outs:
                 self._queued.append((pages, state_indices, last))
                 return
@@ -208,6 +263,19 @@ def build_sender() -> type:
                 self._send_chunk(pages, state_indices, last)
             except (PdStateError, ValueError) as exc:
                 self.pdstate_fail(exc)
+
+        def _posted_chunk(self, pages, state_indices, last: bool) -> None:
+            """On the agent's I/O thread, after ``_build``: a chunk ``send`` handed over."""
+            if self._build_error is not None:
+                return
+            if not self._outs:  # no request waits any more: kept for the senders made later
+                self._queued.append((pages, state_indices, last))
+                return
+            try:
+                self._send_chunk(pages, state_indices, last)
+            except (PdStateError, ValueError) as exc:
+                self._build_error = exc
+                self._word = None  # the next poll looks further, and fails the request
 
         def _send_chunk(self, pages, state_indices, last: bool) -> None:
             state_types = self.kv_mgr.kv_args.state_types
@@ -246,6 +314,8 @@ def build_sender() -> type:
         def _awaited(self) -> int | None:
             """The answer of a poll with no agent sender yet that finds nothing new (nothing
             arrived at the agent since the last look: ``arrivals``), else ``None``."""
+            if self._building:  # the agent's thread makes its senders; every so often ``_poll`` looks
+                return None if not self._polls % AGENT_CHECK_POLLS else KVPoll.WaitingForInput
             if self._outs or self.agent.arrivals != self._arrivals_seen:
                 return None
             if self._asked is not None:
@@ -256,13 +326,25 @@ def build_sender() -> type:
                 return timed_out
             return KVPoll.Bootstrapping
 
+        def _while_building(self) -> int:
+            """WaitingForInput while the agent's thread makes the agent senders; Failed
+            (``AgentClosed``) when the agent closed before it ran that step (it never will)."""
+            if not self.agent.closed:
+                return KVPoll.WaitingForInput
+            with self._build_lock:
+                if not self._building:
+                    return self._poll()
+                self._building = False
+            return self.pdstate_fail(
+                AgentClosed(f"room {self.bootstrap_room}: the agent closed before it made this request's sender")
+            )
+
         def _agent_rooms(self) -> frozenset[int]:
             """The agents' rooms a decode rank may ask for this request under: SGLang's room, and
             each count's first replica (``asked_rooms`` and ``refused_room`` look further)."""
             rooms = self._rooms
-            if rooms is None:
-                room = self.bootstrap_room
-                rooms = self._rooms = frozenset([room, *(room ^ m for m in _FIRST_REPLICA)])
+            if rooms is None:  # built in C: once per request, on SGLang's scheduler thread
+                rooms = self._rooms = frozenset(map(self.bootstrap_room.__xor__, _AGENT_MASKS))
             return rooms
 
         def _poll(self) -> int:
@@ -273,6 +355,10 @@ def build_sender() -> type:
             if status == KVPoll.Failed:  # SGLang's own checks (DP routing conflict, ...)
                 self.conclude_state = KVPoll.Failed
                 return KVPoll.Failed
+            if self._building:
+                return self._while_building()
+            if self._build_error is not None:  # what refused the agent senders on the agent's thread
+                return self.pdstate_fail(self._build_error)
             if not self._outs:
                 arrivals = self.agent.arrivals  # read first: what arrives during the look is looked at next time
                 if arrivals != self._arrivals_seen:
@@ -329,8 +415,17 @@ def build_sender() -> type:
             return metric
 
         def abort(self):
-            """Fail the request; returns once nothing of it can land any more (the agent's fence)."""
-            for out in self._outs:
+            """Fail the request; returns once nothing of it can land any more (the agent's fence).
+            Agent senders still being made on the agent's thread are waited for first."""
+            lock = self._build_lock
+            if lock is not None:
+                with lock:
+                    done = self._build_done = threading.Event() if self._building else None
+                if done is not None and not done.wait(ABORT_FENCE_S):
+                    with lock:  # not run yet (the agent's thread stuck or gone): never made now
+                        self._building = False
+                    log.error("pdstate: room %s: abort: the agent did not make its sender in time", self.bootstrap_room)
+            for out in list(self._outs):
                 if out.send.poll().terminal:
                     continue
                 try:
