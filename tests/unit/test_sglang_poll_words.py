@@ -384,3 +384,20 @@ def test_a_receiver_whose_agent_closed_before_it_made_the_agent_receiver_fails(c
         r.failure_exception()
     agent.run_posted()
     assert agent.made == []
+
+
+def test_a_malformed_state_list_sent_while_the_agent_sender_is_made_concludes_at_once(classes):
+    sender_cls, _ = classes
+    t = Harness()
+    t.register()
+    t.request(6)
+    agent = Agent(t.core.refusals)
+    agent.queue = []
+    s = sender_cls(Manager(agent), "127.0.0.1:1", 6, [0], 0)
+    assert s.poll() == KVPoll.WaitingForInput
+    s.init(2, 0)
+    s.send([1])
+    s.send([2], [[3]])  # one list, no state component: refused here, nothing posted for it
+    assert s.conclude_state == KVPoll.Failed and len(agent.queue) == 2
+    with pytest.raises(ValueError, match="1 lists for 0 state components"):
+        s.failure_exception()

@@ -347,7 +347,8 @@ def build_receiver() -> type:
             if over is not None:
                 return over if over == SUCCESS else self._poll()  # Failed: held while unfenced
             self._polls += 1
-            if not self._polls % AGENT_CHECK_POLLS and self.kv_mgr.agent_failure() is not None:
+            check = not self._polls % AGENT_CHECK_POLLS  # the agent, and SGLang's waiting timeout, looked at
+            if check and self.kv_mgr.agent_failure() is not None:
                 return self._poll()
             word = self._word
             if word is not None and self._one.posted_error is None:
@@ -362,8 +363,10 @@ def build_receiver() -> type:
                     return succeed(self)
                 else:
                     return self._poll()
-                init = self.init_time  # SGLang's waiting timeout: its own check (``_poll``) once due
-                if init is None or time.time() - init < self.kv_mgr.waiting_timeout:
+                # SGLang's waiting timeout (seconds): its own check (``_poll``) once due, looked at
+                # on the polls that look at the agent
+                init = self.init_time
+                if not check or init is None or time.time() - init < self.kv_mgr.waiting_timeout:
                     return steady
             elif self._building and self._polls % AGENT_CHECK_POLLS:  # its agent receivers are being made
                 return TRANSFERRING if self._named else BOOTSTRAPPING  # (``_poll`` looks every so often)

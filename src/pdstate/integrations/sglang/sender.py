@@ -251,9 +251,10 @@ def build_sender() -> type:
             if self.conclude_state is not None:
                 return
             if self._building:  # the agent's thread makes the agent senders: the chunk goes there after
-                try:
-                    self.agent.post(lambda: self._posted_chunk(pages, state_indices, last))
-                except AgentClosed as exc:
+                try:  # the state lists checked here (a malformed one concludes the request at once)
+                    states = self._states(state_indices, last)
+                    self.agent.post(lambda: self._posted_chunk(pages, states, last))
+                except (AgentClosed, ValueError) as exc:
                     self.pdstate_fail(exc)
                 return
             if not self._outs:
@@ -264,22 +265,32 @@ def build_sender() -> type:
             except (PdStateError, ValueError) as exc:
                 self.pdstate_fail(exc)
 
-        def _posted_chunk(self, pages, state_indices, last: bool) -> None:
-            """On the agent's I/O thread, after ``_build``: a chunk ``send`` handed over."""
+        def _posted_chunk(self, pages, states, last: bool) -> None:
+            """On the agent's I/O thread, after ``_build``: a chunk ``send`` handed over (its state
+            lists checked: ``_states``)."""
             if self._build_error is not None:
                 return
             if not self._outs:  # no request waits any more: kept for the senders made later
-                self._queued.append((pages, state_indices, last))
+                self._queued.append((pages, states, last))
                 return
             try:
-                self._send_chunk(pages, state_indices, last)
+                self._feed(pages, states, last)
             except (PdStateError, ValueError) as exc:
                 self._build_error = exc
                 self._word = None  # the next poll looks further, and fails the request
 
+        def _states(self, state_indices, last: bool):
+            """The last chunk's state lists (``states.state_lists``: raises ``ValueError`` on a
+            malformed one), else ``None``."""
+            if not last or state_indices is None:
+                return None
+            return lifecycle.state_lists(state_indices, self.kv_mgr.kv_args.state_types)
+
         def _send_chunk(self, pages, state_indices, last: bool) -> None:
+            self._feed(pages, self._states(state_indices, last), last)
+
+        def _feed(self, pages, states, last: bool) -> None:
             state_types = self.kv_mgr.kv_args.state_types
-            states = lifecycle.state_lists(state_indices, state_types) if last and state_indices is not None else None
             for out in self._outs:
                 out.send_chunk(pages, states, last, state_types)
 
@@ -312,12 +323,22 @@ def build_sender() -> type:
             return self._poll()
 
         def _awaited(self) -> int | None:
-            """The answer of a poll with no agent sender yet that finds nothing new (nothing
-            arrived at the agent since the last look: ``arrivals``), else ``None``."""
+            """The answer of a poll with no agent sender yet (or one being made: ``_building``)
+            that finds nothing new, else ``None`` (``_poll`` looks further). The room's requests
+            are looked for here only when something arrived at the agent since the last look
+            (``arrivals``); a refusal found is ``_poll``'s."""
             if self._building:  # the agent's thread makes its senders; every so often ``_poll`` looks
                 return None if not self._polls % AGENT_CHECK_POLLS else KVPoll.WaitingForInput
-            if self._outs or self.agent.arrivals != self._arrivals_seen:
+            if self._outs:
                 return None
+            agent = self.agent
+            arrivals = agent.arrivals  # read first: what arrives during the look is looked at next time
+            if arrivals != self._arrivals_seen:  # the look for this room's requests (a refusal: ``_poll``)
+                rooms = self._agent_rooms()
+                if agent.refused_any(rooms):
+                    return None
+                self._asked = asked_rooms(agent, self.bootstrap_room) if agent.requested_any(rooms) else None
+                self._arrivals_seen = arrivals
             if self._asked is not None:
                 return None if self._inited else KVPoll.WaitingForInput
             timed_out = self._check_bootstrap_timeout()  # SGLang's check and text
