@@ -314,15 +314,18 @@ def test_a_senders_init_makes_its_agent_sender_on_the_agents_thread(classes):
     assert s.poll() == KVPoll.WaitingForInput
     looks = agent.looks
     s.init(2, 0)
+    assert [s.poll() for _ in range(3)] == [KVPoll.WaitingForInput] * 3  # its agent sender being made
     s.send([1])
     s.send([2], [])
     assert agent.made == [] and len(agent.queue) == 3
-    assert [s.poll() for _ in range(5)] == [KVPoll.WaitingForInput] * 5 and agent.looks == looks
+    # a chunk handed over: Transferring, as a posted chunk reads (``KVSender.post``)
+    assert [s.poll() for _ in range(5)] == [KVPoll.Transferring] * 5 and agent.looks == looks
     agent.run_posted()
     (record,) = agent.made
     assert record.room == 6 and [pages for pages, _ in record.fed] == [[1], [2]]
-    record.state = S.TRANSFERRING
-    assert s.poll() == KVPoll.Transferring
+    assert s.poll() == KVPoll.Transferring  # its record still BOOTSTRAPPING (the stand-in's post sets nothing)
+    record.state = S.SUCCESS
+    assert s.poll() == KVPoll.Success
 
 
 def test_a_sender_whose_agent_closed_before_it_made_the_agent_sender_fails(classes):
@@ -363,6 +366,7 @@ def test_a_receivers_init_makes_its_agent_receiver_on_the_agents_thread(classes)
     agent.run_posted()
     (record,) = agent.made
     assert record.room == 9 and record.fed == [([5, 6], 3)]
+    assert r.poll() == KVPoll.Transferring  # its record still BOOTSTRAPPING (the stand-in's post sets nothing)
     record.state = S.SUCCESS
     assert r.poll() == KVPoll.Success and r.agent_rooms == [9]
 

@@ -355,10 +355,10 @@ def build_receiver() -> type:
                 state = word()
                 if state is _TRANSFERRING:
                     steady = TRANSFERRING
-                elif state is _WAITING:
-                    steady = WAITING
+                elif state is _WAITING:  # (``_named``: its destination on its way to the agent receiver)
+                    steady = TRANSFERRING if self._named else WAITING
                 elif state is _BOOTSTRAPPING:
-                    steady = BOOTSTRAPPING
+                    steady = TRANSFERRING if self._named else BOOTSTRAPPING
                 elif state is _SUCCESS:  # the agent's verdict: concluded here, nothing else to look at
                     return succeed(self)
                 else:
@@ -390,6 +390,8 @@ def build_receiver() -> type:
                     self.conclude_state = KVPoll.Failed
                 return status
             states = [recv.poll() for _, recv in self._recvs]
+            if self._named:  # named while they were made, before the agent's thread handed it on
+                states = [_TRANSFERRING if s is _BOOTSTRAPPING or s is _WAITING else s for s in states]
             poll = combine(states)
             if poll == KVPoll.Failed:
                 if self._hold_unfenced():

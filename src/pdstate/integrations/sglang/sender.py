@@ -144,6 +144,7 @@ def build_sender() -> type:
             self._build_lock = None
             self._build_error: BaseException | None = None
             self._build_done = None  # an Event an ``abort`` waits on, made by that abort
+            self._sent = False  # a chunk sent while they were made (Transferring to SGLang from then on)
             CommonKVSender.__init__(self, *base_args, **base_kwargs)
             self.init_time = time.time()
 
@@ -254,6 +255,7 @@ def build_sender() -> type:
                 try:  # the state lists checked here (a malformed one concludes the request at once)
                     states = self._states(state_indices, last)
                     self.agent.post(lambda: self._posted_chunk(pages, states, last))
+                    self._sent = True
                 except (AgentClosed, ValueError) as exc:
                     self.pdstate_fail(exc)
                 return
@@ -313,7 +315,9 @@ def build_sender() -> type:
                     if state is _TRANSFERRING:
                         return TRANSFERRING
                     if state is _WAITING or state is _BOOTSTRAPPING:  # bootstrapping: its posted add is on its way
-                        return WAITING  # (a posted chunk reads Transferring: ``KVSender.post``)
+                        # (a posted chunk reads Transferring: ``KVSender.post``; one sent while the
+                        # agent sender was made, before its thread hands it on: ``_sent``)
+                        return TRANSFERRING if self._sent else WAITING
                     if state is _SUCCESS:  # the agent's verdict: concluded here, nothing else to look at
                         return lifecycle.succeed(self)
                 elif word is None:
@@ -328,7 +332,9 @@ def build_sender() -> type:
             are looked for here only when something arrived at the agent since the last look
             (``arrivals``); a refusal found is ``_poll``'s."""
             if self._building:  # the agent's thread makes its senders; every so often ``_poll`` looks
-                return None if not self._polls % AGENT_CHECK_POLLS else KVPoll.WaitingForInput
+                if not self._polls % AGENT_CHECK_POLLS:
+                    return None
+                return KVPoll.Transferring if self._sent else KVPoll.WaitingForInput
             if self._outs:
                 return None
             agent = self.agent
@@ -348,10 +354,11 @@ def build_sender() -> type:
             return KVPoll.Bootstrapping
 
         def _while_building(self) -> int:
-            """WaitingForInput while the agent's thread makes the agent senders; Failed
-            (``AgentClosed``) when the agent closed before it ran that step (it never will)."""
+            """WaitingForInput while the agent's thread makes the agent senders (Transferring once a
+            chunk was sent); Failed (``AgentClosed``) when the agent closed before it ran that step
+            (it never will)."""
             if not self.agent.closed:
-                return KVPoll.WaitingForInput
+                return KVPoll.Transferring if self._sent else KVPoll.WaitingForInput
             with self._build_lock:
                 if not self._building:
                     return self._poll()
@@ -410,7 +417,10 @@ def build_sender() -> type:
             # made once its decode's request was here: an agent sender still bootstrapping is one the
             # agent's thread has not added yet (``init`` posted it), WaitingForInput to SGLang (one
             # with a chunk posted reads Transferring already: ``KVSender.post``)
-            states = [_WAITING if s is _BOOTSTRAPPING else s for s in (out.send.poll() for out in self._outs)]
+            early = _TRANSFERRING if self._sent else _WAITING  # (``_sent``: a chunk on its way to them)
+            states = [
+                early if s is _BOOTSTRAPPING or s is _WAITING else s for s in (out.send.poll() for out in self._outs)
+            ]
             poll = lifecycle.combine(states)
             if poll == KVPoll.Failed:
                 failed = next(out for out, s in zip(self._outs, states) if lifecycle.kv_poll(s) == KVPoll.Failed)
