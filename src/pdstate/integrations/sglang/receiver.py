@@ -10,7 +10,9 @@ that stage's slice of this rank's memory, ``stages``), whose first use connects 
 decode_prefix_len)`` tells the real rank where everything lands (the dummies: nothing), and
 ``poll()`` follows the agent receivers to ``Success`` (digests equal) or ``Failed``. ``init`` and
 ``send_metadata`` post their agent work (``DecodeAgent.receiver(..., posted=True)``,
-``KVReceiver.post_init``) and return; what the agent's thread refuses there fails the request at
+``KVReceiver.post_init``; from a prefill of one stage ``init`` hands even the making of the agent
+receiver to the agent's thread, ``DecodeAgent.post``, and ``send_metadata`` follows it there) and
+return; what the agent's thread refuses there fails the request at
 the next ``poll()`` with that error (``states.posted_failure``).
 
 The contract is the running SGLang's (0.5.19 or 0.5.23): ``init`` runs SGLang's own rank

@@ -7,9 +7,11 @@ the agent's sender, ``send(pages, state_indices | None)`` goes once per chunk (s
 only), and ``poll()`` follows the agent's sender to ``Success`` (every chunk landed and the
 decode's digest of the landed bytes matched) or ``Failed``.
 
-``init`` and ``send`` post (as SGLang's own Mooncake sender does): the agent sender is made and
-each chunk handed to the agent's thread (``PrefillAgent.sender(..., posted=True)``,
-``KVSender.post``) without waiting for it, in the order of the calls. What that thread refuses
+``init`` and ``send`` post (as SGLang's own Mooncake sender does): ``init`` hands the making of
+the agent sender to the agent's thread (``PrefillAgent.post``; it makes it there with
+``PrefillAgent.sender(..., posted=True)``), and each chunk follows it there (``KVSender.post``),
+without waiting for it, in the order of the calls; a chunk sent before the thread made the agent
+sender reads ``Transferring`` all the same. What that thread refuses
 (a chunk past the pages declared, a room with a live sender) fails the request at the next
 ``poll()``, ``failure_exception()`` raising that error (``states.posted_failure``); until the
 thread took the sender, ``poll()`` says ``WaitingForInput``. ``abort()`` waits for the agent's
@@ -328,23 +330,14 @@ def build_sender() -> type:
 
         def _awaited(self) -> int | None:
             """The answer of a poll with no agent sender yet (or one being made: ``_building``)
-            that finds nothing new, else ``None`` (``_poll`` looks further). The room's requests
-            are looked for here only when something arrived at the agent since the last look
-            (``arrivals``); a refusal found is ``_poll``'s."""
+            that finds nothing new (nothing arrived at the agent since the last look:
+            ``arrivals``), else ``None`` (``_poll`` looks further)."""
             if self._building:  # the agent's thread makes its senders; every so often ``_poll`` looks
                 if not self._polls % AGENT_CHECK_POLLS:
                     return None
                 return KVPoll.Transferring if self._sent else KVPoll.WaitingForInput
-            if self._outs:
+            if self._outs or self.agent.arrivals != self._arrivals_seen:
                 return None
-            agent = self.agent
-            arrivals = agent.arrivals  # read first: what arrives during the look is looked at next time
-            if arrivals != self._arrivals_seen:  # the look for this room's requests (a refusal: ``_poll``)
-                rooms = self._agent_rooms()
-                if agent.refused_any(rooms):
-                    return None
-                self._asked = asked_rooms(agent, self.bootstrap_room) if agent.requested_any(rooms) else None
-                self._arrivals_seen = arrivals
             if self._asked is not None:
                 return None if self._inited else KVPoll.WaitingForInput
             timed_out = self._check_bootstrap_timeout()  # SGLang's check and text
