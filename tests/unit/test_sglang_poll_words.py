@@ -37,6 +37,9 @@ class CommonKVSender:
         self.timeouts += 1
         return None
 
+    def _record_transfer_indices(self, pages, state_indices):
+        pass
+
     def clear(self):
         pass
 
@@ -61,10 +64,17 @@ class Record:
     def __init__(self, room: int) -> None:
         self.room, self.state, self.polls = room, S.BOOTSTRAPPING, 0
         self.posted_error = None
+        self.fed: list = []  # chunks (a sender) or destinations (a receiver) handed to it, in order
 
     def poll(self):
         self.polls += 1
         return self.state
+
+    def post(self, pages, states):  # an agent sender's chunk
+        self.fed.append((list(pages), states))
+
+    def post_init(self, pages, states, aux):  # an agent receiver's destination
+        self.fed.append((list(pages), aux))
 
     def failure_exception(self):
         return None
@@ -76,6 +86,20 @@ class Agent:
     def __init__(self, refusals) -> None:
         self.refusals, self.looks, self.closed, self.alive = refusals, 0, False, True
         self.made: list[Record] = []
+        self.queue: list | None = None  # ``None``: what is posted runs at once (the agent's thread was quick)
+
+    def post(self, fn) -> None:
+        if self.closed:
+            raise AgentClosed("the agent is closed")
+        if self.queue is None:
+            fn()
+        else:
+            self.queue.append(fn)
+
+    def run_posted(self) -> None:
+        """The agent's thread's turn: what was posted runs, in order."""
+        while self.queue:
+            self.queue.pop(0)()
 
     @property
     def arrivals(self) -> int:
@@ -275,3 +299,109 @@ def test_refusals_count_arrivals_and_answer_for_a_set_of_rooms():
     assert not refusals.refused_any(frozenset({1, 8}))
     t.sender(6)  # the waiting request goes to its sender: nothing arrived
     assert refusals.arrivals == 2 and not refusals.requested_any(frozenset({6}))
+
+
+def test_a_senders_init_makes_its_agent_sender_on_the_agents_thread(classes):
+    """``init`` hands the agent sender's making to the agent's thread; the chunks sent meanwhile
+    reach it after, in order; until then the poll says WaitingForInput without looking further."""
+    sender_cls, _ = classes
+    t = Harness()
+    t.register()
+    t.request(6)
+    agent = Agent(t.core.refusals)
+    agent.queue = []
+    s = sender_cls(Manager(agent), "127.0.0.1:1", 6, [0], 0)
+    assert s.poll() == KVPoll.WaitingForInput
+    looks = agent.looks
+    s.init(2, 0)
+    assert [s.poll() for _ in range(3)] == [KVPoll.WaitingForInput] * 3  # its agent sender being made
+    s.send([1])
+    s.send([2], [])
+    assert agent.made == [] and len(agent.queue) == 3
+    # a chunk handed over: Transferring, as a posted chunk reads (``KVSender.post``)
+    assert [s.poll() for _ in range(5)] == [KVPoll.Transferring] * 5 and agent.looks == looks
+    agent.run_posted()
+    (record,) = agent.made
+    assert record.room == 6 and [pages for pages, _ in record.fed] == [[1], [2]]
+    assert s.poll() == KVPoll.Transferring  # its record still BOOTSTRAPPING (the stand-in's post sets nothing)
+    record.state = S.SUCCESS
+    assert s.poll() == KVPoll.Success
+
+
+def test_a_sender_whose_agent_closed_before_it_made_the_agent_sender_fails(classes):
+    from pdstate.integrations.sglang.sender import AGENT_CHECK_POLLS
+
+    sender_cls, _ = classes
+    t = Harness()
+    t.register()
+    t.request(6)
+    agent = Agent(t.core.refusals)
+    agent.queue = []
+    s = sender_cls(Manager(agent), "127.0.0.1:1", 6, [0], 0)
+    assert s.poll() == KVPoll.WaitingForInput
+    s.init(2, 0)
+    agent.closed = True  # the thread ended with the step still queued
+    polls = [s.poll() for _ in range(AGENT_CHECK_POLLS)]  # the agent is looked at every so often
+    assert KVPoll.Failed in polls
+    end = polls.index(KVPoll.Failed)
+    assert polls[:end] == [KVPoll.WaitingForInput] * end and s.poll() == KVPoll.Failed
+    with pytest.raises(AgentClosed, match="room 6: the agent closed before it made this request's sender"):
+        s.failure_exception()
+    agent.run_posted()  # the step, run after all: it makes nothing
+    assert agent.made == []
+
+
+def test_a_receivers_init_makes_its_agent_receiver_on_the_agents_thread(classes):
+    """``init`` hands the agent receiver's making to the agent's thread and ``send_metadata`` goes
+    after it; meanwhile the poll answers as the agent receiver would read (Bootstrapping, then
+    Transferring once its pages were named)."""
+    _, receiver_cls = classes
+    agent = Agent(None)
+    agent.queue = []
+    r = receiver_cls(Manager(agent), "127.0.0.1:1", 9)
+    r.init(0)
+    assert agent.made == [] and [r.poll() for _ in range(3)] == [KVPoll.Bootstrapping] * 3
+    r.send_metadata([5, 6], 3, [])
+    assert agent.made == [] and r.poll() == KVPoll.Transferring
+    agent.run_posted()
+    (record,) = agent.made
+    assert record.room == 9 and record.fed == [([5, 6], 3)]
+    assert r.poll() == KVPoll.Transferring  # its record still BOOTSTRAPPING (the stand-in's post sets nothing)
+    record.state = S.SUCCESS
+    assert r.poll() == KVPoll.Success and r.agent_rooms == [9]
+
+
+def test_a_receiver_whose_agent_closed_before_it_made_the_agent_receiver_fails(classes):
+    from pdstate.integrations.sglang.receiver import AGENT_CHECK_POLLS
+
+    _, receiver_cls = classes
+    agent = Agent(None)
+    agent.queue = []
+    r = receiver_cls(Manager(agent), "127.0.0.1:1", 9)
+    r.init(0)
+    agent.closed = True
+    polls = [r.poll() for _ in range(AGENT_CHECK_POLLS)]  # the agent is looked at every so often
+    assert KVPoll.Failed in polls
+    end = polls.index(KVPoll.Failed)
+    assert polls[:end] == [KVPoll.Bootstrapping] * end and r.poll() == KVPoll.Failed
+    with pytest.raises(AgentClosed, match="room 9: the agent closed before it made this request's receiver"):
+        r.failure_exception()
+    agent.run_posted()
+    assert agent.made == []
+
+
+def test_a_malformed_state_list_sent_while_the_agent_sender_is_made_concludes_at_once(classes):
+    sender_cls, _ = classes
+    t = Harness()
+    t.register()
+    t.request(6)
+    agent = Agent(t.core.refusals)
+    agent.queue = []
+    s = sender_cls(Manager(agent), "127.0.0.1:1", 6, [0], 0)
+    assert s.poll() == KVPoll.WaitingForInput
+    s.init(2, 0)
+    s.send([1])
+    s.send([2], [[3]])  # one list, no state component: refused here, nothing posted for it
+    assert s.conclude_state == KVPoll.Failed and len(agent.queue) == 2
+    with pytest.raises(ValueError, match="1 lists for 0 state components"):
+        s.failure_exception()

@@ -68,7 +68,10 @@ class RankCounters:
         """Count the agent request ``handle`` (a ``KVSender`` or ``KVReceiver``) when it ends."""
         with self._lock:
             self.begun += 1
-        self.changed.set()
+        # on SGLang's scheduler thread, per request: set only when clear (a set Event's ``set`` takes
+        # its condition's lock); the count above precedes the look, so a snapshot after a clear sees it
+        if not self.changed.is_set():
+            self.changed.set()
         handle.add_done_callback(lambda h: self._ended(h, peer))
 
     def _ended(self, handle, peer: str) -> None:

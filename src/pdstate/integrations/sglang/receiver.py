@@ -10,7 +10,9 @@ that stage's slice of this rank's memory, ``stages``), whose first use connects 
 decode_prefix_len)`` tells the real rank where everything lands (the dummies: nothing), and
 ``poll()`` follows the agent receivers to ``Success`` (digests equal) or ``Failed``. ``init`` and
 ``send_metadata`` post their agent work (``DecodeAgent.receiver(..., posted=True)``,
-``KVReceiver.post_init``) and return; what the agent's thread refuses there fails the request at
+``KVReceiver.post_init``; from a prefill of one stage ``init`` hands even the making of the agent
+receiver to the agent's thread, ``DecodeAgent.post``, and ``send_metadata`` follows it there) and
+return; what the agent's thread refuses there fails the request at
 the next ``poll()`` with that error (``states.posted_failure``).
 
 The contract is the running SGLang's (0.5.19 or 0.5.23): ``init`` runs SGLang's own rank
@@ -37,11 +39,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 
 import numpy as np
 
-from pdstate.errors import PdStateError, TransferFailed
+from pdstate.errors import AgentClosed, PdStateError, TransferFailed
 from pdstate.integrations.sglang.replicas import replica_index, replica_room
 from pdstate.integrations.sglang.states import (
     AGENT_CHECK_POLLS,
@@ -93,6 +96,16 @@ def build_receiver() -> type:
             self._word = None  # one agent receiver, not a dummy: its poll (the poll's status word)
             self._one = None  # that agent receiver (its ``posted_error``)
             self._polls = 0
+            # ``init`` of a one-stage prefill: the agent receivers are made on the agent's I/O
+            # thread (``_build``), not on SGLang's scheduler thread; while that is under way
+            # (``_building``) ``send_metadata`` goes there after it. The thread writes ``_recvs``,
+            # ``_one``, ``_word`` and ``_build_error`` and clears ``_building`` last, under
+            # ``_build_lock``; what reads ``_recvs`` off the poll waits for it (``_built``)
+            self._building = False
+            self._build_lock = None
+            self._build_error: BaseException | None = None
+            self._build_done = None  # an Event a waiter (``_built``) waits on, made by that waiter
+            self._named = False  # ``send_metadata`` posted (the poll's answer while building)
             super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
         def pdstate_fail(self, error: BaseException, reason: str | None = None) -> int:
@@ -115,6 +128,23 @@ def build_receiver() -> type:
             index = replica_index(self.kv_mgr.kv_args.engine_rank, self.kv_mgr.attn_tp_size, count)
             room = replica_room(self.bootstrap_room, index, count)
             stages = int(getattr(getattr(self, "prefill_info", None), "pp_size", 1) or 1)  # a PP prefill: ``stages``
+            if stages > 1:  # several stages' agents (threads): made here
+                error = self._make_recvs(room, stages)
+                if error is not None:
+                    self.pdstate_fail(error)
+                return
+            # one agent: its thread makes them; this thread only hands the step over
+            self._build_lock = threading.Lock()
+            self._building = True
+            try:
+                self.kv_mgr.agent.post(lambda: self._build(room))
+            except AgentClosed as exc:
+                self._building = False
+                self.pdstate_fail(exc)
+
+        def _make_recvs(self, room: int, stages: int) -> BaseException | None:
+            """An agent receiver per prefill rank resolved (its stage's agent), each counted;
+            returns what refused one (the request fails with it), else ``None``."""
             try:
                 for info in self.bootstrap_infos:
                     address = self.kv_mgr.agent_address(info)
@@ -124,16 +154,60 @@ def build_receiver() -> type:
                     if not info.get("is_dummy"):
                         self.kv_mgr.counters.watch(recv, address)
             except (PdStateError, ValueError) as exc:
-                self.pdstate_fail(exc)
-                return
+                return exc
             if len(self._recvs) == 1 and not self._recvs[0][0]:
                 self._one = self._recvs[0][1]
                 self._word = self._one.poll
+            return None
+
+        def _build(self, room: int) -> None:
+            """On the agent's I/O thread: ``_make_recvs``, then ``_building`` cleared (a waiter
+            woken)."""
+            with self._build_lock:
+                if not self._building:  # given up (the agent closed, a waiter stopped waiting)
+                    return
+                try:
+                    error = self._build_error = self._make_recvs(room, 1)
+                    if error is not None:
+                        self._word = None  # the next poll looks further, and fails the request
+                finally:
+                    self._building = False
+                    done = self._build_done
+            if done is not None:
+                done.set()
+
+        def _built(self) -> None:
+            """Wait for agent receivers being made on the agent's thread (an abort, a view of them):
+            at most ``ABORT_FENCE_S``, then never made."""
+            lock = self._build_lock
+            if lock is None:
+                return
+            with lock:
+                done = self._build_done = threading.Event() if self._building else None
+            if done is not None and not done.wait(ABORT_FENCE_S):
+                with lock:  # not run yet (the agent's thread stuck or gone): never made now
+                    self._building = False
+                log.error("pdstate: room %s: the agent did not make its receiver in time", self.bootstrap_room)
+
+        def _while_building(self) -> int:
+            """What the poll answers while the agent's thread makes the agent receivers (as they
+            would read: Bootstrapping, or Transferring once the pages were named); Failed
+            (``AgentClosed``) when the agent closed before it ran that step (it never will)."""
+            if not self.kv_mgr.agent.closed:
+                return TRANSFERRING if self._named else BOOTSTRAPPING
+            with self._build_lock:
+                if not self._building:
+                    return self._poll()
+                self._building = False
+            return self.pdstate_fail(
+                AgentClosed(f"room {self.bootstrap_room}: the agent closed before it made this request's receiver")
+            )
 
         @property
         def agent_rooms(self) -> list[int]:
             """The rooms this rank's agent asks its prefill ranks under (SGLang's own, or, fed with
             other decode ranks by one prefill rank, this rank's own: ``replicas``)."""
+            self._built()
             return [recv.room for _, recv in self._recvs]
 
         def _register_kv_args(self) -> bool:
@@ -145,6 +219,7 @@ def build_receiver() -> type:
             """Abort every agent receiver still live; returns once none of their writes can land
             (the agents' fence), False when a prefill did not confirm within ``ABORT_FENCE_S`` or
             a receiver ended unconfirmed (its prefill gone silent: it confirms later)."""
+            self._built()
             fenced = True
             for _, recv in self._recvs:
                 if not recv.poll().terminal:
@@ -231,6 +306,23 @@ def build_receiver() -> type:
             except ValueError as exc:
                 self.pdstate_fail(exc)
                 return
+            if self._building:  # the agent's thread makes the agent receivers: named there after
+                try:
+                    self.kv_mgr.agent.post(lambda: self._posted_name(kv_indices, lists, aux_index, n))
+                except AgentClosed as exc:
+                    self.pdstate_fail(exc)
+                    return
+                self._named = True
+            else:
+                error = self._name(kv_indices, lists, aux_index, n)
+                if error is not None:
+                    self.pdstate_fail(error)
+                    return
+            self.init_time = time.time()  # SGLang's waiting-timeout clock starts once the destination is named
+
+        def _name(self, kv_indices, lists, aux_index, n: int) -> BaseException | None:
+            """Each agent receiver told where the request lands (a dummy: nowhere); returns what
+            refused it, else ``None``."""
             empty = [np.empty(0, dtype=np.int64)] * n
             try:
                 for dummy, recv in self._recvs:
@@ -239,9 +331,15 @@ def build_receiver() -> type:
                     else:
                         recv.post_init(kv_indices, lists, aux_index)
             except (PdStateError, ValueError) as exc:
-                self.pdstate_fail(exc)
-                return
-            self.init_time = time.time()  # SGLang's waiting-timeout clock starts once the destination is named
+                return exc
+            return None
+
+        def _posted_name(self, kv_indices, lists, aux_index, n: int) -> None:
+            """On the agent's I/O thread, after ``_build``: ``send_metadata`` handed over."""
+            if self._build_error is None:
+                error = self._build_error = self._name(kv_indices, lists, aux_index, n)
+                if error is not None:
+                    self._word = None  # the next poll looks further, and fails the request
 
         def poll(self) -> int:
             """SGLang's scheduler calls this for every request in flight on every iteration: the
@@ -251,27 +349,36 @@ def build_receiver() -> type:
             if over is not None:
                 return over if over == SUCCESS else self._poll()  # Failed: held while unfenced
             self._polls += 1
-            if not self._polls % AGENT_CHECK_POLLS and self.kv_mgr.agent_failure() is not None:
+            check = not self._polls % AGENT_CHECK_POLLS  # the agent, and SGLang's waiting timeout, looked at
+            if check and self.kv_mgr.agent_failure() is not None:
                 return self._poll()
             word = self._word
             if word is not None and self._one.posted_error is None:
                 state = word()
                 if state is _TRANSFERRING:
                     steady = TRANSFERRING
-                elif state is _WAITING:
-                    steady = WAITING
+                elif state is _WAITING:  # (``_named``: its destination on its way to the agent receiver)
+                    steady = TRANSFERRING if self._named else WAITING
                 elif state is _BOOTSTRAPPING:
-                    steady = BOOTSTRAPPING
+                    steady = TRANSFERRING if self._named else BOOTSTRAPPING
                 elif state is _SUCCESS:  # the agent's verdict: concluded here, nothing else to look at
                     return succeed(self)
                 else:
                     return self._poll()
-                init = self.init_time  # SGLang's waiting timeout: its own check (``_poll``) once due
-                if init is None or time.time() - init < self.kv_mgr.waiting_timeout:
+                # SGLang's waiting timeout (seconds): its own check (``_poll``) once due, looked at
+                # on the polls that look at the agent
+                init = self.init_time
+                if not check or init is None or time.time() - init < self.kv_mgr.waiting_timeout:
                     return steady
+            elif self._building and self._polls % AGENT_CHECK_POLLS:  # its agent receivers are being made
+                return TRANSFERRING if self._named else BOOTSTRAPPING  # (``_poll`` looks every so often)
             return self._poll()
 
         def _poll(self) -> int:
+            if self._building and self.conclude_state is None and self.kv_mgr.agent_failure() is None:
+                return self._while_building()
+            if self.conclude_state is None and self._build_error is not None:
+                self.pdstate_fail(self._build_error)  # what refused them on the agent's thread
             if self.conclude_state is None:
                 posted = posted_failure(recv for _, recv in self._recvs)
                 if posted is not None:  # what a posted init or send_metadata raised on the agent's thread
@@ -285,6 +392,8 @@ def build_receiver() -> type:
                     self.conclude_state = KVPoll.Failed
                 return status
             states = [recv.poll() for _, recv in self._recvs]
+            if self._named:  # named while they were made, before the agent's thread handed it on
+                states = [_TRANSFERRING if s is _BOOTSTRAPPING or s is _WAITING else s for s in states]
             poll = combine(states)
             if poll == KVPoll.Failed:
                 if self._hold_unfenced():
@@ -334,6 +443,7 @@ def build_receiver() -> type:
 
         def pdstate_metrics(self) -> list[dict]:
             """The agent receivers' metrics (stage times: ``trace``), one per prefill rank read."""
+            self._built()
             return [recv.metrics for dummy, recv in self._recvs if not dummy]
 
         def abort(self):

@@ -7,9 +7,11 @@ the agent's sender, ``send(pages, state_indices | None)`` goes once per chunk (s
 only), and ``poll()`` follows the agent's sender to ``Success`` (every chunk landed and the
 decode's digest of the landed bytes matched) or ``Failed``.
 
-``init`` and ``send`` post (as SGLang's own Mooncake sender does): the agent sender is made and
-each chunk handed to the agent's thread (``PrefillAgent.sender(..., posted=True)``,
-``KVSender.post``) without waiting for it, in the order of the calls. What that thread refuses
+``init`` and ``send`` post (as SGLang's own Mooncake sender does): ``init`` hands the making of
+the agent sender to the agent's thread (``PrefillAgent.post``; it makes it there with
+``PrefillAgent.sender(..., posted=True)``), and each chunk follows it there (``KVSender.post``),
+without waiting for it, in the order of the calls; a chunk sent before the thread made the agent
+sender reads ``Transferring`` all the same. What that thread refuses
 (a chunk past the pages declared, a room with a live sender) fails the request at the next
 ``poll()``, ``failure_exception()`` raising that error (``states.posted_failure``); until the
 thread took the sender, ``poll()`` says ``WaitingForInput``. ``abort()`` waits for the agent's
@@ -42,11 +44,12 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import threading
 import time
 
 import numpy as np
 
-from pdstate.errors import PdStateError, TransferFailed
+from pdstate.errors import AgentClosed, PdStateError, TransferFailed
 from pdstate.integrations.sglang import states as lifecycle
 from pdstate.integrations.sglang.replicas import MAX_REPLICAS, asked_rooms, refused_room, replica_room
 from pdstate.integrations.sglang.states import AGENT_CHECK_POLLS
@@ -61,7 +64,8 @@ _TRANSFERRING, _WAITING = RequestState.TRANSFERRING, RequestState.WAITING_FOR_IN
 _BOOTSTRAPPING, _SUCCESS = RequestState.BOOTSTRAPPING, RequestState.SUCCESS
 # what turns SGLang's room into the first replica's room of each count (``replicas``): the rooms a
 # decode rank may ask for SGLang's room under, looked for in one pass (``_agent_rooms``)
-_FIRST_REPLICA = tuple(replica_room(0, 0, count) for count in range(2, MAX_REPLICAS + 1))
+# (and 0: SGLang's room itself)
+_AGENT_MASKS = (0, *(replica_room(0, 0, count) for count in range(2, MAX_REPLICAS + 1)))
 
 
 def _past_prefix(states: list, wanted: list[int], state_types) -> list:
@@ -133,6 +137,16 @@ def build_sender() -> type:
             self._one = None  # that agent sender (its ``posted_error``)
             self._polls = 0
             self._rooms: frozenset[int] | None = None  # ``_agent_rooms``
+            # ``init`` once the decode's request is here: the agent senders are made on the agent's
+            # I/O thread (``_build``), not on SGLang's scheduler thread. While that is under way
+            # (``_building``) the chunks sent go there after it, in order; the thread writes
+            # ``_outs``, ``_one``, ``_word`` and ``_build_error`` and clears ``_building`` last, under
+            # ``_build_lock``; ``abort`` waits for it there (``_build_done``)
+            self._building = False
+            self._build_lock = None
+            self._build_error: BaseException | None = None
+            self._build_done = None  # an Event an ``abort`` waits on, made by that abort
+            self._sent = False  # a chunk sent while they were made (Transferring to SGLang from then on)
             CommonKVSender.__init__(self, *base_args, **base_kwargs)
             self.init_time = time.time()
 
@@ -169,16 +183,53 @@ def build_sender() -> type:
         def init(self, num_kv_indices: int, aux_index=None):
             super().init(num_kv_indices, aux_index)
             self._inited = True
-            if self.conclude_state is None:
+            if self.conclude_state is not None:
+                return
+            if self._asked is None:  # before the decode's request: made by the poll that finds it
                 self._make_agent_sender()
+                return
+            # SGLang's order (``init`` once the poll said WaitingForInput): the agent senders are
+            # made on the agent's thread; this thread only hands the step over
+            self._build_lock = threading.Lock()
+            self._building = True
+            try:
+                self.agent.post(self._build)
+            except AgentClosed as exc:
+                self._building = False
+                self.pdstate_fail(exc)
+
+        def _build(self) -> None:
+            """On the agent's I/O thread: ``_make_outs``, then ``_building`` cleared (an ``abort``
+            waiting for it woken)."""
+            with self._build_lock:
+                if not self._building:  # given up (the agent closed, an abort stopped waiting)
+                    return
+                try:
+                    error = self._build_error = self._make_outs()
+                    if error is not None:
+                        self._word = None  # the next poll looks further, and fails the request
+                finally:
+                    self._building = False
+                    done = self._build_done
+            if done is not None:
+                done.set()
 
         def _make_agent_sender(self) -> None:
-            """Made once every decode rank's request is here (SGLang calls ``init`` after that; a
-            caller that calls it before gets its senders then), so a dummy rank is known: the
-            decode named no pages for a request that has some."""
+            """On SGLang's scheduler thread: ``_make_outs`` (a caller that calls ``init`` before the
+            decode's request arrived gets its senders so, from the poll that finds it)."""
+            error = self._make_outs()
+            if error is not None:
+                self.pdstate_fail(error)
+
+        def _make_outs(self) -> BaseException | None:
+            """The agent senders, made once every decode rank's request is here (so a dummy rank
+            is known: the decode named no pages for a request that has some), and the chunks
+            sent before fed to them; none when no request waits (any more). Returns what refused
+            them (the request fails with it), else ``None``."""
             rooms = asked_rooms(self.agent, self.bootstrap_room)
             if rooms is None:
-                return
+                return None
+            error = None
             try:
                 for room in rooms:
                     out = _Out.made(self.agent, room, self.num_kv_indices, self.aux_index)
@@ -191,8 +242,9 @@ def build_sender() -> type:
                 for chunk in self._queued:
                     self._send_chunk(*chunk)
             except (PdStateError, ValueError) as exc:
-                self.pdstate_fail(exc)
+                error = exc
             self._queued.clear()
+            return error
 
         def send(self, kv_indices, state_indices=None, num_kv_tokens=None):
             pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
@@ -200,6 +252,14 @@ def build_sender() -> type:
             last = self.curr_idx >= self.num_kv_indices
             self._record_transfer_indices(pages, state_indices if last else None)
             if self.conclude_state is not None:
+                return
+            if self._building:  # the agent's thread makes the agent senders: the chunk goes there after
+                try:  # the state lists checked here (a malformed one concludes the request at once)
+                    states = self._states(state_indices, last)
+                    self.agent.post(lambda: self._posted_chunk(pages, states, last))
+                    self._sent = True
+                except (AgentClosed, ValueError) as exc:
+                    self.pdstate_fail(exc)
                 return
             if not self._outs:
                 self._queued.append((pages, state_indices, last))
@@ -209,9 +269,32 @@ def build_sender() -> type:
             except (PdStateError, ValueError) as exc:
                 self.pdstate_fail(exc)
 
+        def _posted_chunk(self, pages, states, last: bool) -> None:
+            """On the agent's I/O thread, after ``_build``: a chunk ``send`` handed over (its state
+            lists checked: ``_states``)."""
+            if self._build_error is not None:
+                return
+            if not self._outs:  # no request waits any more: kept for the senders made later
+                self._queued.append((pages, states, last))
+                return
+            try:
+                self._feed(pages, states, last)
+            except (PdStateError, ValueError) as exc:
+                self._build_error = exc
+                self._word = None  # the next poll looks further, and fails the request
+
+        def _states(self, state_indices, last: bool):
+            """The last chunk's state lists (``states.state_lists``: raises ``ValueError`` on a
+            malformed one), else ``None``."""
+            if not last or state_indices is None:
+                return None
+            return lifecycle.state_lists(state_indices, self.kv_mgr.kv_args.state_types)
+
         def _send_chunk(self, pages, state_indices, last: bool) -> None:
+            self._feed(pages, self._states(state_indices, last), last)
+
+        def _feed(self, pages, states, last: bool) -> None:
             state_types = self.kv_mgr.kv_args.state_types
-            states = lifecycle.state_lists(state_indices, state_types) if last and state_indices is not None else None
             for out in self._outs:
                 out.send_chunk(pages, states, last, state_types)
 
@@ -234,7 +317,9 @@ def build_sender() -> type:
                     if state is _TRANSFERRING:
                         return TRANSFERRING
                     if state is _WAITING or state is _BOOTSTRAPPING:  # bootstrapping: its posted add is on its way
-                        return WAITING  # (a posted chunk reads Transferring: ``KVSender.post``)
+                        # (a posted chunk reads Transferring: ``KVSender.post``; one sent while the
+                        # agent sender was made, before its thread hands it on: ``_sent``)
+                        return TRANSFERRING if self._sent else WAITING
                     if state is _SUCCESS:  # the agent's verdict: concluded here, nothing else to look at
                         return lifecycle.succeed(self)
                 elif word is None:
@@ -244,8 +329,13 @@ def build_sender() -> type:
             return self._poll()
 
         def _awaited(self) -> int | None:
-            """The answer of a poll with no agent sender yet that finds nothing new (nothing
-            arrived at the agent since the last look: ``arrivals``), else ``None``."""
+            """The answer of a poll with no agent sender yet (or one being made: ``_building``)
+            that finds nothing new (nothing arrived at the agent since the last look:
+            ``arrivals``), else ``None`` (``_poll`` looks further)."""
+            if self._building:  # the agent's thread makes its senders; every so often ``_poll`` looks
+                if not self._polls % AGENT_CHECK_POLLS:
+                    return None
+                return KVPoll.Transferring if self._sent else KVPoll.WaitingForInput
             if self._outs or self.agent.arrivals != self._arrivals_seen:
                 return None
             if self._asked is not None:
@@ -256,13 +346,26 @@ def build_sender() -> type:
                 return timed_out
             return KVPoll.Bootstrapping
 
+        def _while_building(self) -> int:
+            """WaitingForInput while the agent's thread makes the agent senders (Transferring once a
+            chunk was sent); Failed (``AgentClosed``) when the agent closed before it ran that step
+            (it never will)."""
+            if not self.agent.closed:
+                return KVPoll.Transferring if self._sent else KVPoll.WaitingForInput
+            with self._build_lock:
+                if not self._building:
+                    return self._poll()
+                self._building = False
+            return self.pdstate_fail(
+                AgentClosed(f"room {self.bootstrap_room}: the agent closed before it made this request's sender")
+            )
+
         def _agent_rooms(self) -> frozenset[int]:
             """The agents' rooms a decode rank may ask for this request under: SGLang's room, and
             each count's first replica (``asked_rooms`` and ``refused_room`` look further)."""
             rooms = self._rooms
-            if rooms is None:
-                room = self.bootstrap_room
-                rooms = self._rooms = frozenset([room, *(room ^ m for m in _FIRST_REPLICA)])
+            if rooms is None:  # built in C: once per request, on SGLang's scheduler thread
+                rooms = self._rooms = frozenset(map(self.bootstrap_room.__xor__, _AGENT_MASKS))
             return rooms
 
         def _poll(self) -> int:
@@ -273,6 +376,10 @@ def build_sender() -> type:
             if status == KVPoll.Failed:  # SGLang's own checks (DP routing conflict, ...)
                 self.conclude_state = KVPoll.Failed
                 return KVPoll.Failed
+            if self._building:
+                return self._while_building()
+            if self._build_error is not None:  # what refused the agent senders on the agent's thread
+                return self.pdstate_fail(self._build_error)
             if not self._outs:
                 arrivals = self.agent.arrivals  # read first: what arrives during the look is looked at next time
                 if arrivals != self._arrivals_seen:
@@ -303,7 +410,10 @@ def build_sender() -> type:
             # made once its decode's request was here: an agent sender still bootstrapping is one the
             # agent's thread has not added yet (``init`` posted it), WaitingForInput to SGLang (one
             # with a chunk posted reads Transferring already: ``KVSender.post``)
-            states = [_WAITING if s is _BOOTSTRAPPING else s for s in (out.send.poll() for out in self._outs)]
+            early = _TRANSFERRING if self._sent else _WAITING  # (``_sent``: a chunk on its way to them)
+            states = [
+                early if s is _BOOTSTRAPPING or s is _WAITING else s for s in (out.send.poll() for out in self._outs)
+            ]
             poll = lifecycle.combine(states)
             if poll == KVPoll.Failed:
                 failed = next(out for out, s in zip(self._outs, states) if lifecycle.kv_poll(s) == KVPoll.Failed)
@@ -329,8 +439,17 @@ def build_sender() -> type:
             return metric
 
         def abort(self):
-            """Fail the request; returns once nothing of it can land any more (the agent's fence)."""
-            for out in self._outs:
+            """Fail the request; returns once nothing of it can land any more (the agent's fence).
+            Agent senders still being made on the agent's thread are waited for first."""
+            lock = self._build_lock
+            if lock is not None:
+                with lock:
+                    done = self._build_done = threading.Event() if self._building else None
+                if done is not None and not done.wait(ABORT_FENCE_S):
+                    with lock:  # not run yet (the agent's thread stuck or gone): never made now
+                        self._building = False
+                    log.error("pdstate: room %s: abort: the agent did not make its sender in time", self.bootstrap_room)
+            for out in list(self._outs):
                 if out.send.poll().terminal:
                     continue
                 try:
