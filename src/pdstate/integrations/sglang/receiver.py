@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 
 import numpy as np
 
 from pdstate.errors import AgentClosed, PdStateError, TransferFailed
+from pdstate.integrations.sglang.posted_step import PostedStep
 from pdstate.integrations.sglang.replicas import replica_index, replica_room
 from pdstate.integrations.sglang.states import (
     AGENT_CHECK_POLLS,
@@ -97,14 +97,11 @@ def build_receiver() -> type:
             self._one = None  # that agent receiver (its ``posted_error``)
             self._polls = 0
             # ``init`` of a one-stage prefill: the agent receivers are made on the agent's I/O
-            # thread (``_build``), not on SGLang's scheduler thread; while that is under way
-            # (``_building``) ``send_metadata`` goes there after it. The thread writes ``_recvs``,
-            # ``_one``, ``_word`` and ``_build_error`` and clears ``_building`` last, under
-            # ``_build_lock``; what reads ``_recvs`` off the poll waits for it (``_built``)
-            self._building = False
-            self._build_lock = None
-            self._build_error: BaseException | None = None
-            self._build_done = None  # an Event a waiter (``_built``) waits on, made by that waiter
+            # thread (``_step``), not on SGLang's scheduler thread; while that is under way
+            # (``_step.running``) ``send_metadata`` goes there after it. The step writes
+            # ``_recvs``, ``_one`` and ``_word``; what reads ``_recvs`` off the poll waits for it
+            # (``_built``)
+            self._step = PostedStep()
             self._named = False  # ``send_metadata`` posted (the poll's answer while building)
             super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
@@ -134,12 +131,9 @@ def build_receiver() -> type:
                     self.pdstate_fail(error)
                 return
             # one agent: its thread makes them; this thread only hands the step over
-            self._build_lock = threading.Lock()
-            self._building = True
             try:
-                self.kv_mgr.agent.post(lambda: self._build(room))
+                self._step.post(self.kv_mgr.agent, lambda: self._made(room))
             except AgentClosed as exc:
-                self._building = False
                 self.pdstate_fail(exc)
 
         def _make_recvs(self, room: int, stages: int) -> BaseException | None:
@@ -160,33 +154,17 @@ def build_receiver() -> type:
                 self._word = self._one.poll
             return None
 
-        def _build(self, room: int) -> None:
-            """On the agent's I/O thread: ``_make_recvs``, then ``_building`` cleared (a waiter
-            woken)."""
-            with self._build_lock:
-                if not self._building:  # given up (the agent closed, a waiter stopped waiting)
-                    return
-                try:
-                    error = self._build_error = self._make_recvs(room, 1)
-                    if error is not None:
-                        self._word = None  # the next poll looks further, and fails the request
-                finally:
-                    self._building = False
-                    done = self._build_done
-            if done is not None:
-                done.set()
+        def _made(self, room: int) -> BaseException | None:
+            """The step on the agent's I/O thread (``_step``): ``_make_recvs``."""
+            error = self._make_recvs(room, 1)
+            if error is not None:
+                self._word = None  # the next poll looks further, and fails the request
+            return error
 
         def _built(self) -> None:
             """Wait for agent receivers being made on the agent's thread (an abort, a view of them):
             at most ``ABORT_FENCE_S``, then never made."""
-            lock = self._build_lock
-            if lock is None:
-                return
-            with lock:
-                done = self._build_done = threading.Event() if self._building else None
-            if done is not None and not done.wait(ABORT_FENCE_S):
-                with lock:  # not run yet (the agent's thread stuck or gone): never made now
-                    self._building = False
+            if not self._step.wait(ABORT_FENCE_S):  # not run yet (the agent's thread stuck or gone): never made now
                 log.error("pdstate: room %s: the agent did not make its receiver in time", self.bootstrap_room)
 
         def _while_building(self) -> int:
@@ -195,10 +173,8 @@ def build_receiver() -> type:
             (``AgentClosed``) when the agent closed before it ran that step (it never will)."""
             if not self.kv_mgr.agent.closed:
                 return TRANSFERRING if self._named else BOOTSTRAPPING
-            with self._build_lock:
-                if not self._building:
-                    return self._poll()
-                self._building = False
+            if not self._step.give_up():  # it ran meanwhile
+                return self._poll()
             return self.pdstate_fail(
                 AgentClosed(f"room {self.bootstrap_room}: the agent closed before it made this request's receiver")
             )
@@ -306,7 +282,7 @@ def build_receiver() -> type:
             except ValueError as exc:
                 self.pdstate_fail(exc)
                 return
-            if self._building:  # the agent's thread makes the agent receivers: named there after
+            if self._step.running:  # the agent's thread makes the agent receivers: named there after
                 try:
                     self.kv_mgr.agent.post(lambda: self._posted_name(kv_indices, lists, aux_index, n))
                 except AgentClosed as exc:
@@ -335,9 +311,10 @@ def build_receiver() -> type:
             return None
 
         def _posted_name(self, kv_indices, lists, aux_index, n: int) -> None:
-            """On the agent's I/O thread, after ``_build``: ``send_metadata`` handed over."""
-            if self._build_error is None:
-                error = self._build_error = self._name(kv_indices, lists, aux_index, n)
+            """On the agent's I/O thread, after ``_made``: ``send_metadata`` handed over."""
+            step = self._step
+            if step.error is None:
+                error = step.error = self._name(kv_indices, lists, aux_index, n)
                 if error is not None:
                     self._word = None  # the next poll looks further, and fails the request
 
@@ -370,15 +347,16 @@ def build_receiver() -> type:
                 init = self.init_time
                 if not check or init is None or time.time() - init < self.kv_mgr.waiting_timeout:
                     return steady
-            elif self._building and self._polls % AGENT_CHECK_POLLS:  # its agent receivers are being made
+            elif self._step.running and self._polls % AGENT_CHECK_POLLS:  # its agent receivers are being made
                 return TRANSFERRING if self._named else BOOTSTRAPPING  # (``_poll`` looks every so often)
             return self._poll()
 
         def _poll(self) -> int:
-            if self._building and self.conclude_state is None and self.kv_mgr.agent_failure() is None:
+            step = self._step
+            if step.running and self.conclude_state is None and self.kv_mgr.agent_failure() is None:
                 return self._while_building()
-            if self.conclude_state is None and self._build_error is not None:
-                self.pdstate_fail(self._build_error)  # what refused them on the agent's thread
+            if self.conclude_state is None and step.error is not None:
+                self.pdstate_fail(step.error)  # what refused them on the agent's thread
             if self.conclude_state is None:
                 posted = posted_failure(recv for _, recv in self._recvs)
                 if posted is not None:  # what a posted init or send_metadata raised on the agent's thread

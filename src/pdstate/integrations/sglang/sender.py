@@ -44,13 +44,13 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import threading
 import time
 
 import numpy as np
 
 from pdstate.errors import AgentClosed, PdStateError, TransferFailed
 from pdstate.integrations.sglang import states as lifecycle
+from pdstate.integrations.sglang.posted_step import PostedStep
 from pdstate.integrations.sglang.replicas import MAX_REPLICAS, asked_rooms, refused_room, replica_room
 from pdstate.integrations.sglang.states import AGENT_CHECK_POLLS
 from pdstate.protocol.lifecycle import RequestState
@@ -138,14 +138,10 @@ def build_sender() -> type:
             self._polls = 0
             self._rooms: frozenset[int] | None = None  # ``_agent_rooms``
             # ``init`` once the decode's request is here: the agent senders are made on the agent's
-            # I/O thread (``_build``), not on SGLang's scheduler thread. While that is under way
-            # (``_building``) the chunks sent go there after it, in order; the thread writes
-            # ``_outs``, ``_one``, ``_word`` and ``_build_error`` and clears ``_building`` last, under
-            # ``_build_lock``; ``abort`` waits for it there (``_build_done``)
-            self._building = False
-            self._build_lock = None
-            self._build_error: BaseException | None = None
-            self._build_done = None  # an Event an ``abort`` waits on, made by that abort
+            # I/O thread (``_step``: ``_made``), not on SGLang's scheduler thread. While that is
+            # under way (``_step.running``) the chunks sent go there after it, in order; the step
+            # writes ``_outs``, ``_one`` and ``_word``; ``abort`` waits for it
+            self._step = PostedStep()
             self._sent = False  # a chunk sent while they were made (Transferring to SGLang from then on)
             CommonKVSender.__init__(self, *base_args, **base_kwargs)
             self.init_time = time.time()
@@ -190,29 +186,17 @@ def build_sender() -> type:
                 return
             # SGLang's order (``init`` once the poll said WaitingForInput): the agent senders are
             # made on the agent's thread; this thread only hands the step over
-            self._build_lock = threading.Lock()
-            self._building = True
             try:
-                self.agent.post(self._build)
+                self._step.post(self.agent, self._made)
             except AgentClosed as exc:
-                self._building = False
                 self.pdstate_fail(exc)
 
-        def _build(self) -> None:
-            """On the agent's I/O thread: ``_make_outs``, then ``_building`` cleared (an ``abort``
-            waiting for it woken)."""
-            with self._build_lock:
-                if not self._building:  # given up (the agent closed, an abort stopped waiting)
-                    return
-                try:
-                    error = self._build_error = self._make_outs()
-                    if error is not None:
-                        self._word = None  # the next poll looks further, and fails the request
-                finally:
-                    self._building = False
-                    done = self._build_done
-            if done is not None:
-                done.set()
+        def _made(self) -> BaseException | None:
+            """The step on the agent's I/O thread (``_step``): ``_make_outs``."""
+            error = self._make_outs()
+            if error is not None:
+                self._word = None  # the next poll looks further, and fails the request
+            return error
 
         def _make_agent_sender(self) -> None:
             """On SGLang's scheduler thread: ``_make_outs`` (a caller that calls ``init`` before the
@@ -253,7 +237,7 @@ def build_sender() -> type:
             self._record_transfer_indices(pages, state_indices if last else None)
             if self.conclude_state is not None:
                 return
-            if self._building:  # the agent's thread makes the agent senders: the chunk goes there after
+            if self._step.running:  # the agent's thread makes the agent senders: the chunk goes there after
                 try:  # the state lists checked here (a malformed one concludes the request at once)
                     states = self._states(state_indices, last)
                     self.agent.post(lambda: self._posted_chunk(pages, states, last))
@@ -270,9 +254,10 @@ def build_sender() -> type:
                 self.pdstate_fail(exc)
 
         def _posted_chunk(self, pages, states, last: bool) -> None:
-            """On the agent's I/O thread, after ``_build``: a chunk ``send`` handed over (its state
+            """On the agent's I/O thread, after ``_made``: a chunk ``send`` handed over (its state
             lists checked: ``_states``)."""
-            if self._build_error is not None:
+            step = self._step
+            if step.error is not None:
                 return
             if not self._outs:  # no request waits any more: kept for the senders made later
                 self._queued.append((pages, states, last))
@@ -280,7 +265,7 @@ def build_sender() -> type:
             try:
                 self._feed(pages, states, last)
             except (PdStateError, ValueError) as exc:
-                self._build_error = exc
+                step.error = exc
                 self._word = None  # the next poll looks further, and fails the request
 
         def _states(self, state_indices, last: bool):
@@ -329,10 +314,10 @@ def build_sender() -> type:
             return self._poll()
 
         def _awaited(self) -> int | None:
-            """The answer of a poll with no agent sender yet (or one being made: ``_building``)
+            """The answer of a poll with no agent sender yet (or one being made: ``_step.running``)
             that finds nothing new (nothing arrived at the agent since the last look:
             ``arrivals``), else ``None`` (``_poll`` looks further)."""
-            if self._building:  # the agent's thread makes its senders; every so often ``_poll`` looks
+            if self._step.running:  # the agent's thread makes its senders; every so often ``_poll`` looks
                 if not self._polls % AGENT_CHECK_POLLS:
                     return None
                 return KVPoll.Transferring if self._sent else KVPoll.WaitingForInput
@@ -352,10 +337,8 @@ def build_sender() -> type:
             (it never will)."""
             if not self.agent.closed:
                 return KVPoll.Transferring if self._sent else KVPoll.WaitingForInput
-            with self._build_lock:
-                if not self._building:
-                    return self._poll()
-                self._building = False
+            if not self._step.give_up():  # it ran meanwhile
+                return self._poll()
             return self.pdstate_fail(
                 AgentClosed(f"room {self.bootstrap_room}: the agent closed before it made this request's sender")
             )
@@ -376,10 +359,11 @@ def build_sender() -> type:
             if status == KVPoll.Failed:  # SGLang's own checks (DP routing conflict, ...)
                 self.conclude_state = KVPoll.Failed
                 return KVPoll.Failed
-            if self._building:
+            step = self._step
+            if step.running:
                 return self._while_building()
-            if self._build_error is not None:  # what refused the agent senders on the agent's thread
-                return self.pdstate_fail(self._build_error)
+            if step.error is not None:  # what refused the agent senders on the agent's thread
+                return self.pdstate_fail(step.error)
             if not self._outs:
                 arrivals = self.agent.arrivals  # read first: what arrives during the look is looked at next time
                 if arrivals != self._arrivals_seen:
@@ -441,14 +425,8 @@ def build_sender() -> type:
         def abort(self):
             """Fail the request; returns once nothing of it can land any more (the agent's fence).
             Agent senders still being made on the agent's thread are waited for first."""
-            lock = self._build_lock
-            if lock is not None:
-                with lock:
-                    done = self._build_done = threading.Event() if self._building else None
-                if done is not None and not done.wait(ABORT_FENCE_S):
-                    with lock:  # not run yet (the agent's thread stuck or gone): never made now
-                        self._building = False
-                    log.error("pdstate: room %s: abort: the agent did not make its sender in time", self.bootstrap_room)
+            if not self._step.wait(ABORT_FENCE_S):  # not run yet (the agent's thread stuck or gone): never made now
+                log.error("pdstate: room %s: abort: the agent did not make its sender in time", self.bootstrap_room)
             for out in list(self._outs):
                 if out.send.poll().terminal:
                     continue
