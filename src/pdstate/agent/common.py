@@ -392,6 +392,15 @@ class AgentLifetime:
         """Whether the I/O thread runs (nothing is sent or received without it)."""
         return self._loop.alive
 
+    def post(self, fn: Callable[[], None]) -> None:
+        """Hand ``fn`` to the agent's I/O thread and return: it runs there soon, in order with the
+        work posted before it (posted senders and receivers, ``KVSender.post``,
+        ``KVReceiver.post_init``). For a caller's own quick step that makes or feeds its senders or
+        receivers off its thread (SGLang's backend makes its agent senders and receivers so, out of
+        its scheduler's ``init``); what ``fn`` raises is logged and dropped. Raises ``AgentClosed``
+        once the agent closed (``fn`` never runs then)."""
+        self._loop.post(fn)
+
     def transport(self) -> dict:
         """The engine's transport (``engines.listeners.Transport.as_dict``): configured, in use,
         the TCP addresses its native side listens on, and ``problem`` (a silent fallback)."""

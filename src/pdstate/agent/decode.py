@@ -249,14 +249,6 @@ class DecodeAgent(AgentLifetime):
             self._unadded.post(recv.record, self._loop.post, lambda: self._add_posted(receiver, recv, redial_gone))
         return receiver
 
-    def post(self, fn: Callable[[], None]) -> None:
-        """Hand ``fn`` to the agent's I/O thread and return: it runs there soon, in order with the
-        work posted before it (``receiver(..., posted=True)``, ``KVReceiver.post_init``). For a
-        caller's own quick step that makes or feeds its receivers off its thread (SGLang's backend
-        makes its agent receivers so, out of its scheduler's ``init``); what ``fn`` raises is
-        logged and dropped. Raises ``AgentClosed`` once the agent closed (``fn`` never runs then)."""
-        self._loop.post(fn)
-
     def _add_posted(self, receiver: KVReceiver, recv: Receiving, redial_gone: bool) -> None:
         if not self._unadded.take(recv.record):  # the agent closed first: failed for that
             return

@@ -249,14 +249,6 @@ class PrefillAgent(AgentLifetime):
             self._unadded.post(send.record, self._loop.post, lambda: self._add_posted(sender, send))
         return sender
 
-    def post(self, fn: Callable[[], None]) -> None:
-        """Hand ``fn`` to the agent's I/O thread and return: it runs there soon, in order with the
-        work posted before it (``sender(..., posted=True)``, ``KVSender.post``). For a caller's
-        own quick step that makes or feeds its senders off its thread (SGLang's backend makes its
-        agent senders so, out of its scheduler's ``init``); what ``fn`` raises is logged and
-        dropped. Raises ``AgentClosed`` once the agent closed (``fn`` never runs then)."""
-        self._loop.post(fn)
-
     def decodes(self) -> list[DecodeSnapshot]:
         """The accepted decode agents: worker id, incarnation, seconds since last heard."""
         now = time.monotonic()
