@@ -170,3 +170,48 @@ def test_progress_threads_sleep_unless_told_not_to(delay_us: int) -> None:
         assert never_slept == []
     else:
         assert len(never_slept) >= 2  # one progress thread per agent, always runnable
+
+
+def test_the_bench_phase_writes_raw_from_the_bench_and_from_the_prefill_worker() -> None:
+    """``pdstate bench``'s NIXL phase (on ``tiny``): NIXL's own write from the bench's process
+    (``raw_nixl``) and from the prefill worker's pools (``raw_nixl_prefill``), the same plan's
+    bytes, beside pdstate's rows; the reference of ``nixl_*_vs_raw`` is the faster of the two."""
+    from pdstate.devtools import bench, bench_measure, bench_report
+
+    src, dst = bench_measure.Side("paged", "tiny"), bench_measure.Side("paged", "tiny")
+    results: dict = {"paths": {}, "lengths": [300], "modes": ["paged"]}
+    bench._phase("paged", "nixl", src, dst, [300], 2, results, lambda m: None, preset_name="tiny")
+    rows = {k.split(":", 2)[2]: v["300"] for k, v in results["paths"].items()}
+    assert rows["raw_nixl_prefill"]["seconds"]["n"] == 2
+    assert rows["raw_nixl_prefill"]["bytes"] == rows["raw_nixl"]["bytes"] == rows["pdstate_nixl_off"]["bytes"] > 0
+    assert rows["raw_nixl_prefill"]["descriptors"] == rows["raw_nixl"]["descriptors"]
+    out = bench_report.ratios(results)
+    best = min(rows["raw_nixl"]["seconds"]["median"], rows["raw_nixl_prefill"]["seconds"]["median"])
+    assert out["nixl_off_vs_raw_by_length"]["300"] == best / rows["pdstate_nixl_off"]["seconds"]["median"]
+    assert set(out) >= {"nixl_off_vs_raw_nixl_by_length", "nixl_off_vs_raw_nixl_prefill_by_length"}
+
+
+def test_a_prefill_worker_answers_a_raw_write_it_cannot_make_and_serves_on() -> None:
+    """The prefill worker's raw write (``{"cmd": "raw_prepare"}``, ``{"cmd": "raw_write"}``): a
+    write with no plan, or a plan for a register message that does not decode, is answered with
+    ``raw_failed`` and its reason, and the worker still answers the next command."""
+    import json
+
+    from pdstate.devtools.bench_measure import settings
+    from pdstate.devtools.processes import WorkerProcess
+    from pdstate.worker.options import WorkerOptions
+
+    opts = WorkerOptions(
+        role="prefill", pool=settings("paged", "tiny"), engine="nixl", engine_options=ENGINE_OPTIONS["nixl"]
+    )
+    prefill = WorkerProcess(opts)
+    try:
+        assert prefill.read_event(180)["event"] == "listening"
+        prefill.send(json.dumps({"cmd": "raw_write"}))
+        assert prefill.read_event(30) == {"event": "raw_failed", "error": "RuntimeError: raw nixl: no plan prepared"}
+        prefill.send(json.dumps({"cmd": "raw_prepare", "register": "00", "src": [], "dst": []}))
+        failed = prefill.read_event(30)
+        assert failed["event"] == "raw_failed" and failed["error"].split(":")[0].endswith("Error"), failed
+        assert prefill.command({"cmd": "stats"}, "stats")["event"] == "stats"
+    finally:
+        prefill.close()

@@ -50,7 +50,10 @@ def test_mooncake_ratios_take_the_faster_raw_row_per_length_and_keep_each_row():
     assert out["mooncake_vs_raw_by_length"] == {"8192": 0.5}
     assert out["mooncake_off_vs_raw_mooncake_by_length"] == {"8192": 0.6, "32768": 1.2}
     assert out["mooncake_off_vs_raw_mooncake_polled_by_length"] == {"8192": 0.8, "32768": 0.8}
-    assert out["nixl_off_vs_raw_by_length"] == {"8192": 0.8} and not [k for k in out if "vs_raw_nixl" in k]
+    assert out["nixl_off_vs_raw_by_length"] == {"8192": 0.8}  # the prefill's raw row did not run here
+    assert (
+        out["nixl_off_vs_raw_nixl_by_length"] == {"8192": 0.8} and "nixl_off_vs_raw_nixl_prefill_by_length" not in out
+    )
 
 
 def test_a_phase_on_tiny_measures_every_variant_and_verifies():

@@ -210,6 +210,54 @@ def raw_nixl_write(agent, remote_name: str, plan: TransferPlan) -> Callable[[], 
     return run
 
 
+class WorkerRawNixl:
+    """The raw NIXL row written from inside a worker process (``devtools.processes``' prefill, the
+    bench's ``raw_nixl_prefill``): NIXL's own write, as ``raw_nixl_write``, from an agent of its own
+    over the worker's pools, that is from the very pages pdstate's prefill sends from, into a
+    decode's registered memory. The same native write is up to twice as fast or as slow from one
+    process as from another, steadily within a run (docs/performance.md, "NIXL's per-byte gap"):
+    this row keeps that out of what pdstate's ``off`` row is compared with."""
+
+    def __init__(self, pools, kv_args) -> None:
+        self.pools, self.kv_args = pools, kv_args
+        self.engine = None
+        self.run: Callable[[], None] | None = None
+
+    def prepare(self, register_hex: str, src_lists: list[list[int]], dst_lists: list[list[int]]) -> dict:
+        """Plan the pages ``src_lists`` of this worker into the pages ``dst_lists`` of the decode
+        whose encoded register message (``{"cmd": "describe"}``'s) is ``register_hex``; the
+        first call also starts the agent, registers the pools and connects to that decode."""
+        from pdstate.protocol import wire
+        from pdstate.transfer.engines.base import create_engine
+        from pdstate.transfer.planner import plan_request
+
+        reg = wire.decode(bytes.fromhex(register_hex))
+        endpoint = dict(reg.engine.endpoint)
+        if self.engine is None:
+            self.engine = create_engine("nixl", **ENGINE_OPTIONS["nixl"])
+            self.engine.start()
+            self.engine.register(self.pools.memory.regions())
+            self.engine.connect(endpoint)
+        src = [np.asarray(x, dtype=np.int64) for x in src_lists]
+        dst = [np.asarray(x, dtype=np.int64) for x in dst_lists]
+        plan = plan_request(self.kv_args, reg.kv, src, dst)
+        self.run = raw_nixl_write(self.engine.native, str(endpoint["agent_name"]), plan)
+        return {"bytes": plan.total_bytes, "descriptors": len(plan)}
+
+    def write(self) -> float:
+        """One write of the prepared plan, in seconds (``RuntimeError`` unless it ended DONE)."""
+        if self.run is None:
+            raise RuntimeError("raw nixl: no plan prepared")
+        t0 = time.perf_counter()
+        self.run()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
 _ECHO_SERVER = """
 import sys, zmq
 ctx = zmq.Context(); r = ctx.socket(zmq.ROUTER); r.setsockopt(zmq.LINGER, 0)

@@ -111,6 +111,9 @@ class _Pair(NamedTuple):
     describe: Callable[[], tuple]  # () -> (the decode's wire.KVDesc, its engine endpoint)
     close: Callable[[], None]
     run_off: Callable[[int], dict] | None = None  # run_off(n): the ``off`` decode's request, compute left out
+    # prefill_raw(src_lists, dst_lists) -> write() -> seconds: NIXL's own write from the prefill
+    # worker's pools into the described decode (``baselines.WorkerRawNixl``)
+    prefill_raw: Callable[[list, list], Callable[[], float]] | None = None
 
 
 def _pdstate_pair(
@@ -215,7 +218,36 @@ def _pdstate_pair(
         reg = wire.decode(bytes.fromhex(d.read_event(60)["register"]))
         return reg.kv, dict(reg.engine.endpoint)
 
-    return _Pair(ready[0]["handshake_ms"], run, describe, close, run_off if off else None)
+    def prefill_raw(src_lists: list, dst_lists: list) -> Callable[[], float]:
+        """NIXL's own write of these pages, from the prefill worker's pools (the pages pdstate
+        sends from) into the described decode: prepared now, each call one write, its seconds."""
+
+        def answer(ev: dict, event: str) -> dict:
+            if ev.get("event") != event:
+                raise RuntimeError(f"{engine}: the prefill's raw write: {ev.get('error', ev)}")
+            return ev
+
+        d = decodes[-1]
+        d.send(json.dumps({"cmd": "describe"}))
+        register = d.read_event(60)["register"]
+        lists = {"src": [x.tolist() for x in src_lists], "dst": [x.tolist() for x in dst_lists]}
+        prefill.send(json.dumps({"cmd": "raw_prepare", "register": register, **lists}))
+        answer(prefill.read_event(120), "raw_prepared")
+
+        def write() -> float:
+            prefill.send(json.dumps({"cmd": "raw_write"}))
+            return float(answer(prefill.read_event(300), "raw")["seconds"])
+
+        return write
+
+    return _Pair(
+        ready[0]["handshake_ms"],
+        run,
+        describe,
+        close,
+        run_off if off else None,
+        prefill_raw if engine == "nixl" else None,
+    )
 
 
 def _phase(
@@ -234,7 +266,9 @@ def _phase(
     agents are alive: an idle NIXL agent's progress thread wakes about a thousand times a second,
     which would tax every other variant on a 2-core machine)."""
     progress(f"[{mode}:{engine}] starting a pdstate pair ...")
-    hs, run, describe, close, run_off = _pdstate_pair(engine, mode, preset_name, off=engine in ("mooncake", "nixl"))
+    hs, run, describe, close, run_off, prefill_raw = _pdstate_pair(
+        engine, mode, preset_name, off=engine in ("mooncake", "nixl")
+    )
     results.setdefault("handshake_ms", {})[f"{mode}:{engine}"] = hs
     raw, decode_kv = None, None
     try:
@@ -254,6 +288,9 @@ def _phase(
             }
             if raw is not None:  # the same pages and buffers, in the decode worker's memory (its raw rows)
                 variants.update(raw[0](plan_request(src.kv, decode_kv, a.lists, b.lists)))
+            if prefill_raw is not None:  # the same write from the prefill worker's own pools
+                write = prefill_raw(a.lists, b.lists)
+                variants[f"raw_{engine}_prefill"] = lambda write=write: {"transfer_s": write()}
             variants[f"pdstate_{engine}"] = lambda: run(n, "sample")
             variants[f"pdstate_{engine}_full_verify"] = lambda: run(n, "full")
             if run_off is not None:  # transfer.verify = off, the prefill's compute left out
@@ -426,7 +463,7 @@ def bench_control(runs: int) -> dict:
             with AgentDecodeWorker(opts) as d:
                 first.append(_handshake_ms(d, 30))
     out["first_handshake_tiny_ms"] = median_range(first)
-    _, run, _, close, _ = _pdstate_pair("shm", "paged", preset_name="tiny")
+    _, run, _, close, *_ = _pdstate_pair("shm", "paged", preset_name="tiny")
     try:
         nodes = AgentNodes(settings("paged", "tiny"))
     except BaseException:

@@ -17,7 +17,7 @@ from pdstate.errors import ExitCode
 
 # each native engine's raw rows (``baselines.raw_engine``): its ``*_vs_raw`` ratios take the faster
 # one per length, the best a caller does with that engine alone
-RAW_ROWS = {"mooncake": ("raw_mooncake", "raw_mooncake_polled"), "nixl": ("raw_nixl",)}
+RAW_ROWS = {"mooncake": ("raw_mooncake", "raw_mooncake_polled"), "nixl": ("raw_nixl", "raw_nixl_prefill")}
 
 
 def ratios(r: dict) -> dict:
@@ -29,8 +29,9 @@ def ratios(r: dict) -> dict:
     - raw engine / serve's worker pair for the native engines (``<engine>_vs_raw``,
       ``<engine>_full_verify_vs_raw``, ``<engine>_off_vs_raw``), the raw engine being its faster
       raw row per length (``RAW_ROWS``: Mooncake's spinning sync write or its submitted and
-      polled write, whichever was faster; each one's own ratio to ``off`` is kept as
-      ``mooncake_off_vs_raw_mooncake[_polled]``); in the sglang phase, SGLang's Mooncake backend / backend
+      polled write, whichever was faster; NIXL's write from the bench's process or from the
+      prefill worker's; each one's own ratio to ``off`` is kept as
+      ``<engine>_off_vs_<row>``); in the sglang phase, SGLang's Mooncake backend / backend
       pdstate (above 1: pdstate is faster; ``..._by_release``: the prefill's send -> Success,
       ``sglang_backend_vs_sglang_mooncake_decode_by_release``: the decode's metadata -> Success),
       and the SGLang ranks' endpoints scraped / off (``sglang_rank_endpoint_scraped_vs_off``,

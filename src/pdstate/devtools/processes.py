@@ -7,7 +7,12 @@ answers ``stats`` / ``{"cmd": "stats"}`` with ``{"event": "stats", ...}``, ``pee
 ``{"cmd": "peers"}`` with ``{"event": "peers", "peers": [...]}`` (what it recorded about every
 decode that registered: id, incarnation, state, error) and ``{"cmd": "requests"}`` with
 ``{"event": "requests", "in_flight": [...], "finished": [...]}`` (its request records);
-``{"cmd": "fault", "delay_before_copy_s": S}`` sets the test seam ``WorkerHooks``.
+``{"cmd": "fault", "delay_before_copy_s": S}`` sets the test seam ``WorkerHooks``;
+``{"cmd": "raw_prepare", "register": hex, "src": [[...]], "dst": [[...]]}`` (``pdstate bench``'s
+``raw_nixl_prefill`` row: NIXL's own write from this process's pools into the decode whose register
+message that is, ``baselines.WorkerRawNixl``) answers ``{"event": "raw_prepared", "bytes",
+"descriptors"}``, then each ``{"cmd": "raw_write"}`` ``{"event": "raw", "seconds": S}`` (a failure:
+``{"event": "raw_failed", "error": "Type: message"}``, and the worker serves on).
 A decode prints ``{"event": "ready", "handshake_ms": ...}`` (or ``{"event": "refused", "type",
 "message"}`` and exits ``ExitCode.REFUSED``, 4), then runs each ``{"cmd": "run", "lengths": [...], "concurrency": N,
 "deadline_s": S?, "verify": "full"|"sample"?}`` line it reads, printing one ``{"event": "result", ...}`` per request and
@@ -99,10 +104,12 @@ def _commands(lines: Iterable[str], emit: Emit):
 
 
 def _run_prefill(opts: WorkerOptions, lines: Iterable[str], emit: Emit, hooks: WorkerHooks | None = None) -> ExitCode:
+    from pdstate.devtools.baselines import WorkerRawNixl
     from pdstate.worker.prefill import AgentPrefillWorker
 
     w = AgentPrefillWorker(opts, hooks=hooks).start()
     emit({"event": "listening", "endpoint": w.endpoint, "pid": os.getpid()})
+    raw: WorkerRawNixl | None = None  # the bench's raw NIXL row, made on its first command
     try:
         for cmd in _commands(lines, emit):
             if cmd.get("cmd") == "stats":
@@ -112,6 +119,15 @@ def _run_prefill(opts: WorkerOptions, lines: Iterable[str], emit: Emit, hooks: W
             elif cmd.get("cmd") == "fault":  # test knob: {"cmd": "fault", "delay_before_copy_s": S}
                 w.set_hooks(WorkerHooks(delay_before_copy_s=float(cmd.get("delay_before_copy_s", 0.0))))
                 emit({"event": "fault", "delay_before_copy_s": w.hooks.delay_before_copy_s})
+            elif cmd.get("cmd") in ("raw_prepare", "raw_write"):  # the bench's raw NIXL row, from these pools
+                try:
+                    if cmd["cmd"] == "raw_prepare":
+                        raw = raw or WorkerRawNixl(w.pools, w.kv_args)
+                        emit({"event": "raw_prepared", **raw.prepare(cmd["register"], cmd["src"], cmd["dst"])})
+                    else:
+                        emit({"event": "raw", "seconds": (raw or WorkerRawNixl(w.pools, w.kv_args)).write()})
+                except Exception as exc:  # the bench's phase records it; the worker serves on
+                    emit({"event": "raw_failed", "error": f"{type(exc).__name__}: {exc}"})
             elif cmd.get("cmd") == "requests":
                 s = w.status()
                 emit(
@@ -126,6 +142,8 @@ def _run_prefill(opts: WorkerOptions, lines: Iterable[str], emit: Emit, hooks: W
             else:
                 emit({"event": "error", "message": f"unknown prefill command {cmd.get('cmd')!r}"})
     finally:
+        if raw is not None:
+            raw.close()
         w.stop()
     return ExitCode.OK
 
