@@ -19,15 +19,16 @@ bench's count at every length, 2-core host at load 8-13): ``submit`` + ``poll`` 
 ``release_xfer_handle`` with both lists built beforehand (the bench's ``raw_nixl`` row), about
 240 us for 64-byte descriptors. Of that, building both lists here is 6-13 us and the plan's
 checks (``regions.check_plan``, every engine's) 20-80 us. A bench request over NIXL at 8k tokens
-(42 MB, ``verify = off``) spent about 40 ms in ``transfer`` and 3-6 ms (medians) outside it,
+(42 MB, ``verify = off``) spent 7-15 ms in ``transfer`` and 2.1-2.6 ms (medians) outside it,
 outside this engine: the request reaching the prefill, its worker handing the chunk to the
-agent, ``TransferDone`` reaching the decode. Per byte the engine adds nothing measurable: in the
-bench's prefill worker, NIXL's own write of the same plan from the same agent just before and just
-after each engine submission of a 128k-token request (521 MB, 148 descriptors, ``DONE`` from
-``transfer`` every time) took as long as the submission (medians 190 / 188 / 186 ms at load 11);
-the bench's ``raw_nixl`` row, the same native write from the bench process, is faster per byte
-for a reason of the process, not of what it hands NIXL (docs/performance.md, "NIXL's per-byte
-gap").
+agent, the agent's planning and the plan's checks, ``TransferDone`` reaching the decode. Per byte
+the engine adds nothing measurable: in the bench's prefill worker, NIXL's own write of the same
+plan from the same agent just before and just after each engine submission of a 128k-token
+request (521 MB, 148 descriptors, ``DONE`` from ``transfer`` every time) took as long as the
+submission (medians 190 / 188 / 186 ms at load 11). The same native write from another process
+(the bench's ``raw_nixl`` row) runs up to twice as fast or as slow, steadily for the life of the
+processes: a matter of the process, not of what it hands NIXL (docs/performance.md, "NIXL at
+8k"; the bench's ``raw_nixl_prefill`` row writes from the prefill worker's own pools).
 
 Completion callbacks: ``on_done(handle, fn)`` calls ``fn()`` once the handle finished or failed:
 at once when it already has, else from one watcher thread per engine (started on first use) that
