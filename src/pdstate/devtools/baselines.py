@@ -214,9 +214,9 @@ class WorkerRawNixl:
     """The raw NIXL row written from inside a worker process (``devtools.processes``' prefill, the
     bench's ``raw_nixl_prefill``): NIXL's own write, as ``raw_nixl_write``, from an agent of its own
     over the worker's pools, that is from the very pages pdstate's prefill sends from, into a
-    decode's registered memory. The same native write is up to twice as fast or as slow from one
-    process as from another, steadily within a run (docs/performance.md, "NIXL's per-byte gap"):
-    this row keeps that out of what pdstate's ``off`` row is compared with."""
+    decode's registered memory. The same native write runs up to 2-3x faster or slower from one
+    agent than from another, often steadily over a run (docs/performance.md, "NIXL at 8k"): this
+    row is a second writer, from the pages pdstate sends, beside the bench process's."""
 
     def __init__(self, pools, kv_args) -> None:
         self.pools, self.kv_args = pools, kv_args

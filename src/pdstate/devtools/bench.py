@@ -15,7 +15,7 @@ interleaved round-robin in one process run (these machines are shared; ratios, n
   is the reference of the ``mooncake_*_vs_raw`` ratios: ``baselines.raw_mooncake_write``);
   ``raw_nixl_prefill`` is NIXL's same write made inside the prefill worker, from its own pools (the
   pages pdstate sends from: ``baselines.WorkerRawNixl``), since the same native write runs at a
-  speed of the process it is made from; the faster NIXL row is the ``nixl_*_vs_raw`` reference;
+  speed of the agent making it; the faster NIXL row is the ``nixl_*_vs_raw`` reference;
 - ``pdstate_<engine>`` (native engines): ``pdstate serve``'s prefill and decode workers
   (``pdstate.worker``, over the agent) as a process pair (``devtools.processes``), from the
   decode's request to the bytes verified (the receiver's ``transfer_s`` plus the decode's

@@ -25,10 +25,10 @@ agent, the agent's planning and the plan's checks, ``TransferDone`` reaching the
 the engine adds nothing measurable: in the bench's prefill worker, NIXL's own write of the same
 plan from the same agent just before and just after each engine submission of a 128k-token
 request (521 MB, 148 descriptors, ``DONE`` from ``transfer`` every time) took as long as the
-submission (medians 190 / 188 / 186 ms at load 11). The same native write from another process
-(the bench's ``raw_nixl`` row) runs up to twice as fast or as slow, steadily for the life of the
-processes: a matter of the process, not of what it hands NIXL (docs/performance.md, "NIXL at
-8k"; the bench's ``raw_nixl_prefill`` row writes from the prefill worker's own pools).
+submission (medians 190 / 188 / 186 ms at load 11). The same native write from another agent
+(the bench's ``raw_nixl`` row) runs up to 2-3x faster or slower, often steadily over a run: a
+matter of the writer, not of what it hands NIXL (docs/performance.md, "NIXL at 8k"; the bench's
+``raw_nixl_prefill`` row writes from the prefill worker's own pools).
 
 Completion callbacks: ``on_done(handle, fn)`` calls ``fn()`` once the handle finished or failed:
 at once when it already has, else from one watcher thread per engine (started on first use) that
