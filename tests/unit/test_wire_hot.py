@@ -22,6 +22,7 @@ from pdstate.protocol import wire
 from tests.support.paths import REPO
 
 VECTORS = REPO / "proto" / "vectors"
+TOKEN = b"pdstate-golden-vector-token"  # the authed vector's (proto/vectors/README.md)
 REQUEST_VECTORS = ["agent_request", "agent_request.sample_rule", "agent_request.seq_len", "agent_request.verify"]
 DONE_VECTORS = ["transfer_done", "transfer_done.digest_form"]
 
@@ -207,3 +208,28 @@ def test_the_hand_check_and_the_model_agree_on_random_changes(cls, base, changes
     body = dict(body_of(base), **changes)
     new, old = both(cls, body)
     assert new == old
+
+
+def test_threads_encoding_at_once_each_get_their_own_frames():
+    """``encode`` keeps a packer per thread and a head per kind: frames of several kinds, with and
+    without a tag, encoded on several threads at once are each the golden vector's bytes."""
+    import threading
+
+    names = ["agent_request", "transfer_done", "heartbeat.authed"]
+    msgs = {
+        n: wire.decode((VECTORS / f"{n}.msgpack").read_bytes(), token=TOKEN if "authed" in n else None) for n in names
+    }
+    wrong: list[str] = []
+
+    def run(name: str) -> None:
+        want = (VECTORS / f"{name}.msgpack").read_bytes()
+        for _ in range(300):
+            if wire.encode(msgs[name], TOKEN if "authed" in name else None) != want:
+                wrong.append(name)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in names * 2]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
