@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 import threading
 import time
 from typing import Literal
@@ -66,7 +67,7 @@ __all__ = [
     "PositionDigest",
     "SAMPLE_BLOCK",
     "SAMPLE_BLOCKS",
-    "SAMPLE_RATE",
+    "SAMPLE_OTHERS",
     "SAMPLE_RULE",
     "SampleDigest",
     "block_offsets",
@@ -77,6 +78,7 @@ __all__ = [
     "memory_devices",
     "new_digest",
     "sample_mask",
+    "sample_positions",
     "sample_rule_error",
     "sample_seed",
     "weaker",
@@ -85,10 +87,10 @@ __all__ = [
 Level = Literal["sampled", "full", "off"]
 LEVELS: tuple[str, ...] = ("off", "sampled", "full")  # weakest first
 DEFAULT_LEVEL = "sampled"
-SAMPLE_RATE = 8  # items: 1 in 8 of each channel's list (and its first and last)
-SAMPLE_BLOCK = 64  # bytes a block of the sample reads (an item shorter than that: all of it)
-SAMPLE_BLOCKS = 4  # blocks of each sampled item, one in each quarter of it
-SAMPLE_RULE = 2  # the sampling rule below (1: every state item, 1 in 8 main-KV pages whole)
+SAMPLE_OTHERS = 2  # items: seeded others of each channel's list, one per stratum (beside its first and last)
+SAMPLE_BLOCK = 128  # bytes a block of the sample reads (an item shorter than that: all of it)
+SAMPLE_BLOCKS = 2  # blocks of each sampled item, one in each half of it
+SAMPLE_RULE = 3  # the sampling rule below (2: 1 in 8 of each list; 1: every state item, 1 in 8 main-KV pages whole)
 _ROWS_PER_STEP = 256  # device form: items reduced at once (bounds the temporary)
 _M64 = (1 << 64) - 1
 
@@ -146,7 +148,6 @@ def _splitmix(x: np.ndarray) -> np.ndarray:
 
 
 _C1, _C2, _C3 = (int(c) for c in _SPLITMIX[:3])
-_FEW = 32  # a row of at most this many items is picked in Python: fewer calls than numpy's ~20 a row
 
 
 def _splitmix_int(x: int) -> int:
@@ -157,21 +158,33 @@ def _splitmix_int(x: int) -> int:
     return z ^ (z >> 31)
 
 
+@functools.lru_cache(maxsize=1024)
+def sample_positions(key: int, n: int) -> tuple[int, ...]:
+    """The list positions the sample holds of a list of ``n`` items, ``key`` being the channel's
+    seed (the request's seed xor ``c << 56``), ascending: the first, the last, and one of each of
+    ``SAMPLE_OTHERS`` equal strata of the positions between them, at splitmix64(``key`` xor
+    stratum) mod the stratum's length (every position when ``n`` is ``SAMPLE_OTHERS + 2`` or
+    less). As many whatever ``n``: the sample's cost is flat in the request's length."""
+    if n <= SAMPLE_OTHERS + 2:
+        return tuple(range(n))
+    inner, key = n - 2, key & _M64
+    picks = []
+    for s in range(SAMPLE_OTHERS):
+        lo, hi = 1 + inner * s // SAMPLE_OTHERS, 1 + inner * (s + 1) // SAMPLE_OTHERS
+        picks.append(lo + _splitmix_int(key ^ s) % (hi - lo))
+    return (0, *picks, n - 1)
+
+
 def _kept(key: int, start: int, k: int, n: int) -> list[int]:
-    """``sample_mask``'s rule for the ``k`` list positions from ``start`` (of a list of ``n``),
+    """``sample_positions`` of the ``k`` list positions from ``start`` (of a list of ``n``),
     ``key`` being the channel's seed: the offsets (from ``start``) of those the sample holds."""
-    last, rate = max(n - 1, 0), max(1, SAMPLE_RATE)
-    return [
-        j for j, p in enumerate(range(start, start + k)) if p == 0 or p == last or _splitmix_int(p ^ key) % rate == 0
-    ]
+    return [p - start for p in sample_positions(key, n) if start <= p < start + k]
 
 
-def sample_mask(seed: int, positions: np.ndarray, n: int, rate: int = SAMPLE_RATE) -> np.ndarray:
-    """Which list ``positions`` (of a list of ``n``) the sample holds: the first, the last, and
-    those whose mixed (seed, position) falls in 1 of ``rate``."""
-    pos = np.asarray(positions, dtype=np.uint64)
-    keep = _splitmix(pos ^ np.uint64(seed & _M64)) % np.uint64(max(1, rate)) == 0
-    return keep | (pos == 0) | (pos == np.uint64(max(n - 1, 0)))
+def sample_mask(seed: int, positions: np.ndarray, n: int) -> np.ndarray:
+    """Which list ``positions`` (of a list of ``n``) the sample holds (``sample_positions``, ``seed``
+    being the channel's): a boolean per position."""
+    return np.isin(np.asarray(positions, dtype=np.int64), np.array(sample_positions(seed & _M64, n), dtype=np.int64))
 
 
 @functools.lru_cache(maxsize=64)
@@ -360,15 +373,21 @@ def block_offsets(seed: int, channel: int, item_lens) -> np.ndarray:
     ``[buffers, SAMPLE_BLOCKS]`` int64. Block ``j`` of buffer ``b`` lies in the item's stratum
     ``j`` (its ``SAMPLE_BLOCKS`` equal parts; an item too short for that has one, the whole item),
     at ``r mod slots`` times the alignment, ``r`` being
-    splitmix64(splitmix64(seed xor channel << 56) xor (b << 8 | j))."""
+    splitmix64(``b << 8 | j``) xor splitmix64(seed xor ``channel << 56``)."""
     _, stratum, align, slots = _block_grid(item_lens)
-    key = _splitmix(np.array([(seed ^ (channel << 56)) & _M64], dtype=np.uint64))
-    bj = (np.arange(stratum.size, dtype=np.uint64)[:, None] << np.uint64(8)) | np.arange(
-        SAMPLE_BLOCKS, dtype=np.uint64
-    )[None, :]
-    r = _splitmix(bj ^ key[0])
+    r = _block_mix(stratum.size) ^ np.uint64(_splitmix_int((seed ^ (channel << 56)) & _M64))
     j = np.arange(SAMPLE_BLOCKS, dtype=np.int64)[None, :]
     return j * stratum[:, None] + (r % slots.astype(np.uint64)[:, None]).astype(np.int64) * align[:, None]
+
+
+@functools.lru_cache(maxsize=64)
+def _block_mix(buffers: int) -> np.ndarray:
+    """splitmix64(``b << 8 | j``) per buffer ``b`` and block ``j``: ``[buffers, SAMPLE_BLOCKS]``
+    uint64 (what a block's offset mixes with the request's channel key)."""
+    bj = (np.arange(buffers, dtype=np.uint64)[:, None] << np.uint64(8)) | np.arange(SAMPLE_BLOCKS, dtype=np.uint64)
+    out = _splitmix(bj)
+    out.flags.writeable = False
+    return out
 
 
 class _SampleShape:
@@ -389,19 +408,17 @@ class _SampleShape:
         self.items = np.concatenate(flat[1::2]) if flat else np.empty(0, np.int64)
         self.channel = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
         bounds = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64))).astype(np.int64)
-        buffer = np.arange(self.ptrs.size, dtype=np.int64) - np.repeat(bounds[:-1], sizes)
         self.block, self.stratum, self.align, self.slots = _block_grid(self.items)
         self.slots_u64 = self.slots.astype(np.uint64)[:, None]
         self.strata = np.arange(SAMPLE_BLOCKS, dtype=np.int64)[None, :] * self.stratum[:, None]
-        self.bj = (buffer.astype(np.uint64)[:, None] << np.uint64(8)) | np.arange(SAMPLE_BLOCKS, dtype=np.uint64)[
-            None, :
-        ]
+        self.mix = np.concatenate([_block_mix(k) for k in sizes]) if sizes else np.empty((0, SAMPLE_BLOCKS), np.uint64)
+        self.base = self.ptrs[:, None] + self.strata  # per buffer and block: its stratum's address in item 0
         self.spans = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
         self.item_lens, self.lens, self.bufs, self.item_bytes, self.whole = [], [], [], [], []
         for lo, hi in self.spans:
             blocks = self.block[lo:hi]
             one = hi > lo and int(blocks.min()) == int(blocks.max())
-            self.item_lens.append(self.items[lo:hi])
+            self.item_lens.append(np.repeat(self.items[lo:hi], SAMPLE_BLOCKS))  # per block of an item, read order
             self.lens.append(int(blocks[0]) if one else np.repeat(blocks, SAMPLE_BLOCKS))
             self.bufs.append(np.repeat(np.arange(hi - lo), SAMPLE_BLOCKS))
             self.item_bytes.append(int(blocks.sum()) * SAMPLE_BLOCKS)
@@ -410,9 +427,10 @@ class _SampleShape:
     def first(self, seed: int) -> np.ndarray:
         """Per buffer and block of a request of sample seed ``seed``: its address in item 0 (the
         buffer's address plus ``block_offsets``), ``[buffers, SAMPLE_BLOCKS]`` int64."""
-        keys = np.array([_splitmix_int((seed & _M64) ^ (c << 56)) for c in range(self.channels)], dtype=np.uint64)
-        r = _splitmix(self.bj ^ keys[self.channel][:, None])
-        return self.ptrs[:, None] + self.strata + (r % self.slots_u64).astype(np.int64) * self.align[:, None]
+        keys = np.array([_splitmix_int((seed ^ (c << 56)) & _M64) for c in range(self.channels)], dtype=np.uint64)
+        r = self.mix ^ keys[self.channel][:, None]
+        np.remainder(r, self.slots_u64, out=r)
+        return self.base + r.view(np.int64) * self.align[:, None]
 
 
 @functools.lru_cache(maxsize=32)
@@ -504,31 +522,25 @@ class SampleDigest(_BesideCopy):
         positions, parts, nbytes = [], [], 0
         whole: list = []  # host form: (channel, addresses) of whole blocks
         for channel, idx, start in rows:
-            n = self.lengths[channel]
-            if start == 0 and idx.size == n and n <= 2:
-                pos = np.arange(n, dtype=np.int64)  # first and last: all of it
-            elif idx.size <= _FEW:  # the same rule in Python: a handful of items, no numpy calls
-                kept = _kept((self.seed ^ (channel << 56)) & _M64, start, idx.size, n)
-                if len(kept) < idx.size:
-                    idx = idx[kept]
-                pos = np.array(kept, dtype=np.int64) + start
-            else:
-                pos = np.arange(start, start + idx.size, dtype=np.int64)
-                keep = sample_mask((self.seed ^ (channel << 56)) & _M64, pos, n)
-                idx, pos = idx[keep], pos[keep]
-            positions.append((channel, pos.astype("<u8").tobytes()))
-            lo, hi = shape.spans[channel]
-            if idx.size == 0 or hi == lo:
+            kept = _kept((self.seed ^ (channel << 56)) & _M64, start, idx.size, self.lengths[channel])
+            if not kept:
                 continue
-            addr = (first[None, lo:hi, :] + (idx[:, None] * shape.item_lens[channel][None, :])[:, :, None]).reshape(-1)
-            nbytes += shape.item_bytes[channel] * idx.size
+            positions.append((channel, struct.pack(f"<{len(kept)}Q", *(p + start for p in kept))))
+            lo, hi = shape.spans[channel]
+            if hi == lo:
+                continue
+            # per sampled item, per buffer and block (read order): item 0's address + item * length
+            addr = np.multiply.outer(idx[kept], shape.item_lens[channel])
+            addr += first[lo:hi].reshape(1, -1)
+            addr = addr.reshape(-1)
+            nbytes += shape.item_bytes[channel] * len(kept)
             if host and shape.whole[channel]:
                 whole.append((channel, addr))
                 continue
             lens = shape.lens[channel]
             if not isinstance(lens, int):
-                lens = np.tile(lens, idx.size)
-            parts.append((channel, addr, lens, None if host else np.tile(shape.bufs[channel], idx.size)))
+                lens = np.tile(lens, len(kept))
+            parts.append((channel, addr, lens, None if host else np.tile(shape.bufs[channel], len(kept))))
         together = None
         if len(whole) > 1:
             together = ([(c, a.size) for c, a in whole], np.concatenate([a for _, a in whole]))
