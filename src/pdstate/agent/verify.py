@@ -2,28 +2,32 @@
 the device where the memory lives.
 
 Levels (``transfer.verify``): ``sampled`` (the default) digests a seeded sample of every
-component (``SampleDigest``, sample rule ``SAMPLE_RULE`` = 2); ``full`` digests every byte
+component (``SampleDigest``, sample rule ``SAMPLE_RULE`` = 3); ``full`` digests every byte
 (``RequestDigest`` in host form, ``PositionDigest`` in device form); ``off`` digests nothing (the
 handshake's checks alone). The decode names the level in its ``AgentRequest`` (``verify``; a
 request without the field asks ``full`` when ``digest`` is true) and, at ``sampled``, the rule
 (``sample_rule``); the prefill refuses a request that asks less than its own level, and a
-``sampled`` one by another rule (``sample_rule_error``: absent is rule 1, the rule before this
-one), so what ran is what both sides agreed to and a mixed pair never fails as a digest mismatch.
+``sampled`` one by another rule (``sample_rule_error``: absent is rule 1; rule 2 sampled 1 in 8
+of each list), so what ran is what both sides agreed to and a mixed pair never fails as a digest mismatch.
 
 What ``sampled`` reads. Channels are main KV (C4 KV, C4 indexer, C128 KV buffers), each state
 component (the SWA one: SWA KV, C4 attention and indexer state rings; the C128 state; the draft's
 SWA) and aux. Of channel ``c``'s list of ``n`` items (pages, rows, slots; aux: its one slot) the
-sample holds positions ``0`` and ``n - 1`` and each other whose splitmix64(position xor seed xor
-``c << 56``) is 0 mod ``SAMPLE_RATE`` (``sample_mask``); of each such item every buffer of the
-channel (every layer); of each buffer ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BLOCK`` bytes, one in
-each of the item's ``SAMPLE_BLOCKS`` equal parts, at an offset seeded per request, channel,
-buffer and block (``block_offsets``; an item shorter than that: one block, or the whole item).
-For a 2k-token ``dsv4-flash`` request that is 70 KB on each side (276 KB at 32k), gathered in one
+sample holds positions ``0`` and ``n - 1`` and ``SAMPLE_OTHERS`` others, one in each of as many
+equal strata of the positions between them, at splitmix64(``key`` xor stratum) mod the stratum's
+length, ``key`` being the seed xor ``c << 56`` (``sample_positions``, the one rule: ``sample_mask``
+and a chunk's pick read it off); as many items whatever the request's length, so the sample's
+cost is flat in length. Of each such item every buffer of the channel (every layer); of each
+buffer ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BLOCK`` bytes, one in each of the item's
+``SAMPLE_BLOCKS`` equal parts, at an offset seeded per request, channel, buffer and block
+(``block_offsets``; an item shorter than that: one block, or the whole item). For a
+``dsv4-flash`` request that is about 85 KB on each side at 2k tokens as at 32k, gathered in one
 numpy step, never fused into the copy: the prefill reads it on the thread that submitted the copy,
 right after the submission when the copy is short (``inline``, under
 ``digest.INLINE_COPY_BYTES``: on the synchronous shm engine after the copy, on the others while
-the engine copies; a longer copy hides it in the background), and the decode picks its sample on its I/O thread once its
-request went out and reads it at ``TransferDone`` (no thread hop on either side). It catches, in every one of 200 seeds
+the engine copies; a longer copy hides it in the background), and the decode picks its sample on
+its I/O thread once its request went out and reads it at ``TransferDone`` (no thread hop on
+either side). It catches, in every one of 200 seeds
 (``tests/agent/test_sampled_catches.py``): a one-page shift of the SWA window, a stale C128
 state, a missing last chunk, two layers' state swapped — any fault that changes a sampled
 item of every layer or the first or last item of a component. It misses a damaged byte outside
@@ -473,13 +477,13 @@ def _sample_shape(layout) -> _SampleShape:
 
 class SampleDigest(_BesideCopy):
     """A request's digest at ``sampled`` (sample rule ``SAMPLE_RULE``), host or device form: per
-    channel the items of the sample (``sample_mask`` over the channel's list, the channel in the
+    channel the items of the sample (``sample_positions`` of the channel's list, the channel in the
     seed), of each such item every buffer, of each buffer ``SAMPLE_BLOCKS`` blocks of
     ``SAMPLE_BLOCK`` bytes at the request's seeded offsets (``block_offsets``). Each channel has
     one data stream (the blocks' bytes, host form; ``u64le(lane value)`` per block, device form)
     and one positions stream (the sampled items' list positions, u64le), both in list order
     (item, then buffer, then block), so the prefill's chunks and the decode's pieces give the same
-    streams. Small (70 KB at 2k tokens of ``dsv4-flash``, 276 KB at 32k): gathered and hashed
+    streams. Small and flat in length (about 85 KB at any length of ``dsv4-flash``): gathered and hashed
     beside the copy, never fused into it (host form: on the submitting thread, ``inline``), and a last chunk's state not sent ahead of its pages
     (``split_state``). What does not depend on the request (the layout's table) is made once per
     layout (``_sample_shape``)."""
