@@ -1,4 +1,4 @@
-"""What ``sampled`` (sample rule 2) catches, over 200 seeds each, on the real ``dsv4-flash`` layout
+"""What ``sampled`` (sample rule 3) catches, over 200 seeds each, on the real ``dsv4-flash`` layout
 (pdstate's pools: 62 main-KV buffers, 85 SWA buffers, 20 C128 buffers, the draft's SWA, two aux
 buffers): the prefill's digest of what it sent against the decode's digest of what landed, driven
 through the digest functions directly (the prefill's main KV in three chunks, then the state and
@@ -25,7 +25,15 @@ import pytest
 
 from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
 from pdstate.agent.common import channel_layout
-from pdstate.agent.verify import SAMPLE_BLOCK, SAMPLE_BLOCKS, SampleDigest, block_offsets, new_digest, sample_seed
+from pdstate.agent.verify import (
+    SAMPLE_BLOCK,
+    SAMPLE_BLOCKS,
+    SAMPLE_OTHERS,
+    SampleDigest,
+    block_offsets,
+    new_digest,
+    sample_seed,
+)
 from pdstate.errors import DigestMismatch
 from pdstate.protocol import wire
 from tests.agent.support import fill, make_side
@@ -183,7 +191,7 @@ def test_what_the_sample_reads_is_the_rule(flash):
         k * (n // SAMPLE_BLOCKS) <= o < (k + 1) * (n // SAMPLE_BLOCKS) for k, o in enumerate(offs)
     )
     row = _item(d.state_data_ptrs[c][0], n, DST_STATE[c][-1])  # the window's last row: always sampled
-    inside, outside = int(offs[2]) + 7, int(offs[2]) + SAMPLE_BLOCK
+    inside, outside = int(offs[0]) + 7, int(offs[0]) + SAMPLE_BLOCK
     assert not any(o <= outside < o + SAMPLE_BLOCK for o in offs)
     for at, differs in ((outside, False), (inside, True)):
         row[at] ^= 0x01
@@ -192,17 +200,21 @@ def test_what_the_sample_reads_is_the_rule(flash):
         assert (a != b) is differs, at
 
 
-def test_the_sample_is_small(flash):
-    """The bytes a sampled digest reads: 4 blocks of 64 bytes per buffer of each sampled item."""
+def test_the_sample_is_small_and_flat_in_length(flash):
+    """The bytes a sampled digest reads: ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BLOCK`` bytes per
+    buffer of each sampled item, and as many items (the first, the last, ``SAMPLE_OTHERS`` others)
+    of a list of 24 pages as of one of 8, or of 12 read in three chunks."""
     p, _ = flash
-    lengths = [N_PAGES, *(len(s) for s in SRC_STATE), 1]
-    dig = SampleDigest(_channels(p), seed=11, lengths=lengths)
-    dig.update_many([(0, np.array(SRC_PAGES))])
-    from pdstate.agent.verify import sample_mask
-
-    kept = int(sample_mask(11, np.arange(N_PAGES), N_PAGES).sum())
-    assert dig.bytes == kept * len(p.kv_data_ptrs) * SAMPLE_BLOCKS * SAMPLE_BLOCK
-    assert dig.bytes < 0.02 * N_PAGES * sum(p.kv_item_lens)
+    per_page = len(p.kv_data_ptrs) * SAMPLE_BLOCKS * SAMPLE_BLOCK
+    read = {}
+    for pages, step in ((8, 8), (12, 4), (N_PAGES, N_PAGES)):
+        lengths = [pages, *(len(s) for s in SRC_STATE), 1]
+        dig = SampleDigest(_channels(p), seed=11, lengths=lengths)
+        for lo in range(0, pages, step):
+            dig.update_many([(0, np.array(SRC_PAGES[lo : lo + step]))])
+        read[pages] = dig.bytes
+    assert read == {pages: (SAMPLE_OTHERS + 2) * per_page for pages in (8, 12, N_PAGES)}
+    assert read[N_PAGES] < 0.01 * N_PAGES * sum(p.kv_item_lens)
 
 
 def test_the_agent_pair_catches_a_missing_last_chunk():
@@ -250,30 +262,38 @@ def test_the_agent_pair_catches_a_missing_last_chunk():
         stack.close()
 
 
-def test_the_pick_of_a_few_items_is_sample_masks_rule():
-    """A row of a few items is picked in Python (``verify._kept``), a longer one by numpy
-    (``sample_mask``): both keep exactly the same list positions, first and last included."""
-    from pdstate.agent.verify import _FEW, _kept, sample_mask
+def test_the_sample_positions_are_one_rule():
+    """``sample_positions`` is the rule (the first, the last, one seeded position in each of
+    ``SAMPLE_OTHERS`` equal strata between them); ``sample_mask`` and the pick of a chunk
+    (``verify._kept``) are read off it, so a list sampled whole or in chunks keeps the same
+    positions; the pick moves with the seed."""
+    from pdstate.agent.verify import _kept, sample_mask, sample_positions
 
     rng = np.random.default_rng(3)
-    held = 0
     for _ in range(400):
         seed = int(rng.integers(0, 2**63)) ^ (int(rng.integers(0, 4)) << 56)
-        n = int(rng.integers(1, 3 * _FEW))
-        start = int(rng.integers(0, n))
-        k = int(rng.integers(1, min(_FEW, n - start) + 1))
-        want = np.flatnonzero(sample_mask(seed, np.arange(start, start + k), n)).tolist()
-        assert _kept(seed, start, k, n) == want, (seed, start, k, n)
-        held += len(want)
-    assert 0 < held < 400 * _FEW  # some kept, not all: the rule was exercised both ways
+        n = int(rng.integers(1, 200))
+        want = sample_positions(seed, n)
+        inner = n - 2
+        if n <= SAMPLE_OTHERS + 2:
+            assert want == tuple(range(n))
+        else:
+            assert len(want) == SAMPLE_OTHERS + 2 and want[0] == 0 and want[-1] == n - 1
+            for s, p in enumerate(want[1:-1]):  # one in each stratum
+                assert 1 + inner * s // SAMPLE_OTHERS <= p < 1 + inner * (s + 1) // SAMPLE_OTHERS
+        assert np.flatnonzero(sample_mask(seed, np.arange(n), n)).tolist() == list(want)
+        cuts = sorted({0, n, *rng.integers(0, n, 3).tolist()})
+        chunked = [lo + j for lo, hi in zip(cuts, cuts[1:]) for j in _kept(seed, lo, hi - lo, n)]
+        assert chunked == list(want), (seed, n, cuts)
+    assert len({sample_positions(seed, 150) for seed in range(200)}) > 100  # seeded, not one fixed pick
 
 
-# The prefill's and the decode's digests of a clean copy (rooms 0-2), recorded from sample rule 2:
+# The prefill's and the decode's digests of a clean copy (rooms 0-2), recorded from sample rule 3:
 # a change that keeps the rule must keep these bytes (a new rule changes them, and SAMPLE_RULE).
 GOLDEN = {
-    0: "6cdb02f384aac89cb079faa8fc47c111",
-    1: "517f1f4a5397e23c23736f430dbd88d4",
-    2: "fa60bdffbe778ac3c9fc3554b7a7b7a5",
+    0: "ae3fc8db588e4602322f3da64b1bb08c",
+    1: "f859c637282d3f93d3341e1a21bfb841",
+    2: "3d93a04d08bc24a23af20d3b13f41c80",
 }
 
 

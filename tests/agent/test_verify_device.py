@@ -13,7 +13,7 @@ import torch
 
 from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
 from pdstate.agent.common import channel_layout
-from pdstate.agent.verify import PositionDigest, SampleDigest, lane_values, lane_values_host
+from pdstate.agent.verify import SAMPLE_BLOCKS, PositionDigest, SampleDigest, lane_values, lane_values_host
 from pdstate.errors import DigestMismatch
 from pdstate.pools.placement import memory_devices
 from tests.agent.support import fill, make_side
@@ -156,7 +156,7 @@ def test_a_sampled_digest_reads_its_own_layouts_memory(layout):
 
     first = of(lay)
     assert of(other) == first and of(as_arrays) == first
-    copies[0][: 4096 // 4] ^= 0xFF  # item 0 of main KV's first buffer (always sampled): its first quarter
+    copies[0][: 4096 // SAMPLE_BLOCKS] ^= 0xFF  # item 0 of main KV's first buffer (always sampled): its first stratum
     assert of(other) != first
     assert of(lay) == first
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pdstate.agent import DecodeAgent, PrefillAgent, RequestState
-from pdstate.agent.verify import block_offsets, sample_mask, sample_seed
+from pdstate.agent.verify import SAMPLE_RULE, block_offsets, sample_mask, sample_seed
 from pdstate.errors import DigestMismatch, PageSizeMismatch, VerifyLevelRefused
 from pdstate.protocol import wire
 from tests.agent.support import make_side
@@ -176,17 +176,19 @@ def test_a_level_below_the_prefills_fails_both_sides(sides):
 
 
 def test_a_sampled_request_by_another_sampling_rule_fails_both_sides(sides, monkeypatch):
-    """A decode sampling by another rule (here: rule 1, a pdstate from before rule 2, which named
-    none) is refused before anything is copied, never left to fail as a digest mismatch."""
+    """A decode sampling by another rule (rule 1: a pdstate from before rule 2, which named none;
+    rule 2: one from before rule 3, which sampled 1 in 8 of each list; a later one) is refused before
+    anything is copied, never left to fail as a digest mismatch."""
     import pdstate.agent.decode_core as decode_core
 
-    for named, rule in ((None, 1), (3, 3)):
+    assert SAMPLE_RULE == 3
+    for named, rule in ((None, 1), (2, 2), (4, 4)):
         monkeypatch.setattr(decode_core, "SAMPLE_RULE", named)
         states, errors, _ = run(sides, "sampled", send_pages=False)
         assert states == (RequestState.FAILED, RequestState.FAILED)
         assert type(errors[0]) is VerifyLevelRefused and str(errors[0]) == str(errors[1])
         assert str(errors[0]) == (
-            f"room {ROOM}: the decode samples by rule {rule}, this prefill by rule 2 (transfer.verify "
+            f"room {ROOM}: the decode samples by rule {rule}, this prefill by rule 3 (transfer.verify "
             "'sampled' of another pdstate release): run the same release on both sides, or "
             "transfer.verify 'full' on the decode"
         )

@@ -2,28 +2,32 @@
 the device where the memory lives.
 
 Levels (``transfer.verify``): ``sampled`` (the default) digests a seeded sample of every
-component (``SampleDigest``, sample rule ``SAMPLE_RULE`` = 2); ``full`` digests every byte
+component (``SampleDigest``, sample rule ``SAMPLE_RULE`` = 3); ``full`` digests every byte
 (``RequestDigest`` in host form, ``PositionDigest`` in device form); ``off`` digests nothing (the
 handshake's checks alone). The decode names the level in its ``AgentRequest`` (``verify``; a
 request without the field asks ``full`` when ``digest`` is true) and, at ``sampled``, the rule
 (``sample_rule``); the prefill refuses a request that asks less than its own level, and a
-``sampled`` one by another rule (``sample_rule_error``: absent is rule 1, the rule before this
-one), so what ran is what both sides agreed to and a mixed pair never fails as a digest mismatch.
+``sampled`` one by another rule (``sample_rule_error``: absent is rule 1; rule 2 sampled 1 in 8
+of each list), so what ran is what both sides agreed to and a mixed pair never fails as a digest mismatch.
 
 What ``sampled`` reads. Channels are main KV (C4 KV, C4 indexer, C128 KV buffers), each state
 component (the SWA one: SWA KV, C4 attention and indexer state rings; the C128 state; the draft's
 SWA) and aux. Of channel ``c``'s list of ``n`` items (pages, rows, slots; aux: its one slot) the
-sample holds positions ``0`` and ``n - 1`` and each other whose splitmix64(position xor seed xor
-``c << 56``) is 0 mod ``SAMPLE_RATE`` (``sample_mask``); of each such item every buffer of the
-channel (every layer); of each buffer ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BLOCK`` bytes, one in
-each of the item's ``SAMPLE_BLOCKS`` equal parts, at an offset seeded per request, channel,
-buffer and block (``block_offsets``; an item shorter than that: one block, or the whole item).
-For a 2k-token ``dsv4-flash`` request that is 70 KB on each side (276 KB at 32k), gathered in one
+sample holds positions ``0`` and ``n - 1`` and ``SAMPLE_OTHERS`` others, one in each of as many
+equal strata of the positions between them, at splitmix64(``key`` xor stratum) mod the stratum's
+length, ``key`` being the seed xor ``c << 56`` (``sample_positions``, the one rule: ``sample_mask``
+and a chunk's pick read it off); as many items whatever the request's length, so the sample's
+cost is flat in length. Of each such item every buffer of the channel (every layer); of each
+buffer ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BLOCK`` bytes, one in each of the item's
+``SAMPLE_BLOCKS`` equal parts, at an offset seeded per request, channel, buffer and block
+(``block_offsets``; an item shorter than that: one block, or the whole item). For a
+``dsv4-flash`` request that is about 85 KB on each side at 2k tokens as at 32k, gathered in one
 numpy step, never fused into the copy: the prefill reads it on the thread that submitted the copy,
 right after the submission when the copy is short (``inline``, under
 ``digest.INLINE_COPY_BYTES``: on the synchronous shm engine after the copy, on the others while
-the engine copies; a longer copy hides it in the background), and the decode picks its sample on its I/O thread once its
-request went out and reads it at ``TransferDone`` (no thread hop on either side). It catches, in every one of 200 seeds
+the engine copies; a longer copy hides it in the background), and the decode picks its sample on
+its I/O thread once its request went out and reads it at ``TransferDone`` (no thread hop on
+either side). It catches, in every one of 200 seeds
 (``tests/agent/test_sampled_catches.py``): a one-page shift of the SWA window, a stale C128
 state, a missing last chunk, two layers' state swapped — any fault that changes a sampled
 item of every layer or the first or last item of a component. It misses a damaged byte outside
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 import threading
 import time
 from typing import Literal
@@ -66,7 +71,7 @@ __all__ = [
     "PositionDigest",
     "SAMPLE_BLOCK",
     "SAMPLE_BLOCKS",
-    "SAMPLE_RATE",
+    "SAMPLE_OTHERS",
     "SAMPLE_RULE",
     "SampleDigest",
     "block_offsets",
@@ -77,6 +82,7 @@ __all__ = [
     "memory_devices",
     "new_digest",
     "sample_mask",
+    "sample_positions",
     "sample_rule_error",
     "sample_seed",
     "weaker",
@@ -85,10 +91,10 @@ __all__ = [
 Level = Literal["sampled", "full", "off"]
 LEVELS: tuple[str, ...] = ("off", "sampled", "full")  # weakest first
 DEFAULT_LEVEL = "sampled"
-SAMPLE_RATE = 8  # items: 1 in 8 of each channel's list (and its first and last)
-SAMPLE_BLOCK = 64  # bytes a block of the sample reads (an item shorter than that: all of it)
-SAMPLE_BLOCKS = 4  # blocks of each sampled item, one in each quarter of it
-SAMPLE_RULE = 2  # the sampling rule below (1: every state item, 1 in 8 main-KV pages whole)
+SAMPLE_OTHERS = 2  # items: seeded others of each channel's list, one per stratum (beside its first and last)
+SAMPLE_BLOCK = 128  # bytes a block of the sample reads (an item shorter than that: all of it)
+SAMPLE_BLOCKS = 2  # blocks of each sampled item, one in each half of it
+SAMPLE_RULE = 3  # the sampling rule below (2: 1 in 8 of each list; 1: every state item, 1 in 8 main-KV pages whole)
 _ROWS_PER_STEP = 256  # device form: items reduced at once (bounds the temporary)
 _M64 = (1 << 64) - 1
 
@@ -146,7 +152,6 @@ def _splitmix(x: np.ndarray) -> np.ndarray:
 
 
 _C1, _C2, _C3 = (int(c) for c in _SPLITMIX[:3])
-_FEW = 32  # a row of at most this many items is picked in Python: fewer calls than numpy's ~20 a row
 
 
 def _splitmix_int(x: int) -> int:
@@ -157,21 +162,33 @@ def _splitmix_int(x: int) -> int:
     return z ^ (z >> 31)
 
 
+@functools.lru_cache(maxsize=1024)
+def sample_positions(key: int, n: int) -> tuple[int, ...]:
+    """The list positions the sample holds of a list of ``n`` items, ``key`` being the channel's
+    seed (the request's seed xor ``c << 56``), ascending: the first, the last, and one of each of
+    ``SAMPLE_OTHERS`` equal strata of the positions between them, at splitmix64(``key`` xor
+    stratum) mod the stratum's length (every position when ``n`` is ``SAMPLE_OTHERS + 2`` or
+    less). As many whatever ``n``: the sample's cost is flat in the request's length."""
+    if n <= SAMPLE_OTHERS + 2:
+        return tuple(range(n))
+    inner, key = n - 2, key & _M64
+    picks = []
+    for s in range(SAMPLE_OTHERS):
+        lo, hi = 1 + inner * s // SAMPLE_OTHERS, 1 + inner * (s + 1) // SAMPLE_OTHERS
+        picks.append(lo + _splitmix_int(key ^ s) % (hi - lo))
+    return (0, *picks, n - 1)
+
+
 def _kept(key: int, start: int, k: int, n: int) -> list[int]:
-    """``sample_mask``'s rule for the ``k`` list positions from ``start`` (of a list of ``n``),
+    """``sample_positions`` of the ``k`` list positions from ``start`` (of a list of ``n``),
     ``key`` being the channel's seed: the offsets (from ``start``) of those the sample holds."""
-    last, rate = max(n - 1, 0), max(1, SAMPLE_RATE)
-    return [
-        j for j, p in enumerate(range(start, start + k)) if p == 0 or p == last or _splitmix_int(p ^ key) % rate == 0
-    ]
+    return [p - start for p in sample_positions(key, n) if start <= p < start + k]
 
 
-def sample_mask(seed: int, positions: np.ndarray, n: int, rate: int = SAMPLE_RATE) -> np.ndarray:
-    """Which list ``positions`` (of a list of ``n``) the sample holds: the first, the last, and
-    those whose mixed (seed, position) falls in 1 of ``rate``."""
-    pos = np.asarray(positions, dtype=np.uint64)
-    keep = _splitmix(pos ^ np.uint64(seed & _M64)) % np.uint64(max(1, rate)) == 0
-    return keep | (pos == 0) | (pos == np.uint64(max(n - 1, 0)))
+def sample_mask(seed: int, positions: np.ndarray, n: int) -> np.ndarray:
+    """Which list ``positions`` (of a list of ``n``) the sample holds (``sample_positions``, ``seed``
+    being the channel's): a boolean per position."""
+    return np.isin(np.asarray(positions, dtype=np.int64), np.array(sample_positions(seed & _M64, n), dtype=np.int64))
 
 
 @functools.lru_cache(maxsize=64)
@@ -360,15 +377,21 @@ def block_offsets(seed: int, channel: int, item_lens) -> np.ndarray:
     ``[buffers, SAMPLE_BLOCKS]`` int64. Block ``j`` of buffer ``b`` lies in the item's stratum
     ``j`` (its ``SAMPLE_BLOCKS`` equal parts; an item too short for that has one, the whole item),
     at ``r mod slots`` times the alignment, ``r`` being
-    splitmix64(splitmix64(seed xor channel << 56) xor (b << 8 | j))."""
+    splitmix64(``b << 8 | j``) xor splitmix64(seed xor ``channel << 56``)."""
     _, stratum, align, slots = _block_grid(item_lens)
-    key = _splitmix(np.array([(seed ^ (channel << 56)) & _M64], dtype=np.uint64))
-    bj = (np.arange(stratum.size, dtype=np.uint64)[:, None] << np.uint64(8)) | np.arange(
-        SAMPLE_BLOCKS, dtype=np.uint64
-    )[None, :]
-    r = _splitmix(bj ^ key[0])
+    r = _block_mix(stratum.size) ^ np.uint64(_splitmix_int((seed ^ (channel << 56)) & _M64))
     j = np.arange(SAMPLE_BLOCKS, dtype=np.int64)[None, :]
     return j * stratum[:, None] + (r % slots.astype(np.uint64)[:, None]).astype(np.int64) * align[:, None]
+
+
+@functools.lru_cache(maxsize=64)
+def _block_mix(buffers: int) -> np.ndarray:
+    """splitmix64(``b << 8 | j``) per buffer ``b`` and block ``j``: ``[buffers, SAMPLE_BLOCKS]``
+    uint64 (what a block's offset mixes with the request's channel key)."""
+    bj = (np.arange(buffers, dtype=np.uint64)[:, None] << np.uint64(8)) | np.arange(SAMPLE_BLOCKS, dtype=np.uint64)
+    out = _splitmix(bj)
+    out.flags.writeable = False
+    return out
 
 
 class _SampleShape:
@@ -389,19 +412,19 @@ class _SampleShape:
         self.items = np.concatenate(flat[1::2]) if flat else np.empty(0, np.int64)
         self.channel = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
         bounds = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64))).astype(np.int64)
-        buffer = np.arange(self.ptrs.size, dtype=np.int64) - np.repeat(bounds[:-1], sizes)
         self.block, self.stratum, self.align, self.slots = _block_grid(self.items)
         self.slots_u64 = self.slots.astype(np.uint64)[:, None]
         self.strata = np.arange(SAMPLE_BLOCKS, dtype=np.int64)[None, :] * self.stratum[:, None]
-        self.bj = (buffer.astype(np.uint64)[:, None] << np.uint64(8)) | np.arange(SAMPLE_BLOCKS, dtype=np.uint64)[
-            None, :
-        ]
+        self.mix = np.concatenate([_block_mix(k) for k in sizes]) if sizes else np.empty((0, SAMPLE_BLOCKS), np.uint64)
+        self.base = self.ptrs[:, None] + self.strata  # per buffer and block: its stratum's address in item 0
         self.spans = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
-        self.item_lens, self.lens, self.bufs, self.item_bytes, self.whole = [], [], [], [], []
+        self.item_lens, self.lens, self.bufs, self.item_bytes, self.whole, self.cols = [], [], [], [], [], []
+        self.flat_lens = np.repeat(self.items, SAMPLE_BLOCKS)  # per buffer and block, flat: its item length
         for lo, hi in self.spans:
             blocks = self.block[lo:hi]
             one = hi > lo and int(blocks.min()) == int(blocks.max())
-            self.item_lens.append(self.items[lo:hi])
+            self.item_lens.append(np.repeat(self.items[lo:hi], SAMPLE_BLOCKS))  # per block of an item, read order
+            self.cols.append(np.arange(lo * SAMPLE_BLOCKS, hi * SAMPLE_BLOCKS, dtype=np.int64))
             self.lens.append(int(blocks[0]) if one else np.repeat(blocks, SAMPLE_BLOCKS))
             self.bufs.append(np.repeat(np.arange(hi - lo), SAMPLE_BLOCKS))
             self.item_bytes.append(int(blocks.sum()) * SAMPLE_BLOCKS)
@@ -410,9 +433,10 @@ class _SampleShape:
     def first(self, seed: int) -> np.ndarray:
         """Per buffer and block of a request of sample seed ``seed``: its address in item 0 (the
         buffer's address plus ``block_offsets``), ``[buffers, SAMPLE_BLOCKS]`` int64."""
-        keys = np.array([_splitmix_int((seed & _M64) ^ (c << 56)) for c in range(self.channels)], dtype=np.uint64)
-        r = _splitmix(self.bj ^ keys[self.channel][:, None])
-        return self.ptrs[:, None] + self.strata + (r % self.slots_u64).astype(np.int64) * self.align[:, None]
+        keys = np.array([_splitmix_int((seed ^ (c << 56)) & _M64) for c in range(self.channels)], dtype=np.uint64)
+        r = self.mix ^ keys[self.channel][:, None]
+        np.remainder(r, self.slots_u64, out=r)
+        return self.base + r.view(np.int64) * self.align[:, None]
 
 
 @functools.lru_cache(maxsize=32)
@@ -420,10 +444,21 @@ def _shape_of(key: tuple) -> _SampleShape:
     return _SampleShape(key)
 
 
+_SEEN: dict[tuple, tuple[list, _SampleShape]] = {}  # the lists of a layout given before (by identity), and its shape
+
+
 def _sample_shape(layout) -> _SampleShape:
     """The shape of ``layout`` (``[(ptrs, item_lens)]`` per channel), made once per layout: both
-    agents digest every request over the same layout."""
-    return _shape_of(
+    agents digest every request over the same layout. A layout of the very lists given before
+    (an agent's, sliced per request) is found by their identity, checked equal to what they held
+    then, without building its key."""
+    ids = tuple(id(x) for pair in layout for x in pair)
+    seen = _SEEN.get(ids)
+    if seen is not None and all(
+        type(x) is list and x == y for x, y in zip((x for pair in layout for x in pair), seen[0])
+    ):
+        return seen[1]
+    shape = _shape_of(
         tuple(
             (
                 tuple(p) if type(p) is list else tuple(np.asarray(p).tolist()),
@@ -432,17 +467,23 @@ def _sample_shape(layout) -> _SampleShape:
             for p, i in layout
         )
     )
+    lists = [x for pair in layout for x in pair]
+    if all(type(x) is list for x in lists):
+        if len(_SEEN) >= 32:
+            _SEEN.clear()
+        _SEEN[ids] = ([list(x) for x in lists], shape)  # copies: a list changed since is not this layout
+    return shape
 
 
 class SampleDigest(_BesideCopy):
     """A request's digest at ``sampled`` (sample rule ``SAMPLE_RULE``), host or device form: per
-    channel the items of the sample (``sample_mask`` over the channel's list, the channel in the
+    channel the items of the sample (``sample_positions`` of the channel's list, the channel in the
     seed), of each such item every buffer, of each buffer ``SAMPLE_BLOCKS`` blocks of
     ``SAMPLE_BLOCK`` bytes at the request's seeded offsets (``block_offsets``). Each channel has
     one data stream (the blocks' bytes, host form; ``u64le(lane value)`` per block, device form)
     and one positions stream (the sampled items' list positions, u64le), both in list order
     (item, then buffer, then block), so the prefill's chunks and the decode's pieces give the same
-    streams. Small (70 KB at 2k tokens of ``dsv4-flash``, 276 KB at 32k): gathered and hashed
+    streams. Small and flat in length (about 85 KB at any length of ``dsv4-flash``): gathered and hashed
     beside the copy, never fused into it (host form: on the submitting thread, ``inline``), and a last chunk's state not sent ahead of its pages
     (``split_state``). What does not depend on the request (the layout's table) is made once per
     layout (``_sample_shape``)."""
@@ -502,38 +543,36 @@ class SampleDigest(_BesideCopy):
             self._first = shape.first(self.seed)
         first, host = self._first, self.form == "host"
         positions, parts, nbytes = [], [], 0
-        whole: list = []  # host form: (channel, addresses) of whole blocks
+        items: list[int] = []  # host form, channels of whole blocks: the sampled items, in read order,
+        cols: list[np.ndarray] = []  # of each its blocks' columns in the flat (buffer, block) table,
+        sizes: list[tuple[int, int]] = []  # and per channel its blocks (gathered at once)
         for channel, idx, start in rows:
-            n = self.lengths[channel]
-            if start == 0 and idx.size == n and n <= 2:
-                pos = np.arange(n, dtype=np.int64)  # first and last: all of it
-            elif idx.size <= _FEW:  # the same rule in Python: a handful of items, no numpy calls
-                kept = _kept((self.seed ^ (channel << 56)) & _M64, start, idx.size, n)
-                if len(kept) < idx.size:
-                    idx = idx[kept]
-                pos = np.array(kept, dtype=np.int64) + start
-            else:
-                pos = np.arange(start, start + idx.size, dtype=np.int64)
-                keep = sample_mask((self.seed ^ (channel << 56)) & _M64, pos, n)
-                idx, pos = idx[keep], pos[keep]
-            positions.append((channel, pos.astype("<u8").tobytes()))
+            kept = _kept((self.seed ^ (channel << 56)) & _M64, start, idx.size, self.lengths[channel])
+            if not kept:
+                continue
+            positions.append((channel, struct.pack(f"<{len(kept)}Q", *(p + start for p in kept))))
             lo, hi = shape.spans[channel]
-            if idx.size == 0 or hi == lo:
+            if hi == lo:
                 continue
-            addr = (first[None, lo:hi, :] + (idx[:, None] * shape.item_lens[channel][None, :])[:, :, None]).reshape(-1)
-            nbytes += shape.item_bytes[channel] * idx.size
+            nbytes += shape.item_bytes[channel] * len(kept)
             if host and shape.whole[channel]:
-                whole.append((channel, addr))
+                items += idx[kept].tolist()
+                cols += [shape.cols[channel]] * len(kept)
+                sizes.append((channel, len(kept) * shape.cols[channel].size))
                 continue
+            # per sampled item, per buffer and block (read order): item 0's address + item * length
+            addr = np.multiply.outer(idx[kept], shape.item_lens[channel])
+            addr += first[lo:hi].reshape(1, -1)
+            addr = addr.reshape(-1)
             lens = shape.lens[channel]
             if not isinstance(lens, int):
-                lens = np.tile(lens, idx.size)
-            parts.append((channel, addr, lens, None if host else np.tile(shape.bufs[channel], idx.size)))
+                lens = np.tile(lens, len(kept))
+            parts.append((channel, addr, lens, None if host else np.tile(shape.bufs[channel], len(kept))))
         together = None
-        if len(whole) > 1:
-            together = ([(c, a.size) for c, a in whole], np.concatenate([a for _, a in whole]))
-        elif whole:
-            parts.insert(0, (whole[0][0], whole[0][1], SAMPLE_BLOCK, None))
+        if items:  # every whole block's address at once: item 0's address + item * item length
+            at = np.concatenate(cols)
+            mult = np.repeat(np.array(items, dtype=np.int64), [c.size for c in cols])
+            together = (sizes, first.reshape(-1)[at] + mult * shape.flat_lens[at])
         return positions, parts, together, nbytes
 
     def prepare(self, updates) -> None:
