@@ -17,6 +17,13 @@ from pdstate.worker import requests as rq
 
 CAPACITY = 131072 + 4 * 256
 PARTS = ("transfer_s", "copy_s", "verify_s", "digest_s", "prefill_digest_s")
+# The rows an engine goal is read on (``ratios.mooncake_off_vs_raw``: the faster raw row over
+# pdstate at ``off``), given ``GOAL_RUNS`` more rounds per run of the others, after them: those
+# rows alone, interleaved request by request, their order reversed every round. With ``runs``
+# samples only (5 in a quick run) the ratio of two medians on a shared 2-core host swung from 0.52
+# to 1.06 between runs of the same code; the extra rounds cost a quick run about half a minute.
+GOAL_ROWS = {"mooncake": ("raw_mooncake", "raw_mooncake_polled", "pdstate_mooncake_off")}
+GOAL_RUNS = 4
 
 
 def settings(mode: str, preset_name: str = "dsv4-flash"):
@@ -59,29 +66,38 @@ def speeds_line(mode: str, engine: str, n: int, plan: TransferPlan, times: dict[
 
 
 def measure(mode: str, engine: str, n: int, plan: TransferPlan, variants: dict, runs: int, results: dict) -> dict:
-    """Warm every variant up, run them interleaved ``runs`` times, and record each one's row under
+    """Warm every variant up, run them interleaved ``runs`` times (then ``engine``'s goal rows,
+    ``GOAL_ROWS``, ``GOAL_RUNS * runs`` more rounds on their own), and record each one's row under
     ``paths`` (plus the phase's ``ceiling``: the better of the two in-process copies) and its parts
     under ``parts``. A variant that returns a dict reports its own time: ``transfer_s`` less
     ``compute_s`` (the prefill's synthetic compute, where there is one); the other parts it names
     (``copy_s``, ``verify_s``, ``digest_s``, ``prefill_digest_s``) are kept. Returns the times."""
     times: dict[str, list[float]] = {k: [] for k in variants}
     extra: dict[str, list[float]] = {}
+
+    def sample(k: str) -> None:
+        t0 = time.perf_counter()
+        out = variants[k]()
+        if isinstance(out, dict):
+            # request sent -> TransferDone received and verified, less the prefill's
+            # synthetic compute (the model's prefill, which precedes any transfer)
+            dt = out["transfer_s"] - out.get("compute_s", 0.0)
+            for part in PARTS:
+                if part in out:
+                    extra.setdefault(f"{k}:{part}", []).append(out[part])
+        else:
+            dt = time.perf_counter() - t0
+        times[k].append(dt)
+
     for fn in variants.values():
         fn()  # warm-up
     for _ in range(runs):
-        for k, fn in variants.items():  # interleaved
-            t0 = time.perf_counter()
-            out = fn()
-            if isinstance(out, dict):
-                # request sent -> TransferDone received and verified, less the prefill's
-                # synthetic compute (the model's prefill, which precedes any transfer)
-                dt = out["transfer_s"] - out.get("compute_s", 0.0)
-                for part in PARTS:
-                    if part in out:
-                        extra.setdefault(f"{k}:{part}", []).append(out[part])
-            else:
-                dt = time.perf_counter() - t0
-            times[k].append(dt)
+        for k in variants:  # interleaved
+            sample(k)
+    goal = [k for k in GOAL_ROWS.get(engine, ()) if k in variants]
+    for r in range(GOAL_RUNS * runs if len(goal) > 1 else 0):  # the goal's rows alone, order reversed every round
+        for k in goal if r % 2 == 0 else goal[::-1]:
+            sample(k)
     ceiling = min(statistics.median(times["ceiling_memmove"]), statistics.median(times["ceiling_gather_scatter"]))
     row = results["paths"]
     for k, ts in times.items():
