@@ -21,7 +21,8 @@ PARTS = ("transfer_s", "copy_s", "verify_s", "digest_s", "prefill_digest_s")
 # pdstate at ``off``), given ``GOAL_RUNS`` more rounds per run of the others, after them: those
 # rows alone, interleaved request by request, their order reversed every round. With ``runs``
 # samples only (5 in a quick run) the ratio of two medians on a shared 2-core host swung from 0.52
-# to 1.06 between runs of the same code; the extra rounds cost a quick run about half a minute.
+# to 1.06 between runs of the same code; the extra rounds cost a quick Mooncake phase about 20 s
+# at load 5 (a minute at load 12-15).
 GOAL_ROWS = {"mooncake": ("raw_mooncake", "raw_mooncake_polled", "pdstate_mooncake_off")}
 GOAL_RUNS = 4
 
