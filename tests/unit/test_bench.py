@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdstate.devtools import bench, bench_measure, bench_report
+from pdstate.transfer.plan import TransferPlan
 from tests.support.bench import fake_bench_result
 
 
@@ -137,13 +138,72 @@ def test_a_native_engine_phase_writes_raw_into_the_decode_worker():
     src, dst = bench_measure.Side("paged", "tiny"), bench_measure.Side("paged", "tiny")
     results: dict = {"paths": {}, "lengths": [300], "modes": ["paged"]}
     bench._phase("paged", "mooncake", src, dst, [300], 2, results, lambda m: None, preset_name="tiny")
+    goal_n = bench_measure.GOAL_RUNS * 2  # the goal's rows: their own rounds' samples only
+    pd = results["paths"]["paged:mooncake:pdstate_mooncake"]["300"]
     raw = results["paths"]["paged:mooncake:raw_mooncake"]["300"]
-    assert (
-        raw["seconds"]["n"] == 2 and raw["bytes"] == results["paths"]["paged:mooncake:pdstate_mooncake"]["300"]["bytes"]
-    )
+    assert pd["seconds"]["n"] == 2 and raw["seconds"]["n"] == goal_n and raw["bytes"] == pd["bytes"]
     polled = results["paths"]["paged:mooncake:raw_mooncake_polled"]["300"]
-    assert polled["seconds"]["n"] == 2 and polled["bytes"] == raw["bytes"]
+    assert polled["seconds"]["n"] == goal_n and polled["bytes"] == raw["bytes"]
     assert 0 < bench_report.ratios(results)["mooncake_vs_raw_by_length"]["300"] < 20
     off = results["paths"]["paged:mooncake:pdstate_mooncake_off"]["300"]
-    assert off["seconds"]["n"] == 2 and off["bytes"] == raw["bytes"]
+    assert off["seconds"]["n"] == goal_n and off["bytes"] == raw["bytes"]
+    assert results["parts"]["paged:mooncake:pdstate_mooncake_off:copy_s"]["300"]["n"] == goal_n
     assert 0 < bench_report.ratios(results)["mooncake_off_vs_raw_by_length"]["300"] < 20
+
+
+_PLAN = TransferPlan.from_arrays([0], [8], [4])  # one descriptor, 4 bytes (``measure`` reads its size only)
+
+
+def test_the_goal_rows_get_their_own_rounds_in_alternating_order():
+    """``measure``: every variant ``runs`` times round-robin, then the engine goal's rows alone,
+    ``GOAL_RUNS * runs`` more rounds, forward then backward, which alone give the goal rows'
+    figures; the other rows keep their ``runs``."""
+    calls: list[str] = []
+
+    def variant(name: str, dt: float | None = None):
+        def run():
+            calls.append(name)
+            return {"transfer_s": dt, "copy_s": dt / 2} if dt is not None else None
+
+        return run
+
+    names = ["ceiling_memmove", "ceiling_gather_scatter", "raw_mooncake", "raw_mooncake_polled"]
+    variants = {k: variant(k) for k in names}
+    variants["pdstate_mooncake"] = variant("pdstate_mooncake", 0.5)
+    variants["pdstate_mooncake_off"] = variant("pdstate_mooncake_off", 0.25)
+    seen = {"n": 0}
+    inner = variants["pdstate_mooncake_off"]
+
+    def off_slower_in_the_phase_rounds():  # its warm-up and phase turns at 9 s, its own rounds at 0.25
+        seen["n"] += 1
+        out = inner()
+        return {**out, "transfer_s": 9.0} if seen["n"] <= 3 else out
+
+    variants["pdstate_mooncake_off"] = off_slower_in_the_phase_rounds
+    results: dict = {"paths": {}}
+    times = bench_measure.measure("paged", "mooncake", 7, _PLAN, variants, 2, results)
+    goal = ["raw_mooncake", "raw_mooncake_polled", "pdstate_mooncake_off"]
+    rounds = 2 * bench_measure.GOAL_RUNS
+    assert calls == [*variants, *(names + ["pdstate_mooncake", "pdstate_mooncake_off"]) * 2] + [
+        k for r in range(rounds) for k in (goal if r % 2 == 0 else goal[::-1])
+    ]
+    assert {k: len(v) for k, v in times.items()} == {
+        "ceiling_memmove": 2,
+        "ceiling_gather_scatter": 2,
+        "raw_mooncake": rounds,
+        "raw_mooncake_polled": rounds,
+        "pdstate_mooncake": 2,
+        "pdstate_mooncake_off": rounds,
+    }
+    assert times["pdstate_mooncake_off"] == [0.25] * rounds  # its own time, its own rounds only
+    off = results["paths"]["paged:mooncake:pdstate_mooncake_off"]["7"]
+    assert off["seconds"] == {"median": 0.25, "min": 0.25, "max": 0.25, "n": rounds}
+    assert results["parts"]["paged:mooncake:pdstate_mooncake_off:copy_s"]["7"]["n"] == rounds
+    assert results["paths"]["paged:mooncake:pdstate_mooncake"]["7"]["seconds"]["n"] == 2
+
+
+def test_an_engine_without_goal_rows_keeps_runs_samples_per_row():
+    calls: list[str] = []
+    variants = {k: (lambda k=k: calls.append(k)) for k in ("ceiling_memmove", "ceiling_gather_scatter", "raw_nixl")}
+    times = bench_measure.measure("paged", "nixl", 7, _PLAN, variants, 3, {"paths": {}})
+    assert calls == list(variants) * 4 and {len(v) for v in times.values()} == {3}

@@ -17,6 +17,17 @@ from pdstate.worker import requests as rq
 
 CAPACITY = 131072 + 4 * 256
 PARTS = ("transfer_s", "copy_s", "verify_s", "digest_s", "prefill_digest_s")
+# The rows an engine goal is read on (``ratios.mooncake_off_vs_raw``: the faster raw row over
+# pdstate at ``off``). After the phase's interleaved rounds they run ``GOAL_RUNS`` rounds per run
+# alone, request by request, their order reversed every round, and their figures are those rounds'
+# only (their turns in the phase's rounds keep the other rows' order as it was). Why: with five
+# samples a row (a quick run) the ratio of two medians swung from 0.52 to 1.06 between runs of
+# the same code, and inside the phase's rounds the ``off`` row follows every other variant:
+# measured in that order (9 rounds), its copy took 22-104 ms at 8k where the sampled row's took
+# 22-41 in the same rounds, while alone with the raw rows it took the raw rows' time. The
+# extra rounds cost a quick Mooncake phase about 20 s at load 5 (a minute at load 12-15).
+GOAL_ROWS = {"mooncake": ("raw_mooncake", "raw_mooncake_polled", "pdstate_mooncake_off")}
+GOAL_RUNS = 5
 
 
 def settings(mode: str, preset_name: str = "dsv4-flash"):
@@ -59,29 +70,43 @@ def speeds_line(mode: str, engine: str, n: int, plan: TransferPlan, times: dict[
 
 
 def measure(mode: str, engine: str, n: int, plan: TransferPlan, variants: dict, runs: int, results: dict) -> dict:
-    """Warm every variant up, run them interleaved ``runs`` times, and record each one's row under
+    """Warm every variant up, run them interleaved ``runs`` times (then ``engine``'s goal rows,
+    ``GOAL_ROWS``, ``GOAL_RUNS * runs`` rounds on their own, which alone give their figures), and
+    record each one's row under
     ``paths`` (plus the phase's ``ceiling``: the better of the two in-process copies) and its parts
     under ``parts``. A variant that returns a dict reports its own time: ``transfer_s`` less
     ``compute_s`` (the prefill's synthetic compute, where there is one); the other parts it names
     (``copy_s``, ``verify_s``, ``digest_s``, ``prefill_digest_s``) are kept. Returns the times."""
     times: dict[str, list[float]] = {k: [] for k in variants}
     extra: dict[str, list[float]] = {}
+
+    goal = [k for k in GOAL_ROWS.get(engine, ()) if k in variants]
+    goal = goal if len(goal) > 1 else []
+
+    def sample(k: str, keep: bool = True) -> None:
+        t0 = time.perf_counter()
+        out = variants[k]()
+        if not keep:
+            return
+        if isinstance(out, dict):
+            # request sent -> TransferDone received and verified, less the prefill's
+            # synthetic compute (the model's prefill, which precedes any transfer)
+            dt = out["transfer_s"] - out.get("compute_s", 0.0)
+            for part in PARTS:
+                if part in out:
+                    extra.setdefault(f"{k}:{part}", []).append(out[part])
+        else:
+            dt = time.perf_counter() - t0
+        times[k].append(dt)
+
     for fn in variants.values():
         fn()  # warm-up
     for _ in range(runs):
-        for k, fn in variants.items():  # interleaved
-            t0 = time.perf_counter()
-            out = fn()
-            if isinstance(out, dict):
-                # request sent -> TransferDone received and verified, less the prefill's
-                # synthetic compute (the model's prefill, which precedes any transfer)
-                dt = out["transfer_s"] - out.get("compute_s", 0.0)
-                for part in PARTS:
-                    if part in out:
-                        extra.setdefault(f"{k}:{part}", []).append(out[part])
-            else:
-                dt = time.perf_counter() - t0
-            times[k].append(dt)
+        for k in variants:  # interleaved
+            sample(k, keep=k not in goal)
+    for r in range(GOAL_RUNS * runs if goal else 0):  # the goal's rows alone, order reversed every round
+        for k in goal if r % 2 == 0 else goal[::-1]:
+            sample(k)
     ceiling = min(statistics.median(times["ceiling_memmove"]), statistics.median(times["ceiling_gather_scatter"]))
     row = results["paths"]
     for k, ts in times.items():
