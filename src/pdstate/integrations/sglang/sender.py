@@ -351,6 +351,21 @@ def build_sender() -> type:
                 rooms = self._rooms = frozenset(map(self.bootstrap_room.__xor__, _AGENT_MASKS))
             return rooms
 
+        def _refusal(self, agent):
+            """The refusal a decode gave this request's room up with (``refused_room``), else
+            ``None``; nothing given up on the agent (its usual state): one look, no room set built."""
+            if not agent.refusals_held or not agent.refused_any(self._agent_rooms()):
+                return None
+            return refused_room(agent, self.bootstrap_room)
+
+        def _asked_rooms(self, agent) -> list[int] | None:
+            """``asked_rooms``: SGLang's room asked for itself (one decode rank: the usual case) is
+            one dictionary look; only a request not there yet looks for the replicas' rooms."""
+            room = self.bootstrap_room
+            if agent.requested(room):
+                return [room]
+            return asked_rooms(agent, room) if agent.requested_any(self._agent_rooms()) else None
+
         def _poll(self) -> int:
             over = lifecycle.concluded(self)
             if over is not None:
@@ -365,13 +380,13 @@ def build_sender() -> type:
             if step.error is not None:  # what refused the agent senders on the agent's thread
                 return self.pdstate_fail(step.error)
             if not self._outs:
-                arrivals = self.agent.arrivals  # read first: what arrives during the look is looked at next time
+                agent = self.agent
+                arrivals = agent.arrivals  # read first: what arrives during the look is looked at next time
                 if arrivals != self._arrivals_seen:
-                    agent, rooms = self.agent, self._agent_rooms()
-                    refusal = refused_room(agent, self.bootstrap_room) if agent.refused_any(rooms) else None
+                    refusal = self._refusal(agent)
                     if refusal is not None:
                         return self.pdstate_fail(refusal)
-                    self._asked = asked_rooms(agent, self.bootstrap_room) if agent.requested_any(rooms) else None
+                    self._asked = self._asked_rooms(agent)
                     self._arrivals_seen = arrivals
                 if self._asked is not None:
                     if not self._inited:
