@@ -414,3 +414,38 @@ def test_a_malformed_state_list_sent_while_the_agent_sender_is_made_concludes_at
     assert s.conclude_state == KVPoll.Failed and len(agent.queue) == 2
     with pytest.raises(ValueError, match="1 lists for 0 state components"):
         s.failure_exception()
+
+
+class _PostingRecord(Record):
+    """An agent sender whose ``post`` goes through the agent's thread, as ``KVSender.post`` does."""
+
+    def __init__(self, room: int, agent) -> None:
+        super().__init__(room)
+        self.agent = agent
+
+    def post(self, pages, states):
+        self.agent.post(lambda: self.fed.append((list(pages), states)))
+
+
+def test_a_chunk_sent_after_the_agent_sender_was_made_follows_the_one_the_agents_thread_holds(classes):
+    """``init``'s step ran, and the first chunk (sent while it was under way) still waits on the
+    agent's thread: the second chunk goes there behind it, so the agent sender gets them in
+    SGLang's order (the last, with the state, last)."""
+    sender_cls, _ = classes
+    t = Harness()
+    t.register()
+    t.request(6)
+    agent = Agent(t.core.refusals)
+    agent.queue = []
+    agent.sender = lambda room, pages, aux, posted=False: (
+        agent.made.append(_PostingRecord(room, agent)) or agent.made[-1]
+    )
+    s = sender_cls(Manager(agent), "127.0.0.1:1", 6, [0], 0)
+    assert s.poll() == KVPoll.WaitingForInput
+    s.init(2, 0)
+    s.send([1])
+    agent.queue.pop(0)()  # the agent's thread makes the agent sender; the first chunk still waits
+    (record,) = agent.made
+    s.send([2], [])
+    agent.run_posted()
+    assert [pages for pages, _ in record.fed] == [[1], [2]]

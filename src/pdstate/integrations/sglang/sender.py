@@ -142,7 +142,9 @@ def build_sender() -> type:
             # under way (``_step.running``) the chunks sent go there after it, in order; the step
             # writes ``_outs``, ``_one`` and ``_word``; ``abort`` waits for it
             self._step = PostedStep()
-            self._sent = False  # a chunk sent while they were made (Transferring to SGLang from then on)
+            # a chunk sent while they were made (Transferring to SGLang from then on; the later
+            # chunks go through the agent's thread too: ``send``)
+            self._sent = False
             CommonKVSender.__init__(self, *base_args, **base_kwargs)
             self.init_time = time.time()
 
@@ -237,7 +239,10 @@ def build_sender() -> type:
             self._record_transfer_indices(pages, state_indices if last else None)
             if self.conclude_state is not None:
                 return
-            if self._step.running:  # the agent's thread makes the agent senders: the chunk goes there after
+            # the agent's thread makes the agent senders: the chunk goes there after; and once a
+            # chunk went that way (``_sent``), every later one follows it there, in order (sent from
+            # here it could reach the agent sender before the one the agent's thread still holds)
+            if self._step.running or self._sent:
                 try:  # the state lists checked here (a malformed one concludes the request at once)
                     states = self._states(state_indices, last)
                     self.agent.post(lambda: self._posted_chunk(pages, states, last))
