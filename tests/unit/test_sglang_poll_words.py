@@ -109,11 +109,16 @@ class Agent:
         self.looks += 1
         return self.refusals.requested_any(rooms)
 
+    @property
+    def refusals_held(self) -> int:
+        return len(self.refusals.rooms)
+
     def refused_any(self, rooms):
         self.looks += 1
         return self.refusals.refused_any(rooms)
 
     def requested(self, room):
+        self.looks += 1
         return self.refusals.requested(room)
 
     def take_refusal(self, room):
@@ -181,20 +186,24 @@ def test_a_senders_poll_looks_at_the_agent_only_when_something_arrived(classes):
     agent = Agent(t.core.refusals)
     mgr = Manager(agent)
     s = sender_cls(mgr, "127.0.0.1:1", 6, [0], 0)
-    assert s.poll() == KVPoll.Bootstrapping and agent.looks == 2  # the first look
+    # the first look: its own room (one dictionary look), then the replicas' rooms; nothing was
+    # given up on the agent, so no refusal is looked for
+    assert s.poll() == KVPoll.Bootstrapping and agent.looks == 2
     assert [s.poll() for _ in range(5)] == [KVPoll.Bootstrapping] * 5 and agent.looks == 2  # nothing arrived
     assert s.timeouts == 6  # SGLang's bootstrap timeout, asked on every poll all the same
     t.request(7)  # another room's request: one look more, still awaited
     assert s.poll() == KVPoll.Bootstrapping and agent.looks == 4 and t.core.refusals.arrivals == 1
     t.request(6)
-    assert s.poll() == KVPoll.WaitingForInput and agent.looks == 6
-    assert s.poll() == KVPoll.WaitingForInput and agent.looks == 6
+    assert s.poll() == KVPoll.WaitingForInput and agent.looks == 5  # its own room found: one look
+    assert s.poll() == KVPoll.WaitingForInput and agent.looks == 5
     s.init(2, 0)
     (record,) = agent.made
     # the agent sender not added yet (``init`` posted it): WaitingForInput, never Bootstrapping again
     assert record.room == 6 and s.poll() == KVPoll.WaitingForInput
     record.state = S.TRANSFERRING
-    assert [s.poll() for _ in range(3)] == [KVPoll.Transferring] * 3 and agent.looks == 6
+    assert [s.poll() for _ in range(3)] == [
+        KVPoll.Transferring
+    ] * 3 and agent.looks == 6  # (one more: the making of its agent sender)
     mgr.request_status[6] = KVPoll.Failed  # SGLang's own verdict on the room comes first
     assert s.poll() == KVPoll.Failed and s.conclude_state == KVPoll.Failed
 
@@ -405,3 +414,38 @@ def test_a_malformed_state_list_sent_while_the_agent_sender_is_made_concludes_at
     assert s.conclude_state == KVPoll.Failed and len(agent.queue) == 2
     with pytest.raises(ValueError, match="1 lists for 0 state components"):
         s.failure_exception()
+
+
+class _PostingRecord(Record):
+    """An agent sender whose ``post`` goes through the agent's thread, as ``KVSender.post`` does."""
+
+    def __init__(self, room: int, agent) -> None:
+        super().__init__(room)
+        self.agent = agent
+
+    def post(self, pages, states):
+        self.agent.post(lambda: self.fed.append((list(pages), states)))
+
+
+def test_a_chunk_sent_after_the_agent_sender_was_made_follows_the_one_the_agents_thread_holds(classes):
+    """``init``'s step ran, and the first chunk (sent while it was under way) still waits on the
+    agent's thread: the second chunk goes there behind it, so the agent sender gets them in
+    SGLang's order (the last, with the state, last)."""
+    sender_cls, _ = classes
+    t = Harness()
+    t.register()
+    t.request(6)
+    agent = Agent(t.core.refusals)
+    agent.queue = []
+    agent.sender = lambda room, pages, aux, posted=False: (
+        agent.made.append(_PostingRecord(room, agent)) or agent.made[-1]
+    )
+    s = sender_cls(Manager(agent), "127.0.0.1:1", 6, [0], 0)
+    assert s.poll() == KVPoll.WaitingForInput
+    s.init(2, 0)
+    s.send([1])
+    agent.queue.pop(0)()  # the agent's thread makes the agent sender; the first chunk still waits
+    (record,) = agent.made
+    s.send([2], [])
+    agent.run_posted()
+    assert [pages for pages, _ in record.fed] == [[1], [2]]

@@ -283,6 +283,12 @@ class PrefillAgent(AgentLifetime):
         """``requested`` of any of ``rooms`` in one look (read without the I/O thread)."""
         return self._core.refusals.requested_any(rooms)
 
+    @property
+    def refusals_held(self) -> int:
+        """How many rooms were given up before their senders were made and are still held
+        (``refusal``; read without the I/O thread): none, and ``refused_any`` is False for any rooms."""
+        return len(self._core.refusals.rooms)
+
     def refused_any(self, rooms: frozenset[int]) -> bool:
         """Whether any of ``rooms`` was given up before its sender was made (``refusal``)."""
         return self._core.refusals.refused_any(rooms)

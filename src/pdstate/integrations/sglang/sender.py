@@ -142,7 +142,9 @@ def build_sender() -> type:
             # under way (``_step.running``) the chunks sent go there after it, in order; the step
             # writes ``_outs``, ``_one`` and ``_word``; ``abort`` waits for it
             self._step = PostedStep()
-            self._sent = False  # a chunk sent while they were made (Transferring to SGLang from then on)
+            # a chunk sent while they were made (Transferring to SGLang from then on; the later
+            # chunks go through the agent's thread too: ``send``)
+            self._sent = False
             CommonKVSender.__init__(self, *base_args, **base_kwargs)
             self.init_time = time.time()
 
@@ -237,7 +239,10 @@ def build_sender() -> type:
             self._record_transfer_indices(pages, state_indices if last else None)
             if self.conclude_state is not None:
                 return
-            if self._step.running:  # the agent's thread makes the agent senders: the chunk goes there after
+            # the agent's thread makes the agent senders: the chunk goes there after; and once a
+            # chunk went that way (``_sent``), every later one follows it there, in order (sent from
+            # here it could reach the agent sender before the one the agent's thread still holds)
+            if self._step.running or self._sent:
                 try:  # the state lists checked here (a malformed one concludes the request at once)
                     states = self._states(state_indices, last)
                     self.agent.post(lambda: self._posted_chunk(pages, states, last))
@@ -351,6 +356,21 @@ def build_sender() -> type:
                 rooms = self._rooms = frozenset(map(self.bootstrap_room.__xor__, _AGENT_MASKS))
             return rooms
 
+        def _refusal(self, agent):
+            """The refusal a decode gave this request's room up with (``refused_room``), else
+            ``None``; nothing given up on the agent (its usual state): one look, no room set built."""
+            if not agent.refusals_held or not agent.refused_any(self._agent_rooms()):
+                return None
+            return refused_room(agent, self.bootstrap_room)
+
+        def _asked_rooms(self, agent) -> list[int] | None:
+            """``asked_rooms``: SGLang's room asked for itself (one decode rank: the usual case) is
+            one dictionary look; only a request not there yet looks for the replicas' rooms."""
+            room = self.bootstrap_room
+            if agent.requested(room):
+                return [room]
+            return asked_rooms(agent, room) if agent.requested_any(self._agent_rooms()) else None
+
         def _poll(self) -> int:
             over = lifecycle.concluded(self)
             if over is not None:
@@ -365,13 +385,13 @@ def build_sender() -> type:
             if step.error is not None:  # what refused the agent senders on the agent's thread
                 return self.pdstate_fail(step.error)
             if not self._outs:
-                arrivals = self.agent.arrivals  # read first: what arrives during the look is looked at next time
+                agent = self.agent
+                arrivals = agent.arrivals  # read first: what arrives during the look is looked at next time
                 if arrivals != self._arrivals_seen:
-                    agent, rooms = self.agent, self._agent_rooms()
-                    refusal = refused_room(agent, self.bootstrap_room) if agent.refused_any(rooms) else None
+                    refusal = self._refusal(agent)
                     if refusal is not None:
                         return self.pdstate_fail(refusal)
-                    self._asked = asked_rooms(agent, self.bootstrap_room) if agent.requested_any(rooms) else None
+                    self._asked = self._asked_rooms(agent)
                     self._arrivals_seen = arrivals
                 if self._asked is not None:
                     if not self._inited:

@@ -103,10 +103,21 @@ def phases(metrics: list[dict], sender: bool) -> list[tuple[str, float | None, f
 
 def finish(side, failed: bool) -> None:
     """Trace the request of ``side`` (pdstate's SGLang sender or receiver) once, when it ends. A
-    trace that cannot be written is logged, never raised: the request's outcome stands."""
-    if side in _finished:
-        return
+    trace that cannot be written is logged, never raised: the request's outcome stands.
+
+    Tracing off costs a constant few attribute reads (a request's last poll, on SGLang's
+    scheduler thread, comes here): a sender whose context SGLang did not enable, a receiver on an
+    SGLang without ``sender_trace_module`` (0.5.19) or with ``--enable-trace`` off, returns before
+    anything else is looked at."""
     try:
+        if _is_sender(side):
+            ctx = getattr(side, "trace_ctx", None)
+            if ctx is None or not getattr(ctx, "tracing_enable", False):
+                return
+        elif not getattr(side.kv_mgr, "sender_trace_module", None) or not _observability().enable_trace:
+            return
+        if side in _finished:
+            return
         _finish(side, failed)
     except Exception:  # tracing is a side channel: SGLang's request goes on whatever it does
         _finished.add(side)
@@ -155,16 +166,25 @@ def _is_sender(side) -> bool:
     return sender
 
 
+_GET_OBSERVABILITY: list = []  # SGLang's ``runtime_context.get_observability`` (imported once)
+
+
+def _observability() -> Any:
+    """SGLang's observability settings (``enable_trace``: read on each call, a test may switch it)."""
+    if not _GET_OBSERVABILITY:
+        from sglang.srt.runtime_context import get_observability
+
+        _GET_OBSERVABILITY.append(get_observability)
+    return _GET_OBSERVABILITY[0]()
+
+
 def _receiver_context(side) -> Any:
     """A receiver's trace context, opened as SGLang opens a sender's, or ``None``: tracing off, or
     an SGLang without ``sender_trace_module`` (0.5.19)."""
     module = getattr(side.kv_mgr, "sender_trace_module", None)
-    if not module:
+    if not module or not _observability().enable_trace:
         return None
     from sglang.srt.observability.trace import TraceReqContext
-    from sglang.srt.runtime_context import get_observability
 
-    if not get_observability().enable_trace:
-        return None
     room = side.bootstrap_room
     return TraceReqContext(rid=str(hex(room)), bootstrap_room=room, role="Receiver", module_name=module)
