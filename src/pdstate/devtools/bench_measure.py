@@ -17,7 +17,7 @@ from pdstate.worker import requests as rq
 
 CAPACITY = 131072 + 4 * 256
 PARTS = ("transfer_s", "copy_s", "verify_s", "digest_s", "prefill_digest_s")
-# The rows an engine goal is read on (``ratios.mooncake_off_vs_raw``: the faster raw row over
+# The rows an engine goal is read on (``ratios.mooncake_off_vs_raw``, ``ratios.nixl_off_vs_raw``: the faster raw row over
 # pdstate at ``off``). After the phase's interleaved rounds they run ``GOAL_RUNS`` rounds per run
 # alone, request by request, their order reversed every round, and their figures are those rounds'
 # only (their turns in the phase's rounds keep the other rows' order as it was). Why: with five
@@ -26,7 +26,10 @@ PARTS = ("transfer_s", "copy_s", "verify_s", "digest_s", "prefill_digest_s")
 # measured in that order (9 rounds), its copy took 22-104 ms at 8k where the sampled row's took
 # 22-41 in the same rounds, while alone with the raw rows it took the raw rows' time. The
 # extra rounds cost a quick Mooncake phase about 20 s at load 5 (a minute at load 12-15).
-GOAL_ROWS = {"mooncake": ("raw_mooncake", "raw_mooncake_polled", "pdstate_mooncake_off")}
+GOAL_ROWS = {
+    "mooncake": ("raw_mooncake", "raw_mooncake_polled", "pdstate_mooncake_off"),
+    "nixl": ("raw_nixl", "raw_nixl_prefill", "pdstate_nixl_off"),
+}
 GOAL_RUNS = 5
 
 
