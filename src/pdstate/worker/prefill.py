@@ -372,7 +372,7 @@ class AgentPrefillWorker(AgentWorker):
     def _share(self) -> float:
         """The most of the pools one decode may hold now: ``decode_share`` while another decode
         is registered, else all of them."""
-        others = len(self._ask_agent(lambda a: a.decodes(), [])) > 1
+        others = self._ask_agent(lambda a: a.decode_count, 0) > 1  # (no round trip to the I/O thread)
         return self.opts.decode_share if others else 1.0
 
     def set_hooks(self, hooks: WorkerHooks) -> None:
@@ -392,6 +392,8 @@ class AgentPrefillWorker(AgentWorker):
         refused = self.agent.refusal(status.room)
         if refused is not None:
             return refused
+        if self.agent.alive and self.agent.requested(status.room):  # its request waits (read without the I/O thread):
+            return None  # its decode is not gone (a gone decode's waiting requests are dropped with it)
         for d in self._ask_agent(lambda a: a.peers(), []):
             if d.id == status.peer and d.state is PeerState.GONE:
                 err = d.error or ErrorInfo(type="PeerGone", message=f"decode {status.peer} is gone")
