@@ -299,8 +299,8 @@ class AgentPrefillWorker(AgentWorker):
     def _sent(self, job: Job) -> None:
         """The sender ended (the agent's completion, brought to the loop): fenced, so its pages
         go back."""
-        if job.sender.posted_error is not None:  # its add was refused: ``_unmade`` ends it (posted after this)
-            return
+        if job.sender.posted_error is not None:  # its add was refused (``_feed`` posts the same, for any error)
+            self._unmade(job, job.sender.posted_error)
         error = job.error or job.sender.failure_exception()
         if isinstance(error, AgentClosed) and self._draining.is_set():  # (one closed before its add ran, too)
             error = AgentClosed(SHUTTING_DOWN)
