@@ -109,6 +109,7 @@ def test_gone_decode_is_released_only_after_its_fence(slow_pair):
     assert time.monotonic() < due
     # dropped, but its request's copy is still in flight: not ended, the mapping kept
     assert not send1.state.terminal and engine.num_peers == 1
+    assert pa.decode_count == 0
     assert send1.wait(SLOW_S + 10).terminal
     assert ended[0] >= due
     assert type(send1.failure_exception()) is PeerGone

@@ -60,6 +60,7 @@ def test_success_metrics(pair):
     assert send.landed and send.metrics["chunks"] == 2
     assert recv.metrics["bytes"] == send.metrics["bytes"] == send.metrics["bytes"] > 0
     assert [d.worker_id for d in pa.decodes()] == [da.worker_id]
+    assert pa.decode_count == 1
 
 
 def test_too_many_pages_refused(pair):

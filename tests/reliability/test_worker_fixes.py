@@ -192,6 +192,33 @@ def test_busy_then_deadline_returns_the_pages_at_once():
         wait_until("pages back", lambda: d.free_counts() == free0, 5)
 
 
+def test_a_sender_the_agent_refuses_ends_the_request_with_its_error_and_frees_its_pages(monkeypatch):
+    """The worker's sender is made posted: when the agent's I/O thread refuses to add it (here a
+    sender made first for the same room takes the decode's request), the request ends with the
+    agent's error, as when the add was waited for, and its pages come back."""
+    with served_pair(ROOMY) as (p, d):
+        free0 = p.free_counts()
+        made = p.agent.sender
+        squatters = []
+
+        def squatting(room, num_pages, *args, **kw):
+            squatters.append(made(room, num_pages))  # waited for: the room's live sender from now on
+            return made(room, num_pages, *args, **kw)
+
+        monkeypatch.setattr(p.agent, "sender", squatting)
+        pending = d.submit(300)
+        (squatter,) = wait_until("the worker's sender", lambda: squatters, 10)
+        rec = wait_until("the prefill's record", lambda: p.finished_records(), 10)
+        assert rec[0]["status"] == "failed" and rec[0]["error"] == {
+            "type": "ProtocolError",
+            "message": f"room {squatter.room} already has a live sender",
+        }, rec
+        wait_until("pages back", lambda: p.free_counts() == free0, 5)
+        squatter.abort("test over")
+        res = pending.result(10)
+        assert res.status == "failed" and res.room == squatter.room, res
+
+
 def test_a_request_given_up_while_the_prefill_computes_is_not_a_success():
     with served_pair(ROOMY, hooks=holding_hooks(), **FAULT) as (p, d):
         t0 = time.monotonic()

@@ -254,6 +254,12 @@ class PrefillAgent(AgentLifetime):
         now = time.monotonic()
         return self._loop.call(lambda: self._core.decode_list(now))
 
+    @property
+    def decode_count(self) -> int:
+        """How many decode agents are accepted now (``len(decodes())``, read without the I/O
+        thread: a caller's per-request look costs no round trip to it)."""
+        return len(self._decodes)
+
     def refuse(self, room: int, error: PdStateError) -> bool:
         """Fail the decode's request for ``room`` that waits for its sender (``on_request``'s
         caller could not serve it after all): that decode's receiver fails with ``error``.

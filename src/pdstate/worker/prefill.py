@@ -259,14 +259,38 @@ class AgentPrefillWorker(AgentWorker):
         if given_up is not None:
             raise given_up  # refused at the agent (a gone decode's request still waits there)
         pages = job.alloc.lists[0]
-        sender = job.sender = self.agent.sender(job.status.room, int(pages.size))
-        sender.add_done_callback(lambda _s: self._timers.post(self._step, self._sent, job))
         parts = np.array_split(pages, min(self.chunks, max(1, pages.size)))
-        for part in parts[:-1]:
-            sender.send(part)
-        sender.send(parts[-1], job.alloc.lists[1:])
+        # the sender's add and its chunks go to the agent's I/O thread as posts (one wake-up of it,
+        # no round trip): the sender is this job's from here on, so an end meanwhile aborts it
+        sender = job.sender = self.agent.sender(job.status.room, int(pages.size), posted=True)
+        sender.add_done_callback(lambda _s: self._timers.post(self._step, self._sent, job))
         limit = self.opts.request_deadline_s + self.opts.peer_timeout_s
         job.timers.append(self._timers.later(limit, self._step, self._overdue, job))
+        state = job.alloc.lists[1:]
+        self.agent.post(lambda: self._feed(job, sender, parts, state))
+
+    def _feed(self, job: Job, sender, parts: list[np.ndarray], state: list[np.ndarray]) -> None:
+        """The agent's I/O thread, right after it added ``sender``: its chunks, the state with the
+        last (``send`` runs at once on this thread). A refused add or chunk goes back to the loop,
+        which ends the request with it as when it was refused there."""
+        if sender.posted_error is not None:  # the add was refused: no chunk goes
+            self._timers.post(self._step, self._unmade, job, sender.posted_error)
+            return
+        try:
+            for part in parts[:-1]:
+                sender.send(part)
+            sender.send(parts[-1], state)
+        except Exception as exc:
+            self._timers.post(self._step, self._refused, job, exc)
+
+    def _unmade(self, job: Job, error: BaseException) -> None:
+        """The agent refused the sender's add: it never was the agent's (no byte of it moves), so
+        the request ends as one without a sender (its decode told)."""
+        job.sender = None
+        raise error
+
+    def _refused(self, job: Job, error: BaseException) -> None:
+        raise error
 
     def _overdue(self, job: Job) -> None:
         if not job.sender.state.terminal:
@@ -275,7 +299,12 @@ class AgentPrefillWorker(AgentWorker):
     def _sent(self, job: Job) -> None:
         """The sender ended (the agent's completion, brought to the loop): fenced, so its pages
         go back."""
-        self._finish(job, job.error or job.sender.failure_exception())
+        if job.sender.posted_error is not None:  # its add was refused (``_feed`` posts the same, for any error)
+            self._unmade(job, job.sender.posted_error)
+        error = job.error or job.sender.failure_exception()
+        if isinstance(error, AgentClosed) and self._draining.is_set():  # (one closed before its add ran, too)
+            error = AgentClosed(SHUTTING_DOWN)
+        self._finish(job, error)
 
     def _end(self, job: Job, exc: BaseException) -> None:
         """End ``job`` with ``exc``: told to its decode while it has no sender; a live sender is
@@ -343,7 +372,7 @@ class AgentPrefillWorker(AgentWorker):
     def _share(self) -> float:
         """The most of the pools one decode may hold now: ``decode_share`` while another decode
         is registered, else all of them."""
-        others = len(self._ask_agent(lambda a: a.decodes(), [])) > 1
+        others = self._ask_agent(lambda a: a.decode_count, 0) > 1  # (no round trip to the I/O thread)
         return self.opts.decode_share if others else 1.0
 
     def set_hooks(self, hooks: WorkerHooks) -> None:
@@ -363,6 +392,8 @@ class AgentPrefillWorker(AgentWorker):
         refused = self.agent.refusal(status.room)
         if refused is not None:
             return refused
+        if self.agent.alive and self.agent.requested(status.room):  # its request waits (read without the I/O thread):
+            return None  # its decode is not gone (a gone decode's waiting requests are dropped with it)
         for d in self._ask_agent(lambda a: a.peers(), []):
             if d.id == status.peer and d.state is PeerState.GONE:
                 err = d.error or ErrorInfo(type="PeerGone", message=f"decode {status.peer} is gone")
