@@ -180,12 +180,15 @@ def test_busy_then_deadline_returns_the_pages_at_once():
         free0 = d.free_counts()
         holder = d.submit(300, deadline_s=20)
         wait_until("the first request in flight", lambda: p.in_flight() == 1, 5)
-        bounced = [d.submit(200, deadline_s=0.4) for _ in range(3)]
+        # long enough for the first Busy answer to come back on a loaded host (at 0.4 s, under load
+        # 14-21, a request's deadline passed before it: TransferFailed, not PrefillBusy)
+        deadline = 1.5
+        bounced = [d.submit(200, deadline_s=deadline) for _ in range(3)]
         for f in bounced:
             r = f.result(10)
             assert r.status == "failed" and r.error.type == "PrefillBusy", r
         busy = d.stats.snapshot().transfers["busy"]
-        assert 3 <= busy < 3 * 0.4 / 0.002 / 4, "busy re-asks must back off"
+        assert 3 <= busy < 3 * deadline / 0.002 / 4, "busy re-asks must back off"
         wait_until("only the held request keeps pages", lambda: d.in_flight() == 1, 5)
         release_copies(p)
         assert holder.result(60).verified
