@@ -423,8 +423,8 @@ class _SampleShape:
         for lo, hi in self.spans:
             blocks = self.block[lo:hi]
             one = hi > lo and int(blocks.min()) == int(blocks.max())
-            self.item_lens.append(np.repeat(self.items[lo:hi], SAMPLE_BLOCKS))  # per block of an item, read order
             self.cols.append(np.arange(lo * SAMPLE_BLOCKS, hi * SAMPLE_BLOCKS, dtype=np.int64))
+            self.item_lens.append(self.flat_lens[lo * SAMPLE_BLOCKS : hi * SAMPLE_BLOCKS])  # a view, read order
             self.lens.append(int(blocks[0]) if one else np.repeat(blocks, SAMPLE_BLOCKS))
             self.bufs.append(np.repeat(np.arange(hi - lo), SAMPLE_BLOCKS))
             self.item_bytes.append(int(blocks.sum()) * SAMPLE_BLOCKS)
