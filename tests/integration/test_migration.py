@@ -226,7 +226,8 @@ def test_a_listener_on_another_address_and_a_listed_one_that_is_gone(cluster):
     ``migration.sources`` is dialled; when nothing answers there the request stays on its source."""
     sv, control, d, http = cluster
     b = d["b"].url
-    timers = ["control.request_deadline_s=2", "control.peer_timeout_s=1"]
+    # a short deadline for far's migration; heartbeats well inside the timeout (a busy host)
+    timers = ["control.request_deadline_s=2", "control.heartbeat_interval_s=0.2", "control.peer_timeout_s=2"]
     alias = sv.start("decode", ["http.port=0", f"control.peer={control}", "migration.bind=tcp://127.0.0.2:0", *POOL])
     far = sv.start("decode", ["http.port=0", f"control.peer={control}", f"migration.advertise={FAR}", *POOL, *timers])
     for s in (alias, far):

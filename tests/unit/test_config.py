@@ -295,3 +295,18 @@ def test_control_prefills_are_exact_addresses():
             load_config(None, ["role=decode", f'control.prefills=["{pattern}"]'])
     cfg = load_config(None, ["role=decode", 'control.prefills=["tcp://[::1]:5601", "tcp://prefill-b:5601"]'])
     assert cfg.control.prefills == ["tcp://[::1]:5601", "tcp://prefill-b:5601"]
+
+
+def test_a_peer_timeout_within_two_heartbeats_is_refused():
+    """A timeout under two heartbeat intervals would declare a live peer gone on one late
+    heartbeat: refused, one line naming both keys; exactly two intervals is taken."""
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["role=decode", "control.peer_timeout_s=1"])
+    text = str(exc.value)
+    assert text.startswith(
+        "invalid configuration: control: Value error, control.peer_timeout_s (1) is under twice "
+        "control.heartbeat_interval_s (1): a live peer would be declared gone on its first late heartbeat"
+    ), text
+    assert "\n" not in text
+    cfg = load_config(None, ["role=decode", "control.peer_timeout_s=1", "control.heartbeat_interval_s=0.5"])
+    assert (cfg.control.peer_timeout_s, cfg.control.heartbeat_interval_s) == (1.0, 0.5)

@@ -143,6 +143,18 @@ class ControlSection(_Section):
     advertise: list[str] = []
     prefills: list[str] = []
 
+    @model_validator(mode="after")
+    def _timeout_spans_heartbeats(self) -> ControlSection:
+        # a peer is heard once per heartbeat interval: a timeout within two intervals declares a
+        # live peer gone on its first late heartbeat (a busy host, a GC pause)
+        if self.peer_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"control.peer_timeout_s ({self.peer_timeout_s:g}) is under twice "
+                f"control.heartbeat_interval_s ({self.heartbeat_interval_s:g}): a live peer would be "
+                "declared gone on its first late heartbeat; raise the timeout or shorten the interval"
+            )
+        return self
+
     @field_validator("prefills")
     @classmethod
     def _exact_prefills(cls, v: list[str]) -> list[str]:
