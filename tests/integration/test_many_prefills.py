@@ -24,7 +24,11 @@ from tests.support.services import Service, ready, wait_for
 TOKEN = "many-prefills-token-1c9e"
 SILENT = "tcp://127.0.0.1:1"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-TIMERS = ["control.heartbeat_interval_s=0.2", "control.peer_timeout_s=1.0", "control.request_deadline_s=8.0"]
+# b's silence is declared after GONE_S; a live prefill answers a heartbeat (every 0.2 s) well inside
+# it on a busy host (a 1 s timeout declared a live prefill gone there: test_migration.py's far decode)
+GONE_S = 2.0
+TIMERS = ["control.heartbeat_interval_s=0.2", f"control.peer_timeout_s={GONE_S:g}", "control.request_deadline_s=8.0"]
+MISSED = "missed heartbeats for 2 s"
 PAGE_SIZE_ERROR = (
     "Page size mismatch: prefill server has page_size=512, but decode server has page_size=256. "
     "Both servers must use the same --page-size value."
@@ -162,7 +166,7 @@ def test_a_killed_prefill_fails_only_its_requests_and_is_shaken_hands_with_again
     d = svc["decode"].url
     old = http.get(f"{svc['b'].url}/v1/compat", headers=AUTH).json()["incarnation"]  # (the token reveals it)
     # b freezes with requests on their way to it: they fail with b's reason once b is silent for
-    # the peer timeout (1 s); a's request, sent meanwhile, goes through
+    # the peer timeout (GONE_S); a's request, sent meanwhile, goes through
     os.kill(svc["b"].pid, signal.SIGSTOP)
     with ThreadPoolExecutor(3) as pool:
         to_b = [pool.submit(_post, http, d, 300, ctl["b"]) for _ in range(2)]
@@ -171,7 +175,7 @@ def test_a_killed_prefill_fails_only_its_requests_and_is_shaken_hands_with_again
         for f in to_b:
             res = f.result(20)
             assert res["status"] == "failed" and res["prefill"] == ctl["b"]
-            assert res["error"]["message"] == f"prefill {ctl['b']} missed heartbeats for 1 s"
+            assert res["error"]["message"] == f"prefill {ctl['b']} {MISSED}"
     os.kill(svc["b"].pid, signal.SIGKILL)
     svc["b"].wait(10)
     peer = wait_for(
@@ -181,11 +185,11 @@ def test_a_killed_prefill_fails_only_its_requests_and_is_shaken_hands_with_again
     )[0]
     assert peer["error"] == {
         "type": "PeerGone",
-        "message": f"prefill {ctl['b']} missed heartbeats for 1 s",
+        "message": f"prefill {ctl['b']} {MISSED}",
         "fix": None,
     }
     res = _post(http, d, 300, ctl["b"])
-    assert res["status"] == "failed" and res["error"]["message"] == f"prefill {ctl['b']} missed heartbeats for 1 s"
+    assert res["status"] == "failed" and res["error"]["message"] == f"prefill {ctl['b']} {MISSED}"
     for target in (None, ctl["a"]):
         assert _post(http, d, 300, target)["status"] == "success"
     assert ready(http, d)["ready"] is True
@@ -205,7 +209,7 @@ def test_a_refused_prefill_fixed_and_restarted_is_asked_again(trio, http):
     svc["c"].stop()
     svc["c"] = _prefill(bind=ctl["c"])  # the service file's page size this time
     assert svc["c"].wait_listening()["control"] == ctl["c"]
-    # the refusal is older than the peer timeout (1 s) by the time a request names c again: the
+    # the refusal is older than the peer timeout (GONE_S) by the time a request names c again: the
     # decode registers anew instead of repeating the old refusal
     res = wait_for(lambda: (r := _post(http, d, 300, ctl["c"]))["status"] == "success" and r, 20, "c fixed")
     assert res["verified"] is True and res["prefill"] == ctl["c"]
