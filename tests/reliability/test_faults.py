@@ -59,8 +59,10 @@ LENGTHS = [300, 129, 1000, 256]
 # in RESTART_QUIET_S on a quiet machine; the heartbeat timeout is far beyond that (tests.support.bounds)
 RESTART_PEER_TIMEOUT_S, RESTART_QUIET_S = 20.0, 1.0
 # A batch submitted, seen TRANSFERRING and its prefill frozen (SIGSTOP), on a quiet machine: well
-# inside the batch's 1 s deadline
+# inside the batch's deadline (FREEZE_DEADLINE_S: 10x that, since a loaded host's polls of the
+# prefill's records can take a second), itself a second inside the peer timeout (FREEZE_TIMEOUT_S)
 FREEZE_QUIET_S = 0.2
+FREEZE_DEADLINE_S, FREEZE_TIMEOUT_S = 2.0, 3.0
 # A frozen decode's batch ends at this deadline once thawed: long past its start and freeze (FREEZE_QUIET_S)
 FROZEN_DEADLINE_S = 5.0
 AFTER = [100, 257, 640, 1000]
@@ -182,18 +184,18 @@ def test_prefill_killed_mid_transfer_and_restarted_after_timeout(workers):
     #    abort is not confirmed) until a new process holds its address (step 2).
     #    The timeout is longer here so the deadline surely falls between the freeze and the
     #    decode declaring the prefill gone, however slowly this machine polls.
-    timeout_s = 2.0
+    timeout_s = FREEZE_TIMEOUT_S
     timers = {**FAULT, "peer_timeout_s": timeout_s}
     p1, ep = workers.prefill(ROOMY, **hold_copies(), **timers)
     d = workers.decode(ep, ROOMY, worker_id="survivor", **timers)
     free0 = _ready(d)["free"]
     inc1 = decode_stats(d)["prefill_incarnation"]
     t_submit = time.monotonic()
-    start_batch(d, [300, 200, 129], concurrency=3, deadline_s=1.0)
+    start_batch(d, [300, 200, 129], concurrency=3, deadline_s=FREEZE_DEADLINE_S)
     wait_transferring(p1, "survivor", jobs=3)
     t_stop = kill(p1, signal.SIGSTOP)  # it can no longer answer the decode's aborts
     # else too slow to freeze the prefill before the batch's deadline
-    within("the prefill frozen after the batch's submission", t_stop - t_submit, 1.0, FREEZE_QUIET_S)
+    within("the prefill frozen after the batch's submission", t_stop - t_submit, FREEZE_DEADLINE_S, FREEZE_QUIET_S)
     quarantined, done_q, t_q = collect_batch(d)
     for r in quarantined:
         assert r["status"] == "failed" and r["error"]["type"] in ("TransferFailed", "PeerGone"), r
