@@ -35,8 +35,8 @@ def test_refused_prefill_fails_only_its_requests(decode, prefills, source_image)
     refused = [agent.receiver(bad.address, room) for room in (1, 2)]
     before = snapshot(kv)
     recv, moves = run_request(agent, good, kv, 3, np.random.default_rng(3))
-    for r in refused:
-        assert r.wait(10) is RequestState.FAILED
+    for r in refused:  # deadlines for a state, not bounds: a loaded host's handshakes take seconds
+        assert r.wait(30) is RequestState.FAILED
         exc = r.failure_exception()
         assert type(exc) is SWAIndexMappingNotShared and str(exc) == SEED_ERROR
     assert recv.wait(30) is RequestState.SUCCESS, recv.failure_exception()
@@ -67,7 +67,7 @@ def test_prefill_sigkill_mid_batch(decode, prefills):  # noqa: F811
             pf.ask(op="send", room=room, pages=[1])  # the first chunk only
             out.append(r)
     for r in recvs_a + recvs_b:
-        assert r.wait(10, until=lambda s: s is RequestState.TRANSFERRING) is RequestState.TRANSFERRING
+        assert r.wait(30, until=lambda s: s is RequestState.TRANSFERRING) is RequestState.TRANSFERRING
     a.kill()
     killed = time.monotonic()
     for i in range(len(recvs_b)):
@@ -75,7 +75,7 @@ def test_prefill_sigkill_mid_batch(decode, prefills):  # noqa: F811
     for r in recvs_b:
         assert r.wait(30) is RequestState.SUCCESS, r.failure_exception()
     for r in recvs_a:
-        assert r.wait(10) is RequestState.FAILED
+        assert r.wait(30) is RequestState.FAILED
         assert type(r.failure_exception()) is PeerGone
         assert str(r.failure_exception()) == f"prefill {a.address} missed heartbeats for 3 s"
     late = time.monotonic() - killed - agent.peer_timeout_s
