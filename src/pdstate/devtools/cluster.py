@@ -75,16 +75,25 @@ class NodeProcess:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, sig)
 
-    def close(self, timeout_s: float = 20.0) -> int:
+    def hang_up(self) -> None:
+        """Close its stdin: EOF tells the node to close its agent and pools and exit."""
         try:
             self.proc.stdin.close()
         except (BrokenPipeError, OSError):
             pass
+
+    def close(self, timeout_s: float = 20.0) -> int:
+        self.hang_up()
         try:
             return self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+
+
+# How long the nodes may take to close their agents and exit after EOF, all together: a ceiling
+# (they exit in well under a second on a quiet machine); a busy host's teardown took over 20 s.
+CLOSE_GRACE_S = 60.0
 
 
 class Router:
@@ -278,8 +287,12 @@ class Cluster:
         finally:
             self._backlog.extend(kept)
 
-    def close(self) -> list[int]:
-        return [n.close() for n in self.nodes]
+    def close(self, grace_s: float = CLOSE_GRACE_S) -> list[int]:
+        """Every node told at once (EOF), one deadline for all; one still running then is killed."""
+        for n in self.nodes:
+            n.hang_up()
+        deadline = time.monotonic() + grace_s
+        return [n.close(max(0.0, deadline - time.monotonic())) for n in self.nodes]
 
 
 def run_cluster(
