@@ -95,10 +95,15 @@ PEER = {"PDSTATE_CONTROL__PEER_TIMEOUT_S": str(STALL_PEER_TIMEOUT_S)}
 # A prefill stopped with its copy in flight, past SGLang's waiting timeout and the abort's fence
 # (the decode's abort waits that long for the prefill's confirmation, then gives up)
 PREFILL_STALL_S = WAITING_TIMEOUT_S + ABORT_FENCE_S + 1.0
-DECODE_HOLD_S = 1.5  # the decode stopped meanwhile, so that the prefill's copy is still in flight when it stops
+# the prefill's forward: long enough that the decode surely stopped (``stall_after_s`` 0.1 after
+# naming its destination, checked on its loop's turns) before the copy starts, on a busy host too;
+# at 0.4 s, a decode loop late by 0.3 s let the whole copy land first (Success, no fault)
+STALL_HOLD_S = 1.2
+# the decode stopped meanwhile, so that the prefill's copy is still in flight when it stops
+DECODE_HOLD_S = STALL_HOLD_S + 1.8
 # its byte check comes no earlier than this long after the request (about 2 s after the prefill went
 # on, whenever the pages were released: its late bytes landed 36-69 ms after it went on)
-PREFILL_CHECK_AFTER_S = PREFILL_STALL_S + 3.0
+PREFILL_CHECK_AFTER_S = PREFILL_STALL_S + STALL_HOLD_S + 3.0
 
 
 PREFIX_TOKENS, SUFFIX_TOKENS = 1024, 1100  # a cached 1,024-token turn, then the next turn's 1,100 tokens
@@ -212,7 +217,7 @@ def _stalled(pair) -> dict:
     from pdstate.devtools.sglang_pair.cases import CORRECT
 
     return pair.request(
-        CORRECT.tokens[0], STALL_S + 10.0, prefill={"hold_s": 0.4},
+        CORRECT.tokens[0], STALL_S + 10.0, prefill={"hold_s": STALL_HOLD_S},
         decode={"stall_after_s": 0.1, "stall_s": STALL_S, "settle_s": STALL_SETTLE_S},
     )  # fmt: skip
 
@@ -228,8 +233,8 @@ def _prefill_stalled(pair) -> dict:
     from pdstate.devtools.sglang_pair.cases import CORRECT
 
     return pair.request(
-        CORRECT.tokens[0], PREFILL_STALL_S + 10.0,
-        prefill={"hold_s": 0.4, "stall_after_s": 0.5, "stall_s": PREFILL_STALL_S},
+        CORRECT.tokens[0], PREFILL_STALL_S + STALL_HOLD_S + 10.0,
+        prefill={"hold_s": STALL_HOLD_S, "stall_after_s": 0.5, "stall_s": PREFILL_STALL_S},
         decode={"stall_after_s": 0.1, "stall_s": DECODE_HOLD_S, "settle_s": STALL_SETTLE_S,
                 "check_after_s": PREFILL_CHECK_AFTER_S},
     )  # fmt: skip

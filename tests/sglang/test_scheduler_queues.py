@@ -45,6 +45,8 @@ release of an aborted request) is asserted with ``pdstate`` on both:
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from pdstate.devtools.sglang_pair import table
@@ -172,9 +174,11 @@ def test_no_byte_lands_after_release_when_the_prefill_stalls_past_the_abort_fenc
     release, r = _feature(queue_runs, "pdstate", "prefill_stalled")
     pre, dec = r["prefill"], r["decode"]
     assert pre["stalled_s"] >= PREFILL_STALL_S, pre  # stopped with its copy submitted
-    want = f"Request {r['room']} timed out after {WAITING_TIMEOUT_S:.1f}s in KVPoll.WaitingForInput"
-    assert dec["outcome"] == "Failed" and dec["failure"].endswith(want), dec
-    assert pre["outcome"] == "Failed" and f"aborted by decode: {want}" in pre["failure"], pre
+    # SGLang's text names the time it found waited: the decode, stopped past its waiting timeout,
+    # finds it when it goes on (3.0 s at the earliest)
+    want = re.search(rf"Request {r['room']} timed out after (\d+\.\d)s in KVPoll\.WaitingForInput$", dec["failure"])
+    assert dec["outcome"] == "Failed" and want and float(want[1]) >= WAITING_TIMEOUT_S, dec
+    assert pre["outcome"] == "Failed" and f"aborted by decode: {want[0]}" in pre["failure"], pre
     assert dec["released_ms"] is not None, dec  # the pages released within the deadline
     assert dec["after_release_bytes"] == 0, dec  # not one byte changed after the release
     # the prefill's copy was still in flight when the receiver failed: it landed once the prefill
