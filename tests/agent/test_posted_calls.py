@@ -238,7 +238,7 @@ def test_a_posted_sender_reads_transferring_from_its_first_posted_chunk_and_fail
     assert s.poll() is S.BOOTSTRAPPING and s.state is S.BOOTSTRAPPING  # its add is on its way
     s.post([1])
     assert s.poll() is S.TRANSFERRING and s.state is S.TRANSFERRING  # the agent's word, not the thread's yet
-    assert s.wait(0) is S.BOOTSTRAPPING  # the thread never took it
+    assert s.wait(0) is S.BOOTSTRAPPING and s.record.state is S.BOOTSTRAPPING  # the thread never took it
     dropped_posts.release()
     pa.close()
     assert s.wait(10) is S.FAILED and s.poll() is S.FAILED
@@ -258,9 +258,10 @@ def test_a_posted_receiver_reads_transferring_from_post_init_and_fails_at_a_clos
     assert r.poll() is S.BOOTSTRAPPING
     r.post_init([3, 4], DST_STATE)
     assert r.poll() is S.TRANSFERRING and r.state is S.TRANSFERRING
+    assert r.record.state is S.BOOTSTRAPPING  # the thread's own state: it took nothing yet
     dropped_posts.release()
     da.close()
-    assert r.wait(10) is S.FAILED and r.poll() is S.FAILED
+    assert r.wait(10) is S.FAILED and r.poll() is S.FAILED and r.record.state is S.FAILED
     exc = r.failure_exception()
     assert type(exc) is AgentClosed
     assert (

@@ -61,14 +61,27 @@ class CommonKVReceiver:
 
 
 class Record:
+    """An agent sender or receiver: its ``record`` (itself here: its ``state``, the reads counted)
+    and its ``poll()`` (counted)."""
+
     def __init__(self, room: int) -> None:
-        self.room, self.state, self.polls = room, S.BOOTSTRAPPING, 0
+        self.room, self._state, self.polls, self.reads = room, S.BOOTSTRAPPING, 0, 0
+        self.record = self
         self.posted_error = None
         self.fed: list = []  # chunks (a sender) or destinations (a receiver) handed to it, in order
 
+    @property
+    def state(self):
+        self.reads += 1
+        return self._state
+
+    @state.setter
+    def state(self, state) -> None:
+        self._state = state
+
     def poll(self):
         self.polls += 1
-        return self.state
+        return self._state
 
     def post(self, pages, states):  # an agent sender's chunk
         self.fed.append((list(pages), states))
@@ -257,10 +270,12 @@ def test_the_poll_that_ends_a_request_in_success_reads_one_status_word(classes, 
         conn.init(0)
     (record,) = agent.made
     record.state = S.TRANSFERRING
-    assert conn.poll() == KVPoll.Transferring
-    looks, agent_looks, words = mgr.looks, agent.looks, record.polls
+    reads, words = record.reads, record.polls
+    assert conn.poll() == KVPoll.Transferring  # the record's state read once, as it is: no ``poll()`` call
+    assert (record.reads, record.polls) == (reads + 1, words)
+    looks, agent_looks = mgr.looks, agent.looks
     record.state = S.SUCCESS
-    assert conn.poll() == KVPoll.Success and record.polls == words + 1
+    assert conn.poll() == KVPoll.Success and (record.reads, record.polls) == (reads + 2, words)
     assert (mgr.looks, agent.looks) == (looks, agent_looks)
     assert conn.conclude_state == KVPoll.Success and mgr.request_status[6] == KVPoll.Success
 
@@ -290,8 +305,8 @@ def test_a_receivers_poll_reads_its_agent_receivers_state(classes):
         seen.append(r.poll())
     assert seen == [KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success]
     assert r.conclude_state == KVPoll.Success and r.kv_mgr.request_status[9] == KVPoll.Success
-    polls = record.polls
-    assert r.poll() == KVPoll.Success and record.polls == polls  # concluded: the word is not read again
+    polls, reads = record.polls, record.reads
+    assert r.poll() == KVPoll.Success and (record.polls, record.reads) == (polls, reads)  # concluded: not read again
 
 
 def test_refusals_count_arrivals_and_answer_for_a_set_of_rooms():

@@ -106,6 +106,9 @@ class KVReceiver:
         self._recv, self._call, self._init, self._abort, self._on_fence = recv, call, init, abort, on_fence
         self._post = post
         self.room, self.prefill = recv.record.room, recv.prefill
+        # the request's record, moved by the I/O thread: its ``state`` is the agent's own (``poll``
+        # shows it as the posted calls see it); a caller that polls on a hot path reads it directly
+        self.record = recv.record
         # what a posted call (``post_init``, or the agent's ``receiver(..., posted=True)``) raised
         # on the I/O thread: written there once, read by any thread
         self.posted_error: BaseException | None = None

@@ -144,6 +144,9 @@ class KVSender:
         self._send, self._call, self._queue_chunk, self._abort = send, call, queue_chunk, abort
         self._post = post
         self.room = send.record.room
+        # the request's record, moved by the I/O thread: its ``state`` is the agent's own (``poll``
+        # shows it as the posted chunks see it); a caller that polls on a hot path reads it directly
+        self.record = send.record
         # what a posted call (``post``, or the agent's ``sender(..., posted=True)``) raised on the
         # I/O thread: written there once, read by any thread
         self.posted_error: BaseException | None = None

@@ -93,7 +93,7 @@ def build_receiver() -> type:
             self._unfenced_since: float | None = None  # failed, a prefill may still write (0.5.19)
             self._unfenced_released = False  # held ``UNFENCED_FAILED_WAIT_S`` and given back unfenced
             self._aborted: set[int] = set()  # the agent receivers told to abort (``_fence``), by id
-            self._word = None  # one agent receiver, not a dummy: its poll (the poll's status word)
+            self._word = None  # one agent receiver, not a dummy: its record (its state: the poll's status word)
             self._one = None  # that agent receiver (its ``posted_error``)
             self._polls = 0
             # ``init`` of a one-stage prefill: the agent receivers are made on the agent's I/O
@@ -151,7 +151,7 @@ def build_receiver() -> type:
                 return exc
             if len(self._recvs) == 1 and not self._recvs[0][0]:
                 self._one = self._recvs[0][1]
-                self._word = self._one.poll
+                self._word = self._one.record
             return None
 
         def _made(self, room: int) -> BaseException | None:
@@ -331,15 +331,17 @@ def build_receiver() -> type:
                 return self._poll()
             word = self._word
             if word is not None and self._one.posted_error is None:
-                state = word()
+                state = word.state  # the agent's own state: Transferring and Success read as they are
                 if state is _TRANSFERRING:
+                    steady = TRANSFERRING
+                elif state is _SUCCESS:  # the agent's verdict: concluded here, nothing else to look at
+                    return succeed(self)
+                elif (state := self._one.poll()) is _TRANSFERRING:  # as the posted calls show it
                     steady = TRANSFERRING
                 elif state is _WAITING:  # (``_named``: its destination on its way to the agent receiver)
                     steady = TRANSFERRING if self._named else WAITING
                 elif state is _BOOTSTRAPPING:
                     steady = TRANSFERRING if self._named else BOOTSTRAPPING
-                elif state is _SUCCESS:  # the agent's verdict: concluded here, nothing else to look at
-                    return succeed(self)
                 else:
                     return self._poll()
                 # SGLang's waiting timeout (seconds): its own check (``_poll``) once due, looked at

@@ -224,7 +224,7 @@ def build_sender() -> type:
                         self.kv_mgr.counters.watch(out.send, f"decode of room {room}")
                 if len(self._outs) == 1 and not self._outs[0].dummy:
                     self._one = self._outs[0].send
-                    self._word = self._one.poll
+                    self._word = self._one.record
                 for chunk in self._queued:
                     self._send_chunk(*chunk)
             except (PdStateError, ValueError) as exc:
@@ -303,7 +303,12 @@ def build_sender() -> type:
             if self.kv_mgr.request_status.get(self.bootstrap_room) != FAILED:
                 word = self._word  # one decode rank fed: its agent sender's state, moved by the agent's thread
                 if word is not None and self._one.posted_error is None:
-                    state = word()
+                    state = word.state  # the agent's own state: Transferring and Success read as they are
+                    if state is _TRANSFERRING:
+                        return TRANSFERRING
+                    if state is _SUCCESS:  # the agent's verdict: concluded here, nothing else to look at
+                        return lifecycle.succeed(self)
+                    state = self._one.poll()  # as the posted chunks show it
                     if state is _TRANSFERRING:
                         return TRANSFERRING
                     if state is _WAITING or state is _BOOTSTRAPPING:  # bootstrapping: its posted add is on its way
