@@ -156,33 +156,6 @@ def test_a_copy_does_not_wait_for_a_helper_that_never_runs() -> None:
         c.close()
 
 
-@pytest.mark.parametrize("size", [SPLIT_MIN_BYTES // 4, 2 * SPLIT_MIN_BYTES])
-def test_beside_runs_once_on_the_submitting_thread_when_it_has_no_job_left(size) -> None:
-    """``copy(..., beside)``: a small copy runs it after the copy; a split one once this thread
-    took no more jobs (here its helper never runs, so it copied every share itself first)."""
-    import threading
-
-    src = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
-    dst = np.zeros(size, dtype=np.uint8)
-    c = Copier(threads=2)
-    gate = threading.Event()
-    seen = []
-    try:
-        busy = c._helpers().submit(gate.wait, 30)
-        u64 = np.uint64
-        c.copy(
-            np.array([dst.ctypes.data], u64),
-            np.array([src.ctypes.data], u64),
-            np.array([size], u64),
-            size,
-            beside=lambda: seen.append((threading.get_ident(), np.array_equal(dst, src), busy.done())),
-        )
-        assert seen == [(threading.get_ident(), True, False)]
-    finally:
-        gate.set()
-        c.close()
-
-
 def test_a_descriptor_is_copied_and_hashed_in_pieces_with_a_short_last_one(monkeypatch) -> None:
     import xxhash
 

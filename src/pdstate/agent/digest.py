@@ -230,17 +230,13 @@ def submit_digested(engine, peer_id: str, plan, digest: RequestDigest | None, up
     """``engine.submit(peer_id, plan)``, the plan's source bytes (``updates``: this side's
     ``(channel, indices)``) going into ``digest``: hashed by the copy itself where the engine can
     (shm), else in the background beside the engine's copy, or (a digest ``inline``: a small
-    sample, of a copy under ``INLINE_COPY_BYTES``) on this thread: where the engine offers it
-    (``supports_beside``: shm) once this thread has no more of the copy to take, while the copy's
-    helpers finish theirs, else right after the submission.
+    sample, of a copy under ``INLINE_COPY_BYTES``) on this thread right after the submission.
     Returns the engine's handle."""
     if digest is None:
         return engine.submit(peer_id, plan)
     if getattr(engine, "supports_hashed_copy", False) and digest.fusable:
         return engine.submit(peer_id, plan, hash_src=digest.fused_streams(updates))  # None: hashed beside it
     if getattr(digest, "inline", False) and plan.total_bytes < INLINE_COPY_BYTES:  # read here, after the submission
-        if getattr(engine, "supports_beside", False):  # or while the copy's helpers finish theirs
-            return engine.submit(peer_id, plan, beside=lambda: digest.update_many(updates))
         handle = engine.submit(peer_id, plan)
         digest.update_many(updates)
         return handle

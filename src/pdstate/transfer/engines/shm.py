@@ -176,11 +176,6 @@ class ShmEngine(TransferEngine):
     ``submit(..., hash_src=fn)`` (``supports_hashed_copy``): ``fn(src, length)`` returns
     ``(hashers, index)`` and every descriptor's source bytes go to ``hashers[index[k]]`` right
     after they are copied, while still in cache (``shm_copy.Copier.copy_hashed``).
-
-    ``submit(..., beside=fn)`` (``supports_beside``): ``fn()`` runs on the submitting thread once
-    it has no more of the copy to take, while helper threads finish theirs (after the copy when
-    it has no helpers), and before ``submit`` returns: a digest of the sources (which a copy does
-    not change) read in the time the submitting thread would wait.
     """
 
     name = "shm"
@@ -188,7 +183,6 @@ class ShmEngine(TransferEngine):
     synchronous = True
     proves_ownership = True
     supports_hashed_copy = True
-    supports_beside = True
 
     def __init__(
         self,
@@ -402,16 +396,14 @@ class ShmEngine(TransferEngine):
             self._unmap(peer.native.maps)
             peer.native = None
 
-    def submit(
-        self, peer_id: str, plan: TransferPlan, notify: bytes = b"", hash_src=None, beside=None
-    ) -> TransferHandle:
+    def submit(self, peer_id: str, plan: TransferPlan, notify: bytes = b"", hash_src=None) -> TransferHandle:
         """``TransferEngine.submit``; with ``hash_src``, the copy also feeds the source bytes to
-        the hashers it names; with ``beside``, it runs that beside the copy's tail (see the class)."""
-        self._hash_src.fn, self._hash_src.beside = hash_src, beside
+        the hashers it names (see the class)."""
+        self._hash_src.fn = hash_src
         try:
             return super().submit(peer_id, plan, notify)
         finally:
-            self._hash_src.fn = self._hash_src.beside = None
+            self._hash_src.fn = None
 
     def _submit(self, peer: Peer, plan: TransferPlan, handle: TransferHandle, notify: bytes) -> None:
         native: _ShmPeer = peer.native
@@ -422,9 +414,7 @@ class ShmEngine(TransferEngine):
         if self.copy_delay_s > 0:
             time.sleep(self.copy_delay_s)
         if hash_src is None:
-            self._copier.copy(
-                local_dst, plan.src, plan.length, plan.total_bytes, getattr(self._hash_src, "beside", None)
-            )
+            self._copier.copy(local_dst, plan.src, plan.length, plan.total_bytes)
         else:
             streams = hash_src(plan.src, plan.length)
             self._copier.copy_hashed(local_dst, plan.src, plan.length, plan.total_bytes, streams)

@@ -122,17 +122,14 @@ class Copier:
             return 1
         return max(1, min(self.threads, total_bytes // SHARE_MIN_BYTES))
 
-    def copy(self, dst: np.ndarray, src: np.ndarray, length: np.ndarray, total_bytes: int, beside=None) -> None:
-        """Copy every descriptor; returns once all bytes are written (and ``beside()`` ran: on
-        this thread once it has no more jobs to take, while the helpers finish theirs)."""
+    def copy(self, dst: np.ndarray, src: np.ndarray, length: np.ndarray, total_bytes: int) -> None:
+        """Copy every descriptor; returns once all bytes are written."""
         parts = self.shares_for(total_bytes)
         if parts == 1:
             _copy_list(dst.tolist(), src.tolist(), length.tolist())
-            if beside is not None:
-                beside()
             return
         jobs = max(parts, min(MAX_JOBS, total_bytes // JOB_BYTES))
-        self._run(_copy_list, split_descriptors(dst, src, length, jobs), parts, beside)
+        self._run(_copy_list, split_descriptors(dst, src, length, jobs), parts)
 
     def copy_hashed(
         self, dst: np.ndarray, src: np.ndarray, length: np.ndarray, total_bytes: int, streams: tuple[list, np.ndarray]
@@ -169,7 +166,7 @@ class Copier:
                 jobs.append(job(sel))
         self._run(_copy_hash, jobs, parts)
 
-    def _run(self, fn, jobs: list[tuple], threads: int, beside=None) -> None:
+    def _run(self, fn, jobs: list[tuple], threads: int) -> None:
         """``fn(*job)`` for every job, each exactly once, on up to ``threads`` threads: this one
         and helpers take the next job until none is left, so a helper the scheduler has not run
         yet delays nothing (its call is cancelled, or finds no job) and one running slowly holds
@@ -188,8 +185,6 @@ class Copier:
         futures = [pool.submit(take_all) for _ in range(min(len(jobs), threads) - 1)]
         try:
             take_all()
-            if beside is not None:
-                beside()  # no job left for this thread: the helpers may still hold one each
         finally:
             for f in futures:
                 if not f.cancel():
