@@ -26,8 +26,9 @@ numpy step, never fused into the copy: the prefill reads it on the thread that s
 right after the submission when the copy is short (``inline``, under
 ``digest.INLINE_COPY_BYTES``: on the synchronous shm engine after the copy, on the others while
 the engine copies; a longer copy hides it in the background), and the decode picks its sample on
-its I/O thread once its request went out and reads it at ``TransferDone`` (no thread hop on
-either side). It catches, in every one of 200 seeds
+its I/O thread once its request went out, touching one byte of each block (its pages' address
+translations made while the prefill copies, not after), and reads it at ``TransferDone`` (no
+thread hop on either side). It catches, in every one of 200 seeds
 (``tests/agent/test_sampled_catches.py``): a one-page shift of the SWA window, a stale C128
 state, a missing last chunk, two layers' state swapped — any fault that changes a sampled
 item of every layer or the first or last item of a component. It misses a damaged byte outside
