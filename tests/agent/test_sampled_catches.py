@@ -303,3 +303,34 @@ def test_sampled_digests_are_the_recorded_ones(flash):
     got = {room: _digests(p, d, room)[0].hex() for room in range(3)}
     assert all(_digests(p, d, room)[1].hex() == h for room, h in got.items())
     assert got == GOLDEN
+
+
+def test_a_prepared_sample_reads_the_same_bytes(flash):
+    """The decode picks its sample ahead (``prepare``, touching one byte of each block it will
+    read); reading it then gives the digest of the same bytes as picking and reading at once, and
+    a byte changed after the pick is still read (the touch keeps nothing)."""
+    from pdstate.agent.verify import _touch
+
+    p, d = flash
+    _copy(p, d)
+    packed = wire.PackedIndices.pack(DST_PAGES).data
+    lengths = [N_PAGES, *(len(s) for s in DST_STATE), 1]
+    n = len(DST_STATE)
+    updates = [(0, np.array(DST_PAGES)), *((1 + c, np.array(s)) for c, s in enumerate(DST_STATE))]
+    updates.append((1 + n, np.array([DST_AUX])))
+    for room in range(3):
+        ahead = new_digest(_channels(d), "sampled", room=room, packed_pages=packed, lengths=lengths)
+        ahead.prepare(updates)
+        ahead.update_many(updates)
+        assert ahead.digest().hex() == GOLDEN[room]
+    row = _item(d.kv_data_ptrs[0], d.kv_item_lens[0], DST_PAGES[0])  # the first page: always sampled
+    ahead = new_digest(_channels(d), "sampled", room=0, packed_pages=packed, lengths=lengths)
+    ahead.prepare(updates)
+    saved = row.copy()
+    row[:] ^= 0xFF  # lands after the pick
+    ahead.update_many(updates)
+    row[:] = saved
+    assert ahead.digest().hex() != GOLDEN[0]
+    data = np.arange(4096, dtype=np.uint8)
+    at = np.array([3, 700, 4095, 9], dtype=np.int64)
+    assert _touch(data.ctypes.data + at) == int(data[at].sum())

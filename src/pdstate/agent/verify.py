@@ -26,8 +26,9 @@ numpy step, never fused into the copy: the prefill reads it on the thread that s
 right after the submission when the copy is short (``inline``, under
 ``digest.INLINE_COPY_BYTES``: on the synchronous shm engine after the copy, on the others while
 the engine copies; a longer copy hides it in the background), and the decode picks its sample on
-its I/O thread once its request went out and reads it at ``TransferDone`` (no thread hop on
-either side). It catches, in every one of 200 seeds
+its I/O thread once its request went out, touching one byte of each block (its pages' address
+translations made while the prefill copies, not after), and reads it at ``TransferDone`` (no
+thread hop on either side). It catches, in every one of 200 seeds
 (``tests/agent/test_sampled_catches.py``): a one-page shift of the SWA window, a stale C128
 state, a missing last chunk, two layers' state swapped — any fault that changes a sampled
 item of every layer or the first or last item of a component. It misses a damaged byte outside
@@ -429,6 +430,28 @@ class _SampleShape:
             self.bufs.append(np.repeat(np.arange(hi - lo), SAMPLE_BLOCKS))
             self.item_bytes.append(int(blocks.sum()) * SAMPLE_BLOCKS)
             self.whole.append(one and int(blocks[0]) == SAMPLE_BLOCK)
+        self._columns: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def columns(self, blocks: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For ``blocks``, ``(channel, blocks read)`` of whole-block channels in read order (each a
+        whole number of the channel's sampled items): per block read, its column in the flat
+        (buffer, block) table, its item length, and which sampled item (of all of them, in read
+        order) it lies in. Made once per ``blocks`` (a request's counts repeat)."""
+        got = self._columns.get(blocks)
+        if got is None:
+            at, slot, items = [], [], 0
+            for c, k in blocks:
+                cols = self.cols[c]
+                for _ in range(k // cols.size):
+                    at.append(cols)
+                    slot.append(np.full(cols.size, items, dtype=np.int64))
+                    items += 1
+            at_ = np.concatenate(at)
+            got = (at_, self.flat_lens[at_], np.concatenate(slot))
+            if len(self._columns) >= 256:
+                self._columns.clear()
+            self._columns[blocks] = got
+        return got
 
     def first(self, seed: int) -> np.ndarray:
         """Per buffer and block of a request of sample seed ``seed``: its address in item 0 (the
@@ -544,7 +567,6 @@ class SampleDigest(_BesideCopy):
         first, host = self._first, self.form == "host"
         positions, parts, nbytes = [], [], 0
         items: list[int] = []  # host form, channels of whole blocks: the sampled items, in read order,
-        cols: list[np.ndarray] = []  # of each its blocks' columns in the flat (buffer, block) table,
         sizes: list[tuple[int, int]] = []  # and per channel its blocks (gathered at once)
         for channel, idx, start in rows:
             kept = _kept((self.seed ^ (channel << 56)) & _M64, start, idx.size, self.lengths[channel])
@@ -557,7 +579,6 @@ class SampleDigest(_BesideCopy):
             nbytes += shape.item_bytes[channel] * len(kept)
             if host and shape.whole[channel]:
                 items += idx[kept].tolist()
-                cols += [shape.cols[channel]] * len(kept)
                 sizes.append((channel, len(kept) * shape.cols[channel].size))
                 continue
             # per sampled item, per buffer and block (read order): item 0's address + item * length
@@ -570,16 +591,18 @@ class SampleDigest(_BesideCopy):
             parts.append((channel, addr, lens, None if host else np.tile(shape.bufs[channel], len(kept))))
         together = None
         if items:  # every whole block's address at once: item 0's address + item * item length
-            at = np.concatenate(cols)
-            mult = np.repeat(np.array(items, dtype=np.int64), [c.size for c in cols])
-            together = (sizes, first.reshape(-1)[at] + mult * shape.flat_lens[at])
+            at, lens_at, slot = shape.columns(tuple(sizes))
+            together = (sizes, first.reshape(-1)[at] + np.array(items, dtype=np.int64)[slot] * lens_at)
         return positions, parts, together, nbytes
 
     def prepare(self, updates) -> None:
         """Pick the sample of ``updates`` now (the next updates this digest will be given), so that
         reading it later is only the gather and the hash: the decode prepares its whole request
         on its I/O thread once its request went out, while the prefill copies. Used by
-        ``update_many`` when it is given these very updates."""
+        ``update_many`` when it is given these very updates. In host form it also touches one
+        byte of each whole block it will read (``_touch``): the pages' address translations are
+        made now, not after ``TransferDone`` (the bytes read later are the ones that landed:
+        a touch reads, never keeps)."""
         with self._lock:
             nxt, rows = list(self._next), []
             for c, idx in updates:
@@ -587,7 +610,10 @@ class SampleDigest(_BesideCopy):
                 if idx.size:
                     rows.append((c, idx, nxt[c]))
                     nxt[c] += idx.size
-            self._prepared = (_rows_key(rows), self._plan(rows))
+            plan = self._plan(rows)
+            self._prepared = (_rows_key(rows), plan)
+            if self.form == "host" and plan[2] is not None:
+                _touch(plan[2][1])
 
     def _run(self, rows: list) -> None:
         """Pick (unless ``prepare`` did) and read the sample of ``rows``: the blocks of every
@@ -610,7 +636,7 @@ class SampleDigest(_BesideCopy):
                 at += k
         for channel, addr, lens, bufs in parts:
             if self.form == "host":
-                self._data[channel].update(_gather_host(addr, lens))
+                self._data[channel].update(_read_host(addr, lens))
             else:
                 self._data[channel].update(self._lane_values(channel, addr, lens, bufs).astype("<u8").tobytes())
         self.seconds += time.perf_counter() - t0
@@ -660,6 +686,26 @@ def _gather_host(addr: np.ndarray, lens: np.ndarray | int) -> np.ndarray:
     span = np.asarray(_HostSpan(lo, int((rel + lens).max())))
     starts = np.repeat(rel - np.concatenate(([0], np.cumsum(lens)[:-1])), lens)
     return span[starts + np.arange(int(lens.sum()))]
+
+
+_FEW_BLOCKS = 8  # blocks read one by one (``ctypes.string_at``) rather than gathered by numpy
+
+
+def _read_host(addr: np.ndarray, lens: np.ndarray | int) -> bytes | np.ndarray:
+    """The bytes ``_gather_host`` gathers, concatenated: a few blocks (aux's slot) read one by one,
+    without the numpy calls of a gather."""
+    if addr.size > _FEW_BLOCKS:
+        return _gather_host(addr, lens)
+    sizes = [lens] * addr.size if isinstance(lens, int) else lens.tolist()
+    return b"".join(map(ctypes.string_at, addr.tolist(), sizes))
+
+
+def _touch(addr: np.ndarray) -> int:
+    """Read one byte at each of the host addresses ``addr`` (their sum, which nothing keeps): the
+    pages they lie in are mapped and their translations cached before the blocks are read."""
+    lo = int(addr.min())
+    rel = addr - lo
+    return int(np.asarray(_HostSpan(lo, int(rel.max()) + 1))[rel].sum())
 
 
 def _gather_device(addr: np.ndarray, n: int, device: str):
