@@ -233,3 +233,31 @@ def test_threads_encoding_at_once_each_get_their_own_frames():
     for t in threads:
         t.join()
     assert wrong == []
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        (7, "success", 0, 0, None, 0.000123, None),  # an empty request's
+        (1 << 62, "success", 1 << 40, 3, b"\x01" * 32, 2.5, "device"),
+        (7, "success", np.int64(4096), np.int64(2), None, 0.5, None),  # numpy counts: the model coerces them
+        (7, "success", 0, 0, None, math.inf, None),  # out of the hand check's bounds: the model takes it
+    ],
+)
+def test_a_sent_transfer_done_is_the_model_the_constructor_gives(values):
+    room, status, n, descriptors, digest, copy_s, form = values
+    mine = wire.transfer_done(room, status, n, descriptors, digest, copy_s, form)
+    model = wire.TransferDone(
+        room=room, status=status, bytes=n, descriptors=descriptors, digest=digest, copy_s=copy_s, digest_form=form
+    )
+    assert list(mine.__dict__.items()) == list(model.__dict__.items())
+    assert mine.model_fields_set == model.model_fields_set
+    assert wire.encode(mine) == wire.encode(model)
+
+
+def test_a_sent_transfer_done_is_refused_as_the_constructor_refuses_it():
+    with pytest.raises(ValueError) as mine:
+        wire.transfer_done(7, "success", -1, 0, None, 0.0, None)
+    with pytest.raises(ValueError) as model:
+        wire.TransferDone(room=7, status="success", bytes=-1, descriptors=0, digest=None, copy_s=0.0)
+    assert str(mine.value) == str(model.value)

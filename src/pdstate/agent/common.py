@@ -342,34 +342,42 @@ class AgentLoop:
                 poller.register(self._wake_r, zmq.POLLIN)
                 for s in self._sockets:
                     poller.register(s, zmq.POLLIN)
-            events = dict(poller.poll(AGAIN_MS if self._again else poller_timeout_ms))
+            polled = poller.poll(AGAIN_MS if self._again else poller_timeout_ms)
             if self._again:
                 checks, self._again = self._again, {}
                 for check in checks.values():
                     self._guard(check)
-            if self._wake_r in events:
-                try:
-                    while os.read(self._wake_r, 4096):
+            readable = []  # the watched sockets the poll found readable, with their events
+            for s, ev in polled:  # the poll's list as it is: no dict of it built per turn
+                if type(s) is int:  # the wake pipe (the only plain descriptor polled)
+                    try:
+                        while os.read(s, 4096):
+                            pass
+                    except BlockingIOError:
                         pass
-                except BlockingIOError:
-                    pass
+                else:
+                    readable.append((s, ev))
             # after the pipe is read, before the queue is: a post from here on writes again, and one
             # before it (which skipped its write) has its work in the queue read below
             self._woken = False
             work = self._queue
             while not work.empty():  # one consumer (this thread): what it holds is there to take
                 self._guard(work.get_nowait())
-            for s in [s for s in events if s in self._sockets]:  # the watched sockets that are readable
+            sockets = self._sockets
+            for s, ev in readable:
                 # the first message without asking: the poll said so, and only this thread reads it;
                 # then ZMQ_EVENTS (a getsockopt, ~1 us; ``Socket.poll(0)`` builds a poller, ~20 us),
                 # plain ints (a PollEvent flag's ``&`` runs in Python)
-                ready = events[s] & _POLLIN
+                ready = s in sockets and ev & _POLLIN
                 while ready:
-                    handler = self._sockets.get(s)
-                    if handler is None:  # unwatched by a handler meanwhile
+                    handler = sockets.get(s)
+                    if handler is None:  # unwatched by a handler meanwhile (or by the queue's work)
                         break
-                    self._guard(lambda: handler(s))
-                    ready = s in self._sockets and s.getsockopt(_EVENTS) & _POLLIN
+                    try:  # ``_guard`` inline: no closure made and called per message
+                        handler(s)
+                    except Exception:  # a bug in one handler must not end the I/O thread
+                        log.exception("pdstate agent I/O thread: unhandled error")
+                    ready = s in sockets and s.getsockopt(_EVENTS) & _POLLIN
             if time.monotonic() >= next_tick:
                 self._guard(self._on_tick)
                 next_tick = time.monotonic() + self._tick_s

@@ -219,13 +219,13 @@ class CopyPipeline:
         m["transfer_s"] = round(self.stopwatch() - send.started, 6)
         self.reply(
             send.identity,
-            wire.TransferDone(
-                room=send.record.room,
-                status="success",
-                bytes=send.bytes,
-                descriptors=send.descriptors,
-                digest=send.digest.digest() if send.digest is not None else None,
-                copy_s=m["transfer_s"],
-                digest_form=wire_form(send.digest),
+            wire.transfer_done(
+                send.record.room,
+                "success",
+                send.bytes,
+                send.descriptors,
+                send.digest.digest() if send.digest is not None else None,
+                m["transfer_s"],
+                wire_form(send.digest),
             ),
         )

@@ -514,7 +514,12 @@ def _hot_packed(v: Any) -> PackedIndices | None:
     size = _DTYPE_SIZE.get(dtype) if type(dtype) is str else None
     if size is None or type(data) is not bytes or len(data) % size or len(data) // size > MAX_INDICES:
         return None
-    return _built(PackedIndices, {"dtype": dtype, "data": data}, ("dtype", "data"))
+    m = _new(PackedIndices)  # ``_built``, inline: a request's frame holds one per index list
+    _set(m, "__dict__", {"dtype": dtype, "data": data})
+    _set(m, "__pydantic_fields_set__", {"dtype", "data"})
+    _set(m, "__pydantic_extra__", None)
+    _set(m, "__pydantic_private__", None)
+    return m
 
 
 def _hot_aux(v: Any) -> AuxDest | None:
@@ -610,6 +615,26 @@ def _hot_transfer_done(f: dict) -> TransferDone | None:
         "digest_form": form,
     }
     return _built(TransferDone, values, f)
+
+
+def transfer_done(
+    room: int, status: str, n_bytes: int, descriptors: int, digest: bytes | None, copy_s: float, form: str | None
+) -> TransferDone:
+    """The ``TransferDone`` a prefill sends once a request's copy ended: built as ``decode``
+    builds a received one (``_hot_transfer_done``) when every value is of the form it checks,
+    else by the model (which coerces or refuses them as its constructor does). The same model
+    either way (``tests/unit/test_wire_hot.py``): the model's constructor is the larger part of
+    the prefill's work on an empty request between its frame and this one."""
+    fields = {
+        "room": room,
+        "status": status,
+        "bytes": n_bytes,
+        "descriptors": descriptors,
+        "digest": digest,
+        "copy_s": copy_s,
+        "digest_form": form,
+    }
+    return _hot_transfer_done(fields) or TransferDone(**fields)
 
 
 # the kinds checked by hand before their model (``decode``); each returns None to defer to it
