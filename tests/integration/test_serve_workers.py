@@ -156,6 +156,26 @@ def test_a_request_past_its_deadline_fails_and_its_pages_are_free_after_the_fenc
     assert d.submit(300).result(30).status == "success"
 
 
+def test_a_request_given_up_during_its_fill_keeps_its_pages_until_the_fill_is_back(pair, monkeypatch):
+    """On the compute thread the sender is made before the fill: the decode's abort ends it while
+    the fill still writes the pages, which go back only once the fill is back on the loop."""
+    p, d = pair
+    monkeypatch.setattr(agent_prefill, "INLINE_FILL_BYTES", 0)  # every fill on the compute thread
+    free = p.free_counts()
+    held = Held(monkeypatch)
+    res = held.submit(d, 300, deadline_s=0.5).result(30)
+    assert (res.status, res.error.type, res.error.message) == ("failed", "TransferFailed", "deadline exceeded")
+    ended = lambda: p.agent.senders()[res.room].record.state.terminal  # noqa: E731
+    wait_until("the prefill's sender ended (the decode's abort)", ended, 10)
+    assert (p.status().in_flight, p.free_counts() != free) == (1, True)  # the pages are still the fill's
+    held.release()
+    wait_until("the prefill's request ended", lambda: p.status().in_flight == 0, 10)
+    assert p.free_counts() == free
+    rec = [r for r in p.finished_records() if r["room"] == res.room]
+    assert (rec[0]["status"], rec[0]["error"]["type"]) == ("failed", "TransferAborted"), rec
+    assert d.submit(300).result(30).status == "success"
+
+
 @pytest.mark.parametrize("pair", [{"prefill": {"drain_s": 10.0}}], indirect=True)
 def test_a_draining_prefill_finishes_what_it_holds_and_refuses_the_rest(pair, monkeypatch):
     p, d = pair
