@@ -181,8 +181,9 @@ def test_busy_then_deadline_returns_the_pages_at_once():
         holder = d.submit(300, deadline_s=20)
         wait_until("the first request in flight", lambda: p.in_flight() == 1, 5)
         # long enough for the first Busy answer to come back on a loaded host (at 0.4 s, under load
-        # 14-21, a request's deadline passed before it: TransferFailed, not PrefillBusy)
-        deadline = 1.5
+        # 14-21, a request's deadline passed before it: TransferFailed, not PrefillBusy; at 1.5 s
+        # once more at load 15-67)
+        deadline = 3.0
         bounced = [d.submit(200, deadline_s=deadline) for _ in range(3)]
         for f in bounced:
             r = f.result(10)
