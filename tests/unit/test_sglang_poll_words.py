@@ -325,17 +325,27 @@ def test_refusals_count_arrivals_and_answer_for_a_set_of_rooms():
     assert refusals.arrivals == 2 and not refusals.requested_any(frozenset({6}))
 
 
-def test_a_senders_init_makes_its_agent_sender_on_the_agents_thread(classes):
-    """``init`` hands the agent sender's making to the agent's thread; the chunks sent meanwhile
-    reach it after, in order; until then the poll says WaitingForInput without looking further."""
-    sender_cls, _ = classes
+def _queued_sender(sender_cls, sender=None):
+    """A sender for room 6, its decode's request there, on an agent whose posted steps wait in
+    ``agent.queue`` (``sender(agent)``: the agent's ``sender`` in place of the fake's): the
+    harness, the agent and the sender, which says WaitingForInput."""
     t = Harness()
     t.register()
     t.request(6)
     agent = Agent(t.core.refusals)
     agent.queue = []
+    if sender is not None:
+        agent.sender = sender(agent)
     s = sender_cls(Manager(agent), "127.0.0.1:1", 6, [0], 0)
     assert s.poll() == KVPoll.WaitingForInput
+    return t, agent, s
+
+
+def test_a_senders_init_makes_its_agent_sender_on_the_agents_thread(classes):
+    """``init`` hands the agent sender's making to the agent's thread; the chunks sent meanwhile
+    reach it after, in order; until then the poll says WaitingForInput without looking further."""
+    sender_cls, _ = classes
+    t, agent, s = _queued_sender(sender_cls)
     looks = agent.looks
     s.init(2, 0)
     assert [s.poll() for _ in range(3)] == [KVPoll.WaitingForInput] * 3  # its agent sender being made
@@ -356,13 +366,7 @@ def test_a_sender_whose_agent_closed_before_it_made_the_agent_sender_fails(class
     from pdstate.integrations.sglang.sender import AGENT_CHECK_POLLS
 
     sender_cls, _ = classes
-    t = Harness()
-    t.register()
-    t.request(6)
-    agent = Agent(t.core.refusals)
-    agent.queue = []
-    s = sender_cls(Manager(agent), "127.0.0.1:1", 6, [0], 0)
-    assert s.poll() == KVPoll.WaitingForInput
+    t, agent, s = _queued_sender(sender_cls)
     s.init(2, 0)
     agent.closed = True  # the thread ended with the step still queued
     polls = [s.poll() for _ in range(AGENT_CHECK_POLLS)]  # the agent is looked at every so often
@@ -416,13 +420,7 @@ def test_a_receiver_whose_agent_closed_before_it_made_the_agent_receiver_fails(c
 
 def test_a_malformed_state_list_sent_while_the_agent_sender_is_made_concludes_at_once(classes):
     sender_cls, _ = classes
-    t = Harness()
-    t.register()
-    t.request(6)
-    agent = Agent(t.core.refusals)
-    agent.queue = []
-    s = sender_cls(Manager(agent), "127.0.0.1:1", 6, [0], 0)
-    assert s.poll() == KVPoll.WaitingForInput
+    t, agent, s = _queued_sender(sender_cls)
     s.init(2, 0)
     s.send([1])
     s.send([2], [[3]])  # one list, no state component: refused here, nothing posted for it
@@ -447,16 +445,12 @@ def test_a_chunk_sent_after_the_agent_sender_was_made_follows_the_one_the_agents
     agent's thread: the second chunk goes there behind it, so the agent sender gets them in
     SGLang's order (the last, with the state, last)."""
     sender_cls, _ = classes
-    t = Harness()
-    t.register()
-    t.request(6)
-    agent = Agent(t.core.refusals)
-    agent.queue = []
-    agent.sender = lambda room, pages, aux, posted=False: (
-        agent.made.append(_PostingRecord(room, agent)) or agent.made[-1]
+    t, agent, s = _queued_sender(
+        sender_cls,
+        lambda agent: (
+            lambda room, pages, aux, posted=False: agent.made.append(_PostingRecord(room, agent)) or agent.made[-1]
+        ),
     )
-    s = sender_cls(Manager(agent), "127.0.0.1:1", 6, [0], 0)
-    assert s.poll() == KVPoll.WaitingForInput
     s.init(2, 0)
     s.send([1])
     agent.queue.pop(0)()  # the agent's thread makes the agent sender; the first chunk still waits
