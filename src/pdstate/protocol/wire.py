@@ -514,12 +514,7 @@ def _hot_packed(v: Any) -> PackedIndices | None:
     size = _DTYPE_SIZE.get(dtype) if type(dtype) is str else None
     if size is None or type(data) is not bytes or len(data) % size or len(data) // size > MAX_INDICES:
         return None
-    m = _new(PackedIndices)  # ``_built``, inline: a request's frame holds one per index list
-    _set(m, "__dict__", {"dtype": dtype, "data": data})
-    _set(m, "__pydantic_fields_set__", {"dtype", "data"})
-    _set(m, "__pydantic_extra__", None)
-    _set(m, "__pydantic_private__", None)
-    return m
+    return _built(PackedIndices, {"dtype": dtype, "data": data}, ("dtype", "data"))
 
 
 def _hot_aux(v: Any) -> AuxDest | None:
