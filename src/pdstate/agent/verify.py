@@ -26,9 +26,8 @@ numpy step, never fused into the copy: the prefill reads it on the thread that s
 right after the submission when the copy is short (``inline``, under
 ``digest.INLINE_COPY_BYTES``: on the synchronous shm engine after the copy, on the others while
 the engine copies; a longer copy hides it in the background), and the decode picks its sample on
-its I/O thread once its request went out, touching one byte of each block (its pages' address
-translations made while the prefill copies, not after), and reads it at ``TransferDone`` (no
-thread hop on either side). It catches, in every one of 200 seeds
+its I/O thread once its request went out and reads it at ``TransferDone`` (no thread hop on
+either side). It catches, in every one of 200 seeds
 (``tests/agent/test_sampled_catches.py``): a one-page shift of the SWA window, a stale C128
 state, a missing last chunk, two layers' state swapped — any fault that changes a sampled
 item of every layer or the first or last item of a component. It misses a damaged byte outside
@@ -599,10 +598,8 @@ class SampleDigest(_BesideCopy):
         """Pick the sample of ``updates`` now (the next updates this digest will be given), so that
         reading it later is only the gather and the hash: the decode prepares its whole request
         on its I/O thread once its request went out, while the prefill copies. Used by
-        ``update_many`` when it is given these very updates. In host form it also touches one
-        byte of each whole block it will read (``_touch``): the pages' address translations are
-        made now, not after ``TransferDone`` (the bytes read later are the ones that landed:
-        a touch reads, never keeps)."""
+        ``update_many`` when it is given these very updates (nothing is read here: touching
+        the blocks ahead cost the prefill's copy CPU on two cores and saved nothing later)."""
         with self._lock:
             nxt, rows = list(self._next), []
             for c, idx in updates:
@@ -610,10 +607,7 @@ class SampleDigest(_BesideCopy):
                 if idx.size:
                     rows.append((c, idx, nxt[c]))
                     nxt[c] += idx.size
-            plan = self._plan(rows)
-            self._prepared = (_rows_key(rows), plan)
-            if self.form == "host" and plan[2] is not None:
-                _touch(plan[2][1])
+            self._prepared = (_rows_key(rows), self._plan(rows))
 
     def _run(self, rows: list) -> None:
         """Pick (unless ``prepare`` did) and read the sample of ``rows``: the blocks of every
@@ -698,14 +692,6 @@ def _read_host(addr: np.ndarray, lens: np.ndarray | int) -> bytes | np.ndarray:
         return _gather_host(addr, lens)
     sizes = [lens] * addr.size if isinstance(lens, int) else lens.tolist()
     return b"".join(map(ctypes.string_at, addr.tolist(), sizes))
-
-
-def _touch(addr: np.ndarray) -> int:
-    """Read one byte at each of the host addresses ``addr`` (their sum, which nothing keeps): the
-    pages they lie in are mapped and their translations cached before the blocks are read."""
-    lo = int(addr.min())
-    rel = addr - lo
-    return int(np.asarray(_HostSpan(lo, int(rel.max()) + 1))[rel].sum())
 
 
 def _gather_device(addr: np.ndarray, n: int, device: str):
