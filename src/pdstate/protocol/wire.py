@@ -371,15 +371,16 @@ def _request_fields(held: dict[str, Any]) -> dict[str, Any]:
 
 def encode(msg: Message, token: bytes | None = None) -> bytes:
     kind, held = type(msg), msg.__dict__
-    if kind in _FLAT and held.get("error") is None:
-        fields = dict(held)  # ``_dump``'s result: every field a scalar, kept as it is
-    elif kind is AgentRequest:
-        fields = _request_fields(held)
+    if kind is AgentRequest:
+        fields = _request_fields(held)  # its later fields already left out when None
     else:
-        fields = _dump(msg) if kind in _PLAIN else _plain(msg.model_dump(mode="python"))
-    for name in getattr(msg, "OMIT_WHEN_NONE", ()):  # fields added to a kind later: absent unless set
-        if fields.get(name, 0) is None:
-            del fields[name]
+        if kind in _FLAT and held.get("error") is None:
+            fields = dict(held)  # ``_dump``'s result: every field a scalar, kept as it is
+        else:
+            fields = _dump(msg) if kind in _PLAIN else _plain(msg.model_dump(mode="python"))
+        for name in getattr(msg, "OMIT_WHEN_NONE", ()):  # fields added to a kind later: absent unless set
+            if fields.get(name, 0) is None:
+                del fields[name]
     pack = _packer().pack
     body = pack(fields)
     head = _HEADS.get(msg.KIND) or _head(msg.KIND)
