@@ -99,3 +99,47 @@ def test_summary_names_the_agent_keys_even_when_the_phase_did_not_run():
     assert s["verify_cost_by_mode"] == {} and s["sglang_versions"] == []
     r["parts"] = {"paged:agent:agent_shm_digest:digest_s": {"2048": {"median": 0.002}}}
     assert bench_report.summary(r)["agent_digest_ms_p50_by_length"] == {"2048": {"decode": 2.0}}
+
+
+def _events(nodes: bench_agent.AgentNodes, room: int, until: dict) -> dict:
+    """Each node's events of ``room``, in order, until every node in ``until`` told its event."""
+    import queue
+    import time
+
+    kinds: dict = {node: [] for node in until}
+    deadline = time.monotonic() + 60
+    while any(last not in kinds[node] for node, last in until.items()):
+        try:
+            node, ev = nodes.events.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"not all of {list(until.values())} within 60 s: {kinds}") from None
+        if ev is not None and ev.get("room") == room:
+            kinds.setdefault(node, []).append(ev["event"])
+    return kinds
+
+
+def _decode_events(nodes: bench_agent.AgentNodes, announce: bool) -> list[str]:
+    """One empty request, the prefill told first (as ``AgentNodes.run``); the decode's events of
+    its room, in order, up to its result."""
+    import secrets
+
+    room, p, d = secrets.randbits(63), nodes.prefill, nodes.decodes["off"]
+    p.send({"op": "send", "room": room, "seq_len": 0, "announce": True})
+    assert _events(nodes, room, {p: "queued"})[p] == ["queued"]
+    cmd = {"op": "recv", "room": room, "seq_len": 0, "prefill": p.address}
+    d.send(dict(cmd, announce=True) if announce else cmd)
+    kinds = _events(nodes, room, {p: "sent", d: "result"})
+    assert kinds[p] == ["sent"]
+    return kinds[d]
+
+
+def test_the_decode_node_tells_allocated_only_when_asked():
+    # the benchmark times the decode's request sent -> Success; a line to the benchmark process in
+    # that window wakes its threads while the request is in flight: it asks for none
+    nodes = bench_agent.AgentNodes(bench_measure.settings("paged", "tiny"))
+    try:
+        assert _decode_events(nodes, announce=False) == ["result"]
+        assert _decode_events(nodes, announce=True) == ["allocated", "result"]  # the demo's router asks
+        assert nodes.run(0, "off")["transfer_s"] > 0
+    finally:
+        nodes.close()

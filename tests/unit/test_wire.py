@@ -12,6 +12,8 @@ import importlib.util
 import json
 import random
 import sys
+import types
+import typing
 
 import msgpack
 import numpy as np
@@ -751,6 +753,54 @@ def test_plain_kinds_encode_byte_for_byte_as_their_model_dump():
         assert wire.encode(msg) == _model_dump_encoding(msg), msg.KIND
         assert wire.encode(msg, b"t") != wire.encode(msg)  # (the tag is over the same body)
         assert wire.decode(wire.encode(msg)) == msg
+
+
+def _leaf_types(annotation) -> set:
+    """The types a field's annotation lets it hold (``Annotated``, unions and ``Literal`` unwrapped)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return {type(a) for a in args}
+    if origin is typing.Annotated:
+        return _leaf_types(args[0])
+    if args and origin in (typing.Union, types.UnionType):
+        return set().union(*(_leaf_types(a) for a in args))
+    return {origin or annotation}
+
+
+def test_flat_kinds_hold_only_scalars_but_their_error():
+    """``encode`` copies a flat kind's fields as they are when it has no error (no ``_dump``): no
+    other field of it may hold a model or a list (their byte-exact encoding: the test above)."""
+    assert wire._FLAT <= wire._PLAIN
+    assert wire.TransferDone in wire._FLAT and wire.AgentVerdict in wire._FLAT  # a request's own frames
+    scalars = {int, float, str, bytes, bool, type(None)}
+    for kind in wire._FLAT:
+        for name, field in kind.model_fields.items():
+            if name != "error":
+                assert _leaf_types(field.annotation) <= scalars, (kind.KIND, name, field.annotation)
+    assert _leaf_types(wire.AgentRequest.model_fields["dst_kv_pages"].annotation) == {wire.PackedIndices}
+    assert wire.AgentRequest not in wire._FLAT  # its index lists are models
+
+
+def test_the_written_out_agent_request_encoding_names_every_field_in_order():
+    """``encode`` writes an ``AgentRequest``'s fields out by name: a field added to the model must
+    be added there too (each later field, left out when ``None``, in ``_REQUEST_LATER``)."""
+    fields = list(wire.AgentRequest.model_fields)
+    assert fields[6:] == list(wire._REQUEST_LATER)
+    assert set(wire._REQUEST_LATER) == wire.AgentRequest.OMIT_WHEN_NONE
+    packed = wire.PackedIndices.pack
+    full = wire.AgentRequest(
+        room=3,
+        dst_kv_pages=packed([1, 2]),
+        dst_state_indices=[packed([])],
+        dst_aux=wire.AuxDest(ptrs=[8], item_lens=[4], index=1),
+        deadline_s=5.0,
+        seq_len=7,
+        verify="sampled",
+        digest_form="device",
+        sample_rule=3,
+    )
+    assert list(msgpack.unpackb(msgpack.unpackb(wire.encode(full))["body"])) == fields
+    assert wire.encode(full) == _model_dump_encoding(full)
 
 
 # --- peer strings: clipped or refused where they enter ------------------------------------------

@@ -32,7 +32,14 @@ def _moves_nothing(decode: DecodePeer, pages: np.ndarray, state, req: wire.Agent
     no state on either side (a last chunk), and a pair whose channels plan without error."""
     if pages.size or aux or decode.planner.channel_error is not None:
         return False
-    return state is None or not (any(s.size for s in state) or any(len(d) for d in req.dst_state_indices))
+    if state is not None:  # loops, not ``any`` over generators: this runs for every empty request
+        for s in state:
+            if s.size:
+                return False
+        for d in req.dst_state_indices:
+            if d.data:
+                return False
+    return True
 
 
 class CopyPipeline:
@@ -202,7 +209,7 @@ class CopyPipeline:
         if not send.all_submitted:
             return
         try:
-            if not all(self.engine.poll(h) for h in send.handles):  # landing off this thread
+            if send.handles and not all(self.engine.poll(h) for h in send.handles):  # landing off this thread
                 if not self.watch(send):
                     self.again(send, send)  # no wake-up: look again soon
                 return

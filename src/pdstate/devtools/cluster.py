@@ -228,7 +228,7 @@ class Cluster:
         d.load += 1
         self.inflight[room] = (p, d)
         self._to_prefill[room] = {"op": "send", "room": room, "seq_len": seq_len, "hold": hold}
-        d.send({"op": "recv", "room": room, "seq_len": seq_len, "prefill": p.address})
+        d.send({"op": "recv", "room": room, "seq_len": seq_len, "prefill": p.address, "announce": True})
 
     def busy(self) -> bool:
         """Whether a request awaits its decode's result or its prefill's end."""

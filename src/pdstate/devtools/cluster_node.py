@@ -18,9 +18,11 @@ object a line, from any of the node's threads):
   "status", "error", "metrics"}``.
 * decode ``{"op": "connect", "prefill": address}``: shake hands with that prefill (a receiver that
   is aborted once accepted); ``{"event": "connected", "prefill", "state", "handshake_ms", "error"}``.
-* decode ``{"op": "recv", "room", "seq_len", "prefill": address}``: allocate, ``init`` a receiver
-  for the room from that prefill (then ``{"event": "allocated", "room"}``: the router tells the
-  prefill only now, so a prefill's pages never wait on a decode's) and, once it succeeded
+* decode ``{"op": "recv", "room", "seq_len", "prefill": address, "announce"?}``: allocate, ``init``
+  a receiver for the room from that prefill (then, with ``announce``, ``{"event": "allocated",
+  "room"}``: the router tells the prefill only now, so a prefill's pages never wait on a decode's;
+  the benchmark, which tells the prefill first, asks for none: that line would wake the benchmark
+  process while the request it times is in flight) and, once it succeeded
   (digests compared by the agent), check every landed item with ``synth.verify_destination``;
   then ``{"event": "result", "room", "seq_len", "status", "verified", "error", "bytes",
   "descriptors", "seconds", "metrics"}`` (``metrics``: the receiver's own).
@@ -184,7 +186,7 @@ class Node:
         ev = {"event": "connected", "prefill": prefill, "state": state.value, "handshake_ms": ms, "error": _error(err)}
         self.emit(ev)
 
-    def recv(self, room: int, seq_len: int, prefill: str) -> None:
+    def recv(self, room: int, seq_len: int, prefill: str, announce: bool = False) -> None:
         """Allocate (the router tells the prefill only after ``allocated``), receive, verify."""
         from pdstate.agent import RequestState
         from pdstate.worker import synth
@@ -202,7 +204,8 @@ class Node:
             self._release(alloc)
             self._result(room, seq_len, "failed", False, exc, {}, t0)
             return
-        self.emit({"event": "allocated", "room": room})
+        if announce:
+            self.emit({"event": "allocated", "room": room})
         state = recv.wait(WAIT_S)
         error, verified = recv.failure_exception(), False
         if state is RequestState.SUCCESS:
@@ -253,7 +256,9 @@ class Node:
         elif op == "connect" and self.role == "decode":
             self._spawn(self.connect, str(cmd["prefill"]))
         elif op == "recv" and self.role == "decode":
-            self._spawn(self.recv, int(cmd["room"]), int(cmd["seq_len"]), str(cmd["prefill"]))
+            self._spawn(
+                self.recv, int(cmd["room"]), int(cmd["seq_len"]), str(cmd["prefill"]), bool(cmd.get("announce"))
+            )
         elif op == "stats":
             self.emit(self.stats())
         else:

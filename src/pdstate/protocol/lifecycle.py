@@ -32,12 +32,15 @@ class RequestState(str, enum.Enum):
     SUCCESS = "success"
     FAILED = "failed"
 
-    @property
-    def terminal(self) -> bool:
-        return self is RequestState.SUCCESS or self is RequestState.FAILED  # identity: asked on every frame
+    # whether the state is final (SUCCESS or FAILED): a plain attribute of each member, set below
+    # (asked on every frame and every poll: no property call)
+    terminal: bool
 
 
 _S = RequestState
+for _state in RequestState:
+    _state.terminal = _state is _S.SUCCESS or _state is _S.FAILED
+del _state
 TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     _S.BOOTSTRAPPING: frozenset({_S.WAITING_FOR_INPUT, _S.FAILED}),
     _S.WAITING_FOR_INPUT: frozenset({_S.TRANSFERRING, _S.FAILED}),
@@ -96,5 +99,7 @@ def move(record: Any, new: RequestState | PeerState) -> None:
     """Move ``record.state`` to ``new`` if its table allows it; raise ``IllegalTransition`` (and
     leave the record as it was) otherwise. The only assignment of a lifecycle state: records
     declare ``state`` with their first state as default, outside their constructor's arguments."""
-    check(record.state, new)
+    current = record.state
+    if type(new) is not type(current) or new not in _TABLES[type(current)][1][current]:
+        check(current, new)  # raises, with the refusal's words (``check`` alone writes them)
     record.state = new
