@@ -123,6 +123,10 @@ class Agent:
         return self.refusals.requested_any(rooms)
 
     @property
+    def waiting(self) -> int:  # a count, not a look for a room
+        return self.refusals.waiting()
+
+    @property
     def refusals_held(self) -> int:
         return len(self.refusals.rooms)
 
@@ -199,16 +203,16 @@ def test_a_senders_poll_looks_at_the_agent_only_when_something_arrived(classes):
     agent = Agent(t.core.refusals)
     mgr = Manager(agent)
     s = sender_cls(mgr, "127.0.0.1:1", 6, [0], 0)
-    # the first look: its own room (one dictionary look), then the replicas' rooms; nothing was
-    # given up on the agent, so no refusal is looked for
-    assert s.poll() == KVPoll.Bootstrapping and agent.looks == 2
-    assert [s.poll() for _ in range(5)] == [KVPoll.Bootstrapping] * 5 and agent.looks == 2  # nothing arrived
+    # the first look: its own room (one dictionary look); no request waits at all, so the replicas'
+    # rooms are not looked for, and nothing was given up on the agent, so no refusal is either
+    assert s.poll() == KVPoll.Bootstrapping and agent.looks == 1 and s._rooms is None
+    assert [s.poll() for _ in range(5)] == [KVPoll.Bootstrapping] * 5 and agent.looks == 1  # nothing arrived
     assert s.timeouts == 6  # SGLang's bootstrap timeout, asked on every poll all the same
-    t.request(7)  # another room's request: one look more, still awaited
-    assert s.poll() == KVPoll.Bootstrapping and agent.looks == 4 and t.core.refusals.arrivals == 1
+    t.request(7)  # another room's request: its own room, then the replicas' rooms; still awaited
+    assert s.poll() == KVPoll.Bootstrapping and agent.looks == 3 and t.core.refusals.arrivals == 1
     t.request(6)
-    assert s.poll() == KVPoll.WaitingForInput and agent.looks == 5  # its own room found: one look
-    assert s.poll() == KVPoll.WaitingForInput and agent.looks == 5
+    assert s.poll() == KVPoll.WaitingForInput and agent.looks == 4  # its own room found: one look
+    assert s.poll() == KVPoll.WaitingForInput and agent.looks == 4
     s.init(2, 0)
     (record,) = agent.made
     # the agent sender not added yet (``init`` posted it): WaitingForInput, never Bootstrapping again
@@ -216,7 +220,7 @@ def test_a_senders_poll_looks_at_the_agent_only_when_something_arrived(classes):
     record.state = S.TRANSFERRING
     assert [s.poll() for _ in range(3)] == [
         KVPoll.Transferring
-    ] * 3 and agent.looks == 6  # (one more: the making of its agent sender)
+    ] * 3 and agent.looks == 5  # (one more: the making of its agent sender)
     mgr.request_status[6] = KVPoll.Failed  # SGLang's own verdict on the room comes first
     assert s.poll() == KVPoll.Failed and s.conclude_state == KVPoll.Failed
 

@@ -197,9 +197,17 @@ class AgentLoop:
         self._ident: int | None = None
         self._again: dict[int, Callable[[], Any]] = {}  # checks to run in about AGAIN_MS, by key
         self._ended = threading.Event()  # the thread returned: what is still queued never runs
+        # started and not returned yet: ``alive`` reads this flag, not ``Thread.is_alive`` (a lock
+        # taken per call; SGLang's backend asks on its scheduler thread, per request)
+        self._live = False
 
     def start(self) -> None:
-        self._thread.start()
+        self._live = True  # before the thread runs: it clears the flag as it returns
+        try:
+            self._thread.start()
+        except BaseException:
+            self._live = False
+            raise
 
     def socket(self, kind: int) -> zmq.Socket:
         s = self.ctx.socket(kind)
@@ -244,7 +252,7 @@ class AgentLoop:
     @property
     def alive(self) -> bool:
         """Whether the I/O thread runs (it ends only at ``stop``, or with the process)."""
-        return not self.closed and self._thread.is_alive()
+        return self._live and not self.closed
 
     def in_loop(self) -> bool:
         return threading.get_ident() == self._ident
@@ -329,6 +337,7 @@ class AgentLoop:
         try:
             self._turns()
         finally:
+            self._live = False
             self._ended.set()
 
     def _turns(self) -> None:

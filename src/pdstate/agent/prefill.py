@@ -285,6 +285,12 @@ class PrefillAgent(AgentLifetime):
         ``take_refusal``) need look again only once this moved."""
         return self._core.refusals.arrivals
 
+    @property
+    def waiting(self) -> int:
+        """How many decode requests wait for their senders (read without the I/O thread): none,
+        and ``requested`` and ``requested_any`` are False for any room."""
+        return self._core.refusals.waiting()
+
     def requested_any(self, rooms: frozenset[int]) -> bool:
         """``requested`` of any of ``rooms`` in one look (read without the I/O thread)."""
         return self._core.refusals.requested_any(rooms)

@@ -136,6 +136,11 @@ class Refusals:
         """Whether a decode's request for ``room`` arrived and waits for ``sender(room, ...)``."""
         return room in self.pending
 
+    def waiting(self) -> int:
+        """How many decode requests wait for their senders (none: ``requested`` and
+        ``requested_any`` are False for any room)."""
+        return len(self.pending)
+
     def requested_any(self, rooms: frozenset[int]) -> bool:
         """Whether a request for any of ``rooms`` waits (one pass in C over the smaller of the two:
         atomic under the GIL, so safe beside the I/O thread's writes)."""

@@ -374,6 +374,8 @@ def build_sender() -> type:
             room = self.bootstrap_room
             if agent.requested(room):
                 return [room]
+            if not agent.waiting:  # no request waits at all: no replica's either (no room set built)
+                return None
             return asked_rooms(agent, room) if agent.requested_any(self._agent_rooms()) else None
 
         def _poll(self) -> int:
