@@ -144,9 +144,9 @@ def run_variants(
         return {name: f.result() for name, f in futures.items()}
 
 
-# A driver's child that holds managers does not end at once when its stdin closes (measured: the
-# prefill child was killed at its close's 5 s, the decode child ended after 4.5 s): a pair's
-# children are told together and waited for against one deadline, not 5 s each in turn.
+# A driver's child ends at once when its stdin closes (``child.serve``); one still busy with a
+# command does not: a pair's children are told together and waited for against one deadline, not
+# 5 s each in turn.
 CLOSE_GRACE_S = 5.0
 
 

@@ -10,6 +10,7 @@ the error a child that stops answering leaves behind. Nothing here imports SGLan
 from __future__ import annotations
 
 import json
+import os
 import queue
 import subprocess
 import sys
@@ -102,7 +103,11 @@ class ChildPair:
 def serve(ops: dict[str, Callable[..., dict]], reply: str, trace_chars: int) -> None:
     """The child's loop: each stdin command runs ``ops[op]`` and is answered on stdout, prefixed with
     ``reply``: ``{"ok": True, **result}``, or ``{"ok": False, "error", "trace"}`` (the trace's last
-    ``trace_chars``) when it raised; the child keeps serving until stdin closes."""
+    ``trace_chars``) when it raised; the child keeps serving until stdin closes, and then ends at
+    once: SGLang's own Mooncake backend leaves threads that are not daemons (its bootstrap and decode
+    threads run for the process's life), so the interpreter would never end by itself (measured:
+    both children still running 30 s after their stdin closed), and every close waited out its
+    grace before killing them."""
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -114,3 +119,5 @@ def serve(ops: dict[str, Callable[..., dict]], reply: str, trace_chars: int) -> 
             answer = {"ok": False, "error": error_text(exc), "trace": traceback.format_exc()[-trace_chars:]}
         sys.stdout.write(reply + json.dumps(answer, default=str) + "\n")
         sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
