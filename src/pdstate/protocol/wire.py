@@ -580,13 +580,14 @@ def _hot_agent_request(f: dict) -> AgentRequest | None:
         return None
     if type(deadline) is not float or not 0.0 < deadline <= 3600.0:
         return None
-    pages = _hot_packed(f.get("dst_kv_pages"))
+    pages = f.get("dst_kv_pages")
+    pages = _EMPTY if pages == _EMPTY_BODY else _hot_packed(pages)  # an empty request's: no call
     state = f.get("dst_state_indices")
     if pages is None or type(state) is not list or len(state) > MAX_COMPONENTS:
         return None
     states = []
     for x in state:
-        p = _hot_packed(x)
+        p = _EMPTY if x == _EMPTY_BODY else _hot_packed(x)  # most lists of a small request: no call
         if p is None:
             return None
         states.append(p)
