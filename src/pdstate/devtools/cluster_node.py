@@ -18,8 +18,9 @@ object a line, from any of the node's threads):
   "status", "error", "metrics"}``.
 * decode ``{"op": "connect", "prefill": address}``: shake hands with that prefill (a receiver that
   is aborted once accepted); ``{"event": "connected", "prefill", "state", "handshake_ms", "error"}``.
-* decode ``{"op": "recv", "room", "seq_len", "prefill": address, "announce"?}``: allocate, ``init``
-  a receiver for the room from that prefill (then, with ``announce``, ``{"event": "allocated",
+* decode ``{"op": "recv", "room", "seq_len", "prefill": address, "announce"?}``: allocate,
+  ``post_init`` a receiver for the room from that prefill (as SGLang's backend does: no thread of
+  this process wakes when the request has gone out; then, with ``announce``, ``{"event": "allocated",
   "room"}``: the router tells the prefill only now, so a prefill's pages never wait on a decode's;
   the benchmark, which tells the prefill first, asks for none: that line would wake the benchmark
   process while the request it times is in flight) and, once it succeeded
@@ -48,6 +49,19 @@ from pdstate.errors import ExitCode
 
 WAIT_S = 600.0
 ALLOC_WAIT_S = 120.0
+
+
+POSTED_CHECK_S = 0.25  # how often a wait for a posted request looks whether its init failed
+
+
+def _wait_posted(recv):
+    """``recv.wait(WAIT_S)`` for a request whose ``post_init`` may have failed (``posted_error``:
+    its state then stays as it was): the state once terminal, its init failed, or ``WAIT_S``."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        state = recv.wait(max(0.0, min(POSTED_CHECK_S, deadline - time.monotonic())))
+        if state.terminal or recv.posted_error is not None or time.monotonic() >= deadline:
+            return state
 
 
 def settings_to_dict(settings) -> dict:
@@ -199,14 +213,20 @@ class Node:
             return
         try:
             recv = self.agent.receiver(prefill, room)
-            recv.init(alloc.lists[0], alloc.lists[1:])
+            # posted, as SGLang's backend names a destination: this thread is not woken once the
+            # I/O thread has sent the request (``init``'s return), while the request is in flight
+            recv.post_init(alloc.lists[0], alloc.lists[1:])
         except Exception as exc:
             self._release(alloc)
             self._result(room, seq_len, "failed", False, exc, {}, t0)
             return
         if announce:
             self.emit({"event": "allocated", "room": room})
-        state = recv.wait(WAIT_S)
+        state = _wait_posted(recv)
+        if recv.posted_error is not None:  # what ``init`` would have raised
+            self._release(alloc)
+            self._result(room, seq_len, "failed", False, recv.posted_error, {}, t0)
+            return
         error, verified = recv.failure_exception(), False
         if state is RequestState.SUCCESS:
             problem = synth.verify_destination(self.kv, room, alloc.lists)

@@ -516,6 +516,7 @@ def envelope_kind(frame: bytes) -> str | None:
 _new = object.__new__
 _set = object.__setattr__
 _INF = float("inf")
+_BYTES = builtins.bytes
 _DTYPE_SIZE = {"<i4": 4, "<i8": 8}
 
 
@@ -579,13 +580,14 @@ def _hot_agent_request(f: dict) -> AgentRequest | None:
         return None
     if type(deadline) is not float or not 0.0 < deadline <= 3600.0:
         return None
-    pages = _hot_packed(f.get("dst_kv_pages"))
+    pages = f.get("dst_kv_pages")
+    pages = _EMPTY if pages == _EMPTY_BODY else _hot_packed(pages)  # an empty request's: no call
     state = f.get("dst_state_indices")
     if pages is None or type(state) is not list or len(state) > MAX_COMPONENTS:
         return None
     states = []
     for x in state:
-        p = _hot_packed(x)
+        p = _EMPTY if x == _EMPTY_BODY else _hot_packed(x)  # most lists of a small request: no call
         if p is None:
             return None
         states.append(p)
@@ -625,52 +627,83 @@ def _hot_transfer_done(f: dict) -> TransferDone | None:
     error (a failed one goes to the model: its ``ErrorInfo`` clips texts), else None."""
     if not f.keys() <= _DONE_KEYS or f.get("error") is not None:
         return None
-    room, status = f.get("room"), f.get("status")
+    return _done(f, **f)  # every key one of the model's: each one of ``_done``'s parameters
+
+
+def _done(
+    given,
+    room=None,
+    status=None,
+    bytes=0,  # the field's name (a body's key), the builtin is ``_BYTES`` here
+    descriptors=0,
+    digest=None,
+    error=None,
+    compute_s=0.0,
+    copy_s=0.0,
+    digest_form=None,
+) -> TransferDone | None:
+    """The ``TransferDone`` of these values (``given``: the fields its body had; ``error`` is
+    None, the callers' test) when each is of the form this pdstate sends, else None: the one
+    check of a received one (``_hot_transfer_done``) and of the one a prefill sends
+    (``transfer_done``)."""
     if type(room) is not int or not 0 <= room < 1 << 63 or type(status) is not str:
         return None
     if status != "success" and status != "failed":
         return None
-    n, descriptors = f.get("bytes", 0), f.get("descriptors", 0)
-    if type(n) is not int or not 0 <= n < 1 << 64 or type(descriptors) is not int or not 0 <= descriptors < 1 << 64:
+    if (
+        type(bytes) is not int
+        or not 0 <= bytes < 1 << 64
+        or type(descriptors) is not int
+        or not 0 <= descriptors < 1 << 64
+    ):
         return None
-    compute, copy = f.get("compute_s", 0.0), f.get("copy_s", 0.0)
-    if type(compute) is not float or not 0.0 <= compute < _INF or type(copy) is not float or not 0.0 <= copy < _INF:
+    if (
+        type(compute_s) is not float
+        or not 0.0 <= compute_s < _INF
+        or type(copy_s) is not float
+        or not 0.0 <= copy_s < _INF
+    ):
         return None
-    digest, form = f.get("digest"), f.get("digest_form")
-    if digest is not None and type(digest) is not bytes or form is not None and form != "device":
+    if digest is not None and type(digest) is not _BYTES or digest_form is not None and digest_form != "device":
         return None
     values = {
         "room": room,
         "status": status,
-        "bytes": n,
+        "bytes": bytes,
         "descriptors": descriptors,
         "digest": digest,
         "error": None,
-        "compute_s": compute,
-        "copy_s": copy,
-        "digest_form": form,
+        "compute_s": compute_s,
+        "copy_s": copy_s,
+        "digest_form": digest_form,
     }
-    return _built(TransferDone, values, f)
+    return _built(TransferDone, values, given)
+
+
+# the fields ``transfer_done`` gives (its model's fields set)
+_SENT_DONE = ("room", "status", "bytes", "descriptors", "digest", "copy_s", "digest_form")
 
 
 def transfer_done(
     room: int, status: str, n_bytes: int, descriptors: int, digest: bytes | None, copy_s: float, form: str | None
 ) -> TransferDone:
-    """The ``TransferDone`` a prefill sends once a request's copy ended: built as ``decode``
-    builds a received one (``_hot_transfer_done``) when every value is of the form it checks,
-    else by the model (which coerces or refuses them as its constructor does). The same model
-    either way (``tests/unit/test_wire_hot.py``): the model's constructor is the larger part of
-    the prefill's work on an empty request between its frame and this one."""
-    fields = {
-        "room": room,
-        "status": status,
-        "bytes": n_bytes,
-        "descriptors": descriptors,
-        "digest": digest,
-        "copy_s": copy_s,
-        "digest_form": form,
-    }
-    return _hot_transfer_done(fields) or TransferDone(**fields)
+    """The ``TransferDone`` a prefill sends once a request's copy ended: built by the check that
+    builds a received one (``_done``) when every value is of the form it checks, else by the
+    model (which coerces or refuses them as its constructor does). The same model either way
+    (``tests/unit/test_wire_hot.py``): the model's constructor is the larger part of the
+    prefill's work on an empty request between its frame and this one."""
+    done = _done(_SENT_DONE, room, status, n_bytes, descriptors, digest, None, 0.0, copy_s, form)
+    if done is not None:
+        return done
+    return TransferDone(
+        room=room,
+        status=status,
+        bytes=n_bytes,
+        descriptors=descriptors,
+        digest=digest,
+        copy_s=copy_s,
+        digest_form=form,
+    )
 
 
 # the kinds checked by hand before their model (``decode``); each returns None to defer to it
