@@ -76,6 +76,18 @@ Traps (measured on this box):
   the same two threads then slept about 850 times a second and used 0.03 s of CPU each in 3 s;
   a peer's message still wakes the thread at once (event fd). ``progress_delay_us=0`` gives
   NIXL's own busy thread back. ``pdstate bench`` runs each engine in its own phase.
+* SPINNING WRITES. A WRITE's fragments are moved by whichever thread progresses the UCX worker
+  first: the caller's, inside ``transfer``, and the agent's progress thread, which wakes during
+  it. The two take the worker's lock in turns, and UCX's lock is a spinlock unless
+  ``UCX_USE_MT_MUTEX=y``: the thread waiting spins as long as the other copies. On two busy
+  cores that spinning takes half the CPU the write gets, and the same native write ran 2x
+  slower in one process than in another, steadily, a lottery of which process's threads met
+  (42 MB in 148 descriptors into one decode process, six fresh writer processes interleaved,
+  21 rounds, load 39: spinlock 9.9 / 13.0 / 12.8 ms, mutex 6.6 / 6.4 / 6.3, one
+  ``process_vm_writev`` of the same iovecs from the same processes 5.9-6.1; during a spinlock
+  write the caller's thread and another thread of the process used 6.0-6.5 ms of CPU each,
+  during a mutex write about 3.1 each: the copy, shared). ``UCX_ENV_DEFAULTS`` hence sets
+  ``UCX_USE_MT_MUTEX=y`` unless the process's environment or ``ucx_env`` says otherwise.
 """
 
 from __future__ import annotations
@@ -98,6 +110,9 @@ from pdstate.transfer.plan import TransferPlan
 
 NATIVE_MODULE = "nixl_cu12._api"
 UCX_ENV_WITHOUT_IB: Mapping[str, str] = {"UCX_MODULES": "^ib"}
+# set before an agent is created unless the environment or ``ucx_env`` already names them: UCX's
+# worker lock a mutex, not a spinlock (see the spinning-writes trap)
+UCX_ENV_DEFAULTS: Mapping[str, str] = {"UCX_USE_MT_MUTEX": "y"}
 MEM_TYPE = "DRAM"
 # the watcher's pause between polls while a watched WRITE is in flight: from the first, doubling
 # up to the last while nothing ends (a long WRITE costs at most about 5,000 polls a second)
@@ -170,7 +185,8 @@ class NixlEngine(TransferEngine):
     """``NixlEngine(agent_name=None, backends=("UCX",), ucx_env=None, num_threads=0, progress_delay_us=1000)``.
 
     ``ucx_env``: variables set in ``os.environ`` just before the agent is created, e.g.
-    ``UCX_ENV_WITHOUT_IB`` (see the exit-segfault trap). ``num_threads``: UCX backend threads
+    ``UCX_ENV_WITHOUT_IB`` (see the exit-segfault trap); ``UCX_ENV_DEFAULTS`` fill in what
+    neither it nor the environment sets (see the spinning-writes trap). ``num_threads``: UCX backend threads
     (0: NIXL's default). ``progress_delay_us``: the progress thread's longest sleep (see the
     idle-CPU trap; 0: NIXL's busy thread).
     """
@@ -219,6 +235,8 @@ class NixlEngine(TransferEngine):
         if self.agent_name is None:
             self.agent_name = f"pdstate-{os.getpid()}-{self._engine_id}"
         os.environ.update(self.ucx_env)
+        for key, value in UCX_ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
         with _native_call(f"agent creation ({self.agent_name}, backends {list(self.backends)})"):
             config = api.nixl_agent_config(backends=list(self.backends), num_threads=self.num_threads)
             agent = _new_agent(api, self.agent_name, config, self.progress_delay_us)
