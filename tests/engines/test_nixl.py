@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -148,20 +149,21 @@ def _threads() -> dict[str, tuple[int, int, int]]:
     return out
 
 
-@pytest.mark.parametrize("delay_us", [1000, 0], ids=["default-delay", "nixl-busy"])
+@pytest.mark.parametrize("delay_us", [1000, 50, 0], ids=["default-delay", "sub-ms-delay", "nixl-busy"])
 def test_progress_threads_sleep_unless_told_not_to(delay_us: int) -> None:
     """Two connected agents with nothing to move: with the default ``progress_delay_us`` no thread
     of this process runs without ever sleeping; with 0 (NIXL's own setting) their progress
-    threads do (the idle-CPU trap in engines/nixl.py)."""
+    threads do (the idle-CPU trap in engines/nixl.py). A delay under 1 ms waits 1 ms all the same:
+    no thread sleeps more than about a thousand times a second (50 us would be twenty thousand)."""
     memory = PrivateMemory()
     memory.allocate("dst", [BufferSpec("b", (1 << 16,), torch.uint8)])
     options = {**ENGINE_OPTIONS["nixl"], "progress_delay_us": delay_us}
     with NixlEngine(**options) as decode, NixlEngine(**options) as prefill:
         decode.register(memory.regions())
         prefill.connect(decode.endpoint())
-        before = _threads()
+        before, t0 = _threads(), time.monotonic()
         threading.Event().wait(1.0)  # the window watched
-        after = _threads()
+        after, seconds = _threads(), time.monotonic() - t0
     never_slept = [
         t
         for t, (vol, invol, cpu) in after.items()
@@ -169,6 +171,8 @@ def test_progress_threads_sleep_unless_told_not_to(delay_us: int) -> None:
     ]
     if delay_us:
         assert never_slept == []
+        sleeps = [after[t][0] - before[t][0] for t in after if t in before]
+        assert max(sleeps) < 2000 * seconds  # NIXL's wait is whole milliseconds
     else:
         assert len(never_slept) >= 2  # one progress thread per agent, always runnable
 

@@ -75,7 +75,11 @@ Traps (measured on this box):
   stays on, with a delay of ``progress_delay_us`` (``PROGRESS_DELAY_US``, 1 ms; ``_new_agent``):
   the same two threads then slept about 850 times a second and used 0.03 s of CPU each in 3 s;
   a peer's message still wakes the thread at once (event fd). ``progress_delay_us=0`` gives
-  NIXL's own busy thread back. ``pdstate bench`` runs each engine in its own phase.
+  NIXL's own busy thread back. ``pdstate bench`` runs each engine in its own phase. The thread
+  waits in whole milliseconds: 1000, 200, 100 and 50 all gave about 930 sleeps a second per
+  thread and 0.05-0.07 s of CPU for two idle agents in 3 s, so no delay under 1 ms exists
+  between this and the busy thread; the busy thread (0) made every NIXL bench row 2.6-6x
+  slower on two cores (docs/performance.md, "NIXL at 2k").
 * SPINNING WRITES. A WRITE's fragments are moved by whichever thread progresses the UCX worker
   first: the caller's, inside ``transfer``, and the agent's progress thread, which wakes during
   it. The two take the worker's lock in turns, and UCX's lock is a spinlock unless
