@@ -481,7 +481,7 @@ _PLAIN = frozenset({TransferRequest, TransferDone, Heartbeat, Busy, Abort, Error
 # request's TransferDone and verdict, each heartbeat)
 _FLAT = frozenset({TransferDone, Heartbeat, Busy, Abort, Landed, AgentVerdict})
 # an ``AgentRequest``'s fields after its first six, in their order: each left out when ``None``
-_REQUEST_LATER = ("seq_len", "verify", "digest_form", "sample_rule")
+_REQUEST_LATER = tuple(name for name in AgentRequest.model_fields if name in AgentRequest.OMIT_WHEN_NONE)
 
 
 def json_schemas() -> dict[str, dict]:
@@ -541,8 +541,7 @@ def _u64_list(v: Any) -> bool:
 
 
 def _hot_packed(v: Any) -> PackedIndices | None:
-    if v == _EMPTY_BODY:  # the empty list ``PackedIndices.pack`` makes (most lists of a small request)
-        return _EMPTY
+    """A non-empty index list's model (its caller takes ``_EMPTY_BODY`` as ``_EMPTY`` first), else None."""
     if type(v) is not dict or len(v) != 2:
         return None
     dtype, data = v.get("dtype"), v.get("data")
