@@ -48,13 +48,38 @@ from pdstate.integrations.sglang.rank_status import RankCounters
 from pdstate.integrations.sglang.settings import check_rank_auth, has_app_path_setting, layout_report, load_settings
 from pdstate.integrations.sglang.stages import StageAgents
 from pdstate.integrations.sglang.trace import TRACE_MODULE
+from pdstate.protocol.report import clip
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
 __all__ = ["build_manager"]
 
+MAX_TOPOLOGY_ERRORS = 256  # prefills whose topology SGLang refused, remembered (the oldest forgotten first)
+PEER_TEXT_CHARS = 1000  # a prefill's address or SGLang's text about its answer, as logged and kept
 BACKSTOP_S = 30.0  # how long past SGLang's own timeout an agent gives up on a request by itself
 MAX_TRANSFER_S = 3600.0  # the longest transfer deadline the protocol carries
+
+
+def peer_text(value: object) -> str:
+    """Text that came from a peer or a request (a bootstrap address, SGLang's words about a
+    prefill's ``/route`` answer), clipped to ``PEER_TEXT_CHARS`` and its controls escaped: what a
+    log line or a request's failure reason may carry of it."""
+    return logs.escape_controls(clip(str(value), PEER_TEXT_CHARS))
+
+
+def remember_topology_error(errors: dict[str, str], bootstrap_addr: str, exc: BaseException) -> list[str]:
+    """Keep why SGLang cannot map a prefill's ranks, as the reason every receiver aimed at it fails
+    with: the text bounded (``peer_text``), at most ``MAX_TOPOLOGY_ERRORS`` prefills (a request
+    names its bootstrap address). Returns the prefills forgotten to make room, the oldest first:
+    the manager forgets their parallel info too, so SGLang looks them up (and this refuses them)
+    again."""
+    errors.pop(bootstrap_addr, None)
+    forgotten = []
+    while len(errors) >= MAX_TOPOLOGY_ERRORS:
+        forgotten.append(next(iter(errors)))
+        del errors[forgotten[-1]]
+    errors[bootstrap_addr] = f"SGLang cannot map these ranks: {peer_text(exc)}"
+    return forgotten
 
 
 def _sglang_timeouts() -> tuple[float, float]:
@@ -177,14 +202,15 @@ def build_manager() -> type:
             try:
                 return super().try_ensure_parallel_info(bootstrap_addr)
             except (RuntimeError, AssertionError) as exc:  # SGLang's checks and its rank-mapping asserts
-                log.error("pdstate: prefill %s: %s", bootstrap_addr, exc)
+                log.error("pdstate: prefill %s: %s", peer_text(bootstrap_addr), peer_text(exc))
             info = self._info_unchecked(bootstrap_addr)
             if info is None:
                 return False
             try:
                 self._resolve_rank_mapping(info)
             except AssertionError as exc:  # a topology SGLang's mapping refuses: every request fails with it
-                self.topology_errors[bootstrap_addr] = f"SGLang cannot map these ranks: {exc}"
+                for forgotten in remember_topology_error(self.topology_errors, bootstrap_addr, exc):
+                    self.prefill_info_table.pop(forgotten, None)
             self.prefill_info_table[bootstrap_addr] = info
             return True
 
@@ -197,7 +223,9 @@ def build_manager() -> type:
                     return None
                 return PrefillServerInfo(**response.json())
             except Exception as exc:  # as SGLang's own lookup: logged, retried by the scheduler
-                log.error("pdstate: prefill %s: cannot read its parallel info: %s", bootstrap_addr, exc)
+                log.error(
+                    "pdstate: prefill %s: cannot read its parallel info: %s", peer_text(bootstrap_addr), peer_text(exc)
+                )
                 return None
 
         def agent_failure(self):
