@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import TypeVar
@@ -39,7 +40,8 @@ class Child:
         self.err = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
+            env={**env, DRIVER_PID_ENV: str(os.getpid())},
         )  # fmt: skip
         self.replies: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -100,6 +102,21 @@ class ChildPair:
         self.decode.close()
 
 
+PARENT_CHECK_S = 0.5  # how often a child looks whether its parent is still there
+DRIVER_PID_ENV = "PDSTATE_DRIVER_PID"  # the driver's pid, as ``Child`` starts a child (a driver gone before
+# the child's ``serve`` began is seen gone too)
+
+
+def _end_with_parent(parent: int) -> None:
+    """End the process (status 1) once ``parent`` is no longer its parent: the driver died without
+    closing its stdin (killed, by the kernel's OOM killer for one) while this child was busy in a
+    command, or its answer's write failed: the interpreter would not end by itself (SGLang's
+    threads), and the orphan would keep its pools' memory for the host's life."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_S)
+    os._exit(1)
+
+
 def serve(ops: dict[str, Callable[..., dict]], reply: str, trace_chars: int) -> None:
     """The child's loop: each stdin command runs ``ops[op]`` and is answered on stdout, prefixed with
     ``reply``: ``{"ok": True, **result}``, or ``{"ok": False, "error", "trace"}`` (the trace's last
@@ -107,7 +124,11 @@ def serve(ops: dict[str, Callable[..., dict]], reply: str, trace_chars: int) -> 
     once: SGLang's own Mooncake backend leaves threads that are not daemons (its bootstrap and decode
     threads run for the process's life), so the interpreter would never end by itself (measured:
     both children still running 30 s after their stdin closed), and every close waited out its
-    grace before killing them."""
+    grace before killing them. For the same reason it ends when its parent goes
+    (``_end_with_parent``) and when an answer cannot be written (its parent's end of the pipe
+    gone)."""
+    parent = int(os.environ.get(DRIVER_PID_ENV) or os.getppid())
+    threading.Thread(target=_end_with_parent, args=(parent,), name="end-with-parent", daemon=True).start()
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -117,7 +138,10 @@ def serve(ops: dict[str, Callable[..., dict]], reply: str, trace_chars: int) -> 
             answer = {"ok": True, **ops[op](**cmd)}
         except Exception as exc:  # reported to the parent, which decides; the child keeps serving
             answer = {"ok": False, "error": error_text(exc), "trace": traceback.format_exc()[-trace_chars:]}
-        sys.stdout.write(reply + json.dumps(answer, default=str) + "\n")
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(reply + json.dumps(answer, default=str) + "\n")
+            sys.stdout.flush()
+        except OSError:  # the parent's end of the pipe is gone: nobody is left to answer
+            os._exit(1)
     sys.stderr.flush()
     os._exit(0)
