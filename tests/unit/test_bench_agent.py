@@ -143,3 +143,32 @@ def test_the_decode_node_tells_allocated_only_when_asked():
         assert nodes.run(0, "off")["transfer_s"] > 0
     finally:
         nodes.close()
+
+
+def test_the_empty_transfer_and_the_bare_round_trip_are_measured_in_turns():
+    out = bench_agent.empty_transfer(2, 3)  # two blocks of three each, after their warm-ups
+    assert set(out) == {"control_overhead_ms", "zmq_round_trip_ms", "control_overhead_vs_zmq"}
+    for name in ("control_overhead_ms", "zmq_round_trip_ms"):
+        row = out[name]
+        assert row["n"] == 6 and 0 < row["min"] <= row["median"] <= row["max"] < 1000, (name, row)
+    assert out["control_overhead_vs_zmq"] == out["control_overhead_ms"]["median"] / out["zmq_round_trip_ms"]["median"]
+
+
+def test_the_turns_alternate_blocks_of_each():
+    calls: list[str] = []
+
+    class Nodes:
+        def run(self, n, level):
+            calls.append(f"agent {n} {level}")
+            return {"transfer_s": 0.002}
+
+    class Echo:
+        def round_trips(self, n):
+            calls.append(f"echo {n}")
+            return [0.5] * n
+
+    agent, bare = bench_agent.empty_turns(Nodes(), Echo(), 2, 3)
+    assert agent == [2.0] * 6 and bare == [0.5] * 6
+    warm = ["echo 10"] + ["agent 0 off"] * 5
+    block = ["agent 0 off"] * 3 + ["echo 3"]
+    assert calls == warm + block + block

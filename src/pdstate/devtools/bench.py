@@ -447,7 +447,7 @@ def bench_control(runs: int) -> dict:
     pair (1.3 MB of state): its latency, and what is left of it without the time spent on its
     bytes (the prefill's synthetic compute and copy, the decode's verification).
     """
-    from pdstate.devtools.bench_agent import AgentNodes
+    from pdstate.devtools.bench_agent import AgentNodes, empty_turns
     from pdstate.worker.decode import AgentDecodeWorker
     from pdstate.worker.options import WorkerOptions
     from pdstate.worker.prefill import AgentPrefillWorker
@@ -472,16 +472,11 @@ def bench_control(runs: int) -> dict:
     except BaseException:
         close()
         raise
-    agent_empty, zmq_rt, total, rest = [], [], [], []
+    total, rest = [], []
     parts: dict[str, list[float]] = {"compute_s": [], "copy_s": [], "verify_s": []}
     try:
         with ZmqEcho() as echo:  # the agent pair's empty transfers and the bare round trip, in turns
-            echo.round_trips(10)
-            for _ in range(5):
-                nodes.run(0, "off")
-            for _ in range(CONTROL_BLOCKS):
-                agent_empty += [nodes.run(0, "off")["transfer_s"] * 1e3 for _ in range(runs)]
-                zmq_rt += echo.round_trips(runs)
+            agent_empty, zmq_rt = empty_turns(nodes, echo, CONTROL_BLOCKS, runs)
         for _ in range(3):
             run(1)
         for _ in range(runs * 5):  # serve's pair: a 1-token request

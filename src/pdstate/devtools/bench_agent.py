@@ -151,6 +151,44 @@ def phase(
         nodes.close()
 
 
+def empty_turns(nodes: AgentNodes, echo, blocks: int, runs: int) -> tuple[list[float], list[float]]:
+    """The control overhead as ``pdstate bench``'s control phase measures it: the agent pair's empty
+    transfer (``nodes.run(0, "off")``: no pages, no state, no digest) and ``echo``'s bare ZeroMQ
+    round trip (``baselines.ZmqEcho``) in turns, ``blocks`` blocks of ``runs`` each, after a
+    warm-up of both; each one's times in ms."""
+    echo.round_trips(10)
+    for _ in range(5):
+        nodes.run(0, "off")
+    agent: list[float] = []
+    bare: list[float] = []
+    for _ in range(blocks):
+        agent += [nodes.run(0, "off")["transfer_s"] * 1e3 for _ in range(runs)]
+        bare += echo.round_trips(runs)
+    return agent, bare
+
+
+def empty_transfer(blocks: int, runs: int) -> dict:
+    """``empty_turns`` alone, on fresh ``tiny`` agent nodes and a fresh echo process (the control
+    phase without its handshakes and serve's 1-token request, for comparing trees): each one's
+    median, min and max ms and the ratio of the medians (``control_overhead_vs_zmq``)."""
+    import statistics
+
+    from pdstate.devtools.baselines import ZmqEcho
+
+    nodes = AgentNodes(settings("paged", "tiny"))
+    try:
+        with ZmqEcho() as echo:
+            agent, bare = empty_turns(nodes, echo, blocks, runs)
+    finally:
+        nodes.close()
+    out = {
+        name: {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+        for name, xs in (("control_overhead_ms", agent), ("zmq_round_trip_ms", bare))
+    }
+    out["control_overhead_vs_zmq"] = out["control_overhead_ms"]["median"] / out["zmq_round_trip_ms"]["median"]
+    return out
+
+
 def level_costs(rounds: int, lengths: list[int], progress=print) -> dict:
     """The agent pair alone, ``off``/``sampled``/``full`` interleaved (the order reversed every
     other round), ``rounds`` requests each per length after one warm-up each: per length and
@@ -188,7 +226,12 @@ def level_costs(rounds: int, lengths: list[int], progress=print) -> dict:
     return out
 
 
-if __name__ == "__main__":  # python -m pdstate.devtools.bench_agent ROUNDS LENGTH...
+if __name__ == "__main__":
+    # python -m pdstate.devtools.bench_agent ROUNDS LENGTH...  (level_costs)
+    # python -m pdstate.devtools.bench_agent empty BLOCKS RUNS  (empty_transfer: one JSON line)
     import sys
 
-    level_costs(int(sys.argv[1]), [int(x) for x in sys.argv[2:]])
+    if sys.argv[1:2] == ["empty"]:
+        print(json.dumps(empty_transfer(int(sys.argv[2]), int(sys.argv[3]))))
+    else:
+        level_costs(int(sys.argv[1]), [int(x) for x in sys.argv[2:]])
