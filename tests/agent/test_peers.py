@@ -32,6 +32,7 @@ def test_refused_prefill_fails_only_its_requests(decode, prefills, source_image)
     side, agent = decode
     kv = side.kv_args
     good, bad = prefills(PREFILL_SEED), prefills(PREFILL_SEED, bad_pair=True, worker_id="bad")
+    assert not agent.accepted(good.address)  # never dialled
     refused = [agent.receiver(bad.address, room) for room in (1, 2)]
     before = snapshot(kv)
     recv, moves = run_request(agent, good, kv, 3, np.random.default_rng(3))
@@ -47,6 +48,9 @@ def test_refused_prefill_fails_only_its_requests(decode, prefills, source_image)
         and peers[bad.address].reason == f"SWAIndexMappingNotShared: {SEED_ERROR}"
     )
     assert peers[good.address].state == "accepted"
+    # read without the I/O thread: accepted, refused, never dialled
+    assert (agent.accepted(good.address), agent.accepted(bad.address)) == (True, False)
+    assert not agent.accepted("tcp://127.0.0.1:1")
 
 
 def test_prefill_sigkill_mid_batch(decode, prefills):  # noqa: F811

@@ -320,6 +320,44 @@ def case_ok(h: Harness) -> dict:
     return trace
 
 
+def case_early(h: Harness) -> dict:
+    """A receiver whose prefill accepted its agent already (a first request shook hands) answers
+    WaitingForInput right after ``init``, while the decode agent's thread, held here, has not
+    made its agent receiver yet; the destination named then follows that step, and the request
+    ends in Success with every byte where SGLang put it."""
+    import threading
+
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    first = h.pair(h.dm, h.decode, 8001)  # the handshake (and a request over it)
+    fill(h.prefill, seed=11)
+    fill(h.decode, seed=None)
+    src, dst, room = h.prefill, h.decode, 8002
+    sender = new_sender(h.cls["SENDER"], h.pm, h.addr, room)
+    recv = h.cls["RECEIVER"](mgr=h.dm, bootstrap_addr=h.addr, bootstrap_room=room)
+    held, release = threading.Event(), threading.Event()
+    h.dm.agent.post(lambda: (held.set(), release.wait(DEADLINE_S)))
+    trace = {"first": [first["sender"], first["receiver"]]}
+    try:
+        _wait(lambda: held.is_set() or None, "the decode agent's thread held")
+        recv.init(0)
+        trace["after_init"] = int(recv.poll())
+        recv.send_metadata(dst["pages"].astype(np.int32), dst["aux"], [s.astype(np.int32) for s in dst["state"]], 0)
+        trace["after_metadata"] = int(recv.poll())
+    finally:
+        release.set()
+    _wait(lambda: sender.poll() == KVPoll.WaitingForInput or None, "prefill bootstrap")
+    sender.init(len(src["pages"]), src["aux"])
+    sender.send(src["pages"].astype(np.int32), [s.astype(np.int32) for s in src["state"]])
+    done = (KVPoll.Success, KVPoll.Failed)
+    trace["sender"] = int(_wait(lambda: p if (p := sender.poll()) in done else None, "prefill end"))
+    trace["receiver"] = int(_wait(lambda: p if (p := recv.poll()) in done else None, "decode end"))
+    trace["sender_error"], trace["receiver_error"] = _exc(sender), _exc(recv)
+    want, got = expected(src, dst), landed(dst)
+    trace["bytes_differing"] = int(sum(int((w != g).sum()) for w, g in zip(want, got)))
+    return trace
+
+
 def _reset_items(side: dict, lists: list) -> None:
     """Sentinels back into the items ``lists`` names (main-KV pages, each state component, aux)."""
     for (_, ptrs, lens, items), idx in zip(_buffers(side["kv"]), lists):
@@ -759,6 +797,7 @@ CASES = {
     "decode_tp_wider": case_decode_tp_wider,
     "tp_dummy": case_tp_dummy,
     "ok": case_ok,
+    "early": case_early,
     "mismatch": case_mismatch,
     "mismatch_sender_late": case_mismatch_sender_late,
     "seed": case_seed,

@@ -19,6 +19,7 @@ from tests.support.bounds import within
 CASES = [
     "hooks",
     "ok",
+    "early",
     "ok_unified",
     "mismatch",
     "mismatch_sender_late",
@@ -67,6 +68,16 @@ def test_a_correct_pair_moves_every_byte_where_sglang_puts_it(results):
     assert r["bytes_differing"] == 0  # every destination byte: the source item, or the sentinel
     assert r["bytes_moved"] > 2_000_000
     assert r["metric"]["transfer_total_bytes"] >= r["bytes_moved"]
+
+
+def test_a_receiver_of_an_accepted_prefill_waits_for_input_right_after_init(results):
+    """Its agent receiver would start WaitingForInput: the poll says so before the agent's thread
+    made it (held), the destination named meanwhile follows, and every byte lands."""
+    r = results["early"]
+    assert r["first"] == [SUCCESS, SUCCESS]
+    assert (r["after_init"], r["after_metadata"]) == (WAITING, TRANSFERRING)
+    assert (r["sender"], r["receiver"]) == (SUCCESS, SUCCESS), r
+    assert r["bytes_differing"] == 0
 
 
 def test_the_adapter_follows_the_releases_base_class_contract(sglang_release, results):

@@ -259,6 +259,12 @@ class DecodeAgent(AgentLifetime):
             if isinstance(exc, PdStateError):
                 recv.record.fail(exc)
 
+    def accepted(self, prefill: str) -> bool:
+        """Whether the prefill agent at ``prefill`` (its address) has accepted this decode now,
+        read without the I/O thread: a receiver made for it now starts ``WAITING_FOR_INPUT`` (a
+        caller that posts its receivers can answer so before the I/O thread added them)."""
+        return self._core.accepted(prefill)
+
     def prefills(self) -> dict[str, PrefillSnapshot]:
         """Every prefill this agent used, by address: a ``PrefillSnapshot`` each (``state``,
         ``worker_id``, ``incarnation``, ``handshakes``, ``error`` as an ``ErrorInfo`` or ``None``,

@@ -199,6 +199,13 @@ class DecodeCore:
         out, self._out = self._out, []
         return out
 
+    def accepted(self, prefill: str) -> bool:
+        """Whether the prefill at ``prefill`` has accepted this decode's handshake now (a request
+        added for it would start at ``WAITING_FOR_INPUT``). One dictionary look and one attribute
+        read: safe from another thread beside the I/O thread's writes."""
+        p = self.peers.get(prefill)
+        return p is not None and p.state is _P.ACCEPTED
+
     def pick_sample(self, recv: Receiving) -> None:
         """A request sent (``PickSample``): open its digest and pick its sample (``sampled``) in
         the background, unless it ended or is aborting meanwhile."""

@@ -13,7 +13,10 @@ decode_prefix_len)`` tells the real rank where everything lands (the dummies: no
 ``KVReceiver.post_init``; from a prefill of one stage ``init`` hands even the making of the agent
 receiver to the agent's thread, ``DecodeAgent.post``, and ``send_metadata`` follows it there) and
 return; what the agent's thread refuses there fails the request at
-the next ``poll()`` with that error (``states.posted_failure``).
+the next ``poll()`` with that error (``states.posted_failure``). A receiver whose one prefill rank
+had accepted this rank's agent by ``init`` (``DecodeAgent.accepted``) answers WaitingForInput from
+then on, as its agent receiver will read once made: SGLang names its destination in the same
+scheduler iteration, not the next.
 
 The contract is the running SGLang's (0.5.19 or 0.5.23): ``init`` runs SGLang's own rank
 mapping and ``/route`` lookups, but never its ZMQ registration (``_register_kv_args``, which
@@ -103,6 +106,10 @@ def build_receiver() -> type:
             # (``_built``)
             self._step = PostedStep()
             self._named = False  # ``send_metadata`` posted (the poll's answer while building)
+            # its one prefill had accepted this rank's agent when ``init`` posted the making of its
+            # agent receiver, which then starts WaitingForInput: the poll answers so before the
+            # agent's thread made it (SGLang names the destination in the same iteration)
+            self._early = False
             super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
         def pdstate_fail(self, error: BaseException, reason: str | None = None) -> int:
@@ -131,10 +138,15 @@ def build_receiver() -> type:
                     self.pdstate_fail(error)
                 return
             # one agent: its thread makes them; this thread only hands the step over
+            agent = self.kv_mgr.agent
             try:
-                self._step.post(self.kv_mgr.agent, lambda: self._made(room))
+                self._step.post(agent, lambda: self._made(room))
             except AgentClosed as exc:
                 self.pdstate_fail(exc)
+                return
+            infos = self.bootstrap_infos
+            if len(infos) == 1 and not infos[0].get("is_dummy"):  # one real prefill rank (the usual case)
+                self._early = agent.accepted(self.kv_mgr.agent_address(infos[0]))
 
         def _make_recvs(self, room: int, stages: int) -> BaseException | None:
             """An agent receiver per prefill rank resolved (its stage's agent), each counted;
@@ -169,10 +181,11 @@ def build_receiver() -> type:
 
         def _while_building(self) -> int:
             """What the poll answers while the agent's thread makes the agent receivers (as they
-            would read: Bootstrapping, or Transferring once the pages were named); Failed
+            would read: Bootstrapping, WaitingForInput when its prefill had accepted this agent at
+            ``init`` (``_early``), or Transferring once the pages were named); Failed
             (``AgentClosed``) when the agent closed before it ran that step (it never will)."""
             if not self.kv_mgr.agent.closed:
-                return TRANSFERRING if self._named else BOOTSTRAPPING
+                return TRANSFERRING if self._named else WAITING if self._early else BOOTSTRAPPING
             if not self._step.give_up():  # it ran meanwhile
                 return self._poll()
             return self.pdstate_fail(
@@ -340,8 +353,8 @@ def build_receiver() -> type:
                     steady = TRANSFERRING
                 elif state is _WAITING:  # (``_named``: its destination on its way to the agent receiver)
                     steady = TRANSFERRING if self._named else WAITING
-                elif state is _BOOTSTRAPPING:
-                    steady = TRANSFERRING if self._named else BOOTSTRAPPING
+                elif state is _BOOTSTRAPPING:  # (``_early``: WaitingForInput said already)
+                    steady = TRANSFERRING if self._named else WAITING if self._early else BOOTSTRAPPING
                 else:
                     return self._poll()
                 # SGLang's waiting timeout (seconds): its own check (``_poll``) once due, looked at
@@ -350,7 +363,8 @@ def build_receiver() -> type:
                 if not check or init is None or time.time() - init < self.kv_mgr.waiting_timeout:
                     return steady
             elif self._step.running and self._polls % AGENT_CHECK_POLLS:  # its agent receivers are being made
-                return TRANSFERRING if self._named else BOOTSTRAPPING  # (``_poll`` looks every so often)
+                # (``_poll`` looks every so often)
+                return TRANSFERRING if self._named else WAITING if self._early else BOOTSTRAPPING
             return self._poll()
 
         def _poll(self) -> int:
@@ -374,6 +388,8 @@ def build_receiver() -> type:
             states = [recv.poll() for _, recv in self._recvs]
             if self._named:  # named while they were made, before the agent's thread handed it on
                 states = [_TRANSFERRING if s is _BOOTSTRAPPING or s is _WAITING else s for s in states]
+            elif self._early:  # WaitingForInput said already (``init``): not Bootstrapping again
+                states = [_WAITING if s is _BOOTSTRAPPING else s for s in states]
             poll = combine(states)
             if poll == KVPoll.Failed:
                 if self._hold_unfenced():
