@@ -68,6 +68,8 @@ def _check_indices(side: str, label: str, b: _Bounds, idx: np.ndarray, small: li
         return
     if small is not None:
         lo, hi, distinct = min(small), max(small), len(set(small))
+    elif idx.size > 1 and bool((np.diff(idx) > 0).all()):  # ascending (pages as allocated): no sort
+        lo, hi, distinct = int(idx[0]), int(idx[-1]), idx.size
     else:
         lo, hi, distinct = int(idx.min()), int(idx.max()), -1
     if lo < 0:
