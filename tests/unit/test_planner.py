@@ -233,6 +233,27 @@ def test_the_tightest_buffer_of_a_channel_bounds_it():
     )
 
 
+def test_ascending_lists_on_the_numpy_path_are_checked_by_their_ends():
+    # the numpy path checks a strictly ascending list by its first and last index (no sort);
+    # one that is not strictly ascending goes through min, max and the distinct count
+    layout = [("main_kv", [10], [100 * 10])]  # 100 items
+    src, dst = desc(0x1000, layout), desc(0x90000, layout)
+    with _Path(-1):
+        p = plan_request(src, dst, [list(range(1, 100))], [list(range(1, 100))])
+        assert _rows(p) == [(0x1000 + 10, 0x90000 + 10, 99 * 10)]
+        refused(
+            IndexOutOfRange,
+            "main KV: prefill index 100 is past buffer 0 (1000 bytes = 100 items of 10 bytes)",
+            [list(range(2, 101))],
+            [list(range(1, 100))],
+            src,
+            dst,
+        )
+        refused(IndexOutOfRange, "main KV: decode indices contain duplicates", [[1, 2, 3]], [[1, 2, 2]], src, dst)
+        refused(PaddingPageIndex, "main KV: decode index 0 is the reserved padding page", [[1, 2]], [[0, 1]], src, dst)
+        refused(IndexOutOfRange, "main KV: prefill index -1 is negative", [[3, -1]], [[1, 2]], src, dst)
+
+
 @pytest.mark.parametrize(
     "c,label", [(1, "component 0 (swa)"), (2, "component 1 (c128_state)"), (3, "component 2 (swa_ring)")]
 )

@@ -44,6 +44,12 @@ class RegionTable:
             np.array([int(r.nbytes) for r in regs], dtype=_U64),
         )
 
+    def __post_init__(self) -> None:
+        # each region's end, after a 0 for "below every region" (``locate``'s one lookup)
+        top = (1 << 64) - 1  # a region reaching the top of the address space ends there
+        ends = [0] + [min(int(b) + int(n), top) for b, n in zip(self.base.tolist(), self.nbytes.tolist())]
+        object.__setattr__(self, "_ends", np.array(ends, dtype=_U64))
+
     @property
     def regions(self) -> list[Region]:
         return [Region(n, int(b), int(s)) for n, b, s in zip(self.names, self.base, self.nbytes)]
@@ -63,14 +69,14 @@ class RegionTable:
             ok = np.zeros(n, dtype=bool)
             idx = np.zeros(n, dtype=np.intp)
         else:
-            idx = np.searchsorted(self.base, addrs, side="right").astype(np.intp) - 1
-            safe = np.maximum(idx, 0)
-            base, size = self.base[safe], self.nbytes[safe]
-            # unsigned arithmetic: every subtraction is guarded by the comparison before it
-            with np.errstate(over="ignore"):
-                offset = addrs - base
-                ok = (idx >= 0) & (addrs >= base) & (offset <= size)
-                ok &= lengths <= size - np.minimum(offset, size)
+            # above: the region whose base is the last at or below each address (0: below every
+            # region); base[above - 1] <= addr holds by the search, so the descriptor fits when
+            # it starts at or before that region's end and its length fits in what is left
+            above = np.searchsorted(self.base, addrs, side="right")
+            end = self._ends[above]
+            # unsigned arithmetic: the subtraction wraps only where the comparison before it failed
+            ok = (above > 0) & (addrs <= end) & (lengths <= end - addrs)
+            idx = above - 1
         if not ok.all():
             i = int(np.argmin(ok))
             addr, length = int(addrs[i]), int(lengths[i])
