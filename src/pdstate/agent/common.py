@@ -186,6 +186,10 @@ class AgentLoop:
         # a wake-up written and not yet taken by the thread: posts meanwhile need none of their own
         # (a burst of posts, one scheduler iteration's, costs its thread one write, not one each)
         self._woken = False
+        # from the poll's return to the end of the queue's run: the thread takes its queue before it
+        # polls again, so its own posts meanwhile (a posted step's chunk pump, the again checks')
+        # need no wake-up write (each cost a write and one more empty turn of the loop)
+        self._draining = False
         self._sockets: dict[zmq.Socket, Callable[[zmq.Socket], None]] = {}
         self._monitors: dict[zmq.Socket, zmq.Socket] = {}  # a socket -> its monitor (``monitor``)
         self._zap: Any = None  # the CURVE servers' ZAP handler (``serve_curve``)
@@ -262,6 +266,8 @@ class AgentLoop:
             raise AgentClosed("the agent is closed")
         self._queue.put(fn)
         if self._woken:  # the thread clears it before it takes the queue: it will find ``fn``
+            return
+        if self._draining and self.in_loop():  # the thread's own, before it takes the queue
             return
         self._woken = True
         try:
@@ -352,6 +358,7 @@ class AgentLoop:
                 for s in self._sockets:
                     poller.register(s, zmq.POLLIN)
             polled = poller.poll(AGAIN_MS if self._again else poller_timeout_ms)
+            self._draining = True
             if self._again:
                 checks, self._again = self._again, {}
                 for check in checks.values():
@@ -372,6 +379,7 @@ class AgentLoop:
             work = self._queue
             while not work.empty():  # one consumer (this thread): what it holds is there to take
                 self._guard(work.get_nowait())
+            self._draining = False  # the socket handlers' posts below wake the next poll
             sockets = self._sockets
             for s, ev in readable:
                 # the first message without asking: the poll said so, and only this thread reads it;
