@@ -59,9 +59,7 @@ MAX_TOPOLOGY_ERRORS = 256  # prefills whose topology SGLang refused, remembered 
 PEER_TEXT_CHARS = 1000  # a prefill's address or SGLang's text about its answer, as logged and kept
 BACKSTOP_S = 30.0  # how long past SGLang's own timeout an agent gives up on a request by itself
 MAX_TRANSFER_S = 3600.0  # the longest transfer deadline the protocol carries
-ONE_PREFILL_KEPT = (
-    256  # prefill rank entries (SGLang's ``/route`` answers) whose agent address is kept (``one_prefill``)
-)
+ONE_PREFILL_KEPT = 256  # prefill rank entries (SGLang's ``/route`` answers) whose address is kept
 
 
 def peer_text(value: object) -> str:

@@ -137,17 +137,15 @@ def build_receiver() -> type:
                 if error is not None:
                     self.pdstate_fail(error)
                 return
-            # one agent: its thread makes them (its room too); this thread only hands the step over,
-            # after the accepted look (the post wakes that thread: what this one does after it costs more)
+            # one agent: its thread makes them (its room too); this thread only hands the step over
             agent = self.kv_mgr.agent
-            one = self.kv_mgr.one_prefill(self.bootstrap_infos)  # one real prefill rank (the usual case)
-            early = one is not None and agent.accepted(one)
             try:
                 self._step.post(agent, self._made)
             except AgentClosed as exc:
                 self.pdstate_fail(exc)
                 return
-            self._early = early
+            one = self.kv_mgr.one_prefill(self.bootstrap_infos)  # one real prefill rank (the usual case)
+            self._early = one is not None and agent.accepted(one)
 
         def _room(self) -> int:
             """The room this rank's agent asks under: SGLang's, or, a decode attention TP wider
