@@ -13,6 +13,7 @@ import types
 import pytest
 
 from pdstate.errors import AgentClosed, EngineError
+from pdstate.integrations.sglang.manager import ONE_PREFILL_KEPT, one_prefill
 from pdstate.protocol.lifecycle import RequestState
 from tests.unit.test_prefill_core import Harness
 
@@ -109,6 +110,9 @@ class Agent:
         else:
             self.queue.append(fn)
 
+    def accepted(self, prefill) -> bool:  # the decode agent's: its prefill accepted it (not here)
+        return False
+
     def run_posted(self) -> None:
         """The agent's thread's turn: what was posted runs, in order."""
         while self.queue:
@@ -175,6 +179,9 @@ class Manager:
 
     def agent_address(self, info):
         return "tcp://127.0.0.1:1"
+
+    def one_prefill(self, infos):
+        return one_prefill(self.__dict__.setdefault("kept", {}), infos, self.agent_address)
 
     def agent_for(self, pp_rank, stages):
         return self.agent
@@ -465,3 +472,55 @@ def test_a_chunk_sent_after_the_agent_sender_was_made_follows_the_one_the_agents
     s.send([2], [])
     agent.run_posted()
     assert [pages for pages, _ in record.fed] == [[1], [2]]
+
+
+def test_a_receivers_one_prefill_is_made_once_per_rank_entry():
+    """``init`` asks, per request, for the one prefill agent behind the ranks SGLang resolved:
+    made once per rank entry (SGLang makes each request's list afresh from the same entries),
+    never for a dummy or for several ranks; a new entry (even equal) is looked at afresh."""
+    made = []
+
+    def address_of(info):
+        made.append(info["rank_port"])
+        return f"tcp://{info['rank_ip']}:{info['rank_port']}"
+
+    kept: dict = {}
+    info = {"rank_ip": "10.0.0.1", "rank_port": 7001, "is_dummy": False}
+    assert [one_prefill(kept, [info], address_of) for _ in range(3)] == ["tcp://10.0.0.1:7001"] * 3
+    assert made == [7001]
+    other = {"rank_ip": "10.0.0.2", "rank_port": 7002}
+    assert one_prefill(kept, [other], address_of) == "tcp://10.0.0.2:7002" and made == [7001, 7002]
+    assert one_prefill(kept, [dict(info)], address_of) == "tcp://10.0.0.1:7001" and made == [7001, 7002, 7001]
+    assert one_prefill(kept, [{"rank_ip": "x", "rank_port": 1, "is_dummy": True}], address_of) is None
+    assert one_prefill(kept, [info, other], address_of) is None and made == [7001, 7002, 7001]
+    for _ in range(ONE_PREFILL_KEPT + 1):  # bounded: it starts over
+        one_prefill(kept, [{"rank_ip": "x", "rank_port": 2}], address_of)
+    assert len(kept) <= ONE_PREFILL_KEPT
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_a_receivers_success_asks_for_its_trace_only_when_tracing_was_on_where_it_was_made(classes, monkeypatch, on):
+    """Whether a receiver's request is traced is read where its agent receiver is made (the
+    agent's thread: ``trace.wanted``), once; the poll that reads Success then writes the trace
+    only if it was on, and concludes the request (its room's status too) either way."""
+    from pdstate.integrations.sglang import trace
+
+    _, receiver_cls = classes
+    t = Harness()
+    t.register()
+    t.request(6)
+    agent = Agent(t.core.refusals)
+    mgr = Manager(agent)
+    asked, finished = [], []
+    monkeypatch.setattr(trace, "wanted", lambda side: asked.append(side.bootstrap_room) or on)
+    monkeypatch.setattr(trace, "finish", lambda side, failed: finished.append((side.bootstrap_room, failed)))
+    conn = receiver_cls(mgr, "127.0.0.1:1", 6)
+    conn.init(0)
+    assert asked == [6]
+    (record,) = agent.made
+    record.state = S.TRANSFERRING
+    assert conn.poll() == KVPoll.Transferring and finished == []
+    record.state = S.SUCCESS
+    assert conn.poll() == KVPoll.Success and conn.poll() == KVPoll.Success
+    assert finished == ([(6, False)] if on else []) and asked == [6]
+    assert mgr.request_status[6] == KVPoll.Success

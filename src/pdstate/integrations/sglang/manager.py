@@ -34,6 +34,7 @@ import logging
 import os
 import secrets
 import socket
+from collections.abc import Callable
 
 from pdstate import logs
 from pdstate.agent import DecodeAgent, PrefillAgent
@@ -52,12 +53,13 @@ from pdstate.protocol.report import clip
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
-__all__ = ["build_manager"]
+__all__ = ["build_manager", "one_prefill"]
 
 MAX_TOPOLOGY_ERRORS = 256  # prefills whose topology SGLang refused, remembered (the oldest forgotten first)
 PEER_TEXT_CHARS = 1000  # a prefill's address or SGLang's text about its answer, as logged and kept
 BACKSTOP_S = 30.0  # how long past SGLang's own timeout an agent gives up on a request by itself
 MAX_TRANSFER_S = 3600.0  # the longest transfer deadline the protocol carries
+ONE_PREFILL_KEPT = 256  # prefill rank entries (SGLang's ``/route`` answers) whose address is kept
 
 
 def peer_text(value: object) -> str:
@@ -91,6 +93,25 @@ def _sglang_timeouts() -> tuple[float, float]:
         float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()),
         float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()),
     )
+
+
+def one_prefill(kept: dict, bootstrap_infos: list, address_of: Callable[[dict], str]) -> str | None:
+    """The prefill agent (``address_of(info)``) behind ``bootstrap_infos`` (a receiver's prefill
+    ranks, as SGLang's ``init`` resolved them) when they are one real rank, else ``None``. SGLang
+    makes each request's list afresh from the same rank entries (its connection pool's dicts): the
+    answer is kept in ``kept`` per entry, beside the entry itself (so its id names no other), at
+    most ``ONE_PREFILL_KEPT`` entries (then ``kept`` starts over)."""
+    if len(bootstrap_infos) != 1:
+        return None
+    info = bootstrap_infos[0]
+    entry = kept.get(id(info))
+    if entry is not None and entry[0] is info:
+        return entry[1]
+    address = None if info.get("is_dummy") else address_of(info)
+    if len(kept) >= ONE_PREFILL_KEPT:
+        kept.clear()
+    kept[id(info)] = (info, address)
+    return address
 
 
 @functools.cache
@@ -166,6 +187,7 @@ def build_manager() -> type:
                 self.agent.close()
                 raise EngineError(problem)
             self.topology_errors: dict[str, str] = {}
+            self._one_prefill: dict[int, tuple[dict, str | None]] = {}  # ``one_prefill``'s answers
             self.layout_report, self.counters, self.endpoint = report, RankCounters(lambda: self.agent), None
             try:
                 super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
@@ -185,6 +207,12 @@ def build_manager() -> type:
             """Register this prefill rank at SGLang's bootstrap server, its agent's port as ``rank_port``."""
             self.rank_port = self.agent_port
             super().register_to_bootstrap()
+
+        def one_prefill(self, bootstrap_infos: list) -> str | None:
+            """The prefill agent behind a receiver's resolved prefill ranks when they are one real
+            rank (the usual case), else ``None`` (``one_prefill``: asked by every receiver's
+            ``init`` on the scheduler thread, made once per prefill rank entry)."""
+            return one_prefill(self._one_prefill, bootstrap_infos, self.agent_address)
 
         def agent_address(self, bootstrap_info: dict) -> str:
             """The prefill agent behind one ``/route`` answer (``rank_ip``, ``rank_port``); asked by

@@ -47,6 +47,7 @@ import time
 import numpy as np
 
 from pdstate.errors import AgentClosed, PdStateError, TransferFailed
+from pdstate.integrations.sglang import trace
 from pdstate.integrations.sglang.posted_step import PostedStep
 from pdstate.integrations.sglang.replicas import replica_index, replica_room
 from pdstate.integrations.sglang.states import (
@@ -110,6 +111,9 @@ def build_receiver() -> type:
             # agent receiver, which then starts WaitingForInput: the poll answers so before the
             # agent's thread made it (SGLang names the destination in the same iteration)
             self._early = False
+            # whether its trace is written when it succeeds (``trace.wanted``: read where its agent
+            # receivers are made, off the scheduler thread for a one-stage prefill); True: asked then
+            self._traced = True
             super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
         def pdstate_fail(self, error: BaseException, reason: str | None = None) -> int:
@@ -127,26 +131,28 @@ def build_receiver() -> type:
             super().init(prefill_dp_rank)  # SGLang's rank mapping and /route lookups (not its registration)
             if self.conclude_state == KVPoll.Failed or not self.bootstrap_infos:
                 return
-            # a decode attention TP wider than the prefill's: this rank asks under a room of its own
-            count = int(getattr(self, "required_dst_info_num", None) or 1)
-            index = replica_index(self.kv_mgr.kv_args.engine_rank, self.kv_mgr.attn_tp_size, count)
-            room = replica_room(self.bootstrap_room, index, count)
             stages = int(getattr(getattr(self, "prefill_info", None), "pp_size", 1) or 1)  # a PP prefill: ``stages``
             if stages > 1:  # several stages' agents (threads): made here
-                error = self._make_recvs(room, stages)
+                error = self._make_recvs(self._room(), stages)
                 if error is not None:
                     self.pdstate_fail(error)
                 return
-            # one agent: its thread makes them; this thread only hands the step over
+            # one agent: its thread makes them (its room too); this thread only hands the step over
             agent = self.kv_mgr.agent
             try:
-                self._step.post(agent, lambda: self._made(room))
+                self._step.post(agent, self._made)
             except AgentClosed as exc:
                 self.pdstate_fail(exc)
                 return
-            infos = self.bootstrap_infos
-            if len(infos) == 1 and not infos[0].get("is_dummy"):  # one real prefill rank (the usual case)
-                self._early = agent.accepted(self.kv_mgr.agent_address(infos[0]))
+            one = self.kv_mgr.one_prefill(self.bootstrap_infos)  # one real prefill rank (the usual case)
+            self._early = one is not None and agent.accepted(one)
+
+        def _room(self) -> int:
+            """The room this rank's agent asks under: SGLang's, or, a decode attention TP wider
+            than the prefill's, one of this rank's own (``replicas``)."""
+            count = int(getattr(self, "required_dst_info_num", None) or 1)
+            index = replica_index(self.kv_mgr.kv_args.engine_rank, self.kv_mgr.attn_tp_size, count)
+            return replica_room(self.bootstrap_room, index, count)
 
         def _make_recvs(self, room: int, stages: int) -> BaseException | None:
             """An agent receiver per prefill rank resolved (its stage's agent), each counted;
@@ -166,8 +172,14 @@ def build_receiver() -> type:
                 self._word = self._one.record
             return None
 
-        def _made(self, room: int) -> BaseException | None:
-            """The step on the agent's I/O thread (``_step``): ``_make_recvs``."""
+        def _made(self) -> BaseException | None:
+            """The step on the agent's I/O thread (``_step``): its room and ``_make_recvs``, and
+            whether the request is traced (``trace.wanted``, read here rather than at its Success)."""
+            self._traced = trace.wanted(self)
+            try:
+                room = self._room()
+            except ValueError as exc:
+                return exc
             error = self._make_recvs(room, 1)
             if error is not None:
                 self._word = None  # the next poll looks further, and fails the request
@@ -348,7 +360,7 @@ def build_receiver() -> type:
                 if state is _TRANSFERRING:
                     steady = TRANSFERRING
                 elif state is _SUCCESS:  # the agent's verdict: concluded here, nothing else to look at
-                    return succeed(self)
+                    return succeed(self, self._traced)
                 elif (state := self._one.poll()) is _TRANSFERRING:  # as the posted calls show it
                     steady = TRANSFERRING
                 elif state is _WAITING:  # (``_named``: its destination on its way to the agent receiver)

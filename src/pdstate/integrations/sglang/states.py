@@ -78,14 +78,22 @@ def conclude(side, poll: int) -> int:
     return succeed(side) if poll == _table()[RequestState.SUCCESS] else poll
 
 
-def succeed(side) -> int:
+_SUCCESS: list = []  # ``KVPoll.Success`` (looked up once: ``succeed`` runs on SGLang's scheduler thread)
+
+
+def succeed(side, traced: bool = True) -> int:
     """Conclude ``side`` Success (its room's status too, its trace written); returns
     ``KVPoll.Success``. A poll whose one agent request reads SUCCESS comes here straight from its
-    status word: that word is the agent's verdict, nothing else is looked at."""
-    success = _table()[RequestState.SUCCESS]
+    status word: that word is the agent's verdict, nothing else is looked at. ``traced=False``:
+    the caller knows its trace is off (a receiver that read the switch when its agent request was
+    made, ``trace.wanted``), and ``trace.finish`` is not asked."""
+    if not _SUCCESS:
+        _SUCCESS.append(_table()[RequestState.SUCCESS])
+    success = _SUCCESS[0]
     side.conclude_state = success
     side.kv_mgr.update_status(side.bootstrap_room, success)
-    trace.finish(side, failed=False)
+    if traced:
+        trace.finish(side, failed=False)
     return success
 
 

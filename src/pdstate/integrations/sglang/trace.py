@@ -43,7 +43,7 @@ from typing import Any
 
 log = logging.getLogger("pdstate.integrations.sglang")
 
-__all__ = ["LEVEL", "TRACE_MODULE", "finish", "phases"]
+__all__ = ["LEVEL", "TRACE_MODULE", "finish", "phases", "wanted"]
 
 TRACE_MODULE = "pdstate"  # what ``--trace-modules`` names to keep pdstate's spans
 LEVEL = 1  # SGLang's level of a backend's transfer slices (``SGLANG_TRACE_LEVEL`` >= 1 shows them)
@@ -122,6 +122,18 @@ def finish(side, failed: bool) -> None:
     except Exception:  # tracing is a side channel: SGLang's request goes on whatever it does
         _finished.add(side)
         log.exception("pdstate: room %s: its trace could not be written", getattr(side, "bootstrap_room", "?"))
+
+
+def wanted(side) -> bool:
+    """Whether a request of ``side`` (pdstate's SGLang receiver) made now is traced when it ends
+    (tracing on, on an SGLang that traces its backends). Read once per request where its agent
+    request is made (the agent's thread, for a one-stage prefill), as SGLang reads the switch once
+    per sender (its trace context, opened when the sender is made): its Success on the scheduler
+    thread then asks nothing more when it is off. Any doubt reads True (``finish`` decides)."""
+    try:
+        return bool(getattr(side.kv_mgr, "sender_trace_module", None)) and bool(_observability().enable_trace)
+    except Exception:  # tracing is a side channel: ``finish`` looks again, and logs what it finds
+        return True
 
 
 def _finish(side, failed: bool) -> None:
