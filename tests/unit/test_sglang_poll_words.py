@@ -142,9 +142,6 @@ class Agent:
         self.looks += 1
         return self.refusals.requested(room)
 
-    def accepted(self, prefill) -> bool:  # no prefill has accepted this decode (its receivers start Bootstrapping)
-        return False
-
     def take_refusal(self, room):
         return self.refusals.take_refusal(room)
 
