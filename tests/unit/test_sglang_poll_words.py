@@ -158,6 +158,15 @@ class Agent:
         return self.made[-1]
 
 
+def requested(room: int) -> tuple[Harness, Agent]:
+    """A real core's harness, registered, with a decode's request for ``room``, and the counting
+    agent over its refusals."""
+    t = Harness()
+    t.register()
+    t.request(room)
+    return t, Agent(t.core.refusals)
+
+
 class Manager:
     def __init__(self, agent) -> None:
         self.agent, self.request_status, self.failure_records = agent, {}, {}
@@ -236,10 +245,7 @@ def test_a_senders_steady_poll_sees_its_agent_die_within_the_check_interval(clas
     from pdstate.integrations.sglang.sender import AGENT_CHECK_POLLS
 
     sender_cls, _ = classes
-    t = Harness()
-    t.register()
-    t.request(6)
-    agent = Agent(t.core.refusals)
+    t, agent = requested(6)
     s = sender_cls(Manager(agent), "127.0.0.1:1", 6, [0], 0)
     s.init(2, 0)
     agent.made[0].state = S.TRANSFERRING
@@ -267,10 +273,7 @@ def test_the_poll_that_ends_a_request_in_success_reads_one_status_word(classes, 
     """The agent's verdict concludes the request (its room's status too) in the poll that reads it:
     nothing else is asked, neither the agent nor whether it lives."""
     sender_cls, receiver_cls = classes
-    t = Harness()
-    t.register()
-    t.request(6)
-    agent = Agent(t.core.refusals)
+    t, agent = requested(6)
     mgr = CountingManager(agent)
     if side == "sender":
         conn = sender_cls(mgr, "127.0.0.1:1", 6, [0], 0)
@@ -340,10 +343,7 @@ def _queued_sender(sender_cls, sender=None):
     """A sender for room 6, its decode's request there, on an agent whose posted steps wait in
     ``agent.queue`` (``sender(agent)``: the agent's ``sender`` in place of the fake's): the
     harness, the agent and the sender, which says WaitingForInput."""
-    t = Harness()
-    t.register()
-    t.request(6)
-    agent = Agent(t.core.refusals)
+    t, agent = requested(6)
     agent.queue = []
     if sender is not None:
         agent.sender = sender(agent)
@@ -503,10 +503,7 @@ def test_a_receivers_success_asks_for_its_trace_only_when_tracing_was_on_where_i
     from pdstate.integrations.sglang import trace
 
     _, receiver_cls = classes
-    t = Harness()
-    t.register()
-    t.request(6)
-    agent = Agent(t.core.refusals)
+    t, agent = requested(6)
     mgr = Manager(agent)
     asked, finished = [], []
     monkeypatch.setattr(trace, "wanted", lambda side: asked.append(side.bootstrap_room) or on)
