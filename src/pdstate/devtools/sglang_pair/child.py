@@ -127,7 +127,7 @@ def serve(ops: dict[str, Callable[..., dict]], reply: str, trace_chars: int) -> 
     grace before killing them. For the same reason it ends when its parent goes
     (``_end_with_parent``) and when an answer cannot be written (its parent's end of the pipe
     gone)."""
-    parent = int(os.environ.get(DRIVER_PID_ENV) or os.getppid())
+    parent = int(os.environ.pop(DRIVER_PID_ENV, None) or os.getppid())  # (not handed on to its own children)
     threading.Thread(target=_end_with_parent, args=(parent,), name="end-with-parent", daemon=True).start()
     for line in sys.stdin:
         if not line.strip():
