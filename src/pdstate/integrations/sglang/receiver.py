@@ -106,11 +106,12 @@ def build_receiver() -> type:
             # ``_recvs``, ``_one`` and ``_word``; what reads ``_recvs`` off the poll waits for it
             # (``_built``)
             self._step = PostedStep()
-            self._named = False  # ``send_metadata`` posted (the poll's answer while building)
-            # its one prefill had accepted this rank's agent when ``init`` posted the making of its
-            # agent receiver, which then starts WaitingForInput: the poll answers so before the
-            # agent's thread made it (SGLang names the destination in the same iteration)
-            self._early = False
+            # the least the poll answers while the agent's side lags behind what it said: Bootstrapping;
+            # WaitingForInput once ``init`` found its one prefill had accepted this rank's agent (its
+            # agent receiver starts there: the poll answers so before the agent's thread made it, and
+            # SGLang names the destination in the same iteration); Transferring once ``send_metadata``
+            # posted the destination (on its way to the agent receiver)
+            self._said = BOOTSTRAPPING
             # whether its trace is written when it succeeds (``trace.wanted``: read where its agent
             # receivers are made, off the scheduler thread for a one-stage prefill); True: asked then
             self._traced = True
@@ -145,7 +146,8 @@ def build_receiver() -> type:
                 self.pdstate_fail(exc)
                 return
             one = self.kv_mgr.one_prefill(self.bootstrap_infos)  # one real prefill rank (the usual case)
-            self._early = one is not None and agent.accepted(one)
+            if one is not None and agent.accepted(one):
+                self._said = WAITING
 
         def _room(self) -> int:
             """The room this rank's agent asks under: SGLang's, or, a decode attention TP wider
@@ -193,11 +195,10 @@ def build_receiver() -> type:
 
         def _while_building(self) -> int:
             """What the poll answers while the agent's thread makes the agent receivers (as they
-            would read: Bootstrapping, WaitingForInput when its prefill had accepted this agent at
-            ``init`` (``_early``), or Transferring once the pages were named); Failed
+            would read: ``_said``); Failed
             (``AgentClosed``) when the agent closed before it ran that step (it never will)."""
             if not self.kv_mgr.agent.closed:
-                return TRANSFERRING if self._named else WAITING if self._early else BOOTSTRAPPING
+                return self._said
             if not self._step.give_up():  # it ran meanwhile
                 return self._poll()
             return self.pdstate_fail(
@@ -313,7 +314,7 @@ def build_receiver() -> type:
                 except AgentClosed as exc:
                     self.pdstate_fail(exc)
                     return
-                self._named = True
+                self._said = TRANSFERRING
             else:
                 error = self._name(kv_indices, lists, aux_index, n)
                 if error is not None:
@@ -363,10 +364,10 @@ def build_receiver() -> type:
                     return succeed(self, self._traced)
                 elif (state := self._one.poll()) is _TRANSFERRING:  # as the posted calls show it
                     steady = TRANSFERRING
-                elif state is _WAITING:  # (``_named``: its destination on its way to the agent receiver)
-                    steady = TRANSFERRING if self._named else WAITING
-                elif state is _BOOTSTRAPPING:  # (``_early``: WaitingForInput said already)
-                    steady = TRANSFERRING if self._named else WAITING if self._early else BOOTSTRAPPING
+                elif state is _WAITING:  # (Transferring when its destination is on its way: ``_said``)
+                    steady = TRANSFERRING if self._said == TRANSFERRING else WAITING
+                elif state is _BOOTSTRAPPING:
+                    steady = self._said
                 else:
                     return self._poll()
                 # SGLang's waiting timeout (seconds): its own check (``_poll``) once due, looked at
@@ -375,8 +376,7 @@ def build_receiver() -> type:
                 if not check or init is None or time.time() - init < self.kv_mgr.waiting_timeout:
                     return steady
             elif self._step.running and self._polls % AGENT_CHECK_POLLS:  # its agent receivers are being made
-                # (``_poll`` looks every so often)
-                return TRANSFERRING if self._named else WAITING if self._early else BOOTSTRAPPING
+                return self._said  # (``_poll`` looks every so often)
             return self._poll()
 
         def _poll(self) -> int:
@@ -398,10 +398,11 @@ def build_receiver() -> type:
                     self.conclude_state = KVPoll.Failed
                 return status
             states = [recv.poll() for _, recv in self._recvs]
-            if self._named:  # named while they were made, before the agent's thread handed it on
-                states = [_TRANSFERRING if s is _BOOTSTRAPPING or s is _WAITING else s for s in states]
-            elif self._early:  # WaitingForInput said already (``init``): not Bootstrapping again
-                states = [_WAITING if s is _BOOTSTRAPPING else s for s in states]
+            if self._said != BOOTSTRAPPING:  # not less than said already (``_said``)
+                floor = _TRANSFERRING if self._said == TRANSFERRING else _WAITING
+                states = [
+                    floor if s is _BOOTSTRAPPING or s is _WAITING and floor is _TRANSFERRING else s for s in states
+                ]
             poll = combine(states)
             if poll == KVPoll.Failed:
                 if self._hold_unfenced():
