@@ -114,7 +114,7 @@ def finish(side, failed: bool) -> None:
             ctx = getattr(side, "trace_ctx", None)
             if ctx is None or not getattr(ctx, "tracing_enable", False):
                 return
-        elif not getattr(side.kv_mgr, "sender_trace_module", None) or not _observability().enable_trace:
+        elif not _receiver_traced(side):
             return
         if side in _finished:
             return
@@ -131,9 +131,15 @@ def wanted(side) -> bool:
     per sender (its trace context, opened when the sender is made): its Success on the scheduler
     thread then asks nothing more when it is off. Any doubt reads True (``finish`` decides)."""
     try:
-        return bool(getattr(side.kv_mgr, "sender_trace_module", None)) and bool(_observability().enable_trace)
+        return _receiver_traced(side)
     except Exception:  # tracing is a side channel: ``finish`` looks again, and logs what it finds
         return True
+
+
+def _receiver_traced(side) -> bool:
+    """Whether a receiver's requests are traced now: an SGLang that traces its backends
+    (``sender_trace_module``, 0.5.23), with ``--enable-trace`` on."""
+    return bool(getattr(side.kv_mgr, "sender_trace_module", None)) and bool(_observability().enable_trace)
 
 
 def _finish(side, failed: bool) -> None:
